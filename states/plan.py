@@ -1,0 +1,124 @@
+"""What crosses between the strokes: step plans going forward, outcomes coming back.
+
+All values are frozen, so a plan in flight cannot change under the step that executes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from twostroke.states.params import SamplingParams
+from twostroke.states.request import FinishReason
+
+__all__ = ["ScheduledRequest", "StepFailure", "StepOutcome", "StepPlan", "StepReport"]
+
+
+def _frozen_mapping(value: Mapping[int, int]) -> Mapping[int, int]:
+    return dict(value)
+
+
+@attrs.frozen
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step computes positions ``[start, start + num_tokens)``. Their input ids are
+    ``token_ids``, followed, when ``pending_input`` is true, by one more id that the host
+    does not know yet: the token the *previous step* sampled for this request, which the
+    runner takes from that step's output on the device (the one-step lookahead).
+
+    Attributes:
+        request_id: The request.
+        start: First position computed in this step.
+        token_ids: Known input ids for the first positions.
+        pending_input: Whether the last input id comes from the previous step's sample.
+        sample: Whether to sample a token from the logits of the last position.
+        sample_index: Index in the output of the token sampled here (for seeded sampling:
+            the same index gets the same random draw however the batch is composed).
+        num_prompt_tokens: The prompt length (positions before it are prompt, after it are
+            output; penalties need to tell them apart).
+        block_table: KV blocks covering at least positions ``[0, start + num_tokens)``.
+        params: The request's sampling parameters.
+    """
+
+    request_id: int
+    start: int
+    token_ids: tuple[int, ...]
+    pending_input: bool
+    sample: bool
+    sample_index: int
+    num_prompt_tokens: int
+    block_table: tuple[int, ...]
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.pending_input
+
+    @property
+    def end(self) -> int:
+        """One past the last position computed."""
+        return self.start + self.num_tokens
+
+
+@attrs.frozen
+class StepPlan:
+    """Everything a runner needs for one step, in the order it should batch requests.
+
+    ``finished_request_ids`` lists requests the runner will not see again (their per-request
+    device state, such as sampler history, may be dropped).
+    """
+
+    step_id: int
+    requests: tuple[ScheduledRequest, ...]
+    finished_request_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry.num_tokens for entry in self.requests)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(entry.sample for entry in self.requests)
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        return tuple(entry.request_id for entry in self.requests)
+
+
+@attrs.frozen
+class StepOutcome:
+    """A completed step: the token sampled for each request that sampled."""
+
+    step_id: int
+    sampled: Mapping[int, int] = attrs.field(converter=_frozen_mapping)
+
+
+@attrs.frozen
+class StepFailure:
+    """A step that failed: every request in it fails with ``message``."""
+
+    step_id: int
+    message: str
+
+
+@attrs.frozen
+class StepReport:
+    """What applying one outcome changed, for the engine to deliver.
+
+    Attributes:
+        step_id: The step whose outcome was applied.
+        new_tokens: ``(request_id, token_id)`` for every token appended to a live request
+            (tokens for requests that ended meanwhile are dropped and not listed).
+        finished: ``(request_id, reason)`` for requests that finished on this outcome.
+        failed: Requests that failed with this step.
+        removed: Requests whose records the scheduler dropped: they are terminal and every
+            step that used their blocks has completed, so their blocks are free.
+    """
+
+    step_id: int
+    new_tokens: tuple[tuple[int, int], ...] = ()
+    finished: tuple[tuple[int, FinishReason], ...] = ()
+    failed: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()

@@ -1,0 +1,410 @@
+"""The request state machine.
+
+A request's status changes only through :meth:`Request.apply`, and every legal change is one
+row of :data:`TRANSITIONS`, a module-level table from status and event type to the next
+status (h11's design). An event the current status does not accept raises
+:class:`~twostroke.states.errors.InvalidTransition` and leaves the request unchanged.
+Terminal statuses accept nothing.
+
+The token counts, the block table and the timestamps live on the request too, and they also
+change only through events, so that "what happened to this request" is always the sequence
+of events applied to it.
+
+Token bookkeeping follows vLLM. ``num_tokens`` counts the prompt, the output tokens the host
+knows, and *placeholders*: tokens a step in flight will sample but whose ids the host has not
+read yet. ``num_computed_tokens`` counts the positions whose KV is written (or will be, by a
+step already planned). The scheduler plans a step for every request with
+``num_tokens > num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from twostroke.states.errors import InvalidTransition
+from twostroke.states.params import SamplingParams
+
+__all__ = [
+    "TERMINAL",
+    "TRANSITIONS",
+    "Admitted",
+    "BlocksAllocated",
+    "Cancelled",
+    "ChunkScheduled",
+    "Failed",
+    "FinishReason",
+    "Finished",
+    "Preempted",
+    "Request",
+    "RequestEvent",
+    "RequestStatus",
+    "SampleScheduled",
+    "TokenSampled",
+]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class FinishReason(enum.Enum):
+    """Why a request finished: a stop condition (EOS, stop token, stop string) or its length."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TERMINAL = frozenset({RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED})
+
+
+# --- events ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Admitted:
+    """The scheduler took the request from the waiting queue into the running set."""
+
+    time: float
+
+
+@attrs.frozen
+class BlocksAllocated:
+    """KV blocks were appended to the request's block table."""
+
+    block_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class ChunkScheduled:
+    """A step will compute ``num_tokens`` more prompt positions without sampling."""
+
+    step_id: int
+    num_tokens: int
+
+
+@attrs.frozen
+class SampleScheduled:
+    """A step will compute ``num_tokens`` positions, reaching the end, and sample one token.
+
+    Until the step's outcome is applied, the sampled token is a placeholder.
+    """
+
+    step_id: int
+    num_tokens: int
+
+
+@attrs.frozen
+class TokenSampled:
+    """A step's outcome delivered the token for the oldest placeholder."""
+
+    token_id: int
+    time: float
+
+
+@attrs.frozen
+class Preempted:
+    """The request's KV was taken back; it will be recomputed from its tokens later.
+
+    Its block table is emptied (the scheduler returns the blocks to the pool) and its
+    computed count drops to zero. Placeholders stay: a step in flight still owes it a token.
+    """
+
+    time: float
+
+
+@attrs.frozen
+class Finished:
+    """The request's output is complete."""
+
+    reason: FinishReason
+    time: float
+
+
+@attrs.frozen
+class Cancelled:
+    """The caller gave up on the request."""
+
+    time: float
+
+
+@attrs.frozen
+class Failed:
+    """A step the request was in failed; ``message`` says why."""
+
+    message: str
+    time: float
+
+
+RequestEvent = (
+    Admitted
+    | BlocksAllocated
+    | ChunkScheduled
+    | SampleScheduled
+    | TokenSampled
+    | Preempted
+    | Finished
+    | Cancelled
+    | Failed
+)
+
+_W, _P, _D, _X = (
+    RequestStatus.WAITING,
+    RequestStatus.PREFILLING,
+    RequestStatus.DECODING,
+    RequestStatus.PREEMPTED,
+)
+_ENDINGS: dict[type[RequestEvent], RequestStatus] = {
+    Cancelled: RequestStatus.CANCELLED,
+    Failed: RequestStatus.FAILED,
+}
+
+#: Every legal transition: ``TRANSITIONS[status][type(event)]`` is the next status.
+TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] = {
+    _W: {Admitted: _P, **_ENDINGS},
+    _P: {BlocksAllocated: _P, ChunkScheduled: _P, SampleScheduled: _D, Preempted: _X, **_ENDINGS},
+    _D: {
+        BlocksAllocated: _D,
+        SampleScheduled: _D,
+        TokenSampled: _D,
+        Preempted: _X,
+        Finished: RequestStatus.FINISHED,
+        **_ENDINGS,
+    },
+    # A preempted request may still receive the token of a step that was in flight when it
+    # was preempted, and that token may finish it.
+    _X: {Admitted: _P, TokenSampled: _X, Finished: RequestStatus.FINISHED, **_ENDINGS},
+    RequestStatus.FINISHED: {},
+    RequestStatus.CANCELLED: {},
+    RequestStatus.FAILED: {},
+}
+
+
+# --- the request ----------------------------------------------------------------------------
+
+
+def _token_tuple(value: Sequence[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+@attrs.define(eq=False, repr=False)
+class Request:
+    """One generation request: its tokens, its KV blocks, its status and its timings.
+
+    Construct it with the prompt already tokenized; the engine validates the prompt and the
+    parameters before that. ``eos_token_ids`` are the model's end-of-sequence ids; they stop
+    the request unless ``params.ignore_eos``.
+    """
+
+    request_id: int
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_token_tuple)
+    params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+
+    _status: RequestStatus = attrs.field(default=RequestStatus.WAITING, init=False)
+    _output_token_ids: list[int] = attrs.field(factory=list, init=False)
+    _block_table: list[int] = attrs.field(factory=list, init=False)
+    _num_computed_tokens: int = attrs.field(default=0, init=False)
+    _num_placeholders: int = attrs.field(default=0, init=False)
+    _finish_reason: FinishReason | None = attrs.field(default=None, init=False)
+    _failure: str | None = attrs.field(default=None, init=False)
+    _num_preemptions: int = attrs.field(default=0, init=False)
+    _first_scheduled_time: float | None = attrs.field(default=None, init=False)
+    _first_token_time: float | None = attrs.field(default=None, init=False)
+    _last_token_time: float | None = attrs.field(default=None, init=False)
+    _end_time: float | None = attrs.field(default=None, init=False)
+
+    # --- read-only views ----------------------------------------------------------------
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @property
+    def is_terminal(self) -> bool:
+        return self._status in TERMINAL
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """The output tokens whose ids the host knows."""
+        return tuple(self._output_token_ids)
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        return tuple(self._block_table)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def num_placeholders(self) -> int:
+        """Tokens that steps in flight will sample for this request."""
+        return self._num_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids the host knows."""
+        return len(self.prompt_token_ids) + len(self._output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt, known output, and placeholder tokens."""
+        return self.num_known_tokens + self._num_placeholders
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Positions whose KV is written, or will be by a step already planned."""
+        return self._num_computed_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens including placeholders: what counts against ``max_tokens``."""
+        return len(self._output_token_ids) + self._num_placeholders
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish_reason
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    @property
+    def first_scheduled_time(self) -> float | None:
+        return self._first_scheduled_time
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self._first_token_time
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self._last_token_time
+
+    @property
+    def end_time(self) -> float | None:
+        return self._end_time
+
+    def token_ids(self, start: int, stop: int) -> tuple[int, ...]:
+        """Known token ids at positions ``[start, stop)`` (prompt, then output)."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        head = self.prompt_token_ids[start:num_prompt] if start < num_prompt else ()
+        return head + tuple(self._output_token_ids[max(start - num_prompt, 0) : stop - num_prompt])
+
+    def stops_on(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a stop condition for this request right now.
+
+        ``min_tokens`` is honoured: it counts the output tokens already known, so the
+        answer for the token about to be appended is taken before appending it.
+        """
+        if len(self._output_token_ids) < self.params.min_tokens:
+            return False
+        if token_id in self.params.stop_token_ids:
+            return True
+        return not self.params.ignore_eos and token_id in self.eos_token_ids
+
+    # --- the one way to change a request ------------------------------------------------
+
+    def accepts(self, event: RequestEvent) -> bool:
+        return type(event) in TRANSITIONS[self._status]
+
+    def apply(self, event: RequestEvent) -> RequestStatus:
+        """Apply one event and return the new status.
+
+        Raises:
+            InvalidTransition: the current status does not accept this event, or the event
+                does not fit the request's counts; the request is unchanged.
+        """
+        next_status = TRANSITIONS[self._status].get(type(event))
+        if next_status is None:
+            raise InvalidTransition(self.request_id, self._status, event)
+        self._check(event)
+        self._update(event)
+        self._status = next_status
+        return next_status
+
+    def _check(self, event: RequestEvent) -> None:
+        """Reject an event that the table allows but the counts do not; change nothing."""
+        match event:
+            case ChunkScheduled(num_tokens=n) | SampleScheduled(num_tokens=n):
+                end = self._num_computed_tokens + n
+                if n < 1 or end > self.num_tokens:
+                    raise InvalidTransition(self.request_id, self._status, event)
+                if isinstance(event, ChunkScheduled) == (end == self.num_tokens):
+                    # A chunk that reaches the end must sample; one that does not, must not.
+                    raise InvalidTransition(self.request_id, self._status, event)
+            case TokenSampled():
+                if self._num_placeholders < 1:
+                    raise InvalidTransition(self.request_id, self._status, event)
+            case _:
+                pass
+
+    def _update(self, event: RequestEvent) -> None:
+        match event:
+            case Admitted(time=time):
+                if self._first_scheduled_time is None:
+                    self._first_scheduled_time = time
+            case BlocksAllocated(block_ids=block_ids):
+                self._block_table.extend(block_ids)
+            case ChunkScheduled(num_tokens=n):
+                self._num_computed_tokens += n
+            case SampleScheduled(num_tokens=n):
+                self._num_computed_tokens += n
+                self._num_placeholders += 1
+            case TokenSampled(token_id=token_id, time=time):
+                self._num_placeholders -= 1
+                self._output_token_ids.append(token_id)
+                if self._first_token_time is None:
+                    self._first_token_time = time
+                self._last_token_time = time
+            case Preempted():
+                self._block_table.clear()
+                self._num_computed_tokens = 0
+                self._num_preemptions += 1
+            case Finished(reason=reason, time=time):
+                self._finish_reason = reason
+                self._end(time)
+            case Cancelled(time=time):
+                self._end(time)
+            case Failed(message=message, time=time):
+                self._failure = message
+                self._end(time)
+
+    def _end(self, time: float) -> None:
+        self._block_table.clear()
+        self._end_time = time
+
+    def __repr__(self) -> str:
+        return (
+            f"<Request {self.request_id} {self._status} "
+            f"{self.num_generated_tokens}/{self.params.max_tokens} tokens, "
+            f"{len(self._block_table)} blocks>"
+        )

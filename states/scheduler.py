@@ -1,0 +1,555 @@
+"""The scheduler: which requests compute which positions in the next step.
+
+There are no prefill and decode phases (vLLM's insight): every request has a computed-token
+count that catches up with its token count under a per-step token budget. This one rule gives
+chunked prefill, mixed prefill/decode batches and recompute after preemption.
+
+The one-step lookahead is built in. :meth:`Scheduler.schedule` may plan step N+1 while step N
+is in flight: a request that samples in step N holds a *placeholder* for that token, and step
+N+1 feeds it as a *pending input* that the runner takes from step N's output on the device.
+:meth:`Scheduler.apply` then applies step N's outcome. Two rules keep memory safe:
+
+* blocks of a request that ends (or is preempted) while a step that uses them is in flight
+  are released only when that step's outcome is applied;
+* a preempted request is not readmitted while a step in flight still owes it a token.
+
+Policy: running requests are served oldest first; admission is FIFO by arrival and stops at
+the first request that does not fit; when a running request needs a block and none is free,
+the newest running request is preempted (recomputed later), so the oldest always progresses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import time
+from collections.abc import Callable, Iterator
+
+import attrs
+
+from twostroke.states.blocks import BlockPool, blocks_for
+from twostroke.states.errors import RequestRejected, SchedulerError
+from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome, StepPlan, StepReport
+from twostroke.states.request import (
+    Admitted,
+    BlocksAllocated,
+    Cancelled,
+    ChunkScheduled,
+    Failed,
+    Finished,
+    FinishReason,
+    Preempted,
+    Request,
+    RequestEvent,
+    RequestStatus,
+    SampleScheduled,
+    TokenSampled,
+)
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics"]
+
+
+def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], None]:
+    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"{attribute.name} must be an int, got {type(value).__name__} {value!r}"
+            )
+        if value < minimum:
+            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value}")
+
+    return check
+
+
+def _check_depth(_: object, __: object, value: int) -> None:
+    if value not in (1, 2):
+        raise ValueError(f"pipeline_depth must be 1 (serial) or 2 (lookahead), got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """Sizes and limits of one scheduler.
+
+    Args:
+        num_blocks: KV blocks in the pool.
+        block_size: Token positions per block.
+        max_num_batched_tokens: Token budget of one step (prefill chunks plus decodes).
+        max_num_seqs: The most requests running at once, and so in one step.
+        max_model_len: The model's context: prompt plus output may not exceed it.
+        pipeline_depth: Steps in flight at once: 1 plans after each outcome, 2 plans one
+            step ahead.
+    """
+
+    num_blocks: int = attrs.field(validator=_at_least(1))
+    block_size: int = attrs.field(default=16, validator=_at_least(1))
+    max_num_batched_tokens: int = attrs.field(default=512, validator=_at_least(1))
+    max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
+    max_model_len: int = attrs.field(default=2048, validator=_at_least(2))
+    pipeline_depth: int = attrs.field(default=2, validator=_check_depth)
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    num_waiting: int
+    num_running: int
+    num_ending: int
+    num_inflight_steps: int
+    num_free_blocks: int
+    num_blocks: int
+    num_steps_planned: int
+    num_steps_completed: int
+    num_tokens_scheduled: int
+    num_tokens_generated: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """Plans steps over a :class:`BlockPool` and applies their outcomes.
+
+    Args:
+        config: Sizes and limits.
+        clock: Source of timestamps for the requests' timings (monotonic seconds). Tests
+            pass a fake one; nothing in this module reads the time otherwise.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self._clock = clock
+        self._requests: dict[int, Request] = {}
+        self._arrival: dict[int, int] = {}
+        self._arrivals = itertools.count()
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        # Terminal requests whose blocks a step in flight still uses.
+        self._ending: set[int] = set()
+        self._inflight: collections.deque[StepPlan] = collections.deque()
+        self._last_step: dict[int, int] = {}
+        self._deferred: collections.deque[tuple[int, tuple[int, ...]]] = collections.deque()
+        self._gone: list[int] = []
+        self._next_step = 0
+        self._num_completed = 0
+        self._num_tokens_scheduled = 0
+        self._num_tokens_generated = 0
+        self._num_preemptions = 0
+
+    # --- queries ------------------------------------------------------------------------
+
+    def get(self, request_id: int) -> Request | None:
+        """The live record of a request, or ``None`` once it has been removed."""
+        return self._requests.get(request_id)
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._requests
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._requests.values()))
+
+    @property
+    def waiting_ids(self) -> tuple[int, ...]:
+        return tuple(request.request_id for request in self._waiting)
+
+    @property
+    def running_ids(self) -> tuple[int, ...]:
+        return tuple(request.request_id for request in self._running)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def inflight_plans(self) -> tuple[StepPlan, ...]:
+        return tuple(self._inflight)
+
+    @property
+    def can_schedule(self) -> bool:
+        """Whether the pipeline has room for another step."""
+        return len(self._inflight) < self.config.pipeline_depth
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is not yet terminal."""
+        return bool(self._waiting or self._running)
+
+    def is_idle(self) -> bool:
+        """No request record and no step in flight: every block is free."""
+        return not self._requests and not self._inflight
+
+    # --- admission and removal ----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue.
+
+        Raises:
+            RequestRejected: it can never be served (empty prompt, too long for the context
+                or for the whole KV pool); nothing is queued.
+            SchedulerError: the id is in use or the request is not new.
+        """
+        config = self.config
+        if request.request_id in self._requests:
+            raise SchedulerError(f"request id {request.request_id} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_generated_tokens:
+            raise SchedulerError(f"request {request.request_id} is not new: {request!r}")
+        if not request.prompt_token_ids:
+            raise RequestRejected("the prompt must contain at least one token, got 0")
+        total = request.num_prompt_tokens + request.params.max_tokens
+        if total > config.max_model_len:
+            raise RequestRejected(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.params.max_tokens}) must be <= max_model_len "
+                f"({config.max_model_len}), got {total}"
+            )
+        # The last sampled token's KV is never written, so total - 1 positions need blocks.
+        needed = blocks_for(total - 1, config.block_size)
+        if needed > config.num_blocks:
+            raise RequestRejected(
+                f"prompt + max_tokens ({total} tokens) needs {needed} KV blocks of "
+                f"{config.block_size}, but the pool has only {config.num_blocks}"
+            )
+        self._requests[request.request_id] = request
+        self._arrival[request.request_id] = next(self._arrivals)
+        self._insert(self._waiting, request)
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request at any point of its life. Idempotent.
+
+        Its blocks are free at once, or, if a step in flight uses them, when that step's
+        outcome is applied.
+
+        Returns:
+            Whether the request was live (``False`` for unknown or already ended ones).
+        """
+        request = self._requests.get(request_id)
+        if request is None or request.is_terminal:
+            return False
+        self._end(request, Cancelled(self._clock()))
+        return True
+
+    def finish(self, request_id: int, reason: FinishReason = FinishReason.STOP) -> bool:
+        """Finish a decoding request early (the engine matched a stop string).
+
+        Returns:
+            Whether the request was live.
+
+        Raises:
+            InvalidTransition: the request has produced no token yet.
+        """
+        request = self._requests.get(request_id)
+        if request is None or request.is_terminal:
+            return False
+        self._end(request, Finished(reason, self._clock()))
+        return True
+
+    # --- planning -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or return ``None`` if no request can compute anything.
+
+        Raises:
+            SchedulerError: ``pipeline_depth`` steps are already in flight.
+        """
+        if not self.can_schedule:
+            raise SchedulerError(
+                f"can't plan a step while {len(self._inflight)} steps are in flight "
+                f"(pipeline_depth={self.config.pipeline_depth})"
+            )
+        config = self.config
+        step_id = self._next_step
+        budget = config.max_num_batched_tokens
+        entries: list[ScheduledRequest] = []
+        preempted = False
+
+        index = 0
+        while index < len(self._running) and budget > 0:
+            request = self._running[index]
+            num_tokens = self._tokens_to_compute(request, budget)
+            if num_tokens == 0:
+                index += 1
+                continue
+            needed = self._blocks_needed(request, num_tokens)
+            while needed > self.pool.num_free + self._num_deferred_blocks():
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break  # it was the newest; nothing after it is left to serve
+            index += 1
+            if needed > self.pool.num_free:
+                continue  # blocks come back when the step in flight completes
+            entries.append(self._schedule(request, step_id, num_tokens, needed))
+            budget -= num_tokens
+
+        while (
+            not preempted
+            and self._waiting
+            and budget > 0
+            and len(self._running) < config.max_num_seqs
+        ):
+            request = self._waiting[0]
+            if self._in_flight(request):
+                break  # a step in flight still owes it a token; keep FIFO order
+            num_tokens = self._tokens_to_compute(request, budget)
+            needed = self._blocks_needed(request, num_tokens)
+            if num_tokens == 0 or needed > self.pool.num_free:
+                break
+            del self._waiting[0]
+            request.apply(Admitted(self._clock()))
+            self._insert(self._running, request)
+            entries.append(self._schedule(request, step_id, num_tokens, needed))
+            budget -= num_tokens
+
+        if not entries:
+            return None
+        gone, self._gone = tuple(self._gone), []
+        plan = StepPlan(step_id=step_id, requests=tuple(entries), finished_request_ids=gone)
+        self._next_step += 1
+        self._inflight.append(plan)
+        return plan
+
+    def _tokens_to_compute(self, request: Request, budget: int) -> int:
+        if request.num_generated_tokens >= request.params.max_tokens:
+            return 0  # its last token is in flight; computing its KV would be waste
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
+        end = request.num_computed_tokens + num_tokens
+        return max(blocks_for(end, self.config.block_size) - len(request.block_table), 0)
+
+    def _schedule(
+        self, request: Request, step_id: int, num_tokens: int, num_blocks: int
+    ) -> ScheduledRequest:
+        if num_blocks:
+            request.apply(BlocksAllocated(self.pool.allocate(num_blocks)))
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        known_end = min(end, request.num_known_tokens)
+        pending = end > known_end
+        if pending:
+            # The placeholder comes from the step planned just before this one.
+            assert self._last_step.get(request.request_id) == step_id - 1, request
+        sample = end == request.num_tokens
+        event: RequestEvent
+        if sample:
+            event = SampleScheduled(step_id, num_tokens)
+        else:
+            event = ChunkScheduled(step_id, num_tokens)
+        sample_index = request.num_generated_tokens
+        request.apply(event)
+        self._last_step[request.request_id] = step_id
+        self._num_tokens_scheduled += num_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            start=start,
+            token_ids=request.token_ids(start, known_end),
+            pending_input=pending,
+            sample=sample,
+            sample_index=sample_index,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_table=request.block_table,
+            params=request.params,
+        )
+
+    # --- outcomes -----------------------------------------------------------------------
+
+    def apply(self, outcome: StepOutcome | StepFailure) -> StepReport:
+        """Apply the outcome of the oldest step in flight.
+
+        Tokens for requests that ended meanwhile are dropped. Blocks whose last user was
+        this step are released, and requests that ended are removed.
+
+        Raises:
+            SchedulerError: the outcome is not for the oldest step in flight, or a sampled
+                token is missing; nothing is applied.
+        """
+        if not self._inflight or self._inflight[0].step_id != outcome.step_id:
+            expected = self._inflight[0].step_id if self._inflight else None
+            raise SchedulerError(
+                f"outcome for step {outcome.step_id} does not match the oldest step in "
+                f"flight ({expected})"
+            )
+        plan = self._inflight[0]
+        if isinstance(outcome, StepOutcome):
+            missing = [
+                entry.request_id
+                for entry in plan.requests
+                if entry.sample and entry.request_id not in outcome.sampled
+            ]
+            if missing:
+                raise SchedulerError(f"step {plan.step_id} outcome lacks tokens for {missing}")
+        self._inflight.popleft()
+        self._num_completed += 1
+        now = self._clock()
+        new_tokens: list[tuple[int, int]] = []
+        finished: list[tuple[int, FinishReason]] = []
+        failed: list[int] = []
+        for entry in plan.requests:
+            request = self._requests.get(entry.request_id)
+            if request is None or request.is_terminal:
+                continue
+            if isinstance(outcome, StepFailure):
+                self._end(request, Failed(outcome.message, now))
+                failed.append(request.request_id)
+                continue
+            if not entry.sample:
+                continue
+            token_id = outcome.sampled[entry.request_id]
+            stop = request.stops_on(token_id)
+            request.apply(TokenSampled(token_id, now))
+            self._num_tokens_generated += 1
+            new_tokens.append((request.request_id, token_id))
+            reason = None
+            if stop:
+                reason = FinishReason.STOP
+            elif request.num_output_tokens >= request.params.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._end(request, Finished(reason, now))
+                finished.append((request.request_id, reason))
+
+        while self._deferred and self._deferred[0][0] <= plan.step_id:
+            self.pool.release(self._deferred.popleft()[1])
+        removed = [rid for rid in self._ending if self._last_step[rid] <= plan.step_id]
+        for request_id in sorted(removed):
+            self._ending.discard(request_id)
+            self._remove(request_id)
+        return StepReport(
+            step_id=plan.step_id,
+            new_tokens=tuple(new_tokens),
+            finished=tuple(finished),
+            failed=tuple(failed),
+            removed=tuple(sorted(removed)),
+        )
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _insert(self, queue: list[Request], request: Request) -> None:
+        keys = [self._arrival[r.request_id] for r in queue]
+        queue.insert(bisect.bisect(keys, self._arrival[request.request_id]), request)
+
+    def _in_flight(self, request: Request) -> bool:
+        last = self._last_step.get(request.request_id)
+        return last is not None and bool(self._inflight) and last >= self._inflight[0].step_id
+
+    def _num_deferred_blocks(self) -> int:
+        return sum(len(blocks) for _, blocks in self._deferred)
+
+    def _release(self, request: Request, block_ids: tuple[int, ...]) -> None:
+        if not block_ids:
+            return
+        if self._in_flight(request):
+            self._deferred.append((self._last_step[request.request_id], block_ids))
+        else:
+            self.pool.release(block_ids)
+
+    def _preempt(self, request: Request) -> None:
+        block_ids = request.block_table
+        request.apply(Preempted(self._clock()))
+        self._running.remove(request)
+        self._insert(self._waiting, request)
+        self._release(request, block_ids)
+        self._num_preemptions += 1
+
+    def _end(self, request: Request, event: Cancelled | Finished | Failed) -> None:
+        block_ids = request.block_table
+        request.apply(event)
+        if request in self._running:
+            self._running.remove(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        self._release(request, block_ids)
+        if self._in_flight(request):
+            self._ending.add(request.request_id)
+        else:
+            self._remove(request.request_id)
+
+    def _remove(self, request_id: int) -> None:
+        del self._requests[request_id]
+        del self._arrival[request_id]
+        if self._last_step.pop(request_id, None) is not None:
+            self._gone.append(request_id)
+
+    # --- introspection ------------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_ending=len(self._ending),
+            num_inflight_steps=len(self._inflight),
+            num_free_blocks=self.pool.num_free,
+            num_blocks=self.pool.num_blocks,
+            num_steps_planned=self._next_step,
+            num_steps_completed=self._num_completed,
+            num_tokens_scheduled=self._num_tokens_scheduled,
+            num_tokens_generated=self._num_tokens_generated,
+            num_preemptions=self._num_preemptions,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if any guarantee of the scheduler does not hold.
+
+        Blocks are conserved (every reference is held by exactly one live request table or
+        one deferred release), no block used by a step in flight is free, the queues hold
+        the statuses they should in arrival order, and the limits hold.
+        """
+        self.pool.check_invariants()
+        config = self.config
+        expected = collections.Counter[int]()
+        for request in self._requests.values():
+            expected.update(request.block_table)
+            if request.is_terminal:
+                assert not request.block_table, f"{request!r} ended but holds blocks"
+        for _, block_ids in self._deferred:
+            expected.update(block_ids)
+        for block_id in range(self.pool.num_blocks):
+            assert self.pool.ref_count(block_id) == expected[block_id], (
+                f"block {block_id} has {self.pool.ref_count(block_id)} references but "
+                f"{expected[block_id]} holders"
+            )
+        for plan in self._inflight:
+            for entry in plan.requests:
+                for block_id in entry.block_table:
+                    assert self.pool.ref_count(block_id) > 0, (
+                        f"block {block_id} is free but step {plan.step_id} in flight uses it"
+                    )
+        assert len(self._inflight) <= config.pipeline_depth
+        assert len(self._running) <= config.max_num_seqs
+        waiting = {RequestStatus.WAITING, RequestStatus.PREEMPTED}
+        running = {RequestStatus.PREFILLING, RequestStatus.DECODING}
+        for queue, statuses in ((self._waiting, waiting), (self._running, running)):
+            keys = [self._arrival[request.request_id] for request in queue]
+            assert keys == sorted(keys), "a queue is out of arrival order"
+            for request in queue:
+                assert request.status in statuses, f"{request!r} is in the wrong queue"
+                assert self._requests[request.request_id] is request
+        live = {r.request_id for r in self._waiting} | {r.request_id for r in self._running}
+        assert len(live) == len(self._waiting) + len(self._running), "a request is queued twice"
+        for request in self._requests.values():
+            if request.request_id in live:
+                needed = blocks_for(request.num_computed_tokens, config.block_size)
+                assert len(request.block_table) >= needed, f"{request!r} lacks blocks"
+                assert request.num_computed_tokens <= request.num_tokens
+                assert request.num_generated_tokens <= request.params.max_tokens
+            else:
+                assert request.is_terminal and request.request_id in self._ending, request
+            inflight_samples = sum(
+                entry.sample and entry.request_id == request.request_id
+                for plan in self._inflight
+                for entry in plan.requests
+            )
+            if not request.is_terminal:
+                assert request.num_placeholders == inflight_samples, (
+                    f"{request!r} has {request.num_placeholders} placeholders but "
+                    f"{inflight_samples} samples in flight"
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Scheduler {len(self._waiting)} waiting, {len(self._running)} running, "
+            f"{len(self._inflight)} in flight, {self.pool.num_free}/{self.pool.num_blocks} "
+            f"blocks free>"
+        )

@@ -1,0 +1,30 @@
+"""Shared test configuration: both anyio backends, hypothesis profiles, doc examples."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("default", max_examples=40, deadline=None)
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("asyncio", id="asyncio"),
+        pytest.param("trio", id="trio"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """Every async test runs on asyncio and on trio."""
+    return request.param
