@@ -1,0 +1,142 @@
+"""The ``twostroke`` command: generate, chat, and the demonstration ``make run`` shows."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from twostroke.engine.engine import Engine
+from twostroke.engine.loading import DEFAULT_MODEL
+from twostroke.states.params import SamplingParams
+
+__all__ = ["main"]
+
+DEMO_QUESTIONS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Give me three tips for writing clear Python code.",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about an engine with two strokes.",
+)
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="name, model directory or GGUF")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="twostroke", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="stream a completion to the terminal")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    _sampling_arguments(generate)
+
+    chat = commands.add_parser("chat", help="a small chat REPL")
+    _sampling_arguments(chat)
+
+    demo = commands.add_parser("demo", help="a few prompts generated concurrently, streamed")
+    _sampling_arguments(demo)
+    return parser
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    prompt: Any = args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+    async with Engine.open(args.model, device=args.device) as engine:
+        async with engine.stream(prompt, _params(args)) as deltas:
+            async for delta in deltas:
+                print(delta.text, end="", flush=True)
+        print()
+
+
+async def _chat(args: argparse.Namespace) -> None:
+    messages: list[dict[str, str]] = []
+    async with Engine.open(args.model, device=args.device) as engine:
+        while True:
+            try:
+                line = await anyio.to_thread.run_sync(input, "> ")
+            except EOFError:
+                print()
+                return
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            reply = ""
+            async with engine.stream(messages, _params(args)) as deltas:
+                async for delta in deltas:
+                    reply += delta.text
+                    print(delta.text, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": reply})
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    async with Engine.open(args.model, device=args.device) as engine:
+        loaded = time.perf_counter()
+        print(f"loaded {args.model} in {loaded - started:.1f} s: {engine.statistics()}")
+        texts = [""] * len(DEMO_QUESTIONS)
+        first_token: list[float | None] = [None] * len(DEMO_QUESTIONS)
+
+        async def ask(index: int) -> None:
+            messages = [{"role": "user", "content": DEMO_QUESTIONS[index]}]
+            async with engine.stream(messages, _params(args)) as deltas:
+                async for delta in deltas:
+                    if first_token[index] is None and delta.token_ids:
+                        first_token[index] = time.perf_counter() - loaded
+                    texts[index] += delta.text
+                    if index == 0:
+                        print(delta.text, end="", flush=True)
+
+        print(f"\n[streaming answer 1 of {len(DEMO_QUESTIONS)}; all generate concurrently]\n")
+        async with anyio.create_task_group() as task_group:
+            for index in range(len(DEMO_QUESTIONS)):
+                task_group.start_soon(ask, index)
+        elapsed = time.perf_counter() - loaded
+        stats = engine.statistics()
+    print("\n")
+    for index, question in enumerate(DEMO_QUESTIONS):
+        ttft = first_token[index]
+        print(f"Q: {question}\nA: {texts[index].strip()}\n   (first token {ttft or 0:.2f} s)\n")
+    print(
+        f"{stats.num_tokens_generated} tokens in {elapsed:.1f} s "
+        f"({stats.num_tokens_generated / elapsed:.1f} tok/s over {stats.num_steps} steps, "
+        f"{len(DEMO_QUESTIONS)} requests batched)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"generate": _generate, "chat": _chat, "demo": _demo}[args.command]
+    try:
+        anyio.run(command, args)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

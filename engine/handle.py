@@ -1,0 +1,120 @@
+"""A submitted request as its caller sees it: a handle to cancel it, stream it, or await it.
+
+Delivery never blocks the engine: the bookkeeping stroke merges new output into the handle's
+one pending :class:`~twostroke.engine.outputs.Delta` (coalescing, as vLLM's per-request output
+collector does) and sets an event. A slow consumer therefore receives larger deltas, never a
+growing queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import anyio.lowlevel
+
+from twostroke.engine.outputs import Delta, RequestOutput
+
+__all__ = ["RequestHandle"]
+
+
+class RequestHandle:
+    """One request in flight. Created by :meth:`Engine.submit`; not constructed directly.
+
+    The handle must be used from the event loop thread that runs the engine.
+    """
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: tuple[int, ...],
+        cancel: Callable[[int], None],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._cancel = cancel
+        self._pending: Delta | None = None
+        self._changed = anyio.Event()
+        self._done = anyio.Event()
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._streamed_to_end = False
+
+    # --- called by the engine ---------------------------------------------------------
+
+    def _deliver(self, delta: Delta) -> None:
+        self._pending = delta if self._pending is None else self._pending.merge(delta)
+        self._changed.set()
+
+    def _finish(self, output: RequestOutput | None, error: BaseException | None) -> None:
+        if self._done.is_set():
+            return
+        self._output = output
+        self._error = error
+        self._done.set()
+        self._changed.set()
+
+    # --- public -----------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Whether the request has ended (finished, failed or cancelled)."""
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to cancel the request. Idempotent; returns at once.
+
+        The cancellation is applied by the engine at the next step boundary; the request's
+        KV blocks are free once the step in flight that used them completes.
+        """
+        if not self._done.is_set():
+            self._cancel(self.request_id)
+
+    async def result(self) -> RequestOutput:
+        """Wait for the complete output.
+
+        Cancelling the task that awaits this abandons the wait; the request goes on (use
+        :meth:`cancel`, or :meth:`Engine.generate`, which owns its request).
+
+        Raises:
+            RequestFailed: a step of this request failed.
+            RequestCancelled: the request was cancelled.
+            EngineDead: the engine died.
+            EngineClosed: the engine shut down in ``cancel`` mode before it finished.
+        """
+        await anyio.lowlevel.checkpoint()
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._output is not None
+        return self._output
+
+    async def next_delta(self) -> Delta:
+        """Wait for new output and return everything produced since the last call.
+
+        Raises:
+            StopAsyncIteration: the final delta was already returned.
+            RequestFailed, RequestCancelled, EngineDead, EngineClosed: as :meth:`result`.
+        """
+        await anyio.lowlevel.checkpoint()
+        while True:
+            if self._pending is not None:
+                delta, self._pending = self._pending, None
+                if delta.finished:
+                    self._streamed_to_end = True
+                return delta
+            if self._error is not None:
+                raise self._error
+            if self._streamed_to_end or (self._done.is_set() and self._output is not None):
+                raise StopAsyncIteration
+            self._changed = anyio.Event()
+            await self._changed.wait()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self
+
+    async def __anext__(self) -> Delta:
+        return await self.next_delta()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "open"
+        return f"<RequestHandle {self.request_id} {state}>"

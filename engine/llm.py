@@ -1,0 +1,140 @@
+"""A blocking facade for scripts: ``LLM(...).generate(prompts)``.
+
+It runs one :class:`~twostroke.engine.engine.Engine` on an event loop in a background thread
+through an anyio blocking portal; every call is forwarded to that one engine (there is never
+a second engine per call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal, cast
+
+import anyio
+import anyio.from_thread
+
+from twostroke.engine.engine import Engine, EngineStatistics
+from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.prompts import Prompt
+from twostroke.states.params import SamplingParams
+
+__all__ = ["LLM"]
+
+
+class LLM:
+    """Generate from a thread that has no event loop.
+
+    Args:
+        model: As for :meth:`Engine.open`.
+        backend: The event loop the engine runs on (``"asyncio"`` or ``"trio"``).
+        **engine_options: Passed to :meth:`Engine.open`.
+
+    Use it as a context manager, or call :meth:`close` when done.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        backend: Literal["asyncio", "trio"] = "asyncio",
+        **engine_options: Any,
+    ) -> None:
+        self._stack = contextlib.ExitStack()
+        try:
+            self._portal = self._stack.enter_context(
+                anyio.from_thread.start_blocking_portal(backend)
+            )
+            self._engine: Engine = self._stack.enter_context(
+                self._portal.wrap_async_context_manager(Engine.open(model, **engine_options))
+            )
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, all batched together, and return outputs in order.
+
+        Args:
+            prompts: One prompt or a list of prompts (text, token ids or chat messages).
+            params: One ``SamplingParams`` for all, or one per prompt.
+            progress: Show a progress bar on the terminal.
+
+        Raises:
+            ValueError: ``params`` and ``prompts`` differ in length. Errors of
+                :meth:`Engine.generate` otherwise; a bad prompt fails before anything runs.
+        """
+        batch: list[Prompt]
+        if _is_single(prompts):
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params] * len(batch)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(batch):
+                raise ValueError(
+                    f"params must be one SamplingParams or one per prompt: got {len(per_prompt)} "
+                    f"for {len(batch)} prompts"
+                )
+        return self._portal.call(self._generate_all, batch, per_prompt, progress)
+
+    async def _generate_all(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams | None],
+        show_progress: bool,
+    ) -> list[RequestOutput]:
+        handles = [self._engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        results: list[RequestOutput | None] = [None] * len(handles)
+        from rich.progress import Progress
+
+        with Progress(disable=not show_progress, transient=True) as bar:
+            task = bar.add_task("generating", total=len(handles))
+
+            async def collect(index: int) -> None:
+                try:
+                    results[index] = await handles[index].result()
+                finally:
+                    handles[index].cancel()
+                bar.advance(task)
+
+            async with anyio.create_task_group() as task_group:
+                for index in range(len(handles)):
+                    task_group.start_soon(collect, index)
+        return [result for result in results if result is not None]
+
+    def statistics(self) -> EngineStatistics:
+        return self._engine.statistics()
+
+    def close(self) -> None:
+        """Drain open requests and stop the engine and its thread."""
+        self._stack.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _is_single(prompts: object) -> bool:
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, Sequence) and prompts:
+        first = prompts[0]
+        return isinstance(first, int | dict)
+    return False

@@ -1,0 +1,122 @@
+"""A model-free engine for tests and examples: the toy runner and a byte tokenizer.
+
+``Engine.open(model="toy")`` runs the real engine, scheduler and strokes over
+:class:`ToyRunner`, so applications can test how they embed twostroke without loading a
+model. The toy runner keeps a paged "KV cache" of token ids
+(:class:`twostroke.states.testing.SimulatedKV`) and its next token is a pure function of the
+request's whole sequence *as read back through its block table*: scheduling bugs show up as
+wrong text, and the same prompt always gives the same output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from twostroke.engine.runner import StepOutput, TokenLogprobs
+from twostroke.gpu.completion import Launched, ReadyEvent
+from twostroke.states.plan import StepPlan
+from twostroke.states.testing import SimulatedKV, toy_next_token
+
+__all__ = ["ByteTokenizer", "ToyRunner", "toy_text_next_token"]
+
+#: The toy model writes lowercase words.
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz   "
+EOS_TOKEN_ID = 256
+
+
+def toy_text_next_token(token_ids: Sequence[int], *, eos_rate: float = 0.02) -> int:
+    """The toy model: a letter or a space, or EOS with probability about ``eos_rate``."""
+    value = toy_next_token(token_ids, vocab_size=1_000_003)
+    if value % 10_000 < eos_rate * 10_000:
+        return EOS_TOKEN_ID
+    return _ALPHABET[value % len(_ALPHABET)]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, and 256 as EOS: the toy runner's tokenizer."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({EOS_TOKEN_ID})
+
+    @property
+    def vocab_size(self) -> int:
+        return EOS_TOKEN_ID + 1
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(i for i in token_ids if i < EOS_TOKEN_ID).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return self.encode(text)
+
+
+class ToyRunner:
+    """A deterministic model runner with no model (see the module docstring).
+
+    Args:
+        max_model_len: Context length it claims.
+        eos_rate: Roughly how often it emits EOS (0 never does).
+        latency: Seconds each step takes, slept in the worker thread (demos only; tests
+            use ``FakeDevice`` virtual time instead).
+        fail_when: Called with each plan; if it returns true the step raises
+            ``RuntimeError`` (to test failure handling).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 4096,
+        eos_rate: float = 0.02,
+        latency: float = 0.0,
+        fail_when: Callable[[StepPlan], bool] | None = None,
+    ) -> None:
+        if not 0 <= eos_rate <= 1:
+            raise ValueError(f"eos_rate must be in [0, 1], got {eos_rate}")
+        if latency < 0:
+            raise ValueError(f"latency must be >= 0, got {latency}")
+        self._max_model_len = max_model_len
+        self._eos_rate = eos_rate
+        self._latency = latency
+        self._fail_when = fail_when
+        self._kv: SimulatedKV | None = None
+        self.num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        # One Python slot per position; a notional size so memory budgets mean something.
+        return 64 * block_size
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self._kv = SimulatedKV(num_blocks, block_size, self._next_token)
+
+    def _next_token(self, token_ids: Sequence[int]) -> int:
+        return toy_text_next_token(token_ids, eos_rate=self._eos_rate)
+
+    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+        if self._kv is None:
+            raise RuntimeError("allocate_kv_cache must be called before the first step")
+        self.num_steps += 1
+        if self._fail_when is not None and self._fail_when(plan):
+            raise RuntimeError(f"injected failure in step {plan.step_id}")
+        if self._latency:
+            time.sleep(self._latency)
+        outcome = self._kv.execute(plan)
+        logprobs = {
+            entry.request_id: TokenLogprobs(
+                token_id=outcome.sampled[entry.request_id],
+                logprob=0.0,
+                top=((outcome.sampled[entry.request_id], 0.0),),
+            )
+            for entry in plan.requests
+            if entry.sample and entry.params.logprobs is not None
+        }
+        output = StepOutput(step_id=plan.step_id, sampled=outcome.sampled, logprobs=logprobs)
+        return Launched(event=ReadyEvent(), readback=lambda: output)

@@ -1,0 +1,212 @@
+"""The engine's public API and semantics on the toy runner, on asyncio and trio."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from twostroke.engine import (
+    Engine,
+    EngineClosed,
+    FinishReason,
+    RequestCancelled,
+    RequestRejected,
+    SamplingParams,
+)
+from twostroke.engine.testing import ByteTokenizer, toy_text_next_token
+from twostroke.states.testing import reference_output
+
+from .conftest import toy_engine
+
+pytestmark = pytest.mark.anyio
+
+TOKENIZER = ByteTokenizer()
+
+
+def expected(prompt: str, params: SamplingParams) -> tuple[list[int], str]:
+    return reference_output(
+        TOKENIZER.encode(prompt),
+        params,
+        eos_token_ids=TOKENIZER.eos_token_ids,
+        next_token=toy_text_next_token,
+    )
+
+
+async def test_generate_matches_the_reference() -> None:
+    params = SamplingParams(max_tokens=40)
+    async with toy_engine() as engine:
+        output = await engine.generate("hello world", params)
+    tokens, reason = expected("hello world", params)
+    assert list(output.token_ids) == tokens
+    assert output.finish_reason.value == reason
+    assert output.text == TOKENIZER.decode(tokens)
+    assert output.usage.prompt_tokens == len("hello world")
+    assert output.usage.completion_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_concurrent_requests_under_memory_pressure(depth: int) -> None:
+    prompts = [f"request number {i} " * (1 + i % 5) for i in range(24)]
+    params = [SamplingParams(max_tokens=8 + (i * 7) % 40, ignore_eos=i % 3 == 0) for i in range(24)]
+    results: dict[int, Any] = {}
+    async with toy_engine(
+        num_blocks=48, max_num_batched_tokens=32, max_num_seqs=8, pipeline_depth=depth
+    ) as engine:
+
+        async def one(index: int) -> None:
+            results[index] = await engine.generate(prompts[index], params[index])
+
+        async with anyio.create_task_group() as task_group:
+            for index in range(len(prompts)):
+                task_group.start_soon(one, index)
+        assert engine.statistics().num_preemptions > 0
+    for index, output in results.items():
+        tokens, reason = expected(prompts[index], params[index])
+        assert list(output.token_ids) == tokens, index
+        assert output.finish_reason.value == reason
+
+
+async def test_stream_deltas_add_up_to_the_output() -> None:
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    async with toy_engine() as engine:
+        async with engine.stream("stream me", params) as deltas:
+            chunks = [delta async for delta in deltas]
+        final = await engine.generate("stream me", params)
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert "".join(chunk.text for chunk in chunks) == final.text
+    assert sum((chunk.token_ids for chunk in chunks), ()) == final.token_ids
+
+
+async def test_slow_consumer_gets_coalesced_deltas() -> None:
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    async with toy_engine() as engine:
+        async with engine.stream("slow", params) as deltas:
+            await deltas.result()  # let the whole request finish before reading anything
+            chunks = [delta async for delta in deltas]
+    assert len(chunks) == 1
+    assert len(chunks[0].token_ids) == 50
+    assert chunks[0].finish_reason is FinishReason.LENGTH
+
+
+async def test_leaving_a_stream_early_cancels_the_request() -> None:
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    async with toy_engine() as engine:
+        async with engine.stream("leave early", params) as deltas:
+            async for delta in deltas:
+                if delta.token_ids:
+                    break
+        await engine.wait_idle()
+        stats = engine.statistics()
+        assert stats.num_tokens_generated < 200
+        # the engine keeps serving
+        assert (await engine.generate("after", SamplingParams(max_tokens=3))).token_ids
+
+
+async def test_cancel_through_the_handle() -> None:
+    async with toy_engine() as engine:
+        handle = engine.submit("cancel me", SamplingParams(max_tokens=200, ignore_eos=True))
+        handle.cancel()
+        handle.cancel()  # idempotent
+        with pytest.raises(RequestCancelled, match="request 0 was cancelled"):
+            await handle.result()
+
+
+async def test_stop_string_is_cut_from_the_text() -> None:
+    plain = SamplingParams(max_tokens=60, ignore_eos=True)
+    async with toy_engine() as engine:
+        text = (await engine.generate("stop strings", plain)).text
+        stop = text[10:12]
+        cut = await engine.generate("stop strings", SamplingParams(max_tokens=60, stop=stop))
+        kept = await engine.generate(
+            "stop strings",
+            SamplingParams(max_tokens=60, stop=stop, include_stop_str_in_output=True),
+        )
+    first = text.index(stop)
+    assert cut.text == text[:first]
+    assert cut.finish_reason is FinishReason.STOP
+    assert kept.text == text[: first + len(stop)]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error", "message"),
+    [
+        ("", ValueError, "prompt must not be empty, got ''"),
+        ([], ValueError, "prompt must not be empty"),
+        (42, TypeError, "prompt must be text, a sequence of token ids or a list of chat"),
+        ([1, "a"], TypeError, "got a sequence of int, str"),
+        ([1, 999], ValueError, r"prompt token ids must be in \[0, 257\), got 999 at index 1"),
+        ("x" * 300, RequestRejected, r"must be <= max_model_len \(256\)"),
+    ],
+)
+async def test_bad_input_is_rejected_and_changes_nothing(
+    prompt: Any, error: type[Exception], message: str
+) -> None:
+    async with toy_engine(max_model_len=256) as engine:
+        before = engine.statistics()
+        with pytest.raises(error, match=message):
+            await engine.generate(prompt, SamplingParams(max_tokens=8))
+        assert engine.statistics() == before
+        assert (await engine.generate("still serving", SamplingParams(max_tokens=2))).token_ids
+
+
+async def test_wrong_params_type() -> None:
+    async with toy_engine() as engine:
+        with pytest.raises(TypeError, match="params must be SamplingParams, got dict"):
+            engine.submit("x", {"max_tokens": 3})  # type: ignore[arg-type]
+
+
+async def test_shutdown_drains_by_default_then_refuses_work() -> None:
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    async with toy_engine() as engine:
+        handles = [engine.submit(f"drain {i}", params) for i in range(5)]
+    for handle in handles:
+        assert len((await handle.result()).token_ids) == 20
+    with pytest.raises(EngineClosed, match="the engine is closed"):
+        engine.submit("late", params)
+    with pytest.raises(EngineClosed):
+        await engine.generate("late", params)
+
+
+async def test_shutdown_cancel_mode_fails_open_requests() -> None:
+    params = SamplingParams(max_tokens=2000, ignore_eos=True)
+    async with Engine.open(
+        model="toy", shutdown="cancel", max_model_len=4096, num_blocks=1024
+    ) as engine:
+        handle = engine.submit("cancel at close", params)
+    with pytest.raises(EngineClosed, match="closed before request 0 finished"):
+        await handle.result()
+
+
+async def test_body_exception_propagates_unwrapped() -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with toy_engine() as engine:
+            engine.submit("x", SamplingParams(max_tokens=200, ignore_eos=True))
+            raise KeyError("mine")
+
+
+async def test_chat_messages_and_token_ids() -> None:
+    params = SamplingParams(max_tokens=5)
+    messages = [{"role": "user", "content": "hi"}]
+    async with toy_engine() as engine:
+        chat = await engine.generate(messages, params)
+        ids = await engine.generate(list(chat.prompt_token_ids), params)
+    assert chat.token_ids == ids.token_ids
+    assert TOKENIZER.decode(chat.prompt_token_ids).endswith("<assistant>")
+
+
+async def test_logprobs_are_delivered_per_token() -> None:
+    async with toy_engine() as engine:
+        output = await engine.generate("lp", SamplingParams(max_tokens=6, logprobs=2))
+    assert output.logprobs is not None
+    assert [entry.token_id for entry in output.logprobs] == list(output.token_ids)
+
+
+async def test_metrics_are_consistent() -> None:
+    async with toy_engine() as engine:
+        output = await engine.generate("timing", SamplingParams(max_tokens=10, ignore_eos=True))
+    metrics = output.metrics
+    assert metrics.ttft is not None and metrics.queue_time is not None
+    assert 0 <= metrics.queue_time <= metrics.ttft <= metrics.e2e
+    assert metrics.tpot is not None and metrics.tpot >= 0
