@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -71,6 +72,12 @@ class EngineStatistics:
     num_tokens_generated: int
     num_preemptions: int
     num_failed_steps: int
+    #: Seconds the bookkeeping stroke spent in its own work (planning, applying, delivering).
+    bookkeeping_seconds: float
+    #: Seconds the forward stroke spent launching steps (on the CPU: running them).
+    forward_seconds: float
+    #: Seconds the forward stroke sat waiting for the next plan (the device idled on Python).
+    forward_idle_seconds: float
 
 
 @attrs.define(eq=False)
@@ -123,6 +130,9 @@ class Engine:
         self._death: BaseException | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._num_failed_steps = 0
+        self._bookkeeping_seconds = 0.0
+        self._forward_seconds = 0.0
+        self._forward_idle_seconds = 0.0
         depth = config.pipeline_depth
         plans: tuple[MemoryObjectSendStream[StepPlan], MemoryObjectReceiveStream[StepPlan]]
         plans = anyio.create_memory_object_stream[StepPlan](depth)
@@ -305,6 +315,9 @@ class Engine:
             num_tokens_generated=stats.num_tokens_generated,
             num_preemptions=stats.num_preemptions,
             num_failed_steps=self._num_failed_steps,
+            bookkeeping_seconds=self._bookkeeping_seconds,
+            forward_seconds=self._forward_seconds,
+            forward_idle_seconds=self._forward_idle_seconds,
         )
 
     def check_invariants(self) -> None:
@@ -329,10 +342,21 @@ class Engine:
         async with self._plans_receive, self._results_send:
             task_status.started()
             try:
-                async for plan in self._plans_receive:
+                started = False
+                while True:
+                    waited = time.perf_counter()
+                    try:
+                        plan = await self._plans_receive.receive()
+                    except anyio.EndOfStream:
+                        break
+                    launched = time.perf_counter()
+                    if started:  # before the first plan the engine is just empty
+                        self._forward_idle_seconds += launched - waited
+                    started = True
                     completion: Completion[StepOutput] = Completion()
                     await self._results_send.send(completion)
                     await self._device.run(partial(self._runner.execute, plan), completion)
+                    self._forward_seconds += time.perf_counter() - launched
             except Exception as exc:
                 self._die(exc)
 
@@ -345,13 +369,15 @@ class Engine:
         try:
             async with self._plans_send, self._results_receive:
                 while True:
+                    began = time.perf_counter()
                     self._apply_cancels()
                     while scheduler.can_schedule:
                         plan = scheduler.schedule()
                         if plan is None:
                             break
-                        await self._plans_send.send(plan)
+                        self._plans_send.send_nowait(plan)  # room for pipeline_depth plans
                         inflight.append(plan)
+                    self._bookkeeping_seconds += time.perf_counter() - began
                     if not inflight:
                         self._update_idle()
                         if self._closing and not self._tracked:
@@ -375,12 +401,14 @@ class Engine:
             output = await completion
         except Exception as exc:
             cause = exc
+        began = time.perf_counter()
         if output is not None:
             report = self._scheduler.apply(StepOutcome(plan.step_id, output.sampled))
         else:
             self._num_failed_steps += 1
             report = self._scheduler.apply(StepFailure(plan.step_id, repr(cause)))
         self._deliver(report, output, cause)
+        self._bookkeeping_seconds += time.perf_counter() - began
 
     def _apply_cancels(self) -> None:
         while self._cancels:

@@ -16,6 +16,7 @@ import anyio
 import anyio.from_thread
 
 from twostroke.engine.engine import Engine, EngineStatistics
+from twostroke.engine.errors import EngineClosed
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.prompts import Prompt
 from twostroke.states.params import SamplingParams
@@ -42,6 +43,7 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         self._stack = contextlib.ExitStack()
+        self._closed = False
         try:
             self._portal = self._stack.enter_context(
                 anyio.from_thread.start_blocking_portal(backend)
@@ -68,9 +70,12 @@ class LLM:
             progress: Show a progress bar on the terminal.
 
         Raises:
+            EngineClosed: :meth:`close` was called.
             ValueError: ``params`` and ``prompts`` differ in length. Errors of
                 :meth:`Engine.generate` otherwise; a bad prompt fails before anything runs.
         """
+        if self._closed:
+            raise EngineClosed("this LLM is closed: create a new one")
         batch: list[Prompt]
         if _is_single(prompts):
             batch = [cast(Prompt, prompts)]
@@ -116,7 +121,8 @@ class LLM:
         return self._engine.statistics()
 
     def close(self) -> None:
-        """Drain open requests and stop the engine and its thread."""
+        """Drain open requests and stop the engine and its thread. Idempotent."""
+        self._closed = True
         self._stack.close()
 
     def __enter__(self) -> LLM:
