@@ -1,1 +1,50 @@
-"""Pure scheduling logic."""
+"""The device boundary: devices (CUDA, CPU, fake) and the completions of the steps they run.
+
+This package may import torch and anyio, never ``twostroke.engine`` or ``twostroke.states``.
+"""
+
+from twostroke.gpu.completion import (
+    Completion,
+    CompletionAlreadySet,
+    CompletionError,
+    CompletionNotDone,
+    CompletionState,
+    CompletionStatistics,
+    Launched,
+    PollSchedule,
+    ReadyEvent,
+    SupportsQuery,
+)
+from twostroke.gpu.device import (
+    CountdownEvent,
+    CpuDevice,
+    CudaDevice,
+    Device,
+    DeviceUnavailable,
+    FakeDevice,
+    VirtualEvent,
+    default_dtype,
+    select_device,
+)
+
+__all__ = [
+    "Completion",
+    "CompletionAlreadySet",
+    "CompletionError",
+    "CompletionNotDone",
+    "CompletionState",
+    "CompletionStatistics",
+    "CountdownEvent",
+    "CpuDevice",
+    "CudaDevice",
+    "Device",
+    "DeviceUnavailable",
+    "FakeDevice",
+    "Launched",
+    "PollSchedule",
+    "ReadyEvent",
+    "SupportsQuery",
+    "VirtualEvent",
+    "default_dtype",
+    "select_device",
+]

@@ -1,0 +1,398 @@
+"""Devices: where a step's work is launched, and how its completion is resolved.
+
+The forward stroke hands a device a ``work`` callable (the runner's ``execute`` bound to a
+plan) and a :class:`~twostroke.gpu.completion.Completion`; the device runs the work, which
+returns a :class:`~twostroke.gpu.completion.Launched`, and resolves the completion with it.
+What differs between devices is only *where* the work runs and *when* its event fires:
+
+* :class:`CudaDevice` runs the Python launch in a worker thread; the work only enqueues kernels
+  and records an event, so ``run`` returns as soon as the launch did and step N+1 is launched
+  while step N executes.
+* :class:`CpuDevice` runs the whole computation in a worker thread (torch releases the GIL
+  inside its kernels), so the event loop keeps serving bookkeeping meanwhile.
+* :class:`FakeDevice` is a GPU in virtual time for tests: the work runs inline and its event
+  fires ``step_time`` seconds of loop time later, queued behind the steps before it.
+
+A device never raises an exception of the work from ``run``: it goes into the completion, and
+the engine fails that step's requests and keeps running.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import attrs
+import torch
+
+from twostroke.gpu.completion import Completion, Launched
+
+__all__ = [
+    "CountdownEvent",
+    "CpuDevice",
+    "CudaDevice",
+    "Device",
+    "DeviceUnavailable",
+    "FakeDevice",
+    "VirtualEvent",
+    "default_dtype",
+    "select_device",
+]
+
+T = TypeVar("T")
+
+DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
+
+
+class DeviceUnavailable(RuntimeError):
+    """The device asked for does not exist on this machine (no CUDA, or no such index)."""
+
+
+class Device(abc.ABC):
+    """Where the forward stroke launches steps.
+
+    Attributes:
+        kind: ``"cuda"``, ``"cpu"`` or ``"fake"``.
+        torch_device: The device tensors of this engine live on.
+    """
+
+    kind: ClassVar[str]
+    torch_device: torch.device
+
+    @abc.abstractmethod
+    async def run(self, work: Callable[[], Launched[T]], completion: Completion[T]) -> None:
+        """Launch ``work`` and resolve ``completion`` with what it returns.
+
+        An exception raised by ``work`` goes into the completion (``set_exception``) and is
+        not raised here: the engine keeps running. Steps run one at a time, in call order.
+        ``run`` returns once the work is launched, not once it is finished: the completion
+        tells when that is.
+
+        Cancellation: the work runs and the completion is resolved even if the caller is
+        cancelled meanwhile (its buffers may already be in use); the cancellation is raised
+        afterwards.
+
+        Args:
+            work: Launches one step; called with no arguments, exactly once.
+            completion: Resolved with the work's :class:`Launched`, or with its exception.
+
+        Raises:
+            CompletionAlreadySet: ``completion`` was already set (a bug in the caller).
+        """
+
+
+def _resolve(completion: Completion[T], launched: object) -> None:
+    if isinstance(launched, Launched):
+        completion.set_launched(launched)
+    else:
+        completion.set_exception(
+            TypeError(
+                f"device work must return a Launched, got {type(launched).__name__} {launched!r}"
+            )
+        )
+
+
+@attrs.frozen
+class _Serializer:
+    """Per-event-loop primitives that run one step at a time, in call order."""
+
+    # The lock queues callers first-in first-out from the moment they call run (anyio's
+    # to_thread checkpoints before taking its limiter, and trio may reorder ready tasks);
+    # the private one-token limiter keeps the launch off the default thread limiter, which
+    # unrelated to_thread calls could exhaust.
+    lock: anyio.Lock
+    limiter: anyio.CapacityLimiter
+
+
+class _WorkerThreadDevice(Device):
+    """A device whose work runs in a worker thread, one step at a time."""
+
+    def __init__(self) -> None:
+        # Created lazily in run(), once per event loop: anyio primitives belong to one loop,
+        # and a device may outlive the loop it was first used on (tests, re-opened engines).
+        self._serializer: anyio.lowlevel.RunVar[_Serializer] = anyio.lowlevel.RunVar(
+            f"twostroke {type(self).__name__} {id(self):#x} serializer"
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.torch_device}>"
+
+    async def run(self, work: Callable[[], Launched[T]], completion: Completion[T]) -> None:
+        serializer = self._current_serializer()
+        # Shielded: once called, the work is launched and the completion resolved, however
+        # the caller is cancelled (the cancellation is delivered after the shield).
+        with anyio.CancelScope(shield=True):
+            async with serializer.lock:
+                try:
+                    launched = await anyio.to_thread.run_sync(
+                        self._launch, work, limiter=serializer.limiter
+                    )
+                except Exception as exc:
+                    completion.set_exception(exc)
+                except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail and go on
+                    completion.set_exception(exc)
+                    raise
+                else:
+                    _resolve(completion, launched)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+
+    def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
+        """Run ``work`` in the worker thread; subclasses set up thread state around it."""
+        return work()
+
+    def _current_serializer(self) -> _Serializer:
+        serializer = self._serializer.get(None)
+        if serializer is None:
+            serializer = _Serializer(anyio.Lock(), anyio.CapacityLimiter(1))
+            self._serializer.set(serializer)
+        return serializer
+
+
+class CpuDevice(_WorkerThreadDevice):
+    """The CPU: each step's whole forward runs in a worker thread.
+
+    torch releases the GIL inside its kernels, so while one core computes step N the loop
+    thread applies step N-1 on another: the same overlap as on a GPU, on two cores.
+    """
+
+    kind: ClassVar[str] = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.torch_device = torch.device("cpu")
+
+
+def _check_index(index: object) -> int:
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"index must be an int, got {type(index).__name__} {index!r}")
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    return index
+
+
+class CudaDevice(_WorkerThreadDevice):
+    """One CUDA GPU: the Python launch of each step runs in a worker thread.
+
+    The work only enqueues kernels and records an event (the runner does that), so ``run``
+    returns as soon as the launch did and step N+1 is queued while step N executes. The launch
+    runs with this GPU as the thread's current device, so streams and events the work creates
+    without naming a device are on it.
+
+    Constructing one never touches CUDA (safe at import time and on CPU-only machines);
+    :func:`select_device` checks that the GPU exists.
+
+    Args:
+        index: The CUDA device index.
+
+    Raises:
+        TypeError: ``index`` is not an int.
+        ValueError: ``index`` is negative.
+    """
+
+    kind: ClassVar[str] = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__()
+        self.index = _check_index(index)
+        self.torch_device = torch.device("cuda", self.index)
+
+    def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
+        # The current device is per thread, and anyio's worker threads are shared: set it for
+        # this launch only and restore it after.
+        with torch.cuda.device(self.torch_device):
+            return work()
+
+
+@attrs.define(eq=False)
+class VirtualEvent:
+    """An event that fires when the event loop's clock reaches ``deadline``.
+
+    Under trio's ``MockClock(autojump_threshold=0)`` a step of ``step_time`` takes no wall
+    time, yet a waiter goes through every poll and sleep it would on a GPU.
+
+    Attributes:
+        deadline: Loop time (``anyio.current_time()``) at which the event fires.
+        queries: How many times :meth:`query` was called.
+    """
+
+    deadline: float
+    queries: int = 0
+
+    def query(self) -> bool:
+        """Return whether the loop's clock has reached the deadline (needs a running loop)."""
+        self.queries += 1
+        return anyio.current_time() >= self.deadline
+
+
+@attrs.define(eq=False)
+class CountdownEvent:
+    """An event that fires on its ``fires_on_query``-th query: to test polling, clock-free.
+
+    Attributes:
+        fires_on_query: The first query that returns true (1 = fired from the start).
+        queries: How many times :meth:`query` was called.
+    """
+
+    fires_on_query: int = attrs.field()
+    queries: int = 0
+
+    @fires_on_query.validator
+    def _check(self, _: object, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"fires_on_query must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"fires_on_query must be >= 1, got {value}")
+
+    def query(self) -> bool:
+        """Count this query and return whether it is the ``fires_on_query``-th or a later one."""
+        self.queries += 1
+        return self.queries >= self.fires_on_query
+
+
+def _check_step_time(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"step_time must be a number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"step_time must be finite and >= 0, got {value!r}")
+    return float(value)
+
+
+class FakeDevice(Device):
+    """A GPU in virtual time, for tests: no model, no thread, no wall-clock wait.
+
+    ``run`` calls the work inline, then replaces its event with a :class:`VirtualEvent` whose
+    deadline is ``max(now, busy_until) + step_time`` (steps queue behind each other like
+    kernels on a GPU stream) and resolves the completion at once: the caller is never blocked.
+    The completion fires when the loop's clock passes the deadline, through the same polling
+    path as a CUDA event.
+
+    Args:
+        step_time: Seconds of loop time each step takes, or a callable called once per step
+            that returns them (for steps of varying length).
+
+    Raises:
+        TypeError: ``step_time`` is neither a number nor callable.
+        ValueError: ``step_time`` is negative or not finite.
+    """
+
+    kind: ClassVar[str] = "fake"
+
+    def __init__(self, step_time: float | Callable[[], float] = 0.0) -> None:
+        self._step_time: Callable[[], float]
+        if callable(step_time):
+            self._step_time = step_time
+        else:
+            fixed = _check_step_time(step_time)
+            self._step_time = lambda: fixed
+        self.torch_device = torch.device("cpu")
+        self.launches = 0
+        # Per event loop: loop clocks are not comparable across loops.
+        self._busy_until: anyio.lowlevel.RunVar[float] = anyio.lowlevel.RunVar(
+            f"twostroke FakeDevice {id(self):#x} busy_until"
+        )
+
+    def __repr__(self) -> str:
+        return f"<FakeDevice {self.launches} launches>"
+
+    async def run(self, work: Callable[[], Launched[T]], completion: Completion[T]) -> None:
+        try:
+            launched: Any = work()
+            step_time = _check_step_time(self._step_time())
+        except Exception as exc:
+            completion.set_exception(exc)
+        else:
+            if isinstance(launched, Launched):
+                start = max(anyio.current_time(), self._busy_until.get(-math.inf))
+                deadline = start + step_time
+                self._busy_until.set(deadline)
+                self.launches += 1
+                launched = attrs.evolve(launched, event=VirtualEvent(deadline))
+            _resolve(completion, launched)
+        await anyio.lowlevel.checkpoint()
+
+
+def select_device(kind: str = "auto", *, index: int = 0) -> Device:
+    """Return the device of the given kind.
+
+    Args:
+        kind: ``"auto"`` (CUDA if torch sees a GPU, else the CPU), ``"cuda"``, ``"cpu"`` or
+            ``"fake"`` (:class:`FakeDevice` with ``step_time=0.0``).
+        index: The CUDA device index; ignored by the other kinds.
+
+    Returns:
+        A new device.
+
+    Raises:
+        TypeError: ``kind`` is not a string or ``index`` not an int.
+        ValueError: ``kind`` is not one of the kinds above, or ``index`` is negative.
+        DeviceUnavailable: ``"cuda"`` was asked for without CUDA, or ``index`` is not a GPU
+            of this machine.
+    """
+    if not isinstance(kind, str):
+        raise TypeError(f"device kind must be a string, got {type(kind).__name__} {kind!r}")
+    if kind not in DEVICE_KINDS:
+        accepted = ", ".join(repr(k) for k in DEVICE_KINDS)
+        raise ValueError(f"device kind must be one of {accepted}, got {kind!r}")
+    _check_index(index)
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return CpuDevice()
+    if kind == "fake":
+        return FakeDevice(step_time=0.0)
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            "device kind 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+        )
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceUnavailable(f"cuda index must be < {count} (the visible GPUs), got {index}")
+    return CudaDevice(index)
+
+
+def default_dtype(device: Device) -> torch.dtype:
+    """The dtype to hold weights and activations in on ``device``.
+
+    bfloat16 where the hardware computes it natively (same range as float32, so no overflow
+    handling; half the memory traffic, which bounds decode speed), else the best fallback:
+    float16 on older GPUs (compute capability below 8.0), float32 on CPUs without bf16
+    instructions (emulated bf16 there is slower than float32). Fake devices use float32, so
+    tests give the same numbers on every machine.
+
+    Args:
+        device: The device.
+
+    Returns:
+        ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+    """
+    if device.kind == "cuda":
+        major, _ = torch.cuda.get_device_capability(device.torch_device)
+        return torch.bfloat16 if major >= 8 else torch.float16
+    if device.kind == "cpu" and _cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def _cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs bf16 natively (a fact of the machine, read once)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: be conservative
+        cpuinfo = ""
+    return _fast_bf16(torch.backends.cpu.get_cpu_capability(), cpuinfo)
+
+
+def _fast_bf16(capability: str, cpuinfo: str) -> bool:
+    """Whether torch's CPU kernels (``capability``) and the CPU flags both give native bf16."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return "AVX512" in capability and bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -1,0 +1,449 @@
+"""Devices: where work runs, in what order, and that the completion is always resolved."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import pytest
+import torch
+import trio.testing
+
+from twostroke.gpu import device as device_module
+from twostroke.gpu.completion import Completion, CompletionAlreadySet, Launched, ReadyEvent
+from twostroke.gpu.device import (
+    CountdownEvent,
+    CpuDevice,
+    CudaDevice,
+    DeviceUnavailable,
+    FakeDevice,
+    VirtualEvent,
+    default_dtype,
+    select_device,
+)
+
+# A bound for the thread handshakes below, only reached if the code under test is broken.
+DEADLOCK = 10.0
+
+
+def ready(value: Any) -> Callable[[], Launched[Any]]:
+    return lambda: Launched(event=ReadyEvent(), readback=lambda: value)
+
+
+# --- CpuDevice -------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_cpu_runs_work_in_a_worker_thread() -> None:
+    device = CpuDevice()
+    threads: list[int] = []
+
+    def work() -> Launched[int]:
+        threads.append(threading.get_ident())
+        return Launched(event=ReadyEvent(), readback=lambda: 4)
+
+    completion: Completion[int] = Completion()
+    await device.run(work, completion)
+    assert completion.done()
+    assert await completion == 4
+    assert threads and threads[0] != threading.get_ident()
+    assert device.kind == "cpu" and device.torch_device == torch.device("cpu")
+
+
+@pytest.mark.anyio
+async def test_cpu_runs_steps_one_at_a_time_in_call_order() -> None:
+    device = CpuDevice()
+    release = threading.Event()
+    entered = anyio.Event()
+    order: list[int] = []
+    active = 0
+    most_active = 0
+    lock = threading.Lock()
+
+    def work(i: int) -> Launched[int]:
+        nonlocal active, most_active
+        with lock:
+            active += 1
+            most_active = max(most_active, active)
+        order.append(i)
+        if i == 0:
+            anyio.from_thread.run_sync(entered.set)
+            assert release.wait(DEADLOCK)
+        with lock:
+            active -= 1
+        return Launched(event=ReadyEvent(), readback=lambda: i)
+
+    completions: list[Completion[int]] = [Completion() for _ in range(4)]
+
+    async def launch(i: int, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        task_status.started()
+        await device.run(lambda: work(i), completions[i])
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(launch, 0)
+        await entered.wait()  # step 0 holds the worker thread
+        for i in range(1, 4):
+            await tg.start(launch, i)
+        await anyio.wait_all_tasks_blocked()
+        assert order == [0]  # the others wait their turn
+        assert [c.done() for c in completions] == [False] * 4
+        release.set()
+    assert order == [0, 1, 2, 3]
+    assert most_active == 1
+    assert [await c for c in completions] == [0, 1, 2, 3]
+
+
+@pytest.mark.anyio
+async def test_cpu_cancelled_caller_still_resolves_the_completion() -> None:
+    device = CpuDevice()
+    release = threading.Event()
+    entered = anyio.Event()
+    finished = []
+
+    def work() -> Launched[str]:
+        anyio.from_thread.run_sync(entered.set)
+        assert release.wait(DEADLOCK)
+        finished.append(True)
+        return Launched(event=ReadyEvent(), readback=lambda: "late")
+
+    completion: Completion[str] = Completion()
+    scope = anyio.CancelScope()
+
+    async def caller() -> None:
+        with scope:
+            await device.run(work, completion)
+            pytest.fail("run() must raise the cancellation after resolving")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(caller)
+        await entered.wait()
+        scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert not completion.done()  # the launch is not abandoned...
+        release.set()
+    assert scope.cancelled_caught
+    assert finished == [True]
+    assert await completion == "late"  # ...and its completion is resolved
+
+
+@pytest.mark.anyio
+async def test_cpu_caller_cancelled_before_run_still_launches() -> None:
+    device = CpuDevice()
+    completion: Completion[int] = Completion()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await device.run(ready(1), completion)
+    assert scope.cancelled_caught
+    assert await completion == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("make_device", [CpuDevice, FakeDevice])
+async def test_work_exception_goes_into_the_completion(make_device: Callable[[], Any]) -> None:
+    device = make_device()
+    error = ValueError("bad plan")
+
+    def work() -> Launched[int]:
+        raise error
+
+    completion: Completion[int] = Completion()
+    await device.run(work, completion)  # does not raise
+    with pytest.raises(ValueError) as info:
+        await completion
+    assert info.value is error
+    # The device is still usable.
+    completion = Completion()
+    await device.run(ready(2), completion)
+    assert await completion == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("make_device", [CpuDevice, FakeDevice])
+async def test_work_returning_a_non_launched_fails_the_completion(
+    make_device: Callable[[], Any],
+) -> None:
+    completion: Completion[int] = Completion()
+    await make_device().run(lambda: 42, completion)
+    with pytest.raises(TypeError, match=r"^device work must return a Launched, got int 42$"):
+        await completion
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("make_device", [CpuDevice, FakeDevice])
+async def test_run_on_a_set_completion_raises(make_device: Callable[[], Any]) -> None:
+    completion: Completion[int] = Completion()
+    completion.set_exception(ValueError())
+    with pytest.raises(CompletionAlreadySet):
+        await make_device().run(ready(1), completion)
+
+
+def test_cpu_device_serves_successive_event_loops() -> None:
+    device = CpuDevice()
+
+    async def once() -> int:
+        completion: Completion[int] = Completion()
+        await device.run(ready(3), completion)
+        return await completion
+
+    assert anyio.run(once) == 3
+    assert anyio.run(once, backend="trio") == 3
+    assert anyio.run(once) == 3
+
+
+# --- CudaDevice without CUDA -----------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_guard(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, torch.device, str]]:
+    """Replace ``torch.cuda.device`` (which needs CUDA) by a recorder of where it is entered."""
+    calls: list[tuple[int, torch.device, str]] = []
+
+    @contextlib.contextmanager
+    def fake_guard(device: torch.device) -> Iterator[None]:
+        calls.append((threading.get_ident(), device, "enter"))
+        try:
+            yield
+        finally:
+            calls.append((threading.get_ident(), device, "exit"))
+
+    monkeypatch.setattr(torch.cuda, "device", fake_guard)
+    return calls
+
+
+def test_cuda_device_construction_never_touches_cuda() -> None:
+    device = CudaDevice(1)
+    assert device.kind == "cuda"
+    assert device.index == 1
+    assert device.torch_device == torch.device("cuda", 1)
+    assert repr(device) == "<CudaDevice cuda:1>"
+    with pytest.raises(ValueError, match=r"^index must be >= 0, got -1$"):
+        CudaDevice(-1)
+    with pytest.raises(TypeError, match=r"^index must be an int, got str '0'$"):
+        CudaDevice("0")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_cuda_run_returns_at_launch_and_the_completion_polls(
+    cuda_guard: list[tuple[int, torch.device, str]],
+) -> None:
+    device = CudaDevice(1)
+    events = [CountdownEvent(3), CountdownEvent(2)]
+    launch_threads: list[int] = []
+
+    def work(i: int) -> Launched[int]:
+        launch_threads.append(threading.get_ident())
+        return Launched(event=events[i], readback=lambda: 10 + i)
+
+    first: Completion[int] = Completion()
+    second: Completion[int] = Completion()
+    await device.run(lambda: work(0), first)
+    await device.run(lambda: work(1), second)
+    # Both launched, neither finished: run() did not wait for the events.
+    assert events[0].queries == events[1].queries == 0
+    assert not first.done() and not second.done()
+    assert await first == 10 and await second == 11
+    assert events[0].queries == 3 and events[1].queries == 2
+    loop_thread = threading.get_ident()
+    assert all(t != loop_thread for t in launch_threads)
+    assert [(t, d, what) for t, d, what in cuda_guard] == [
+        (launch_threads[0], torch.device("cuda", 1), "enter"),
+        (launch_threads[0], torch.device("cuda", 1), "exit"),
+        (launch_threads[1], torch.device("cuda", 1), "enter"),
+        (launch_threads[1], torch.device("cuda", 1), "exit"),
+    ]
+
+
+@pytest.mark.anyio
+async def test_cuda_work_exception_goes_into_the_completion(
+    cuda_guard: list[tuple[int, torch.device, str]],
+) -> None:
+    error = RuntimeError("CUDA error: out of memory")
+
+    def work() -> Launched[int]:
+        raise error
+
+    completion: Completion[int] = Completion()
+    await CudaDevice(0).run(work, completion)
+    with pytest.raises(RuntimeError) as info:
+        await completion
+    assert info.value is error
+    assert [what for _, _, what in cuda_guard] == ["enter", "exit"]
+
+
+# --- FakeDevice ------------------------------------------------------------------------------
+
+
+class TestFakeDevice:
+    """Virtual time: trio's MockClock jumps to the next deadline as soon as all tasks wait."""
+
+    @pytest.fixture
+    def anyio_backend(self) -> Any:
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+    @pytest.mark.anyio
+    async def test_steps_queue_behind_each_other(self) -> None:
+        device = FakeDevice(step_time=1.0)
+        completions: list[Completion[int]] = [Completion(), Completion()]
+        await device.run(ready(1), completions[0])
+        await device.run(ready(2), completions[1])
+        assert anyio.current_time() == 0.0  # run() returned at once, like a GPU queue
+        assert device.launches == 2
+        max_latency = 500e-6  # the PollSchedule cap
+        assert await completions[0] == 1
+        assert 1.0 <= anyio.current_time() <= 1.0 + max_latency
+        assert await completions[1] == 2
+        assert 2.0 <= anyio.current_time() <= 2.0 + max_latency
+        # An idle device starts the next step now, not at its old busy_until.
+        await anyio.sleep(10 - anyio.current_time())
+        third: Completion[int] = Completion()
+        await device.run(ready(3), third)
+        await third
+        assert 11.0 <= anyio.current_time() <= 11.0 + max_latency
+
+    @pytest.mark.anyio
+    async def test_event_is_virtual_and_polled(self) -> None:
+        device = FakeDevice(step_time=0.25)
+        completion: Completion[int] = Completion()
+        original = CountdownEvent(1_000_000)  # would never fire: it is replaced
+        await device.run(lambda: Launched(event=original, readback=lambda: 8), completion)
+        assert await completion == 8
+        assert original.queries == 0
+        stats = completion.statistics()
+        assert stats.polls > 3  # the real polling path: spin, then backoff
+        assert stats.done_at is not None and stats.done_at >= 0.25
+
+    @pytest.mark.anyio
+    async def test_callable_step_time(self) -> None:
+        times = iter([0.5, 2.0])
+        device = FakeDevice(step_time=lambda: next(times))
+        first: Completion[int] = Completion()
+        second: Completion[int] = Completion()
+        await device.run(ready(1), first)
+        await device.run(ready(2), second)
+        await second
+        assert 2.5 <= anyio.current_time() <= 2.5 + 500e-6
+        assert first.done()
+
+    @pytest.mark.anyio
+    async def test_bad_callable_step_time_fails_the_completion(self) -> None:
+        device = FakeDevice(step_time=lambda: -1.0)
+        completion: Completion[int] = Completion()
+        await device.run(ready(1), completion)
+        with pytest.raises(ValueError, match=r"^step_time must be finite and >= 0, got -1.0$"):
+            await completion
+        assert device.launches == 0
+
+    @pytest.mark.anyio
+    async def test_run_is_a_checkpoint(self) -> None:
+        with trio.testing.assert_checkpoints():
+            await FakeDevice().run(ready(1), Completion())
+
+    @pytest.mark.anyio
+    async def test_virtual_event(self) -> None:
+        event = VirtualEvent(deadline=2.0)
+        assert not event.query()
+        await anyio.sleep(2.0)
+        assert event.query()
+        assert event.queries == 2
+
+
+def test_fake_device_validates_step_time() -> None:
+    with pytest.raises(ValueError, match=r"^step_time must be finite and >= 0, got -0.5$"):
+        FakeDevice(step_time=-0.5)
+    with pytest.raises(ValueError, match=r"^step_time must be finite and >= 0, got nan$"):
+        FakeDevice(step_time=float("nan"))
+    with pytest.raises(TypeError, match=r"^step_time must be a number, got str '1'$"):
+        FakeDevice(step_time="1")  # type: ignore[arg-type]
+
+
+def test_countdown_event() -> None:
+    event = CountdownEvent(3)
+    assert [event.query() for _ in range(5)] == [False, False, True, True, True]
+    assert event.queries == 5
+    with pytest.raises(ValueError, match=r"^fires_on_query must be >= 1, got 0$"):
+        CountdownEvent(0)
+
+
+# --- select_device and default_dtype ---------------------------------------------------------
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_select_device_without_cuda(no_cuda: None) -> None:
+    assert isinstance(select_device(), CpuDevice)
+    assert isinstance(select_device("auto", index=3), CpuDevice)
+    assert isinstance(select_device("cpu"), CpuDevice)
+    fake = select_device("fake")
+    assert isinstance(fake, FakeDevice)
+    with pytest.raises(
+        DeviceUnavailable,
+        match=r"^device kind 'cuda' needs a CUDA GPU, but torch.cuda.is_available\(\) is False "
+        r"\(torch .+, built for CUDA .+\)$",
+    ):
+        select_device("cuda")
+
+
+def test_select_device_with_cuda(two_gpus: None) -> None:
+    auto = select_device()
+    assert isinstance(auto, CudaDevice) and auto.index == 0
+    cuda = select_device("cuda", index=1)
+    assert isinstance(cuda, CudaDevice) and cuda.torch_device == torch.device("cuda", 1)
+    assert isinstance(select_device("cpu"), CpuDevice)
+    with pytest.raises(
+        DeviceUnavailable, match=r"^cuda index must be < 2 \(the visible GPUs\), got 2$"
+    ):
+        select_device("cuda", index=2)
+
+
+def test_select_device_rejects_bad_arguments() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^device kind must be one of 'auto', 'cuda', 'cpu', 'fake', got 'tpu'$",
+    ):
+        select_device("tpu")
+    with pytest.raises(TypeError, match=r"^device kind must be a string, got int 0$"):
+        select_device(0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^index must be >= 0, got -1$"):
+        select_device("cpu", index=-1)
+
+
+def test_default_dtype_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    capability = (8, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    assert default_dtype(CudaDevice(0)) == torch.bfloat16
+    capability = (7, 5)
+    assert default_dtype(CudaDevice(0)) == torch.float16
+
+
+def test_default_dtype_cpu_and_fake() -> None:
+    assert default_dtype(FakeDevice()) == torch.float32
+    expected = torch.bfloat16 if device_module._cpu_has_fast_bf16() else torch.float32
+    assert default_dtype(CpuDevice()) == expected
+
+
+@pytest.mark.parametrize(
+    ("capability", "flags", "fast"),
+    [
+        ("AVX512", "fpu avx512f avx512_bf16 sse", True),
+        ("AVX512", "fpu avx512f amx_bf16 amx_tile", True),
+        ("AVX512", "fpu avx512f avx512bw", False),  # AVX-512 without bf16 instructions
+        ("AVX2", "fpu avx2 avx512_bf16", False),  # torch's kernels do not use them
+        ("DEFAULT", "", False),
+    ],
+)
+def test_fast_bf16_detection(capability: str, flags: str, fast: bool) -> None:
+    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n"
+    assert device_module._fast_bf16(capability, cpuinfo) is fast
