@@ -57,6 +57,12 @@ class EngineConfig:
         pipeline_depth: 2 plans step N+1 while step N runs (the default); 1 is serial.
         shutdown: Leaving the ``async with`` block normally ``"drain"``s open requests, or
             ``"cancel"``s them.
+        dtype: Weights and activations: ``"auto"`` (bfloat16 where the device computes it
+            fast, else float32 on the CPU and float16 on CUDA), ``"float32"``,
+            ``"bfloat16"`` or ``"float16"``.
+        torch_threads: torch's intra-op threads for the forward pass on the CPU; ``None``
+            leaves torch's default (one per core). The bookkeeping stroke runs on the event
+            loop thread meanwhile, so on small machines fewer threads can be faster.
     """
 
     block_size: int = attrs.field(default=16, validator=_optional_at_least(1))
@@ -69,3 +75,7 @@ class EngineConfig:
     shutdown: Literal["drain", "cancel"] = attrs.field(
         default="drain", validator=_check_choice("drain", "cancel")
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
+        default="auto", validator=_check_choice("auto", "float32", "bfloat16", "float16")
+    )
+    torch_threads: int | None = attrs.field(default=None, validator=_optional_at_least(1))
