@@ -1,0 +1,332 @@
+"""The torch model runner: step plans in, sampled tokens out, on the CPU or a CUDA device.
+
+:class:`TorchModelRunner` implements :class:`~twostroke.engine.runner.ModelRunner` for the
+Llama-family decoder. One :meth:`~TorchModelRunner.execute` builds the step's inputs, runs the
+model over the paged cache and the sampler, and returns a
+:class:`~twostroke.gpu.completion.Launched` whose ``readback`` gives the sampled ids.
+
+The one-step lookahead happens here. A scheduled request with ``pending_input`` needs, as its
+last input id, the token the previous step sampled for it; the host does not know that token
+yet. The runner keeps the previous step's sampled-ids tensor on the device with a map from
+request id to row, and copies the ids into this step's input on the device. Penalty history
+is likewise updated on the device (see :class:`~twostroke.engine.sampler.TokenHistory`).
+
+On the CPU ``execute`` runs the step to the end (in the engine's worker thread) and returns
+an event that has already fired. On CUDA it only enqueues: the sampled ids are copied
+non-blocking into fresh pinned host memory, a fresh ``torch.cuda.Event`` is recorded after
+the copy, and every tensor the step touches is kept alive in ``keepalive``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from twostroke.engine.models.attention import AttentionMetadata, ChunkSpec, KVCache, to_device
+from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.loader import LoadedModel
+from twostroke.engine.runner import StepOutput, TokenLogprobs
+from twostroke.engine.sampler import Sampler, SamplerOutput, TokenHistory
+from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
+from twostroke.states.errors import EngineError
+from twostroke.states.plan import ScheduledRequest, StepPlan
+
+__all__ = ["RunnerError", "TorchModelRunner"]
+
+
+class RunnerError(EngineError, RuntimeError):
+    """A step cannot run: the runner was used out of protocol or a plan is inconsistent."""
+
+
+@attrs.frozen
+class _Staged:
+    """Host views of a step's outputs: pinned copies on CUDA, the tensors themselves on CPU."""
+
+    sampled: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+
+class TorchModelRunner:
+    """Runs a :class:`LlamaForCausalLM` over a paged KV cache, one step plan at a time.
+
+    Args:
+        model: The decoder, weights loaded.
+        max_model_len: Caps the context below the model's own limit.
+        max_num_seqs: The most requests the engine runs at once (sizes the penalty history
+            it starts with; it grows if needed).
+        seed: Seeds the sampling of unseeded requests (``None``: from the OS).
+
+    Raises:
+        ValueError: ``max_model_len`` or ``max_num_seqs`` below 1.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        limit = model.config.max_position_embeddings
+        self._max_model_len = limit if max_model_len is None else min(limit, max_model_len)
+        self._history_capacity = min(max_num_seqs or 8, 64)
+        self._sampler = Sampler(model.config.vocab_size, model.device, seed=seed)
+        self._history: TokenHistory | None = None
+        self._cache: KVCache | None = None
+        self._previous_sampled: torch.Tensor | None = None
+        self._previous_rows: dict[int, int] = {}
+        self._num_steps = 0
+
+    @classmethod
+    def from_loaded(
+        cls,
+        loaded: LoadedModel,
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        seed: int | None = None,
+    ) -> TorchModelRunner:
+        """A runner for a model :func:`~twostroke.engine.models.loader.load_model` loaded.
+
+        Args:
+            loaded: The loaded model.
+            max_model_len: See the class.
+            max_num_seqs: See the class.
+            seed: See the class.
+
+        Returns:
+            The runner (its KV cache is allocated later, by the engine).
+        """
+        return cls(loaded.module, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed)
+
+    def __repr__(self) -> str:
+        cache = "no KV cache" if self._cache is None else f"{self._cache.num_blocks} KV blocks"
+        return (
+            f"<TorchModelRunner {self.config.architecture} {self.model.dtype} on "
+            f"{self.device}, {cache}, {self._num_steps} steps>"
+        )
+
+    # --- the ModelRunner protocol ---------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and output) the model accepts."""
+        return self._max_model_len
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of KV cache one block of ``block_size`` positions takes (all layers)."""
+        config = self.config
+        return KVCache.bytes_per_block(
+            num_layers=config.num_layers,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=self.model.dtype,
+        )
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Create the paged KV cache. Called once, before the first step.
+
+        Raises:
+            RunnerError: the cache exists already.
+            ValueError: ``num_blocks`` or ``block_size`` below 1.
+        """
+        if self._cache is not None:
+            raise RunnerError("the KV cache can be allocated only once")
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self._cache = self.model.allocate_kv_cache(num_blocks, block_size)
+
+    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+        """Launch one step (on the CPU: run it) and return how to read its tokens back.
+
+        Args:
+            plan: The step; plans must come in the scheduler's order.
+
+        Returns:
+            The launched step; its ``readback`` gives the sampled ids and any logprobs.
+
+        Raises:
+            RunnerError: no KV cache, a pending input with no sample from the previous step,
+                or a token id outside the vocabulary. The runner stays usable.
+            ValueError: a block table does not cover its positions.
+        """
+        if self._cache is None:
+            raise RunnerError("allocate_kv_cache() must be called before execute()")
+        try:
+            with torch.inference_mode():
+                return self._execute(plan, self._cache)
+        except BaseException:
+            # A failed step fails all its requests, so nothing may refer to its samples.
+            self._previous_sampled = None
+            self._previous_rows = {}
+            raise
+
+    # --- one step -------------------------------------------------------------------------
+
+    def _execute(self, plan: StepPlan, cache: KVCache) -> Launched[StepOutput]:
+        history = self._history
+        if history is not None:
+            for request_id in plan.finished_request_ids:
+                history.release(request_id)
+        # Single-token chunks first: the attention batches them into one call.
+        entries = sorted(plan.requests, key=lambda entry: entry.num_tokens != 1)
+        input_ids, pending_rows, pending_sources, logit_rows = self._layout(plan, entries)
+        device = self.device
+        ids = to_device(input_ids, device=device)
+        if pending_rows:
+            assert self._previous_sampled is not None
+            sources = self._previous_sampled.index_select(
+                0, to_device(pending_sources, device=device)
+            )
+            ids.index_copy_(0, to_device(pending_rows, device=device), sources)
+        metadata = AttentionMetadata.build(
+            [ChunkSpec(entry.start, entry.num_tokens, entry.block_table) for entry in entries],
+            block_size=cache.block_size,
+            num_blocks=cache.num_blocks,
+            num_queries_per_kv=self.config.num_queries_per_kv,
+            dtype=self.model.dtype,
+            device=device,
+        )
+        logits = self.model(ids, metadata, cache, to_device(logit_rows, device=device))
+
+        sampling = [entry for entry in entries if entry.sample]
+        batch = self._sampler.prepare(
+            [entry.params for entry in sampling], [entry.sample_index for entry in sampling]
+        )
+        slots = self._record_prompts(entries, sampling)
+        token_history = None
+        if slots is not None:
+            assert self._history is not None
+            token_history = self._history.gather(slots)
+        output = self._sampler.sample(logits, batch, token_history)
+        if slots is not None:
+            assert self._history is not None and batch.penalty_rows is not None
+            self._history.count(slots, output.sampled.index_select(0, batch.penalty_rows))
+
+        self._previous_sampled = output.sampled
+        self._previous_rows = {entry.request_id: row for row, entry in enumerate(sampling)}
+        self._num_steps += 1
+        staged = _stage(output, device)
+        readback = _readback(plan.step_id, sampling, batch.logprob_rows, batch.num_logprobs, staged)
+        keepalive = (ids, metadata, logits, output, staged, token_history)
+        event: SupportsQuery = ReadyEvent()
+        if device.type == "cuda":
+            cuda_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            cuda_event.record()
+            event = cuda_event
+        return Launched(event, readback, keepalive)
+
+    def _layout(
+        self, plan: StepPlan, entries: list[ScheduledRequest]
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Input ids (0 where pending), where pending ids go and come from, and logit rows."""
+        input_ids: list[int] = []
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
+        logit_rows: list[int] = []
+        for entry in entries:
+            input_ids.extend(entry.token_ids)
+            if entry.pending_input:
+                row = self._previous_rows.get(entry.request_id)
+                if row is None:
+                    raise RunnerError(
+                        f"step {plan.step_id}: request {entry.request_id} has a pending input "
+                        "but the previous step sampled nothing for it"
+                    )
+                pending_rows.append(len(input_ids))
+                pending_sources.append(row)
+                input_ids.append(0)
+            if entry.sample:
+                logit_rows.append(len(input_ids) - 1)
+        vocab = self.config.vocab_size
+        if input_ids and not 0 <= min(input_ids) <= max(input_ids) < vocab:
+            bad = sorted({i for i in input_ids if not 0 <= i < vocab})
+            raise RunnerError(
+                f"step {plan.step_id}: token ids must be in [0, {vocab}), got {bad[:10]}"
+            )
+        return input_ids, pending_rows, pending_sources, logit_rows
+
+    def _record_prompts(
+        self, entries: list[ScheduledRequest], sampling: list[ScheduledRequest]
+    ) -> torch.Tensor | None:
+        """Add prompt tokens of penalized requests to their history; their slots, row order."""
+        penalized = [entry for entry in entries if entry.params.uses_penalties]
+        if not penalized:
+            return None
+        if self._history is None:
+            self._history = TokenHistory(
+                self.config.vocab_size, self.device, capacity=self._history_capacity
+            )
+        history = self._history
+        for entry in penalized:
+            prompt_end = min(entry.end, entry.num_prompt_tokens)
+            if entry.start < prompt_end:
+                prompt_ids = entry.token_ids[: prompt_end - entry.start]
+                history.add_prompt(entry.request_id, entry.start, prompt_ids)
+            else:
+                history.slot(entry.request_id)
+        slots = [history.slot(e.request_id) for e in sampling if e.params.uses_penalties]
+        return to_device(slots, device=self.device) if slots else None
+
+
+def _stage(output: SamplerOutput, device: torch.device) -> _Staged:
+    """Start copying the outputs to host memory (pinned and non-blocking on CUDA)."""
+
+    def host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or device.type != "cuda":
+            return tensor
+        # A fresh buffer per step: one a copy in flight may still write is never reused.
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return pinned.copy_(tensor, non_blocking=True)
+
+    sampled = host(output.sampled)
+    assert sampled is not None
+    return _Staged(
+        sampled=sampled,
+        logprobs=host(output.logprobs),
+        top_ids=host(output.top_ids),
+        top_logprobs=host(output.top_logprobs),
+    )
+
+
+def _readback(
+    step_id: int,
+    sampling: list[ScheduledRequest],
+    logprob_rows: tuple[int, ...],
+    num_logprobs: tuple[int, ...],
+    staged: _Staged,
+) -> Callable[[], StepOutput]:
+    request_ids = [entry.request_id for entry in sampling]
+
+    def readback() -> StepOutput:
+        tokens = staged.sampled.tolist()
+        sampled = dict(zip(request_ids, tokens, strict=True))
+        logprobs: dict[int, TokenLogprobs] = {}
+        if logprob_rows:
+            assert staged.logprobs is not None
+            chosen = staged.logprobs.tolist()
+            top_ids = staged.top_ids.tolist() if staged.top_ids is not None else None
+            top_values = staged.top_logprobs.tolist() if staged.top_logprobs is not None else None
+            for index, (row, count) in enumerate(zip(logprob_rows, num_logprobs, strict=True)):
+                top: tuple[tuple[int, float], ...] = ()
+                if count and top_ids is not None and top_values is not None:
+                    top = tuple(zip(top_ids[index][:count], top_values[index][:count], strict=True))
+                logprobs[request_ids[row]] = TokenLogprobs(
+                    token_id=tokens[row], logprob=chosen[index], top=top
+                )
+        return StepOutput(step_id=step_id, sampled=sampled, logprobs=logprobs)
+
+    return readback

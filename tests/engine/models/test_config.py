@@ -1,0 +1,173 @@
+"""ModelConfig from transformers configs and GGUF metadata, and what it refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import transformers
+
+from twostroke.engine.models.config import ModelConfig, RopeScaling
+
+
+def hf(config: Any, architecture: str, **overrides: Any) -> dict[str, Any]:
+    return {**config.to_dict(), "architectures": [architecture], **overrides}
+
+
+SMALL = dict(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def test_llama_config() -> None:
+    data = hf(transformers.LlamaConfig(**SMALL, eos_token_id=[5, 6]), "LlamaForCausalLM")
+    config = ModelConfig.from_hf_config(data)
+    assert (config.hidden_size, config.head_dim, config.num_kv_heads) == (32, 8, 2)
+    assert config.num_queries_per_kv == 2
+    assert config.eos_token_ids == (5, 6)
+    assert config.rope_scaling is None
+    assert not (config.qkv_bias or config.o_bias or config.mlp_bias)
+
+
+def test_llama_attention_bias_covers_every_projection() -> None:
+    data = hf(transformers.LlamaConfig(**SMALL, attention_bias=True), "LlamaForCausalLM")
+    config = ModelConfig.from_hf_config(data)
+    assert config.qkv_bias and config.o_bias
+
+
+def test_qwen2_has_qkv_bias_only() -> None:
+    data = hf(transformers.Qwen2Config(**SMALL), "Qwen2ForCausalLM")
+    config = ModelConfig.from_hf_config(data)
+    assert config.qkv_bias and not config.o_bias
+
+
+def test_mistral_sliding_window_caps_the_context() -> None:
+    data = hf(
+        transformers.MistralConfig(**SMALL, sliding_window=64, max_position_embeddings=4096),
+        "MistralForCausalLM",
+    )
+    assert ModelConfig.from_hf_config(data).max_position_embeddings == 64
+
+
+def test_transformers_4_rope_layout() -> None:
+    data = hf(transformers.LlamaConfig(**SMALL), "LlamaForCausalLM")
+    del data["rope_parameters"]
+    data["rope_theta"] = 500000.0
+    data["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = ModelConfig.from_hf_config(data)
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == RopeScaling(
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            r"unsupported architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM, "
+            r"MistralForCausalLM, Qwen2ForCausalLM",
+        ),
+        ({"hidden_act": "gelu"}, r"hidden_act must be 'silu' \(SwiGLU\), got 'gelu'"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+            r"unsupported rope_type 'yarn'; supported: 'default', 'linear', 'llama3'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+            r"the configuration lacks 'factor'",
+        ),
+        ({"hidden_size": None}, r"the configuration lacks 'hidden_size'"),
+        (
+            {"num_key_value_heads": 3},
+            r"num_heads must be a multiple of num_kv_heads, got num_heads=4 and num_kv_heads=3",
+        ),
+        ({"vocab_size": 0}, r"vocab_size must be >= 1, got 0"),
+    ],
+)
+def test_hf_config_errors(overrides: dict[str, Any], message: str) -> None:
+    data = hf(transformers.LlamaConfig(**SMALL), "LlamaForCausalLM", **overrides)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(data)
+
+
+GGUF = {
+    "general.architecture": "llama",
+    "general.name": "tiny",
+    "llama.block_count": 2,
+    "llama.context_length": 256,
+    "llama.embedding_length": 32,
+    "llama.feed_forward_length": 48,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.rope.freq_base": 100000.0,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "tokenizer.ggml.tokens": ["a"] * 100,
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+}
+
+
+def test_gguf_metadata() -> None:
+    config = ModelConfig.from_gguf_metadata(GGUF, ["token_embd.weight", "blk.0.attn_q.weight"])
+    assert config.architecture == "LlamaForCausalLM"
+    assert config.vocab_size == 100  # from the tokenizer when the key is absent
+    assert config.tie_word_embeddings  # no output.weight
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    assert (config.head_dim, config.rope_theta) == (8, 100000.0)
+    untied = ModelConfig.from_gguf_metadata(
+        {**GGUF, "general.name": "Mistral 7B"}, ["output.weight", "blk.0.attn_q.bias"]
+    )
+    assert not untied.tie_word_embeddings and untied.qkv_bias
+    assert untied.architecture == "MistralForCausalLM"
+
+
+def test_gguf_rope_frequency_factors_must_fit_the_head() -> None:
+    factors = (1.0, 2.0, 4.0, 8.0)
+    config = ModelConfig.from_gguf_metadata(GGUF, [], rope_frequency_factors=factors)
+    assert config.rope_frequency_factors == factors
+    with pytest.raises(
+        ValueError,
+        match=r"rope_frequency_factors must have head_dim / 2 = 4 "
+        r"entries, got 2",
+    ):
+        ModelConfig.from_gguf_metadata(GGUF, [], rope_frequency_factors=(1.0, 2.0))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"general.architecture": "falcon"},
+            r"unsupported GGUF architecture 'falcon'; supported: llama, qwen2",
+        ),
+        (
+            {"llama.rope.scaling.type": "yarn"},
+            r"unsupported rope scaling 'yarn'; supported: 'none', 'linear'",
+        ),
+        ({"llama.embedding_length": None}, r"the configuration lacks 'llama\.embedding_length'"),
+        (
+            {"tokenizer.ggml.tokens": None},
+            r"GGUF metadata lacks llama\.vocab_size and tokenizer\.ggml\.tokens",
+        ),
+    ],
+)
+def test_gguf_metadata_errors(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_gguf_metadata({**GGUF, **overrides}, [])

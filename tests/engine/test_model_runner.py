@@ -1,0 +1,387 @@
+"""TorchModelRunner driven by the real scheduler, against transformers.
+
+A small synchronous driver plays the engine: it schedules step N+1 *before* applying step N's
+outcome (pipeline depth 2), so pending inputs always come from the device, and it forces
+chunked prefill, mixed batches and (with a tiny pool) preemption.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from tests.engine.models.test_llama import (
+    make_tiny_model,
+    one_torch_thread,  # noqa: F401 (autouse)
+    random_sequences,
+)
+from tests.engine.test_sampler import reference_penalties
+from twostroke.engine.model_runner import RunnerError, TorchModelRunner
+from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.runner import TokenLogprobs
+from twostroke.states.params import SamplingParams
+from twostroke.states.plan import ScheduledRequest, StepOutcome, StepPlan
+from twostroke.states.request import Request
+from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PROMPT_LENGTHS = [1, 3, 8, 13, 21, 34, 50, 5]
+
+
+@attrs.frozen
+class Run:
+    tokens: dict[int, list[int]]
+    logprobs: dict[int, list[TokenLogprobs]]
+    statistics: SchedulerStatistics
+    #: Steps with decodes and at least two multi-token chunks (prefills) of other requests.
+    num_mixed_steps: int
+
+
+def generate(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    *,
+    arrivals: list[int] | None = None,
+    num_blocks: int = 256,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 16,
+    pipeline_depth: int = 2,
+    seed: int = 0,
+) -> Run:
+    """Serve every prompt as one continuous batch; request ``i`` arrives at step ``arrivals[i]``."""
+    runner = TorchModelRunner.from_loaded(loaded, seed=seed)
+    runner.allocate_kv_cache(num_blocks, block_size)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=16,
+            max_model_len=runner.max_model_len,
+            pipeline_depth=pipeline_depth,
+        )
+    )
+    arrivals = arrivals or [0] * len(prompts)
+    pending = sorted(range(len(prompts)), key=arrivals.__getitem__)
+    inflight: collections.deque[tuple[StepPlan, Any]] = collections.deque()
+    tokens: dict[int, list[int]] = collections.defaultdict(list)
+    logprobs: dict[int, list[TokenLogprobs]] = collections.defaultdict(list)
+    steps = mixed = 0
+    while pending or scheduler.has_unfinished_requests() or inflight:
+        while pending and arrivals[pending[0]] <= steps:
+            index = pending.pop(0)
+            scheduler.add_request(Request(index, prompts[index], params[index], 0.0))
+        while scheduler.can_schedule and (plan := scheduler.schedule()) is not None:
+            inflight.append((plan, runner.execute(plan)))
+            steps += 1
+            sizes = [entry.num_tokens for entry in plan.requests]
+            mixed += 1 in sizes and sum(size > 1 for size in sizes) >= 2
+        if not inflight:
+            steps += 1  # idle until the next arrival
+            continue
+        plan, launched = inflight.popleft()
+        assert launched.event.query()
+        output = launched.readback()
+        assert output.step_id == plan.step_id
+        report = scheduler.apply(StepOutcome(plan.step_id, output.sampled))
+        for request_id, token in report.new_tokens:
+            tokens[request_id].append(token)
+            if request_id in output.logprobs:
+                assert output.logprobs[request_id].token_id == token
+                logprobs[request_id].append(output.logprobs[request_id])
+        scheduler.check_invariants()
+    assert scheduler.is_idle()
+    return Run(dict(tokens), dict(logprobs), scheduler.statistics(), mixed)
+
+
+def transformers_greedy(reference: Any, prompt: list[int], **kwargs: Any) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        output = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),  # else ids equal to pad_token_id are masked
+            max_new_tokens=32,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return output[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random model, loaded in fp32, with transformers' greedy outputs."""
+    path = tmp_path_factory.mktemp(request.param)
+    reference = make_tiny_model(request.param, path, seed=11)
+    prompts = random_sequences(PROMPT_LENGTHS, seed=12)
+    expected = [transformers_greedy(reference, prompt) for prompt in prompts]
+    return reference, load_model(path, dtype=torch.float32, device=CPU), prompts, expected
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
+    path = tmp_path_factory.mktemp("llama")
+    reference = make_tiny_model("llama", path, seed=21)
+    return reference, load_model(path, dtype=torch.float32, device=CPU)
+
+
+@pytest.mark.parametrize("pipeline_depth", [2, 1])
+def test_greedy_continuous_batch_matches_transformers(tiny: Any, pipeline_depth: int) -> None:
+    """8 prompts x 32 tokens, chunked prefill (16-token budget), staggered arrivals."""
+    _, loaded, prompts, expected = tiny
+    run = generate(
+        loaded,
+        prompts,
+        [GREEDY] * len(prompts),
+        arrivals=[0, 0, 0, 3, 3, 9, 9, 20],
+        pipeline_depth=pipeline_depth,
+    )
+    assert [run.tokens[i] for i in range(len(prompts))] == expected
+    assert run.statistics.num_preemptions == 0
+    assert run.num_mixed_steps > 0
+
+
+def test_preemption_gives_identical_tokens(tiny: Any) -> None:
+    _, loaded, prompts, expected = tiny
+    run = generate(loaded, prompts, [GREEDY] * len(prompts), num_blocks=26)
+    assert run.statistics.num_preemptions > 0
+    assert [run.tokens[i] for i in range(len(prompts))] == expected
+
+
+def test_logprobs_match_transformers_log_softmax(tiny_llama: tuple[Any, LoadedModel]) -> None:
+    reference, loaded = tiny_llama
+    prompts = random_sequences([4, 17, 30], seed=2)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, logprobs=5, ignore_eos=True),
+    ]
+    run = generate(loaded, prompts, params)
+    for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+        sequence = prompt + run.tokens[index]
+        with torch.no_grad():
+            logits = reference(torch.tensor([sequence])).logits[0].float()
+        expected = torch.log_softmax(logits, dim=-1)
+        assert len(run.logprobs[index]) == param.max_tokens
+        for step, entry in enumerate(run.logprobs[index]):
+            row = expected[len(prompt) - 1 + step]
+            assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
+            assert param.logprobs is not None and len(entry.top) == param.logprobs
+            values, ids = row.topk(param.logprobs) if param.logprobs else (row[:0], row[:0])
+            assert [token for token, _ in entry.top] == ids.tolist()
+            for (_, value), want in zip(entry.top, values.tolist(), strict=True):
+                assert value == pytest.approx(want, abs=1e-4)
+
+
+def test_seeded_requests_ignore_batch_composition(tiny_llama: tuple[Any, LoadedModel]) -> None:
+    """The same seeded request alone, then among others arriving in another order."""
+    _, loaded = tiny_llama
+    prompts = random_sequences([9, 14, 3, 25, 6], seed=8)
+    seeded = [
+        SamplingParams(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True),
+        SamplingParams(
+            max_tokens=20, temperature=0.7, top_k=20, top_p=0.95, seed=2, ignore_eos=True
+        ),
+    ]
+    alone = [generate(loaded, [prompts[i]], [seeded[i]]).tokens[0] for i in range(2)]
+    others = [
+        SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.5, seed=99, min_p=0.1, ignore_eos=True),
+    ]
+    mixed = generate(
+        loaded,
+        prompts[2:] + prompts[:2],
+        others + seeded,
+        arrivals=[0, 0, 0, 4, 1],
+        max_num_batched_tokens=12,
+        seed=77,
+    )
+    assert [mixed.tokens[3], mixed.tokens[4]] == alone
+    assert alone[0] != generate(loaded, [prompts[0]], [attrs.evolve(seeded[0], seed=5)]).tokens[0]
+
+
+def reference_penalized_greedy(
+    loaded: LoadedModel, prompt: list[int], params: SamplingParams
+) -> list[int]:
+    tokens, output = list(prompt), []
+    for _ in range(params.max_tokens):
+        logits = loaded.module.forward_logits([tokens])[0][-1].tolist()
+        penalized = reference_penalties(logits, prompt, output, params)
+        token = max(range(len(penalized)), key=penalized.__getitem__)
+        tokens.append(token)
+        output.append(token)
+    return output
+
+
+@pytest.mark.parametrize("num_blocks", [256, 30], ids=["roomy", "preempting"])
+def test_penalties_use_the_device_history(
+    tiny_llama: tuple[Any, LoadedModel], num_blocks: int
+) -> None:
+    """Presence, frequency and repetition penalties under the lookahead, vs a plain loop."""
+    _, loaded = tiny_llama
+    prompts = random_sequences([5, 22, 40, 11], seed=9)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=0.7, ignore_eos=True),
+        SamplingParams(
+            max_tokens=24,
+            temperature=0.0,
+            repetition_penalty=2.0,
+            presence_penalty=-0.5,
+            frequency_penalty=0.3,
+            ignore_eos=True,
+        ),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    ]
+    run = generate(loaded, prompts, params, num_blocks=num_blocks)
+    if num_blocks == 30:
+        assert run.statistics.num_preemptions > 0
+    for index, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+        assert run.tokens[index] == reference_penalized_greedy(loaded, prompt, param)
+
+
+def test_repetition_penalty_matches_transformers(tiny_llama: tuple[Any, LoadedModel]) -> None:
+    reference, loaded = tiny_llama
+    prompts = random_sequences([6, 19], seed=10)
+    params = SamplingParams(max_tokens=32, temperature=0.0, repetition_penalty=1.8, ignore_eos=True)
+    run = generate(loaded, prompts, [params] * 2)
+    for index, prompt in enumerate(prompts):
+        assert run.tokens[index] == transformers_greedy(reference, prompt, repetition_penalty=1.8)
+
+
+# --- the protocol ---------------------------------------------------------------------------
+
+
+def entry(request_id: int, start: int, token_ids: tuple[int, ...], **changes: Any) -> Any:
+    fields: dict[str, Any] = dict(
+        request_id=request_id,
+        start=start,
+        token_ids=token_ids,
+        pending_input=False,
+        sample=True,
+        sample_index=0,
+        num_prompt_tokens=start + len(token_ids),
+        block_table=(0, 1),
+        params=SamplingParams(temperature=0.0),
+    )
+    return ScheduledRequest(**{**fields, **changes})
+
+
+def test_protocol_errors_leave_the_runner_usable(tiny_llama: tuple[Any, LoadedModel]) -> None:
+    _, loaded = tiny_llama
+    runner = TorchModelRunner.from_loaded(loaded, max_model_len=100)
+    good = StepPlan(0, (entry(1, 0, (5, 6, 7)),))
+    with pytest.raises(RunnerError, match=r"allocate_kv_cache\(\) must be called before execute"):
+        runner.execute(good)
+    runner.allocate_kv_cache(4, 4)
+    with pytest.raises(RunnerError, match="the KV cache can be allocated only once"):
+        runner.allocate_kv_cache(4, 4)
+    first = runner.execute(good).readback().sampled[1]
+    pending = StepPlan(1, (entry(2, 3, (), pending_input=True, sample_index=1),))
+    with pytest.raises(
+        RunnerError,
+        match="step 1: request 2 has a pending input but the previous step sampled nothing for it",
+    ):
+        runner.execute(pending)
+    with pytest.raises(
+        RunnerError, match=r"step 2: token ids must be in \[0, 256\), got \[256, 999\]"
+    ):
+        runner.execute(StepPlan(2, (entry(3, 0, (1, 999, 256)),)))
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 4\), got \[7\]"):
+        runner.execute(StepPlan(3, (entry(4, 0, (1, 2)), entry(5, 0, (3,), block_table=(7,)))))
+    again = runner.execute(StepPlan(4, (entry(1, 0, (5, 6, 7)),))).readback()
+    assert again.step_id == 4 and again.sampled == {1: first}
+
+
+def test_pending_inputs_come_from_the_previous_step_on_the_device(
+    tiny_llama: tuple[Any, LoadedModel],
+) -> None:
+    _, loaded = tiny_llama
+    runner = TorchModelRunner.from_loaded(loaded)
+    runner.allocate_kv_cache(8, 4)
+    prompt = (9, 8, 7, 6, 5)
+    first = runner.execute(StepPlan(0, (entry(1, 0, prompt, block_table=(3, 1)),)))
+    second = runner.execute(
+        StepPlan(1, (entry(1, 5, (), pending_input=True, sample_index=1, block_table=(3, 1)),))
+    )
+    token = first.readback().sampled[1]
+    expected = loaded.module.forward_logits([[*prompt, token]])[0][-1].argmax().item()
+    assert second.readback().sampled == {1: expected}
+
+
+def test_sizes(tiny_llama: tuple[Any, LoadedModel]) -> None:
+    _, loaded = tiny_llama
+    runner = TorchModelRunner.from_loaded(loaded, max_model_len=10_000)
+    assert runner.max_model_len == 512  # the model's own limit wins
+    assert TorchModelRunner.from_loaded(loaded, max_model_len=64).max_model_len == 64
+    # 3 layers x (K and V) x 16 positions x 2 kv heads x 16 wide x 4 bytes
+    assert runner.kv_cache_bytes_per_block(16) == 3 * 2 * 16 * 2 * 16 * 4
+    assert "LlamaForCausalLM" in repr(runner) and "no KV cache" in repr(runner)
+    with pytest.raises(ValueError, match="max_model_len must be >= 1, got 0"):
+        TorchModelRunner.from_loaded(loaded, max_model_len=0)
+
+
+# --- the default model ----------------------------------------------------------------------
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain gravity to a child in one sentence.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers_on_the_same_gguf() -> None:
+    """Chat prompts, 24 greedy tokens each, against transformers reading the same GGUF in fp32.
+
+    transformers checks our tokens by teacher forcing: one forward pass over prompt + our
+    tokens, whose argmax at every position must be our next token. By induction that is
+    exactly "transformers' greedy generate gives the same tokens", at a fraction of the time.
+    """
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    loaded = load_model("smollm2", dtype=torch.float32, device=CPU)
+    path = loaded.source
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    prompts = []
+    for text in CHAT_PROMPTS:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    run = generate(
+        loaded,
+        prompts,
+        [params] * len(prompts),
+        block_size=16,
+        num_blocks=64,
+        max_num_batched_tokens=48,
+    )
+    del loaded
+
+    # from_pretrained(gguf_file=...) also wants accelerate; these are the steps it takes.
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)
+    missing, unexpected = reference.load_state_dict(state["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    reference.tie_weights()
+    reference.eval()
+    for index, prompt in enumerate(prompts):
+        tokens = run.tokens[index]
+        assert len(tokens) == 24
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0]
+        expected = logits[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
+        assert tokens == expected, CHAT_PROMPTS[index]
+    assert "Paris" in tokenizer.decode(run.tokens[0])
