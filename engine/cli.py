@@ -97,7 +97,11 @@ async def _demo(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     async with Engine.open(args.model, device=args.device) as engine:
         loaded = time.perf_counter()
-        print(f"loaded {args.model} in {loaded - started:.1f} s: {engine.statistics()}")
+        blocks = engine.statistics().num_blocks
+        print(
+            f"loaded {args.model} in {loaded - started:.1f} s "
+            f"({blocks} KV blocks of {engine.config.block_size} tokens)"
+        )
         texts = [""] * len(DEMO_QUESTIONS)
         first_token: list[float | None] = [None] * len(DEMO_QUESTIONS)
 

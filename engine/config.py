@@ -24,6 +24,8 @@ def _optional_at_least(minimum: int) -> Any:
 
 
 def _check_kv_memory(_: object, __: object, value: Any) -> None:
+    if value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {value!r}")
     if isinstance(value, float) and not 0 < value < 1:
@@ -49,7 +51,9 @@ class EngineConfig:
         block_size: Token positions per KV block.
         num_blocks: KV blocks in the pool; ``None`` sizes the pool from ``kv_cache_memory``.
         kv_cache_memory: KV cache budget when ``num_blocks`` is ``None``: bytes (``int``) or
-            a fraction of the device's free memory (``float`` in (0, 1)).
+            a fraction of the device's free memory (``float`` in (0, 1)). ``None`` takes
+            half the free memory on CUDA and 1 GiB on the CPU (whose memory the rest of the
+            program shares).
         max_num_batched_tokens: Token budget of one step (chunked prefill splits longer
             prompts).
         max_num_seqs: The most requests running at once.
@@ -67,7 +71,7 @@ class EngineConfig:
 
     block_size: int = attrs.field(default=16, validator=_optional_at_least(1))
     num_blocks: int | None = attrs.field(default=None, validator=_optional_at_least(1))
-    kv_cache_memory: int | float = attrs.field(default=0.25, validator=_check_kv_memory)
+    kv_cache_memory: int | float | None = attrs.field(default=None, validator=_check_kv_memory)
     max_num_batched_tokens: int = attrs.field(default=512, validator=_optional_at_least(1))
     max_num_seqs: int = attrs.field(default=64, validator=_optional_at_least(1))
     max_model_len: int | None = attrs.field(default=None, validator=_optional_at_least(2))

@@ -533,6 +533,8 @@ def _size_pool(runner: ModelRunner, device: Device, config: EngineConfig) -> int
         return config.num_blocks
     per_block = runner.kv_cache_bytes_per_block(config.block_size)
     budget = config.kv_cache_memory
+    if budget is None:
+        budget = 0.5 if device.kind == "cuda" else 1 << 30
     if isinstance(budget, float):
         budget = int(budget * _free_memory(device))
     num_blocks = budget // max(per_block, 1)
