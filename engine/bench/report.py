@@ -1,0 +1,283 @@
+"""The benchmark's report: a table on the terminal, a JSON file, and a PNG plot.
+
+Every figure comes from :func:`~twostroke.engine.bench.metrics.metrics`; this module only lays
+them out. Each system's throughput is also given as a ratio to one reference system (twostroke
+depth 2 when it ran), because the targets of the project are ratios measured in one run on one
+machine, where absolute numbers drift with the machine's load. A system that did not run gets
+a row that says why, never an empty one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from rich.console import Console
+from rich.table import Table
+
+from twostroke.engine.bench.metrics import Distribution, Metrics, RequestTiming, metrics
+
+if TYPE_CHECKING:
+    from twostroke.engine.bench.runner import BenchRun
+
+__all__ = [
+    "DEFAULT_REFERENCE",
+    "ReportFiles",
+    "choose_reference",
+    "compute_metrics",
+    "notes",
+    "render_table",
+    "report_document",
+    "write_plot",
+    "write_report",
+]
+
+#: The system ratios are given against, when it ran.
+DEFAULT_REFERENCE = "twostroke-depth2"
+
+#: Format version of the JSON file.
+JSON_FORMAT = 1
+
+
+@attrs.frozen
+class ReportFiles:
+    """What :func:`write_report` wrote.
+
+    Attributes:
+        json: The JSON file.
+        png: The plot, or ``None`` when it could not be drawn.
+        plot_message: Where the plot is, or why there is none.
+    """
+
+    json: Path
+    png: Path | None
+    plot_message: str
+
+
+def compute_metrics(
+    run: BenchRun, *, ttft_slo: float | None = None, tpot_slo: float | None = None
+) -> dict[str, Metrics]:
+    """The metrics of every system that ran, by name, in run order."""
+    return {
+        result.name: metrics(result, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+        for result in run.results
+        if result.available
+    }
+
+
+def choose_reference(figures: Mapping[str, Metrics], preferred: str | None) -> str | None:
+    """The system ratios are taken against: ``preferred`` if it ran, else the first that ran."""
+    if preferred is not None and preferred in figures:
+        return preferred
+    return next(iter(figures), None)
+
+
+def _ms(distribution: Distribution | None, *fields: str) -> str:
+    if distribution is None:
+        return "-"
+    return " / ".join(f"{getattr(distribution, field) * 1000:.0f}" for field in fields)
+
+
+def _s(distribution: Distribution | None, *fields: str) -> str:
+    if distribution is None:
+        return "-"
+    return " / ".join(f"{getattr(distribution, field):.2f}" for field in fields)
+
+
+def _note(extra: Mapping[str, Any]) -> str:
+    parts = [str(extra[key]) for key in ("weights", "batching") if key in extra]
+    if "batch_size" in extra:
+        parts.append(f"batch {extra['batch_size']}")
+    if extra.get("load_average") is not None:
+        parts.append(f"load average {extra['load_average']:.2f}")
+    return "; ".join(parts)
+
+
+def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str | None) -> Table:
+    """One row per system: figures and throughput ratio for those that ran.
+
+    Latencies are milliseconds, end-to-end in seconds; each cell is "mean / p99" (ITL "p50 /
+    p99", the gaps are many and skewed). What a reader needs to interpret a row (quantized
+    weights, no batching) and why a system did not run go in :func:`notes`, under the table.
+    """
+    slos = next(iter(figures.values())).goodput is not None if figures else False
+    table = Table(
+        title=f"twostroke bench: {run.model.name}, {run.model.dtype}, {run.model.threads} threads",
+        caption=run.workload.description,
+    )
+    table.add_column("system", style="bold", no_wrap=True)
+    headers = ["startup s", "wall s", "out tok/s", f"× {reference or 'ref'}", "req/s"]
+    headers += ["TTFT ms", "TPOT ms", "ITL ms p50", "E2E s"]
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+    if slos:
+        table.add_column("goodput req/s", justify="right", no_wrap=True)
+    base = figures[reference].output_throughput if reference else None
+    for result in run.results:
+        figure = figures.get(result.name)
+        if figure is None:
+            table.add_row(result.name, "[red]not run[/red]", *["-"] * (8 + slos))
+            continue
+        cells = [
+            result.name,
+            f"{figure.startup_seconds:.1f}",
+            f"{figure.wall_seconds:.2f}",
+            f"{figure.output_throughput:.1f}",
+            "-" if not base else f"{figure.output_throughput / base:.2f}",
+            f"{figure.request_throughput:.2f}",
+            _ms(figure.ttft, "mean", "p99"),
+            _ms(figure.tpot, "mean", "p99"),
+            _ms(figure.itl, "p50", "p99"),
+            _s(figure.e2e, "mean", "p99"),
+        ]
+        if slos:
+            cells.append("-" if figure.goodput is None else f"{figure.goodput:.2f}")
+        table.add_row(*cells)
+    return table
+
+
+def notes(run: BenchRun) -> list[str]:
+    """One line per system that did not run (why) or whose figures need a word (how)."""
+    lines = []
+    for result in run.results:
+        if not result.available:
+            lines.append(f"{result.name}: not run: {result.reason}")
+        elif note := _note(result.extra):
+            lines.append(f"{result.name}: {note}")
+    return lines
+
+
+def report_document(
+    run: BenchRun, figures: Mapping[str, Metrics], reference: str | None
+) -> dict[str, Any]:
+    """Everything the run measured, as one JSON-ready document (raw timings included)."""
+    base = figures[reference].output_throughput if reference else None
+    workload = run.workload
+    systems = []
+    for result in run.results:
+        figure = figures.get(result.name)
+        entry = result.to_json()
+        entry["metrics"] = None if figure is None else figure.to_json()
+        entry["ratio_to_reference"] = (
+            figure.output_throughput / base if figure is not None and base else None
+        )
+        systems.append(entry)
+    return {
+        "format": JSON_FORMAT,
+        "started_at": run.started_at,
+        "machine": dict(run.machine),
+        "model": {
+            "name": run.model.name,
+            "source": str(run.model.source),
+            "dtype": run.model.dtype,
+            "threads": run.model.threads,
+        },
+        "workload": {
+            "description": workload.description,
+            "seed": workload.seed,
+            "offline": workload.is_offline,
+            "arrival_times": None
+            if workload.arrival_times is None
+            else list(workload.arrival_times),
+            "requests": [
+                {"prompt_tokens": len(r.prompt_token_ids), "max_tokens": r.max_tokens}
+                for r in workload.requests
+            ],
+        },
+        "reference": reference,
+        "systems": systems,
+    }
+
+
+def write_plot(
+    run: BenchRun, figures: Mapping[str, Metrics], reference: str | None, path: Path
+) -> str | None:
+    """Draw throughput bars and latency CDFs (TTFT, TPOT, end-to-end) to ``path``.
+
+    Returns:
+        ``None`` when drawn, else why not (matplotlib missing, nothing ran).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib, or the bench extra)"
+    if not figures:
+        return "no plot: no system ran"
+    figure = Figure(figsize=(13, 9), layout="constrained")
+    axes = figure.subplots(2, 2)
+    names = list(figures)
+    throughputs = [figures[name].output_throughput for name in names]
+    bars = axes[0][0].bar(names, throughputs, color="tab:blue")
+    base = figures[reference].output_throughput if reference else None
+    labels = [f"{value:.0f}" + (f"\n×{value / base:.2f}" if base else "") for value in throughputs]
+    axes[0][0].bar_label(bars, labels=labels)
+    axes[0][0].set_ylabel("output tokens / s")
+    axes[0][0].set_title("throughput" + (f" (ratio to {reference})" if reference else ""))
+    axes[0][0].tick_params(axis="x", labelrotation=20)
+    axes[0][0].margins(y=0.2)
+    by_name = {result.name: result for result in run.results}
+    panels: tuple[tuple[Any, str, Callable[[RequestTiming], float | None]], ...] = (
+        (axes[0][1], "TTFT", lambda t: t.ttft),
+        (axes[1][0], "TPOT", lambda t: t.tpot),
+        (axes[1][1], "end-to-end latency", lambda t: t.e2e),
+    )
+    for axis, title, value in panels:
+        for name in names:
+            values = sorted(v for t in by_name[name].timings if (v := value(t)) is not None)
+            if values:
+                # The empirical CDF: 0 up to the fastest request, 1 from the slowest on.
+                fractions = [0.0] + [(i + 1) / len(values) for i in range(len(values))]
+                axis.step([values[0], *values], fractions, where="post", label=name)
+        axis.set_xlabel("seconds")
+        axis.set_ylabel("fraction of requests")
+        axis.set_title(f"{title} CDF")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.suptitle(f"{run.model.name} ({run.model.dtype}): {run.workload.description}")
+    figure.savefig(path, dpi=100)
+    return None
+
+
+def write_report(
+    run: BenchRun,
+    out_dir: Path,
+    *,
+    reference: str | None = DEFAULT_REFERENCE,
+    ttft_slo: float | None = None,
+    tpot_slo: float | None = None,
+    console: Console | None = None,
+) -> ReportFiles:
+    """Print the table and write ``bench.json`` and ``bench.png`` into ``out_dir``.
+
+    Args:
+        run: What the systems reported.
+        out_dir: Where the files go (created if missing).
+        reference: The system ratios are taken against; the first that ran if it did not.
+        ttft_slo: TTFT target for goodput, seconds.
+        tpot_slo: TPOT target for goodput, seconds.
+        console: Where the table is printed; a new stdout console if ``None``.
+
+    Returns:
+        The files written, and the plot's message.
+    """
+    console = console or Console()
+    figures = compute_metrics(run, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+    chosen = choose_reference(figures, reference)
+    console.print(render_table(run, figures, chosen))
+    for line in notes(run):
+        console.print(line, highlight=False)
+    if reference is not None and chosen != reference and chosen is not None:
+        console.print(f"(ratios are to {chosen}: {reference} did not run)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "bench.json"
+    json_path.write_text(json.dumps(report_document(run, figures, chosen), indent=1))
+    png_path = out_dir / "bench.png"
+    why_not = write_plot(run, figures, chosen, png_path)
+    message = f"plot: {png_path}" if why_not is None else why_not
+    console.print(f"results: {json_path}\n{message}")
+    return ReportFiles(
+        json=json_path, png=png_path if why_not is None else None, plot_message=message
+    )

@@ -1,0 +1,346 @@
+"""Running one workload through several systems, one after another, and the ``bench`` command.
+
+A system is anything that satisfies :class:`SystemDriver`: a name, a ``check`` that says why it
+cannot run (or ``None``), and a synchronous ``run`` that returns raw timings. The runner asks
+each system in turn, never lets one system's failure end the run (a crash becomes a row that
+says what happened), and shows a progress bar. Systems run one at a time so each has the whole
+machine; twostroke's own drivers (depth 2, depth 1, the bare forward loop) plug in beside the
+peers through the same protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
+from twostroke.engine.bench.metrics import SystemResult, metrics
+from twostroke.engine.bench.model import DTYPES, ModelSpec
+from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
+from twostroke.engine.bench.report import DEFAULT_REFERENCE, write_report
+from twostroke.engine.bench.vllm_peer import VLLMDriver
+from twostroke.engine.bench.workload import Workload, offline_workload, serving_workload
+
+__all__ = [
+    "BenchRun",
+    "SystemDriver",
+    "add_bench_arguments",
+    "bench_command",
+    "machine_info",
+    "peer_drivers",
+    "run_systems",
+]
+
+
+@runtime_checkable
+class SystemDriver(Protocol):
+    """One system the benchmark can run: twostroke in some configuration, or a peer."""
+
+    name: str
+
+    def check(self) -> str | None:
+        """``None`` if the system can run here, else why not (shown in the report)."""
+        ...
+
+    def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
+        """Run every request of ``workload`` on ``model`` and report raw timings.
+
+        Synchronous; may run an event loop or a subprocess inside. Loading counts as
+        ``startup_seconds``; ``wall_seconds`` and the timings start at the workload's t = 0.
+        May return an unavailable result (a workload shape it does not serve).
+        """
+        ...
+
+
+def _results(values: Iterable[SystemResult]) -> tuple[SystemResult, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class BenchRun:
+    """One workload through several systems, with what a reader needs to repeat it.
+
+    Attributes:
+        workload: What every system ran.
+        model: On which weights, dtype and threads.
+        results: One per system, in the order they ran.
+        started_at: ISO 8601 time the run began.
+        machine: CPU, cores, OS, Python, torch.
+    """
+
+    workload: Workload
+    model: ModelSpec
+    results: tuple[SystemResult, ...] = attrs.field(converter=_results)
+    started_at: str
+    machine: Mapping[str, Any] = attrs.field(eq=False)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_at_start": _load_average(),
+    }
+    for package in ("torch", "transformers"):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info[package] = None
+    return info
+
+
+def run_systems(
+    drivers: Sequence[SystemDriver],
+    workload: Workload,
+    *,
+    model: ModelSpec,
+    console: Console | None = None,
+    progress: bool = True,
+) -> BenchRun:
+    """Run ``workload`` through each driver in turn.
+
+    A driver whose ``check`` gives a reason is skipped with that reason; one whose ``run``
+    raises is recorded as not run, with the exception as the reason, and the next one runs.
+
+    Args:
+        drivers: The systems, in the order to run them; names must be distinct.
+        workload: What each runs.
+        model: On which weights.
+        console: Where the progress bar and one line per system go.
+        progress: Whether to show the progress bar.
+
+    Returns:
+        Every system's result, in order.
+
+    Raises:
+        ValueError: two drivers share a name, or there are none.
+    """
+    names = [driver.name for driver in drivers]
+    if not names:
+        raise ValueError("run_systems needs at least one driver, got none")
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"driver names must be distinct, got {', '.join(duplicates)} twice")
+    console = console or Console(stderr=True)
+    load, cores = _load_average(), os.cpu_count() or 1
+    if load is not None and load > cores / 2:
+        # Measured here: two OpenMP threads on two busy cores run 3-10x slower, llama.cpp worse.
+        console.print(
+            f"warning: load average {load:.2f} on {cores} cores: other processes compete for "
+            "the cores, so figures will be low and noisy",
+            style="yellow",
+        )
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    results = []
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, disable=not progress) as bar:
+        task = bar.add_task("bench", total=len(drivers))
+        for driver in drivers:
+            bar.update(task, description=f"{driver.name}: checking")
+            result = _run_one(
+                driver, workload, model, lambda text: bar.update(task, description=text)
+            )
+            results.append(result)
+            console.print(_summary(result))
+            bar.advance(task)
+        bar.update(task, description="done")
+    return BenchRun(
+        workload=workload,
+        model=model,
+        results=tuple(results),
+        started_at=started_at,
+        machine=machine_info(),
+    )
+
+
+def _run_one(
+    driver: SystemDriver, workload: Workload, model: ModelSpec, describe: Callable[[str], None]
+) -> SystemResult:
+    try:
+        reason = driver.check()
+    except Exception as error:
+        reason = f"check failed: {type(error).__name__}: {error}"
+    if reason is not None:
+        return SystemResult.unavailable(driver.name, reason)
+    describe(f"{driver.name}: running")
+    try:
+        result = driver.run(workload, model=model)
+    except Exception as error:
+        return SystemResult.unavailable(driver.name, f"failed: {type(error).__name__}: {error}")
+    # Other processes on the cores distort every figure (spinning thread pools suffer most):
+    # record the load the system ran under, for whoever reads the numbers.
+    return attrs.evolve(result, extra={**result.extra, "load_average": _load_average()})
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _summary(result: SystemResult) -> str:
+    if not result.available:
+        return f"{result.name}: not run: {result.reason}"
+    figure = metrics(result)
+    load = result.extra.get("load_average")
+    return (
+        f"{result.name}: {figure.output_throughput:.1f} output tok/s, "
+        f"startup {result.startup_seconds:.1f} s, wall {result.wall_seconds:.1f} s"
+        + ("" if load is None else f" (load average {load:.2f})")
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The `twostroke bench` command.
+
+#: Peer systems by name, in the order they run.
+PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``twostroke bench``'s options to ``parser``."""
+    parser.add_argument("--model", default="smollm2", help="name, model directory or GGUF")
+    parser.add_argument("--workload", choices=["offline", "serving"], default="offline")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=4.0, help="serving: requests per second")
+    parser.add_argument(
+        "--burstiness", type=float, default=1.0, help="serving: gamma shape (1 = Poisson)"
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads per system")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help="comma-separated systems to run (default: all); peers: " + ", ".join(PEER_NAMES),
+    )
+    parser.add_argument("--reference", default=DEFAULT_REFERENCE, help="system ratios are to")
+    parser.add_argument("--hf-batch", type=int, default=32, help="HF static batch size")
+    parser.add_argument("--vllm-python", default=None, help="the vLLM venv's python")
+    parser.add_argument("--ttft-slo", type=float, default=None, help="goodput TTFT target, ms")
+    parser.add_argument("--tpot-slo", type=float, default=None, help="goodput TPOT target, ms")
+    parser.add_argument("--out", default=None, help="results folder (default bench-results/<time>)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
+    """The peer systems, configured from ``twostroke bench``'s arguments."""
+    return [
+        HFStaticDriver(batch_size=args.hf_batch),
+        HFContinuousDriver(),
+        VLLMDriver(args.vllm_python),
+        LlamaCppDriver(),
+    ]
+
+
+def bench_command(
+    args: argparse.Namespace,
+    *,
+    engine_drivers: Sequence[SystemDriver] = (),
+    console: Console | None = None,
+) -> int:
+    """``twostroke bench``: build the workload, run the systems, print and write the report.
+
+    Args:
+        args: Parsed with :func:`add_bench_arguments`'s options.
+        engine_drivers: twostroke's own systems, run before the peers.
+        console: Where the table goes (stdout by default).
+
+    Returns:
+        The exit status: 0, or 2 when ``--systems`` names an unknown system.
+
+    Raises:
+        ModelLoadError: the model cannot be found.
+        ValueError: a workload argument is out of range.
+    """
+    from twostroke.engine.tokenizer import HFTokenizer
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            # Piped into a file or a CI log: rich would assume 80 columns and fold the table.
+            console = Console(width=150)
+    drivers = [*engine_drivers, *peer_drivers(args)]
+    if args.systems:
+        wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
+        known = {driver.name: driver for driver in drivers}
+        unknown = [name for name in wanted if name not in known]
+        if unknown:
+            console.print(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(known)}")
+            return 2
+        drivers = [known[name] for name in wanted]
+    out = Path(
+        args.out or Path("bench-results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    )
+    model = ModelSpec.resolve(
+        args.model, work_dir=out, dtype=args.dtype, threads=args.threads, seed=args.seed
+    )
+    encode = HFTokenizer.from_pretrained(model.source).encode
+    shape: dict[str, Any] = {
+        "n": args.num_requests,
+        "prompt_len": tuple(args.prompt_len),
+        "output_len": tuple(args.output_len),
+        "seed": args.seed,
+    }
+    if args.workload == "offline":
+        workload = offline_workload(encode, **shape)
+    else:
+        workload = serving_workload(encode, rate=args.rate, burstiness=args.burstiness, **shape)
+    console.print(workload.description)
+    run = run_systems(
+        drivers, workload, model=model, console=console, progress=not args.no_progress
+    )
+    write_report(
+        run,
+        out,
+        reference=args.reference,
+        ttft_slo=None if args.ttft_slo is None else args.ttft_slo / 1000,
+        tpot_slo=None if args.tpot_slo is None else args.tpot_slo / 1000,
+        console=console,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the peers alone: ``python -m twostroke.engine.bench.runner --help``."""
+    parser = argparse.ArgumentParser(prog="twostroke bench", description=__doc__)
+    add_bench_arguments(parser)
+    return bench_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

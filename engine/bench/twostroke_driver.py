@@ -1,0 +1,253 @@
+"""twostroke's own systems in a benchmark: the engine at depth 2 and 1, and the bare forward.
+
+The **bare forward loop** is the limit the engine is measured against: the same runner
+executing *exactly the step plans the depth-2 engine scheduled*, one after another in a plain
+loop with no event loop, no bookkeeping and no detokenization. The ratio of the engine's
+throughput to it is the fraction of model time the engine keeps (the overlap's promise is
+that this is close to 1).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import attrs
+import torch
+
+from twostroke.engine.bench.metrics import RequestTiming, SystemResult
+from twostroke.engine.bench.model import ModelSpec
+from twostroke.engine.bench.workload import Workload
+from twostroke.engine.engine import Engine
+from twostroke.engine.model_runner import TorchModelRunner
+from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.runner import StepOutput
+from twostroke.engine.tokenizer import HFTokenizer
+from twostroke.gpu.completion import Launched
+from twostroke.states.params import SamplingParams
+from twostroke.states.plan import StepPlan
+
+__all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _intra_op_threads(model: ModelSpec) -> int:
+    """torch threads for twostroke given ``--threads`` cores: one core is the event loop's."""
+    return max(1, model.threads - 1)
+
+
+class _RecordingRunner:
+    """A runner that remembers every plan it executes (for the bare forward replay)."""
+
+    def __init__(self, runner: TorchModelRunner) -> None:
+        self.runner = runner
+        self.plans: list[StepPlan] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return self.runner.kv_cache_bytes_per_block(block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+        self.plans.append(plan)
+        return self.runner.execute(plan)
+
+
+@attrs.define
+class _Recording:
+    """What the depth-2 run leaves for the bare forward replay."""
+
+    loaded: LoadedModel
+    plans: list[StepPlan]
+    num_blocks: int
+    block_size: int
+    #: The engine's request id of each workload request.
+    request_ids: list[int]
+
+
+class TwostrokeDriver:
+    """The engine through its public async API, streaming every request.
+
+    Args:
+        depth: The pipeline depth (2: lookahead, 1: serial).
+        engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields.
+    """
+
+    def __init__(self, depth: int, **engine_options: Any) -> None:
+        self.depth = depth
+        self.name = f"twostroke-depth{depth}"
+        self.engine_options = engine_options
+        self.recording: _Recording | None = None
+
+    def check(self) -> str | None:
+        return None
+
+    def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
+        torch.set_num_threads(_intra_op_threads(model))
+        started = time.perf_counter()
+        loaded = load_model(model.name, dtype=_DTYPES[model.dtype], device=torch.device("cpu"))
+        tokenizer = HFTokenizer.from_pretrained(loaded.source)
+        runner = _RecordingRunner(
+            TorchModelRunner.from_loaded(
+                loaded, max_num_seqs=self.engine_options.get("max_num_seqs", 64)
+            )
+        )
+        request_ids = [-1] * len(workload.requests)
+        timings, wall, stats, startup = anyio.run(
+            self._serve, workload, runner, tokenizer, started, request_ids
+        )
+        self.recording = _Recording(
+            loaded=loaded,
+            plans=runner.plans,
+            num_blocks=stats.num_blocks,
+            block_size=self.engine_options.get("block_size", 16),
+            request_ids=request_ids,
+        )
+        return SystemResult(
+            name=self.name,
+            available=True,
+            startup_seconds=startup,
+            wall_seconds=wall,
+            timings=timings,
+            extra={
+                "dtype": model.dtype,
+                "threads": f"{_intra_op_threads(model)} torch + 1 event loop",
+                "pipeline_depth": self.depth,
+                "steps": stats.num_steps,
+                "preemptions": stats.num_preemptions,
+                "bookkeeping_s": round(stats.bookkeeping_seconds, 3),
+                "forward_s": round(stats.forward_seconds, 3),
+                "forward_idle_s": round(stats.forward_idle_seconds, 3),
+                "weights": "GGUF dequantized" if loaded.source.suffix == ".gguf" else "HF",
+            },
+        )
+
+    async def _serve(
+        self,
+        workload: Workload,
+        runner: _RecordingRunner,
+        tokenizer: HFTokenizer,
+        started: float,
+        request_ids: list[int],
+    ) -> tuple[list[RequestTiming], float, Any, float]:
+        options = {
+            "pipeline_depth": self.depth,
+            "device": "cpu",
+            "torch_threads": torch.get_num_threads(),
+            **self.engine_options,
+        }
+        async with Engine.open(runner=runner, tokenizer=tokenizer, **options) as engine:
+            startup = time.perf_counter() - started
+            t0 = time.perf_counter()
+            timings: list[RequestTiming | None] = [None] * len(workload.requests)
+            arrivals = workload.arrival_times or (0.0,) * len(workload.requests)
+
+            async def one(index: int) -> None:
+                request = workload.requests[index]
+                delay = arrivals[index] - (time.perf_counter() - t0)
+                if delay > 0:
+                    await anyio.sleep(delay)
+                start = time.perf_counter() - t0
+                params = SamplingParams(
+                    max_tokens=request.max_tokens, temperature=0, ignore_eos=True
+                )
+                chunks: list[float] = []
+                count = 0
+                async with engine.stream(list(request.prompt_token_ids), params) as deltas:
+                    request_ids[index] = deltas.request_id
+                    async for delta in deltas:
+                        if delta.token_ids:
+                            chunks.append(time.perf_counter() - t0)
+                            count += len(delta.token_ids)
+                timings[index] = RequestTiming(
+                    prompt_tokens=len(request.prompt_token_ids),
+                    output_tokens=count,
+                    start=start,
+                    first_token=chunks[0],
+                    end=chunks[-1],
+                    chunk_times=chunks,
+                )
+
+            async with anyio.create_task_group() as task_group:
+                for index in range(len(workload.requests)):
+                    task_group.start_soon(one, index)
+            wall = time.perf_counter() - t0
+            stats = engine.statistics()
+        return [t for t in timings if t is not None], wall, stats, startup
+
+
+class BareForwardDriver:
+    """The runner alone, replaying the plans a :class:`TwostrokeDriver` run scheduled."""
+
+    name = "bare-forward"
+
+    def __init__(self, source: TwostrokeDriver) -> None:
+        self.source = source
+
+    def check(self) -> str | None:
+        if self.source.recording is None:
+            return f"needs a {self.source.name} run first (it replays that run's step plans)"
+        return None
+
+    def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
+        recording = self.source.recording
+        assert recording is not None
+        if workload.arrival_times is not None:
+            return SystemResult.unavailable(
+                self.name, "the bare forward loop replays an offline run only"
+            )
+        torch.set_num_threads(_intra_op_threads(model))
+        runner = TorchModelRunner.from_loaded(recording.loaded)
+        runner.allocate_kv_cache(recording.num_blocks, recording.block_size)
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        counts: dict[int, int] = {}
+        chunks: dict[int, list[float]] = {}
+        t0 = time.perf_counter()
+        for plan in recording.plans:
+            output = runner.execute(plan).readback()
+            now = time.perf_counter() - t0
+            for request_id in output.sampled:
+                first.setdefault(request_id, now)
+                last[request_id] = now
+                counts[request_id] = counts.get(request_id, 0) + 1
+                chunks.setdefault(request_id, []).append(now)
+        wall = time.perf_counter() - t0
+        timings = [
+            RequestTiming(
+                prompt_tokens=len(workload.requests[index].prompt_token_ids),
+                # A finished request's one wasted lookahead token is not output.
+                output_tokens=min(counts[request_id], workload.requests[index].max_tokens),
+                start=0.0,
+                first_token=first[request_id],
+                end=last[request_id],
+                chunk_times=chunks[request_id],
+            )
+            for index, request_id in enumerate(recording.request_ids)
+        ]
+        return SystemResult(
+            name=self.name,
+            available=True,
+            startup_seconds=0.0,
+            wall_seconds=wall,
+            timings=timings,
+            extra={
+                "dtype": model.dtype,
+                "threads": f"{_intra_op_threads(model)} torch",
+                "steps": len(recording.plans),
+                "replays": self.source.name,
+            },
+        )
+
+
+def engine_drivers(**engine_options: Any) -> list[Any]:
+    """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1."""
+    depth2 = TwostrokeDriver(2, **engine_options)
+    return [depth2, BareForwardDriver(depth2), TwostrokeDriver(1, **engine_options)]

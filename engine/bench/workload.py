@@ -1,0 +1,315 @@
+"""Benchmark workloads: which prompts, how many tokens each, and when each request arrives.
+
+A workload is data, fixed by its seed, so every system in a run (and every run with the same
+seed) gets the same token ids and the same lengths. Prompts are windows of real English text
+encoded by the model's own tokenizer, not random ids: attention over real text has the shape a
+user's prompt has, and random ids can hit tokens a model never saw in training. The text is
+built in, so making a workload needs no network and no data set.
+
+Two shapes, after vLLM's benchmarks: **offline** (every request submitted at t = 0; the figure
+is throughput) and **serving** (requests arrive over time, gaps drawn from a gamma
+distribution; the figures are latencies at a given load).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+__all__ = [
+    "CORPUS",
+    "BenchRequest",
+    "Workload",
+    "offline_workload",
+    "serving_workload",
+]
+
+#: English prose the prompt windows are cut from (written for this project, no licence).
+CORPUS = """\
+The first engines that moved a vehicle on a road were loud, heavy and wasteful, and the people
+who built them spent most of their lives making them a little less so. A two-stroke engine does
+in one turn of the crankshaft what a four-stroke engine does in two: as the piston rises it
+compresses the charge above it and draws a fresh one into the crankcase below; as it falls, the
+burning charge drives it down, the exhaust port opens, and the fresh charge rushes in to sweep
+the cylinder clean. Nothing waits. Every downward stroke is a power stroke, which is why small
+motorcycles, chainsaws and outboard motors used the design for a century.
+
+Engineers who measure such machines learn early that a single number hides more than it shows.
+Peak power says nothing about how the engine pulls at low speed, and fuel consumption measured
+on a test bench says little about a delivery van that stops at every second house. So they
+measure curves rather than points, run the same cycle on every engine they compare, and write
+down the temperature, the fuel and the altitude, because a result that cannot be repeated is
+only a story.
+
+The same habits serve anyone who measures software. A benchmark should state what was run, on
+which machine, with which versions, and how many times. It should give the same work to every
+system it compares, and it should report the slow requests as well as the average ones, since
+the user who waited ten seconds does not care that the mean was fast. When a system cannot run
+a test, the report should say so and say why, instead of leaving an empty line that a reader
+might mistake for a zero.
+
+Libraries keep their old books in rooms where the air is dry and cool. A librarian once
+explained that paper made before the middle of the nineteenth century often lasts longer than
+paper made after it, because the older sheets were made from rags, while the newer ones were
+made from wood pulp treated with acid that slowly eats the fibres. Some of the cheapest novels
+of that era now crumble when their pages are turned, while a parish register three hundred
+years older can still be read by candlelight.
+
+In the mountains the weather changes faster than the forecast. Walkers are told to turn back at
+a fixed hour whatever the view ahead promises, to carry more water than they think they need,
+and to tell someone where they are going. Most accidents happen on the way down, when people are
+tired, the light is going, and the path that looked obvious in the morning has turned into a
+field of identical stones. A compass and a paper map weigh little and never run out of battery.
+
+A good kitchen runs on preparation. Before service begins every cook has cut, measured and
+arranged what the evening will need, so that when the orders arrive the work is assembly rather
+than invention. The head chef calls the orders, the cooks answer, and each plate leaves the pass
+only when every part of it is ready at the same moment. It is, in its way, a scheduler: many
+requests, a few shared burners, and a strict rule that nothing waiting may be forgotten.
+
+Rivers carry more than water. They move sand and gravel from the hills to the sea, cut valleys
+through rock, and build plains where they slow down and spread out. A river in flood can move
+boulders the size of a car, and the same river in late summer may be too shallow to float a
+canoe. People have settled beside rivers for as long as there have been people, for the water,
+the fish, the fertile soil and the easy road they offer to anyone with a boat.
+"""
+
+
+def _ids(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+def _requests(values: Iterable[BenchRequest]) -> tuple[BenchRequest, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class BenchRequest:
+    """One request of a workload: the prompt as token ids and how many tokens to generate.
+
+    Every system generates exactly ``max_tokens`` tokens (EOS ignored), so the work is fixed.
+
+    Attributes:
+        prompt_token_ids: The prompt, at least one token.
+        max_tokens: Tokens to generate, at least one.
+    """
+
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_ids)
+    max_tokens: int = attrs.field()
+
+    @prompt_token_ids.validator
+    def _check_prompt(self, attribute: object, value: tuple[int, ...]) -> None:
+        if not value:
+            raise ValueError("prompt_token_ids must hold at least one token, got none")
+        for token in value:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"prompt_token_ids must be ids >= 0, got {token!r}")
+
+    @max_tokens.validator
+    def _check_max_tokens(self, attribute: object, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"max_tokens must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {value}")
+
+
+@attrs.frozen
+class Workload:
+    """The requests every system in a run receives, and when.
+
+    Attributes:
+        requests: The requests, in arrival order.
+        arrival_times: Seconds from the start of the run at which each request arrives,
+            non-decreasing; ``None`` for an offline workload (all at t = 0, submitted at once).
+        seed: The seed the workload was drawn with.
+        description: One line for reports ("offline: 64 requests, prompts 16-512, ...").
+    """
+
+    requests: tuple[BenchRequest, ...] = attrs.field(converter=_requests)
+    arrival_times: tuple[float, ...] | None = attrs.field()
+    seed: int
+    description: str
+
+    @requests.validator
+    def _check_requests(self, attribute: object, value: tuple[BenchRequest, ...]) -> None:
+        if not value:
+            raise ValueError("a workload must hold at least one request, got none")
+
+    @arrival_times.validator
+    def _check_arrivals(self, attribute: object, value: tuple[float, ...] | None) -> None:
+        if value is None:
+            return
+        if len(value) != len(self.requests):
+            raise ValueError(
+                f"arrival_times must give one time per request ({len(self.requests)}), "
+                f"got {len(value)}"
+            )
+        previous = 0.0
+        for time in value:
+            if not math.isfinite(time) or time < previous:
+                raise ValueError(
+                    f"arrival_times must be finite, >= 0 and non-decreasing, got {time} "
+                    f"after {previous}"
+                )
+            previous = time
+
+    @property
+    def is_offline(self) -> bool:
+        """Whether every request is submitted at once, at t = 0."""
+        return self.arrival_times is None
+
+    def arrival(self, index: int) -> float:
+        """When request ``index`` arrives, in seconds from the start of the run."""
+        return 0.0 if self.arrival_times is None else self.arrival_times[index]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens over all requests."""
+        return sum(len(request.prompt_token_ids) for request in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens all systems must generate, over all requests."""
+        return sum(request.max_tokens for request in self.requests)
+
+
+def offline_workload(
+    encode: Callable[[str], Sequence[int]],
+    *,
+    n: int = 64,
+    prompt_len: tuple[int, int] = (16, 512),
+    output_len: tuple[int, int] = (16, 256),
+    seed: int = 0,
+    text: str = CORPUS,
+) -> Workload:
+    """``n`` requests submitted at once, lengths uniform in the given ranges.
+
+    The figure it is made for is throughput: total output tokens over wall time, as in vLLM's
+    and nano-vllm's offline benchmarks.
+
+    Args:
+        encode: The model's tokenizer, text to ids (e.g. ``Tokenizer.encode``).
+        n: How many requests.
+        prompt_len: Inclusive range of prompt lengths, in tokens.
+        output_len: Inclusive range of tokens to generate per request.
+        seed: Fixes the lengths and the windows.
+        text: The prose prompts are cut from; the built-in :data:`CORPUS` by default.
+
+    Returns:
+        The workload, with ``arrival_times`` ``None``.
+
+    Raises:
+        ValueError: ``n`` < 1, a range is empty or starts below 1, or ``text`` encodes to
+            no tokens.
+    """
+    requests = _draw_requests(encode, n, prompt_len, output_len, random.Random(seed), text)
+    return Workload(
+        requests=requests,
+        arrival_times=None,
+        seed=seed,
+        description=(
+            f"offline: {n} requests at once, prompts {prompt_len[0]}-{prompt_len[1]} tokens, "
+            f"outputs {output_len[0]}-{output_len[1]} tokens, seed {seed}"
+        ),
+    )
+
+
+def serving_workload(
+    encode: Callable[[str], Sequence[int]],
+    *,
+    rate: float,
+    burstiness: float = 1.0,
+    n: int = 64,
+    prompt_len: tuple[int, int] = (16, 512),
+    output_len: tuple[int, int] = (16, 256),
+    seed: int = 0,
+    text: str = CORPUS,
+) -> Workload:
+    """``n`` requests arriving at ``rate`` per second, with gamma-distributed gaps.
+
+    vLLM's definition: the gap between two arrivals is drawn from a gamma distribution of
+    shape ``burstiness`` and mean ``1 / rate``; shape 1 is a Poisson process, below 1 burstier,
+    above 1 more regular. The first request arrives at t = 0. Prompts and lengths are drawn
+    exactly as in :func:`offline_workload` with the same seed, so the two workloads differ
+    only in the arrivals.
+
+    Args:
+        encode: The model's tokenizer, text to ids.
+        rate: Mean arrivals per second, > 0 and finite.
+        burstiness: Gamma shape, > 0.
+        n: How many requests.
+        prompt_len: Inclusive range of prompt lengths, in tokens.
+        output_len: Inclusive range of tokens to generate per request.
+        seed: Fixes the lengths, the windows and the arrivals.
+        text: The prose prompts are cut from.
+
+    Returns:
+        The workload, with one arrival time per request.
+
+    Raises:
+        ValueError: ``rate`` or ``burstiness`` is not a positive finite number, or an
+            argument :func:`offline_workload` refuses.
+    """
+    if not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a finite number of requests per second > 0, got {rate}")
+    if not (isinstance(burstiness, int | float) and math.isfinite(burstiness) and burstiness > 0):
+        raise ValueError(f"burstiness must be a finite gamma shape > 0, got {burstiness}")
+    rng = random.Random(seed)
+    requests = _draw_requests(encode, n, prompt_len, output_len, rng, text)
+    # A separate stream for the gaps, so the prompts equal the offline workload's.
+    gaps = random.Random(f"arrivals-{seed}")
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + gaps.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+    shape = "Poisson" if burstiness == 1.0 else f"gamma shape {burstiness:g}"
+    return Workload(
+        requests=requests,
+        arrival_times=tuple(times),
+        seed=seed,
+        description=(
+            f"serving: {n} requests at {rate:g}/s ({shape}), prompts "
+            f"{prompt_len[0]}-{prompt_len[1]} tokens, outputs {output_len[0]}-{output_len[1]} "
+            f"tokens, seed {seed}"
+        ),
+    )
+
+
+def _draw_requests(
+    encode: Callable[[str], Sequence[int]],
+    n: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    rng: random.Random,
+    text: str,
+) -> tuple[BenchRequest, ...]:
+    """Lengths uniform in their ranges; each prompt a window of the text repeated end to end.
+
+    Windows start at distinct offsets where the text is long enough, so no two prompts share
+    a prefix (a prefix cache would otherwise make one system look faster for the wrong reason).
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
+        low, high = bounds
+        if low < 1 or high < low:
+            raise ValueError(f"{name} must satisfy 1 <= low <= high, got {bounds}")
+    base = [int(token) for token in encode(text)]
+    if not base:
+        raise ValueError("the prompt text encodes to no tokens")
+    prompt_lens = [rng.randint(*prompt_len) for _ in range(n)]
+    output_lens = [rng.randint(*output_len) for _ in range(n)]
+    if n <= len(base):
+        offsets = rng.sample(range(len(base)), n)
+    else:
+        offsets = [rng.randrange(len(base)) for _ in range(n)]
+    copies = (max(prompt_lens) + len(base) - 1) // len(base) + 1
+    stream = base * copies
+    return tuple(
+        BenchRequest(
+            prompt_token_ids=tuple(stream[offset : offset + length]), max_tokens=max_tokens
+        )
+        for offset, length, max_tokens in zip(offsets, prompt_lens, output_lens, strict=True)
+    )

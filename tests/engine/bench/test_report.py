@@ -1,0 +1,136 @@
+"""The report: table, JSON and plot, rendered into a temporary folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from twostroke.engine.bench.metrics import RequestTiming, SystemResult
+from twostroke.engine.bench.model import ModelSpec
+from twostroke.engine.bench.report import write_report
+from twostroke.engine.bench.runner import BenchRun
+from twostroke.engine.bench.workload import BenchRequest, Workload
+
+WORKLOAD = Workload(
+    requests=(BenchRequest((1, 2), 3), BenchRequest((3,), 3)),
+    arrival_times=None,
+    seed=0,
+    description="offline: two requests",
+)
+
+
+def _result(name: str, wall: float, **extra: object) -> SystemResult:
+    # Two requests of 3 tokens each: 6 tokens over `wall` seconds.
+    timings = [
+        RequestTiming(2, 3, 0.0, wall / 3, wall, (wall / 3, wall / 2, wall)),
+        RequestTiming(1, 3, 0.0, wall / 3, wall, (wall / 3, wall)),
+    ]
+    return SystemResult(
+        name=name,
+        available=True,
+        startup_seconds=1.5,
+        wall_seconds=wall,
+        timings=timings,
+        extra=extra,
+    )
+
+
+def _run(tmp_path: Path, *results: SystemResult) -> BenchRun:
+    return BenchRun(
+        workload=WORKLOAD,
+        model=ModelSpec(name="tiny", source=tmp_path, work_dir=tmp_path),
+        results=results,
+        started_at="2026-11-29T20:00:00+00:00",
+        machine={"cpu": "test", "cores": 2},
+    )
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, width=250, color_system=None), out
+
+
+def test_table_json_and_plot(tmp_path: Path) -> None:
+    run = _run(
+        tmp_path,
+        _result("twostroke-depth2", 1.0),  # 6 tok/s
+        _result("hf-static", 2.0, weights="GGUF dequantized (dense)", batch_size=32),  # 3 tok/s
+        SystemResult.unavailable("vllm-cpu", "no --vllm-python given"),
+    )
+    console, out = _console()
+    files = write_report(run, tmp_path / "out", ttft_slo=0.5, console=console)
+    text = out.getvalue()
+    assert "× twostroke-depth2" in text
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 3}
+    cells = [cell.strip() for cell in rows["hf-static"].split("│")]
+    # system, startup, wall, out tok/s, ratio, req/s, TTFT, TPOT, ITL, E2E, goodput.
+    # TTFT 2/3 s; TPOT (2 - 2/3) / 2 = 2/3 s; ITL gaps 1/3, 1 and 4/3 s: p50 1 s,
+    # p99 1 + 0.98 * 1/3 = 1.327 s; E2E 2 s; goodput 0 (TTFT misses the 0.5 s target).
+    assert cells[1:12] == [
+        "hf-static", "1.5", "2.00", "3.0", "0.50", "1.00", "667 / 667", "667 / 667",
+        "1000 / 1327", "2.00 / 2.00", "0.00",
+    ]  # fmt: skip
+    assert [c.strip() for c in rows["twostroke-depth2"].split("│")][4:6] == ["6.0", "1.00"]
+    assert "not run" in rows["vllm-cpu"]
+    lines = text.splitlines()
+    assert "hf-static: GGUF dequantized (dense); batch 32" in lines
+    assert "vllm-cpu: not run: no --vllm-python given" in lines
+    assert "offline: two requests" in text
+
+    document = json.loads(files.json.read_text())
+    assert document["reference"] == "twostroke-depth2"
+    systems = {s["name"]: s for s in document["systems"]}
+    assert systems["hf-static"]["ratio_to_reference"] == 0.5
+    assert systems["hf-static"]["metrics"]["output_throughput"] == 3.0
+    # TTFT 0.667 s misses the 0.5 s target; the reference's 0.333 s meets it: 2 requests / 1 s.
+    assert systems["twostroke-depth2"]["metrics"]["goodput"] == 2.0
+    assert systems["vllm-cpu"]["metrics"] is None
+    assert systems["vllm-cpu"]["reason"] == "no --vllm-python given"
+    assert len(systems["hf-static"]["timings"]) == 2
+    assert document["workload"]["requests"] == [
+        {"prompt_tokens": 2, "max_tokens": 3},
+        {"prompt_tokens": 1, "max_tokens": 3},
+    ]
+    if importlib.util.find_spec("matplotlib") is None:
+        assert files.png is None and files.plot_message in text
+    else:
+        assert files.png is not None
+        assert files.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plot: {files.png}" in text
+
+
+def test_ratios_fall_back_to_the_first_system_that_ran(tmp_path: Path) -> None:
+    run = _run(tmp_path, _result("hf-static", 2.0), _result("llama.cpp", 1.0))
+    console, out = _console()
+    files = write_report(run, tmp_path, console=console)
+    assert "(ratios are to hf-static: twostroke-depth2 did not run)" in out.getvalue()
+    systems = json.loads(files.json.read_text())["systems"]
+    assert [s["ratio_to_reference"] for s in systems] == [1.0, 2.0]
+
+
+def test_without_matplotlib_the_report_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    console, out = _console()
+    files = write_report(_run(tmp_path, _result("hf-static", 2.0)), tmp_path, console=console)
+    assert files.png is None
+    assert files.plot_message == (
+        "no plot: matplotlib is not installed (pip install matplotlib, or the bench extra)"
+    )
+    assert files.plot_message in out.getvalue()
+
+
+def test_nothing_ran(tmp_path: Path) -> None:
+    run = _run(tmp_path, SystemResult.unavailable("vllm-cpu", "no --vllm-python given"))
+    console, out = _console()
+    files = write_report(run, tmp_path, console=console)
+    assert files.png is None
+    assert "vllm-cpu: not run: no --vllm-python given" in out.getvalue()
+    assert json.loads(files.json.read_text())["reference"] is None

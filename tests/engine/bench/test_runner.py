@@ -1,0 +1,233 @@
+"""The runner: systems in turn, failures become rows, and the peers' unavailable paths."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from twostroke.engine.bench import peers, runner
+from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
+from twostroke.engine.bench.metrics import RequestTiming, SystemResult
+from twostroke.engine.bench.model import ModelSpec
+from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
+from twostroke.engine.bench.runner import (
+    SystemDriver,
+    add_bench_arguments,
+    bench_command,
+    run_systems,
+)
+from twostroke.engine.bench.workload import BenchRequest, Workload
+
+WORKLOAD = Workload(
+    requests=(BenchRequest((1, 2), 2),), arrival_times=None, seed=0, description="one"
+)
+SERVING = Workload(requests=WORKLOAD.requests, arrival_times=(0.0,), seed=0, description="s")
+
+
+class FakeDriver:
+    """A system that reports fixed timings, refuses to run, or crashes, as told."""
+
+    def __init__(self, name: str, *, reason: str | None = None, crash: bool = False) -> None:
+        self.name = name
+        self.reason = reason
+        self.crash = crash
+        self.ran: list[Workload] = []
+
+    def check(self) -> str | None:
+        return self.reason
+
+    def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
+        self.ran.append(workload)
+        if self.crash:
+            raise RuntimeError("segfault in the kernel")
+        timings = [
+            RequestTiming(len(r.prompt_token_ids), r.max_tokens, 0.0, 0.5, 1.0, (0.5, 1.0))
+            for r in workload.requests
+        ]
+        return SystemResult(
+            name=self.name, available=True, startup_seconds=0.1, wall_seconds=1.0, timings=timings
+        )
+
+
+def _model(tmp_path: Path) -> ModelSpec:
+    return ModelSpec(name="tiny", source=tmp_path, work_dir=tmp_path)
+
+
+def test_systems_run_in_turn_and_failures_become_rows(tmp_path: Path) -> None:
+    good = FakeDriver("good")
+    missing = FakeDriver("missing", reason="not installed")
+    crashing = FakeDriver("crashing", crash=True)
+    out = io.StringIO()
+    run = run_systems(
+        [good, missing, crashing, FakeDriver("after")],
+        WORKLOAD,
+        model=_model(tmp_path),
+        console=Console(file=out, width=200),
+        progress=False,
+    )
+    assert [r.name for r in run.results] == ["good", "missing", "crashing", "after"]
+    assert [r.available for r in run.results] == [True, False, False, True]
+    assert run.results[1].reason == "not installed"
+    assert run.results[2].reason == "failed: RuntimeError: segfault in the kernel"
+    assert missing.ran == [] and good.ran == [WORKLOAD]
+    assert run.workload is WORKLOAD and run.machine["cores"] is not None
+    lines = out.getvalue().splitlines()
+    assert any(
+        line.startswith("good: 2.0 output tok/s, startup 0.1 s, wall 1.0 s") for line in lines
+    )
+    assert isinstance(run.results[0].extra["load_average"], float)
+    assert "missing: not run: not installed" in lines
+    assert isinstance(good, SystemDriver)
+
+
+def test_driver_names_must_be_distinct(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="driver names must be distinct, got a twice"):
+        run_systems([FakeDriver("a"), FakeDriver("a")], WORKLOAD, model=_model(tmp_path))
+    with pytest.raises(ValueError, match="run_systems needs at least one driver, got none"):
+        run_systems([], WORKLOAD, model=_model(tmp_path))
+
+
+def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return parser.parse_args(
+        ["--model", str(tmp_path), "--out", str(tmp_path / "out"), "--no-progress", *extra]
+    )
+
+
+class _Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [len(word) for word in text.split()]
+
+
+def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from twostroke.engine import tokenizer
+
+    monkeypatch.setattr(
+        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
+    )
+    engine = FakeDriver("twostroke-depth2")
+    out = io.StringIO()
+    args = _args(
+        tmp_path,
+        "--workload",
+        "serving",
+        "--rate",
+        "8",
+        "--num-requests",
+        "5",
+        "--prompt-len",
+        "4",
+        "8",
+        "--output-len",
+        "2",
+        "3",
+        "--systems",
+        "twostroke-depth2,vllm-cpu",
+    )
+    status = bench_command(args, engine_drivers=[engine], console=Console(file=out, width=250))
+    assert status == 0
+    (workload,) = engine.ran
+    assert len(workload.requests) == 5 and workload.arrival_times is not None
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [s["name"] for s in document["systems"]] == ["twostroke-depth2", "vllm-cpu"]
+    assert document["systems"][1]["reason"].startswith("no --vllm-python given")
+    assert "serving: 5 requests at 8/s (Poisson)" in out.getvalue()
+
+
+def test_unknown_system(tmp_path: Path) -> None:
+    out = io.StringIO()
+    status = bench_command(
+        _args(tmp_path, "--systems", "hf-static,sglang"), console=Console(file=out, width=200)
+    )
+    assert status == 2
+    assert "unknown system(s) sglang; known: hf-static, hf-continuous, vllm-cpu, llama.cpp" in (
+        out.getvalue()
+    )
+
+
+def test_peer_drivers_follow_the_arguments(tmp_path: Path) -> None:
+    drivers = runner.peer_drivers(_args(tmp_path, "--hf-batch", "8", "--vllm-python", "/x/py"))
+    assert [d.name for d in drivers] == list(runner.PEER_NAMES)
+    assert isinstance(drivers[0], HFStaticDriver) and drivers[0].batch_size == 8
+    assert str(getattr(drivers[2], "python", None)) == "/x/py"
+
+
+# The peers' unavailable paths: each says why, and loads nothing.
+
+
+def test_hf_static_runs_offline_workloads_only(tmp_path: Path) -> None:
+    result = HFStaticDriver().run(SERVING, model=_model(tmp_path))
+    assert result == SystemResult.unavailable(
+        "hf-static", "static batching runs offline workloads only (generate is a batch call)"
+    )
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        HFStaticDriver(batch_size=0)
+
+
+def test_hf_peers_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("transformers", "accelerate") else real(name, *a),
+    )
+    reason = (
+        "transformers, accelerate not installed "
+        "(install the bench extra: pip install 'twostroke[bench]')"
+    )
+    assert HFStaticDriver().check() == reason
+    assert HFContinuousDriver().check() == reason
+
+
+def test_hf_continuous_without_generate_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    transformers = pytest.importorskip("transformers")
+    # accelerate is a bench dependency, not a test one: pretend the packages are all there.
+    monkeypatch.setattr(peers, "_missing_hf_packages", lambda: None)
+    assert HFContinuousDriver().check() is None
+    monkeypatch.setattr(transformers, "GenerationMixin", type("GenerationMixin", (), {}))
+    assert HFContinuousDriver().check() == (
+        f"transformers {transformers.__version__} has no continuous batching (generate_batch)"
+    )
+
+
+def test_llamacpp_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A directory model: llama.cpp needs a GGUF file.
+    result = LlamaCppDriver().run(WORKLOAD, model=_model(tmp_path))
+    assert result.reason == f"llama.cpp needs a GGUF file; {tmp_path} is a directory"
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llama_cpp" else real(name, *a),
+    )
+    assert LlamaCppDriver().check() == (
+        "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    )
+
+
+def test_hf_continuous_with_an_older_manager_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(peers, "_missing_hf_packages", lambda: None)
+
+    class OlderMixin:
+        def generate_batch(self) -> None: ...
+
+        def continuous_batching_context_manager(self, generation_config: object = None) -> None: ...
+
+    monkeypatch.setattr(transformers, "GenerationMixin", OlderMixin)
+    assert HFContinuousDriver().check() == (
+        f"transformers {transformers.__version__} has continuous batching without the manager "
+        "API this driver uses (workload hints); upgrade transformers"
+    )

@@ -1,0 +1,153 @@
+"""Workloads: fixed by their seed, lengths in range, prompts cut from real text, arrivals."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from twostroke.engine.bench.workload import (
+    CORPUS,
+    BenchRequest,
+    Workload,
+    offline_workload,
+    serving_workload,
+)
+
+
+def encode(text: str) -> list[int]:
+    """A deterministic word-level stand-in for a tokenizer."""
+    return [sum(map(ord, word)) % 5000 for word in text.split()]
+
+
+def test_same_seed_same_workload_other_seed_other_workload() -> None:
+    first = offline_workload(encode, n=32, seed=7)
+    again = offline_workload(encode, n=32, seed=7)
+    other = offline_workload(encode, n=32, seed=8)
+    assert first == again
+    assert first.requests != other.requests
+    assert first.arrival_times is None and first.is_offline
+    assert first.description == (
+        "offline: 32 requests at once, prompts 16-512 tokens, outputs 16-256 tokens, seed 7"
+    )
+
+
+@given(
+    seed=st.integers(0, 2**32),
+    n=st.integers(1, 40),
+    prompt=st.tuples(st.integers(1, 600), st.integers(0, 600)),
+    output=st.tuples(st.integers(1, 300), st.integers(0, 300)),
+)
+def test_lengths_in_range_and_prompts_are_windows_of_the_text(
+    seed: int, n: int, prompt: tuple[int, int], output: tuple[int, int]
+) -> None:
+    prompt_len = (prompt[0], prompt[0] + prompt[1])
+    output_len = (output[0], output[0] + output[1])
+    workload = offline_workload(
+        encode, n=n, prompt_len=prompt_len, output_len=output_len, seed=seed
+    )
+    base = encode(CORPUS)
+    stream = base * (prompt_len[1] // len(base) + 2)
+    assert len(workload.requests) == n
+    for request in workload.requests:
+        assert prompt_len[0] <= len(request.prompt_token_ids) <= prompt_len[1]
+        assert output_len[0] <= request.max_tokens <= output_len[1]
+        ids = list(request.prompt_token_ids)
+        # Some offset of the repeated text starts this window.
+        assert any(stream[o : o + len(ids)] == ids for o in range(len(base)))
+
+
+def test_prompts_start_at_distinct_offsets() -> None:
+    workload = offline_workload(encode, n=64, prompt_len=(40, 40), seed=3)
+    prompts = {request.prompt_token_ids for request in workload.requests}
+    assert len(prompts) == 64
+
+
+def test_serving_arrivals_poisson_mean_and_burstiness() -> None:
+    poisson = serving_workload(encode, rate=4.0, n=4000, prompt_len=(1, 2), seed=1)
+    times = poisson.arrival_times
+    assert times is not None and times[0] == 0.0
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 0
+    # Mean gap 1/rate; an exponential's coefficient of variation is 1.
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.06)
+    assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.08)
+    bursty = serving_workload(encode, rate=4.0, burstiness=0.25, n=4000, prompt_len=(1, 2))
+    assert bursty.arrival_times is not None
+    bursty_gaps = [b - a for a, b in itertools.pairwise(bursty.arrival_times)]
+    assert statistics.fmean(bursty_gaps) == pytest.approx(0.25, rel=0.12)
+    # Gamma shape k: coefficient of variation 1/sqrt(k) = 2.
+    cv = statistics.stdev(bursty_gaps) / statistics.fmean(bursty_gaps)
+    assert cv == pytest.approx(2.0, rel=0.12)
+    assert "Poisson" in poisson.description and "gamma shape 0.25" in bursty.description
+
+
+def test_serving_prompts_equal_offline_prompts() -> None:
+    offline = offline_workload(encode, n=16, seed=5)
+    serving = serving_workload(encode, rate=2.0, n=16, seed=5)
+    assert serving.requests == offline.requests
+    assert serving.arrival_times == serving_workload(encode, rate=2.0, n=16, seed=5).arrival_times
+    assert serving.arrival(3) == serving.arrival_times[3]  # type: ignore[index]
+    assert offline.arrival(3) == 0.0
+
+
+def test_totals() -> None:
+    workload = Workload(
+        requests=(BenchRequest((1, 2, 3), 4), BenchRequest((5,), 6)),
+        arrival_times=None,
+        seed=0,
+        description="two",
+    )
+    assert workload.num_prompt_tokens == 4
+    assert workload.num_output_tokens == 10
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: offline_workload(encode, n=0), "n must be an int >= 1, got 0"),
+        (
+            lambda: offline_workload(encode, prompt_len=(10, 5)),
+            r"prompt_len must satisfy 1 <= low <= high, got \(10, 5\)",
+        ),
+        (
+            lambda: offline_workload(encode, output_len=(0, 5)),
+            r"output_len must satisfy 1 <= low <= high, got \(0, 5\)",
+        ),
+        (lambda: offline_workload(encode, text=" "), "the prompt text encodes to no tokens"),
+        (
+            lambda: serving_workload(encode, rate=0.0),
+            "rate must be a finite number of requests per second > 0, got 0.0",
+        ),
+        (
+            lambda: serving_workload(encode, rate=math.inf),
+            "rate must be a finite number of requests per second > 0, got inf",
+        ),
+        (
+            lambda: serving_workload(encode, rate=1.0, burstiness=-1.0),
+            "burstiness must be a finite gamma shape > 0, got -1.0",
+        ),
+        (lambda: BenchRequest((), 3), "prompt_token_ids must hold at least one token, got none"),
+        (lambda: BenchRequest((1, -2), 3), "prompt_token_ids must be ids >= 0, got -2"),
+        (lambda: BenchRequest((1,), 0), "max_tokens must be >= 1, got 0"),
+        (
+            lambda: Workload((), None, 0, ""),
+            "a workload must hold at least one request, got none",
+        ),
+        (
+            lambda: Workload((BenchRequest((1,), 1),), (0.0, 1.0), 0, ""),
+            r"arrival_times must give one time per request \(1\), got 2",
+        ),
+        (
+            lambda: Workload((BenchRequest((1,), 1),) * 2, (1.0, 0.5), 0, ""),
+            "arrival_times must be finite, >= 0 and non-decreasing, got 0.5 after 1.0",
+        ),
+    ],
+)
+def test_bad_arguments_name_the_rule_and_the_value(call: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()  # type: ignore[operator]
