@@ -59,6 +59,14 @@ class BlockPool:
         return len(self._free)
 
     def ref_count(self, block_id: int) -> int:
+        """How many references block ``block_id`` has (0: it is free).
+
+        Raises:
+            SchedulerError: there is no such block (a negative id would otherwise silently
+                read another block's count).
+        """
+        if not 0 <= block_id < self.num_blocks:
+            raise SchedulerError(f"no block {block_id}: block ids are in [0, {self.num_blocks})")
         return self._ref_counts[block_id]
 
     def can_allocate(self, num_blocks: int) -> bool:

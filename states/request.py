@@ -20,7 +20,7 @@ step already planned). The scheduler plans a step for every request with
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -43,6 +43,7 @@ __all__ = [
     "RequestStatus",
     "SampleScheduled",
     "TokenSampled",
+    "mermaid_diagram",
 ]
 
 
@@ -196,11 +197,39 @@ TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] 
 }
 
 
+def mermaid_diagram() -> str:
+    """The lifecycle as a Mermaid ``stateDiagram-v2``, drawn from :data:`TRANSITIONS`.
+
+    The docs paste its output (``docs/states.md``) and a test fails when the two diverge, so
+    the picture can never disagree with the code. Events that lead between the same two
+    statuses share one arrow.
+
+    Returns:
+        The diagram source, one statement per line, without a trailing newline.
+    """
+    lines = ["stateDiagram-v2", f"    [*] --> {RequestStatus.WAITING}"]
+    for status, row in TRANSITIONS.items():
+        arrows: dict[RequestStatus, list[str]] = {}
+        for event, target in row.items():
+            arrows.setdefault(target, []).append(event.__name__)
+        lines.extend(
+            f"    {status} --> {target}: {', '.join(events)}" for target, events in arrows.items()
+        )
+    lines.extend(f"    {status} --> [*]" for status in RequestStatus if status in TERMINAL)
+    return "\n".join(lines)
+
+
 # --- the request ----------------------------------------------------------------------------
 
 
 def _token_tuple(value: Sequence[int]) -> tuple[int, ...]:
     return tuple(value)
+
+
+def _token_set(value: Iterable[int]) -> frozenset[int]:
+    # A named converter rather than ``frozenset`` itself: mypy's attrs plugin cannot infer
+    # the type of a generic class used as a converter, and rejected every caller.
+    return frozenset(value)
 
 
 @attrs.define(eq=False, repr=False)
@@ -216,7 +245,7 @@ class Request:
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=_token_tuple)
     params: SamplingParams
     arrival_time: float
-    eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_token_set)
 
     _status: RequestStatus = attrs.field(default=RequestStatus.WAITING, init=False)
     _output_token_ids: list[int] = attrs.field(factory=list, init=False)

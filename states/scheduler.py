@@ -128,7 +128,9 @@ class Scheduler:
         self._ending: set[int] = set()
         self._inflight: collections.deque[StepPlan] = collections.deque()
         self._last_step: dict[int, int] = {}
-        self._deferred: collections.deque[tuple[int, tuple[int, ...]]] = collections.deque()
+        # Blocks to release when a step completes, by step id. Keyed, not queued: requests
+        # end in any order (a cancel for step N may come after one for step N+1).
+        self._deferred: dict[int, list[int]] = {}
         self._gone: list[int] = []
         self._next_step = 0
         self._num_completed = 0
@@ -234,7 +236,8 @@ class Scheduler:
             Whether the request was live.
 
         Raises:
-            InvalidTransition: the request has produced no token yet.
+            InvalidTransition: the request is waiting or prefilling (it has not sampled
+                yet); nothing changes.
         """
         request = self._requests.get(request_id)
         if request is None or request.is_terminal:
@@ -372,6 +375,9 @@ class Scheduler:
                 f"flight ({expected})"
             )
         plan = self._inflight[0]
+        # Every record this outcome can drop: the step's requests (removed at once if they
+        # end now and no later step uses them) and those that ended while it was in flight.
+        candidates = set(plan.request_ids) | self._ending
         if isinstance(outcome, StepOutcome):
             missing = [
                 entry.request_id
@@ -410,18 +416,19 @@ class Scheduler:
                 self._end(request, Finished(reason, now))
                 finished.append((request.request_id, reason))
 
-        while self._deferred and self._deferred[0][0] <= plan.step_id:
-            self.pool.release(self._deferred.popleft()[1])
-        removed = [rid for rid in self._ending if self._last_step[rid] <= plan.step_id]
-        for request_id in sorted(removed):
-            self._ending.discard(request_id)
-            self._remove(request_id)
+        for step_id in [step_id for step_id in self._deferred if step_id <= plan.step_id]:
+            self.pool.release(self._deferred.pop(step_id))
+        for request_id in sorted(self._ending):
+            if self._last_step[request_id] <= plan.step_id:
+                self._ending.discard(request_id)
+                self._remove(request_id)
+        removed = sorted(rid for rid in candidates if rid not in self._requests)
         return StepReport(
             step_id=plan.step_id,
             new_tokens=tuple(new_tokens),
             finished=tuple(finished),
             failed=tuple(failed),
-            removed=tuple(sorted(removed)),
+            removed=tuple(removed),
         )
 
     # --- internals ----------------------------------------------------------------------
@@ -435,13 +442,13 @@ class Scheduler:
         return last is not None and bool(self._inflight) and last >= self._inflight[0].step_id
 
     def _num_deferred_blocks(self) -> int:
-        return sum(len(blocks) for _, blocks in self._deferred)
+        return sum(len(blocks) for blocks in self._deferred.values())
 
     def _release(self, request: Request, block_ids: tuple[int, ...]) -> None:
         if not block_ids:
             return
         if self._in_flight(request):
-            self._deferred.append((self._last_step[request.request_id], block_ids))
+            self._deferred.setdefault(self._last_step[request.request_id], []).extend(block_ids)
         else:
             self.pool.release(block_ids)
 
@@ -493,17 +500,21 @@ class Scheduler:
         """Raise ``AssertionError`` if any guarantee of the scheduler does not hold.
 
         Blocks are conserved (every reference is held by exactly one live request table or
-        one deferred release), no block used by a step in flight is free, the queues hold
-        the statuses they should in arrival order, and the limits hold.
+        one deferred release), every deferred release waits for a step still in flight, no
+        block used by a step in flight is free, the queues hold the statuses they should in
+        arrival order, and the limits hold.
         """
         self.pool.check_invariants()
         config = self.config
+        inflight = {plan.step_id for plan in self._inflight}
+        for step_id, block_ids in self._deferred.items():
+            assert step_id in inflight, f"blocks {block_ids} wait for step {step_id}, not in flight"
         expected = collections.Counter[int]()
         for request in self._requests.values():
             expected.update(request.block_table)
             if request.is_terminal:
                 assert not request.block_table, f"{request!r} ended but holds blocks"
-        for _, block_ids in self._deferred:
+        for block_ids in self._deferred.values():
             expected.update(block_ids)
         for block_id in range(self.pool.num_blocks):
             assert self.pool.ref_count(block_id) == expected[block_id], (

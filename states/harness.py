@@ -1,0 +1,563 @@
+"""The engine's bookkeeping loop over a simulated device, checking every guarantee per step.
+
+:class:`SimulatedEngine` does what the engine's bookkeeping stroke does with a
+:class:`~twostroke.states.scheduler.Scheduler` (submit, plan, execute, apply outcomes,
+cancel, finish on a stop string), but on :class:`~twostroke.states.simulation.SimulatedKV`
+and with a check after every call of each guarantee that the design promises: budgets, FIFO
+admission, preemption of the newest running requests (and no admission in the same step),
+block conservation and exclusive ownership, blocks of ended requests freed by the end of the
+last step in flight that used them, and outputs equal to
+:func:`~twostroke.states.simulation.reference_output` whatever preemption and lookahead did.
+:func:`drive` runs a whole :class:`Workload` to completion with it, and proves it completes
+within :func:`step_bound` steps.
+
+The hypothesis state machines in :mod:`twostroke.states.testing` are thin layers over this
+module, which stays pure (attrs and the standard library) so a user can drive their own
+scheduler configuration from any test framework.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from twostroke.states.params import SamplingParams
+from twostroke.states.plan import StepFailure, StepOutcome, StepPlan, StepReport
+from twostroke.states.request import FinishReason, Request, RequestStatus
+from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
+from twostroke.states.simulation import (
+    NextToken,
+    SimulatedKV,
+    SimulationError,
+    reference_output,
+    toy_next_token,
+)
+
+__all__ = ["DriveResult", "RequestSpec", "SimulatedEngine", "Workload", "drive", "step_bound"]
+
+
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _int_set(value: Iterable[int]) -> frozenset[int]:
+    return frozenset(value)
+
+
+def _specs(value: Iterable[RequestSpec]) -> tuple[RequestSpec, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class RequestSpec:
+    """Everything needed to build a fresh :class:`Request`, so one workload can run twice.
+
+    Attributes:
+        prompt_token_ids: The tokenized prompt.
+        params: Its sampling parameters.
+        eos_token_ids: The model's end-of-sequence ids.
+    """
+
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    params: SamplingParams = attrs.field(factory=SamplingParams)
+    eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
+
+    def build(self, request_id: int, arrival_time: float = 0.0) -> Request:
+        """A new request in status WAITING.
+
+        Args:
+            request_id: Its id.
+            arrival_time: Its arrival timestamp.
+
+        Returns:
+            The request.
+        """
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            arrival_time=arrival_time,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def fits(self, config: SchedulerConfig) -> bool:
+        """Whether a scheduler with ``config`` accepts this request (rather than reject it)."""
+        total = len(self.prompt_token_ids) + self.params.max_tokens
+        needed = -(-(total - 1) // config.block_size)
+        return (
+            bool(self.prompt_token_ids)
+            and total <= config.max_model_len
+            and (needed <= config.num_blocks)
+        )
+
+
+@attrs.frozen
+class Workload:
+    """Requests and the step at which each arrives.
+
+    Attributes:
+        requests: The requests, in arrival order; the i-th gets request id ``i``.
+        arrivals: For each request, how many steps complete before it is submitted (it is
+            submitted earlier if the scheduler runs out of work). Empty means all at once.
+
+    Raises:
+        ValueError: ``arrivals`` has the wrong length, a negative entry, or decreases.
+    """
+
+    requests: tuple[RequestSpec, ...] = attrs.field(converter=_specs)
+    arrivals: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+
+    @arrivals.validator
+    def _check_arrivals(self, _: object, value: tuple[int, ...]) -> None:
+        if value and len(value) != len(self.requests):
+            raise ValueError(
+                f"arrivals must have one entry per request ({len(self.requests)}), got {len(value)}"
+            )
+        if any(step < 0 for step in value):
+            raise ValueError(f"arrivals must be >= 0, got {value}")
+        if list(value) != sorted(value):
+            raise ValueError(f"arrivals must not decrease, got {value}")
+
+    def build(self) -> list[tuple[int, Request]]:
+        """Fresh requests with ids ``0..n-1``, each with its arrival step."""
+        arrivals = self.arrivals or (0,) * len(self.requests)
+        return [
+            (step, spec.build(request_id, float(step)))
+            for request_id, (step, spec) in enumerate(zip(arrivals, self.requests, strict=True))
+        ]
+
+
+def step_bound(config: SchedulerConfig, requests: Iterable[Request]) -> int:
+    """An upper bound on the steps that serve ``requests`` to completion once arrivals stop.
+
+    Why it holds: every completed step has an oldest live request R, and R is never
+    preempted (the victim is the newest running request, and R alone always fits, since
+    submission rejects what cannot). While R is the oldest, each step computes at least one
+    of its at most ``prompt + max_tokens`` positions, or (at most twice per position) waits
+    for blocks that a step in flight returns, or (at most ``2 * depth`` times) waits for its
+    own token in flight or for admission. Steps still in flight add ``depth``.
+
+    Args:
+        config: The scheduler's configuration.
+        requests: The requests that are not yet terminal.
+
+    Returns:
+        The bound, in completed steps.
+    """
+    depth = config.pipeline_depth
+    return depth + sum(
+        3 * (request.num_prompt_tokens + request.params.max_tokens) + 4 * depth + 4
+        for request in requests
+        if not request.is_terminal
+    )
+
+
+@attrs.frozen
+class _Ending:
+    """A request that ended: the blocks it held and the step by which they must be free."""
+
+    block_ids: frozenset[int]
+    deadline: int | None
+
+
+class SimulatedEngine:
+    """A scheduler, a :class:`SimulatedKV`, and a check of every guarantee after each call.
+
+    Every method raises :class:`SimulationError` as soon as a guarantee fails, with a
+    message that names it.
+
+    Args:
+        scheduler: The scheduler under test (fresh: nothing submitted yet).
+        next_token: The "model" the simulated device and the reference share.
+    """
+
+    def __init__(self, scheduler: Scheduler, *, next_token: NextToken = toy_next_token) -> None:
+        self.scheduler = scheduler
+        self.config = scheduler.config
+        self.next_token = next_token
+        self.kv = SimulatedKV(self.config.num_blocks, self.config.block_size, next_token)
+        #: Every request ever submitted, by id (they stay here after the scheduler drops them).
+        self.requests: dict[int, Request] = {}
+        #: The token stream each request received, as the engine would deliver it.
+        self.streams: dict[int, list[int]] = {}
+        #: Request ids in the order they were first admitted.
+        self.first_admissions: list[int] = []
+        self.num_completed = 0
+        self._arrival: dict[int, int] = {}
+        self._arrivals = itertools.count()
+        self._outcomes: collections.deque[StepOutcome] = collections.deque()
+        self._references: dict[int, tuple[list[int], str]] = {}
+        self._tables: dict[int, tuple[int, ...]] = {}
+        self._endings: dict[int, _Ending] = {}
+        self._truncated: dict[int, int] = {}
+
+    # --- the engine's calls -----------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Submit a request (``Scheduler.add_request``); a rejection propagates unchanged."""
+        self.scheduler.add_request(request)
+        rid = request.request_id
+        self.requests[rid] = request
+        self.streams[rid] = []
+        self._arrival[rid] = next(self._arrivals)
+
+    def plan(self) -> StepPlan | None:
+        """Plan a step, check it, and execute it on the simulated device at once.
+
+        Executing at planning time keeps the device's order (steps run in plan order) while
+        the outcome waits, as on a device stream, until :meth:`complete` applies it.
+        """
+        waiting_before = set(self.scheduler.waiting_ids)
+        running_before = {
+            rid: self.requests[rid].num_preemptions for rid in self.scheduler.running_ids
+        }
+        plan = self.scheduler.schedule()
+        admitted: list[int] = []
+        if plan is not None:
+            admitted = self._check_plan(plan, waiting_before)
+            self._outcomes.append(self.kv.execute(plan))
+        self._check_preemptions(plan, running_before, admitted)
+        self._after()
+        return plan
+
+    def complete(self, failure: str | None = None) -> StepReport:
+        """Apply the oldest step's outcome, or fail that step with ``failure``."""
+        outcome: StepOutcome | StepFailure = self._outcomes.popleft()
+        if failure is not None:
+            outcome = StepFailure(outcome.step_id, failure)
+        kept = {request.request_id for request in self.scheduler}
+        report = self.scheduler.apply(outcome)
+        self.num_completed += 1
+        dropped = sorted(kept - {request.request_id for request in self.scheduler})
+        if list(report.removed) != dropped:
+            raise SimulationError(
+                f"step {report.step_id} reports {report.removed} removed, dropped {dropped}"
+            )
+        for rid, token_id in report.new_tokens:
+            if rid in self._truncated:
+                raise SimulationError(f"request {rid} got token {token_id} after it finished")
+            self.streams[rid].append(token_id)
+            self._check_output(self.requests[rid])
+        for rid, reason in report.finished:
+            if self.requests[rid].finish_reason is not reason:
+                raise SimulationError(f"request {rid} reported {reason}, holds another reason")
+        self._after(completed_step=report.step_id)
+        return report
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel any id, known or not, at any moment; checks the answer and idempotence."""
+        request = self.requests.get(request_id)
+        live = request is not None and not request.is_terminal
+        answer = self.scheduler.cancel(request_id)
+        if answer != live:
+            raise SimulationError(f"cancel({request_id}) returned {answer}, expected {live}")
+        if request is not None and live and request.status is not RequestStatus.CANCELLED:
+            raise SimulationError(f"{request!r} was cancelled but is {request.status}")
+        if self.scheduler.cancel(request_id):
+            raise SimulationError(f"cancel({request_id}) twice returned True twice")
+        self._after()
+        return answer
+
+    def finish(self, request_id: int) -> bool:
+        """Finish a request early, as the engine does when a stop string matched."""
+        request = self.requests[request_id]
+        answer = self.scheduler.finish(request_id, FinishReason.STOP)
+        if answer:
+            self._truncated[request_id] = request.num_output_tokens
+        self._after()
+        return answer
+
+    # --- driving ----------------------------------------------------------------------------
+
+    def advance(self) -> bool:
+        """Do the next thing the bookkeeping loop would: plan if it can, else apply.
+
+        Returns:
+            Whether anything happened (``False`` means nothing is planned or in flight).
+        """
+        if self.scheduler.can_schedule and self.plan() is not None:
+            return True
+        if self._outcomes:
+            self.complete()
+            return True
+        return False
+
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        """Drive until every request is terminal and every block free.
+
+        Args:
+            max_steps: Fail if it takes more completed steps than this (default:
+                :func:`step_bound` of what is live now).
+
+        Returns:
+            The number of steps completed on the way.
+
+        Raises:
+            SimulationError: a guarantee failed, the scheduler got stuck, or it starved.
+        """
+        if max_steps is None:
+            max_steps = step_bound(self.config, self.requests.values())
+        start = self.num_completed
+        while self.advance():
+            self.check()
+            if self.num_completed - start > max_steps:
+                raise SimulationError(
+                    f"not idle after {max_steps} steps (the bound): {self.scheduler!r}"
+                )
+        self.check_idle()
+        return self.num_completed - start
+
+    def check_idle(self) -> None:
+        """Check that every request is terminal, every record dropped, every block free."""
+        unfinished = [r for r in self.requests.values() if not r.is_terminal]
+        if unfinished:
+            raise SimulationError(f"stuck: nothing to plan, nothing in flight, but {unfinished}")
+        if not self.scheduler.is_idle():
+            raise SimulationError(f"every request ended but not idle: {self.scheduler!r}")
+        if self.scheduler.pool.num_free != self.config.num_blocks:
+            raise SimulationError(f"idle but blocks are missing: {self.scheduler.pool!r}")
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Check the scheduler's own invariants and the block accounting seen from outside.
+
+        Blocks are conserved: a block is used exactly when a live request's table or a step
+        in flight holds it, and no block is held for two requests at once.
+        """
+        self.scheduler.check_invariants()
+        owner: dict[int, int] = {}
+
+        def hold(block_id: int, rid: int, where: str) -> None:
+            if owner.setdefault(block_id, rid) != rid:
+                raise SimulationError(
+                    f"block {block_id} is held for requests {owner[block_id]} and {rid} ({where})"
+                )
+
+        for request in self.scheduler:
+            for block_id in request.block_table:
+                hold(block_id, request.request_id, "block tables")
+        for plan in self.scheduler.inflight_plans:
+            for entry in plan.requests:
+                for block_id in entry.block_table:
+                    hold(block_id, entry.request_id, f"step {plan.step_id} in flight")
+        pool = self.scheduler.pool
+        for block_id in range(self.config.num_blocks):
+            if (pool.ref_count(block_id) > 0) != (block_id in owner):
+                state = "free" if block_id in owner else "used"
+                raise SimulationError(
+                    f"blocks not conserved: block {block_id} is {state} but "
+                    f"{'held' if block_id in owner else 'held by nobody'}"
+                )
+
+    def _check_preemptions(
+        self, plan: StepPlan | None, running_before: Mapping[int, int], admitted: Sequence[int]
+    ) -> None:
+        """The victims are the newest running requests, and a step that preempts admits none.
+
+        Both are policy rather than safety: preempting an older request delays the oldest
+        (and so risks starvation), admitting while preempting recomputes for nothing.
+        ``running_before`` maps each request running before the plan to its preemption
+        count (a victim readmitted at once is no longer PREEMPTED, but its count moved).
+        """
+        preempted = [
+            rid
+            for rid, count in running_before.items()
+            if self.requests[rid].num_preemptions > count
+        ]
+        if not preempted:
+            return
+        step = "a step that plans nothing" if plan is None else f"step {plan.step_id}"
+        kept = [rid for rid in running_before if rid not in preempted]
+        arrival = self._arrival
+        if kept and min(arrival[rid] for rid in preempted) < max(arrival[rid] for rid in kept):
+            raise SimulationError(
+                f"{step} preempts {preempted} but keeps newer {kept}: the victim must be the "
+                "newest running request"
+            )
+        readmitted = [rid for rid in preempted if plan is not None and rid in plan.request_ids]
+        if admitted or readmitted:
+            raise SimulationError(
+                f"{step} preempts {preempted} and admits {[*admitted, *readmitted]}"
+            )
+
+    def _check_plan(self, plan: StepPlan, waiting_before: set[int]) -> list[int]:
+        config = self.config
+        if plan.num_tokens > config.max_num_batched_tokens:
+            raise SimulationError(
+                f"step {plan.step_id} has {plan.num_tokens} tokens, budget "
+                f"{config.max_num_batched_tokens}"
+            )
+        ids = plan.request_ids
+        if len(ids) > config.max_num_seqs or len(set(ids)) != len(ids):
+            raise SimulationError(f"step {plan.step_id} has requests {ids}: over the limit")
+        if any(entry.num_tokens < 1 for entry in plan.requests):
+            raise SimulationError(f"step {plan.step_id} schedules an empty chunk: {plan}")
+        admitted = [rid for rid in ids if rid in waiting_before]
+        for rid in admitted:
+            if rid not in self.first_admissions:
+                self.first_admissions.append(rid)
+        arrival = self._arrival
+        keys = [arrival[rid] for rid in self.first_admissions]
+        if keys != sorted(keys):
+            raise SimulationError(f"first admissions out of arrival order: {self.first_admissions}")
+        skipped = [
+            (rid, older)
+            for rid in self.scheduler.waiting_ids
+            for older in admitted
+            if arrival[rid] < arrival[older]
+        ]
+        if skipped:
+            raise SimulationError(f"step {plan.step_id} admits past older waiting: {skipped}")
+        return admitted
+
+    def _reference(self, request: Request) -> tuple[list[int], str]:
+        rid = request.request_id
+        if rid not in self._references:
+            self._references[rid] = reference_output(
+                request.prompt_token_ids,
+                request.params,
+                eos_token_ids=request.eos_token_ids,
+                next_token=self.next_token,
+            )
+        return self._references[rid]
+
+    def _check_output(self, request: Request) -> None:
+        rid = request.request_id
+        output = list(request.output_token_ids)
+        expected, reason = self._reference(request)
+        if output != self.streams[rid]:
+            raise SimulationError(f"request {rid} holds {output}, streamed {self.streams[rid]}")
+        if output != expected[: len(output)]:
+            raise SimulationError(f"request {rid} produced {output}, reference {expected}")
+        if request.status is not RequestStatus.FINISHED:
+            return
+        if rid in self._truncated:
+            if len(output) != self._truncated[rid]:
+                raise SimulationError(f"request {rid} grew after finishing early: {output}")
+        elif output != expected or request.finish_reason is not FinishReason(reason):
+            raise SimulationError(
+                f"request {rid} finished ({request.finish_reason}) with {output}, reference "
+                f"({reason}) {expected}"
+            )
+
+    def _after(self, completed_step: int | None = None) -> None:
+        """Note requests that ended, check their deadlines, remember the tables."""
+        inflight = self.scheduler.inflight_plans
+        for rid, request in self.requests.items():
+            if not request.is_terminal:
+                self._tables[rid] = request.block_table
+                continue
+            if rid in self._endings:
+                continue
+            self._check_output(request)
+            steps = [plan for plan in inflight if rid in plan.request_ids]
+            blocks = set(self._tables.pop(rid, ()))
+            for plan in steps:
+                for entry in plan.requests:
+                    if entry.request_id == rid:
+                        blocks.update(entry.block_table)
+            deadline = max((plan.step_id for plan in steps), default=None)
+            self._endings[rid] = _Ending(frozenset(blocks), deadline)
+            if deadline is None:
+                self._check_released(rid)
+        if completed_step is not None:
+            for rid, ending in self._endings.items():
+                if ending.deadline == completed_step:
+                    self._check_released(rid)
+
+    def _check_released(self, rid: int) -> None:
+        ending = self._endings[rid]
+        if rid in self.scheduler:
+            raise SimulationError(
+                f"request {rid} ended ({self.requests[rid].status}) but is still kept after "
+                f"step {ending.deadline}"
+            )
+        held = sorted(b for b in ending.block_ids if self.scheduler.pool.ref_count(b))
+        if held:
+            raise SimulationError(
+                f"request {rid} ended ({self.requests[rid].status}) but blocks {held} are not "
+                f"free after step {ending.deadline}"
+            )
+
+
+@attrs.frozen
+class DriveResult:
+    """What :func:`drive` observed.
+
+    Attributes:
+        outputs: The token stream each request received, by request id.
+        statuses: Each request's final status.
+        finish_reasons: Each finished request's reason.
+        num_steps: Steps completed.
+        max_steps: The bound the run was held to.
+        statistics: The scheduler's statistics at the end.
+    """
+
+    outputs: Mapping[int, tuple[int, ...]]
+    statuses: Mapping[int, RequestStatus]
+    finish_reasons: Mapping[int, FinishReason]
+    num_steps: int
+    max_steps: int
+    statistics: SchedulerStatistics
+
+
+def drive(
+    scheduler: Scheduler,
+    requests: Workload | Sequence[Request],
+    *,
+    next_token: NextToken = toy_next_token,
+    max_steps: int | None = None,
+) -> DriveResult:
+    """Run a workload to completion over :class:`SimulatedKV`, checking every guarantee.
+
+    The loop keeps the pipeline as full as the scheduler's ``pipeline_depth`` allows, so
+    the same workload exercises the serial schedule at depth 1 and the lookahead at depth 2.
+
+    Args:
+        scheduler: A fresh scheduler.
+        requests: A :class:`Workload` (with arrivals), or requests all submitted at once.
+        next_token: The "model".
+        max_steps: Fail past this many completed steps (default: :func:`step_bound` of all
+            the requests plus the last arrival step).
+
+    Returns:
+        The streams, statuses and counts.
+
+    Raises:
+        SimulationError: a guarantee failed (the message names it).
+        RequestRejected: a request cannot be served with this configuration.
+    """
+    engine = SimulatedEngine(scheduler, next_token=next_token)
+    if isinstance(requests, Workload):
+        arrivals = requests.build()
+    else:
+        arrivals = [(0, request) for request in requests]
+    if max_steps is None:
+        last = max((step for step, _ in arrivals), default=0)
+        max_steps = last + step_bound(scheduler.config, [request for _, request in arrivals])
+    pending = collections.deque(arrivals)
+    while True:
+        while pending and pending[0][0] <= engine.num_completed:
+            engine.submit(pending.popleft()[1])
+        if engine.advance():
+            engine.check()
+        elif pending:
+            engine.submit(pending.popleft()[1])  # nothing to do: the next arrival comes now
+        else:
+            break
+        if engine.num_completed > max_steps:
+            raise SimulationError(f"not idle after {max_steps} steps (the bound): {scheduler!r}")
+    engine.check_idle()
+    final = engine.requests.values()
+    return DriveResult(
+        outputs={rid: tuple(stream) for rid, stream in engine.streams.items()},
+        statuses={r.request_id: r.status for r in final},
+        finish_reasons={r.request_id: r.finish_reason for r in final if r.finish_reason},
+        num_steps=engine.num_completed,
+        max_steps=max_steps,
+        statistics=scheduler.statistics(),
+    )

@@ -1,0 +1,197 @@
+"""Plain reference models of a request and of the block pool, for the state machines.
+
+A stateful test is only as good as the model it compares against, so these are written as
+plainly as possible: a request as a handful of counts that follows whatever transition table
+it is given, a pool as a dict of reference counts and a FIFO free list. The hypothesis
+machines in :mod:`twostroke.states.testing` drive the real object and one of these side by
+side and compare them after every rule. Pure (attrs and the standard library).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from twostroke.states.request import (
+    Admitted,
+    BlocksAllocated,
+    ChunkScheduled,
+    Failed,
+    Finished,
+    FinishReason,
+    Preempted,
+    Request,
+    RequestEvent,
+    RequestStatus,
+    SampleScheduled,
+    TokenSampled,
+)
+
+__all__ = ["PoolModel", "RequestModel", "Transitions", "request_snapshot"]
+
+#: A transition table: status, then event type, to the next status.
+Transitions = Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]]
+
+_TIMES = ("first_scheduled", "first_token", "last_token", "end")
+
+
+def request_snapshot(request: Request) -> dict[str, object]:
+    """Everything observable about a request, to compare before and after an event.
+
+    Args:
+        request: The request.
+
+    Returns:
+        Its status, output, block table, counts, finish reason, failure and timestamps.
+    """
+    times = (
+        request.first_scheduled_time,
+        request.first_token_time,
+        request.last_token_time,
+        request.end_time,
+    )
+    return {
+        "status": request.status,
+        "output": request.output_token_ids,
+        "blocks": request.block_table,
+        "computed": request.num_computed_tokens,
+        "placeholders": request.num_placeholders,
+        "reason": request.finish_reason,
+        "failure": request.failure,
+        "preemptions": request.num_preemptions,
+        "times": dict(zip(_TIMES, times, strict=True)),
+    }
+
+
+@attrs.define
+class RequestModel:
+    """A request as plain counts, changed by the transition table it was given.
+
+    Attributes:
+        table: The lifecycle the model follows.
+        prompt: The prompt ids.
+    """
+
+    table: Transitions
+    prompt: tuple[int, ...]
+    status: RequestStatus = RequestStatus.WAITING
+    output: list[int] = attrs.Factory(list)
+    blocks: list[int] = attrs.Factory(list)
+    computed: int = 0
+    placeholders: int = 0
+    reason: FinishReason | None = None
+    failure: str | None = None
+    preemptions: int = 0
+    times: dict[str, float] = attrs.Factory(dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output) + self.placeholders
+
+    def next_status(self, event: RequestEvent) -> RequestStatus | None:
+        """The status after ``event``, or ``None`` if the request must refuse it."""
+        if isinstance(event, ChunkScheduled | SampleScheduled):
+            end = self.computed + event.num_tokens
+            if event.num_tokens < 1 or end > self.num_tokens:
+                return None
+            if isinstance(event, SampleScheduled) != (end == self.num_tokens):
+                return None
+        if isinstance(event, TokenSampled) and self.placeholders == 0:
+            return None
+        return self.table[self.status].get(type(event))
+
+    def apply(self, event: RequestEvent, target: RequestStatus) -> None:
+        """Change the model as ``event`` must change the request (``target`` is the status)."""
+        if isinstance(event, Admitted):
+            self.times.setdefault("first_scheduled", event.time)
+        elif isinstance(event, BlocksAllocated):
+            self.blocks += event.block_ids
+        elif isinstance(event, ChunkScheduled):
+            self.computed += event.num_tokens
+        elif isinstance(event, SampleScheduled):
+            self.computed += event.num_tokens
+            self.placeholders += 1
+        elif isinstance(event, TokenSampled):
+            self.placeholders -= 1
+            self.output.append(event.token_id)
+            self.times.setdefault("first_token", event.time)
+            self.times["last_token"] = event.time
+        elif isinstance(event, Preempted):
+            self.blocks = []
+            self.computed = 0
+            self.preemptions += 1
+        else:
+            if isinstance(event, Finished):
+                self.reason = event.reason
+            elif isinstance(event, Failed):
+                self.failure = event.message
+            self.blocks = []
+            self.times["end"] = event.time
+        self.status = target
+
+    def snapshot(self) -> dict[str, object]:
+        """The same record as :func:`request_snapshot`, from the model."""
+        return {
+            "status": self.status,
+            "output": tuple(self.output),
+            "blocks": tuple(self.blocks),
+            "computed": self.computed,
+            "placeholders": self.placeholders,
+            "reason": self.reason,
+            "failure": self.failure,
+            "preemptions": self.preemptions,
+            "times": {key: self.times.get(key) for key in _TIMES},
+        }
+
+
+class PoolModel:
+    """A block pool as a dict of reference counts and a FIFO free list.
+
+    Args:
+        num_blocks: How many blocks exist.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.refs = dict.fromkeys(range(num_blocks), 0)
+        self.free = collections.deque(range(num_blocks))
+
+    def allocate(self, count: int) -> tuple[int, ...] | None:
+        """The blocks ``allocate(count)`` must return, or ``None`` if it must refuse."""
+        if not 0 <= count <= len(self.free):
+            return None
+        block_ids = tuple(self.free.popleft() for _ in range(count))
+        for block_id in block_ids:
+            self.refs[block_id] = 1
+        return block_ids
+
+    def can_retain(self, block_ids: Iterable[int]) -> bool:
+        """Whether every block is in use (only used blocks can be shared)."""
+        return all(self.refs.get(block_id, 0) > 0 for block_id in block_ids)
+
+    def retain(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self.refs[block_id] += 1
+
+    def can_release(self, block_ids: Sequence[int]) -> bool:
+        """Whether each block has at least as many references as it is released."""
+        counts = collections.Counter(block_ids)
+        return all(self.refs.get(block_id, 0) >= n for block_id, n in counts.items())
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self.refs[block_id] -= 1
+            if self.refs[block_id] == 0:
+                self.free.append(block_id)
+
+    @property
+    def held(self) -> list[int]:
+        """Every reference, one entry each (a block with two references appears twice)."""
+        return [block_id for block_id, count in self.refs.items() for _ in range(count)]
+
+    def counts(self) -> tuple[int, int, int]:
+        """``(free, used, shared)`` block counts."""
+        used = sum(1 for count in self.refs.values() if count)
+        shared = sum(1 for count in self.refs.values() if count > 1)
+        return len(self.refs) - used, used, shared

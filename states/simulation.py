@@ -1,0 +1,168 @@
+"""A simulated device and a reference model, to check the scheduler without a model.
+
+:class:`SimulatedKV` executes step plans the way a real runner does, against a paged "KV
+cache" that stores token ids instead of tensors. Every position a step computes is written
+into the request's blocks, and every sampled token is a pure function of the ids *read back
+through the block table*. So a scheduler bug that loses a position, hands one block to two
+live requests, or feeds a wrong pending input changes the output, and
+:func:`reference_output` (the same function, iterated without any scheduler) exposes it.
+
+This module is pure and synchronous, like the rest of :mod:`twostroke.states`; the
+hypothesis tools built on it live in :mod:`twostroke.states.testing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from twostroke.states.params import SamplingParams
+from twostroke.states.plan import StepOutcome, StepPlan
+
+__all__ = ["NextToken", "SimulatedKV", "SimulationError", "reference_output", "toy_next_token"]
+
+#: A "model": maps a whole token sequence to the id of the next token.
+NextToken = Callable[[Sequence[int]], int]
+
+
+def toy_next_token(token_ids: Sequence[int], vocab_size: int = 64) -> int:
+    """A deterministic "model": the next id is a hash of the whole sequence.
+
+    Every earlier token influences the result, so a lost or corrupted position changes it.
+
+    Args:
+        token_ids: The sequence so far (prompt, then output).
+        vocab_size: Ids are drawn from ``range(vocab_size)``.
+
+    Returns:
+        The next token id.
+    """
+    value = len(token_ids)
+    for token_id in token_ids:
+        value = (value * 1_000_003 + token_id + 1) % 2_147_483_647
+    return value % vocab_size
+
+
+class SimulationError(AssertionError):
+    """The scheduler did something a real device or a real caller would get wrong.
+
+    It subclasses ``AssertionError`` so that test frameworks (and hypothesis' shrinking)
+    treat it as a failed check.
+    """
+
+
+class SimulatedKV:
+    """A fake device with a paged cache of token ids.
+
+    Args:
+        num_blocks: Blocks in the cache (the scheduler's pool size).
+        block_size: Positions per block.
+        next_token: The "model": maps a whole sequence to the next token id.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, next_token: NextToken = toy_next_token
+    ) -> None:
+        self.block_size = block_size
+        self.next_token = next_token
+        # Each slot holds (writer request id, token id), or None before it is written.
+        self._slots: list[list[tuple[int, int] | None]] = [
+            [None] * block_size for _ in range(num_blocks)
+        ]
+        self._previous: dict[int, int] = {}
+        self.num_steps = 0
+
+    def execute(self, plan: StepPlan) -> StepOutcome:
+        """Run one step: write every computed position, then sample from what is stored.
+
+        Steps must be executed in plan order, as a device stream would.
+
+        Args:
+            plan: The step to run.
+
+        Returns:
+            The token sampled for every request of the plan that samples.
+
+        Raises:
+            SimulationError: a pending input with no sample from the previous step, a block
+                table too short, or a read of a position that this request never wrote.
+        """
+        sampled: dict[int, int] = {}
+        for entry in plan.requests:
+            inputs = list(entry.token_ids)
+            if entry.pending_input:
+                if entry.request_id not in self._previous:
+                    raise SimulationError(
+                        f"step {plan.step_id}: request {entry.request_id} has a pending "
+                        "input but the previous step sampled nothing for it"
+                    )
+                inputs.append(self._previous[entry.request_id])
+            for offset, token_id in enumerate(inputs):
+                block, slot = self._locate(entry.block_table, entry.start + offset, plan)
+                self._slots[block][slot] = (entry.request_id, token_id)
+        for entry in plan.requests:
+            if not entry.sample:
+                continue
+            context = [
+                self._read(entry.request_id, entry.block_table, position, plan)
+                for position in range(entry.end)
+            ]
+            sampled[entry.request_id] = self.next_token(context)
+        self._previous = sampled
+        self.num_steps += 1
+        return StepOutcome(step_id=plan.step_id, sampled=sampled)
+
+    def _locate(self, block_table: Sequence[int], position: int, plan: StepPlan) -> tuple[int, int]:
+        index, slot = divmod(position, self.block_size)
+        if index >= len(block_table):
+            raise SimulationError(
+                f"step {plan.step_id}: position {position} lies past the block table "
+                f"({len(block_table)} blocks of {self.block_size})"
+            )
+        return block_table[index], slot
+
+    def _read(
+        self, request_id: int, block_table: Sequence[int], position: int, plan: StepPlan
+    ) -> int:
+        block, slot = self._locate(block_table, position, plan)
+        stored = self._slots[block][slot]
+        if stored is None or stored[0] != request_id:
+            writer = "nobody" if stored is None else f"request {stored[0]}"
+            raise SimulationError(
+                f"step {plan.step_id}: request {request_id} reads position {position} "
+                f"(block {block}, slot {slot}) last written by {writer}"
+            )
+        return stored[1]
+
+
+def reference_output(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    eos_token_ids: frozenset[int] = frozenset(),
+    next_token: NextToken = toy_next_token,
+) -> tuple[list[int], str]:
+    """What a request must produce, computed without any scheduler.
+
+    Args:
+        prompt_token_ids: The prompt.
+        params: Its sampling parameters (``max_tokens``, ``min_tokens``, stop ids, EOS).
+        eos_token_ids: The model's end-of-sequence ids.
+        next_token: The "model" the simulated device uses.
+
+    Returns:
+        The output ids and the finish reason (``"stop"`` or ``"length"``).
+    """
+    tokens = list(prompt_token_ids)
+    output: list[int] = []
+    while True:
+        token_id = next_token(tokens)
+        stop = len(output) >= params.min_tokens and (
+            token_id in params.stop_token_ids
+            or (not params.ignore_eos and token_id in eos_token_ids)
+        )
+        tokens.append(token_id)
+        output.append(token_id)
+        if stop:
+            return output, "stop"
+        if len(output) >= params.max_tokens:
+            return output, "length"

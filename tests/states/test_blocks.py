@@ -1,0 +1,112 @@
+"""The KV block pool: a stateful test against reference counts, and pinned messages."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from twostroke.states.blocks import BlockPool, BlockPoolStatistics, blocks_for
+from twostroke.states.errors import EngineError, SchedulerError
+from twostroke.states.testing import BlockPoolMachine
+
+TestBlockPool = BlockPoolMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "block_size", "blocks"),
+    [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (8, 4, 2), (9, 4, 3), (7, 1, 7), (1, 16, 1)],
+)
+def test_blocks_for(num_tokens: int, block_size: int, blocks: int) -> None:
+    assert blocks_for(num_tokens, block_size) == blocks
+
+
+def snapshot(pool: BlockPool) -> tuple[object, ...]:
+    counts = tuple(pool.ref_count(b) for b in range(pool.num_blocks))
+    return counts, pool.statistics()
+
+
+def test_allocation_is_fifo_and_freed_blocks_go_to_the_back() -> None:
+    pool = BlockPool(4, 16)
+    assert pool.allocate(2) == (0, 1)
+    pool.release([0])
+    assert pool.allocate(2) == (2, 3)
+    assert pool.allocate(1) == (0,)
+    assert repr(pool) == "<BlockPool 0/4 free, block_size=16>"
+    assert pool.statistics() == BlockPoolStatistics(
+        num_blocks=4, block_size=16, num_free=0, num_used=4, num_shared=0
+    )
+
+
+def test_a_shared_block_is_free_only_when_its_last_reference_goes() -> None:
+    pool = BlockPool(2, 4)
+    (block,) = pool.allocate(1)
+    pool.retain([block, block])
+    assert pool.ref_count(block) == 3 and pool.statistics().num_shared == 1
+    pool.release([block, block])
+    assert pool.ref_count(block) == 1 and pool.num_free == 1
+    pool.release([block])
+    assert pool.ref_count(block) == 0 and pool.num_free == 2
+    pool.check_invariants()
+
+
+REFUSALS = [
+    ("allocate", 3, SchedulerError, "can't allocate 3 blocks: only 2 are free"),
+    ("allocate", -1, ValueError, "num_blocks must be >= 0, got -1"),
+    ("release", [2], SchedulerError, "can't release block 2: it is free"),
+    ("release", [0, 2], SchedulerError, "can't release block 2: it is free"),
+    ("release", [0, 0], SchedulerError, "can't release block 0 2 times: it has 1 references"),
+    ("release", [4], SchedulerError, "can't release block 4: no such block"),
+    ("release", [-1], SchedulerError, "can't release block -1: no such block"),
+    ("retain", [1, 3], SchedulerError, "can't retain block 3: it is free"),
+    ("retain", [9], SchedulerError, "can't retain block 9: no such block"),
+    ("ref_count", -1, SchedulerError, "no block -1: block ids are in [0, 4)"),
+    ("ref_count", 4, SchedulerError, "no block 4: block ids are in [0, 4)"),
+]
+
+
+@pytest.mark.parametrize(("method", "argument", "error", "message"), REFUSALS)
+def test_refusals_name_the_rule_and_change_nothing(
+    method: str, argument: object, error: type[Exception], message: str
+) -> None:
+    pool = BlockPool(4, 2)
+    pool.allocate(2)  # blocks 0 and 1 are used, 2 and 3 free
+    before = snapshot(pool)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        getattr(pool, method)(argument)
+    assert snapshot(pool) == before
+    pool.check_invariants()
+
+
+def test_a_double_free_is_refused_with_nothing_released() -> None:
+    pool = BlockPool(3, 2)
+    blocks = pool.allocate(3)
+    pool.release(blocks[:1])
+    with pytest.raises(SchedulerError, match="it is free") as caught:
+        pool.release(blocks)  # 1 and 2 are held, 0 is already free
+    assert isinstance(caught.value, EngineError)
+    assert [pool.ref_count(b) for b in blocks] == [0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size", "error", "message"),
+    [
+        (0, 16, ValueError, "num_blocks must be >= 1, got 0"),
+        (4, 0, ValueError, "block_size must be >= 1, got 0"),
+        (4.0, 16, TypeError, "num_blocks must be an int, got float 4.0"),
+        (4, True, TypeError, "block_size must be an int, got bool True"),
+    ],
+)
+def test_pool_sizes_are_validated(
+    num_blocks: int, block_size: int, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        BlockPool(num_blocks, block_size)
+
+
+def test_check_invariants_notices_corruption() -> None:
+    pool = BlockPool(2, 2)
+    pool.allocate(1)
+    pool._ref_counts[0] = 0  # a leak: neither referenced nor on the free list
+    with pytest.raises(AssertionError, match="block 0 has 0 references but is not on the free"):
+        pool.check_invariants()

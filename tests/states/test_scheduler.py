@@ -1,0 +1,446 @@
+"""The scheduler: stateful tests on tiny pools, depth 1 against depth 2, and unit tests."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twostroke.states.errors import InvalidTransition, RequestRejected, SchedulerError
+from twostroke.states.params import SamplingParams
+from twostroke.states.plan import StepFailure, StepOutcome
+from twostroke.states.request import FinishReason, Request, RequestStatus
+from twostroke.states.scheduler import Scheduler, SchedulerConfig
+from twostroke.states.testing import (
+    RequestSpec,
+    SchedulerMachine,
+    SimulatedEngine,
+    SimulatedKV,
+    Workload,
+    drive,
+    reference_output,
+    scheduler_configs,
+    workloads,
+)
+
+# --- stateful -------------------------------------------------------------------------------
+
+#: Pools of at most 18 positions with 2 to 4 requests running: most runs preempt.
+tiny_configs = scheduler_configs(
+    num_blocks=st.integers(2, 6),
+    block_size=st.integers(1, 3),
+    max_num_seqs=st.integers(2, 4),
+    max_num_batched_tokens=st.integers(2, 16),
+)
+
+#: The lookahead under memory pressure, where the rarest interleavings live.
+TestSchedulerTinyPool = SchedulerMachine.for_config(
+    scheduler_configs(
+        num_blocks=st.integers(2, 6),
+        block_size=st.integers(1, 3),
+        max_num_seqs=st.integers(2, 4),
+        max_num_batched_tokens=st.integers(2, 16),
+        pipeline_depth=2,
+    )
+).TestCase
+#: Both depths, pools of up to 48 positions.
+TestScheduler = SchedulerMachine.TestCase
+
+
+# Three times the profile's examples for the two scheduler machines: a run costs ~30 ms,
+# and an interleaving such as "cancel a request of step N+1, then one of step N, while both
+# are in flight" turns up about once in a few hundred runs.
+def _more_examples(case: type[Any]) -> None:
+    case.settings = settings(case.settings, max_examples=3 * settings.default.max_examples)
+
+
+_more_examples(TestSchedulerTinyPool)
+_more_examples(TestScheduler)
+
+
+# --- properties -------------------------------------------------------------------------------
+
+
+@given(st.data())
+def test_depth_1_and_depth_2_stream_identical_tokens(data: st.DataObject) -> None:
+    config = data.draw(scheduler_configs(pipeline_depth=1), label="config")
+    workload = data.draw(workloads(config, scheduling_only=True), label="workload")
+    serial = drive(Scheduler(config), workload)
+    overlapped = drive(Scheduler(attrs.evolve(config, pipeline_depth=2)), workload)
+    assert serial.outputs == overlapped.outputs
+    assert serial.statuses == overlapped.statuses
+    assert serial.finish_reasons == overlapped.finish_reasons
+    for request_id, spec in enumerate(workload.requests):
+        expected, reason = reference_output(
+            spec.prompt_token_ids, spec.params, eos_token_ids=spec.eos_token_ids
+        )
+        assert list(serial.outputs[request_id]) == expected
+        assert str(serial.finish_reasons[request_id]) == reason
+
+
+@given(st.data())
+def test_memory_pressure_never_changes_output(data: st.DataObject) -> None:
+    tight = data.draw(tiny_configs, label="config")
+    workload = data.draw(workloads(tight, scheduling_only=True), label="workload")
+    roomy = attrs.evolve(tight, num_blocks=1000, max_num_seqs=64)
+    pressed = drive(Scheduler(tight), workload)
+    free = drive(Scheduler(roomy), workload)
+    assert free.statistics.num_preemptions == 0
+    assert pressed.outputs == free.outputs
+
+
+def test_a_preempted_request_produces_the_output_of_an_unpressed_run() -> None:
+    config = SchedulerConfig(
+        num_blocks=4, block_size=2, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=9
+    )
+    specs = [RequestSpec([1, 2], SamplingParams(max_tokens=6, ignore_eos=True))] * 2
+    for depth in (1, 2):
+        result = drive(Scheduler(attrs.evolve(config, pipeline_depth=depth)), specs_to(specs))
+        assert result.statistics.num_preemptions >= 1
+        expected = reference_output([1, 2], specs[0].params)[0]
+        assert result.outputs == {0: tuple(expected), 1: tuple(expected)}
+
+
+def specs_to(specs: list[RequestSpec]) -> Workload:
+    return Workload(requests=specs)
+
+
+# --- submission -------------------------------------------------------------------------------
+
+
+def config(**overrides: int) -> SchedulerConfig:
+    values = {
+        "num_blocks": 8,
+        "block_size": 4,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 4,
+        "max_model_len": 32,
+        "pipeline_depth": 2,
+    }
+    return SchedulerConfig(**(values | overrides))
+
+
+def request(request_id: int, prompt: int = 4, **params: int) -> Request:
+    params.setdefault("max_tokens", 4)
+    return Request(request_id, range(1, prompt + 1), SamplingParams(**params), arrival_time=0)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "message"),
+    [
+        (0, 4, "the prompt must contain at least one token, got 0"),
+        (
+            30,
+            4,
+            "prompt (30 tokens) + max_tokens (4) must be <= max_model_len (32), got 34",
+        ),
+        (
+            20,
+            12,
+            "prompt + max_tokens (32 tokens) needs 8 KV blocks of 4, but the pool has only 6",
+        ),
+    ],
+)
+def test_requests_that_can_never_fit_are_rejected_not_queued(
+    prompt: int, max_tokens: int, message: str
+) -> None:
+    scheduler = Scheduler(config(num_blocks=6))
+    with pytest.raises(RequestRejected, match=f"^{re.escape(message)}$") as caught:
+        scheduler.add_request(request(1, prompt, max_tokens=max_tokens))
+    assert isinstance(caught.value, ValueError)
+    assert 1 not in scheduler and scheduler.is_idle()
+
+
+def test_the_last_token_needs_no_block() -> None:
+    scheduler = Scheduler(config(num_blocks=2))
+    scheduler.add_request(request(1, 5, max_tokens=4))  # 9 tokens, 8 positions: 2 blocks
+    assert scheduler.waiting_ids == (1,)
+
+
+def test_ids_must_be_unique_and_requests_new() -> None:
+    scheduler = Scheduler(config())
+    scheduler.add_request(request(1))
+    with pytest.raises(SchedulerError, match=r"^request id 1 is already in use$"):
+        scheduler.add_request(request(1))
+    used = request(2)
+    scheduler.add_request(used)
+    scheduler.schedule()
+    with pytest.raises(SchedulerError, match=r"^request 2 is not new: <Request 2 DECODING"):
+        Scheduler(config()).add_request(used)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [
+        ("num_blocks", 0, ValueError, "num_blocks must be >= 1, got 0"),
+        ("block_size", 0, ValueError, "block_size must be >= 1, got 0"),
+        ("max_num_batched_tokens", 0, ValueError, "max_num_batched_tokens must be >= 1, got 0"),
+        ("max_num_seqs", -1, ValueError, "max_num_seqs must be >= 1, got -1"),
+        ("max_model_len", 1, ValueError, "max_model_len must be >= 2, got 1"),
+        (
+            "pipeline_depth",
+            3,
+            ValueError,
+            "pipeline_depth must be 1 (serial) or 2 (lookahead), got 3",
+        ),
+        ("num_blocks", 2.0, TypeError, "num_blocks must be an int, got float 2.0"),
+        ("max_num_seqs", True, TypeError, "max_num_seqs must be an int, got bool True"),
+    ],
+)
+def test_config_is_validated(
+    field: str, value: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        config(**{field: value})  # type: ignore[arg-type]
+
+
+# --- planning -----------------------------------------------------------------------------
+
+
+def test_long_prompts_are_chunked_and_mixed_with_decodes_under_the_budget() -> None:
+    scheduler = Scheduler(config(max_num_batched_tokens=8))
+    kv = SimulatedKV(8, 4)
+    scheduler.add_request(request(1, 3))
+    first = scheduler.schedule()
+    assert first is not None and first.num_tokens == 3 and first.num_samples == 1
+    scheduler.apply(kv.execute(first))
+    scheduler.add_request(request(2, 20))
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert [(e.request_id, e.num_tokens, e.sample) for e in plan.requests] == [
+        (1, 1, True),
+        (2, 7, False),
+    ]
+    assert plan.num_tokens == 8
+
+
+def test_admission_is_fifo_and_stops_at_the_first_request_that_does_not_fit() -> None:
+    scheduler = Scheduler(config(num_blocks=3, max_num_batched_tokens=64, max_model_len=13))
+    scheduler.add_request(request(1, 8, max_tokens=1))  # 2 blocks
+    scheduler.add_request(request(2, 8, max_tokens=1))  # 2 blocks: does not fit now
+    scheduler.add_request(request(3, 1, max_tokens=1))  # would fit, but must wait its turn
+    plan = scheduler.schedule()
+    assert plan is not None and plan.request_ids == (1,)
+    assert scheduler.waiting_ids == (2, 3)
+
+
+def test_preemption_takes_the_newest_running_request() -> None:
+    scheduler = Scheduler(config(num_blocks=4, block_size=2, max_model_len=7, pipeline_depth=1))
+    kv = SimulatedKV(4, 2)
+    for request_id in (1, 2, 3):
+        scheduler.add_request(request(request_id, 2, max_tokens=4))
+    plan = scheduler.schedule()
+    assert plan is not None and plan.request_ids == (1, 2, 3)
+    scheduler.apply(kv.execute(plan))
+    # Each now needs a second block and one is free: 1 takes it, 2 takes 3's.
+    plan = scheduler.schedule()
+    assert plan is not None and plan.request_ids == (1, 2)
+    newest = scheduler.get(3)
+    assert newest is not None and newest.status is RequestStatus.PREEMPTED
+    assert newest.block_table == () and newest.num_computed_tokens == 0
+    assert scheduler.running_ids == (1, 2) and scheduler.waiting_ids == (3,)
+    assert scheduler.statistics().num_preemptions == 1
+
+
+def test_a_full_pipeline_refuses_to_plan() -> None:
+    scheduler = Scheduler(config(pipeline_depth=1))
+    scheduler.add_request(request(1))
+    assert scheduler.schedule() is not None
+    assert not scheduler.can_schedule
+    message = "can't plan a step while 1 steps are in flight (pipeline_depth=1)"
+    with pytest.raises(SchedulerError, match=f"^{re.escape(message)}$"):
+        scheduler.schedule()
+
+
+def test_nothing_to_do_plans_nothing() -> None:
+    assert Scheduler(config()).schedule() is None
+
+
+# --- the lookahead ------------------------------------------------------------------------------
+
+
+def test_step_n_plus_1_feeds_the_token_of_step_n_from_the_device() -> None:
+    scheduler = Scheduler(config())
+    kv = SimulatedKV(8, 4)
+    scheduler.add_request(request(1, 3, max_tokens=3))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert first is not None and second is not None
+    (entry,) = second.requests
+    assert entry.pending_input and entry.token_ids == () and entry.start == 3 and entry.sample
+    assert entry.sample_index == 1
+    assert scheduler.get(1).num_placeholders == 2  # type: ignore[union-attr]
+    first_outcome, second_outcome = kv.execute(first), kv.execute(second)
+    report = scheduler.apply(first_outcome)
+    assert report.new_tokens == ((1, first_outcome.sampled[1]),)
+    scheduler.apply(second_outcome)
+    assert scheduler.get(1).output_token_ids == (  # type: ignore[union-attr]
+        first_outcome.sampled[1],
+        second_outcome.sampled[1],
+    )
+
+
+def test_a_request_that_finishes_at_step_n_drops_its_n_plus_1_token_and_frees_after() -> None:
+    scheduler = Scheduler(config())
+    kv = SimulatedKV(8, 4)
+    scheduler.add_request(request(1, 3, max_tokens=1))
+    scheduler.add_request(request(2, 3, max_tokens=3))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert first is not None and second is not None
+    assert second.request_ids == (2,)  # request 1's only token is in flight: nothing to compute
+    scheduler.apply(kv.execute(first))
+    third = scheduler.schedule()
+    assert third is not None
+    outcomes = [kv.execute(second), kv.execute(third)]
+    scheduler.cancel(2)  # request 2 is in steps 1 and 2
+    assert scheduler.pool.num_free < 8
+    report = scheduler.apply(outcomes[0])
+    assert report.new_tokens == () and report.removed == ()
+    assert scheduler.pool.num_free < 8  # step 2 still writes into request 2's blocks
+    report = scheduler.apply(outcomes[1])
+    assert report.removed == (2,)
+    assert scheduler.pool.num_free == 8 and scheduler.is_idle()
+
+
+def test_blocks_wait_for_their_own_step_whatever_order_requests_end_in() -> None:
+    # Found by a random driver: deferred releases were a queue drained from the front, so
+    # cancelling a request of step 3 and then one of step 2 held step 2's blocks until step 3
+    # completed, after the request record was gone.
+    cfg = config(num_blocks=3, block_size=2, max_num_batched_tokens=2, max_model_len=7)
+    scheduler = Scheduler(cfg)
+    engine = SimulatedEngine(scheduler)
+    engine.submit(request(2, 3, max_tokens=2, ignore_eos=True))
+    for _ in range(2):
+        engine.plan()
+    engine.complete()
+    engine.plan()
+    engine.complete()  # request 2: one token known, its last one in flight in step 2
+    engine.submit(request(3, 5, max_tokens=1))
+    engine.plan()  # step 3 admits request 3 on the last free block
+    assert [plan.request_ids for plan in scheduler.inflight_plans] == [(2,), (3,)]
+    engine.cancel(3)
+    engine.cancel(2)
+    report = engine.complete()  # step 2: request 2's blocks come back now, not after step 3
+    assert report.removed == (2,)
+    assert scheduler.pool.num_free == 2
+    engine.check()
+    scheduler.check_invariants()
+
+
+# --- cancellation and finishing ---------------------------------------------------------------
+
+
+def run_to(status: str, depth: int) -> tuple[Scheduler, SimulatedEngine]:
+    """A scheduler whose request 1 is at the given point of its life."""
+    scheduler = Scheduler(config(max_num_batched_tokens=4, pipeline_depth=depth))
+    engine = SimulatedEngine(scheduler)
+    engine.submit(request(1, 10, max_tokens=8, ignore_eos=True))
+    targets = {
+        "queued": lambda: True,
+        "mid-prefill": lambda: scheduler.get(1).num_computed_tokens > 0,  # type: ignore[union-attr]
+        "in flight": lambda: scheduler.get(1).num_output_tokens >= 2,  # type: ignore[union-attr]
+        "finished": lambda: 1 not in scheduler,
+    }
+    while not targets[status]():
+        assert engine.advance()
+    return scheduler, engine
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("status", ["queued", "mid-prefill", "in flight", "finished"])
+def test_cancel_at_any_moment_is_idempotent_and_frees_by_the_next_step(
+    status: str, depth: int
+) -> None:
+    scheduler, engine = run_to(status, depth)
+    live = status != "finished"
+    assert engine.cancel(1) is live  # checks the answer and that a second cancel says False
+    assert scheduler.cancel(1) is False
+    for _ in range(scheduler.num_inflight_steps):
+        engine.complete()
+    assert 1 not in scheduler
+    assert scheduler.pool.num_free == scheduler.config.num_blocks
+    assert engine.requests[1].status is (
+        RequestStatus.CANCELLED if live else RequestStatus.FINISHED
+    )
+    assert scheduler.cancel(99) is False  # unknown ids are fine too
+
+
+def test_finish_early_keeps_the_output_so_far() -> None:
+    scheduler, engine = run_to("in flight", 2)
+    output = engine.requests[1].output_token_ids
+    assert engine.finish(1)
+    assert engine.requests[1].finish_reason is FinishReason.STOP
+    engine.run_until_idle()
+    assert engine.requests[1].output_token_ids == output
+    assert not scheduler.finish(1)
+
+
+def test_finish_before_any_token_is_refused_and_changes_nothing() -> None:
+    scheduler = Scheduler(config(max_num_batched_tokens=4))
+    scheduler.add_request(request(1, 10))
+    scheduler.schedule()
+    before = scheduler.statistics()
+    with pytest.raises(InvalidTransition, match="status PREFILLING does not accept event Fin"):
+        scheduler.finish(1)
+    assert scheduler.statistics() == before
+    assert scheduler.get(1).status is RequestStatus.PREFILLING  # type: ignore[union-attr]
+
+
+# --- outcomes ---------------------------------------------------------------------------------
+
+
+def test_outcomes_must_match_the_oldest_step_and_carry_every_token() -> None:
+    scheduler = Scheduler(config())
+    scheduler.add_request(request(1))
+    plan = scheduler.schedule()
+    assert plan is not None
+    message = "outcome for step 5 does not match the oldest step in flight (0)"
+    with pytest.raises(SchedulerError, match=f"^{re.escape(message)}$"):
+        scheduler.apply(StepOutcome(5, {1: 3}))
+    with pytest.raises(SchedulerError, match=r"^step 0 outcome lacks tokens for \[1\]$"):
+        scheduler.apply(StepOutcome(0, {}))
+    assert scheduler.num_inflight_steps == 1
+    scheduler.apply(StepOutcome(0, {1: 3}))
+    with pytest.raises(SchedulerError, match=r"does not match the oldest step in flight \(None\)"):
+        scheduler.apply(StepOutcome(1, {}))
+
+
+def test_a_failed_step_fails_every_request_in_it_and_frees_their_blocks() -> None:
+    scheduler = Scheduler(config(pipeline_depth=1))
+    for request_id in (1, 2):
+        scheduler.add_request(request(request_id))
+    scheduler.schedule()
+    scheduler.add_request(request(3))
+    report = scheduler.apply(StepFailure(0, "device lost"))
+    assert report.failed == (1, 2) and report.removed == (1, 2)
+    assert scheduler.waiting_ids == (3,)
+    assert scheduler.pool.num_free == 8
+
+
+def test_statistics_and_repr_show_the_state() -> None:
+    scheduler = Scheduler(config())
+    result = drive(scheduler, [request(i, 5, max_tokens=3, ignore_eos=True) for i in range(3)])
+    stats = scheduler.statistics()
+    assert stats.num_tokens_generated == 9 and stats.num_steps_completed == result.num_steps
+    assert stats.num_free_blocks == stats.num_blocks == 8
+    assert repr(scheduler) == "<Scheduler 0 waiting, 0 running, 0 in flight, 8/8 blocks free>"
+    assert result.statuses == dict.fromkeys(range(3), RequestStatus.FINISHED)
+
+
+def test_the_clock_stamps_the_request_timings() -> None:
+    ticks = itertools.count(100)
+    scheduler = Scheduler(config(pipeline_depth=1), clock=lambda: float(next(ticks)))
+    tracked = request(1, 2, max_tokens=2, ignore_eos=True)
+    drive(scheduler, [tracked])
+    times = (
+        tracked.first_scheduled_time,
+        tracked.first_token_time,
+        tracked.last_token_time,
+        tracked.end_time,
+    )
+    # admitted, token 1 (step 0 applied), token 2 and the finish (step 1 applied)
+    assert times == (100.0, 101.0, 102.0, 102.0)
