@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from twostroke.engine.runner import StepOutput, TokenLogprobs
 from twostroke.gpu.completion import Launched, ReadyEvent
 from twostroke.states.plan import StepPlan
-from twostroke.states.testing import SimulatedKV, toy_next_token
+from twostroke.states.simulation import SimulatedKV, toy_next_token
 
 __all__ = ["ByteTokenizer", "ToyRunner", "toy_text_next_token"]
 

@@ -44,7 +44,7 @@ for name in BLOCKED:
 import twostroke.states as states
 
 names = sorted(m.name for m in pkgutil.iter_modules(states.__path__))
-pure = [name for name in names if name != "testing"]
+pure = [name for name in names if name not in ("testing", "strategies", "machines")]
 for name in pure:
     importlib.import_module(f"twostroke.states.{name}")
 before_testing = sorted(sys.modules)
@@ -52,6 +52,10 @@ importlib.import_module("twostroke.states.testing")
 after = sorted(sys.modules)
 print(json.dumps({"modules": names, "before_testing": before_testing, "after": after}))
 """
+
+
+#: The modules of ``states`` that support tests and may import hypothesis (the test extra).
+TEST_SUPPORT = ("testing.py", "strategies.py", "machines.py")
 
 
 def _top(name: str) -> str:
@@ -83,7 +87,7 @@ def test_states_imports_without_torch_anyio_or_trio() -> None:
         assert not [
             name for name in loaded if name.startswith(("twostroke.gpu", "twostroke.engine"))
         ]
-    # hypothesis comes only with the test-support module
+    # hypothesis comes only with the test-support modules
     assert "hypothesis" not in {_top(name) for name in result["before_testing"]}
     assert "twostroke.states.testing" in result["after"]
 
@@ -114,7 +118,7 @@ def sources(folder: str) -> list[pathlib.Path]:
 @pytest.mark.parametrize("path", sources("states"), ids=lambda p: p.name)
 def test_states_imports_only_the_standard_library_attrs_and_itself(path: pathlib.Path) -> None:
     allowed = set(sys.stdlib_module_names) | {"attrs", "__future__"}
-    if path.name == "testing.py":
+    if path.name in TEST_SUPPORT:
         allowed.add("hypothesis")
     for module in imports(path):
         if module.startswith("twostroke"):
@@ -147,3 +151,15 @@ def test_the_scan_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
     found = imports(sample)
     assert {"torch.cuda", "twostroke.engine", "twostroke.gpu.streams"} <= found
     assert "twostroke.states.request" in found
+
+
+def test_the_engine_and_its_toy_runner_do_not_need_the_test_extra() -> None:
+    """hypothesis is a test dependency: importing the engine (and its toy model) avoids it."""
+    code = (
+        "import sys, twostroke.engine, twostroke.engine.testing, twostroke.engine.loading\n"
+        "assert 'hypothesis' not in sys.modules, 'hypothesis was imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr

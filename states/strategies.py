@@ -1,0 +1,207 @@
+"""Hypothesis strategies for the scheduling core: parameters, requests, workloads, configs.
+
+Test support: imports hypothesis (the ``test`` extra). Use it through
+:mod:`twostroke.states.testing`, which re-exports everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+
+from twostroke.states.harness import (
+    RequestSpec,
+    Workload,
+)
+from twostroke.states.params import MAX_LOGPROBS, SamplingParams
+from twostroke.states.request import (
+    Request,
+)
+from twostroke.states.scheduler import SchedulerConfig
+
+__all__ = ["request_specs", "requests", "sampling_params", "scheduler_configs", "workloads"]
+
+Ints = int | st.SearchStrategy[int]
+VOCAB_SIZE = 64
+
+
+def _ints(value: Ints | None, default: st.SearchStrategy[int]) -> st.SearchStrategy[int]:
+    """A strategy from a fixed value, a strategy, or ``None`` for the default."""
+    if value is None:
+        return default
+    return value if isinstance(value, st.SearchStrategy) else st.just(value)
+
+
+# --- strategies ---------------------------------------------------------------------------
+
+
+@st.composite
+def sampling_params(
+    draw: st.DrawFn,
+    /,
+    *,
+    max_tokens: Ints | None = None,
+    vocab_size: int = VOCAB_SIZE,
+    scheduling_only: bool = False,
+) -> SamplingParams:
+    """Valid sampling parameters, every field drawn from its whole range.
+
+    Stop token ids are drawn from ``range(vocab_size)`` so that they actually occur.
+
+    Args:
+        max_tokens: The value, or a strategy, for ``max_tokens`` (default 1 to 16).
+        vocab_size: Token ids lie in ``range(vocab_size)``.
+        scheduling_only: Draw only what the scheduler reads (``max_tokens``,
+            ``min_tokens``, ``stop_token_ids``, ``ignore_eos``) and leave the rest at
+            their defaults: faster, and failing examples shrink to fewer fields.
+    """
+    most = draw(_ints(max_tokens, st.integers(1, 16)))
+    params = SamplingParams(
+        max_tokens=most,
+        min_tokens=draw(st.integers(0, most) | st.just(0)),
+        stop_token_ids=draw(st.lists(st.integers(0, vocab_size - 1), max_size=3)),
+        ignore_eos=draw(st.booleans()),
+    )
+    if scheduling_only:
+        return params
+    unit = st.floats(0, 1, allow_nan=False)
+    penalty = st.floats(-2, 2, allow_nan=False)
+    return attrs.evolve(
+        params,
+        temperature=draw(st.floats(0, 2, allow_nan=False)),
+        top_k=draw(st.none() | st.integers(1, vocab_size)),
+        top_p=draw(unit.filter(lambda p: p > 0)),
+        min_p=draw(unit),
+        seed=draw(st.none() | st.integers(0, 2**63 - 1)),
+        stop=draw(st.lists(st.text(min_size=1, max_size=4), max_size=2)),
+        repetition_penalty=draw(st.floats(0.5, 2, allow_nan=False)),
+        presence_penalty=draw(penalty),
+        frequency_penalty=draw(penalty),
+        logprobs=draw(st.none() | st.integers(0, MAX_LOGPROBS)),
+        include_stop_str_in_output=draw(st.booleans()),
+    )
+
+
+@st.composite
+def request_specs(
+    draw: st.DrawFn,
+    /,
+    config: SchedulerConfig | None = None,
+    *,
+    max_prompt_tokens: int = 24,
+    max_tokens: int = 12,
+    vocab_size: int = VOCAB_SIZE,
+    scheduling_only: bool = False,
+) -> RequestSpec:
+    """Request specs (prompt, parameters, EOS ids); with ``config``, only ones it serves.
+
+    Args:
+        config: If given, every spec fits it (:meth:`RequestSpec.fits`).
+        max_prompt_tokens: Longest prompt.
+        max_tokens: Largest ``max_tokens``.
+        vocab_size: Token ids lie in ``range(vocab_size)``.
+        scheduling_only: As for :func:`sampling_params`.
+    """
+    capacity = max_prompt_tokens + max_tokens
+    if config is not None:
+        capacity = min(capacity, config.max_model_len, config.num_blocks * config.block_size + 1)
+    num_prompt = draw(st.integers(1, min(max_prompt_tokens, capacity - 1)))
+    # Long outputs half of the time: decodes that grow into new blocks make preemption.
+    room = min(max_tokens, capacity - num_prompt)
+    most = st.integers(1, room) | st.just(room)
+    return RequestSpec(
+        prompt_token_ids=draw(
+            st.lists(st.integers(0, vocab_size - 1), min_size=num_prompt, max_size=num_prompt)
+        ),
+        params=draw(
+            sampling_params(max_tokens=most, vocab_size=vocab_size, scheduling_only=scheduling_only)
+        ),
+        eos_token_ids=draw(st.frozensets(st.integers(0, vocab_size - 1), max_size=2)),
+    )
+
+
+@st.composite
+def requests(
+    draw: st.DrawFn,
+    /,
+    config: SchedulerConfig | None = None,
+    *,
+    request_id: Ints | None = None,
+    **spec_options: Any,
+) -> Request:
+    """New requests (status WAITING); options as for :func:`request_specs`.
+
+    Args:
+        config: If given, the scheduler with this configuration accepts every request.
+        request_id: The id, or a strategy for it (default: any non-negative int32).
+        spec_options: ``max_prompt_tokens``, ``max_tokens``, ``vocab_size``,
+            ``scheduling_only``.
+    """
+    spec = draw(request_specs(config, **spec_options))
+    return spec.build(draw(_ints(request_id, st.integers(0, 2**31 - 1))))
+
+
+@st.composite
+def workloads(
+    draw: st.DrawFn,
+    /,
+    config: SchedulerConfig | None = None,
+    *,
+    max_requests: int = 8,
+    max_gap: int = 3,
+    **spec_options: Any,
+) -> Workload:
+    """Workloads of 1 to ``max_requests`` requests arriving over time.
+
+    Args:
+        config: If given, every request fits it.
+        max_requests: The most requests.
+        max_gap: The most steps between two arrivals.
+        spec_options: As for :func:`request_specs`.
+    """
+    specs = draw(st.lists(request_specs(config, **spec_options), min_size=1, max_size=max_requests))
+    gaps = draw(st.lists(st.integers(0, max_gap), min_size=len(specs), max_size=len(specs)))
+    arrivals = [sum(gaps[: index + 1]) - gaps[0] for index in range(len(specs))]
+    return Workload(requests=specs, arrivals=arrivals)
+
+
+@st.composite
+def scheduler_configs(
+    draw: st.DrawFn,
+    /,
+    *,
+    num_blocks: Ints | None = None,
+    block_size: Ints | None = None,
+    max_num_batched_tokens: Ints | None = None,
+    max_num_seqs: Ints | None = None,
+    pipeline_depth: Ints | None = None,
+) -> SchedulerConfig:
+    """Small configurations, so that memory pressure and preemption happen all the time.
+
+    ``max_model_len`` lies between half and all of the pool's capacity (plus the last token,
+    which needs no KV), so that some requests are refused by the context length and some by
+    the pool.
+
+    Each argument is a fixed value, a strategy, or ``None`` for the default range.
+
+    Args:
+        num_blocks: KV blocks in the pool (default 2 to 12).
+        block_size: Positions per block (default 1 to 4).
+        max_num_batched_tokens: Token budget per step (default 1 to 24).
+        max_num_seqs: Request limit (default 1 to 6).
+        pipeline_depth: 1 (serial) or 2 (lookahead) (default either).
+    """
+    blocks = draw(_ints(num_blocks, st.integers(2, 12)))
+    size = draw(_ints(block_size, st.integers(1, 4)))
+    capacity = blocks * size + 1  # the last token needs no KV
+    return SchedulerConfig(
+        num_blocks=blocks,
+        block_size=size,
+        max_num_batched_tokens=draw(_ints(max_num_batched_tokens, st.integers(1, 24))),
+        max_num_seqs=draw(_ints(max_num_seqs, st.integers(1, 6))),
+        # Mostly the pool's capacity: a short context would only allow short requests.
+        max_model_len=draw(st.just(capacity) | st.integers(max(2, capacity // 2), capacity)),
+        pipeline_depth=draw(_ints(pipeline_depth, st.sampled_from((1, 2)))),
+    )
