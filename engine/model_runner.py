@@ -84,6 +84,7 @@ class TorchModelRunner:
         self._sampler = Sampler(model.config.vocab_size, model.device, seed=seed)
         self._history: TokenHistory | None = None
         self._cache: KVCache | None = None
+        self._zeroed = bytearray()  # per KV block: zeroed since allocation
         self._previous_sampled: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
         self._num_steps = 0
@@ -147,7 +148,10 @@ class TorchModelRunner:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self._cache = self.model.allocate_kv_cache(num_blocks, block_size)
+        # Unzeroed: each block is zeroed the first time a step writes it (see KVCache).
+        self._cache = self.model.allocate_kv_cache(num_blocks, block_size, zeroed=False)
+        self._zeroed = bytearray(num_blocks)
+        self._zero_new_blocks([0], self._cache)  # padded decode histories read block 0
 
     def execute(self, plan: StepPlan) -> Launched[StepOutput]:
         """Launch one step (on the CPU: run it) and return how to read its tokens back.
@@ -181,8 +185,9 @@ class TorchModelRunner:
         if history is not None:
             for request_id in plan.finished_request_ids:
                 history.release(request_id)
-        # Single-token chunks first: the attention batches them into one call.
-        entries = sorted(plan.requests, key=lambda entry: entry.num_tokens != 1)
+        # Single-token chunks first, longest first: the attention batches them, in groups
+        # of similar lengths.
+        entries = sorted(plan.requests, key=_batch_order)
         input_ids, pending_rows, pending_sources, logit_rows = self._layout(plan, entries)
         device = self.device
         ids = to_device(input_ids, device=device)
@@ -196,10 +201,19 @@ class TorchModelRunner:
             [ChunkSpec(entry.start, entry.num_tokens, entry.block_table) for entry in entries],
             block_size=cache.block_size,
             num_blocks=cache.num_blocks,
-            num_queries_per_kv=self.config.num_queries_per_kv,
+            num_kv_heads=self.config.num_kv_heads,
             dtype=self.model.dtype,
             device=device,
         )
+        # Every block a step reads was written by this step or an earlier one, except block 0
+        # (padding): zeroing the blocks this step writes covers everything read.
+        written: list[int] = []
+        for entry in entries:
+            table = entry.block_table
+            written.extend(
+                table[entry.start // cache.block_size : -(-entry.end // cache.block_size)]
+            )
+        self._zero_new_blocks(written, cache)
         logits = self.model(ids, metadata, cache, to_device(logit_rows, device=device))
 
         sampling = [entry for entry in entries if entry.sample]
@@ -228,6 +242,14 @@ class TorchModelRunner:
             cuda_event.record()
             event = cuda_event
         return Launched(event, readback, keepalive)
+
+    def _zero_new_blocks(self, block_ids: list[int], cache: KVCache) -> None:
+        zeroed = self._zeroed
+        fresh = [block for block in block_ids if not zeroed[block]]
+        if fresh:
+            cache.zero_blocks(fresh)
+            for block in fresh:
+                zeroed[block] = 1
 
     def _layout(
         self, plan: StepPlan, entries: list[ScheduledRequest]
@@ -280,6 +302,11 @@ class TorchModelRunner:
                 history.slot(entry.request_id)
         slots = [history.slot(e.request_id) for e in sampling if e.params.uses_penalties]
         return to_device(slots, device=self.device) if slots else None
+
+
+def _batch_order(entry: ScheduledRequest) -> tuple[bool, int]:
+    decode = entry.num_tokens == 1
+    return not decode, -entry.start if decode else 0
 
 
 def _stage(output: SamplerOutput, device: torch.device) -> _Staged:

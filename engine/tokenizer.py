@@ -7,13 +7,16 @@ tokenizer of the tests are interchangeable. :class:`HFTokenizer` implements it o
 GGUF file, offline: loading never touches the network.
 
 ``transformers`` is imported only when a tokenizer is loaded, because importing it takes
-seconds and the engine's pure paths (tests, toy models) never need it.
+seconds and the engine's pure paths (tests, toy models) never need it. A GGUF file's
+tokenizer is converted once and kept in the artifact cache
+(:mod:`twostroke.engine.models.artifacts`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
@@ -34,6 +37,7 @@ __all__ = [
 _GGUF_MAGIC = b"GGUF"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _GENERATION_CONFIG = "generation_config.json"
+_CACHED_TOKENIZER = "tokenizer"
 _MESSAGE_KEYS = frozenset({"role", "content"})
 
 
@@ -208,7 +212,7 @@ class HFTokenizer:
             extra_eos = _generation_config_eos_ids(path / _GENERATION_CONFIG)
         elif path.is_file():
             _check_gguf_magic(path)
-            tokenizer = _load_transformers_tokenizer(path, str(path.parent), gguf_file=path.name)
+            tokenizer = _load_gguf_tokenizer(path)
             extra_eos = frozenset()
         else:
             raise TokenizerLoadError(path, "no such file or directory")
@@ -317,6 +321,38 @@ def _check_gguf_magic(path: Path) -> None:
             f"a file must be a GGUF file (it starts with {magic!r}, not {_GGUF_MAGIC!r}); "
             "for Hugging Face tokenizer files pass their directory",
         )
+
+
+def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer embedded in a GGUF file, through the artifact cache.
+
+    transformers builds it from the GGUF vocabulary in seconds (it parses the whole file);
+    the first load saves the result (``tokenizer.json`` and its configuration) in the
+    artifact cache (:mod:`twostroke.engine.models.artifacts`), from which the next loads
+    read it in a fraction of a second.
+    """
+    from twostroke.engine.models.artifacts import ArtifactCache
+
+    cache = ArtifactCache.from_environment()
+    try:
+        cached = None if cache is None else cache.entry(path) / _CACHED_TOKENIZER
+    except OSError:
+        cached = None
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        try:
+            return _load_transformers_tokenizer(cached, str(cached))
+        except TokenizerLoadError:
+            pass  # a damaged entry: convert again and replace it
+    tokenizer = _load_transformers_tokenizer(path, str(path.parent), gguf_file=path.name)
+    if cache is not None and cached is not None:
+        if cached.is_dir():
+            shutil.rmtree(cached, ignore_errors=True)
+        cache.store(cached, lambda folder: _save_tokenizer(tokenizer, folder))
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    tokenizer.save_pretrained(str(folder))
 
 
 def _load_transformers_tokenizer(

@@ -127,6 +127,36 @@ class ModelConfig:
         """Query heads sharing one key/value head."""
         return self.num_heads // self.num_kv_heads
 
+    # --- plain values (the artifact cache) -------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values; :meth:`from_dict` reads them back."""
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """The configuration :meth:`to_dict` wrote.
+
+        Args:
+            data: The values, as parsed from JSON (lists where tuples were).
+
+        Returns:
+            The configuration.
+
+        Raises:
+            TypeError, ValueError: a field is missing, unknown or invalid.
+        """
+        fields = dict(data)
+        scaling = fields.pop("rope_scaling", None)
+        factors = fields.pop("rope_frequency_factors", None)
+        eos = fields.pop("eos_token_ids", ())
+        return cls(
+            **fields,
+            rope_scaling=None if scaling is None else RopeScaling(**scaling),
+            rope_frequency_factors=None if factors is None else tuple(factors),
+            eos_token_ids=tuple(eos),
+        )
+
     # --- Hugging Face config.json ---------------------------------------------------------
 
     @classmethod

@@ -9,6 +9,9 @@ Three sources, one result (:class:`LoadedModel`):
   through ``safe_open``'s memory map, so the weights exist once in RAM (in the parameters);
 * a **GGUF file**, read through the ``gguf`` package's memory-mapped reader, each tensor
   dequantized to float32 and converted to the chosen dtype on its way into its parameter.
+  That conversion takes seconds, so its result (the weights in the chosen dtype, and the
+  configuration) is kept in the artifact cache (:mod:`~twostroke.engine.models.artifacts`)
+  and read back from there by the next load of the same file.
 
 Every failure a user can cause (unknown name or architecture, missing file, wrong shape,
 corrupt data) raises :class:`ModelLoadError` naming the file and the problem.
@@ -16,9 +19,11 @@ corrupt data) raises :class:`ModelLoadError` naming the file and the problem.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
+import logging
 import os
 import re
 import time
@@ -30,6 +35,7 @@ import attrs
 import numpy as np
 import torch
 
+from twostroke.engine.models.artifacts import ArtifactCache
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
 from twostroke.states.errors import EngineError
@@ -46,6 +52,9 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHED_CONFIG = "config.json"
+
+_log = logging.getLogger(__name__)
 
 
 class ModelLoadError(EngineError):
@@ -163,7 +172,11 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
 
 
 def load_model(
-    model: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device
+    model: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device,
+    pack_weights: bool = True,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
 
@@ -172,6 +185,8 @@ def load_model(
             ``.gguf`` file.
         dtype: float32, bfloat16 or float16; ``None`` takes :func:`default_dtype`.
         device: Where to put the weights.
+        pack_weights: Pack the projections for oneDNN where that works (see
+            :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
 
     Returns:
         The loaded decoder and where it came from.
@@ -187,15 +202,18 @@ def load_model(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     started = time.perf_counter()
     path = resolve_model(model)
-    if path.is_dir():
-        config, module = _load_hf_directory(path, dtype, device)
-    elif _is_gguf(path):
-        config, module = _load_gguf(path, dtype, device)
-    else:
-        raise ModelLoadError(
-            path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
-        )
-    module.eval()
+    with _one_torch_thread():
+        if path.is_dir():
+            config, module = _load_hf_directory(path, dtype, device)
+        elif _is_gguf(path):
+            config, module = _load_gguf(path, dtype, device)
+        else:
+            raise ModelLoadError(
+                path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
+            )
+        module.eval()
+        if pack_weights:
+            module.pack_weights()
     return LoadedModel(
         config=config,
         module=module,
@@ -204,6 +222,22 @@ def load_model(
         device=device,
         load_seconds=time.perf_counter() - started,
     )
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Run torch on one thread inside the block, then restore the thread count.
+
+    Loading is conversions and copies, bound by memory: a second thread gains little, and
+    on a machine whose other core is busy every parallel region waits for it (SmolLM2's
+    load took 4.5 s on two threads against 2.9 s on one, measured).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --- Hugging Face directories ---------------------------------------------------------------
@@ -297,6 +331,71 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Read the weights from the artifact cache, or convert the file and cache them."""
+    cache = ArtifactCache.from_environment()
+    entry = None
+    if cache is not None:
+        try:
+            entry = cache.entry(path)
+        except OSError:
+            entry = None  # the file's own read errors are reported by the conversion
+    if entry is not None:
+        cached = _read_cached(entry, dtype, device)
+        if cached is not None:
+            return cached
+    config, module = _convert_gguf(path, dtype, device)
+    if entry is not None:
+        _write_cached(entry, config, module)
+    return config, module
+
+
+def _cached_weights(entry: Path, dtype: torch.dtype) -> Path:
+    return entry / f"model-{str(dtype).removeprefix('torch.')}.safetensors"
+
+
+def _read_cached(
+    entry: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM] | None:
+    """The model from the cache folder ``entry``; ``None`` if absent or unreadable."""
+    weights = _cached_weights(entry, dtype)
+    if not weights.is_file():
+        return None
+    from safetensors.torch import load
+
+    try:
+        config = ModelConfig.from_dict(json.loads((entry / _CACHED_CONFIG).read_text()))
+        module = LlamaForCausalLM(config, dtype=dtype, device=device)
+        # One read() of the file, not a memory map: first touches of a mapped file fault
+        # page by page, which took 5x longer here (0.7 s against 0.13 s for SmolLM2).
+        state = load(weights.read_bytes())
+        module.load_state_dict(state, strict=True, assign=device.type == "cpu")
+    except Exception as error:  # any damage: convert again (and overwrite the entry)
+        name = type(error).__name__
+        _log.warning("twostroke: ignoring the cached %s (%s: %s)", weights, name, error)
+        return None
+    if any(tensor.dtype != dtype for tensor in module.parameters()):
+        return None
+    return config, module
+
+
+def _write_cached(entry: Path, config: ModelConfig, module: LlamaForCausalLM) -> None:
+    from safetensors.torch import save_file
+
+    def write_config(path: Path) -> None:
+        path.write_text(json.dumps(config.to_dict(), indent=1))
+
+    def write_weights(path: Path) -> None:
+        state = {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
+        save_file(state, path)
+
+    cache = ArtifactCache(entry.parent)
+    if cache.store(entry / _CACHED_CONFIG, write_config):
+        cache.store(_cached_weights(entry, module.dtype), write_weights)
+
+
+def _convert_gguf(
     path: Path, dtype: torch.dtype, device: torch.device
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     from gguf import GGUFReader

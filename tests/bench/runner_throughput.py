@@ -2,18 +2,27 @@
 
 Runs the runner under the real scheduler with a plain synchronous loop (no engine, no event
 loop), so the figures are the model's and the runner's alone. Each dtype runs in a fresh
-process so that its peak RSS is its own. The workload follows LESSONS.md's side-by-side
-measurement: random prompts of 26-248 tokens, 128 greedy tokens each, EOS ignored; one
-request alone, then 32 at once. Throughput is output tokens over wall time (prefill
-included, vLLM's offline definition); the decode figure times only steps that are all decodes.
+process so that its peak RSS is its own. The workloads:
+
+* LESSONS.md's side-by-side measurement: random prompts of 26-248 tokens, 128 greedy tokens
+  each, EOS ignored; one request alone, then 32 at once;
+* ``--offline``: also issue 5's offline workload, 64 requests with prompts of 16-512 and
+  outputs of 16-256 tokens (seeded), all submitted at once.
+
+Throughput is output tokens over wall time (prefill included, vLLM's offline definition);
+the decode figure times only steps that are all decodes. The machine is shared, so each
+figure comes with the 1-minute load average at its end: compare figures taken at similar
+loads only.
 
     .venv/bin/python tests/bench/runner_throughput.py [--dtypes float32 bfloat16] [--threads 2]
+        [--budget 512] [--offline]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
@@ -38,20 +47,24 @@ def peak_rss_mib() -> float:
 
 
 def serve(
-    runner: TorchModelRunner, prompts: list[list[int]], max_tokens: int, num_blocks: int
+    runner: TorchModelRunner,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    num_blocks: int,
+    budget: int,
 ) -> dict[str, float]:
     scheduler = Scheduler(
         SchedulerConfig(
             num_blocks=num_blocks,
             block_size=BLOCK_SIZE,
-            max_num_batched_tokens=512,
+            max_num_batched_tokens=budget,
             max_num_seqs=64,
             max_model_len=runner.max_model_len,
             pipeline_depth=1,
         )
     )
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
+    for index, (prompt, count) in enumerate(zip(prompts, max_tokens, strict=True)):
+        params = SamplingParams(max_tokens=count, temperature=0.0, ignore_eos=True)
         scheduler.add_request(Request(index, prompt, params, 0.0))
     generated = 0
     decode_time = 0.0
@@ -71,10 +84,13 @@ def serve(
         "output_tokens_per_s": generated / elapsed,
         "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
         "seconds": elapsed,
+        "load_average": os.getloadavg()[0],
     }
 
 
-def measure(dtype_name: str, threads: int, max_tokens: int, concurrency: int) -> dict[str, Any]:
+def measure(
+    dtype_name: str, threads: int, max_tokens: int, concurrency: int, budget: int, offline: bool
+) -> dict[str, Any]:
     torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
     rss_before = peak_rss_mib()
@@ -94,14 +110,24 @@ def measure(dtype_name: str, threads: int, max_tokens: int, concurrency: int) ->
         "rss_before_load_mib": round(rss_before),
         "peak_rss_after_load_mib": round(rss_loaded),
     }
-    for label, batch in (("single", prompts[:1]), (f"concurrent_{concurrency}", prompts)):
+    workloads = [
+        ("single", prompts[:1], [max_tokens]),
+        (f"concurrent_{concurrency}", prompts, [max_tokens] * concurrency),
+    ]
+    if offline:
+        rng = random.Random(0)
+        lengths = [(rng.randint(16, 512), rng.randint(16, 256)) for _ in range(64)]
+        offline_prompts = [[rng.randrange(vocab) for _ in range(n)] for n, _ in lengths]
+        workloads.append(("offline_64", offline_prompts, [out for _, out in lengths]))
+        num_blocks = max(num_blocks, 64 * -(-(512 + 256) // BLOCK_SIZE))
+    for label, batch, outputs in workloads:
         runner = TorchModelRunner.from_loaded(loaded)
         runner.allocate_kv_cache(num_blocks, BLOCK_SIZE)
-        serve(runner, [p[:32] for p in batch[:2]], 4, num_blocks)  # warm-up
+        serve(runner, [p[:32] for p in batch[:2]], [4] * min(2, len(batch)), num_blocks, budget)
         runner = TorchModelRunner.from_loaded(loaded)
         runner.allocate_kv_cache(num_blocks, BLOCK_SIZE)
-        figures = serve(runner, batch, max_tokens, num_blocks)
-        results[label] = {key: round(value, 1) for key, value in figures.items()}
+        figures = serve(runner, batch, outputs, num_blocks, budget)
+        results[label] = {key: round(value, 2) for key, value in figures.items()}
     results["peak_rss_mib"] = round(peak_rss_mib())
     return results
 
@@ -112,16 +138,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    parser.add_argument("--offline", action="store_true", help="also the 64-request workload")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        result = measure(args.one, args.threads, args.max_tokens, args.concurrency)
+        result = measure(
+            args.one, args.threads, args.max_tokens, args.concurrency, args.budget, args.offline
+        )
         print(json.dumps(result))
         return
     for dtype in args.dtypes:
         command = [
             sys.executable, __file__, "--one", dtype, "--threads", str(args.threads),
             "--max-tokens", str(args.max_tokens), "--concurrency", str(args.concurrency),
+            "--budget", str(args.budget), *(["--offline"] if args.offline else []),
         ]  # fmt: skip
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         print(json.dumps(json.loads(output.strip().splitlines()[-1]), indent=2), flush=True)

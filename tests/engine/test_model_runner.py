@@ -8,6 +8,8 @@ chunked prefill, mixed batches and (with a tiny pool) preemption.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -21,6 +23,8 @@ from tests.engine.models.test_llama import (
 )
 from tests.engine.test_sampler import reference_penalties
 from twostroke.engine.model_runner import RunnerError, TorchModelRunner
+from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
+from twostroke.engine.models.attention import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runner import TokenLogprobs
 from twostroke.states.params import SamplingParams
@@ -30,6 +34,18 @@ from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStat
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def artifact_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Keep the artifact cache (SmolLM2's converted weights) out of the home folder."""
+    folder = tmp_path_factory.mktemp("artifact-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(folder))
+        patch.delenv(NO_CACHE_ENV, raising=False)
+        yield folder
+
+
 PROMPT_LENGTHS = [1, 3, 8, 13, 21, 34, 50, 5]
 
 
@@ -145,6 +161,29 @@ def test_greedy_continuous_batch_matches_transformers(tiny: Any, pipeline_depth:
     assert [run.tokens[i] for i in range(len(prompts))] == expected
     assert run.statistics.num_preemptions == 0
     assert run.num_mixed_steps > 0
+
+
+def test_blocks_are_zeroed_before_their_first_read(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is allocated unzeroed; NaN left in that memory never reaches attention.
+
+    Preemption (a pool of 26 blocks) makes requests reuse blocks others wrote, and padded
+    decode histories read slots past their lengths.
+    """
+    allocate = KVCache.allocate
+
+    def garbage(**kwargs: Any) -> KVCache:
+        cache = allocate(**kwargs)
+        if not kwargs["zeroed"]:
+            cache.data.fill_(float("nan"))
+        return cache
+
+    monkeypatch.setattr(KVCache, "allocate", garbage)
+    _, loaded, prompts, expected = tiny
+    run = generate(loaded, prompts, [GREEDY] * len(prompts), num_blocks=26)
+    assert run.statistics.num_preemptions > 0
+    assert [run.tokens[i] for i in range(len(prompts))] == expected
 
 
 def test_preemption_gives_identical_tokens(tiny: Any) -> None:

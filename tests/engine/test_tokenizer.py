@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from twostroke.engine.detokenizer import IncrementalDetokenizer
+from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.tokenizer import (
     ChatTemplateError,
     HFTokenizer,
@@ -328,14 +329,51 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Iterator[tuple[HFTokenizer, Any]]:
+@pytest.fixture(autouse=True, scope="module")
+def artifact_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Keep the artifact cache (converted GGUF tokenizers) out of the home folder."""
+    folder = tmp_path_factory.mktemp("artifact-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(folder))
+        patch.delenv(NO_CACHE_ENV, raising=False)
+        yield folder
+
+
+@pytest.fixture(scope="module", params=["converted", "cached"])
+def smollm2(
+    request: pytest.FixtureRequest, artifact_cache_in_tmp: Path
+) -> Iterator[tuple[HFTokenizer, Any]]:
+    """Ours converted from the GGUF file, then ours read back from the artifact cache."""
     from transformers import AutoTokenizer
 
     path = smollm2_gguf()
     ours = HFTokenizer.from_pretrained(path)
+    (cached,) = artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer/tokenizer.json")
+    if request.param == "cached":
+        mtime = cached.stat().st_mtime_ns
+        ours = HFTokenizer.from_pretrained(path)
+        assert cached.stat().st_mtime_ns == mtime  # read back, not written again
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     yield ours, theirs
+
+
+@pytest.mark.slow
+def test_smollm2_is_read_from_the_cache_without_the_gguf_vocabulary(
+    smollm2: tuple[HFTokenizer, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from twostroke.engine import tokenizer
+
+    seen: list[tuple[Path, str | None]] = []
+    load = tokenizer._load_transformers_tokenizer
+
+    def spy(path: Path, directory: str, gguf_file: str | None = None) -> Any:
+        seen.append((path, gguf_file))
+        return load(path, directory, gguf_file)
+
+    monkeypatch.setattr(tokenizer, "_load_transformers_tokenizer", spy)
+    HFTokenizer.from_pretrained(smollm2_gguf())
+    [(path, gguf_file)] = seen
+    assert gguf_file is None and path.name == "tokenizer"
 
 
 SMOLLM2_TEXTS = [

@@ -8,11 +8,16 @@ import pytest
 import torch
 
 from tests.engine.models.test_llama import one_torch_thread  # noqa: F401 (autouse)
+from twostroke.engine.models import attention
 from twostroke.engine.models.attention import (
+    AttentionKernel,
     AttentionMetadata,
     ChunkSpec,
     KVCache,
+    default_group_overhead,
+    default_kernel,
     paged_attention,
+    split_decodes,
     write_kv,
 )
 
@@ -36,20 +41,43 @@ def dense_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-def metadata(chunks: list[ChunkSpec], num_blocks: int, dtype: torch.dtype) -> AttentionMetadata:
+def metadata(
+    chunks: list[ChunkSpec],
+    num_blocks: int,
+    dtype: torch.dtype,
+    kernel: AttentionKernel | None = None,
+    group_overhead: int | None = None,
+) -> AttentionMetadata:
     return AttentionMetadata.build(
         chunks,
         block_size=BLOCK,
         num_blocks=num_blocks,
-        num_queries_per_kv=GROUPS,
+        num_kv_heads=KV_HEADS,
         dtype=dtype,
         device=CPU,
+        kernel=kernel,
+        group_overhead=group_overhead,
     )
 
 
+@pytest.mark.parametrize(
+    ("kernel", "group_overhead", "tile_scores"),
+    [("matmul", None, None), ("matmul", 0, 100), ("sdpa", 0, None)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_matches_dense_attention(dtype: torch.dtype) -> None:
-    """Decodes of different lengths plus prefill chunks with and without history, one step."""
+def test_mixed_step_matches_dense_attention(
+    dtype: torch.dtype,
+    kernel: AttentionKernel,
+    group_overhead: int | None,
+    tile_scores: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decodes of different lengths plus prefill chunks with and without history, one step.
+
+    With ``tile_scores`` the matmul kernel takes a chunk's queries one or two at a time.
+    """
+    if tile_scores is not None:
+        monkeypatch.setattr(attention, "_TILE_SCORES", tile_scores)
     generator = torch.Generator().manual_seed(0)
     # (start, num_tokens): three decodes (one a one-token prompt), a first chunk, a later
     # chunk, and a single token after them that takes the per-chunk path.
@@ -73,20 +101,24 @@ def test_mixed_step_matches_dense_attention(dtype: torch.dtype) -> None:
         values = torch.randn(end, KV_HEADS, WIDTH, generator=generator).to(dtype)
         if start:  # the history an earlier step wrote
             earlier = metadata([ChunkSpec(0, start, table)], num_blocks, dtype)
-            write_kv(
-                cache.key[0], cache.value[0], keys[:start], values[:start], earlier.slot_mapping
-            )
+            write_kv(cache.layer(0), keys[:start], values[:start], earlier)
         chunks.append(ChunkSpec(start, count, table))
         histories.append((keys, values))
-    step = metadata(chunks, num_blocks, dtype)
-    assert step.num_decodes == 3  # only the leading single-token chunks are batched
+    step = metadata(chunks, num_blocks, dtype, kernel, group_overhead)
+    assert step.kernel == kernel
+    assert step.num_decodes == 3
+    # Lengths 10, 1, 31 in blocks of 4: one group, or cut wherever padding is saved.
+    expected_groups = [(0, 3)] if group_overhead is None else [(0, 2), (2, 1)]
+    assert [
+        (g.offset, g.num_decodes) for g in step.decode_groups
+    ] == expected_groups  # only the leading single-token chunks are batched
     query = torch.randn(step.num_tokens, HEADS, WIDTH, generator=generator).to(dtype)
     new_keys = torch.cat([keys[c.start :] for c, (keys, _) in zip(chunks, histories, strict=True)])
     new_values = torch.cat(
         [values[c.start :] for c, (_, values) in zip(chunks, histories, strict=True)]
     )
-    write_kv(cache.key[0], cache.value[0], new_keys, new_values, step.slot_mapping)
-    out = paged_attention(query, cache.key[0], cache.value[0], step, scale=WIDTH**-0.5)
+    write_kv(cache.layer(0), new_keys, new_values, step)
+    out = paged_attention(query, new_keys, new_values, cache.layer(0), step, scale=WIDTH**-0.5)
     offset = 0
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for chunk, (keys, values) in zip(chunks, histories, strict=True):
@@ -101,17 +133,108 @@ def test_slot_mapping_follows_block_tables() -> None:
     step = metadata([ChunkSpec(3, 1, (7, 2)), ChunkSpec(2, 4, (5, 9))], 10, torch.float32)
     assert step.slot_mapping.tolist() == [7 * 4 + 3, 5 * 4 + 2, 5 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1]
     assert step.num_decodes == 1
-    assert step.decode_block_ids is not None and step.decode_block_ids.tolist() == [7]
-    assert step.decode_mask is not None
-    assert torch.isinf(step.decode_mask).flatten().tolist() == [False] * 4
+    (group,) = step.decode_groups
+    assert torch.isinf(group.mask).flatten().tolist() == [False] * 4
 
 
-def test_padded_decodes_mask_every_key_past_their_length() -> None:
-    step = metadata([ChunkSpec(1, 1, (4,)), ChunkSpec(6, 1, (1, 3))], 8, torch.float32)
-    assert step.decode_block_ids is not None and step.decode_block_ids.tolist() == [4, 0, 1, 3]
-    assert step.decode_mask is not None
-    visible = ~torch.isinf(step.decode_mask[:, 0, 0, :])
-    assert visible.sum(dim=1).tolist() == [2, 7]
+def test_keys_and_values_land_in_their_block_head_and_offset() -> None:
+    """The cache is head-major inside a block: ``[layer, kv, block, head, offset, dim]``."""
+    cache = KVCache.allocate(
+        num_layers=1,
+        num_blocks=10,
+        block_size=BLOCK,
+        num_kv_heads=KV_HEADS,
+        head_dim=WIDTH,
+        dtype=torch.float32,
+        device=CPU,
+    )
+    step = metadata([ChunkSpec(3, 1, (7, 2)), ChunkSpec(2, 4, (5, 9))], 10, torch.float32)
+    keys = torch.randn(5, KV_HEADS, WIDTH)
+    values = torch.randn(5, KV_HEADS, WIDTH)
+    write_kv(cache.layer(0), keys, values, step)
+    for token, slot in enumerate(step.slot_mapping.tolist()):
+        block, offset = divmod(slot, BLOCK)
+        for head in range(KV_HEADS):
+            assert torch.equal(cache.key[0, block, head, offset], keys[token, head])
+            assert torch.equal(cache.value[0, block, head, offset], values[token, head])
+    assert int((cache.data != 0).sum()) == 2 * keys.numel()  # nothing else was written
+
+
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa"])
+def test_padded_decodes_gather_their_history_and_mask_every_key_past_it(
+    kernel: AttentionKernel,
+) -> None:
+    num_blocks = 8
+    cache = KVCache.allocate(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        num_kv_heads=KV_HEADS,
+        head_dim=WIDTH,
+        dtype=torch.float32,
+        device=CPU,
+    )
+    cache.data.copy_(torch.randn(cache.data.shape))
+    step = metadata([ChunkSpec(1, 1, (4,)), ChunkSpec(6, 1, (1, 3))], num_blocks, torch.float32,
+                    kernel)  # fmt: skip
+    (group,) = step.decode_groups
+    assert (group.offset, group.num_decodes) == (0, 2)
+    blocks = cache.layer(0).view(-1, BLOCK, WIDTH)
+    gathered = blocks.index_select(0, group.gather).view(2, 2, KV_HEADS, -1, WIDTH)
+    for request, table in enumerate([(4,), (1, 3)]):
+        for kv, stored in enumerate((cache.key[0], cache.value[0])):
+            # [blocks, heads, offset, dim] -> [heads, positions, dim]
+            history = stored[list(table)].transpose(0, 1).reshape(KV_HEADS, -1, WIDTH)
+            length = history.shape[1]
+            assert torch.equal(gathered[kv, request, :, :length], history)
+    mask = group.mask.reshape(2, -1)
+    assert group.mask.dim() == (3 if kernel == "matmul" else 4)
+    assert (~torch.isinf(mask)).sum(dim=1).tolist() == [2, 7]
+
+
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa"])
+def test_a_chunk_from_position_0_attends_without_gather(kernel: AttentionKernel) -> None:
+    step = metadata([ChunkSpec(0, 3, (1, 2)), ChunkSpec(3, 2, (4, 6))], 8, torch.bfloat16, kernel)
+    first, later = step.prefills
+    assert (first.gather, first.offset, first.num_keys) == (None, 0, 3)
+    mask_dtype = torch.float32 if kernel == "matmul" else torch.bfloat16
+    if kernel == "sdpa":
+        assert first.mask is None  # is_causal
+    else:
+        assert first.mask is not None and first.mask.dtype == mask_dtype
+        assert (~torch.isinf(first.mask)).tolist() == [[True, False, False], [True, True, False],
+                                                       [True] * 3]  # fmt: skip
+    assert later.gather is not None and later.mask is not None
+    assert (later.offset, later.num_keys, later.mask.dtype) == (3, 5, mask_dtype)
+    # Query at position 3 sees keys 0..3, at position 4 keys 0..4.
+    assert (~torch.isinf(later.mask)).tolist() == [[True] * 4 + [False], [True] * 5]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "overhead", "cuts"),
+    [
+        ([], 0, []),
+        ([40, 40, 40], 0, []),  # nothing to save
+        ([40, 40, 8, 8], None, []),  # never cut
+        ([40, 40, 8, 8], 63, [2]),
+        ([40, 40, 8, 8], 64, []),
+        ([40, 24, 8], 0, [1, 2]),
+        ([8, 40, 40], 0, [1]),  # any order; cuts at the jump
+        ([37, 33, 5, 1], 0, [2, 3]),  # widths in whole blocks: 40, 36, 8, 4
+        ([37, 33, 5, 1], 4, [2]),  # the second cut saves only 4
+    ],
+)
+def test_split_decodes_cuts_where_padding_saved_exceeds_the_overhead(
+    lengths: list[int], overhead: int | None, cuts: list[int]
+) -> None:
+    assert split_decodes(lengths, block_size=BLOCK, overhead=overhead) == cuts
+
+
+def test_default_kernel_is_sdpa_only_on_cuda() -> None:
+    assert default_kernel(torch.device("cpu")) == "matmul"
+    assert default_kernel(torch.device("cuda", 0)) == "sdpa"
+    assert default_group_overhead(torch.device("cpu")) == 1024
+    assert default_group_overhead(torch.device("cuda", 0)) is None
 
 
 @pytest.mark.parametrize(
@@ -149,6 +272,25 @@ def test_bytes_per_block_counts_keys_and_values_of_every_layer() -> None:
         dtype=torch.bfloat16,
         device=CPU,
     )
-    assert cache.key.numel() * 2 * 2 == size * 5
+    assert cache.data.numel() * 2 == size * 5
+    assert cache.key.shape == cache.value.shape == (3, 5, 2, 16, 64)
     assert (cache.num_blocks, cache.block_size) == (5, 16)
-    assert not cache.key.any() and not cache.value.any()
+    assert not cache.data.any()
+
+
+def test_zero_blocks_zeroes_keys_and_values_of_those_blocks_in_every_layer() -> None:
+    cache = KVCache.allocate(
+        num_layers=2,
+        num_blocks=4,
+        block_size=BLOCK,
+        num_kv_heads=KV_HEADS,
+        head_dim=WIDTH,
+        dtype=torch.float32,
+        device=CPU,
+        zeroed=False,
+    )
+    cache.data.fill_(float("nan"))
+    cache.zero_blocks([2, 0])
+    cache.zero_blocks([])
+    zero = (cache.data == 0).all(dim=(3, 4, 5))  # [layer, kv, block]
+    assert zero.tolist() == [[[True, False, True, False]] * 2] * 2

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import attrs
 import pytest
 import transformers
 
@@ -171,3 +173,28 @@ def test_gguf_rope_frequency_factors_must_fit_the_head() -> None:
 def test_gguf_metadata_errors(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_gguf_metadata({**GGUF, **overrides}, [])
+
+
+def _llama(**overrides: Any) -> ModelConfig:
+    data = hf(transformers.LlamaConfig(**SMALL, bos_token_id=1), "LlamaForCausalLM")
+    return attrs.evolve(ModelConfig.from_hf_config(data), **overrides)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _llama(),
+        _llama(rope_scaling=RopeScaling(kind="llama3", factor=8.0), eos_token_ids=(2, 7)),
+        _llama(rope_frequency_factors=(1.0, 2.0, 3.0, 4.0), bos_token_id=None, qkv_bias=True),
+    ],
+)
+def test_plain_values_round_trip_through_json(config: ModelConfig) -> None:
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_from_dict_rejects_unknown_and_invalid_fields() -> None:
+    values = _llama().to_dict()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        ModelConfig.from_dict({**values, "colour": "blue"})
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
+        ModelConfig.from_dict({**values, "num_layers": 0})

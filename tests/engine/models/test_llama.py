@@ -12,7 +12,12 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.llama import LlamaForCausalLM, WeightError, inverse_frequencies
+from twostroke.engine.models.llama import (
+    LlamaForCausalLM,
+    WeightError,
+    can_pack,
+    inverse_frequencies,
+)
 from twostroke.engine.models.loader import LoadedModel, load_model
 
 CPU = torch.device("cpu")
@@ -225,3 +230,39 @@ def test_tied_model_accepts_and_ignores_an_output_tensor() -> None:
     model.load_weight("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))
     assert "lm_head.weight" not in model.expected_weights()
     assert model.output_weight is model.embed_tokens
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_weights_compute_what_dense_weights_do(tied: bool, tmp_path: Path) -> None:
+    """oneDNN-packed bf16 projections (where the CPU can) against plain ``F.linear``."""
+    make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=tied)
+    dense = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, pack_weights=False)
+    packed = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
+    assert not dense.module.packed
+    assert packed.module.packed == can_pack(torch.bfloat16, CPU)
+    sequences = random_sequences([3, 17], seed=6)
+    expected = dense.module.forward_logits(sequences, chunk_size=4)
+    for ours, theirs in zip(
+        packed.module.forward_logits(sequences, chunk_size=4), expected, strict=True
+    ):
+        assert torch.equal(ours, theirs)
+
+
+def test_packed_weights_take_no_more_loading(tmp_path: Path) -> None:
+    make_tiny_model("llama", tmp_path, seed=5)
+    loaded = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
+    if not loaded.module.packed:
+        pytest.skip("oneDNN cannot pack bfloat16 weights on this machine")
+    assert loaded.module.pack_weights()  # idempotent
+    with pytest.raises(RuntimeError, match=r"cannot load 'model.norm.weight': .* packed already"):
+        loaded.module.load_weight("model.norm.weight", torch.ones(64))
+
+
+def test_weights_are_packed_only_in_bfloat16_on_the_cpu() -> None:
+    """float32 keeps MKL's products, transformers' own (bit for bit on SmolLM2)."""
+    assert not can_pack(torch.float32, CPU)
+    assert not can_pack(torch.float16, CPU)
+    assert not can_pack(torch.bfloat16, torch.device("cuda", 0))
+    assert not can_pack(torch.bfloat16, torch.device("meta"))
+    float32 = LlamaForCausalLM(_config(), dtype=torch.float32, device=CPU)
+    assert not float32.pack_weights() and not float32.packed

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -352,3 +354,109 @@ def test_bad_dtype(model_dir: Path) -> None:
         ValueError, match=r"dtype must be float32, bfloat16 or float16, got torch\.int8"
     ):
         load_model(model_dir, dtype=torch.int8, device=CPU)
+
+
+# --- the artifact cache ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def cached_gguf(
+    tmp_path: Path, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, Path]:
+    """A GGUF file and a cache folder of its own."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TWOSTROKE_CACHE_DIR", str(cache))
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama")
+    return file, cache
+
+
+def forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    def convert(*args: Any) -> Any:
+        raise AssertionError("the GGUF file was converted again")
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_converted_gguf_is_cached_and_read_back(
+    cached_gguf: tuple[Path, Path], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file, cache = cached_gguf
+    first = load_model(file, dtype=dtype, device=CPU)
+    (entry,) = cache.iterdir()
+    name = str(dtype).removeprefix("torch.")
+    assert sorted(path.name for path in entry.iterdir()) == [
+        "config.json",
+        f"model-{name}.safetensors",
+    ]
+    forbid_conversion(monkeypatch)
+    second = load_model(file, dtype=dtype, device=CPU)
+    assert second.config == first.config
+    assert second.module.packed == first.module.packed
+    sequences = random_sequences([4, 11])
+    for ours, theirs in zip(
+        second.module.forward_logits(sequences), first.module.forward_logits(sequences), strict=True
+    ):
+        assert torch.equal(ours, theirs)
+
+
+def test_each_dtype_has_its_own_cached_weights(
+    cached_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file, _ = cached_gguf
+    load_model(file, dtype=torch.float32, device=CPU)
+    calls: list[torch.dtype] = []
+    convert = loader._convert_gguf
+
+    def spy(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
+        calls.append(dtype)
+        return convert(path, dtype, device)
+
+    monkeypatch.setattr(loader, "_convert_gguf", spy)
+    assert load_model(file, dtype=torch.bfloat16, device=CPU).dtype == torch.bfloat16
+    load_model(file, dtype=torch.bfloat16, device=CPU)
+    assert calls == [torch.bfloat16]
+
+
+def test_a_changed_file_is_converted_again(cached_gguf: tuple[Path, Path]) -> None:
+    file, cache = cached_gguf
+    load_model(file, dtype=torch.float32, device=CPU)
+    stat = file.stat()
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    load_model(file, dtype=torch.float32, device=CPU)
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_a_damaged_cache_entry_is_converted_again_and_replaced(
+    cached_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file, cache = cached_gguf
+    expected = load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
+    (weights,) = cache.glob("*/model-float32.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+    again = load_model(file, dtype=torch.float32, device=CPU)
+    assert torch.equal(again.module.forward_logits([[1, 2]])[0], expected[0])
+    forbid_conversion(monkeypatch)
+    load_model(file, dtype=torch.float32, device=CPU)  # the entry was rewritten whole
+
+
+def test_the_cache_can_be_turned_off(
+    cached_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file, cache = cached_gguf
+    monkeypatch.setenv("TWOSTROKE_NO_CACHE", "1")
+    load_model(file, dtype=torch.float32, device=CPU)
+    assert not cache.exists()
+
+
+def test_an_unwritable_cache_does_not_fail_the_load(
+    cached_gguf: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    file, cache = cached_gguf
+    cache.write_text("a file where the cache folder should be")
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(file, dtype=torch.float32, device=CPU)
+    assert loaded.config.num_layers == 3
+    assert "cannot write" in caplog.text
