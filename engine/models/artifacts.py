@@ -1,11 +1,11 @@
 """The artifact cache: what is converted from a model file once, and read back by later runs.
 
-Loading SmolLM2's GGUF takes seconds that are all conversion: parsing the file's key/values
-(its 49 152-token vocabulary is stored as one small array per token), dequantizing every
-tensor, and building a fast tokenizer out of the GGUF vocabulary through ``transformers``.
-The results depend on the file alone, so the first load writes them to a cache folder and
-the next loads read them back: the weights as safetensors in the model's dtype, the
-tokenizer as ``tokenizer.json`` and its configuration.
+Loading SmolLM2's GGUF takes seconds that are all conversion: dequantizing every tensor
+(about 1 s) and building a fast tokenizer out of the GGUF vocabulary through
+``transformers`` (about 3.5 s, most of it parsing the file again). The results depend on
+the file alone, so the first load writes them to a cache folder and the next loads read
+them back: the weights as safetensors in the model's dtype (0.3 s), the tokenizer as
+``tokenizer.json`` and its configuration (0.3 s).
 
 Where: ``$TWOSTROKE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/twostroke``, else
 ``~/.cache/twostroke``; ``TWOSTROKE_NO_CACHE=1`` turns the cache off. Each source file has

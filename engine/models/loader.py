@@ -7,8 +7,9 @@ Three sources, one result (:class:`LoadedModel`):
   we neither need nor install);
 * a **Hugging Face directory**: ``config.json`` plus ``*.safetensors``, read tensor by tensor
   through ``safe_open``'s memory map, so the weights exist once in RAM (in the parameters);
-* a **GGUF file**, read through the ``gguf`` package's memory-mapped reader, each tensor
-  dequantized to float32 and converted to the chosen dtype on its way into its parameter.
+* a **GGUF file**, read by :func:`~twostroke.engine.models.gguf_file.read_gguf` (memory
+  mapped, the vocabulary skipped), each tensor dequantized to float32 by the ``gguf``
+  package and converted to the chosen dtype on its way into its parameter.
   That conversion takes seconds, so its result (the weights in the chosen dtype, and the
   configuration) is kept in the artifact cache (:mod:`~twostroke.engine.models.artifacts`)
   and read back from there by the next load of the same file.
@@ -27,7 +28,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch
 
 from twostroke.engine.models.artifacts import ArtifactCache
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.gguf_file import read_gguf
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
 from twostroke.states.errors import EngineError
 
@@ -398,18 +400,16 @@ def _write_cached(entry: Path, config: ModelConfig, module: LlamaForCausalLM) ->
 def _convert_gguf(
     path: Path, dtype: torch.dtype, device: torch.device
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     try:
-        reader = GGUFReader(path)
-        metadata = _gguf_metadata(reader.fields)
-    except Exception as error:  # the reader raises ValueError, KeyError, struct errors...
+        contents = read_gguf(path)
+    except ValueError as error:
         raise ModelLoadError(path, f"is not a valid GGUF file: {error}") from error
-    # The parsed key/value parts (several numpy views per vocabulary string, ~80 MB for
-    # SmolLM2) are not needed past this point; the tokenizer reads the file on its own.
-    reader.fields.clear()
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    metadata = dict(contents.metadata)
+    if "tokenizer.ggml.tokens.count" in metadata:
+        metadata["tokenizer.ggml.token_count"] = metadata.pop("tokenizer.ggml.tokens.count")
+    tensors: dict[str, Any] = dict(contents.tensors)
     factors = None
     if "rope_freqs.weight" in tensors:
         freqs = tensors.pop("rope_freqs.weight")
@@ -437,18 +437,6 @@ def _convert_gguf(
             raise ModelLoadError(path, f"tensor {gguf_name!r}: {error}") from error
     _check_complete(module, path)
     return config, module
-
-
-def _gguf_metadata(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The key/values the model needs; the vocabulary only by its size (it is large)."""
-    metadata: dict[str, Any] = {}
-    for name, field in fields.items():
-        if name.startswith("tokenizer.ggml.") and field.types and field.types[0].name == "ARRAY":
-            if name == "tokenizer.ggml.tokens":
-                metadata["tokenizer.ggml.token_count"] = len(field.data)
-            continue
-        metadata[name] = field.contents()
-    return metadata
 
 
 def _dequantized(path: Path, tensors: dict[str, Any], dequantize: Any) -> Iterator[tuple[str, Any]]:

@@ -73,6 +73,7 @@ def write_gguf(
     skip: str | None = None,
     replace: dict[str, np.ndarray] | None = None,
     name: str = "tiny",
+    with_vocabulary: bool = False,
 ) -> None:
     """Write a transformers model as llama.cpp would, quantizing its matrices to Q8_0.
 
@@ -90,7 +91,11 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    if with_vocabulary:  # the size only as the length of the token list, as llama.cpp writes
+        writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+        writer.add_token_merges(["t 1", "t 2"])
+    else:
+        writer.add_vocab_size(config.vocab_size)
     writer.add_eos_token_id(7)
     for hf_name, parameter in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -147,6 +152,22 @@ def test_gguf_matches_the_model_it_was_written_from(
         sequences, loaded.module.forward_logits(sequences, chunk_size=6), strict=True
     ):
         torch.testing.assert_close(logits, reference_logits(reference, tokens), atol=1e-4, rtol=0)
+
+
+def test_gguf_vocabulary_size_comes_from_its_token_list(tmp_path: Path) -> None:
+    reference = make_tiny_model("llama", tmp_path / "hf")
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama", with_vocabulary=True)
+    loaded = load_model(file, dtype=torch.float32, device=CPU)
+    assert loaded.config.vocab_size == reference.config.vocab_size
+    (tokens,) = random_sequences([9])
+    torch.testing.assert_close(
+        loaded.module.forward_logits([tokens])[0],
+        reference_logits(reference, tokens),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_hf_directory_loads_in_the_requested_dtype(tmp_path: Path) -> None:
