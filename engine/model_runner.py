@@ -24,12 +24,14 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from twostroke.engine.models.attention import AttentionMetadata, ChunkSpec, KVCache, to_device
+from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
+from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
 from twostroke.engine.runner import StepOutput, TokenLogprobs
 from twostroke.engine.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
+from twostroke.gpu.staging import to_device
 from twostroke.states.errors import EngineError
 from twostroke.states.plan import ScheduledRequest, StepPlan
 

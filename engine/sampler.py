@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from twostroke.engine.models.attention import to_device
+from twostroke.gpu.staging import to_device
 from twostroke.states.params import SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "TokenHistory", "draw_seed"]

@@ -25,14 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twostroke.engine.models.attention import (
-    AttentionMetadata,
-    ChunkSpec,
-    KVCache,
-    paged_attention,
-    write_kv,
-)
+from twostroke.engine.models.attention import paged_attention, write_kv
+from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.kv_cache import KVCache
 
 __all__ = ["LlamaForCausalLM", "WeightError", "can_pack", "inverse_frequencies"]
 

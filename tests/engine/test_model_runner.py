@@ -24,7 +24,7 @@ from tests.engine.models.test_llama import (
 from tests.engine.test_sampler import reference_penalties
 from twostroke.engine.model_runner import RunnerError, TorchModelRunner
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
-from twostroke.engine.models.attention import KVCache
+from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runner import TokenLogprobs
 from twostroke.states.params import SamplingParams

@@ -9,17 +9,16 @@ import torch
 
 from tests.engine.models.test_llama import one_torch_thread  # noqa: F401 (autouse)
 from twostroke.engine.models import attention
-from twostroke.engine.models.attention import (
+from twostroke.engine.models.attention import paged_attention, write_kv
+from twostroke.engine.models.attention_metadata import (
     AttentionKernel,
     AttentionMetadata,
     ChunkSpec,
-    KVCache,
     default_group_overhead,
     default_kernel,
-    paged_attention,
     split_decodes,
-    write_kv,
 )
+from twostroke.engine.models.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 BLOCK = 4

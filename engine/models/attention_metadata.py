@@ -1,0 +1,359 @@
+"""The layout of one step's attention, computed once per step and shared by every layer.
+
+A step's chunks (decodes of one token, prefill chunks, chunks of recomputed requests) become
+write slots for the new keys and values, gather indices into the paged cache, and masks.
+Decodes are batched, padded to the longest history, and split into groups when the padding
+saved outweighs one more call (:func:`split_decodes`); every other chunk gets a call of its
+own. This module holds only that index arithmetic; the kernels are in
+:mod:`twostroke.engine.models.attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import torch
+
+from twostroke.gpu.staging import to_device
+
+__all__ = [
+    "AttentionKernel",
+    "AttentionMetadata",
+    "ChunkSpec",
+    "DecodeGroup",
+    "PrefillChunk",
+    "default_group_overhead",
+    "default_kernel",
+    "split_decodes",
+]
+
+#: How attention is computed: batched matrix products with a float32 softmax between them,
+#: or ``scaled_dot_product_attention``.
+AttentionKernel = Literal["matmul", "sdpa"]
+
+
+def default_kernel(device: torch.device) -> AttentionKernel:
+    """SDPA on CUDA (its fused kernels win there), batched matrix products elsewhere."""
+    return "sdpa" if device.type == "cuda" else "matmul"
+
+
+def default_group_overhead(device: torch.device) -> int | None:
+    """What one more decode group costs, in padded key positions, or ``None``: never split.
+
+    On the CPU one group's extra calls (gather, two products, softmax: about 60 us a layer
+    with one thread) cost as much as attending about 1024 padded request-positions, measured
+    on SmolLM2-135M in bf16. On CUDA the extra calls cost host time while the padding they
+    save costs the device almost nothing, so decodes stay in one group.
+    """
+    return 1024 if device.type == "cpu" else None
+
+
+def split_decodes(lengths: Sequence[int], *, block_size: int, overhead: int | None) -> list[int]:
+    """Where to cut a batch of decodes into groups, each padded to its own longest history.
+
+    Greedy: from the start of what is left, make the cut that saves the most padded
+    positions (against leaving the rest as one group), if that saves more than
+    ``overhead``; repeat from the cut. Works in any order, and cuts best when the decodes
+    come longest first.
+
+    Args:
+        lengths: Key positions of each decode (its chunk's end), in batch order.
+        block_size: Histories are gathered in whole blocks.
+        overhead: What one more group costs, in padded key positions; ``None`` never cuts.
+
+    Returns:
+        The start of each group after the first, ascending.
+    """
+    if overhead is None:
+        return []
+    widths = [-(-length // block_size) * block_size for length in lengths]
+    count = len(widths)
+    widest_from = [0] * (count + 1)  # widest_from[i]: widest of widths[i:]
+    for index in range(count - 1, -1, -1):
+        widest_from[index] = max(widths[index], widest_from[index + 1])
+    cuts: list[int] = []
+    start = 0
+    while True:
+        whole = widest_from[start] * (count - start)
+        best, best_saving, head = 0, overhead, 0
+        for cut in range(start + 1, count):
+            head = max(head, widths[cut - 1])
+            saving = whole - head * (cut - start) - widest_from[cut] * (count - cut)
+            if saving > best_saving:
+                best, best_saving = cut, saving
+        if not best:
+            return cuts
+        cuts.append(best)
+        start = best
+
+
+@attrs.frozen
+class ChunkSpec:
+    """One request's share of a forward pass: positions ``[start, start + num_tokens)``.
+
+    Attributes:
+        start: First position computed.
+        num_tokens: Positions computed (at least one).
+        block_table: Blocks holding positions ``0, 1, ...`` of the request, in order.
+    """
+
+    start: int
+    num_tokens: int
+    block_table: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@attrs.frozen
+class DecodeGroup:
+    """Consecutive decodes attended in one call, their histories padded to the longest.
+
+    Attributes:
+        offset: Row of the group's first decode in the flat batch.
+        num_decodes: Rows of the group.
+        gather: Rows of the cache view ``[2 * num_blocks * num_kv_heads, block_size,
+            head_dim]`` holding the histories, keys then values, decode by decode and head
+            by head.
+        mask: The additive key mask: float32 ``[num_decodes, 1, keys]`` for the
+            ``"matmul"`` kernel, ``[num_decodes, 1, 1, keys]`` in the model's dtype for
+            ``"sdpa"``.
+    """
+
+    offset: int
+    num_decodes: int
+    gather: torch.Tensor
+    mask: torch.Tensor
+
+
+@attrs.frozen
+class PrefillChunk:
+    """Attention inputs of one multi-token chunk.
+
+    Attributes:
+        offset: Row of the chunk's first token in the flat batch.
+        num_tokens: Rows of the chunk.
+        num_keys: Positions attended (the chunk's end).
+        gather: Rows of the cache view ``[2 * num_blocks * num_kv_heads, block_size,
+            head_dim]`` holding keys then values of positions ``[0, num_keys)`` (rounded up
+            to whole blocks), head by head; ``None`` for a chunk that starts at 0, which
+            attends only over its own keys and values.
+        mask: Additive ``[num_tokens, num_keys]`` causal mask offset by the chunk's start:
+            float32 for the ``"matmul"`` kernel; in the model's dtype for ``"sdpa"``, and
+            ``None`` there for a chunk that starts at 0 (``is_causal`` does it).
+    """
+
+    offset: int
+    num_tokens: int
+    num_keys: int
+    gather: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@attrs.frozen
+class AttentionMetadata:
+    """Where every token of a step sits, and how attention reads its history.
+
+    Build it with :meth:`build`; the model passes it to every layer.
+
+    Attributes:
+        positions: ``[num_tokens]`` position of each token (rotary embeddings).
+        slot_mapping: ``[num_tokens]`` flat cache slot (``block * block_size + offset``)
+            of each token.
+        write_index: ``[2 * num_tokens * num_kv_heads]`` rows of the layer's cache viewed as
+            ``[-1, head_dim]`` that the step's keys, then its values, go to, token by token
+            and head by head.
+        num_decodes: The leading single-token chunks, attended in batched calls.
+        decode_groups: The decodes, cut into groups of similar lengths.
+        kernel: How the decodes attend.
+        prefills: The other chunks.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    write_index: torch.Tensor
+    num_decodes: int
+    decode_groups: tuple[DecodeGroup, ...]
+    kernel: AttentionKernel
+    prefills: tuple[PrefillChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        chunks: Sequence[ChunkSpec],
+        *,
+        block_size: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: AttentionKernel | None = None,
+        group_overhead: int | Literal["auto"] | None = "auto",
+    ) -> AttentionMetadata:
+        """Lay out one step: tokens of ``chunks`` in order, each chunk's tokens contiguous.
+
+        The single-token chunks at the front are batched as decodes, so put them first,
+        longest first (they are cut into groups of similar lengths in the order given).
+
+        Args:
+            chunks: The requests' shares of the step, in batch order.
+            block_size: Positions per cache block.
+            num_blocks: Blocks in the cache (block ids are checked against it).
+            num_kv_heads: Key/value heads of the model.
+            dtype: The model's dtype (SDPA masks are added to its attention scores).
+            device: Where the model runs.
+            kernel: How decodes attend; ``None`` takes
+                :func:`default_kernel` for ``device``.
+            group_overhead: See :func:`split_decodes`; ``"auto"`` takes
+                :func:`default_group_overhead` for ``device``.
+
+        Returns:
+            The step's metadata, on ``device``.
+
+        Raises:
+            ValueError: a chunk is empty, or its block table does not cover its positions
+                or names a block outside the cache.
+        """
+        if kernel is None:
+            kernel = default_kernel(device)
+        if group_overhead == "auto":
+            group_overhead = default_group_overhead(device)
+        positions: list[int] = []
+        slots: list[int] = []
+        for chunk in chunks:
+            _check_chunk(chunk, block_size, num_blocks)
+            table = chunk.block_table
+            first, last = chunk.start // block_size, (chunk.end - 1) // block_size
+            for index in range(first, last + 1):
+                base = table[index] * block_size
+                low = max(chunk.start, index * block_size) - index * block_size
+                high = min(chunk.end, (index + 1) * block_size) - index * block_size
+                slots.extend(range(base + low, base + high))
+            positions.extend(range(chunk.start, chunk.end))
+        layout = _Layout(block_size, num_blocks, num_kv_heads, device)
+        slot_mapping = to_device(slots, device=device)
+
+        num_decodes = 0
+        while num_decodes < len(chunks) and chunks[num_decodes].num_tokens == 1:
+            num_decodes += 1
+        decode_groups: list[DecodeGroup] = []
+        if num_decodes:
+            lengths = [chunk.end for chunk in chunks[:num_decodes]]
+            cuts = split_decodes(lengths, block_size=block_size, overhead=group_overhead)
+            for first, last in zip([0, *cuts], [*cuts, num_decodes], strict=True):
+                mask_dtype = torch.float32 if kernel == "matmul" else dtype
+                group = _decode_group(chunks[first:last], first, layout, mask_dtype)
+                if kernel == "sdpa":
+                    group = attrs.evolve(group, mask=group.mask[:, :, None, :])
+                decode_groups.append(group)
+        prefills: list[PrefillChunk] = []
+        offset = num_decodes
+        for chunk in chunks[num_decodes:]:
+            prefills.append(_prefill_chunk(chunk, offset, layout, dtype, kernel))
+            offset += chunk.num_tokens
+        return cls(
+            positions=to_device(positions, device=device),
+            slot_mapping=slot_mapping,
+            write_index=layout.write_index(slot_mapping),
+            num_decodes=num_decodes,
+            decode_groups=tuple(decode_groups),
+            kernel=kernel,
+            prefills=tuple(prefills),
+        )
+
+
+@attrs.frozen
+class _Layout:
+    """Index arithmetic over one layer's cache ``[2, num_blocks, heads, block_size, dim]``."""
+
+    block_size: int
+    num_blocks: int
+    num_kv_heads: int
+    device: torch.device
+
+    def gather(self, tables: torch.Tensor) -> torch.Tensor:
+        """Rows of the ``[-1, block_size, dim]`` view for ``tables`` ``[R, W]``.
+
+        Ordered ``[kv, request, head, block]``: the gathered tensor views as ``[2, R *
+        heads, W * block_size, dim]``.
+        """
+        heads = self.num_kv_heads
+        kv = torch.arange(2, device=self.device) * self.num_blocks
+        head = torch.arange(heads, device=self.device)
+        rows = (kv[:, None, None, None] + tables[None, :, None, :]) * heads
+        return (rows + head[None, None, :, None]).flatten()
+
+    def write_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rows of the ``[-1, dim]`` view for each ``(kv, token, head)``, in that order."""
+        size, heads = self.block_size, self.num_kv_heads
+        block, within = slot_mapping // size, slot_mapping % size
+        kv = torch.arange(2, device=self.device) * self.num_blocks
+        head = torch.arange(heads, device=self.device)
+        rows = (kv[:, None, None] + block[None, :, None]) * heads + head[None, None, :]
+        return (rows * size + within[None, :, None]).flatten()
+
+
+def _decode_group(
+    decodes: Sequence[ChunkSpec], offset: int, layout: _Layout, mask_dtype: torch.dtype
+) -> DecodeGroup:
+    """Decodes attended together: histories padded to the longest, padding masked."""
+    size, device = layout.block_size, layout.device
+    width = max(-(-chunk.end // size) for chunk in decodes)
+    flat: list[int] = []
+    for chunk in decodes:
+        row = chunk.block_table[:width]
+        flat.extend(row)
+        flat.extend([0] * (width - len(row)))  # any block: masked out below
+    tables = to_device(flat, device=device).view(len(decodes), width)
+    ends = to_device([chunk.end for chunk in decodes], device=device)
+    visible = torch.arange(width * size, device=device)[None, :] < ends[:, None]
+    mask = _additive(visible, mask_dtype)[:, None, :]
+    return DecodeGroup(offset, len(decodes), layout.gather(tables), mask)
+
+
+def _prefill_chunk(
+    chunk: ChunkSpec, offset: int, layout: _Layout, dtype: torch.dtype, kernel: AttentionKernel
+) -> PrefillChunk:
+    """A chunk's own call: no history from position 0, else its history; a causal mask."""
+    device = layout.device
+    gather = causal = None
+    if chunk.start:
+        width = -(-chunk.end // layout.block_size)
+        table = to_device(list(chunk.block_table[:width]), device=device).view(1, width)
+        gather = layout.gather(table)
+    if chunk.start or kernel == "matmul":
+        keys = torch.arange(chunk.end, device=device)
+        queries = torch.arange(chunk.start, chunk.end, device=device)
+        mask_dtype = torch.float32 if kernel == "matmul" else dtype
+        causal = _additive(keys[None, :] <= queries[:, None], mask_dtype)
+    return PrefillChunk(offset, chunk.num_tokens, chunk.end, gather, causal)
+
+
+def _check_chunk(chunk: ChunkSpec, block_size: int, num_blocks: int) -> None:
+    if chunk.num_tokens < 1 or chunk.start < 0:
+        raise ValueError(
+            f"a chunk must compute at least one position from start >= 0, got start="
+            f"{chunk.start} and num_tokens={chunk.num_tokens}"
+        )
+    needed = -(-chunk.end // block_size)
+    if len(chunk.block_table) < needed:
+        raise ValueError(
+            f"block table of {len(chunk.block_table)} blocks of {block_size} must cover "
+            f"positions [0, {chunk.end}), which need {needed}"
+        )
+    used = chunk.block_table[:needed]
+    if min(used) < 0 or max(used) >= num_blocks:
+        bad = [block for block in used if not 0 <= block < num_blocks]
+        raise ValueError(f"block ids must be in [0, {num_blocks}), got {bad}")
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
