@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 
 from twostroke.engine.engine import Engine
-from twostroke.engine.loading import DEFAULT_MODEL
+from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.states.params import SamplingParams
 
 __all__ = ["main"]

@@ -36,7 +36,6 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.detokenizer import IncrementalDetokenizer
 from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
@@ -45,9 +44,10 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
-from twostroke.engine.prompts import Prompt, tokenize_prompt
-from twostroke.engine.runner import ModelRunner, StepOutput
-from twostroke.engine.tokenizer import Tokenizer
+from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
+from twostroke.engine.text.detokenizer import IncrementalDetokenizer
+from twostroke.engine.text.prompts import Prompt, tokenize_prompt
+from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion
 from twostroke.gpu.device import Device, select_device
 from twostroke.states.params import SamplingParams
@@ -137,7 +137,7 @@ class Engine:
         plans: tuple[MemoryObjectSendStream[StepPlan], MemoryObjectReceiveStream[StepPlan]]
         plans = anyio.create_memory_object_stream[StepPlan](depth)
         self._plans_send, self._plans_receive = plans
-        results = anyio.create_memory_object_stream[Completion[StepOutput]](depth)
+        results = anyio.create_memory_object_stream[Completion[RunnerOutput]](depth)
         self._results_send, self._results_receive = results
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -172,7 +172,7 @@ class Engine:
         if isinstance(device, str):
             device = select_device(device)
         if runner is None:
-            from twostroke.engine.loading import load_runner
+            from twostroke.engine.runners.loading import load_runner
 
             runner, tokenizer = load_runner(model, device=device, config=engine_config)
         elif model is not None:
@@ -353,7 +353,7 @@ class Engine:
                     if started:  # before the first plan the engine is just empty
                         self._forward_idle_seconds += launched - waited
                     started = True
-                    completion: Completion[StepOutput] = Completion()
+                    completion: Completion[RunnerOutput] = Completion()
                     await self._results_send.send(completion)
                     await self._device.run(partial(self._runner.execute, plan), completion)
                     self._forward_seconds += time.perf_counter() - launched
@@ -395,7 +395,7 @@ class Engine:
     async def _complete(self, plan: StepPlan) -> None:
         """Await the oldest step in flight and apply its outcome."""
         completion = await self._results_receive.receive()
-        output: StepOutput | None = None
+        output: RunnerOutput | None = None
         cause: Exception | None = None
         try:
             output = await completion
@@ -433,7 +433,7 @@ class Engine:
     # --- delivery -----------------------------------------------------------------------
 
     def _deliver(
-        self, report: StepReport, output: StepOutput | None, cause: Exception | None
+        self, report: StepReport, output: RunnerOutput | None, cause: Exception | None
     ) -> None:
         now = anyio.current_time()
         for request_id, token_id in report.new_tokens:

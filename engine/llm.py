@@ -18,7 +18,7 @@ import anyio.from_thread
 from twostroke.engine.engine import Engine, EngineStatistics
 from twostroke.engine.errors import EngineClosed
 from twostroke.engine.outputs import RequestOutput
-from twostroke.engine.prompts import Prompt
+from twostroke.engine.text.prompts import Prompt
 from twostroke.states.params import SamplingParams
 
 __all__ = ["LLM"]

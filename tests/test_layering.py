@@ -44,7 +44,7 @@ for name in BLOCKED:
 import twostroke.states as states
 
 names = sorted(m.name for m in pkgutil.iter_modules(states.__path__))
-pure = [name for name in names if name not in ("testing", "strategies", "machines")]
+pure = [name for name in names if name != "testing"]
 for name in pure:
     importlib.import_module(f"twostroke.states.{name}")
 before_testing = sorted(sys.modules)
@@ -54,8 +54,8 @@ print(json.dumps({"modules": names, "before_testing": before_testing, "after": a
 """
 
 
-#: The modules of ``states`` that support tests and may import hypothesis (the test extra).
-TEST_SUPPORT = ("testing.py", "strategies.py", "machines.py")
+#: The package of ``states`` that supports tests and may import hypothesis (the test extra).
+TEST_SUPPORT = ROOT / "states" / "testing"
 
 
 def _top(name: str) -> str:
@@ -79,7 +79,8 @@ def test_states_imports_without_torch_anyio_or_trio() -> None:
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     expected = sorted(
-        path.stem for path in (ROOT / "states").glob("*.py") if path.stem != "__init__"
+        [path.stem for path in (ROOT / "states").glob("*.py") if path.stem != "__init__"]
+        + ["testing"]
     )
     assert result["modules"] == expected
     for loaded in (result["before_testing"], result["after"]):
@@ -92,9 +93,10 @@ def test_states_imports_without_torch_anyio_or_trio() -> None:
     assert "twostroke.states.testing" in result["after"]
 
 
-def imports(path: pathlib.Path) -> set[str]:
+def imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> set[str]:
     """Every module a file imports, absolute, at any depth (inside functions too)."""
-    package = f"twostroke.{path.parent.name}"
+    parts = path.relative_to(root).parent.parts
+    package = ".".join(("twostroke", *parts))
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
@@ -115,24 +117,34 @@ def sources(folder: str) -> list[pathlib.Path]:
     return sorted((ROOT / folder).rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", sources("states"), ids=lambda p: p.name)
+def _name(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("path", sources("states"), ids=_name)
 def test_states_imports_only_the_standard_library_attrs_and_itself(path: pathlib.Path) -> None:
     allowed = set(sys.stdlib_module_names) | {"attrs", "__future__"}
-    if path.name in TEST_SUPPORT:
+    support = TEST_SUPPORT in path.parents
+    if support:
         allowed.add("hypothesis")
     for module in imports(path):
         if module.startswith("twostroke"):
             # a name imported from a states module (``from twostroke.states.x import Y``)
-            assert module.startswith("twostroke.states"), f"{path.name} imports {module}"
+            assert module.startswith("twostroke.states"), f"{_name(path)} imports {module}"
+            if not support:
+                # the core never leans on its test support
+                assert not module.startswith("twostroke.states.testing"), (
+                    f"{_name(path)} imports {module}"
+                )
         else:
-            assert _top(module) in allowed, f"{path.name} imports {module}"
+            assert _top(module) in allowed, f"{_name(path)} imports {module}"
 
 
-@pytest.mark.parametrize("path", sources("gpu"), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sources("gpu"), ids=_name)
 def test_gpu_never_imports_engine_or_states(path: pathlib.Path) -> None:
     for module in imports(path):
         assert not module.startswith(("twostroke.engine", "twostroke.states")), (
-            f"gpu/{path.name} imports {module}"
+            f"{_name(path)} imports {module}"
         )
 
 
@@ -148,7 +160,7 @@ def test_the_scan_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
         "    from twostroke.states.request import Request\n",
         encoding="utf-8",
     )
-    found = imports(sample)
+    found = imports(sample, root=tmp_path)
     assert {"torch.cuda", "twostroke.engine", "twostroke.gpu.streams"} <= found
     assert "twostroke.states.request" in found
 
@@ -156,7 +168,8 @@ def test_the_scan_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
 def test_the_engine_and_its_toy_runner_do_not_need_the_test_extra() -> None:
     """hypothesis is a test dependency: importing the engine (and its toy model) avoids it."""
     code = (
-        "import sys, twostroke.engine, twostroke.engine.testing, twostroke.engine.loading\n"
+        "import sys, twostroke.engine, twostroke.engine.runners.toy\n"
+        "import twostroke.engine.runners.loading\n"
         "assert 'hypothesis' not in sys.modules, 'hypothesis was imported'\n"
     )
     done = subprocess.run(

@@ -287,7 +287,7 @@ def bench_command(
         ModelLoadError: the model cannot be found.
         ValueError: a workload argument is out of range.
     """
-    from twostroke.engine.tokenizer import HFTokenizer
+    from twostroke.engine.text.tokenizer import HFTokenizer
 
     if console is None:
         console = Console()

@@ -20,10 +20,10 @@ from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.workload import Workload
 from twostroke.engine.engine import Engine
-from twostroke.engine.model_runner import TorchModelRunner
 from twostroke.engine.models.loader import LoadedModel, load_model
-from twostroke.engine.runner import StepOutput
-from twostroke.engine.tokenizer import HFTokenizer
+from twostroke.engine.runners.protocol import RunnerOutput
+from twostroke.engine.runners.torch import TorchModelRunner
+from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepPlan
@@ -55,7 +55,7 @@ class _RecordingRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size)
 
-    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
         self.plans.append(plan)
         return self.runner.execute(plan)
 

@@ -10,7 +10,7 @@ import pytest
 import trio.testing
 
 from twostroke.engine import Engine
-from twostroke.engine.testing import ByteTokenizer, ToyRunner
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.device import Device, FakeDevice
 
 

@@ -15,7 +15,7 @@ from twostroke.engine import (
     RequestRejected,
     SamplingParams,
 )
-from twostroke.engine.testing import ByteTokenizer, toy_text_next_token
+from twostroke.engine.runners.toy import ByteTokenizer, toy_text_next_token
 from twostroke.states.testing import reference_output
 
 from .conftest import toy_engine

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from twostroke.engine import Engine, EngineDead, RequestCancelled, RequestFailed, SamplingParams
-from twostroke.engine.testing import ByteTokenizer, ToyRunner, toy_text_next_token
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
 from twostroke.gpu.completion import Completion, Launched
 from twostroke.gpu.device import FakeDevice
 from twostroke.states.plan import StepPlan

@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 from twostroke.engine import Engine, SamplingParams
-from twostroke.engine.runner import StepOutput
-from twostroke.engine.testing import ToyRunner
+from twostroke.engine.runners.protocol import RunnerOutput
+from twostroke.engine.runners.toy import ToyRunner
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import StepPlan
 
@@ -26,7 +26,7 @@ class RecordingRunner(ToyRunner):
         super().__init__(eos_rate=0.05)
         self.plans: list[StepPlan] = []
 
-    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
         self.plans.append(plan)
         return super().execute(plan)
 

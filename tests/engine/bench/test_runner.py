@@ -107,7 +107,7 @@ class _Tokenizer:
 
 
 def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from twostroke.engine import tokenizer
+    from twostroke.engine.text import tokenizer
 
     monkeypatch.setattr(
         tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.engine.models.test_llama import one_torch_thread  # noqa: F401 (autouse)
-from twostroke.engine.sampler import Sampler, TokenHistory, draw_seed
+from twostroke.engine.runners.sampler import Sampler, TokenHistory, draw_seed
 from twostroke.states.params import SamplingParams
 
 CPU = torch.device("cpu")

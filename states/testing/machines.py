@@ -25,12 +25,7 @@ from hypothesis.stateful import (
 
 from twostroke.states.blocks import BlockPool
 from twostroke.states.errors import InvalidTransition, RequestRejected, SchedulerError
-from twostroke.states.harness import (
-    RequestSpec,
-    SimulatedEngine,
-)
 from twostroke.states.params import SamplingParams
-from twostroke.states.reference import PoolModel, RequestModel, Transitions, request_snapshot
 from twostroke.states.request import (
     TERMINAL,
     TRANSITIONS,
@@ -53,7 +48,17 @@ from twostroke.states.simulation import (
     SimulationError,
     toy_next_token,
 )
-from twostroke.states.strategies import (
+from twostroke.states.testing.harness import (
+    RequestSpec,
+    SimulatedEngine,
+)
+from twostroke.states.testing.reference import (
+    PoolModel,
+    RequestModel,
+    Transitions,
+    request_snapshot,
+)
+from twostroke.states.testing.strategies import (
     VOCAB_SIZE,
     request_specs,
     scheduler_configs,

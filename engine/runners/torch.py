@@ -1,6 +1,6 @@
 """The torch model runner: step plans in, sampled tokens out, on the CPU or a CUDA device.
 
-:class:`TorchModelRunner` implements :class:`~twostroke.engine.runner.ModelRunner` for the
+:class:`TorchModelRunner` implements :class:`~twostroke.engine.runners.protocol.ModelRunner` for the
 Llama-family decoder. One :meth:`~TorchModelRunner.execute` builds the step's inputs, runs the
 model over the paged cache and the sampler, and returns a
 :class:`~twostroke.gpu.completion.Launched` whose ``readback`` gives the sampled ids.
@@ -9,7 +9,7 @@ The one-step lookahead happens here. A scheduled request with ``pending_input`` 
 last input id, the token the previous step sampled for it; the host does not know that token
 yet. The runner keeps the previous step's sampled-ids tensor on the device with a map from
 request id to row, and copies the ids into this step's input on the device. Penalty history
-is likewise updated on the device (see :class:`~twostroke.engine.sampler.TokenHistory`).
+is likewise updated on the device (see :class:`~twostroke.engine.runners.sampler.TokenHistory`).
 
 On the CPU ``execute`` runs the step to the end (in the engine's worker thread) and returns
 an event that has already fired. On CUDA it only enqueues: the sampled ids are copied
@@ -28,8 +28,8 @@ from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkS
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
-from twostroke.engine.runner import StepOutput, TokenLogprobs
-from twostroke.engine.sampler import Sampler, SamplerOutput, TokenHistory
+from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
+from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
 from twostroke.gpu.staging import to_device
 from twostroke.states.errors import EngineError
@@ -155,7 +155,7 @@ class TorchModelRunner:
         self._zeroed = bytearray(num_blocks)
         self._zero_new_blocks([0], self._cache)  # padded decode histories read block 0
 
-    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
         """Launch one step (on the CPU: run it) and return how to read its tokens back.
 
         Args:
@@ -182,7 +182,7 @@ class TorchModelRunner:
 
     # --- one step -------------------------------------------------------------------------
 
-    def _execute(self, plan: StepPlan, cache: KVCache) -> Launched[StepOutput]:
+    def _execute(self, plan: StepPlan, cache: KVCache) -> Launched[RunnerOutput]:
         history = self._history
         if history is not None:
             for request_id in plan.finished_request_ids:
@@ -337,10 +337,10 @@ def _readback(
     logprob_rows: tuple[int, ...],
     num_logprobs: tuple[int, ...],
     staged: _Staged,
-) -> Callable[[], StepOutput]:
+) -> Callable[[], RunnerOutput]:
     request_ids = [entry.request_id for entry in sampling]
 
-    def readback() -> StepOutput:
+    def readback() -> RunnerOutput:
         tokens = staged.sampled.tolist()
         sampled = dict(zip(request_ids, tokens, strict=True))
         logprobs: dict[int, TokenLogprobs] = {}
@@ -356,6 +356,6 @@ def _readback(
                 logprobs[request_ids[row]] = TokenLogprobs(
                     token_id=tokens[row], logprob=chosen[index], top=top
                 )
-        return StepOutput(step_id=step_id, sampled=sampled, logprobs=logprobs)
+        return RunnerOutput(step_id=step_id, sampled=sampled, logprobs=logprobs)
 
     return readback

@@ -7,8 +7,8 @@ import os
 import torch
 
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.runner import ModelRunner
-from twostroke.engine.tokenizer import Tokenizer
+from twostroke.engine.runners.protocol import ModelRunner
+from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.device import Device
 
 __all__ = ["DEFAULT_MODEL", "load_runner"]
@@ -24,7 +24,7 @@ def load_runner(
 ) -> tuple[ModelRunner, Tokenizer]:
     """The runner and tokenizer for a model name, directory or GGUF file.
 
-    ``"toy"`` is the model-free toy runner (see :mod:`twostroke.engine.testing`).
+    ``"toy"`` is the model-free toy runner (see :mod:`twostroke.engine.runners.toy`).
     torch's intra-op thread count is set before the model loads: ``config.torch_threads``,
     or on the CPU one fewer than the cores (at least one), because the event loop thread
     runs the bookkeeping stroke at the same time and an OpenMP team that loses a core to it
@@ -45,12 +45,12 @@ def load_runner(
     if threads is not None:
         torch.set_num_threads(threads)
     if model == "toy":
-        from twostroke.engine.testing import ByteTokenizer, ToyRunner
+        from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 
         return ToyRunner(), ByteTokenizer()
-    from twostroke.engine.model_runner import TorchModelRunner
     from twostroke.engine.models.loader import load_model
-    from twostroke.engine.tokenizer import HFTokenizer
+    from twostroke.engine.runners.torch import TorchModelRunner
+    from twostroke.engine.text.tokenizer import HFTokenizer
 
     dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
     loaded = load_model(model, dtype=dtype, device=device.torch_device)

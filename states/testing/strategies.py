@@ -11,15 +11,15 @@ from typing import Any
 import attrs
 from hypothesis import strategies as st
 
-from twostroke.states.harness import (
-    RequestSpec,
-    Workload,
-)
 from twostroke.states.params import MAX_LOGPROBS, SamplingParams
 from twostroke.states.request import (
     Request,
 )
 from twostroke.states.scheduler import SchedulerConfig
+from twostroke.states.testing.harness import (
+    RequestSpec,
+    Workload,
+)
 
 __all__ = ["request_specs", "requests", "sampling_params", "scheduler_configs", "workloads"]
 

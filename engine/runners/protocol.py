@@ -21,7 +21,7 @@ import attrs
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import StepPlan
 
-__all__ = ["ModelRunner", "StepOutput", "TokenLogprobs"]
+__all__ = ["ModelRunner", "RunnerOutput", "TokenLogprobs"]
 
 
 @attrs.frozen
@@ -34,7 +34,7 @@ class TokenLogprobs:
 
 
 @attrs.frozen
-class StepOutput:
+class RunnerOutput:
     """What one step produced, as read back to the host.
 
     Attributes:
@@ -65,7 +65,7 @@ class ModelRunner(Protocol):
         """Create the paged KV cache. Called once, before the first step."""
         ...
 
-    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
         """Launch one step.
 
         Runs synchronously, possibly in a worker thread; on CUDA it only enqueues work and

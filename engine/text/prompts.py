@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
-from twostroke.engine.tokenizer import Tokenizer
+from twostroke.engine.text.tokenizer import Tokenizer
 
 __all__ = ["Prompt", "tokenize_prompt"]
 

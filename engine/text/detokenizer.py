@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from twostroke.engine.tokenizer import Tokenizer
+from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.states.errors import EngineError
 
 __all__ = ["DetokenizedDelta", "DetokenizerError", "IncrementalDetokenizer"]

@@ -9,7 +9,7 @@ This is a test-support module: it imports hypothesis, which comes with the ``tes
 * Machines (``RuleBasedStateMachine``, each against a plain reference model):
   :class:`RequestMachine` (the lifecycle table and the token counts),
   :class:`BlockPoolMachine` (a dict of reference counts) and :class:`SchedulerMachine`
-  (a :class:`~twostroke.states.harness.SimulatedEngine`, whose reference is the output of
+  (a :class:`~twostroke.states.testing.harness.SimulatedEngine`, whose reference is the output of
   the same "model" without any scheduler). Subclass one and set its class attributes, or
   call :meth:`SchedulerMachine.for_config`, to test your own configuration; run it with
   ``TestMine = MyMachine.TestCase``.
@@ -17,15 +17,6 @@ This is a test-support module: it imports hypothesis, which comes with the ``tes
   :func:`reference_output` and the rest, so one import gives the whole toolkit.
 """
 
-from twostroke.states.harness import (
-    DriveResult,
-    RequestSpec,
-    SimulatedEngine,
-    Workload,
-    drive,
-    step_bound,
-)
-from twostroke.states.machines import BlockPoolMachine, RequestMachine, SchedulerMachine
 from twostroke.states.simulation import (
     NextToken,
     SimulatedKV,
@@ -33,7 +24,16 @@ from twostroke.states.simulation import (
     reference_output,
     toy_next_token,
 )
-from twostroke.states.strategies import (
+from twostroke.states.testing.harness import (
+    DriveResult,
+    RequestSpec,
+    SimulatedEngine,
+    Workload,
+    drive,
+    step_bound,
+)
+from twostroke.states.testing.machines import BlockPoolMachine, RequestMachine, SchedulerMachine
+from twostroke.states.testing.strategies import (
     request_specs,
     requests,
     sampling_params,

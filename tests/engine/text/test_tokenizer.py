@@ -16,9 +16,9 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from twostroke.engine.detokenizer import IncrementalDetokenizer
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
-from twostroke.engine.tokenizer import (
+from twostroke.engine.text.detokenizer import IncrementalDetokenizer
+from twostroke.engine.text.tokenizer import (
     ChatTemplateError,
     HFTokenizer,
     Tokenizer,
@@ -361,7 +361,7 @@ def smollm2(
 def test_smollm2_is_read_from_the_cache_without_the_gguf_vocabulary(
     smollm2: tuple[HFTokenizer, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from twostroke.engine import tokenizer
+    from twostroke.engine.text import tokenizer
 
     seen: list[tuple[Path, str | None]] = []
     load = tokenizer._load_transformers_tokenizer

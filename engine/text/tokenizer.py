@@ -59,7 +59,7 @@ class Tokenizer(Protocol):
     """What the engine needs from a tokenizer.
 
     Implementations: :class:`HFTokenizer` for real models, and the byte tokenizer of
-    ``twostroke.engine.testing`` (ids 0..255 are UTF-8 bytes) for toy models.
+    ``twostroke.engine.runners.toy`` (ids 0..255 are UTF-8 bytes) for toy models.
     """
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from twostroke.engine.runner import StepOutput, TokenLogprobs
+from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
 from twostroke.gpu.completion import Launched, ReadyEvent
 from twostroke.states.plan import StepPlan
 from twostroke.states.simulation import SimulatedKV, toy_next_token
@@ -100,7 +100,7 @@ class ToyRunner:
     def _next_token(self, token_ids: Sequence[int]) -> int:
         return toy_text_next_token(token_ids, eos_rate=self._eos_rate)
 
-    def execute(self, plan: StepPlan) -> Launched[StepOutput]:
+    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
         if self._kv is None:
             raise RuntimeError("allocate_kv_cache must be called before the first step")
         self.num_steps += 1
@@ -118,5 +118,5 @@ class ToyRunner:
             for entry in plan.requests
             if entry.sample and entry.params.logprobs is not None
         }
-        output = StepOutput(step_id=plan.step_id, sampled=outcome.sampled, logprobs=logprobs)
+        output = RunnerOutput(step_id=plan.step_id, sampled=outcome.sampled, logprobs=logprobs)
         return Launched(event=ReadyEvent(), readback=lambda: output)

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from twostroke.engine.model_runner import TorchModelRunner
 from twostroke.engine.models.loader import load_model
+from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepOutcome
 from twostroke.states.request import Request

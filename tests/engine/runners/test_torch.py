@@ -15,18 +15,18 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from tests.engine.runners.test_sampler import reference_penalties
 
 from tests.engine.models.test_llama import (
     make_tiny_model,
     one_torch_thread,  # noqa: F401 (autouse)
     random_sequences,
 )
-from tests.engine.test_sampler import reference_penalties
-from twostroke.engine.model_runner import RunnerError, TorchModelRunner
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
-from twostroke.engine.runner import TokenLogprobs
+from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepOutcome, StepPlan
 from twostroke.states.request import Request

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from twostroke.engine.detokenizer import (
+from twostroke.engine.text.detokenizer import (
     MAX_UNRESOLVED_PUSHES,
     PROMPT_CONTEXT_TOKENS,
     DetokenizedDelta,
     DetokenizerError,
     IncrementalDetokenizer,
 )
-from twostroke.engine.tokenizer import Tokenizer
+from twostroke.engine.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 BYTES_EOS = 256

@@ -1,6 +1,6 @@
 """Per-token bookkeeping cost of the engine, on the toy runner with zero latency.
 
-Not a test: run it by hand, ``python tests/bench/bookkeeping_cost.py [--requests 256]``.
+Not a test: run it by hand, ``python scripts/bookkeeping_cost.py [--requests 256]``.
 It submits N concurrent requests that each generate ``--tokens`` tokens (EOS ignored) and
 reports the bookkeeping stroke's own time (planning, applying outcomes, detokenizing and
 delivering) per generated token, next to the wall time per token of the whole run.
@@ -14,7 +14,7 @@ import time
 import anyio
 
 from twostroke.engine import Engine, SamplingParams
-from twostroke.engine.testing import ByteTokenizer, ToyRunner
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 
 
 async def measure(requests: int, tokens: int, depth: int, backend_label: str) -> None:

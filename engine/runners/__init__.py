@@ -1,0 +1,1 @@
+"""Model runners: the protocol the forward stroke drives, the torch and toy runners, the sampler."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, prompts as callers pass them, incremental detokenization."""
