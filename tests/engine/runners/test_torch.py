@@ -15,13 +15,13 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from tests.engine.runners.test_sampler import reference_penalties
 
 from tests.engine.models.test_llama import (
     make_tiny_model,
     one_torch_thread,  # noqa: F401 (autouse)
     random_sequences,
 )
+from tests.engine.runners.test_sampler import reference_penalties
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
