@@ -46,25 +46,9 @@ from twostroke.states.request import (
     SampleScheduled,
     TokenSampled,
 )
+from twostroke.states.validators import PIPELINE_DEPTH, int_at_least
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics"]
-
-
-def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], None]:
-    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"{attribute.name} must be an int, got {type(value).__name__} {value!r}"
-            )
-        if value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value}")
-
-    return check
-
-
-def _check_depth(_: object, __: object, value: int) -> None:
-    if value not in (1, 2):
-        raise ValueError(f"pipeline_depth must be 1 (serial) or 2 (lookahead), got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -81,26 +65,39 @@ class SchedulerConfig:
             step ahead.
     """
 
-    num_blocks: int = attrs.field(validator=_at_least(1))
-    block_size: int = attrs.field(default=16, validator=_at_least(1))
-    max_num_batched_tokens: int = attrs.field(default=512, validator=_at_least(1))
-    max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
-    max_model_len: int = attrs.field(default=2048, validator=_at_least(2))
-    pipeline_depth: int = attrs.field(default=2, validator=_check_depth)
+    num_blocks: int = attrs.field(validator=int_at_least(1))
+    block_size: int = attrs.field(default=16, validator=int_at_least(1))
+    max_num_batched_tokens: int = attrs.field(default=512, validator=int_at_least(1))
+    max_num_seqs: int = attrs.field(default=64, validator=int_at_least(1))
+    max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
+    pipeline_depth: int = attrs.field(default=2, validator=PIPELINE_DEPTH)
 
 
 @attrs.frozen
 class SchedulerStatistics:
+    """A snapshot of one scheduler, taken by :meth:`Scheduler.statistics`."""
+
+    #: Requests queued for admission (new or preempted), not holding blocks.
     num_waiting: int
+    #: Admitted requests (prefilling or decoding) that hold blocks.
     num_running: int
+    #: Ended requests (finished, cancelled, failed) whose blocks a step in flight still uses.
     num_ending: int
+    #: Steps planned whose outcome has not been applied yet (at most ``pipeline_depth``).
     num_inflight_steps: int
+    #: KV blocks on the pool's free list.
     num_free_blocks: int
+    #: KV blocks in the pool.
     num_blocks: int
+    #: Steps planned since the scheduler was made (the next step's id).
     num_steps_planned: int
+    #: Steps whose outcome (or failure) has been applied.
     num_steps_completed: int
+    #: Token positions put into planned steps (prefill chunks, recomputes and decodes).
     num_tokens_scheduled: int
+    #: Sampled tokens appended to live requests (tokens dropped for ended requests excluded).
     num_tokens_generated: int
+    #: Times a running request was preempted to free blocks (it is recomputed later).
     num_preemptions: int
 
 
@@ -365,8 +362,8 @@ class Scheduler:
         this step are released, and requests that ended are removed.
 
         Raises:
-            SchedulerError: the outcome is not for the oldest step in flight, or a sampled
-                token is missing; nothing is applied.
+            SchedulerError: the outcome is not for the oldest step in flight, or the token of a
+                live request that sampled is missing; nothing is applied.
         """
         if not self._inflight or self._inflight[0].step_id != outcome.step_id:
             expected = self._inflight[0].step_id if self._inflight else None
@@ -379,10 +376,14 @@ class Scheduler:
         # end now and no later step uses them) and those that ended while it was in flight.
         candidates = set(plan.request_ids) | self._ending
         if isinstance(outcome, StepOutcome):
+            # Rows of requests that ended meanwhile may be missing: when the step before
+            # this one failed, the runner never computed its requests' rows here.
             missing = [
                 entry.request_id
                 for entry in plan.requests
-                if entry.sample and entry.request_id not in outcome.sampled
+                if entry.sample
+                and entry.request_id not in outcome.sampled
+                and not self._requests[entry.request_id].is_terminal
             ]
             if missing:
                 raise SchedulerError(f"step {plan.step_id} outcome lacks tokens for {missing}")
