@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import attrs
 
 from twostroke.states.errors import SchedulerError
+from twostroke.states.validators import check_int_at_least
 
 __all__ = ["BlockPool", "BlockPoolStatistics", "blocks_for"]
 
@@ -24,18 +25,18 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 @attrs.frozen
 class BlockPoolStatistics:
+    """A snapshot of one block pool, taken by :meth:`BlockPool.statistics`."""
+
+    #: Blocks in the pool (free + used).
     num_blocks: int
+    #: Token positions per block.
     block_size: int
+    #: Blocks with no reference, ready to allocate.
     num_free: int
+    #: Blocks with at least one reference.
     num_used: int
+    #: Blocks with more than one reference (shared between requests).
     num_shared: int
-
-
-def _positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 class BlockPool:
@@ -47,8 +48,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        _positive("num_blocks", num_blocks)
-        _positive("block_size", block_size)
+        check_int_at_least("num_blocks", num_blocks, 1)
+        check_int_at_least("block_size", block_size, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
@@ -79,8 +80,7 @@ class BlockPool:
             SchedulerError: fewer than ``num_blocks`` blocks are free (check first with
                 :meth:`can_allocate`); nothing is taken.
         """
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        check_int_at_least("num_blocks", num_blocks, 0)
         if num_blocks > len(self._free):
             raise SchedulerError(
                 f"can't allocate {num_blocks} blocks: only {len(self._free)} are free"
