@@ -8,42 +8,17 @@ know one know the other; where vLLM uses a ``-1`` sentinel (``top_k``) we use ``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from typing import Any
 
 import attrs
+
+from twostroke.states.validators import boolean, check_int_at_least, int_at_least, int_in, number_in
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
 #: The most alternatives a request may ask log-probabilities for (vLLM's default cap).
 MAX_LOGPROBS = 20
 _MAX_SEED = 2**63
-
-
-def _type_name(value: object) -> str:
-    return type(value).__name__
-
-
-def _int(field: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{field} must be an int, got {_type_name(value)} {value!r}")
-    return value
-
-
-def _number(field: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{field} must be a number, got {_type_name(value)} {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{field} must be finite, got {value!r}")
-    return number
-
-
-def _bool(field: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{field} must be a bool, got {_type_name(value)} {value!r}")
-    return value
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:
@@ -54,7 +29,7 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     strings = tuple(value)
     for item in strings:
         if not isinstance(item, str):
-            raise TypeError(f"stop must contain only strings, got {_type_name(item)} {item!r}")
+            raise TypeError(f"stop must contain only strings, got {type(item).__name__} {item!r}")
         if not item:
             raise ValueError("stop strings must be non-empty, got ''")
     return strings
@@ -65,64 +40,8 @@ def _token_ids(value: object) -> tuple[int, ...]:
         raise TypeError(f"stop_token_ids must be a sequence of ints, got {value!r}")
     ids = tuple(value)
     for item in ids:
-        _int("stop_token_ids", item)
-        if item < 0:
-            raise ValueError(f"stop_token_ids must be >= 0, got {item}")
+        check_int_at_least("stop_token_ids", item, 0)
     return ids
-
-
-def _check_max_tokens(_: object, __: object, value: Any) -> None:
-    if _int("max_tokens", value) < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {value}")
-
-
-def _check_min_tokens(_: object, __: object, value: Any) -> None:
-    if _int("min_tokens", value) < 0:
-        raise ValueError(f"min_tokens must be >= 0, got {value}")
-
-
-def _check_temperature(_: object, __: object, value: Any) -> None:
-    if _number("temperature", value) < 0:
-        raise ValueError(f"temperature must be >= 0, got {value}")
-
-
-def _check_top_k(_: object, __: object, value: Any) -> None:
-    if value is not None and _int("top_k", value) < 1:
-        raise ValueError(f"top_k must be >= 1 (or None to disable), got {value}")
-
-
-def _check_top_p(_: object, __: object, value: Any) -> None:
-    if not 0 < _number("top_p", value) <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {value}")
-
-
-def _check_min_p(_: object, __: object, value: Any) -> None:
-    if not 0 <= _number("min_p", value) <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {value}")
-
-
-def _check_seed(_: object, __: object, value: Any) -> None:
-    if value is not None and not 0 <= _int("seed", value) < _MAX_SEED:
-        raise ValueError(f"seed must be in [0, 2**63), got {value}")
-
-
-def _check_repetition_penalty(_: object, __: object, value: Any) -> None:
-    if _number("repetition_penalty", value) <= 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {value}")
-
-
-def _check_additive_penalty(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not -2 <= _number(attribute.name, value) <= 2:
-        raise ValueError(f"{attribute.name} must be in [-2, 2], got {value}")
-
-
-def _check_logprobs(_: object, __: object, value: Any) -> None:
-    if value is not None and not 0 <= _int("logprobs", value) <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {value}")
-
-
-def _check_bool(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _bool(attribute.name, value)
 
 
 @attrs.frozen(kw_only=True)
@@ -155,21 +74,29 @@ class SamplingParams:
         ValueError: a value outside its range; the message names the field and the rule.
     """
 
-    max_tokens: int = attrs.field(default=16, validator=_check_max_tokens)
-    min_tokens: int = attrs.field(default=0, validator=_check_min_tokens)
-    temperature: float = attrs.field(default=1.0, validator=_check_temperature)
-    top_k: int | None = attrs.field(default=None, validator=_check_top_k)
-    top_p: float = attrs.field(default=1.0, validator=_check_top_p)
-    min_p: float = attrs.field(default=0.0, validator=_check_min_p)
-    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    max_tokens: int = attrs.field(default=16, validator=int_at_least(1))
+    min_tokens: int = attrs.field(default=0, validator=int_at_least(0))
+    temperature: float = attrs.field(default=1.0, validator=number_in(0))
+    top_k: int | None = attrs.field(
+        default=None, validator=int_at_least(1, optional=True, note=" (or None to disable)")
+    )
+    top_p: float = attrs.field(default=1.0, validator=number_in(0, 1, low_open=True))
+    min_p: float = attrs.field(default=0.0, validator=number_in(0, 1))
+    seed: int | None = attrs.field(
+        default=None, validator=int_in(0, _MAX_SEED, high_open=True, optional=True)
+    )
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
-    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
-    repetition_penalty: float = attrs.field(default=1.0, validator=_check_repetition_penalty)
-    presence_penalty: float = attrs.field(default=0.0, validator=_check_additive_penalty)
-    frequency_penalty: float = attrs.field(default=0.0, validator=_check_additive_penalty)
-    logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
-    include_stop_str_in_output: bool = attrs.field(default=False, validator=_check_bool)
+    ignore_eos: bool = attrs.field(default=False, validator=boolean)
+    repetition_penalty: float = attrs.field(
+        default=1.0, validator=number_in(0, low_open=True, note=" (1 disables it)")
+    )
+    presence_penalty: float = attrs.field(default=0.0, validator=number_in(-2, 2))
+    frequency_penalty: float = attrs.field(default=0.0, validator=number_in(-2, 2))
+    logprobs: int | None = attrs.field(
+        default=None, validator=int_in(0, MAX_LOGPROBS, optional=True, note=" (or None)")
+    )
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=boolean)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
