@@ -20,11 +20,9 @@ at a step boundary, so that cleanup code never awaits and never races a step.
 
 from __future__ import annotations
 
-import collections
 import itertools
-import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -36,41 +34,47 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.errors import (
-    EngineClosed,
-    EngineDead,
-    RequestCancelled,
-    RequestFailed,
-)
+from twostroke.engine.delivery import Deliveries, Tracked
+from twostroke.engine.errors import EngineClosed, EngineDead, RequestCancelled
 from twostroke.engine.handle import RequestHandle
-from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
+from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.prompts import Prompt, tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer
-from twostroke.gpu.completion import Completion
-from twostroke.gpu.device import Device, select_device
+from twostroke.gpu.completion import Completion, Launched, ReadyEvent
+from twostroke.gpu.device import Device, resolve_device
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepFailure, StepOutcome, StepPlan, StepReport
-from twostroke.states.request import FinishReason, Request
+from twostroke.states.plan import StepFailure, StepOutcome, StepPlan
+from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["Engine", "EngineStatistics"]
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class EngineStatistics:
-    """A snapshot of the engine, cheap to take at any time."""
+    """A snapshot of the engine, cheap to take at any time (:meth:`Engine.statistics`)."""
 
+    #: Requests queued and not yet admitted (new or preempted).
     num_waiting: int
+    #: Requests admitted and computing (prefilling or decoding).
     num_running: int
+    #: Requests submitted whose handle has not ended yet.
     num_open_requests: int
+    #: KV blocks free now (blocks of ended requests come back once no step in flight uses them).
     num_free_blocks: int
+    #: KV blocks in the pool.
     num_blocks: int
+    #: Steps whose outcome has been applied (failed ones included).
     num_steps: int
+    #: Token positions computed over all steps (prompt chunks and decodes).
     num_tokens_scheduled: int
+    #: Output tokens sampled for live requests.
     num_tokens_generated: int
+    #: Times a running request's KV was taken back under memory pressure.
     num_preemptions: int
+    #: Steps that failed (each failed exactly the requests in it).
     num_failed_steps: int
     #: Seconds the bookkeeping stroke spent in its own work (planning, applying, delivering).
     bookkeeping_seconds: float
@@ -78,16 +82,6 @@ class EngineStatistics:
     forward_seconds: float
     #: Seconds the forward stroke sat waiting for the next plan (the device idled on Python).
     forward_idle_seconds: float
-
-
-@attrs.define(eq=False)
-class _Tracked:
-    """The engine's side of one open request."""
-
-    request: Request
-    handle: RequestHandle
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[Any] | None
 
 
 class Engine:
@@ -101,27 +95,29 @@ class Engine:
         device: Device,
         config: EngineConfig,
         num_blocks: int,
+        model_name: str = "model",
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self._model_name = model_name
         self._runner = runner
         self._device = device
         max_model_len = config.max_model_len or runner.max_model_len
-        self.max_model_len = min(max_model_len, runner.max_model_len)
+        self._max_model_len = min(max_model_len, runner.max_model_len)
         self._scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,
                 block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
+                max_model_len=self._max_model_len,
                 pipeline_depth=config.pipeline_depth,
             ),
             clock=anyio.current_time,
         )
         self._ids = itertools.count()
-        self._tracked: dict[int, _Tracked] = {}
-        self._cancels: collections.deque[int] = collections.deque()
+        self._open = Deliveries(self._scheduler.finish)
+        self._cancels: list[int] = []
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
@@ -129,6 +125,10 @@ class Engine:
         self._cancel_on_close = False
         self._death: BaseException | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
+        # Requests of the last step whose launch failed: the forward stroke drops their rows
+        # from the next plan (already planned, one step ahead) before the runner sees it.
+        # Written and read only by the forward stroke's launches, which run one at a time.
+        self._failed_launch: frozenset[int] = frozenset()
         self._num_failed_steps = 0
         self._bookkeeping_seconds = 0.0
         self._forward_seconds = 0.0
@@ -151,6 +151,7 @@ class Engine:
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
         device: Device | str = "auto",
+        model_name: str | None = None,
         **config: Any,
     ) -> AsyncIterator[Engine]:
         """Start an engine for the body of an ``async with`` block.
@@ -162,21 +163,32 @@ class Engine:
             tokenizer: The tokenizer that goes with ``runner``.
             device: ``"auto"``, ``"cuda"``, ``"cpu"``, ``"fake"`` or a
                 :class:`~twostroke.gpu.device.Device`.
+            model_name: The name the engine serves the model under (default: ``model`` as
+                given, or the runner's class name).
             **config: Fields of :class:`EngineConfig`.
 
         Leaving the block drains open requests (or cancels them, with
         ``shutdown="cancel"``, or when the body raised). If a stroke dies, every open
         waiter gets :class:`EngineDead` and the block raises it.
+
+        Raises:
+            TypeError, ValueError: a bad configuration field, device or model argument.
+            ModelLoadError, TokenizerLoadError: the model cannot be loaded.
+            DeviceUnavailable: the device asked for is not on this machine.
         """
         engine_config = EngineConfig(**config)
-        if isinstance(device, str):
-            device = select_device(device)
+        device = resolve_device(device)
+        if model_name is not None and not isinstance(model_name, str):
+            raise TypeError(f"model_name must be a str, got {type(model_name).__name__}")
         if runner is None:
-            from twostroke.engine.runners.loading import load_runner
+            from twostroke.engine.runners.loading import DEFAULT_MODEL, load_runner
 
             runner, tokenizer = load_runner(model, device=device, config=engine_config)
+            name = model if model is not None else DEFAULT_MODEL
         elif model is not None:
             raise TypeError("pass either model or runner, not both")
+        else:
+            name = type(runner).__name__
         if tokenizer is None:
             raise TypeError("a runner needs a tokenizer: pass tokenizer=...")
         num_blocks = _size_pool(runner, device, engine_config)
@@ -187,6 +199,7 @@ class Engine:
             device=device,
             config=engine_config,
             num_blocks=num_blocks,
+            model_name=model_name if model_name is not None else name,
         )
         body_error: BaseException | None = None
         async with anyio.create_task_group() as task_group:
@@ -211,16 +224,32 @@ class Engine:
         self._closing = True
         self._cancel_on_close = cancel
         if cancel:
-            self._cancels.extend(self._tracked)
+            self._cancels.extend(self._open)
         self._wakeup.set()
 
-    def _check_open(self) -> None:
+    # --- public API ---------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        """The name the engine serves its model under."""
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output a request may have."""
+        return self._max_model_len
+
+    def check_health(self) -> None:
+        """Return if the engine takes work.
+
+        Raises:
+            EngineDead: a stroke died (``__cause__`` is what killed it).
+            EngineClosed: the engine's ``async with`` block was left.
+        """
         if self._death is not None:
             raise EngineDead(f"the engine died: {self._death!r}") from self._death
         if self._closing:
             raise EngineClosed("the engine is closed: its async with block was left")
-
-    # --- public API ---------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Queue a request and return its handle at once.
@@ -229,12 +258,15 @@ class Engine:
             prompt: Text, token ids, or chat messages (the model's chat template applies).
             params: Sampling parameters (``SamplingParams()`` when omitted).
 
+        Returns:
+            The request's handle: await :meth:`RequestHandle.result` or iterate its deltas.
+
         Raises:
-            TypeError, ValueError: a malformed prompt or parameters.
+            TypeError, ValueError: a malformed prompt or parameters (nothing is queued).
             RequestRejected: the request can never fit (context length or KV pool).
             EngineClosed, EngineDead: the engine no longer takes work.
         """
-        self._check_open()
+        self.check_health()
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -250,16 +282,18 @@ class Engine:
         )
         self._scheduler.add_request(request)  # validates; raises before anything changes
         handle = RequestHandle(request_id, request.prompt_token_ids, self._enqueue_cancel)
-        self._tracked[request_id] = _Tracked(
-            request=request,
-            handle=handle,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            ),
-            logprobs=[] if params.logprobs is not None else None,
+        self._open.track(
+            Tracked(
+                request=request,
+                handle=handle,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+            )
         )
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._wakeup.set()
@@ -289,6 +323,10 @@ class Engine:
         """Stream a request's output: ``async for delta in deltas`` inside the block.
 
         Leaving the block before the last delta (or being cancelled) cancels the request.
+
+        Raises:
+            TypeError, ValueError, RequestRejected: bad input (nothing was queued).
+            EngineClosed, EngineDead: the engine no longer takes work.
         """
         await anyio.lowlevel.checkpoint()
         handle = self.submit(prompt, params)
@@ -297,17 +335,49 @@ class Engine:
         finally:
             handle.cancel()
 
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids a request with this prompt would compute. Always a checkpoint.
+
+        Raises:
+            TypeError, ValueError: a malformed prompt.
+        """
+        await anyio.lowlevel.checkpoint()
+        return tokenize_prompt(prompt, self.tokenizer)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``. Always a checkpoint.
+
+        Raises:
+            TypeError: ``token_ids`` is not a sequence of ints.
+            ValueError: a token id is outside the vocabulary.
+        """
+        await anyio.lowlevel.checkpoint()
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        vocab = self.tokenizer.vocab_size
+        for index, token_id in enumerate(token_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise TypeError(
+                    f"token ids must be ints, got {type(token_id).__name__} at index {index}"
+                )
+            if not 0 <= token_id < vocab:
+                raise ValueError(
+                    f"token ids must be in [0, {vocab}), got {token_id} at index {index}"
+                )
+        return self.tokenizer.decode(list(token_ids))
+
     async def wait_idle(self) -> None:
         """Wait until no request is open and no step is in flight. Always a checkpoint."""
         await anyio.lowlevel.checkpoint()
         await self._idle.wait()
 
     def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's counters and gauges."""
         stats = self._scheduler.statistics()
         return EngineStatistics(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
-            num_open_requests=len(self._tracked),
+            num_open_requests=len(self._open),
             num_free_blocks=stats.num_free_blocks,
             num_blocks=stats.num_blocks,
             num_steps=stats.num_steps_completed,
@@ -323,16 +393,20 @@ class Engine:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the engine's or the scheduler's books disagree."""
         self._scheduler.check_invariants()
-        for request_id, tracked in self._tracked.items():
-            assert not tracked.handle.done(), f"request {request_id} is done but still tracked"
+        for tracked in self._open.values():
+            request_id = tracked.request.request_id
+            assert not tracked.handle.done(), f"request {request_id} is done but still open"
+            assert self._scheduler.get(request_id) is tracked.request, (
+                f"request {request_id} is open but the scheduler has no record of it"
+            )
         if self._idle.is_set():
             assert self._scheduler.is_idle(), "idle, yet the scheduler holds requests"
-            assert not self._tracked, "idle, yet requests are open"
+            assert not self._open, "idle, yet requests are open"
 
     def __repr__(self) -> str:
         return (
-            f"<Engine {len(self._tracked)} open, {self._scheduler!r}, "
-            f"{'closing' if self._closing else 'open'}>"
+            f"<Engine {self._model_name!r} {len(self._open)} open, {self._scheduler!r}, "
+            f"{'dead' if self._death else 'closing' if self._closing else 'open'}>"
         )
 
     # --- the forward stroke -------------------------------------------------------------
@@ -355,16 +429,36 @@ class Engine:
                     started = True
                     completion: Completion[RunnerOutput] = Completion()
                     await self._results_send.send(completion)
-                    await self._device.run(partial(self._runner.execute, plan), completion)
+                    await self._device.run(partial(self._launch, plan), completion)
                     self._forward_seconds += time.perf_counter() - launched
             except Exception as exc:
                 self._die(exc)
+
+    def _launch(self, plan: StepPlan) -> Launched[RunnerOutput]:
+        """Launch one step, without the rows of requests whose previous step failed.
+
+        With the one-step lookahead, the plan of step N+1 was made before step N failed.
+        Rows of step N's requests in it may take their input from step N's samples, which do
+        not exist; those requests have failed with step N, so their rows are dropped here
+        (their blocks come back when step N+1 completes) and the rest of step N+1 runs as
+        planned. Called by the device, one launch at a time, in plan order.
+        """
+        failed, self._failed_launch = self._failed_launch, frozenset()
+        if failed:
+            plan = plan.without(failed)
+            if not plan.requests:
+                empty = RunnerOutput(step_id=plan.step_id, sampled={})
+                return Launched(event=ReadyEvent(), readback=lambda: empty)
+        try:
+            return self._runner.execute(plan)
+        except BaseException:
+            self._failed_launch = frozenset(plan.request_ids)
+            raise
 
     # --- the bookkeeping stroke ---------------------------------------------------------
 
     async def _bookkeeping_stroke(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         scheduler = self._scheduler
-        inflight: collections.deque[StepPlan] = collections.deque()
         task_status.started()
         try:
             async with self._plans_send, self._results_receive:
@@ -376,23 +470,21 @@ class Engine:
                         if plan is None:
                             break
                         self._plans_send.send_nowait(plan)  # room for pipeline_depth plans
-                        inflight.append(plan)
                     self._bookkeeping_seconds += time.perf_counter() - began
-                    if not inflight:
+                    if not scheduler.num_inflight_steps:
                         self._update_idle()
-                        if self._closing and not self._tracked:
+                        if self._closing and not self._open:
                             break
                         await self._wakeup.wait()
                         self._wakeup = anyio.Event()
                         continue
-                    plan = inflight.popleft()
-                    await self._complete(plan)
+                    await self._complete()
         except Exception as exc:
             self._die(exc)
         finally:
             self._fail_open_requests()
 
-    async def _complete(self, plan: StepPlan) -> None:
+    async def _complete(self) -> None:
         """Await the oldest step in flight and apply its outcome."""
         completion = await self._results_receive.receive()
         output: RunnerOutput | None = None
@@ -402,107 +494,33 @@ class Engine:
         except Exception as exc:
             cause = exc
         began = time.perf_counter()
+        step_id = self._scheduler.inflight_plans[0].step_id
         if output is not None:
-            report = self._scheduler.apply(StepOutcome(plan.step_id, output.sampled))
+            report = self._scheduler.apply(StepOutcome(step_id, output.sampled))
         else:
             self._num_failed_steps += 1
-            report = self._scheduler.apply(StepFailure(plan.step_id, repr(cause)))
-        self._deliver(report, output, cause)
+            report = self._scheduler.apply(StepFailure(step_id, repr(cause)))
+        self._open.deliver(report, output, cause, anyio.current_time())
         self._bookkeeping_seconds += time.perf_counter() - began
 
     def _apply_cancels(self) -> None:
-        while self._cancels:
-            request_id = self._cancels.popleft()
-            tracked = self._tracked.get(request_id)
+        cancels, self._cancels = self._cancels, []
+        for request_id in cancels:
             self._scheduler.cancel(request_id)
-            if tracked is not None:
+            if request_id in self._open:
                 error: BaseException = RequestCancelled(request_id)
                 if self._closing and self._cancel_on_close:
                     error = EngineClosed(f"the engine closed before request {request_id} finished")
-                self._end(tracked, None, error)
+                self._open.end(request_id, error)
 
     def _enqueue_cancel(self, request_id: int) -> None:
-        if request_id in self._tracked:
+        if request_id in self._open:
             self._cancels.append(request_id)
             self._wakeup.set()
 
     def _update_idle(self) -> None:
-        if not self._tracked and self._scheduler.is_idle():
+        if not self._open and self._scheduler.is_idle():
             self._idle.set()
-
-    # --- delivery -----------------------------------------------------------------------
-
-    def _deliver(
-        self, report: StepReport, output: RunnerOutput | None, cause: Exception | None
-    ) -> None:
-        now = anyio.current_time()
-        for request_id, token_id in report.new_tokens:
-            tracked = self._tracked[request_id]
-            logprobs = None
-            if tracked.logprobs is not None and output is not None:
-                entry = output.logprobs.get(request_id)
-                if entry is not None:
-                    tracked.logprobs.append(entry)
-                    logprobs = (entry,)
-            update = tracked.detokenizer.push([token_id])
-            reason: FinishReason | None = None
-            if update.stopped:
-                self._scheduler.finish(request_id, FinishReason.STOP)
-                reason = FinishReason.STOP
-            delta = Delta(request_id, update.text, (token_id,), logprobs)
-            tracked.handle._deliver(delta)
-            if reason is not None:
-                self._finish(tracked, reason, now)
-        for request_id, reason in report.finished:
-            ended = self._tracked.get(request_id)
-            if ended is not None:  # not already ended by a stop string
-                tail = ended.detokenizer.flush()
-                ended.handle._deliver(Delta(request_id, tail, ()))
-                self._finish(ended, reason, now)
-        for request_id in report.failed:
-            failed = self._tracked.get(request_id)
-            if failed is not None:
-                error = RequestFailed(request_id, repr(cause))
-                error.__cause__ = cause
-                self._end(failed, None, error)
-
-    def _finish(self, tracked: _Tracked, reason: FinishReason, now: float) -> None:
-        request = tracked.request
-        handle = tracked.handle
-        handle._deliver(Delta(request.request_id, finish_reason=reason))
-        output_ids = request.output_token_ids
-        ttft = None if request.first_token_time is None else request.first_token_time
-        e2e = now - request.arrival_time
-        ttft_s = None if ttft is None else ttft - request.arrival_time
-        tpot = None
-        if ttft_s is not None and len(output_ids) > 1:
-            tpot = (e2e - ttft_s) / (len(output_ids) - 1)
-        queue_time = None
-        if request.first_scheduled_time is not None:
-            queue_time = request.first_scheduled_time - request.arrival_time
-        output = RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=output_ids,
-            text=tracked.detokenizer.text,
-            finish_reason=reason,
-            usage=Usage(request.num_prompt_tokens, len(output_ids)),
-            metrics=RequestMetrics(
-                queue_time=queue_time,
-                ttft=ttft_s,
-                tpot=tpot,
-                e2e=e2e,
-                num_preemptions=request.num_preemptions,
-            ),
-            logprobs=tuple(tracked.logprobs) if tracked.logprobs is not None else None,
-        )
-        self._end(tracked, output, None)
-
-    def _end(
-        self, tracked: _Tracked, output: RequestOutput | None, error: BaseException | None
-    ) -> None:
-        del self._tracked[tracked.request.request_id]
-        tracked.handle._finish(output, error)
 
     # --- death --------------------------------------------------------------------------
 
@@ -515,15 +533,14 @@ class Engine:
             self._task_group.cancel_scope.cancel()
 
     def _fail_open_requests(self) -> None:
-        for tracked in list(self._tracked.values()):
-            request_id = tracked.request.request_id
+        for request_id in self._open:
             error: BaseException
             if self._death is not None:
                 error = EngineDead(f"the engine died: {self._death!r}")
                 error.__cause__ = self._death
             else:
                 error = EngineClosed(f"the engine closed before request {request_id} finished")
-            self._end(tracked, None, error)
+            self._open.end(request_id, error)
         self._idle.set()
 
 
@@ -536,23 +553,9 @@ def _size_pool(runner: ModelRunner, device: Device, config: EngineConfig) -> int
     if budget is None:
         budget = 0.5 if device.kind == "cuda" else 1 << 30
     if isinstance(budget, float):
-        budget = int(budget * _free_memory(device))
+        budget = int(budget * device.free_memory())
     num_blocks = budget // max(per_block, 1)
-    needed = math.ceil(runner.max_model_len / config.block_size)
+    needed = -(-runner.max_model_len // config.block_size)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory ({budget} bytes) holds no KV block of {per_block} bytes")
     return int(min(num_blocks, max(needed * config.max_num_seqs, needed)))
-
-
-def _free_memory(device: Device) -> int:
-    """Bytes of memory free on ``device`` (host memory for the CPU)."""
-    if device.kind == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device.torch_device)
-        return int(free)
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import functools
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -43,6 +44,7 @@ __all__ = [
     "FakeDevice",
     "VirtualEvent",
     "default_dtype",
+    "resolve_device",
     "select_device",
 ]
 
@@ -86,6 +88,14 @@ class Device(abc.ABC):
         Raises:
             CompletionAlreadySet: ``completion`` was already set (a bug in the caller).
         """
+
+    def free_memory(self) -> int:
+        """Bytes of memory free for a KV cache on this device.
+
+        The host's available memory (``MemAvailable``, or what ``os.sysconf`` reports) for
+        the CPU and the fake device; subclasses with memory of their own say theirs.
+        """
+        return _host_available_memory()
 
 
 def _resolve(completion: Completion[T], launched: object) -> None:
@@ -177,6 +187,17 @@ def _check_index(index: object) -> int:
     return index
 
 
+def _host_available_memory() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
 class CudaDevice(_WorkerThreadDevice):
     """One CUDA GPU: the Python launch of each step runs in a worker thread.
 
@@ -202,6 +223,11 @@ class CudaDevice(_WorkerThreadDevice):
         super().__init__()
         self.index = _check_index(index)
         self.torch_device = torch.device("cuda", self.index)
+
+    def free_memory(self) -> int:
+        """Bytes free on this GPU (``torch.cuda.mem_get_info``)."""
+        free, _ = torch.cuda.mem_get_info(self.torch_device)
+        return int(free)
 
     def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
         # The current device is per thread, and anyio's worker threads are shared: set it for
@@ -354,6 +380,30 @@ def select_device(kind: str = "auto", *, index: int = 0) -> Device:
     if index >= count:
         raise DeviceUnavailable(f"cuda index must be < {count} (the visible GPUs), got {index}")
     return CudaDevice(index)
+
+
+def resolve_device(device: object) -> Device:
+    """The device that ``Engine.open(device=...)`` names: a :class:`Device` or a kind.
+
+    Args:
+        device: A :class:`Device`, or a kind that :func:`select_device` takes.
+
+    Returns:
+        ``device`` itself, or a new device of that kind.
+
+    Raises:
+        TypeError: ``device`` is neither a :class:`Device` nor a string; the message names
+            the accepted values.
+        ValueError, DeviceUnavailable: as :func:`select_device`.
+    """
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, str):
+        return select_device(device)
+    accepted = ", ".join(repr(kind) for kind in DEVICE_KINDS)
+    raise TypeError(
+        f"device must be a Device or one of {accepted}, got {type(device).__name__} {device!r}"
+    )
 
 
 def default_dtype(device: Device) -> torch.dtype:

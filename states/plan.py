@@ -5,7 +5,7 @@ All values are frozen, so a plan in flight cannot change under the step that exe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import attrs
 
@@ -85,6 +85,16 @@ class StepPlan:
     @property
     def request_ids(self) -> tuple[int, ...]:
         return tuple(entry.request_id for entry in self.requests)
+
+    def without(self, request_ids: Collection[int]) -> StepPlan:
+        """This plan less the rows of ``request_ids`` (same step id, same order otherwise).
+
+        The forward stroke uses it when the step before this one failed: the requests of
+        that step have failed, and their rows here may take an input the failed step never
+        sampled.
+        """
+        kept = tuple(entry for entry in self.requests if entry.request_id not in request_ids)
+        return attrs.evolve(self, requests=kept)
 
 
 @attrs.frozen

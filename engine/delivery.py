@@ -1,0 +1,163 @@
+"""Delivery: from a step's report to what each caller sees.
+
+The bookkeeping stroke applies a step's outcome to the scheduler and gets a
+:class:`~twostroke.states.plan.StepReport`; :class:`Deliveries` turns it into output. It keeps
+the engine's side of every open request (its handle, its incremental detokenizer and its
+logprobs), matches stop strings, merges deltas into the handles, and builds the final
+:class:`~twostroke.engine.outputs.RequestOutput` with vLLM's timing metrics.
+
+Everything here is synchronous and runs on the event loop between two awaits of the
+bookkeeping stroke, so a handle never sees a half-applied step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import attrs
+
+from twostroke.engine.errors import RequestFailed
+from twostroke.engine.handle import RequestHandle
+from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
+from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
+from twostroke.engine.text.detokenizer import IncrementalDetokenizer
+from twostroke.states.plan import StepReport
+from twostroke.states.request import FinishReason, Request
+
+__all__ = ["Deliveries", "Tracked"]
+
+
+@attrs.define(eq=False)
+class Tracked:
+    """The engine's side of one open request."""
+
+    request: Request
+    handle: RequestHandle
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+
+    def __repr__(self) -> str:
+        return f"<Tracked {self.request!r}>"
+
+
+class Deliveries:
+    """The open requests' handles and how a step's report reaches them.
+
+    Args:
+        finish_early: Called with a request id when a stop string ends it (the scheduler
+            must stop scheduling it; its blocks come back once no step in flight uses them).
+    """
+
+    def __init__(self, finish_early: Callable[[int, FinishReason], object]) -> None:
+        self._open: dict[int, Tracked] = {}
+        self._finish_early = finish_early
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._open
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._open))
+
+    def get(self, request_id: int) -> Tracked | None:
+        return self._open.get(request_id)
+
+    def values(self) -> list[Tracked]:
+        return list(self._open.values())
+
+    def track(self, tracked: Tracked) -> None:
+        """Start delivering to a newly submitted request."""
+        request_id = tracked.request.request_id
+        assert request_id not in self._open, f"request {request_id} is tracked already"
+        self._open[request_id] = tracked
+
+    def deliver(
+        self,
+        report: StepReport,
+        output: RunnerOutput | None,
+        cause: BaseException | None,
+        now: float,
+    ) -> None:
+        """Deliver one applied step: new tokens, finished requests and failed ones.
+
+        Args:
+            report: What applying the step changed in the scheduler.
+            output: The runner's output for the step (``None`` if it failed).
+            cause: The step's exception if it failed.
+            now: The event loop's clock, for the requests' metrics.
+        """
+        logprobs: Mapping[int, TokenLogprobs] = output.logprobs if output is not None else {}
+        for request_id, token_id in report.new_tokens:
+            tracked = self._open[request_id]
+            entry = logprobs.get(request_id) if tracked.logprobs is not None else None
+            if entry is not None:
+                assert tracked.logprobs is not None
+                tracked.logprobs.append(entry)
+            update = tracked.detokenizer.push([token_id])
+            tracked.handle._deliver(
+                Delta(request_id, update.text, (token_id,), None if entry is None else (entry,))
+            )
+            if update.stopped:
+                self._finish_early(request_id, FinishReason.STOP)
+                self._finish(tracked, FinishReason.STOP, now)
+        for request_id, reason in report.finished:
+            ended = self._open.get(request_id)
+            if ended is not None:  # not already ended by a stop string
+                tail = ended.detokenizer.flush()
+                ended.handle._deliver(Delta(request_id, tail, ()))
+                self._finish(ended, reason, now)
+        for request_id in report.failed:
+            failed = self._open.get(request_id)
+            if failed is not None:
+                error = RequestFailed(request_id, repr(cause))
+                error.__cause__ = cause
+                self.end(request_id, error)
+
+    def end(self, request_id: int, error: BaseException) -> None:
+        """End an open request with ``error`` (cancelled, failed, engine closed or dead)."""
+        tracked = self._open.pop(request_id)
+        tracked.handle._finish(None, error)
+
+    def _finish(self, tracked: Tracked, reason: FinishReason, now: float) -> None:
+        request = tracked.request
+        tracked.handle._deliver(Delta(request.request_id, finish_reason=reason))
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=tracked.detokenizer.text,
+            finish_reason=reason,
+            usage=Usage(request.num_prompt_tokens, request.num_output_tokens),
+            metrics=request_metrics(request, now),
+            logprobs=tuple(tracked.logprobs) if tracked.logprobs is not None else None,
+        )
+        del self._open[request.request_id]
+        tracked.handle._finish(output, None)
+
+
+def request_metrics(request: Request, now: float) -> RequestMetrics:
+    """vLLM's per-request timings for a request that finishes at ``now``.
+
+    TTFT runs from arrival to the first output token; TPOT is
+    ``(end-to-end - TTFT) / (output tokens - 1)`` and is ``None`` for one-token outputs.
+    """
+    e2e = now - request.arrival_time
+    ttft = None
+    if request.first_token_time is not None:
+        ttft = request.first_token_time - request.arrival_time
+    tpot = None
+    num_output = request.num_output_tokens
+    if ttft is not None and num_output > 1:
+        tpot = (e2e - ttft) / (num_output - 1)
+    queue_time = None
+    if request.first_scheduled_time is not None:
+        queue_time = request.first_scheduled_time - request.arrival_time
+    return RequestMetrics(
+        queue_time=queue_time,
+        ttft=ttft,
+        tpot=tpot,
+        e2e=e2e,
+        num_preemptions=request.num_preemptions,
+    )
