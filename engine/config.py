@@ -6,41 +6,23 @@ from typing import Any, Literal
 
 import attrs
 
+from twostroke.states.validators import PIPELINE_DEPTH, int_at_least, one_of
+
 __all__ = ["EngineConfig"]
-
-
-def _optional_at_least(minimum: int) -> Any:
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"{attribute.name} must be an int, got {type(value).__name__} {value!r}"
-            )
-        if value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value}")
-
-    return check
 
 
 def _check_kv_memory(_: object, __: object, value: Any) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {value!r}")
+        raise TypeError(
+            "kv_cache_memory must be bytes (int) or a fraction (float), "
+            f"got {type(value).__name__} {value!r}"
+        )
     if isinstance(value, float) and not 0 < value < 1:
         raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1), got {value}")
     if isinstance(value, int) and value < 1:
         raise ValueError(f"kv_cache_memory in bytes must be >= 1, got {value}")
-
-
-def _check_choice(*choices: object) -> Any:
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in choices:
-            allowed = ", ".join(repr(choice) for choice in choices)
-            raise ValueError(f"{attribute.name} must be one of {allowed}, got {value!r}")
-
-    return check
 
 
 @attrs.frozen(kw_only=True)
@@ -67,19 +49,24 @@ class EngineConfig:
         torch_threads: torch's intra-op threads for the forward pass (process-wide). ``None``
             takes one fewer than the cores on the CPU (the event loop thread runs the
             bookkeeping stroke meanwhile) and leaves torch's default on CUDA.
+
+    Raises:
+        TypeError: a value of the wrong type (``None`` included, for a field that is not
+            optional); the message names the field and the value.
+        ValueError: a value out of range or not among a field's choices.
     """
 
-    block_size: int = attrs.field(default=16, validator=_optional_at_least(1))
-    num_blocks: int | None = attrs.field(default=None, validator=_optional_at_least(1))
+    block_size: int = attrs.field(default=16, validator=int_at_least(1))
+    num_blocks: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     kv_cache_memory: int | float | None = attrs.field(default=None, validator=_check_kv_memory)
-    max_num_batched_tokens: int = attrs.field(default=512, validator=_optional_at_least(1))
-    max_num_seqs: int = attrs.field(default=64, validator=_optional_at_least(1))
-    max_model_len: int | None = attrs.field(default=None, validator=_optional_at_least(2))
-    pipeline_depth: int = attrs.field(default=2, validator=_check_choice(1, 2))
+    max_num_batched_tokens: int = attrs.field(default=512, validator=int_at_least(1))
+    max_num_seqs: int = attrs.field(default=64, validator=int_at_least(1))
+    max_model_len: int | None = attrs.field(default=None, validator=int_at_least(2, optional=True))
+    pipeline_depth: int = attrs.field(default=2, validator=PIPELINE_DEPTH)
     shutdown: Literal["drain", "cancel"] = attrs.field(
-        default="drain", validator=_check_choice("drain", "cancel")
+        default="drain", validator=one_of("drain", "cancel")
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
-        default="auto", validator=_check_choice("auto", "float32", "bfloat16", "float16")
+        default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
-    torch_threads: int | None = attrs.field(default=None, validator=_optional_at_least(1))
+    torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))

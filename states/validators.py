@@ -191,7 +191,7 @@ def one_of(*choices: object, describe: str | None = None) -> Validator:
 
     def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if type(value) not in types:
-            raise TypeError(f"{attribute.name} must be {expected} ({rule}), got {_kind(value)}")
+            raise TypeError(f"{attribute.name} must be {expected}: {rule}, got {_kind(value)}")
         if value not in choices:
             raise ValueError(f"{attribute.name} must be {rule}, got {value!r}")
 
