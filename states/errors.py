@@ -21,18 +21,30 @@ class EngineError(Exception):
 
 
 class InvalidTransition(EngineError):
-    """An event was applied to a request whose status does not accept it.
+    """An event was applied to a request that may not take it; the request is unchanged.
 
-    The request is left exactly as it was.
+    Either the table of transitions has no row for the event in the request's status
+    (``"request 3: status DECODING does not accept event Admitted"``), or the status accepts
+    the event but its counts break a rule, which the message states
+    (``"request 3: ChunkScheduled(num_tokens=9) exceeds the 7 tokens left to compute"``).
+
+    Attributes:
+        request_id: The request.
+        status: Its status, unchanged.
+        event: The event refused.
+        rule: The count rule the event broke, or ``None`` for a table miss.
     """
 
-    def __init__(self, request_id: int, status: object, event: object) -> None:
+    def __init__(
+        self, request_id: int, status: object, event: object, rule: str | None = None
+    ) -> None:
         self.request_id = request_id
         self.status = status
         self.event = event
-        super().__init__(
-            f"request {request_id}: status {status} does not accept event {type(event).__name__}"
-        )
+        self.rule = rule
+        if rule is None:
+            rule = f"status {status} does not accept event {type(event).__name__}"
+        super().__init__(f"request {request_id}: {rule}")
 
 
 class RequestRejected(EngineError, ValueError):

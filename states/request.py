@@ -382,19 +382,29 @@ class Request:
 
     def _check(self, event: RequestEvent) -> None:
         """Reject an event that the table allows but the counts do not; change nothing."""
+        rule: str | None = None
         match event:
             case ChunkScheduled(num_tokens=n) | SampleScheduled(num_tokens=n):
-                end = self._num_computed_tokens + n
-                if n < 1 or end > self.num_tokens:
-                    raise InvalidTransition(self.request_id, self._status, event)
-                if isinstance(event, ChunkScheduled) == (end == self.num_tokens):
-                    # A chunk that reaches the end must sample; one that does not, must not.
-                    raise InvalidTransition(self.request_id, self._status, event)
-            case TokenSampled():
-                if self._num_placeholders < 1:
-                    raise InvalidTransition(self.request_id, self._status, event)
+                name = f"{type(event).__name__}(num_tokens={n})"
+                left = self.num_tokens - self._num_computed_tokens
+                if n < 1:
+                    rule = f"{name} must compute at least 1 token"
+                elif n > left:
+                    rule = f"{name} exceeds the {left} tokens left to compute"
+                # A chunk that reaches the end must sample; one that does not, must not.
+                elif isinstance(event, ChunkScheduled) and n == left:
+                    rule = f"{name} reaches the last of the {left} tokens left, so it must sample"
+                elif isinstance(event, SampleScheduled) and n < left:
+                    rule = f"{name} stops short of the {left} tokens left, so it may not sample"
+            case TokenSampled(token_id=token_id) if self._num_placeholders < 1:
+                rule = (
+                    f"TokenSampled(token_id={token_id}) has no placeholder to fill: "
+                    "no step in flight samples for this request"
+                )
             case _:
                 pass
+        if rule is not None:
+            raise InvalidTransition(self.request_id, self._status, event, rule)
 
     def _update(self, event: RequestEvent) -> None:
         match event:

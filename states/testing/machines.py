@@ -87,8 +87,9 @@ class RequestMachine(RuleBasedStateMachine):
     """Applies random events, legal and not, to one request and to a reference model.
 
     An event the reference rejects must raise ``InvalidTransition`` naming the status and
-    the event, and leave every observable field of the request unchanged; an event it
-    accepts must change the request exactly as it changes the model.
+    the event (a table miss) or the event's counts and the rule they break, and leave every
+    observable field of the request unchanged; an event it accepts must change the request
+    exactly as it changes the model.
 
     Class attributes to override in a subclass:
         reference_transitions: The table the model follows; by default a plain copy of
@@ -165,8 +166,15 @@ class RequestMachine(RuleBasedStateMachine):
             if target is not None:
                 raise SimulationError(f"{request!r} refused {event}, reference {target}") from error
             message = str(error)
-            expected = f"request {request.request_id}: status {model.status} does not accept"
-            if not message.startswith(expected) or type(event).__name__ not in message:
+            name = type(event).__name__
+            if type(event) in model.table[model.status]:
+                # The table takes the event: a count rule refused it, and the message says so.
+                expected = f"request {request.request_id}: {name}("
+                valid = error.rule is not None and message.startswith(expected)
+            else:
+                expected = f"request {request.request_id}: status {model.status} does not accept"
+                valid = error.rule is None and message == f"{expected} event {name}"
+            if not valid:
                 raise SimulationError(f"InvalidTransition message {message!r}") from error
             if (error.status, error.event) != (model.status, event):
                 raise SimulationError(f"it carries {error.status}, {error.event}") from error

@@ -198,31 +198,70 @@ def test_terminal_statuses_accept_nothing(status: RequestStatus, event: RequestE
 
 
 @pytest.mark.parametrize(
-    ("event", "why"),
+    ("event", "rule"),
     [
-        (ChunkScheduled(1, 0), "an empty chunk"),
-        (SampleScheduled(1, 0), "an empty sample"),
-        (ChunkScheduled(1, 4), "a chunk past the known tokens"),
-        (ChunkScheduled(1, 3), "a chunk that reaches the end must sample"),
-        (SampleScheduled(1, 2), "a sample short of the end"),
+        (ChunkScheduled(1, 0), "ChunkScheduled(num_tokens=0) must compute at least 1 token"),
+        (SampleScheduled(1, 0), "SampleScheduled(num_tokens=0) must compute at least 1 token"),
+        (ChunkScheduled(1, 4), "ChunkScheduled(num_tokens=4) exceeds the 3 tokens left to compute"),
+        (
+            SampleScheduled(1, 9),
+            "SampleScheduled(num_tokens=9) exceeds the 3 tokens left to compute",
+        ),
+        (
+            ChunkScheduled(1, 3),
+            "ChunkScheduled(num_tokens=3) reaches the last of the 3 tokens left, so it must sample",
+        ),
+        (
+            SampleScheduled(1, 2),
+            "SampleScheduled(num_tokens=2) stops short of the 3 tokens left, so it may not sample",
+        ),
     ],
 )
-def test_events_the_counts_do_not_allow_are_refused(event: RequestEvent, why: str) -> None:
+def test_events_the_counts_do_not_allow_are_refused_naming_the_rule(
+    event: RequestEvent, rule: str
+) -> None:
     request = new_request(prompt=3)
     request.apply(Admitted(1.0))
     before = state(request)
-    with pytest.raises(InvalidTransition, match="status PREFILLING does not accept"):
+    with pytest.raises(InvalidTransition, match=f"^{re.escape(f'request 7: {rule}')}$") as caught:
         request.apply(event)
-    assert state(request) == before, why
+    assert (caught.value.status, caught.value.event, caught.value.rule) == (
+        RequestStatus.PREFILLING,
+        event,
+        rule,
+    )
+    assert state(request) == before
+
+
+def test_the_count_rule_names_what_is_left_after_earlier_chunks() -> None:
+    request = new_request(prompt=10)
+    request.apply(Admitted(1.0))
+    request.apply(ChunkScheduled(0, 3))
+    message = "request 7: ChunkScheduled(num_tokens=9) exceeds the 7 tokens left to compute"
+    with pytest.raises(InvalidTransition, match=f"^{re.escape(message)}$"):
+        request.apply(ChunkScheduled(1, 9))
 
 
 def test_a_token_without_a_placeholder_is_refused() -> None:
     request = decoding()
     request.apply(TokenSampled(12, 3.0))
     before = state(request)
-    with pytest.raises(InvalidTransition, match="status DECODING does not accept event Token"):
+    message = (
+        "request 7: TokenSampled(token_id=13) has no placeholder to fill: "
+        "no step in flight samples for this request"
+    )
+    with pytest.raises(InvalidTransition, match=f"^{re.escape(message)}$") as caught:
         request.apply(TokenSampled(13, 4.0))
+    assert caught.value.rule is not None
     assert state(request) == before
+
+
+def test_a_table_miss_has_no_count_rule() -> None:
+    request = decoding()
+    message = "request 7: status DECODING does not accept event Admitted"
+    with pytest.raises(InvalidTransition, match=f"^{message}$") as caught:
+        request.apply(Admitted(5.0))
+    assert caught.value.rule is None
 
 
 # --- the lifecycle ------------------------------------------------------------------------------
