@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -104,7 +105,7 @@ async def test_a_streaming_victim_among_steady_arrivals_fails_alone(depth: int) 
                 handle = engine.submit(prompt, short_params)
                 prompts[handle.request_id] = (prompt, short_params)
                 task_group.start_soon(_collect, handle, outcomes)
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         stats = engine.statistics()
     assert stats.num_failed_steps == len(injector.failed_plans) == 1
     failed_ids = injector.failed_ids
@@ -289,7 +290,7 @@ async def test_two_failures_on_smollm2_fail_exactly_their_requests() -> None:
         async with anyio.create_task_group() as task_group:
             for prompt in prompts:
                 task_group.start_soon(_collect, engine.submit(prompt, params), outcomes)
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         stats = engine.statistics()
         alone = [(await engine.generate(prompt, params)).token_ids for prompt in prompts]
         await engine.wait_idle()
