@@ -1,11 +1,14 @@
-"""The ``twostroke`` command: generate, chat, and the demonstration ``make run`` shows."""
+"""The ``twostroke`` command: generate, chat, serve, and the demonstration ``make run`` shows."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -58,6 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="a few prompts generated concurrently, streamed")
     _sampling_arguments(demo)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--model", default=DEFAULT_MODEL, help="name, model directory or GGUF")
+    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    serve.add_argument("--served-model-name", default=None, help="default: --model as given")
+    serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves the whole network")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("TWOSTROKE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $TWOSTROKE_API_KEY)",
+    )
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
 
     from twostroke.engine.bench.runner import add_bench_arguments
 
@@ -141,6 +159,28 @@ async def _demo(args: argparse.Namespace) -> None:
     )
 
 
+async def _serve(args: argparse.Namespace) -> None:
+    from twostroke.engine.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    async with Engine.open(
+        args.model,
+        device=args.device,
+        model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    ) as engine:
+        async with anyio.create_task_group() as task_group:
+            port = await task_group.start(
+                partial(serve, engine, args.host, args.port, api_key=args.api_key, access_log=True)
+            )
+            print(
+                f"serving {engine.model_name!r} at http://{args.host}:{port}/v1 "
+                f"(backend {args.backend}; Ctrl-C stops)",
+                flush=True,
+            )
+
+
 def _bench(args: argparse.Namespace) -> int:
     from twostroke.engine.bench.runner import bench_command
     from twostroke.engine.bench.twostroke_driver import engine_drivers
@@ -155,6 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "serve":
+        try:
+            anyio.run(_serve, args, backend=args.backend)
+        except KeyboardInterrupt:
+            return 130
+        return 0
     command = {"generate": _generate, "chat": _chat, "demo": _demo}[args.command]
     try:
         anyio.run(command, args)

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible ASGI application over any engine surface.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Each endpoint is
+a plain ASGI callable (not a Starlette request/response function) because it must own the
+``receive`` channel once the body is read: that is where a client's disconnect arrives.
+
+With an API key, every route wants ``Authorization: Bearer <key>`` except ``/health`` and
+``/metrics``, which stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
+
+from twostroke.engine.errors import EngineError
+from twostroke.engine.server import protocol
+from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
+from twostroke.engine.server.generation import (
+    ChatFormat,
+    CompletionFormat,
+    Format,
+    Generation,
+)
+from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
+from twostroke.engine.surface import EngineSurface
+
+__all__ = ["KEEPALIVE_SECONDS", "build_app"]
+
+logger = logging.getLogger("twostroke.server")
+
+#: Seconds of silence on a stream before a keep-alive comment goes out.
+KEEPALIVE_SECONDS = 15.0
+
+_Handler = Callable[[Request, Receive, Send], Awaitable[None]]
+
+
+class _Endpoint:
+    """An ASGI endpoint: authentication, and any error turned into OpenAI's shape."""
+
+    def __init__(self, handler: _Handler, *, api_key: str | None) -> None:
+        self._handler = handler
+        self._api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        request = Request(scope, receive)
+        try:
+            self._authenticate(request)
+            await self._handler(request, receive, tracked_send)
+        except (ClientDisconnect, Disconnected):
+            return  # nobody is listening; the engine requests were settled by the handler
+        except Exception as exc:
+            error = api_error_from(exc)
+            if error.status >= 500 and not isinstance(exc, EngineError):
+                logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if not started:
+                await send_json(tracked_send, error.status, error.body())
+
+    def _authenticate(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self._api_key):
+            raise ApiError(
+                401,
+                "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.",
+                type="invalid_request_error",
+                code="invalid_api_key",
+            )
+
+
+class _OpenAI:
+    """The handlers, sharing one engine, its metrics and the keep-alive interval."""
+
+    def __init__(self, engine: EngineSurface, metrics: ServerMetrics, keepalive: float) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.keepalive = keepalive
+
+    async def completions(self, request: Request, receive: Receive, send: Send) -> None:
+        body = protocol.decode_body(await request.body(), protocol.CompletionRequest)
+        protocol.check_model(body.model, self.engine.model_name)
+        prompts = [
+            await self._tokenize(prompt, "prompt") for prompt in protocol.completion_prompts(body)
+        ]
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        self._check_length(prompts, max_tokens, "max_tokens")
+        params = protocol.choice_params(body, max_tokens=max_tokens)
+        fmt = CompletionFormat(self.engine, body.logprobs or 0)
+        await self._generate(fmt, prompts, params, body, receive, send)
+
+    async def chat(self, request: Request, receive: Receive, send: Send) -> None:
+        body = protocol.decode_body(await request.body(), protocol.ChatCompletionRequest)
+        protocol.check_model(body.model, self.engine.model_name)
+        prompt = await self._tokenize(protocol.chat_messages(body.messages), "messages")
+        field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        if max_tokens is None:  # as vLLM: whatever room the context leaves
+            max_tokens = max(self.engine.max_model_len - len(prompt), 1)
+        self._check_length([prompt], max_tokens, field)
+        params = protocol.choice_params(body, max_tokens=max_tokens)
+        fmt = ChatFormat(self.engine, body.top_logprobs or 0)
+        await self._generate(fmt, [prompt], params, body, receive, send)
+
+    async def _tokenize(self, prompt: Any, param: str) -> list[int]:
+        try:
+            return await self.engine.tokenize(prompt)
+        except (TypeError, ValueError) as exc:
+            raise invalid_request(str(exc), param=param) from None
+
+    def _check_length(self, prompts: list[list[int]], max_tokens: int, field: str) -> None:
+        limit = self.engine.max_model_len
+        for prompt in prompts:
+            if len(prompt) + max_tokens > limit:
+                raise invalid_request(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
+                    f"{max_tokens} for the completion). Please reduce the prompt or {field}.",
+                    param=field,
+                    code="context_length_exceeded",
+                )
+
+    async def _generate(
+        self,
+        fmt: Format,
+        prompts: list[list[int]],
+        params: list[Any],
+        body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        generation = Generation(self.engine, self.metrics, fmt, keepalive=self.keepalive)
+        try:
+            generation.submit(prompts, params)
+            if body.stream:
+                include_usage = body.stream_options is not None and (
+                    body.stream_options.include_usage
+                )
+                sender = EventSender(send)
+                await until_disconnect(
+                    receive, lambda: generation.stream(sender, include_usage=include_usage)
+                )
+                return
+            disconnected, outputs = await until_disconnect(receive, generation.collect)
+            if disconnected or outputs is None:
+                return
+            await send_json(send, 200, await generation.response(outputs))
+        finally:
+            await generation.settle()
+
+    async def models(self, request: Request, receive: Receive, send: Send) -> None:
+        model = {
+            "id": self.engine.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "twostroke",
+            "max_model_len": self.engine.max_model_len,
+        }
+        await send_json(send, 200, {"object": "list", "data": [model]})
+
+    async def health(self, request: Request, receive: Receive, send: Send) -> None:
+        self.engine.check_health()  # EngineDead / EngineClosed become a 503
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]}
+        )
+        await send({"type": "http.response.body", "body": b""})
+
+    async def prometheus(self, request: Request, receive: Receive, send: Send) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        await Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)(
+            request.scope, receive, send
+        )
+
+    async def tokenize(self, request: Request, receive: Receive, send: Send) -> None:
+        body = protocol.decode_body(await request.body(), protocol.TokenizeRequest)
+        protocol.check_model(body.model, self.engine.model_name)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid_request("pass exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            tokens = await self._tokenize(protocol.chat_messages(body.messages), "messages")
+        else:
+            tokens = await self._tokenize(body.prompt, "prompt")
+        reply = {"count": len(tokens), "max_model_len": self.engine.max_model_len,
+                 "tokens": tokens}  # fmt: skip
+        await send_json(send, 200, reply)
+
+    async def detokenize(self, request: Request, receive: Receive, send: Send) -> None:
+        body = protocol.decode_body(await request.body(), protocol.DetokenizeRequest)
+        protocol.check_model(body.model, self.engine.model_name)
+        try:
+            text = await self.engine.detokenize(body.tokens)
+        except (TypeError, ValueError) as exc:
+            raise invalid_request(str(exc), param="tokens") from None
+        await send_json(send, 200, {"prompt": text})
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
+    detail = exc.detail if isinstance(exc, HTTPException) else "Not Found"
+    error = ApiError(status, f"{detail}: {request.method} {request.url.path}",
+                     type="invalid_request_error")  # fmt: skip
+    return JSONResponse(error.body(), status_code=status)
+
+
+def build_app(
+    engine: EngineSurface,
+    *,
+    api_key: str | None = None,
+    keepalive: float = KEEPALIVE_SECONDS,
+) -> Starlette:
+    """The ASGI application serving ``engine`` with OpenAI's API.
+
+    The application does not own the engine: open it first and keep it open while the
+    application serves (:func:`~twostroke.engine.server.serve.serve` does both).
+
+    Args:
+        engine: An :class:`~twostroke.engine.surface.EngineSurface` (an ``Engine``, or a
+            coordinator over replicas).
+        api_key: If given, every route but ``/health`` and ``/metrics`` wants
+            ``Authorization: Bearer <api_key>``.
+        keepalive: Seconds of silence on a stream before a keep-alive comment.
+
+    Raises:
+        TypeError: ``engine`` lacks the engine surface, or ``api_key`` is not a string.
+        ValueError: ``api_key`` is empty or ``keepalive`` is not positive.
+    """
+    if not isinstance(engine, EngineSurface):
+        raise TypeError(f"engine must have the engine surface, got {type(engine).__name__}")
+    if api_key is not None and not isinstance(api_key, str):
+        raise TypeError(f"api_key must be a str or None, got {type(api_key).__name__}")
+    if api_key == "":
+        raise ValueError("api_key must not be empty, got ''")
+    if not keepalive > 0:
+        raise ValueError(f"keepalive must be > 0 seconds, got {keepalive}")
+    handlers = _OpenAI(engine, ServerMetrics(engine), keepalive)
+
+    def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
+        endpoint = _Endpoint(handler, api_key=api_key if secured else None)
+        return Route(path, endpoint, methods=[method])
+
+    app = Starlette(
+        routes=[
+            route("/v1/completions", handlers.completions, "POST"),
+            route("/v1/chat/completions", handlers.chat, "POST"),
+            route("/v1/models", handlers.models, "GET"),
+            route("/tokenize", handlers.tokenize, "POST"),
+            route("/detokenize", handlers.detokenize, "POST"),
+            route("/health", handlers.health, "GET", secured=False),
+            route("/metrics", handlers.prometheus, "GET", secured=False),
+        ],
+        exception_handlers={404: _not_found, 405: _not_found},
+    )
+    app.state.metrics = handlers.metrics
+    return app

@@ -1,0 +1,87 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure the server answers with is an :class:`ApiError`. The handlers raise it (or an
+engine error that :func:`api_error_from` maps to one), and the application turns it into a
+JSON body or, once a stream has started, into an SSE ``error`` event. The message never holds
+a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twostroke.engine.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineError,
+    RequestFailed,
+    RequestRejected,
+)
+
+__all__ = ["ApiError", "api_error_from", "invalid_request"]
+
+
+class ApiError(EngineError):
+    """An error response: HTTP status and OpenAI's error fields.
+
+    Args:
+        status: The HTTP status code.
+        message: What went wrong, for a person to read.
+        type: OpenAI's error type (``invalid_request_error``, ``server_error``, ...).
+        param: The request field at fault, if one is.
+        code: A machine-readable code (``context_length_exceeded``, ``model_not_found``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the response."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 ``invalid_request_error``."""
+    return ApiError(400, message, type="invalid_request_error", param=param, code=code)
+
+
+def api_error_from(exc: BaseException) -> ApiError:
+    """The response for an exception raised while serving a request.
+
+    Engine errors get their documented status (400 for a rejected request, 503 for a dead or
+    closed engine); anything else is a 500 that names only the exception's type.
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestRejected):
+        code = "context_length_exceeded" if "max_model_len" in str(exc) else "request_rejected"
+        return invalid_request(str(exc), code=code)
+    if isinstance(exc, EngineDead):
+        return ApiError(503, "the engine is dead", type="server_error", code="engine_dead")
+    if isinstance(exc, EngineClosed):
+        return ApiError(
+            503, "the engine is shutting down", type="server_error", code="engine_closed"
+        )
+    if isinstance(exc, RequestFailed):
+        return ApiError(500, "a step of this request failed", type="server_error")
+    return ApiError(500, f"internal server error ({type(exc).__name__})", type="server_error")

@@ -1,0 +1,332 @@
+"""Running one OpenAI request as engine requests: one per choice, collected or streamed.
+
+A completion with ``n`` choices over ``p`` prompts is ``n * p`` independent engine requests.
+Every one of them is *settled* when the HTTP request ends, however it ends: cancelled if it
+is still open, then awaited (under a shield, it ends within one step) so that its outcome is
+counted exactly once: finished (with its timings), aborted by the server, or failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import anyio
+import attrs
+
+from twostroke.engine.errors import EngineError, RequestCancelled
+from twostroke.engine.handle import RequestHandle
+from twostroke.engine.outputs import Delta, RequestOutput
+from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.engine.server.errors import ApiError, api_error_from
+from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.sse import Disconnected, EventSender
+from twostroke.engine.surface import EngineSurface
+from twostroke.states.params import SamplingParams
+
+__all__ = ["ChatFormat", "Choice", "CompletionFormat", "Generation"]
+
+logger = logging.getLogger("twostroke.server")
+
+
+@attrs.define(eq=False)
+class Choice:
+    """One engine request behind one choice of the response."""
+
+    index: int
+    prompt_index: int
+    handle: RequestHandle
+    num_tokens: int = 0  # output tokens delivered so far
+    text_offset: int = 0  # characters of text delivered so far (completion logprobs)
+
+
+class Format(Protocol):
+    """The JSON shapes of one endpoint (completions or chat)."""
+
+    object_name: str
+    chunk_object_name: str
+
+    def opening(self, index: int) -> dict[str, Any] | None: ...
+
+    def choice(
+        self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, chunk: bool
+    ) -> dict[str, Any]: ...
+
+    async def logprobs(
+        self, choice: Choice, entries: Sequence[TokenLogprobs], text: str
+    ) -> Any: ...
+
+
+class Generation:
+    """The engine requests of one HTTP request, and how to answer with them.
+
+    Args:
+        engine: The engine surface.
+        metrics: Where outcomes are counted.
+        fmt: The endpoint's JSON shapes.
+        keepalive: Seconds of silence on a stream before a keep-alive comment goes out.
+    """
+
+    def __init__(
+        self, engine: EngineSurface, metrics: ServerMetrics, fmt: Format, *, keepalive: float
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._fmt = fmt
+        self._keepalive = keepalive
+        self.choices: list[Choice] = []
+        self.num_prompt_tokens = 0
+        self.id = f"{'chatcmpl' if fmt.object_name == 'chat.completion' else 'cmpl'}-"
+        self.id += uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
+        """Submit every choice: ``len(params)`` per prompt, indexed prompt-major.
+
+        Raises:
+            RequestRejected, EngineDead, EngineClosed, TypeError, ValueError: from the
+            engine; choices already submitted stay in :attr:`choices` to be settled.
+        """
+        for prompt_index, prompt in enumerate(prompts):
+            self.num_prompt_tokens += len(prompt)
+            for choice_params in params:
+                handle = self._engine.submit(prompt, choice_params)
+                self._metrics.submitted(len(prompt))
+                self.choices.append(Choice(len(self.choices), prompt_index, handle))
+
+    async def settle(self) -> None:
+        """Cancel what is still open and count every outcome once. Shielded; always returns."""
+        with anyio.CancelScope(shield=True):
+            for choice in self.choices:
+                choice.handle.cancel()
+            for choice in self.choices:
+                try:
+                    output = await choice.handle.result()
+                except RequestCancelled:
+                    self._metrics.ended_early("abort", choice.num_tokens)
+                except EngineError:
+                    self._metrics.ended_early("error", choice.num_tokens)
+                else:
+                    self._metrics.finished(output)
+            self.choices = []
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        model = self._engine.model_name
+        return {"id": self.id, "object": obj, "created": self.created, "model": model,
+                "choices": choices}  # fmt: skip
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.num_prompt_tokens + completion_tokens,
+        }
+
+    # --- a complete response -----------------------------------------------------------
+
+    async def collect(self) -> list[RequestOutput]:
+        """Wait for every choice's output.
+
+        Raises:
+            RequestFailed, EngineDead, EngineClosed: a choice failed.
+        """
+        outputs = []
+        for choice in self.choices:
+            output = await choice.handle.result()
+            choice.num_tokens = len(output.token_ids)
+            outputs.append(output)
+        return outputs
+
+    async def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+        """The JSON body of a complete response."""
+        choices = []
+        for choice, output in zip(self.choices, outputs, strict=True):
+            logprobs = None
+            if output.logprobs is not None:
+                logprobs = await self._fmt.logprobs(choice, output.logprobs, output.text)
+            reason = str(output.finish_reason)
+            choices.append(self._fmt.choice(choice.index, output.text, logprobs, reason,
+                                            chunk=False))  # fmt: skip
+        body = self._envelope(self._fmt.object_name, choices)
+        body["usage"] = self._usage(sum(len(output.token_ids) for output in outputs))
+        return body
+
+    # --- a streamed response -----------------------------------------------------------
+
+    async def stream(self, sender: EventSender, *, include_usage: bool) -> None:
+        """Stream every choice as SSE chunks, then the usage chunk if asked, then ``[DONE]``.
+
+        An error after the stream started goes out as an ``error`` event before ``[DONE]``.
+
+        Raises:
+            Disconnected: a send to the client failed.
+        """
+        await sender.start()
+        usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
+        obj = self._fmt.chunk_object_name
+        for choice in self.choices:
+            opening = self._fmt.opening(choice.index)
+            if opening is not None:
+                await sender.data(self._envelope(obj, [opening]) | usage_field)
+        events, received = anyio.create_memory_object_stream[dict[str, Any] | ApiError](
+            len(self.choices)
+        )
+        failure: ApiError | None = None
+        disconnected = False
+        async with anyio.create_task_group() as task_group:
+            async with events:
+                for choice in self.choices:
+                    task_group.start_soon(self._pump, choice, events.clone())
+            async with received:
+                try:
+                    failure = await self._relay(sender, received, usage_field)
+                except Disconnected:  # raised below, outside the task group
+                    disconnected = True
+                task_group.cancel_scope.cancel()
+        if disconnected:
+            raise Disconnected
+        if failure is not None:
+            await sender.data(failure.body())
+        elif include_usage:
+            completion_tokens = sum(choice.num_tokens for choice in self.choices)
+            usage = self._envelope(obj, []) | {"usage": self._usage(completion_tokens)}
+            await sender.data(usage)
+        await sender.done()
+
+    async def _relay(
+        self, sender: EventSender, received: Any, usage_field: dict[str, Any]
+    ) -> ApiError | None:
+        """Send the pumps' chunks as they come, a keep-alive comment when none comes."""
+        obj = self._fmt.chunk_object_name
+        while True:
+            with anyio.move_on_after(self._keepalive) as timer:
+                try:
+                    item = await received.receive()
+                except anyio.EndOfStream:
+                    return None
+            if timer.cancelled_caught:
+                await sender.comment("keep-alive")
+            elif isinstance(item, ApiError):
+                return item
+            else:
+                await sender.data(self._envelope(obj, [item]) | usage_field)
+
+    async def _pump(self, choice: Choice, events: Any) -> None:
+        """Turn one choice's deltas into chunk payloads (or one ``ApiError``)."""
+        async with events:
+            last: float | None = None
+            try:
+                async for delta in choice.handle:
+                    now = anyio.current_time()
+                    if last is not None:
+                        self._metrics.streamed(now - last, len(delta.token_ids))
+                    last = now
+                    await events.send(await self._chunk(choice, delta))
+            except anyio.BrokenResourceError:
+                return  # the relay stopped: the stream is over
+            except Exception as exc:
+                if not isinstance(exc, EngineError):
+                    logger.exception("choice %d of %s failed", choice.index, self.id)
+                with contextlib.suppress(anyio.BrokenResourceError):
+                    await events.send(api_error_from(exc))
+
+    async def _chunk(self, choice: Choice, delta: Delta) -> dict[str, Any]:
+        choice.num_tokens += len(delta.token_ids)
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = await self._fmt.logprobs(choice, delta.logprobs, delta.text)
+        reason = None if delta.finish_reason is None else str(delta.finish_reason)
+        payload = self._fmt.choice(choice.index, delta.text, logprobs, reason, chunk=True)
+        choice.text_offset += len(delta.text)
+        return payload
+
+
+class _TokenTexts:
+    """Token ids to their text, through the engine (cached per response)."""
+
+    def __init__(self, engine: EngineSurface) -> None:
+        self._engine = engine
+        self._texts: dict[int, str] = {}
+
+    async def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = await self._engine.detokenize([token_id])
+        return text
+
+
+class CompletionFormat:
+    """``/v1/completions``: ``text`` choices, logprobs as four parallel lists."""
+
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, engine: EngineSurface, top_logprobs: int) -> None:
+        self._texts = _TokenTexts(engine)
+        self._top = top_logprobs
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def choice(
+        self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, chunk: bool
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}  # fmt: skip
+
+    async def logprobs(
+        self, choice: Choice, entries: Sequence[TokenLogprobs], text: str
+    ) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = choice.text_offset
+        for entry in entries:
+            token = await self._texts(entry.token_id)
+            tokens.append(token)
+            token_logprobs.append(entry.logprob)
+            tops.append({await self._texts(t): lp for t, lp in entry.top[: self._top]})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+
+class ChatFormat:
+    """``/v1/chat/completions``: ``message`` / ``delta`` choices, logprobs per token."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, engine: EngineSurface, top_logprobs: int) -> None:
+        self._texts = _TokenTexts(engine)
+        self._top = top_logprobs
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}  # fmt: skip
+
+    def choice(
+        self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, chunk: bool
+    ) -> dict[str, Any]:
+        if chunk:
+            content: dict[str, Any] = {"delta": {"content": text} if text else {}}
+        else:
+            content = {"message": {"role": "assistant", "content": text}}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    async def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = await self._texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    async def logprobs(
+        self, choice: Choice, entries: Sequence[TokenLogprobs], text: str
+    ) -> dict[str, Any]:
+        content = []
+        for entry in entries:
+            token = await self._token(entry.token_id, entry.logprob)
+            token["top_logprobs"] = [await self._token(t, lp) for t, lp in entry.top[: self._top]]
+            content.append(token)
+        return {"content": content, "refusal": None}

@@ -1,0 +1,154 @@
+"""Prometheus metrics with vLLM's names under a ``twostroke:`` prefix.
+
+A dashboard built for vLLM works after renaming ``vllm:`` to ``twostroke:``. The server keeps
+its own :class:`~prometheus_client.CollectorRegistry` (never the process-wide default), so two
+servers in one process do not collide. Gauges of the engine's state (running and waiting
+requests, KV usage) and its preemption counter are read from ``statistics()`` at scrape time;
+everything per request is recorded by the server as its requests end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.surface import EngineSurface
+
+__all__ = ["PREFIX", "ServerMetrics"]
+
+PREFIX = "twostroke:"
+
+# vLLM's buckets, so that histograms compare bucket for bucket.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+#: The ``finished_reason`` label values of ``request_success_total`` (vLLM's, plus ``error``).
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's gauges and its preemption count when Prometheus scrapes."""
+
+    def __init__(self, engine: EngineSurface) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.statistics()
+        labels = [self._engine.model_name]
+        families = (
+            (GaugeMetricFamily, "num_requests_running", "Requests computing now.",
+             stats.num_running),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests queued for admission.",
+             stats.num_waiting),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+             1 - stats.num_free_blocks / max(stats.num_blocks, 1)),
+            (CounterMetricFamily, "num_preemptions", "Times a request's KV was taken back.",
+             stats.num_preemptions),
+        )  # fmt: skip
+        for family, name, documentation, value in families:
+            metric = family(PREFIX + name, documentation, labels=["model_name"])
+            metric.add_metric(labels, value)
+            yield metric
+
+
+class ServerMetrics:
+    """The server's metrics and the registry that exposes them.
+
+    Args:
+        engine: The engine (or coordinator) served; read at scrape time.
+    """
+
+    def __init__(self, engine: EngineSurface) -> None:
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine))
+        name = engine.model_name
+        registry = self.registry
+
+        def counter(metric: str, documentation: str) -> prometheus_client.Counter:
+            return prometheus_client.Counter(
+                PREFIX + metric, documentation, ["model_name"], registry=registry
+            )
+
+        def histogram(
+            metric: str, documentation: str, buckets: tuple[float, ...]
+        ) -> prometheus_client.Histogram:
+            return prometheus_client.Histogram(
+                PREFIX + metric, documentation, ["model_name"], buckets=buckets, registry=registry
+            )
+
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests.").labels(name)
+        self._generation_tokens = counter("generation_tokens", "Output tokens delivered.").labels(
+            name
+        )
+        success = prometheus_client.Counter(
+            PREFIX + "request_success",
+            "Requests ended, by reason (abort: the client left; error: a step failed).",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self._finished = {reason: success.labels(name, reason) for reason in FINISHED_REASONS}
+        self._ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS
+        ).labels(name)
+        self._tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "(e2e - ttft) / (output tokens - 1), per request.",
+            _TOKEN_LATENCY_BUCKETS,
+        ).labels(name)
+        self._itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between successive streamed chunks, per token they carry.",
+            _TOKEN_LATENCY_BUCKETS,
+        ).labels(name)
+        self._e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_LATENCY_BUCKETS
+        ).labels(name)
+        self._queue = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_LATENCY_BUCKETS
+        ).labels(name)
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        return prometheus_client.generate_latest(self.registry)
+
+    def submitted(self, num_prompt_tokens: int) -> None:
+        self._prompt_tokens.inc(num_prompt_tokens)
+
+    def finished(self, output: RequestOutput) -> None:
+        """A request finished (``stop`` or ``length``): count it and its timings."""
+        self._finished[str(output.finish_reason)].inc()
+        self._generation_tokens.inc(len(output.token_ids))
+        metrics = output.metrics
+        self._e2e.observe(metrics.e2e)
+        if metrics.ttft is not None:
+            self._ttft.observe(metrics.ttft)
+        if metrics.tpot is not None:
+            self._tpot.observe(metrics.tpot)
+        if metrics.queue_time is not None:
+            self._queue.observe(metrics.queue_time)
+
+    def ended_early(self, reason: str, num_tokens_delivered: int) -> None:
+        """A request ended without output: ``abort`` (cancelled by the server) or ``error``."""
+        self._finished[reason].inc()
+        self._generation_tokens.inc(num_tokens_delivered)
+
+    def streamed(self, gap: float, num_tokens: int) -> None:
+        """A chunk of ``num_tokens`` tokens went out ``gap`` seconds after the previous one."""
+        if num_tokens > 0:
+            per_token = gap / num_tokens
+            for _ in range(num_tokens):
+                self._itl.observe(per_token)

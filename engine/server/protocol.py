@@ -1,0 +1,304 @@
+"""The OpenAI API's request bodies as typed values, and their translation to the engine's.
+
+Bodies are decoded by msgspec straight into the Structs below: a field of the wrong type is a
+400 that names the field, unknown fields are ignored (as OpenAI's clients expect). Values are
+then checked by :class:`~twostroke.states.params.SamplingParams` itself, whose messages name
+the field and the rule. Parameters the engine cannot honour are rejected with a 400 naming
+them rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from twostroke.engine.server.errors import ApiError, invalid_request
+from twostroke.states.params import MAX_LOGPROBS, SamplingParams
+
+__all__ = [
+    "MAX_N",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "chat_messages",
+    "check_model",
+    "choice_params",
+    "completion_prompts",
+    "decode_body",
+]
+
+#: The most choices (``n``) one request may ask for.
+MAX_N = 128
+_SEED_MODULUS = 2**63
+_T = TypeVar("_T")
+_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15  # the golden-ratio increment of splitmix64
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields that completions and chat completions share (vLLM's extras included)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None  # accepted and ignored, as OpenAI documents it
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools; ignored
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | list[Any] | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def decode_body(body: bytes, kind: type[_T]) -> _T:
+    """Decode and type-check a JSON request body.
+
+    Raises:
+        ApiError: 400 for malformed JSON or a field of the wrong type (``param`` names it).
+    """
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        match = _PATH.search(str(exc))
+        raise invalid_request(str(exc), param=match.group(1) if match else None) from None
+    except msgspec.DecodeError as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request: text, token ids, or a list of either.
+
+    Raises:
+        ApiError: 400 naming ``prompt`` for any other shape.
+    """
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(item, str) for item in prompt):
+        return list(prompt)
+    if prompt and all(_is_token_ids(item) for item in prompt):
+        return [list(item) for item in prompt]
+    if prompt and all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        return [list(prompt)]
+    raise invalid_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids, and must not be empty",
+        param="prompt",
+    )
+
+
+def _is_token_ids(item: object) -> bool:
+    return (
+        isinstance(item, list)
+        and bool(item)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in item)
+    )
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the engine's chat template takes them (text parts joined).
+
+    Raises:
+        ApiError: 400 naming ``messages`` for an empty list or a part that is not text.
+    """
+    if not messages:
+        raise invalid_request("messages must not be empty", param="messages")
+    converted = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise invalid_request(
+                        f"messages[{index}]: only text content parts are supported, "
+                        f"got type {part.type!r}",
+                        param="messages",
+                    )
+                texts.append(part.text)
+            text = "".join(texts)
+        converted.append({"role": message.role, "content": text})
+    return converted
+
+
+def choice_params(
+    request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int
+) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per choice (``n`` of them), seeds derived from ``seed``.
+
+    Choice 0 samples with ``seed`` itself; choice ``i`` with a seed derived from it, so that
+    the same request gives the same ``n`` answers and the answers differ from each other.
+
+    Raises:
+        ApiError: 400 naming the field for a value out of range or an unsupported parameter.
+    """
+    _reject_unsupported(request)
+    if not 1 <= request.n <= MAX_N:
+        raise invalid_request(f"n must be in [1, {MAX_N}], got {request.n}", param="n")
+    chat = isinstance(request, ChatCompletionRequest)
+    if isinstance(request, ChatCompletionRequest):
+        logprobs = _chat_logprobs(request)
+        max_tokens_field = "max_completion_tokens" if request.max_tokens is None else "max_tokens"
+    else:
+        logprobs = request.logprobs
+        max_tokens_field = "max_tokens"
+    renamed = {"logprobs": "top_logprobs" if chat else "logprobs", "max_tokens": max_tokens_field}
+    top_k = request.top_k
+    if top_k is not None and top_k in (-1, 0):  # vLLM's and OpenAI-style "disabled"
+        top_k = None
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "min_tokens": request.min_tokens,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_k": top_k,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "min_p": request.min_p,
+        "stop": () if request.stop is None else request.stop,
+        "stop_token_ids": request.stop_token_ids or (),
+        "ignore_eos": request.ignore_eos,
+        "repetition_penalty": request.repetition_penalty,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "logprobs": logprobs,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+    }
+    seeds = _choice_seeds(request.seed, request.n)
+    try:
+        return [SamplingParams(seed=seed, **fields) for seed in seeds]
+    except (TypeError, ValueError) as exc:
+        field = str(exc).split(" ", 1)[0]
+        param = renamed.get(field, field) if field in fields or field == "seed" else None
+        raise invalid_request(str(exc), param=param) from None
+
+
+def _choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    if seed is None:
+        return [None] * n
+    if not 0 <= seed < _SEED_MODULUS:
+        raise invalid_request(f"seed must be in [0, 2**63), got {seed}", param="seed")
+    return [(seed + index * _SEED_STRIDE) % _SEED_MODULUS for index in range(n)]
+
+
+def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise invalid_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    if not request.logprobs:
+        return None
+    top = request.top_logprobs or 0
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise invalid_request(
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs"
+        )
+    return top
+
+
+def _reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 for parameters that would change the answer but that the engine cannot honour."""
+    if request.logit_bias:
+        raise _unsupported("logit_bias")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise _unsupported("echo")
+        if request.suffix:
+            raise _unsupported("suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise _unsupported("best_of", "other than n")
+    else:
+        if request.tools:
+            raise _unsupported("tools")
+        if request.tool_choice not in (None, "none"):
+            raise _unsupported("tool_choice")
+        if request.response_format not in (None, {"type": "text"}):
+            raise _unsupported("response_format", "other than {'type': 'text'}")
+
+
+def _unsupported(param: str, detail: str = "") -> ApiError:
+    suffix = f" {detail}" if detail else ""
+    return invalid_request(f"{param}{suffix} is not supported by this server", param=param)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """Raise a 404 if the request names a model that this server does not serve."""
+    if requested is not None and requested != served:
+        raise ApiError(
+            404,
+            f"The model `{requested}` does not exist (this server serves `{served}`).",
+            type="invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
