@@ -447,3 +447,24 @@ def test_default_dtype_cpu_and_fake() -> None:
 def test_fast_bf16_detection(capability: str, flags: str, fast: bool) -> None:
     cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n"
     assert device_module._fast_bf16(capability, cpuinfo) is fast
+
+
+def test_the_host_devices_report_the_memory_the_host_has_free() -> None:
+    import os
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for device in (CpuDevice(), FakeDevice()):
+        free = device.free_memory()
+        assert 0 < free <= total
+
+
+def test_resolve_device_passes_devices_through_and_selects_kinds() -> None:
+    from twostroke.gpu.device import resolve_device
+
+    device = FakeDevice()
+    assert resolve_device(device) is device
+    assert isinstance(resolve_device("cpu"), CpuDevice)
+    with pytest.raises(ValueError, match="device kind must be one of"):
+        resolve_device("tpu")
+    with pytest.raises(TypeError, match="device must be a Device or one of 'auto'"):
+        resolve_device(3)
