@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 HYPOTHESIS_PROFILE ?= ci
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint typecheck venv clean bench bench-peers
+.PHONY: run test test-fast lint typecheck docs venv clean bench bench-peers
 
 venv: $(STAMP)
 
@@ -36,7 +36,13 @@ typecheck: $(STAMP)
 	ln -sfn ../../../engine build/typecheck/twostroke/engine
 	MYPYPATH=build/typecheck $(BIN)/mypy -p twostroke.states -p twostroke.gpu -p twostroke.engine
 
-test: lint typecheck
+# The documentation site (mkdocs.yml) into build/site: docs/*.md and an API reference from the
+# docstrings. It always builds with --strict, so a broken link, page or cross-reference fails;
+# `make test` runs it as its docs check, once, rather than a pytest test building it again.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+test: lint typecheck docs
 	$(BIN)/python -m pytest --hypothesis-profile=$(HYPOTHESIS_PROFILE)
 
 test-fast: $(STAMP)
