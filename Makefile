@@ -24,8 +24,8 @@ run: $(STAMP)
 	$(BIN)/twostroke demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine states gpu tests
-	$(BIN)/ruff format --check engine states gpu tests
+	$(BIN)/ruff check engine states gpu tests docs/_ext
+	$(BIN)/ruff format --check engine states gpu tests docs/_ext
 
 # mypy cannot follow setuptools' editable import hook, so it reads the sources through a
 # tree of links laid out as the wheel installs them (twostroke/{states,gpu,engine}).
@@ -35,6 +35,7 @@ typecheck: $(STAMP)
 	ln -sfn ../../../gpu build/typecheck/twostroke/gpu
 	ln -sfn ../../../engine build/typecheck/twostroke/engine
 	MYPYPATH=build/typecheck $(BIN)/mypy -p twostroke.states -p twostroke.gpu -p twostroke.engine
+	$(BIN)/mypy docs/_ext
 
 # The documentation site (mkdocs.yml) into build/site: docs/*.md and an API reference from the
 # docstrings. It always builds with --strict, so a broken link, page or cross-reference fails;

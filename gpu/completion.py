@@ -1,7 +1,7 @@
 """Completions: the awaitable result of one step launched on a device.
 
 The forward stroke launches a step and sends its :class:`Completion` to the bookkeeping stroke
-at once; bookkeeping ``await``\\ s it. On CUDA the step is a queue of kernels ending in a recorded
+at once; bookkeeping awaits it. On CUDA the step is a queue of kernels ending in a recorded
 event, on the CPU it is work a worker thread already finished, in tests it is a deadline in
 virtual time. All three hand over a :class:`Launched` (an event to query and a ``readback`` for
 the result), so one awaitable serves them all.
