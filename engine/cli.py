@@ -196,11 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args)
     if args.command == "serve":
+        interrupted = False
         try:
             anyio.run(_serve, args, backend=args.backend)
-        except KeyboardInterrupt:
-            return 130
-        return 0
+        except* KeyboardInterrupt:  # trio delivers it through the task groups
+            interrupted = True
+        return 130 if interrupted else 0
     command = {"generate": _generate, "chat": _chat, "demo": _demo}[args.command]
     try:
         anyio.run(command, args)
