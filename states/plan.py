@@ -11,12 +11,9 @@ import attrs
 
 from twostroke.states.params import SamplingParams
 from twostroke.states.request import FinishReason
+from twostroke.states.validators import frozen_mapping
 
 __all__ = ["ScheduledRequest", "StepFailure", "StepOutcome", "StepPlan", "StepReport"]
-
-
-def _frozen_mapping(value: Mapping[int, int]) -> Mapping[int, int]:
-    return dict(value)
 
 
 @attrs.frozen
@@ -99,10 +96,14 @@ class StepPlan:
 
 @attrs.frozen
 class StepOutcome:
-    """A completed step: the token sampled for each request that sampled."""
+    """A completed step: the token sampled for each request that sampled.
+
+    ``sampled`` is a read-only copy of the mapping given (assigning to it raises
+    ``TypeError``).
+    """
 
     step_id: int
-    sampled: Mapping[int, int] = attrs.field(converter=_frozen_mapping)
+    sampled: Mapping[int, int] = attrs.field(converter=frozen_mapping)
 
 
 @attrs.frozen

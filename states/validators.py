@@ -9,13 +9,15 @@ Python says it is: ``max_num_seqs=True`` is a mistake, not a one.
 The attrs validators (:func:`int_at_least`, :func:`int_in`, :func:`number_in`,
 :func:`one_of`, :func:`boolean`) take ``(instance, attribute, value)``; the plain checks
 (:func:`check_int`, :func:`check_number`, :func:`check_int_at_least`) take the field's name,
-for values that are not attrs fields. ``gpu/`` keeps its own: it may not import ``states/``.
+for values that are not attrs fields. :func:`frozen_mapping` is the converter that makes a
+mapping field of a frozen value read-only. ``gpu/`` keeps its own: it may not import ``states/``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -27,6 +29,7 @@ __all__ = [
     "check_int",
     "check_int_at_least",
     "check_number",
+    "frozen_mapping",
     "int_at_least",
     "int_in",
     "number_in",
@@ -210,3 +213,14 @@ def boolean(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
 
 #: ``pipeline_depth`` of the scheduler and of the engine: how many steps may be in flight.
 PIPELINE_DEPTH = one_of(1, 2, describe="1 (serial) or 2 (lookahead)")
+
+
+def frozen_mapping(value: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """An attrs converter: a read-only copy of ``value``.
+
+    A frozen attrs class only stops rebinding its fields; a ``dict`` field would still change
+    under whoever holds the value. The copy means the caller's own dict can change later
+    without reaching in, and the proxy raises ``TypeError`` on any assignment. (Not generic:
+    mypy's attrs plugin rejects a generic converter; the field's annotation keeps the types.)
+    """
+    return types.MappingProxyType(dict(value))

@@ -20,6 +20,7 @@ import attrs
 
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import StepPlan
+from twostroke.states.validators import frozen_mapping
 
 __all__ = ["ModelRunner", "RunnerOutput", "TokenLogprobs"]
 
@@ -42,11 +43,13 @@ class RunnerOutput:
         sampled: The sampled token id for every request of the plan that sampled.
         logprobs: For requests that asked for logprobs, the chosen token's and the top
             alternatives' log-probabilities.
+
+    Both mappings are read-only copies of those given (assigning raises ``TypeError``).
     """
 
     step_id: int
-    sampled: Mapping[int, int]
-    logprobs: Mapping[int, TokenLogprobs] = attrs.field(factory=dict)
+    sampled: Mapping[int, int] = attrs.field(converter=frozen_mapping)
+    logprobs: Mapping[int, TokenLogprobs] = attrs.field(factory=dict, converter=frozen_mapping)
 
 
 class ModelRunner(Protocol):
