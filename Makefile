@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 HYPOTHESIS_PROFILE ?= ci
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint typecheck docs venv clean bench bench-peers
+.PHONY: run test test-fast lint typecheck docs venv clean bench bench-peers mutate
 
 venv: $(STAMP)
 
@@ -46,6 +46,11 @@ docs: $(STAMP)
 test: lint typecheck docs
 	$(BIN)/python -m pytest --hypothesis-profile=$(HYPOTHESIS_PROFILE)
 
+# Mutation testing of the states/ core against tests/states (scripts/mutate.sh; slow, so not
+# part of `make test`). Fails when fewer than 95% of the mutants are killed.
+mutate: $(STAMP)
+	scripts/mutate.sh
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" --hypothesis-profile=default
 
@@ -58,4 +63,4 @@ bench-peers:
 	bash scripts/setup_vllm_peer.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .coverage

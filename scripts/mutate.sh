@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# `make mutate`: mutation testing of the states/ core with mutmut 3 (docs/testing.md,
+# "Mutation testing").
+#
+# Why this staging tree: mutmut copies the sources to mutants/ and puts mutants/ first on
+# sys.path, but it names each mutant after the file's path. Our editable install maps
+# twostroke.states to states/, so mutating states/ in place would give mutants named
+# states.scheduler... that the tests (importing twostroke.states.scheduler) never switch on,
+# and the installed, unmutated states/ would still be imported. So mutmut runs in
+# build/mutate, a copy laid out as the wheel installs it (twostroke/states/...): the mutant
+# names match the imported modules, and mutants/twostroke/states shadows the editable install
+# (a path entry is searched before setuptools' editable finder). cosmic-ray mutates in place
+# and needs none of this, but it restarts pytest and reruns the whole suite per mutant
+# (hours on two cores); mutmut forks a warm process and runs only the tests that reach the
+# mutated function.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+python="${PYTHON:-$root/.venv/bin/python}"
+stage="$root/build/mutate"
+children="${MUTATE_CHILDREN:-2}"
+
+rm -rf "$stage"
+mkdir -p "$stage/twostroke" "$stage/tests" "$stage/docs"
+cp -r "$root/states" "$stage/twostroke/states"
+cp "$root/tests/__init__.py" "$root/tests/conftest.py" "$stage/tests/"
+cp -r "$root/tests/states" "$stage/tests/states"
+# test_request.py checks that docs/states.md shows the diagram drawn from the code.
+cp "$root/docs/states.md" "$stage/docs/"
+cp "$root/pyproject.toml" "$stage/"
+cp "$root/scripts/mutmut_conftest.py" "$stage/conftest.py"
+cp "$root/scripts/mutmut_preload.txt" "$stage/"
+find "$stage" -name __pycache__ -prune -exec rm -rf {} +
+
+cd "$stage"
+start=$(date +%s)
+# mutmut exits 0 whatever survived; the gate is the kill ratio, checked below.
+"$python" -m mutmut run --max-children "$children"
+end=$(date +%s)
+"$python" -m mutmut results --all true > results.txt
+"$python" - "$((end - start))" <<'PY'
+import collections, re, sys
+
+counts = collections.Counter()
+survivors = []
+for line in open("results.txt", encoding="utf-8"):
+    match = re.match(r"\s*(\S+): (.+)$", line)
+    if match:
+        counts[match[2]] += 1
+        if match[2] != "killed":
+            survivors.append(line.strip())
+total = sum(counts.values())
+killed = counts["killed"]
+print(f"{total} mutants in {sys.argv[1]} s: " + ", ".join(f"{n} {k}" for k, n in counts.most_common()))
+print("\n".join(survivors))
+ratio = killed / total if total else 0.0
+print(f"killed {killed}/{total} = {ratio:.1%} (gate: 95%)")
+sys.exit(0 if ratio >= 0.95 else 1)
+PY
