@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -197,8 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "serve":
         interrupted = False
+        options = {}
+        if args.backend == "asyncio" and importlib.util.find_spec("uvloop") is not None:
+            options["use_uvloop"] = True
         try:
-            anyio.run(_serve, args, backend=args.backend)
+            anyio.run(_serve, args, backend=args.backend, backend_options=options)
         except* KeyboardInterrupt:  # trio delivers it through the task groups
             interrupted = True
         return 130 if interrupted else 0

@@ -241,9 +241,12 @@ def choice_params(
     try:
         return [SamplingParams(seed=seed, **fields) for seed in seeds]
     except (TypeError, ValueError) as exc:
-        field = str(exc).split(" ", 1)[0]
-        param = renamed.get(field, field) if field in fields or field == "seed" else None
-        raise invalid_request(str(exc), param=param) from None
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        if field not in fields:
+            raise invalid_request(message) from None
+        param = renamed.get(field, field)
+        raise invalid_request(param + message[len(field) :], param=param) from None
 
 
 def _choice_seeds(seed: int | None, n: int) -> list[int | None]:

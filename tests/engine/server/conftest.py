@@ -139,7 +139,9 @@ async def served(
     When the block ends normally the engine must be idle with every KV block free.
     """
     engine_context = (
-        Engine.open(runner=runner, tokenizer=ByteTokenizer(), device="cpu", **config)
+        Engine.open(
+            runner=runner, tokenizer=ByteTokenizer(), device="cpu", model_name="toy", **config
+        )
         if runner is not None
         else Engine.open(model="toy", device="cpu", **config)
     )
