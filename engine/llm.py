@@ -17,11 +17,15 @@ import anyio.from_thread
 
 from twostroke.engine.engine import Engine, EngineStatistics
 from twostroke.engine.errors import EngineClosed
+from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.text.prompts import Prompt
+from twostroke.states.errors import EngineError
 from twostroke.states.params import SamplingParams
 
 __all__ = ["LLM"]
+
+_BACKENDS = ("asyncio", "trio")
 
 
 class LLM:
@@ -33,6 +37,10 @@ class LLM:
         **engine_options: Passed to :meth:`Engine.open`.
 
     Use it as a context manager, or call :meth:`close` when done.
+
+    Raises:
+        TypeError, ValueError: ``backend`` is not ``"asyncio"`` or ``"trio"``; errors of
+            :meth:`Engine.open` otherwise.
     """
 
     def __init__(
@@ -42,6 +50,13 @@ class LLM:
         backend: Literal["asyncio", "trio"] = "asyncio",
         **engine_options: Any,
     ) -> None:
+        accepted = ", ".join(map(repr, _BACKENDS))
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"backend must be one of {accepted}, got {type(backend).__name__} {backend!r}"
+            )
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {accepted}, got {backend!r}")
         self._stack = contextlib.ExitStack()
         self._closed = False
         try:
@@ -71,8 +86,12 @@ class LLM:
 
         Raises:
             EngineClosed: :meth:`close` was called.
+            TypeError: an entry of ``params`` is not ``SamplingParams`` (or ``None``).
             ValueError: ``params`` and ``prompts`` differ in length. Errors of
-                :meth:`Engine.generate` otherwise; a bad prompt fails before anything runs.
+                :meth:`Engine.generate` otherwise (a note names the prompt's index).
+
+        Every prompt is checked before any is queued, and a batch that fails queues
+        nothing: a bad prompt anywhere in the list fails before anything runs.
         """
         if self._closed:
             raise EngineClosed("this LLM is closed: create a new one")
@@ -90,6 +109,12 @@ class LLM:
                     f"params must be one SamplingParams or one per prompt: got {len(per_prompt)} "
                     f"for {len(batch)} prompts"
                 )
+            for index, entry in enumerate(per_prompt):
+                if entry is not None and not isinstance(entry, SamplingParams):
+                    raise TypeError(
+                        f"params[{index}] must be SamplingParams or None, "
+                        f"got {type(entry).__name__} {entry!r}"
+                    )
         return self._portal.call(self._generate_all, batch, per_prompt, progress)
 
     async def _generate_all(
@@ -98,7 +123,32 @@ class LLM:
         params: list[SamplingParams | None],
         show_progress: bool,
     ) -> list[RequestOutput]:
-        handles = [self._engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        # Tokenize every prompt first: a bad one raises before any request exists.
+        token_ids: list[list[int]] = []
+        for index, prompt in enumerate(prompts):
+            try:
+                token_ids.append(await self._engine.tokenize(prompt))
+            except Exception as exc:
+                exc.add_note(f"(prompts[{index}] of the batch; nothing was queued)")
+                raise
+        # Then queue them all in one synchronous run: no step can start in between, so if
+        # the engine rejects one (too long for the context or the KV pool), cancelling
+        # those already queued leaves no trace of the batch.
+        handles: list[RequestHandle] = []
+        for index, (ids, request_params) in enumerate(zip(token_ids, params, strict=True)):
+            try:
+                handles.append(self._engine.submit(ids, request_params))
+            except Exception as exc:
+                for handle in handles:
+                    handle.cancel()
+                # Wait for the engine to apply the cancellations (at its next step boundary,
+                # before it plans again), so the batch has left no trace when this raises.
+                with anyio.CancelScope(shield=True):
+                    for handle in handles:
+                        with contextlib.suppress(EngineError):  # cancelled, or the engine ended
+                            await handle.result()
+                exc.add_note(f"(prompts[{index}] of the batch; nothing was run)")
+                raise
         results: list[RequestOutput | None] = [None] * len(handles)
         from rich.progress import Progress
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
+from twostroke.engine.text.chat import validate_messages
 from twostroke.gpu.completion import Launched, ReadyEvent
 from twostroke.states.plan import StepPlan
 from twostroke.states.simulation import SimulatedKV, toy_next_token
@@ -51,7 +52,14 @@ class ByteTokenizer:
         return bytes(i for i in token_ids if i < EOS_TOKEN_ID).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        """Bytes of ``<role>content`` lines, then ``<assistant>`` (a template of its own).
+
+        Raises:
+            TypeError, ValueError: ``messages`` is malformed; the same check as the real
+                tokenizer's (:func:`~twostroke.engine.text.chat.validate_messages`).
+        """
+        conversation = validate_messages(messages)
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in conversation) + "<assistant>"
         return self.encode(text)
 
 

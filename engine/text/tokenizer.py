@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
+from twostroke.engine.text.chat import validate_messages
 from twostroke.states.errors import EngineError
 
 if TYPE_CHECKING:
@@ -31,14 +32,12 @@ __all__ = [
     "HFTokenizer",
     "Tokenizer",
     "TokenizerLoadError",
-    "validate_messages",
 ]
 
 _GGUF_MAGIC = b"GGUF"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _GENERATION_CONFIG = "generation_config.json"
 _CACHED_TOKENIZER = "tokenizer"
-_MESSAGE_KEYS = frozenset({"role", "content"})
 
 
 class TokenizerLoadError(EngineError):
@@ -89,64 +88,6 @@ class Tokenizer(Protocol):
         The rendering ends with the generation prompt (the assistant turn's header).
         """
         ...
-
-
-def validate_messages(messages: object) -> list[dict[str, str]]:
-    """Check that ``messages`` is a non-empty list of ``{"role": str, "content": str}``.
-
-    Shared by every :class:`Tokenizer` so that a malformed conversation fails the same way,
-    with the index of the bad message, whatever the model; a chat template would otherwise
-    fail inside Jinja with a message about the template rather than the input.
-
-    Args:
-        messages: The conversation, oldest message first.
-
-    Returns:
-        A copy of the messages as plain dicts, ready for a chat template.
-
-    Raises:
-        TypeError: ``messages`` is not a sequence of mappings, or a role or content is not a
-            string.
-        ValueError: ``messages`` is empty, a message lacks ``role`` or ``content`` or has
-            other keys, or a role is empty.
-    """
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-        raise TypeError(
-            f"messages must be a sequence of {{'role': str, 'content': str}} mappings, "
-            f"got {type(messages).__name__}"
-        )
-    if not messages:
-        raise ValueError("messages must contain at least one message, got an empty sequence")
-    checked: list[dict[str, str]] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise TypeError(
-                f"messages[{index}] must be a mapping with 'role' and 'content', "
-                f"got {type(message).__name__}"
-            )
-        missing = sorted(map(repr, _MESSAGE_KEYS - message.keys()))
-        if missing:
-            raise ValueError(
-                f"messages[{index}] must have keys 'role' and 'content', "
-                f"missing {', '.join(missing)}"
-            )
-        extra = sorted(map(repr, message.keys() - _MESSAGE_KEYS))
-        if extra:
-            raise ValueError(
-                f"messages[{index}] may have only keys 'role' and 'content', got also "
-                f"{', '.join(extra)}"
-            )
-        role, content = message["role"], message["content"]
-        if not isinstance(role, str):
-            raise TypeError(f"messages[{index}]['role'] must be a str, got {type(role).__name__}")
-        if not isinstance(content, str):
-            raise TypeError(
-                f"messages[{index}]['content'] must be a str, got {type(content).__name__}"
-            )
-        if not role:
-            raise ValueError(f"messages[{index}]['role'] must be non-empty, got ''")
-        checked.append({"role": role, "content": content})
-    return checked
 
 
 class HFTokenizer:
@@ -278,7 +219,8 @@ class HFTokenizer:
             The prompt's token ids.
 
         Raises:
-            TypeError, ValueError: ``messages`` is malformed (see :func:`validate_messages`).
+            TypeError, ValueError: ``messages`` is malformed (see
+                :func:`~twostroke.engine.text.chat.validate_messages`).
             ChatTemplateError: the model has no chat template, or the template rejected the
                 conversation (for example roles that do not alternate).
         """

@@ -16,6 +16,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from tests.engine.text.test_chat import MALFORMED
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.tokenizer import (
@@ -23,7 +24,6 @@ from twostroke.engine.text.tokenizer import (
     HFTokenizer,
     Tokenizer,
     TokenizerLoadError,
-    validate_messages,
 )
 from twostroke.states.errors import EngineError
 
@@ -205,64 +205,13 @@ def test_a_chat_template_that_rejects_the_messages(
     )
 
 
-@pytest.mark.parametrize(
-    ("messages", "error", "message"),
-    [
-        (
-            "hello",
-            TypeError,
-            "messages must be a sequence of {'role': str, 'content': str} mappings, got str",
-        ),
-        ([], ValueError, "messages must contain at least one message, got an empty sequence"),
-        (
-            [{"role": "user", "content": "a"}, ("user", "b")],
-            TypeError,
-            "messages[1] must be a mapping with 'role' and 'content', got tuple",
-        ),
-        (
-            [{"role": "user"}],
-            ValueError,
-            "messages[0] must have keys 'role' and 'content', missing 'content'",
-        ),
-        (
-            [{"content": "x", "role": "user", "name": "bob"}],
-            ValueError,
-            "messages[0] may have only keys 'role' and 'content', got also 'name'",
-        ),
-        (
-            [{"role": "user", "content": 7}],
-            TypeError,
-            "messages[0]['content'] must be a str, got int",
-        ),
-        (
-            [{"role": None, "content": "x"}],
-            TypeError,
-            "messages[0]['role'] must be a str, got NoneType",
-        ),
-        (
-            [{"role": "", "content": "x"}],
-            ValueError,
-            "messages[0]['role'] must be non-empty, got ''",
-        ),
-    ],
-)
-def test_malformed_messages_are_rejected(
+@pytest.mark.parametrize(("messages", "error", "message"), MALFORMED)
+def test_malformed_messages_are_rejected_as_by_the_toy_tokenizer(
     tokenizer: HFTokenizer, messages: Any, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error) as caught:
         tokenizer.apply_chat_template(messages)
     assert str(caught.value) == message
-    with pytest.raises(error):
-        validate_messages(messages)
-
-
-def test_validate_messages_returns_plain_dicts() -> None:
-    class Message(dict[str, str]):
-        pass
-
-    checked = validate_messages((Message(role="user", content="hi"),))
-    assert checked == [{"role": "user", "content": "hi"}]
-    assert type(checked) is list and type(checked[0]) is dict
 
 
 # --- loading errors -------------------------------------------------------------------------
