@@ -3,10 +3,10 @@
 The sources cross-reference in Sphinx's syntax (``:class:`~twostroke.gpu.device.Device```,
 ``:meth:`submit```), which Markdown would print as is. Before mkdocstrings renders a
 docstring, this extension resolves each role's target the way Python would read the name
-where the docstring stands (the object's members, its module's imports, its parents), with
-two rules of Sphinx's: ``.name`` is relative to the module, and a bare method name in a
-module docstring means the one class of the module that has it. It then writes a link to the
-page that documents the target. A target that exists but that no page renders (a private
+where the docstring stands (the object's members, its module's imports, its parents).
+As in Sphinx, ``.name`` is looked up from the module outwards; a bare method name in a
+module docstring means the one class of the module that has it. It then writes a link to
+the page that documents the target. A target that exists but that no page renders (a private
 helper, a runner's internals, torch) stays code without a link; a target that resolves to
 nothing is a broken reference and is logged as a warning, which ``mkdocs build --strict``
 turns into a failure.
@@ -51,8 +51,10 @@ def _resolve(obj: griffe.Object, target: str) -> str | None:
     head, _, rest = target.partition(".")
     if head == "twostroke":
         path = target
-    elif not head:  # Sphinx's ".name": relative to the current module.
-        path = obj.module.path + target
+    elif not head:  # Sphinx's ".name": the module's, else the nearest enclosing package's.
+        scope = obj.module.path.split(".")
+        candidates = [".".join(scope[:end]) + target for end in range(len(scope), 0, -1)]
+        return next((c for c in candidates if _lookup(obj.modules_collection, c)), None)
     else:
         try:
             base = obj.resolve(head)
