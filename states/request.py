@@ -38,6 +38,7 @@ __all__ = [
     "FinishReason",
     "Finished",
     "Preempted",
+    "PrefixCacheHit",
     "Request",
     "RequestEvent",
     "RequestStatus",
@@ -90,6 +91,19 @@ class BlocksAllocated:
     """KV blocks were appended to the request's block table."""
 
     block_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class PrefixCacheHit:
+    """At admission, the KV of the first ``num_tokens`` positions was found in the cache.
+
+    ``block_ids`` (shared with other requests or taken back from the cache) start the
+    empty block table, and the computed count starts after them, so no step computes them.
+    The first admission's hit is the request's ``num_cached_tokens``.
+    """
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
 
 
 @attrs.frozen
@@ -155,6 +169,7 @@ class Failed:
 
 RequestEvent = (
     Admitted
+    | PrefixCacheHit
     | BlocksAllocated
     | ChunkScheduled
     | SampleScheduled
@@ -179,7 +194,14 @@ _ENDINGS: dict[type[RequestEvent], RequestStatus] = {
 #: Every legal transition: ``TRANSITIONS[status][type(event)]`` is the next status.
 TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] = {
     _W: {Admitted: _P, **_ENDINGS},
-    _P: {BlocksAllocated: _P, ChunkScheduled: _P, SampleScheduled: _D, Preempted: _X, **_ENDINGS},
+    _P: {
+        PrefixCacheHit: _P,
+        BlocksAllocated: _P,
+        ChunkScheduled: _P,
+        SampleScheduled: _D,
+        Preempted: _X,
+        **_ENDINGS,
+    },
     _D: {
         BlocksAllocated: _D,
         SampleScheduled: _D,
@@ -251,6 +273,7 @@ class Request:
     _output_token_ids: list[int] = attrs.field(factory=list, init=False)
     _block_table: list[int] = attrs.field(factory=list, init=False)
     _num_computed_tokens: int = attrs.field(default=0, init=False)
+    _num_cached_tokens: int = attrs.field(default=0, init=False)
     _num_placeholders: int = attrs.field(default=0, init=False)
     _finish_reason: FinishReason | None = attrs.field(default=None, init=False)
     _failure: str | None = attrs.field(default=None, init=False)
@@ -306,6 +329,11 @@ class Request:
     def num_computed_tokens(self) -> int:
         """Positions whose KV is written, or will be by a step already planned."""
         return self._num_computed_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt positions whose KV its first admission found in the prefix cache."""
+        return self._num_cached_tokens
 
     @property
     def num_generated_tokens(self) -> int:
@@ -396,6 +424,15 @@ class Request:
                     rule = f"{name} reaches the last of the {left} tokens left, so it must sample"
                 elif isinstance(event, SampleScheduled) and n < left:
                     rule = f"{name} stops short of the {left} tokens left, so it may not sample"
+            case PrefixCacheHit(block_ids=block_ids, num_tokens=n):
+                name = f"PrefixCacheHit(num_tokens={n})"
+                if self._block_table or self._num_computed_tokens:
+                    rule = f"{name} must come first: the request already holds blocks"
+                elif not block_ids or not 0 < n < self.num_tokens:
+                    rule = (
+                        f"{name} must cover at least one block and leave at least one of "
+                        f"the {self.num_tokens} tokens to compute"
+                    )
             case TokenSampled(token_id=token_id) if self._num_placeholders < 1:
                 rule = (
                     f"TokenSampled(token_id={token_id}) has no placeholder to fill: "
@@ -411,6 +448,11 @@ class Request:
             case Admitted(time=time):
                 if self._first_scheduled_time is None:
                     self._first_scheduled_time = time
+            case PrefixCacheHit(block_ids=block_ids, num_tokens=n):
+                self._block_table.extend(block_ids)
+                self._num_computed_tokens = n
+                if not self._num_preemptions:
+                    self._num_cached_tokens = n
             case BlocksAllocated(block_ids=block_ids):
                 self._block_table.extend(block_ids)
             case ChunkScheduled(num_tokens=n):

@@ -31,6 +31,7 @@ import attrs
 from twostroke.states.blocks import BlockPool, blocks_for
 from twostroke.states.errors import RequestRejected, SchedulerError
 from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome, StepPlan, StepReport
+from twostroke.states.prefix_cache import PrefixCache
 from twostroke.states.request import (
     Admitted,
     BlocksAllocated,
@@ -46,7 +47,7 @@ from twostroke.states.request import (
     SampleScheduled,
     TokenSampled,
 )
-from twostroke.states.validators import PIPELINE_DEPTH, int_at_least
+from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics"]
 
@@ -63,6 +64,8 @@ class SchedulerConfig:
         max_model_len: The model's context: prompt plus output may not exceed it.
         pipeline_depth: Steps in flight at once: 1 plans after each outcome, 2 plans one
             step ahead.
+        enable_prefix_caching: Keep the KV of full blocks after their requests end, and
+            let a request whose prompt starts with the same tokens skip computing them.
     """
 
     num_blocks: int = attrs.field(validator=int_at_least(1))
@@ -71,6 +74,7 @@ class SchedulerConfig:
     max_num_seqs: int = attrs.field(default=64, validator=int_at_least(1))
     max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
     pipeline_depth: int = attrs.field(default=2, validator=PIPELINE_DEPTH)
+    enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
 
 
 @attrs.frozen
@@ -85,8 +89,10 @@ class SchedulerStatistics:
     num_ending: int
     #: Steps planned whose outcome has not been applied yet (at most ``pipeline_depth``).
     num_inflight_steps: int
-    #: KV blocks on the pool's free list.
+    #: KV blocks free to allocate: empty ones and cached ones (evicted when needed).
     num_free_blocks: int
+    #: Free KV blocks that hold a cached prefix.
+    num_cached_blocks: int
     #: KV blocks in the pool.
     num_blocks: int
     #: Steps planned since the scheduler was made (the next step's id).
@@ -99,6 +105,16 @@ class SchedulerStatistics:
     num_tokens_generated: int
     #: Times a running request was preempted to free blocks (it is recomputed later).
     num_preemptions: int
+    #: Tokens of admitted requests looked up in the prefix cache (each admission counts).
+    num_prefix_cache_queries: int
+    #: Of those, tokens whose KV was found in the cache and not computed.
+    num_prefix_cache_hits: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries, in tokens (0 before the first query)."""
+        queries = self.num_prefix_cache_queries
+        return self.num_prefix_cache_hits / queries if queries else 0.0
 
 
 class Scheduler:
@@ -115,6 +131,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.block_size)
+        self._prefix = PrefixCache(self.pool, enabled=config.enable_prefix_caching)
         self._clock = clock
         self._requests: dict[int, Request] = {}
         self._arrival: dict[int, int] = {}
@@ -269,7 +286,7 @@ class Scheduler:
                 index += 1
                 continue
             needed = self._blocks_needed(request, num_tokens)
-            while needed > self.pool.num_free + self._num_deferred_blocks():
+            while needed > self.pool.num_free + self._num_returning_blocks():
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -292,28 +309,38 @@ class Scheduler:
             request = self._waiting[0]
             if self._in_flight(request):
                 break  # a step in flight still owes it a token; keep FIFO order
-            num_tokens = self._tokens_to_compute(request, budget)
-            needed = self._blocks_needed(request, num_tokens)
-            if num_tokens == 0 or needed > self.pool.num_free:
+            # The longest cached prefix is skipped; cached (free) blocks it takes back from
+            # the pool are no longer free for the rest.
+            hits = self._prefix.match(request)
+            computed = len(hits) * config.block_size
+            num_tokens = self._tokens_to_compute(request, budget, computed)
+            needed = blocks_for(computed + num_tokens, config.block_size) - len(hits)
+            reclaimed = sum(1 for block_id in hits if not self.pool.ref_count(block_id))
+            if num_tokens == 0 or needed + reclaimed > self.pool.num_free:
                 break
             del self._waiting[0]
             request.apply(Admitted(self._clock()))
+            self._prefix.claim(request, hits)  # before anything is allocated
             self._insert(self._running, request)
             entries.append(self._schedule(request, step_id, num_tokens, needed))
             budget -= num_tokens
 
         if not entries:
             return None
+        # Only now, with the plan complete, may later steps match the blocks it writes.
+        self._prefix.commit(self._running)
         gone, self._gone = tuple(self._gone), []
         plan = StepPlan(step_id=step_id, requests=tuple(entries), finished_request_ids=gone)
         self._next_step += 1
         self._inflight.append(plan)
         return plan
 
-    def _tokens_to_compute(self, request: Request, budget: int) -> int:
+    def _tokens_to_compute(self, request: Request, budget: int, computed: int | None = None) -> int:
         if request.num_generated_tokens >= request.params.max_tokens:
             return 0  # its last token is in flight; computing its KV would be waste
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        if computed is None:
+            computed = request.num_computed_tokens
+        return min(request.num_tokens - computed, budget)
 
     def _blocks_needed(self, request: Request, num_tokens: int) -> int:
         end = request.num_computed_tokens + num_tokens
@@ -393,6 +420,10 @@ class Scheduler:
         new_tokens: list[tuple[int, int]] = []
         finished: list[tuple[int, FinishReason]] = []
         failed: list[int] = []
+        readers: set[int] = set()
+        if isinstance(outcome, StepFailure):
+            readers = self._prefix.distrust(plan, self._inflight, self._running)
+            shared_failure = f"{outcome.message} (a step whose cached KV it reads failed)"
         for entry in plan.requests:
             request = self._requests.get(entry.request_id)
             if request is None or request.is_terminal:
@@ -416,6 +447,13 @@ class Scheduler:
             if reason is not None:
                 self._end(request, Finished(reason, now))
                 finished.append((request.request_id, reason))
+        for request_id in sorted(readers):
+            request = self._requests[request_id]
+            if not request.is_terminal:
+                self._end(request, Failed(shared_failure, now))
+                failed.append(request_id)
+        # Tokens that arrived complete blocks whose KV a step in flight writes.
+        self._prefix.commit(self._running)
 
         for step_id in [step_id for step_id in self._deferred if step_id <= plan.step_id]:
             self.pool.release(self._deferred.pop(step_id))
@@ -442,10 +480,19 @@ class Scheduler:
         last = self._last_step.get(request.request_id)
         return last is not None and bool(self._inflight) and last >= self._inflight[0].step_id
 
-    def _num_deferred_blocks(self) -> int:
-        return sum(len(blocks) for blocks in self._deferred.values())
+    def _num_returning_blocks(self) -> int:
+        """Blocks that become free when the steps in flight complete.
+
+        A deferred release of a shared block returns nothing while another request holds
+        it: counting it would preempt victim after victim for blocks that never come.
+        """
+        drops = collections.Counter(b for blocks in self._deferred.values() for b in blocks)
+        return sum(1 for block_id, count in drops.items() if self.pool.ref_count(block_id) == count)
 
     def _release(self, request: Request, block_ids: tuple[int, ...]) -> None:
+        # Deepest first: the pool evicts the blocks released first, so leaves go before
+        # the prefixes they extend.
+        block_ids = block_ids[::-1]
         if not block_ids:
             return
         if self._in_flight(request):
@@ -459,6 +506,7 @@ class Scheduler:
         self._running.remove(request)
         self._insert(self._waiting, request)
         self._release(request, block_ids)
+        self._prefix.reset(request)
         self._num_preemptions += 1
 
     def _end(self, request: Request, event: Cancelled | Finished | Failed) -> None:
@@ -475,6 +523,7 @@ class Scheduler:
             self._remove(request.request_id)
 
     def _remove(self, request_id: int) -> None:
+        self._prefix.drop(request_id)
         del self._requests[request_id]
         del self._arrival[request_id]
         if self._last_step.pop(request_id, None) is not None:
@@ -483,18 +532,22 @@ class Scheduler:
     # --- introspection ------------------------------------------------------------------
 
     def statistics(self) -> SchedulerStatistics:
+        pool = self.pool.statistics()
         return SchedulerStatistics(
             num_waiting=len(self._waiting),
             num_running=len(self._running),
             num_ending=len(self._ending),
             num_inflight_steps=len(self._inflight),
             num_free_blocks=self.pool.num_free,
+            num_cached_blocks=self.pool.num_cached,
             num_blocks=self.pool.num_blocks,
             num_steps_planned=self._next_step,
             num_steps_completed=self._num_completed,
             num_tokens_scheduled=self._num_tokens_scheduled,
             num_tokens_generated=self._num_tokens_generated,
             num_preemptions=self._num_preemptions,
+            num_prefix_cache_queries=pool.num_queried_tokens,
+            num_prefix_cache_hits=pool.num_hit_tokens,
         )
 
     def check_invariants(self) -> None:
@@ -506,6 +559,7 @@ class Scheduler:
         arrival order, and the limits hold.
         """
         self.pool.check_invariants()
+        self._prefix.check_invariants(self._running)
         config = self.config
         inflight = {plan.step_id for plan in self._inflight}
         for step_id, block_ids in self._deferred.items():

@@ -6,6 +6,8 @@ into the request's blocks, and every sampled token is a pure function of the ids
 through the block table*. So a scheduler bug that loses a position, hands one block to two
 live requests, or feeds a wrong pending input changes the output, and
 :func:`reference_output` (the same function, iterated without any scheduler) exposes it.
+A request may read positions that another request wrote (a prefix cache hit): a wrong hit
+reads other tokens, and so changes the output too.
 
 This module is pure and synchronous, like the rest of :mod:`twostroke.states`; the
 hypothesis tools built on it live in :mod:`twostroke.states.testing`.
@@ -69,6 +71,9 @@ class SimulatedKV:
             [None] * block_size for _ in range(num_blocks)
         ]
         self._previous: dict[int, int] = {}
+        # What each request itself wrote at each position, to catch a block overwritten
+        # under it; positions it did not write are prefix hits, read as stored.
+        self._written: dict[int, dict[int, int]] = {}
         self.num_steps = 0
 
     def execute(self, plan: StepPlan) -> StepOutcome:
@@ -87,6 +92,8 @@ class SimulatedKV:
                 table too short, or a read of a position that this request never wrote.
         """
         sampled: dict[int, int] = {}
+        for request_id in plan.finished_request_ids:
+            self._written.pop(request_id, None)
         for entry in plan.requests:
             inputs = list(entry.token_ids)
             if entry.pending_input:
@@ -96,9 +103,11 @@ class SimulatedKV:
                         "input but the previous step sampled nothing for it"
                     )
                 inputs.append(self._previous[entry.request_id])
+            written = self._written.setdefault(entry.request_id, {})
             for offset, token_id in enumerate(inputs):
                 block, slot = self._locate(entry.block_table, entry.start + offset, plan)
                 self._slots[block][slot] = (entry.request_id, token_id)
+                written[entry.start + offset] = token_id
         for entry in plan.requests:
             if not entry.sample:
                 continue
@@ -125,13 +134,27 @@ class SimulatedKV:
     ) -> int:
         block, slot = self._locate(block_table, position, plan)
         stored = self._slots[block][slot]
-        if stored is None or stored[0] != request_id:
-            writer = "nobody" if stored is None else f"request {stored[0]}"
+        own = self._written.get(request_id, {}).get(position)
+        if stored is None or (own is not None and stored[1] != own):
+            writer = "nobody" if stored is None else f"request {stored[0]} ({stored[1]})"
             raise SimulationError(
                 f"step {plan.step_id}: request {request_id} reads position {position} "
                 f"(block {block}, slot {slot}) last written by {writer}"
             )
         return stored[1]
+
+    def poison(self, plan: StepPlan) -> None:
+        """Erase every position ``plan`` wrote: the step failed, its KV is garbage.
+
+        A later step that reads one of them (a prefix hit on a block the failed step wrote)
+        raises :class:`SimulationError`.
+        """
+        for entry in plan.requests:
+            for position in range(entry.start, entry.end):
+                block, slot = self._locate(entry.block_table, position, plan)
+                self._slots[block][slot] = None
+            for position in range(entry.start, entry.end):
+                self._written.get(entry.request_id, {}).pop(position, None)
 
 
 def reference_output(

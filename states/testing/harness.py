@@ -228,6 +228,8 @@ class SimulatedEngine:
         outcome: StepOutcome | StepFailure = self._outcomes.popleft()
         if failure is not None:
             outcome = StepFailure(outcome.step_id, failure)
+            # Its KV is garbage now: a later step that reads it gets caught.
+            self.kv.poison(self.scheduler.inflight_plans[0])
         kept = {request.request_id for request in self.scheduler}
         report = self.scheduler.apply(outcome)
         self.num_completed += 1
@@ -326,13 +328,15 @@ class SimulatedEngine:
         """Check the scheduler's own invariants and the block accounting seen from outside.
 
         Blocks are conserved: a block is used exactly when a live request's table or a step
-        in flight holds it, and no block is held for two requests at once.
+        in flight holds it, and no block is held for two requests at once unless it is a
+        cached prefix block (with prefix caching, whose hits share blocks).
         """
         self.scheduler.check_invariants()
         owner: dict[int, int] = {}
+        pool = self.scheduler.pool
 
         def hold(block_id: int, rid: int, where: str) -> None:
-            if owner.setdefault(block_id, rid) != rid:
+            if owner.setdefault(block_id, rid) != rid and pool.block_hash(block_id) is None:
                 raise SimulationError(
                     f"block {block_id} is held for requests {owner[block_id]} and {rid} ({where})"
                 )
@@ -340,11 +344,16 @@ class SimulatedEngine:
         for request in self.scheduler:
             for block_id in request.block_table:
                 hold(block_id, request.request_id, "block tables")
+        sharing = self.config.enable_prefix_caching
         for plan in self.scheduler.inflight_plans:
             for entry in plan.requests:
                 for block_id in entry.block_table:
-                    hold(block_id, entry.request_id, f"step {plan.step_id} in flight")
-        pool = self.scheduler.pool
+                    if sharing:
+                        # A failed step uncaches blocks that its readers, failed too,
+                        # still hold in later steps in flight.
+                        owner.setdefault(block_id, entry.request_id)
+                    else:
+                        hold(block_id, entry.request_id, f"step {plan.step_id} in flight")
         for block_id in range(self.config.num_blocks):
             if (pool.ref_count(block_id) > 0) != (block_id in owner):
                 state = "free" if block_id in owner else "used"
@@ -476,7 +485,17 @@ class SimulatedEngine:
                 f"request {rid} ended ({self.requests[rid].status}) but is still kept after "
                 f"step {ending.deadline}"
             )
-        held = sorted(b for b in ending.block_ids if self.scheduler.pool.ref_count(b))
+        # A cached prefix block it shared may be held by others still.
+        others = {b for request in self.scheduler for b in request.block_table}
+        others.update(
+            b
+            for plan in self.scheduler.inflight_plans
+            for e in plan.requests
+            for b in e.block_table
+        )
+        held = sorted(
+            b for b in ending.block_ids if self.scheduler.pool.ref_count(b) and b not in others
+        )
         if held:
             raise SimulationError(
                 f"request {rid} ended ({self.requests[rid].status}) but blocks {held} are not "

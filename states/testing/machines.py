@@ -37,6 +37,7 @@ from twostroke.states.request import (
     Finished,
     FinishReason,
     Preempted,
+    PrefixCacheHit,
     Request,
     RequestEvent,
     RequestStatus,
@@ -72,6 +73,7 @@ __all__ = ["BlockPoolMachine", "RequestMachine", "SchedulerMachine"]
 _ABORTS = (Cancelled, Failed)
 _EVENT_TYPES: tuple[type[RequestEvent], ...] = (
     Admitted,
+    PrefixCacheHit,
     BlocksAllocated,
     ChunkScheduled,
     SampleScheduled,
@@ -134,6 +136,9 @@ class RequestMachine(RuleBasedStateMachine):
             return kind(step_id=data.draw(st.integers(0, 9)), num_tokens=data.draw(sizes))
         if kind is BlocksAllocated:
             return BlocksAllocated(tuple(data.draw(st.lists(st.integers(0, 99), max_size=3))))
+        if kind is PrefixCacheHit:
+            block_ids = tuple(data.draw(st.lists(st.integers(0, 99), max_size=3)))
+            return PrefixCacheHit(block_ids, data.draw(st.integers(-1, model.num_tokens + 1)))
         if kind is TokenSampled:
             return TokenSampled(data.draw(st.integers(0, VOCAB_SIZE - 1)), self.now)
         if kind is Finished:

@@ -22,6 +22,7 @@ from twostroke.states.request import (
     Finished,
     FinishReason,
     Preempted,
+    PrefixCacheHit,
     Request,
     RequestEvent,
     RequestStatus,
@@ -57,6 +58,7 @@ def request_snapshot(request: Request) -> dict[str, object]:
         "output": request.output_token_ids,
         "blocks": request.block_table,
         "computed": request.num_computed_tokens,
+        "cached": request.num_cached_tokens,
         "placeholders": request.num_placeholders,
         "reason": request.finish_reason,
         "failure": request.failure,
@@ -80,6 +82,7 @@ class RequestModel:
     output: list[int] = attrs.Factory(list)
     blocks: list[int] = attrs.Factory(list)
     computed: int = 0
+    cached: int = 0
     placeholders: int = 0
     reason: FinishReason | None = None
     failure: str | None = None
@@ -100,12 +103,24 @@ class RequestModel:
                 return None
         if isinstance(event, TokenSampled) and self.placeholders == 0:
             return None
+        if isinstance(event, PrefixCacheHit) and (
+            self.blocks
+            or self.computed
+            or not event.block_ids
+            or not 0 < event.num_tokens < self.num_tokens
+        ):
+            return None
         return self.table[self.status].get(type(event))
 
     def apply(self, event: RequestEvent, target: RequestStatus) -> None:
         """Change the model as ``event`` must change the request (``target`` is the status)."""
         if isinstance(event, Admitted):
             self.times.setdefault("first_scheduled", event.time)
+        elif isinstance(event, PrefixCacheHit):
+            self.blocks += event.block_ids
+            self.computed = event.num_tokens
+            if not self.preemptions:
+                self.cached = event.num_tokens
         elif isinstance(event, BlocksAllocated):
             self.blocks += event.block_ids
         elif isinstance(event, ChunkScheduled):
@@ -138,6 +153,7 @@ class RequestModel:
             "output": tuple(self.output),
             "blocks": tuple(self.blocks),
             "computed": self.computed,
+            "cached": self.cached,
             "placeholders": self.placeholders,
             "reason": self.reason,
             "failure": self.failure,

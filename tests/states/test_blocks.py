@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import pytest
 
-from twostroke.states.blocks import BlockPool, BlockPoolStatistics, blocks_for
+from twostroke.states.blocks import (
+    BLOCK_TRANSITIONS,
+    BlockPool,
+    BlockPoolStatistics,
+    BlockState,
+    block_mermaid_diagram,
+    blocks_for,
+)
 from twostroke.states.errors import EngineError, SchedulerError
 from twostroke.states.testing import BlockPoolMachine
 
@@ -32,9 +40,16 @@ def test_allocation_is_fifo_and_freed_blocks_go_to_the_back() -> None:
     pool.release([0])
     assert pool.allocate(2) == (2, 3)
     assert pool.allocate(1) == (0,)
-    assert repr(pool) == "<BlockPool 0/4 free, block_size=16>"
+    assert repr(pool) == "<BlockPool 0/4 free (0 cached), block_size=16>"
     assert pool.statistics() == BlockPoolStatistics(
-        num_blocks=4, block_size=16, num_free=0, num_used=4, num_shared=0
+        num_blocks=4,
+        block_size=16,
+        num_free=0,
+        num_used=4,
+        num_shared=0,
+        num_cached=0,
+        num_queried_tokens=0,
+        num_hit_tokens=0,
     )
 
 
@@ -110,3 +125,32 @@ def test_check_invariants_notices_corruption() -> None:
     pool._ref_counts[0] = 0  # a leak: neither referenced nor on the free list
     with pytest.raises(AssertionError, match="block 0 has 0 references but is not on the free"):
         pool.check_invariants()
+
+
+# --- the block lifecycle diagram --------------------------------------------------------------
+
+DOCS = pathlib.Path(__file__).parents[2] / "docs" / "states.md"
+
+
+def test_the_block_diagram_draws_every_transition() -> None:
+    lines = block_mermaid_diagram().splitlines()
+    assert lines[:2] == ["stateDiagram-v2", "    [*] --> EMPTY"]
+    drawn: dict[str, dict[str, str]] = {str(state): {} for state in BlockState}
+    for line in lines[2:]:
+        source, _, rest = line.strip().partition(" --> ")
+        target, _, operations = rest.partition(": ")
+        for operation in operations.split(", "):
+            drawn[source][operation] = target
+    expected = {
+        str(state): {op: str(to) for op, to in row.items()}
+        for state, row in BLOCK_TRANSITIONS.items()
+    }
+    assert drawn == expected
+
+
+def test_the_docs_show_the_block_diagram_of_the_code() -> None:
+    blocks = re.findall(r"```mermaid\n(.*?)```", DOCS.read_text(encoding="utf-8"), flags=re.DOTALL)
+    assert blocks[1].rstrip("\n") == block_mermaid_diagram(), (
+        "docs/states.md is out of date: paste the output of "
+        "twostroke.states.blocks.block_mermaid_diagram() into its second mermaid block"
+    )

@@ -310,7 +310,14 @@ def test_blocks_wait_for_their_own_step_whatever_order_requests_end_in() -> None
     # Found by a random driver: deferred releases were a queue drained from the front, so
     # cancelling a request of step 3 and then one of step 2 held step 2's blocks until step 3
     # completed, after the request record was gone.
-    cfg = config(num_blocks=3, block_size=2, max_num_batched_tokens=2, max_model_len=7)
+    # Without prefix caching: request 3's prompt starts like request 2's and would share.
+    cfg = config(
+        num_blocks=3,
+        block_size=2,
+        max_num_batched_tokens=2,
+        max_model_len=7,
+        enable_prefix_caching=False,
+    )
     scheduler = Scheduler(cfg)
     engine = SimulatedEngine(scheduler)
     engine.submit(request(2, 3, max_tokens=2, ignore_eos=True))

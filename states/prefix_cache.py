@@ -1,0 +1,166 @@
+"""The scheduler's side of prefix caching: which blocks a request may skip, and when a block
+it computes may be shared.
+
+The pool (:mod:`twostroke.states.blocks`) keeps cached blocks under chained hashes; this
+module decides what goes in and what comes out, following one rule: **a block becomes
+matchable only once every step that writes its KV has been planned**. Steps run in plan order
+on one device stream, so a request admitted in a later step reads the block written. That is
+why a block is cached after the plan that writes it is complete (not while it is being
+built: a request admitted into the *same* step would read KV that the batch is still
+writing), and, with the one-step lookahead, why a block whose last token is a placeholder
+(sampled by a step in flight, its id unknown to the host) waits until that token arrives:
+its hash needs the id, and by then the step that writes it was planned long ago.
+
+The hashes of each live request's full blocks are computed once and kept here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from twostroke.states.blocks import ROOT_HASH, BlockHash, BlockPool, block_hashes, blocks_for
+from twostroke.states.plan import ScheduledRequest, StepPlan
+from twostroke.states.request import PrefixCacheHit, Request
+
+__all__ = ["PrefixCache"]
+
+
+class PrefixCache:
+    """Lookups at admission and caching of computed blocks, over one :class:`BlockPool`.
+
+    Args:
+        pool: The scheduler's pool.
+        enabled: With ``False`` nothing is looked up or cached: the pool stays a plain
+            reference-counted pool.
+    """
+
+    def __init__(self, pool: BlockPool, *, enabled: bool) -> None:
+        self.pool = pool
+        self.enabled = enabled
+        self._hashes: dict[int, list[BlockHash]] = {}
+        # How many of each live request's first blocks have been offered to the cache.
+        self._num_cached: dict[int, int] = {}
+
+    def _chain(self, request: Request) -> list[BlockHash]:
+        known = request.token_ids(0, request.num_known_tokens)
+        hashes = block_hashes(known, self.pool.block_size, self._hashes.get(request.request_id, ()))
+        self._hashes[request.request_id] = hashes
+        return hashes
+
+    def match(self, request: Request) -> tuple[int, ...]:
+        """The cached blocks a waiting request (new or preempted) may start with.
+
+        Args:
+            request: A request with an empty block table.
+
+        Returns:
+            Blocks of its longest cached prefix, leaving at least its last token to compute.
+        """
+        if not self.enabled:
+            return ()
+        known = request.token_ids(0, request.num_known_tokens)
+        return self.pool.match_prefix(known, self._chain(request))
+
+    def claim(self, request: Request, block_ids: tuple[int, ...]) -> None:
+        """Give a just admitted request the blocks :meth:`match` found (counting the query).
+
+        Args:
+            request: The request, admitted, with an empty block table.
+            block_ids: The match (possibly empty).
+        """
+        if not self.enabled:
+            return
+        self.pool.claim_prefix(block_ids, request.num_tokens)
+        self._num_cached[request.request_id] = len(block_ids)
+        if block_ids:
+            num_tokens = len(block_ids) * self.pool.block_size
+            request.apply(PrefixCacheHit(block_ids, num_tokens))
+
+    def commit(self, requests: Iterable[Request]) -> None:
+        """Cache every full block of ``requests`` whose KV planned steps write and whose
+        tokens the host knows.
+
+        Call it once a plan is complete, and after an outcome delivered new tokens.
+        """
+        if not self.enabled:
+            return
+        size = self.pool.block_size
+        for request in requests:
+            table = request.block_table
+            done = self._num_cached.get(request.request_id, 0)
+            full = min(request.num_computed_tokens, request.num_known_tokens) // size
+            if full <= done:
+                continue
+            hashes = self._chain(request)
+            known = request.token_ids(done * size, full * size)
+            for index in range(done, full):
+                parent = hashes[index - 1] if index else ROOT_HASH
+                offset = (index - done) * size
+                self.pool.cache(table[index], parent, known[offset : offset + size])
+            self._num_cached[request.request_id] = full
+
+    def distrust(
+        self, failed: StepPlan, later: Iterable[StepPlan], running: Iterable[Request]
+    ) -> set[int]:
+        """Uncache every block whose KV a failed step, or a reader of that KV, writes.
+
+        A request that took a block of the failed step as a hit reads garbage, and so do
+        the requests that take *its* blocks in the next step in flight.
+
+        Args:
+            failed: The plan of the step that failed.
+            later: The plans still in flight after it, oldest first.
+            running: The running requests.
+
+        Returns:
+            The requests outside ``failed`` that read such KV (they must fail too).
+        """
+        if not self.enabled:
+            return set()  # no block is shared, so only the failed step's requests read it
+        size = self.pool.block_size
+
+        def written(entry: ScheduledRequest) -> set[int]:
+            return set(entry.block_table[entry.start // size : blocks_for(entry.end, size)])
+
+        distrusted = {block_id for entry in failed.requests for block_id in written(entry)}
+        readers = set(failed.request_ids)
+        later = tuple(later)
+        grew = True
+        while grew:
+            grew = False
+            for plan in later:
+                for entry in plan.requests:
+                    if entry.request_id in readers or not distrusted.isdisjoint(entry.block_table):
+                        readers.add(entry.request_id)
+                        new = written(entry) - distrusted
+                        grew = grew or bool(new)
+                        distrusted |= new
+        self.pool.forget(sorted(distrusted))
+        for request in running:
+            if not distrusted.isdisjoint(request.block_table):
+                readers.add(request.request_id)
+        return readers - set(failed.request_ids)
+
+    def reset(self, request: Request) -> None:
+        """The request lost its blocks (preempted): nothing of its table is cached now."""
+        self._num_cached.pop(request.request_id, None)
+
+    def drop(self, request_id: int) -> None:
+        """Forget a request that the scheduler removed."""
+        self._hashes.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+
+    def check_invariants(self, requests: Iterable[Request]) -> None:
+        """Raise ``AssertionError`` if a live request holds a block cached as another prefix.
+
+        Every block of a request's table that has a hash must have the hash of the
+        request's own tokens at that place: a wrong hit would break it.
+        """
+        for request in requests:
+            hashes = self._hashes.get(request.request_id, [])
+            for index, block_id in enumerate(request.block_table):
+                block_hash = self.pool.block_hash(block_id)
+                if block_hash is not None:
+                    assert index < len(hashes) and hashes[index] == block_hash, (
+                        f"{request!r} holds block {block_id} at {index}, cached for another prefix"
+                    )
