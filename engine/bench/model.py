@@ -20,10 +20,19 @@ import attrs
 
 __all__ = ["DTYPES", "ModelSpec", "ensure_hf_dir", "load_hf_model", "save_hf_dir"]
 
-#: The dtypes a benchmark may ask for, by the name every peer understands.
+#: The dtypes a benchmark may ask for, by the name every peer understands; ``"auto"`` (the
+#: default) stands for the one twostroke's engine would pick on this machine's CPU.
 DTYPES = ("bfloat16", "float16", "float32")
 
 _HF_DIR_MARKER = "twostroke-source.txt"
+
+
+def _resolve_auto(dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    from twostroke.gpu.device import CpuDevice, default_dtype
+
+    return str(default_dtype(CpuDevice())).removeprefix("torch.")
 
 
 @attrs.frozen
@@ -33,7 +42,10 @@ class ModelSpec:
     Attributes:
         name: The model as twostroke takes it (``"smollm2"``, a directory, a GGUF file).
         source: The GGUF file or Hugging Face directory it resolves to.
-        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``; ``"auto"`` is resolved when
+            the spec is made, to what :func:`twostroke.gpu.device.default_dtype` picks for
+            the CPU (bfloat16 only where the CPU computes it natively), so every system of
+            the run computes in that one dtype and the report names it.
         threads: CPU threads each system may use.
         work_dir: The run's folder: converted weights, vLLM's caches, logs, results.
         seed: For systems that take one (sampling is greedy; this fixes anything else).
@@ -41,7 +53,7 @@ class ModelSpec:
 
     name: str
     source: Path = attrs.field(converter=Path)
-    dtype: str = attrs.field(default="bfloat16")
+    dtype: str = attrs.field(default="auto", converter=_resolve_auto)
     threads: int = attrs.field(default=2)
     work_dir: Path = attrs.field(converter=Path, default=Path("bench-results"))
     seed: int = 0
@@ -49,7 +61,7 @@ class ModelSpec:
     @dtype.validator
     def _check_dtype(self, attribute: object, value: str) -> None:
         if value not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {value!r}")
 
     @threads.validator
     def _check_threads(self, attribute: object, value: int) -> None:
@@ -62,7 +74,7 @@ class ModelSpec:
         model: str,
         *,
         work_dir: str | os.PathLike[str],
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         threads: int = 2,
         seed: int = 0,
     ) -> ModelSpec:

@@ -241,7 +241,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--burstiness", type=float, default=1.0, help="serving: gamma shape (1 = Poisson)"
     )
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="auto: what the engine picks on this CPU (bfloat16 only where it is native)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per system")
     parser.add_argument(
         "--systems",

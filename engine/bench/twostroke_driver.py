@@ -21,6 +21,7 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.workload import Workload
 from twostroke.engine.engine import Engine
 from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.runners.loading import DTYPES
 from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
@@ -29,8 +30,6 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepPlan
 
 __all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _intra_op_threads(model: ModelSpec) -> int:
@@ -92,7 +91,7 @@ class TwostrokeDriver:
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
         torch.set_num_threads(_intra_op_threads(model))
         started = time.perf_counter()
-        loaded = load_model(model.name, dtype=_DTYPES[model.dtype], device=torch.device("cpu"))
+        loaded = load_model(model.name, dtype=DTYPES[model.dtype], device=torch.device("cpu"))
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
         runner = _RecordingRunner(
             TorchModelRunner.from_loaded(

@@ -21,7 +21,6 @@ corrupt data) raises :class:`ModelLoadError` naming the file and the problem.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import json
 import logging
@@ -40,6 +39,7 @@ from twostroke.engine.models.artifacts import ArtifactCache
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.gguf_file import read_gguf
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
+from twostroke.gpu.device import default_dtype
 from twostroke.states.errors import EngineError
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "PackagedModel",
-    "default_dtype",
     "hf_tensor_name",
     "load_model",
     "resolve_model",
@@ -113,28 +112,6 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """The fastest dtype that keeps quality: bf16 where the hardware computes it natively.
-
-    On CUDA bf16 (fp16 on GPUs without it); on a CPU with AVX-512-BF16 or AMX bf16,
-    otherwise float32 (emulated bf16 is slower than float32).
-    """
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and _cpu_has_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-@functools.cache
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
-
-
 def resolve_model(model: str | os.PathLike[str]) -> Path:
     """The directory or GGUF file a model name or path stands for.
 
@@ -185,7 +162,8 @@ def load_model(
     Args:
         model: ``"smollm2"``, a directory with ``config.json`` and ``*.safetensors``, or a
             ``.gguf`` file.
-        dtype: float32, bfloat16 or float16; ``None`` takes :func:`default_dtype`.
+        dtype: float32, bfloat16 or float16; ``None`` takes
+            :func:`twostroke.gpu.device.default_dtype` of ``device``.
         device: Where to put the weights.
         pack_weights: Pack the projections for oneDNN where that works (see
             :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).

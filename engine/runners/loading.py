@@ -3,20 +3,45 @@
 from __future__ import annotations
 
 import os
+import types
+from collections.abc import Mapping
 
 import torch
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.text.tokenizer import Tokenizer
-from twostroke.gpu.device import Device
+from twostroke.gpu.device import Device, default_dtype
 
-__all__ = ["DEFAULT_MODEL", "load_runner"]
+__all__ = ["DEFAULT_MODEL", "DTYPES", "load_runner", "resolve_dtype"]
 
 #: The model ``make run`` and the CLI use when none is named.
 DEFAULT_MODEL = "smollm2"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The dtype names ``EngineConfig.dtype`` (and ``twostroke bench --dtype``) take, besides "auto".
+DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType(
+    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+)
+
+
+def resolve_dtype(name: str, device: Device) -> torch.dtype:
+    """The torch dtype a dtype name stands for on ``device``.
+
+    Args:
+        name: ``"auto"`` (what :func:`twostroke.gpu.device.default_dtype` picks for
+            ``device``) or a key of :data:`DTYPES`.
+        device: The device the model will run on.
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    if name == "auto":
+        return default_dtype(device)
+    if name not in DTYPES:
+        raise ValueError(
+            f"dtype must be 'auto' or one of {', '.join(map(repr, DTYPES))}, got {name!r}"
+        )
+    return DTYPES[name]
 
 
 def load_runner(
@@ -52,7 +77,7 @@ def load_runner(
     from twostroke.engine.runners.torch import TorchModelRunner
     from twostroke.engine.text.tokenizer import HFTokenizer
 
-    dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+    dtype = resolve_dtype(config.dtype, device)
     loaded = load_model(model, dtype=dtype, device=device.torch_device)
     runner = TorchModelRunner.from_loaded(
         loaded, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs

@@ -434,6 +434,19 @@ def test_default_dtype_cpu_and_fake() -> None:
     assert default_dtype(CpuDevice()) == expected
 
 
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_default_dtype_of_a_torch_device_follows_the_same_rule(
+    monkeypatch: pytest.MonkeyPatch, fast_bf16: bool
+) -> None:
+    monkeypatch.setattr(device_module, "_cpu_has_fast_bf16", lambda: fast_bf16)
+    expected = torch.bfloat16 if fast_bf16 else torch.float32
+    assert default_dtype(torch.device("cpu")) == default_dtype(CpuDevice()) == expected
+    assert default_dtype(FakeDevice()) == torch.float32  # whatever the CPU
+    assert default_dtype(torch.device("meta")) == torch.float32
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))
+    assert default_dtype(torch.device("cuda", 0)) == torch.float16
+
+
 @pytest.mark.parametrize(
     ("capability", "flags", "fast"),
     [

@@ -141,6 +141,22 @@ def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "serving: 5 requests at 8/s (Poisson)" in out.getvalue()
 
 
+@pytest.mark.parametrize(("fast_bf16", "expected"), [(True, "bfloat16"), (False, "float32")])
+def test_dtype_auto_is_the_engines_choice_on_this_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_bf16: bool, expected: str
+) -> None:
+    """Issue 8: the bench forced bfloat16, which AVX2-only CPUs emulate (13.6 tok/s, not 60)."""
+    from twostroke.gpu import device
+
+    monkeypatch.setattr(device, "_cpu_has_fast_bf16", lambda: fast_bf16)
+    assert _args(tmp_path).dtype == "auto"
+    assert ModelSpec(name="tiny", source=tmp_path).dtype == expected
+    assert ModelSpec(name="tiny", source=tmp_path, dtype="auto").dtype == expected
+    assert ModelSpec(name="tiny", source=tmp_path, dtype="float16").dtype == "float16"
+    with pytest.raises(ValueError, match=r"^dtype must be 'auto' or one of bfloat16, float16, "):
+        ModelSpec(name="tiny", source=tmp_path, dtype="fp8")
+
+
 def test_unknown_system(tmp_path: Path) -> None:
     out = io.StringIO()
     status = bench_command(

@@ -24,6 +24,7 @@ from tests.engine.models.test_llama import (
 )
 from twostroke.engine.models import loader
 from twostroke.engine.models.loader import ModelLoadError, load_model, resolve_model
+from twostroke.gpu import device as device_module
 from twostroke.states.errors import EngineError
 
 CPU = torch.device("cpu")
@@ -198,13 +199,16 @@ def test_a_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatc
     assert str(caught.value).startswith("smollm2: ")
 
 
-def test_default_dtype_is_bfloat16_only_with_native_support(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_load_model_without_a_dtype_takes_the_devices_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fast_bf16: bool
 ) -> None:
-    monkeypatch.setattr(loader, "_cpu_has_bf16", lambda: True)
-    assert loader.default_dtype(CPU) == torch.bfloat16
-    monkeypatch.setattr(loader, "_cpu_has_bf16", lambda: False)
-    assert loader.default_dtype(CPU) == torch.float32
+    """The loader asks the one rule (twostroke.gpu.device.default_dtype), not one of its own."""
+    monkeypatch.setattr(device_module, "_cpu_has_fast_bf16", lambda: fast_bf16)
+    make_tiny_model("llama", tmp_path / "model")
+    loaded = load_model(tmp_path / "model", device=CPU)
+    assert loaded.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+    assert next(loaded.module.parameters()).dtype == loaded.dtype
 
 
 # --- failures -------------------------------------------------------------------------------
