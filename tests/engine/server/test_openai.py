@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 from typing import Any
 
@@ -247,13 +248,30 @@ async def test_metrics_count_requests_tokens_and_latencies() -> None:
         assert await metric("twostroke:num_preemptions_total") == 0
 
 
+class GatedToyRunner(ToyRunner):
+    """A toy runner whose steps wait (in the engine's worker thread) until the gate opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def execute(self, plan: Any) -> Any:
+        assert self.gate.wait(timeout=30), "the test never opened the gate"
+        return super().execute(plan)
+
+
 async def test_an_idle_stream_gets_keep_alive_comments() -> None:
-    async with served(runner=ToyRunner(latency=0.05), keepalive=0.005) as server:
+    runner = GatedToyRunner()
+    async with served(runner=runner, keepalive=0.001) as server:
         body = {"prompt": "slow", "max_tokens": 3, "stream": True, "ignore_eos": True}
+        raw = b""
         async with server.http.stream("POST", "/v1/completions", json=body) as reply:
-            raw = b"".join([chunk async for chunk in reply.aiter_bytes()])
-    assert b": keep-alive\n\n" in raw
-    assert raw.endswith(b"data: [DONE]\n\n")
+            async for chunk in reply.aiter_bytes():
+                raw += chunk
+                if b": keep-alive\n\n" in raw:
+                    runner.gate.set()  # nothing was generated yet: the stream was idle
+    assert raw.startswith(b": keep-alive\n\n") and raw.endswith(b"data: [DONE]\n\n")
+    assert raw.count(b"data: {") == 3
 
 
 @pytest.mark.slow
