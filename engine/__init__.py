@@ -1,11 +1,13 @@
 """twostroke's engine: the two strokes, the public async API, models, server and CLI."""
 
 from twostroke.engine.config import EngineConfig
+from twostroke.engine.coordinator import Coordinator, CoordinatorStatistics
 from twostroke.engine.engine import Engine, EngineStatistics
 from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
     EngineError,
+    ReplicaFailed,
     RequestCancelled,
     RequestFailed,
     RequestRejected,
@@ -18,6 +20,8 @@ from twostroke.states.request import FinishReason
 
 __all__ = [
     "LLM",
+    "Coordinator",
+    "CoordinatorStatistics",
     "Delta",
     "Engine",
     "EngineClosed",
@@ -26,6 +30,7 @@ __all__ = [
     "EngineError",
     "EngineStatistics",
     "FinishReason",
+    "ReplicaFailed",
     "RequestCancelled",
     "RequestFailed",
     "RequestHandle",

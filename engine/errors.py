@@ -9,6 +9,7 @@ __all__ = [
     "EngineDead",
     "EngineError",
     "InvalidTransition",
+    "ReplicaFailed",
     "RequestCancelled",
     "RequestFailed",
     "RequestRejected",
@@ -44,3 +45,23 @@ class RequestCancelled(EngineError):
     def __init__(self, request_id: int) -> None:
         self.request_id = request_id
         super().__init__(f"request {request_id} was cancelled")
+
+
+class ReplicaFailed(EngineError):
+    """The engine replica serving this request died (data-parallel coordinator).
+
+    Only that replica's open requests fail; the coordinator keeps serving with the others.
+    ``__cause__`` says what happened to the replica (its ``EngineDead``, the child process's
+    exit, a malformed frame, a lost connection).
+
+    Attributes:
+        replica: The index of the replica that died.
+        request_id: The failed request (``None`` when the error is about the replica itself,
+            as when it fails to start).
+    """
+
+    def __init__(self, replica: int, message: str, request_id: int | None = None) -> None:
+        self.replica = replica
+        self.request_id = request_id
+        prefix = "" if request_id is None else f"request {request_id} failed: "
+        super().__init__(f"{prefix}replica {replica} failed: {message}")

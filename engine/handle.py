@@ -39,10 +39,16 @@ class RequestHandle:
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._streamed_to_end = False
+        self._relay_delta: Callable[[Delta], None] | None = None
+        self._relay_end: Callable[[RequestOutput | None, BaseException | None], None] | None
+        self._relay_end = None
 
     # --- called by the engine ---------------------------------------------------------
 
     def _deliver(self, delta: Delta) -> None:
+        if self._relay_delta is not None:
+            self._relay_delta(delta)
+            return
         self._pending = delta if self._pending is None else self._pending.merge(delta)
         self._changed.set()
 
@@ -53,6 +59,23 @@ class RequestHandle:
         self._error = error
         self._done.set()
         self._changed.set()
+        if self._relay_end is not None:
+            self._relay_end(output, error)
+
+    def _relay_to(
+        self,
+        on_delta: Callable[[Delta], None],
+        on_end: Callable[[RequestOutput | None, BaseException | None], None],
+    ) -> None:
+        """Hand every delta to ``on_delta`` instead of keeping it, and the end to ``on_end``.
+
+        For the data-parallel coordinator, which feeds its own handle from a replica's: no
+        task per request, no second buffer. Called right after ``submit``, before the engine
+        can deliver anything (delivery happens in the bookkeeping stroke, after an await).
+        Both callbacks run synchronously in the bookkeeping stroke and must not block.
+        """
+        self._relay_delta = on_delta
+        self._relay_end = on_end
 
     # --- public -----------------------------------------------------------------------
 

@@ -148,6 +148,20 @@ def test_gpu_never_imports_engine_or_states(path: pathlib.Path) -> None:
         )
 
 
+#: What the data-parallel coordinator must never import: it routes and relays, and the
+#: replicas tokenize, detokenize and sample (Megatron's deduplicated engine and coordinator).
+MODEL_TEXT_MODULES = ("twostroke.engine.text", "twostroke.engine.runners.sampler")
+
+
+@pytest.mark.parametrize("path", sources("engine/coordinator"), ids=_name)
+def test_the_coordinator_never_imports_tokenizer_detokenizer_or_sampler(
+    path: pathlib.Path,
+) -> None:
+    assert sources("engine/coordinator"), "the coordinator package moved"
+    for module in imports(path):
+        assert not module.startswith(MODEL_TEXT_MODULES), f"{_name(path)} imports {module}"
+
+
 def test_the_scan_sees_every_kind_of_import(tmp_path: pathlib.Path) -> None:
     folder = tmp_path / "gpu"
     folder.mkdir()

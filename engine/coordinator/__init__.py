@@ -1,0 +1,16 @@
+"""The data-parallel coordinator: one engine-shaped front over N engine replicas.
+
+Modules, one concept each: :mod:`.coordinator` (:class:`Coordinator`, routing and relaying),
+:mod:`.replicas` (the coordinator's side of a replica: in this process, or over frames),
+:mod:`.frames` (the wire: msgspec frames with a length prefix), :mod:`.replica` (a replica's
+side of the wire: ``python -m twostroke.engine.coordinator.replica``), :mod:`.process` and
+:mod:`.ray` (the two remote placements). See ``docs/scaling.md``.
+"""
+
+from twostroke.engine.coordinator.coordinator import (
+    Coordinator,
+    CoordinatorStatistics,
+    ReplicaStatistics,
+)
+
+__all__ = ["Coordinator", "CoordinatorStatistics", "ReplicaStatistics"]

@@ -1,0 +1,673 @@
+"""The data-parallel coordinator: one engine-shaped front over N engine replicas.
+
+:meth:`Coordinator.open` starts N replicas — :class:`~twostroke.engine.engine.Engine` s in this
+task group (``"local"``), child processes on this machine (``"process"``) or Ray actors
+(``"ray"``) — and yields an object with the engine's public surface
+(:class:`~twostroke.engine.surface.EngineSurface`). It routes whole requests, as given (text,
+token ids or chat messages), to a replica chosen by :class:`~twostroke.states.routing.Router`
+and relays the replica's deltas into its own :class:`~twostroke.engine.handle.RequestHandle`.
+It holds no tokenizer: each replica tokenizes, checks lengths, detokenizes and matches stop
+strings (Megatron-LM's deduplicated engine and coordinator; vLLM V1 and SGLang split the same
+way).
+
+Structured concurrency all the way down: one task group, one supervisor task per replica.
+Leaving the block drains open requests (or cancels them, with ``shutdown="cancel"`` or when
+the body raised), then each replica is told to stop, and no child process outlives the block.
+A replica that dies fails only its own open requests, with :class:`ReplicaFailed`; those that
+had no token yet are resubmitted once to a live replica. :class:`EngineDead` comes only when
+no replica is left (new work is refused, the body is cancelled and the block raises it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import attrs
+
+from twostroke.engine.config import EngineConfig
+from twostroke.engine.coordinator.frames import (
+    Start,
+    WirePrompt,
+    estimate_prompt_tokens,
+    routing_key,
+    wire_prompt,
+)
+from twostroke.engine.coordinator.replicas import Ending, LocalReplica, Replica
+from twostroke.engine.engine import EngineStatistics
+from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed, RequestCancelled
+from twostroke.engine.handle import RequestHandle
+from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
+from twostroke.states.params import SamplingParams
+from twostroke.states.routing import Router, RoutingConfig
+
+__all__ = ["Coordinator", "CoordinatorStatistics", "ReplicaStatistics"]
+
+Placement = Literal["local", "process", "ray"]
+_PLACEMENTS = ("local", "process", "ray")
+#: ``Engine.open`` keywords that are not ``EngineConfig`` fields.
+_OPEN_KEYWORDS = frozenset({"device", "model_name", "runner", "tokenizer"})
+
+
+@attrs.frozen
+class ReplicaStatistics:
+    """One replica, as the coordinator sees it.
+
+    Attributes:
+        index: The replica's index (``0 .. replicas - 1``).
+        placement: ``"local"``, ``"process"`` or ``"ray"``.
+        alive: It serves; ``False`` once it died (see ``failure``).
+        healthy: Alive, and its step counter moved within ``unhealthy_after`` seconds
+            whenever it had open requests.
+        pid: Its process (``None`` in this process).
+        num_open_requests: Requests the coordinator routed to it that have not ended.
+        load_tokens: The router's count of its outstanding tokens.
+        engine: Its engine's statistics (a remote replica's latest snapshot; ``None`` before
+            the first).
+        failure: Why it died.
+    """
+
+    index: int
+    placement: str
+    alive: bool
+    healthy: bool
+    pid: int | None
+    num_open_requests: int
+    load_tokens: int
+    engine: EngineStatistics | None
+    failure: str | None
+
+
+@attrs.frozen
+class CoordinatorStatistics(EngineStatistics):
+    """Totals over the live replicas' engines, and one entry per replica.
+
+    ``num_open_requests`` is the coordinator's own count; every other total is the sum of the
+    live replicas' latest engine statistics.
+    """
+
+    num_replicas_alive: int = 0
+    num_resubmitted: int = 0
+    replicas: tuple[ReplicaStatistics, ...] = ()
+
+
+@attrs.define(eq=False)
+class _Relayed:
+    """The coordinator's side of one open request."""
+
+    request_id: int
+    prompt: WirePrompt
+    params: SamplingParams
+    handle: RequestHandle
+    replica: int
+    arrival_time: float
+    verdict: anyio.Event = attrs.field(factory=anyio.Event)
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    resubmitted: bool = False
+
+
+@attrs.define
+class _ReplicaState:
+    replica: Replica
+    num_open: int = 0
+    steps_seen: int = -1
+    progress_time: float = 0.0
+    failure: BaseException | None = None
+
+
+class Coordinator:
+    """N engine replicas behind one engine surface. Use :meth:`open`."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        placement: str,
+        router: Router,
+        unhealthy_after: float,
+    ) -> None:
+        self._model_name = model_name
+        self._placement = placement
+        self._router = router
+        self._unhealthy_after = unhealthy_after
+        self._replicas: list[_ReplicaState] = []
+        self._open: dict[int, _Relayed] = {}
+        self._ids = itertools.count()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._closing = False
+        self._death: BaseException | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._num_resubmitted = 0
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        model: str | None = None,
+        *,
+        replicas: int = 1,
+        placement: Placement = "local",
+        routing: RoutingConfig | None = None,
+        unhealthy_after: float = 30.0,
+        grace_period: float = 5.0,
+        replica_options: Sequence[Mapping[str, Any]] | None = None,
+        **engine_options: Any,
+    ) -> AsyncIterator[Coordinator]:
+        """Start ``replicas`` engine replicas for the body of an ``async with`` block.
+
+        Args:
+            model: As for :meth:`Engine.open`; every replica loads it.
+            replicas: How many replicas (>= 1).
+            placement: ``"local"`` (engines in this task group), ``"process"`` (one child
+                process each, torch threads split between them) or ``"ray"`` (Ray actors;
+                needs ``twostroke[ray]`` and a running or startable Ray cluster).
+            routing: The routing thresholds (:class:`RoutingConfig` defaults when omitted).
+            unhealthy_after: Seconds a replica with open requests may go without a step
+                before ``statistics()`` reports it unhealthy.
+            grace_period: Seconds a replica process told to stop may take before it is
+                killed.
+            replica_options: One mapping per replica of extra :meth:`Engine.open` keywords
+                (a ``device`` each, say); ``runner``/``tokenizer`` objects only for
+                ``"local"``.
+            **engine_options: :meth:`Engine.open` keywords for every replica (``device``
+                and the fields of :class:`EngineConfig`).
+
+        Leaving the block drains open requests (or cancels them, with
+        ``shutdown="cancel"``, or when the body raised) and stops every replica. If every
+        replica died, the body is cancelled and the block raises :class:`EngineDead`.
+
+        Raises:
+            TypeError, ValueError: a bad argument or engine option (before any replica
+                starts).
+            ReplicaFailed: a replica process or actor could not start (the message says why).
+            ModelLoadError, and the other errors of :meth:`Engine.open`: a local replica
+                could not start.
+        """
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise TypeError(f"replicas must be an int, got {type(replicas).__name__} {replicas!r}")
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if placement not in _PLACEMENTS:
+            choices = ", ".join(repr(p) for p in _PLACEMENTS)
+            raise ValueError(f"placement must be one of {choices}, got {placement!r}")
+        if isinstance(unhealthy_after, bool) or not isinstance(unhealthy_after, int | float):
+            raise TypeError(f"unhealthy_after must be seconds, got {unhealthy_after!r}")
+        if isinstance(grace_period, bool) or not isinstance(grace_period, int | float):
+            raise TypeError(f"grace_period must be seconds, got {grace_period!r}")
+        per_replica = [dict(options) for options in (replica_options or [{}] * replicas)]
+        if len(per_replica) != replicas:
+            raise ValueError(
+                f"replica_options must have one mapping per replica ({replicas}), "
+                f"got {len(per_replica)}"
+            )
+        config = EngineConfig(
+            **{k: v for k, v in engine_options.items() if k not in _OPEN_KEYWORDS}
+        )
+        coordinator = cls(
+            model_name="",
+            placement=placement,
+            router=Router(replicas, routing),
+            unhealthy_after=float(unhealthy_after),
+        )
+        if placement == "process" and config.torch_threads is None:
+            engine_options = {**engine_options, "torch_threads": _split_threads(replicas)}
+        for index in range(replicas):
+            options = {**engine_options, **per_replica[index]}
+            replica = coordinator._make_replica(index, placement, model, options, grace_period)
+            coordinator._replicas.append(_ReplicaState(replica))
+        body_error: BaseException | None = None
+        async with anyio.create_task_group() as task_group:
+            coordinator._task_group = task_group
+            for state in coordinator._replicas:
+                task_group.start_soon(state.replica.run)
+            start_error = await coordinator._wait_started()
+            if start_error is not None:
+                coordinator._close(cancel=True)
+            else:
+                try:
+                    yield coordinator
+                except BaseException as exc:
+                    # Kept out of the task group so the caller sees its own exception.
+                    body_error = exc
+                    coordinator._close(cancel=True)
+                else:
+                    if config.shutdown == "drain":
+                        await coordinator._idle.wait()
+                    coordinator._close(cancel=config.shutdown == "cancel")
+        if start_error is not None:
+            raise start_error
+        if coordinator._death is not None:
+            raise EngineDead(
+                f"every replica died; the last: {coordinator._death}"
+            ) from coordinator._death
+        if body_error is not None:
+            raise body_error
+
+    def _make_replica(
+        self,
+        index: int,
+        placement: str,
+        model: str | None,
+        options: dict[str, Any],
+        grace_period: float,
+    ) -> Replica:
+        if placement == "local":
+            return LocalReplica(index, self, model, options)
+        start = Start(model, options)
+        if placement == "process":
+            from twostroke.engine.coordinator.process import ProcessReplica
+
+            return ProcessReplica(index, self, start, grace_period=grace_period)
+        from twostroke.engine.coordinator.ray import RayReplica
+
+        return RayReplica(index, self, start, grace_period=grace_period)
+
+    async def _wait_started(self) -> BaseException | None:
+        """Wait until every replica serves; the first start error, if any."""
+        for state in self._replicas:
+            await state.replica.ready.wait()
+        for state in self._replicas:
+            if state.replica.start_error is not None:
+                return state.replica.start_error
+        self._model_name = self._replicas[0].replica.model_name
+        return None
+
+    def _close(self, *, cancel: bool) -> None:
+        """No new work; end open requests with ``EngineClosed`` if ``cancel``; stop replicas."""
+        self._closing = True
+        if cancel:
+            for relayed in list(self._open.values()):
+                error = EngineClosed(
+                    f"the coordinator closed before request {relayed.request_id} finished"
+                )
+                self._end(relayed, None, error)
+        for state in self._replicas:
+            if state.failure is None:
+                state.replica.close(cancel=cancel)
+
+    # --- the engine surface ---------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        """The name the replicas serve their model under."""
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output a request may have (the smallest replica's)."""
+        lengths = [s.replica.max_model_len for s in self._replicas if s.failure is None]
+        return min(lengths) if lengths else 0
+
+    @property
+    def placement(self) -> str:
+        return self._placement
+
+    def check_health(self) -> None:
+        """Return if the coordinator takes work.
+
+        Raises:
+            EngineDead: every replica died (``__cause__`` is the last failure).
+            EngineClosed: the ``async with`` block was left.
+        """
+        if self._death is not None:
+            raise EngineDead(f"every replica died; the last: {self._death}") from self._death
+        if self._closing:
+            raise EngineClosed("the coordinator is closed: its async with block was left")
+
+    def submit(self, prompt: WirePrompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Route a request to a replica and return its handle at once.
+
+        What is checked here depends on the placement. The coordinator has no tokenizer,
+        so it checks only the prompt's shape and the parameters' type; a ``"local"``
+        replica then tokenizes at once, so a too-long request raises
+        :class:`RequestRejected` right here, as with a bare engine. A ``"process"`` or
+        ``"ray"`` replica answers later: its verdict (``RequestRejected``, or
+        ``ValueError`` for a token id outside the vocabulary) is raised by the handle's
+        :meth:`~RequestHandle.result` and :meth:`~RequestHandle.next_delta`, and by
+        :meth:`generate` and :meth:`stream`, which wait for it — so those two raise exactly
+        as a bare engine's do, with every placement. ``handle.prompt_token_ids`` is ``()``
+        until the replica has tokenized the prompt.
+
+        Raises:
+            TypeError, ValueError: a malformed prompt or parameters (nothing is queued).
+            RequestRejected: (``"local"``) the request can never fit.
+            EngineClosed, EngineDead: the coordinator no longer takes work.
+        """
+        self.check_health()
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        wire = wire_prompt(prompt)
+        request_id = next(self._ids)
+        handle = RequestHandle(request_id, (), self._cancel)
+        relayed = _Relayed(
+            request_id=request_id,
+            prompt=wire,
+            params=params,
+            handle=handle,
+            replica=-1,
+            arrival_time=anyio.current_time(),
+        )
+        self._open[request_id] = relayed
+        try:
+            self._send(relayed)
+        except BaseException:
+            del self._open[request_id]
+            raise
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        return handle
+
+    def _send(self, relayed: _Relayed) -> None:
+        """Route ``relayed`` and hand it to its replica; undone if the replica refuses."""
+        request_id = relayed.request_id
+        wire = relayed.prompt
+        known = relayed.handle.prompt_token_ids
+        estimate = len(known) if known else estimate_prompt_tokens(wire)
+        index = self._router.route(
+            request_id, routing_key(wire), estimate, relayed.params.max_tokens
+        )
+        state = self._replicas[index]
+        try:
+            prompt_token_ids = state.replica.add(request_id, wire, relayed.params)
+        except BaseException:
+            self._router.release(request_id)
+            raise
+        relayed.replica = index
+        if state.num_open == 0:
+            state.progress_time = anyio.current_time()
+        state.num_open += 1
+        if prompt_token_ids is not None:
+            self.accepted(index, request_id, prompt_token_ids)
+
+    async def generate(
+        self, prompt: WirePrompt, params: SamplingParams | None = None
+    ) -> RequestOutput:
+        """Generate a complete output; cancelling the caller cancels the request.
+
+        Raises:
+            RequestFailed: a step of this request failed in its replica.
+            ReplicaFailed: its replica died after it had produced tokens (or twice).
+            EngineDead, EngineClosed: the coordinator stopped before the request finished.
+            TypeError, ValueError, RequestRejected: bad input (nothing was generated).
+        """
+        await anyio.lowlevel.checkpoint()
+        handle = self.submit(prompt, params)
+        try:
+            return await handle.result()
+        finally:
+            handle.cancel()
+
+    @asynccontextmanager
+    async def stream(
+        self, prompt: WirePrompt, params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestHandle]:
+        """Stream a request's deltas; leaving the block early cancels the request.
+
+        Entering waits for the replica's verdict, so a rejected request raises here.
+
+        Raises:
+            TypeError, ValueError, RequestRejected: bad input (nothing was queued).
+            EngineClosed, EngineDead: the coordinator no longer takes work.
+        """
+        await anyio.lowlevel.checkpoint()
+        handle = self.submit(prompt, params)
+        try:
+            relayed = self._open.get(handle.request_id)
+            if relayed is not None:
+                await relayed.verdict.wait()
+            error = handle._error
+            if isinstance(error, TypeError | ValueError):  # RequestRejected is a ValueError
+                raise error
+            yield handle
+        finally:
+            handle.cancel()
+
+    async def tokenize(self, prompt: WirePrompt) -> list[int]:
+        """The token ids a replica computes for ``prompt`` (it holds the tokenizer).
+
+        Raises:
+            TypeError, ValueError: a malformed prompt.
+            EngineDead, EngineClosed: no replica to ask.
+        """
+        await anyio.lowlevel.checkpoint()
+        wire = wire_prompt(prompt)
+        result: list[int] = await self._any_replica().call("tokenize", wire)
+        return list(result)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text a replica decodes from ``token_ids``.
+
+        Raises:
+            TypeError, ValueError: not a sequence of ids in the vocabulary.
+            EngineDead, EngineClosed: no replica to ask.
+        """
+        await anyio.lowlevel.checkpoint()
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        text: str = await self._any_replica().call("detokenize", list(token_ids))
+        return text
+
+    def _any_replica(self) -> Replica:
+        self.check_health()
+        for state in self._replicas:
+            if state.failure is None:
+                return state.replica
+        raise AssertionError("a healthy coordinator has a live replica")  # pragma: no cover
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is open here and no step is in flight in any replica.
+
+        Also refreshes every live replica's statistics. Always a checkpoint.
+        """
+        await anyio.lowlevel.checkpoint()
+        while True:
+            await self._idle.wait()
+            for state in self._replicas:
+                if state.failure is None:
+                    # A replica that died or stopped meanwhile has nothing in flight.
+                    with contextlib.suppress(ReplicaFailed, EngineClosed):
+                        await state.replica.call("wait_idle", None)
+            if self._idle.is_set():
+                return
+
+    def statistics(self) -> CoordinatorStatistics:
+        """Totals over the live replicas, the coordinator's open count, and each replica."""
+        now = anyio.current_time()
+        entries = []
+        totals: dict[str, float] = {}
+        for index, state in enumerate(self._replicas):
+            engine = state.replica.statistics()
+            alive = state.failure is None
+            if engine is not None and engine.num_steps != state.steps_seen:
+                state.steps_seen = engine.num_steps
+                state.progress_time = now
+            stalled = state.num_open > 0 and now - state.progress_time > self._unhealthy_after
+            if alive and engine is not None:
+                for name, value in attrs.asdict(engine).items():
+                    totals[name] = totals.get(name, 0) + value
+            entries.append(
+                ReplicaStatistics(
+                    index=index,
+                    placement=self._placement,
+                    alive=alive,
+                    healthy=alive and not stalled,
+                    pid=state.replica.pid,
+                    num_open_requests=state.num_open,
+                    load_tokens=self._router.load(index),
+                    engine=engine,
+                    failure=None if state.failure is None else str(state.failure),
+                )
+            )
+        fields = {f.name: f.type for f in attrs.fields(EngineStatistics)}
+        values: dict[str, Any] = {
+            name: (float if kind in (float, "float") else int)(totals.get(name, 0))
+            for name, kind in fields.items()
+        }
+        values["num_open_requests"] = len(self._open)
+        return CoordinatorStatistics(
+            **values,
+            num_replicas_alive=sum(1 for s in self._replicas if s.failure is None),
+            num_resubmitted=self._num_resubmitted,
+            replicas=tuple(entries),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the coordinator's and the router's books disagree."""
+        self._router.check_invariants()
+        for request_id, relayed in self._open.items():
+            assert not relayed.handle.done(), f"request {request_id} is done but still open"
+            assert self._router.replica_of(request_id) == relayed.replica, relayed
+        for index, state in enumerate(self._replicas):
+            count = sum(1 for r in self._open.values() if r.replica == index)
+            assert state.num_open == count, f"replica {index}: {state.num_open} != {count}"
+        if self._idle.is_set():
+            assert not self._open, "idle, yet requests are open"
+
+    def __repr__(self) -> str:
+        alive = sum(1 for s in self._replicas if s.failure is None)
+        return (
+            f"<Coordinator {self._model_name!r} {self._placement} "
+            f"{alive}/{len(self._replicas)} replicas alive, {len(self._open)} open>"
+        )
+
+    # --- what the replicas report (the Relay protocol) ----------------------------------
+
+    def _relayed(self, replica: int, request_id: int) -> _Relayed | None:
+        """The open request, if ``replica`` still serves it (else the report is stale)."""
+        relayed = self._open.get(request_id)
+        if relayed is None or relayed.replica != replica:
+            return None
+        return relayed
+
+    def accepted(self, replica: int, request_id: int, prompt_token_ids: tuple[int, ...]) -> None:
+        relayed = self._relayed(replica, request_id)
+        if relayed is None:
+            return
+        relayed.handle.prompt_token_ids = prompt_token_ids
+        self._router.set_prompt_tokens(request_id, len(prompt_token_ids))
+        relayed.verdict.set()
+
+    def delta(self, replica: int, request_id: int, delta: Delta) -> None:
+        relayed = self._relayed(replica, request_id)
+        if relayed is None:
+            return
+        count = len(delta.token_ids)
+        if count:
+            if relayed.first_token_time is None:
+                relayed.first_token_time = anyio.current_time()
+            relayed.num_tokens += count
+            self._router.progress(request_id, count)
+        relayed.handle._deliver(
+            Delta(request_id, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason)
+        )
+
+    def finished(self, replica: int, request_id: int, ending: Ending) -> None:
+        relayed = self._relayed(replica, request_id)
+        if relayed is None:
+            return
+        now = anyio.current_time()
+        num_output = len(ending.token_ids)
+        ttft = None
+        if relayed.first_token_time is not None:
+            ttft = relayed.first_token_time - relayed.arrival_time
+        e2e = now - relayed.arrival_time
+        tpot = None
+        if ttft is not None and num_output > 1:
+            tpot = (e2e - ttft) / (num_output - 1)
+        output = RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=relayed.handle.prompt_token_ids,
+            token_ids=ending.token_ids,
+            text=ending.text,
+            finish_reason=ending.finish_reason,
+            usage=Usage(ending.prompt_tokens, num_output),
+            metrics=RequestMetrics(
+                queue_time=ending.queue_time,
+                ttft=ttft,
+                tpot=tpot,
+                e2e=e2e,
+                num_preemptions=ending.num_preemptions,
+            ),
+            logprobs=ending.logprobs,
+        )
+        self._end(relayed, output, None)
+
+    def failed(self, replica: int, request_id: int, error: BaseException) -> None:
+        relayed = self._relayed(replica, request_id)
+        if relayed is None:
+            return
+        if isinstance(error, EngineDead | EngineClosed) and not self._closing:
+            # The replica is going away under this request: treat it as the replica's death.
+            self.replica_failed(replica, error)
+            return
+        self._end(relayed, None, error)
+
+    def replica_failed(self, replica: int, cause: BaseException) -> None:
+        state = self._replicas[replica]
+        if state.failure is not None:
+            return
+        state.failure = cause
+        orphans = self._router.remove_replica(replica)
+        for request_id in orphans:
+            relayed = self._open[request_id]
+            state.num_open -= 1
+            retry = not relayed.num_tokens and not relayed.resubmitted and not self._closing
+            if retry and self._router.live_replicas:
+                relayed.resubmitted = True
+                self._num_resubmitted += 1
+                try:
+                    self._send(relayed)
+                except Exception as exc:
+                    self._end(relayed, None, exc, counted=False)
+                continue
+            error = ReplicaFailed(replica, str(cause), request_id=request_id)
+            error.__cause__ = cause
+            self._end(relayed, None, error, counted=False)
+        if not self._router.live_replicas and not self._closing:
+            self._death = cause
+            if self._task_group is not None:
+                self._task_group.cancel_scope.cancel()
+
+    def _end(
+        self,
+        relayed: _Relayed,
+        output: RequestOutput | None,
+        error: BaseException | None,
+        *,
+        counted: bool = True,
+    ) -> None:
+        request_id = relayed.request_id
+        del self._open[request_id]
+        self._router.release(request_id)
+        if counted and relayed.replica >= 0:
+            self._replicas[relayed.replica].num_open -= 1
+        relayed.verdict.set()
+        relayed.handle._finish(output, error)
+        if not self._open:
+            self._idle.set()
+
+    def _cancel(self, request_id: int) -> None:
+        relayed = self._open.get(request_id)
+        if relayed is None:
+            return
+        state = self._replicas[relayed.replica]
+        if state.failure is None and state.replica.cancel(request_id):
+            self._end(relayed, None, RequestCancelled(request_id))
+
+
+def _split_threads(replicas: int) -> int:
+    """torch threads per replica process: the cores but one, shared out, at least one."""
+    return max(1, ((os.cpu_count() or 1) - 1) // replicas)

@@ -1,0 +1,348 @@
+"""The wire between the coordinator and a replica: msgpack frames with a length prefix.
+
+Every frame is a 4-byte big-endian length followed by that many bytes of msgpack, encoded
+from one of the :mod:`msgspec` structs below (tagged, array-like: compact and fast). The same
+frames go over a child process's stdin/stdout and over a TCP connection to a Ray actor; they
+need no ports, no broker and no event loop of a particular kind.
+
+The coordinator sends :data:`ToReplica` frames and receives :data:`FromReplica` frames. A
+malformed frame (bad msgpack, an unknown tag, a field of the wrong type, a length over
+:data:`MAX_FRAME_BYTES`) and a stream that ends inside a frame raise :class:`FrameError` with
+what was wrong: the coordinator treats it as a replica failure, never a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeAlias, TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+
+from twostroke.engine.errors import EngineError
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "Accepted",
+    "Add",
+    "Call",
+    "Cancel",
+    "DeltaItem",
+    "Deltas",
+    "Failed",
+    "Finished",
+    "FrameDecoder",
+    "FrameError",
+    "FrameReader",
+    "FromReplica",
+    "Ready",
+    "Rejected",
+    "Reply",
+    "Shutdown",
+    "Start",
+    "StartFailed",
+    "Stats",
+    "ToReplica",
+    "WirePrompt",
+    "encode_frame",
+    "routing_key",
+    "wire_prompt",
+]
+
+#: The largest frame either side accepts (a frame announcing more is malformed).
+MAX_FRAME_BYTES = 64 << 20
+_HEADER = struct.Struct(">I")
+
+#: A prompt on the wire: text, or a list of token ids or of chat messages.
+WirePrompt: TypeAlias = str | list[int | dict[str, Any]]
+#: One token's log-probabilities: the token id, its logprob, the top alternatives.
+WireLogprobs: TypeAlias = tuple[int, float, list[tuple[int, float]]]
+
+
+class FrameError(EngineError):
+    """A frame from the other side is malformed or truncated (names what was wrong)."""
+
+
+# --- coordinator → replica -------------------------------------------------------------
+
+
+class Start(msgspec.Struct, tag="start", array_like=True):
+    """The first frame: which model to open and the engine's options."""
+
+    model: str | None
+    options: dict[str, Any]
+
+
+class Add(msgspec.Struct, tag="add", array_like=True):
+    request_id: int
+    prompt: WirePrompt
+    params: dict[str, Any]
+
+
+class Cancel(msgspec.Struct, tag="cancel", array_like=True):
+    request_id: int
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    """Ask the replica's engine something: ``tokenize``, ``detokenize`` or ``wait_idle``."""
+
+    call_id: int
+    method: str
+    argument: Any
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Close the engine (cancelling open requests if ``cancel``) and exit."""
+
+    cancel: bool
+
+
+ToReplica: TypeAlias = Start | Add | Cancel | Call | Shutdown
+
+
+# --- replica → coordinator -------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    pid: int
+    model_name: str
+    max_model_len: int
+
+
+class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
+    kind: str
+    message: str
+
+
+class Accepted(msgspec.Struct, tag="accepted", array_like=True):
+    request_id: int
+    prompt_token_ids: list[int]
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    """``submit`` raised: ``kind`` is ``RequestRejected``, ``TypeError`` or ``ValueError``."""
+
+    request_id: int
+    kind: str
+    message: str
+
+
+class DeltaItem(msgspec.Struct, array_like=True):
+    request_id: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[WireLogprobs] | None
+    finish_reason: str | None
+
+
+class Deltas(msgspec.Struct, tag="deltas", array_like=True):
+    """Every request's new output since the last frame (one item per request, coalesced)."""
+
+    items: list[DeltaItem]
+
+
+class Finished(msgspec.Struct, tag="finished", array_like=True):
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    queue_time: float | None
+    num_preemptions: int
+    logprobs: list[WireLogprobs] | None
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    """The request ended with an error: ``RequestFailed``, ``RequestCancelled``,
+    ``EngineClosed`` or ``EngineDead``."""
+
+    request_id: int
+    kind: str
+    message: str
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True):
+    """The answer to a :class:`Call`; ``kind`` names the exception it raised, if any."""
+
+    call_id: int
+    value: Any
+    kind: str | None
+    message: str
+
+
+class Stats(msgspec.Struct, tag="stats", array_like=True):
+    """A snapshot of the replica's ``EngineStatistics`` (field name to value)."""
+
+    values: dict[str, int | float]
+
+
+FromReplica: TypeAlias = (
+    Ready | StartFailed | Accepted | Rejected | Deltas | Finished | Failed | Reply | Stats
+)
+
+
+# --- the codec -------------------------------------------------------------------------
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_frame(frame: msgspec.Struct) -> bytes:
+    """One frame: its length, then its msgpack.
+
+    Raises:
+        TypeError: a field holds a value msgpack cannot carry.
+    """
+    body = _ENCODER.encode(frame)
+    return _HEADER.pack(len(body)) + body
+
+
+T = TypeVar("T")
+
+
+class FrameDecoder(Generic[T]):
+    """Splits a byte stream into frames of type ``T``, however the bytes were chunked.
+
+    Args:
+        frame_type: :data:`ToReplica` or :data:`FromReplica`.
+        peer: Who sends the bytes, for error messages (``"replica 1"``).
+    """
+
+    def __init__(self, frame_type: Any, peer: str) -> None:
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(frame_type)
+        self._peer = peer
+        self._buffer = bytearray()
+        self._frames = 0
+
+    def feed(self, data: bytes) -> list[T]:
+        """The complete frames that ``data`` finishes (a partial one waits for more).
+
+        Raises:
+            FrameError: a frame is malformed, or announces more than ``MAX_FRAME_BYTES``.
+        """
+        buffer = self._buffer
+        buffer += data
+        frames: list[T] = []
+        start = 0
+        while len(buffer) - start >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(buffer, start)
+            if length > MAX_FRAME_BYTES:
+                raise FrameError(
+                    f"malformed frame {self._frames} from {self._peer}: it announces "
+                    f"{length} bytes, more than the limit of {MAX_FRAME_BYTES}"
+                )
+            end = start + _HEADER.size + length
+            if len(buffer) < end:
+                break
+            body = bytes(buffer[start + _HEADER.size : end])
+            try:
+                frames.append(self._decoder.decode(body))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise FrameError(
+                    f"malformed frame {self._frames} from {self._peer} ({length} bytes): {exc}"
+                ) from exc
+            self._frames += 1
+            start = end
+        del buffer[:start]
+        return frames
+
+    def close(self) -> None:
+        """The stream ended: check it did not end inside a frame.
+
+        Raises:
+            FrameError: bytes of an unfinished frame are left.
+        """
+        if self._buffer:
+            have = len(self._buffer)
+            if have < _HEADER.size:
+                detail = f"{have} of the {_HEADER.size} bytes of its length"
+            else:
+                (length,) = _HEADER.unpack_from(self._buffer)
+                detail = f"{have - _HEADER.size} of its {length} bytes"
+            raise FrameError(
+                f"truncated frame {self._frames} from {self._peer}: the stream ended after {detail}"
+            )
+
+
+class FrameReader:
+    """The frames of a byte stream, as an async iterator (ends at the stream's end).
+
+    Raises (while iterating):
+        FrameError: a malformed frame, or the stream ended inside one.
+    """
+
+    def __init__(self, receive: anyio.abc.ByteReceiveStream, frame_type: Any, peer: str) -> None:
+        self._receive = receive
+        self._decoder: FrameDecoder[Any] = FrameDecoder(frame_type, peer)
+        self._ready: collections.deque[Any] = collections.deque()
+
+    def __aiter__(self) -> FrameReader:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self._ready:
+            try:
+                data = await self._receive.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._decoder.close()
+                raise StopAsyncIteration from None
+            self._ready.extend(self._decoder.feed(data))
+        return self._ready.popleft()
+
+
+# --- prompts on the wire ---------------------------------------------------------------
+
+
+def wire_prompt(prompt: object) -> WirePrompt:
+    """``prompt`` as it travels: checked for shape only (the replica tokenizes it).
+
+    The messages are those of the engine's own prompt check, so a bad prompt raises the same
+    error through the coordinator as through a bare engine.
+
+    Raises:
+        TypeError: neither text, token ids nor chat messages.
+        ValueError: empty.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty, got ''")
+        return prompt
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+        if len(prompt) == 0:
+            raise ValueError("prompt must not be empty, got an empty sequence")
+        if all(isinstance(item, Mapping) for item in prompt):
+            return [dict(item) for item in prompt]
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+            return list(prompt)
+        kinds = sorted({type(item).__name__ for item in prompt})
+        raise TypeError(
+            "prompt must be text, a sequence of token ids (int) or of chat messages "
+            f"(mappings), got a sequence of {', '.join(kinds)}"
+        )
+    raise TypeError(
+        "prompt must be text, a sequence of token ids or a list of chat messages, "
+        f"got {type(prompt).__name__}"
+    )
+
+
+def routing_key(prompt: WirePrompt) -> str | list[int]:
+    """What prefix affinity looks at: the text, the token ids, or the messages as text."""
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and isinstance(prompt[0], dict):
+        return "".join(
+            f"{message.get('role', '')}\x00{message.get('content', '')}\x01"
+            for message in prompt
+            if isinstance(message, dict)
+        )
+    return [item for item in prompt if isinstance(item, int)]
+
+
+def estimate_prompt_tokens(prompt: WirePrompt) -> int:
+    """A routing estimate before the replica tokenizes: ids counted, text at 4 bytes a token."""
+    key = routing_key(prompt)
+    if isinstance(key, str):
+        return len(key.encode("utf-8", errors="replace")) // 4 + 1
+    return len(key)

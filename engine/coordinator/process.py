@@ -1,0 +1,148 @@
+"""The ``process`` placement: one child process per replica on this machine.
+
+Each replica is ``python -m twostroke.engine.coordinator.replica``, started with
+:func:`anyio.open_process` and spoken to in frames over its stdin and stdout (no ports, the
+same on asyncio and trio). The supervisor task owns the child from start to reaping: it kills
+a child that failed at once, gives one that is shutting down ``grace_period`` seconds to exit
+before killing it, and always waits for it, also when cancelled, so that no child outlives
+the coordinator's ``async with`` block. The child's stderr is forwarded, line by line with a
+``[replica N]`` prefix, and its last lines go into the error if it dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import anyio
+import anyio.abc
+
+from twostroke.engine.coordinator.frames import Start
+from twostroke.engine.coordinator.replicas import Relay, RemoteReplica
+from twostroke.engine.errors import ReplicaFailed
+
+__all__ = ["ProcessReplica", "replica_command"]
+
+_STDERR_LINES = 20
+
+
+def current_backend() -> str:
+    """``"trio"`` inside a trio run, else ``"asyncio"`` (anyio's two backends)."""
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_run():
+        return "trio"
+    return "asyncio"
+
+
+def replica_command(backend: str | None = None) -> list[str]:
+    """The command line of a replica child on this event loop's backend."""
+    backend = backend or current_backend()
+    return [sys.executable, "-m", "twostroke.engine.coordinator.replica", "--backend", backend]
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "no exit status"
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+class ProcessReplica(RemoteReplica):
+    """A replica in a child process.
+
+    Args:
+        index: The replica's index.
+        relay: The coordinator.
+        start: The first frame (model and engine options).
+        grace_period: Seconds a child that was told to shut down may take to exit.
+        command: The child's command line (default: :func:`replica_command`).
+    """
+
+    placement = "process"
+
+    def __init__(
+        self,
+        index: int,
+        relay: Relay,
+        start: Start,
+        *,
+        grace_period: float,
+        command: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(index, relay, start)
+        self._grace_period = grace_period
+        self._command = list(command) if command is not None else None
+
+    async def run(self) -> None:
+        command = self._command or replica_command()
+        try:
+            process = await anyio.open_process(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        except OSError as exc:
+            self._start_error = ReplicaFailed(self.index, f"its process could not start: {exc!r}")
+            self._ready.set()
+            return
+        self.pid = process.pid
+        tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
+        cause: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as task_group:
+                assert process.stdout is not None and process.stdin is not None
+                task_group.start_soon(self._forward_stderr, process, tail)
+                cause = await self.serve(process.stdout, process.stdin)
+                failed = cause is not None or self._start_error is not None
+                await _reap(process, 0 if failed else self._grace_period)
+                task_group.cancel_scope.cancel()
+        finally:
+            await _reap(process, self._grace_period)
+        if cause is None and self._start_error is None:
+            return
+        detail = f"its process {process.pid} ended with {describe_exit(process.returncode)}"
+        if tail:
+            detail += "; its last output:\n" + "\n".join(tail)
+        if self._start_error is not None:
+            error = ReplicaFailed(self.index, f"{self._start_error}; {detail}")
+            error.__cause__ = self._start_error
+            self._start_error = error
+            return
+        assert cause is not None
+        error = ReplicaFailed(self.index, f"{cause}; {detail}")
+        error.__cause__ = cause
+        self.fail(error)
+
+    async def _forward_stderr(
+        self, process: anyio.abc.Process, tail: collections.deque[str]
+    ) -> None:
+        assert process.stderr is not None
+        pending = b""
+        async for chunk in process.stderr:
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.decode("utf-8", errors="replace")
+                tail.append(line)
+                print(f"[replica {self.index}] {line}", file=sys.stderr)
+        if pending:
+            tail.append(pending.decode("utf-8", errors="replace"))
+
+
+async def _reap(process: anyio.abc.Process, grace_period: float) -> None:
+    """Close the child's input, give it ``grace_period`` seconds, kill it, wait for it."""
+    with anyio.CancelScope(shield=True):
+        if process.stdin is not None:
+            with contextlib.suppress(Exception):
+                await process.stdin.aclose()
+        if process.returncode is None:
+            with anyio.move_on_after(grace_period):
+                await process.wait()
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        await process.aclose()  # waits for it and closes its pipes

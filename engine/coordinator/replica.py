@@ -1,0 +1,381 @@
+"""One engine replica behind the frame protocol: a child process, or the body of a Ray actor.
+
+``python -m twostroke.engine.coordinator.replica [--backend asyncio|trio]`` reads
+:data:`~.frames.ToReplica` frames on stdin and writes :data:`~.frames.FromReplica` frames on
+stdout (anything else the process prints goes to stderr: stdout is dup'ed away first). The
+first frame, :class:`~.frames.Start`, names the model and the engine's options; the replica
+opens its :class:`~twostroke.engine.engine.Engine` and answers :class:`~.frames.Ready` (or
+:class:`~.frames.StartFailed`).
+
+Everything model-specific happens here, never in the coordinator: tokenizing the prompt as
+given (text, token ids or chat messages), checking its length, detokenizing incrementally and
+matching stop strings. Output leaves as coalesced deltas: the engine's handles relay into one
+pending delta per request (:meth:`RequestHandle._relay_to`), and a writer task sends every
+pending delta in one frame whenever the pipe can take it, so a slow coordinator receives
+bigger deltas, never a growing queue.
+
+Ordering is the pipe's: a request's ``Accepted`` precedes its deltas, which precede its end.
+A ``Cancel`` for a request not seen yet (it overtook its ``Add``) is remembered and honoured
+when the ``Add`` arrives. End of input without ``Shutdown`` means the coordinator is gone:
+the replica cancels everything and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, cast
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import attrs
+
+from twostroke.engine.coordinator.frames import (
+    Accepted,
+    Add,
+    Call,
+    Cancel,
+    DeltaItem,
+    Deltas,
+    Failed,
+    Finished,
+    FrameError,
+    FrameReader,
+    Ready,
+    Rejected,
+    Reply,
+    Shutdown,
+    Start,
+    StartFailed,
+    Stats,
+    ToReplica,
+    WireLogprobs,
+    encode_frame,
+)
+from twostroke.engine.engine import Engine
+from twostroke.engine.errors import EngineError, RequestFailed
+from twostroke.engine.handle import RequestHandle
+from twostroke.engine.outputs import Delta, RequestOutput
+from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.states.params import SamplingParams
+
+__all__ = ["FdReceiveStream", "FdSendStream", "main", "serve"]
+
+#: How many ids of ended (or early-cancelled) requests a replica remembers, to tell a late
+#: cancel (ignored) from one that overtook its add (honoured).
+_REMEMBERED = 4096
+
+
+def wire_logprobs(entries: Sequence[TokenLogprobs] | None) -> list[WireLogprobs] | None:
+    if entries is None:
+        return None
+    return [(entry.token_id, entry.logprob, list(entry.top)) for entry in entries]
+
+
+def _reason(delta: Delta) -> str | None:
+    return None if delta.finish_reason is None else delta.finish_reason.value
+
+
+class _Bounded:
+    """A set of ids that forgets the oldest beyond a size."""
+
+    def __init__(self, size: int) -> None:
+        self._ids: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._size = size
+
+    def add(self, item: int) -> None:
+        self._ids[item] = None
+        if len(self._ids) > self._size:
+            self._ids.popitem(last=False)
+
+    def pop(self, item: int) -> bool:
+        """Remove ``item``; whether it was there."""
+        if item in self._ids:
+            del self._ids[item]
+            return True
+        return False
+
+    def __contains__(self, item: int) -> bool:
+        return item in self._ids
+
+
+class _Server:
+    """The replica's side of the protocol, around one open engine."""
+
+    def __init__(self, engine: Engine, send: anyio.abc.ByteSendStream) -> None:
+        self._engine = engine
+        self._send = send
+        self._handles: dict[int, RequestHandle] = {}
+        self._control: list[Any] = []
+        self._deltas: dict[int, Delta] = {}
+        self._ends: list[Finished | Failed] = []
+        self._wake = anyio.Event()
+        self._ended = _Bounded(_REMEMBERED)
+        self._cancelled_early = _Bounded(_REMEMBERED)
+        self._stopping = False
+        self._broken = False
+        self._stats_scope = anyio.CancelScope()
+
+    async def run(self, frames: FrameReader, stats_interval: float) -> None:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(self._writer)
+            task_group.start_soon(self._report_statistics, stats_interval)
+            cancel = True  # the coordinator vanished unless it says otherwise
+            async for frame in frames:
+                if isinstance(frame, Add):
+                    self._add(frame)
+                elif isinstance(frame, Cancel):
+                    self._cancel(frame.request_id)
+                elif isinstance(frame, Call):
+                    task_group.start_soon(self._call, frame)
+                elif isinstance(frame, Shutdown):
+                    cancel = frame.cancel
+                    break
+                else:
+                    raise FrameError(f"unexpected frame from the coordinator: {frame!r}")
+            if cancel:
+                for handle in list(self._handles.values()):
+                    handle.cancel()
+            await self._engine.wait_idle()
+            # The writer sends what is left and returns; the statistics task stops.
+            self._stopping = True
+            self._stats_scope.cancel()
+            self._wake.set()
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _add(self, frame: Add) -> None:
+        request_id = frame.request_id
+        if self._cancelled_early.pop(request_id):
+            self._ended.add(request_id)
+            message = f"request {request_id} was cancelled"
+            self._push_end(Failed(request_id, "RequestCancelled", message))
+            return
+        try:
+            params = SamplingParams(**frame.params)
+            # The engine checks the prompt's shape (its types are the engine's Prompt).
+            handle = self._engine.submit(cast(Any, frame.prompt), params)
+        except (EngineError, TypeError, ValueError) as exc:
+            self._ended.add(request_id)
+            self._push(Rejected(request_id, type(exc).__name__, str(exc)))
+            return
+        self._handles[request_id] = handle
+        handle._relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
+        self._push(Accepted(request_id, list(handle.prompt_token_ids)))
+
+    def _cancel(self, request_id: int) -> None:
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.cancel()
+        elif request_id not in self._ended:
+            self._cancelled_early.add(request_id)
+
+    def _on_delta(self, request_id: int, delta: Delta) -> None:
+        pending = self._deltas.get(request_id)
+        self._deltas[request_id] = delta if pending is None else pending.merge(delta)
+        self._wake.set()
+
+    def _on_end(
+        self, request_id: int, output: RequestOutput | None, error: BaseException | None
+    ) -> None:
+        del self._handles[request_id]
+        self._ended.add(request_id)
+        if output is not None:
+            self._push_end(
+                Finished(
+                    request_id=request_id,
+                    token_ids=list(output.token_ids),
+                    text=output.text,
+                    finish_reason=output.finish_reason.value,
+                    prompt_tokens=output.usage.prompt_tokens,
+                    queue_time=output.metrics.queue_time,
+                    num_preemptions=output.metrics.num_preemptions,
+                    logprobs=wire_logprobs(output.logprobs),
+                )
+            )
+        else:
+            assert error is not None
+            message = str(error)
+            if isinstance(error, RequestFailed):  # the engine's id means nothing outside
+                message = message.removeprefix(f"request {error.request_id} failed: ")
+            self._push_end(Failed(request_id, type(error).__name__, message))
+
+    async def _call(self, frame: Call) -> None:
+        value: Any = None
+        try:
+            if frame.method == "tokenize":
+                value = await self._engine.tokenize(frame.argument)
+            elif frame.method == "detokenize":
+                value = await self._engine.detokenize(frame.argument)
+            elif frame.method == "wait_idle":
+                await self._engine.wait_idle()
+                value = attrs.asdict(self._engine.statistics())
+            else:
+                raise ValueError(f"unknown replica call {frame.method!r}")
+        except (EngineError, TypeError, ValueError) as exc:
+            self._push(Reply(frame.call_id, None, type(exc).__name__, str(exc)))
+        else:
+            self._push(Reply(frame.call_id, value, None, ""))
+
+    # --- output -------------------------------------------------------------------------
+
+    def _push(self, frame: Any) -> None:
+        if frame is not None:
+            self._control.append(frame)
+        self._wake.set()
+
+    def _push_end(self, frame: Finished | Failed) -> None:
+        self._ends.append(frame)
+        self._wake.set()
+
+    def _take(self) -> bytes:
+        """Everything pending, encoded: control frames, then deltas, then ends."""
+        chunks = [encode_frame(frame) for frame in self._control]
+        if self._deltas:
+            items = [
+                DeltaItem(
+                    request_id=request_id,
+                    text=delta.text,
+                    token_ids=list(delta.token_ids),
+                    logprobs=wire_logprobs(delta.logprobs),
+                    finish_reason=_reason(delta),
+                )
+                for request_id, delta in self._deltas.items()
+            ]
+            chunks.append(encode_frame(Deltas(items)))
+        chunks.extend(encode_frame(frame) for frame in self._ends)
+        self._control.clear()
+        self._deltas.clear()
+        self._ends.clear()
+        return b"".join(chunks)
+
+    async def _writer(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            data = self._take()
+            if data and not self._broken:
+                try:
+                    await self._send.send(data)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    self._broken = True  # the coordinator is gone: drain, send nothing
+            if self._stopping:
+                return
+
+    async def _report_statistics(self, interval: float) -> None:
+        last: dict[str, Any] | None = None
+        with self._stats_scope:
+            while True:
+                values = attrs.asdict(self._engine.statistics())
+                if values != last:
+                    self._push(Stats(values))
+                    last = values
+                await anyio.sleep(interval)
+
+
+async def serve(
+    receive: anyio.abc.ByteReceiveStream,
+    send: anyio.abc.ByteSendStream,
+    *,
+    stats_interval: float = 0.5,
+) -> None:
+    """Serve one coordinator over a pair of byte streams until it says ``Shutdown``.
+
+    Args:
+        receive: Where :data:`~.frames.ToReplica` frames arrive.
+        send: Where :data:`~.frames.FromReplica` frames go.
+        stats_interval: Seconds between statistics snapshots (sent only when changed).
+
+    Raises:
+        FrameError: the coordinator sent a malformed frame, or no ``Start`` first.
+        EngineDead: the engine died (every open request was told first).
+    """
+    frames = FrameReader(receive, ToReplica, "the coordinator")
+    start = await anext(frames, None)
+    if not isinstance(start, Start):
+        raise FrameError(f"the first frame from the coordinator must be Start, got {start!r}")
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            engine = await stack.enter_async_context(Engine.open(start.model, **start.options))
+        except Exception as exc:
+            await send.send(encode_frame(StartFailed(type(exc).__name__, str(exc))))
+            return
+        ready = Ready(os.getpid(), engine.model_name, engine.max_model_len)
+        await send.send(encode_frame(ready))
+        await _Server(engine, send).run(frames, stats_interval)
+
+
+# --- the child process ------------------------------------------------------------------
+
+
+class FdReceiveStream(anyio.abc.ByteReceiveStream):
+    """Bytes from a pipe's file descriptor, without threads (``anyio.wait_readable``)."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        while True:
+            try:
+                data = os.read(self._fd, max_bytes)
+            except BlockingIOError:
+                await anyio.wait_readable(self._fd)
+                continue
+            await anyio.lowlevel.checkpoint()
+            if not data:
+                raise anyio.EndOfStream
+            return data
+
+    async def aclose(self) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+class FdSendStream(anyio.abc.ByteSendStream):
+    """Bytes to a pipe's file descriptor, without threads (``anyio.wait_writable``)."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+
+    async def send(self, item: bytes) -> None:
+        view = memoryview(item)
+        while view:
+            try:
+                written = os.write(self._fd, view)
+            except BlockingIOError:
+                await anyio.wait_writable(self._fd)
+                continue
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise anyio.BrokenResourceError from exc
+            view = view[written:]
+        await anyio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        await anyio.lowlevel.checkpoint()
+
+
+async def _serve_stdio(frames_fd: int) -> None:
+    await serve(FdReceiveStream(0), FdSendStream(frames_fd))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one replica on stdin/stdout (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m twostroke.engine.coordinator.replica")
+    parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    args = parser.parse_args(argv)
+    frames_fd = os.dup(1)
+    os.dup2(2, 1)  # print() and stray library output must never corrupt the frames
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    anyio.run(_serve_stdio, frames_fd, backend=args.backend)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

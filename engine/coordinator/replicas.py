@@ -1,0 +1,522 @@
+"""The coordinator's side of a replica: what it asks of one, and what a replica reports back.
+
+A replica is driven through :class:`Replica` (add, cancel, call, close, and a supervisor
+``run``) and reports to a :class:`Relay` (the coordinator) with plain synchronous calls made
+on the event loop. :class:`LocalReplica` wraps an :class:`~twostroke.engine.engine.Engine` in
+this process; :class:`RemoteReplica` speaks the frame protocol over a pair of byte streams and
+is the base of the process and Ray placements.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, Protocol, cast
+
+import anyio
+import anyio.abc
+import attrs
+
+from twostroke.engine.coordinator.frames import (
+    Accepted,
+    Add,
+    Call,
+    Cancel,
+    Deltas,
+    Failed,
+    Finished,
+    FrameError,
+    FrameReader,
+    FromReplica,
+    Ready,
+    Rejected,
+    Reply,
+    Shutdown,
+    Start,
+    StartFailed,
+    Stats,
+    WireLogprobs,
+    WirePrompt,
+    encode_frame,
+)
+from twostroke.engine.engine import Engine, EngineStatistics
+from twostroke.engine.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineError,
+    ReplicaFailed,
+    RequestCancelled,
+    RequestFailed,
+    RequestRejected,
+)
+from twostroke.engine.handle import RequestHandle
+from twostroke.engine.outputs import Delta, RequestOutput
+from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.states.params import SamplingParams
+from twostroke.states.request import FinishReason
+
+__all__ = ["Ending", "LocalReplica", "Relay", "RemoteReplica", "Replica"]
+
+
+@attrs.frozen
+class Ending:
+    """How a request finished in its replica (the coordinator rebuilds the output)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    queue_time: float | None
+    num_preemptions: int
+    logprobs: tuple[TokenLogprobs, ...] | None
+
+
+class Relay(Protocol):
+    """What a replica reports; every call is synchronous, on the event loop."""
+
+    def accepted(self, replica: int, request_id: int, prompt_token_ids: tuple[int, ...]) -> None:
+        """The replica tokenized and queued the request."""
+
+    def delta(self, replica: int, request_id: int, delta: Delta) -> None:
+        """New output (``delta.request_id`` is the replica's own; ignore it)."""
+
+    def finished(self, replica: int, request_id: int, ending: Ending) -> None:
+        """The request finished."""
+
+    def failed(self, replica: int, request_id: int, error: BaseException) -> None:
+        """The request was rejected, cancelled or failed in the replica."""
+
+    def replica_failed(self, replica: int, cause: BaseException) -> None:
+        """The replica is gone; its open requests will never hear from it again."""
+
+
+class Replica(Protocol):
+    """One engine replica as the coordinator drives it."""
+
+    index: int
+    #: The process the replica runs in (``None`` in this process).
+    pid: int | None
+
+    async def run(self) -> None:
+        """The replica's supervisor task: start it, serve, stop it; never raises.
+
+        Sets :attr:`ready` once it serves (or failed to start: see :attr:`start_error`).
+        """
+
+    @property
+    def ready(self) -> anyio.Event: ...
+
+    @property
+    def start_error(self) -> BaseException | None: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    def add(
+        self, request_id: int, prompt: WirePrompt, params: SamplingParams
+    ) -> tuple[int, ...] | None:
+        """Queue a request; its prompt ids if known at once (local), else ``None``."""
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request; ``True`` if it never left the coordinator (it is gone now)."""
+
+    async def call(self, method: str, argument: Any) -> Any:
+        """``tokenize``, ``detokenize`` or ``wait_idle`` (which returns fresh statistics)."""
+
+    def close(self, *, cancel: bool) -> None:
+        """Stop once its requests have ended (cancelling them first if ``cancel``)."""
+
+    def statistics(self) -> EngineStatistics | None:
+        """The replica's engine statistics (the latest snapshot for a remote one)."""
+
+
+def _logprobs(entries: list[WireLogprobs] | None) -> tuple[TokenLogprobs, ...] | None:
+    if entries is None:
+        return None
+    return tuple(
+        TokenLogprobs(token_id, logprob, tuple((i, p) for i, p in top))
+        for token_id, logprob, top in entries
+    )
+
+
+# --- in this process --------------------------------------------------------------------
+
+
+class LocalReplica:
+    """An :class:`Engine` in the coordinator's own task group.
+
+    Args:
+        index: The replica's index.
+        relay: The coordinator.
+        model: As for :meth:`Engine.open`.
+        options: Keyword arguments of :meth:`Engine.open` (``runner``, ``device``, config).
+    """
+
+    pid: int | None = None
+
+    def __init__(self, index: int, relay: Relay, model: str | None, options: Mapping[str, Any]):
+        self.index = index
+        self._relay = relay
+        self._model = model
+        self._options = dict(options)
+        self._engine: Engine | None = None
+        self._handles: dict[int, RequestHandle] = {}
+        self._ready = anyio.Event()
+        self._start_error: BaseException | None = None
+        self._closed = anyio.Event()
+        self._max_model_len = 0
+        self._model_name = ""
+
+    @property
+    def ready(self) -> anyio.Event:
+        return self._ready
+
+    @property
+    def start_error(self) -> BaseException | None:
+        return self._start_error
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def engine(self) -> Engine | None:
+        """The replica's engine while it runs."""
+        return self._engine
+
+    async def run(self) -> None:
+        try:
+            async with Engine.open(self._model, **self._options) as engine:
+                self._engine = engine
+                self._max_model_len = engine.max_model_len
+                self._model_name = engine.model_name
+                self._ready.set()
+                await self._closed.wait()
+        except Exception as exc:
+            if not self._ready.is_set():
+                self._start_error = exc
+                self._ready.set()
+                return
+            self._relay.replica_failed(self.index, exc)
+        finally:
+            self._engine = None
+
+    def add(
+        self, request_id: int, prompt: WirePrompt, params: SamplingParams
+    ) -> tuple[int, ...] | None:
+        assert self._engine is not None
+        handle = self._engine.submit(cast(Any, prompt), params)  # the engine checks it
+        self._handles[request_id] = handle
+        handle._relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
+        return handle.prompt_token_ids
+
+    def cancel(self, request_id: int) -> bool:
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.cancel()
+        return False
+
+    async def call(self, method: str, argument: Any) -> Any:
+        engine = self._engine
+        if engine is None:
+            raise EngineClosed(f"replica {self.index} is not running")
+        if method == "tokenize":
+            return await engine.tokenize(argument)
+        if method == "detokenize":
+            return await engine.detokenize(argument)
+        assert method == "wait_idle", method
+        await engine.wait_idle()
+        return engine.statistics()
+
+    def close(self, *, cancel: bool) -> None:
+        if cancel:
+            for handle in list(self._handles.values()):
+                handle.cancel()
+        self._closed.set()
+
+    def statistics(self) -> EngineStatistics | None:
+        return None if self._engine is None else self._engine.statistics()
+
+    def _on_delta(self, request_id: int, delta: Delta) -> None:
+        self._relay.delta(self.index, request_id, delta)
+
+    def _on_end(
+        self, request_id: int, output: RequestOutput | None, error: BaseException | None
+    ) -> None:
+        del self._handles[request_id]
+        if output is None:
+            assert error is not None
+            if isinstance(error, EngineDead):
+                self._relay.replica_failed(self.index, error)
+            else:
+                self._relay.failed(self.index, request_id, _renumbered(error, request_id))
+            return
+        self._relay.finished(
+            self.index,
+            request_id,
+            Ending(
+                token_ids=output.token_ids,
+                text=output.text,
+                finish_reason=output.finish_reason,
+                prompt_tokens=output.usage.prompt_tokens,
+                queue_time=output.metrics.queue_time,
+                num_preemptions=output.metrics.num_preemptions,
+                logprobs=output.logprobs,
+            ),
+        )
+
+
+def _renumbered(error: BaseException, request_id: int) -> BaseException:
+    """A replica engine's request error, under the coordinator's request id."""
+    if isinstance(error, RequestCancelled):
+        return RequestCancelled(request_id)
+    if isinstance(error, RequestFailed):
+        message = str(error).removeprefix(f"request {error.request_id} failed: ")
+        renumbered = RequestFailed(request_id, message)
+        renumbered.__cause__ = error.__cause__
+        return renumbered
+    return error
+
+
+# --- over frames -------------------------------------------------------------------------
+
+#: Errors a replica may report by name, and how the coordinator raises them again.
+_SUBMIT_ERRORS: dict[str, type[Exception]] = {
+    "RequestRejected": RequestRejected,
+    "TypeError": TypeError,
+    "ValueError": ValueError,
+    "EngineClosed": EngineClosed,
+}
+
+
+def _request_error(replica: int, request_id: int, kind: str, message: str) -> BaseException:
+    """The coordinator's error for a request that ended with ``kind`` in its replica."""
+    if kind == "RequestCancelled":
+        return RequestCancelled(request_id)
+    if kind == "RequestFailed":
+        return RequestFailed(request_id, f"in replica {replica}: {message}")
+    error_type = _SUBMIT_ERRORS.get(kind)
+    if error_type is not None:
+        return error_type(message)
+    if kind == "EngineDead":
+        return EngineDead(message)
+    return EngineError(f"replica {replica}: {kind}: {message}")
+
+
+class RemoteReplica:
+    """A replica behind the frame protocol; subclasses open the byte streams.
+
+    Frames to the replica wait in an outbox that one writer task sends in batches, so that
+    ``add`` and ``cancel`` stay synchronous. An ``Add`` still in the outbox when its request
+    is cancelled is dropped there: the replica never hears of it.
+    """
+
+    placement = "remote"
+
+    def __init__(self, index: int, relay: Relay, start: Start) -> None:
+        self.index = index
+        self.pid: int | None = None
+        self._relay = relay
+        self._outbox: list[tuple[int | None, bytes]] = [(None, encode_frame(start))]
+        self._unsent: set[int] = set()
+        self._wake = anyio.Event()
+        self._wake.set()  # the Start frame waits in the outbox
+        self._ready = anyio.Event()
+        self._start_error: BaseException | None = None
+        self._max_model_len = 0
+        self._model_name = ""
+        self._stats: EngineStatistics | None = None
+        self._calls: dict[int, tuple[anyio.Event, list[Any]]] = {}
+        self._call_ids = itertools.count()
+        self._closing = False
+        self._gone: BaseException | None = None
+
+    @property
+    def ready(self) -> anyio.Event:
+        return self._ready
+
+    @property
+    def start_error(self) -> BaseException | None:
+        return self._start_error
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def add(
+        self, request_id: int, prompt: WirePrompt, params: SamplingParams
+    ) -> tuple[int, ...] | None:
+        frame = Add(request_id, prompt, attrs.asdict(params))
+        self._outbox.append((request_id, encode_frame(frame)))
+        self._unsent.add(request_id)
+        self._wake.set()
+        return None
+
+    def cancel(self, request_id: int) -> bool:
+        if request_id in self._unsent:
+            self._unsent.discard(request_id)
+            return True
+        self._send(encode_frame(Cancel(request_id)))
+        return False
+
+    async def call(self, method: str, argument: Any) -> Any:
+        if self._gone is not None:
+            raise ReplicaFailed(self.index, str(self._gone)) from self._gone
+        call_id = next(self._call_ids)
+        done = anyio.Event()
+        answer: list[Any] = []
+        self._calls[call_id] = (done, answer)
+        self._send(encode_frame(Call(call_id, method, argument)))
+        try:
+            await done.wait()
+        finally:
+            self._calls.pop(call_id, None)
+        reply = answer[0]
+        if isinstance(reply, BaseException):
+            raise reply
+        assert isinstance(reply, Reply)
+        if reply.kind is not None:
+            error_type = _SUBMIT_ERRORS.get(reply.kind, EngineError)
+            raise error_type(reply.message)
+        if method == "wait_idle":
+            self._stats = EngineStatistics(**reply.value)
+            return self._stats
+        return reply.value
+
+    def close(self, *, cancel: bool) -> None:
+        if not self._closing:
+            self._closing = True
+            self._send(encode_frame(Shutdown(cancel)))
+
+    def statistics(self) -> EngineStatistics | None:
+        return self._stats
+
+    def _send(self, data: bytes) -> None:
+        self._outbox.append((None, data))
+        self._wake.set()
+
+    # --- the supervisor's halves ----------------------------------------------------------
+
+    async def serve(
+        self, receive: anyio.abc.ByteReceiveStream, send: anyio.abc.ByteSendStream
+    ) -> BaseException | None:
+        """Exchange frames until the replica's output ends.
+
+        Returns:
+            ``None`` after an orderly shutdown, else why the replica is gone (a startup
+            failure is stored in :attr:`start_error` instead).
+        """
+        frames = FrameReader(receive, FromReplica, f"replica {self.index}")
+        cause: BaseException | None = None
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(self._writer, send, task_group.cancel_scope)
+            try:
+                async for frame in frames:
+                    self._dispatch(frame)
+                if not self._closing or not self._ready.is_set():
+                    cause = EOFError(f"replica {self.index} closed its output unexpectedly")
+            except (FrameError, anyio.BrokenResourceError, OSError) as exc:
+                cause = exc
+            task_group.cancel_scope.cancel()
+        if self._gone is not None:  # the writer failed first
+            cause = self._gone
+        if self._start_error is not None:
+            return None
+        if not self._ready.is_set():
+            self._start_error = cause
+            self._ready.set()
+            return None
+        return cause
+
+    def fail(self, cause: BaseException) -> None:
+        """The replica is gone: fail its pending calls and tell the coordinator."""
+        if self._gone is None:
+            self._gone = cause
+        for done, answer in self._calls.values():
+            answer.append(ReplicaFailed(self.index, str(cause)))
+            done.set()
+        self._relay.replica_failed(self.index, cause)
+
+    async def _writer(self, send: anyio.abc.ByteSendStream, scope: anyio.CancelScope) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                batch, self._outbox = self._outbox, []
+                chunks = []
+                for request_id, data in batch:
+                    if request_id is not None:
+                        if request_id not in self._unsent:
+                            continue  # cancelled before it was sent
+                        self._unsent.discard(request_id)
+                    chunks.append(data)
+                if chunks:
+                    await send.send(b"".join(chunks))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            if not self._closing:
+                self._gone = exc
+                scope.cancel()
+
+    def _dispatch(self, frame: Any) -> None:
+        relay, index = self._relay, self.index
+        if isinstance(frame, Deltas):
+            for item in frame.items:
+                reason = item.finish_reason
+                relay.delta(
+                    index,
+                    item.request_id,
+                    Delta(
+                        item.request_id,
+                        item.text,
+                        tuple(item.token_ids),
+                        _logprobs(item.logprobs),
+                        None if reason is None else FinishReason(reason),
+                    ),
+                )
+        elif isinstance(frame, Accepted):
+            relay.accepted(index, frame.request_id, tuple(frame.prompt_token_ids))
+        elif isinstance(frame, Finished):
+            ending = Ending(
+                token_ids=tuple(frame.token_ids),
+                text=frame.text,
+                finish_reason=FinishReason(frame.finish_reason),
+                prompt_tokens=frame.prompt_tokens,
+                queue_time=frame.queue_time,
+                num_preemptions=frame.num_preemptions,
+                logprobs=_logprobs(frame.logprobs),
+            )
+            relay.finished(index, frame.request_id, ending)
+        elif isinstance(frame, Failed | Rejected):
+            error = _request_error(index, frame.request_id, frame.kind, frame.message)
+            relay.failed(index, frame.request_id, error)
+        elif isinstance(frame, Stats):
+            self._stats = EngineStatistics(**cast(dict[str, Any], frame.values))
+        elif isinstance(frame, Reply):
+            pending = self._calls.get(frame.call_id)
+            if pending is not None:
+                pending[1].append(frame)
+                pending[0].set()
+        elif isinstance(frame, Ready) and not self._ready.is_set():
+            self.pid = frame.pid
+            self._max_model_len = frame.max_model_len
+            self._model_name = frame.model_name
+            self._ready.set()
+        elif isinstance(frame, StartFailed) and not self._ready.is_set():
+            self._start_error = ReplicaFailed(
+                self.index, f"it could not start: {frame.kind}: {frame.message}"
+            )
+            self._ready.set()
+        else:
+            raise FrameError(f"unexpected frame from replica {index}: {frame!r}")
