@@ -23,6 +23,7 @@ import attrs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from twostroke.engine.bench.http_peer import parse_endpoint
 from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
 from twostroke.engine.bench.metrics import SystemResult, metrics
 from twostroke.engine.bench.model import DTYPES, ModelSpec
@@ -260,6 +261,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-slo", type=float, default=None, help="goodput TPOT target, ms")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="an OpenAI-compatible server to measure over HTTP (twostroke serve, vllm serve); "
+        "repeatable; alone, only the endpoints run",
+    )
+    parser.add_argument("--endpoint-api-key", default=None, help="Bearer key for --endpoint")
 
 
 def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
@@ -299,7 +309,12 @@ def bench_command(
         if not console.is_terminal:
             # Piped into a file or a CI log: rich would assume 80 columns and fold the table.
             console = Console(width=150)
-    drivers = [*engine_drivers, *peer_drivers(args)]
+    endpoints = [
+        attrs.evolve(parse_endpoint(spec), api_key=args.endpoint_api_key) for spec in args.endpoint
+    ]
+    drivers: list[SystemDriver] = [*engine_drivers, *peer_drivers(args), *endpoints]
+    if endpoints and not args.systems:
+        drivers = [*endpoints]
     if args.systems:
         wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
         known = {driver.name: driver for driver in drivers}

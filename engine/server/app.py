@@ -11,6 +11,7 @@ With an API key, every route wants ``Authorization: Bearer <key>`` except ``/hea
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
@@ -73,7 +74,8 @@ class _Endpoint:
             if error.status >= 500 and not isinstance(exc, EngineError):
                 logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
             if not started:
-                await send_json(tracked_send, error.status, error.body())
+                with contextlib.suppress(OSError):  # a client that left gets no answer
+                    await send_json(tracked_send, error.status, error.body())
 
     def _authenticate(self, request: Request) -> None:
         if self._api_key is None:
@@ -164,7 +166,11 @@ class _OpenAI:
             disconnected, outputs = await until_disconnect(receive, generation.collect)
             if disconnected or outputs is None:
                 return
-            await send_json(send, 200, await generation.response(outputs))
+            body = await generation.response(outputs)
+            try:
+                await send_json(send, 200, body)
+            except OSError as exc:  # the client left between the answer and its sending
+                raise Disconnected from exc
         finally:
             await generation.settle()
 
