@@ -34,6 +34,7 @@ import torch
 
 from twostroke.engine.models.loader import load_model
 from twostroke.engine.runners.torch import TorchModelRunner
+from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepOutcome
 from twostroke.states.request import Request
@@ -91,7 +92,6 @@ def serve(
 def measure(
     dtype_name: str, threads: int, max_tokens: int, concurrency: int, budget: int, offline: bool
 ) -> dict[str, Any]:
-    torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
     rss_before = peak_rss_mib()
     loaded = load_model("smollm2", dtype=dtype, device=torch.device("cpu"))
@@ -143,9 +143,10 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        result = measure(
-            args.one, args.threads, args.max_tokens, args.concurrency, args.budget, args.offline
-        )
+        with torch_threads(args.threads):
+            result = measure(
+                args.one, args.threads, args.max_tokens, args.concurrency, args.budget, args.offline
+            )
         print(json.dumps(result))
         return
     for dtype in args.dtypes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,3 +29,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     """Every async test runs on asyncio and on trio."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run torch on one thread for a whole test module, then restore the count.
+
+    Apply with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``. The test machine
+    has two cores shared with other test runs; a two-thread torch waits at every parallel
+    region for a thread the OS has descheduled and runs several times slower.
+    """
+    from twostroke.gpu.threads import torch_threads  # torch only where a module asks
+
+    with torch_threads(1):
+        yield

@@ -12,37 +12,19 @@ manager's per-token timestamps.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.metadata
 import importlib.util
 import inspect
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec, load_hf_model, save_hf_dir
 from twostroke.engine.bench.workload import BenchRequest, Workload
 
-__all__ = ["HFContinuousDriver", "HFStaticDriver", "torch_threads"]
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """Run the block with torch's intra-op thread count at ``threads``, then restore it.
-
-    Why: every system of a run gets the same cores; twostroke shares the process with these
-    peers, so a peer must not leave its setting behind.
-    """
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+__all__ = ["HFContinuousDriver", "HFStaticDriver"]
 
 
 def _missing_hf_packages() -> str | None:
@@ -150,6 +132,8 @@ class HFStaticDriver:
                 self.name, "static batching runs offline workloads only (generate is a batch call)"
             )
         import torch
+
+        from twostroke.gpu.threads import torch_threads
 
         with torch_threads(model.threads), torch.inference_mode():
             started = time.perf_counter()
@@ -266,6 +250,8 @@ class HFContinuousDriver:
         import torch
         import transformers
         from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        from twostroke.gpu.threads import torch_threads
 
         generation_config: Any = transformers.GenerationConfig
 

@@ -26,6 +26,7 @@ from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
+from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepPlan
 
@@ -89,7 +90,10 @@ class TwostrokeDriver:
         return None
 
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
-        torch.set_num_threads(_intra_op_threads(model))
+        with torch_threads(_intra_op_threads(model)):
+            return self._run(workload, model)
+
+    def _run(self, workload: Workload, model: ModelSpec) -> SystemResult:
         started = time.perf_counter()
         loaded = load_model(model.name, dtype=DTYPES[model.dtype], device=torch.device("cpu"))
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
@@ -202,7 +206,10 @@ class BareForwardDriver:
             return SystemResult.unavailable(
                 self.name, "the bare forward loop replays an offline run only"
             )
-        torch.set_num_threads(_intra_op_threads(model))
+        with torch_threads(_intra_op_threads(model)):
+            return self._replay(workload, recording, model)
+
+    def _replay(self, workload: Workload, recording: _Recording, model: ModelSpec) -> SystemResult:
         runner = TorchModelRunner.from_loaded(recording.loaded)
         runner.allocate_kv_cache(recording.num_blocks, recording.block_size)
         first: dict[int, float] = {}

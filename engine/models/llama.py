@@ -29,6 +29,7 @@ from twostroke.engine.models.attention import paged_attention, write_kv
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache
+from twostroke.gpu.threads import torch_threads
 
 __all__ = ["LlamaForCausalLM", "WeightError", "can_pack", "inverse_frequencies"]
 
@@ -369,16 +370,12 @@ class LlamaForCausalLM(nn.Module):
             return self._packed
         # One thread: the reorders are memory-bound, and with two threads on a busy machine
         # each call waits for a descheduled thread (5x slower, measured: 0.9 s for SmolLM2).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack()
             if self.lm_head is None:
                 self._packed_embedding = _pack(self.embed_tokens)
-        finally:
-            torch.set_num_threads(threads)
         self._packed = True
         return True
 

@@ -20,7 +20,6 @@ corrupt data) raises :class:`ModelLoadError` naming the file and the problem.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
@@ -40,6 +39,7 @@ from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.gguf_file import read_gguf
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
 from twostroke.gpu.device import default_dtype
+from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
 
 __all__ = [
@@ -182,7 +182,10 @@ def load_model(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     started = time.perf_counter()
     path = resolve_model(model)
-    with _one_torch_thread():
+    # One thread: loading is conversions and copies, bound by memory; a second thread gains
+    # little, and on a machine whose other core is busy every parallel region waits for it
+    # (SmolLM2's load took 4.5 s on two threads against 2.9 s on one, measured).
+    with torch_threads(1):
         if path.is_dir():
             config, module = _load_hf_directory(path, dtype, device)
         elif _is_gguf(path):
@@ -202,22 +205,6 @@ def load_model(
         device=device,
         load_seconds=time.perf_counter() - started,
     )
-
-
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Run torch on one thread inside the block, then restore the thread count.
-
-    Loading is conversions and copies, bound by memory: a second thread gains little, and
-    on a machine whose other core is busy every parallel region waits for it (SmolLM2's
-    load took 4.5 s on two threads against 2.9 s on one, measured).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --- Hugging Face directories ---------------------------------------------------------------

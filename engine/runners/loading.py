@@ -13,7 +13,7 @@ from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.device import Device, default_dtype
 
-__all__ = ["DEFAULT_MODEL", "DTYPES", "load_runner", "resolve_dtype"]
+__all__ = ["DEFAULT_MODEL", "DTYPES", "intra_op_threads", "load_runner", "resolve_dtype"]
 
 #: The model ``make run`` and the CLI use when none is named.
 DEFAULT_MODEL = "smollm2"
@@ -44,17 +44,28 @@ def resolve_dtype(name: str, device: Device) -> torch.dtype:
     return DTYPES[name]
 
 
+def intra_op_threads(config: EngineConfig, device: Device) -> int | None:
+    """torch's intra-op thread count for an engine: ``config.torch_threads``, or the default.
+
+    The default on the CPU is one fewer than the cores (at least one), because the event
+    loop thread runs the bookkeeping stroke at the same time and an OpenMP team that loses
+    a core to it stalls at every barrier (measured on 2 cores under load: 2 threads ran a
+    batch-8 decode step in 200 ms, 1 thread in 49 ms). Elsewhere ``None``: torch's own.
+    """
+    threads = config.torch_threads
+    if threads is None and device.kind == "cpu":
+        threads = max(1, (os.cpu_count() or 1) - 1)
+    return threads
+
+
 def load_runner(
     model: str | None, *, device: Device, config: EngineConfig
 ) -> tuple[ModelRunner, Tokenizer]:
     """The runner and tokenizer for a model name, directory or GGUF file.
 
     ``"toy"`` is the model-free toy runner (see :mod:`twostroke.engine.runners.toy`).
-    torch's intra-op thread count is set before the model loads: ``config.torch_threads``,
-    or on the CPU one fewer than the cores (at least one), because the event loop thread
-    runs the bookkeeping stroke at the same time and an OpenMP team that loses a core to it
-    stalls at every barrier (measured on 2 cores under load: 2 threads ran a batch-8 decode
-    step in 200 ms, 1 thread in 49 ms).
+    torch's intra-op thread count is set (process-wide) before the model loads, to
+    :func:`intra_op_threads`.
 
     Raises:
         ModelLoadError: the model cannot be found or loaded; the message says why.
@@ -64,9 +75,9 @@ def load_runner(
         model = DEFAULT_MODEL
     if not isinstance(model, str):
         raise TypeError(f"model must be a name or a path (str), got {type(model).__name__}")
-    threads = config.torch_threads
-    if threads is None and device.kind == "cpu":
-        threads = max(1, (os.cpu_count() or 1) - 1)
+    # Process-wide for the engine's life; the engine, which owns that life, should rather
+    # hold gpu.threads.torch_threads(intra_op_threads(...)) for it (and restore at exit).
+    threads = intra_op_threads(config, device)
     if threads is not None:
         torch.set_num_threads(threads)
     if model == "toy":

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from tests.engine.models.test_llama import one_torch_thread  # noqa: F401 (autouse)
 from twostroke.engine.models import attention
 from twostroke.engine.models.attention import paged_attention, write_kv
 from twostroke.engine.models.attention_metadata import (
@@ -19,6 +18,8 @@ from twostroke.engine.models.attention_metadata import (
     split_decodes,
 )
 from twostroke.engine.models.kv_cache import KVCache
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CPU = torch.device("cpu")
 BLOCK = 4

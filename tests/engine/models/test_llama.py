@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ from twostroke.engine.models.llama import (
     inverse_frequencies,
 )
 from twostroke.engine.models.loader import LoadedModel, load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CPU = torch.device("cpu")
 
@@ -37,19 +38,6 @@ TINY: dict[str, Any] = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Run torch on one thread in these tests (import this fixture to apply it elsewhere).
-
-    The test machine has two cores shared with other test runs; a two-thread torch waits at
-    every parallel region for a thread the OS has descheduled and runs several times slower.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> Any:

@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 
 from tests.engine.models.test_llama import (
     make_tiny_model,
-    one_torch_thread,  # noqa: F401 (autouse)
     random_sequences,
     reference_logits,
 )
@@ -26,6 +25,8 @@ from twostroke.engine.models import loader
 from twostroke.engine.models.loader import ModelLoadError, load_model, resolve_model
 from twostroke.gpu import device as device_module
 from twostroke.states.errors import EngineError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CPU = torch.device("cpu")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

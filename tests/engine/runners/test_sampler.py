@@ -8,9 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.engine.models.test_llama import one_torch_thread  # noqa: F401 (autouse)
 from twostroke.engine.runners.sampler import Sampler, TokenHistory, draw_seed
 from twostroke.states.params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CPU = torch.device("cpu")
 

@@ -18,7 +18,6 @@ import torch
 
 from tests.engine.models.test_llama import (
     make_tiny_model,
-    one_torch_thread,  # noqa: F401 (autouse)
     random_sequences,
 )
 from tests.engine.runners.test_sampler import reference_penalties
@@ -31,6 +30,8 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepOutcome, StepPlan
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

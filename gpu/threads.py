@@ -1,0 +1,49 @@
+"""torch's intra-op thread count, set for a block and restored after it.
+
+torch keeps one process-wide count of intra-op (OpenMP) threads. Several parts of twostroke
+want a different count for a while: loading and weight packing are memory-bound and run
+best on one thread; a benchmark gives each system the same cores; tests run on one thread
+on a shared machine. Each such place uses :func:`torch_threads`, so none leaves its setting
+behind for the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["torch_threads"]
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[int]:
+    """Run the block with torch's intra-op thread count at ``threads``, then restore it.
+
+    The count is restored also when the block raises or is cancelled. It is process-wide:
+    other threads that run torch meanwhile see it too.
+
+    Args:
+        threads: Threads for the block (>= 1); ``None`` leaves the count as it is.
+
+    Yields:
+        The thread count inside the block.
+
+    Raises:
+        TypeError: ``threads`` is not an int (or ``None``).
+        ValueError: ``threads`` is less than 1.
+    """
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int):
+            raise TypeError(f"threads must be an int, got {type(threads).__name__} {threads!r}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
