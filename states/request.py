@@ -475,9 +475,11 @@ class Request:
                 self._end(time)
             case Cancelled(time=time):
                 self._end(time)
-            case Failed(message=message, time=time):
-                self._failure = message
-                self._end(time)
+            case _:
+                # The one event left is Failed (mypy narrows the closed union to it), so the
+                # match needs no branch for "no case matched".
+                self._failure = event.message
+                self._end(event.time)
 
     def _end(self, time: float) -> None:
         self._block_table.clear()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from twostroke.states.plan import StepOutcome
+from twostroke.states.params import SamplingParams
+from twostroke.states.plan import ScheduledRequest, StepOutcome, StepPlan
 
 
 def test_an_outcome_copies_its_mapping_and_refuses_assignment() -> None:
@@ -15,3 +16,45 @@ def test_an_outcome_copies_its_mapping_and_refuses_assignment() -> None:
     with pytest.raises(TypeError, match="does not support item assignment"):
         outcome.sampled[1] = 8  # type: ignore[index]
     assert outcome == StepOutcome(0, {1: 7, 2: 9})
+
+
+def entry(request_id: int, *, tokens: int, pending_input: bool, sample: bool) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=request_id,
+        start=10,
+        token_ids=tuple(range(tokens)),
+        pending_input=pending_input,
+        sample=sample,
+        sample_index=0,
+        num_prompt_tokens=4,
+        block_table=(0, 1, 2),
+        params=SamplingParams(),
+    )
+
+
+def test_a_row_counts_its_pending_input_as_a_token() -> None:
+    decode = entry(1, tokens=0, pending_input=True, sample=True)
+    chunk = entry(2, tokens=3, pending_input=False, sample=False)
+    assert (decode.num_tokens, decode.end) == (1, 11)
+    assert (chunk.num_tokens, chunk.end) == (3, 13)
+
+
+def test_a_plan_sums_its_rows() -> None:
+    rows = (
+        entry(4, tokens=0, pending_input=True, sample=True),
+        entry(2, tokens=3, pending_input=False, sample=False),
+        entry(9, tokens=2, pending_input=True, sample=True),
+    )
+    plan = StepPlan(step_id=5, requests=rows, finished_request_ids=(7,))
+    assert plan.num_tokens == 1 + 3 + 3
+    assert plan.num_samples == 2
+    assert plan.request_ids == (4, 2, 9)
+
+
+def test_without_drops_only_the_rows_named_and_keeps_the_rest() -> None:
+    rows = tuple(entry(rid, tokens=1, pending_input=False, sample=True) for rid in (4, 2, 9, 6))
+    plan = StepPlan(step_id=5, requests=rows, finished_request_ids=(7,))
+    kept = plan.without({2, 6, 8})
+    assert kept == StepPlan(step_id=5, requests=(rows[0], rows[2]), finished_request_ids=(7,))
+    assert plan.without(()) == plan
+    assert plan.without([4, 2, 9, 6]).requests == ()
