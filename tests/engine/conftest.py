@@ -1,17 +1,33 @@
-"""Engine test helpers: a toy engine with a leak check when it closes."""
+"""Engine test helpers: a toy engine with a leak check when it closes; the artifact cache."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio.testing
 
 from twostroke.engine import Engine
+from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.device import Device, FakeDevice
+
+
+@pytest.fixture(autouse=True, scope="session")
+def artifact_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point ``$TWOSTROKE_CACHE_DIR`` at one session folder: tests never write to the home.
+
+    Converted models and tokenizers (seconds to make) are shared by every engine test of
+    the session; a test that needs a fresh conversion removes its own entry.
+    """
+    folder = tmp_path_factory.mktemp("artifact-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(folder))
+        patch.delenv(NO_CACHE_ENV, raising=False)
+        yield folder
 
 
 @asynccontextmanager

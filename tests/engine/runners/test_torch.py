@@ -8,8 +8,6 @@ chunked prefill, mixed batches and (with a tiny pool) preemption.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -21,7 +19,6 @@ from tests.engine.models.test_llama import (
     random_sequences,
 )
 from tests.engine.runners.test_sampler import reference_penalties
-from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.protocol import TokenLogprobs
@@ -35,16 +32,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def artifact_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Keep the artifact cache (SmolLM2's converted weights) out of the home folder."""
-    folder = tmp_path_factory.mktemp("artifact-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(CACHE_DIR_ENV, str(folder))
-        patch.delenv(NO_CACHE_ENV, raising=False)
-        yield folder
 
 
 PROMPT_LENGTHS = [1, 3, 8, 13, 21, 34, 50, 5]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from tests.engine.text.test_chat import MALFORMED
-from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.tokenizer import (
     ChatTemplateError,
@@ -278,16 +278,6 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def artifact_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Keep the artifact cache (converted GGUF tokenizers) out of the home folder."""
-    folder = tmp_path_factory.mktemp("artifact-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(CACHE_DIR_ENV, str(folder))
-        patch.delenv(NO_CACHE_ENV, raising=False)
-        yield folder
-
-
 @pytest.fixture(scope="module", params=["converted", "cached"])
 def smollm2(
     request: pytest.FixtureRequest, artifact_cache_in_tmp: Path
@@ -296,6 +286,9 @@ def smollm2(
     from transformers import AutoTokenizer
 
     path = smollm2_gguf()
+    if request.param == "converted":  # an earlier test of the session may have cached it
+        for entry in artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer"):
+            shutil.rmtree(entry)
     ours = HFTokenizer.from_pretrained(path)
     (cached,) = artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer/tokenizer.json")
     if request.param == "cached":
