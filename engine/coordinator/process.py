@@ -94,7 +94,8 @@ class ProcessReplica(RemoteReplica):
         cause: BaseException | None = None
         try:
             async with anyio.create_task_group() as task_group:
-                assert process.stdout is not None and process.stdin is not None
+                assert process.stdout is not None
+                assert process.stdin is not None
                 task_group.start_soon(self._forward_stderr, process, tail)
                 cause = await self.serve(process.stdout, process.stdin)
                 failed = cause is not None or self._start_error is not None
