@@ -262,7 +262,8 @@ def _apply_penalties(
     logits: torch.Tensor, batch: SamplingBatch, prompt_mask: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     assert batch.repetition_penalty is not None
-    assert batch.presence_penalty is not None and batch.frequency_penalty is not None
+    assert batch.presence_penalty is not None
+    assert batch.frequency_penalty is not None
     output_mask = counts > 0
     repetition = batch.repetition_penalty[:, None].expand_as(logits)
     penalties = torch.where(prompt_mask | output_mask, repetition, 1.0)
