@@ -229,7 +229,8 @@ class TorchModelRunner:
             token_history = self._history.gather(slots)
         output = self._sampler.sample(logits, batch, token_history)
         if slots is not None:
-            assert self._history is not None and batch.penalty_rows is not None
+            assert self._history is not None
+            assert batch.penalty_rows is not None
             self._history.count(slots, output.sampled.index_select(0, batch.penalty_rows))
 
         self._previous_sampled = output.sampled
