@@ -118,7 +118,8 @@ class RequestMachine(RuleBasedStateMachine):
         self.model = RequestModel(self.reference_transitions, spec.prompt_token_ids)
 
     def _state(self) -> tuple[Request, RequestModel]:
-        assert self.request is not None and self.model is not None
+        assert self.request is not None
+        assert self.model is not None
         return self.request, self.model
 
     def _event(self, data: st.DataObject, *, progress: bool) -> RequestEvent:
