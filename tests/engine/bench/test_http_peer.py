@@ -28,10 +28,12 @@ async def test_a_workload_over_http_gives_a_clients_timings() -> None:
     async with served(api_key="sk-bench") as server:
         driver = EndpointDriver(name="toy", base_url=f"{server.base_url}/v1", api_key="sk-bench")
         result = await driver._run(workload)
-    assert result.available and result.extra["served_model"] == "toy"
+    assert result.available
+    assert result.extra["served_model"] == "toy"
     assert [t.output_tokens for t in result.timings] == [r.max_tokens for r in workload.requests]
     assert [t.prompt_tokens for t in result.timings] == [
         len(r.prompt_token_ids) for r in workload.requests
     ]
     figures = metrics(result)
-    assert figures.output_throughput > 0 and figures.ttft.mean > 0
+    assert figures.output_throughput > 0
+    assert figures.ttft.mean > 0
