@@ -89,7 +89,8 @@ def test_no_streaming_means_no_itl() -> None:
         SystemResult(name="batch", available=True, wall_seconds=2.0, timings=[timing])
     )
     assert figures.itl is None
-    assert figures.tpot is not None and figures.tpot.mean == pytest.approx(1 / 3)
+    assert figures.tpot is not None
+    assert figures.tpot.mean == pytest.approx(1 / 3)
 
 
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
