@@ -98,7 +98,8 @@ def test_table_json_and_plot(tmp_path: Path) -> None:
         {"prompt_tokens": 1, "max_tokens": 3},
     ]
     if importlib.util.find_spec("matplotlib") is None:
-        assert files.png is None and files.plot_message in text
+        assert files.png is None
+        assert files.plot_message in text
     else:
         assert files.png is not None
         assert files.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
