@@ -144,8 +144,10 @@ def test_offline_run_through_the_real_child(
     }
     assert [a["prompt"] for a in log["added"]] == [[1, 2, 3], [4, 5], [6]]
     params = log["added"][0]["params"]
-    assert params["temperature"] == 0.0 and params["ignore_eos"] is True
-    assert params["max_tokens"] == 5 and params["output_kind"] == "RequestOutputKind.DELTA"
+    assert params["temperature"] == 0.0
+    assert params["ignore_eos"] is True
+    assert params["max_tokens"] == 5
+    assert params["output_kind"] == "RequestOutputKind.DELTA"
     run = model.work_dir / "vllm"
     assert log["env"] == {
         "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -201,10 +203,12 @@ def test_unavailable_without_a_usable_python(tmp_path: Path, model: ModelSpec) -
     )
     missing = tmp_path / "nowhere" / "python"
     reason = VLLMDriver(missing).check()
-    assert reason is not None and reason.startswith(f"--vllm-python {missing} does not exist")
+    assert reason is not None
+    assert reason.startswith(f"--vllm-python {missing} does not exist")
     # This venv's Python has no vllm.
     reason = VLLMDriver(sys.executable).check()
-    assert reason is not None and reason.startswith(f"{sys.executable} cannot import vllm")
+    assert reason is not None
+    assert reason.startswith(f"{sys.executable} cannot import vllm")
     assert not VLLMDriver(None).run(WORKLOAD, model=model).available
 
 
