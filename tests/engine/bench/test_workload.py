@@ -30,7 +30,8 @@ def test_same_seed_same_workload_other_seed_other_workload() -> None:
     other = offline_workload(encode, n=32, seed=8)
     assert first == again
     assert first.requests != other.requests
-    assert first.arrival_times is None and first.is_offline
+    assert first.arrival_times is None
+    assert first.is_offline
     assert first.description == (
         "offline: 32 requests at once, prompts 16-512 tokens, outputs 16-256 tokens, seed 7"
     )
@@ -70,7 +71,8 @@ def test_prompts_start_at_distinct_offsets() -> None:
 def test_serving_arrivals_poisson_mean_and_burstiness() -> None:
     poisson = serving_workload(encode, rate=4.0, n=4000, prompt_len=(1, 2), seed=1)
     times = poisson.arrival_times
-    assert times is not None and times[0] == 0.0
+    assert times is not None
+    assert times[0] == 0.0
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert min(gaps) >= 0
     # Mean gap 1/rate; an exponential's coefficient of variation is 1.
@@ -83,7 +85,8 @@ def test_serving_arrivals_poisson_mean_and_burstiness() -> None:
     # Gamma shape k: coefficient of variation 1/sqrt(k) = 2.
     cv = statistics.stdev(bursty_gaps) / statistics.fmean(bursty_gaps)
     assert cv == pytest.approx(2.0, rel=0.12)
-    assert "Poisson" in poisson.description and "gamma shape 0.25" in bursty.description
+    assert "Poisson" in poisson.description
+    assert "gamma shape 0.25" in bursty.description
 
 
 def test_serving_prompts_equal_offline_prompts() -> None:
