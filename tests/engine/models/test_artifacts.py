@@ -34,7 +34,8 @@ def test_entries_are_keyed_by_path_size_and_modification_time(tmp_path: Path) ->
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF one")
     first = cache.entry(model)
-    assert first.parent == cache.root and first.name.startswith("model.gguf-")
+    assert first.parent == cache.root
+    assert first.name.startswith("model.gguf-")
     assert cache.entry(tmp_path / "." / "model.gguf") == first  # the resolved path counts
     os.utime(model, ns=(0, 10**18))
     touched = cache.entry(model)
@@ -62,7 +63,8 @@ def test_store_renames_a_finished_file_into_place(tmp_path: Path) -> None:
 
     assert cache.store(target, write)
     assert target.read_bytes() == b"data"
-    assert seen[0].parent == target.parent and seen[0] != target
+    assert seen[0].parent == target.parent
+    assert seen[0] != target
     assert os.listdir(target.parent) == ["weights.bin"]
 
 
@@ -80,7 +82,8 @@ def test_a_failed_write_leaves_nothing_behind_and_is_logged(
     with caplog.at_level(logging.WARNING):
         assert not cache.store(target, write)
     assert os.listdir(target.parent) == []
-    assert "cannot write" in caplog.text and "RuntimeError: disk full" in caplog.text
+    assert "cannot write" in caplog.text
+    assert "RuntimeError: disk full" in caplog.text
 
 
 def test_a_folder_stored_twice_keeps_the_first(tmp_path: Path) -> None:
