@@ -201,10 +201,12 @@ def test_a_chunk_from_position_0_attends_without_gather(kernel: AttentionKernel)
     if kernel == "sdpa":
         assert first.mask is None  # is_causal
     else:
-        assert first.mask is not None and first.mask.dtype == mask_dtype
+        assert first.mask is not None
+        assert first.mask.dtype == mask_dtype
         assert (~torch.isinf(first.mask)).tolist() == [[True, False, False], [True, True, False],
                                                        [True] * 3]  # fmt: skip
-    assert later.gather is not None and later.mask is not None
+    assert later.gather is not None
+    assert later.mask is not None
     assert (later.offset, later.num_keys, later.mask.dtype) == (3, 5, mask_dtype)
     # Query at position 3 sees keys 0..3, at position 4 keys 0..4.
     assert (~torch.isinf(later.mask)).tolist() == [[True] * 4 + [False], [True] * 5]
