@@ -16,14 +16,14 @@ def hf(config: Any, architecture: str, **overrides: Any) -> dict[str, Any]:
     return {**config.to_dict(), "architectures": [architecture], **overrides}
 
 
-SMALL = dict(
-    vocab_size=100,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+SMALL = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def test_llama_config() -> None:
@@ -33,19 +33,23 @@ def test_llama_config() -> None:
     assert config.num_queries_per_kv == 2
     assert config.eos_token_ids == (5, 6)
     assert config.rope_scaling is None
-    assert not (config.qkv_bias or config.o_bias or config.mlp_bias)
+    assert not (config.qkv_bias)
+    assert not (config.o_bias)
+    assert not (config.mlp_bias)
 
 
 def test_llama_attention_bias_covers_every_projection() -> None:
     data = hf(transformers.LlamaConfig(**SMALL, attention_bias=True), "LlamaForCausalLM")
     config = ModelConfig.from_hf_config(data)
-    assert config.qkv_bias and config.o_bias
+    assert config.qkv_bias
+    assert config.o_bias
 
 
 def test_qwen2_has_qkv_bias_only() -> None:
     data = hf(transformers.Qwen2Config(**SMALL), "Qwen2ForCausalLM")
     config = ModelConfig.from_hf_config(data)
-    assert config.qkv_bias and not config.o_bias
+    assert config.qkv_bias
+    assert not config.o_bias
 
 
 def test_mistral_sliding_window_caps_the_context() -> None:
@@ -136,7 +140,8 @@ def test_gguf_metadata() -> None:
     untied = ModelConfig.from_gguf_metadata(
         {**GGUF, "general.name": "Mistral 7B"}, ["output.weight", "blk.0.attn_q.bias"]
     )
-    assert not untied.tie_word_embeddings and untied.qkv_bias
+    assert not untied.tie_word_embeddings
+    assert untied.qkv_bias
     assert untied.architecture == "MistralForCausalLM"
 
 
