@@ -81,7 +81,8 @@ def test_values_and_tensors_equal_the_gguf_reader(tmp_path: Path, alignment: int
     for name, tensor in contents.tensors.items():
         theirs = tensors[name]
         assert tensor.tensor_type == theirs.tensor_type
-        assert tensor.data.dtype == theirs.data.dtype and tensor.data.shape == theirs.data.shape
+        assert tensor.data.dtype == theirs.data.dtype
+        assert tensor.data.shape == theirs.data.shape
         assert np.array_equal(tensor.data, theirs.data)
 
 
