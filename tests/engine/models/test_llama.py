@@ -25,19 +25,19 @@ CPU = torch.device("cpu")
 
 #: Shapes of the tiny models; ``initializer_range`` is large so that logits are far apart
 #: and greedy parity is not at the mercy of rounding.
-TINY: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+TINY: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> Any:
@@ -253,4 +253,5 @@ def test_weights_are_packed_only_in_bfloat16_on_the_cpu() -> None:
     assert not can_pack(torch.bfloat16, torch.device("cuda", 0))
     assert not can_pack(torch.bfloat16, torch.device("meta"))
     float32 = LlamaForCausalLM(_config(), dtype=torch.float32, device=CPU)
-    assert not float32.pack_weights() and not float32.packed
+    assert not float32.pack_weights()
+    assert not float32.packed
