@@ -104,7 +104,8 @@ def test_only_penalized_rows_read_the_history() -> None:
     counts[0, top] = 50
     history = (torch.zeros(1, 10, dtype=torch.bool), counts)
     sampled = sample(logits, [plain, penalized, plain], history=history)
-    assert sampled[0] == logits[0].argmax().item() and sampled[2] == logits[2].argmax().item()
+    assert sampled[0] == logits[0].argmax().item()
+    assert sampled[2] == logits[2].argmax().item()
     assert sampled[1] != top
 
 
@@ -213,7 +214,8 @@ def test_logprobs_are_raw_log_softmax_for_the_rows_that_ask() -> None:
     output = sampler.sample(logits, batch, history)
     expected = torch.log_softmax(logits, dim=-1)
     assert batch.logprob_rows == (0, 2, 3)
-    assert output.logprobs is not None and output.top_ids is not None
+    assert output.logprobs is not None
+    assert output.top_ids is not None
     assert output.top_logprobs is not None
     for index, row in enumerate(batch.logprob_rows):
         token = output.sampled[row]
@@ -226,7 +228,8 @@ def test_logprobs_are_raw_log_softmax_for_the_rows_that_ask() -> None:
 def test_no_logprob_tensors_when_nobody_asks() -> None:
     sampler = Sampler(10, CPU, seed=0)
     output = sampler.sample(random_logits(2, 10), sampler.prepare([SamplingParams()] * 2, [0, 1]))
-    assert output.logprobs is None and output.top_ids is None
+    assert output.logprobs is None
+    assert output.top_ids is None
 
 
 # --- history --------------------------------------------------------------------------------
@@ -244,10 +247,14 @@ def test_token_history_records_prompts_once_and_counts_on_the_device() -> None:
     masks, counts = history.gather(slots)
     assert masks[0].nonzero().flatten().tolist() == [1, 2, 3]
     assert masks[1].nonzero().flatten().tolist() == [5]
-    assert counts[0, 6] == 2 and counts[1, 6] == 1 and counts.sum() == 3
+    assert counts[0, 6] == 2
+    assert counts[1, 6] == 1
+    assert counts.sum() == 3
     history.release(7)
     history.release(7)
-    assert 7 not in history and len(history) == 1
+    assert 7 not in history
+    assert len(history) == 1
     slot = history.slot(11)  # reuses the slot, cleared
     masks, counts = history.gather(torch.tensor([slot]))
-    assert not masks.any() and not counts.any()
+    assert not masks.any()
+    assert not counts.any()
