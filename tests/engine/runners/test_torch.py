@@ -199,7 +199,8 @@ def test_logprobs_match_transformers_log_softmax(tiny_llama: tuple[Any, LoadedMo
         for step, entry in enumerate(run.logprobs[index]):
             row = expected[len(prompt) - 1 + step]
             assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
-            assert param.logprobs is not None and len(entry.top) == param.logprobs
+            assert param.logprobs is not None
+            assert len(entry.top) == param.logprobs
             values, ids = row.topk(param.logprobs) if param.logprobs else (row[:0], row[:0])
             assert [token for token, _ in entry.top] == ids.tolist()
             for (_, value), want in zip(entry.top, values.tolist(), strict=True):
@@ -287,17 +288,17 @@ def test_repetition_penalty_matches_transformers(tiny_llama: tuple[Any, LoadedMo
 
 
 def entry(request_id: int, start: int, token_ids: tuple[int, ...], **changes: Any) -> Any:
-    fields: dict[str, Any] = dict(
-        request_id=request_id,
-        start=start,
-        token_ids=token_ids,
-        pending_input=False,
-        sample=True,
-        sample_index=0,
-        num_prompt_tokens=start + len(token_ids),
-        block_table=(0, 1),
-        params=SamplingParams(temperature=0.0),
-    )
+    fields: dict[str, Any] = {
+        "request_id": request_id,
+        "start": start,
+        "token_ids": token_ids,
+        "pending_input": False,
+        "sample": True,
+        "sample_index": 0,
+        "num_prompt_tokens": start + len(token_ids),
+        "block_table": (0, 1),
+        "params": SamplingParams(temperature=0.0),
+    }
     return ScheduledRequest(**{**fields, **changes})
 
 
@@ -324,7 +325,8 @@ def test_protocol_errors_leave_the_runner_usable(tiny_llama: tuple[Any, LoadedMo
     with pytest.raises(ValueError, match=r"block ids must be in \[0, 4\), got \[7\]"):
         runner.execute(StepPlan(3, (entry(4, 0, (1, 2)), entry(5, 0, (3,), block_table=(7,)))))
     again = runner.execute(StepPlan(4, (entry(1, 0, (5, 6, 7)),))).readback()
-    assert again.step_id == 4 and again.sampled == {1: first}
+    assert again.step_id == 4
+    assert again.sampled == {1: first}
 
 
 def test_pending_inputs_come_from_the_previous_step_on_the_device(
@@ -350,7 +352,8 @@ def test_sizes(tiny_llama: tuple[Any, LoadedModel]) -> None:
     assert TorchModelRunner.from_loaded(loaded, max_model_len=64).max_model_len == 64
     # 3 layers x (K and V) x 16 positions x 2 kv heads x 16 wide x 4 bytes
     assert runner.kv_cache_bytes_per_block(16) == 3 * 2 * 16 * 2 * 16 * 4
-    assert "LlamaForCausalLM" in repr(runner) and "no KV cache" in repr(runner)
+    assert "LlamaForCausalLM" in repr(runner)
+    assert "no KV cache" in repr(runner)
     with pytest.raises(ValueError, match="max_model_len must be >= 1, got 0"):
         TorchModelRunner.from_loaded(loaded, max_model_len=0)
 
@@ -401,7 +404,8 @@ def test_smollm2_greedy_matches_transformers_on_the_same_gguf() -> None:
     reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)
     missing, unexpected = reference.load_state_dict(state["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"}
     reference.tie_weights()
     reference.eval()
     for index, prompt in enumerate(prompts):
