@@ -180,7 +180,8 @@ async def test_load_with_disconnects_frees_everything() -> None:
         }
         assert by_reason == {"stop": 0, "length": num_complete, "abort": aborted, "error": 0}
         stats = server.engine.statistics()
-        assert stats.num_free_blocks == stats.num_blocks and stats.num_open_requests == 0
+        assert stats.num_free_blocks == stats.num_blocks
+        assert stats.num_open_requests == 0
         print(
             f"\nload: {NUM_STREAMS} streams + {NUM_GIVING_UP} non-streaming; "
             f"{num_complete} completed, {aborted} aborted; clients done in "
