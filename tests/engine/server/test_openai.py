@@ -24,9 +24,12 @@ async def test_completion_matches_its_stream_and_counts_usage() -> None:
             model="toy", prompt="Once upon a time", max_tokens=12, extra_body={"ignore_eos": True}
         )  # fmt: skip
         choice = full.choices[0]
-        assert full.object == "text_completion" and full.model == "toy"
-        assert full.id.startswith("cmpl-") and choice.index == 0
-        assert choice.finish_reason == "length" and choice.text
+        assert full.object == "text_completion"
+        assert full.model == "toy"
+        assert full.id.startswith("cmpl-")
+        assert choice.index == 0
+        assert choice.finish_reason == "length"
+        assert choice.text
         assert full.usage is not None
         assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (16, 12)
         assert full.usage.total_tokens == 28
@@ -41,7 +44,8 @@ async def test_completion_matches_its_stream_and_counts_usage() -> None:
     assert [c.choices[0].finish_reason for c in choice_chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in choice_chunks[:-1])
     assert all(c.usage is None for c in choice_chunks)
-    assert usage_chunk.choices == [] and usage_chunk.usage == full.usage
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage == full.usage
 
 
 async def test_chat_matches_its_stream_and_starts_with_the_role() -> None:
@@ -53,10 +57,12 @@ async def test_chat_matches_its_stream_and_starts_with_the_role() -> None:
             temperature=0,  # type: ignore[arg-type]
         )
         message = full.choices[0].message
-        assert full.object == "chat.completion" and message.role == "assistant"
+        assert full.object == "chat.completion"
+        assert message.role == "assistant"
         assert full.choices[0].finish_reason in ("stop", "length")
         prompt_ids = await server.engine.tokenize(CHAT)
-        assert full.usage is not None and full.usage.prompt_tokens == len(prompt_ids)
+        assert full.usage is not None
+        assert full.usage.prompt_tokens == len(prompt_ids)
         assert full.usage.completion_tokens >= 1
 
         stream = await server.client.chat.completions.create(
@@ -76,35 +82,40 @@ async def test_max_completion_tokens_and_default_chat_length() -> None:
             model="toy", messages=CHAT, max_completion_tokens=5,  # type: ignore[arg-type]
             extra_body={"ignore_eos": True},
         )  # fmt: skip
-        assert capped.usage is not None and capped.usage.completion_tokens == 5
+        assert capped.usage is not None
+        assert capped.usage.completion_tokens == 5
         room = await server.client.chat.completions.create(
             model="toy",
             messages=CHAT,
             extra_body={"ignore_eos": True},  # type: ignore[arg-type]
         )
-        assert room.usage is not None and room.usage.total_tokens == 128
+        assert room.usage is not None
+        assert room.usage.total_tokens == 128
         assert room.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_n_choices_are_indexed_and_counted(stream: bool) -> None:
     async with served() as server:
-        kwargs: dict[str, Any] = dict(
-            model="toy", prompt="abc", n=3, max_tokens=7, seed=11, extra_body={"ignore_eos": True}
-        )
+        kwargs: dict[str, Any] = {
+            "model": "toy", "prompt": "abc", "n": 3, "max_tokens": 7, "seed": 11, "extra_body": {"ignore_eos": True}
+        }
         if not stream:
             reply = await server.client.completions.create(**kwargs)
             texts = {choice.index: choice.text for choice in reply.choices}
-            assert reply.usage is not None and reply.usage.completion_tokens == 21
+            assert reply.usage is not None
+            assert reply.usage.completion_tokens == 21
             assert reply.usage.prompt_tokens == 3  # the prompt counts once
         else:
             texts = {}
             async for chunk in await server.client.completions.create(**kwargs, stream=True):
                 for choice in chunk.choices:
                     texts[choice.index] = texts.get(choice.index, "") + choice.text
-        assert sorted(texts) == [0, 1, 2] and all(texts.values())
+        assert sorted(texts) == [0, 1, 2]
+        assert all(texts.values())
         seeds = [params.seed for _, params in server.engine.submitted]
-        assert seeds[0] == 11 and len(set(seeds)) == 3
+        assert seeds[0] == 11
+        assert len(set(seeds)) == 3
 
 
 async def test_several_prompts_as_text_and_token_ids() -> None:
@@ -113,7 +124,8 @@ async def test_several_prompts_as_text_and_token_ids() -> None:
             model="toy", prompt=["ab", "cde"], n=2, max_tokens=3, extra_body={"ignore_eos": True}
         )
         assert [c.index for c in reply.choices] == [0, 1, 2, 3]
-        assert reply.usage is not None and reply.usage.prompt_tokens == 5
+        assert reply.usage is not None
+        assert reply.usage.prompt_tokens == 5
         by_ids = await server.client.completions.create(
             model="toy", prompt=[[97, 98], [99, 100, 101]], max_tokens=3,
             extra_body={"ignore_eos": True},
@@ -131,11 +143,13 @@ async def test_logprobs_for_completions_and_chat() -> None:
             model="toy", prompt="abc", max_tokens=6, logprobs=1, extra_body={"ignore_eos": True}
         )
         logprobs = reply.choices[0].logprobs
-        assert logprobs is not None and logprobs.tokens is not None
+        assert logprobs is not None
+        assert logprobs.tokens is not None
         assert "".join(logprobs.tokens) == reply.choices[0].text
         assert logprobs.token_logprobs == [0.0] * 6  # the toy model is certain
         offsets = [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
-        assert len(logprobs.tokens) == 6 and logprobs.text_offset == offsets
+        assert len(logprobs.tokens) == 6
+        assert logprobs.text_offset == offsets
         assert logprobs.top_logprobs == [{token: 0.0} for token in logprobs.tokens]
 
         chat = await server.client.chat.completions.create(
@@ -143,7 +157,8 @@ async def test_logprobs_for_completions_and_chat() -> None:
             top_logprobs=1, extra_body={"ignore_eos": True},
         )  # fmt: skip
         content = chat.choices[0].logprobs and chat.choices[0].logprobs.content
-        assert content is not None and len(content) == 4
+        assert content is not None
+        assert len(content) == 4
         assert "".join(entry.token for entry in content) == chat.choices[0].message.content
         assert all(entry.bytes == list(entry.token.encode()) for entry in content)
         assert all([top.token for top in entry.top_logprobs] == [entry.token] for entry in content)
@@ -190,12 +205,12 @@ async def test_stop_strings_end_the_text() -> None:
 
 async def test_same_seed_same_answer_and_extras_reach_the_engine() -> None:
     async with served() as server:
-        kwargs: dict[str, Any] = dict(
-            model="toy", prompt="seeded", max_tokens=8, temperature=0.8, top_p=0.9, seed=5,
-            presence_penalty=0.5, frequency_penalty=-0.5, user="someone",
-            extra_body={"top_k": 20, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2,
+        kwargs: dict[str, Any] = {
+            "model": "toy", "prompt": "seeded", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 5,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "user": "someone",
+            "extra_body": {"top_k": 20, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2,
                         "stop_token_ids": [7], "ignore_eos": True},
-        )  # fmt: skip
+        }  # fmt: skip
         first = await server.client.completions.create(**kwargs)
         second = await server.client.completions.create(**kwargs)
         assert first.choices[0].text == second.choices[0].text
@@ -270,7 +285,8 @@ async def test_an_idle_stream_gets_keep_alive_comments() -> None:
                 raw += chunk
                 if b": keep-alive\n\n" in raw:
                     runner.gate.set()  # nothing was generated yet: the stream was idle
-    assert raw.startswith(b": keep-alive\n\n") and raw.endswith(b"data: [DONE]\n\n")
+    assert raw.startswith(b": keep-alive\n\n")
+    assert raw.endswith(b"data: [DONE]\n\n")
     assert raw.count(b"data: {") == 3
 
 
