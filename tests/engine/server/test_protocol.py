@@ -23,7 +23,9 @@ def completion(**fields: object) -> CompletionRequest:
 def test_choices_get_distinct_reproducible_seeds_derived_from_seed() -> None:
     seeds = [params.seed for params in choice_params(completion(n=4, seed=7), max_tokens=3)]
     again = [params.seed for params in choice_params(completion(n=4, seed=7), max_tokens=3)]
-    assert seeds == again and seeds[0] == 7 and len(set(seeds)) == 4
+    assert seeds == again
+    assert seeds[0] == 7
+    assert len(set(seeds)) == 4
     assert all(seed is not None and 0 <= seed < 2**63 for seed in seeds)
     unseeded = choice_params(completion(n=2), max_tokens=3)
     assert [params.seed for params in unseeded] == [None, None]
@@ -34,7 +36,8 @@ def test_openai_defaults_and_disabled_top_k() -> None:
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (
         1.0, 1.0, None, 16
     )  # fmt: skip
-    assert params.logprobs is None and params.stop == ()
+    assert params.logprobs is None
+    assert params.stop == ()
 
 
 def test_chat_errors_name_the_chat_fields() -> None:
@@ -72,7 +75,8 @@ def test_bad_prompt_shapes_name_the_prompt(prompt: object) -> None:
 def test_body_errors_are_400s() -> None:
     with pytest.raises(ApiError) as caught:
         decode_body(b'{"prompt":', CompletionRequest)
-    assert caught.value.status == 400 and "not valid JSON" in caught.value.message
+    assert caught.value.status == 400
+    assert "not valid JSON" in caught.value.message
     with pytest.raises(ApiError) as wrong_type:
         decode_body(b'{"prompt": "x", "n": "3"}', CompletionRequest)
     assert wrong_type.value.param == "n"
