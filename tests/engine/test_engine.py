@@ -207,6 +207,8 @@ async def test_metrics_are_consistent() -> None:
     async with toy_engine() as engine:
         output = await engine.generate("timing", SamplingParams(max_tokens=10, ignore_eos=True))
     metrics = output.metrics
-    assert metrics.ttft is not None and metrics.queue_time is not None
+    assert metrics.ttft is not None
+    assert metrics.queue_time is not None
     assert 0 <= metrics.queue_time <= metrics.ttft <= metrics.e2e
-    assert metrics.tpot is not None and metrics.tpot >= 0
+    assert metrics.tpot is not None
+    assert metrics.tpot >= 0
