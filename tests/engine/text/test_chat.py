@@ -82,7 +82,8 @@ def test_validate_messages_returns_plain_dicts() -> None:
 
     checked = validate_messages((Message(role="user", content="hi"),))
     assert checked == [{"role": "user", "content": "hi"}]
-    assert type(checked) is list and type(checked[0]) is dict
+    assert type(checked) is list
+    assert type(checked[0]) is dict
 
 
 def test_the_toy_template() -> None:
