@@ -399,7 +399,8 @@ def test_invalid_bytes_cannot_grow_the_window_without_bound() -> None:
     deltas = push_each(detokenizer, [continuation_byte] * 10 * MAX_UNRESOLVED_PUSHES)
     assert max(tokenizer.lengths) <= 2 * MAX_UNRESOLVED_PUSHES + PROMPT_CONTEXT_TOKENS
     shown = [delta.text for delta in deltas if delta.text]
-    assert shown and set("".join(shown)) == {REPLACEMENT}
+    assert shown
+    assert set("".join(shown)) == {REPLACEMENT}
     assert next(i for i, delta in enumerate(deltas) if delta.text) == MAX_UNRESOLVED_PUSHES - 1
     # Valid text afterwards is shown normally again.
     assert detokenizer.push(BYTES.encode("ok")).text.endswith("ok")
