@@ -90,7 +90,8 @@ def write_model_directory(
 def model_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("model")
     raw = write_model_directory(directory, generation_config={"eos_token_id": [1, 2]})
-    assert raw.token_to_id(EOS) == 1 and raw.token_to_id(END_OF_TURN) == 2
+    assert raw.token_to_id(EOS) == 1
+    assert raw.token_to_id(END_OF_TURN) == 2
     return directory
 
 
@@ -296,7 +297,7 @@ def smollm2(
         ours = HFTokenizer.from_pretrained(path)
         assert cached.stat().st_mtime_ns == mtime  # read back, not written again
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    yield ours, theirs
+    return ours, theirs
 
 
 @pytest.mark.slow
@@ -315,7 +316,8 @@ def test_smollm2_is_read_from_the_cache_without_the_gguf_vocabulary(
     monkeypatch.setattr(tokenizer, "_load_transformers_tokenizer", spy)
     HFTokenizer.from_pretrained(smollm2_gguf())
     [(path, gguf_file)] = seen
-    assert gguf_file is None and path.name == "tokenizer"
+    assert gguf_file is None
+    assert path.name == "tokenizer"
 
 
 SMOLLM2_TEXTS = [
