@@ -276,7 +276,8 @@ class TestVirtualTime:
         assert anyio.current_time() - start == pytest.approx(expected, abs=1e-12)
         assert event.queries == fires_on_query
         stats = completion.statistics()
-        assert stats.done_at is not None and stats.settled_at is not None
+        assert stats.done_at is not None
+        assert stats.settled_at is not None
         assert stats.done_at - stats.settled_at == pytest.approx(expected, abs=1e-12)
 
     @pytest.mark.anyio
