@@ -50,8 +50,10 @@ async def test_cpu_runs_work_in_a_worker_thread() -> None:
     await device.run(work, completion)
     assert completion.done()
     assert await completion == 4
-    assert threads and threads[0] != threading.get_ident()
-    assert device.kind == "cpu" and device.torch_device == torch.device("cpu")
+    assert threads
+    assert threads[0] != threading.get_ident()
+    assert device.kind == "cpu"
+    assert device.torch_device == torch.device("cpu")
 
 
 @pytest.mark.anyio
@@ -244,9 +246,12 @@ async def test_cuda_run_returns_at_launch_and_the_completion_polls(
     await device.run(lambda: work(1), second)
     # Both launched, neither finished: run() did not wait for the events.
     assert events[0].queries == events[1].queries == 0
-    assert not first.done() and not second.done()
-    assert await first == 10 and await second == 11
-    assert events[0].queries == 3 and events[1].queries == 2
+    assert not first.done()
+    assert not second.done()
+    assert await first == 10
+    assert await second == 11
+    assert events[0].queries == 3
+    assert events[1].queries == 2
     loop_thread = threading.get_ident()
     assert all(t != loop_thread for t in launch_threads)
     assert [(t, d, what) for t, d, what in cuda_guard] == [
@@ -314,7 +319,8 @@ class TestFakeDevice:
         assert original.queries == 0
         stats = completion.statistics()
         assert stats.polls > 3  # the real polling path: spin, then backoff
-        assert stats.done_at is not None and stats.done_at >= 0.25
+        assert stats.done_at is not None
+        assert stats.done_at >= 0.25
 
     @pytest.mark.anyio
     async def test_callable_step_time(self) -> None:
@@ -398,9 +404,11 @@ def test_select_device_without_cuda(no_cuda: None) -> None:
 
 def test_select_device_with_cuda(two_gpus: None) -> None:
     auto = select_device()
-    assert isinstance(auto, CudaDevice) and auto.index == 0
+    assert isinstance(auto, CudaDevice)
+    assert auto.index == 0
     cuda = select_device("cuda", index=1)
-    assert isinstance(cuda, CudaDevice) and cuda.torch_device == torch.device("cuda", 1)
+    assert isinstance(cuda, CudaDevice)
+    assert cuda.torch_device == torch.device("cuda", 1)
     assert isinstance(select_device("cpu"), CpuDevice)
     with pytest.raises(
         DeviceUnavailable, match=r"^cuda index must be < 2 \(the visible GPUs\), got 2$"
