@@ -57,11 +57,14 @@ def test_a_shared_block_is_free_only_when_its_last_reference_goes() -> None:
     pool = BlockPool(2, 4)
     (block,) = pool.allocate(1)
     pool.retain([block, block])
-    assert pool.ref_count(block) == 3 and pool.statistics().num_shared == 1
+    assert pool.ref_count(block) == 3
+    assert pool.statistics().num_shared == 1
     pool.release([block, block])
-    assert pool.ref_count(block) == 1 and pool.num_free == 1
+    assert pool.ref_count(block) == 1
+    assert pool.num_free == 1
     pool.release([block])
-    assert pool.ref_count(block) == 0 and pool.num_free == 2
+    assert pool.ref_count(block) == 0
+    assert pool.num_free == 2
     pool.check_invariants()
 
 
