@@ -19,7 +19,8 @@ def test_defaults_are_valid_and_follow_vllm() -> None:
     assert (params.max_tokens, params.min_tokens, params.temperature) == (16, 0, 1.0)
     assert (params.top_k, params.top_p, params.min_p, params.seed) == (None, 1.0, 0.0, None)
     assert (params.stop, params.stop_token_ids, params.ignore_eos) == ((), (), False)
-    assert not params.greedy and not params.uses_penalties
+    assert not params.greedy
+    assert not params.uses_penalties
 
 
 OUT_OF_RANGE = [
