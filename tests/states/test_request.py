@@ -284,7 +284,8 @@ def test_a_request_goes_through_its_life_and_finishes_with_a_reason() -> None:
     assert repr(request) == "<Request 7 DECODING 1/4 tokens, 2 blocks>"
     assert request.finish_reason is None
     assert request.apply(Finished(FinishReason.STOP, 3.0)) is RequestStatus.FINISHED
-    assert request.finish_reason is FinishReason.STOP and str(request.finish_reason) == "stop"
+    assert request.finish_reason is FinishReason.STOP
+    assert str(request.finish_reason) == "stop"
     assert request.block_table == ()
     assert (request.first_scheduled_time, request.first_token_time) == (1.0, 2.5)
     assert (request.last_token_time, request.end_time) == (2.5, 3.0)
@@ -307,17 +308,21 @@ def test_preemption_keeps_tokens_and_placeholders_and_drops_kv() -> None:
 
 def test_failure_keeps_its_message() -> None:
     request = in_status(RequestStatus.FAILED)
-    assert request.failure == "boom" and request.finish_reason is None
+    assert request.failure == "boom"
+    assert request.finish_reason is None
 
 
 def test_stops_on_honours_min_tokens_ignore_eos_and_stop_ids() -> None:
     params = SamplingParams(min_tokens=1, stop_token_ids=[5])
     request = Request(1, [1, 2], params, arrival_time=0.0, eos_token_ids=[9])
-    assert not request.stops_on(5) and not request.stops_on(9)  # min_tokens not reached
+    assert not request.stops_on(5)
+    assert not request.stops_on(9)
     request.apply(Admitted(0.0))
     request.apply(SampleScheduled(0, 2))
     request.apply(TokenSampled(3, 1.0))
-    assert request.stops_on(5) and request.stops_on(9) and not request.stops_on(3)
+    assert request.stops_on(5)
+    assert request.stops_on(9)
+    assert not request.stops_on(3)
     ignore = Request(2, [1], SamplingParams(ignore_eos=True), arrival_time=0, eos_token_ids=[9])
     assert not ignore.stops_on(9)
 
