@@ -120,7 +120,8 @@ def test_identical_prompts_go_to_the_same_replica_and_new_ones_rotate() -> None:
     assert router.route(4, list(range(50)), 50, 10) == 0  # least loaded (0 and 2 tie: rotate)
     assert router.route(5, [*range(50), 7], 51, 10) == 0  # shares 32 ids: affinity
     assert router.live_replicas == (0, 1, 2)
-    assert router.replica_of(5) == 0 and router.replica_of(99) is None
+    assert router.replica_of(5) == 0
+    assert router.replica_of(99) is None
     assert router.open_requests(1) == [1, 3]
     assert repr(router) == "<Router 6 open, loads {0: 141, 1: 40, 2: 20}>"
 
@@ -178,8 +179,10 @@ def test_the_affinity_table_is_bounded() -> None:
 
 def test_prefix_hashes_chain_full_chunks_and_tag_the_whole_prompt() -> None:
     short, longer = prefix_hashes("abcdefg", 3), prefix_hashes("abcdefgh", 3)
-    assert len(short) == 3 and len(longer) == 3  # two full chunks and the whole
-    assert short[:2] == longer[:2] and short[2] != longer[2]
+    assert len(short) == 3
+    assert len(longer) == 3
+    assert short[:2] == longer[:2]
+    assert short[2] != longer[2]
     assert prefix_hashes("abcdef", 3)[:2] == short[:2]
     assert prefix_hashes("abc", 3)[-1] != prefix_hashes("abcdef", 3)[0]
     assert prefix_hashes([1, 2, 3], 3)[0] != prefix_hashes("\x01\x02\x03", 3)[0]
