@@ -153,7 +153,8 @@ def test_requests_that_can_never_fit_are_rejected_not_queued(
     with pytest.raises(RequestRejected, match=f"^{re.escape(message)}$") as caught:
         scheduler.add_request(request(1, prompt, max_tokens=max_tokens))
     assert isinstance(caught.value, ValueError)
-    assert 1 not in scheduler and scheduler.is_idle()
+    assert 1 not in scheduler
+    assert scheduler.is_idle()
 
 
 def test_the_last_token_needs_no_block() -> None:
@@ -207,7 +208,9 @@ def test_long_prompts_are_chunked_and_mixed_with_decodes_under_the_budget() -> N
     kv = SimulatedKV(8, 4)
     scheduler.add_request(request(1, 3))
     first = scheduler.schedule()
-    assert first is not None and first.num_tokens == 3 and first.num_samples == 1
+    assert first is not None
+    assert first.num_tokens == 3
+    assert first.num_samples == 1
     scheduler.apply(kv.execute(first))
     scheduler.add_request(request(2, 20))
     plan = scheduler.schedule()
@@ -225,7 +228,8 @@ def test_admission_is_fifo_and_stops_at_the_first_request_that_does_not_fit() ->
     scheduler.add_request(request(2, 8, max_tokens=1))  # 2 blocks: does not fit now
     scheduler.add_request(request(3, 1, max_tokens=1))  # would fit, but must wait its turn
     plan = scheduler.schedule()
-    assert plan is not None and plan.request_ids == (1,)
+    assert plan is not None
+    assert plan.request_ids == (1,)
     assert scheduler.waiting_ids == (2, 3)
 
 
@@ -235,15 +239,20 @@ def test_preemption_takes_the_newest_running_request() -> None:
     for request_id in (1, 2, 3):
         scheduler.add_request(request(request_id, 2, max_tokens=4))
     plan = scheduler.schedule()
-    assert plan is not None and plan.request_ids == (1, 2, 3)
+    assert plan is not None
+    assert plan.request_ids == (1, 2, 3)
     scheduler.apply(kv.execute(plan))
     # Each now needs a second block and one is free: 1 takes it, 2 takes 3's.
     plan = scheduler.schedule()
-    assert plan is not None and plan.request_ids == (1, 2)
+    assert plan is not None
+    assert plan.request_ids == (1, 2)
     newest = scheduler.get(3)
-    assert newest is not None and newest.status is RequestStatus.PREEMPTED
-    assert newest.block_table == () and newest.num_computed_tokens == 0
-    assert scheduler.running_ids == (1, 2) and scheduler.waiting_ids == (3,)
+    assert newest is not None
+    assert newest.status is RequestStatus.PREEMPTED
+    assert newest.block_table == ()
+    assert newest.num_computed_tokens == 0
+    assert scheduler.running_ids == (1, 2)
+    assert scheduler.waiting_ids == (3,)
     assert scheduler.statistics().num_preemptions == 1
 
 
@@ -269,9 +278,13 @@ def test_step_n_plus_1_feeds_the_token_of_step_n_from_the_device() -> None:
     kv = SimulatedKV(8, 4)
     scheduler.add_request(request(1, 3, max_tokens=3))
     first, second = scheduler.schedule(), scheduler.schedule()
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     (entry,) = second.requests
-    assert entry.pending_input and entry.token_ids == () and entry.start == 3 and entry.sample
+    assert entry.pending_input
+    assert entry.token_ids == ()
+    assert entry.start == 3
+    assert entry.sample
     assert entry.sample_index == 1
     assert scheduler.get(1).num_placeholders == 2  # type: ignore[union-attr]
     first_outcome, second_outcome = kv.execute(first), kv.execute(second)
@@ -290,7 +303,8 @@ def test_a_request_that_finishes_at_step_n_drops_its_n_plus_1_token_and_frees_af
     scheduler.add_request(request(1, 3, max_tokens=1))
     scheduler.add_request(request(2, 3, max_tokens=3))
     first, second = scheduler.schedule(), scheduler.schedule()
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert second.request_ids == (2,)  # request 1's only token is in flight: nothing to compute
     scheduler.apply(kv.execute(first))
     third = scheduler.schedule()
@@ -299,11 +313,13 @@ def test_a_request_that_finishes_at_step_n_drops_its_n_plus_1_token_and_frees_af
     scheduler.cancel(2)  # request 2 is in steps 1 and 2
     assert scheduler.pool.num_free < 8
     report = scheduler.apply(outcomes[0])
-    assert report.new_tokens == () and report.removed == ()
+    assert report.new_tokens == ()
+    assert report.removed == ()
     assert scheduler.pool.num_free < 8  # step 2 still writes into request 2's blocks
     report = scheduler.apply(outcomes[1])
     assert report.removed == (2,)
-    assert scheduler.pool.num_free == 8 and scheduler.is_idle()
+    assert scheduler.pool.num_free == 8
+    assert scheduler.is_idle()
 
 
 def test_blocks_wait_for_their_own_step_whatever_order_requests_end_in() -> None:
@@ -423,7 +439,8 @@ def test_a_failed_step_fails_every_request_in_it_and_frees_their_blocks() -> Non
     scheduler.schedule()
     scheduler.add_request(request(3))
     report = scheduler.apply(StepFailure(0, "device lost"))
-    assert report.failed == (1, 2) and report.removed == (1, 2)
+    assert report.failed == (1, 2)
+    assert report.removed == (1, 2)
     assert scheduler.waiting_ids == (3,)
     assert scheduler.pool.num_free == 8
 
@@ -432,7 +449,8 @@ def test_statistics_and_repr_show_the_state() -> None:
     scheduler = Scheduler(config())
     result = drive(scheduler, [request(i, 5, max_tokens=3, ignore_eos=True) for i in range(3)])
     stats = scheduler.statistics()
-    assert stats.num_tokens_generated == 9 and stats.num_steps_completed == result.num_steps
+    assert stats.num_tokens_generated == 9
+    assert stats.num_steps_completed == result.num_steps
     assert stats.num_free_blocks == stats.num_blocks == 8
     assert repr(scheduler) == "<Scheduler 0 waiting, 0 running, 0 in flight, 8/8 blocks free>"
     assert result.statuses == dict.fromkeys(range(3), RequestStatus.FINISHED)
