@@ -52,7 +52,8 @@ CONFIG = SchedulerConfig(
 
 @given(scheduler_configs())
 def test_configs_are_small_and_valid(config: SchedulerConfig) -> None:
-    assert 2 <= config.num_blocks <= 12 and 1 <= config.block_size <= 4
+    assert 2 <= config.num_blocks <= 12
+    assert 1 <= config.block_size <= 4
     assert 2 <= config.max_model_len <= config.num_blocks * config.block_size + 1
     assert config.pipeline_depth in (1, 2)
 
@@ -61,7 +62,8 @@ def test_configs_are_small_and_valid(config: SchedulerConfig) -> None:
 def test_requests_drawn_for_a_config_are_accepted(data: st.DataObject) -> None:
     config = data.draw(scheduler_configs())
     request = data.draw(requests(config, request_id=5))
-    assert request.request_id == 5 and request.status is RequestStatus.WAITING
+    assert request.request_id == 5
+    assert request.status is RequestStatus.WAITING
     scheduler = Scheduler(config)
     scheduler.add_request(request)
     assert scheduler.waiting_ids == (5,)
@@ -186,7 +188,8 @@ def test_the_simulated_device_refuses_a_pending_input_without_a_sample() -> None
     scheduler = Scheduler(CONFIG)
     scheduler.add_request(RequestSpec([1, 2], SamplingParams(max_tokens=4)).build(1))
     first, second = scheduler.schedule(), scheduler.schedule()
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     with pytest.raises(SimulationError, match="has a pending input but the previous step"):
         SimulatedKV(6, 2).execute(second)
 
