@@ -125,10 +125,10 @@ class Engine:
         self._cancel_on_close = False
         self._death: BaseException | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
-        # Requests of the last step whose launch failed: the forward stroke drops their rows
+        # The last step whose launch failed: the forward stroke drops the rows it strands
         # from the next plan (already planned, one step ahead) before the runner sees it.
         # Written and read only by the forward stroke's launches, which run one at a time.
-        self._failed_launch: frozenset[int] = frozenset()
+        self._failed_launch: StepPlan | None = None
         self._num_failed_steps = 0
         self._bookkeeping_seconds = 0.0
         self._forward_seconds = 0.0
@@ -435,24 +435,26 @@ class Engine:
                 self._die(exc)
 
     def _launch(self, plan: StepPlan) -> Launched[RunnerOutput]:
-        """Launch one step, without the rows of requests whose previous step failed.
+        """Launch one step, without the rows that the failure of the step before strands.
 
         With the one-step lookahead, the plan of step N+1 was made before step N failed.
         Rows of step N's requests in it may take their input from step N's samples, which do
-        not exist; those requests have failed with step N, so their rows are dropped here
-        (their blocks come back when step N+1 completes) and the rest of step N+1 runs as
-        planned. Called by the device, one launch at a time, in plan order.
+        not exist, and rows that took a prefix-cache hit on a block step N was filling would
+        read KV that was never written. The scheduler fails the first and recomputes the
+        second when it applies step N's failure; here their rows are dropped (their blocks
+        come back when step N+1 completes) and the rest of step N+1 runs as planned. Called
+        by the device, one launch at a time, in plan order.
         """
-        failed, self._failed_launch = self._failed_launch, frozenset()
-        if failed:
-            plan = plan.without(failed)
+        failed, self._failed_launch = self._failed_launch, None
+        if failed is not None:
+            plan = plan.without(plan.stranded_by(failed, self.config.block_size))
             if not plan.requests:
                 empty = RunnerOutput(step_id=plan.step_id, sampled={})
                 return Launched(event=ReadyEvent(), readback=lambda: empty)
         try:
             return self._runner.execute(plan)
         except BaseException:
-            self._failed_launch = frozenset(plan.request_ids)
+            self._failed_launch = plan
             raise
 
     # --- the bookkeeping stroke ---------------------------------------------------------

@@ -58,6 +58,12 @@ class ScheduledRequest:
         """One past the last position computed."""
         return self.start + self.num_tokens
 
+    def written_blocks(self, block_size: int) -> frozenset[int]:
+        """The KV blocks this row writes: those covering positions ``[start, end)``."""
+        first = self.start // block_size
+        last = -(-self.end // block_size)
+        return frozenset(self.block_table[first:last])
+
 
 @attrs.frozen
 class StepPlan:
@@ -82,6 +88,25 @@ class StepPlan:
     @property
     def request_ids(self) -> tuple[int, ...]:
         return tuple(entry.request_id for entry in self.requests)
+
+    def written_blocks(self, block_size: int) -> frozenset[int]:
+        """The KV blocks some row of this step writes."""
+        return frozenset().union(*(entry.written_blocks(block_size) for entry in self.requests))
+
+    def stranded_by(self, failed: StepPlan, block_size: int) -> frozenset[int]:
+        """The requests whose rows here cannot run because ``failed`` (an earlier step) did.
+
+        They are the failed step's own requests (their rows may take an input it never
+        sampled) and the requests that read KV it was writing: a prefix-cache hit on a block
+        still being filled when this step was planned.
+        """
+        written = failed.written_blocks(block_size)
+        failed_ids = set(failed.request_ids)
+        return frozenset(
+            entry.request_id
+            for entry in self.requests
+            if entry.request_id in failed_ids or not written.isdisjoint(entry.block_table)
+        )
 
     def without(self, request_ids: Collection[int]) -> StepPlan:
         """This plan less the rows of ``request_ids`` (same step id, same order otherwise).

@@ -58,3 +58,42 @@ def test_without_drops_only_the_rows_named_and_keeps_the_rest() -> None:
     assert kept == StepPlan(step_id=5, requests=(rows[0], rows[2]), finished_request_ids=(7,))
     assert plan.without(()) == plan
     assert plan.without([4, 2, 9, 6]).requests == ()
+
+
+def row(request_id: int, start: int, end: int, blocks: tuple[int, ...]) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=request_id,
+        start=start,
+        token_ids=tuple(range(end - start)),
+        pending_input=False,
+        sample=True,
+        sample_index=0,
+        num_prompt_tokens=end,
+        block_table=blocks,
+        params=SamplingParams(),
+    )
+
+
+def test_a_row_writes_the_blocks_covering_its_positions() -> None:
+    # block size 4: positions [6, 13) lie in blocks 1, 2 and 3 of the table
+    assert row(1, 6, 13, (10, 11, 12, 13, 14)).written_blocks(4) == {11, 12, 13}
+    assert row(1, 8, 9, (10, 11, 12)).written_blocks(4) == {12}
+    assert row(1, 0, 4, (10, 11)).written_blocks(4) == {10}
+    plan = StepPlan(0, (row(1, 0, 4, (10, 11)), row(2, 4, 6, (20, 21))))
+    assert plan.written_blocks(4) == {10, 21}
+    assert StepPlan(0, ()).written_blocks(4) == frozenset()
+
+
+def test_a_failed_step_strands_its_requests_and_the_readers_of_what_it_wrote() -> None:
+    failed = StepPlan(7, (row(1, 8, 12, (5, 6, 7)), row(2, 0, 3, (9,))))
+    later = StepPlan(
+        8,
+        (
+            row(1, 12, 13, (5, 6, 7, 8)),  # the failed request itself
+            row(3, 12, 14, (5, 6, 7, 30)),  # a prefix hit on block 7, which step 7 filled
+            row(4, 8, 10, (5, 6, 31)),  # a hit on blocks 5 and 6 only, written earlier
+            row(5, 0, 2, (32,)),  # unrelated
+        ),
+    )
+    assert later.stranded_by(failed, 4) == {1, 3}
+    assert later.without(later.stranded_by(failed, 4)).request_ids == (4, 5)
