@@ -161,6 +161,7 @@ class PrefixCache:
             for index, block_id in enumerate(request.block_table):
                 block_hash = self.pool.block_hash(block_id)
                 if block_hash is not None:
-                    assert index < len(hashes) and hashes[index] == block_hash, (
+                    assert index < len(hashes), f"{request!r} holds cached block {block_id}"
+                    assert hashes[index] == block_hash, (
                         f"{request!r} holds block {block_id} at {index}, cached for another prefix"
                     )
