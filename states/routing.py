@@ -295,7 +295,8 @@ class Router:
         expected = dict.fromkeys(self._load, 0)
         for request_id, entry in self._open.items():
             assert entry.replica in expected, f"request {request_id} is on a removed replica"
-            assert entry.prompt_tokens >= 0 and entry.remaining_tokens >= 0, entry
+            assert entry.prompt_tokens >= 0, entry
+            assert entry.remaining_tokens >= 0, entry
             expected[entry.replica] += entry.load
         assert expected == self._load, f"loads {self._load} != open requests' {expected}"
         assert len(self._affinity) <= self.config.prefix_capacity
