@@ -601,7 +601,8 @@ class Scheduler:
                 assert request.num_computed_tokens <= request.num_tokens
                 assert request.num_generated_tokens <= request.params.max_tokens
             else:
-                assert request.is_terminal and request.request_id in self._ending, request
+                assert request.is_terminal, request
+                assert request.request_id in self._ending, request
             inflight_samples = sum(
                 entry.sample and entry.request_id == request.request_id
                 for plan in self._inflight
