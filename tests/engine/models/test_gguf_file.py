@@ -118,5 +118,6 @@ def test_what_is_refused(tmp_path: Path) -> None:
     truncated = tmp_path / "truncated.gguf"
     for length in (30, 200, 2000, len(raw) - 40):
         truncated.write_bytes(raw[:length])
-        with pytest.raises(ValueError):
+        # struct's "unpack_from requires a buffer", or numpy's "cannot reshape" for the data
+        with pytest.raises(ValueError, match=r"requires a buffer|cannot reshape|past the end"):
             read_gguf(truncated)
