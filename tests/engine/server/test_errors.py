@@ -86,7 +86,8 @@ async def test_bad_chat_parameters_are_400s_naming_the_field() -> None:
             with pytest.raises(openai.BadRequestError) as caught:
                 await server.client.chat.completions.create(**kwargs)
             body = caught.value.body
-            assert isinstance(body, dict) and body["param"] == param, fields
+            assert isinstance(body, dict), fields
+            assert body["param"] == param, fields
             assert message in body["message"], fields
         await still_serving(server)
 
