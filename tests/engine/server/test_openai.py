@@ -98,7 +98,12 @@ async def test_max_completion_tokens_and_default_chat_length() -> None:
 async def test_n_choices_are_indexed_and_counted(stream: bool) -> None:
     async with served() as server:
         kwargs: dict[str, Any] = {
-            "model": "toy", "prompt": "abc", "n": 3, "max_tokens": 7, "seed": 11, "extra_body": {"ignore_eos": True}
+            "model": "toy",
+            "prompt": "abc",
+            "n": 3,
+            "max_tokens": 7,
+            "seed": 11,
+            "extra_body": {"ignore_eos": True},
         }
         if not stream:
             reply = await server.client.completions.create(**kwargs)
@@ -206,10 +211,11 @@ async def test_stop_strings_end_the_text() -> None:
 async def test_same_seed_same_answer_and_extras_reach_the_engine() -> None:
     async with served() as server:
         kwargs: dict[str, Any] = {
-            "model": "toy", "prompt": "seeded", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 5,
-            "presence_penalty": 0.5, "frequency_penalty": -0.5, "user": "someone",
+            "model": "toy", "prompt": "seeded", "max_tokens": 8, "temperature": 0.8,
+            "top_p": 0.9, "seed": 5, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "user": "someone",
             "extra_body": {"top_k": 20, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2,
-                        "stop_token_ids": [7], "ignore_eos": True},
+                           "stop_token_ids": [7], "ignore_eos": True},
         }  # fmt: skip
         first = await server.client.completions.create(**kwargs)
         second = await server.client.completions.create(**kwargs)
