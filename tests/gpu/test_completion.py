@@ -134,7 +134,7 @@ async def test_exception_propagates_as_is() -> None:
     completion.set_exception(error)
     assert completion.done()
     for _ in range(2):
-        with pytest.raises(ValueError) as info:
+        with pytest.raises(ValueError, match=r"^step failed$") as info:
             await completion
         assert info.value is error
     assert completion.statistics().state is CompletionState.FAILED
