@@ -154,7 +154,7 @@ async def test_work_exception_goes_into_the_completion(make_device: Callable[[],
 
     completion: Completion[int] = Completion()
     await device.run(work, completion)  # does not raise
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=r"^bad plan$") as info:
         await completion
     assert info.value is error
     # The device is still usable.
