@@ -33,6 +33,12 @@ cp "$root/scripts/mutmut_preload.txt" "$stage/"
 find "$stage" -name __pycache__ -prune -exec rm -rf {} +
 
 cd "$stage"
+# The unmutated core must pass first (and be the copy: `python -m` puts the cwd first on
+# sys.path); otherwise mutmut's stats run fails with no word on which test.
+"$python" -c 'import os, sys, twostroke.states as s
+where = os.path.realpath(s.__path__[0])
+sys.exit(where != os.path.realpath("twostroke/states") and f"twostroke.states comes from {where}")'
+"$python" -m pytest tests/states -q -x -p no:cacheprovider --hypothesis-profile=default
 start=$(date +%s)
 # mutmut exits 0 whatever survived; the gate is the kill ratio, checked below.
 "$python" -m mutmut run --max-children "$children"
