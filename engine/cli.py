@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -171,15 +172,23 @@ async def _serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
     ) as engine:
-        async with anyio.create_task_group() as task_group:
-            port = await task_group.start(
-                partial(serve, engine, args.host, args.port, api_key=args.api_key, access_log=True)
-            )
-            print(
-                f"serving {engine.model_name!r} at http://{args.host}:{port}/v1 "
-                f"(backend {args.backend}; Ctrl-C stops)",
-                flush=True,
-            )
+        # SIGTERM (systemd, containers) and SIGINT stop it the same way: the server shuts
+        # down gracefully, then the engine drains.
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with anyio.create_task_group() as task_group:
+                port = await task_group.start(
+                    partial(
+                        serve, engine, args.host, args.port, api_key=args.api_key, access_log=True
+                    )
+                )
+                print(
+                    f"serving {engine.model_name!r} at http://{args.host}:{port}/v1 "
+                    f"(backend {args.backend}; Ctrl-C or SIGTERM stops)",
+                    flush=True,
+                )
+                async for _ in signals:
+                    task_group.cancel_scope.cancel()
+                    break
 
 
 def _bench(args: argparse.Namespace) -> int:
