@@ -2,27 +2,46 @@
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorStatistics
+from twostroke.engine.coordinator.frames import FrameError
 from twostroke.engine.engine import Engine, EngineStatistics
 from twostroke.engine.errors import (
+    CompletionAlreadySet,
+    CompletionError,
+    CompletionNotDone,
+    DeviceUnavailable,
     EngineClosed,
     EngineDead,
     EngineError,
+    InvalidTransition,
+    NoLiveReplica,
     ReplicaFailed,
     RequestCancelled,
     RequestFailed,
     RequestRejected,
+    SchedulerError,
 )
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.llm import LLM
+from twostroke.engine.models.llama import WeightError
+from twostroke.engine.models.loader import ModelLoadError
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
+from twostroke.engine.runners.torch import RunnerError
+from twostroke.engine.text.detokenizer import DetokenizerError
+from twostroke.engine.text.tokenizer import ChatTemplateError, TokenizerLoadError
 from twostroke.states.params import SamplingParams
 from twostroke.states.request import FinishReason
 
 __all__ = [
     "LLM",
+    "ChatTemplateError",
+    "CompletionAlreadySet",
+    "CompletionError",
+    "CompletionNotDone",
     "Coordinator",
     "CoordinatorStatistics",
     "Delta",
+    "DetokenizerError",
+    "DeviceUnavailable",
     "Engine",
     "EngineClosed",
     "EngineConfig",
@@ -30,6 +49,10 @@ __all__ = [
     "EngineError",
     "EngineStatistics",
     "FinishReason",
+    "FrameError",
+    "InvalidTransition",
+    "ModelLoadError",
+    "NoLiveReplica",
     "ReplicaFailed",
     "RequestCancelled",
     "RequestFailed",
@@ -37,6 +60,10 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "RequestRejected",
+    "RunnerError",
     "SamplingParams",
+    "SchedulerError",
+    "TokenizerLoadError",
     "Usage",
+    "WeightError",
 ]

@@ -1,18 +1,34 @@
-"""Errors raised by the running engine. All subclass :class:`EngineError`."""
+"""Errors raised by the running engine, and those of the layers below it, in one place.
+
+The engine's own errors are defined here and subclass :class:`EngineError`. Those of
+``states/`` (the scheduling core) are re-exported; so are those of ``gpu/``, which subclass
+``RuntimeError`` only, because the layering rule keeps ``gpu/`` from importing the root
+that ``states/`` defines. ``docs/errors.md`` lists every error with when it is raised and
+what state the engine is in afterwards; ``twostroke.engine`` exports each of them.
+"""
 
 from __future__ import annotations
 
-from twostroke.states.errors import EngineError, InvalidTransition, RequestRejected
+from twostroke.gpu.completion import CompletionAlreadySet, CompletionError, CompletionNotDone
+from twostroke.gpu.device import DeviceUnavailable
+from twostroke.states.errors import EngineError, InvalidTransition, RequestRejected, SchedulerError
+from twostroke.states.routing import NoLiveReplica
 
 __all__ = [
+    "CompletionAlreadySet",
+    "CompletionError",
+    "CompletionNotDone",
+    "DeviceUnavailable",
     "EngineClosed",
     "EngineDead",
     "EngineError",
     "InvalidTransition",
+    "NoLiveReplica",
     "ReplicaFailed",
     "RequestCancelled",
     "RequestFailed",
     "RequestRejected",
+    "SchedulerError",
 ]
 
 

@@ -1,0 +1,85 @@
+"""Every public error of twostroke is importable from ``twostroke.engine`` and documented."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pathlib
+import pkgutil
+
+import pytest
+
+import twostroke.engine
+from twostroke.engine import (
+    DeviceUnavailable,
+    EngineError,
+    InvalidTransition,
+    ModelLoadError,
+    RequestRejected,
+    SchedulerError,
+)
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+#: Public (in their module's ``__all__``) but never seen by a caller of the engine.
+NOT_EXPORTED = {
+    # The server's own signals: one becomes an HTTP error response, the other ends a stream
+    # whose client went away; neither leaves the server.
+    "twostroke.engine.server.errors.ApiError",
+    "twostroke.engine.server.sse.Disconnected",
+    # A test oracle (an AssertionError): a scheduling bug the simulated KV cache caught.
+    "twostroke.states.simulation.SimulationError",
+}
+
+
+def public_errors() -> dict[str, type[BaseException]]:
+    """Every exception class named in the ``__all__`` of a module of the three packages."""
+    found: dict[str, type[BaseException]] = {}
+    for package in ("twostroke.states", "twostroke.gpu", "twostroke.engine"):
+        path = importlib.import_module(package).__path__
+        for info in pkgutil.walk_packages(path, f"{package}."):
+            module = importlib.import_module(info.name)
+            for name in getattr(module, "__all__", ()):
+                value = getattr(module, name)
+                if (
+                    inspect.isclass(value)
+                    and issubclass(value, BaseException)
+                    and value.__module__ == module.__name__
+                ):
+                    found[f"{module.__name__}.{name}"] = value
+    return found
+
+
+ERRORS = public_errors()
+
+
+def test_the_scan_finds_the_errors_of_every_layer() -> None:
+    assert {
+        "twostroke.states.errors.InvalidTransition",
+        "twostroke.gpu.device.DeviceUnavailable",
+        "twostroke.engine.models.loader.ModelLoadError",
+    } <= ERRORS.keys()
+    assert ERRORS.keys() >= NOT_EXPORTED  # the excused ones still exist
+
+
+@pytest.mark.parametrize("qualified", sorted(ERRORS.keys() - NOT_EXPORTED))
+def test_every_public_error_is_exported_from_twostroke_engine(qualified: str) -> None:
+    error = ERRORS[qualified]
+    assert getattr(twostroke.engine, error.__name__, None) is error, qualified
+    assert error.__name__ in twostroke.engine.__all__
+
+
+@pytest.mark.parametrize("qualified", sorted(ERRORS.keys() - NOT_EXPORTED))
+def test_every_exported_error_is_in_the_table_of_docs_errors_md(qualified: str) -> None:
+    table = (ROOT / "docs" / "errors.md").read_text()
+    assert f"| `{ERRORS[qualified].__name__}` |" in table
+
+
+def test_the_roots() -> None:
+    """Errors raised on purpose share one root, but gpu's (it may not import states)."""
+    for error in (InvalidTransition, RequestRejected, SchedulerError, ModelLoadError):
+        assert issubclass(error, EngineError)
+    assert issubclass(RequestRejected, ValueError)
+    assert issubclass(SchedulerError, RuntimeError)
+    assert issubclass(DeviceUnavailable, RuntimeError)
+    assert not issubclass(DeviceUnavailable, EngineError)
