@@ -166,9 +166,9 @@ class _OpenAI:
             disconnected, outputs = await until_disconnect(receive, generation.collect)
             if disconnected or outputs is None:
                 return
-            body = await generation.response(outputs)
+            answer = await generation.response(outputs)
             try:
-                await send_json(send, 200, body)
+                await send_json(send, 200, answer)
             except OSError as exc:  # the client left between the answer and its sending
                 raise Disconnected from exc
         finally:
