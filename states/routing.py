@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from twostroke.states.errors import EngineError
+from twostroke.states.validators import int_at_least, number_in
 
 __all__ = ["NoLiveReplica", "Router", "RoutingConfig"]
 
@@ -44,20 +45,6 @@ PromptKey = str | Sequence[int]
 
 class NoLiveReplica(EngineError, RuntimeError):
     """Every replica has been removed: there is nowhere to route a request."""
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
-
-
-def _check_ratio(_: object, __: object, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"imbalance_ratio must be a number, got {type(value).__name__} {value!r}")
-    if not value >= 1:
-        raise ValueError(f"imbalance_ratio must be >= 1, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -76,10 +63,10 @@ class RoutingConfig:
         TypeError, ValueError: a value of the wrong type or out of range.
     """
 
-    imbalance_tokens: int = attrs.field(default=2048, validator=_positive_int)
-    imbalance_ratio: float = attrs.field(default=1.5, validator=_check_ratio)
-    prefix_chunk: int = attrs.field(default=32, validator=_positive_int)
-    prefix_capacity: int = attrs.field(default=65536, validator=_positive_int)
+    imbalance_tokens: int = attrs.field(default=2048, validator=int_at_least(1))
+    imbalance_ratio: float = attrs.field(default=1.5, validator=number_in(1))
+    prefix_chunk: int = attrs.field(default=32, validator=int_at_least(1))
+    prefix_capacity: int = attrs.field(default=65536, validator=int_at_least(1))
 
 
 @attrs.define
