@@ -12,9 +12,9 @@ They talk only through two small memory object streams. With ``pipeline_depth=2`
 for step N+1 is already waiting when step N finishes, so the device never waits for Python;
 with ``pipeline_depth=1`` the two strokes alternate (useful to measure the overlap).
 
-Callers talk to the engine through :meth:`submit`, :meth:`generate` and :meth:`stream`. They
-add requests to the scheduler synchronously (all scheduler access happens on the event loop
-between awaits), but cancellations are only *enqueued* and applied by the bookkeeping stroke
+Callers talk to the engine through :meth:`Engine.submit`, :meth:`Engine.generate` and
+:meth:`Engine.stream`. They add requests to the scheduler synchronously (all scheduler access
+happens on the event loop between awaits), but cancellations are only *enqueued* and applied by the bookkeeping stroke
 at a step boundary, so that cleanup code never awaits and never races a step.
 """
 
