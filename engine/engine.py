@@ -14,8 +14,9 @@ with ``pipeline_depth=1`` the two strokes alternate (useful to measure the overl
 
 Callers talk to the engine through :meth:`Engine.submit`, :meth:`Engine.generate` and
 :meth:`Engine.stream`. They add requests to the scheduler synchronously (all scheduler access
-happens on the event loop between awaits), but cancellations are only *enqueued* and applied by the bookkeeping stroke
-at a step boundary, so that cleanup code never awaits and never races a step.
+happens on the event loop between awaits), but cancellations are only *enqueued* and applied by
+the bookkeeping stroke at a step boundary, so that cleanup code never awaits and never races a
+step.
 """
 
 from __future__ import annotations
