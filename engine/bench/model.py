@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 
+from twostroke.states.validators import int_at_least
+
 __all__ = ["DTYPES", "ModelSpec", "ensure_hf_dir", "load_hf_model", "save_hf_dir"]
 
 #: The dtypes a benchmark may ask for, by the name every peer understands; ``"auto"`` (the
@@ -54,7 +56,7 @@ class ModelSpec:
     name: str
     source: Path = attrs.field(converter=Path)
     dtype: str = attrs.field(default="auto", converter=_resolve_auto)
-    threads: int = attrs.field(default=2)
+    threads: int = attrs.field(default=2, validator=int_at_least(1))
     work_dir: Path = attrs.field(converter=Path, default=Path("bench-results"))
     seed: int = 0
 
@@ -62,11 +64,6 @@ class ModelSpec:
     def _check_dtype(self, attribute: object, value: str) -> None:
         if value not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {value!r}")
-
-    @threads.validator
-    def _check_threads(self, attribute: object, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"threads must be an int >= 1, got {value!r}")
 
     @classmethod
     def resolve(

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from twostroke.states.validators import int_at_least
+
 __all__ = [
     "CORPUS",
     "BenchRequest",
@@ -98,7 +100,7 @@ class BenchRequest:
     """
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=_ids)
-    max_tokens: int = attrs.field()
+    max_tokens: int = attrs.field(validator=int_at_least(1))
 
     @prompt_token_ids.validator
     def _check_prompt(self, attribute: object, value: tuple[int, ...]) -> None:
@@ -107,13 +109,6 @@ class BenchRequest:
         for token in value:
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise ValueError(f"prompt_token_ids must be ids >= 0, got {token!r}")
-
-    @max_tokens.validator
-    def _check_max_tokens(self, attribute: object, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"max_tokens must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {value}")
 
 
 @attrs.frozen

@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from twostroke.states.validators import int_at_least, number_in
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
 
 #: The Hugging Face ``architectures`` the decoder implements.
@@ -25,17 +27,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 #: GGUF ``general.architecture`` values and the Hugging Face architecture each one is.
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
-
-def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
-
-
-def _positive_number(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{attribute.name} must be a number > 0, got {value!r}")
+_POSITIVE = int_at_least(1)
+_POSITIVE_NUMBER = number_in(0, low_open=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -54,7 +47,7 @@ class RopeScaling:
     """
 
     kind: str = attrs.field(validator=attrs.validators.in_(("linear", "llama3")))
-    factor: float = attrs.field(validator=_positive_number)
+    factor: float = attrs.field(validator=_POSITIVE_NUMBER)
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
@@ -88,18 +81,18 @@ class ModelConfig:
     """
 
     architecture: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHITECTURES))
-    vocab_size: int = attrs.field(validator=_positive)
-    hidden_size: int = attrs.field(validator=_positive)
-    intermediate_size: int = attrs.field(validator=_positive)
-    num_layers: int = attrs.field(validator=_positive)
-    num_heads: int = attrs.field(validator=_positive)
-    num_kv_heads: int = attrs.field(validator=_positive)
-    head_dim: int = attrs.field(validator=_positive)
-    rms_norm_eps: float = attrs.field(validator=_positive_number)
-    rope_theta: float = attrs.field(validator=_positive_number)
+    vocab_size: int = attrs.field(validator=_POSITIVE)
+    hidden_size: int = attrs.field(validator=_POSITIVE)
+    intermediate_size: int = attrs.field(validator=_POSITIVE)
+    num_layers: int = attrs.field(validator=_POSITIVE)
+    num_heads: int = attrs.field(validator=_POSITIVE)
+    num_kv_heads: int = attrs.field(validator=_POSITIVE)
+    head_dim: int = attrs.field(validator=_POSITIVE)
+    rms_norm_eps: float = attrs.field(validator=_POSITIVE_NUMBER)
+    rope_theta: float = attrs.field(validator=_POSITIVE_NUMBER)
     rope_scaling: RopeScaling | None = None
     rope_frequency_factors: tuple[float, ...] | None = None
-    max_position_embeddings: int = attrs.field(validator=_positive)
+    max_position_embeddings: int = attrs.field(validator=_POSITIVE)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False

@@ -105,6 +105,7 @@ def test_transformers_4_rope_layout() -> None:
             r"num_heads must be a multiple of num_kv_heads, got num_heads=4 and num_kv_heads=3",
         ),
         ({"vocab_size": 0}, r"vocab_size must be >= 1, got 0"),
+        ({"rms_norm_eps": 0.0}, r"rms_norm_eps must be > 0, got 0.0"),
     ],
 )
 def test_hf_config_errors(overrides: dict[str, Any], message: str) -> None:
