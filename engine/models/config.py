@@ -115,11 +115,6 @@ class ModelConfig:
                 f"entries, got {len(factors)}"
             )
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        """Query heads sharing one key/value head."""
-        return self.num_heads // self.num_kv_heads
-
     # --- plain values (the artifact cache) -------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

@@ -348,11 +348,6 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     @property
-    def output_weight(self) -> torch.Tensor:
-        """The output projection's weight (the embedding when tied; packed once packed)."""
-        return self.embed_tokens if self.lm_head is None else self.lm_head.weight
-
-    @property
     def packed(self) -> bool:
         """Whether :meth:`pack_weights` packed the projections."""
         return self._packed

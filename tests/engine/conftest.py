@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import trio.testing
 
 from twostroke.engine import Engine
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
-from twostroke.gpu.device import Device, FakeDevice
+from twostroke.gpu.device import Device
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -49,21 +48,3 @@ async def toy_engine(
         stats = engine.statistics()
         assert stats.num_free_blocks == stats.num_blocks, stats
         assert stats.num_open_requests == 0, stats
-
-
-@pytest.fixture
-def make_engine() -> Callable[..., Any]:
-    return toy_engine
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)}), id="trio"),
-    ]
-)
-def virtual_time_backend(request: pytest.FixtureRequest) -> Any:
-    return request.param
-
-
-def fake_device(step_time: float = 1.0) -> FakeDevice:
-    return FakeDevice(step_time=step_time)

@@ -30,7 +30,6 @@ def test_llama_config() -> None:
     data = hf(transformers.LlamaConfig(**SMALL, eos_token_id=[5, 6]), "LlamaForCausalLM")
     config = ModelConfig.from_hf_config(data)
     assert (config.hidden_size, config.head_dim, config.num_kv_heads) == (32, 8, 2)
-    assert config.num_queries_per_kv == 2
     assert config.eos_token_ids == (5, 6)
     assert config.rope_scaling is None
     assert not (config.qkv_bias)

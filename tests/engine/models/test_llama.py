@@ -217,7 +217,7 @@ def test_tied_model_accepts_and_ignores_an_output_tensor() -> None:
     model.load_weight("lm_head.weight", torch.zeros(256, 64))
     model.load_weight("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))
     assert "lm_head.weight" not in model.expected_weights()
-    assert model.output_weight is model.embed_tokens
+    assert model.lm_head is None  # the output projection is the embedding
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.text.chat import validate_messages
+
+from ..conftest import toy_engine
 
 #: (messages, error, message): every tokenizer must refuse these exactly so.
 MALFORMED: list[tuple[Any, type[Exception], str]] = [
@@ -94,9 +95,9 @@ def test_the_toy_template() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize(("messages", "error", "message"), MALFORMED[3:])
 async def test_the_engine_queues_nothing_for_malformed_messages(
-    make_engine: Callable[..., Any], messages: Any, error: type[Exception], message: str
+    messages: Any, error: type[Exception], message: str
 ) -> None:
-    async with make_engine() as engine:
+    async with toy_engine() as engine:
         with pytest.raises(error) as caught:
             engine.submit(messages)
         assert str(caught.value) == message
