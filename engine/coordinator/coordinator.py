@@ -118,7 +118,7 @@ class _Relayed:
 class _ReplicaState:
     replica: Replica
     num_open: int = 0
-    steps_seen: int = -1
+    steps_seen: int = 0
     progress_time: float = 0.0
     failure: BaseException | None = None
 

@@ -59,7 +59,7 @@ from twostroke.engine.coordinator.frames import (
     encode_frame,
 )
 from twostroke.engine.engine import Engine
-from twostroke.engine.errors import EngineError, RequestFailed
+from twostroke.engine.errors import EngineError, RequestCancelled, RequestFailed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
 from twostroke.engine.runners.protocol import TokenLogprobs
@@ -123,22 +123,26 @@ class _Server:
         self._stats_scope = anyio.CancelScope()
 
     async def run(self, frames: FrameReader, stats_interval: float) -> None:
+        error: FrameError | None = None
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._writer)
             task_group.start_soon(self._report_statistics, stats_interval)
-            cancel = True  # the coordinator vanished unless it says otherwise
-            async for frame in frames:
-                if isinstance(frame, Add):
-                    self._add(frame)
-                elif isinstance(frame, Cancel):
-                    self._cancel(frame.request_id)
-                elif isinstance(frame, Call):
-                    task_group.start_soon(self._call, frame)
-                elif isinstance(frame, Shutdown):
-                    cancel = frame.cancel
-                    break
-                else:
-                    raise FrameError(f"unexpected frame from the coordinator: {frame!r}")
+            cancel = True  # the coordinator vanished (or broke the protocol) unless it said so
+            try:
+                async for frame in frames:
+                    if isinstance(frame, Add):
+                        self._add(frame)
+                    elif isinstance(frame, Cancel):
+                        self._cancel(frame.request_id)
+                    elif isinstance(frame, Call):
+                        task_group.start_soon(self._call, frame)
+                    elif isinstance(frame, Shutdown):
+                        cancel = frame.cancel
+                        break
+                    else:
+                        raise FrameError(f"unexpected frame from the coordinator: {frame!r}")
+            except FrameError as exc:
+                error = exc  # raised once every request has ended, outside the task group
             if cancel:
                 for handle in list(self._handles.values()):
                     handle.cancel()
@@ -147,6 +151,8 @@ class _Server:
             self._stopping = True
             self._stats_scope.cancel()
             self._wake.set()
+        if error is not None:
+            raise error
 
     # --- requests -----------------------------------------------------------------------
 
@@ -201,9 +207,11 @@ class _Server:
             )
         else:
             assert error is not None
-            message = str(error)
-            if isinstance(error, RequestFailed):  # the engine's id means nothing outside
+            message = str(error)  # the engine's request ids mean nothing outside
+            if isinstance(error, RequestFailed):
                 message = message.removeprefix(f"request {error.request_id} failed: ")
+            elif isinstance(error, RequestCancelled):
+                message = str(RequestCancelled(request_id))
             self._push_end(Failed(request_id, type(error).__name__, message))
 
     async def _call(self, frame: Call) -> None:

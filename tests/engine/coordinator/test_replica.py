@@ -1,0 +1,212 @@
+"""A replica's side of the wire, in this process: ``serve`` over a pair of pipes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+
+from twostroke.engine.coordinator.frames import (
+    Accepted,
+    Add,
+    Call,
+    Cancel,
+    Deltas,
+    Failed,
+    Finished,
+    FrameError,
+    FrameReader,
+    FromReplica,
+    Ready,
+    Rejected,
+    Reply,
+    Shutdown,
+    Start,
+    StartFailed,
+    Stats,
+    encode_frame,
+)
+from twostroke.engine.coordinator.replica import FdReceiveStream, FdSendStream, serve
+from twostroke.states.params import SamplingParams
+
+from ..conftest import toy_engine
+
+pytestmark = pytest.mark.anyio
+
+TOY = Start("toy", {"device": "cpu", "num_blocks": 64, "block_size": 4})
+#: Room for one long request (that a cancel reaches long before it could finish).
+BIG = Start("toy", {"device": "cpu", "num_blocks": 1024, "block_size": 4})
+
+
+class Peer:
+    """The coordinator's end of the pipes."""
+
+    def __init__(self, send: FdSendStream, frames: FrameReader) -> None:
+        self.send_stream = send
+        self.frames = frames
+
+    async def send(self, *frames: Any) -> None:
+        await self.send_stream.send(b"".join(encode_frame(frame) for frame in frames))
+
+    async def until(self, kind: type, request_id: int | None = None) -> list[Any]:
+        """Frames up to and including the first ``kind`` (for ``request_id``); stats dropped."""
+        seen = []
+        async for frame in self.frames:
+            if isinstance(frame, Stats):
+                continue
+            seen.append(frame)
+            if getattr(frame, "request_id", request_id) != request_id:
+                continue
+            if isinstance(frame, kind):
+                return seen
+            assert not isinstance(frame, Rejected | Failed | Finished), (
+                f"expected a {kind.__name__}, got {frame}"
+            )
+        raise AssertionError(f"the replica's output ended before a {kind.__name__}: {seen}")
+
+
+@asynccontextmanager
+async def replica() -> AsyncIterator[tuple[Peer, list[BaseException]]]:
+    """A replica served in a task, and the coordinator's end; errors of ``serve`` collected."""
+    to_replica = os.pipe()
+    from_replica = os.pipe()
+    errors: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await serve(FdReceiveStream(to_replica[0]), FdSendStream(from_replica[1]))
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            os.close(from_replica[1])  # the coordinator's end sees the output end
+
+    try:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(run)
+            send = FdSendStream(to_replica[1])
+            frames = FrameReader(FdReceiveStream(from_replica[0]), FromReplica, "replica 0")
+            yield Peer(send, frames), errors
+    finally:
+        for fd in (*to_replica, from_replica[0]):
+            with contextlib.suppress(OSError):  # a test may have closed its end already
+                os.close(fd)
+
+
+def params(**fields: Any) -> dict[str, Any]:
+    return attrs.asdict(SamplingParams(**fields))
+
+
+async def bare_output(prompt: str, sampling: SamplingParams) -> Any:
+    async with toy_engine() as engine:
+        return await engine.generate(prompt, sampling)
+
+
+async def test_a_replica_serves_requests_in_frames_and_stops_when_told() -> None:
+    sampling = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    expected = await bare_output("hello", sampling)
+    async with replica() as (peer, errors):
+        await peer.send(TOY)
+        (ready,) = await peer.until(Ready)
+        assert ready.pid == os.getpid()
+        assert ready.model_name == "toy"
+        await peer.send(Add(1, "hello", attrs.asdict(sampling)))
+        frames = await peer.until(Finished, 1)
+        assert frames[0] == Accepted(1, list(expected.prompt_token_ids))
+        items = [item for frame in frames if isinstance(frame, Deltas) for item in frame.items]
+        assert [i for item in items for i in item.token_ids] == list(expected.token_ids)
+        assert "".join(item.text for item in items) == expected.text
+        finished = frames[-1]
+        assert (finished.token_ids, finished.text) == (list(expected.token_ids), expected.text)
+        assert finished.finish_reason == expected.finish_reason.value
+        assert len(finished.logprobs) == len(expected.token_ids)
+        await peer.send(Add(2, "x" * 5000, params(max_tokens=4)))
+        (rejected,) = await peer.until(Rejected, 2)
+        assert rejected.kind == "RequestRejected"
+        assert "max_model_len" in rejected.message
+        await peer.send(Add(3, [300], params()))
+        (rejected,) = await peer.until(Rejected, 3)
+        assert rejected == Rejected(
+            3, "ValueError", "prompt token ids must be in [0, 257), got 300 at index 0"
+        )
+        await peer.send(Call(0, "tokenize", "ab"), Call(1, "nonsense", None))
+        replies = [(await peer.until(Reply))[-1] for _ in range(2)]  # calls run concurrently
+        assert sorted(replies, key=lambda reply: reply.call_id) == [
+            Reply(0, [97, 98], None, ""),
+            Reply(1, None, "ValueError", "unknown replica call 'nonsense'"),
+        ]
+        await peer.send(Call(2, "wait_idle", None))
+        idle = (await peer.until(Reply))[-1]
+        assert idle.value["num_free_blocks"] == idle.value["num_blocks"] == 64
+        await peer.send(Shutdown(cancel=False))
+        assert [frame async for frame in peer.frames if not isinstance(frame, Stats)] == []
+    assert errors == []
+
+
+async def test_a_cancel_that_overtakes_its_add_is_honoured_and_a_late_one_ignored() -> None:
+    async with replica() as (peer, errors):
+        await peer.send(BIG)
+        await peer.until(Ready)
+        await peer.send(Cancel(7), Add(7, "hello", params(max_tokens=8)))
+        assert await peer.until(Failed, 7) == [
+            Failed(7, "RequestCancelled", "request 7 was cancelled")
+        ]
+        await peer.send(Add(8, "hello", params(max_tokens=2, ignore_eos=True)))
+        await peer.until(Finished, 8)
+        await peer.send(Cancel(8), Add(9, "long", params(max_tokens=4000, ignore_eos=True)))
+        await peer.until(Accepted, 9)
+        await peer.send(Cancel(9))
+        frames = await peer.until(Failed, 9)
+        assert frames[-1] == Failed(9, "RequestCancelled", "request 9 was cancelled")
+        await peer.send(Call(0, "wait_idle", None))
+        idle = (await peer.until(Reply))[-1]
+        assert idle.value["num_free_blocks"] == idle.value["num_blocks"]
+        await peer.send(Shutdown(cancel=True))
+    assert errors == []
+
+
+async def test_end_of_input_cancels_open_requests_and_ends_the_replica() -> None:
+    async with replica() as (peer, errors):
+        await peer.send(BIG)
+        await peer.until(Ready)
+        await peer.send(Add(1, "long", params(max_tokens=4000, ignore_eos=True)))
+        await peer.until(Accepted, 1)
+        await peer.send_stream.aclose()
+        os.close(peer.send_stream._fd)
+        frames = await peer.until(Failed, 1)
+        assert frames[-1] == Failed(1, "RequestCancelled", "request 1 was cancelled")
+    assert errors == []
+
+
+async def test_a_replica_that_cannot_start_says_why() -> None:
+    async with replica() as (peer, errors):
+        await peer.send(Start("toy", {"device": "cpu", "block_size": 0}))
+        (failed,) = await peer.until(StartFailed)
+        assert failed == StartFailed("ValueError", "block_size must be >= 1, got 0")
+    assert errors == []
+
+
+async def test_a_malformed_or_unexpected_frame_from_the_coordinator_ends_the_replica() -> None:
+    async with replica() as (peer, errors):
+        await peer.send_stream.send(b"\x00\x00\x00\x02\xc1\xc1")
+    assert len(errors) == 1
+    assert isinstance(errors[0], FrameError)
+    assert str(errors[0]).startswith("malformed frame 0 from the coordinator (2 bytes): ")
+    async with replica() as (peer, errors):
+        await peer.send(Cancel(1))
+    assert len(errors) == 1
+    assert isinstance(errors[0], FrameError)
+    assert str(errors[0]) == (
+        "the first frame from the coordinator must be Start, got Cancel(request_id=1)"
+    )
+    async with replica() as (peer, errors):
+        await peer.send(TOY, TOY)
+        await peer.until(Ready)
+    assert len(errors) == 1
+    assert isinstance(errors[0], FrameError)
+    assert str(errors[0]).startswith("unexpected frame from the coordinator: Start(")
