@@ -91,6 +91,12 @@ class CoordinatorStatistics(EngineStatistics):
 
     ``num_open_requests`` is the coordinator's own count; every other total is the sum of the
     live replicas' latest engine statistics.
+
+    Attributes:
+        num_replicas_alive: Replicas that have not died.
+        num_resubmitted: Requests sent again to another replica because theirs died before
+            it delivered any token (each request is resubmitted at most once).
+        replicas: One record per replica, by index, dead ones included.
     """
 
     num_replicas_alive: int = 0
