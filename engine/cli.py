@@ -10,13 +10,15 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
 from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DEFAULT_MODEL
+from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 
 __all__ = ["main"]
@@ -78,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument(
+        "--replicas", type=int, default=1, help="engine replicas behind one coordinator"
+    )
+    serve.add_argument("--placement", default="local", choices=["local", "process", "ray"])
 
     from twostroke.engine.bench.runner import add_bench_arguments
 
@@ -165,13 +171,26 @@ async def _serve(args: argparse.Namespace) -> None:
     from twostroke.engine.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    async with Engine.open(
-        args.model,
-        device=args.device,
-        model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-    ) as engine:
+    options: dict[str, Any] = {
+        "device": args.device,
+        "model_name": args.served_model_name,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    opened: AbstractAsyncContextManager[EngineSurface]
+    if args.replicas == 1 and args.placement == "local":
+        opened = Engine.open(args.model, **options)
+    else:  # the server takes any engine surface: a coordinator over replicas is one
+        from twostroke.engine.coordinator import Coordinator
+
+        # cast: CoordinatorStatistics is not an EngineStatistics, though it has its fields.
+        opened = cast(
+            AbstractAsyncContextManager[EngineSurface],
+            Coordinator.open(
+                args.model, replicas=args.replicas, placement=args.placement, **options
+            ),
+        )
+    async with opened as engine:
         # SIGTERM (systemd, containers) and SIGINT stop it the same way: the server shuts
         # down gracefully, then the engine drains.
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -13,10 +13,17 @@ import pytest
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("backend", "stop"), [("asyncio", signal.SIGTERM), ("trio", signal.SIGINT)]
+    ("backend", "stop", "extra"),
+    [
+        ("asyncio", signal.SIGTERM, []),
+        ("trio", signal.SIGINT, []),
+        ("trio", signal.SIGTERM, ["--replicas", "2", "--placement", "process"]),
+    ],
 )
-def test_serve_command_serves_and_stops_on_a_signal(backend: str, stop: signal.Signals) -> None:
-    command = [sys.executable, "-m", "twostroke.engine.cli", "serve", "--model", "toy"]
+def test_serve_command_serves_and_stops_on_a_signal(
+    backend: str, stop: signal.Signals, extra: list[str]
+) -> None:
+    command = [sys.executable, "-m", "twostroke.engine.cli", "serve", "--model", "toy", *extra]
     command += ["--device", "cpu", "--port", "0", "--backend", backend, "--api-key", "sk-cli"]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
