@@ -9,7 +9,10 @@ What differs between devices is only *where* the work runs and *when* its event 
   and records an event, so ``run`` returns as soon as the launch did and step N+1 is launched
   while step N executes.
 * :class:`CpuDevice` runs the whole computation in a worker thread (torch releases the GIL
-  inside its kernels), so the event loop keeps serving bookkeeping meanwhile.
+  inside its kernels), so the event loop keeps serving bookkeeping meanwhile. Inside
+  ``async with device:`` that is one long-lived thread of the device's own
+  (:class:`~twostroke.gpu.forward_thread.ForwardThread`), which keeps torch's OpenMP team
+  warm; outside, anyio's pooled worker threads.
 * :class:`FakeDevice` is a GPU in virtual time for tests: the work runs inline and its event
   fires ``step_time`` seconds of loop time later, queued behind the steps before it.
 
@@ -25,6 +28,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
 import anyio
@@ -34,6 +38,7 @@ import attrs
 import torch
 
 from twostroke.gpu.completion import Completion, Launched
+from twostroke.gpu.forward_thread import ForwardThread
 
 __all__ = [
     "CountdownEvent",
@@ -67,6 +72,26 @@ class Device(abc.ABC):
 
     kind: ClassVar[str]
     torch_device: torch.device
+
+    async def __aenter__(self) -> Device:
+        """Hold the device for the body of an ``async with`` block (an engine's life).
+
+        Devices that run steps on threads of their own start them here and join them when
+        the block exits, so no thread outlives the block; :meth:`run` works outside a block
+        too. Blocks may nest (two engines on one device): the last exit releases. Always a
+        checkpoint.
+        """
+        await anyio.lowlevel.checkpoint()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Release what :meth:`__aenter__` started; shielded, so it always releases."""
+        return None  # nothing held: a device without threads of its own
 
     @abc.abstractmethod
     async def run(self, work: Callable[[], Launched[T]], completion: Completion[T]) -> None:
@@ -122,7 +147,13 @@ class _Serializer:
 
 
 class _WorkerThreadDevice(Device):
-    """A device whose work runs in a worker thread, one step at a time."""
+    """A device whose work runs in a worker thread, one step at a time.
+
+    Inside ``async with device:`` the worker is the device's own :class:`ForwardThread`,
+    started on the first entry and joined on the last exit; outside, anyio's pooled worker
+    threads (correct, but a step may land on another thread than the one before, with
+    another OpenMP team: slower on the CPU with more than one torch thread).
+    """
 
     def __init__(self) -> None:
         # Created lazily in run(), once per event loop: anyio primitives belong to one loop,
@@ -130,6 +161,34 @@ class _WorkerThreadDevice(Device):
         self._serializer: anyio.lowlevel.RunVar[_Serializer] = anyio.lowlevel.RunVar(
             f"twostroke {type(self).__name__} {id(self):#x} serializer"
         )
+        self._forward: ForwardThread | None = None
+        self._holders = 0
+
+    @property
+    def forward_thread(self) -> ForwardThread | None:
+        """The thread steps run on inside ``async with device:``; ``None`` outside."""
+        return self._forward
+
+    async def __aenter__(self) -> _WorkerThreadDevice:
+        if self._forward is None:
+            forward = ForwardThread(f"twostroke {self.kind} forward")
+            await forward.__aenter__()
+            self._forward = forward
+        else:
+            await anyio.lowlevel.checkpoint()
+        self._holders += 1
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._forward is not None:
+            forward, self._forward = self._forward, None
+            await forward.__aexit__(None, None, None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.torch_device}>"
@@ -141,9 +200,12 @@ class _WorkerThreadDevice(Device):
         with anyio.CancelScope(shield=True):
             async with serializer.lock:
                 try:
-                    launched = await anyio.to_thread.run_sync(
-                        self._launch, work, limiter=serializer.limiter
-                    )
+                    if self._forward is not None:
+                        launched = await self._forward.run(functools.partial(self._launch, work))
+                    else:
+                        launched = await anyio.to_thread.run_sync(
+                            self._launch, work, limiter=serializer.limiter
+                        )
                 except Exception as exc:
                     completion.set_exception(exc)
                 except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail and go on

@@ -8,7 +8,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.from_thread
+import anyio.lowlevel
 import pytest
 import torch
 import trio.testing
@@ -194,6 +196,106 @@ def test_cpu_device_serves_successive_event_loops() -> None:
     assert anyio.run(once) == 3
     assert anyio.run(once, backend="trio") == 3
     assert anyio.run(once) == 3
+
+
+# --- CpuDevice inside async with: its own forward thread -------------------------------------
+
+
+def forward_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "twostroke cpu forward"]
+
+
+@pytest.mark.anyio
+async def test_cpu_inside_the_block_runs_every_step_on_one_thread_joined_at_exit() -> None:
+    device = CpuDevice()
+    assert device.forward_thread is None
+    threads: list[int] = []
+
+    def work() -> Launched[int]:
+        threads.append(threading.get_ident())
+        return Launched(event=ReadyEvent(), readback=lambda: len(threads))
+
+    async with device as entered:
+        assert entered is device
+        forward = device.forward_thread
+        assert forward is not None
+        (thread,) = forward_threads()
+        for step in range(1, 4):
+            completion: Completion[int] = Completion()
+            await device.run(work, completion)
+            assert await completion == step
+    assert threads == [thread.ident] * 3
+    assert thread.ident != threading.get_ident()
+    assert not thread.is_alive()
+    assert device.forward_thread is None
+    assert forward_threads() == []
+
+
+@pytest.mark.anyio
+async def test_cpu_blocks_nest_and_the_last_exit_joins() -> None:
+    device = CpuDevice()
+    async with device:
+        forward = device.forward_thread
+        async with device:
+            assert device.forward_thread is forward
+        assert device.forward_thread is forward
+        assert len(forward_threads()) == 1
+        completion: Completion[int] = Completion()
+        await device.run(ready(5), completion)
+        assert await completion == 5
+    assert device.forward_thread is None
+    assert forward_threads() == []
+    async with device:  # and it can be held again
+        assert len(forward_threads()) == 1
+    assert forward_threads() == []
+
+
+@pytest.mark.anyio
+async def test_cpu_inside_the_block_runs_steps_in_order_and_resolves_for_cancelled_callers() -> (
+    None
+):
+    device = CpuDevice()
+    token = anyio.lowlevel.current_token()
+    release = threading.Event()
+    entered = anyio.Event()
+    order: list[int] = []
+
+    def work(i: int) -> Launched[int]:
+        order.append(i)
+        if i == 0:
+            anyio.from_thread.run_sync(entered.set, token=token)
+            assert release.wait(DEADLOCK)
+        return Launched(event=ReadyEvent(), readback=lambda: i)
+
+    completions: list[Completion[int]] = [Completion() for _ in range(3)]
+    scope = anyio.CancelScope()
+
+    async def launch(i: int, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        task_status.started()
+        with scope if i == 0 else contextlib.nullcontext():
+            await device.run(lambda: work(i), completions[i])
+
+    async with device, anyio.create_task_group() as tg:
+        await tg.start(launch, 0)
+        await entered.wait()
+        for i in range(1, 3):
+            await tg.start(launch, i)
+        scope.cancel()  # step 0's caller leaves; its step still runs and resolves
+        await anyio.wait_all_tasks_blocked()
+        assert order == [0]
+        assert [c.done() for c in completions] == [False] * 3
+        release.set()
+    assert scope.cancelled_caught
+    assert order == [0, 1, 2]
+    assert [await c for c in completions] == [0, 1, 2]
+
+
+@pytest.mark.anyio
+async def test_fake_device_blocks_hold_nothing() -> None:
+    device = FakeDevice()
+    async with device as entered:
+        assert entered is device
+    assert forward_threads() == []
 
 
 # --- CudaDevice without CUDA -----------------------------------------------------------------
