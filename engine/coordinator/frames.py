@@ -63,7 +63,15 @@ WireLogprobs: TypeAlias = tuple[int, float, list[tuple[int, float]]]
 
 
 class FrameError(EngineError):
-    """A frame from the other side is malformed or truncated (names what was wrong)."""
+    """A frame from the other side is malformed or truncated (names what was wrong).
+
+    Attributes:
+        frames: The good frames that came before the bad one in the same bytes.
+    """
+
+    def __init__(self, message: str, frames: Sequence[object] = ()) -> None:
+        super().__init__(message)
+        self.frames = list(frames)
 
 
 # --- coordinator → replica -------------------------------------------------------------
@@ -231,7 +239,8 @@ class FrameDecoder(Generic[T]):
             if length > MAX_FRAME_BYTES:
                 raise FrameError(
                     f"malformed frame {self._frames} from {self._peer}: it announces "
-                    f"{length} bytes, more than the limit of {MAX_FRAME_BYTES}"
+                    f"{length} bytes, more than the limit of {MAX_FRAME_BYTES}",
+                    frames,
                 )
             end = start + _HEADER.size + length
             if len(buffer) < end:
@@ -241,7 +250,8 @@ class FrameDecoder(Generic[T]):
                 frames.append(self._decoder.decode(body))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise FrameError(
-                    f"malformed frame {self._frames} from {self._peer} ({length} bytes): {exc}"
+                    f"malformed frame {self._frames} from {self._peer} ({length} bytes): {exc}",
+                    frames,
                 ) from exc
             self._frames += 1
             start = end
@@ -277,18 +287,25 @@ class FrameReader:
         self._receive = receive
         self._decoder: FrameDecoder[Any] = FrameDecoder(frame_type, peer)
         self._ready: collections.deque[Any] = collections.deque()
+        self._error: FrameError | None = None
 
     def __aiter__(self) -> FrameReader:
         return self
 
     async def __anext__(self) -> Any:
         while not self._ready:
+            if self._error is not None:
+                raise self._error
             try:
                 data = await self._receive.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._decoder.close()
                 raise StopAsyncIteration from None
-            self._ready.extend(self._decoder.feed(data))
+            try:
+                self._ready.extend(self._decoder.feed(data))
+            except FrameError as exc:  # the good frames before it first
+                self._ready.extend(exc.frames)
+                self._error = exc
         return self._ready.popleft()
 
 

@@ -86,8 +86,8 @@ class ProcessReplica(RemoteReplica):
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
             )
         except OSError as exc:
-            self._start_error = ReplicaFailed(self.index, f"its process could not start: {exc!r}")
-            self._ready.set()
+            self._start_cause = exc
+            self.settle_start(f"its process could not start: {exc!r}")
             return
         self.pid = process.pid
         tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
@@ -97,33 +97,38 @@ class ProcessReplica(RemoteReplica):
                 assert process.stdout is not None
                 assert process.stdin is not None
                 task_group.start_soon(self._forward_stderr, process, tail)
+                task_group.start_soon(self._kill_after_grace, process)
                 cause = await self.serve(process.stdout, process.stdin)
-                failed = cause is not None or self._start_error is not None
-                await _reap(process, 0 if failed else self._grace_period)
+                failed = cause is not None or not self._started
+                await _stop(process, 0 if failed else self._grace_period)
                 task_group.cancel_scope.cancel()
         finally:
             await _reap(process, self._grace_period)
-        if cause is None and self._start_error is None:
-            return
         detail = f"its process {process.pid} ended with {describe_exit(process.returncode)}"
         if tail:
             detail += "; its last output:\n" + "\n".join(tail)
-        if self._start_error is not None:
-            error = ReplicaFailed(self.index, f"{self._start_error}; {detail}")
-            error.__cause__ = self._start_error
-            self._start_error = error
+        if not self._started:
+            self.settle_start(detail)
             return
-        assert cause is not None
+        if cause is None:
+            return
         error = ReplicaFailed(self.index, f"{cause}; {detail}")
         error.__cause__ = cause
         self.fail(error)
+
+    async def _kill_after_grace(self, process: anyio.abc.Process) -> None:
+        """A child told to stop gets ``grace_period`` seconds to close its output."""
+        await self.wait_closed(self._grace_period)
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
 
     async def _forward_stderr(
         self, process: anyio.abc.Process, tail: collections.deque[str]
     ) -> None:
         assert process.stderr is not None
         pending = b""
-        async for chunk in process.stderr:
+        chunks = process.stderr
+        async for chunk in chunks:
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for raw in lines:
@@ -134,7 +139,7 @@ class ProcessReplica(RemoteReplica):
             tail.append(pending.decode("utf-8", errors="replace"))
 
 
-async def _reap(process: anyio.abc.Process, grace_period: float) -> None:
+async def _stop(process: anyio.abc.Process, grace_period: float) -> None:
     """Close the child's input, give it ``grace_period`` seconds, kill it, wait for it."""
     with anyio.CancelScope(shield=True):
         if process.stdin is not None:
@@ -146,4 +151,11 @@ async def _reap(process: anyio.abc.Process, grace_period: float) -> None:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-        await process.aclose()  # waits for it and closes its pipes
+        await process.wait()
+
+
+async def _reap(process: anyio.abc.Process, grace_period: float) -> None:
+    """Stop the child (see :func:`_stop`), then close its pipes; shielded from cancellation."""
+    with anyio.CancelScope(shield=True):
+        await _stop(process, grace_period)
+        await process.aclose()

@@ -84,11 +84,8 @@ class RayReplica(RemoteReplica):
         try:
             import ray
         except ImportError as exc:
-            self._start_error = ReplicaFailed(
-                self.index, "placement='ray' needs Ray: pip install 'twostroke[ray]'"
-            )
-            self._start_error.__cause__ = exc
-            self._ready.set()
+            self._start_cause = exc
+            self.settle_start("placement='ray' needs Ray: pip install 'twostroke[ray]'")
             return
         actor: Any = None
         cause: BaseException | None = None
@@ -98,16 +95,16 @@ class RayReplica(RemoteReplica):
             async with stream:
                 cause = await self.serve(stream, stream)
         except (OSError, ray.exceptions.RayError) as exc:
-            if not self._ready.is_set():
-                self._start_error = ReplicaFailed(self.index, f"its actor could not start: {exc}")
-                self._start_error.__cause__ = exc
-                self._ready.set()
-            else:
+            if self._started:
                 cause = exc
+            else:
+                self._start_cause = exc
+                self._start_problem = f"its actor could not start: {exc}"
         finally:
             if actor is not None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(ray.kill, actor)
+            self.settle_start()
         if cause is not None:
             error = ReplicaFailed(self.index, f"its Ray actor is gone: {cause}")
             error.__cause__ = cause

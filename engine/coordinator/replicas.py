@@ -331,12 +331,16 @@ class RemoteReplica:
         self._wake.set()  # the Start frame waits in the outbox
         self._ready = anyio.Event()
         self._start_error: BaseException | None = None
+        self._started = False
+        self._start_problem: str | None = None
+        self._start_cause: BaseException | None = None
         self._max_model_len = 0
         self._model_name = ""
         self._stats: EngineStatistics | None = None
         self._calls: dict[int, tuple[anyio.Event, list[Any]]] = {}
         self._call_ids = itertools.count()
         self._closing = False
+        self._closed = anyio.Event()
         self._gone: BaseException | None = None
 
     @property
@@ -398,6 +402,7 @@ class RemoteReplica:
     def close(self, *, cancel: bool) -> None:
         if not self._closing:
             self._closing = True
+            self._closed.set()
             self._send(encode_frame(Shutdown(cancel)))
 
     def statistics(self) -> EngineStatistics | None:
@@ -425,20 +430,38 @@ class RemoteReplica:
             try:
                 async for frame in frames:
                     self._dispatch(frame)
-                if not self._closing or not self._ready.is_set():
+                if not self._closing or not self._started:
                     cause = EOFError(f"replica {self.index} closed its output unexpectedly")
             except (FrameError, anyio.BrokenResourceError, OSError) as exc:
                 cause = exc
             task_group.cancel_scope.cancel()
         if self._gone is not None:  # the writer failed first
             cause = self._gone
-        if self._start_error is not None:
-            return None
-        if not self._ready.is_set():
-            self._start_error = cause
-            self._ready.set()
+        if not self._started:
+            if self._start_problem is None:
+                self._start_problem = f"it did not start: {cause}"
+                self._start_cause = cause
             return None
         return cause
+
+    def settle_start(self, detail: str | None = None) -> None:
+        """Called by the supervisor when it ends: a replica that never started failed to.
+
+        Args:
+            detail: What the supervisor knows besides (a process's exit status).
+        """
+        if self._ready.is_set():
+            return
+        problem = self._start_problem or "it did not start"
+        error = ReplicaFailed(self.index, problem if detail is None else f"{problem}; {detail}")
+        error.__cause__ = self._start_cause
+        self._start_error = error
+        self._ready.set()
+
+    async def wait_closed(self, grace_period: float) -> None:
+        """Return ``grace_period`` seconds after the replica was told to stop."""
+        await self._closed.wait()
+        await anyio.sleep(grace_period)
 
     def fail(self, cause: BaseException) -> None:
         """The replica is gone: fail its pending calls and tell the coordinator."""
@@ -509,14 +532,12 @@ class RemoteReplica:
                 pending[1].append(frame)
                 pending[0].set()
         elif isinstance(frame, Ready) and not self._ready.is_set():
-            self.pid = frame.pid
+            self.pid = self.pid or frame.pid  # a child process's pid is known already
             self._max_model_len = frame.max_model_len
             self._model_name = frame.model_name
+            self._started = True
             self._ready.set()
         elif isinstance(frame, StartFailed) and not self._ready.is_set():
-            self._start_error = ReplicaFailed(
-                self.index, f"it could not start: {frame.kind}: {frame.message}"
-            )
-            self._ready.set()
+            self._start_problem = f"it could not start: {frame.kind}: {frame.message}"
         else:
             raise FrameError(f"unexpected frame from replica {index}: {frame!r}")

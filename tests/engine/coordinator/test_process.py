@@ -1,0 +1,216 @@
+"""Process replicas: real children for the end-to-end test, tiny fake ones for the failures.
+
+A real replica child imports torch (seconds), so one test does all that needs real ones:
+bit-identical outputs, an asynchronous rejection, a cancellation storm, and a SIGKILL
+mid-stream. The lifecycle failures (a child that ignores shutdown, writes garbage, stops
+mid-frame, or dies at start) use a few lines of Python that write prepared bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+import anyio
+import pytest
+
+from twostroke.engine import (
+    Coordinator,
+    EngineDead,
+    FinishReason,
+    ReplicaFailed,
+    RequestCancelled,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+)
+from twostroke.engine.coordinator import process
+from twostroke.engine.coordinator.frames import Ready, encode_frame
+
+from .test_local import bare_outputs, comparable, workload
+
+pytestmark = pytest.mark.anyio
+
+#: A pool with room for long requests (the toy's outputs do not depend on the pool).
+POOL = {"device": "cpu", "num_blocks": 4096, "block_size": 4}
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
+    requests = workload(12)
+    expected = await bare_outputs(requests)
+    long = SamplingParams(max_tokens=4000, ignore_eos=True)
+    async with Coordinator.open(model="toy", replicas=2, placement="process", **POOL) as c:
+        pids = [replica.pid for replica in c.statistics().replicas]
+        assert all(pid is not None and not gone(pid) for pid in pids)
+
+        # Outputs equal a bare engine's, bit for bit.
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+
+        async def one(index: int) -> None:
+            outputs[index] = await c.generate(*requests[index])
+
+        async with anyio.create_task_group() as task_group:
+            for index in range(len(requests)):
+                task_group.start_soon(one, index)
+        assert [comparable(o) for o in outputs if o] == [comparable(o) for o in expected]
+
+        # The replica rejects a prompt too long for the context: the same error, later.
+        handle = c.submit("x" * 5000, SamplingParams(max_tokens=4))
+        with pytest.raises(RequestRejected, match="must be <= max_model_len"):
+            await handle.result()
+        with pytest.raises(RequestRejected, match="must be <= max_model_len"):
+            async with c.stream("x" * 5000, SamplingParams(max_tokens=4)):
+                raise AssertionError("a rejected request must not stream")
+
+        # A cancellation storm: every way to cancel, then no block is held anywhere.
+        async def cancelled(way: int) -> None:
+            handle = c.submit(f"storm {way}", long)
+            if way % 3 == 1:
+                await handle.next_delta()
+            elif way % 3 == 2:
+                async with c.stream(f"storm {way}", long) as deltas:
+                    await deltas.next_delta()
+            handle.cancel()
+            with pytest.raises(RequestCancelled):
+                await handle.result()
+
+        async with anyio.create_task_group() as task_group:
+            for way in range(24):
+                task_group.start_soon(cancelled, way)
+        await c.wait_idle()
+        for replica in c.statistics().replicas:
+            assert replica.engine is not None
+            assert replica.engine.num_free_blocks == replica.engine.num_blocks
+            assert replica.engine.num_open_requests == 0
+
+        # SIGKILL one replica mid-stream: only its requests fail, within a second.
+        prompts = [f"stream {i}" for i in range(6)]
+        streams = [c.submit(prompt, long) for prompt in prompts]
+        for handle in streams:
+            await handle.next_delta()
+        replica_of = [c._open[handle.request_id].replica for handle in streams]
+        on_zero = [h for h, r in zip(streams, replica_of, strict=True) if r == 0]
+        on_one = [h for h, r in zip(streams, replica_of, strict=True) if r == 1]
+        assert on_zero
+        assert on_one
+        # Same prompt as a stream on replica 0: prefix affinity sends it there, and it is
+        # still in the outbox (no checkpoint since) when the replica is killed.
+        fresh = c.submit(prompts[replica_of.index(0)], SamplingParams(max_tokens=1))
+        assert c._open[fresh.request_id].replica == 0
+        os.kill(pids[0], signal.SIGKILL)
+        killed = anyio.current_time()
+        for handle in on_zero:
+            with pytest.raises(ReplicaFailed, match=r"replica 0 failed: .*signal SIGKILL"):
+                await handle.result()
+        elapsed = anyio.current_time() - killed
+        print(f"SIGKILL to ReplicaFailed of {len(on_zero)} streams: {elapsed * 1000:.0f} ms")
+        assert elapsed < 1.0
+        # It had no token when its replica died: resubmitted to the survivor.
+        assert (await fresh.result()).usage.completion_tokens == 1
+        for handle in on_one:
+            await handle.next_delta()  # the survivor keeps serving
+            handle.cancel()
+        stats = c.statistics()
+        assert [r.alive for r in stats.replicas] == [False, True]
+        assert stats.num_resubmitted >= 1
+        after = await c.generate("after the kill", SamplingParams(max_tokens=5))
+        assert after.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert all(gone(pid) for pid in pids if pid is not None)
+
+
+FAKE_CHILD = """
+import os, sys, time
+os.write(1, bytes.fromhex(sys.argv[1]))
+if sys.argv[2] == "exit":
+    print("boom: the replica could not start", file=sys.stderr)
+    sys.exit(3)
+if sys.argv[2] == "hang":
+    time.sleep(60)
+"""
+
+
+def fake_children(monkeypatch: pytest.MonkeyPatch, output: bytes, mode: str) -> None:
+    """Replica children that write ``output`` and then exit (or hang, ignoring input)."""
+    command = [sys.executable, "-c", FAKE_CHILD, output.hex(), mode]
+    monkeypatch.setattr(process, "replica_command", lambda: command)
+
+
+READY = encode_frame(Ready(pid=0, model_name="fake", max_model_len=128))
+
+
+def pids_of(coordinator: Coordinator) -> list[int]:
+    return [replica.pid for replica in coordinator.statistics().replicas if replica.pid]
+
+
+async def test_a_child_that_ignores_shutdown_is_killed_after_the_grace_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_children(monkeypatch, READY, "hang")
+    async with Coordinator.open(replicas=2, placement="process", grace_period=0.1) as c:
+        assert c.model_name == "fake"
+        pids = pids_of(c)
+        assert len(pids) == 2
+    assert all(gone(pid) for pid in pids)
+
+
+async def test_cancelling_the_block_reaps_every_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_children(monkeypatch, READY, "hang")
+    pids: list[int] = []
+    with anyio.CancelScope() as scope:
+        async with Coordinator.open(replicas=2, placement="process", grace_period=0.1) as c:
+            pids = pids_of(c)
+            scope.cancel()
+            await anyio.sleep_forever()
+    assert len(pids) == 2
+    assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize(
+    ("output", "mode", "message"),
+    [
+        (
+            READY + b"\x00\x00\x00\x05hello",
+            "hang",
+            r"malformed frame 1 from replica 0 \(5 bytes\)",
+        ),
+        (
+            READY + b"\x00\x00\x00\x10abc",
+            "end",
+            r"truncated frame 1 from replica 0: the stream ended after 3 of its 16 bytes; "
+            r"its process \d+ ended with exit code 0",
+        ),
+    ],
+    ids=["malformed", "truncated"],
+)
+async def test_bad_output_fails_the_replica_with_what_was_wrong(
+    monkeypatch: pytest.MonkeyPatch, output: bytes, mode: str, message: str
+) -> None:
+    fake_children(monkeypatch, output, mode)
+    with pytest.raises(EngineDead) as caught:
+        async with Coordinator.open(replicas=1, placement="process", grace_period=0.1) as c:
+            pids = pids_of(c)
+            await anyio.sleep_forever()  # cancelled when the last replica dies
+    cause: Any = caught.value.__cause__
+    assert isinstance(cause, ReplicaFailed)
+    assert cause.replica == 0
+    assert re.search(message, str(cause)), str(cause)
+    assert all(gone(pid) for pid in pids)
+
+
+async def test_a_child_that_dies_at_start_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_children(monkeypatch, b"", "exit")
+    with pytest.raises(ReplicaFailed, match="exit code 3") as caught:
+        async with Coordinator.open(replicas=2, placement="process"):
+            raise AssertionError("must not start")
+    assert "boom: the replica could not start" in str(caught.value)
