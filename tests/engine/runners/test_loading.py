@@ -1,0 +1,51 @@
+"""resolve_dtype: the dtype names, and bfloat16 on a CPU without native bf16 (warned, honoured)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from twostroke.engine.runners import loading
+from twostroke.engine.runners.loading import EmulatedBFloat16Warning, resolve_dtype
+from twostroke.gpu import device as device_module
+from twostroke.gpu.device import CpuDevice, FakeDevice
+
+
+@pytest.fixture(params=[True, False], ids=["native-bf16", "no-native-bf16"])
+def native_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    native: bool = request.param
+    monkeypatch.setattr(device_module, "_cpu_has_fast_bf16", lambda: native)
+    return native
+
+
+def test_bfloat16_without_native_support_warns_with_its_cost_and_runs() -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(device_module, "_cpu_has_fast_bf16", lambda: False)
+        capability = torch.backends.cpu.get_cpu_capability()
+        message = loading.EMULATED_BF16_MESSAGE.format(capability=capability)
+        with pytest.warns(EmulatedBFloat16Warning, match=f"^{re.escape(message)}$"):
+            assert resolve_dtype("bfloat16", CpuDevice()) == torch.bfloat16
+    assert "4.4x slower than float32" in message
+    assert issubclass(EmulatedBFloat16Warning, UserWarning)
+
+
+def test_auto_and_the_other_names_never_warn(native_bf16: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected = torch.bfloat16 if native_bf16 else torch.float32
+        assert resolve_dtype("auto", CpuDevice()) == expected
+        assert resolve_dtype("float32", CpuDevice()) == torch.float32
+        assert resolve_dtype("float16", CpuDevice()) == torch.float16
+        # The fake device is no CPU whose instructions matter: bfloat16 there is silent.
+        assert resolve_dtype("bfloat16", FakeDevice()) == torch.bfloat16
+        if native_bf16:
+            assert resolve_dtype("bfloat16", CpuDevice()) == torch.bfloat16
+
+
+def test_unknown_names_are_refused() -> None:
+    message = "dtype must be 'auto' or one of 'float32', 'bfloat16', 'float16', got 'fp8'"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        resolve_dtype("fp8", CpuDevice())
