@@ -15,7 +15,7 @@ hypothesis tools built on it live in :mod:`twostroke.states.testing`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepOutcome, StepPlan
@@ -94,6 +94,9 @@ class SimulatedKV:
         sampled: dict[int, int] = {}
         for request_id in plan.finished_request_ids:
             self._written.pop(request_id, None)
+        # Who writes each slot in this very step: another request of the same step must not
+        # read it (a batch computes its KV together; only a later step sees it written).
+        fresh: dict[tuple[int, int], int] = {}
         for entry in plan.requests:
             inputs = list(entry.token_ids)
             if entry.pending_input:
@@ -107,12 +110,13 @@ class SimulatedKV:
             for offset, token_id in enumerate(inputs):
                 block, slot = self._locate(entry.block_table, entry.start + offset, plan)
                 self._slots[block][slot] = (entry.request_id, token_id)
+                fresh[block, slot] = entry.request_id
                 written[entry.start + offset] = token_id
         for entry in plan.requests:
             if not entry.sample:
                 continue
             context = [
-                self._read(entry.request_id, entry.block_table, position, plan)
+                self._read(entry.request_id, entry.block_table, position, plan, fresh)
                 for position in range(entry.end)
             ]
             sampled[entry.request_id] = self.next_token(context)
@@ -130,9 +134,20 @@ class SimulatedKV:
         return block_table[index], slot
 
     def _read(
-        self, request_id: int, block_table: Sequence[int], position: int, plan: StepPlan
+        self,
+        request_id: int,
+        block_table: Sequence[int],
+        position: int,
+        plan: StepPlan,
+        fresh: Mapping[tuple[int, int], int],
     ) -> int:
         block, slot = self._locate(block_table, position, plan)
+        if fresh.get((block, slot), request_id) != request_id:
+            raise SimulationError(
+                f"step {plan.step_id}: request {request_id} reads position {position} "
+                f"(block {block}, slot {slot}), which request {fresh[block, slot]} writes in "
+                "the same step"
+            )
         stored = self._slots[block][slot]
         own = self._written.get(request_id, {}).get(position)
         if stored is None or (own is not None and stored[1] != own):

@@ -8,7 +8,8 @@ This is a test-support module: it imports hypothesis, which comes with the ``tes
   :class:`~twostroke.states.scheduler.SchedulerConfig` to get only requests it can serve.
 * Machines (``RuleBasedStateMachine``, each against a plain reference model):
   :class:`RequestMachine` (the lifecycle table and the token counts),
-  :class:`BlockPoolMachine` (a dict of reference counts) and :class:`SchedulerMachine`
+  :class:`BlockPoolMachine` (a dict of reference counts), :class:`PrefixCacheMachine`
+  (a dict from token prefixes to blocks) and :class:`SchedulerMachine`
   (a :class:`~twostroke.states.testing.harness.SimulatedEngine`, whose reference is the output of
   the same "model" without any scheduler). Subclass one and set its class attributes, or
   call :meth:`SchedulerMachine.for_config`, to test your own configuration; run it with
@@ -33,6 +34,7 @@ from twostroke.states.testing.harness import (
     step_bound,
 )
 from twostroke.states.testing.machines import BlockPoolMachine, RequestMachine, SchedulerMachine
+from twostroke.states.testing.prefix import PrefixCacheMachine, PrefixModel
 from twostroke.states.testing.strategies import (
     request_specs,
     requests,
@@ -45,6 +47,8 @@ __all__ = [
     "BlockPoolMachine",
     "DriveResult",
     "NextToken",
+    "PrefixCacheMachine",
+    "PrefixModel",
     "RequestMachine",
     "RequestSpec",
     "SchedulerMachine",

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -439,6 +440,26 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.engine.submit(spec.build(request_id, self.now))
             request_ids.append(request_id)
         return multiple(*request_ids)
+
+    @precondition(lambda self: bool(self.engine.requests))
+    @rule(target=request_ids, data=st.data())
+    def add_follow_up(self, data: st.DataObject) -> int:
+        """Submit a request whose prompt starts with another's tokens (a shared system
+        prompt, or the next turn of a conversation): with prefix caching, it hits."""
+        engine = self.engine
+        earlier = engine.requests[data.draw(st.sampled_from(sorted(engine.requests)))]
+        known = earlier.prompt_token_ids + earlier.output_token_ids
+        prefix = known[: data.draw(st.integers(1, len(known)), label="shared")]
+        spec = data.draw(self._specs(), label="spec")
+        prompt = (prefix + spec.prompt_token_ids)[: max(len(spec.prompt_token_ids), len(prefix))]
+        spec = attrs.evolve(spec, prompt_token_ids=prompt)
+        if not spec.fits(engine.config):
+            spec = attrs.evolve(spec, params=attrs.evolve(spec.params, max_tokens=1, min_tokens=0))
+        while not spec.fits(engine.config):
+            spec = attrs.evolve(spec, prompt_token_ids=spec.prompt_token_ids[:-1])
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        engine.submit(spec.build(request_id, self.now))
+        return request_id
 
     @rule(data=st.data())
     def add_unservable(self, data: st.DataObject) -> None:

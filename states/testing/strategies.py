@@ -177,6 +177,7 @@ def scheduler_configs(
     max_num_batched_tokens: Ints | None = None,
     max_num_seqs: Ints | None = None,
     pipeline_depth: Ints | None = None,
+    enable_prefix_caching: bool | st.SearchStrategy[bool] | None = None,
 ) -> SchedulerConfig:
     """Small configurations, so that memory pressure and preemption happen all the time.
 
@@ -192,6 +193,8 @@ def scheduler_configs(
         max_num_batched_tokens: Token budget per step (default 1 to 24).
         max_num_seqs: Request limit (default 1 to 6).
         pipeline_depth: 1 (serial) or 2 (lookahead) (default either).
+        enable_prefix_caching: Whether the scheduler shares cached prefix blocks
+            (default either).
     """
     blocks = draw(_ints(num_blocks, st.integers(2, 12)))
     size = draw(_ints(block_size, st.integers(1, 4)))
@@ -204,4 +207,11 @@ def scheduler_configs(
         # Mostly the pool's capacity: a short context would only allow short requests.
         max_model_len=draw(st.just(capacity) | st.integers(max(2, capacity // 2), capacity)),
         pipeline_depth=draw(_ints(pipeline_depth, st.sampled_from((1, 2)))),
+        enable_prefix_caching=draw(
+            st.booleans()
+            if enable_prefix_caching is None
+            else enable_prefix_caching
+            if isinstance(enable_prefix_caching, st.SearchStrategy)
+            else st.just(enable_prefix_caching)
+        ),
     )
