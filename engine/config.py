@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import attrs
 
-from twostroke.states.validators import PIPELINE_DEPTH, int_at_least, one_of
+from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least, one_of
 
 __all__ = ["EngineConfig"]
 
@@ -49,6 +49,9 @@ class EngineConfig:
         torch_threads: torch's intra-op threads for the forward pass (process-wide). ``None``
             takes one fewer than the cores on the CPU (the event loop thread runs the
             bookkeeping stroke meanwhile) and leaves torch's default on CUDA.
+        enable_prefix_caching: Keep the KV of full blocks after their requests end, so a
+            prompt that starts with the same tokens (a shared system prompt, the earlier
+            turns of a chat) skips computing them. Outputs are the same either way.
 
     Raises:
         TypeError: a value of the wrong type (``None`` included, for a field that is not
@@ -70,3 +73,4 @@ class EngineConfig:
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
+    enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)

@@ -73,6 +73,11 @@ from twostroke.engine import EngineConfig
         ({"torch_threads": 0}, ValueError, "torch_threads must be >= 1, got 0"),
         ({"torch_threads": "2"}, TypeError, "torch_threads must be an int, got str '2'"),
         (
+            {"enable_prefix_caching": 1},
+            TypeError,
+            "enable_prefix_caching must be a bool, got int 1",
+        ),
+        (
             {"kv_cache_memory": 1.5},
             ValueError,
             "kv_cache_memory as a fraction must be in (0, 1), got 1.5",
@@ -119,3 +124,4 @@ def test_every_field_rejects_a_wrong_type(field: str) -> None:
 def test_defaults() -> None:
     config = EngineConfig()
     assert (config.pipeline_depth, config.shutdown, config.dtype) == (2, "drain", "auto")
+    assert config.enable_prefix_caching is True
