@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
     _sampling_arguments(generate)
+    generate.add_argument(
+        "--replicas", type=int, default=1, help="engine replicas behind one coordinator"
+    )
+    generate.add_argument("--placement", default="local", choices=["local", "process", "ray"])
 
     chat = commands.add_parser("chat", help="a small chat REPL")
     _sampling_arguments(chat)
@@ -100,7 +104,14 @@ async def _generate(args: argparse.Namespace) -> None:
     prompt: Any = args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
-    async with Engine.open(args.model, device=args.device) as engine:
+    opened: AbstractAsyncContextManager[EngineSurface] = Engine.open(args.model, device=args.device)
+    if args.replicas != 1 or args.placement != "local":
+        from twostroke.engine.coordinator import Coordinator
+
+        opened = Coordinator.open(
+            args.model, replicas=args.replicas, placement=args.placement, device=args.device
+        )
+    async with opened as engine:
         async with engine.stream(prompt, _params(args)) as deltas:
             async for delta in deltas:
                 print(delta.text, end="", flush=True)
@@ -215,7 +226,9 @@ def _bench(args: argparse.Namespace) -> int:
     from twostroke.engine.bench.twostroke_driver import engine_drivers
 
     drivers = engine_drivers(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        compare_prefix_caching=args.compare_prefix_caching,
     )
     return bench_command(args, engine_drivers=drivers)
 

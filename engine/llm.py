@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal, cast
 
 import anyio
 import anyio.from_thread
 
+from twostroke.engine.coordinator import Coordinator
 from twostroke.engine.engine import Engine, EngineStatistics
 from twostroke.engine.errors import EngineClosed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.surface import EngineSurface
 from twostroke.engine.text.prompts import Prompt
 from twostroke.states.errors import EngineError
 from twostroke.states.params import SamplingParams
@@ -34,7 +37,11 @@ class LLM:
     Args:
         model: As for :meth:`Engine.open`.
         backend: The event loop the engine runs on (``"asyncio"`` or ``"trio"``).
-        **engine_options: Passed to :meth:`Engine.open`.
+        replicas: Serve through a :class:`~twostroke.engine.coordinator.Coordinator` over
+            this many engine replicas (``None``: one plain engine).
+        placement: Where the replicas run (``"local"``, ``"process"`` or ``"ray"``; see
+            :meth:`Coordinator.open`). Only with ``replicas``.
+        **engine_options: Passed to :meth:`Engine.open` (or to every replica).
 
     Use it as a context manager, or call :meth:`close` when done.
 
@@ -48,6 +55,8 @@ class LLM:
         model: str | None = None,
         *,
         backend: Literal["asyncio", "trio"] = "asyncio",
+        replicas: int | None = None,
+        placement: Literal["local", "process", "ray"] | None = None,
         **engine_options: Any,
     ) -> None:
         accepted = ", ".join(map(repr, _BACKENDS))
@@ -63,9 +72,20 @@ class LLM:
             self._portal = self._stack.enter_context(
                 anyio.from_thread.start_blocking_portal(backend)
             )
-            self._engine: Engine = self._stack.enter_context(
-                self._portal.wrap_async_context_manager(Engine.open(model, **engine_options))
+            opened: AbstractAsyncContextManager[EngineSurface, bool | None]
+            if replicas is None:
+                if placement is not None:
+                    raise TypeError("placement needs replicas: pass replicas=N as well")
+                opened = Engine.open(model, **engine_options)
+            else:
+                opened = Coordinator.open(
+                    model, replicas=replicas, placement=placement or "local", **engine_options
+                )
+            portal: anyio.from_thread.BlockingPortal = self._portal
+            wrapped: AbstractContextManager[EngineSurface] = portal.wrap_async_context_manager(
+                opened
             )
+            self._engine: EngineSurface = self._stack.enter_context(wrapped)
         except BaseException:
             self._stack.close()
             raise
@@ -168,7 +188,7 @@ class LLM:
         return [result for result in results if result is not None]
 
     def statistics(self) -> EngineStatistics:
-        return self._engine.statistics()
+        return self._portal.call(self._engine.statistics)  # on the engine's loop thread
 
     def close(self) -> None:
         """Drain open requests and stop the engine and its thread. Idempotent."""

@@ -34,6 +34,7 @@ import attrs
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator.frames import (
+    PromptInput,
     Start,
     WirePrompt,
     estimate_prompt_tokens,
@@ -331,7 +332,7 @@ class Coordinator:
         if self._closing:
             raise EngineClosed("the coordinator is closed: its async with block was left")
 
-    def submit(self, prompt: WirePrompt, params: SamplingParams | None = None) -> RequestHandle:
+    def submit(self, prompt: PromptInput, params: SamplingParams | None = None) -> RequestHandle:
         """Route a request to a replica and return its handle at once.
 
         What is checked here depends on the placement. The coordinator has no tokenizer,
@@ -399,7 +400,7 @@ class Coordinator:
             self.accepted(index, request_id, prompt_token_ids)
 
     async def generate(
-        self, prompt: WirePrompt, params: SamplingParams | None = None
+        self, prompt: PromptInput, params: SamplingParams | None = None
     ) -> RequestOutput:
         """Generate a complete output; cancelling the caller cancels the request.
 
@@ -418,7 +419,7 @@ class Coordinator:
 
     @asynccontextmanager
     async def stream(
-        self, prompt: WirePrompt, params: SamplingParams | None = None
+        self, prompt: PromptInput, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestHandle]:
         """Stream a request's deltas; leaving the block early cancels the request.
 
@@ -441,7 +442,7 @@ class Coordinator:
         finally:
             handle.cancel()
 
-    async def tokenize(self, prompt: WirePrompt) -> list[int]:
+    async def tokenize(self, prompt: PromptInput) -> list[int]:
         """The token ids a replica computes for ``prompt`` (it holds the tokenizer).
 
         Raises:

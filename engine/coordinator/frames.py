@@ -38,6 +38,7 @@ __all__ = [
     "FrameError",
     "FrameReader",
     "FromReplica",
+    "PromptInput",
     "Ready",
     "Rejected",
     "Reply",
@@ -56,6 +57,9 @@ __all__ = [
 MAX_FRAME_BYTES = 64 << 20
 _HEADER = struct.Struct(">I")
 
+#: What a caller may pass as a prompt: the engine's ``Prompt`` (restated here: the
+#: coordinator does not import the engine's text modules).
+PromptInput: TypeAlias = str | Sequence[int] | Sequence[Mapping[str, str]]
 #: A prompt on the wire: text, or a list of token ids or of chat messages.
 WirePrompt: TypeAlias = str | list[int | dict[str, Any]]
 #: One token's log-probabilities: the token id, its logprob, the top alternatives.
