@@ -113,6 +113,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self._max_model_len,
                 pipeline_depth=config.pipeline_depth,
+                enable_prefix_caching=config.enable_prefix_caching,
             ),
             clock=anyio.current_time,
         )
@@ -203,7 +204,9 @@ class Engine:
             model_name=model_name if model_name is not None else name,
         )
         body_error: BaseException | None = None
-        async with anyio.create_task_group() as task_group:
+        # The device holds what runs steps (on the CPU, one long-lived forward thread that
+        # keeps torch's OpenMP team) for exactly the engine's life.
+        async with device, anyio.create_task_group() as task_group:
             engine._task_group = task_group
             await task_group.start(engine._forward_stroke)
             await task_group.start(engine._bookkeeping_stroke)
