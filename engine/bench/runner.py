@@ -238,6 +238,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX")
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of a shared prefix before every prompt (a system prompt; 0: none)",
+    )
+    parser.add_argument(
+        "--num-prefixes", type=int, default=1, help="distinct shared prefixes, round robin"
+    )
+    parser.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="also run twostroke at depth 2 with prefix caching off",
+    )
     parser.add_argument("--rate", type=float, default=4.0, help="serving: requests per second")
     parser.add_argument(
         "--burstiness", type=float, default=1.0, help="serving: gamma shape (1 = Poisson)"
@@ -335,6 +349,8 @@ def bench_command(
         "prompt_len": tuple(args.prompt_len),
         "output_len": tuple(args.output_len),
         "seed": args.seed,
+        "shared_prefix_len": args.shared_prefix_len,
+        "num_prefixes": args.num_prefixes,
     }
     if args.workload == "offline":
         workload = offline_workload(encode, **shape)

@@ -83,6 +83,8 @@ class TwostrokeDriver:
     def __init__(self, depth: int, **engine_options: Any) -> None:
         self.depth = depth
         self.name = f"twostroke-depth{depth}"
+        if engine_options.get("enable_prefix_caching") is False:
+            self.name += "-nocache"
         self.engine_options = engine_options
         self.recording: _Recording | None = None
 
@@ -253,7 +255,12 @@ class BareForwardDriver:
         )
 
 
-def engine_drivers(**engine_options: Any) -> list[Any]:
-    """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1."""
+def engine_drivers(*, compare_prefix_caching: bool = False, **engine_options: Any) -> list[Any]:
+    """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1, and
+    with ``compare_prefix_caching`` depth 2 without prefix caching."""
     depth2 = TwostrokeDriver(2, **engine_options)
-    return [depth2, BareForwardDriver(depth2), TwostrokeDriver(1, **engine_options)]
+    drivers = [depth2, BareForwardDriver(depth2), TwostrokeDriver(1, **engine_options)]
+    if compare_prefix_caching:
+        options = engine_options | {"enable_prefix_caching": False}
+        drivers.append(TwostrokeDriver(2, **options))
+    return drivers

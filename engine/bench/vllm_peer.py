@@ -44,7 +44,8 @@ class ChildError(Exception):
 def job_document(workload: Workload, *, model_dir: Path, model: ModelSpec) -> dict[str, Any]:
     """The JSON job the child runs: the workload's token ids, lengths and arrivals.
 
-    Prefix caching is off: prompts are distinct, and a cache only adds bookkeeping here.
+    Prefix caching is on only when the workload's prompts share prefixes: otherwise they
+    are distinct, and a cache only adds bookkeeping.
     """
     requests = workload.requests
     return {
@@ -58,7 +59,7 @@ def job_document(workload: Workload, *, model_dir: Path, model: ModelSpec) -> di
             for r in requests
         ],
         "arrival_times": None if workload.arrival_times is None else list(workload.arrival_times),
-        "engine_args": {"enable_prefix_caching": False},
+        "engine_args": {"enable_prefix_caching": workload.shared_prefix_len > 0},
     }
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from twostroke.states.validators import int_at_least
+from twostroke.states.validators import check_int_at_least, int_at_least
 
 __all__ = [
     "CORPUS",
@@ -121,12 +121,15 @@ class Workload:
             non-decreasing; ``None`` for an offline workload (all at t = 0, submitted at once).
         seed: The seed the workload was drawn with.
         description: One line for reports ("offline: 64 requests, prompts 16-512, ...").
+        shared_prefix_len: Tokens every prompt shares with others (0: prompts are distinct,
+            so a prefix cache finds nothing).
     """
 
     requests: tuple[BenchRequest, ...] = attrs.field(converter=_requests)
     arrival_times: tuple[float, ...] | None = attrs.field()
     seed: int
     description: str
+    shared_prefix_len: int = attrs.field(default=0, validator=int_at_least(0))
 
     @requests.validator
     def _check_requests(self, attribute: object, value: tuple[BenchRequest, ...]) -> None:
@@ -179,6 +182,8 @@ def offline_workload(
     output_len: tuple[int, int] = (16, 256),
     seed: int = 0,
     text: str = CORPUS,
+    shared_prefix_len: int = 0,
+    num_prefixes: int = 1,
 ) -> Workload:
     """``n`` requests submitted at once, lengths uniform in the given ranges.
 
@@ -192,23 +197,32 @@ def offline_workload(
         output_len: Inclusive range of tokens to generate per request.
         seed: Fixes the lengths and the windows.
         text: The prose prompts are cut from; the built-in :data:`CORPUS` by default.
+        shared_prefix_len: With > 0, each prompt is one of ``num_prefixes`` shared prefixes
+            of this many tokens (request ``i`` takes prefix ``i % num_prefixes``) followed by
+            its own window of ``prompt_len`` tokens: a system prompt shared by many users,
+            which a prefix cache computes once per prefix.
+        num_prefixes: How many distinct shared prefixes.
 
     Returns:
         The workload, with ``arrival_times`` ``None``.
 
     Raises:
-        ValueError: ``n`` < 1, a range is empty or starts below 1, or ``text`` encodes to
-            no tokens.
+        ValueError: ``n`` < 1, a range is empty or starts below 1, ``text`` encodes to
+            no tokens, ``shared_prefix_len`` < 0 or ``num_prefixes`` < 1.
+        TypeError: ``shared_prefix_len`` or ``num_prefixes`` is not an int.
     """
     requests = _draw_requests(encode, n, prompt_len, output_len, random.Random(seed), text)
+    requests = _share_prefixes(encode, requests, shared_prefix_len, num_prefixes, seed, text)
     return Workload(
         requests=requests,
         arrival_times=None,
         seed=seed,
         description=(
-            f"offline: {n} requests at once, prompts {prompt_len[0]}-{prompt_len[1]} tokens, "
+            f"offline: {n} requests at once, prompts {prompt_len[0]}-{prompt_len[1]} tokens"
+            f"{_sharing(shared_prefix_len, num_prefixes)}, "
             f"outputs {output_len[0]}-{output_len[1]} tokens, seed {seed}"
         ),
+        shared_prefix_len=shared_prefix_len,
     )
 
 
@@ -222,6 +236,8 @@ def serving_workload(
     output_len: tuple[int, int] = (16, 256),
     seed: int = 0,
     text: str = CORPUS,
+    shared_prefix_len: int = 0,
+    num_prefixes: int = 1,
 ) -> Workload:
     """``n`` requests arriving at ``rate`` per second, with gamma-distributed gaps.
 
@@ -240,6 +256,8 @@ def serving_workload(
         output_len: Inclusive range of tokens to generate per request.
         seed: Fixes the lengths, the windows and the arrivals.
         text: The prose prompts are cut from.
+        shared_prefix_len: As for :func:`offline_workload`.
+        num_prefixes: As for :func:`offline_workload`.
 
     Returns:
         The workload, with one arrival time per request.
@@ -254,6 +272,7 @@ def serving_workload(
         raise ValueError(f"burstiness must be a finite gamma shape > 0, got {burstiness}")
     rng = random.Random(seed)
     requests = _draw_requests(encode, n, prompt_len, output_len, rng, text)
+    requests = _share_prefixes(encode, requests, shared_prefix_len, num_prefixes, seed, text)
     # A separate stream for the gaps, so the prompts equal the offline workload's.
     gaps = random.Random(f"arrivals-{seed}")
     times = [0.0]
@@ -266,9 +285,46 @@ def serving_workload(
         seed=seed,
         description=(
             f"serving: {n} requests at {rate:g}/s ({shape}), prompts "
-            f"{prompt_len[0]}-{prompt_len[1]} tokens, outputs {output_len[0]}-{output_len[1]} "
-            f"tokens, seed {seed}"
+            f"{prompt_len[0]}-{prompt_len[1]} tokens{_sharing(shared_prefix_len, num_prefixes)}, "
+            f"outputs {output_len[0]}-{output_len[1]} tokens, seed {seed}"
         ),
+        shared_prefix_len=shared_prefix_len,
+    )
+
+
+def _sharing(shared_prefix_len: int, num_prefixes: int) -> str:
+    if not shared_prefix_len:
+        return ""
+    return f" after one of {num_prefixes} shared {shared_prefix_len}-token prefixes"
+
+
+def _share_prefixes(
+    encode: Callable[[str], Sequence[int]],
+    requests: tuple[BenchRequest, ...],
+    shared_prefix_len: int,
+    num_prefixes: int,
+    seed: int,
+    text: str,
+) -> tuple[BenchRequest, ...]:
+    """Put one of ``num_prefixes`` shared prefixes before each prompt, round robin.
+
+    The prefixes are windows of the text at distinct offsets, drawn from a stream of their
+    own, so the requests' own windows and lengths equal the workload without sharing.
+    """
+    check_int_at_least("shared_prefix_len", shared_prefix_len, 0)
+    check_int_at_least("num_prefixes", num_prefixes, 1)
+    if not shared_prefix_len:
+        return requests
+    base = [int(token) for token in encode(text)]
+    stream = base * ((shared_prefix_len + len(base) - 1) // len(base) + 1)
+    rng = random.Random(f"prefixes-{seed}")
+    offsets = rng.sample(range(len(base)), min(num_prefixes, len(base)))
+    prefixes = [tuple(stream[o : o + shared_prefix_len]) for o in offsets]
+    return tuple(
+        attrs.evolve(
+            request, prompt_token_ids=prefixes[index % len(prefixes)] + request.prompt_token_ids
+        )
+        for index, request in enumerate(requests)
     )
 
 

@@ -144,6 +144,49 @@ def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "serving: 5 requests at 8/s (Poisson)" in out.getvalue()
 
 
+def test_shared_prefix_workload_from_the_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from twostroke.engine.text import tokenizer
+
+    monkeypatch.setattr(
+        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
+    )
+    engine = FakeDriver("twostroke-depth2")
+    args = _args(
+        tmp_path,
+        "--num-requests",
+        "4",
+        "--prompt-len",
+        "4",
+        "8",
+        "--output-len",
+        "2",
+        "3",
+        "--shared-prefix-len",
+        "16",
+        "--num-prefixes",
+        "2",
+        "--systems",
+        "twostroke-depth2",
+    )
+    assert bench_command(args, engine_drivers=[engine], console=Console(file=io.StringIO())) == 0
+    (workload,) = engine.ran
+    assert workload.shared_prefix_len == 16
+    prefixes = {request.prompt_token_ids[:16] for request in workload.requests}
+    assert len(prefixes) == 2
+
+
+def test_engine_drivers_compare_prefix_caching_on_request() -> None:
+    from twostroke.engine.bench.twostroke_driver import engine_drivers
+
+    names = [driver.name for driver in engine_drivers(max_num_seqs=4)]
+    assert "twostroke-depth2-nocache" not in names
+    compared = engine_drivers(max_num_seqs=4, compare_prefix_caching=True)
+    assert compared[-1].name == "twostroke-depth2-nocache"
+    assert compared[-1].engine_options == {"max_num_seqs": 4, "enable_prefix_caching": False}
+
+
 @pytest.mark.parametrize(("fast_bf16", "expected"), [(True, "bfloat16"), (False, "float32")])
 def test_dtype_auto_is_the_engines_choice_on_this_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_bf16: bool, expected: str

@@ -222,6 +222,14 @@ def test_job_document(model: ModelSpec) -> None:
     json.dumps(document)
 
 
+def test_vllm_caches_prefixes_only_when_the_workload_shares_them(model: ModelSpec) -> None:
+    plain = job_document(WORKLOAD, model_dir=Path("/m"), model=model)
+    shared = Workload(WORKLOAD.requests, None, 0, "s", shared_prefix_len=2)
+    document = job_document(shared, model_dir=Path("/m"), model=model)
+    assert plain["engine_args"] == {"enable_prefix_caching": False}
+    assert document["engine_args"] == {"enable_prefix_caching": True}
+
+
 def _timing(tokens: int) -> dict[str, object]:
     return {
         "prompt_tokens": 1,

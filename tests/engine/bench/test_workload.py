@@ -154,3 +154,45 @@ def test_totals() -> None:
 def test_bad_arguments_name_the_rule_and_the_value(call: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()  # type: ignore[operator]
+
+
+def test_shared_prefixes_round_robin_before_each_own_window() -> None:
+    plain = offline_workload(encode, n=8, prompt_len=(20, 40), seed=5)
+    shared = offline_workload(
+        encode, n=8, prompt_len=(20, 40), seed=5, shared_prefix_len=512, num_prefixes=4
+    )
+    assert (plain.shared_prefix_len, shared.shared_prefix_len) == (0, 512)
+    prefixes = [request.prompt_token_ids[:512] for request in shared.requests]
+    assert len(set(prefixes)) == 4
+    for index, (own, request) in enumerate(zip(plain.requests, shared.requests, strict=True)):
+        assert prefixes[index] == prefixes[index % 4]
+        assert request.prompt_token_ids[512:] == own.prompt_token_ids  # the same own window
+        assert request.max_tokens == own.max_tokens
+    assert shared.description == (
+        "offline: 8 requests at once, prompts 20-40 tokens after one of 4 shared 512-token "
+        "prefixes, outputs 16-256 tokens, seed 5"
+    )
+    serving = serving_workload(
+        encode, rate=2.0, n=8, prompt_len=(20, 40), seed=5, shared_prefix_len=512, num_prefixes=4
+    )
+    assert serving.requests == shared.requests
+    assert "after one of 4 shared 512-token prefixes" in serving.description
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"shared_prefix_len": -1}, ValueError, "shared_prefix_len must be >= 0, got -1"),
+        ({"shared_prefix_len": 1.5}, TypeError, "shared_prefix_len must be an int, got float 1.5"),
+        (
+            {"shared_prefix_len": 8, "num_prefixes": 0},
+            ValueError,
+            "num_prefixes must be >= 1, got 0",
+        ),
+    ],
+)
+def test_bad_sharing_names_the_rule(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=f"^{message}$"):
+        offline_workload(encode, n=2, **options)  # type: ignore[arg-type]

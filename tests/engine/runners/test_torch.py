@@ -57,6 +57,7 @@ def generate(
     max_num_batched_tokens: int = 16,
     pipeline_depth: int = 2,
     seed: int = 0,
+    enable_prefix_caching: bool = True,
 ) -> Run:
     """Serve every prompt as one continuous batch; request ``i`` arrives at step ``arrivals[i]``."""
     runner = TorchModelRunner.from_loaded(loaded, seed=seed)
@@ -69,6 +70,7 @@ def generate(
             max_num_seqs=16,
             max_model_len=runner.max_model_len,
             pipeline_depth=pipeline_depth,
+            enable_prefix_caching=enable_prefix_caching,
         )
     )
     arrivals = arrivals or [0] * len(prompts)
