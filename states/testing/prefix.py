@@ -160,8 +160,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         size = self.pool.block_size
         tokens = st.lists(st.integers(0, self.vocab_size - 1), max_size=3 * size + 1)
         head: tuple[int, ...] = ()
-        if self.prompts and data.draw(st.booleans(), label="share"):
-            earlier = data.draw(st.sampled_from(self.prompts), label="earlier")
+        share: bool = bool(self.prompts) and data.draw(st.booleans(), label="share")
+        if share:
+            earlier: tuple[int, ...] = data.draw(st.sampled_from(self.prompts), label="earlier")
             head = earlier[: data.draw(st.integers(0, len(earlier)), label="shared")]
         prompt = head + tuple(data.draw(tokens, label="tail"))
         return prompt or (0,)
