@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from twostroke.gpu.completion import CompletionAlreadySet, CompletionError, CompletionNotDone
 from twostroke.gpu.device import DeviceUnavailable
+from twostroke.gpu.forward_thread import ForwardThreadClosed
 from twostroke.states.errors import EngineError, InvalidTransition, RequestRejected, SchedulerError
 from twostroke.states.routing import NoLiveReplica
 
@@ -22,6 +23,7 @@ __all__ = [
     "EngineClosed",
     "EngineDead",
     "EngineError",
+    "ForwardThreadClosed",
     "InvalidTransition",
     "NoLiveReplica",
     "ReplicaFailed",

@@ -33,7 +33,10 @@ NOT_EXPORTED = {
 
 
 def public_errors() -> dict[str, type[BaseException]]:
-    """Every exception class named in the ``__all__`` of a module of the three packages."""
+    """Every exception class named in the ``__all__`` of a module of the three packages.
+
+    Warnings are not errors (nothing to catch): they stay where they are defined.
+    """
     found: dict[str, type[BaseException]] = {}
     for package in ("twostroke.states", "twostroke.gpu", "twostroke.engine"):
         path = importlib.import_module(package).__path__
@@ -44,6 +47,7 @@ def public_errors() -> dict[str, type[BaseException]]:
                 if (
                     inspect.isclass(value)
                     and issubclass(value, BaseException)
+                    and not issubclass(value, Warning)
                     and value.__module__ == module.__name__
                 ):
                     found[f"{module.__name__}.{name}"] = value
