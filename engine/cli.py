@@ -97,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.add_argument("--max-num-seqs", type=int, default=64)
     bench.add_argument("--max-num-batched-tokens", type=int, default=512)
+    bench.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="also run the coordinator over 1 and over N engine replicas (twostroke-dp*)",
+    )
+    bench.add_argument(
+        "--placement", default="process", choices=["local", "process", "ray"], help="of replicas"
+    )
     return parser
 
 
@@ -230,6 +239,15 @@ def _bench(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         compare_prefix_caching=args.compare_prefix_caching,
     )
+    if args.replicas is not None:
+        from twostroke.engine.bench.coordinator_driver import coordinator_drivers
+
+        drivers += coordinator_drivers(
+            args.replicas,
+            args.placement,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     return bench_command(args, engine_drivers=drivers)
 
 

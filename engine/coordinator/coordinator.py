@@ -97,11 +97,15 @@ class CoordinatorStatistics(EngineStatistics):
         num_replicas_alive: Replicas that have not died.
         num_resubmitted: Requests sent again to another replica because theirs died before
             it delivered any token (each request is resubmitted at most once).
+        relay_seconds: Seconds the coordinator spent decoding remote replicas' frames and
+            relaying their output into handles (a local replica's relay runs inside its
+            engine's bookkeeping stroke and is counted there).
         replicas: One record per replica, by index, dead ones included.
     """
 
     num_replicas_alive: int = 0
     num_resubmitted: int = 0
+    relay_seconds: float = 0.0
     replicas: tuple[ReplicaStatistics, ...] = ()
 
 
@@ -528,6 +532,7 @@ class Coordinator:
             **values,
             num_replicas_alive=sum(1 for s in self._replicas if s.failure is None),
             num_resubmitted=self._num_resubmitted,
+            relay_seconds=sum(state.replica.relay_seconds for state in self._replicas),
             replicas=tuple(entries),
         )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -292,6 +293,8 @@ class FrameReader:
         self._decoder: FrameDecoder[Any] = FrameDecoder(frame_type, peer)
         self._ready: collections.deque[Any] = collections.deque()
         self._error: FrameError | None = None
+        #: Seconds spent decoding (for the coordinator's cost per relayed token).
+        self.decode_seconds = 0.0
 
     def __aiter__(self) -> FrameReader:
         return self
@@ -305,11 +308,13 @@ class FrameReader:
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._decoder.close()
                 raise StopAsyncIteration from None
+            began = time.perf_counter()
             try:
                 self._ready.extend(self._decoder.feed(data))
             except FrameError as exc:  # the good frames before it first
                 self._ready.extend(exc.frames)
                 self._error = exc
+            self.decode_seconds += time.perf_counter() - began
         return self._ready.popleft()
 
 

@@ -10,6 +10,7 @@ is the base of the process and Ray placements.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping
 from functools import partial
 from typing import Any, Protocol, cast
@@ -97,6 +98,8 @@ class Replica(Protocol):
     index: int
     #: The process the replica runs in (``None`` in this process).
     pid: int | None
+    #: Seconds the coordinator spent decoding this replica's frames and relaying them.
+    relay_seconds: float
 
     async def run(self) -> None:
         """The replica's supervisor task: start it, serve, stop it; never raises.
@@ -157,6 +160,8 @@ class LocalReplica:
     """
 
     pid: int | None = None
+    #: The relay runs inside the engine's bookkeeping stroke: counted there, not here.
+    relay_seconds = 0.0
 
     def __init__(self, index: int, relay: Relay, model: str | None, options: Mapping[str, Any]):
         self.index = index
@@ -342,6 +347,8 @@ class RemoteReplica:
         self._closing = False
         self._closed = anyio.Event()
         self._gone: BaseException | None = None
+        #: Seconds this process spent decoding the replica's frames and relaying them.
+        self.relay_seconds = 0.0
 
     @property
     def ready(self) -> anyio.Event:
@@ -425,11 +432,15 @@ class RemoteReplica:
         """
         frames = FrameReader(receive, FromReplica, f"replica {self.index}")
         cause: BaseException | None = None
+        dispatch_seconds = 0.0
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._writer, send, task_group.cancel_scope)
             try:
                 async for frame in frames:
+                    began = time.perf_counter()
                     self._dispatch(frame)
+                    dispatch_seconds += time.perf_counter() - began
+                    self.relay_seconds = frames.decode_seconds + dispatch_seconds
                 if not self._closing or not self._started:
                     cause = EOFError(f"replica {self.index} closed its output unexpectedly")
             except (FrameError, anyio.BrokenResourceError, OSError) as exc:
