@@ -9,9 +9,11 @@ import pytest
 
 from twostroke.states.blocks import (
     BLOCK_TRANSITIONS,
+    ROOT_HASH,
     BlockPool,
     BlockPoolStatistics,
     BlockState,
+    block_hashes,
     block_mermaid_diagram,
     blocks_for,
 )
@@ -157,3 +159,98 @@ def test_the_docs_show_the_block_diagram_of_the_code() -> None:
         "docs/states.md is out of date: paste the output of "
         "twostroke.states.blocks.block_mermaid_diagram() into its second mermaid block"
     )
+
+
+# --- the prefix cache, one refusal and one edge at a time ---------------------------------------
+
+
+def cached_pool() -> tuple[BlockPool, tuple[int, ...], list[bytes]]:
+    """A pool of 4 blocks of 2 whose blocks 0 and 1 hold [1, 2 | 3, 4], cached and released."""
+    pool = BlockPool(4, 2)
+    blocks = pool.allocate(2)
+    hashes = block_hashes([1, 2, 3, 4], 2)
+    assert pool.cache(blocks[0], ROOT_HASH, [1, 2]) == hashes[0]
+    assert pool.cache(blocks[1], hashes[0], [3, 4]) == hashes[1]
+    pool.release(blocks[::-1])
+    return pool, blocks, hashes
+
+
+def test_can_allocate_counts_cached_blocks_as_free() -> None:
+    pool, _, _ = cached_pool()
+    assert pool.num_free == 4
+    assert pool.can_allocate(4)
+    assert not pool.can_allocate(5)
+    pool.allocate(3)  # the two empty blocks, then the least recently released cached one
+    assert pool.can_allocate(1)
+    assert not pool.can_allocate(2)
+
+
+def test_block_hash_names_the_prefix_a_block_holds() -> None:
+    pool, blocks, hashes = cached_pool()
+    assert [pool.block_hash(b) for b in blocks] == hashes
+    assert pool.block_hash(2) is None
+    with pytest.raises(SchedulerError, match=r"^no block 4: block ids are in \[0, 4\)$"):
+        pool.block_hash(4)
+
+
+def test_cache_refuses_a_block_that_is_not_full() -> None:
+    pool = BlockPool(2, 2)
+    (block,) = pool.allocate(1)
+    before = snapshot(pool)
+    with pytest.raises(SchedulerError, match=r"^can't cache block 0: it needs 2 tokens, got 1$"):
+        pool.cache(block, ROOT_HASH, [7])
+    assert snapshot(pool) == before
+    assert pool.block_hash(block) is None
+
+
+def test_cache_refuses_to_rename_a_cached_block_but_repeats_are_harmless() -> None:
+    pool = BlockPool(2, 2)
+    (block,) = pool.allocate(1)
+    first = pool.cache(block, ROOT_HASH, [7, 8])
+    assert pool.cache(block, ROOT_HASH, [7, 8]) == first
+    with pytest.raises(SchedulerError, match=r"^can't cache block 0: it holds another prefix$"):
+        pool.cache(block, ROOT_HASH, [7, 9])
+    assert pool.block_hash(block) == first
+
+
+def test_match_prefix_verifies_every_block_and_leaves_the_last_token() -> None:
+    pool, blocks, hashes = cached_pool()
+    # Both blocks match a longer sequence; exactly four tokens leave the last block out.
+    assert pool.match_prefix([1, 2, 3, 4, 5], hashes) == blocks
+    assert pool.match_prefix([1, 2, 3, 4], hashes) == blocks[:1]
+    # A hash that names a cached block whose tokens differ (a collision, or a caller's wrong
+    # hash) ends the match: the block is never trusted.
+    assert pool.match_prefix([1, 2, 3, 9, 5], hashes) == blocks[:1]
+    assert pool.match_prefix([9, 2, 3, 4, 5], hashes) == ()
+    # The same tokens under another parent are another prefix.
+    assert pool.match_prefix([3, 4, 5], hashes[1:]) == ()
+    assert pool.statistics().num_queried_tokens == 0  # looking changes nothing
+
+
+def test_claim_prefix_refuses_a_block_that_holds_nothing() -> None:
+    pool, blocks, _ = cached_pool()
+    before = snapshot(pool)
+    with pytest.raises(SchedulerError, match=r"^can't claim block 2: it holds no prefix$"):
+        pool.claim_prefix([blocks[0], 2], 5)
+    assert snapshot(pool) == before
+    pool.claim_prefix(blocks, 5)
+    assert [pool.ref_count(b) for b in blocks] == [1, 1]
+    # A block in use is shared by the next request that matches it.
+    pool.claim_prefix(blocks[:1], 3)
+    assert [pool.ref_count(b) for b in blocks] == [2, 1]
+    assert pool.statistics().num_shared == 1
+    assert pool.statistics().num_queried_tokens == 5 + 3
+    assert pool.statistics().num_hit_tokens == 4 + 2
+    pool.check_invariants()
+
+
+def test_forget_empties_a_cached_block_and_uncaches_one_in_use() -> None:
+    pool, blocks, hashes = cached_pool()
+    pool.claim_prefix(blocks[:1], 3)  # block 0 in use again, block 1 still cached
+    pool.forget([*blocks, 3])  # block 3 holds no hash: left as it is
+    assert [pool.state(b) for b in blocks] == [BlockState.IN_USE, BlockState.EMPTY]
+    assert [pool.block_hash(b) for b in blocks] == [None, None]
+    assert pool.num_cached == 0
+    assert pool.num_free == 3
+    assert pool.match_prefix([1, 2, 3, 4, 5], hashes) == ()
+    pool.check_invariants()
