@@ -113,7 +113,7 @@ class PrefixCache:
             running: The running requests.
 
         Returns:
-            The requests outside ``failed`` that read such KV (they must fail too).
+            The requests outside ``failed`` that read such KV (the scheduler recomputes them).
         """
         if not self.enabled:
             return set()  # no block is shared, so only the failed step's requests read it

@@ -42,6 +42,7 @@ __all__ = [
     "Request",
     "RequestEvent",
     "RequestStatus",
+    "SampleDiscarded",
     "SampleScheduled",
     "TokenSampled",
     "mermaid_diagram",
@@ -134,6 +135,18 @@ class TokenSampled:
 
 
 @attrs.frozen
+class SampleDiscarded:
+    """The oldest placeholder is dropped: its step read KV that was never written.
+
+    A preempted request that took a prefix-cache hit on blocks a step was still filling, and
+    that step then failed, is recomputed; the token its own step in flight samples from the
+    missing KV is garbage and never reaches the output.
+    """
+
+    step_id: int
+
+
+@attrs.frozen
 class Preempted:
     """The request's KV was taken back; it will be recomputed from its tokens later.
 
@@ -174,6 +187,7 @@ RequestEvent = (
     | ChunkScheduled
     | SampleScheduled
     | TokenSampled
+    | SampleDiscarded
     | Preempted
     | Finished
     | Cancelled
@@ -211,8 +225,15 @@ TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] 
         **_ENDINGS,
     },
     # A preempted request may still receive the token of a step that was in flight when it
-    # was preempted, and that token may finish it.
-    _X: {Admitted: _P, TokenSampled: _X, Finished: RequestStatus.FINISHED, **_ENDINGS},
+    # was preempted, and that token may finish it; or the token is discarded, when the step
+    # read KV that a failed step never wrote.
+    _X: {
+        Admitted: _P,
+        TokenSampled: _X,
+        SampleDiscarded: _X,
+        Finished: RequestStatus.FINISHED,
+        **_ENDINGS,
+    },
     RequestStatus.FINISHED: {},
     RequestStatus.CANCELLED: {},
     RequestStatus.FAILED: {},
@@ -438,6 +459,11 @@ class Request:
                     f"TokenSampled(token_id={token_id}) has no placeholder to fill: "
                     "no step in flight samples for this request"
                 )
+            case SampleDiscarded(step_id=step_id) if self._num_placeholders < 1:
+                rule = (
+                    f"SampleDiscarded(step_id={step_id}) has no placeholder to drop: "
+                    "no step in flight samples for this request"
+                )
             case _:
                 pass
         if rule is not None:
@@ -466,6 +492,8 @@ class Request:
                 if self._first_token_time is None:
                     self._first_token_time = time
                 self._last_token_time = time
+            case SampleDiscarded():
+                self._num_placeholders -= 1
             case Preempted():
                 self._block_table.clear()
                 self._num_computed_tokens = 0

@@ -44,6 +44,7 @@ from twostroke.states.request import (
     Request,
     RequestEvent,
     RequestStatus,
+    SampleDiscarded,
     SampleScheduled,
     TokenSampled,
 )
@@ -145,6 +146,9 @@ class Scheduler:
         # Blocks to release when a step completes, by step id. Keyed, not queued: requests
         # end in any order (a cancel for step N may come after one for step N+1).
         self._deferred: dict[int, list[int]] = {}
+        # Requests recomputed because they read KV a failed step never wrote: the samples
+        # of their steps in flight, up to this step id, are garbage and are discarded.
+        self._discard: dict[int, int] = {}
         self._gone: list[int] = []
         self._next_step = 0
         self._num_completed = 0
@@ -411,6 +415,7 @@ class Scheduler:
                 if entry.sample
                 and entry.request_id not in outcome.sampled
                 and not self._requests[entry.request_id].is_terminal
+                and entry.request_id not in self._discard
             ]
             if missing:
                 raise SchedulerError(f"step {plan.step_id} outcome lacks tokens for {missing}")
@@ -423,10 +428,13 @@ class Scheduler:
         readers: set[int] = set()
         if isinstance(outcome, StepFailure):
             readers = self._prefix.distrust(plan, self._inflight, self._running)
-            shared_failure = f"{outcome.message} (a step whose cached KV it reads failed)"
         for entry in plan.requests:
             request = self._requests.get(entry.request_id)
             if request is None or request.is_terminal:
+                continue
+            if self._discard.get(entry.request_id, -1) >= plan.step_id:
+                if entry.sample:
+                    request.apply(SampleDiscarded(plan.step_id))
                 continue
             if isinstance(outcome, StepFailure):
                 self._end(request, Failed(outcome.message, now))
@@ -447,11 +455,15 @@ class Scheduler:
             if reason is not None:
                 self._end(request, Finished(reason, now))
                 finished.append((request.request_id, reason))
+        # Requests that read KV the failed step was writing did nothing wrong: they are
+        # recomputed (preempted), and what their steps in flight sample is discarded.
         for request_id in sorted(readers):
             request = self._requests[request_id]
-            if not request.is_terminal:
-                self._end(request, Failed(shared_failure, now))
-                failed.append(request_id)
+            if request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING):
+                self._discard[request_id] = self._last_step[request_id]
+                self._preempt(request)
+        for request_id in [rid for rid, last in self._discard.items() if last <= plan.step_id]:
+            del self._discard[request_id]
         # Tokens that arrived complete blocks whose KV a step in flight writes.
         self._prefix.commit(self._running)
 

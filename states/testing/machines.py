@@ -42,6 +42,7 @@ from twostroke.states.request import (
     Request,
     RequestEvent,
     RequestStatus,
+    SampleDiscarded,
     SampleScheduled,
     TokenSampled,
 )
@@ -79,6 +80,7 @@ _EVENT_TYPES: tuple[type[RequestEvent], ...] = (
     ChunkScheduled,
     SampleScheduled,
     TokenSampled,
+    SampleDiscarded,
     Preempted,
     Finished,
     Cancelled,
@@ -143,6 +145,8 @@ class RequestMachine(RuleBasedStateMachine):
             return PrefixCacheHit(block_ids, data.draw(st.integers(-1, model.num_tokens + 1)))
         if kind is TokenSampled:
             return TokenSampled(data.draw(st.integers(0, VOCAB_SIZE - 1)), self.now)
+        if kind is SampleDiscarded:
+            return SampleDiscarded(data.draw(st.integers(0, 9)))
         if kind is Finished:
             return Finished(data.draw(st.sampled_from(FinishReason)), self.now)
         if kind is Failed:

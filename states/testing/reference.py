@@ -26,6 +26,7 @@ from twostroke.states.request import (
     Request,
     RequestEvent,
     RequestStatus,
+    SampleDiscarded,
     SampleScheduled,
     TokenSampled,
 )
@@ -101,7 +102,7 @@ class RequestModel:
                 return None
             if isinstance(event, SampleScheduled) != (end == self.num_tokens):
                 return None
-        if isinstance(event, TokenSampled) and self.placeholders == 0:
+        if isinstance(event, TokenSampled | SampleDiscarded) and self.placeholders == 0:
             return None
         if isinstance(event, PrefixCacheHit) and (
             self.blocks
@@ -133,6 +134,8 @@ class RequestModel:
             self.output.append(event.token_id)
             self.times.setdefault("first_token", event.time)
             self.times["last_token"] = event.time
+        elif isinstance(event, SampleDiscarded):
+            self.placeholders -= 1
         elif isinstance(event, Preempted):
             self.blocks = []
             self.computed = 0

@@ -26,6 +26,7 @@ from twostroke.states.request import (
     Request,
     RequestEvent,
     RequestStatus,
+    SampleDiscarded,
     SampleScheduled,
     TokenSampled,
     mermaid_diagram,
@@ -60,6 +61,7 @@ LIFECYCLE = {
     "PREEMPTED": {
         "Admitted": "PREFILLING",
         "TokenSampled": "PREEMPTED",
+        "SampleDiscarded": "PREEMPTED",
         "Finished": "FINISHED",
         "Cancelled": "CANCELLED",
         "Failed": "FAILED",
@@ -78,6 +80,7 @@ EVENTS: dict[str, type[RequestEvent]] = {
         ChunkScheduled,
         SampleScheduled,
         TokenSampled,
+        SampleDiscarded,
         Preempted,
         Finished,
         Cancelled,
