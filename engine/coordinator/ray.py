@@ -92,8 +92,10 @@ class RayReplica(RemoteReplica):
         try:
             actor, address = await anyio.to_thread.run_sync(self._start_actor, ray)
             stream = await anyio.connect_tcp(*address)
-            async with stream:
+            async with stream, anyio.create_task_group() as task_group:
+                task_group.start_soon(self._close_after_grace, stream)
                 cause = await self.serve(stream, stream)
+                task_group.cancel_scope.cancel()
         except (OSError, ray.exceptions.RayError) as exc:
             if self._started:
                 cause = exc
@@ -109,6 +111,11 @@ class RayReplica(RemoteReplica):
             error = ReplicaFailed(self.index, f"its Ray actor is gone: {cause}")
             error.__cause__ = cause
             self.fail(error)
+
+    async def _close_after_grace(self, stream: anyio.abc.SocketStream) -> None:
+        """An actor told to stop gets ``grace_period`` seconds to close its connection."""
+        await self.wait_closed(self._grace_period)
+        await stream.aclose()
 
     def _start_actor(self, ray: Any) -> tuple[Any, tuple[str, int]]:
         if not ray.is_initialized():
