@@ -290,7 +290,10 @@ class Scheduler:
                 index += 1
                 continue
             needed = self._blocks_needed(request, num_tokens)
-            while needed > self.pool.num_free + self._num_returning_blocks():
+            # (The second test only when the first fails: it counts the deferred releases.)
+            while needed > self.pool.num_free and (
+                needed > self.pool.num_free + self._num_returning_blocks()
+            ):
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -332,7 +335,7 @@ class Scheduler:
         if not entries:
             return None
         # Only now, with the plan complete, may later steps match the blocks it writes.
-        self._prefix.commit(self._running)
+        self._prefix.commit(self._requests[entry.request_id] for entry in entries)
         gone, self._gone = tuple(self._gone), []
         plan = StepPlan(step_id=step_id, requests=tuple(entries), finished_request_ids=gone)
         self._next_step += 1
@@ -465,7 +468,11 @@ class Scheduler:
         for request_id in [rid for rid, last in self._discard.items() if last <= plan.step_id]:
             del self._discard[request_id]
         # Tokens that arrived complete blocks whose KV a step in flight writes.
-        self._prefix.commit(self._running)
+        self._prefix.commit(
+            request
+            for request_id, _ in new_tokens
+            if not (request := self._requests[request_id]).is_terminal
+        )
 
         for step_id in [step_id for step_id in self._deferred if step_id <= plan.step_id]:
             self.pool.release(self._deferred.pop(step_id))
@@ -526,7 +533,7 @@ class Scheduler:
         request.apply(event)
         if request in self._running:
             self._running.remove(request)
-        elif request in self._waiting:
+        else:  # a live request is running or waiting (check_invariants)
             self._waiting.remove(request)
         self._release(request, block_ids)
         if self._in_flight(request):

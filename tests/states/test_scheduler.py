@@ -310,7 +310,11 @@ def test_a_request_that_finishes_at_step_n_drops_its_n_plus_1_token_and_frees_af
     third = scheduler.schedule()
     assert third is not None
     outcomes = [kv.execute(second), kv.execute(third)]
+    assert scheduler.has_unfinished_requests()
     scheduler.cancel(2)  # request 2 is in steps 1 and 2
+    # No live request is left, but steps in flight still use its blocks: not idle yet.
+    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.is_idle()
     assert scheduler.pool.num_free < 8
     report = scheduler.apply(outcomes[0])
     assert report.new_tokens == ()
