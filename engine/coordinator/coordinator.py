@@ -216,6 +216,8 @@ class Coordinator:
             raise TypeError(f"unhealthy_after must be seconds, got {unhealthy_after!r}")
         if isinstance(grace_period, bool) or not isinstance(grace_period, int | float):
             raise TypeError(f"grace_period must be seconds, got {grace_period!r}")
+        if routing is not None and not isinstance(routing, RoutingConfig):
+            raise TypeError(f"routing must be a RoutingConfig, got {type(routing).__name__}")
         per_replica = [dict(options) for options in (replica_options or [{}] * replicas)]
         if len(per_replica) != replicas:
             raise ValueError(

@@ -157,6 +157,7 @@ async def test_bad_requests_raise_what_a_bare_engine_raises() -> None:
         ),
         ({"grace_period": "1"}, TypeError, "grace_period must be seconds, got '1'"),
         ({"unhealthy_after": None}, TypeError, "unhealthy_after must be seconds, got None"),
+        ({"routing": {}}, TypeError, "routing must be a RoutingConfig, got dict"),
     ],
 )
 async def test_bad_options_are_refused_before_any_replica_starts(
