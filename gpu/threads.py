@@ -21,8 +21,11 @@ __all__ = ["torch_threads"]
 def torch_threads(threads: int | None) -> Iterator[int]:
     """Run the block with torch's intra-op thread count at ``threads``, then restore it.
 
-    The count is restored also when the block raises or is cancelled. It is process-wide:
-    other threads that run torch meanwhile see it too.
+    The count is restored also when the block raises or is cancelled. Enter it in the
+    thread that runs the work: ATen fixes a thread's OpenMP team size when that thread
+    first computes, so a thread that has already run torch keeps its count when another
+    thread changes it (measured: a worker thread stayed at 2 after the main thread set 1),
+    while threads that start computing later take the new count.
 
     Args:
         threads: Threads for the block (>= 1); ``None`` leaves the count as it is.
