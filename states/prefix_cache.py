@@ -86,11 +86,11 @@ class PrefixCache:
             return
         size = self.pool.block_size
         for request in requests:
-            table = request.block_table
             done = self._num_cached.get(request.request_id, 0)
             full = min(request.num_computed_tokens, request.num_known_tokens) // size
             if full <= done:
-                continue
+                continue  # the common case, every step of every decode: keep it cheap
+            table = request.block_table
             hashes = self._chain(request)
             known = request.token_ids(done * size, full * size)
             for index in range(done, full):

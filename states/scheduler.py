@@ -468,11 +468,8 @@ class Scheduler:
         for request_id in [rid for rid, last in self._discard.items() if last <= plan.step_id]:
             del self._discard[request_id]
         # Tokens that arrived complete blocks whose KV a step in flight writes.
-        self._prefix.commit(
-            request
-            for request_id, _ in new_tokens
-            if not (request := self._requests[request_id]).is_terminal
-        )
+        arrived = (self._requests.get(request_id) for request_id, _ in new_tokens)
+        self._prefix.commit(r for r in arrived if r is not None and not r.is_terminal)
 
         for step_id in [step_id for step_id in self._deferred if step_id <= plan.step_id]:
             self.pool.release(self._deferred.pop(step_id))
