@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -119,8 +120,7 @@ class ProcessReplica(RemoteReplica):
     async def _kill_after_grace(self, process: anyio.abc.Process) -> None:
         """A child told to stop gets ``grace_period`` seconds to close its output."""
         await self.wait_closed(self._grace_period)
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
+        _kill(process)
 
     async def _forward_stderr(
         self, process: anyio.abc.Process, tail: collections.deque[str]
@@ -139,6 +139,18 @@ class ProcessReplica(RemoteReplica):
             tail.append(pending.decode("utf-8", errors="replace"))
 
 
+def _kill(process: anyio.abc.Process) -> None:
+    """SIGKILL the child without reaping it.
+
+    ``Process.kill`` polls first (``subprocess.Popen.send_signal``), and on asyncio that poll
+    can reap a child that has just exited before asyncio's own child watcher does, which then
+    reports exit status 255 instead of the real one. The pid stays the child's until it is
+    reaped, so signalling it directly is safe.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGKILL)
+
+
 async def _stop(process: anyio.abc.Process, grace_period: float) -> None:
     """Close the child's input, give it ``grace_period`` seconds, kill it, wait for it."""
     with anyio.CancelScope(shield=True):
@@ -149,8 +161,7 @@ async def _stop(process: anyio.abc.Process, grace_period: float) -> None:
             with anyio.move_on_after(grace_period):
                 await process.wait()
         if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            _kill(process)
         await process.wait()
 
 
