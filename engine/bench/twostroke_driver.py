@@ -21,11 +21,12 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.workload import Workload
 from twostroke.engine.engine import Engine
 from twostroke.engine.models.loader import LoadedModel, load_model
-from twostroke.engine.runners.loading import DTYPES
+from twostroke.engine.runners.loading import DTYPES, default_torch_threads
 from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
+from twostroke.gpu.device import CpuDevice
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepPlan
@@ -34,8 +35,11 @@ __all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers"]
 
 
 def _intra_op_threads(model: ModelSpec) -> int:
-    """torch threads for twostroke given ``--threads`` cores: one core is the event loop's."""
-    return max(1, model.threads - 1)
+    """torch threads for twostroke given ``--threads`` cores: the engine's own default rule.
+
+    The bare forward loop runs at the same count, so its ratio to the engine is honest.
+    """
+    return default_torch_threads(model.threads)
 
 
 class _RecordingRunner:
@@ -142,13 +146,16 @@ class TwostrokeDriver:
         started: float,
         request_ids: list[int],
     ) -> tuple[list[RequestTiming], float, Any, float]:
+        device = CpuDevice()
         options = {
             "pipeline_depth": self.depth,
-            "device": "cpu",
+            "device": device,
             "torch_threads": torch.get_num_threads(),
             **self.engine_options,
         }
-        async with Engine.open(runner=runner, tokenizer=tokenizer, **options) as engine:
+        # Held for the engine's life, so every step runs on the device's own forward thread
+        # (Engine.open holding it as well only nests).
+        async with device, Engine.open(runner=runner, tokenizer=tokenizer, **options) as engine:
             startup = time.perf_counter() - started
             t0 = time.perf_counter()
             timings: list[RequestTiming | None] = [None] * len(workload.requests)

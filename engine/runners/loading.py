@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "DTYPES",
     "EmulatedBFloat16Warning",
+    "default_torch_threads",
     "intra_op_threads",
     "load_runner",
     "resolve_dtype",
@@ -78,17 +79,42 @@ def resolve_dtype(name: str, device: Device) -> torch.dtype:
     return dtype
 
 
+def default_torch_threads(cores: int | None = None) -> int:
+    """The engine's torch intra-op thread count on a CPU with ``cores`` cores.
+
+    One fewer than the cores (at least one), because the event loop thread runs the
+    bookkeeping stroke at the same time and an OpenMP team that loses a core to it stalls
+    at every barrier (measured on 2 cores under load: 2 threads ran a batch-8 decode step in
+    200 ms, 1 thread in 49 ms).
+
+    Args:
+        cores: The cores the engine may use; ``None`` takes ``os.cpu_count()``.
+
+    Returns:
+        The thread count, at least 1.
+
+    Raises:
+        TypeError: ``cores`` is not an int.
+        ValueError: ``cores`` is less than 1.
+    """
+    if cores is None:
+        cores = os.cpu_count() or 1
+    if isinstance(cores, bool) or not isinstance(cores, int):
+        raise TypeError(f"cores must be an int, got {type(cores).__name__} {cores!r}")
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    return max(1, cores - 1)
+
+
 def intra_op_threads(config: EngineConfig, device: Device) -> int | None:
     """torch's intra-op thread count for an engine: ``config.torch_threads``, or the default.
 
-    The default on the CPU is one fewer than the cores (at least one), because the event
-    loop thread runs the bookkeeping stroke at the same time and an OpenMP team that loses
-    a core to it stalls at every barrier (measured on 2 cores under load: 2 threads ran a
-    batch-8 decode step in 200 ms, 1 thread in 49 ms). Elsewhere ``None``: torch's own.
+    The default on the CPU is :func:`default_torch_threads` for this machine's cores.
+    Elsewhere ``None``: torch's own.
     """
     threads = config.torch_threads
     if threads is None and device.kind == "cpu":
-        threads = max(1, (os.cpu_count() or 1) - 1)
+        threads = default_torch_threads()
     return threads
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -49,3 +50,12 @@ def test_unknown_names_are_refused() -> None:
     message = "dtype must be 'auto' or one of 'float32', 'bfloat16', 'float16', got 'fp8'"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         resolve_dtype("fp8", CpuDevice())
+
+
+def test_the_default_thread_count_leaves_the_event_loop_a_core() -> None:
+    assert [loading.default_torch_threads(cores) for cores in (1, 2, 3, 8)] == [1, 1, 2, 7]
+    assert loading.default_torch_threads() == loading.default_torch_threads(os.cpu_count() or 1)
+    with pytest.raises(ValueError, match=r"^cores must be >= 1, got 0$"):
+        loading.default_torch_threads(0)
+    with pytest.raises(TypeError, match=r"^cores must be an int, got float 2\.0$"):
+        loading.default_torch_threads(2.0)  # type: ignore[arg-type]
