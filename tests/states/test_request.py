@@ -362,3 +362,11 @@ def test_the_docs_show_the_diagram_of_the_code() -> None:
         "docs/states.md is out of date: paste the output of "
         "twostroke.states.request.mermaid_diagram() into its mermaid block"
     )
+
+
+@pytest.mark.parametrize("status", list(RequestStatus), ids=str)
+def test_accepts_reads_the_table(status: RequestStatus) -> None:
+    request = in_status(status)
+    accepted = {type(event) for event in ONE_OF_EACH if request.accepts(event)}
+    assert accepted == set(TRANSITIONS[status]) & {type(event) for event in ONE_OF_EACH}
+    assert accepted or status in TERMINAL

@@ -235,3 +235,66 @@ def test_bad_calls_name_the_rule_and_leave_the_router_unchanged() -> None:
         router.set_prompt_tokens(0, -3)
     assert router.load(0) == 2
     router.check_invariants()
+
+
+# --- the thresholds, the rotation and the affinity table, pinned -----------------------------
+
+
+def loaded(*loads: int, **config: Any) -> Router:
+    """A router whose replicas 0, 1, ... carry ``loads`` (one open request each)."""
+    router = Router(len(loads), RoutingConfig(**config))
+    for replica, load in enumerate(loads):
+        assert router.route(replica, f"prompt {replica}", load, 0) == replica
+    return router
+
+
+@pytest.mark.parametrize(
+    ("loads", "imbalanced"),
+    [
+        ((21, 10), True),  # 11 more tokens, and 2.1 times
+        ((20, 10), False),  # exactly the absolute threshold is not beyond it
+        ((30, 15), False),  # 15 more tokens, but exactly the ratio is not beyond it
+        ((31, 15), True),
+        ((9, 4), False),  # beyond the ratio but within the tokens (9 - 4, not 9 + 4)
+        ((0, 0), False),
+    ],
+)
+def test_imbalance_needs_both_thresholds_strictly(loads: tuple[int, int], imbalanced: bool) -> None:
+    router = loaded(*loads, imbalance_tokens=10, imbalance_ratio=2.0)
+    assert router.is_imbalanced() is imbalanced
+
+
+def test_ties_rotate_from_past_the_last_choice() -> None:
+    router = Router([3, 5, 8])
+    chosen = [router.route(request_id, f"new {request_id}", 0, 0) for request_id in range(5)]
+    assert chosen == [3, 5, 8, 3, 5]
+
+
+def test_the_affinity_table_forgets_the_least_recently_used_prompt() -> None:
+    # Chunks longer than the prompts: each prompt leaves one hash, the whole prompt's.
+    router = Router(3, RoutingConfig(prefix_chunk=100, prefix_capacity=2))
+    assert [router.route(rid, key, 0, 0) for rid, key in enumerate("abc")] == [0, 1, 2]
+    # "a" was forgotten, "c" (the newest) and "b" are remembered.
+    assert router.route(3, "c", 0, 0) == 2
+    assert router.route(4, "b", 0, 0) == 1
+    assert router.route(5, "a", 0, 0) == 0  # no affinity: the rotation's next, not a memory
+    router.check_invariants()
+
+
+def test_a_prefilled_prompt_is_not_corrected_any_more() -> None:
+    router = Router(1)
+    router.route(0, "a", 10, 5)
+    router.set_prompt_tokens(0, 12)
+    assert router.load(0) == 17
+    router.progress(0, 1)
+    assert router.load(0) == 4
+    router.set_prompt_tokens(0, 50)  # the replica reports the length late: ignored
+    assert router.load(0) == 4
+    router.check_invariants()
+
+
+def test_no_live_replica_is_an_error_naming_the_rule() -> None:
+    router = Router(1)
+    router.remove_replica(0)
+    with pytest.raises(NoLiveReplica, match=r"^no live replica is left to route a request to$"):
+        router.route(0, "a", 1, 1)
