@@ -358,8 +358,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
 class SchedulerMachine(RuleBasedStateMachine):
     """Drives a :class:`Scheduler` the way the engine does, in every order, on a tiny pool.
 
-    Rules submit requests (one to four at once, and ones that must be refused), plan a step
-    when the pipeline has room, complete or fail the oldest step, run the bookkeeping loop
+    Rules submit requests (one to four at once, follow-ups whose prompts start with an
+    earlier request's tokens so that prefix caching hits, and ones that must be refused),
+    plan a step when the pipeline has room, complete or fail the oldest step, run the
+    bookkeeping loop
     (complete, then refill the pipeline), cancel any id at any moment (alone, in a burst,
     or every live request while steps are in flight, in any order), and finish decoding
     requests early (a stop string). Hypothesis' swarm testing switches random subsets of
