@@ -252,7 +252,7 @@ def loaded(*loads: int, **config: Any) -> Router:
     ("loads", "imbalanced"),
     [
         ((21, 10), True),  # 11 more tokens, and 2.1 times
-        ((20, 10), False),  # exactly the absolute threshold is not beyond it
+        ((14, 4), False),  # exactly the absolute threshold is not beyond it
         ((30, 15), False),  # 15 more tokens, but exactly the ratio is not beyond it
         ((31, 15), True),
         ((9, 4), False),  # beyond the ratio but within the tokens (9 - 4, not 9 + 4)

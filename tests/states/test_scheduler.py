@@ -473,3 +473,21 @@ def test_the_clock_stamps_the_request_timings() -> None:
     )
     # admitted, token 1 (step 0 applied), token 2 and the finish (step 1 applied)
     assert times == (100.0, 101.0, 102.0, 102.0)
+
+
+def test_finish_and_cancel_stamp_the_clock_time() -> None:
+    ticks = itertools.count(100)
+    scheduler = Scheduler(config(pipeline_depth=1), clock=lambda: float(next(ticks)))
+    finished = request(1, 2, max_tokens=5, ignore_eos=True)
+    cancelled = request(2, 2, max_tokens=5, ignore_eos=True)
+    scheduler.add_request(finished)
+    scheduler.add_request(cancelled)
+    plan = scheduler.schedule()
+    assert plan is not None
+    scheduler.apply(SimulatedKV(8, 4).execute(plan))
+    assert scheduler.finish(1)
+    assert scheduler.cancel(2)
+    assert finished.first_token_time is not None
+    assert finished.end_time is not None
+    assert cancelled.end_time is not None
+    assert finished.first_token_time < finished.end_time < cancelled.end_time
