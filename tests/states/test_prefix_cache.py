@@ -360,6 +360,31 @@ def test_a_failed_step_uncaches_its_blocks_and_recomputes_the_requests_that_read
     assert engine.requests[2].status is RequestStatus.FINISHED
 
 
+def test_a_failure_spares_unrelated_requests_and_a_discarded_chunk_samples_nothing() -> None:
+    scheduler = Scheduler(config(max_num_batched_tokens=12))
+    engine = SimulatedEngine(scheduler)
+    engine.submit(spec([1, 2, 3, 4, 5]).build(0))
+    engine.plan()  # step 0: request 0's prompt; its first block is matchable from now on
+    engine.submit(spec([9, 8, 7, 6, 5]).build(1))  # shares nothing
+    engine.submit(spec([1, 2, 3, 4, *range(10, 26)]).build(2))  # reads request 0's block
+    plan = engine.plan()  # step 1: request 0 decodes, 1 prefills, 2 takes a chunk
+    assert plan is not None
+    assert [(row.request_id, row.sample) for row in plan.requests] == [
+        (0, True),
+        (1, True),
+        (2, False),
+    ]
+    assert engine.complete(failure="device lost").failed == (0,)  # step 0 fails
+    # Request 1 touched nothing step 0 wrote: it runs on; request 2 read it: recomputed.
+    assert scheduler.get(1).status is RequestStatus.DECODING  # type: ignore[union-attr]
+    assert scheduler.get(2).status is RequestStatus.PREEMPTED  # type: ignore[union-attr]
+    report = engine.complete()  # step 1: request 2's chunk is discarded, it sampled nothing
+    assert [request_id for request_id, _ in report.new_tokens] == [1]
+    engine.run_until_idle()
+    assert engine.requests[1].status is RequestStatus.FINISHED
+    assert engine.requests[2].status is RequestStatus.FINISHED
+
+
 def test_a_failure_without_prefix_caching_fails_only_its_own_requests() -> None:
     scheduler = Scheduler(config(enable_prefix_caching=False))
     engine = SimulatedEngine(scheduler)
