@@ -3,6 +3,11 @@
 This package may import torch and anyio, never ``twostroke.engine`` or ``twostroke.states``.
 """
 
+# First, before anything below imports torch: OpenMP reads its wait policy once, when torch
+# loads it (see twostroke.gpu.openmp).
+import twostroke.gpu.openmp  # noqa: F401
+
+# isort: split
 from twostroke.gpu.completion import (
     Completion,
     CompletionAlreadySet,

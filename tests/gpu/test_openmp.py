@@ -1,0 +1,57 @@
+"""OpenMP's wait policy: passive unless the user chose one, set before torch loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from twostroke.gpu import openmp
+from twostroke.gpu.openmp import WAIT_POLICY_VARIABLES, prefer_passive_waits
+
+
+@pytest.fixture
+def no_policy(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in WAIT_POLICY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(sys.modules, "torch")  # as if torch were not loaded yet
+    return monkeypatch
+
+
+def test_passive_when_nobody_chose(no_policy: pytest.MonkeyPatch) -> None:
+    assert prefer_passive_waits()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "10000")]
+)
+def test_a_users_choice_is_left_alone(no_policy: pytest.MonkeyPatch, name: str, value: str) -> None:
+    no_policy.setenv(name, value)
+    assert not prefer_passive_waits()
+    assert os.environ[name] == value
+    if name != "OMP_WAIT_POLICY":
+        assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_too_late_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in WAIT_POLICY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert "torch" in sys.modules
+    assert not prefer_passive_waits()
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_importing_the_package_sets_it_before_torch_loads() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_POLICY_VARIABLES}
+    code = (
+        "import os, twostroke.gpu.openmp as o, torch; "
+        "print(o.SET_AT_IMPORT, os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["True", "PASSIVE"]
+    assert isinstance(openmp.SET_AT_IMPORT, bool)
