@@ -99,18 +99,19 @@ class PrefixCache:
                 self.pool.cache(table[index], parent, known[offset : offset + size])
             self._num_cached[request.request_id] = full
 
-    def distrust(
-        self, failed: StepPlan, later: Iterable[StepPlan], running: Iterable[Request]
-    ) -> set[int]:
+    def distrust(self, failed: StepPlan, later: Iterable[StepPlan]) -> set[int]:
         """Uncache every block whose KV a failed step, or a reader of that KV, writes.
 
-        A request that took a block of the failed step as a hit reads garbage, and so do
-        the requests that take *its* blocks in the next step in flight.
+        A request that took a block the failed step wrote as a hit reads garbage, and so
+        does every block it writes itself after that. One pass over the steps in flight
+        finds them all: a block is matchable only by steps planned after every step that
+        writes it, so the readers of the failed step's blocks are in the steps after it,
+        and with at most two steps in flight nobody can have matched a reader's own blocks
+        yet (that would take a step planned after the reader's, still in flight).
 
         Args:
             failed: The plan of the step that failed.
             later: The plans still in flight after it, oldest first.
-            running: The running requests.
 
         Returns:
             The requests outside ``failed`` that read such KV (the scheduler recomputes them).
@@ -122,24 +123,17 @@ class PrefixCache:
         def written(entry: ScheduledRequest) -> set[int]:
             return set(entry.block_table[entry.start // size : blocks_for(entry.end, size)])
 
-        distrusted = {block_id for entry in failed.requests for block_id in written(entry)}
-        readers = set(failed.request_ids)
-        later = tuple(later)
-        grew = True
-        while grew:
-            grew = False
-            for plan in later:
-                for entry in plan.requests:
-                    if entry.request_id in readers or not distrusted.isdisjoint(entry.block_table):
-                        readers.add(entry.request_id)
-                        new = written(entry) - distrusted
-                        grew = grew or bool(new)
-                        distrusted |= new
+        failed_ids = set(failed.request_ids)
+        garbage = {block_id for entry in failed.requests for block_id in written(entry)}
+        distrusted = set(garbage)
+        readers = set()
+        for plan in later:
+            for entry in plan.requests:
+                if entry.request_id in failed_ids or not garbage.isdisjoint(entry.block_table):
+                    distrusted |= written(entry)
+                    readers.add(entry.request_id)
         self.pool.forget(sorted(distrusted))
-        for request in running:
-            if not distrusted.isdisjoint(request.block_table):
-                readers.add(request.request_id)
-        return readers - set(failed.request_ids)
+        return readers - failed_ids
 
     def reset(self, request: Request) -> None:
         """The request lost its blocks (preempted): nothing of its table is cached now."""

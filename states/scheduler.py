@@ -430,7 +430,7 @@ class Scheduler:
         failed: list[int] = []
         readers: set[int] = set()
         if isinstance(outcome, StepFailure):
-            readers = self._prefix.distrust(plan, self._inflight, self._running)
+            readers = self._prefix.distrust(plan, self._inflight)
         for entry in plan.requests:
             request = self._requests.get(entry.request_id)
             if request is None or request.is_terminal:

@@ -463,3 +463,23 @@ def test_can_allocate_counts_cached_blocks_as_free() -> None:
     pool, _ = cached_pool()
     assert pool.can_allocate(4)
     assert not pool.can_allocate(5)
+
+
+def test_a_failed_step_uncaches_what_its_readers_write_after_it() -> None:
+    # Request 1 reads step 0's blocks and writes a full block of its own in step 1; request
+    # 0 continues in step 1 from its own (garbage) KV. Neither's step 1 KV may stay cached.
+    scheduler = Scheduler(config())
+    engine = SimulatedEngine(scheduler)
+    engine.submit(spec([*SYSTEM, 1, 2, 3, 4, 5]).build(0))
+    engine.plan()
+    engine.submit(spec([*SYSTEM, 6, 7, 8, 9, 10]).build(1))
+    step_1 = engine.plan()
+    assert step_1 is not None
+    own = scheduler.get(1).block_table[5]  # type: ignore[union-attr]
+    assert scheduler.pool.block_hash(own) is not None  # written by step 1, matchable
+    engine.complete(failure="device lost")
+    for entry in step_1.requests:
+        assert [scheduler.pool.block_hash(b) for b in entry.block_table] == [None] * len(
+            entry.block_table
+        )
+    engine.run_until_idle()
