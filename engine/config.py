@@ -47,8 +47,9 @@ class EngineConfig:
             fast, else float32 on the CPU and float16 on CUDA), ``"float32"``,
             ``"bfloat16"`` or ``"float16"``.
         torch_threads: torch's intra-op threads for the forward pass (process-wide). ``None``
-            takes one fewer than the cores on the CPU (the event loop thread runs the
-            bookkeeping stroke meanwhile) and leaves torch's default on CUDA.
+            takes every core on the CPU (see
+            :func:`~twostroke.engine.runners.loading.default_torch_threads`) and leaves
+            torch's default on CUDA.
         enable_prefix_caching: Keep the KV of full blocks after their requests end, so a
             prompt that starts with the same tokens (a shared system prompt, the earlier
             turns of a chat) skips computing them. Outputs are the same either way.

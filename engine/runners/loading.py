@@ -80,12 +80,20 @@ def resolve_dtype(name: str, device: Device) -> torch.dtype:
 
 
 def default_torch_threads(cores: int | None = None) -> int:
-    """The engine's torch intra-op thread count on a CPU with ``cores`` cores.
+    """The engine's torch intra-op thread count on a CPU with ``cores`` cores: all of them.
 
-    One fewer than the cores (at least one), because the event loop thread runs the
-    bookkeeping stroke at the same time and an OpenMP team that loses a core to it stalls
-    at every barrier (measured on 2 cores under load: 2 threads ran a batch-8 decode step in
-    200 ms, 1 thread in 49 ms).
+    The event loop thread shares a core with the team, which used to make every core a
+    loss: a team thread that reaches a barrier spun while the loop thread held its partner's
+    core. With OpenMP's waits passive (:mod:`twostroke.gpu.openmp`) and every step on the
+    device's own forward thread (:class:`~twostroke.gpu.forward_thread.ForwardThread`), the
+    second core pays. Measured on 2 cores (AMD EPYC, AVX512 with bf16, SmolLM2-135M bf16):
+    the bare forward loop goes from 347 to 597 output tok/s on a quiet machine from 1 to 2
+    threads; under other jobs' load (load average 6) 2 threads cost no more than 1, and the
+    engine keeps the bare loop's speed at both counts (61.6-63.6 against 63.7 tok/s at 2,
+    68.9-69.4 against 69.0 at 1). With spinning waits and that load, 2 threads took
+    692-3405 ms a batch-32 decode step against 220 ms on 1: set ``torch_threads`` to one
+    fewer than the cores where the policy cannot be passive (torch imported before
+    twostroke with ``OMP_WAIT_POLICY`` unset).
 
     Args:
         cores: The cores the engine may use; ``None`` takes ``os.cpu_count()``.
@@ -103,7 +111,7 @@ def default_torch_threads(cores: int | None = None) -> int:
         raise TypeError(f"cores must be an int, got {type(cores).__name__} {cores!r}")
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
-    return max(1, cores - 1)
+    return cores
 
 
 def intra_op_threads(config: EngineConfig, device: Device) -> int | None:

@@ -52,8 +52,8 @@ def test_unknown_names_are_refused() -> None:
         resolve_dtype("fp8", CpuDevice())
 
 
-def test_the_default_thread_count_leaves_the_event_loop_a_core() -> None:
-    assert [loading.default_torch_threads(cores) for cores in (1, 2, 3, 8)] == [1, 1, 2, 7]
+def test_the_default_thread_count_is_every_core() -> None:
+    assert [loading.default_torch_threads(cores) for cores in (1, 2, 3, 8)] == [1, 2, 3, 8]
     assert loading.default_torch_threads() == loading.default_torch_threads(os.cpu_count() or 1)
     with pytest.raises(ValueError, match=r"^cores must be >= 1, got 0$"):
         loading.default_torch_threads(0)
