@@ -135,21 +135,22 @@ class PrefixCache:
         self.pool.forget(sorted(distrusted))
         return readers - failed_ids
 
-    def reset(self, request: Request) -> None:
-        """The request lost its blocks (preempted): nothing of its table is cached now."""
-        self._num_cached.pop(request.request_id, None)
-
     def drop(self, request_id: int) -> None:
         """Forget a request that the scheduler removed."""
         self._hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
 
     def check_invariants(self, requests: Iterable[Request]) -> None:
-        """Raise ``AssertionError`` if a live request holds a block cached as another prefix.
+        """Raise ``AssertionError`` if a request holds a block cached as another prefix.
 
         Every block of a request's table that has a hash must have the hash of the
-        request's own tokens at that place: a wrong hit would break it.
+        request's own tokens at that place: a wrong hit would break it. And nothing is kept
+        for a request the scheduler no longer has.
+
+        Args:
+            requests: Every request the scheduler keeps.
         """
+        requests = tuple(requests)
         for request in requests:
             hashes = self._hashes.get(request.request_id, [])
             for index, block_id in enumerate(request.block_table):
@@ -159,3 +160,5 @@ class PrefixCache:
                     assert hashes[index] == block_hash, (
                         f"{request!r} holds block {block_id} at {index}, cached for another prefix"
                     )
+        kept = {request.request_id for request in requests}
+        assert set(self._hashes) | set(self._num_cached) <= kept, "a removed request is kept"

@@ -522,7 +522,6 @@ class Scheduler:
         self._running.remove(request)
         self._insert(self._waiting, request)
         self._release(request, block_ids)
-        self._prefix.reset(request)
         self._num_preemptions += 1
 
     def _end(self, request: Request, event: Cancelled | Finished | Failed) -> None:
@@ -575,7 +574,7 @@ class Scheduler:
         arrival order, and the limits hold.
         """
         self.pool.check_invariants()
-        self._prefix.check_invariants(self._running)
+        self._prefix.check_invariants(self._requests.values())
         config = self.config
         inflight = {plan.step_id for plan in self._inflight}
         for step_id, block_ids in self._deferred.items():

@@ -483,3 +483,13 @@ def test_a_failed_step_uncaches_what_its_readers_write_after_it() -> None:
             entry.block_table
         )
     engine.run_until_idle()
+
+
+def test_prefix_cache_invariants_notice_a_removed_request_kept() -> None:
+    scheduler = Scheduler(config())
+    engine = SimulatedEngine(scheduler)
+    engine.submit(spec([*SYSTEM, 1], max_tokens=1).build(0))
+    engine.run_until_idle()
+    scheduler._prefix._hashes[0] = []  # a leak: request 0 is gone
+    with pytest.raises(AssertionError, match="a removed request is kept"):
+        scheduler.check_invariants()
