@@ -380,6 +380,8 @@ def test_a_failure_spares_unrelated_requests_and_a_discarded_chunk_samples_nothi
     assert scheduler.get(2).status is RequestStatus.PREEMPTED  # type: ignore[union-attr]
     report = engine.complete()  # step 1: request 2's chunk is discarded, it sampled nothing
     assert [request_id for request_id, _ in report.new_tokens] == [1]
+    # Nothing step 0 wrote, nor the block request 2 wrote from it in step 1, is matchable.
+    assert scheduler.pool.num_cached == 0
     engine.run_until_idle()
     assert engine.requests[1].status is RequestStatus.FINISHED
     assert engine.requests[2].status is RequestStatus.FINISHED
