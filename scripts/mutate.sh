@@ -38,7 +38,7 @@ cd "$stage"
 "$python" -c 'import os, sys, twostroke.states as s
 where = os.path.realpath(s.__path__[0])
 sys.exit(where != os.path.realpath("twostroke/states") and f"twostroke.states comes from {where}")'
-"$python" -m pytest tests/states -q -x -p no:cacheprovider --hypothesis-profile=default
+"$python" -m pytest tests/states -q -x -p no:cacheprovider --hypothesis-profile=default --timeout=0
 start=$(date +%s)
 # mutmut exits 0 whatever survived; the gate is the kill ratio, checked below.
 "$python" -m mutmut run --max-children "$children"
