@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from twostroke.states.errors import InvalidTransition, RequestRejected, SchedulerError
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepFailure, StepOutcome
+from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome
 from twostroke.states.request import FinishReason, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.testing import (
@@ -491,3 +491,25 @@ def test_finish_and_cancel_stamp_the_clock_time() -> None:
     assert finished.end_time is not None
     assert cancelled.end_time is not None
     assert finished.first_token_time < finished.end_time < cancelled.end_time
+
+
+def test_a_plan_row_carries_what_the_runner_needs() -> None:
+    scheduler = Scheduler(config(max_num_batched_tokens=8))
+    chunked = request(1, 10, max_tokens=2)
+    scheduler.add_request(chunked)
+    plan = scheduler.schedule()
+    assert plan is not None
+    # The budget allows 8 of the 10 prompt tokens: a chunk that does not sample.
+    assert plan.requests == (
+        ScheduledRequest(
+            request_id=1,
+            start=0,
+            token_ids=tuple(range(1, 9)),
+            pending_input=False,
+            sample=False,
+            sample_index=0,
+            num_prompt_tokens=10,
+            block_table=(0, 1),
+            params=chunked.params,
+        ),
+    )
