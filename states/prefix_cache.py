@@ -86,7 +86,7 @@ class PrefixCache:
             return
         size = self.pool.block_size
         for request in requests:
-            done = self._num_cached.get(request.request_id, 0)
+            done = self._num_cached[request.request_id]  # set when it was admitted
             full = min(request.num_computed_tokens, request.num_known_tokens) // size
             if full <= done:
                 continue  # the common case, every step of every decode: keep it cheap
@@ -156,8 +156,7 @@ class PrefixCache:
             for index, block_id in enumerate(request.block_table):
                 block_hash = self.pool.block_hash(block_id)
                 if block_hash is not None:
-                    assert index < len(hashes), f"{request!r} holds cached block {block_id}"
-                    assert hashes[index] == block_hash, (
+                    assert hashes[index : index + 1] == [block_hash], (
                         f"{request!r} holds block {block_id} at {index}, cached for another prefix"
                     )
         kept = {request.request_id for request in requests}
