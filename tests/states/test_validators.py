@@ -89,3 +89,16 @@ def test_plain_checks() -> None:
 def test_a_range_needs_a_bound() -> None:
     with pytest.raises(ValueError, match=r"^a range needs at least one bound$"):
         number_in()
+
+
+@pytest.mark.parametrize(
+    ("high", "shown"),
+    [(2**16, "2**16"), (2**20, "2**20"), (2**16 + 2, "65538"), (2**15, "32768"), (1000, "1000")],
+)
+def test_large_powers_of_two_read_as_powers(high: int, shown: str) -> None:
+    @attrs.frozen
+    class Bounded:
+        value: int = attrs.field(validator=int_in(0, high))
+
+    with pytest.raises(ValueError, match=rf"^value must be in \[0, {re.escape(shown)}\], got -1$"):
+        Bounded(-1)
