@@ -497,3 +497,31 @@ def test_prefix_cache_invariants_notice_a_removed_request_kept() -> None:
     scheduler._prefix._hashes[0] = []  # a leak: request 0 is gone
     with pytest.raises(AssertionError, match=r"^a removed request is kept$"):
         scheduler.check_invariants()
+
+
+def corrupted(change: str) -> BlockPool:
+    """A pool whose bookkeeping ``change`` broke, as a bug would."""
+    pool, _ = cached_pool()  # blocks 0 and 1 cached, 2 and 3 empty
+    if change == "free twice":
+        pool._free.append(pool._free[0])
+    elif change == "empty and cached":
+        pool._free.append(0)
+    elif change == "used and free":
+        pool._ref_counts[2] = 1
+    else:
+        pool._by_hash[b"stray"] = 3
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("free twice", "a block is on the free list twice"),
+        ("empty and cached", "a block is both empty and cached"),
+        ("used and free", "block 2 has 1 references but is on the free list"),
+        ("stray hash", "hashes and blocks are not a bijection"),
+    ],
+)
+def test_pool_invariants_name_what_broke(change: str, message: str) -> None:
+    with pytest.raises(AssertionError, match=f"^{re.escape(message)}$"):
+        corrupted(change).check_invariants()
