@@ -129,7 +129,9 @@ class Deliveries:
             token_ids=request.output_token_ids,
             text=tracked.detokenizer.text,
             finish_reason=reason,
-            usage=Usage(request.num_prompt_tokens, request.num_output_tokens),
+            usage=Usage(
+                request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens
+            ),
             metrics=request_metrics(request, now),
             logprobs=tuple(tracked.logprobs) if tracked.logprobs is not None else None,
         )

@@ -63,10 +63,17 @@ class EngineStatistics:
     num_running: int
     #: Requests submitted whose handle has not ended yet.
     num_open_requests: int
-    #: KV blocks free now (blocks of ended requests come back once no step in flight uses them).
+    #: KV blocks free now (blocks of ended requests come back once no step in flight uses
+    #: them); cached blocks count as free, since allocation evicts them when needed.
     num_free_blocks: int
     #: KV blocks in the pool.
     num_blocks: int
+    #: Free KV blocks that hold a cached prefix (matchable by a later prompt).
+    num_cached_blocks: int
+    #: Prompt tokens looked up in the prefix cache at admission.
+    num_prefix_cache_queries: int
+    #: Of those, the tokens whose KV the cache held (not computed again).
+    num_prefix_cache_hits: int
     #: Steps whose outcome has been applied (failed ones included).
     num_steps: int
     #: Token positions computed over all steps (prompt chunks and decodes).
@@ -83,6 +90,12 @@ class EngineStatistics:
     forward_seconds: float
     #: Seconds the forward stroke sat waiting for the next plan (the device idled on Python).
     forward_idle_seconds: float
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries, in tokens (0 before any query)."""
+        queries = self.num_prefix_cache_queries
+        return self.num_prefix_cache_hits / queries if queries else 0.0
 
 
 class Engine:
@@ -384,6 +397,9 @@ class Engine:
             num_open_requests=len(self._open),
             num_free_blocks=stats.num_free_blocks,
             num_blocks=stats.num_blocks,
+            num_cached_blocks=stats.num_cached_blocks,
+            num_prefix_cache_queries=stats.num_prefix_cache_queries,
+            num_prefix_cache_hits=stats.num_prefix_cache_hits,
             num_steps=stats.num_steps_completed,
             num_tokens_scheduled=stats.num_tokens_scheduled,
             num_tokens_generated=stats.num_tokens_generated,

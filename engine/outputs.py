@@ -52,8 +52,18 @@ class Delta:
 
 @attrs.frozen
 class Usage:
+    """Token counts of one request, as OpenAI's ``usage`` reports them.
+
+    Attributes:
+        prompt_tokens: Tokens in the prompt.
+        completion_tokens: Output tokens.
+        cached_prompt_tokens: Prompt tokens whose KV came from the prefix cache at the
+            request's first admission (not computed for it).
+    """
+
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

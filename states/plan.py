@@ -70,12 +70,15 @@ class StepPlan:
     """Everything a runner needs for one step, in the order it should batch requests.
 
     ``finished_request_ids`` lists requests the runner will not see again (their per-request
-    device state, such as sampler history, may be dropped).
+    device state, such as sampler history, may be dropped). ``planned_behind`` is the step
+    that was in flight when this one was planned (``None`` if none was): if that step fails,
+    some rows of this one may be stranded (see :meth:`stranded_by`).
     """
 
     step_id: int
     requests: tuple[ScheduledRequest, ...]
     finished_request_ids: tuple[int, ...] = ()
+    planned_behind: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +103,10 @@ class StepPlan:
         sampled) and the requests that read KV it was writing: a prefix-cache hit on a block
         still being filled when this step was planned.
         """
+        if self.planned_behind != failed.step_id:
+            # Planned once the failure was applied: the scheduler left the failed requests
+            # out, and blocks the failed step wrote may since belong to someone else.
+            return frozenset()
         written = failed.written_blocks(block_size)
         failed_ids = set(failed.request_ids)
         return frozenset(

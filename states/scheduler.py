@@ -337,7 +337,12 @@ class Scheduler:
         # Only now, with the plan complete, may later steps match the blocks it writes.
         self._prefix.commit(self._requests[entry.request_id] for entry in entries)
         gone, self._gone = tuple(self._gone), []
-        plan = StepPlan(step_id=step_id, requests=tuple(entries), finished_request_ids=gone)
+        plan = StepPlan(
+            step_id=step_id,
+            requests=tuple(entries),
+            finished_request_ids=gone,
+            planned_behind=self._inflight[-1].step_id if self._inflight else None,
+        )
         self._next_step += 1
         self._inflight.append(plan)
         return plan

@@ -607,7 +607,7 @@ class Coordinator:
             token_ids=ending.token_ids,
             text=ending.text,
             finish_reason=ending.finish_reason,
-            usage=Usage(ending.prompt_tokens, num_output),
+            usage=Usage(ending.prompt_tokens, num_output, ending.cached_prompt_tokens),
             metrics=RequestMetrics(
                 queue_time=ending.queue_time,
                 ttft=ttft,

@@ -166,6 +166,7 @@ class Finished(msgspec.Struct, tag="finished", array_like=True):
     queue_time: float | None
     num_preemptions: int
     logprobs: list[WireLogprobs] | None
+    cached_prompt_tokens: int = 0
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):

@@ -203,6 +203,7 @@ class _Server:
                     queue_time=output.metrics.queue_time,
                     num_preemptions=output.metrics.num_preemptions,
                     logprobs=wire_logprobs(output.logprobs),
+                    cached_prompt_tokens=output.usage.cached_prompt_tokens,
                 )
             )
         else:

@@ -71,6 +71,7 @@ class Ending:
     queue_time: float | None
     num_preemptions: int
     logprobs: tuple[TokenLogprobs, ...] | None
+    cached_prompt_tokens: int = 0
 
 
 class Relay(Protocol):
@@ -275,6 +276,7 @@ class LocalReplica:
                 queue_time=output.metrics.queue_time,
                 num_preemptions=output.metrics.num_preemptions,
                 logprobs=output.logprobs,
+                cached_prompt_tokens=output.usage.cached_prompt_tokens,
             ),
         )
 
@@ -530,6 +532,7 @@ class RemoteReplica:
                 queue_time=frame.queue_time,
                 num_preemptions=frame.num_preemptions,
                 logprobs=_logprobs(frame.logprobs),
+                cached_prompt_tokens=frame.cached_prompt_tokens,
             )
             relay.finished(index, frame.request_id, ending)
         elif isinstance(frame, Failed | Rejected):

@@ -119,11 +119,12 @@ class Generation:
         return {"id": self.id, "object": obj, "created": self.created, "model": model,
                 "choices": choices}  # fmt: skip
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
+    def _usage(self, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.num_prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
     # --- a complete response -----------------------------------------------------------
@@ -152,7 +153,10 @@ class Generation:
             choices.append(self._fmt.choice(choice.index, output.text, logprobs, reason,
                                             chunk=False))  # fmt: skip
         body = self._envelope(self._fmt.object_name, choices)
-        body["usage"] = self._usage(sum(len(output.token_ids) for output in outputs))
+        body["usage"] = self._usage(
+            sum(len(output.token_ids) for output in outputs),
+            max((output.usage.cached_prompt_tokens for output in outputs), default=0),
+        )
         return body
 
     # --- a streamed response -----------------------------------------------------------
@@ -193,7 +197,10 @@ class Generation:
             await sender.data(failure.body())
         elif include_usage:
             completion_tokens = sum(choice.num_tokens for choice in self.choices)
-            usage = self._envelope(obj, []) | {"usage": self._usage(completion_tokens)}
+            # Every choice has ended without error here, so each result is at hand.
+            outputs = [await choice.handle.result() for choice in self.choices]
+            cached = max((output.usage.cached_prompt_tokens for output in outputs), default=0)
+            usage = self._envelope(obj, []) | {"usage": self._usage(completion_tokens, cached)}
             await sender.data(usage)
         await sender.done()
 

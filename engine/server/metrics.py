@@ -58,6 +58,10 @@ class _EngineCollector(Collector):
              1 - stats.num_free_blocks / max(stats.num_blocks, 1)),
             (CounterMetricFamily, "num_preemptions", "Times a request's KV was taken back.",
              stats.num_preemptions),
+            (CounterMetricFamily, "prefix_cache_queries",
+             "Prompt tokens looked up in the prefix cache.", stats.num_prefix_cache_queries),
+            (CounterMetricFamily, "prefix_cache_hits",
+             "Prompt tokens found in the prefix cache.", stats.num_prefix_cache_hits),
         )  # fmt: skip
         for family, name, documentation, value in families:
             metric = family(PREFIX + name, documentation, labels=["model_name"])

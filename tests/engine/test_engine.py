@@ -212,3 +212,18 @@ async def test_metrics_are_consistent() -> None:
     assert 0 <= metrics.queue_time <= metrics.ttft <= metrics.e2e
     assert metrics.tpot is not None
     assert metrics.tpot >= 0
+
+
+@pytest.mark.anyio
+async def test_the_cpu_forward_thread_lives_exactly_as_long_as_the_engine() -> None:
+    import threading
+
+    def forward_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "twostroke cpu forward"]
+
+    assert not forward_threads()
+    async with Engine.open(model="toy", device="cpu", num_blocks=16) as engine:
+        assert len(forward_threads()) == 1
+        output = await engine.generate("warm", SamplingParams(max_tokens=3))
+        assert output.token_ids
+    assert not forward_threads()

@@ -87,8 +87,9 @@ def test_a_row_writes_the_blocks_covering_its_positions() -> None:
 def test_a_failed_step_strands_its_requests_and_the_readers_of_what_it_wrote() -> None:
     failed = StepPlan(7, (row(1, 8, 12, (5, 6, 7)), row(2, 0, 3, (9,))))
     later = StepPlan(
-        8,
-        (
+        step_id=8,
+        planned_behind=7,
+        requests=(
             row(1, 12, 13, (5, 6, 7, 8)),  # the failed request itself
             row(3, 12, 14, (5, 6, 7, 30)),  # a prefix hit on block 7, which step 7 filled
             row(4, 8, 10, (5, 6, 31)),  # a hit on blocks 5 and 6 only, written earlier
@@ -97,3 +98,13 @@ def test_a_failed_step_strands_its_requests_and_the_readers_of_what_it_wrote() -
     )
     assert later.stranded_by(failed, 4) == {1, 3}
     assert later.without(later.stranded_by(failed, 4)).request_ids == (4, 5)
+
+
+def test_a_step_planned_after_the_failure_was_applied_is_not_stranded() -> None:
+    # At depth 1 (or when nothing else was in flight) the next plan comes after the failure
+    # is applied: the failed requests are gone, and the blocks they held may be reallocated.
+    failed = StepPlan(7, (row(1, 8, 12, (5, 6, 7)),))
+    after = StepPlan(8, (row(3, 0, 4, (7,)),), planned_behind=None)
+    assert after.stranded_by(failed, 4) == frozenset()
+    behind_another = StepPlan(8, (row(1, 12, 13, (5, 6, 7, 8)),), planned_behind=6)
+    assert behind_another.stranded_by(failed, 4) == frozenset()

@@ -326,3 +326,23 @@ async def test_smollm2_names_the_capital_of_france() -> None:
     assert "Paris" in (reply.choices[0].message.content or "")
     texts = [[choice.text for choice in completion.choices] for completion in sampled]
     assert texts[0] == texts[1]  # the same seed gives the same choices
+
+
+async def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics() -> None:
+    prompt = "A prompt long enough to fill two blocks of sixteen."  # 51 bytes
+    async with served() as server:
+        first = await server.client.completions.create(model="toy", prompt=prompt, max_tokens=4)
+        second = await server.client.completions.create(
+            model="toy", prompt=prompt, max_tokens=4, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        *_, usage_chunk = [chunk async for chunk in second]
+        hits = await server.metric("twostroke:prefix_cache_hits_total")
+        queries = await server.metric("twostroke:prefix_cache_queries_total")
+    assert first.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert usage_chunk.usage is not None
+    assert usage_chunk.usage.prompt_tokens_details is not None
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == 48  # three full blocks
+    assert (hits, queries) == (48, 2 * 51)
