@@ -262,6 +262,24 @@ def test_a_token_without_a_placeholder_is_refused() -> None:
     assert state(request) == before
 
 
+def test_a_discarded_sample_drops_the_placeholder_and_needs_one() -> None:
+    request = decoding()  # one output token, one sample in flight
+    request.apply(Preempted(3.0))
+    assert request.num_placeholders == 1
+    request.apply(SampleDiscarded(1))
+    assert request.num_placeholders == 0
+    assert request.output_token_ids == (11,)  # the discarded token never arrives
+    assert request.status is RequestStatus.PREEMPTED
+    before = state(request)
+    message = (
+        "request 7: SampleDiscarded(step_id=2) has no placeholder to drop: "
+        "no step in flight samples for this request"
+    )
+    with pytest.raises(InvalidTransition, match=f"^{re.escape(message)}$"):
+        request.apply(SampleDiscarded(2))
+    assert state(request) == before
+
+
 def test_a_table_miss_has_no_count_rule() -> None:
     request = decoding()
     message = "request 7: status DECODING does not accept event Admitted"
