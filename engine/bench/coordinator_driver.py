@@ -48,8 +48,9 @@ class CoordinatorDriver:
         return None
 
     def threads_per_replica(self, model: ModelSpec) -> int:
-        """torch threads each replica gets from the ``--threads`` budget."""
-        return max(1, (model.threads - 1) // self.replicas)
+        """torch threads each replica gets from the ``--threads`` budget (shared out, as the
+        coordinator does)."""
+        return max(1, model.threads // self.replicas)
 
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
         started = time.perf_counter()

@@ -20,7 +20,7 @@ def test_the_coordinator_systems_run_a_workload_and_report_it(tmp_path: pathlib.
     drivers = coordinator_drivers(2, "local", num_blocks=256, block_size=4)
     assert [d.name for d in drivers] == ["twostroke-dp1-local", "twostroke-dp2-local"]
     assert all(d.check() is None for d in drivers)
-    assert [d.threads_per_replica(model) for d in drivers] == [2, 1]
+    assert [d.threads_per_replica(model) for d in drivers] == [3, 1]
     result = drivers[1].run(workload, model=model)
     assert result.name == "twostroke-dp2-local"
     assert [t.output_tokens for t in result.timings] == [r.max_tokens for r in workload.requests]
