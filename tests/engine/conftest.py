@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from twostroke.engine import Engine
+from twostroke.engine import Engine, SamplingParams
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
-from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
 from twostroke.gpu.device import Device
+from twostroke.states.testing import reference_output
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -48,3 +49,14 @@ async def toy_engine(
         stats = engine.statistics()
         assert stats.num_free_blocks == stats.num_blocks, stats
         assert stats.num_open_requests == 0, stats
+
+
+def expected_tokens(prompt: str, params: SamplingParams) -> list[int]:
+    """The toy model's output for ``prompt`` alone, computed without any engine."""
+    tokenizer = ByteTokenizer()
+    return reference_output(
+        tokenizer.encode(prompt),
+        params,
+        eos_token_ids=tokenizer.eos_token_ids,
+        next_token=toy_text_next_token,
+    )[0]

@@ -25,24 +25,14 @@ from twostroke.engine import (
     RequestOutput,
     SamplingParams,
 )
-from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.device import FakeDevice
 from twostroke.states.plan import StepPlan
-from twostroke.states.testing import reference_output
 
-from .conftest import toy_engine
+from .conftest import expected_tokens, toy_engine
 
 pytestmark = pytest.mark.anyio
 TOKENIZER = ByteTokenizer()
-
-
-def expected_tokens(prompt: str, params: SamplingParams) -> list[int]:
-    return reference_output(
-        TOKENIZER.encode(prompt),
-        params,
-        eos_token_ids=TOKENIZER.eos_token_ids,
-        next_token=toy_text_next_token,
-    )[0]
 
 
 class Injector:

@@ -18,13 +18,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from twostroke.engine import Engine, EngineDead, RequestCancelled, RequestFailed, SamplingParams
-from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.completion import Completion, Launched
 from twostroke.gpu.device import FakeDevice
 from twostroke.states.plan import StepPlan
-from twostroke.states.testing import reference_output
 
-from .conftest import toy_engine
+from .conftest import expected_tokens, toy_engine
 
 pytestmark = pytest.mark.anyio
 TOKENIZER = ByteTokenizer()
@@ -36,15 +35,6 @@ STEP = 0.001
 @pytest.fixture
 def anyio_backend() -> Any:
     return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
-
-
-def expected_tokens(prompt: str, params: SamplingParams) -> list[int]:
-    return reference_output(
-        TOKENIZER.encode(prompt),
-        params,
-        eos_token_ids=TOKENIZER.eos_token_ids,
-        next_token=toy_text_next_token,
-    )[0]
 
 
 async def test_timeout_cancels_the_request_and_frees_its_blocks() -> None:
