@@ -25,14 +25,13 @@ from twostroke.engine import (
     RequestOutput,
     SamplingParams,
 )
-from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
+from twostroke.engine.runners.toy import ToyRunner
 from twostroke.gpu.device import FakeDevice
 from twostroke.states.plan import StepPlan
 
 from .conftest import expected_tokens, toy_engine
 
 pytestmark = pytest.mark.anyio
-TOKENIZER = ByteTokenizer()
 
 
 class Injector:
