@@ -147,33 +147,19 @@ def _logprobs(entries: list[WireLogprobs] | None) -> tuple[TokenLogprobs, ...] |
     )
 
 
-# --- in this process --------------------------------------------------------------------
-
-
-class LocalReplica:
-    """An :class:`Engine` in the coordinator's own task group.
+class _Starting:
+    """What every replica reports about its start: readiness, why it failed, its model.
 
     Args:
         index: The replica's index.
         relay: The coordinator.
-        model: As for :meth:`Engine.open`.
-        options: Keyword arguments of :meth:`Engine.open` (``runner``, ``device``, config).
     """
 
-    pid: int | None = None
-    #: The relay runs inside the engine's bookkeeping stroke: counted there, not here.
-    relay_seconds = 0.0
-
-    def __init__(self, index: int, relay: Relay, model: str | None, options: Mapping[str, Any]):
+    def __init__(self, index: int, relay: Relay) -> None:
         self.index = index
         self._relay = relay
-        self._model = model
-        self._options = dict(options)
-        self._engine: Engine | None = None
-        self._handles: dict[int, RequestHandle] = {}
         self._ready = anyio.Event()
         self._start_error: BaseException | None = None
-        self._closed = anyio.Event()
         self._max_model_len = 0
         self._model_name = ""
 
@@ -192,6 +178,32 @@ class LocalReplica:
     @property
     def model_name(self) -> str:
         return self._model_name
+
+
+# --- in this process --------------------------------------------------------------------
+
+
+class LocalReplica(_Starting):
+    """An :class:`Engine` in the coordinator's own task group.
+
+    Args:
+        index: The replica's index.
+        relay: The coordinator.
+        model: As for :meth:`Engine.open`.
+        options: Keyword arguments of :meth:`Engine.open` (``runner``, ``device``, config).
+    """
+
+    pid: int | None = None
+    #: The relay runs inside the engine's bookkeeping stroke: counted there, not here.
+    relay_seconds = 0.0
+
+    def __init__(self, index: int, relay: Relay, model: str | None, options: Mapping[str, Any]):
+        super().__init__(index, relay)
+        self._model = model
+        self._options = dict(options)
+        self._engine: Engine | None = None
+        self._handles: dict[int, RequestHandle] = {}
+        self._closed = anyio.Event()
 
     @property
     def engine(self) -> Engine | None:
@@ -318,7 +330,7 @@ def _request_error(replica: int, request_id: int, kind: str, message: str) -> Ba
     return EngineError(f"replica {replica}: {kind}: {message}")
 
 
-class RemoteReplica:
+class RemoteReplica(_Starting):
     """A replica behind the frame protocol; subclasses open the byte streams.
 
     Frames to the replica wait in an outbox that one writer task sends in batches, so that
@@ -329,20 +341,15 @@ class RemoteReplica:
     placement = "remote"
 
     def __init__(self, index: int, relay: Relay, start: Start) -> None:
-        self.index = index
+        super().__init__(index, relay)
         self.pid: int | None = None
-        self._relay = relay
         self._outbox: list[tuple[int | None, bytes]] = [(None, encode_frame(start))]
         self._unsent: set[int] = set()
         self._wake = anyio.Event()
         self._wake.set()  # the Start frame waits in the outbox
-        self._ready = anyio.Event()
-        self._start_error: BaseException | None = None
         self._started = False
         self._start_problem: str | None = None
         self._start_cause: BaseException | None = None
-        self._max_model_len = 0
-        self._model_name = ""
         self._stats: EngineStatistics | None = None
         self._calls: dict[int, tuple[anyio.Event, list[Any]]] = {}
         self._call_ids = itertools.count()
@@ -351,22 +358,6 @@ class RemoteReplica:
         self._gone: BaseException | None = None
         #: Seconds this process spent decoding the replica's frames and relaying them.
         self.relay_seconds = 0.0
-
-    @property
-    def ready(self) -> anyio.Event:
-        return self._ready
-
-    @property
-    def start_error(self) -> BaseException | None:
-        return self._start_error
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def model_name(self) -> str:
-        return self._model_name
 
     def add(
         self, request_id: int, prompt: WirePrompt, params: SamplingParams
