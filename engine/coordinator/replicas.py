@@ -105,7 +105,7 @@ class Replica(Protocol):
     async def run(self) -> None:
         """The replica's supervisor task: start it, serve, stop it; never raises.
 
-        Sets :attr:`ready` once it serves (or failed to start: see :attr:`start_error`).
+        Sets :attr:`ready` once it serves (or failed to start: see ``start_error``).
         """
 
     @property
@@ -421,7 +421,7 @@ class RemoteReplica(_Starting):
 
         Returns:
             ``None`` after an orderly shutdown, else why the replica is gone (a startup
-            failure is stored in :attr:`start_error` instead).
+            failure is stored in ``start_error`` instead).
         """
         frames = FrameReader(receive, FromReplica, f"replica {self.index}")
         cause: BaseException | None = None
