@@ -140,26 +140,15 @@ class Deliveries:
 
 
 def request_metrics(request: Request, now: float) -> RequestMetrics:
-    """vLLM's per-request timings for a request that finishes at ``now``.
-
-    TTFT runs from arrival to the first output token; TPOT is
-    ``(end-to-end - TTFT) / (output tokens - 1)`` and is ``None`` for one-token outputs.
-    """
-    e2e = now - request.arrival_time
-    ttft = None
-    if request.first_token_time is not None:
-        ttft = request.first_token_time - request.arrival_time
-    tpot = None
-    num_output = request.num_output_tokens
-    if ttft is not None and num_output > 1:
-        tpot = (e2e - ttft) / (num_output - 1)
+    """vLLM's per-request timings for a request that finishes at ``now``."""
     queue_time = None
     if request.first_scheduled_time is not None:
         queue_time = request.first_scheduled_time - request.arrival_time
-    return RequestMetrics(
+    return RequestMetrics.measure(
+        arrival=request.arrival_time,
+        first_token=request.first_token_time,
         queue_time=queue_time,
-        ttft=ttft,
-        tpot=tpot,
-        e2e=e2e,
+        now=now,
+        num_output_tokens=request.num_output_tokens,
         num_preemptions=request.num_preemptions,
     )

@@ -88,6 +88,31 @@ class RequestMetrics:
     e2e: float
     num_preemptions: int
 
+    @classmethod
+    def measure(
+        cls,
+        *,
+        arrival: float,
+        first_token: float | None,
+        queue_time: float | None,
+        now: float,
+        num_output_tokens: int,
+        num_preemptions: int,
+    ) -> RequestMetrics:
+        """The timings of a request that arrived at ``arrival`` and finishes at ``now``.
+
+        TTFT runs from arrival to the first output token; TPOT is
+        ``(end-to-end - TTFT) / (output tokens - 1)`` and is ``None`` for one-token outputs.
+        """
+        e2e = now - arrival
+        ttft = None if first_token is None else first_token - arrival
+        tpot = None
+        if ttft is not None and num_output_tokens > 1:
+            tpot = (e2e - ttft) / (num_output_tokens - 1)
+        return cls(
+            queue_time=queue_time, ttft=ttft, tpot=tpot, e2e=e2e, num_preemptions=num_preemptions
+        )
+
 
 @attrs.frozen
 class RequestOutput:

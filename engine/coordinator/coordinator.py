@@ -42,6 +42,7 @@ from twostroke.engine.coordinator.frames import (
     wire_prompt,
 )
 from twostroke.engine.coordinator.replicas import Ending, LocalReplica, Replica
+from twostroke.engine.coordinator.statistics import CoordinatorStatistics, ReplicaStatistics
 from twostroke.engine.engine import EngineStatistics
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed, RequestCancelled
 from twostroke.engine.handle import RequestHandle
@@ -55,58 +56,6 @@ Placement = Literal["local", "process", "ray"]
 _PLACEMENTS = ("local", "process", "ray")
 #: ``Engine.open`` keywords that are not ``EngineConfig`` fields.
 _OPEN_KEYWORDS = frozenset({"device", "model_name", "runner", "tokenizer"})
-
-
-@attrs.frozen
-class ReplicaStatistics:
-    """One replica, as the coordinator sees it.
-
-    Attributes:
-        index: The replica's index (``0 .. replicas - 1``).
-        placement: ``"local"``, ``"process"`` or ``"ray"``.
-        alive: It serves; ``False`` once it died (see ``failure``).
-        healthy: Alive, and its step counter moved within ``unhealthy_after`` seconds
-            whenever it had open requests.
-        pid: Its process (``None`` in this process).
-        num_open_requests: Requests the coordinator routed to it that have not ended.
-        load_tokens: The router's count of its outstanding tokens.
-        engine: Its engine's statistics (a remote replica's latest snapshot; ``None`` before
-            the first).
-        failure: Why it died.
-    """
-
-    index: int
-    placement: str
-    alive: bool
-    healthy: bool
-    pid: int | None
-    num_open_requests: int
-    load_tokens: int
-    engine: EngineStatistics | None
-    failure: str | None
-
-
-@attrs.frozen
-class CoordinatorStatistics(EngineStatistics):
-    """Totals over the live replicas' engines, and one entry per replica.
-
-    ``num_open_requests`` is the coordinator's own count; every other total is the sum of the
-    live replicas' latest engine statistics.
-
-    Attributes:
-        num_replicas_alive: Replicas that have not died.
-        num_resubmitted: Requests sent again to another replica because theirs died before
-            it delivered any token (each request is resubmitted at most once).
-        relay_seconds: Seconds the coordinator spent decoding remote replicas' frames and
-            relaying their output into handles (a local replica's relay runs inside its
-            engine's bookkeeping stroke and is counted there).
-        replicas: One record per replica, by index, dead ones included.
-    """
-
-    num_replicas_alive: int = 0
-    num_resubmitted: int = 0
-    relay_seconds: float = 0.0
-    replicas: tuple[ReplicaStatistics, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -592,15 +541,7 @@ class Coordinator:
         relayed = self._relayed(replica, request_id)
         if relayed is None:
             return
-        now = anyio.current_time()
         num_output = len(ending.token_ids)
-        ttft = None
-        if relayed.first_token_time is not None:
-            ttft = relayed.first_token_time - relayed.arrival_time
-        e2e = now - relayed.arrival_time
-        tpot = None
-        if ttft is not None and num_output > 1:
-            tpot = (e2e - ttft) / (num_output - 1)
         output = RequestOutput(
             request_id=request_id,
             prompt_token_ids=relayed.handle.prompt_token_ids,
@@ -608,11 +549,12 @@ class Coordinator:
             text=ending.text,
             finish_reason=ending.finish_reason,
             usage=Usage(ending.prompt_tokens, num_output, ending.cached_prompt_tokens),
-            metrics=RequestMetrics(
+            metrics=RequestMetrics.measure(
+                arrival=relayed.arrival_time,
+                first_token=relayed.first_token_time,
                 queue_time=ending.queue_time,
-                ttft=ttft,
-                tpot=tpot,
-                e2e=e2e,
+                now=anyio.current_time(),
+                num_output_tokens=num_output,
                 num_preemptions=ending.num_preemptions,
             ),
             logprobs=ending.logprobs,
