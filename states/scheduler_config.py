@@ -1,0 +1,77 @@
+"""The scheduler's values: the sizes and limits it runs under, and what it reports."""
+
+from __future__ import annotations
+
+import attrs
+
+from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least
+
+__all__ = ["SchedulerConfig", "SchedulerStatistics"]
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """Sizes and limits of one scheduler.
+
+    Args:
+        num_blocks: KV blocks in the pool.
+        block_size: Token positions per block.
+        max_num_batched_tokens: Token budget of one step (prefill chunks plus decodes).
+        max_num_seqs: The most requests running at once, and so in one step.
+        max_model_len: The model's context: prompt plus output may not exceed it.
+        pipeline_depth: Steps in flight at once: 1 plans after each outcome, 2 plans one
+            step ahead.
+        enable_prefix_caching: Keep the KV of full blocks after their requests end, and
+            let a request whose prompt starts with the same tokens skip computing them.
+    """
+
+    num_blocks: int = attrs.field(validator=int_at_least(1))
+    block_size: int = attrs.field(default=16, validator=int_at_least(1))
+    max_num_batched_tokens: int = attrs.field(default=512, validator=int_at_least(1))
+    max_num_seqs: int = attrs.field(default=64, validator=int_at_least(1))
+    max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
+    pipeline_depth: int = attrs.field(default=2, validator=PIPELINE_DEPTH)
+    enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    """A snapshot of one scheduler.
+
+    Taken by :meth:`~twostroke.states.scheduler.Scheduler.statistics`.
+    """
+
+    #: Requests queued for admission (new or preempted), not holding blocks.
+    num_waiting: int
+    #: Admitted requests (prefilling or decoding) that hold blocks.
+    num_running: int
+    #: Ended requests (finished, cancelled, failed) whose blocks a step in flight still uses.
+    num_ending: int
+    #: Steps planned whose outcome has not been applied yet (at most ``pipeline_depth``).
+    num_inflight_steps: int
+    #: KV blocks free to allocate: empty ones and cached ones (evicted when needed).
+    num_free_blocks: int
+    #: Free KV blocks that hold a cached prefix.
+    num_cached_blocks: int
+    #: KV blocks in the pool.
+    num_blocks: int
+    #: Steps planned since the scheduler was made (the next step's id).
+    num_steps_planned: int
+    #: Steps whose outcome (or failure) has been applied.
+    num_steps_completed: int
+    #: Token positions put into planned steps (prefill chunks, recomputes and decodes).
+    num_tokens_scheduled: int
+    #: Sampled tokens appended to live requests (tokens dropped for ended requests excluded).
+    num_tokens_generated: int
+    #: Times a running request was preempted to free blocks (it is recomputed later).
+    num_preemptions: int
+    #: Tokens of admitted requests looked up in the prefix cache (each admission counts).
+    num_prefix_cache_queries: int
+    #: Of those, tokens whose KV was found in the cache and not computed.
+    num_prefix_cache_hits: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries, in tokens (0 before the first query)."""
+        queries = self.num_prefix_cache_queries
+        return self.num_prefix_cache_hits / queries if queries else 0.0
