@@ -51,6 +51,20 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _max_body_bytes(text: str) -> int:
+    """``--max-body-bytes``: checked as it is parsed, before any model is loaded."""
+    from twostroke.engine.server.body import check_max_body_bytes
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"max_body_bytes must be an int, got {text!r}") from None
+    try:
+        return check_max_body_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twostroke", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_max_body_bytes,
+        default=None,  # the server's own default; importing it here would need starlette
+        metavar="N",
+        help="refuse a request body over N bytes with a 413 (default: 8 MiB)",
+    )
     serve.add_argument(
         "--replicas", type=int, default=1, help="engine replicas behind one coordinator"
     )
@@ -189,6 +210,7 @@ async def _demo(args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     from twostroke.engine.server import serve
+    from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     options: dict[str, Any] = {
@@ -210,6 +232,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 args.model, replicas=args.replicas, placement=args.placement, **options
             ),
         )
+    max_body_bytes = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     async with opened as engine:
         # SIGTERM (systemd, containers) and SIGINT stop it the same way: the server shuts
         # down gracefully, then the engine drains.
@@ -217,7 +240,13 @@ async def _serve(args: argparse.Namespace) -> None:
             async with anyio.create_task_group() as task_group:
                 port = await task_group.start(
                     partial(
-                        serve, engine, args.host, args.port, api_key=args.api_key, access_log=True
+                        serve,
+                        engine,
+                        args.host,
+                        args.port,
+                        api_key=args.api_key,
+                        max_body_bytes=max_body_bytes,
+                        access_log=True,
                     )
                 )
                 print(

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Each endpoint is
 a plain ASGI callable (not a Starlette request/response function) because it must own the
-``receive`` channel once the body is read: that is where a client's disconnect arrives.
+``receive`` channel once the body is read: that is where a client's disconnect arrives. A body
+is read under a size limit (:mod:`~twostroke.engine.server.body`): a larger one is a 413.
 
 With an API key, every route wants ``Authorization: Bearer <key>`` except ``/health`` and
 ``/metrics``, which stay open for probes and scrapers.
@@ -27,6 +28,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from twostroke.engine.errors import EngineError
 from twostroke.engine.server import protocol
+from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES, check_max_body_bytes, read_body
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
 from twostroke.engine.server.generation import (
     ChatFormat,
@@ -75,7 +77,7 @@ class _Endpoint:
                 logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
             if not started:
                 with contextlib.suppress(OSError):  # a client that left gets no answer
-                    await send_json(tracked_send, error.status, error.body())
+                    await send_json(tracked_send, error.status, error.body(), error.headers)
 
     def _authenticate(self, request: Request) -> None:
         if self._api_key is None:
@@ -92,15 +94,21 @@ class _Endpoint:
 
 
 class _OpenAI:
-    """The handlers, sharing one engine, its metrics and the keep-alive interval."""
+    """The handlers, sharing one engine, its metrics, the keep-alive interval and body limit."""
 
-    def __init__(self, engine: EngineSurface, metrics: ServerMetrics, keepalive: float) -> None:
+    def __init__(
+        self, engine: EngineSurface, metrics: ServerMetrics, keepalive: float, max_body_bytes: int
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.keepalive = keepalive
+        self.max_body_bytes = max_body_bytes
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(request, self.max_body_bytes)
 
     async def completions(self, request: Request, receive: Receive, send: Send) -> None:
-        body = protocol.decode_body(await request.body(), protocol.CompletionRequest)
+        body = protocol.decode_body(await self._body(request), protocol.CompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
         prompts = [
             await self._tokenize(prompt, "prompt") for prompt in protocol.completion_prompts(body)
@@ -112,7 +120,7 @@ class _OpenAI:
         await self._generate(fmt, prompts, params, body, receive, send)
 
     async def chat(self, request: Request, receive: Receive, send: Send) -> None:
-        body = protocol.decode_body(await request.body(), protocol.ChatCompletionRequest)
+        body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
         prompt = await self._tokenize(protocol.chat_messages(body.messages), "messages")
         field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
@@ -199,7 +207,7 @@ class _OpenAI:
         )
 
     async def tokenize(self, request: Request, receive: Receive, send: Send) -> None:
-        body = protocol.decode_body(await request.body(), protocol.TokenizeRequest)
+        body = protocol.decode_body(await self._body(request), protocol.TokenizeRequest)
         protocol.check_model(body.model, self.engine.model_name)
         if (body.prompt is None) == (body.messages is None):
             raise invalid_request("pass exactly one of prompt and messages", param="prompt")
@@ -212,7 +220,7 @@ class _OpenAI:
         await send_json(send, 200, reply)
 
     async def detokenize(self, request: Request, receive: Receive, send: Send) -> None:
-        body = protocol.decode_body(await request.body(), protocol.DetokenizeRequest)
+        body = protocol.decode_body(await self._body(request), protocol.DetokenizeRequest)
         protocol.check_model(body.model, self.engine.model_name)
         try:
             text = await self.engine.detokenize(body.tokens)
@@ -234,6 +242,7 @@ def build_app(
     *,
     api_key: str | None = None,
     keepalive: float = KEEPALIVE_SECONDS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Starlette:
     """The ASGI application serving ``engine`` with OpenAI's API.
 
@@ -246,10 +255,15 @@ def build_app(
         api_key: If given, every route but ``/health`` and ``/metrics`` wants
             ``Authorization: Bearer <api_key>``.
         keepalive: Seconds of silence on a stream before a keep-alive comment.
+        max_body_bytes: The largest request body accepted, in bytes; a larger one is a 413
+            (``request_too_large``), refused before or while it is read, never buffered
+            (default :data:`~twostroke.engine.server.body.DEFAULT_MAX_BODY_BYTES`, 8 MiB).
 
     Raises:
-        TypeError: ``engine`` lacks the engine surface, or ``api_key`` is not a string.
-        ValueError: ``api_key`` is empty or ``keepalive`` is not positive.
+        TypeError: ``engine`` lacks the engine surface, ``api_key`` is not a string, or
+            ``max_body_bytes`` is not an int.
+        ValueError: ``api_key`` is empty, ``keepalive`` is not positive, or
+            ``max_body_bytes`` is below 1.
     """
     if not isinstance(engine, EngineSurface):
         raise TypeError(f"engine must have the engine surface, got {type(engine).__name__}")
@@ -259,7 +273,8 @@ def build_app(
         raise ValueError("api_key must not be empty, got ''")
     if not keepalive > 0:
         raise ValueError(f"keepalive must be > 0 seconds, got {keepalive}")
-    handlers = _OpenAI(engine, ServerMetrics(engine), keepalive)
+    check_max_body_bytes(max_body_bytes)
+    handlers = _OpenAI(engine, ServerMetrics(engine), keepalive, max_body_bytes)
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
         endpoint = _Endpoint(handler, api_key=api_key if secured else None)

@@ -8,6 +8,7 @@ a traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from twostroke.engine.errors import (
@@ -30,6 +31,7 @@ class ApiError(EngineError):
         type: OpenAI's error type (``invalid_request_error``, ``server_error``, ...).
         param: The request field at fault, if one is.
         code: A machine-readable code (``context_length_exceeded``, ``model_not_found``).
+        headers: Extra response headers (``connection: close`` for a body left unread).
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class ApiError(EngineError):
         type: str,
         param: str | None = None,
         code: str | None = None,
+        headers: Iterable[tuple[bytes, bytes]] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -47,6 +50,7 @@ class ApiError(EngineError):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = tuple(headers)
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the response."""

@@ -18,6 +18,7 @@ import anyio.abc
 from starlette.applications import Starlette
 
 from twostroke.engine.server.app import KEEPALIVE_SECONDS, build_app
+from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
 from twostroke.engine.surface import EngineSurface
 
 __all__ = ["GRACEFUL_SHUTDOWN_SECONDS", "serve"]
@@ -35,6 +36,7 @@ async def serve(
     *,
     api_key: str | None = None,
     keepalive: float = KEEPALIVE_SECONDS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     access_log: bool = False,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -50,6 +52,8 @@ async def serve(
         port: The TCP port; 0 picks a free one (reported through ``task_status``).
         api_key: If given, requests must carry ``Authorization: Bearer <api_key>``.
         keepalive: Seconds of silence on a stream before a keep-alive comment.
+        max_body_bytes: The largest request body accepted, in bytes (default 8 MiB); a
+            larger one is a 413, refused before or while it is read (see :func:`build_app`).
         access_log: Log one line per request to the ``twostroke.server`` logger.
         task_status: Receives the bound port once the server accepts connections.
 
@@ -66,7 +70,7 @@ async def serve(
         raise TypeError(f"port must be an int, got {type(port).__name__} {port!r}")
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
-    app = build_app(engine, api_key=api_key, keepalive=keepalive)
+    app = build_app(engine, api_key=api_key, keepalive=keepalive, max_body_bytes=max_body_bytes)
     if _running_on_trio():
         await _serve_hypercorn(app, host, port, access_log, task_status)
     else:

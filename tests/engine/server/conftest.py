@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twostroke.engine import Engine, EngineStatistics, RequestHandle, RequestOutput
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.server import serve
+from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 
@@ -131,6 +132,7 @@ async def served(
     runner: ToyRunner | None = None,
     api_key: str | None = API_KEY,
     keepalive: float = 15.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     check_clean: bool = True,
     **config: Any,
 ) -> AsyncIterator[Served]:
@@ -150,7 +152,14 @@ async def served(
         assert isinstance(engine, EngineSurface)
         async with anyio.create_task_group() as task_group:
             port = await task_group.start(
-                partial(serve, engine, port=0, api_key=api_key, keepalive=keepalive)
+                partial(
+                    serve,
+                    engine,
+                    port=0,
+                    api_key=api_key,
+                    keepalive=keepalive,
+                    max_body_bytes=max_body_bytes,
+                )
             )
             base_url = f"http://127.0.0.1:{port}"
             headers = {"authorization": f"Bearer {api_key}"} if api_key else {}

@@ -1,21 +1,69 @@
-"""``twostroke serve`` as a command: it serves, and SIGTERM or Ctrl-C stop it cleanly."""
+"""``twostroke serve`` as a command: its options, it serves, and SIGTERM or Ctrl-C stop it."""
 
 from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from twostroke.engine.cli import build_parser
+from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
+
+
+def test_max_body_bytes_is_parsed() -> None:
+    parser = build_parser()
+    given = parser.parse_args(["serve", "--max-body-bytes", "1048576"])
+    assert given.max_body_bytes == 1048576
+    # Absent, the server's own default applies (the help says what it is).
+    assert parser.parse_args(["serve"]).max_body_bytes is None
+    assert DEFAULT_MAX_BODY_BYTES == 8 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "max_body_bytes must be >= 1, got 0"),
+        ("-1", "max_body_bytes must be >= 1, got -1"),
+        ("8MiB", "max_body_bytes must be an int, got '8MiB'"),
+        ("1.5", "max_body_bytes must be an int, got '1.5'"),
+    ],
+)
+def test_a_bad_max_body_bytes_is_refused_before_anything_loads(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--model", "toy", f"--max-body-bytes={value}"])
+    assert exited.value.code == 2
+    assert f"argument --max-body-bytes: {message}" in capsys.readouterr().err
+
+
+def post_too_large(base_url: str, limit: int) -> bytes:
+    """The status line and headers of a POST declaring a body one byte over ``limit``.
+
+    Only the headers are sent: the server must answer without waiting for the body.
+    """
+    host, port = base_url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: Bearer sk-cli\r\nContent-Length: {limit + 1}\r\n\r\n".encode()
+        )
+        answer = b""
+        while chunk := connection.recv(65536):  # the server closes after a 413
+            answer += chunk
+    return answer
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("backend", "stop", "extra"),
     [
-        ("asyncio", signal.SIGTERM, []),
+        ("asyncio", signal.SIGTERM, ["--max-body-bytes", "4096"]),
         ("trio", signal.SIGINT, []),
         ("trio", signal.SIGTERM, ["--replicas", "2", "--placement", "process"]),
     ],
@@ -45,6 +93,10 @@ def test_serve_command_serves_and_stops_on_a_signal(
             )
             assert reply.status_code == 200
             assert reply.json()["usage"]["completion_tokens"] == 3
+            if "--max-body-bytes" in extra:
+                answer = post_too_large(match.group(1), 4096)
+                assert answer.startswith(b"HTTP/1.1 413 "), answer
+                assert b"the limit is 4096 bytes" in answer, answer
             process.send_signal(stop)
             assert process.wait(timeout=30) == 0
         finally:
