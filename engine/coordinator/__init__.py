@@ -1,6 +1,7 @@
 """The data-parallel coordinator: one engine-shaped front over N engine replicas.
 
-Modules, one concept each: :mod:`.coordinator` (:class:`Coordinator`, routing and relaying),
+Modules, one concept each: :mod:`.coordinator` (:class:`Coordinator`: its lifecycle and
+surface), :mod:`.relay` (its books of open requests, and what replicas report into them),
 :mod:`.replicas` (the coordinator's side of a replica: in this process, or over frames),
 :mod:`.frames` (the wire: msgspec frames with a length prefix), :mod:`.replica` (a replica's
 side of the wire: ``python -m twostroke.engine.coordinator.replica``), :mod:`.process` and

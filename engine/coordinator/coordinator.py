@@ -5,7 +5,9 @@ task group (``"local"``), child processes on this machine (``"process"``) or Ray
 (``"ray"``) — and yields an object with the engine's public surface
 (:class:`~twostroke.engine.surface.EngineSurface`). It routes whole requests, as given (text,
 token ids or chat messages), to a replica chosen by :class:`~twostroke.states.routing.Router`
-and relays the replica's deltas into its own :class:`~twostroke.engine.handle.RequestHandle`.
+and relays the replica's deltas into its own :class:`~twostroke.engine.handle.RequestHandle`
+(the books of open requests and the replicas' reports live in
+:mod:`~twostroke.engine.coordinator.relay`).
 It holds no tokenizer: each replica tokenizes, checks lengths, detokenizes and matches stop
 strings (Megatron-LM's deduplicated engine and coordinator; vLLM V1 and SGLang split the same
 way).
@@ -21,7 +23,6 @@ no replica is left (new work is refused, the body is cancelled and the block rai
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -33,20 +34,14 @@ import anyio.lowlevel
 import attrs
 
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.coordinator.frames import (
-    PromptInput,
-    Start,
-    WirePrompt,
-    estimate_prompt_tokens,
-    routing_key,
-    wire_prompt,
-)
-from twostroke.engine.coordinator.replicas import Ending, LocalReplica, Replica
+from twostroke.engine.coordinator.frames import PromptInput, Start, wire_prompt
+from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
+from twostroke.engine.coordinator.replicas import LocalReplica, Replica
 from twostroke.engine.coordinator.statistics import CoordinatorStatistics, ReplicaStatistics
 from twostroke.engine.engine import EngineStatistics
-from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed, RequestCancelled
+from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed
 from twostroke.engine.handle import RequestHandle
-from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
+from twostroke.engine.outputs import RequestOutput
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router, RoutingConfig
 
@@ -56,31 +51,6 @@ Placement = Literal["local", "process", "ray"]
 _PLACEMENTS = ("local", "process", "ray")
 #: ``Engine.open`` keywords that are not ``EngineConfig`` fields.
 _OPEN_KEYWORDS = frozenset({"device", "model_name", "runner", "tokenizer"})
-
-
-@attrs.define(eq=False)
-class _Relayed:
-    """The coordinator's side of one open request."""
-
-    request_id: int
-    prompt: WirePrompt
-    params: SamplingParams
-    handle: RequestHandle
-    replica: int
-    arrival_time: float
-    verdict: anyio.Event = attrs.field(factory=anyio.Event)
-    num_tokens: int = 0
-    first_token_time: float | None = None
-    resubmitted: bool = False
-
-
-@attrs.define
-class _ReplicaState:
-    replica: Replica
-    num_open: int = 0
-    steps_seen: int = 0
-    progress_time: float = 0.0
-    failure: BaseException | None = None
 
 
 class Coordinator:
@@ -98,15 +68,9 @@ class Coordinator:
         self._placement = placement
         self._router = router
         self._unhealthy_after = unhealthy_after
-        self._replicas: list[_ReplicaState] = []
-        self._open: dict[int, _Relayed] = {}
-        self._ids = itertools.count()
-        self._idle = anyio.Event()
-        self._idle.set()
-        self._closing = False
-        self._death: BaseException | None = None
+        self._replicas: list[ReplicaState] = []
+        self._relay = RequestRelay(router, self._replicas, on_death=self._died)
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._num_resubmitted = 0
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -187,7 +151,7 @@ class Coordinator:
         for index in range(replicas):
             options = {**engine_options, **per_replica[index]}
             replica = coordinator._make_replica(index, placement, model, options, grace_period)
-            coordinator._replicas.append(_ReplicaState(replica))
+            coordinator._replicas.append(ReplicaState(replica))
         body_error: BaseException | None = None
         async with anyio.create_task_group() as task_group:
             coordinator._task_group = task_group
@@ -205,14 +169,13 @@ class Coordinator:
                     coordinator._close(cancel=True)
                 else:
                     if config.shutdown == "drain":
-                        await coordinator._idle.wait()
+                        await coordinator._relay.idle.wait()
                     coordinator._close(cancel=config.shutdown == "cancel")
         if start_error is not None:
             raise start_error
-        if coordinator._death is not None:
-            raise EngineDead(
-                f"every replica died; the last: {coordinator._death}"
-            ) from coordinator._death
+        death = coordinator._relay.death
+        if death is not None:
+            raise EngineDead(f"every replica died; the last: {death}") from death
         if body_error is not None:
             raise body_error
 
@@ -225,15 +188,15 @@ class Coordinator:
         grace_period: float,
     ) -> Replica:
         if placement == "local":
-            return LocalReplica(index, self, model, options)
+            return LocalReplica(index, self._relay, model, options)
         start = Start(model, options)
         if placement == "process":
             from twostroke.engine.coordinator.process import ProcessReplica
 
-            return ProcessReplica(index, self, start, grace_period=grace_period)
+            return ProcessReplica(index, self._relay, start, grace_period=grace_period)
         from twostroke.engine.coordinator.ray import RayReplica
 
-        return RayReplica(index, self, start, grace_period=grace_period)
+        return RayReplica(index, self._relay, start, grace_period=grace_period)
 
     async def _wait_started(self) -> BaseException | None:
         """Wait until every replica serves; the first start error, if any."""
@@ -247,16 +210,15 @@ class Coordinator:
 
     def _close(self, *, cancel: bool) -> None:
         """No new work; end open requests with ``EngineClosed`` if ``cancel``; stop replicas."""
-        self._closing = True
-        if cancel:
-            for relayed in list(self._open.values()):
-                error = EngineClosed(
-                    f"the coordinator closed before request {relayed.request_id} finished"
-                )
-                self._end(relayed, None, error)
+        self._relay.close(cancel=cancel)
         for state in self._replicas:
             if state.failure is None:
                 state.replica.close(cancel=cancel)
+
+    def _died(self) -> None:
+        """Every replica died: cancel the body (the block raises ``EngineDead``)."""
+        if self._task_group is not None:
+            self._task_group.cancel_scope.cancel()
 
     # --- the engine surface ---------------------------------------------------------------
 
@@ -282,9 +244,10 @@ class Coordinator:
             EngineDead: every replica died (``__cause__`` is the last failure).
             EngineClosed: the ``async with`` block was left.
         """
-        if self._death is not None:
-            raise EngineDead(f"every replica died; the last: {self._death}") from self._death
-        if self._closing:
+        death = self._relay.death
+        if death is not None:
+            raise EngineDead(f"every replica died; the last: {death}") from death
+        if self._relay.closing:
             raise EngineClosed("the coordinator is closed: its async with block was left")
 
     def submit(self, prompt: PromptInput, params: SamplingParams | None = None) -> RequestHandle:
@@ -311,48 +274,7 @@ class Coordinator:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        wire = wire_prompt(prompt)
-        request_id = next(self._ids)
-        handle = RequestHandle(request_id, (), self._cancel)
-        relayed = _Relayed(
-            request_id=request_id,
-            prompt=wire,
-            params=params,
-            handle=handle,
-            replica=-1,
-            arrival_time=anyio.current_time(),
-        )
-        self._open[request_id] = relayed
-        try:
-            self._send(relayed)
-        except BaseException:
-            del self._open[request_id]
-            raise
-        if self._idle.is_set():
-            self._idle = anyio.Event()
-        return handle
-
-    def _send(self, relayed: _Relayed) -> None:
-        """Route ``relayed`` and hand it to its replica; undone if the replica refuses."""
-        request_id = relayed.request_id
-        wire = relayed.prompt
-        known = relayed.handle.prompt_token_ids
-        estimate = len(known) if known else estimate_prompt_tokens(wire)
-        index = self._router.route(
-            request_id, routing_key(wire), estimate, relayed.params.max_tokens
-        )
-        state = self._replicas[index]
-        try:
-            prompt_token_ids = state.replica.add(request_id, wire, relayed.params)
-        except BaseException:
-            self._router.release(request_id)
-            raise
-        relayed.replica = index
-        if state.num_open == 0:
-            state.progress_time = anyio.current_time()
-        state.num_open += 1
-        if prompt_token_ids is not None:
-            self.accepted(index, request_id, prompt_token_ids)
+        return self._relay.submit(wire_prompt(prompt), params)
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams | None = None
@@ -387,9 +309,9 @@ class Coordinator:
         await anyio.lowlevel.checkpoint()
         handle = self.submit(prompt, params)
         try:
-            relayed = self._open.get(handle.request_id)
-            if relayed is not None:
-                await relayed.verdict.wait()
+            verdict = self._relay.verdict(handle.request_id)
+            if verdict is not None:
+                await verdict.wait()
             error = handle._error
             if isinstance(error, TypeError | ValueError):  # RequestRejected is a ValueError
                 raise error
@@ -436,13 +358,13 @@ class Coordinator:
         """
         await anyio.lowlevel.checkpoint()
         while True:
-            await self._idle.wait()
+            await self._relay.idle.wait()
             for state in self._replicas:
                 if state.failure is None:
                     # A replica that died or stopped meanwhile has nothing in flight.
                     with contextlib.suppress(ReplicaFailed, EngineClosed):
                         await state.replica.call("wait_idle", None)
-            if self._idle.is_set():
+            if self._relay.idle.is_set():
                 return
 
     def statistics(self) -> CoordinatorStatistics:
@@ -478,150 +400,25 @@ class Coordinator:
             name: (float if kind in (float, "float") else int)(totals.get(name, 0))
             for name, kind in fields.items()
         }
-        values["num_open_requests"] = len(self._open)
+        values["num_open_requests"] = len(self._relay.open)
         return CoordinatorStatistics(
             **values,
             num_replicas_alive=sum(1 for s in self._replicas if s.failure is None),
-            num_resubmitted=self._num_resubmitted,
+            num_resubmitted=self._relay.num_resubmitted,
             relay_seconds=sum(state.replica.relay_seconds for state in self._replicas),
             replicas=tuple(entries),
         )
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the coordinator's and the router's books disagree."""
-        self._router.check_invariants()
-        for request_id, relayed in self._open.items():
-            assert not relayed.handle.done(), f"request {request_id} is done but still open"
-            assert self._router.replica_of(request_id) == relayed.replica, relayed
-        for index, state in enumerate(self._replicas):
-            count = sum(1 for r in self._open.values() if r.replica == index)
-            assert state.num_open == count, f"replica {index}: {state.num_open} != {count}"
-        if self._idle.is_set():
-            assert not self._open, "idle, yet requests are open"
+        self._relay.check_invariants()
 
     def __repr__(self) -> str:
         alive = sum(1 for s in self._replicas if s.failure is None)
         return (
             f"<Coordinator {self._model_name!r} {self._placement} "
-            f"{alive}/{len(self._replicas)} replicas alive, {len(self._open)} open>"
+            f"{alive}/{len(self._replicas)} replicas alive, {len(self._relay.open)} open>"
         )
-
-    # --- what the replicas report (the Relay protocol) ----------------------------------
-
-    def _relayed(self, replica: int, request_id: int) -> _Relayed | None:
-        """The open request, if ``replica`` still serves it (else the report is stale)."""
-        relayed = self._open.get(request_id)
-        if relayed is None or relayed.replica != replica:
-            return None
-        return relayed
-
-    def accepted(self, replica: int, request_id: int, prompt_token_ids: tuple[int, ...]) -> None:
-        relayed = self._relayed(replica, request_id)
-        if relayed is None:
-            return
-        relayed.handle.prompt_token_ids = prompt_token_ids
-        self._router.set_prompt_tokens(request_id, len(prompt_token_ids))
-        relayed.verdict.set()
-
-    def delta(self, replica: int, request_id: int, delta: Delta) -> None:
-        relayed = self._relayed(replica, request_id)
-        if relayed is None:
-            return
-        count = len(delta.token_ids)
-        if count:
-            if relayed.first_token_time is None:
-                relayed.first_token_time = anyio.current_time()
-            relayed.num_tokens += count
-            self._router.progress(request_id, count)
-        relayed.handle._deliver(
-            Delta(request_id, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason)
-        )
-
-    def finished(self, replica: int, request_id: int, ending: Ending) -> None:
-        relayed = self._relayed(replica, request_id)
-        if relayed is None:
-            return
-        num_output = len(ending.token_ids)
-        output = RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=relayed.handle.prompt_token_ids,
-            token_ids=ending.token_ids,
-            text=ending.text,
-            finish_reason=ending.finish_reason,
-            usage=Usage(ending.prompt_tokens, num_output, ending.cached_prompt_tokens),
-            metrics=RequestMetrics.measure(
-                arrival=relayed.arrival_time,
-                first_token=relayed.first_token_time,
-                queue_time=ending.queue_time,
-                now=anyio.current_time(),
-                num_output_tokens=num_output,
-                num_preemptions=ending.num_preemptions,
-            ),
-            logprobs=ending.logprobs,
-        )
-        self._end(relayed, output, None)
-
-    def failed(self, replica: int, request_id: int, error: BaseException) -> None:
-        relayed = self._relayed(replica, request_id)
-        if relayed is None:
-            return
-        if isinstance(error, EngineDead | EngineClosed) and not self._closing:
-            # The replica is going away under this request: treat it as the replica's death.
-            self.replica_failed(replica, error)
-            return
-        self._end(relayed, None, error)
-
-    def replica_failed(self, replica: int, cause: BaseException) -> None:
-        state = self._replicas[replica]
-        if state.failure is not None:
-            return
-        state.failure = cause
-        orphans = self._router.remove_replica(replica)
-        for request_id in orphans:
-            relayed = self._open[request_id]
-            state.num_open -= 1
-            retry = not relayed.num_tokens and not relayed.resubmitted and not self._closing
-            if retry and self._router.live_replicas:
-                relayed.resubmitted = True
-                self._num_resubmitted += 1
-                try:
-                    self._send(relayed)
-                except Exception as exc:
-                    self._end(relayed, None, exc, counted=False)
-                continue
-            error = ReplicaFailed(replica, str(cause), request_id=request_id)
-            error.__cause__ = cause
-            self._end(relayed, None, error, counted=False)
-        if not self._router.live_replicas and not self._closing:
-            self._death = cause
-            if self._task_group is not None:
-                self._task_group.cancel_scope.cancel()
-
-    def _end(
-        self,
-        relayed: _Relayed,
-        output: RequestOutput | None,
-        error: BaseException | None,
-        *,
-        counted: bool = True,
-    ) -> None:
-        request_id = relayed.request_id
-        del self._open[request_id]
-        self._router.release(request_id)
-        if counted and relayed.replica >= 0:
-            self._replicas[relayed.replica].num_open -= 1
-        relayed.verdict.set()
-        relayed.handle._finish(output, error)
-        if not self._open:
-            self._idle.set()
-
-    def _cancel(self, request_id: int) -> None:
-        relayed = self._open.get(request_id)
-        if relayed is None:
-            return
-        state = self._replicas[relayed.replica]
-        if state.failure is None and state.replica.cancel(request_id):
-            self._end(relayed, None, RequestCancelled(request_id))
 
 
 def _split_threads(replicas: int) -> int:

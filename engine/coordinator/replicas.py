@@ -1,7 +1,8 @@
 """The coordinator's side of a replica: what it asks of one, and what a replica reports back.
 
 A replica is driven through :class:`Replica` (add, cancel, call, close, and a supervisor
-``run``) and reports to a :class:`Relay` (the coordinator) with plain synchronous calls made
+``run``) and reports to a :class:`Relay` (the coordinator's
+:class:`~twostroke.engine.coordinator.relay.RequestRelay`) with plain synchronous calls made
 on the event loop. :class:`LocalReplica` wraps an :class:`~twostroke.engine.engine.Engine` in
 this process; :class:`RemoteReplica` speaks the frame protocol over a pair of byte streams and
 is the base of the process and Ray placements.
@@ -152,7 +153,7 @@ class _Starting:
 
     Args:
         index: The replica's index.
-        relay: The coordinator.
+        relay: Where it reports (the coordinator's relay).
     """
 
     def __init__(self, index: int, relay: Relay) -> None:
@@ -188,7 +189,7 @@ class LocalReplica(_Starting):
 
     Args:
         index: The replica's index.
-        relay: The coordinator.
+        relay: Where it reports (the coordinator's relay).
         model: As for :meth:`Engine.open`.
         options: Keyword arguments of :meth:`Engine.open` (``runner``, ``device``, config).
     """

@@ -99,7 +99,7 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
         streams = [c.submit(prompt, long) for prompt in prompts]
         for handle in streams:
             await handle.next_delta()
-        replica_of = [c._open[handle.request_id].replica for handle in streams]
+        replica_of = [c._relay.open[handle.request_id].replica for handle in streams]
         on_zero = [h for h, r in zip(streams, replica_of, strict=True) if r == 0]
         on_one = [h for h, r in zip(streams, replica_of, strict=True) if r == 1]
         assert on_zero
@@ -107,7 +107,7 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
         # Same prompt as a stream on replica 0: prefix affinity sends it there, and it is
         # still in the outbox (no checkpoint since) when the replica is killed.
         fresh = c.submit(prompts[replica_of.index(0)], SamplingParams(max_tokens=1))
-        assert c._open[fresh.request_id].replica == 0
+        assert c._relay.open[fresh.request_id].replica == 0
         os.kill(pids[0], signal.SIGKILL)
         killed = anyio.current_time()
         for handle in on_zero:

@@ -84,7 +84,7 @@ async def test_ray_actors_serve_like_a_bare_engine_and_a_killed_one_fails_alone(
         streams = [coordinator.submit(f"stream {i}", long) for i in range(4)]
         for handle in streams:
             await handle.next_delta()
-        placed = [coordinator._open[h.request_id].replica for h in streams]
+        placed = [coordinator._relay.open[h.request_id].replica for h in streams]
         assert sorted(set(placed)) == [0, 1]
         actor = coordinator._replicas[0].replica.actor  # type: ignore[attr-defined]
         await anyio.to_thread.run_sync(ray.kill, actor)
