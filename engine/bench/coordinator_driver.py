@@ -17,9 +17,9 @@ import anyio
 
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
+from twostroke.engine.bench.streaming import stream_workload
 from twostroke.engine.bench.workload import Workload
 from twostroke.engine.coordinator import Coordinator, CoordinatorStatistics
-from twostroke.states.params import SamplingParams
 
 __all__ = ["CoordinatorDriver", "coordinator_drivers"]
 
@@ -90,42 +90,10 @@ class CoordinatorDriver:
             **options,
         ) as coordinator:
             startup = time.perf_counter() - started
-            t0 = time.perf_counter()
-            timings: list[RequestTiming | None] = [None] * len(workload.requests)
-            arrivals = workload.arrival_times or (0.0,) * len(workload.requests)
-
-            async def one(index: int) -> None:
-                request = workload.requests[index]
-                delay = arrivals[index] - (time.perf_counter() - t0)
-                if delay > 0:
-                    await anyio.sleep(delay)
-                start = time.perf_counter() - t0
-                params = SamplingParams(
-                    max_tokens=request.max_tokens, temperature=0, ignore_eos=True
-                )
-                chunks: list[float] = []
-                count = 0
-                async with coordinator.stream(list(request.prompt_token_ids), params) as deltas:
-                    async for delta in deltas:
-                        if delta.token_ids:
-                            chunks.append(time.perf_counter() - t0)
-                            count += len(delta.token_ids)
-                timings[index] = RequestTiming(
-                    prompt_tokens=len(request.prompt_token_ids),
-                    output_tokens=count,
-                    start=start,
-                    first_token=chunks[0],
-                    end=chunks[-1],
-                    chunk_times=chunks,
-                )
-
-            async with anyio.create_task_group() as task_group:
-                for index in range(len(workload.requests)):
-                    task_group.start_soon(one, index)
-            wall = time.perf_counter() - t0
+            streamed = await stream_workload(coordinator, workload)
             await coordinator.wait_idle()  # fresh statistics from every replica
             stats = coordinator.statistics()
-        return [t for t in timings if t is not None], wall, stats, startup
+        return list(streamed.timings), streamed.wall_seconds, stats, startup
 
 
 def coordinator_drivers(replicas: int, placement: str, **engine_options: Any) -> list[Any]:

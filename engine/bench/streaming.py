@@ -1,0 +1,97 @@
+"""A workload streamed through twostroke's engine surface, every chunk timed.
+
+twostroke's own systems (the engine at each depth, the coordinator over N replicas) are
+measured the same way: each request is submitted at its arrival time, streamed through
+:meth:`~twostroke.engine.surface.EngineSurface.stream` greedily to its ``max_tokens``
+(``ignore_eos``), and the delivery time of every chunk with tokens is recorded. One function
+does it for all of them, so their figures differ only in the system.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import attrs
+
+from twostroke.engine.bench.metrics import RequestTiming
+from twostroke.engine.bench.workload import Workload
+from twostroke.engine.surface import EngineSurface
+from twostroke.states.params import SamplingParams
+
+__all__ = ["StreamedRun", "stream_workload"]
+
+
+@attrs.frozen
+class StreamedRun:
+    """What streaming a workload through an engine surface measured.
+
+    Attributes:
+        timings: One per request, in workload order; times in seconds from the run's start.
+        wall_seconds: From the run's start until the last request ended.
+        request_ids: The surface's request id of each workload request.
+    """
+
+    timings: tuple[RequestTiming, ...]
+    wall_seconds: float
+    request_ids: tuple[int, ...]
+
+
+async def stream_workload(surface: EngineSurface, workload: Workload) -> StreamedRun:
+    """Submit every request of ``workload`` at its arrival time and stream it to the end.
+
+    The run starts (t = 0) when this is called. Each request streams its prompt token ids with
+    greedy sampling and ``ignore_eos``, so it produces exactly its ``max_tokens``.
+
+    Args:
+        surface: An open engine or coordinator.
+        workload: The requests and their arrival times.
+
+    Returns:
+        Every request's timing, the wall time and the request ids.
+
+    Raises:
+        ExceptionGroup: a request failed (the other requests are cancelled); it holds the
+            surface's errors (``RequestRejected``, ``RequestFailed``, ...), or an
+            ``IndexError`` for a request that ended without delivering a token.
+
+    Cancelling the caller cancels every request in flight.
+    """
+    t0 = time.perf_counter()
+    count = len(workload.requests)
+    timings: list[RequestTiming | None] = [None] * count
+    request_ids: list[int | None] = [None] * count
+
+    async def one(index: int) -> None:
+        request = workload.requests[index]
+        delay = workload.arrival(index) - (time.perf_counter() - t0)
+        if delay > 0:
+            await anyio.sleep(delay)
+        start = time.perf_counter() - t0
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True)
+        chunks: list[float] = []
+        num_tokens = 0
+        async with surface.stream(list(request.prompt_token_ids), params) as deltas:
+            request_ids[index] = deltas.request_id
+            async for delta in deltas:
+                if delta.token_ids:
+                    chunks.append(time.perf_counter() - t0)
+                    num_tokens += len(delta.token_ids)
+        timings[index] = RequestTiming(
+            prompt_tokens=len(request.prompt_token_ids),
+            output_tokens=num_tokens,
+            start=start,
+            first_token=chunks[0],
+            end=chunks[-1],
+            chunk_times=chunks,
+        )
+
+    async with anyio.create_task_group() as task_group:
+        for index in range(count):
+            task_group.start_soon(one, index)
+    wall = time.perf_counter() - t0
+    return StreamedRun(
+        timings=tuple(t for t in timings if t is not None),
+        wall_seconds=wall,
+        request_ids=tuple(i for i in request_ids if i is not None),
+    )

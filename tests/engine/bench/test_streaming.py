@@ -1,0 +1,46 @@
+"""A workload streamed through the engine surface (the toy engine), every chunk timed."""
+
+from __future__ import annotations
+
+import pytest
+
+from twostroke.engine.bench.streaming import stream_workload
+from twostroke.engine.bench.workload import BenchRequest, Workload, offline_workload
+from twostroke.engine.errors import RequestRejected
+from twostroke.engine.runners.toy import ByteTokenizer
+
+from ..conftest import toy_engine
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_every_request_streams_its_max_tokens_and_every_chunk_is_timed() -> None:
+    workload = offline_workload(
+        ByteTokenizer().encode, n=5, prompt_len=(3, 10), output_len=(2, 9), seed=4
+    )
+    async with toy_engine() as engine:
+        run = await stream_workload(engine, workload)
+    assert len(run.timings) == len(run.request_ids) == len(workload.requests)
+    assert len(set(run.request_ids)) == len(run.request_ids)
+    for timing, request in zip(run.timings, workload.requests, strict=True):
+        assert timing.prompt_tokens == len(request.prompt_token_ids)
+        assert timing.output_tokens == request.max_tokens
+        assert timing.chunk_times
+        assert list(timing.chunk_times) == sorted(timing.chunk_times)
+        assert timing.first_token == timing.chunk_times[0]
+        assert timing.end == timing.chunk_times[-1]
+        assert 0 <= timing.start <= timing.first_token
+        assert timing.end <= run.wall_seconds
+
+
+async def test_a_rejected_request_fails_the_run() -> None:
+    workload = Workload(
+        requests=(BenchRequest((1, 2, 3), 2), BenchRequest(tuple(range(1, 200)), 2)),
+        arrival_times=None,
+        seed=0,
+        description="one request too long for the pool",
+    )
+    async with toy_engine(num_blocks=8, block_size=4) as engine:
+        with pytest.raises(ExceptionGroup) as raised:
+            await stream_workload(engine, workload)
+    assert raised.group_contains(RequestRejected, match="the pool has only 8")
