@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -51,6 +51,14 @@ from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["Engine", "EngineStatistics"]
+
+
+class _Plan(NamedTuple):
+    """A plan on its way to the forward stroke."""
+
+    plan: StepPlan
+    #: Made while a step was in flight or right after one was applied (not after idling).
+    continues: bool
 
 
 @attrs.frozen(kw_only=True)
@@ -86,9 +94,13 @@ class EngineStatistics:
     num_failed_steps: int
     #: Seconds the bookkeeping stroke spent in its own work (planning, applying, delivering).
     bookkeeping_seconds: float
-    #: Seconds the forward stroke spent launching steps (on the CPU: running them).
+    #: Seconds the device spent launching steps, timed where they run: on the CPU, computing
+    #: them on the device's forward thread; on a GPU, enqueueing their kernels.
     forward_seconds: float
-    #: Seconds the forward stroke sat waiting for the next plan (the device idled on Python).
+    #: Seconds the device sat between the end of one launch and the start of the next while
+    #: the engine was busy (the next plan was made while a step was in flight, or right
+    #: after one was applied): the time it waited on Python. Not counted: idle time with
+    #: nothing to run.
     forward_idle_seconds: float
 
     @property
@@ -146,11 +158,16 @@ class Engine:
         self._failed_launch: StepPlan | None = None
         self._num_failed_steps = 0
         self._bookkeeping_seconds = 0.0
+        # Written by the launches (on the device's thread), read by statistics().
         self._forward_seconds = 0.0
         self._forward_idle_seconds = 0.0
+        self._last_launch_end: float | None = None
         depth = config.pipeline_depth
-        plans: tuple[MemoryObjectSendStream[StepPlan], MemoryObjectReceiveStream[StepPlan]]
-        plans = anyio.create_memory_object_stream[StepPlan](depth)
+        # Each plan travels with whether it continues a busy run (made while a step was in
+        # flight or right after one was applied), so its launch can tell an idle device that
+        # waited on Python from one that had nothing to do.
+        plans: tuple[MemoryObjectSendStream[_Plan], MemoryObjectReceiveStream[_Plan]]
+        plans = anyio.create_memory_object_stream[_Plan](depth)
         self._plans_send, self._plans_receive = plans
         results = anyio.create_memory_object_stream[Completion[RunnerOutput]](depth)
         self._results_send, self._results_receive = results
@@ -432,29 +449,34 @@ class Engine:
     # --- the forward stroke -------------------------------------------------------------
 
     async def _forward_stroke(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        """Launch each plan on the device; send its completion back before it is done."""
+        """Launch each plan on the device; send its completion back before it is done.
+
+        The device queues the launch (on the CPU, behind the step its thread is computing) and
+        ``run`` returns, so with ``pipeline_depth=2`` step N+1 is queued while step N runs
+        and the device goes from one to the other without waiting for this loop.
+        """
         async with self._plans_receive, self._results_send:
             task_status.started()
             try:
-                started = False
-                while True:
-                    waited = time.perf_counter()
-                    try:
-                        plan = await self._plans_receive.receive()
-                    except anyio.EndOfStream:
-                        break
-                    launched = time.perf_counter()
-                    if started:  # before the first plan the engine is just empty
-                        self._forward_idle_seconds += launched - waited
-                    started = True
+                async for plan, continues in self._plans_receive:
                     completion: Completion[RunnerOutput] = Completion()
                     await self._results_send.send(completion)
-                    await self._device.run(partial(self._launch, plan), completion)
-                    self._forward_seconds += time.perf_counter() - launched
+                    await self._device.run(partial(self._launch, plan, continues), completion)
             except Exception as exc:
                 self._die(exc)
 
-    def _launch(self, plan: StepPlan) -> Launched[RunnerOutput]:
+    def _launch(self, plan: StepPlan, continues: bool) -> Launched[RunnerOutput]:
+        """Time the launch of one step (on the device's thread) and launch it."""
+        began = time.perf_counter()
+        if continues and self._last_launch_end is not None:
+            self._forward_idle_seconds += began - self._last_launch_end
+        try:
+            return self._launch_plan(plan)
+        finally:
+            self._last_launch_end = time.perf_counter()
+            self._forward_seconds += self._last_launch_end - began
+
+    def _launch_plan(self, plan: StepPlan) -> Launched[RunnerOutput]:
         """Launch one step, without the rows that the failure of the step before strands.
 
         With the one-step lookahead, the plan of step N+1 was made before step N failed.
@@ -484,23 +506,28 @@ class Engine:
         task_status.started()
         try:
             async with self._plans_send, self._results_receive:
+                applied = False  # whether a step was applied since the engine was last idle
                 while True:
                     began = time.perf_counter()
                     self._apply_cancels()
                     while scheduler.can_schedule:
+                        continues = applied or scheduler.num_inflight_steps > 0
                         plan = scheduler.schedule()
                         if plan is None:
                             break
-                        self._plans_send.send_nowait(plan)  # room for pipeline_depth plans
+                        # room for pipeline_depth plans
+                        self._plans_send.send_nowait(_Plan(plan, continues))
                     self._bookkeeping_seconds += time.perf_counter() - began
                     if not scheduler.num_inflight_steps:
                         self._update_idle()
                         if self._closing and not self._open:
                             break
+                        applied = False
                         await self._wakeup.wait()
                         self._wakeup = anyio.Event()
                         continue
                     await self._complete()
+                    applied = True
         except Exception as exc:
             self._die(exc)
         finally:

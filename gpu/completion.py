@@ -9,6 +9,9 @@ the result), so one awaitable serves them all.
 Waiting polls ``event.query()`` between checkpoints instead of blocking a thread on the event
 or calling ``synchronize()``: polling works the same on asyncio and trio, never blocks the loop
 and is cancellable at every poll (see :class:`PollSchedule` for the intervals and their cost).
+An event that can tell when it fired without being polled (:class:`SupportsFired`: the CPU's
+steps queued on a forward thread, which wake the loop through a waiter thread) is awaited that
+way first, so a step of tens of milliseconds costs one wake-up instead of dozens of polls.
 
 A completion is used from the event loop's thread only: ``set_*``, ``done``, ``result`` and
 ``wait`` are not thread-safe (a device resolves it after its worker thread returned).
@@ -34,6 +37,7 @@ __all__ = [
     "Launched",
     "PollSchedule",
     "ReadyEvent",
+    "SupportsFired",
     "SupportsQuery",
 ]
 
@@ -48,6 +52,20 @@ class SupportsQuery(Protocol):
 
     def query(self) -> bool:
         """Return whether the event has fired; never blocks."""
+        ...
+
+
+class SupportsFired(SupportsQuery, Protocol):
+    """An event that can also be awaited until it fired, instead of being polled.
+
+    :meth:`Completion.wait` queries the event, awaits :meth:`until_fired` once if it has not
+    fired, then polls :meth:`query` as for any event. So ``until_fired`` may return early (or
+    have nothing left to wait for, like a step queued on a host thread whose launch is done
+    but whose device work is not): it is a hint that saves polls, never the source of truth.
+    """
+
+    async def until_fired(self) -> None:
+        """Return when the event has fired, or may have; cancellable."""
         ...
 
 
@@ -339,8 +357,9 @@ class Completion(Generic[T]):
     async def wait(self) -> T:
         """Wait until the completion is done and return its result.
 
-        Always a checkpoint, even when already done. Waits for ``set_*``, then polls the event
-        on the :class:`PollSchedule`; never blocks the loop and never synchronizes the device.
+        Always a checkpoint, even when already done. Waits for ``set_*``, then for the event:
+        awaits its ``until_fired()`` once if it has one (:class:`SupportsFired`), then polls it on
+        the :class:`PollSchedule`; never blocks the loop and never synchronizes the device.
 
         Cancellation abandons this wait only: the completion is left as it was.
 
@@ -355,7 +374,12 @@ class Completion(Generic[T]):
             await self._settled.wait()  # a checkpoint even when already set
             poll = 0
             while not self.done():
-                await anyio.sleep(self._schedule.delay(poll))
+                assert self._launched is not None  # not done after set: launched, not fired
+                until_fired = getattr(self._launched.event, "until_fired", None)
+                if poll == 0 and until_fired is not None:
+                    await until_fired()
+                else:
+                    await anyio.sleep(self._schedule.delay(poll))
                 poll += 1
         finally:
             self._waiters -= 1

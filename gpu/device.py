@@ -38,7 +38,7 @@ import attrs
 import torch
 
 from twostroke.gpu.completion import Completion, Launched
-from twostroke.gpu.forward_thread import ForwardThread
+from twostroke.gpu.forward_thread import ForwardThread, Ticket
 
 __all__ = [
     "CountdownEvent",
@@ -135,6 +135,44 @@ def _resolve(completion: Completion[T], launched: object) -> None:
 
 
 @attrs.frozen
+class _QueuedEvent:
+    """The event of a step queued on a forward thread: fired once the thread ran the launch
+    and the event the launch returned fired (at once on the CPU; a CUDA event's own time on a
+    GPU). A launch that raised, or returned something other than a :class:`Launched`, counts
+    as fired: the readback raises."""
+
+    ticket: Ticket[Any]
+
+    def query(self) -> bool:
+        if not self.ticket.done():
+            return False
+        try:
+            launched = self.ticket.outcome()
+        except BaseException:
+            return True
+        return not isinstance(launched, Launched) or launched.event.query()
+
+    async def until_fired(self) -> None:
+        await self.ticket.wait()
+
+
+def _ticket_readback(ticket: Ticket[Any]) -> Callable[[], Any]:
+    """The readback of a step queued on a forward thread: the launch's own readback, or what
+    the launch raised (or a ``TypeError`` if it returned something other than a
+    :class:`Launched`)."""
+
+    def readback() -> Any:
+        launched = ticket.outcome()
+        if not isinstance(launched, Launched):
+            raise TypeError(
+                f"device work must return a Launched, got {type(launched).__name__} {launched!r}"
+            )
+        return launched.readback()
+
+    return readback
+
+
+@attrs.frozen
 class _Serializer:
     """Per-event-loop primitives that run one step at a time, in call order."""
 
@@ -150,9 +188,14 @@ class _WorkerThreadDevice(Device):
     """A device whose work runs in a worker thread, one step at a time.
 
     Inside ``async with device:`` the worker is the device's own :class:`ForwardThread`,
-    started on the first entry and joined on the last exit; outside, anyio's pooled worker
-    threads (correct, but a step may land on another thread than the one before, with
-    another OpenMP team: slower on the CPU with more than one torch thread).
+    started on the first entry and joined on the last exit. There :meth:`run` only *queues*
+    the work on the thread and returns: the step is launched in the sense a GPU launches a
+    kernel, and the completion fires when the thread has run it. So the forward stroke queues
+    step N+1 while step N runs, and the thread starts it the moment step N ends, without
+    waiting for the event loop (which may be busy applying step N, or with the application's
+    own tasks). Outside a block, anyio's pooled worker threads run each step while ``run``
+    waits (correct, but a step may land on another thread than the one before, with another
+    OpenMP team: slower on the CPU with more than one torch thread).
     """
 
     def __init__(self) -> None:
@@ -194,18 +237,28 @@ class _WorkerThreadDevice(Device):
         return f"<{type(self).__name__} {self.torch_device}>"
 
     async def run(self, work: Callable[[], Launched[T]], completion: Completion[T]) -> None:
+        if self._forward is not None:
+            # Queued before any checkpoint: the completion is set whatever happens to the
+            # caller, and calls queue in call order.
+            ticket = self._forward.submit(functools.partial(self._launch, work))
+            completion.set_launched(
+                Launched(
+                    event=_QueuedEvent(ticket),
+                    readback=_ticket_readback(ticket),
+                    keepalive=(ticket,),
+                )
+            )
+            await anyio.lowlevel.checkpoint()
+            return
         serializer = self._current_serializer()
         # Shielded: once called, the work is launched and the completion resolved, however
         # the caller is cancelled (the cancellation is delivered after the shield).
         with anyio.CancelScope(shield=True):
             async with serializer.lock:
                 try:
-                    if self._forward is not None:
-                        launched = await self._forward.run(functools.partial(self._launch, work))
-                    else:
-                        launched = await anyio.to_thread.run_sync(
-                            self._launch, work, limiter=serializer.limiter
-                        )
+                    launched = await anyio.to_thread.run_sync(
+                        self._launch, work, limiter=serializer.limiter
+                    )
                 except Exception as exc:
                     completion.set_exception(exc)
                 except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail and go on

@@ -14,12 +14,18 @@ when the block exits, so no thread outlives its owner; a step is handed over thr
 queue, and the waiting task is woken through a cheap waiter in anyio's worker threads (a
 thread that only blocks on a :class:`threading.Event`, never runs torch), which works on
 asyncio and trio alike and never makes the forward thread wait for the event loop.
+
+:meth:`ForwardThread.submit` queues work without waiting for it and returns a
+:class:`Ticket`: a device queues step N+1 behind step N that way, so the thread goes from one
+step to the next without a round trip through the event loop (a GPU stream's queue, on the
+CPU).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Generic, TypeVar
@@ -32,7 +38,7 @@ import torch
 
 from twostroke.gpu.threads import torch_threads
 
-__all__ = ["ForwardThread", "ForwardThreadClosed"]
+__all__ = ["ForwardThread", "ForwardThreadClosed", "Ticket"]
 
 T = TypeVar("T")
 
@@ -42,26 +48,65 @@ class ForwardThreadClosed(RuntimeError):
 
 
 @attrs.define(eq=False)
-class _Step(Generic[T]):
-    """One call handed to the thread, and its outcome once run."""
+class Ticket(Generic[T]):
+    """One call queued on a :class:`ForwardThread`, and its outcome once it has run.
 
-    work: Callable[[], T]
-    done: threading.Event = attrs.field(factory=threading.Event)
-    value: T | None = None
-    error: BaseException | None = None
+    Made by :meth:`ForwardThread.submit`; the thread fills it in. ``done()`` may be asked from
+    any thread; ``outcome()`` only once ``done()`` is true.
 
-    def run(self) -> None:
-        try:
-            self.value = self.work()
-        except BaseException as exc:  # handed to the caller, who decides what is fatal
-            self.error = exc
-        finally:
-            self.done.set()
+    Attributes:
+        started: ``time.perf_counter()`` when the thread began the call (``None`` before).
+        finished: ``time.perf_counter()`` when the call returned or raised (``None`` before).
+    """
+
+    _work: Callable[[], T]
+    _waiters: anyio.CapacityLimiter
+    _done: threading.Event = attrs.field(factory=threading.Event, init=False)
+    _value: T | None = attrs.field(default=None, init=False)
+    _error: BaseException | None = attrs.field(default=None, init=False)
+    started: float | None = attrs.field(default=None, init=False)
+    finished: float | None = attrs.field(default=None, init=False)
+
+    def done(self) -> bool:
+        """Whether the call has run (returned or raised); never blocks."""
+        return self._done.is_set()
+
+    async def wait(self) -> None:
+        """Return once the call has run.
+
+        A waiter thread of the forward thread's own blocks on the ticket, so the event loop
+        sleeps meanwhile. Cancellation abandons this wait at once (the waiter thread returns
+        when the call does); the call itself runs regardless.
+        """
+        if self._done.is_set():
+            await anyio.lowlevel.checkpoint()
+            return
+        await anyio.to_thread.run_sync(
+            self._done.wait, abandon_on_cancel=True, limiter=self._waiters
+        )
 
     def outcome(self) -> T:
-        if self.error is not None:
-            raise self.error
-        return self.value  # type: ignore[return-value]  # set by run(), which succeeded
+        """What the call returned, or raise what it raised.
+
+        Raises:
+            RuntimeError: the call has not run yet (check :meth:`done` or await :meth:`wait`).
+            BaseException: the exception the call raised, as is.
+        """
+        if not self._done.is_set():
+            raise RuntimeError("outcome() of a ticket whose call has not run yet: await wait()")
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]  # set by _run, which succeeded
+
+    def _run(self) -> None:
+        self.started = time.perf_counter()
+        try:
+            self._value = self._work()
+        except BaseException as exc:  # handed to the caller, who decides what is fatal
+            self._error = exc
+        finally:
+            self.finished = time.perf_counter()
+            self._done.set()
 
 
 #: Put on the queue to stop the thread.
@@ -87,7 +132,7 @@ class ForwardThread:
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
         self.name = name
-        self._queue: queue.SimpleQueue[_Step[object] | object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Ticket[object] | object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._waiters: anyio.CapacityLimiter | None = None
 
@@ -142,6 +187,26 @@ class ForwardThread:
             await anyio.to_thread.run_sync(thread.join, limiter=self._waiters)
         self._waiters = None
 
+    def submit(self, work: Callable[[], T]) -> Ticket[T]:
+        """Queue ``work`` behind the calls already handed over, and return at once.
+
+        Never blocks and never yields to the event loop, so calls queue in the order
+        ``submit`` was called; the thread runs them one after another without waiting for the
+        loop in between.
+
+        Returns:
+            The call's :class:`Ticket`: await :meth:`Ticket.wait`, then read
+            :meth:`Ticket.outcome`.
+
+        Raises:
+            ForwardThreadClosed: the thread is not running.
+        """
+        if self._thread is None or self._waiters is None:
+            raise ForwardThreadClosed(f"{self!r} takes work only inside its async with block")
+        ticket: Ticket[T] = Ticket(work, self._waiters)
+        self._queue.put(ticket)
+        return ticket
+
     async def run(self, work: Callable[[], T]) -> T:
         """Run ``work`` in the thread and return what it returns (or raise what it raised).
 
@@ -152,21 +217,21 @@ class ForwardThread:
         Raises:
             ForwardThreadClosed: the thread is not running.
         """
-        if self._thread is None or self._waiters is None:
+        try:
+            ticket = self.submit(work)
+        except ForwardThreadClosed:
             await anyio.lowlevel.checkpoint()
-            raise ForwardThreadClosed(f"{self!r} takes work only inside its async with block")
-        step = _Step(work)
-        self._queue.put(step)
+            raise
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(step.done.wait, limiter=self._waiters)
+            await ticket.wait()
         await anyio.lowlevel.checkpoint_if_cancelled()
-        return step.outcome()
+        return ticket.outcome()
 
     def _serve(self, threads: int) -> None:
         with torch_threads(threads):
             while True:
-                step = self._queue.get()
-                if step is _STOP:
+                ticket = self._queue.get()
+                if ticket is _STOP:
                     return
-                assert isinstance(step, _Step)
-                step.run()
+                assert isinstance(ticket, Ticket)
+                ticket._run()

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import collections
+import threading
+import types
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from twostroke.engine import Engine, SamplingParams
+from twostroke.engine import engine as engine_module
 from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import StepPlan
 
 from .conftest import toy_engine
+
+# A bound for the thread handshakes below, only reached if the code under test is broken.
+DEADLOCK = 10.0
 
 pytestmark = pytest.mark.anyio
 
@@ -91,3 +98,76 @@ async def test_depth_one_and_two_give_identical_tokens_on_the_real_model() -> No
         results[depth] = [outputs[key] for key in sorted(outputs)]
     assert results[1] == results[2]
     assert all(len(tokens) > 0 for tokens in results[2])
+
+
+class GatedRunner(ToyRunner):
+    """The toy runner; step 0 waits for ``release`` and every step start is signalled."""
+
+    def __init__(self) -> None:
+        super().__init__(eos_rate=0.0)
+        self.release = threading.Event()
+        self.started: list[threading.Event] = [threading.Event() for _ in range(8)]
+        self.steps = 0
+
+    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
+        step, self.steps = self.steps, self.steps + 1
+        if step < len(self.started):
+            self.started[step].set()
+        if step == 0:
+            assert self.release.wait(DEADLOCK)
+        return super().execute(plan)
+
+
+async def test_at_depth_2_the_cpu_starts_the_next_step_without_the_event_loop() -> None:
+    # Step 1 is planned while step 0 runs. The loop thread then blocks (synchronously) from
+    # the release of step 0 until step 1 has started: if the device needed the loop to hand
+    # step 1 over, this would deadlock.
+    runner = GatedRunner()
+    async with (
+        toy_engine(runner=runner, pipeline_depth=2) as engine,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(engine.generate, "overlap", SamplingParams(max_tokens=6, ignore_eos=True))
+        assert await anyio.to_thread.run_sync(runner.started[0].wait, DEADLOCK)
+        await anyio.wait_all_tasks_blocked()  # step 1 is planned and queued by now
+        runner.release.set()
+        assert runner.started[1].wait(DEADLOCK)  # the loop is held here
+    stats = engine.statistics()
+    assert stats.forward_seconds > 0
+    assert stats.forward_idle_seconds >= 0
+
+
+class ClockedRunner(ToyRunner):
+    """The toy runner on a fake clock: a launch takes 10 s, reading a result back 1 s."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__(eos_rate=0.0)
+        self.clock = clock
+
+    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
+        self.clock[0] += 10.0
+        launched = super().execute(plan)
+
+        def readback() -> RunnerOutput:
+            self.clock[0] += 1.0
+            return launched.readback()
+
+        return Launched(event=launched.event, readback=readback)
+
+
+async def test_forward_time_is_the_launches_and_idle_time_the_gaps_of_a_busy_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)  # 3 steps: a prefill, 2 decodes
+    async with toy_engine(runner=ClockedRunner(clock), pipeline_depth=1) as engine:
+        await engine.generate("first", params)
+        first = engine.statistics()
+        clock[0] += 1000.0  # the engine idles between the requests: not idle time
+        await engine.generate("second", params)
+        second = engine.statistics()
+    # At depth 1 the device waits, between two steps of a run, for the bookkeeping to read
+    # the step back (1 s here) and plan the next one.
+    assert (first.num_steps, first.forward_seconds, first.forward_idle_seconds) == (3, 30.0, 2.0)
+    assert (second.num_steps, second.forward_seconds, second.forward_idle_seconds) == (6, 60.0, 4.0)

@@ -256,6 +256,56 @@ async def test_poll_count_matches_the_event(fires_on_query: int) -> None:
     assert event.queries == fires_on_query  # never queried again once fired
 
 
+@attrs.define(eq=False)
+class AwaitableEvent:
+    """An event that can be awaited until it fired (``SupportsFired``); fired by hand."""
+
+    fired: anyio.Event = attrs.field(factory=anyio.Event)
+    awaited: int = 0
+
+    def query(self) -> bool:
+        return self.fired.is_set()
+
+    async def until_fired(self) -> None:
+        self.awaited += 1
+        await self.fired.wait()
+
+
+@pytest.mark.anyio
+async def test_an_event_that_can_be_awaited_is_awaited_instead_of_polled() -> None:
+    event = AwaitableEvent()
+    completion: Completion[int] = Completion()
+    completion.set_launched(Launched(event=event, readback=lambda: 3))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(completion.wait)
+        await anyio.wait_all_tasks_blocked()
+        # The waiter asked once and sleeps on the event, not on a poll timer.
+        assert completion.statistics().polls == 1
+        assert event.awaited == 1
+        event.fired.set()
+    assert completion.statistics().polls == 2
+    assert await completion == 3
+
+
+@pytest.mark.anyio
+async def test_until_fired_returning_early_falls_back_to_polling() -> None:
+    @attrs.define(eq=False)
+    class Early:
+        countdown: CountdownEvent
+
+        def query(self) -> bool:
+            return self.countdown.query()
+
+        async def until_fired(self) -> None:
+            await anyio.lowlevel.checkpoint()  # a hint only: the event is not fired yet
+
+    event = Early(CountdownEvent(4))
+    completion: Completion[int] = Completion()
+    completion.set_launched(Launched(event=event, readback=lambda: 9))
+    assert await completion == 9
+    assert event.countdown.queries == 4
+
+
 class TestVirtualTime:
     """Trio only: ``MockClock`` makes the schedule's sleeps exact and free."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -251,43 +252,80 @@ async def test_cpu_blocks_nest_and_the_last_exit_joins() -> None:
 
 
 @pytest.mark.anyio
-async def test_cpu_inside_the_block_runs_steps_in_order_and_resolves_for_cancelled_callers() -> (
+async def test_cpu_inside_the_block_queues_steps_in_order_and_resolves_for_cancelled_callers() -> (
     None
 ):
     device = CpuDevice()
-    token = anyio.lowlevel.current_token()
     release = threading.Event()
-    entered = anyio.Event()
     order: list[int] = []
 
     def work(i: int) -> Launched[int]:
         order.append(i)
         if i == 0:
-            anyio.from_thread.run_sync(entered.set, token=token)
             assert release.wait(DEADLOCK)
         return Launched(event=ReadyEvent(), readback=lambda: i)
 
     completions: list[Completion[int]] = [Completion() for _ in range(3)]
-    scope = anyio.CancelScope()
-
-    async def launch(i: int, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        task_status.started()
-        with scope if i == 0 else contextlib.nullcontext():
-            await device.run(lambda: work(i), completions[i])
-
-    async with device, anyio.create_task_group() as tg:
-        await tg.start(launch, 0)
-        await entered.wait()
+    async with device:
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # a cancelled caller still queues its step
+            await device.run(lambda: work(0), completions[0])
+        assert scope.cancelled_caught
         for i in range(1, 3):
-            await tg.start(launch, i)
-        scope.cancel()  # step 0's caller leaves; its step still runs and resolves
-        await anyio.wait_all_tasks_blocked()
-        assert order == [0]
+            await device.run(functools.partial(work, i), completions[i])
+        # run() returned for all three while step 0 still runs: they are queued, not run.
         assert [c.done() for c in completions] == [False] * 3
+        assert order in ([], [0])
         release.set()
-    assert scope.cancelled_caught
+        assert [await c for c in completions] == [0, 1, 2]
     assert order == [0, 1, 2]
-    assert [await c for c in completions] == [0, 1, 2]
+
+
+@pytest.mark.anyio
+async def test_cpu_inside_the_block_starts_the_next_step_without_the_event_loop() -> None:
+    # The loop thread blocks (synchronously) from the end of step 0 until step 1 has run: if
+    # the thread needed the loop to hand step 1 over, this would deadlock.
+    device = CpuDevice()
+    release = threading.Event()
+    step1_ran = threading.Event()
+
+    def first() -> Launched[str]:
+        assert release.wait(DEADLOCK)
+        return Launched(event=ReadyEvent(), readback=lambda: "first")
+
+    def second() -> Launched[str]:
+        step1_ran.set()
+        return Launched(event=ReadyEvent(), readback=lambda: "second")
+
+    async with device:
+        completions: list[Completion[str]] = [Completion(), Completion()]
+        await device.run(first, completions[0])
+        await device.run(second, completions[1])
+        release.set()
+        assert step1_ran.wait(DEADLOCK)  # the loop is held here: no task runs meanwhile
+        assert [await c for c in completions] == ["first", "second"]
+
+
+@pytest.mark.anyio
+async def test_cpu_inside_the_block_a_failed_step_fails_its_completion_only() -> None:
+    device = CpuDevice()
+
+    def boom() -> Launched[int]:
+        raise ValueError("step 0 broke")
+
+    def not_launched() -> Launched[int]:
+        return 5  # type: ignore[return-value]
+
+    async with device:
+        completions: list[Completion[int]] = [Completion() for _ in range(3)]
+        await device.run(boom, completions[0])
+        await device.run(not_launched, completions[1])
+        await device.run(ready(7), completions[2])
+        with pytest.raises(ValueError, match="step 0 broke"):
+            await completions[0]
+        with pytest.raises(TypeError, match="device work must return a Launched, got int 5"):
+            await completions[1]
+        assert await completions[2] == 7
 
 
 @pytest.mark.anyio

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
@@ -155,6 +156,57 @@ async def test_run_outside_the_block_and_entering_twice_are_refused() -> None:
         assert await forward.run(lambda: 1) == 1
     with pytest.raises(ForwardThreadClosed, match="takes work only inside"):
         await forward.run(lambda: None)
+
+
+@pytest.mark.anyio
+async def test_submit_queues_without_waiting_and_tickets_report_the_outcome() -> None:
+    release = threading.Event()
+    order: list[int] = []
+
+    def work(i: int) -> int:
+        if i == 0:
+            assert release.wait(DEADLOCK)
+        if i == 1:
+            raise ValueError("call 1 broke")
+        order.append(i)
+        return i * 10
+
+    async with ForwardThread("test forward h") as forward:
+        tickets = [forward.submit(functools.partial(work, i)) for i in range(3)]
+        assert [t.done() for t in tickets] == [False] * 3  # call 0 holds the thread
+        assert tickets[2].started is None
+        with pytest.raises(RuntimeError, match="has not run yet"):
+            tickets[2].outcome()
+        release.set()
+        for ticket in tickets:
+            await ticket.wait()
+        assert tickets[0].outcome() == 0
+        with pytest.raises(ValueError, match="call 1 broke"):
+            tickets[1].outcome()
+        assert tickets[2].outcome() == 20
+        await tickets[2].wait()  # done: returns at once
+    assert order == [0, 2]
+    times = [(t.started, t.finished) for t in tickets]
+    flat = [x for pair in times for x in pair if x is not None]
+    assert len(flat) == 6
+    assert flat == sorted(flat)  # one after another, in order
+    with pytest.raises(ForwardThreadClosed, match="takes work only inside"):
+        forward.submit(lambda: None)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_ticket_wait_returns_at_once_and_the_call_still_runs() -> None:
+    release = threading.Event()
+    async with ForwardThread("test forward i") as forward:
+        ticket = forward.submit(lambda: release.wait(DEADLOCK))
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await ticket.wait()
+        assert scope.cancelled_caught
+        assert not ticket.done()
+        release.set()
+        await ticket.wait()
+        assert ticket.outcome() is True
 
 
 def test_the_name_must_be_a_string() -> None:
