@@ -15,7 +15,7 @@ from twostroke.states.errors import InvalidTransition, RequestRejected, Schedule
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome
 from twostroke.states.request import FinishReason, Request, RequestStatus
-from twostroke.states.scheduler import Scheduler, SchedulerConfig
+from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
 from twostroke.states.testing import (
     RequestSpec,
     SchedulerMachine,
@@ -513,3 +513,118 @@ def test_a_plan_row_carries_what_the_runner_needs() -> None:
             params=chunked.params,
         ),
     )
+
+
+def test_statistics_count_the_queues_the_pipeline_and_the_work() -> None:
+    scheduler = Scheduler(config(max_num_seqs=2, enable_prefix_caching=False))
+    kv = SimulatedKV(8, 4)
+    for request_id in (1, 2, 3):
+        scheduler.add_request(request(request_id, 4, max_tokens=4, ignore_eos=True))
+    queued = scheduler.statistics()
+    assert queued == SchedulerStatistics(
+        num_waiting=3,
+        num_running=0,
+        num_ending=0,
+        num_inflight_steps=0,
+        num_free_blocks=8,
+        num_cached_blocks=0,
+        num_blocks=8,
+        num_steps_planned=0,
+        num_steps_completed=0,
+        num_tokens_scheduled=0,
+        num_tokens_generated=0,
+        num_preemptions=0,
+        num_prefix_cache_queries=0,
+        num_prefix_cache_hits=0,
+    )
+    assert not scheduler.is_idle()  # nothing in flight, but a queued request will need blocks
+    first = scheduler.schedule()  # admits 1 and 2 (max_num_seqs=2): 4 positions, 1 block each
+    second = scheduler.schedule()  # their pending inputs: 1 position and a second block each
+    assert first is not None
+    assert second is not None
+    assert scheduler.statistics() == attrs.evolve(
+        queued,
+        num_waiting=1,
+        num_running=2,
+        num_inflight_steps=2,
+        num_free_blocks=4,
+        num_steps_planned=2,
+        num_tokens_scheduled=10,
+    )
+    outcomes = [kv.execute(first), kv.execute(second)]
+    scheduler.cancel(2)  # both steps in flight use its blocks
+    cancelled = scheduler.statistics()
+    assert (cancelled.num_running, cancelled.num_ending, cancelled.num_free_blocks) == (1, 1, 4)
+    scheduler.apply(outcomes[0])  # request 2's token is dropped
+    assert scheduler.statistics() == attrs.evolve(
+        cancelled, num_inflight_steps=1, num_steps_completed=1, num_tokens_generated=1
+    )
+    scheduler.apply(outcomes[1])  # request 2's last step: its blocks come back, it is gone
+    assert scheduler.statistics() == attrs.evolve(
+        cancelled,
+        num_ending=0,
+        num_inflight_steps=0,
+        num_free_blocks=6,
+        num_steps_completed=2,
+        num_tokens_generated=2,
+    )
+
+
+def test_every_preemption_counts_and_the_runner_hears_of_each_ended_request_once() -> None:
+    scheduler = Scheduler(config(num_blocks=4, block_size=2, max_model_len=7, pipeline_depth=1))
+    kv = SimulatedKV(4, 2)
+    for request_id in (1, 2, 3, 4):
+        scheduler.add_request(
+            Request(request_id, [request_id] * 2, SamplingParams(max_tokens=4), arrival_time=0)
+        )
+    scheduler.cancel(4)  # never planned: the runner never saw it, so nobody tells it
+    steps = []
+    while (plan := scheduler.schedule()) is not None:
+        preemptions = scheduler.statistics().num_preemptions
+        steps.append((plan.request_ids, plan.finished_request_ids, preemptions))
+        scheduler.apply(kv.execute(plan))
+    assert steps == [
+        ((1, 2, 3), (), 0),
+        ((1, 2), (), 1),  # 1 takes the last free block, 2 takes 3's
+        ((1, 2), (), 1),
+        ((1,), (), 2),  # 1 needs a third block: the newest running request (2) gives way
+        ((2,), (1,), 2),  # 1 sampled its fourth and last token in the step before
+        ((3,), (2,), 2),
+        ((3,), (), 2),
+        ((3,), (), 2),
+    ]
+    assert scheduler.statistics().num_preemptions == 2
+    assert scheduler.is_idle()
+
+
+def test_check_invariants_names_a_block_freed_under_a_step_in_flight() -> None:
+    scheduler = Scheduler(config(pipeline_depth=1, enable_prefix_caching=False))
+    scheduler.add_request(request(1))
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert plan.requests[0].block_table == (0,)
+    scheduler.cancel(1)  # step 0 still writes block 0: its release waits for the outcome
+    scheduler.check_invariants()
+    # The bug the rule is for: releasing at once. Every count still balances (no holder,
+    # no reference), but the device is still writing into a block anyone may now take.
+    scheduler.pool.release(scheduler._deferred.pop(0))
+    with pytest.raises(AssertionError, match=r"^block 0 is free but step 0 in flight uses it$"):
+        scheduler.check_invariants()
+
+
+def test_check_invariants_names_a_queue_out_of_arrival_order() -> None:
+    scheduler = Scheduler(config())
+    scheduler.add_request(request(1))
+    scheduler.add_request(request(2))
+    scheduler.check_invariants()
+    scheduler._waiting.reverse()
+    with pytest.raises(AssertionError, match=r"^a queue is out of arrival order$"):
+        scheduler.check_invariants()
+
+
+def test_check_invariants_names_a_request_queued_twice() -> None:
+    scheduler = Scheduler(config())
+    scheduler.add_request(request(1))
+    scheduler._waiting.append(scheduler._waiting[0])  # in order, the right status: only twice
+    with pytest.raises(AssertionError, match=r"^a request is queued twice$"):
+        scheduler.check_invariants()
