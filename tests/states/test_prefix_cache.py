@@ -429,6 +429,25 @@ def test_prefix_cache_invariants_notice_a_wrong_block() -> None:
         PrefixCache.check_invariants(scheduler._prefix, [second])
 
 
+def test_prefix_cache_invariants_notice_a_live_request_forgotten() -> None:
+    scheduler = Scheduler(config())
+    engine = SimulatedEngine(scheduler)
+    engine.submit(spec([*SYSTEM, 1]).build(0))
+    engine.plan()  # the plan is complete: request 0's full blocks are cached
+    request = scheduler.get(0)
+    assert request is not None
+    block_id = request.block_table[0]
+    assert scheduler.pool.block_hash(block_id) is not None
+    scheduler.check_invariants()
+    scheduler._prefix.drop(0)  # the bug: forgetting a request that is still running
+    with pytest.raises(
+        AssertionError,
+        match=f"^{re.escape(repr(request))} holds block {block_id} at 0, cached for another "
+        "prefix$",
+    ):
+        scheduler.check_invariants()
+
+
 def test_enable_prefix_caching_is_validated() -> None:
     with pytest.raises(TypeError, match=r"^enable_prefix_caching must be a bool, got int 1$"):
         config(enable_prefix_caching=1)
