@@ -153,6 +153,44 @@ def test_poison_forgets_what_the_failed_step_wrote_for_its_request() -> None:
     assert dict(outcome.sampled) == {1: toy_next_token([8, 9, 7])}
 
 
+def test_poison_keeps_what_the_request_wrote_before_the_failed_step() -> None:
+    kv = SimulatedKV(num_blocks=4, block_size=2)
+    kv.execute(plan(0, row(1, 0, [5, 6], [0], sample=False)))
+    failed = plan(1, row(1, 2, [7, 8], [0, 1], sample=False))
+    kv.execute(failed)
+    kv.poison(failed)
+    # Positions 0 and 1 are still request 1's own: a block handed to request 2 meanwhile
+    # is an overwrite under request 1, caught when it recomputes the failed chunk.
+    kv.execute(plan(2, row(2, 0, [8, 9], [0], sample=False)))
+    with pytest.raises(
+        SimulationError,
+        match=r"^step 3: request 1 reads position 0 \(block 0, slot 0\) "
+        r"last written by request 2 \(8\)$",
+    ):
+        kv.execute(plan(3, row(1, 2, [7, 8, 9], [0, 1, 2])))
+
+
+def test_poisoning_a_step_that_failed_before_it_ran_erases_nothing_else() -> None:
+    kv = SimulatedKV(num_blocks=4, block_size=2)
+    kv.execute(plan(0, row(1, 0, [5, 6], [0], sample=False)))
+    # The device failed at launch: step 1 wrote nothing, for request 1 (which wrote before)
+    # or for request 2 (never seen).
+    kv.poison(plan(1, row(1, 2, [7, 8], [0, 1], sample=False), row(2, 0, [3, 4], [2])))
+    outcome = kv.execute(plan(2, row(1, 2, [7, 8, 9], [0, 1, 3]), row(2, 0, [3, 4], [2])))
+    assert dict(outcome.sampled) == {
+        1: toy_next_token([5, 6, 7, 8, 9]),
+        2: toy_next_token([3, 4]),
+    }
+
+
+def test_poison_checks_the_block_table_as_execute_does() -> None:
+    kv = SimulatedKV(num_blocks=4, block_size=2)
+    with pytest.raises(
+        SimulationError, match=r"^step 3: position 2 lies past the block table \(1 blocks of 2\)$"
+    ):
+        kv.poison(plan(3, row(1, 0, [5, 6, 7], [0])))
+
+
 def test_the_model_is_pluggable() -> None:
     kv = SimulatedKV(num_blocks=2, block_size=2, next_token=len)
     outcome = kv.execute(plan(0, row(1, 0, [5, 6, 7], [0, 1])))
