@@ -387,6 +387,30 @@ def test_a_failure_spares_unrelated_requests_and_a_discarded_chunk_samples_nothi
     assert engine.requests[2].status is RequestStatus.FINISHED
 
 
+def test_a_discarded_sample_spares_the_rows_after_it() -> None:
+    scheduler = Scheduler(config())
+    engine = SimulatedEngine(scheduler)
+    engine.submit(spec([1, 2, 3, 4, 5]).build(0))
+    engine.plan()  # step 0: request 0's prompt; its first block is matchable from now on
+    engine.submit(spec([1, 2, 3, 4, 6]).build(1))  # reads request 0's block
+    engine.submit(spec([9, 8, 7, 6, 5]).build(2))  # shares nothing, admitted after 1
+    plan = engine.plan()
+    assert plan is not None
+    assert [(row.request_id, row.sample) for row in plan.requests] == [
+        (0, True),
+        (1, True),
+        (2, True),
+    ]
+    assert engine.complete(failure="device lost").failed == (0,)  # step 0 fails
+    report = engine.complete()  # step 1: request 1's sample is garbage, request 2's is not
+    assert [request_id for request_id, _ in report.new_tokens] == [2]
+    assert scheduler.get(1).num_output_tokens == 0  # type: ignore[union-attr]
+    assert scheduler.get(2).num_output_tokens == 1  # type: ignore[union-attr]
+    engine.run_until_idle()
+    assert engine.requests[1].status is RequestStatus.FINISHED
+    assert engine.requests[2].status is RequestStatus.FINISHED
+
+
 def test_a_failure_without_prefix_caching_fails_only_its_own_requests() -> None:
     scheduler = Scheduler(config(enable_prefix_caching=False))
     engine = SimulatedEngine(scheduler)

@@ -628,3 +628,15 @@ def test_check_invariants_names_a_request_queued_twice() -> None:
     scheduler._waiting.append(scheduler._waiting[0])  # in order, the right status: only twice
     with pytest.raises(AssertionError, match=r"^a request is queued twice$"):
         scheduler.check_invariants()
+
+
+def test_a_failed_request_records_the_message_and_the_clock_time() -> None:
+    ticks = itertools.count(100)
+    scheduler = Scheduler(config(pipeline_depth=1), clock=lambda: float(next(ticks)))
+    failing = request(1)
+    scheduler.add_request(failing)
+    scheduler.schedule()  # admitted at 100
+    scheduler.apply(StepFailure(0, "device lost"))  # applied at 101
+    assert failing.status is RequestStatus.FAILED
+    assert failing.failure == "device lost"
+    assert (failing.first_scheduled_time, failing.end_time) == (100.0, 101.0)
