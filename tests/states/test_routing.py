@@ -298,3 +298,12 @@ def test_no_live_replica_is_an_error_naming_the_rule() -> None:
     router.remove_replica(0)
     with pytest.raises(NoLiveReplica, match=r"^no live replica is left to route a request to$"):
         router.route(0, "a", 1, 1)
+
+
+def test_a_prompt_may_be_corrected_down_to_zero_tokens() -> None:
+    # The bound is the one route() applies to its estimate: >= 0, not >= 1.
+    router = Router(1)
+    router.route(0, "a", 10, 5)
+    router.set_prompt_tokens(0, 0)
+    assert router.load(0) == 5
+    router.check_invariants()
