@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from twostroke.states.blocks import ROOT_HASH, BlockPool, BlockState, block_hashes, hash_block
 from twostroke.states.errors import InvalidTransition, SchedulerError
 from twostroke.states.params import SamplingParams
+from twostroke.states.plan import StepOutcome
 from twostroke.states.prefix_cache import PrefixCache
 from twostroke.states.request import Admitted, PrefixCacheHit, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
@@ -409,6 +410,24 @@ def test_a_discarded_sample_spares_the_rows_after_it() -> None:
     engine.run_until_idle()
     assert engine.requests[1].status is RequestStatus.FINISHED
     assert engine.requests[2].status is RequestStatus.FINISHED
+
+
+def test_once_its_discarded_step_is_applied_a_recomputed_reader_owes_its_tokens_again() -> None:
+    scheduler = Scheduler(config())
+    engine = SimulatedEngine(scheduler)
+    engine.submit(spec([*SYSTEM, 1]).build(0))
+    engine.plan()  # step 0 writes the system prompt's blocks
+    engine.submit(spec([*SYSTEM, 2]).build(1))
+    engine.plan()  # step 1 admits request 1 on them
+    engine.complete(failure="device lost")  # step 0 fails: request 1 is recomputed
+    assert engine.complete().new_tokens == ()  # step 1: its sample is discarded
+    plan = scheduler.schedule()  # step 2 recomputes request 1 and samples
+    assert plan is not None
+    assert [(row.request_id, row.sample) for row in plan.requests] == [(1, True)]
+    # Its sample of step 2 is owed: an outcome without it is refused, not taken as a discard.
+    with pytest.raises(SchedulerError, match=r"^step 2 outcome lacks tokens for \[1\]$"):
+        scheduler.apply(StepOutcome(2, {}))
+    assert scheduler.num_inflight_steps == 1
 
 
 def test_a_failure_without_prefix_caching_fails_only_its_own_requests() -> None:
