@@ -31,6 +31,8 @@ class Sample:
     scale: float = attrs.field(default=1.0, validator=number_in(0, low_open=True, note=" (!)"))
     cap: float = attrs.field(default=0.0, validator=number_in(high=5, high_open=True))
     mode: str = attrs.field(default="a", validator=one_of("a", "b"))
+    #: Choices of two types: a value of neither type names both.
+    unit: int | str = attrs.field(default=1, validator=one_of(1, "auto"))
     depth: int = attrs.field(default=1, validator=PIPELINE_DEPTH)
     flag: bool = attrs.field(default=False, validator=boolean)
 
@@ -54,6 +56,7 @@ class Sample:
         ("cap", 5, ValueError, "cap must be < 5, got 5"),
         ("mode", "c", ValueError, "mode must be one of 'a', 'b', got 'c'"),
         ("mode", 1, TypeError, "mode must be a str: one of 'a', 'b', got int 1"),
+        ("unit", 1.5, TypeError, "unit must be a str or an int: one of 1, 'auto', got float 1.5"),
         ("depth", 3, ValueError, "depth must be 1 (serial) or 2 (lookahead), got 3"),
         (
             "depth",
