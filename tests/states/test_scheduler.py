@@ -640,3 +640,42 @@ def test_a_failed_request_records_the_message_and_the_clock_time() -> None:
     assert failing.status is RequestStatus.FAILED
     assert failing.failure == "device lost"
     assert (failing.first_scheduled_time, failing.end_time) == (100.0, 101.0)
+
+
+def test_a_request_that_has_left_the_waiting_state_is_not_new_even_without_output() -> None:
+    scheduler = Scheduler(config(max_num_batched_tokens=4))
+    prefilling, cancelled = request(1, 10), request(2)
+    scheduler.add_request(prefilling)
+    scheduler.add_request(cancelled)
+    scheduler.schedule()  # request 1 takes a 4-token chunk: prefilling, nothing sampled
+    scheduler.cancel(2)
+    for used in (prefilling, cancelled):
+        assert used.num_generated_tokens == 0
+        with pytest.raises(SchedulerError, match=rf"^request {used.request_id} is not new: "):
+            Scheduler(config()).add_request(used)
+
+
+def test_blocks_a_step_in_flight_returns_are_waited_for_not_taken_by_preemption() -> None:
+    scheduler = Scheduler(config(num_blocks=4, block_size=2, max_model_len=8))
+    kv = SimulatedKV(4, 2)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for request_id, prompt in ((1, [1, 2]), (2, [3, 4]), (3, [5, 6, 7])):
+        scheduler.add_request(Request(request_id, prompt, params, arrival_time=0))
+    first = scheduler.schedule()
+    assert first is not None
+    assert scheduler.pool.num_free == 0  # 1, 1 and 2 blocks
+    outcomes = [kv.execute(first)]
+    scheduler.cancel(2)  # its block comes back when step 0 completes
+    # Request 1 needs one more block: exactly what step 0 returns, so it waits for it;
+    # request 3's next position fits in its own second block.
+    second = scheduler.schedule()
+    assert second is not None
+    assert second.request_ids == (3,)
+    assert scheduler.running_ids == (1, 3)
+    outcomes.append(kv.execute(second))
+    for outcome in outcomes:
+        scheduler.apply(outcome)
+    third = scheduler.schedule()
+    assert third is not None
+    assert third.request_ids == (1,)
+    assert scheduler.statistics().num_preemptions == 0
