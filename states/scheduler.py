@@ -551,7 +551,11 @@ class Scheduler:
             if request.request_id in live:
                 needed = blocks_for(request.num_computed_tokens, config.block_size)
                 assert len(request.block_table) >= needed, f"{request!r} lacks blocks"
-                assert request.num_computed_tokens <= request.num_tokens
+                # A live request always has its last token left to compute: a sampled token's
+                # KV is written only when the token is fed to the next step.
+                assert request.num_computed_tokens < request.num_tokens, (
+                    f"{request!r} has no token left to compute"
+                )
                 assert request.num_generated_tokens <= request.params.max_tokens
             else:
                 assert request.is_terminal, request

@@ -630,6 +630,17 @@ def test_check_invariants_names_a_request_queued_twice() -> None:
         scheduler.check_invariants()
 
 
+def test_check_invariants_names_a_live_request_with_no_token_left_to_compute() -> None:
+    scheduler = Scheduler(config())
+    prefilling = request(1, 3)  # one block holds the whole prompt
+    scheduler.add_request(prefilling)
+    scheduler.schedule()
+    scheduler.check_invariants()  # the prompt's chunk in flight: fine
+    prefilling._num_computed_tokens = prefilling.num_tokens  # corrupt: nothing left
+    with pytest.raises(AssertionError, match=r"^<Request 1 .*> has no token left to compute$"):
+        scheduler.check_invariants()
+
+
 def test_a_failed_request_records_the_message_and_the_clock_time() -> None:
     ticks = itertools.count(100)
     scheduler = Scheduler(config(pipeline_depth=1), clock=lambda: float(next(ticks)))
