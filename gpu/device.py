@@ -37,7 +37,12 @@ import anyio.to_thread
 import attrs
 import torch
 
-from twostroke.gpu.completion import Completion, Launched
+from twostroke.gpu.completion import (
+    Completion,
+    CompletionAlreadySet,
+    CompletionState,
+    Launched,
+)
 from twostroke.gpu.forward_thread import ForwardThread, Ticket
 
 __all__ = [
@@ -238,6 +243,13 @@ class _WorkerThreadDevice(Device):
 
     async def run(self, work: Callable[[], Launched[T]], completion: Completion[T]) -> None:
         if self._forward is not None:
+            state = completion.statistics().state
+            if state is not CompletionState.PENDING:  # refused before anything is queued
+                await anyio.lowlevel.checkpoint()
+                raise CompletionAlreadySet(
+                    f"a completion can be set only once, but run() was given one that is "
+                    f"already {state.value}"
+                )
             # Queued before any checkpoint: the completion is set whatever happens to the
             # caller, and calls queue in call order.
             ticket = self._forward.submit(functools.partial(self._launch, work))

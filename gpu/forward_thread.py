@@ -74,9 +74,10 @@ class Ticket(Generic[T]):
     async def wait(self) -> None:
         """Return once the call has run.
 
-        A waiter thread of the forward thread's own blocks on the ticket, so the event loop
-        sleeps meanwhile. Cancellation abandons this wait at once (the waiter thread returns
-        when the call does); the call itself runs regardless.
+        A waiter (one of anyio's worker threads, under the forward thread's own limiter)
+        blocks on the ticket, so the event loop sleeps meanwhile. Cancellation abandons this
+        wait at once (the waiter thread returns when the call does); the call itself runs
+        regardless.
         """
         if self._done.is_set():
             await anyio.lowlevel.checkpoint()

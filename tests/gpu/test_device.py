@@ -186,6 +186,25 @@ async def test_run_on_a_set_completion_raises(make_device: Callable[[], Any]) ->
         await make_device().run(ready(1), completion)
 
 
+@pytest.mark.anyio
+async def test_inside_the_block_a_set_completion_is_refused_before_anything_is_queued() -> None:
+    ran: list[int] = []
+
+    def work() -> Launched[int]:
+        ran.append(1)
+        return Launched(event=ReadyEvent(), readback=lambda: 1)
+
+    completion: Completion[int] = Completion()
+    completion.set_exception(ValueError())
+    async with CpuDevice() as device:
+        with pytest.raises(CompletionAlreadySet, match=r"already failed$"):
+            await device.run(work, completion)
+        after: Completion[int] = Completion()
+        await device.run(ready(2), after)
+        assert await after == 2
+    assert ran == []
+
+
 def test_cpu_device_serves_successive_event_loops() -> None:
     device = CpuDevice()
 
