@@ -3,7 +3,7 @@
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorStatistics
 from twostroke.engine.coordinator.frames import FrameError
-from twostroke.engine.engine import Engine, EngineStatistics
+from twostroke.engine.engine import Engine
 from twostroke.engine.errors import (
     CompletionAlreadySet,
     CompletionError,
@@ -27,6 +27,7 @@ from twostroke.engine.models.llama import WeightError
 from twostroke.engine.models.loader import ModelLoadError
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
 from twostroke.engine.runners.torch import RunnerError
+from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.detokenizer import DetokenizerError
 from twostroke.engine.text.tokenizer import ChatTemplateError, TokenizerLoadError
 from twostroke.states.params import SamplingParams

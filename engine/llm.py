@@ -17,10 +17,11 @@ import anyio
 import anyio.from_thread
 
 from twostroke.engine.coordinator import Coordinator
-from twostroke.engine.engine import Engine, EngineStatistics
+from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineClosed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.surface import EngineSurface
 from twostroke.engine.text.prompts import Prompt
 from twostroke.states.errors import EngineError

@@ -18,7 +18,7 @@ from twostroke.engine.text.prompts import Prompt
 from twostroke.states.params import SamplingParams
 
 if TYPE_CHECKING:
-    from twostroke.engine.engine import EngineStatistics
+    from twostroke.engine.statistics import EngineStatistics
 
 __all__ = ["EngineSurface"]
 

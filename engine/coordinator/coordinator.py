@@ -38,10 +38,10 @@ from twostroke.engine.coordinator.frames import PromptInput, Start, wire_prompt
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
 from twostroke.engine.coordinator.replicas import LocalReplica, Replica
 from twostroke.engine.coordinator.statistics import CoordinatorStatistics, ReplicaStatistics
-from twostroke.engine.engine import EngineStatistics
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router, RoutingConfig
 

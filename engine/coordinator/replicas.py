@@ -42,7 +42,7 @@ from twostroke.engine.coordinator.frames import (
     WirePrompt,
     encode_frame,
 )
-from twostroke.engine.engine import Engine, EngineStatistics
+from twostroke.engine.engine import Engine
 from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
@@ -55,6 +55,7 @@ from twostroke.engine.errors import (
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
 from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.params import SamplingParams
 from twostroke.states.request import FinishReason
 

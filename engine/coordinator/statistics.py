@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from twostroke.engine.engine import EngineStatistics
+from twostroke.engine.statistics import EngineStatistics
 
 __all__ = ["CoordinatorStatistics", "ReplicaStatistics"]
 
