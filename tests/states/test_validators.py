@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from typing import Any
@@ -21,6 +22,11 @@ from twostroke.states.validators import (
 )
 
 
+class Shade(enum.Enum):
+    DARK = "dark"
+    LIGHT = "light"
+
+
 @attrs.frozen(kw_only=True)
 class Sample:
     count: int = attrs.field(default=1, validator=int_at_least(1))
@@ -33,6 +39,8 @@ class Sample:
     mode: str = attrs.field(default="a", validator=one_of("a", "b"))
     #: Choices of two types: a value of neither type names both.
     unit: int | str = attrs.field(default=1, validator=one_of(1, "auto"))
+    #: A type with no article of its own is named "a <type>".
+    shade: Shade = attrs.field(default=Shade.DARK, validator=one_of(Shade.DARK))
     depth: int = attrs.field(default=1, validator=PIPELINE_DEPTH)
     flag: bool = attrs.field(default=False, validator=boolean)
 
@@ -57,6 +65,18 @@ class Sample:
         ("mode", "c", ValueError, "mode must be one of 'a', 'b', got 'c'"),
         ("mode", 1, TypeError, "mode must be a str: one of 'a', 'b', got int 1"),
         ("unit", 1.5, TypeError, "unit must be a str or an int: one of 1, 'auto', got float 1.5"),
+        (
+            "shade",
+            "dark",
+            TypeError,
+            "shade must be a Shade: one of <Shade.DARK: 'dark'>, got str 'dark'",
+        ),
+        (
+            "shade",
+            Shade.LIGHT,
+            ValueError,
+            "shade must be one of <Shade.DARK: 'dark'>, got <Shade.LIGHT: 'light'>",
+        ),
         ("depth", 3, ValueError, "depth must be 1 (serial) or 2 (lookahead), got 3"),
         (
             "depth",
