@@ -191,6 +191,13 @@ def test_poison_checks_the_block_table_as_execute_does() -> None:
         kv.poison(plan(3, row(1, 0, [5, 6, 7], [0])))
 
 
+def test_a_finished_request_it_never_ran_is_fine() -> None:
+    # The runner may be told of a request whose only step failed before it ran.
+    kv = SimulatedKV(num_blocks=2, block_size=2)
+    outcome = kv.execute(plan(0, row(1, 0, [5, 6, 7], [0, 1]), finished=[7]))
+    assert dict(outcome.sampled) == {1: toy_next_token([5, 6, 7])}
+
+
 def test_the_model_is_pluggable() -> None:
     kv = SimulatedKV(num_blocks=2, block_size=2, next_token=len)
     outcome = kv.execute(plan(0, row(1, 0, [5, 6, 7], [0, 1])))
@@ -202,6 +209,8 @@ def test_toy_next_token_stays_in_the_vocabulary_and_sees_the_length() -> None:
     assert toy_next_token([0]) != toy_next_token([0, 0])
     assert all(0 <= toy_next_token([i], vocab_size=5) < 5 for i in range(50))
     assert {toy_next_token([i], vocab_size=5) for i in range(50)} == set(range(5))
+    # The default vocabulary is 64 ids.
+    assert {toy_next_token([i]) for i in range(2000)} == set(range(64))
 
 
 def counting(token_ids: Sequence[int]) -> int:
