@@ -286,6 +286,7 @@ def test_step_n_plus_1_feeds_the_token_of_step_n_from_the_device() -> None:
     assert entry.start == 3
     assert entry.sample
     assert entry.sample_index == 1
+    assert (first.planned_behind, second.planned_behind) == (None, first.step_id)
     assert scheduler.get(1).num_placeholders == 2  # type: ignore[union-attr]
     first_outcome, second_outcome = kv.execute(first), kv.execute(second)
     report = scheduler.apply(first_outcome)
