@@ -290,6 +290,7 @@ def test_step_n_plus_1_feeds_the_token_of_step_n_from_the_device() -> None:
     assert scheduler.get(1).num_placeholders == 2  # type: ignore[union-attr]
     first_outcome, second_outcome = kv.execute(first), kv.execute(second)
     report = scheduler.apply(first_outcome)
+    assert report.step_id == first.step_id
     assert report.new_tokens == ((1, first_outcome.sampled[1]),)
     scheduler.apply(second_outcome)
     assert scheduler.get(1).output_token_ids == (  # type: ignore[union-attr]
