@@ -59,7 +59,7 @@ class SupportsFired(SupportsQuery, Protocol):
     """An event that can also be awaited until it fired, instead of being polled.
 
     :meth:`Completion.wait` queries the event, awaits :meth:`until_fired` once if it has not
-    fired, then polls :meth:`query` as for any event. So ``until_fired`` may return early (or
+    fired, then polls ``query()`` as for any event. So ``until_fired`` may return early (or
     have nothing left to wait for, like a step queued on a host thread whose launch is done
     but whose device work is not): it is a hint that saves polls, never the source of truth.
     """
