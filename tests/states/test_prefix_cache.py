@@ -430,6 +430,23 @@ def test_once_its_discarded_step_is_applied_a_recomputed_reader_owes_its_tokens_
     assert scheduler.num_inflight_steps == 1
 
 
+def test_a_recomputed_reader_still_in_flight_waits_without_holding_up_the_running() -> None:
+    scheduler = Scheduler(config())
+    engine = SimulatedEngine(scheduler)
+    engine.submit(spec([*SYSTEM, 1]).build(0))
+    engine.plan()  # step 0 writes the system prompt's blocks
+    engine.submit(spec([*SYSTEM, 2]).build(1))
+    engine.submit(spec([90, 91, 92]).build(2))
+    engine.plan()  # step 1: request 1 on those blocks, request 2 on its own
+    engine.complete(failure="device lost")  # step 0 fails: request 1 is recomputed
+    # Request 1 heads the waiting queue but step 1 still owes it a (discarded) sample: it
+    # waits, and the running request 2 is planned all the same.
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert plan.request_ids == (2,)
+    assert scheduler.statistics().num_inflight_steps == 2
+
+
 def test_a_failure_without_prefix_caching_fails_only_its_own_requests() -> None:
     scheduler = Scheduler(config(enable_prefix_caching=False))
     engine = SimulatedEngine(scheduler)

@@ -118,6 +118,25 @@ def test_a_prefix_hit_reads_what_another_request_wrote() -> None:
     assert dict(outcome.sampled) == {2: toy_next_token([5, 6, 7])}
 
 
+def test_a_position_another_request_writes_in_the_same_step_is_not_readable() -> None:
+    kv = SimulatedKV(num_blocks=4, block_size=2)
+    kv.execute(plan(0, row(1, 0, [5, 6], [0], sample=False)))
+    # Request 2 claims request 1's prompt block as a cache hit, but request 3 rewrites that
+    # block in the same step: a batch computes its KV together, so 2 may not read it.
+    with pytest.raises(
+        SimulationError,
+        match=r"^step 1: request 2 reads position 0 \(block 0, slot 0\), which request 3 "
+        r"writes in the same step$",
+    ):
+        kv.execute(plan(1, row(3, 0, [8, 9], [0], sample=False), row(2, 2, [7], [0, 1])))
+
+
+def test_a_row_that_does_not_sample_does_not_stop_the_rows_after_it() -> None:
+    kv = SimulatedKV(num_blocks=4, block_size=2)
+    outcome = kv.execute(plan(0, row(1, 0, [5, 6], [0], sample=False), row(2, 0, [7], [1])))
+    assert dict(outcome.sampled) == {2: toy_next_token([7])}
+
+
 def test_a_finished_request_forgets_what_it_wrote() -> None:
     kv = SimulatedKV(num_blocks=4, block_size=2)
     kv.execute(plan(0, row(1, 0, [5, 6], [0], sample=False)))
