@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Generic, TypeVar
@@ -52,11 +51,8 @@ class Ticket(Generic[T]):
     """One call queued on a :class:`ForwardThread`, and its outcome once it has run.
 
     Made by :meth:`ForwardThread.submit`; the thread fills it in. ``done()`` may be asked from
-    any thread; ``outcome()`` only once ``done()`` is true.
-
-    Attributes:
-        started: ``time.perf_counter()`` when the thread began the call (``None`` before).
-        finished: ``time.perf_counter()`` when the call returned or raised (``None`` before).
+    any thread; ``outcome()`` only once ``done()`` is true. (The engine times its launches
+    itself, inside the work.)
     """
 
     _work: Callable[[], T]
@@ -64,8 +60,6 @@ class Ticket(Generic[T]):
     _done: threading.Event = attrs.field(factory=threading.Event, init=False)
     _value: T | None = attrs.field(default=None, init=False)
     _error: BaseException | None = attrs.field(default=None, init=False)
-    started: float | None = attrs.field(default=None, init=False)
-    finished: float | None = attrs.field(default=None, init=False)
 
     def done(self) -> bool:
         """Whether the call has run (returned or raised); never blocks."""
@@ -100,13 +94,11 @@ class Ticket(Generic[T]):
         return self._value  # type: ignore[return-value]  # set by _run, which succeeded
 
     def _run(self) -> None:
-        self.started = time.perf_counter()
         try:
             self._value = self._work()
         except BaseException as exc:  # handed to the caller, who decides what is fatal
             self._error = exc
         finally:
-            self.finished = time.perf_counter()
             self._done.set()
 
 
