@@ -46,6 +46,7 @@ from twostroke.gpu.completion import (
 from twostroke.gpu.forward_thread import ForwardThread, Ticket
 
 __all__ = [
+    "CPU_BF16_ENV",
     "CountdownEvent",
     "CpuDevice",
     "CudaDevice",
@@ -544,6 +545,8 @@ def default_dtype(device: Device | torch.device) -> torch.dtype:
     other torch device type) use float32, so tests give the same numbers on every machine.
 
     The engine (``dtype="auto"``), the model loader and the benchmark all ask this function.
+    :data:`CPU_BF16_ENV` (``TWOSTROKE_CPU_BF16=native`` or ``emulated``) overrides what it
+    finds out about the CPU, so both branches can be exercised on any machine.
 
     Args:
         device: A :class:`Device`, or a ``torch.device`` (for code below the engine, such as
@@ -551,6 +554,9 @@ def default_dtype(device: Device | torch.device) -> torch.dtype:
 
     Returns:
         ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+
+    Raises:
+        ValueError: :data:`CPU_BF16_ENV` holds a value other than ``native`` or ``emulated``.
     """
     if isinstance(device, Device):
         kind, torch_device = device.kind, device.torch_device
@@ -564,8 +570,33 @@ def default_dtype(device: Device | torch.device) -> torch.dtype:
     return torch.float32
 
 
-@functools.cache
+#: The environment variable that overrides what :func:`default_dtype` finds out about the
+#: CPU: ``native`` (treat bf16 as native, so ``"auto"`` is bfloat16) or ``emulated`` (so
+#: ``"auto"`` is float32). For tests that must exercise both branches of the rule on one
+#: machine, and for a user whose CPU is misread. Unset: the machine decides.
+CPU_BF16_ENV = "TWOSTROKE_CPU_BF16"
+_CPU_BF16_CHOICES = {"native": True, "emulated": False}
+
+
 def _cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs bf16 natively, unless :data:`CPU_BF16_ENV` says otherwise.
+
+    Raises:
+        ValueError: :data:`CPU_BF16_ENV` is set to something other than ``native`` or
+            ``emulated``; the message names the variable and the value.
+    """
+    forced = os.environ.get(CPU_BF16_ENV)
+    if forced is None or forced == "":
+        return _cpu_detects_fast_bf16()
+    try:
+        return _CPU_BF16_CHOICES[forced]
+    except KeyError:
+        choices = " or ".join(map(repr, _CPU_BF16_CHOICES))
+        raise ValueError(f"{CPU_BF16_ENV} must be {choices} (or unset), got {forced!r}") from None
+
+
+@functools.cache
+def _cpu_detects_fast_bf16() -> bool:
     """Whether this CPU runs bf16 natively (a fact of the machine, read once)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()

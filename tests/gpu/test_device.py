@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -599,6 +600,26 @@ def test_default_dtype_cpu_and_fake() -> None:
     assert default_dtype(FakeDevice()) == torch.float32
     expected = torch.bfloat16 if device_module._cpu_has_fast_bf16() else torch.float32
     assert default_dtype(CpuDevice()) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("native", torch.bfloat16), ("emulated", torch.float32)]
+)
+def test_the_environment_overrides_what_the_cpu_says(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: torch.dtype
+) -> None:
+    monkeypatch.setenv(device_module.CPU_BF16_ENV, value)
+    assert default_dtype(CpuDevice()) == default_dtype(torch.device("cpu")) == expected
+    assert default_dtype(FakeDevice()) == torch.float32  # fake devices ignore it
+    monkeypatch.setenv(device_module.CPU_BF16_ENV, "")  # empty is unset: the machine decides
+    assert device_module._cpu_has_fast_bf16() is device_module._cpu_detects_fast_bf16()
+
+
+def test_an_unknown_override_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TWOSTROKE_CPU_BF16", "yes")
+    message = "TWOSTROKE_CPU_BF16 must be 'native' or 'emulated' (or unset), got 'yes'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        default_dtype(CpuDevice())
 
 
 @pytest.mark.parametrize("fast_bf16", [True, False])

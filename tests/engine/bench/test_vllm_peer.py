@@ -7,11 +7,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import attrs
 import pytest
 
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.vllm_peer import ChildError, VLLMDriver, job_document, read_result
 from twostroke.engine.bench.workload import BenchRequest, Workload
+from twostroke.gpu.device import CPU_BF16_ENV
 
 # A stand-in for vLLM's offline engine: every step gives each running request up to two new
 # tokens (DELTA outputs), so chunks and tokens differ. It logs what it was asked, and the
@@ -117,9 +119,19 @@ WORKLOAD = Workload(
 )
 
 
+@pytest.mark.parametrize(("cpu_bf16", "dtype"), [("native", "bfloat16"), ("emulated", "float32")])
 def test_offline_run_through_the_real_child(
-    fake_vllm: dict[str, str], model: ModelSpec, tmp_path: Path
+    fake_vllm: dict[str, str],
+    model: ModelSpec,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cpu_bf16: str,
+    dtype: str,
 ) -> None:
+    # vLLM is asked for the dtype twostroke's rule picks for this CPU ("auto", resolved when
+    # the spec is made), on either side of the rule whatever machine runs the test.
+    monkeypatch.setenv(CPU_BF16_ENV, cpu_bf16)
+    model = attrs.evolve(model, dtype="auto")
     driver = VLLMDriver(sys.executable, env=fake_vllm)
     assert driver.check() is None
     result = driver.run(WORKLOAD, model=model)
@@ -137,7 +149,7 @@ def test_offline_run_through_the_real_child(
     log = json.loads((tmp_path / "fake.json").read_text())
     assert log["kwargs"] == {
         "model": str(model.source),
-        "dtype": "bfloat16",
+        "dtype": dtype,
         "seed": 3,
         "max_model_len": 8,
         "enable_prefix_caching": False,
