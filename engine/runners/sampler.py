@@ -350,9 +350,15 @@ class TokenHistory:
             self._prompt_length[request_id] = start + len(token_ids)
 
     def count(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Count one sampled token per slot (device tensors, no host sync)."""
-        ones = torch.ones_like(token_ids, dtype=torch.int32)
-        self._counts.index_put_((slots, token_ids), ones, accumulate=True)
+        """Count one sampled token per slot (device tensors, no host sync).
+
+        A flat ``index_add_`` over ``slot * vocab + token``: on CUDA, ``index_put_`` with
+        ``accumulate=True`` reads its index range back to the host before it runs, which
+        would make every launch with a penalized row wait for the step before it.
+        """
+        flat = slots * self.vocab_size + token_ids
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        self._counts.view(-1).index_add_(0, flat, ones)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt masks and output counts of ``slots``, row by row."""
