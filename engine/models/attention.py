@@ -24,7 +24,8 @@ the gather, and keys and values come out of the same call. No Python loop runs o
   ``scaled_dot_product_attention`` call of its own. A chunk that starts at position 0 has no
   history: it attends over the keys and values it has just computed, with ``is_causal``, so
   it needs neither a gather nor a mask. A later chunk gathers its history and takes a causal
-  mask offset by its start.
+  mask offset by its start; under SDPA its query groups are folded into query rows as the
+  decodes' are, because a mask with ``enable_gqa`` rules out both fused kernels on CUDA.
 
 Everything that depends only on the step's layout (slots, gather indices, masks) is computed
 once per step in :class:`~twostroke.engine.models.attention_metadata.AttentionMetadata`
@@ -119,18 +120,49 @@ def paged_attention(
         if metadata.kernel == "matmul":
             assert chunk.mask is not None
             out[rows] = _prefill_matmul(query[rows], keys, values, chunk.mask, scale)
-            continue
-        attended = F.scaled_dot_product_attention(
-            query[rows].transpose(0, 1)[None],
-            keys[None],
-            values[None],
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[rows] = attended[0].transpose(0, 1)
+        elif chunk.mask is None:
+            # No history: is_causal and no mask, which the fused kernels take with GQA.
+            attended = F.scaled_dot_product_attention(
+                query[rows].transpose(0, 1)[None],
+                keys[None],
+                values[None],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[rows] = attended[0].transpose(0, 1)
+        else:
+            out[rows] = _prefill_sdpa_folded(query[rows], keys, values, chunk.mask, scale)
     return out
+
+
+def _prefill_sdpa_folded(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A chunk with history through SDPA, its query groups folded into the query rows.
+
+    A mask together with ``enable_gqa`` rules out both fused SDPA kernels on CUDA (flash
+    takes no mask, memory-efficient no GQA), leaving the slow math one. As the decodes do,
+    the ``G`` query heads that share a key/value head become ``G`` query rows of that head
+    (row ``q * G + g``), so the call has as many query heads as key heads, and each mask row
+    is repeated for the ``G`` rows of its query. The fold costs a copy of the chunk's
+    queries and of its mask (``[n * G, keys]``) per layer: small next to the attention.
+
+    ``query`` is ``[n, heads, dim]``, ``keys`` and ``values`` ``[kv_heads, keys, dim]``,
+    ``mask`` ``[n, keys]``; returns ``[n, heads, dim]``.
+    """
+    count, num_heads, head_dim = query.shape
+    num_kv_heads, num_keys = keys.shape[0], keys.shape[1]
+    groups = num_heads // num_kv_heads
+    rows = query.view(count, num_kv_heads, groups, head_dim).transpose(0, 1)
+    rows = rows.reshape(num_kv_heads, count * groups, head_dim)
+    if groups > 1:
+        mask = mask[:, None, :].expand(count, groups, num_keys).reshape(count * groups, num_keys)
+    attended = F.scaled_dot_product_attention(
+        rows[None], keys[None], values[None], attn_mask=mask, scale=scale
+    )
+    attended = attended[0].view(num_kv_heads, count, groups, head_dim).transpose(0, 1)
+    return attended.reshape(count, num_heads, head_dim)
 
 
 def _decode_matmul(

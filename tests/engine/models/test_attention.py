@@ -296,3 +296,30 @@ def test_zero_blocks_zeroes_keys_and_values_of_those_blocks_in_every_layer() -> 
     cache.zero_blocks([])
     zero = (cache.data == 0).all(dim=(3, 4, 5))  # [layer, kv, block]
     assert zero.tolist() == [[[True, False, True, False]] * 2] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_never_takes_a_mask_with_grouped_query_heads(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mask with ``enable_gqa`` leaves CUDA only SDPA's math kernel: query groups are folded.
+
+    The mixed step above (decodes, a first chunk and a chunk with history) under a spy on
+    every SDPA call: none with a mask has more query heads than key heads, and the outputs
+    still match dense attention.
+    """
+    calls: list[tuple[int, int, bool, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options: object
+    ) -> object:
+        masked = options.get("attn_mask") is not None
+        calls.append((query.shape[-3], key.shape[-3], masked, bool(options.get("enable_gqa"))))
+        return sdpa(query, key, value, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    test_mixed_step_matches_dense_attention(dtype, "sdpa", 0, None, monkeypatch)
+    assert len(calls) == 2 + 3  # two decode groups, three other chunks
+    assert [call for call in calls if call[2] and (call[0] != call[1] or call[3])] == []
+    assert (HEADS, KV_HEADS, False, True) in calls  # the first chunk: is_causal, GQA
