@@ -42,6 +42,7 @@ from twostroke.gpu.completion import (
     CompletionAlreadySet,
     CompletionState,
     Launched,
+    SupportsQuery,
 )
 from twostroke.gpu.forward_thread import ForwardThread, Ticket
 
@@ -361,7 +362,29 @@ class CudaDevice(_WorkerThreadDevice):
         # The current device is per thread, and anyio's worker threads are shared: set it for
         # this launch only and restore it after.
         with torch.cuda.device(self.torch_device):
-            return work()
+            launched = work()
+        if isinstance(launched, Launched):  # anything else fails the completion as it is
+            launched = attrs.evolve(
+                launched, event=_GuardedEvent(launched.event, self.torch_device)
+            )
+        return launched
+
+
+@attrs.frozen
+class _GuardedEvent:
+    """An event of a CUDA device, queried with that device current.
+
+    The event loop's thread polls it, and that thread's current device is whatever it was
+    (GPU 0 by default): querying an event of GPU 1 there may make the runtime create a
+    context on GPU 0. The guard costs two cheap runtime calls per query.
+    """
+
+    event: SupportsQuery
+    device: torch.device
+
+    def query(self) -> bool:
+        with torch.cuda.device(self.device):
+            return self.event.query()
 
 
 @attrs.define(eq=False)

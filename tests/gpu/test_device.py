@@ -414,12 +414,53 @@ async def test_cuda_run_returns_at_launch_and_the_completion_polls(
     assert events[1].queries == 2
     loop_thread = threading.get_ident()
     assert all(t != loop_thread for t in launch_threads)
-    assert [(t, d, what) for t, d, what in cuda_guard] == [
-        (launch_threads[0], torch.device("cuda", 1), "enter"),
-        (launch_threads[0], torch.device("cuda", 1), "exit"),
-        (launch_threads[1], torch.device("cuda", 1), "enter"),
-        (launch_threads[1], torch.device("cuda", 1), "exit"),
+    cuda1 = torch.device("cuda", 1)
+    launches = [(t, d, what) for t, d, what in cuda_guard if t != loop_thread]
+    assert launches == [
+        (launch_threads[0], cuda1, "enter"),
+        (launch_threads[0], cuda1, "exit"),
+        (launch_threads[1], cuda1, "enter"),
+        (launch_threads[1], cuda1, "exit"),
     ]
+    # The loop thread queries each event with its GPU current (see the test below).
+    queries = [(d, what) for t, d, what in cuda_guard if t == loop_thread]
+    assert queries == [(cuda1, "enter"), (cuda1, "exit")] * (3 + 2)
+
+
+class _GuardCheckingEvent:
+    """Fires on its second query; records whether each query ran inside a CUDA guard."""
+
+    def __init__(self, guard: list[tuple[int, torch.device, str]]) -> None:
+        self.guard = guard
+        self.current: list[torch.device | None] = []
+
+    def query(self) -> bool:
+        me = threading.get_ident()
+        depth: dict[torch.device, int] = {}
+        for thread, device, what in self.guard:
+            if thread == me:
+                depth[device] = depth.get(device, 0) + (1 if what == "enter" else -1)
+        inside = [device for device, count in depth.items() if count > 0]
+        self.current.append(inside[0] if inside else None)
+        return len(self.current) >= 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("in_block", [True, False], ids=["forward-thread", "worker-threads"])
+async def test_cuda_events_are_queried_with_their_gpu_current(
+    cuda_guard: list[tuple[int, torch.device, str]], in_block: bool
+) -> None:
+    """The loop thread polls a GPU 1 event with GPU 1 current (else the runtime may make a
+    context on GPU 0, the loop thread's current device)."""
+    device = CudaDevice(1)
+    event = _GuardCheckingEvent(cuda_guard)
+    completion: Completion[int] = Completion()
+    async with contextlib.AsyncExitStack() as stack:
+        if in_block:
+            await stack.enter_async_context(device)
+        await device.run(lambda: Launched(event=event, readback=lambda: 7), completion)
+        assert await completion == 7
+    assert event.current == [torch.device("cuda", 1)] * 2
 
 
 @pytest.mark.anyio
