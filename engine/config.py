@@ -6,7 +6,13 @@ from typing import Any, Literal
 
 import attrs
 
-from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least, one_of
+from twostroke.states.validators import (
+    PIPELINE_DEPTH,
+    boolean,
+    int_at_least,
+    number_in,
+    one_of,
+)
 
 __all__ = ["EngineConfig"]
 
@@ -53,6 +59,12 @@ class EngineConfig:
         enable_prefix_caching: Keep the KV of full blocks after their requests end, so a
             prompt that starts with the same tokens (a shared system prompt, the earlier
             turns of a chat) skips computing them. Outputs are the same either way.
+        step_timeout: Seconds a step may take, from when the engine starts waiting for it
+            until its tokens are back (and the probe of a device after a failed step); a
+            step past it means a hung device, and the engine dies (:class:`EngineDead`)
+            instead of leaving its requests waiting forever. ``None`` (the default) waits
+            as long as it takes: a first step on a cold GPU, or a long prefill chunk of a
+            large model on a CPU, may take many seconds.
 
     Raises:
         TypeError: a value of the wrong type (``None`` included, for a field that is not
@@ -75,3 +87,7 @@ class EngineConfig:
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
+    step_timeout: float | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(number_in(0, low_open=True)),
+    )
