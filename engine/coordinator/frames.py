@@ -6,7 +6,8 @@ frames go over a child process's stdin/stdout and over a TCP connection to a Ray
 need no ports, no broker and no event loop of a particular kind.
 
 The coordinator sends :data:`ToReplica` frames and receives :data:`FromReplica` frames. A
-malformed frame (bad msgpack, an unknown tag, a field of the wrong type, a length over
+malformed frame (bad msgpack, an unknown tag, a field of the wrong type, a value out of its
+range such as a negative id or an unknown finish reason, a length over
 :data:`MAX_FRAME_BYTES`) and a stream that ends inside a frame raise :class:`FrameError` with
 what was wrong: the coordinator treats it as a replica failure, never a hang.
 """
@@ -17,7 +18,7 @@ import collections
 import struct
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeAlias, TypeVar
 
 import anyio
 import anyio.abc
@@ -48,6 +49,7 @@ __all__ = [
     "StartFailed",
     "Stats",
     "ToReplica",
+    "WireFinishReason",
     "WirePrompt",
     "encode_frame",
     "routing_key",
@@ -63,8 +65,14 @@ _HEADER = struct.Struct(">I")
 PromptInput: TypeAlias = str | Sequence[int] | Sequence[Mapping[str, str]]
 #: A prompt on the wire: text, or a list of token ids or of chat messages.
 WirePrompt: TypeAlias = str | list[int | dict[str, Any]]
+#: A request id, call id or token id on the wire: never negative (decoding checks).
+WireId: TypeAlias = Annotated[int, msgspec.Meta(ge=0)]
+#: A count on the wire (tokens, preemptions): never negative.
+WireCount: TypeAlias = Annotated[int, msgspec.Meta(ge=0)]
+#: Why a request finished: a ``FinishReason`` value (decoding refuses any other string).
+WireFinishReason: TypeAlias = Literal["stop", "length"]
 #: One token's log-probabilities: the token id, its logprob, the top alternatives.
-WireLogprobs: TypeAlias = tuple[int, float, list[tuple[int, float]]]
+WireLogprobs: TypeAlias = tuple[WireId, float, list[tuple[WireId, float]]]
 
 
 class FrameError(EngineError):
@@ -90,19 +98,19 @@ class Start(msgspec.Struct, tag="start", array_like=True):
 
 
 class Add(msgspec.Struct, tag="add", array_like=True):
-    request_id: int
+    request_id: WireId
     prompt: WirePrompt
     params: dict[str, Any]
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
-    request_id: int
+    request_id: WireId
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
     """Ask the replica's engine something: ``tokenize``, ``detokenize`` or ``wait_idle``."""
 
-    call_id: int
+    call_id: WireId
     method: str
     argument: Any
 
@@ -120,9 +128,9 @@ ToReplica: TypeAlias = Start | Add | Cancel | Call | Shutdown
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
-    pid: int
+    pid: WireCount
     model_name: str
-    max_model_len: int
+    max_model_len: Annotated[int, msgspec.Meta(ge=1)]
 
 
 class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
@@ -131,24 +139,24 @@ class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
 
 
 class Accepted(msgspec.Struct, tag="accepted", array_like=True):
-    request_id: int
-    prompt_token_ids: list[int]
+    request_id: WireId
+    prompt_token_ids: list[WireId]
 
 
 class Rejected(msgspec.Struct, tag="rejected", array_like=True):
     """``submit`` raised: ``kind`` is ``RequestRejected``, ``TypeError`` or ``ValueError``."""
 
-    request_id: int
+    request_id: WireId
     kind: str
     message: str
 
 
 class DeltaItem(msgspec.Struct, array_like=True):
-    request_id: int
+    request_id: WireId
     text: str
-    token_ids: list[int]
+    token_ids: list[WireId]
     logprobs: list[WireLogprobs] | None
-    finish_reason: str | None
+    finish_reason: WireFinishReason | None
 
 
 class Deltas(msgspec.Struct, tag="deltas", array_like=True):
@@ -158,22 +166,22 @@ class Deltas(msgspec.Struct, tag="deltas", array_like=True):
 
 
 class Finished(msgspec.Struct, tag="finished", array_like=True):
-    request_id: int
-    token_ids: list[int]
+    request_id: WireId
+    token_ids: list[WireId]
     text: str
-    finish_reason: str
-    prompt_tokens: int
-    queue_time: float | None
-    num_preemptions: int
+    finish_reason: WireFinishReason
+    prompt_tokens: WireCount
+    queue_time: Annotated[float, msgspec.Meta(ge=0)] | None
+    num_preemptions: WireCount
     logprobs: list[WireLogprobs] | None
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: WireCount = 0
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
     """The request ended with an error: ``RequestFailed``, ``RequestCancelled``,
     ``EngineClosed`` or ``EngineDead``."""
 
-    request_id: int
+    request_id: WireId
     kind: str
     message: str
 
@@ -181,7 +189,7 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
 class Reply(msgspec.Struct, tag="reply", array_like=True):
     """The answer to a :class:`Call`; ``kind`` names the exception it raised, if any."""
 
-    call_id: int
+    call_id: WireId
     value: Any
     kind: str | None
     message: str

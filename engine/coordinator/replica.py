@@ -55,6 +55,7 @@ from twostroke.engine.coordinator.frames import (
     StartFailed,
     Stats,
     ToReplica,
+    WireFinishReason,
     WireLogprobs,
     encode_frame,
 )
@@ -78,7 +79,7 @@ def wire_logprobs(entries: Sequence[TokenLogprobs] | None) -> list[WireLogprobs]
     return [(entry.token_id, entry.logprob, list(entry.top)) for entry in entries]
 
 
-def _reason(delta: Delta) -> str | None:
+def _reason(delta: Delta) -> WireFinishReason | None:
     return None if delta.finish_reason is None else delta.finish_reason.value
 
 

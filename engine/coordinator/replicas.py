@@ -42,6 +42,7 @@ from twostroke.engine.coordinator.frames import (
     WirePrompt,
     encode_frame,
 )
+from twostroke.engine.coordinator.statistics import engine_statistics
 from twostroke.engine.engine import Engine
 from twostroke.engine.errors import (
     EngineClosed,
@@ -353,7 +354,8 @@ class RemoteReplica(_Starting):
         self._start_problem: str | None = None
         self._start_cause: BaseException | None = None
         self._stats: EngineStatistics | None = None
-        self._calls: dict[int, tuple[anyio.Event, list[Any]]] = {}
+        #: Pending calls by id: the method, set once answered, and the answer.
+        self._calls: dict[int, tuple[str, anyio.Event, list[Any]]] = {}
         self._call_ids = itertools.count()
         self._closing = False
         self._closed = anyio.Event()
@@ -383,7 +385,7 @@ class RemoteReplica(_Starting):
         call_id = next(self._call_ids)
         done = anyio.Event()
         answer: list[Any] = []
-        self._calls[call_id] = (done, answer)
+        self._calls[call_id] = (method, done, answer)
         self._send(encode_frame(Call(call_id, method, argument)))
         try:
             await done.wait()
@@ -396,9 +398,6 @@ class RemoteReplica(_Starting):
         if reply.kind is not None:
             error_type = _SUBMIT_ERRORS.get(reply.kind, EngineError)
             raise error_type(reply.message)
-        if method == "wait_idle":
-            self._stats = EngineStatistics(**reply.value)
-            return self._stats
         return reply.value
 
     def close(self, *, cancel: bool) -> None:
@@ -433,7 +432,16 @@ class RemoteReplica(_Starting):
             try:
                 async for frame in frames:
                     began = time.perf_counter()
-                    self._dispatch(frame)
+                    try:
+                        self._dispatch(frame)
+                    except Exception as exc:
+                        # A well-formed frame with a value the coordinator cannot use (or
+                        # any other fault while handling it) is this replica's failure,
+                        # never the coordinator's: the other replicas keep serving.
+                        raise FrameError(
+                            f"replica {self.index} sent a frame the coordinator could not "
+                            f"handle ({type(frame).__name__}): {type(exc).__name__}: {exc}"
+                        ) from exc
                     dispatch_seconds += time.perf_counter() - began
                     self.relay_seconds = frames.decode_seconds + dispatch_seconds
                 if not self._closing or not self._started:
@@ -473,7 +481,7 @@ class RemoteReplica(_Starting):
         """The replica is gone: fail its pending calls and tell the coordinator."""
         if self._gone is None:
             self._gone = cause
-        for done, answer in self._calls.values():
+        for _, done, answer in self._calls.values():
             answer.append(ReplicaFailed(self.index, str(cause)))
             done.set()
         self._relay.replica_failed(self.index, cause)
@@ -532,12 +540,16 @@ class RemoteReplica(_Starting):
             error = _request_error(index, frame.request_id, frame.kind, frame.message)
             relay.failed(index, frame.request_id, error)
         elif isinstance(frame, Stats):
-            self._stats = EngineStatistics(**cast(dict[str, Any], frame.values))
+            self._stats = engine_statistics(frame.values)
         elif isinstance(frame, Reply):
             pending = self._calls.get(frame.call_id)
             if pending is not None:
-                pending[1].append(frame)
-                pending[0].set()
+                method, done, answer = pending
+                if method == "wait_idle" and frame.kind is None:
+                    self._stats = engine_statistics(frame.value)
+                    frame = Reply(frame.call_id, self._stats, None, "")
+                answer.append(frame)
+                done.set()
         elif isinstance(frame, Ready) and not self._ready.is_set():
             self.pid = self.pid or frame.pid  # a child process's pid is known already
             self._max_model_len = frame.max_model_len

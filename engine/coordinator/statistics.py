@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 
 from twostroke.engine.statistics import EngineStatistics
 
-__all__ = ["CoordinatorStatistics", "ReplicaStatistics"]
+__all__ = ["CoordinatorStatistics", "ReplicaStatistics", "engine_statistics"]
 
 
 @attrs.frozen
@@ -59,3 +62,30 @@ class CoordinatorStatistics(EngineStatistics):
     num_resubmitted: int = 0
     relay_seconds: float = 0.0
     replicas: tuple[ReplicaStatistics, ...] = ()
+
+
+def engine_statistics(values: object) -> EngineStatistics:
+    """A remote replica's statistics snapshot (field name to value) as ``EngineStatistics``.
+
+    Replicas and coordinator may come from different versions (a Ray cluster upgraded one
+    node at a time): a field this version does not know is ignored, and one it knows but the
+    replica did not send counts as 0.
+
+    Raises:
+        TypeError: ``values`` is not a mapping of names to numbers, or a known field holds
+            a value of the wrong kind (a float where a count belongs).
+    """
+    if not isinstance(values, Mapping):
+        raise TypeError(f"statistics must be a mapping, got {type(values).__name__}")
+    known: dict[str, Any] = {}
+    for field in attrs.fields(EngineStatistics):
+        value: object = values.get(field.name, 0)
+        counts = field.type in (int, "int")
+        if isinstance(value, int) and not isinstance(value, bool):
+            known[field.name] = value if counts else float(value)
+        elif isinstance(value, float) and not counts:
+            known[field.name] = value
+        else:
+            kind = "an int" if counts else "a number"
+            raise TypeError(f"statistics field {field.name} must be {kind}, got {value!r}")
+    return EngineStatistics(**known)

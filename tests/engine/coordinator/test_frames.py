@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+import typing
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -25,13 +27,17 @@ from twostroke.engine.coordinator.frames import (
     Reply,
     Stats,
     ToReplica,
+    WireFinishReason,
     encode_frame,
     estimate_prompt_tokens,
     routing_key,
     wire_prompt,
 )
+from twostroke.engine.coordinator.statistics import engine_statistics
 from twostroke.engine.runners.toy import ByteTokenizer
+from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.prompts import tokenize_prompt
+from twostroke.states.request import FinishReason
 
 FROM_REPLICA: list[Any] = [
     Ready(pid=12, model_name="toy", max_model_len=4096),
@@ -124,3 +130,40 @@ def test_prompts_travel_as_given_and_route_by_their_text() -> None:
     assert routing_key(messages) == "user\x00hi\x01"
     assert estimate_prompt_tokens("12345678") == 3
     assert estimate_prompt_tokens([5, 6, 7]) == 3
+
+
+@pytest.mark.parametrize(
+    ("frame", "fault"),
+    [
+        (Accepted(-1, [2]), r"Expected `int` >= 0 - at `\$\[1\]`"),
+        (Accepted(1, [2, -3]), r"Expected `int` >= 0 - at `\$\[2\]\[1\]`"),
+        (Deltas([DeltaItem(1, "x", [5], None, "bogus")]), r"Invalid enum value 'bogus'"),
+        (Finished(3, [1], "x", "bogus", 3, 0.25, 1, None), r"Invalid enum value 'bogus'"),
+        (Finished(3, [1], "x", "stop", -3, 0.25, 1, None), r"Expected `int` >= 0"),
+        (Ready(pid=12, model_name="toy", max_model_len=0), r"Expected `int` >= 1"),
+    ],
+    ids=["request-id", "token-id", "delta-finish", "finish", "count", "max-model-len"],
+)
+def test_a_value_out_of_range_is_a_malformed_frame(frame: Any, fault: str) -> None:
+    with pytest.raises(FrameError, match=r"^malformed frame 0 from replica 1 \(\d+ bytes\): "):
+        FrameDecoder(FromReplica, "replica 1").feed(encode_frame(frame))
+    with pytest.raises(FrameError, match=fault):
+        FrameDecoder(FromReplica, "replica 1").feed(encode_frame(frame))
+
+
+def test_the_wire_knows_every_finish_reason() -> None:
+    assert set(typing.get_args(WireFinishReason)) == {reason.value for reason in FinishReason}
+
+
+def test_statistics_from_another_version_keep_the_fields_both_know() -> None:
+    known = {field.name: 1 for field in attrs.fields(EngineStatistics)}
+    assert engine_statistics({**known, "num_warp_drives": 9}) == EngineStatistics(**known)
+    older = engine_statistics({"num_steps": 4, "forward_seconds": 2})
+    assert (older.num_steps, older.num_waiting, older.forward_seconds) == (4, 0, 2.0)
+    assert isinstance(older.forward_seconds, float)
+    with pytest.raises(TypeError, match=r"^statistics field num_steps must be an int, got 1.5$"):
+        engine_statistics({"num_steps": 1.5})
+    with pytest.raises(TypeError, match=r"^statistics field forward_seconds must be a number"):
+        engine_statistics({"forward_seconds": "fast"})
+    with pytest.raises(TypeError, match=r"^statistics must be a mapping, got str$"):
+        engine_statistics("fast")
