@@ -6,7 +6,10 @@ same on asyncio and trio). The supervisor task owns the child from start to reap
 a child that failed at once, gives one that is shutting down ``grace_period`` seconds to exit
 before killing it, and always waits for it, also when cancelled, so that no child outlives
 the coordinator's ``async with`` block. The child's stderr is forwarded, line by line with a
-``[replica N]`` prefix, and its last lines go into the error if it dies.
+``[replica N]`` prefix, and its last lines go into the error if it dies; a line longer than
+:data:`MAX_STDERR_LINE_BYTES` is cut there, with a marker saying how much was cut, so a child
+that writes without newlines costs the coordinator a bounded buffer and time linear in what
+it wrote.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from twostroke.engine.coordinator.frames import Start
 from twostroke.engine.coordinator.replicas import Relay, RemoteReplica
 from twostroke.engine.errors import ReplicaFailed
 
-__all__ = ["ProcessReplica", "replica_command"]
+__all__ = ["MAX_STDERR_LINE_BYTES", "ProcessReplica", "StderrLines", "replica_command"]
 
 _STDERR_LINES = 20
+#: The longest line of a child's stderr that is forwarded whole (the rest is cut).
+MAX_STDERR_LINE_BYTES = 8192
 
 
 def current_backend() -> str:
@@ -126,17 +131,61 @@ class ProcessReplica(RemoteReplica):
         self, process: anyio.abc.Process, tail: collections.deque[str]
     ) -> None:
         assert process.stderr is not None
-        pending = b""
-        chunks = process.stderr
-        async for chunk in chunks:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for raw in lines:
-                line = raw.decode("utf-8", errors="replace")
+        lines = StderrLines()
+        async for chunk in process.stderr:
+            for line in lines.feed(chunk):
                 tail.append(line)
                 print(f"[replica {self.index}] {line}", file=sys.stderr)
-        if pending:
-            tail.append(pending.decode("utf-8", errors="replace"))
+        last = lines.close()
+        if last is not None:
+            tail.append(last)
+
+
+class StderrLines:
+    """Splits a child's stderr into lines, each cut at ``limit`` bytes.
+
+    Each byte is looked at once and at most ``limit`` bytes of a line are kept: a child that
+    writes 64 MiB without a newline costs a ``limit``-byte buffer, not a 64 MiB one that is
+    copied again for every chunk.
+
+    Args:
+        limit: The most bytes of one line kept; the rest is counted and dropped.
+    """
+
+    def __init__(self, limit: int = MAX_STDERR_LINE_BYTES) -> None:
+        self._limit = limit
+        self._line = bytearray()
+        self._cut = 0
+
+    def feed(self, data: bytes) -> list[str]:
+        """The lines that ``data`` ends (a partial line waits for its newline)."""
+        lines = []
+        view = memoryview(data)
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            piece = view[start:] if end < 0 else view[start:end]
+            room = max(0, self._limit - len(self._line))
+            self._line += piece[:room]
+            self._cut += max(0, len(piece) - room)
+            if end < 0:
+                return lines
+            lines.append(self._take())
+            start = end + 1
+
+    def close(self) -> str | None:
+        """The stream ended: the unfinished last line, if any."""
+        if not self._line and not self._cut:
+            return None
+        return self._take()
+
+    def _take(self) -> str:
+        line = self._line.decode("utf-8", errors="replace")
+        if self._cut:
+            line += f"... [{self._cut} more bytes of this line cut]"
+        self._line = bytearray()
+        self._cut = 0
+        return line
 
 
 def _kill(process: anyio.abc.Process) -> None:

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import tracemalloc
 from typing import Any
 
 import anyio
@@ -214,3 +215,52 @@ async def test_a_child_that_dies_at_start_says_why(monkeypatch: pytest.MonkeyPat
         async with Coordinator.open(replicas=2, placement="process"):
             raise AssertionError("must not start")
     assert "boom: the replica could not start" in str(caught.value)
+
+
+def test_stderr_lines_are_cut_at_the_limit_however_the_bytes_arrive() -> None:
+    data = b"short\n" + b"x" * 25 + "\nhé\n".encode() + b"y" * 12
+    for size in (1, 3, 7, len(data)):
+        lines = process.StderrLines(limit=10)
+        found: list[str] = []
+        for start in range(0, len(data), size):
+            found.extend(lines.feed(data[start : start + size]))
+        last = lines.close()
+        assert found == ["short", "x" * 10 + "... [15 more bytes of this line cut]", "hé"]
+        assert last == "y" * 10 + "... [2 more bytes of this line cut]"
+        assert lines.close() is None
+
+
+NO_NEWLINE = """
+import os, sys
+block = b"z" * (1 << 20)
+for _ in range(int(sys.argv[1])):
+    os.write(2, block)
+os.write(2, b"\\nboom: the replica could not start\\n")
+sys.exit(3)
+"""
+
+
+async def test_a_child_writing_megabytes_without_a_newline_costs_a_bounded_buffer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mebibytes = 16
+    command = [sys.executable, "-c", NO_NEWLINE, str(mebibytes)]
+    monkeypatch.setattr(process, "replica_command", lambda: command)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReplicaFailed, match="exit code 3") as caught:
+            async with Coordinator.open(replicas=1, placement="process"):
+                raise AssertionError("must not start")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"forwarding {mebibytes} MiB of stderr peaked at {peak} bytes"
+    cut = (mebibytes << 20) - process.MAX_STDERR_LINE_BYTES
+    marker = f"... [{cut} more bytes of this line cut]"
+    assert marker in str(caught.value)
+    assert "boom: the replica could not start" in str(caught.value)
+    forwarded = capsys.readouterr().err.splitlines()
+    assert forwarded == [
+        "[replica 0] " + "z" * process.MAX_STDERR_LINE_BYTES + marker,
+        "[replica 0] boom: the replica could not start",
+    ]
