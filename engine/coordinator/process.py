@@ -2,7 +2,9 @@
 
 Each replica is ``python -m twostroke.engine.coordinator.replica``, started with
 :func:`anyio.open_process` and spoken to in frames over its stdin and stdout (no ports, the
-same on asyncio and trio). The supervisor task owns the child from start to reaping: it kills
+same on asyncio and trio), in a session of its own, so that signals meant for the
+coordinator's process group (Ctrl-C) never reach it: the coordinator alone decides when its
+children stop. The supervisor task owns the child from start to reaping: it kills
 a child that failed at once, gives one that is shutting down ``grace_period`` seconds to exit
 before killing it, and always waits for it, also when cancelled, so that no child outlives
 the coordinator's ``async with`` block. The child's stderr is forwarded, line by line with a
@@ -88,8 +90,15 @@ class ProcessReplica(RemoteReplica):
     async def run(self) -> None:
         command = self._command or replica_command()
         try:
+            # A session of its own: a Ctrl-C at the terminal (SIGINT to the foreground
+            # process group) or a hangup reaches the coordinator only, which drains and then
+            # stops its children itself; the supervisor reaps the child in every case.
             process = await anyio.open_process(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
             )
         except OSError as exc:
             self._start_cause = exc

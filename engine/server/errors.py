@@ -15,6 +15,7 @@ from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
     EngineError,
+    ReplicaFailed,
     RequestFailed,
     RequestRejected,
 )
@@ -73,7 +74,8 @@ def api_error_from(exc: BaseException) -> ApiError:
     """The response for an exception raised while serving a request.
 
     Engine errors get their documented status (400 for a rejected request, 503 for a dead or
-    closed engine); anything else is a 500 that names only the exception's type.
+    closed engine or a failed replica); anything else is a 500 that names only the
+    exception's type.
     """
     if isinstance(exc, ApiError):
         return exc
@@ -85,6 +87,13 @@ def api_error_from(exc: BaseException) -> ApiError:
     if isinstance(exc, EngineClosed):
         return ApiError(
             503, "the engine is shutting down", type="server_error", code="engine_closed"
+        )
+    if isinstance(exc, ReplicaFailed):  # the others serve: a retry may well succeed
+        return ApiError(
+            503,
+            "the replica serving this request failed",
+            type="server_error",
+            code="replica_failed",
         )
     if isinstance(exc, RequestFailed):
         return ApiError(500, "a step of this request failed", type="server_error")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from twostroke.engine import LLM, CoordinatorStatistics, SamplingParams
+from twostroke.engine import LLM, CoordinatorStatistics, ReplicaFailed, SamplingParams
 from twostroke.engine.cli import main
+from twostroke.engine.server.errors import api_error_from
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -36,3 +37,10 @@ def test_generate_command_over_replicas_prints_what_one_engine_does(
     expected = capsys.readouterr().out
     assert main([*command, "--replicas", "2", "--placement", "local"]) == 0
     assert capsys.readouterr().out == expected
+
+
+def test_a_failed_replica_is_a_503_for_the_server() -> None:
+    """The other replicas serve on: a retry may succeed (503, not a 500 server fault)."""
+    error = api_error_from(ReplicaFailed(1, "its process ended with signal SIGKILL", 7))
+    assert (error.status, error.type, error.code) == (503, "server_error", "replica_failed")
+    assert error.message == "the replica serving this request failed"

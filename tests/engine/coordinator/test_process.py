@@ -8,9 +8,11 @@ mid-frame, or dies at start) use a few lines of Python that write prepared bytes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import tracemalloc
 from typing import Any
@@ -32,6 +34,7 @@ from twostroke.engine.coordinator import process
 from twostroke.engine.coordinator.frames import Ready, encode_frame
 
 from .test_local import bare_outputs, comparable, workload
+from .test_replicas import FAKE_REPLICA
 
 pytestmark = pytest.mark.anyio
 
@@ -264,3 +267,52 @@ async def test_a_child_writing_megabytes_without_a_newline_costs_a_bounded_buffe
         "[replica 0] " + "z" * process.MAX_STDERR_LINE_BYTES + marker,
         "[replica 0] boom: the replica could not start",
     ]
+
+
+CTRL_C = """
+import os, signal, sys
+import anyio
+from twostroke.engine import Coordinator
+from twostroke.engine.coordinator import process
+
+process.replica_command = lambda: [sys.executable, "-c", sys.argv[1]]
+
+async def main():
+    async with Coordinator.open(replicas=2, placement="process", grace_period=5) as c:
+        with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            pids = [replica.pid for replica in c.statistics().replicas]
+            print(*pids, flush=True)
+            async for _ in signals:
+                break
+        # A round trip through every replica after the signal: one that got it is dead.
+        await c.wait_idle()
+        print(*[replica.alive for replica in c.statistics().replicas], flush=True)
+
+anyio.run(main, backend=sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ctrl_c_reaches_the_coordinator_and_not_its_children(backend: str) -> None:
+    """SIGINT to the coordinator's process group, as a terminal's Ctrl-C sends it."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C, FAKE_REPLICA, backend],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, like a shell's job
+    )
+    try:
+        assert driver.stdout is not None
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(pids) == 2, driver.communicate(timeout=60)
+        for pid in pids:
+            assert os.getsid(pid) == pid  # each child leads a session of its own
+        os.killpg(driver.pid, signal.SIGINT)
+        out, err = driver.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    assert (driver.returncode, out) == (0, "True True\n"), err
+    assert all(gone(pid) for pid in pids)
