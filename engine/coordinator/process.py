@@ -168,7 +168,7 @@ class StderrLines:
 
     def feed(self, data: bytes) -> list[str]:
         """The lines that ``data`` ends (a partial line waits for its newline)."""
-        lines = []
+        lines: list[str] = []
         view = memoryview(data)
         start = 0
         while True:
