@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "EngineError",
+    "EngineOverloaded",
     "InvalidTransition",
     "RequestRejected",
     "SchedulerError",
@@ -49,6 +50,15 @@ class InvalidTransition(EngineError):
 
 class RequestRejected(EngineError, ValueError):
     """A request can never be served with this configuration (it is not queued)."""
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is full (``max_waiting_requests``): the request was not queued.
+
+    Unlike :class:`RequestRejected`, the same request may be served later, once requests
+    waiting now have been admitted; the HTTP server answers it with a 503 and
+    ``Retry-After``. Nothing already queued is affected.
+    """
 
 
 class SchedulerError(EngineError, RuntimeError):

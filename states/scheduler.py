@@ -16,6 +16,12 @@ N+1 feeds it as a *pending input* that the runner takes from step N's output on 
 Policy: running requests are served oldest first; admission is FIFO by arrival and stops at
 the first request that does not fit; when a running request needs a block and none is free,
 the newest running request is preempted (recomputed later), so the oldest always progresses.
+With ``max_waiting_requests`` set, a new request that would pass it is refused
+(:class:`~twostroke.states.errors.EngineOverloaded`) and nothing changes.
+
+Both queues are kept in arrival order. A new request arrived after every request there is, so
+it is appended to the waiting queue at O(1) cost; only a preempted request goes back into the
+middle (before the new ones), found by binary search.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from twostroke.states.blocks import BlockPool, blocks_for
-from twostroke.states.errors import RequestRejected, SchedulerError
+from twostroke.states.errors import EngineOverloaded, RequestRejected, SchedulerError
 from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome, StepPlan, StepReport
 from twostroke.states.prefix_cache import PrefixCache
 from twostroke.states.request import (
@@ -70,7 +76,9 @@ class Scheduler:
         self._requests: dict[int, Request] = {}
         self._arrival: dict[int, int] = {}
         self._arrivals = itertools.count()
-        self._waiting: list[Request] = []
+        # Preempted requests (sorted by arrival), then new ones (in arrival order): every new
+        # one arrived after every request ever admitted (admission takes the oldest waiting).
+        self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
         # Terminal requests whose blocks a step in flight still uses.
         self._ending: set[int] = set()
@@ -138,6 +146,8 @@ class Scheduler:
         Raises:
             RequestRejected: it can never be served (empty prompt, too long for the context
                 or for the whole KV pool); nothing is queued.
+            EngineOverloaded: the waiting queue is full (``max_waiting_requests``); nothing
+                is queued.
             SchedulerError: the id is in use or the request is not new.
         """
         config = self.config
@@ -161,9 +171,27 @@ class Scheduler:
                 f"prompt + max_tokens ({total} tokens) needs {needed} KV blocks of "
                 f"{config.block_size}, but the pool has only {config.num_blocks}"
             )
+        self.check_waiting_room()
         self._requests[request.request_id] = request
         self._arrival[request.request_id] = next(self._arrivals)
-        self._insert(self._waiting, request)
+        # The newest arrival of all: its place is the back, found without a search.
+        self._waiting.append(request)
+
+    def check_waiting_room(self) -> None:
+        """Return if the waiting queue has room for a new request.
+
+        Cheap (a length and a comparison): the engine asks before it tokenizes a prompt.
+
+        Raises:
+            EngineOverloaded: ``max_waiting_requests`` requests (or more: preempted requests
+                always go back) are waiting; nothing changes.
+        """
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self._waiting) >= limit:
+            raise EngineOverloaded(
+                f"the waiting queue is full: {len(self._waiting)} requests wait for admission "
+                f"and max_waiting_requests is {limit}; retry later"
+            )
 
     def cancel(self, request_id: int) -> bool:
         """Cancel a request at any point of its life. Idempotent.
@@ -258,7 +286,7 @@ class Scheduler:
             reclaimed = sum(1 for block_id in hits if not self.pool.ref_count(block_id))
             if num_tokens == 0 or needed + reclaimed > self.pool.num_free:
                 break
-            del self._waiting[0]
+            self._waiting.popleft()
             request.apply(Admitted(self._clock()))
             self._prefix.claim(request, hits)  # before anything is allocated
             self._insert(self._running, request)
@@ -426,9 +454,16 @@ class Scheduler:
 
     # --- internals ----------------------------------------------------------------------
 
-    def _insert(self, queue: list[Request], request: Request) -> None:
-        keys = [self._arrival[r.request_id] for r in queue]
-        queue.insert(bisect.bisect(keys, self._arrival[request.request_id]), request)
+    def _insert(self, queue: list[Request] | collections.deque[Request], request: Request) -> None:
+        """Put ``request`` into ``queue`` (sorted by arrival) after every older request.
+
+        A binary search: O(log n) arrival look-ups, never a pass over the queue in Python.
+        """
+        arrival = self._arrival[request.request_id]
+        queue.insert(bisect.bisect(queue, arrival, key=self._arrival_of), request)
+
+    def _arrival_of(self, request: Request) -> int:
+        return self._arrival[request.request_id]
 
     def _in_flight(self, request: Request) -> bool:
         last = self._last_step.get(request.request_id)

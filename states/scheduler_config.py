@@ -23,6 +23,11 @@ class SchedulerConfig:
             step ahead.
         enable_prefix_caching: Keep the KV of full blocks after their requests end, and
             let a request whose prompt starts with the same tokens skip computing them.
+        max_waiting_requests: The most requests the waiting queue may hold (new and
+            preempted) when a new one arrives: :meth:`Scheduler.add_request` refuses a request
+            that would pass it with :class:`~twostroke.states.errors.EngineOverloaded`.
+            Preempted requests always go back into the queue, so it may hold more of them.
+            ``None`` (the default) sets no limit: an in-process caller decides what it queues.
     """
 
     num_blocks: int = attrs.field(validator=int_at_least(1))
@@ -32,6 +37,9 @@ class SchedulerConfig:
     max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
     pipeline_depth: int = attrs.field(default=2, validator=PIPELINE_DEPTH)
     enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
+    max_waiting_requests: int | None = attrs.field(
+        default=None, validator=int_at_least(1, optional=True, note=" (or None for no limit)")
+    )
 
 
 @attrs.frozen

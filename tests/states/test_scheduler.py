@@ -11,7 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twostroke.states.errors import InvalidTransition, RequestRejected, SchedulerError
+from twostroke.states.errors import (
+    EngineOverloaded,
+    InvalidTransition,
+    RequestRejected,
+    SchedulerError,
+)
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome
 from twostroke.states.request import FinishReason, Request, RequestStatus
@@ -189,6 +194,12 @@ def test_ids_must_be_unique_and_requests_new() -> None:
             ValueError,
             "pipeline_depth must be 1 (serial) or 2 (lookahead), got 3",
         ),
+        (
+            "max_waiting_requests",
+            0,
+            ValueError,
+            "max_waiting_requests must be >= 1 (or None for no limit), got 0",
+        ),
         ("num_blocks", 2.0, TypeError, "num_blocks must be an int, got float 2.0"),
         ("max_num_seqs", True, TypeError, "max_num_seqs must be an int, got bool True"),
     ],
@@ -198,6 +209,107 @@ def test_config_is_validated(
 ) -> None:
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         config(**{field: value})  # type: ignore[arg-type]
+
+
+class CountingArrivals(dict[int, int]):
+    """The scheduler's arrival numbers, counting every look-up (the queues' sort key)."""
+
+    lookups = 0
+
+    def __getitem__(self, request_id: int) -> int:
+        self.lookups += 1
+        return super().__getitem__(request_id)
+
+
+def count_arrival_lookups(scheduler: Scheduler) -> CountingArrivals:
+    arrivals = CountingArrivals(scheduler._arrival)
+    scheduler._arrival = arrivals
+    return arrivals
+
+
+def test_a_new_request_joins_the_back_of_the_queue_without_a_search() -> None:
+    # Issue 20: each submit rebuilt the list of the waiting queue's keys (16,000 submits
+    # blocked the event loop for 13.6 s). A new request arrived after all the others.
+    scheduler = Scheduler(config())
+    arrivals = count_arrival_lookups(scheduler)
+    for request_id in range(1000):
+        scheduler.add_request(request(request_id))
+    assert arrivals.lookups == 0
+    assert scheduler.waiting_ids == tuple(range(1000))
+    scheduler.check_invariants()
+
+
+def preempt_behind(backlog: int, **overrides: int) -> tuple[Scheduler, CountingArrivals]:
+    """Requests 1, 2, 3 run, ``backlog`` newer ones wait, then 3 is preempted (the newest)."""
+    scheduler = Scheduler(
+        config(num_blocks=4, block_size=2, max_model_len=7, pipeline_depth=1, **overrides)
+    )
+    kv = SimulatedKV(4, 2)
+    for request_id in (1, 2, 3):
+        scheduler.add_request(request(request_id, 2, max_tokens=4))
+    plan = scheduler.schedule()
+    assert plan is not None
+    scheduler.apply(kv.execute(plan))
+    for request_id in range(4, 4 + backlog):
+        scheduler.add_request(request(request_id, 2, max_tokens=4))
+    arrivals = count_arrival_lookups(scheduler)
+    plan = scheduler.schedule()  # 1 and 2 each need a second block: 3 gives its up
+    assert plan is not None
+    assert plan.request_ids == (1, 2)
+    return scheduler, arrivals
+
+
+def test_a_preempted_request_goes_back_before_every_newer_one_by_binary_search() -> None:
+    scheduler, arrivals = preempt_behind(1000)
+    assert scheduler.waiting_ids == (3, *range(4, 1004))
+    assert arrivals.lookups <= 2 * (1003).bit_length() + 4  # O(log n), not one per request
+    scheduler.check_invariants()
+
+
+def test_a_full_waiting_queue_refuses_a_new_request_and_changes_nothing() -> None:
+    scheduler = Scheduler(config(max_waiting_requests=2))
+    scheduler.add_request(request(1))
+    scheduler.add_request(request(2))
+    before = scheduler.statistics()
+    message = (
+        "the waiting queue is full: 2 requests wait for admission and max_waiting_requests "
+        "is 2; retry later"
+    )
+    with pytest.raises(EngineOverloaded, match=f"^{re.escape(message)}$") as caught:
+        scheduler.add_request(request(3))
+    assert not isinstance(caught.value, RequestRejected)  # it may be served later
+    with pytest.raises(EngineOverloaded, match=f"^{re.escape(message)}$"):
+        scheduler.check_waiting_room()
+    assert 3 not in scheduler
+    assert scheduler.waiting_ids == (1, 2)
+    assert scheduler.statistics() == before
+    # A request that can never be served says so, full queue or not.
+    with pytest.raises(RequestRejected):
+        scheduler.add_request(request(3, 0))
+    plan = scheduler.schedule()  # admits both: the queue has room again
+    assert plan is not None
+    assert plan.request_ids == (1, 2)
+    scheduler.check_waiting_room()
+    scheduler.add_request(request(3))
+    assert scheduler.waiting_ids == (3,)
+    scheduler.check_invariants()
+
+
+def test_a_preempted_request_goes_back_even_past_max_waiting_requests() -> None:
+    scheduler, _ = preempt_behind(3, max_waiting_requests=3)
+    assert scheduler.waiting_ids == (3, 4, 5, 6)  # 4 > 3: nothing admitted is ever dropped
+    scheduler.check_invariants()
+    with pytest.raises(EngineOverloaded, match=r"^the waiting queue is full: 4 requests wait"):
+        scheduler.add_request(request(7, 2))
+
+
+def test_no_max_waiting_requests_is_no_limit() -> None:
+    scheduler = Scheduler(config())
+    assert scheduler.config.max_waiting_requests is None
+    for request_id in range(300):
+        scheduler.check_waiting_room()
+        scheduler.add_request(request(request_id))
+    assert len(scheduler.waiting_ids) == 300
 
 
 # --- planning -----------------------------------------------------------------------------
