@@ -14,10 +14,26 @@ import attrs
 
 from twostroke.states.validators import boolean, check_int_at_least, int_at_least, int_in, number_in
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_LENGTH",
+    "MAX_STOP_TOKEN_IDS",
+    "SamplingParams",
+]
 
 #: The most alternatives a request may ask log-probabilities for (vLLM's default cap).
 MAX_LOGPROBS = 20
+#: The most stop strings one request may have. OpenAI's API takes 4; chat templates and
+#: few-shot prompts use a handful more. Every one is matched against the text at every token.
+MAX_STOP_STRINGS = 16
+#: The longest stop string, in characters. A stop string is a marker (``"</answer>"``,
+#: ``"\n\nUser:"``), not a document; the streamed text is held back by up to this many
+#: characters while it could still be the start of one.
+MAX_STOP_STRING_LENGTH = 256
+#: The most stop token ids one request may have: every sampled token is looked up in them.
+#: Far more than any model's end-of-turn tokens.
+MAX_STOP_TOKEN_IDS = 128
 _MAX_SEED = 2**63
 
 
@@ -27,11 +43,18 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     if not isinstance(value, Iterable):
         raise TypeError(f"stop must be a string or a sequence of strings, got {value!r}")
     strings = tuple(value)
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold <= {MAX_STOP_STRINGS} strings, got {len(strings)}")
     for item in strings:
         if not isinstance(item, str):
             raise TypeError(f"stop must contain only strings, got {type(item).__name__} {item!r}")
         if not item:
             raise ValueError("stop strings must be non-empty, got ''")
+        if len(item) > MAX_STOP_STRING_LENGTH:
+            raise ValueError(
+                f"stop strings must be <= {MAX_STOP_STRING_LENGTH} characters long, "
+                f"got one of {len(item)}"
+            )
     return strings
 
 
@@ -39,6 +62,8 @@ def _token_ids(value: object) -> tuple[int, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
         raise TypeError(f"stop_token_ids must be a sequence of ints, got {value!r}")
     ids = tuple(value)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids must hold <= {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
     for item in ids:
         check_int_at_least("stop_token_ids", item, 0)
     return ids
@@ -58,8 +83,11 @@ class SamplingParams:
         min_p: Drop tokens less likely than ``min_p`` times the most likely one.
         seed: Makes sampling reproducible for this request whatever else is batched with it.
         stop: Strings that end the output; they are not included unless
-            ``include_stop_str_in_output``.
-        stop_token_ids: Token ids that end the output (in addition to the model's EOS).
+            ``include_stop_str_in_output``. At most :data:`MAX_STOP_STRINGS` of them, each
+            of at most :data:`MAX_STOP_STRING_LENGTH` characters.
+        stop_token_ids: Token ids that end the output (in addition to the model's EOS); at
+            most :data:`MAX_STOP_TOKEN_IDS`. The engine checks each against its vocabulary
+            when the request is submitted.
         ignore_eos: Keep generating past the model's EOS token (benchmarks use this).
         repetition_penalty: Divides the logits of tokens already seen (prompt and output)
             when positive, multiplies them when negative; 1 disables it.

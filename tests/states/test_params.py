@@ -10,7 +10,13 @@ import attrs
 import pytest
 from hypothesis import given
 
-from twostroke.states.params import MAX_LOGPROBS, SamplingParams
+from twostroke.states.params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from twostroke.states.testing import sampling_params
 
 
@@ -42,6 +48,11 @@ OUT_OF_RANGE = [
     ("stop", ("ok", ""), "stop strings must be non-empty, got ''"),
     ("stop", "", "stop strings must be non-empty, got ''"),
     ("stop_token_ids", (3, -1), "stop_token_ids must be >= 0, got -1"),
+    # Issue 20: one 20,000-character stop string cost the server 774 MiB (n=4).
+    ("stop", ["x"] * 17, "stop must hold <= 16 strings, got 17"),
+    ("stop", "x" * 257, "stop strings must be <= 256 characters long, got one of 257"),
+    ("stop", ["ok", "x" * 20_000], "stop strings must be <= 256 characters long, got one of 20000"),
+    ("stop_token_ids", range(129), "stop_token_ids must hold <= 128 ids, got 129"),
     ("repetition_penalty", 0, "repetition_penalty must be > 0 (1 disables it), got 0"),
     ("repetition_penalty", -1.0, "repetition_penalty must be > 0 (1 disables it), got -1.0"),
     ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2], got 2.5"),
@@ -123,6 +134,9 @@ def test_min_tokens_may_not_exceed_max_tokens() -> None:
         ("frequency_penalty", 2),
         ("logprobs", 0),
         ("logprobs", MAX_LOGPROBS),
+        ("stop", ("x",) * MAX_STOP_STRINGS),
+        ("stop", ("x" * MAX_STOP_STRING_LENGTH,)),
+        ("stop_token_ids", tuple(range(MAX_STOP_TOKEN_IDS))),
     ],
 )
 def test_boundary_values_are_accepted(field: str, value: Any) -> None:
