@@ -12,11 +12,16 @@ work per token is constant.
 Stop strings follow vLLM too, with one refinement: streamed text never shows a partial stop
 string, because the detokenizer holds back the longest suffix of the text that is a prefix of
 some stop string (rather than a fixed number of characters), and releases it as soon as it
-can no longer become one.
+can no longer become one. An Aho-Corasick automaton over the stop strings finds both the
+suffix to hold back and the first match, at O(1) amortised cost per character of output and
+O(total length of the stop strings) memory, whatever their number and length.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+from array import array
 from collections.abc import Sequence
 
 import attrs
@@ -38,6 +43,94 @@ PROMPT_CONTEXT_TOKENS = 5
 MAX_UNRESOLVED_PUSHES = 32
 
 _REPLACEMENT_CHARACTER = "\ufffd"
+_CHAR_BITS = 21  # every code point is below 2**21 (0x110000)
+
+
+class _StopMatcher:
+    """An Aho-Corasick automaton over one request's stop strings.
+
+    A state is a node of the trie of the stop strings: the longest suffix of the text fed so
+    far that is a prefix of some stop string, which is exactly the text to hold back (its
+    length is :meth:`depth`). Feeding a character follows a trie edge or, failing that, the
+    node's failure link (its longest proper suffix that is a node) until one does: O(1)
+    amortised per character. Every node knows the longest stop string that ends there.
+
+    Memory is O(total length): one edge per node, in one dict keyed by ``node`` and the
+    character's code point, and three arrays of ints. (Storing every prefix of every stop
+    string instead is O(length²): 20,000 characters cost 200 MB.)
+    """
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        edges: dict[int, int] = {}
+        depth = [0]
+        ends = [-1]  # the stop string (index) that this node spells, or -1
+        children: list[list[tuple[int, int]]] = [[]]  # (code point, child), for the links
+        for index, string in enumerate(stop):
+            node = 0
+            for char in string:
+                key = node << _CHAR_BITS | ord(char)
+                child = edges.get(key)
+                if child is None:
+                    child = edges[key] = len(depth)
+                    depth.append(depth[node] + 1)
+                    ends.append(-1)
+                    children.append([])
+                    children[node].append((ord(char), child))
+                node = child
+            if ends[node] < 0:
+                ends[node] = index
+        # Breadth first, so that a node's failure link (shallower) is complete before it.
+        fail = [0] * len(depth)
+        longest = ends  # then: the longest stop string that is a suffix of the node's text
+        queue = collections.deque(child for _, child in children[0])
+        while queue:
+            node = queue.popleft()
+            for code, child in children[node]:
+                queue.append(child)
+                link = fail[node]
+                while link and (link << _CHAR_BITS | code) not in edges:
+                    link = fail[link]
+                fail[child] = edges.get(link << _CHAR_BITS | code, 0)
+                if longest[child] < 0:
+                    longest[child] = longest[fail[child]]
+        self._edges = edges
+        self._depth = array("l", depth)
+        self._fail = array("l", fail)
+        self._longest = array("l", longest)
+
+    def depth(self, state: int) -> int:
+        """Characters of text that ``state`` stands for (the text to hold back)."""
+        return self._depth[state]
+
+    def scan(self, state: int, text: str) -> tuple[int, int, int]:
+        """Feed ``text`` from ``state`` until the first stop string ends.
+
+        Returns:
+            ``(state, end, stop)``: the state reached; the offset in ``text`` just past the
+            first stop string to end in it (the longest of those ending there) and its index,
+            or ``-1`` and ``-1`` when none ends in ``text``.
+        """
+        edges, fail, longest = self._edges, self._fail, self._longest
+        for offset, char in enumerate(text):
+            code = ord(char)
+            while (child := edges.get(state << _CHAR_BITS | code)) is None and state:
+                state = fail[state]
+            state = 0 if child is None else child
+            if longest[state] >= 0:
+                return state, offset + 1, longest[state]
+        return state, -1, -1
+
+
+@functools.lru_cache(maxsize=16)
+def _stop_matcher(stop: tuple[str, ...]) -> _StopMatcher:
+    """The automaton for ``stop``, shared: the ``n`` choices of a request have the same.
+
+    They are submitted one after the other, so a few entries suffice; with stop strings capped
+    (:data:`~twostroke.states.params.MAX_STOP_STRINGS` of at most
+    :data:`~twostroke.states.params.MAX_STOP_STRING_LENGTH` characters) each takes well under
+    1 MB.
+    """
+    return _StopMatcher(stop)
 
 
 class DetokenizerError(EngineError, RuntimeError):
@@ -117,9 +210,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._stop = _stop_strings(stop)
         self._include_stop = bool(include_stop_str_in_output)
-        # Every proper prefix of every stop string: the suffixes of the text to hold back.
-        self._stop_prefixes = frozenset(s[:i] for s in self._stop for i in range(1, len(s)))
-        self._max_hold = max((len(s) - 1 for s in self._stop), default=0)
+        # Built at the first text (a waiting request needs none): it holds the held text's
+        # state, ``_stop_state``.
+        self._matcher: _StopMatcher | None = None
+        self._stop_state = 0
         # The window: tokens[:read] were shown (they are context), tokens[read:] were not.
         self._window = prompt[max(len(prompt) - PROMPT_CONTEXT_TOKENS, 0) :]
         self._read = len(self._window)
@@ -215,45 +309,26 @@ class IncrementalDetokenizer:
         if not self._stop:
             self._show(new_text)
             return DetokenizedDelta(new_text)
-        # A match cannot start before the held text: the held text is the longest suffix of
-        # the text so far that could begin a stop string.
+        if self._matcher is None:
+            self._matcher = _stop_matcher(self._stop)
+        # The held text is the longest suffix of the text so far that could begin a stop
+        # string (the automaton's state stands for it): a match cannot start before it.
         candidate = self._held + new_text
-        match = self._first_match(candidate)
-        if match is not None:
-            start, stop_string = match
-            end = start + len(stop_string) if self._include_stop else start
-            shown = candidate[:end]
+        state, end, index = self._matcher.scan(self._stop_state, new_text)
+        if end >= 0:
+            stop_string = self._stop[index]
+            end += len(self._held)
+            shown = candidate[: end if self._include_stop else end - len(stop_string)]
             self._held = ""
             self._stop_string = stop_string
             self._show(shown)
             return DetokenizedDelta(shown, stopped=True, stop_string=stop_string)
-        hold = self._partial_stop_length(candidate)
+        self._stop_state = state
+        hold = self._matcher.depth(state)
         shown = candidate[: len(candidate) - hold]
         self._held = candidate[len(candidate) - hold :]
         self._show(shown)
         return DetokenizedDelta(shown)
-
-    def _first_match(self, text: str) -> tuple[int, str] | None:
-        """The stop string whose first match in ``text`` ends first (ties: the longer)."""
-        best: tuple[int, int, str] | None = None  # (end, -length, stop string)
-        for stop_string in self._stop:
-            start = text.find(stop_string)
-            if start < 0:
-                continue
-            key = (start + len(stop_string), -len(stop_string), stop_string)
-            if best is None or key < best:
-                best = key
-        if best is None:
-            return None
-        end, negative_length, stop_string = best
-        return end + negative_length, stop_string
-
-    def _partial_stop_length(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        for length in range(min(self._max_hold, len(text)), 0, -1):
-            if text[len(text) - length :] in self._stop_prefixes:
-                return length
-        return 0
 
     def _show(self, text: str) -> None:
         if text:

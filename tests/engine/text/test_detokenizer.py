@@ -9,6 +9,7 @@ every delta against a reference written from the definition.
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Sequence
 
 import pytest
@@ -320,6 +321,36 @@ def test_the_stop_string_that_ends_first_wins_and_the_longer_on_a_tie() -> None:
     assert first_end.push(BYTES.encode("abcdef")) == DetokenizedDelta("ab", True, "cd")
     tie = IncrementalDetokenizer(BYTES, [], stop=["cd", "bcd"])
     assert tie.push(BYTES.encode("abcdef")) == DetokenizedDelta("a", True, "bcd")
+
+
+def test_a_match_that_begins_inside_a_failed_one_is_found() -> None:
+    # "aab" fails at the third "a", whose last two characters begin it again; "abab" fails
+    # at "abaa", where "a" still begins it; the shorter "ba" ends inside the longer "abab".
+    detokenizer = IncrementalDetokenizer(BYTES, [], stop=["aab"])
+    assert detokenizer.push(BYTES.encode("aaa")) == DetokenizedDelta("a")
+    assert detokenizer.push(BYTES.encode("ab!")) == DetokenizedDelta("a", True, "aab")
+    held = IncrementalDetokenizer(BYTES, [], stop=["abab", "bax"])
+    assert held.push(BYTES.encode("abaa")) == DetokenizedDelta("aba")
+    assert held.push(BYTES.encode("bax")) == DetokenizedDelta("a", True, "bax")
+    inner = IncrementalDetokenizer(BYTES, [], stop=["abab", "ba"])
+    assert inner.push(BYTES.encode("xabab")) == DetokenizedDelta("xa", True, "ba")
+
+
+def test_a_long_stop_string_costs_memory_linear_in_its_length() -> None:
+    # Issue 20: every prefix of every stop string was stored, O(length²): one stop string of
+    # 20,000 characters cost 194 MiB per request (four choices took a server from 425 to
+    # 1,199 MiB). SamplingParams caps the length; the detokenizer must not need the cap.
+    stop = "ab" * 9_999 + "!"
+    tracemalloc.start()
+    try:
+        detokenizer = IncrementalDetokenizer(BYTES, [], stop=[stop])
+        delta = detokenizer.push(BYTES.encode("ab" * 9_999))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert delta == DetokenizedDelta("")  # all of it could still be the stop string
+    assert peak < 400 * len(stop)  # bytes: a few hundred a character, never 10,000
+    assert detokenizer.push(BYTES.encode("!")) == DetokenizedDelta("", True, stop)
 
 
 def test_a_stop_string_in_the_prompt_does_not_stop_the_output() -> None:
