@@ -59,6 +59,11 @@ class EngineConfig:
         enable_prefix_caching: Keep the KV of full blocks after their requests end, so a
             prompt that starts with the same tokens (a shared system prompt, the earlier
             turns of a chat) skips computing them. Outputs are the same either way.
+        max_waiting_requests: The most requests that may wait for admission: ``submit``
+            raises :class:`~twostroke.engine.errors.EngineOverloaded` (before it tokenizes
+            the prompt) while that many wait, and queues nothing. ``None`` (the default) sets
+            no limit: a program that submits a batch of any size (``LLM.generate``) decides
+            what it queues. ``twostroke serve`` sets 1024 (``--max-waiting-requests``).
         step_timeout: Seconds a step may take, from when the engine starts waiting for it
             until its tokens are back (and the probe of a device after a failed step); a
             step past it means a hung device, and the engine dies (:class:`EngineDead`)
@@ -87,6 +92,9 @@ class EngineConfig:
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
+    max_waiting_requests: int | None = attrs.field(
+        default=None, validator=int_at_least(1, optional=True, note=" (or None for no limit)")
+    )
     step_timeout: float | None = attrs.field(
         default=None,
         validator=attrs.validators.optional(number_in(0, low_open=True)),

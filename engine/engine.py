@@ -35,7 +35,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.delivery import Deliveries, Tracked
-from twostroke.engine.errors import EngineClosed, EngineDead, RequestCancelled
+from twostroke.engine.errors import EngineClosed, EngineDead, RequestCancelled, RequestRejected
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
@@ -90,6 +90,7 @@ class Engine:
                 max_model_len=self._max_model_len,
                 pipeline_depth=config.pipeline_depth,
                 enable_prefix_caching=config.enable_prefix_caching,
+                max_waiting_requests=config.max_waiting_requests,
             ),
             clock=anyio.current_time,
         )
@@ -248,7 +249,10 @@ class Engine:
 
         Raises:
             TypeError, ValueError: a malformed prompt or parameters (nothing is queued).
-            RequestRejected: the request can never fit (context length or KV pool).
+            RequestRejected: the request can never be served: too long for the context or
+                the KV pool, or a stop token id outside the vocabulary.
+            EngineOverloaded: ``max_waiting_requests`` requests are waiting (checked before
+                the prompt is tokenized); nothing is queued.
             EngineClosed, EngineDead: the engine no longer takes work.
         """
         self.check_health()
@@ -256,6 +260,13 @@ class Engine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        vocab = self.tokenizer.vocab_size
+        for index, token_id in enumerate(params.stop_token_ids):
+            if token_id >= vocab:  # (SamplingParams checked >= 0)
+                raise RequestRejected(
+                    f"stop_token_ids must be in [0, {vocab}), got {token_id} at index {index}"
+                )
+        self._scheduler.check_waiting_room()  # cheap: before the tokenizer's work
         prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         request_id = next(self._ids)
         request = Request(

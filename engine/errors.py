@@ -12,7 +12,13 @@ from __future__ import annotations
 from twostroke.gpu.completion import CompletionAlreadySet, CompletionError, CompletionNotDone
 from twostroke.gpu.device import DeviceUnavailable
 from twostroke.gpu.forward_thread import ForwardThreadClosed
-from twostroke.states.errors import EngineError, InvalidTransition, RequestRejected, SchedulerError
+from twostroke.states.errors import (
+    EngineError,
+    EngineOverloaded,
+    InvalidTransition,
+    RequestRejected,
+    SchedulerError,
+)
 from twostroke.states.routing import NoLiveReplica
 
 __all__ = [
@@ -23,6 +29,7 @@ __all__ = [
     "EngineClosed",
     "EngineDead",
     "EngineError",
+    "EngineOverloaded",
     "ForwardThreadClosed",
     "InvalidTransition",
     "NoLiveReplica",

@@ -28,6 +28,11 @@ from twostroke.engine import EngineConfig
         ({"max_num_seqs": True}, TypeError, "max_num_seqs must be an int, got bool True"),
         ({"max_num_seqs": None}, TypeError, "max_num_seqs must be an int, got NoneType None"),
         ({"max_model_len": 1}, ValueError, "max_model_len must be >= 2, got 1"),
+        (
+            {"max_waiting_requests": 0},
+            ValueError,
+            "max_waiting_requests must be >= 1 (or None for no limit), got 0",
+        ),
         ({"max_model_len": 2.5}, TypeError, "max_model_len must be an int, got float 2.5"),
         (
             {"pipeline_depth": 3},

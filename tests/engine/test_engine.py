@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import anyio
@@ -10,12 +11,13 @@ import pytest
 from twostroke.engine import (
     Engine,
     EngineClosed,
+    EngineOverloaded,
     FinishReason,
     RequestCancelled,
     RequestRejected,
     SamplingParams,
 )
-from twostroke.engine.runners.toy import ByteTokenizer, toy_text_next_token
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
 from twostroke.states.testing import reference_output
 
 from .conftest import toy_engine
@@ -149,6 +151,55 @@ async def test_bad_input_is_rejected_and_changes_nothing(
             await engine.generate(prompt, SamplingParams(max_tokens=8))
         assert engine.statistics() == before
         assert (await engine.generate("still serving", SamplingParams(max_tokens=2))).token_ids
+
+
+async def test_a_stop_token_id_outside_the_vocabulary_is_rejected() -> None:
+    async with toy_engine() as engine:
+        before = engine.statistics()
+        with pytest.raises(
+            RequestRejected, match=r"^stop_token_ids must be in \[0, 257\), got 257 at index 1$"
+        ):
+            engine.submit("x", SamplingParams(stop_token_ids=[5, 257]))
+        assert engine.statistics() == before
+        params = SamplingParams(max_tokens=4, stop_token_ids=[256])  # the last id is fine
+        assert (await engine.generate("x", params)).token_ids
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        self.num_encoded = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.num_encoded += 1
+        return super().encode(text)
+
+
+async def test_a_full_waiting_queue_refuses_before_tokenizing_and_loses_nothing() -> None:
+    tokenizer = CountingTokenizer()
+    params = SamplingParams(max_tokens=6)
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=tokenizer, device="cpu", num_blocks=64, block_size=4,
+        max_waiting_requests=2,
+    ) as engine:  # fmt: skip
+        # No step runs between two submits: both requests wait.
+        handles = [engine.submit("first", params), engine.submit("second", params)]
+        before, encoded = engine.statistics(), tokenizer.num_encoded
+        message = (
+            "the waiting queue is full: 2 requests wait for admission and "
+            "max_waiting_requests is 2; retry later"
+        )
+        with pytest.raises(EngineOverloaded, match=f"^{re.escape(message)}$"):
+            engine.submit("third", params)
+        assert tokenizer.num_encoded == encoded  # refused before the tokenizer ran
+        assert engine.statistics() == before
+        outputs = [await handle.result() for handle in handles]  # nothing lost
+        assert [list(output.token_ids) for output in outputs] == [
+            expected("first", params)[0],
+            expected("second", params)[0],
+        ]
+        assert (await engine.generate("third", params)).token_ids  # room again
+        await engine.wait_idle()
+        engine.check_invariants()
 
 
 async def test_wrong_params_type() -> None:
