@@ -163,9 +163,12 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _token_ids(name: str, token_ids: object) -> list[int]:
+def _token_ids(name: str, token_ids: object, last: int | None = None) -> list[int]:
+    """``token_ids`` (only its ``last`` ones, if given) as a list, checked to be ints."""
     if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    if last is not None:
+        token_ids = token_ids[max(len(token_ids) - last, 0) :]
     for item in token_ids:
         if isinstance(item, bool) or not isinstance(item, int):
             raise TypeError(f"{name} must contain only ints, got {type(item).__name__} {item!r}")
@@ -188,13 +191,14 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: The request's tokenizer; only ``decode`` is used.
-        prompt_token_ids: The prompt; its last few tokens give the output its context.
+        prompt_token_ids: The prompt; its last :data:`PROMPT_CONTEXT_TOKENS` tokens give the
+            output its context (only they are read, so a long prompt costs nothing more).
         stop: Strings that end the output.
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
 
     Raises:
-        TypeError: ``prompt_token_ids`` is not a sequence of ints, or ``stop`` is not a
-            sequence of strings.
+        TypeError: ``prompt_token_ids`` is not a sequence (or its last tokens are not
+            ints), or ``stop`` is not a sequence of strings.
         ValueError: a stop string is empty.
     """
 
@@ -206,7 +210,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
-        prompt = _token_ids("prompt_token_ids", prompt_token_ids)
+        context = _token_ids("prompt_token_ids", prompt_token_ids, last=PROMPT_CONTEXT_TOKENS)
         self._tokenizer = tokenizer
         self._stop = _stop_strings(stop)
         self._include_stop = bool(include_stop_str_in_output)
@@ -215,7 +219,7 @@ class IncrementalDetokenizer:
         self._matcher: _StopMatcher | None = None
         self._stop_state = 0
         # The window: tokens[:read] were shown (they are context), tokens[read:] were not.
-        self._window = prompt[max(len(prompt) - PROMPT_CONTEXT_TOKENS, 0) :]
+        self._window = context
         self._read = len(self._window)
         self._unresolved_pushes = 0
         self._held = ""  # decoded text held back because it could begin a stop string

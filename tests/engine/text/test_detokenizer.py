@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tracemalloc
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -453,6 +454,28 @@ def test_repr_shows_state() -> None:
     )
     detokenizer.push(b"c")
     assert repr(detokenizer) == "<IncrementalDetokenizer 3 chars shown, stopped at 'abc'>"
+
+
+class ReadCountingIds(Sequence[int]):
+    """Token ids that count how many of them are read."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.num_read = ids, 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: Any) -> Any:
+        items = self.ids[index]
+        self.num_read += len(items) if isinstance(items, list) else 1
+        return items
+
+
+def test_only_the_prompts_last_tokens_are_read() -> None:
+    prompt = ReadCountingIds(BYTES.encode("a long prompt " * 1000))
+    detokenizer = IncrementalDetokenizer(BYTES, prompt, stop=["!"])
+    assert prompt.num_read == PROMPT_CONTEXT_TOKENS  # submit costs the same for any prompt
+    assert detokenizer.push(BYTES.encode("ok")) == DetokenizedDelta("ok")
 
 
 @pytest.mark.parametrize(
