@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Generic, Literal, TypeAlias, TypeVar
 
 import anyio
@@ -36,9 +36,11 @@ __all__ = [
     "Deltas",
     "Failed",
     "Finished",
+    "FinishedPart",
     "FrameDecoder",
     "FrameError",
     "FrameReader",
+    "FrameTooLarge",
     "FromReplica",
     "PromptInput",
     "Ready",
@@ -53,10 +55,11 @@ __all__ = [
     "WirePrompt",
     "encode_frame",
     "routing_key",
+    "split_output",
     "wire_prompt",
 ]
 
-#: The largest frame either side accepts (a frame announcing more is malformed).
+#: The largest frame either side sends or accepts (a frame announcing more is malformed).
 MAX_FRAME_BYTES = 64 << 20
 _HEADER = struct.Struct(">I")
 
@@ -85,6 +88,20 @@ class FrameError(EngineError):
     def __init__(self, message: str, frames: Sequence[object] = ()) -> None:
         super().__init__(message)
         self.frames = list(frames)
+
+
+class FrameTooLarge(ValueError):
+    """A frame would be longer than the limit: refused before it is sent.
+
+    Attributes:
+        size: Its length in bytes.
+        limit: The most bytes a frame may have.
+    """
+
+    def __init__(self, kind: str, size: int, limit: int) -> None:
+        super().__init__(f"a {kind} frame of {size} bytes is more than the limit of {limit}")
+        self.size = size
+        self.limit = limit
 
 
 # --- coordinator → replica -------------------------------------------------------------
@@ -177,6 +194,18 @@ class Finished(msgspec.Struct, tag="finished", array_like=True):
     cached_prompt_tokens: WireCount = 0
 
 
+class FinishedPart(msgspec.Struct, tag="finished_part", array_like=True):
+    """The start of a finished request's output, when all of it would not fit in one frame.
+
+    A request's parts come in order, then its :class:`Finished` with the rest.
+    """
+
+    request_id: WireId
+    token_ids: list[WireId]
+    text: str
+    logprobs: list[WireLogprobs] | None
+
+
 class Failed(msgspec.Struct, tag="failed", array_like=True):
     """The request ended with an error: ``RequestFailed``, ``RequestCancelled``,
     ``EngineClosed`` or ``EngineDead``."""
@@ -202,7 +231,16 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
 
 
 FromReplica: TypeAlias = (
-    Ready | StartFailed | Accepted | Rejected | Deltas | Finished | Failed | Reply | Stats
+    Ready
+    | StartFailed
+    | Accepted
+    | Rejected
+    | Deltas
+    | Finished
+    | FinishedPart
+    | Failed
+    | Reply
+    | Stats
 )
 
 
@@ -211,14 +249,66 @@ FromReplica: TypeAlias = (
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def encode_frame(frame: msgspec.Struct) -> bytes:
+def encode_frame(frame: msgspec.Struct, *, limit: int = MAX_FRAME_BYTES) -> bytes:
     """One frame: its length, then its msgpack.
+
+    Args:
+        frame: The frame.
+        limit: The most bytes its msgpack may have (the receiver's limit).
 
     Raises:
         TypeError: a field holds a value msgpack cannot carry.
+        FrameTooLarge: the frame would be longer than ``limit``: nothing is encoded.
     """
     body = _ENCODER.encode(frame)
+    if len(body) > limit:
+        raise FrameTooLarge(type(frame).__name__, len(body), limit)
     return _HEADER.pack(len(body)) + body
+
+
+def encoded_size(value: object) -> int:
+    """Bytes of msgpack that ``value`` (a frame, or a part of one) takes."""
+    return len(_ENCODER.encode(value))
+
+
+#: A piece of a request's output: its text, token ids and logprobs.
+OutputPiece: TypeAlias = tuple[str, list[int], list[WireLogprobs] | None]
+
+
+def split_output(
+    piece: OutputPiece, size_of: Callable[[OutputPiece], int], budget: int
+) -> list[OutputPiece]:
+    """``piece`` cut into consecutive pieces whose ``size_of`` is at most ``budget``.
+
+    Joined in order, the pieces' texts, token ids and logprobs are those of ``piece``. A
+    piece is halved until it fits: the common case, one piece that fits, costs one measure.
+
+    Args:
+        piece: The output to cut.
+        size_of: The bytes of the frame that would carry a piece.
+        budget: The most bytes such a frame may have.
+
+    Raises:
+        FrameTooLarge: a single token (or character) does not fit.
+    """
+    size = size_of(piece)
+    if size <= budget:
+        return [piece]
+    text, token_ids, logprobs = piece
+    if len(token_ids) <= 1 and len(text) <= 1:
+        raise FrameTooLarge("one-token output", size, budget)
+    cut, tokens = len(text) // 2, len(token_ids) // 2
+    first: OutputPiece = (
+        text[:cut],
+        token_ids[:tokens],
+        None if logprobs is None else logprobs[:tokens],
+    )
+    rest: OutputPiece = (
+        text[cut:],
+        token_ids[tokens:],
+        None if logprobs is None else logprobs[tokens:],
+    )
+    return split_output(first, size_of, budget) + split_output(rest, size_of, budget)
 
 
 T = TypeVar("T")
@@ -230,11 +320,13 @@ class FrameDecoder(Generic[T]):
     Args:
         frame_type: :data:`ToReplica` or :data:`FromReplica`.
         peer: Who sends the bytes, for error messages (``"replica 1"``).
+        limit: The most bytes a frame may have.
     """
 
-    def __init__(self, frame_type: Any, peer: str) -> None:
+    def __init__(self, frame_type: Any, peer: str, *, limit: int = MAX_FRAME_BYTES) -> None:
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(frame_type)
         self._peer = peer
+        self._limit = limit
         self._buffer = bytearray()
         self._frames = 0
 
@@ -242,7 +334,7 @@ class FrameDecoder(Generic[T]):
         """The complete frames that ``data`` finishes (a partial one waits for more).
 
         Raises:
-            FrameError: a frame is malformed, or announces more than ``MAX_FRAME_BYTES``.
+            FrameError: a frame is malformed, or announces more than the limit.
         """
         buffer = self._buffer
         buffer += data
@@ -250,10 +342,10 @@ class FrameDecoder(Generic[T]):
         start = 0
         while len(buffer) - start >= _HEADER.size:
             (length,) = _HEADER.unpack_from(buffer, start)
-            if length > MAX_FRAME_BYTES:
+            if length > self._limit:
                 raise FrameError(
                     f"malformed frame {self._frames} from {self._peer}: it announces "
-                    f"{length} bytes, more than the limit of {MAX_FRAME_BYTES}",
+                    f"{length} bytes, more than the limit of {self._limit}",
                     frames,
                 )
             end = start + _HEADER.size + length
@@ -297,9 +389,16 @@ class FrameReader:
         FrameError: a malformed frame, or the stream ended inside one.
     """
 
-    def __init__(self, receive: anyio.abc.ByteReceiveStream, frame_type: Any, peer: str) -> None:
+    def __init__(
+        self,
+        receive: anyio.abc.ByteReceiveStream,
+        frame_type: Any,
+        peer: str,
+        *,
+        limit: int = MAX_FRAME_BYTES,
+    ) -> None:
         self._receive = receive
-        self._decoder: FrameDecoder[Any] = FrameDecoder(frame_type, peer)
+        self._decoder: FrameDecoder[Any] = FrameDecoder(frame_type, peer, limit=limit)
         self._ready: collections.deque[Any] = collections.deque()
         self._error: FrameError | None = None
         #: Seconds spent decoding (for the coordinator's cost per relayed token).

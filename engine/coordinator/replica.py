@@ -12,7 +12,10 @@ given (text, token ids or chat messages), checking its length, detokenizing incr
 matching stop strings. Output leaves as coalesced deltas: the engine's handles relay into one
 pending delta per request (:meth:`RequestHandle._relay_to`), and a writer task sends every
 pending delta in one frame whenever the pipe can take it, so a slow coordinator receives
-bigger deltas, never a growing queue.
+bigger deltas, never a growing queue. No frame is longer than the coordinator accepts
+(:data:`~.frames.MAX_FRAME_BYTES`): deltas piled up past it go in several frames, a long
+finished output in :class:`~.frames.FinishedPart` frames ahead of its ``Finished``, and a
+reply too long is answered with an error instead.
 
 Ordering is the pipe's: a request's ``Accepted`` precedes its deltas, which precede its end.
 A ``Cancel`` for a request not seen yet (it overtook its ``Add``) is remembered and honoured
@@ -35,8 +38,10 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
+import msgspec
 
 from twostroke.engine.coordinator.frames import (
+    MAX_FRAME_BYTES,
     Accepted,
     Add,
     Call,
@@ -45,8 +50,11 @@ from twostroke.engine.coordinator.frames import (
     Deltas,
     Failed,
     Finished,
+    FinishedPart,
     FrameError,
     FrameReader,
+    FrameTooLarge,
+    OutputPiece,
     Ready,
     Rejected,
     Reply,
@@ -58,6 +66,8 @@ from twostroke.engine.coordinator.frames import (
     WireFinishReason,
     WireLogprobs,
     encode_frame,
+    encoded_size,
+    split_output,
 )
 from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineError, RequestCancelled, RequestFailed
@@ -81,6 +91,78 @@ def wire_logprobs(entries: Sequence[TokenLogprobs] | None) -> list[WireLogprobs]
 
 def _reason(delta: Delta) -> WireFinishReason | None:
     return None if delta.finish_reason is None else delta.finish_reason.value
+
+
+#: Bytes of a ``Deltas`` frame around its items (its tag and two array headers, rounded up).
+_DELTAS_OVERHEAD = 16
+
+
+def delta_frames(items: list[DeltaItem], limit: int) -> list[bytes]:
+    """``Deltas`` frames of at most ``limit`` bytes that carry ``items``, in order.
+
+    One frame when they fit (the common case: encoded once); otherwise the items are packed
+    into several, and an item too long for one frame is cut into consecutive items of the
+    same request (only the last keeps its finish reason). Nothing is dropped.
+    """
+    try:
+        return [encode_frame(Deltas(items), limit=limit)]
+    except FrameTooLarge:
+        pass
+    budget = limit - _DELTAS_OVERHEAD
+    frames: list[bytes] = []
+    batch: list[DeltaItem] = []
+    used = 0
+    for item in items:
+        for part in _split_item(item, budget):
+            size = encoded_size(part)
+            if batch and used + size > budget:
+                frames.append(encode_frame(Deltas(batch), limit=limit))
+                batch, used = [], 0
+            batch.append(part)
+            used += size
+    if batch:
+        frames.append(encode_frame(Deltas(batch), limit=limit))
+    return frames
+
+
+def _split_item(item: DeltaItem, budget: int) -> list[DeltaItem]:
+    def size_of(piece: OutputPiece) -> int:
+        return encoded_size(DeltaItem(item.request_id, *piece, item.finish_reason))
+
+    pieces = split_output((item.text, item.token_ids, item.logprobs), size_of, budget)
+    last = len(pieces) - 1
+    return [
+        DeltaItem(
+            item.request_id, text, token_ids, logprobs, item.finish_reason if i == last else None
+        )
+        for i, (text, token_ids, logprobs) in enumerate(pieces)
+    ]
+
+
+def finished_frames(frame: Finished, limit: int) -> list[bytes]:
+    """``frame``, as :class:`FinishedPart` frames then a ``Finished``, none over ``limit``."""
+    try:
+        return [encode_frame(frame, limit=limit)]
+    except FrameTooLarge:
+        pass
+
+    def with_output(piece: OutputPiece) -> Finished:
+        text, token_ids, logprobs = piece
+        return msgspec.structs.replace(frame, text=text, token_ids=token_ids, logprobs=logprobs)
+
+    # A piece that fits a Finished fits a FinishedPart (its other fields take more room).
+    pieces = split_output(
+        (frame.text, frame.token_ids, frame.logprobs),
+        lambda piece: encoded_size(with_output(piece)),
+        limit,
+    )
+    *parts, last = pieces
+    frames = [
+        encode_frame(FinishedPart(frame.request_id, token_ids, text, logprobs), limit=limit)
+        for text, token_ids, logprobs in parts
+    ]
+    frames.append(encode_frame(with_output(last), limit=limit))
+    return frames
 
 
 class _Bounded:
@@ -109,9 +191,10 @@ class _Bounded:
 class _Server:
     """The replica's side of the protocol, around one open engine."""
 
-    def __init__(self, engine: Engine, send: anyio.abc.ByteSendStream) -> None:
+    def __init__(self, engine: Engine, send: anyio.abc.ByteSendStream, limit: int) -> None:
         self._engine = engine
         self._send = send
+        self._limit = limit
         self._handles: dict[int, RequestHandle] = {}
         self._control: list[Any] = []
         self._deltas: dict[int, Delta] = {}
@@ -230,8 +313,13 @@ class _Server:
                 raise ValueError(f"unknown replica call {frame.method!r}")
         except (EngineError, TypeError, ValueError) as exc:
             self._push(Reply(frame.call_id, None, type(exc).__name__, str(exc)))
-        else:
-            self._push(Reply(frame.call_id, value, None, ""))
+            return
+        reply = Reply(frame.call_id, value, None, "")
+        try:
+            encode_frame(reply, limit=self._limit)
+        except FrameTooLarge as exc:  # refused here, rather than break the coordinator's limit
+            reply = Reply(frame.call_id, None, "ValueError", f"the reply does not fit: {exc}")
+        self._push(reply)
 
     # --- output -------------------------------------------------------------------------
 
@@ -245,8 +333,13 @@ class _Server:
         self._wake.set()
 
     def _take(self) -> bytes:
-        """Everything pending, encoded: control frames, then deltas, then ends."""
-        chunks = [encode_frame(frame) for frame in self._control]
+        """Everything pending, encoded: control frames, then deltas, then ends.
+
+        No frame is longer than the coordinator's limit: deltas that would be are spread
+        over several frames, and a finished output over parts ahead of its ``Finished``.
+        """
+        limit = self._limit
+        chunks = [encode_frame(frame, limit=limit) for frame in self._control]
         if self._deltas:
             items = [
                 DeltaItem(
@@ -258,8 +351,12 @@ class _Server:
                 )
                 for request_id, delta in self._deltas.items()
             ]
-            chunks.append(encode_frame(Deltas(items)))
-        chunks.extend(encode_frame(frame) for frame in self._ends)
+            chunks.extend(delta_frames(items, limit))
+        for end in self._ends:
+            if isinstance(end, Finished):
+                chunks.extend(finished_frames(end, limit))
+            else:
+                chunks.append(encode_frame(end, limit=limit))
         self._control.clear()
         self._deltas.clear()
         self._ends.clear()
@@ -294,6 +391,7 @@ async def serve(
     send: anyio.abc.ByteSendStream,
     *,
     stats_interval: float = 0.5,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
 ) -> None:
     """Serve one coordinator over a pair of byte streams until it says ``Shutdown``.
 
@@ -301,12 +399,13 @@ async def serve(
         receive: Where :data:`~.frames.ToReplica` frames arrive.
         send: Where :data:`~.frames.FromReplica` frames go.
         stats_interval: Seconds between statistics snapshots (sent only when changed).
+        max_frame_bytes: The longest frame either side sends or accepts.
 
     Raises:
         FrameError: the coordinator sent a malformed frame, or no ``Start`` first.
         EngineDead: the engine died (every open request was told first).
     """
-    frames = FrameReader(receive, ToReplica, "the coordinator")
+    frames = FrameReader(receive, ToReplica, "the coordinator", limit=max_frame_bytes)
     start = await anext(frames, None)
     if not isinstance(start, Start):
         raise FrameError(f"the first frame from the coordinator must be Start, got {start!r}")
@@ -318,7 +417,7 @@ async def serve(
             return
         ready = Ready(os.getpid(), engine.model_name, engine.max_model_len)
         await send.send(encode_frame(ready))
-        await _Server(engine, send).run(frames, stats_interval)
+        await _Server(engine, send, max_frame_bytes).run(frames, stats_interval)
 
 
 # --- the child process ------------------------------------------------------------------

@@ -21,6 +21,7 @@ import anyio.abc
 import attrs
 
 from twostroke.engine.coordinator.frames import (
+    MAX_FRAME_BYTES,
     Accepted,
     Add,
     Call,
@@ -28,8 +29,10 @@ from twostroke.engine.coordinator.frames import (
     Deltas,
     Failed,
     Finished,
+    FinishedPart,
     FrameError,
     FrameReader,
+    FrameTooLarge,
     FromReplica,
     Ready,
     Rejected,
@@ -338,15 +341,28 @@ class RemoteReplica(_Starting):
 
     Frames to the replica wait in an outbox that one writer task sends in batches, so that
     ``add`` and ``cancel`` stay synchronous. An ``Add`` still in the outbox when its request
-    is cancelled is dropped there: the replica never hears of it.
+    is cancelled is dropped there: the replica never hears of it. No frame either way is
+    longer than ``max_frame_bytes``: a request or call whose frame would be is refused
+    before it is sent, and a finished output that would be arrives in parts.
+
+    Args:
+        index: The replica's index.
+        relay: Where it reports (the coordinator's relay).
+        start: The first frame (model and engine options).
+        max_frame_bytes: The longest frame either side sends or accepts.
     """
 
     placement = "remote"
 
-    def __init__(self, index: int, relay: Relay, start: Start) -> None:
+    def __init__(
+        self, index: int, relay: Relay, start: Start, *, max_frame_bytes: int = MAX_FRAME_BYTES
+    ) -> None:
         super().__init__(index, relay)
         self.pid: int | None = None
-        self._outbox: list[tuple[int | None, bytes]] = [(None, encode_frame(start))]
+        self._limit = max_frame_bytes
+        self._outbox: list[tuple[int | None, bytes]] = [
+            (None, encode_frame(start, limit=self._limit))
+        ]
         self._unsent: set[int] = set()
         self._wake = anyio.Event()
         self._wake.set()  # the Start frame waits in the outbox
@@ -357,6 +373,8 @@ class RemoteReplica(_Starting):
         #: Pending calls by id: the method, set once answered, and the answer.
         self._calls: dict[int, tuple[str, anyio.Event, list[Any]]] = {}
         self._call_ids = itertools.count()
+        #: The parts of finished outputs that came ahead of their ``Finished``, by request.
+        self._parts: dict[int, list[FinishedPart]] = {}
         self._closing = False
         self._closed = anyio.Event()
         self._gone: BaseException | None = None
@@ -367,7 +385,11 @@ class RemoteReplica(_Starting):
         self, request_id: int, prompt: WirePrompt, params: SamplingParams
     ) -> tuple[int, ...] | None:
         frame = Add(request_id, prompt, attrs.asdict(params))
-        self._outbox.append((request_id, encode_frame(frame)))
+        try:
+            data = encode_frame(frame, limit=self._limit)
+        except FrameTooLarge as exc:
+            raise RequestRejected(f"the request is too large to send to a replica: {exc}") from None
+        self._outbox.append((request_id, data))
         self._unsent.add(request_id)
         self._wake.set()
         return None
@@ -383,10 +405,16 @@ class RemoteReplica(_Starting):
         if self._gone is not None:
             raise ReplicaFailed(self.index, str(self._gone)) from self._gone
         call_id = next(self._call_ids)
+        try:
+            data = encode_frame(Call(call_id, method, argument), limit=self._limit)
+        except FrameTooLarge as exc:
+            raise ValueError(
+                f"the {method} argument is too large to send to a replica: {exc}"
+            ) from None
         done = anyio.Event()
         answer: list[Any] = []
         self._calls[call_id] = (method, done, answer)
-        self._send(encode_frame(Call(call_id, method, argument)))
+        self._send(data)
         try:
             await done.wait()
         finally:
@@ -424,7 +452,7 @@ class RemoteReplica(_Starting):
             ``None`` after an orderly shutdown, else why the replica is gone (a startup
             failure is stored in ``start_error`` instead).
         """
-        frames = FrameReader(receive, FromReplica, f"replica {self.index}")
+        frames = FrameReader(receive, FromReplica, f"replica {self.index}", limit=self._limit)
         cause: BaseException | None = None
         dispatch_seconds = 0.0
         async with anyio.create_task_group() as task_group:
@@ -524,19 +552,29 @@ class RemoteReplica(_Starting):
                 )
         elif isinstance(frame, Accepted):
             relay.accepted(index, frame.request_id, tuple(frame.prompt_token_ids))
+        elif isinstance(frame, FinishedPart):
+            self._parts.setdefault(frame.request_id, []).append(frame)
         elif isinstance(frame, Finished):
+            token_ids, text, logprobs = frame.token_ids, frame.text, frame.logprobs
+            parts = self._parts.pop(frame.request_id, None)
+            if parts is not None:  # the output arrived in parts: join them
+                token_ids = [i for part in parts for i in part.token_ids] + token_ids
+                text = "".join(part.text for part in parts) + text
+                if logprobs is not None:
+                    logprobs = [e for part in parts for e in part.logprobs or ()] + logprobs
             ending = Ending(
-                token_ids=tuple(frame.token_ids),
-                text=frame.text,
+                token_ids=tuple(token_ids),
+                text=text,
                 finish_reason=FinishReason(frame.finish_reason),
                 prompt_tokens=frame.prompt_tokens,
                 queue_time=frame.queue_time,
                 num_preemptions=frame.num_preemptions,
-                logprobs=_logprobs(frame.logprobs),
+                logprobs=_logprobs(logprobs),
                 cached_prompt_tokens=frame.cached_prompt_tokens,
             )
             relay.finished(index, frame.request_id, ending)
         elif isinstance(frame, Failed | Rejected):
+            self._parts.pop(frame.request_id, None)
             error = _request_error(index, frame.request_id, frame.kind, frame.message)
             relay.failed(index, frame.request_id, error)
         elif isinstance(frame, Stats):

@@ -17,11 +17,15 @@ from twostroke.engine.coordinator.frames import (
     Add,
     Call,
     Cancel,
+    DeltaItem,
     Deltas,
     Failed,
     Finished,
+    FinishedPart,
+    FrameDecoder,
     FrameError,
     FrameReader,
+    FrameTooLarge,
     FromReplica,
     Ready,
     Rejected,
@@ -32,7 +36,13 @@ from twostroke.engine.coordinator.frames import (
     Stats,
     encode_frame,
 )
-from twostroke.engine.coordinator.replica import FdReceiveStream, FdSendStream, serve
+from twostroke.engine.coordinator.replica import (
+    FdReceiveStream,
+    FdSendStream,
+    delta_frames,
+    finished_frames,
+    serve,
+)
 from twostroke.states.params import SamplingParams
 
 from ..conftest import toy_engine
@@ -210,3 +220,48 @@ async def test_a_malformed_or_unexpected_frame_from_the_coordinator_ends_the_rep
     assert len(errors) == 1
     assert isinstance(errors[0], FrameError)
     assert str(errors[0]).startswith("unexpected frame from the coordinator: Start(")
+
+
+def test_deltas_over_the_frame_limit_are_spread_over_frames_and_lose_nothing() -> None:
+    limit = 256
+    logprobs: list[Any] = [(i, -0.5, [(i, -0.5)]) for i in range(200)]
+    long = DeltaItem(1, "é" * 150, list(range(200)), logprobs, "stop")
+    short = [DeltaItem(r, "ab", [97, 98], None, None) for r in range(2, 40)]
+    items = [long, *short]
+    chunks = delta_frames(items, limit)
+    assert len(chunks) > 5
+    decoder: FrameDecoder[Any] = FrameDecoder(FromReplica, "replica 0", limit=limit)
+    received = [item for chunk in chunks for frame in decoder.feed(chunk) for item in frame.items]
+    joined: dict[int, list[DeltaItem]] = {}
+    for item in received:
+        joined.setdefault(item.request_id, []).append(item)
+    assert list(joined) == [item.request_id for item in items]  # in order
+    for item in items:
+        parts = joined[item.request_id]
+        assert "".join(part.text for part in parts) == item.text
+        assert [i for part in parts for i in part.token_ids] == item.token_ids
+        if item.logprobs is not None:
+            assert [e for part in parts for e in part.logprobs or ()] == item.logprobs
+        assert [part.finish_reason for part in parts] == [None] * (len(parts) - 1) + [
+            item.finish_reason
+        ]
+    assert len(joined[1]) > 1
+    # What fits goes in one frame, encoded once.
+    assert delta_frames(short[:3], limit) == [encode_frame(Deltas(short[:3]))]
+
+
+def test_a_finished_output_over_the_frame_limit_comes_in_parts() -> None:
+    limit = 200
+    finished = Finished(4, list(range(300)), "x" * 500, "length", 7, 0.5, 0, None, 2)
+    chunks = finished_frames(finished, limit)
+    decoder: FrameDecoder[Any] = FrameDecoder(FromReplica, "replica 0", limit=limit)
+    frames = [frame for chunk in chunks for frame in decoder.feed(chunk)]
+    *parts, last = frames
+    assert parts
+    assert all(isinstance(part, FinishedPart) and part.request_id == 4 for part in parts)
+    assert isinstance(last, Finished)
+    assert [i for frame in frames for i in frame.token_ids] == finished.token_ids
+    assert "".join(frame.text for frame in frames) == finished.text
+    assert (last.finish_reason, last.prompt_tokens, last.cached_prompt_tokens) == ("length", 7, 2)
+    with pytest.raises(FrameTooLarge, match=r"^a one-token output frame of \d+ bytes is more"):
+        finished_frames(finished, 20)

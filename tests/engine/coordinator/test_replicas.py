@@ -1,22 +1,39 @@
 """The coordinator's side of a replica: a faulty replica fails only itself.
 
-The replicas here are a few lines of Python that speak the frame protocol with raw msgpack
-(no torch, no engine): they accept and finish every request at once, and misbehave as the
-``fault`` option of their ``Start`` frame says.
+The fake replicas here are a few lines of Python that speak the frame protocol with raw
+msgpack (no torch, no engine): they accept and finish every request at once, and misbehave
+as the ``fault`` option of their ``Start`` frame says. The frame limit is tested against a
+real toy replica served in this process.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import attrs
 import pytest
 
-from twostroke.engine import Coordinator, SamplingParams
+from twostroke.engine import Coordinator, RequestRejected, SamplingParams
 from twostroke.engine.coordinator import process
+from twostroke.engine.coordinator.frames import Start, encoded_size
+from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
+from twostroke.engine.coordinator.replica import (
+    FdReceiveStream,
+    FdSendStream,
+    serve,
+    wire_logprobs,
+)
+from twostroke.engine.coordinator.replicas import RemoteReplica
+from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics
+from twostroke.states.routing import Router
+
+from ..conftest import toy_engine
 
 pytestmark = pytest.mark.anyio
 
@@ -115,3 +132,88 @@ async def test_statistics_of_a_newer_replica_ignore_the_fields_this_version_lack
         engine = stats.replicas[0].engine
         assert engine is not None
         assert not hasattr(engine, "num_warp_drives")
+
+
+#: A frame limit small enough that a few tokens with logprobs overflow it.
+LIMIT = 512
+
+
+@asynccontextmanager
+async def wired(limit: int) -> AsyncIterator[tuple[RemoteReplica, RequestRelay]]:
+    """A toy replica served in this process, and the coordinator's side of its pipes."""
+    to_replica, from_replica = os.pipe(), os.pipe()
+    states: list[ReplicaState] = []
+    relay = RequestRelay(Router(1), states, on_death=lambda: None)
+    start = Start("toy", {"device": "cpu", "num_blocks": 1024, "block_size": 4})
+    replica = RemoteReplica(0, relay, start, max_frame_bytes=limit)
+    states.append(ReplicaState(replica))
+
+    async def replica_side() -> None:
+        try:
+            receive = FdReceiveStream(to_replica[0])
+            await serve(receive, FdSendStream(from_replica[1]), max_frame_bytes=limit)
+        finally:
+            os.close(from_replica[1])  # the coordinator's side sees the output end
+
+    async def coordinator_side() -> None:
+        receive = FdReceiveStream(from_replica[0])
+        assert await replica.serve(receive, FdSendStream(to_replica[1])) is None
+
+    try:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(replica_side)
+            task_group.start_soon(coordinator_side)
+            await replica.ready.wait()
+            yield replica, relay
+            replica.close(cancel=True)
+    finally:
+        for fd in (*to_replica, from_replica[0]):
+            os.close(fd)
+
+
+async def test_output_longer_than_a_frame_arrives_whole_in_frames_within_the_limit() -> None:
+    sampling = SamplingParams(max_tokens=120, ignore_eos=True, logprobs=5, temperature=0)
+    prompts = [f"p{i}" for i in range(24)]
+    async with toy_engine(num_blocks=1024) as engine:
+        expected = [await engine.generate(prompt, sampling) for prompt in prompts]
+    # Every output overflows one frame, and so do one step's deltas of all of them.
+    assert all(encoded_size(wire_logprobs(out.logprobs)) > 4 * LIMIT for out in expected)
+    async with wired(LIMIT) as (_, relay):
+        handles = [relay.submit(prompt, sampling) for prompt in prompts]
+        streamed: list[list[Delta]] = [[] for _ in handles]
+
+        async def drain(index: int) -> None:
+            async for delta in handles[index]:
+                streamed[index].append(delta)
+
+        async with anyio.create_task_group() as task_group:
+            for index in range(len(handles)):
+                task_group.start_soon(drain, index)
+        outputs = [await handle.result() for handle in handles]
+        assert relay.replicas[0].failure is None
+    for output, deltas, bare in zip(outputs, streamed, expected, strict=True):
+        assert (output.token_ids, output.text, output.logprobs) == (
+            bare.token_ids,
+            bare.text,
+            bare.logprobs,
+        )
+        assert tuple(i for delta in deltas for i in delta.token_ids) == bare.token_ids
+        assert "".join(delta.text for delta in deltas) == bare.text
+        reasons = [delta.finish_reason for delta in deltas if delta.finish_reason is not None]
+        assert reasons == [bare.finish_reason]
+
+
+async def test_a_request_or_call_too_large_for_a_frame_is_refused_before_it_is_sent() -> None:
+    async with wired(LIMIT) as (replica, relay):
+        with pytest.raises(RequestRejected, match=r"too large to send to a replica: a Add frame"):
+            relay.submit("x" * LIMIT, SamplingParams(max_tokens=1))
+        assert not relay.open
+        with pytest.raises(ValueError, match=r"^the tokenize argument is too large to send"):
+            await replica.call("tokenize", "x" * LIMIT)
+        # The replica refuses a reply over the limit (300 ids of 2 bytes each) in its stead.
+        with pytest.raises(ValueError, match=r"^the reply does not fit: a Reply frame of \d+"):
+            await replica.call("tokenize", "é" * 150)
+        assert await replica.call("tokenize", "ab") == [97, 98]
+        output = await relay.submit("hello", SamplingParams(max_tokens=3)).result()
+        assert len(output.token_ids) == 3
+        assert relay.replicas[0].failure is None
