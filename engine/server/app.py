@@ -16,11 +16,12 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -35,6 +36,14 @@ from twostroke.engine.server.generation import (
     CompletionFormat,
     Format,
     Generation,
+)
+from twostroke.engine.server.guards import (
+    DEFAULT_ALLOWED_HOSTS,
+    DEFAULT_BODY_TIMEOUT,
+    Guards,
+    ServerShutdown,
+    check_allowed_hosts,
+    check_timeout,
 )
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
@@ -243,6 +252,9 @@ def build_app(
     api_key: str | None = None,
     keepalive: float = KEEPALIVE_SECONDS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: Iterable[str] = DEFAULT_ALLOWED_HOSTS,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    shutdown: ServerShutdown | None = None,
 ) -> Starlette:
     """The ASGI application serving ``engine`` with OpenAI's API.
 
@@ -258,12 +270,21 @@ def build_app(
         max_body_bytes: The largest request body accepted, in bytes; a larger one is a 413
             (``request_too_large``), refused before or while it is read, never buffered
             (default :data:`~twostroke.engine.server.body.DEFAULT_MAX_BODY_BYTES`, 8 MiB).
+        allowed_hosts: Without an API key, the ``Host`` names answered (``*``: any); any
+            other is a 403 (``host_not_allowed``). See :mod:`~twostroke.engine.server.guards`.
+        body_timeout: Seconds a request body may take to arrive after its headers; a later
+            one is a 408 (``request_timeout``).
+        shutdown: Lets the server that runs the application end open responses gracefully
+            (:func:`~twostroke.engine.server.serve.serve` passes one).
+
+    Every ``POST`` wants ``Content-Type: application/json`` (else a 415).
 
     Raises:
-        TypeError: ``engine`` lacks the engine surface, ``api_key`` is not a string, or
-            ``max_body_bytes`` is not an int.
-        ValueError: ``api_key`` is empty, ``keepalive`` is not positive, or
-            ``max_body_bytes`` is below 1.
+        TypeError: ``engine`` lacks the engine surface, ``api_key`` is not a string,
+            ``max_body_bytes`` is not an int, ``allowed_hosts`` is not a list of strings, or
+            ``body_timeout`` is not a number.
+        ValueError: ``api_key`` is empty, ``keepalive`` or ``body_timeout`` is not positive,
+            ``max_body_bytes`` is below 1, or an allowed host is empty or has a port.
     """
     if not isinstance(engine, EngineSurface):
         raise TypeError(f"engine must have the engine surface, got {type(engine).__name__}")
@@ -274,6 +295,8 @@ def build_app(
     if not keepalive > 0:
         raise ValueError(f"keepalive must be > 0 seconds, got {keepalive}")
     check_max_body_bytes(max_body_bytes)
+    hosts = check_allowed_hosts(allowed_hosts)
+    body_timeout = check_timeout("body_timeout", body_timeout)
     handlers = _OpenAI(engine, ServerMetrics(engine), keepalive, max_body_bytes)
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
@@ -291,6 +314,15 @@ def build_app(
             route("/metrics", handlers.prometheus, "GET", secured=False),
         ],
         exception_handlers={404: _not_found, 405: _not_found},
+        middleware=[
+            Middleware(
+                Guards,
+                api_key=api_key is not None,
+                allowed_hosts=hosts,
+                body_timeout=body_timeout,
+                shutdown=shutdown,
+            )
+        ],
     )
     app.state.metrics = handlers.metrics
     return app

@@ -134,11 +134,13 @@ async def served(
     keepalive: float = 15.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     check_clean: bool = True,
+    serve_options: dict[str, Any] | None = None,
     **config: Any,
 ) -> AsyncIterator[Served]:
     """A toy engine served on 127.0.0.1 (a free port), with an ``openai`` client for it.
 
-    When the block ends normally the engine must be idle with every KV block free.
+    ``serve_options`` go to :func:`serve` as keywords. When the block ends normally the
+    engine must be idle with every KV block free.
     """
     engine_context = (
         Engine.open(
@@ -159,6 +161,7 @@ async def served(
                     api_key=api_key,
                     keepalive=keepalive,
                     max_body_bytes=max_body_bytes,
+                    **(serve_options or {}),
                 )
             )
             base_url = f"http://127.0.0.1:{port}"

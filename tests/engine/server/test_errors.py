@@ -123,7 +123,9 @@ async def test_request_level_errors() -> None:
         )  # fmt: skip
 
         malformed = await server.http.post(
-            "/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "json"}
+            "/v1/completions",
+            content=b'{"prompt": "hi",',
+            headers={"content-type": "application/json"},
         )
         assert malformed.status_code == 400
         assert malformed.json()["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,147 @@
+"""What both HTTP servers share: the connection limits, the refusals they answer with, the grace.
+
+:func:`~twostroke.engine.server.serve.serve` runs uvicorn on asyncio
+(:mod:`~twostroke.engine.server.uvicorn_server`) and Hypercorn on trio
+(:mod:`~twostroke.engine.server.hypercorn_server`); both take their limits from one
+:class:`Transport` and refuse what they do not serve the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import attrs
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from twostroke.engine.server.errors import ApiError
+from twostroke.engine.server.guards import ServerShutdown, check_timeout
+from twostroke.engine.server.sse import send_json
+
+__all__ = [
+    "DEFAULT_HEADER_TIMEOUT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "GRACEFUL_SHUTDOWN_SECONDS",
+    "HTTP2_REFUSAL",
+    "Transport",
+    "busy_app",
+    "check_max_connections",
+    "expire_after",
+    "too_many_connections",
+]
+
+#: Open connections served at once; one more is answered with a 503 and closed.
+#:
+#: Each connection is a file descriptor, and the usual soft limit of a process is 1,024; a
+#: streaming client holds one connection per open request, and an engine runs a few dozen
+#: requests at a time (``max_num_seqs``, 64 by default), so 512 leaves room for a long queue.
+DEFAULT_MAX_CONNECTIONS = 512
+
+#: Seconds a connection has to send a request's headers, from its start or its last response.
+#:
+#: A client on any network sends a few hundred bytes of headers in well under a second; one
+#: that takes longer is holding the connection open (a "slowloris"). Idle keep-alive
+#: connections are closed after the same time.
+DEFAULT_HEADER_TIMEOUT = 10.0
+
+#: On cancellation, how long open responses may take to finish before they are ended.
+GRACEFUL_SHUTDOWN_SECONDS = 5.0
+
+#: After the grace period, how long ending the open responses may take (a client that does
+#: not read holds its last write) before their connections are cut.
+CLOSING_SECONDS = 1.0
+
+# A server connection preface (an empty SETTINGS frame) and a GOAWAY with the error code
+# HTTP_1_1_REQUIRED (RFC 9113, 7): an HTTP/2 client learns to retry with HTTP/1.1.
+_GOAWAY_DETAIL = b"this server speaks HTTP/1.1 only"
+HTTP2_REFUSAL = (
+    b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+    + (8 + len(_GOAWAY_DETAIL)).to_bytes(3, "big")
+    + b"\x07\x00\x00\x00\x00\x00"
+    + b"\x00\x00\x00\x00"  # last stream id: none was processed
+    + (0xD).to_bytes(4, "big")  # HTTP_1_1_REQUIRED
+    + _GOAWAY_DETAIL
+)
+
+
+def check_max_connections(value: object) -> int:
+    """``value`` if it is a valid connection limit.
+
+    Raises:
+        TypeError: ``value`` is not an int (a bool is not one).
+        ValueError: ``value`` is below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_connections must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"max_connections must be >= 1, got {value}")
+    return value
+
+
+def _check_header_timeout(value: object) -> float:
+    return check_timeout("header_timeout", value)
+
+
+def _check_grace(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"shutdown_timeout must be a number of seconds, got {type(value).__name__} {value!r}"
+        )
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds and finite, got {value}")
+    return float(value)
+
+
+@attrs.frozen
+class Transport:
+    """Where a server listens and the limits on its connections (validated).
+
+    Attributes:
+        host: The address to bind.
+        port: The TCP port (0: any free one).
+        max_connections: Connections served at once.
+        header_timeout: Seconds to send a request's headers (see
+            :data:`DEFAULT_HEADER_TIMEOUT`).
+        grace: Seconds open responses may take to finish once the server is cancelled.
+        access_log: Log one line per request.
+    """
+
+    host: str
+    port: int
+    max_connections: int = attrs.field(
+        default=DEFAULT_MAX_CONNECTIONS, converter=check_max_connections
+    )
+    header_timeout: float = attrs.field(
+        default=DEFAULT_HEADER_TIMEOUT, converter=_check_header_timeout
+    )
+    grace: float = attrs.field(default=GRACEFUL_SHUTDOWN_SECONDS, converter=_check_grace)
+    access_log: bool = False
+    closing: float = CLOSING_SECONDS
+
+
+def too_many_connections(limit: int) -> ApiError:
+    """The 503 for a connection over ``limit``."""
+    return ApiError(
+        503,
+        f"Too many connections: the server serves at most {limit} at once; retry later.",
+        type="server_error",
+        code="too_many_connections",
+        headers=((b"connection", b"close"), (b"retry-after", b"1")),
+    )
+
+
+def busy_app(limit: int) -> ASGIApp:
+    """An ASGI application that answers every request with :func:`too_many_connections`."""
+    error = too_many_connections(limit)
+
+    async def busy(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await send_json(send, error.status, error.body(), error.headers)
+
+    return busy
+
+
+async def expire_after(shutdown: ServerShutdown, seconds: float) -> None:
+    """Expire ``shutdown`` after ``seconds``."""
+    await anyio.sleep(seconds)
+    shutdown.expire()

@@ -1,0 +1,152 @@
+"""Cancelling ``serve()``: it stops accepting, lets open responses finish within the grace
+period, then ends each one (a stream with an OpenAI-shaped ``error`` event and ``[DONE]``).
+
+The engine here is the toy runner with a per-step latency, so that a response is still open
+when the server is cancelled; the grace periods are a fraction of a second of real time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+import httpx
+import msgspec
+import pytest
+
+from twostroke.engine import Engine
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
+from twostroke.engine.server import serve
+
+from .conftest import API_KEY, ObservedEngine
+
+pytestmark = pytest.mark.anyio
+
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
+@attrs.frozen
+class Stoppable:
+    """A server whose cancel scope the test holds."""
+
+    engine: ObservedEngine
+    http: httpx.AsyncClient
+    port: int
+    scope: anyio.CancelScope
+    stopped: anyio.Event
+
+
+@asynccontextmanager
+async def stoppable(latency: float, **options: Any) -> AsyncIterator[Stoppable]:
+    runner = ToyRunner(eos_rate=0, latency=latency)
+    async with Engine.open(
+        runner=runner, tokenizer=ByteTokenizer(), device="cpu", model_name="toy"
+    ) as real_engine:
+        engine = ObservedEngine(real_engine)
+        async with anyio.create_task_group() as task_group:
+            scope = anyio.CancelScope()
+            stopped = anyio.Event()
+
+            async def run(*, task_status: anyio.abc.TaskStatus[int]) -> None:
+                with scope:
+                    await serve(engine, port=0, api_key=API_KEY, task_status=task_status, **options)
+                stopped.set()
+
+            port = await task_group.start(run)
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10
+            ) as http:
+                yield Stoppable(engine, http, port, scope, stopped)
+            scope.cancel()
+
+
+def completion(max_tokens: int, *, stream: bool) -> dict[str, Any]:
+    return {"model": "toy", "prompt": "hi", "max_tokens": max_tokens, "stream": stream}
+
+
+async def events_of(response: httpx.Response) -> AsyncIterator[Any]:
+    """The ``data:`` payloads of an SSE response, decoded (``[DONE]`` as a string)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            yield payload if payload == "[DONE]" else msgspec.json.decode(payload)
+
+
+async def test_open_responses_finish_within_the_grace_period() -> None:
+    """On trio the stream was cut at once: Hypercorn got no ``shutdown_trigger``."""
+    async with stoppable(latency=0.01, shutdown_timeout=30) as server:
+        with anyio.fail_after(20):
+            async with server.http.stream(
+                "POST", "/v1/completions", json=completion(20, stream=True)
+            ) as response:
+                assert response.status_code == 200
+                events = events_of(response)
+                received = [await events.__anext__()]
+                async with anyio.create_task_group() as task_group:
+                    answer: list[httpx.Response] = []
+
+                    async def unstreamed() -> None:
+                        answer.append(
+                            await server.http.post(
+                                "/v1/completions", json=completion(10, stream=False)
+                            )
+                        )
+
+                    task_group.start_soon(unstreamed)
+                    await server.engine.wait_submitted(2)
+                    server.scope.cancel()  # the server shuts down with both open
+                received += [event async for event in events]
+            await server.stopped.wait()
+        assert received[-1] == "[DONE]"
+        assert received[-2]["choices"][0]["finish_reason"] == "length"
+        text = "".join(event["choices"][0]["text"] for event in received[:-1])
+        assert len(text) == 20
+        assert answer[0].status_code == 200, answer[0].text
+        assert answer[0].json()["usage"]["completion_tokens"] == 10
+        with pytest.raises(OSError, match="All connection attempts failed"):  # not accepting
+            await anyio.connect_tcp("127.0.0.1", server.port)
+
+
+async def test_responses_open_at_the_end_of_the_grace_period_are_ended() -> None:
+    """On uvicorn such a stream ended without an error event or ``[DONE]``."""
+    async with stoppable(latency=0.02, shutdown_timeout=0.2) as server:
+        with anyio.fail_after(20):
+            async with server.http.stream(
+                "POST", "/v1/completions", json=completion(3000, stream=True)
+            ) as response:
+                events = events_of(response)
+                received = [await events.__anext__()]
+                async with anyio.create_task_group() as task_group:
+                    answer: list[httpx.Response] = []
+
+                    async def unstreamed() -> None:
+                        answer.append(
+                            await server.http.post(
+                                "/v1/completions", json=completion(3000, stream=False)
+                            )
+                        )
+
+                    task_group.start_soon(unstreamed)
+                    await server.engine.wait_submitted(2)
+                    server.scope.cancel()
+                received += [event async for event in events]
+            await server.stopped.wait()
+            await server.engine.wait_idle()  # both engine requests were cancelled
+        error = {
+            "message": "The server is shutting down: the request did not finish within the "
+            "grace period.",
+            "type": "server_error",
+            "param": None,
+            "code": "server_shutting_down",
+        }
+        assert received[-2:] == [{"error": error}, "[DONE]"]
+        assert all("choices" in event for event in received[:-2])
+        assert answer[0].status_code == 503
+        assert answer[0].json() == {"error": error}
+        stats = server.engine.statistics()
+        assert stats.num_tokens_generated < 3000
+        assert stats.num_free_blocks == stats.num_blocks
