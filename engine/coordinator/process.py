@@ -22,7 +22,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 import anyio.abc
@@ -31,7 +31,14 @@ from twostroke.engine.coordinator.frames import Start
 from twostroke.engine.coordinator.replicas import Relay, RemoteReplica
 from twostroke.engine.errors import ReplicaFailed
 
-__all__ = ["MAX_STDERR_LINE_BYTES", "ProcessReplica", "StderrLines", "replica_command"]
+__all__ = [
+    "MAX_STDERR_LINE_BYTES",
+    "WITHHELD_VARIABLES",
+    "ProcessReplica",
+    "StderrLines",
+    "replica_command",
+    "replica_environment",
+]
 
 _STDERR_LINES = 20
 #: The longest line of a child's stderr that is forwarded whole (the rest is cut).
@@ -50,6 +57,21 @@ def replica_command(backend: str | None = None) -> list[str]:
     """The command line of a replica child on this event loop's backend."""
     backend = backend or current_backend()
     return [sys.executable, "-m", "twostroke.engine.coordinator.replica", "--backend", backend]
+
+
+#: Variables of the coordinator's environment its replica children do not get: a replica
+#: serves no HTTP, and a secret it never needs is one it cannot leak (a crash report, a
+#: ``/proc/<pid>/environ`` readable by the same user).
+WITHHELD_VARIABLES = frozenset({"TWOSTROKE_API_KEY"})
+
+
+def replica_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a replica child.
+
+    It is ``environ`` (default: ``os.environ``) without :data:`WITHHELD_VARIABLES`.
+    """
+    source = os.environ if environ is None else environ
+    return {name: value for name, value in source.items() if name not in WITHHELD_VARIABLES}
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -99,6 +121,7 @@ class ProcessReplica(RemoteReplica):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                env=replica_environment(),
             )
         except OSError as exc:
             self._start_cause = exc

@@ -1,0 +1,42 @@
+"""A replica child does not inherit the server's API key from the coordinator's environment."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from twostroke.engine.coordinator import Coordinator, process
+from twostroke.engine.coordinator.process import WITHHELD_VARIABLES, replica_environment
+from twostroke.engine.errors import ReplicaFailed
+
+pytestmark = pytest.mark.anyio
+
+# A child that says what it was given, then fails its start (the error carries its stderr).
+TELL_AND_EXIT = """
+import os, sys
+key = os.environ.get("TWOSTROKE_API_KEY")
+other = os.environ.get("TWOSTROKE_TEST_MARKER")
+print(f"key: {'absent' if key is None else 'PRESENT ' + key}, marker: {other}", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_the_environment_keeps_everything_but_the_key() -> None:
+    given = {"PATH": "/bin", "TWOSTROKE_API_KEY": "sk-secret", "HF_HOME": "/cache"}
+    assert replica_environment(given) == {"PATH": "/bin", "HF_HOME": "/cache"}
+    assert {"TWOSTROKE_API_KEY"} == WITHHELD_VARIABLES
+
+
+async def test_a_replica_child_does_not_see_twostroke_api_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TWOSTROKE_API_KEY", "sk-secret")
+    monkeypatch.setenv("TWOSTROKE_TEST_MARKER", "inherited")
+    command = [sys.executable, "-c", TELL_AND_EXIT]
+    monkeypatch.setattr(process, "replica_command", lambda: command)
+    with pytest.raises(ReplicaFailed, match="exit code 3") as caught:
+        async with Coordinator.open(replicas=1, placement="process"):
+            raise AssertionError("must not start")
+    assert "key: absent, marker: inherited" in str(caught.value)
+    assert "sk-secret" not in str(caught.value)
