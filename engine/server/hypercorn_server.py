@@ -30,7 +30,7 @@ import anyio.abc
 from starlette.types import ASGIApp
 
 from twostroke.engine.server.guards import ServerShutdown
-from twostroke.engine.server.transport import HTTP2_REFUSAL, Transport
+from twostroke.engine.server.transport import HTTP2_REFUSAL, Transport, bind_socket
 
 __all__ = ["serve_hypercorn"]
 
@@ -145,7 +145,6 @@ async def serve_hypercorn(
 
     config = Config()
     host, port = transport.host, transport.port
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.errorlog = logger
     config.accesslog = logger if transport.access_log else None
     # Hypercorn's idle timer runs from a connection's start and from each response to the
@@ -190,14 +189,12 @@ async def serve_hypercorn(
             connections.add(scope)
             nursery.start_soon(handle, stream, scope, over)
 
-    sockets = config.create_sockets()
-    listeners = []
-    for sock in sockets.insecure_sockets:
-        sock.listen(config.backlog)
-        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+    sock = bind_socket(host, port)
+    sock.listen(config.backlog)
+    listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock))]
     async with trio.open_nursery() as nursery:
         try:
-            task_status.started(sockets.insecure_sockets[0].getsockname()[1])
+            task_status.started(sock.getsockname()[1])
             async with trio.open_nursery() as accepting:
                 for listener in listeners:
                     accepting.start_soon(accept, listener, nursery)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import socket
 
 import anyio
 import attrs
@@ -24,6 +25,7 @@ __all__ = [
     "GRACEFUL_SHUTDOWN_SECONDS",
     "HTTP2_REFUSAL",
     "Transport",
+    "bind_socket",
     "busy_app",
     "check_max_connections",
     "expire_after",
@@ -117,6 +119,26 @@ class Transport:
     grace: float = attrs.field(default=GRACEFUL_SHUTDOWN_SECONDS, converter=_check_grace)
     access_log: bool = False
     closing: float = CLOSING_SECONDS
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host`` and ``port`` (not yet listening), for either server.
+
+    uvicorn's own binding exits the process on failure (``SystemExit``), and both servers
+    leave the failed socket to the garbage collector.
+
+    Raises:
+        OSError: the address cannot be bound; the message names it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind {host} port {port}: {exc.strerror}") from exc
+    return sock
 
 
 def too_many_connections(limit: int) -> ApiError:

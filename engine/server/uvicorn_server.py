@@ -19,7 +19,12 @@ import anyio.abc
 from starlette.types import ASGIApp
 
 from twostroke.engine.server.guards import ServerShutdown
-from twostroke.engine.server.transport import HTTP2_REFUSAL, Transport, expire_after
+from twostroke.engine.server.transport import (
+    HTTP2_REFUSAL,
+    Transport,
+    bind_socket,
+    expire_after,
+)
 
 __all__ = ["http_protocol", "serve_uvicorn"]
 
@@ -108,7 +113,7 @@ async def serve_uvicorn(
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
-    sock = config.bind_socket()
+    sock = bind_socket(transport.host, transport.port)
     # uvicorn's own serve() would install signal handlers over the caller's; its parts
     # (startup, main_loop, shutdown) are public and leave signals alone.
     with sock:
