@@ -34,6 +34,7 @@ import anyio.lowlevel
 import attrs
 
 from twostroke.engine.config import EngineConfig
+from twostroke.engine.coordinator.auth import new_secret
 from twostroke.engine.coordinator.frames import PromptInput, Start, wire_prompt
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
 from twostroke.engine.coordinator.replicas import LocalReplica, Replica
@@ -71,6 +72,8 @@ class Coordinator:
         self._replicas: list[ReplicaState] = []
         self._relay = RequestRelay(router, self._replicas, on_death=self._died)
         self._task_group: anyio.abc.TaskGroup | None = None
+        #: What a network replica's peer must prove it holds (:mod:`.auth`).
+        self._secret = new_secret()
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -153,7 +156,12 @@ class Coordinator:
             replica = coordinator._make_replica(index, placement, model, options, grace_period)
             coordinator._replicas.append(ReplicaState(replica))
         body_error: BaseException | None = None
-        async with anyio.create_task_group() as task_group:
+        async with contextlib.AsyncExitStack() as stack:
+            if placement == "ray":  # join or start the cluster once, before any replica
+                from twostroke.engine.coordinator.ray import ray_cluster
+
+                await stack.enter_async_context(ray_cluster())
+            task_group = await stack.enter_async_context(anyio.create_task_group())
             coordinator._task_group = task_group
             for state in coordinator._replicas:
                 task_group.start_soon(state.replica.run)
@@ -196,7 +204,7 @@ class Coordinator:
             return ProcessReplica(index, self._relay, start, grace_period=grace_period)
         from twostroke.engine.coordinator.ray import RayReplica
 
-        return RayReplica(index, self._relay, start, grace_period=grace_period)
+        return RayReplica(index, self._relay, start, grace_period=grace_period, secret=self._secret)
 
     async def _wait_started(self) -> BaseException | None:
         """Wait until every replica serves; the first start error, if any."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,6 +68,43 @@ def test_the_ray_example_of_the_docs_runs(monkeypatch: pytest.MonkeyPatch, capsy
     assert "ray.init(num_cpus=2)" in code
     exec(compile(code, str(DOC), "exec"), {"__name__": "__main__"})
     assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.anyio
+async def test_without_ray_init_the_coordinator_starts_one_local_cluster_and_stops_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs before the module's cluster: the coordinator has none to join."""
+    assert not ray.is_initialized()
+    loopback(monkeypatch)
+    loopback_init = ray.init
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def init(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            calls.append(threading.get_ident())
+            if len(calls) > 1:  # one local cluster per replica: the process died ~60 s later
+                raise RuntimeError("ray.init was called again while it was starting a cluster")
+        return loopback_init(*args, num_cpus=2, **kwargs)
+
+    monkeypatch.setattr(ray, "init", init)
+    try:
+        async with Coordinator.open(
+            model="toy", replicas=2, placement="ray", device="cpu", num_blocks=256, block_size=4
+        ) as coordinator:
+            assert ray.is_initialized()
+            outputs = [
+                await coordinator.generate(f"hello {i}", SamplingParams(max_tokens=3))
+                for i in range(2)
+            ]
+            assert all(output.usage.completion_tokens == 3 for output in outputs)
+            assert [r.alive for r in coordinator.statistics().replicas] == [True, True]
+        assert len(calls) == 1
+        assert not ray.is_initialized()  # it started the cluster, so it shut it down
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 @pytest.mark.anyio
