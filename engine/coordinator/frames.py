@@ -225,9 +225,13 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
 
 
 class Stats(msgspec.Struct, tag="stats", array_like=True):
-    """A snapshot of the replica's ``EngineStatistics`` (field name to value)."""
+    """A snapshot of the replica's ``EngineStatistics`` (field name to value).
 
-    values: dict[str, int | float]
+    Any value decodes: the coordinator checks the fields it knows and ignores the others,
+    whatever they hold (a newer replica may report more, of other kinds).
+    """
+
+    values: dict[str, Any]
 
 
 FromReplica: TypeAlias = (

@@ -157,7 +157,10 @@ def test_the_wire_knows_every_finish_reason() -> None:
 
 def test_statistics_from_another_version_keep_the_fields_both_know() -> None:
     known = {field.name: 1 for field in attrs.fields(EngineStatistics)}
-    assert engine_statistics({**known, "num_warp_drives": 9}) == EngineStatistics(**known)
+    newer = {**known, "num_warp_drives": 9, "warp_drives": {"by_deck": [1, 2]}}
+    assert engine_statistics(newer) == EngineStatistics(**known)
+    (stats,) = FrameDecoder(FromReplica, "replica 0").feed(encode_frame(Stats(newer)))
+    assert engine_statistics(stats.values) == EngineStatistics(**known)
     older = engine_statistics({"num_steps": 4, "forward_seconds": 2})
     assert (older.num_steps, older.num_waiting, older.forward_seconds) == (4, 0, 2.0)
     assert isinstance(older.forward_seconds, float)

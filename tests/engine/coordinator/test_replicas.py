@@ -81,6 +81,7 @@ def newer_statistics() -> dict[str, Any]:
     """What a replica of a later version reports: every field of today, and one more."""
     values: dict[str, Any] = {field.name: 0 for field in attrs.fields(EngineStatistics)}
     values.update(num_steps=3, num_blocks=64, forward_seconds=0.25, num_warp_drives=2)
+    values["warp_drives"] = {"by_deck": [1, 2], "state": "engaged"}  # of another kind too
     return values
 
 
