@@ -65,6 +65,33 @@ def _max_body_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _limit(name: str, check: str) -> Any:
+    """An argparse type for a server limit, checked by the server's own ``check`` function.
+
+    The check is imported when an argument is parsed: the server's modules need starlette,
+    which ``twostroke generate`` does not.
+    """
+
+    def parse(text: str) -> Any:
+        from twostroke.engine.server import guards, transport
+
+        checks = {
+            "allowed_hosts": lambda: guards.check_allowed_hosts(text.split(",")),
+            "timeout": lambda: guards.check_timeout(name, float(text)),
+            "grace": lambda: transport.check_shutdown_timeout(float(text)),
+            "count": lambda: transport.check_max_connections(int(text)),
+        }
+        try:
+            return checks[check]()
+        except ValueError as exc:
+            if "must" not in str(exc):  # int() or float() refused the text itself
+                kind = "an int" if check == "count" else "a number of seconds"
+                raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twostroke", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +122,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("TWOSTROKE_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $TWOSTROKE_API_KEY)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        type=_limit("allowed_hosts", "allowed_hosts"),
+        default=None,
+        metavar="HOST,...",
+        help="without an API key, answer only requests whose Host is one of these ('*': any; "
+        "default: localhost, 127.0.0.1, [::1] and --host)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_limit("max_connections", "count"),
+        default=None,
+        metavar="N",
+        help="serve at most N connections at once; one more gets a 503 (default: 512)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=_limit("header_timeout", "timeout"),
+        default=None,
+        metavar="SECONDS",
+        help="close a connection whose request headers take longer (default: 10)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=_limit("body_timeout", "timeout"),
+        default=None,
+        metavar="SECONDS",
+        help="answer 408 to a request body that takes longer after its headers (default: 60)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_limit("shutdown_timeout", "grace"),
+        default=None,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, let open responses finish this long (default: 5)",
     )
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
@@ -246,6 +309,7 @@ async def _serve(args: argparse.Namespace) -> None:
                         args.port,
                         api_key=args.api_key,
                         max_body_bytes=max_body_bytes,
+                        **_server_limits(args),
                         access_log=True,
                     )
                 )
@@ -257,6 +321,13 @@ async def _serve(args: argparse.Namespace) -> None:
                 async for _ in signals:
                     task_group.cancel_scope.cancel()
                     break
+
+
+def _server_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The limits given on the command line (those not given keep ``serve()``'s defaults)."""
+    names = ("allowed_hosts", "max_connections", "header_timeout", "body_timeout",
+             "shutdown_timeout")  # fmt: skip
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _bench(args: argparse.Namespace) -> int:

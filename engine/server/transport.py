@@ -28,6 +28,7 @@ __all__ = [
     "bind_socket",
     "busy_app",
     "check_max_connections",
+    "check_shutdown_timeout",
     "expire_after",
     "too_many_connections",
 ]
@@ -84,7 +85,13 @@ def _check_header_timeout(value: object) -> float:
     return check_timeout("header_timeout", value)
 
 
-def _check_grace(value: object) -> float:
+def check_shutdown_timeout(value: object) -> float:
+    """``value`` as a float if it is a valid grace period in seconds (0: none).
+
+    Raises:
+        TypeError: ``value`` is not a number (a bool is not one).
+        ValueError: ``value`` is negative or not finite.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(
             f"shutdown_timeout must be a number of seconds, got {type(value).__name__} {value!r}"
@@ -116,7 +123,7 @@ class Transport:
     header_timeout: float = attrs.field(
         default=DEFAULT_HEADER_TIMEOUT, converter=_check_header_timeout
     )
-    grace: float = attrs.field(default=GRACEFUL_SHUTDOWN_SECONDS, converter=_check_grace)
+    grace: float = attrs.field(default=GRACEFUL_SHUTDOWN_SECONDS, converter=check_shutdown_timeout)
     access_log: bool = False
     closing: float = CLOSING_SECONDS
 
