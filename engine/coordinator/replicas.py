@@ -462,6 +462,8 @@ class RemoteReplica(_Starting):
                     began = time.perf_counter()
                     try:
                         self._dispatch(frame)
+                    except FrameError:
+                        raise
                     except Exception as exc:
                         # A well-formed frame with a value the coordinator cannot use (or
                         # any other fault while handling it) is this replica's failure,

@@ -65,7 +65,8 @@ for frame in frames():
         send("accepted", frame[1], [1, 2])
         send("finished", frame[1], [7], "x", reason, 2, 0.0, 0, None, 0)
     elif frame[0] == "call":
-        send("reply", frame[1], options.get("stats", {}), None, "")
+        value = "garbage" if options.get("fault") == "reply" else options.get("stats", {})
+        send("reply", frame[1], value, None, "")
     elif frame[0] == "shutdown":
         break
 """
@@ -115,6 +116,24 @@ async def test_a_bad_value_in_a_well_formed_frame_fails_only_that_replica() -> N
         assert "malformed frame" in failure
         assert "Invalid enum value 'bogus'" in failure
         coordinator.check_invariants()
+
+
+@pytest.mark.usefixtures("fake_replicas")
+async def test_any_error_while_handling_a_replicas_frame_fails_only_that_replica() -> None:
+    options = [{"fault": "reply"}, {}]  # replica 0 answers wait_idle with no statistics
+    async with Coordinator.open(
+        replicas=2, placement="process", grace_period=0.1, replica_options=options
+    ) as coordinator:
+        await coordinator.wait_idle()
+        stats = coordinator.statistics()
+        assert [replica.alive for replica in stats.replicas] == [False, True]
+        assert stats.replicas[0].failure is not None
+        assert (
+            "replica 0 sent a frame the coordinator could not handle (Reply): TypeError: "
+            "statistics must be a mapping, got str"
+        ) in stats.replicas[0].failure
+        outputs = await generate_four(coordinator)
+        assert [output.token_ids for output in outputs] == [(7,)] * 4
 
 
 @pytest.mark.usefixtures("fake_replicas")
