@@ -51,7 +51,8 @@ def post_too_large(base_url: str, limit: int) -> bytes:
     with socket.create_connection((host, int(port)), timeout=30) as connection:
         connection.sendall(
             f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-            f"Authorization: Bearer sk-cli\r\nContent-Length: {limit + 1}\r\n\r\n".encode()
+            f"Authorization: Bearer sk-cli\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {limit + 1}\r\n\r\n".encode()
         )
         answer = b""
         while chunk := connection.recv(65536):  # the server closes after a 413
