@@ -64,9 +64,17 @@ def h2_client() -> h2.connection.H2Connection:
     return connection
 
 
-async def test_cleartext_http2_is_refused_and_the_server_serves_on() -> None:
+@pytest.mark.parametrize(
+    ("authorization", "length"),
+    [([], 100_000), ([("authorization", f"Bearer {API_KEY}")], 9_000_000)],
+    ids=["401", "413"],
+)
+async def test_cleartext_http2_is_refused_and_the_server_serves_on(
+    authorization: list[tuple[str, str]], length: int
+) -> None:
     """``curl --http2-prior-knowledge --data-binary @100KB.bin`` without a key: Hypercorn
-    answered 401, then raised ``KeyError`` on the DATA for the answered stream and exited."""
+    answered 401, then raised ``KeyError`` on the DATA for the answered stream and exited;
+    so it did after the 413 for a 9 MB body with the key."""
     async with served() as server:
         client = h2_client()
         client.send_headers(
@@ -77,7 +85,8 @@ async def test_cleartext_http2_is_refused_and_the_server_serves_on() -> None:
                 (":scheme", "http"),
                 (":authority", f"127.0.0.1:{port_of(server)}"),
                 ("content-type", "application/json"),
-                ("content-length", str(100_000)),
+                ("content-length", str(length)),
+                *authorization,
             ],
         )
         events: list[h2.events.Event] = []
