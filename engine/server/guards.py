@@ -72,7 +72,8 @@ def check_allowed_hosts(value: object) -> frozenset[str]:
     """The allow-list ``value`` names, lower-cased, if it is a valid one.
 
     Each entry is a host as it appears in a ``Host`` header without its port (``localhost``,
-    ``10.0.0.5``, ``[::1]``, ``llm.internal``), or ``*`` for any host.
+    ``10.0.0.5``, ``[::1]``, ``llm.internal``), or ``*`` for any host; an IPv6 address gets
+    the brackets a ``Host`` header puts around it (``::1`` is ``[::1]``).
 
     Raises:
         TypeError: ``value`` is a string (not a list of them) or holds something else.
@@ -89,6 +90,8 @@ def check_allowed_hosts(value: object) -> frozenset[str]:
                 f"allowed_hosts entries must be str, got {type(host).__name__} {host!r}"
             )
         name = host.strip().lower()
+        if name.count(":") > 1 and not name.startswith("["):
+            name = f"[{name}]"  # an IPv6 address, as a Host header writes it
         if not name or " " in name or _split_port(name) != name:
             raise ValueError(
                 f"allowed_hosts entries must be host names without a port, got {host!r}"

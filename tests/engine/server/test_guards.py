@@ -71,8 +71,10 @@ async def test_without_a_key_only_allowed_hosts_are_answered() -> None:
 
 
 async def test_the_allow_list_is_configurable_and_a_key_turns_the_check_off() -> None:
-    async with served(api_key=None, serve_options={"allowed_hosts": ["llm.internal"]}) as server:
+    allowed = ["LLM.internal", "fd00::5"]
+    async with served(api_key=None, serve_options={"allowed_hosts": allowed}) as server:
         assert (await get_with_host(server, "llm.internal:8000")).status_code == 200
+        assert (await get_with_host(server, "[fd00::5]:8000")).status_code == 200
         assert (await get_with_host(server, "localhost")).status_code == 403
     async with served(api_key=None, serve_options={"allowed_hosts": ["*"]}) as server:
         assert (await get_with_host(server, "anything.example")).status_code == 200
