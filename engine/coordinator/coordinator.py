@@ -120,6 +120,8 @@ class Coordinator:
             ReplicaFailed: a replica process or actor could not start (the message says why).
             ModelLoadError, and the other errors of :meth:`Engine.open`: a local replica
                 could not start.
+            Exception: (``"ray"``) what ``ray.init()`` raised: this process is connected to
+                no Ray cluster and could not start a local one.
         """
         if isinstance(replicas, bool) or not isinstance(replicas, int):
             raise TypeError(f"replicas must be an int, got {type(replicas).__name__} {replicas!r}")
