@@ -256,16 +256,27 @@ async def trickle(stream: anyio.abc.ByteStream, data: bytes, pause: float) -> by
 
 
 @pytest.mark.parametrize("anyio_backend", virtual_time_on_trio())
-async def test_headers_sent_a_byte_at_a_time_are_cut_at_the_deadline(anyio_backend: Any) -> None:
+@pytest.mark.parametrize("after_a_response", [False, True], ids=["first", "next"])
+async def test_headers_sent_a_byte_at_a_time_are_cut_at_the_deadline(
+    anyio_backend: Any, after_a_response: bool
+) -> None:
+    """The deadline runs from the connection's start, or from the response before."""
     options, pause = trickle_pace(anyio_backend)
     header_timeout = options.get("header_timeout", DEFAULT_HEADER_TIMEOUT)
     most = 3 * header_timeout
     async with served(serve_options=options) as server:
-        headers = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: " + b"x" * 200
+        request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        request += API_KEY.encode() + b"\r\n"
         with anyio.fail_after(most):
             async with await anyio.connect_tcp("127.0.0.1", port_of(server)) as stream:
+                if after_a_response:
+                    await stream.send(request + b"\r\n")
+                    answer = b""
+                    while not answer.endswith(b"}"):  # the whole JSON answer
+                        answer += await stream.receive()
+                    assert answer.startswith(b"HTTP/1.1 200 "), answer
                 started = anyio.current_time()
-                answer = await trickle(stream, headers, pause)
+                answer = await trickle(stream, request + b"X-Slow: " + b"x" * 200, pause)
                 lasted = anyio.current_time() - started
         assert header_timeout - 0.05 <= lasted < header_timeout + 2 * pause, lasted
         assert answer == b""  # closed: a request that never was gets no answer
