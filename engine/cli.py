@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any, cast
@@ -65,28 +65,37 @@ def _max_body_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _limit(name: str, check: str) -> Any:
-    """An argparse type for a server limit, checked by the server's own ``check`` function.
+def _limit(name: str) -> Callable[[str], object]:
+    """An argparse type for the server limit ``name``, checked by the server's own check.
 
     The check is imported when an argument is parsed: the server's modules need starlette,
     which ``twostroke generate`` does not.
     """
 
-    def parse(text: str) -> Any:
+    def parse(text: str) -> object:
         from twostroke.engine.server import guards, transport
 
-        checks = {
-            "allowed_hosts": lambda: guards.check_allowed_hosts(text.split(",")),
-            "timeout": lambda: guards.check_timeout(name, float(text)),
-            "grace": lambda: transport.check_shutdown_timeout(float(text)),
-            "count": lambda: transport.check_max_connections(int(text)),
+        checks: dict[str, Callable[[Any], object]] = {
+            "allowed_hosts": guards.check_allowed_hosts,
+            "max_connections": transport.check_max_connections,
+            "header_timeout": partial(guards.check_timeout, "header_timeout"),
+            "body_timeout": partial(guards.check_timeout, "body_timeout"),
+            "shutdown_timeout": transport.check_shutdown_timeout,
         }
+        value: object
         try:
-            return checks[check]()
+            if name == "allowed_hosts":
+                value = text.split(",")
+            elif name == "max_connections":
+                value = int(text)
+            else:
+                value = float(text)
+        except ValueError:
+            kind = "an int" if name == "max_connections" else "a number of seconds"
+            raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
+        try:
+            return checks[name](value)
         except ValueError as exc:
-            if "must" not in str(exc):  # int() or float() refused the text itself
-                kind = "an int" if check == "count" else "a number of seconds"
-                raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
@@ -125,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--allowed-hosts",
-        type=_limit("allowed_hosts", "allowed_hosts"),
+        type=_limit("allowed_hosts"),
         default=None,
         metavar="HOST,...",
         help="without an API key, answer only requests whose Host is one of these ('*': any; "
@@ -133,28 +142,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-connections",
-        type=_limit("max_connections", "count"),
+        type=_limit("max_connections"),
         default=None,
         metavar="N",
         help="serve at most N connections at once; one more gets a 503 (default: 512)",
     )
     serve.add_argument(
         "--header-timeout",
-        type=_limit("header_timeout", "timeout"),
+        type=_limit("header_timeout"),
         default=None,
         metavar="SECONDS",
         help="close a connection whose request headers take longer (default: 10)",
     )
     serve.add_argument(
         "--body-timeout",
-        type=_limit("body_timeout", "timeout"),
+        type=_limit("body_timeout"),
         default=None,
         metavar="SECONDS",
         help="answer 408 to a request body that takes longer after its headers (default: 60)",
     )
     serve.add_argument(
         "--shutdown-timeout",
-        type=_limit("shutdown_timeout", "grace"),
+        type=_limit("shutdown_timeout"),
         default=None,
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C, let open responses finish this long (default: 5)",
