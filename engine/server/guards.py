@@ -5,7 +5,8 @@
 * any request once the server is shutting down (503 ``server_shutting_down``);
 * without an API key, a ``Host`` that is not on the allow-list (403 ``host_not_allowed``): a
   server on loopback without a key is otherwise reachable from any web page the user opens,
-  through DNS rebinding (Ollama's CVE-2024-28224);
+  through DNS rebinding (Ollama's CVE-2024-28224). ``/health`` and ``/metrics`` stay open, as
+  they do with a key: probes and scrapers reach them by whatever name they have;
 * a ``POST`` whose ``Content-Type`` is not ``application/json`` (415 ``unsupported_media_type``):
   a page may send ``text/plain`` cross-origin without asking, but ``application/json`` needs a
   CORS preflight, which this server never grants;
@@ -35,6 +36,7 @@ from twostroke.engine.server.sse import encode, send_json
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
     "DEFAULT_BODY_TIMEOUT",
+    "OPEN_PATHS",
     "Guards",
     "ServerShutdown",
     "check_allowed_hosts",
@@ -50,6 +52,9 @@ DEFAULT_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 #: The default body limit, 8 MiB, takes 7 s at 10 Mbit/s; a prompt of a few kilobytes takes
 #: milliseconds. A client slower than that is holding a connection, not sending a request.
 DEFAULT_BODY_TIMEOUT = 60.0
+
+#: Routes answered whatever the ``Host``, as they are without an API key.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 _CLOSE = (b"connection", b"close")
 
@@ -225,7 +230,7 @@ class Guards:
         if self._shutdown is not None and self._shutdown.began:
             return shutting_down("it takes no new requests")
         headers = Headers(scope=scope)
-        if self._check_host:
+        if self._check_host and scope["path"] not in OPEN_PATHS:
             host = headers.get("host")
             if host is None or _split_port(host.strip().lower()) not in self._allowed_hosts:
                 allowed = ", ".join(sorted(self._allowed_hosts))

@@ -52,7 +52,7 @@ async def test_without_a_key_only_allowed_hosts_are_answered() -> None:
             reply = await get_with_host(server, host)
             assert reply.status_code == 200, (host, reply.text)
         for host in (f"attacker.example:{port}", "127.0.0.2", "localhost.attacker.example"):
-            for path in ("/v1/models", "/health", "/metrics"):
+            for path in ("/v1/models", "/v1/nowhere"):
                 reply = await get_with_host(server, host, path)
                 assert reply.status_code == 403, (host, path)
                 assert error_of(reply) == {
@@ -63,6 +63,8 @@ async def test_without_a_key_only_allowed_hosts_are_answered() -> None:
                     "param": None,
                     "code": "host_not_allowed",
                 }
+        for path in ("/health", "/metrics"):  # open, as with a key: probes use any name
+            assert (await get_with_host(server, "10.1.2.3:8000", path)).status_code == 200
         rebound = await server.http.post(
             "/v1/completions", json=COMPLETION, headers={"host": "attacker.example"}
         )
