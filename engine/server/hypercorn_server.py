@@ -163,8 +163,8 @@ async def serve_hypercorn(
         with scope:
             try:
                 await connection_class(busy if over else wrapped, config, context, {}, stream).run()
-            except* Http2Refused:
-                pass
+            except* (Http2Refused, OSError):
+                pass  # refused, or the client reset the connection: no failure of ours
             except* Exception as failure:
                 peer = _peer(stream)
                 logger.warning("connection from %s failed and was closed: %r", peer, failure)
