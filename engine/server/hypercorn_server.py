@@ -162,11 +162,15 @@ async def serve_hypercorn(
         # shielded): the shutdown below ends them.
         with scope:
             try:
+                client = stream.socket.getpeername()
+            except OSError:
+                client = None  # already gone: the run below ends at once
+            try:
                 await connection_class(busy if over else wrapped, config, context, {}, stream).run()
             except* (Http2Refused, OSError):
                 pass  # refused, or the client reset the connection: no failure of ours
             except* Exception as failure:
-                peer = _peer(stream)
+                peer = _peer(client)
                 logger.warning("connection from %s failed and was closed: %r", peer, failure)
                 logger.debug("connection from %s failed", peer, exc_info=failure)
             finally:
@@ -213,9 +217,7 @@ async def serve_hypercorn(
                 connections.cancel_all()
 
 
-def _peer(stream: Any) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-    except OSError:
+def _peer(address: Any) -> str:
+    if not address:
         return "a client"
-    return f"{host}:{port}"
+    return f"{address[0]}:{address[1]}"

@@ -187,6 +187,7 @@ async def test_a_connection_that_fails_closes_alone(
     assert len(failures) == 1
     assert failures[0].levelno == logging.WARNING
     assert "KeyError" in failures[0].getMessage()
+    assert failures[0].getMessage().startswith("connection from 127.0.0.1:")
 
 
 async def test_connections_over_the_limit_are_answered_503() -> None:
