@@ -49,29 +49,35 @@ class _Connections:
     """The open connections, each running under a cancel scope of its own."""
 
     def __init__(self) -> None:
-        self._scopes: set[anyio.CancelScope] = set()
+        self._open: dict[anyio.CancelScope, Any] = {}  # scope -> its trio.SocketStream
         self._empty = anyio.Event()
         self._empty.set()
 
     def __len__(self) -> int:
-        return len(self._scopes)
+        return len(self._open)
 
-    def add(self, scope: anyio.CancelScope) -> None:
-        self._scopes.add(scope)
+    def add(self, scope: anyio.CancelScope, stream: Any) -> None:
+        self._open[scope] = stream
         if self._empty.is_set():
             self._empty = anyio.Event()
 
     def discard(self, scope: anyio.CancelScope) -> None:
-        self._scopes.discard(scope)
-        if not self._scopes:
+        self._open.pop(scope, None)
+        if not self._open:
             self._empty.set()
 
     async def wait_empty(self) -> None:
         await self._empty.wait()
 
-    def cancel_all(self) -> None:
-        for scope in self._scopes:
+    def cut_all(self) -> None:
+        """Cancel every connection and close its socket.
+
+        Hypercorn writes under a shield, so a client that does not read holds a write no
+        cancellation ends; closing the socket ends it (trio wakes the writer with an error).
+        """
+        for scope, stream in self._open.items():
             scope.cancel()
+            stream.socket.close()
 
 
 def _connection_class() -> Any:
@@ -190,7 +196,7 @@ async def serve_hypercorn(
             # Counted here, in the order of arrival, not when its task first runs.
             scope = anyio.CancelScope(shield=True)
             over = len(connections) >= transport.max_connections
-            connections.add(scope)
+            connections.add(scope, stream)
             nursery.start_soon(handle, stream, scope, over)
 
     sock = bind_socket(host, port)
@@ -214,7 +220,7 @@ async def serve_hypercorn(
                 shutdown.expire()  # the open responses are ended
                 with anyio.move_on_after(transport.closing):
                     await connections.wait_empty()
-                connections.cancel_all()
+                connections.cut_all()
 
 
 def _peer(address: Any) -> str:

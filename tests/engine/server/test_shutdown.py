@@ -7,6 +7,7 @@ when the server is cancelled; the grace periods are a fraction of a second of re
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -150,3 +151,39 @@ async def test_responses_open_at_the_end_of_the_grace_period_are_ended() -> None
         stats = server.engine.statistics()
         assert stats.num_tokens_generated < 3000
         assert stats.num_free_blocks == stats.num_blocks
+
+
+async def test_a_client_that_stops_reading_is_cut_off_after_the_grace_period() -> None:
+    """Ending its stream needs a write the client never takes: the connection is closed
+    ``CLOSING_SECONDS`` after the grace period instead, and the server's call returns."""
+    async with stoppable(latency=0, shutdown_timeout=0.2) as server:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+        sock.connect(("127.0.0.1", server.port))
+        body = msgspec.json.encode(completion(1500, stream=True) | {"logprobs": 5})
+        async with await anyio.abc.SocketStream.from_socket(sock) as stream:
+            await stream.send(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                + API_KEY.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            with anyio.fail_after(20):
+                await server.engine.wait_submitted(1)
+                await server.engine.wait_idle()  # generated; the answer waits on the client
+                server.scope.cancel()
+                await server.stopped.wait()
+                received = await read_all(stream)
+        assert received.startswith(b"HTTP/1.1 200 ")
+        assert not received.endswith(b"data: [DONE]\n\n"), "the stream was not cut off"
+
+
+async def read_all(stream: anyio.abc.ByteStream) -> bytes:
+    received = b""
+    while True:
+        try:
+            received += await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+            return received
