@@ -134,9 +134,10 @@ async def serve_uvicorn(
                         task_group.cancel_scope.cancel()
                 shutdown.expire()
                 # What still runs has a client that does not read: nothing of ours may
-                # outlive this call.
+                # outlive this call. abort(), not close(): close() waits to flush a buffer
+                # that client never takes, holding the socket open.
                 for connection in list(server.server_state.connections):
-                    connection.transport.close()
+                    connection.transport.abort()
                 tasks = list(server.server_state.tasks)
                 for task in tasks:
                     task.cancel()
