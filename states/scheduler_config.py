@@ -24,7 +24,8 @@ class SchedulerConfig:
         enable_prefix_caching: Keep the KV of full blocks after their requests end, and
             let a request whose prompt starts with the same tokens skip computing them.
         max_waiting_requests: The most requests the waiting queue may hold (new and
-            preempted) when a new one arrives: :meth:`Scheduler.add_request` refuses a request
+            preempted) when a new one arrives:
+            :meth:`~twostroke.states.scheduler.Scheduler.add_request` refuses a request
             that would pass it with :class:`~twostroke.states.errors.EngineOverloaded`.
             Preempted requests always go back into the queue, so it may hold more of them.
             ``None`` (the default) sets no limit: an in-process caller decides what it queues.
