@@ -65,6 +65,24 @@ def _max_body_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _count(name: str) -> Callable[[str], int]:
+    """An argparse type: an int of at least 1, named ``name`` in its error."""
+
+    def parse(text: str) -> int:
+        from twostroke.states.validators import check_int_at_least
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
+        try:
+            return check_int_at_least(name, value, 1)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def _limit(name: str) -> Callable[[str], object]:
     """An argparse type for the server limit ``name``, checked by the server's own check.
 
@@ -178,6 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse a request body over N bytes with a 413 (default: 8 MiB)",
     )
     serve.add_argument(
+        "--max-choices",
+        type=_count("max_choices"),
+        default=None,
+        metavar="N",
+        help="refuse a request for more than N choices (prompts x n) with a 400 (default: 128)",
+    )
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=_count("max_waiting_requests"),
+        default=None,
+        metavar="N",
+        help="answer 503 with Retry-After when a request's choices would make more than N "
+        "requests wait for admission (default: 1024)",
+    )
+    serve.add_argument(
         "--replicas", type=int, default=1, help="engine replicas behind one coordinator"
     )
     serve.add_argument("--placement", default="local", choices=["local", "process", "ray"])
@@ -282,7 +315,9 @@ async def _demo(args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     from twostroke.engine.server import serve
+    from twostroke.engine.server.app import DEFAULT_MAX_WAITING_REQUESTS
     from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
+    from twostroke.engine.server.protocol import DEFAULT_MAX_CHOICES
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     options: dict[str, Any] = {
@@ -291,6 +326,10 @@ async def _serve(args: argparse.Namespace) -> None:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
     }
+    max_waiting_requests = args.max_waiting_requests or DEFAULT_MAX_WAITING_REQUESTS
+    # The engine (each replica's) refuses past it too: the server's check counts the
+    # coordinator's replicas together, from statistics a process replica reports late.
+    options["max_waiting_requests"] = max_waiting_requests
     opened: AbstractAsyncContextManager[EngineSurface]
     if args.replicas == 1 and args.placement == "local":
         opened = Engine.open(args.model, **options)
@@ -319,6 +358,8 @@ async def _serve(args: argparse.Namespace) -> None:
                         api_key=args.api_key,
                         max_body_bytes=max_body_bytes,
                         **_server_limits(args),
+                        max_choices=args.max_choices or DEFAULT_MAX_CHOICES,
+                        max_waiting_requests=max_waiting_requests,
                         access_log=True,
                     )
                 )

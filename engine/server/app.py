@@ -6,6 +6,12 @@ a plain ASGI callable (not a Starlette request/response function) because it mus
 ``receive`` channel once the body is read: that is where a client's disconnect arrives. A body
 is read under a size limit (:mod:`~twostroke.engine.server.body`): a larger one is a 413.
 
+What one request may ask of the engine is checked from its body alone, before any prompt is
+tokenized: at most ``max_choices`` choices (prompts × ``n``, a 400), sampling parameters within
+:class:`~twostroke.states.params.SamplingParams`' caps (a 400 naming the field), and room in
+the waiting queue for all of its choices (``max_waiting_requests``: a 503 with
+``Retry-After``). A request's choices are queued whole or not at all.
+
 With an API key, every route wants ``Authorization: Bearer <key>`` except ``/health`` and
 ``/metrics``, which stay open for probes and scrapers.
 """
@@ -27,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from twostroke.engine.errors import EngineError
+from twostroke.engine.errors import EngineError, EngineOverloaded
 from twostroke.engine.server import protocol
 from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES, check_max_body_bytes, read_body
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
@@ -48,13 +54,22 @@ from twostroke.engine.server.guards import (
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.surface import EngineSurface
+from twostroke.states.validators import check_int_at_least
 
-__all__ = ["KEEPALIVE_SECONDS", "build_app"]
+__all__ = ["DEFAULT_MAX_WAITING_REQUESTS", "KEEPALIVE_SECONDS", "build_app"]
 
 logger = logging.getLogger("twostroke.server")
 
 #: Seconds of silence on a stream before a keep-alive comment goes out.
 KEEPALIVE_SECONDS = 15.0
+
+#: The server's default ``max_waiting_requests``: 16 batches of the default ``max_num_seqs``
+#: (64). The last request in a full queue waits for about 16 rounds of generation, already a
+#: long wait for an interactive client, and beyond it a client is better told at once, with a
+#: 503 and ``Retry-After``, than kept waiting (Ollama's ``OLLAMA_MAX_QUEUE`` is 512). A full
+#: queue holds 1024 prompts: 2 million token ids at a 2048-token context, well under 100 MB.
+#: An offline batch is no reason for more: ``LLM.generate`` queues in-process, unlimited.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 _Handler = Callable[[Request, Receive, Send], Awaitable[None]]
 
@@ -64,7 +79,7 @@ class _Endpoint:
 
     def __init__(self, handler: _Handler, *, api_key: str | None) -> None:
         self._handler = handler
-        self._api_key = api_key
+        self._api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -93,7 +108,10 @@ class _Endpoint:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self._api_key):
+        # As bytes: compare_digest refuses str with non-ASCII characters (a 500 it was), and
+        # header values arrive as latin-1, so any byte decodes and encodes back as itself.
+        token_bytes = token.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, self._api_key):
             raise ApiError(
                 401,
                 "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.",
@@ -103,15 +121,24 @@ class _Endpoint:
 
 
 class _OpenAI:
-    """The handlers, sharing one engine, its metrics, the keep-alive interval and body limit."""
+    """The handlers, sharing one engine, its metrics and the server's settings and limits."""
 
     def __init__(
-        self, engine: EngineSurface, metrics: ServerMetrics, keepalive: float, max_body_bytes: int
+        self,
+        engine: EngineSurface,
+        metrics: ServerMetrics,
+        keepalive: float,
+        max_body_bytes: int,
+        *,
+        max_choices: int,
+        max_waiting_requests: int | None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.keepalive = keepalive
         self.max_body_bytes = max_body_bytes
+        self.max_choices = max_choices
+        self.max_waiting_requests = max_waiting_requests
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.max_body_bytes)
@@ -119,27 +146,58 @@ class _OpenAI:
     async def completions(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.CompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
-        prompts = [
-            await self._tokenize(prompt, "prompt") for prompt in protocol.completion_prompts(body)
-        ]
+        # What the body alone decides is checked before any prompt is tokenized.
+        texts = protocol.completion_prompts(body)
+        protocol.check_choices(len(texts), body.n, self.max_choices)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        self._check_length(prompts, max_tokens, "max_tokens")
         params = protocol.choice_params(body, max_tokens=max_tokens)
+        self._check_room(len(texts) * len(params))
+        prompts = [await self._tokenize(prompt, "prompt") for prompt in texts]
+        self._check_length(prompts, max_tokens, "max_tokens")
         fmt = CompletionFormat(self.engine, body.logprobs or 0)
         await self._generate(fmt, prompts, params, body, receive, send)
 
     async def chat(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
-        prompt = await self._tokenize(protocol.chat_messages(body.messages), "messages")
+        # What the body alone decides is checked before the messages are tokenized.
+        messages = protocol.chat_messages(body.messages)
+        protocol.check_choices(1, body.n, self.max_choices)
         field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        # Without a max_tokens, the most the context could leave (known once tokenized).
+        most = max(self.engine.max_model_len - 1, 1)
+        params = protocol.choice_params(body, max_tokens=most if max_tokens is None else max_tokens)
+        self._check_room(len(params))
+        prompt = await self._tokenize(messages, "messages")
         if max_tokens is None:  # as vLLM: whatever room the context leaves
             max_tokens = max(self.engine.max_model_len - len(prompt), 1)
+            params = protocol.choice_params(body, max_tokens=max_tokens)
         self._check_length([prompt], max_tokens, field)
-        params = protocol.choice_params(body, max_tokens=max_tokens)
         fmt = ChatFormat(self.engine, body.top_logprobs or 0)
         await self._generate(fmt, [prompt], params, body, receive, send)
+
+    def _check_room(self, count: int) -> None:
+        """Refuse ``count`` engine requests if the waiting queue cannot take them all.
+
+        Asked before the prompts are tokenized, and again right before they are submitted
+        (tokenizing awaits: other requests may queue meanwhile). Nothing else runs between
+        that second check and the last submit, so a request's choices are queued whole or
+        not at all.
+
+        Raises:
+            EngineOverloaded: the answer is a 503 with ``Retry-After``.
+        """
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        waiting = self.engine.statistics().num_waiting
+        if waiting + count > limit:
+            raise EngineOverloaded(
+                f"the waiting queue is full: {waiting} requests wait for admission and "
+                f"max_waiting_requests is {limit}, no room for this request's {count}; "
+                "retry later"
+            )
 
     async def _tokenize(self, prompt: Any, param: str) -> list[int]:
         try:
@@ -168,6 +226,7 @@ class _OpenAI:
         receive: Receive,
         send: Send,
     ) -> None:
+        self._check_room(len(prompts) * len(params))  # nothing runs from here to the last submit
         generation = Generation(self.engine, self.metrics, fmt, keepalive=self.keepalive)
         try:
             generation.submit(prompts, params)
@@ -252,6 +311,8 @@ def build_app(
     api_key: str | None = None,
     keepalive: float = KEEPALIVE_SECONDS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_choices: int = protocol.DEFAULT_MAX_CHOICES,
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     allowed_hosts: Iterable[str] = DEFAULT_ALLOWED_HOSTS,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     shutdown: ServerShutdown | None = None,
@@ -270,6 +331,15 @@ def build_app(
         max_body_bytes: The largest request body accepted, in bytes; a larger one is a 413
             (``request_too_large``), refused before or while it is read, never buffered
             (default :data:`~twostroke.engine.server.body.DEFAULT_MAX_BODY_BYTES`, 8 MiB).
+        max_choices: The most choices one request may ask for, prompts × ``n`` (one engine
+            request each); more is a 400 (``too_many_choices``) before anything is tokenized
+            (default :data:`~twostroke.engine.server.protocol.DEFAULT_MAX_CHOICES`, 128;
+            never more than ``max_waiting_requests``).
+        max_waiting_requests: The most engine requests that may wait for admission
+            (``statistics().num_waiting``): a request whose choices would pass it is a 503
+            (``engine_overloaded``, ``Retry-After``) before anything is tokenized (default
+            :data:`DEFAULT_MAX_WAITING_REQUESTS`, 1024; ``None``: no limit here, only the
+            engine's own ``max_waiting_requests``, if any).
         allowed_hosts: Without an API key, the ``Host`` names answered (``*``: any); any
             other is a 403 (``host_not_allowed``). See :mod:`~twostroke.engine.server.guards`.
         body_timeout: Seconds a request body may take to arrive after its headers; a later
@@ -285,6 +355,8 @@ def build_app(
             ``body_timeout`` is not a number.
         ValueError: ``api_key`` is empty, ``keepalive`` or ``body_timeout`` is not positive,
             ``max_body_bytes`` is below 1, or an allowed host is empty or has a port.
+        TypeError, ValueError: ``max_choices`` or ``max_waiting_requests`` is not an int
+            of at least 1.
     """
     if not isinstance(engine, EngineSurface):
         raise TypeError(f"engine must have the engine surface, got {type(engine).__name__}")
@@ -295,9 +367,20 @@ def build_app(
     if not keepalive > 0:
         raise ValueError(f"keepalive must be > 0 seconds, got {keepalive}")
     check_max_body_bytes(max_body_bytes)
+    check_int_at_least("max_choices", max_choices, 1)
+    if max_waiting_requests is not None:
+        check_int_at_least("max_waiting_requests", max_waiting_requests, 1)
+        max_choices = min(max_choices, max_waiting_requests)  # more could never be queued
     hosts = check_allowed_hosts(allowed_hosts)
     body_timeout = check_timeout("body_timeout", body_timeout)
-    handlers = _OpenAI(engine, ServerMetrics(engine), keepalive, max_body_bytes)
+    handlers = _OpenAI(
+        engine,
+        ServerMetrics(engine),
+        keepalive,
+        max_body_bytes,
+        max_choices=max_choices,
+        max_waiting_requests=max_waiting_requests,
+    )
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
         endpoint = _Endpoint(handler, api_key=api_key if secured else None)

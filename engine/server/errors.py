@@ -8,6 +8,7 @@ a traceback.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,12 +16,20 @@ from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
     EngineError,
+    EngineOverloaded,
     ReplicaFailed,
     RequestFailed,
     RequestRejected,
 )
 
-__all__ = ["ApiError", "api_error_from", "invalid_request"]
+__all__ = ["RETRY_AFTER_SECONDS", "ApiError", "api_error_from", "invalid_request"]
+
+#: The ``Retry-After`` of a 503 for a full waiting queue: a client may try again this soon.
+#: Requests leave the queue as running ones finish, a batch every few steps.
+RETRY_AFTER_SECONDS = 1
+
+#: A rejection whose message begins with a field's name names it (``stop_token_ids must ...``).
+_FIELD = re.compile(r"([a-z_]+) must ")
 
 
 class ApiError(EngineError):
@@ -73,15 +82,25 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 def api_error_from(exc: BaseException) -> ApiError:
     """The response for an exception raised while serving a request.
 
-    Engine errors get their documented status (400 for a rejected request, 503 for a dead or
-    closed engine or a failed replica); anything else is a 500 that names only the
+    Engine errors get their documented status (400 for a rejected request, 503 for a dead,
+    closed or overloaded engine or a failed replica); anything else is a 500 that names only the
     exception's type.
     """
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RequestRejected):
-        code = "context_length_exceeded" if "max_model_len" in str(exc) else "request_rejected"
-        return invalid_request(str(exc), code=code)
+        message = str(exc)
+        code = "context_length_exceeded" if "max_model_len" in message else "request_rejected"
+        field = _FIELD.match(message)
+        return invalid_request(message, param=field.group(1) if field else None, code=code)
+    if isinstance(exc, EngineOverloaded):  # transient: the same request may succeed later
+        return ApiError(
+            503,
+            str(exc),
+            type="server_error",
+            code="engine_overloaded",
+            headers=((b"retry-after", str(RETRY_AFTER_SECONDS).encode()),),
+        )
     if isinstance(exc, EngineDead):
         return ApiError(503, "the engine is dead", type="server_error", code="engine_dead")
     if isinstance(exc, EngineClosed):

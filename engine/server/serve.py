@@ -19,7 +19,11 @@ from collections.abc import Iterable
 import anyio
 import anyio.abc
 
-from twostroke.engine.server.app import KEEPALIVE_SECONDS, build_app
+from twostroke.engine.server.app import (
+    DEFAULT_MAX_WAITING_REQUESTS,
+    KEEPALIVE_SECONDS,
+    build_app,
+)
 from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
 from twostroke.engine.server.guards import (
     DEFAULT_ALLOWED_HOSTS,
@@ -27,6 +31,7 @@ from twostroke.engine.server.guards import (
     ServerShutdown,
     check_allowed_hosts,
 )
+from twostroke.engine.server.protocol import DEFAULT_MAX_CHOICES
 from twostroke.engine.server.transport import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
@@ -49,6 +54,8 @@ async def serve(
     api_key: str | None = None,
     keepalive: float = KEEPALIVE_SECONDS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     allowed_hosts: Iterable[str] | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT,
@@ -72,6 +79,11 @@ async def serve(
         keepalive: Seconds of silence on a stream before a keep-alive comment.
         max_body_bytes: The largest request body accepted, in bytes (default 8 MiB); a
             larger one is a 413, refused before or while it is read (see :func:`build_app`).
+        max_choices: The most choices (prompts × ``n``) one request may ask for (default
+            128); more is a 400 (see :func:`build_app`).
+        max_waiting_requests: The most engine requests waiting for admission (default 1024;
+            ``None``: no limit); a request with no room for all its choices is a 503 with
+            ``Retry-After`` (see :func:`build_app`).
         allowed_hosts: Without ``api_key``, the ``Host`` names answered (default: ``localhost``,
             ``127.0.0.1``, ``[::1]`` and ``host``; ``*``: any); another is a 403.
         max_connections: Connections served at once (default 512); a request on one more is
@@ -116,6 +128,8 @@ async def serve(
         api_key=api_key,
         keepalive=keepalive,
         max_body_bytes=max_body_bytes,
+        max_choices=max_choices,
+        max_waiting_requests=max_waiting_requests,
         allowed_hosts=check_allowed_hosts(allowed_hosts),
         body_timeout=body_timeout,
         shutdown=shutdown,
