@@ -51,6 +51,7 @@ from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
     EngineError,
+    EngineOverloaded,
     ReplicaFailed,
     RequestCancelled,
     RequestFailed,
@@ -319,6 +320,7 @@ _SUBMIT_ERRORS: dict[str, type[Exception]] = {
     "TypeError": TypeError,
     "ValueError": ValueError,
     "EngineClosed": EngineClosed,
+    "EngineOverloaded": EngineOverloaded,  # its waiting queue is full: the server's 503
 }
 
 
