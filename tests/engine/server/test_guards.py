@@ -63,6 +63,10 @@ async def test_without_a_key_only_allowed_hosts_are_answered() -> None:
                     "param": None,
                     "code": "host_not_allowed",
                 }
+        # HTTP/1.0 may leave Host out; without one there is nothing to allow.
+        async with await anyio.connect_tcp("127.0.0.1", port or 0) as stream:
+            await stream.send(b"GET /v1/models HTTP/1.0\r\n\r\n")
+            assert (await stream.receive()).startswith(b"HTTP/1.1 403 ")
         for path in ("/health", "/metrics"):  # open, as with a key: probes use any name
             assert (await get_with_host(server, "10.1.2.3:8000", path)).status_code == 200
         rebound = await server.http.post(
