@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import logging
 import os
@@ -345,6 +346,10 @@ async def _serve(args: argparse.Namespace) -> None:
         )
     max_body_bytes = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     async with opened as engine:
+        # What is alive now (torch, the model) lives as long as the process: frozen, the
+        # collector no longer walks it at every full collection (as vLLM does). A burst of
+        # 16,000 submits spent half its time there (0.77 s, 0.37 s frozen).
+        gc.freeze()
         # SIGTERM (systemd, containers) and SIGINT stop it the same way: the server shuts
         # down gracefully, then the engine drains.
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
