@@ -66,10 +66,11 @@ class EngineConfig:
             what it queues. ``twostroke serve`` sets 1024 (``--max-waiting-requests``).
         step_timeout: Seconds a step may take, from when the engine starts waiting for it
             until its tokens are back (and the probe of a device after a failed step); a
-            step past it means a hung device, and the engine dies (:class:`EngineDead`)
-            instead of leaving its requests waiting forever. ``None`` (the default) waits
-            as long as it takes: a first step on a cold GPU, or a long prefill chunk of a
-            large model on a CPU, may take many seconds.
+            step past it means a hung device, and the engine dies
+            (:class:`~twostroke.engine.errors.EngineDead`) instead of leaving its requests
+            waiting forever. ``None`` (the default) waits as long as it takes: a first step
+            on a cold GPU, or a long prefill chunk of a large model on a CPU, may take many
+            seconds.
 
     Raises:
         TypeError: a value of the wrong type (``None`` included, for a field that is not

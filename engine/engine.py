@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from twostroke.engine.config import EngineConfig
@@ -496,16 +497,30 @@ class Engine:
             self._fail_open_requests()
 
     async def _complete(self) -> None:
-        """Await the oldest step in flight and apply its outcome."""
-        completion = await self._results_receive.receive()
+        """Await the oldest step in flight and apply its outcome.
+
+        Raises:
+            TimeoutError: the step took longer than ``step_timeout`` (the device hangs).
+            Exception: the step failed and the device cannot run work any more (the step's
+                error): the engine dies of it.
+        """
+        step_id = self._scheduler.inflight_plans[0].step_id
         output: RunnerOutput | None = None
         cause: Exception | None = None
-        try:
-            output = await completion
-        except Exception as exc:
-            cause = exc
+        with anyio.move_on_after(self.config.step_timeout) as deadline:
+            completion = await self._results_receive.receive()
+            try:
+                output = await completion
+            except Exception as exc:
+                cause = exc
+        if deadline.cancelled_caught:
+            raise TimeoutError(
+                f"step {step_id} did not complete within step_timeout "
+                f"({self.config.step_timeout} s): the device hangs"
+            )
+        if cause is not None and await self._device_failed(cause):
+            raise cause
         began = time.perf_counter()
-        step_id = self._scheduler.inflight_plans[0].step_id
         if output is not None:
             report = self._scheduler.apply(StepOutcome(step_id, output.sampled))
         else:
@@ -534,6 +549,27 @@ class Engine:
             self._idle.set()
 
     # --- death --------------------------------------------------------------------------
+
+    async def _device_failed(self, cause: Exception) -> bool:
+        """Whether a step's failure is the device's: it can run no more work.
+
+        A step fails on its own (a bad plan, running out of memory) or because the device
+        is gone (on CUDA: after an illegal address, a device-side assert or a launch
+        failure every later call fails). The message does not tell them apart reliably, so
+        the device is probed (:meth:`~twostroke.gpu.device.Device.probe`: a tiny piece of
+        work where steps run, and a wait for it). Out of memory is always the step's own:
+        the probe would only add to the pressure. A probe past ``step_timeout`` counts as a
+        hung device. The probe's error is added to ``cause`` as a note.
+        """
+        if isinstance(cause, MemoryError | torch.cuda.OutOfMemoryError):
+            return False
+        try:
+            with anyio.fail_after(self.config.step_timeout):
+                await self._device.probe()
+        except Exception as exc:
+            cause.add_note(f"the device failed a probe after this step failed: {exc!r}")
+            return True
+        return False
 
     def _die(self, exc: BaseException) -> None:
         """A stroke failed: fail every waiter now and stop the engine."""

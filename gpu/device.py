@@ -17,7 +17,8 @@ What differs between devices is only *where* the work runs and *when* its event 
   fires ``step_time`` seconds of loop time later, queued behind the steps before it.
 
 A device never raises an exception of the work from ``run``: it goes into the completion, and
-the engine fails that step's requests and keeps running.
+the engine fails that step's requests and keeps running, unless :meth:`Device.probe` then
+finds the device gone (a lost CUDA context fails every later call), which kills the engine.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ __all__ = [
 T = TypeVar("T")
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
+
+#: What CUDA says once a kernel touched an illegal address (the context is lost after it).
+LOST_CONTEXT = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call"
+)
 
 
 class DeviceUnavailable(RuntimeError):
@@ -120,6 +127,20 @@ class Device(abc.ABC):
         Raises:
             CompletionAlreadySet: ``completion`` was already set (a bug in the caller).
         """
+
+    async def probe(self) -> None:
+        """Check that the device still runs work; raise what it raises if it cannot.
+
+        The engine calls this after a step failed (unless it ran out of memory), to tell an
+        error of that step from a device that is gone (a CUDA context after an illegal
+        address, a device-side assert or a launch failure, where every later call fails).
+        It runs a tiny piece of work where steps run, behind the steps already queued, and
+        waits for it: cheap, but not free, so it is not called on the happy path.
+
+        Raises:
+            Exception: the device cannot run work; the error is what the device raised.
+        """
+        await anyio.lowlevel.checkpoint()
 
     def free_memory(self) -> int:
         """Bytes of memory free for a KV cache on this device.
@@ -282,6 +303,25 @@ class _WorkerThreadDevice(Device):
                     _resolve(completion, launched)
         await anyio.lowlevel.checkpoint_if_cancelled()
 
+    async def probe(self) -> None:
+        """Run :meth:`_probe` where steps run (the forward thread, behind the queued steps).
+
+        Cancellation abandons the wait; the probe itself still runs.
+        """
+        if self._forward is not None:
+            ticket = self._forward.submit(self._probe)
+            await ticket.wait()
+            ticket.outcome()
+            return
+        serializer = self._current_serializer()
+        async with serializer.lock:
+            await anyio.to_thread.run_sync(
+                self._probe, limiter=serializer.limiter, abandon_on_cancel=True
+            )
+
+    def _probe(self) -> None:
+        """The probe's work, in the worker thread: reaching the thread is all the CPU needs."""
+
     def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
         """Run ``work`` in the worker thread; subclasses set up thread state around it."""
         return work()
@@ -357,6 +397,17 @@ class CudaDevice(_WorkerThreadDevice):
         """Bytes free on this GPU (``torch.cuda.mem_get_info``)."""
         free, _ = torch.cuda.mem_get_info(self.torch_device)
         return int(free)
+
+    def _probe(self) -> None:
+        """A one-element kernel, then wait for the GPU: raises if its context is gone.
+
+        After an illegal address, a device-side assert or a launch failure the CUDA context
+        is unusable and every call raises its error; after an error of one step (a bad
+        plan, out of memory) this runs fine. The wait covers the steps queued before it.
+        """
+        with torch.cuda.device(self.torch_device):
+            torch.ones(1, device=self.torch_device).add_(1)
+            torch.cuda.synchronize(self.torch_device)
 
     def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
         # The current device is per thread, and anyio's worker threads are shared: set it for
@@ -448,7 +499,8 @@ class FakeDevice(Device):
     deadline is ``max(now, busy_until) + step_time`` (steps queue behind each other like
     kernels on a GPU stream) and resolves the completion at once: the caller is never blocked.
     The completion fires when the loop's clock passes the deadline, through the same polling
-    path as a CUDA event.
+    path as a CUDA event. :meth:`lose_context` makes it fail from then on like a GPU whose
+    CUDA context died.
 
     Args:
         step_time: Seconds of loop time each step takes, or a callable called once per step
@@ -470,15 +522,38 @@ class FakeDevice(Device):
             self._step_time = lambda: fixed
         self.torch_device = torch.device("cpu")
         self.launches = 0
+        self._lost: str | None = None
         # Per event loop: loop clocks are not comparable across loops.
         self._busy_until: anyio.lowlevel.RunVar[float] = anyio.lowlevel.RunVar(
             f"twostroke FakeDevice {id(self):#x} busy_until"
         )
 
     def __repr__(self) -> str:
-        return f"<FakeDevice {self.launches} launches>"
+        lost = ", context lost" if self._lost is not None else ""
+        return f"<FakeDevice {self.launches} launches{lost}>"
+
+    def lose_context(self, message: str = LOST_CONTEXT) -> None:
+        """Fail from now on like a GPU whose CUDA context died: every call raises.
+
+        Each later :meth:`run` fails its completion and each :meth:`probe` raises, with a
+        fresh ``RuntimeError(message)``; steps launched before keep their events.
+
+        Args:
+            message: The error's message (by default, CUDA's for an illegal address).
+        """
+        self._lost = message
+
+    async def probe(self) -> None:
+        """Raise the lost context's error after :meth:`lose_context`; else return."""
+        await anyio.lowlevel.checkpoint()
+        if self._lost is not None:
+            raise RuntimeError(self._lost)
 
     async def run(self, work: Callable[[], Launched[T]], completion: Completion[T]) -> None:
+        if self._lost is not None:
+            completion.set_exception(RuntimeError(self._lost))
+            await anyio.lowlevel.checkpoint()
+            return
         try:
             launched: Any = work()
             step_time = _check_step_time(self._step_time())

@@ -710,3 +710,73 @@ def test_resolve_device_passes_devices_through_and_selects_kinds() -> None:
         resolve_device("tpu")
     with pytest.raises(TypeError, match="device must be a Device or one of 'auto'"):
         resolve_device(3)
+
+
+# --- probes: does the device still run work? ------------------------------------------------
+
+
+class _ProbeRecorder(CpuDevice):
+    def __init__(self) -> None:
+        super().__init__()
+        self.probe_threads: list[int] = []
+
+    def _probe(self) -> None:
+        self.probe_threads.append(threading.get_ident())
+
+
+@pytest.mark.anyio
+async def test_a_cpu_probe_runs_where_the_steps_run() -> None:
+    device = _ProbeRecorder()
+    await device.probe()  # outside a block: a worker thread
+    assert device.probe_threads[0] != threading.get_ident()
+    async with device:
+        assert device.forward_thread is not None
+        forward = device.forward_thread.ident
+        completion: Completion[int] = Completion()
+        await device.run(ready(1), completion)  # the probe queues behind it
+        await device.probe()
+        assert completion.statistics().state.value in ("launched", "fired", "done")
+        assert await completion == 1
+    assert device.probe_threads[1] == forward
+
+
+@pytest.mark.anyio
+async def test_a_cpu_probe_raises_when_its_thread_cannot_run_work() -> None:
+    class Broken(CpuDevice):
+        def _probe(self) -> None:
+            raise RuntimeError("no")
+
+    async with Broken() as device:
+        with pytest.raises(RuntimeError, match=r"^no$"):
+            await device.probe()
+
+
+def test_a_cuda_probe_runs_a_kernel_and_waits_for_it(
+    cuda_guard: list[tuple[int, torch.device, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[object] = []
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: calls.append(("ones", k)) or torch.zeros(1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(("sync", device)))
+    CudaDevice(1)._probe()
+    cuda1 = torch.device("cuda", 1)
+    assert calls == [("ones", {"device": cuda1}), ("sync", cuda1)]
+    assert [(d, what) for _, d, what in cuda_guard] == [(cuda1, "enter"), (cuda1, "exit")]
+
+
+@pytest.mark.anyio
+async def test_a_fake_device_that_lost_its_context_fails_every_call() -> None:
+    device = FakeDevice()
+    await device.probe()
+    before: Completion[int] = Completion()
+    await device.run(ready(1), before)
+    device.lose_context()
+    assert repr(device) == "<FakeDevice 1 launches, context lost>"
+    with pytest.raises(RuntimeError, match=r"^CUDA error: an illegal memory access"):
+        await device.probe()
+    calls: list[int] = []
+    after: Completion[int] = Completion()
+    await device.run(lambda: calls.append(1) or ready(2)(), after)
+    with pytest.raises(RuntimeError, match=r"^CUDA error: an illegal memory access"):
+        await after
+    assert calls == []  # a dead context runs nothing
+    assert await before == 1  # launched before the loss
