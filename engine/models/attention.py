@@ -15,7 +15,8 @@ the gather, and keys and values come out of the same call. No Python loop runs o
   extra: the ``G`` query heads that share a key/value head are ``G`` query rows of that head.
   Padding is work too, so decodes of very different lengths are split into a few groups
   (:func:`~twostroke.engine.models.attention_metadata.split_decodes`) when the padding saved
-  outweighs the cost of one more call.
+  outweighs the cost of one more call, and so that no group gathers more than the runner's
+  ``decode_gather_bytes`` (the padded copy is transient memory no KV budget counts).
   On the CPU the attention is two batched matrix products with a float32 softmax between
   them (transformers' eager arithmetic), because ``scaled_dot_product_attention``'s CPU
   kernel is slow for one query row per head (about 2.5x slower here, measured); on CUDA it is

@@ -3,9 +3,9 @@
 A step's chunks (decodes of one token, prefill chunks, chunks of recomputed requests) become
 write slots for the new keys and values, gather indices into the paged cache, and masks.
 Decodes are batched, padded to the longest history, and split into groups when the padding
-saved outweighs one more call (:func:`split_decodes`); every other chunk gets a call of its
-own. This module holds only that index arithmetic; the kernels are in
-:mod:`twostroke.engine.models.attention`.
+saved outweighs one more call, or when one group's padded histories would exceed a bound
+(:func:`split_decodes`); every other chunk gets a call of its own. This module holds only
+that index arithmetic; the kernels are in :mod:`twostroke.engine.models.attention`.
 """
 
 from __future__ import annotations
@@ -50,25 +50,53 @@ def default_group_overhead(device: torch.device) -> int | None:
     return 1024 if device.type == "cpu" else None
 
 
-def split_decodes(lengths: Sequence[int], *, block_size: int, overhead: int | None) -> list[int]:
+def split_decodes(
+    lengths: Sequence[int],
+    *,
+    block_size: int,
+    overhead: int | None,
+    max_positions: int | None = None,
+) -> list[int]:
     """Where to cut a batch of decodes into groups, each padded to its own longest history.
 
     Greedy: from the start of what is left, make the cut that saves the most padded
     positions (against leaving the rest as one group), if that saves more than
     ``overhead``; repeat from the cut. Works in any order, and cuts best when the decodes
-    come longest first.
+    come longest first. Then every group that gathers more than ``max_positions`` padded
+    positions is cut again, as late as it fits, so no group's gather exceeds it (a decode
+    whose own history is longer gets a group of its own).
 
     Args:
         lengths: Key positions of each decode (its chunk's end), in batch order.
         block_size: Histories are gathered in whole blocks.
-        overhead: What one more group costs, in padded key positions; ``None`` never cuts.
+        overhead: What one more group costs, in padded key positions; ``None`` never cuts
+            to save padding.
+        max_positions: The most padded key positions (decodes times the group's widest
+            history, in whole blocks) one group may gather; ``None``: no bound.
 
     Returns:
         The start of each group after the first, ascending.
     """
-    if overhead is None:
-        return []
     widths = [-(-length // block_size) * block_size for length in lengths]
+    cuts = [] if overhead is None else _padding_cuts(widths, overhead)
+    if max_positions is None:
+        return cuts
+    bounded: list[int] = []
+    for first, last in zip([0, *cuts], [*cuts, len(widths)], strict=True):
+        widest = 0
+        start = first
+        for index in range(first, last):
+            widest = max(widest, widths[index])
+            if index > start and widest * (index + 1 - start) > max_positions:
+                bounded.append(index)
+                start, widest = index, widths[index]
+        if last < len(widths):
+            bounded.append(last)
+    return bounded
+
+
+def _padding_cuts(widths: list[int], overhead: int) -> list[int]:
+    """The cuts of :func:`split_decodes` that save more padding than ``overhead`` each."""
     count = len(widths)
     widest_from = [0] * (count + 1)  # widest_from[i]: widest of widths[i:]
     for index in range(count - 1, -1, -1):
@@ -196,6 +224,7 @@ class AttentionMetadata:
         device: torch.device,
         kernel: AttentionKernel | None = None,
         group_overhead: int | Literal["auto"] | None = "auto",
+        max_decode_positions: int | None = None,
     ) -> AttentionMetadata:
         """Lay out one step: tokens of ``chunks`` in order, each chunk's tokens contiguous.
 
@@ -213,6 +242,9 @@ class AttentionMetadata:
                 :func:`default_kernel` for ``device``.
             group_overhead: See :func:`split_decodes`; ``"auto"`` takes
                 :func:`default_group_overhead` for ``device``.
+            max_decode_positions: The most padded key positions one decode group gathers
+                (``max_positions`` of :func:`split_decodes`): bounds the memory of the
+                padded histories a layer gathers at once. ``None``: no bound.
 
         Returns:
             The step's metadata, on ``device``.
@@ -246,7 +278,12 @@ class AttentionMetadata:
         decode_groups: list[DecodeGroup] = []
         if num_decodes:
             lengths = [chunk.end for chunk in chunks[:num_decodes]]
-            cuts = split_decodes(lengths, block_size=block_size, overhead=group_overhead)
+            cuts = split_decodes(
+                lengths,
+                block_size=block_size,
+                overhead=group_overhead,
+                max_positions=max_decode_positions,
+            )
             for first, last in zip([0, *cuts], [*cuts, num_decodes], strict=True):
                 mask_dtype = torch.float32 if kernel == "matmul" else dtype
                 group = _decode_group(chunks[first:last], first, layout, mask_dtype)

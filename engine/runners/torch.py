@@ -35,7 +35,10 @@ from twostroke.gpu.staging import to_device
 from twostroke.states.errors import EngineError
 from twostroke.states.plan import ScheduledRequest, StepPlan
 
-__all__ = ["RunnerError", "TorchModelRunner"]
+__all__ = ["DEFAULT_DECODE_GATHER_BYTES", "RunnerError", "TorchModelRunner"]
+
+#: What one layer may gather for a group of decodes by default (see ``decode_gather_bytes``).
+DEFAULT_DECODE_GATHER_BYTES = 256 << 20
 
 
 class RunnerError(EngineError, RuntimeError):
@@ -61,9 +64,18 @@ class TorchModelRunner:
         max_num_seqs: The most requests the engine runs at once (sizes the penalty history
             it starts with; it grows if needed).
         seed: Seeds the sampling of unseeded requests (``None``: from the OS).
+        decode_gather_bytes: The most bytes of padded history one layer gathers for a group
+            of decodes (keys and values, in the model's dtype): the decodes of a step are
+            cut into groups that stay under it, so the transient memory of decode attention
+            is bounded whatever the mix of history lengths (one 8k-token request among 64
+            decodes of an 8B model would otherwise pad every row to 8k: ~2 GiB a layer). A
+            single decode whose own history is larger gets a group of its own, which takes
+            its history's size (at most ``max_model_len`` positions). The KV cache is sized
+            from what memory is left after this (``kv_cache_memory``), so keep it well
+            under that margin. ``None``: no bound.
 
     Raises:
-        ValueError: ``max_model_len`` or ``max_num_seqs`` below 1.
+        ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1.
     """
 
     def __init__(
@@ -73,8 +85,13 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         seed: int | None = None,
+        decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
     ) -> None:
-        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+        for name, value in (
+            ("max_model_len", max_model_len),
+            ("max_num_seqs", max_num_seqs),
+            ("decode_gather_bytes", decode_gather_bytes),
+        ):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.model = model
@@ -90,6 +107,11 @@ class TorchModelRunner:
         self._previous_sampled: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
         self._num_steps = 0
+        config = model.config
+        per_position = 2 * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+        self._max_decode_positions = (
+            None if decode_gather_bytes is None else max(1, decode_gather_bytes // per_position)
+        )
 
     @classmethod
     def from_loaded(
@@ -99,6 +121,7 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         seed: int | None = None,
+        decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
     ) -> TorchModelRunner:
         """A runner for a model :func:`~twostroke.engine.models.loader.load_model` loaded.
 
@@ -107,11 +130,18 @@ class TorchModelRunner:
             max_model_len: See the class.
             max_num_seqs: See the class.
             seed: See the class.
+            decode_gather_bytes: See the class.
 
         Returns:
             The runner (its KV cache is allocated later, by the engine).
         """
-        return cls(loaded.module, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed)
+        return cls(
+            loaded.module,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            decode_gather_bytes=decode_gather_bytes,
+        )
 
     def __repr__(self) -> str:
         cache = "no KV cache" if self._cache is None else f"{self._cache.num_blocks} KV blocks"
@@ -206,6 +236,7 @@ class TorchModelRunner:
             num_kv_heads=self.config.num_kv_heads,
             dtype=self.model.dtype,
             device=device,
+            max_decode_positions=self._max_decode_positions,
         )
         # Every block a step reads was written by this step or an earlier one, except block 0
         # (padding): zeroing the blocks this step writes covers everything read.

@@ -232,6 +232,30 @@ def test_split_decodes_cuts_where_padding_saved_exceeds_the_overhead(
     assert split_decodes(lengths, block_size=BLOCK, overhead=overhead) == cuts
 
 
+@pytest.mark.parametrize(
+    ("lengths", "overhead", "max_positions", "cuts"),
+    [
+        ([], None, 10, []),
+        ([40, 40, 40], None, 80, [2]),  # two of 40 fit in 80, not three
+        ([40, 40, 40], None, 120, []),
+        ([40, 8, 8, 8], None, 40, [1]),  # each group padded to its own widest
+        ([100, 40], None, 40, [1]),  # a history over the bound alone: a group of its own
+        ([8, 40, 8], None, 60, [1, 2]),  # any order: the widest so far pads the group
+        ([40, 40, 8, 8], 63, 40, [1, 2]),  # cut for padding at 2, for the bound at 1
+        ([40, 40, 8, 8], 63, None, [2]),
+    ],
+)
+def test_split_decodes_keeps_every_group_under_max_positions(
+    lengths: list[int], overhead: int | None, max_positions: int | None, cuts: list[int]
+) -> None:
+    got = split_decodes(lengths, block_size=BLOCK, overhead=overhead, max_positions=max_positions)
+    assert got == cuts
+    widths = [-(-length // BLOCK) * BLOCK for length in lengths]
+    for first, last in zip([0, *got], [*got, len(lengths)], strict=True):
+        if max_positions is not None and last - first > 1:
+            assert max(widths[first:last]) * (last - first) <= max_positions
+
+
 def test_default_kernel_is_sdpa_only_on_cuda() -> None:
     assert default_kernel(torch.device("cpu")) == "matmul"
     assert default_kernel(torch.device("cuda", 0)) == "sdpa"

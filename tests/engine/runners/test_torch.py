@@ -19,6 +19,7 @@ from tests.engine.models.test_llama import (
     random_sequences,
 )
 from tests.engine.runners.test_sampler import reference_penalties
+from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.protocol import TokenLogprobs
@@ -58,9 +59,10 @@ def generate(
     pipeline_depth: int = 2,
     seed: int = 0,
     enable_prefix_caching: bool = True,
+    **runner_options: Any,
 ) -> Run:
     """Serve every prompt as one continuous batch; request ``i`` arrives at step ``arrivals[i]``."""
-    runner = TorchModelRunner.from_loaded(loaded, seed=seed)
+    runner = TorchModelRunner.from_loaded(loaded, seed=seed, **runner_options)
     runner.allocate_kv_cache(num_blocks, block_size)
     scheduler = Scheduler(
         SchedulerConfig(
@@ -284,6 +286,42 @@ def test_repetition_penalty_matches_transformers(tiny_llama: tuple[Any, LoadedMo
     run = generate(loaded, prompts, [params] * 2)
     for index, prompt in enumerate(prompts):
         assert run.tokens[index] == transformers_greedy(reference, prompt, repetition_penalty=1.8)
+
+
+def test_decode_groups_gather_within_decode_gather_bytes(
+    tiny_llama: tuple[Any, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long and short histories decoding together: no group gathers past the budget (unless
+    one history alone is larger), and the tokens are those of an unbounded run."""
+    _, loaded = tiny_llama
+    built: list[AttentionMetadata] = []
+    build = AttentionMetadata.build.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: type, *args: Any, **kwargs: Any) -> AttentionMetadata:
+        built.append(build(cls, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(AttentionMetadata, "build", classmethod(spy))
+    config = loaded.module.config
+    block_size = 4
+    row_bytes = block_size * config.head_dim * 4  # one gathered row: a block of one head, fp32
+    per_position = 2 * config.num_kv_heads * config.head_dim * 4
+    budget = 40 * per_position  # 40 padded key positions per group
+    prompts = random_sequences([3, 60, 5, 7, 90, 4], seed=3)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * len(prompts)
+    bounded = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=budget)
+    groups = [group for metadata in built for group in metadata.decode_groups]
+    assert any(len(metadata.decode_groups) > 2 for metadata in built)
+    assert any(group.num_decodes > 1 for group in groups)
+    for group in groups:
+        gathered = group.gather.numel() * row_bytes
+        assert gathered <= budget or group.num_decodes == 1, (group.num_decodes, gathered)
+    built.clear()
+    unbounded = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=None)
+    assert max(len(metadata.decode_groups) for metadata in built) == 1  # CPU: no padding cut
+    assert bounded.tokens == unbounded.tokens
+    with pytest.raises(ValueError, match=r"^decode_gather_bytes must be >= 1, got 0$"):
+        TorchModelRunner.from_loaded(loaded, decode_gather_bytes=0)
 
 
 # --- the protocol ---------------------------------------------------------------------------
