@@ -222,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="one workload through twostroke and its peers, side by side"
     )
     add_bench_arguments(bench)
+    bench.add_argument(
+        "--device",
+        default="cpu",
+        choices=["auto", "cpu", "cuda"],
+        help="where twostroke's systems run (the peers run on the CPU)",
+    )
     bench.add_argument("--max-num-seqs", type=int, default=64)
     bench.add_argument("--max-num-batched-tokens", type=int, default=512)
     bench.add_argument(
@@ -390,6 +396,7 @@ def _bench(args: argparse.Namespace) -> int:
     from twostroke.engine.bench.twostroke_driver import engine_drivers
 
     drivers = engine_drivers(
+        device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         compare_prefix_caching=args.compare_prefix_caching,

@@ -7,10 +7,16 @@ count and on the same kind of thread (a fresh
 :class:`~twostroke.gpu.forward_thread.ForwardThread`). The ratio of the engine's throughput
 to it is the fraction of model time the engine keeps (the overlap's promise is that this is
 close to 1).
+
+Both run on the device the driver is given (the CPU by default, so the peers, which run on
+the CPU, compare like for like; ``twostroke bench --device cuda`` measures a GPU). On CUDA
+the bare loop waits for each step's device work before the next launch: it is the serial
+loop, without the engine's overlap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -29,7 +35,7 @@ from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
-from twostroke.gpu.device import CpuDevice
+from twostroke.gpu.device import Device, select_device
 from twostroke.gpu.forward_thread import ForwardThread
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.plan import StepPlan
@@ -84,16 +90,23 @@ class TwostrokeDriver:
 
     Args:
         depth: The pipeline depth (2: lookahead, 1: serial).
+        device: Where the engine runs: a kind :func:`~twostroke.gpu.device.select_device`
+            takes (``"cpu"``, ``"cuda"``, ``"auto"``).
         engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields.
     """
 
-    def __init__(self, depth: int, **engine_options: Any) -> None:
+    def __init__(self, depth: int, *, device: str = "cpu", **engine_options: Any) -> None:
         self.depth = depth
+        self.device = device
         self.name = f"twostroke-depth{depth}"
         if engine_options.get("enable_prefix_caching") is False:
             self.name += "-nocache"
         self.engine_options = engine_options
         self.recording: _Recording | None = None
+
+    def new_device(self) -> Device:
+        """A fresh device of the driver's kind (one per engine run)."""
+        return select_device(self.device)
 
     def check(self) -> str | None:
         return None
@@ -104,9 +117,10 @@ class TwostrokeDriver:
 
     def _run(self, workload: Workload, model: ModelSpec) -> SystemResult:
         started = time.perf_counter()
-        loaded = load_model(model.name, dtype=DTYPES[model.dtype], device=torch.device("cpu"))
+        torch_device = self.new_device().torch_device
+        loaded = load_model(model.name, dtype=DTYPES[model.dtype], device=torch_device)
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
-        warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options)
+        warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)
         started += warmup
         runner = _RecordingRunner(
             TorchModelRunner.from_loaded(
@@ -131,6 +145,7 @@ class TwostrokeDriver:
             wall_seconds=wall,
             timings=timings,
             extra={
+                "device": str(torch_device),
                 "dtype": model.dtype,
                 "threads": f"{_intra_op_threads(model)} torch + 1 event loop",
                 "pipeline_depth": self.depth,
@@ -152,7 +167,7 @@ class TwostrokeDriver:
         started: float,
         request_ids: list[int],
     ) -> tuple[list[RequestTiming], float, Any, float]:
-        device = CpuDevice()
+        device = self.new_device()
         options = {
             "pipeline_depth": self.depth,
             "device": device,
@@ -169,8 +184,8 @@ class TwostrokeDriver:
         return list(streamed.timings), streamed.wall_seconds, stats, startup
 
 
-#: The (model, dtype, threads) this process has run a warm-up pass for.
-_WARMED: set[tuple[str, str, int]] = set()
+#: The (model, dtype, threads, device) this process has run a warm-up pass for.
+_WARMED: set[tuple[str, str, int, str]] = set()
 
 #: Output tokens per request in the warm-up pass: every prompt chunk, then a few decodes.
 WARMUP_TOKENS = 8
@@ -182,6 +197,7 @@ def _warm_up(
     loaded: LoadedModel,
     tokenizer: HFTokenizer,
     engine_options: dict[str, Any],
+    driver: TwostrokeDriver,
 ) -> float:
     """Run the workload once, untimed and with few output tokens, the first time a process
     measures this model; return the seconds it took (0 when warm already).
@@ -194,7 +210,7 @@ def _warm_up(
     whichever twostroke system ran first (twostroke-depth2). The peers get no such pass: vLLM
     warms up in its own start-up, and HF static batching has one prefill and one decode shape.
     """
-    key = (model.name, model.dtype, torch.get_num_threads())
+    key = (model.name, model.dtype, torch.get_num_threads(), driver.device)
     if key in _WARMED:
         return 0.0
     _WARMED.add(key)
@@ -212,7 +228,7 @@ def _warm_up(
     )
 
     async def serve() -> None:
-        device = CpuDevice()
+        device = driver.new_device()
         options = {"device": device, "torch_threads": torch.get_num_threads(), **engine_options}
         async with device, Engine.open(runner=runner, tokenizer=tokenizer, **options) as engine:
             await stream_workload(engine, short)
@@ -247,15 +263,25 @@ class BareForwardDriver:
     def _replay(self, workload: Workload, recording: _Recording, model: ModelSpec) -> SystemResult:
         runner = TorchModelRunner.from_loaded(recording.loaded)
         runner.allocate_kv_cache(recording.num_blocks, recording.block_size)
+        torch_device = runner.device
         first: dict[int, float] = {}
         last: dict[int, float] = {}
         counts: dict[int, int] = {}
         chunks: dict[int, list[float]] = {}
 
         def replay() -> float:
+            with contextlib.ExitStack() as stack:
+                if torch_device.type == "cuda":
+                    stack.enter_context(torch.cuda.device(torch_device))
+                return replay_steps()
+
+        def replay_steps() -> float:
             t0 = time.perf_counter()
             for plan in recording.plans:
-                output = runner.execute(plan).readback()
+                launched = runner.execute(plan)
+                if torch_device.type == "cuda":  # the readback is valid once the step ran
+                    torch.cuda.synchronize(torch_device)
+                output = launched.readback()
                 now = time.perf_counter() - t0
                 for request_id in output.sampled:
                     first.setdefault(request_id, now)
@@ -290,6 +316,7 @@ class BareForwardDriver:
             wall_seconds=wall,
             timings=timings,
             extra={
+                "device": str(torch_device),
                 "dtype": model.dtype,
                 "threads": f"{_intra_op_threads(model)} torch",
                 "steps": len(recording.plans),
@@ -298,12 +325,18 @@ class BareForwardDriver:
         )
 
 
-def engine_drivers(*, compare_prefix_caching: bool = False, **engine_options: Any) -> list[Any]:
+def engine_drivers(
+    *, compare_prefix_caching: bool = False, device: str = "cpu", **engine_options: Any
+) -> list[Any]:
     """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1, and
-    with ``compare_prefix_caching`` depth 2 without prefix caching."""
-    depth2 = TwostrokeDriver(2, **engine_options)
-    drivers = [depth2, BareForwardDriver(depth2), TwostrokeDriver(1, **engine_options)]
+    with ``compare_prefix_caching`` depth 2 without prefix caching; all on ``device``."""
+    depth2 = TwostrokeDriver(2, device=device, **engine_options)
+    drivers = [
+        depth2,
+        BareForwardDriver(depth2),
+        TwostrokeDriver(1, device=device, **engine_options),
+    ]
     if compare_prefix_caching:
         options = engine_options | {"enable_prefix_caching": False}
-        drivers.append(TwostrokeDriver(2, **options))
+        drivers.append(TwostrokeDriver(2, device=device, **options))
     return drivers

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from twostroke.engine.bench import twostroke_driver
@@ -11,6 +13,8 @@ from twostroke.engine.bench.metrics import metrics
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.twostroke_driver import engine_drivers
 from twostroke.engine.bench.workload import BenchRequest, Workload
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
+from twostroke.gpu.device import Device
 
 
 @pytest.mark.slow
@@ -37,3 +41,33 @@ def test_the_engine_systems_warm_up_once_and_the_bare_loop_replays_their_plans(
     assert second.extra["warmup_s"] == 0
     # The bare loop replayed exactly the depth-2 run's steps (the warm-up's are not recorded).
     assert results[1].extra["steps"] == first.extra["steps"]
+
+
+def test_the_engine_systems_run_on_the_device_they_are_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not always the CPU: ``twostroke bench --device cuda`` must measure the GPU."""
+    made: list[str] = []
+    real_select = twostroke_driver.select_device
+
+    def select(kind: str) -> Device:
+        made.append(kind)
+        return real_select("fake" if kind == "cuda" else kind)
+
+    monkeypatch.setattr(twostroke_driver, "select_device", select)
+    depth2, bare, depth1 = engine_drivers(max_num_seqs=4, device="cuda")
+    assert (depth2.device, depth1.device, bare.source) == ("cuda", "cuda", depth2)
+    workload = Workload(
+        requests=(BenchRequest(range(100, 112), 4), BenchRequest(range(200, 205), 3)),
+        arrival_times=None,
+        seed=0,
+        description="two tiny requests",
+    )
+    runner = twostroke_driver._RecordingRunner(ToyRunner(eos_rate=0))  # type: ignore[arg-type]
+    timings, _, stats, _ = anyio.run(
+        depth2._serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1, -1]
+    )
+    assert made == ["cuda"]
+    assert [t.output_tokens for t in timings] == [4, 3]
+    assert stats.num_steps == len(runner.plans)
+    assert engine_drivers()[0].device == "cpu"  # the peers run on the CPU: so does the default
