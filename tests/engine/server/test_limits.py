@@ -79,7 +79,11 @@ async def limited(
                 headers={"authorization": f"Bearer {api_key}".encode()},
                 timeout=20,
             ) as http:
-                yield engine, http
+                try:
+                    yield engine, http
+                finally:
+                    if isinstance(runner, GatedRunner):
+                        runner.gate.set()  # a failed test must not hold the steps up
             task_group.cancel_scope.cancel()
 
 
