@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 HYPOTHESIS_PROFILE ?= ci
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint typecheck docs venv clean bench bench-peers mutate
+.PHONY: run test test-fast lint typecheck docs venv clean bench bench-peers mutate gpu-check
 
 venv: $(STAMP)
 
@@ -63,6 +63,12 @@ bench: $(STAMP)
 
 bench-peers:
 	bash scripts/setup_vllm_peer.sh
+
+# The prepared GPU check (docs/performance.md): on a GPU machine with nothing installed, its
+# own venv (.venv-gpu), the CUDA-marked tests, SmolLM2 parity, depth 1 and 2, a short bench;
+# figures in gpu-check/figures.json. `make test` runs its --dry-run (tests/test_gpu_check.py).
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .coverage

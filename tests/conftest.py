@@ -31,6 +31,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``cuda`` where torch sees no GPU (scripts/gpu_check.sh runs them)."""
+    needs_gpu = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not needs_gpu:
+        return
+    import torch  # only when a collected test needs a GPU
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    for item in needs_gpu:
+        item.add_marker(skip)
+
+
 @pytest.fixture(
     params=[
         pytest.param("asyncio", id="asyncio"),
