@@ -514,6 +514,7 @@ class Engine:
             except Exception as exc:
                 cause = exc
         if deadline.cancelled_caught:
+            self._device.abandon()  # a step stuck on the device's thread must not hold the exit
             raise TimeoutError(
                 f"step {step_id} did not complete within step_timeout "
                 f"({self.config.step_timeout} s): the device hangs"
@@ -567,6 +568,8 @@ class Engine:
             with anyio.fail_after(self.config.step_timeout):
                 await self._device.probe()
         except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                self._device.abandon()
             cause.add_note(f"the device failed a probe after this step failed: {exc!r}")
             return True
         return False

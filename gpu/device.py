@@ -142,6 +142,15 @@ class Device(abc.ABC):
         """
         await anyio.lowlevel.checkpoint()
 
+    def abandon(self) -> None:
+        """Give up on the work in flight: a step never completed (the device hangs).
+
+        Leaving the ``async with`` block then no longer waits for the threads that run
+        steps (a thread stuck in a step would hold the block forever); they end when their
+        work does, or with the process. A device without threads has nothing to give up.
+        """
+        return None
+
     def free_memory(self) -> int:
         """Bytes of memory free for a KV cache on this device.
 
@@ -321,6 +330,11 @@ class _WorkerThreadDevice(Device):
 
     def _probe(self) -> None:
         """The probe's work, in the worker thread: reaching the thread is all the CPU needs."""
+
+    def abandon(self) -> None:
+        """Leave the forward thread behind when the block exits (see :meth:`Device.abandon`)."""
+        if self._forward is not None:
+            self._forward.abandon()
 
     def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
         """Run ``work`` in the worker thread; subclasses set up thread state around it."""

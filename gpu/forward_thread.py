@@ -128,6 +128,7 @@ class ForwardThread:
         self._queue: queue.SimpleQueue[Ticket[object] | object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._waiters: anyio.CapacityLimiter | None = None
+        self._abandoned = False
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -170,15 +171,29 @@ class ForwardThread:
     ) -> None:
         """Stop the thread once the calls handed over have run, and join it.
 
-        Shielded: the thread is joined even if the caller is cancelled meanwhile.
+        Shielded: the thread is joined even if the caller is cancelled meanwhile; after
+        :meth:`abandon` it is told to stop and left to finish on its own.
         """
         thread, self._thread = self._thread, None
         if thread is None:
             return
         self._queue.put(_STOP)
+        if self._abandoned:
+            await anyio.lowlevel.checkpoint()
+            return
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(thread.join, limiter=self._waiters)
         self._waiters = None
+
+    def abandon(self) -> None:
+        """Do not wait for the thread when the block exits: its call may never return.
+
+        For an owner that gave up on the work in progress (a device that hangs): leaving
+        the block then tells the thread to stop after its current call and returns at
+        once, and the thread (a daemon) ends whenever that call does, or with the process.
+        The one case where the thread outlives the block.
+        """
+        self._abandoned = True
 
     def submit(self, work: Callable[[], T]) -> Ticket[T]:
         """Queue ``work`` behind the calls already handed over, and return at once.

@@ -43,11 +43,15 @@ def anyio_backend() -> Any:
 
 
 class ProbedDevice(FakeDevice):
-    """A fake GPU that counts the engine's probes."""
+    """A fake GPU that counts the engine's probes, and says whether it was abandoned."""
 
     def __init__(self, step_time: Any = STEP) -> None:
         super().__init__(step_time=step_time)
         self.probes = 0
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        self.abandoned = True
 
     async def probe(self) -> None:
         self.probes += 1
@@ -95,6 +99,7 @@ async def test_a_lost_context_kills_the_engine_and_every_waiter_learns_why(depth
     assert isinstance(raised.value.__cause__, RuntimeError)
     assert "failed a probe" in "".join(raised.value.__cause__.__notes__)
     assert device.probes == 1
+    assert not device.abandoned  # a lost context answers at once: nothing to give up
     assert sorted(outcomes) == list(range(6))
     for outcome in outcomes.values():
         assert isinstance(outcome, EngineDead), outcome
@@ -155,7 +160,7 @@ async def test_a_step_that_fails_on_a_live_device_fails_only_its_requests(
 async def test_a_step_that_never_completes_kills_the_engine_at_the_deadline(depth: int) -> None:
     """Step 4 takes a virtual eternity; with ``step_timeout`` the engine dies, not hangs."""
     steps = iter(range(10**6))
-    device = FakeDevice(step_time=lambda: 1e9 if next(steps) == 4 else STEP)
+    device = ProbedDevice(step_time=lambda: 1e9 if next(steps) == 4 else STEP)
     outcomes: dict[int, Any] = {}
     # Virtual time (40 step timeouts): without the deadline, the test fails rather than hangs.
     with anyio.fail_after(2.0):
@@ -180,6 +185,9 @@ async def test_a_step_that_never_completes_kills_the_engine_at_the_deadline(dept
     assert anyio.current_time() < 4 * STEP + 0.05 + 2 * STEP
     assert len(outcomes) == 3
     assert all(isinstance(outcome, EngineDead) for outcome in outcomes.values())
+    # The step may hold the device's thread forever: leaving the block must not wait for it.
+    assert device.abandoned
+    assert device.probes == 0
 
 
 async def test_a_probe_past_the_deadline_counts_as_a_hung_device() -> None:
@@ -201,6 +209,7 @@ async def test_a_probe_past_the_deadline_counts_as_a_hung_device() -> None:
         ) as engine:
             await engine.generate("body", PARAMS)
     assert device.probes == 1
+    assert device.abandoned
     notes = "".join(raised.value.__cause__.__notes__)  # type: ignore[union-attr]
     assert "failed a probe" in notes
     assert "TimeoutError" in notes

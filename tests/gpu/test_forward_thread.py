@@ -10,6 +10,7 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 import torch
 
@@ -215,3 +216,27 @@ async def test_a_cancelled_ticket_wait_returns_at_once_and_the_call_still_runs()
 def test_the_name_must_be_a_string() -> None:
     with pytest.raises(TypeError, match=r"^name must be a str, got int 3$"):
         ForwardThread(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_an_abandoned_thread_is_not_joined_and_ends_with_its_call() -> None:
+    """A call that never returns (a hung device) must not hold the owner's block forever."""
+    release = threading.Event()
+    started = threading.Event()
+    forward = ForwardThread("test forward abandoned")
+    try:
+        async with forward:
+            ticket = forward.submit(lambda: (started.set(), release.wait(DEADLOCK))[1])
+            with anyio.fail_after(DEADLOCK):
+                await anyio.to_thread.run_sync(started.wait)
+            forward.abandon()
+        # Left at once, the call still running on its thread.
+        assert not ticket.done()
+        (thread,) = live_threads("test forward abandoned")
+        assert thread.is_alive()
+        assert not forward.running
+    finally:
+        release.set()
+    with anyio.fail_after(DEADLOCK):
+        await anyio.to_thread.run_sync(thread.join)
+    assert ticket.outcome() is True  # it ran to the end, then stopped: nothing else queued
