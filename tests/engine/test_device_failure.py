@@ -213,3 +213,23 @@ async def test_a_probe_past_the_deadline_counts_as_a_hung_device() -> None:
     notes = "".join(raised.value.__cause__.__notes__)  # type: ignore[union-attr]
     assert "failed a probe" in notes
     assert "TimeoutError" in notes
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (0, ValueError, "step_timeout must be > 0, got 0"),
+        (-1.5, ValueError, "step_timeout must be > 0, got -1.5"),
+        ("5", TypeError, "step_timeout must be a number, got str '5'"),
+    ],
+)
+def test_step_timeout_is_a_positive_number_or_none(
+    value: object, error: type[Exception], message: str
+) -> None:
+    from twostroke.engine import EngineConfig
+
+    assert EngineConfig().step_timeout is None
+    assert EngineConfig(step_timeout=2).step_timeout == 2
+    with pytest.raises(error) as raised:
+        EngineConfig(step_timeout=value)  # type: ignore[arg-type]
+    assert str(raised.value) == message
