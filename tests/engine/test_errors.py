@@ -27,6 +27,9 @@ NOT_EXPORTED = {
     # whose client went away; neither leaves the server.
     "twostroke.engine.server.errors.ApiError",
     "twostroke.engine.server.sse.Disconnected",
+    # The wire's own signal: each side turns it into RequestRejected, a ValueError or a
+    # FinishedPart split before it leaves the coordinator or the replica.
+    "twostroke.engine.coordinator.frames.FrameTooLarge",
     # A test oracle (an AssertionError): a scheduling bug the simulated KV cache caught.
     "twostroke.states.simulation.SimulationError",
 }
