@@ -34,8 +34,10 @@ class RequestHandle:
         self.prompt_token_ids = prompt_token_ids
         self._cancel = cancel
         self._pending: Delta | None = None
-        self._changed = anyio.Event()
-        self._done = anyio.Event()
+        self._ended = False
+        # Made by the first waiter, dropped once set: a request nobody waits on yet (most of
+        # a burst of submits) costs no event.
+        self._wake: anyio.Event | None = None
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._streamed_to_end = False
@@ -50,15 +52,15 @@ class RequestHandle:
             self._relay_delta(delta)
             return
         self._pending = delta if self._pending is None else self._pending.merge(delta)
-        self._changed.set()
+        self._wake_waiters()
 
     def _finish(self, output: RequestOutput | None, error: BaseException | None) -> None:
-        if self._done.is_set():
+        if self._ended:
             return
         self._output = output
         self._error = error
-        self._done.set()
-        self._changed.set()
+        self._ended = True
+        self._wake_waiters()
         if self._relay_end is not None:
             self._relay_end(output, error)
 
@@ -77,11 +79,22 @@ class RequestHandle:
         self._relay_delta = on_delta
         self._relay_end = on_end
 
+    def _wake_waiters(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.set()
+
+    async def _wait_for_change(self) -> None:
+        """Wait until the next delta or the end (every waiter re-checks what it waits for)."""
+        if self._wake is None:
+            self._wake = anyio.Event()
+        await self._wake.wait()
+
     # --- public -----------------------------------------------------------------------
 
     def done(self) -> bool:
         """Whether the request has ended (finished, failed or cancelled)."""
-        return self._done.is_set()
+        return self._ended
 
     def cancel(self) -> None:
         """Ask the engine to cancel the request. Idempotent; returns at once.
@@ -89,7 +102,7 @@ class RequestHandle:
         The cancellation is applied by the engine at the next step boundary; the request's
         KV blocks are free once the step in flight that used them completes.
         """
-        if not self._done.is_set():
+        if not self._ended:
             self._cancel(self.request_id)
 
     async def result(self) -> RequestOutput:
@@ -105,7 +118,8 @@ class RequestHandle:
             EngineClosed: the engine shut down in ``cancel`` mode before it finished.
         """
         await anyio.lowlevel.checkpoint()
-        await self._done.wait()
+        while not self._ended:
+            await self._wait_for_change()
         if self._error is not None:
             raise self._error
         assert self._output is not None
@@ -127,10 +141,9 @@ class RequestHandle:
                 return delta
             if self._error is not None:
                 raise self._error
-            if self._streamed_to_end or (self._done.is_set() and self._output is not None):
+            if self._streamed_to_end or (self._ended and self._output is not None):
                 raise StopAsyncIteration
-            self._changed = anyio.Event()
-            await self._changed.wait()
+            await self._wait_for_change()
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self

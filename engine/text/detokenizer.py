@@ -153,6 +153,8 @@ class DetokenizedDelta:
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop == ():  # the usual case, without the ABC check below
+        return ()
     if isinstance(stop, str) or not isinstance(stop, Sequence):
         raise TypeError(f"stop must be a sequence of strings, got {type(stop).__name__} {stop!r}")
     for item in stop:
@@ -165,7 +167,9 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
 
 def _token_ids(name: str, token_ids: object, last: int | None = None) -> list[int]:
     """``token_ids`` (only its ``last`` ones, if given) as a list, checked to be ints."""
-    if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+    if not isinstance(token_ids, tuple | list) and (  # the usual cases, without an ABC check
+        isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence)
+    ):
         raise TypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
     if last is not None:
         token_ids = token_ids[max(len(token_ids) - last, 0) :]
