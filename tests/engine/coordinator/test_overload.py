@@ -13,6 +13,8 @@ import pytest
 from twostroke.engine import Coordinator, EngineOverloaded, SamplingParams
 from twostroke.engine.coordinator import process
 
+from .test_replicas import RAW_WIRE
+
 pytestmark = pytest.mark.anyio
 
 MESSAGE = (
@@ -20,22 +22,9 @@ MESSAGE = (
     "retry later"
 )
 
-FULL_REPLICA = rf"""
-import os, msgspec
-
-def send(*frame):
-    body = msgspec.msgpack.encode(list(frame))
-    os.write(1, len(body).to_bytes(4, "big") + body)
-
-def frames():
-    buffer = b""
-    while chunk := os.read(0, 65536):
-        buffer += chunk
-        while len(buffer) >= 4 and len(buffer) >= 4 + int.from_bytes(buffer[:4], "big"):
-            end = 4 + int.from_bytes(buffer[:4], "big")
-            yield msgspec.msgpack.decode(buffer[4:end])
-            buffer = buffer[end:]
-
+FULL_REPLICA = (
+    RAW_WIRE
+    + rf"""
 for frame in frames():
     if frame[0] == "start":
         send("ready", os.getpid(), "fake", 128)
@@ -44,6 +33,7 @@ for frame in frames():
     elif frame[0] == "shutdown":
         break
 """
+)
 
 
 async def test_a_process_replica_with_a_full_queue_refuses_with_engine_overloaded(

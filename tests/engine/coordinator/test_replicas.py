@@ -37,7 +37,9 @@ from ..conftest import toy_engine
 
 pytestmark = pytest.mark.anyio
 
-FAKE_REPLICA = r"""
+#: The start of a fake replica's program: ``send(*frame)`` and ``frames()``, the frame
+#: protocol in raw msgpack over stdin and stdout (no torch, no engine).
+RAW_WIRE = r"""
 import os, msgspec
 
 def send(*frame):
@@ -52,7 +54,11 @@ def frames():
             end = 4 + int.from_bytes(buffer[:4], "big")
             yield msgspec.msgpack.decode(buffer[4:end])
             buffer = buffer[end:]
+"""
 
+FAKE_REPLICA = (
+    RAW_WIRE
+    + r"""
 options = {}
 for frame in frames():
     if frame[0] == "start":
@@ -70,6 +76,7 @@ for frame in frames():
     elif frame[0] == "shutdown":
         break
 """
+)
 
 
 @pytest.fixture
