@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -60,18 +62,12 @@ def post_too_large(base_url: str, limit: int) -> bytes:
     return answer
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("backend", "stop", "extra"),
-    [
-        ("asyncio", signal.SIGTERM, ["--max-body-bytes", "4096"]),
-        ("trio", signal.SIGINT, []),
-        ("trio", signal.SIGTERM, ["--replicas", "2", "--placement", "process"]),
-    ],
-)
-def test_serve_command_serves_and_stops_on_a_signal(
-    backend: str, stop: signal.Signals, extra: list[str]
-) -> None:
+@contextlib.contextmanager
+def serve_command(backend: str, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``twostroke serve`` on the toy model (key ``sk-cli``): the process and its ``/v1`` URL.
+
+    The process is killed if the block leaves it running (a failed test).
+    """
     command = [sys.executable, "-m", "twostroke.engine.cli", "serve", "--model", "toy", *extra]
     command += ["--device", "cpu", "--port", "0", "--backend", backend, "--api-key", "sk-cli"]
     with subprocess.Popen(
@@ -86,20 +82,36 @@ def test_serve_command_serves_and_stops_on_a_signal(
                     break
             match = re.search(r"(http://\S+/v1)", "".join(lines))
             assert match, lines
-            reply = httpx.post(
-                f"{match.group(1)}/completions",
-                json={"model": "toy", "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
-                headers={"authorization": "Bearer sk-cli"},
-                timeout=30,
-            )
-            assert reply.status_code == 200
-            assert reply.json()["usage"]["completion_tokens"] == 3
-            if "--max-body-bytes" in extra:
-                answer = post_too_large(match.group(1), 4096)
-                assert answer.startswith(b"HTTP/1.1 413 "), answer
-                assert b"the limit is 4096 bytes" in answer, answer
-            process.send_signal(stop)
-            assert process.wait(timeout=30) == 0
+            yield process, match.group(1)
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "stop", "extra"),
+    [
+        ("asyncio", signal.SIGTERM, ["--max-body-bytes", "4096"]),
+        ("trio", signal.SIGINT, []),
+        ("trio", signal.SIGTERM, ["--replicas", "2", "--placement", "process"]),
+    ],
+)
+def test_serve_command_serves_and_stops_on_a_signal(
+    backend: str, stop: signal.Signals, extra: list[str]
+) -> None:
+    with serve_command(backend, *extra) as (process, url):
+        reply = httpx.post(
+            f"{url}/completions",
+            json={"model": "toy", "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+            headers={"authorization": "Bearer sk-cli"},
+            timeout=30,
+        )
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["completion_tokens"] == 3
+        if "--max-body-bytes" in extra:
+            answer = post_too_large(url, 4096)
+            assert answer.startswith(b"HTTP/1.1 413 "), answer
+            assert b"the limit is 4096 bytes" in answer, answer
+        process.send_signal(stop)
+        assert process.wait(timeout=30) == 0

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import signal
-import subprocess
-import sys
 
 import httpx
 import msgspec
 import pytest
 
 from twostroke.engine.cli import _server_limits, build_parser
+
+from .test_cli import serve_command
 
 
 def test_the_limit_flags_are_parsed_and_absent_ones_keep_the_server_defaults() -> None:
@@ -59,41 +58,25 @@ def test_a_bad_limit_is_refused_before_anything_loads(
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
 def test_sigterm_lets_an_open_stream_finish(backend: str) -> None:
     """The issue's case: on trio a 2.6 s stream was cut at 0.7 s by SIGTERM."""
-    command = [sys.executable, "-m", "twostroke.engine.cli", "serve", "--model", "toy"]
-    command += ["--device", "cpu", "--port", "0", "--backend", backend, "--api-key", "sk-cli"]
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as process:
-        try:
-            assert process.stdout is not None
-            lines = []
-            for line in process.stdout:
-                lines.append(line)
-                if line.startswith("serving"):
-                    break
-            match = re.search(r"(http://\S+/v1)", "".join(lines))
-            assert match, lines
-            request = {"model": "toy", "prompt": "hi", "max_tokens": 300, "stream": True,
-                       "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
-            events = []
-            with httpx.stream(
-                "POST",
-                f"{match.group(1)}/completions",
-                json=request,
-                headers={"authorization": "Bearer sk-cli"},
-                timeout=30,
-            ) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    payload = line.removeprefix("data: ")
-                    events.append(payload if payload == "[DONE]" else msgspec.json.decode(payload))
-                    if len(events) == 1:
-                        process.send_signal(signal.SIGTERM)
-            assert events[-1] == "[DONE]"
-            assert events[-2]["usage"]["completion_tokens"] == 300  # all of it
-            assert events[-3]["choices"][0]["finish_reason"] == "length"
-            assert process.wait(timeout=30) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
+    with serve_command(backend) as (process, url):
+        request = {"model": "toy", "prompt": "hi", "max_tokens": 300, "stream": True,
+                   "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        events = []
+        with httpx.stream(
+            "POST",
+            f"{url}/completions",
+            json=request,
+            headers={"authorization": "Bearer sk-cli"},
+            timeout=30,
+        ) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line.removeprefix("data: ")
+                events.append(payload if payload == "[DONE]" else msgspec.json.decode(payload))
+                if len(events) == 1:
+                    process.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == 300  # all of it
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert process.wait(timeout=30) == 0
