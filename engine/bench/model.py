@@ -107,9 +107,11 @@ class ModelSpec:
 def load_hf_model(spec: ModelSpec) -> Any:
     """The model as a dense ``transformers`` model in the spec's dtype, on the CPU.
 
-    A GGUF source is dequantized (same values twostroke computes with). Callers pass the
-    model to :func:`save_hf_dir` afterwards (outside their start-up timing), so vLLM can read
-    the same weights.
+    A GGUF source is dequantized (same values twostroke computes with), or read back from
+    its Hugging Face copy when the run's folder holds a current one (as twostroke reads its
+    artifact cache instead of converting again). Callers pass the model to
+    :func:`save_hf_dir` afterwards (outside their start-up timing), so vLLM can read the same
+    weights.
 
     Raises:
         ImportError: ``transformers`` (or ``accelerate``, which GGUF loading needs) is missing.
@@ -120,7 +122,9 @@ def load_hf_model(spec: ModelSpec) -> Any:
     # transformers is only partly typed; the model is used through Any.
     auto: Any = transformers.AutoModelForCausalLM
     dtype = getattr(torch, spec.dtype)
-    if spec.is_gguf:
+    if spec.is_gguf and _hf_dir_is_current(spec):
+        model = auto.from_pretrained(spec.hf_dir, dtype=dtype)
+    elif spec.is_gguf:
         # Versions without GgufConfig always dequantize; newer ones must be asked to.
         gguf_config: Any = getattr(transformers, "GgufConfig", None)
         options = (

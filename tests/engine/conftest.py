@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from twostroke.engine import Engine, SamplingParams
+from twostroke.engine.bench.model import ModelSpec, ensure_hf_dir
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
 from twostroke.gpu.device import Device
@@ -28,6 +29,22 @@ def artifact_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         patch.setenv(CACHE_DIR_ENV, str(folder))
         patch.delenv(NO_CACHE_ENV, raising=False)
         yield folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_fp32(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    """SmolLM2 as ``transformers`` reads its GGUF (dequantized, fp32), written once as a
+    Hugging Face folder (``spec.hf_dir``) that the tests comparing with transformers share.
+
+    Reading the GGUF through transformers is most of those tests' time (about 20 s on a
+    2-core AVX2 machine with another job busy); the folder reads back in about one.
+    """
+    pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
+    spec = ModelSpec.resolve(
+        "smollm2", work_dir=tmp_path_factory.mktemp("hf-smollm2"), dtype="float32"
+    )
+    ensure_hf_dir(spec)
+    return spec
 
 
 @asynccontextmanager

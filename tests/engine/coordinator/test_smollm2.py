@@ -20,21 +20,27 @@ PROMPTS: list[Any] = [
 OPTIONS = {"device": "cpu", "dtype": "float32", "num_blocks": 128, "torch_threads": 1}
 
 
+async def _generate_all(engine: Engine | Coordinator, params: SamplingParams) -> list[Any]:
+    """Every prompt at once (one batch, as the replicas see them), in prompt order."""
+    got: list[tuple[int, ...]] = [()] * len(PROMPTS)
+
+    async def one(index: int) -> None:
+        got[index] = (await engine.generate(PROMPTS[index], params)).token_ids
+
+    async with anyio.create_task_group() as task_group:
+        for index in range(len(PROMPTS)):
+            task_group.start_soon(one, index)
+    return got
+
+
 async def test_process_replicas_give_a_bare_engines_tokens_on_smollm2() -> None:
     params = SamplingParams(max_tokens=16, temperature=0)
     async with Engine.open("smollm2", **OPTIONS) as engine:
-        expected = [(await engine.generate(p, params)).token_ids for p in PROMPTS]
+        expected = await _generate_all(engine, params)
     async with Coordinator.open(
         "smollm2", replicas=2, placement="process", **OPTIONS
     ) as coordinator:
-        got: list[tuple[int, ...]] = [()] * len(PROMPTS)
-
-        async def one(index: int) -> None:
-            got[index] = (await coordinator.generate(PROMPTS[index], params)).token_ids
-
-        async with anyio.create_task_group() as task_group:
-            for index in range(len(PROMPTS)):
-                task_group.start_soon(one, index)
+        got = await _generate_all(coordinator, params)
         engines = [replica.engine for replica in coordinator.statistics().replicas]
     assert got == expected
     assert all(engine is not None and engine.num_steps > 0 for engine in engines)

@@ -19,6 +19,7 @@ from tests.engine.models.test_llama import (
     random_sequences,
 )
 from tests.engine.runners.test_sampler import reference_penalties
+from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
@@ -409,22 +410,24 @@ CHAT_PROMPTS = [
 
 
 @pytest.mark.slow
-# About 40 s on a 2-core AVX2 machine with another job busy, most of it transformers' own GGUF
-# reading (config, dequantization, tokenizer): the timeout keeps four times that.
+# A few seconds once the session's Hugging Face copy of SmolLM2 exists (the fixture spends
+# about 20 s on transformers' GGUF reading on a 2-core AVX2 machine with another job busy);
+# the timeout keeps room for making it here.
 @pytest.mark.timeout(240)
-def test_smollm2_greedy_matches_transformers_on_the_same_gguf() -> None:
+def test_smollm2_greedy_matches_transformers_on_the_same_gguf(smollm2_hf_fp32: ModelSpec) -> None:
     """Chat prompts, 24 greedy tokens each, against transformers reading the same GGUF in fp32.
 
-    transformers checks our tokens by teacher forcing: one forward pass over prompt + our
-    tokens, whose argmax at every position must be our next token. By induction that is
-    exactly "transformers' greedy generate gives the same tokens", at a fraction of the time.
+    transformers dequantized the GGUF itself (the session's Hugging Face copy of it, written
+    by ``save_pretrained``), so the reference shares no loading code with twostroke. It checks
+    our tokens by teacher forcing: one forward pass over prompt + our tokens, whose argmax at
+    every position must be our next token. By induction that is exactly "transformers' greedy
+    generate gives the same tokens", at a fraction of the time.
     """
     transformers = pytest.importorskip("transformers")
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     loaded = load_model("smollm2", dtype=torch.float32, device=CPU)
-    path = loaded.source
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert loaded.source == smollm2_hf_fp32.source
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_hf_fp32.hf_dir)
     prompts = []
     for text in CHAT_PROMPTS:
         ids = tokenizer.apply_chat_template(
@@ -442,14 +445,9 @@ def test_smollm2_greedy_matches_transformers_on_the_same_gguf() -> None:
     )
     del loaded
 
-    # from_pretrained(gguf_file=...) also wants accelerate; these are the steps it takes.
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)
-    missing, unexpected = reference.load_state_dict(state["tensors"], strict=False)
-    assert not unexpected
-    assert set(missing) <= {"lm_head.weight"}
-    reference.tie_weights()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_hf_fp32.hf_dir, dtype=torch.float32
+    )
     reference.eval()
     for index, prompt in enumerate(prompts):
         tokens = run.tokens[index]
