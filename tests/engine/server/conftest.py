@@ -167,8 +167,14 @@ async def served(
             base_url = f"http://127.0.0.1:{port}"
             headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
             async with (
+                # A connect timeout far above openai's 5 s: the load tests open 200
+                # connections at once on a machine that may be busy with other jobs, and
+                # each test bounds its own time.
                 AsyncOpenAI(
-                    base_url=f"{base_url}/v1", api_key=api_key or "unused", max_retries=0
+                    base_url=f"{base_url}/v1",
+                    api_key=api_key or "unused",
+                    max_retries=0,
+                    timeout=httpx.Timeout(60.0, connect=30.0),
                 ) as client,
                 httpx.AsyncClient(base_url=base_url, headers=headers) as http,
             ):
