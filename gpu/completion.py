@@ -106,8 +106,8 @@ class Launched(Generic[T]):
         readback: Builds the result from host memory once the event fired.
         keepalive: References to every buffer the work still reads or writes. The completion
             holds them until it sees the event fired, so no buffer is freed or refilled while
-            the device may still use it (Megatron #5715; the ownership rule in LESSONS.md),
-            even if everyone awaiting the completion was cancelled.
+            the device may still use it (Megatron-LM #5715 refilled a pinned buffer that a
+            copy still read), even if everyone awaiting the completion was cancelled.
     """
 
     event: SupportsQuery = attrs.field(validator=_check_event)

@@ -4,8 +4,8 @@ Runs the runner under the real scheduler with a plain synchronous loop (no engin
 loop), so the figures are the model's and the runner's alone. Each dtype runs in a fresh
 process so that its peak RSS is its own. The workloads:
 
-* LESSONS.md's side-by-side measurement: random prompts of 26-248 tokens, 128 greedy tokens
-  each, EOS ignored; one request alone, then 32 at once;
+* the side-by-side workload of docs/performance.md: random prompts of 26-248 tokens, 128
+  greedy tokens each, EOS ignored; one request alone, then 32 at once;
 * ``--offline``: also issue 5's offline workload, 64 requests with prompts of 16-512 and
   outputs of 16-256 tokens (seeded), all submitted at once.
 
@@ -14,7 +14,7 @@ the decode figure times only steps that are all decodes. The machine is shared, 
 figure comes with the 1-minute load average at its end: compare figures taken at similar
 loads only.
 
-    .venv/bin/python tests/bench/runner_throughput.py [--dtypes float32 bfloat16] [--threads 2]
+    .venv/bin/python scripts/runner_throughput.py [--dtypes float32 bfloat16] [--threads 2]
         [--budget 512] [--offline]
 """
 

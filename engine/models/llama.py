@@ -30,12 +30,17 @@ from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkS
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.gpu.threads import torch_threads
+from twostroke.states.errors import EngineError
 
 __all__ = ["LlamaForCausalLM", "WeightError", "can_pack", "inverse_frequencies"]
 
 
-class WeightError(ValueError):
-    """A tensor does not fit the model: unknown name, wrong shape, or missing."""
+class WeightError(EngineError, ValueError):
+    """A tensor does not fit the model: unknown name, wrong shape, or missing.
+
+    Bad input (the checkpoint's), so also a ``ValueError``, like every error of twostroke
+    that a caller's input causes.
+    """
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

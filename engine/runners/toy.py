@@ -3,7 +3,7 @@
 ``Engine.open(model="toy")`` runs the real engine, scheduler and strokes over
 :class:`ToyRunner`, so applications can test how they embed twostroke without loading a
 model. The toy runner keeps a paged "KV cache" of token ids
-(:class:`twostroke.states.testing.SimulatedKV`) and its next token is a pure function of the
+(:class:`twostroke.states.simulation.SimulatedKV`) and its next token is a pure function of the
 request's whole sequence *as read back through its block table*: scheduling bugs show up as
 wrong text, and the same prompt always gives the same output.
 """

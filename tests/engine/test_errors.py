@@ -17,6 +17,7 @@ from twostroke.engine import (
     ModelLoadError,
     RequestRejected,
     SchedulerError,
+    WeightError,
 )
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -84,9 +85,10 @@ def test_every_exported_error_is_in_the_table_of_docs_errors_md(qualified: str) 
 
 def test_the_roots() -> None:
     """Errors raised on purpose share one root, but gpu's (it may not import states)."""
-    for error in (InvalidTransition, RequestRejected, SchedulerError, ModelLoadError):
+    for error in (InvalidTransition, RequestRejected, SchedulerError, ModelLoadError, WeightError):
         assert issubclass(error, EngineError)
     assert issubclass(RequestRejected, ValueError)
+    assert issubclass(WeightError, ValueError)
     assert issubclass(SchedulerError, RuntimeError)
     assert issubclass(DeviceUnavailable, RuntimeError)
     assert not issubclass(DeviceUnavailable, EngineError)
