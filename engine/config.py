@@ -6,13 +6,8 @@ from typing import Any, Literal
 
 import attrs
 
-from twostroke.states.validators import (
-    PIPELINE_DEPTH,
-    boolean,
-    int_at_least,
-    number_in,
-    one_of,
-)
+from twostroke.states.scheduler_config import SchedulingPolicy
+from twostroke.states.validators import int_at_least, number_in, one_of
 
 __all__ = ["EngineConfig"]
 
@@ -32,21 +27,35 @@ def _check_kv_memory(_: object, __: object, value: Any) -> None:
 
 
 @attrs.frozen(kw_only=True)
-class EngineConfig:
+class EngineConfig(SchedulingPolicy):
     """How an engine batches, how much KV memory it takes, and how it shuts down.
+
+    The batching fields (``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
+    ``pipeline_depth``, ``enable_prefix_caching``, ``max_waiting_requests``) are the
+    scheduler's own :class:`~twostroke.states.scheduler_config.SchedulingPolicy`, with its
+    defaults and checks: the engine hands them to its scheduler as they are, with the pool
+    and the context it sized.
 
     Args:
         block_size: Token positions per KV block.
+        max_num_batched_tokens: Token budget of one step (chunked prefill splits longer
+            prompts).
+        max_num_seqs: The most requests running at once.
+        pipeline_depth: 2 plans step N+1 while step N runs (the default); 1 is serial.
+        enable_prefix_caching: Keep the KV of full blocks after their requests end, so a
+            prompt that starts with the same tokens (a shared system prompt, the earlier
+            turns of a chat) skips computing them. Outputs are the same either way.
+        max_waiting_requests: The most requests that may wait for admission: ``submit``
+            raises :class:`~twostroke.engine.errors.EngineOverloaded` (before it tokenizes
+            the prompt) while that many wait, and queues nothing. ``None`` (the default) sets
+            no limit: a program that submits a batch of any size (``LLM.generate``) decides
+            what it queues. ``twostroke serve`` sets 1024 (``--max-waiting-requests``).
         num_blocks: KV blocks in the pool; ``None`` sizes the pool from ``kv_cache_memory``.
         kv_cache_memory: KV cache budget when ``num_blocks`` is ``None``: bytes (``int``) or
             a fraction of the device's free memory (``float`` in (0, 1)). ``None`` takes
             half the free memory on CUDA and 1 GiB on the CPU (whose memory the rest of the
             program shares).
-        max_num_batched_tokens: Token budget of one step (chunked prefill splits longer
-            prompts).
-        max_num_seqs: The most requests running at once.
         max_model_len: Context length; ``None`` takes the model's.
-        pipeline_depth: 2 plans step N+1 while step N runs (the default); 1 is serial.
         shutdown: Leaving the ``async with`` block normally ``"drain"``s open requests, or
             ``"cancel"``s them.
         dtype: Weights and activations: ``"auto"`` (bfloat16 where the device computes it
@@ -56,14 +65,6 @@ class EngineConfig:
             takes every core on the CPU (see
             :func:`~twostroke.engine.runners.loading.default_torch_threads`) and leaves
             torch's default on CUDA.
-        enable_prefix_caching: Keep the KV of full blocks after their requests end, so a
-            prompt that starts with the same tokens (a shared system prompt, the earlier
-            turns of a chat) skips computing them. Outputs are the same either way.
-        max_waiting_requests: The most requests that may wait for admission: ``submit``
-            raises :class:`~twostroke.engine.errors.EngineOverloaded` (before it tokenizes
-            the prompt) while that many wait, and queues nothing. ``None`` (the default) sets
-            no limit: a program that submits a batch of any size (``LLM.generate``) decides
-            what it queues. ``twostroke serve`` sets 1024 (``--max-waiting-requests``).
         step_timeout: Seconds a step may take, from when the engine starts waiting for it
             until its tokens are back (and the probe of a device after a failed step); a
             step past it means a hung device, and the engine dies
@@ -78,13 +79,9 @@ class EngineConfig:
         ValueError: a value out of range or not among a field's choices.
     """
 
-    block_size: int = attrs.field(default=16, validator=int_at_least(1))
     num_blocks: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     kv_cache_memory: int | float | None = attrs.field(default=None, validator=_check_kv_memory)
-    max_num_batched_tokens: int = attrs.field(default=512, validator=int_at_least(1))
-    max_num_seqs: int = attrs.field(default=64, validator=int_at_least(1))
     max_model_len: int | None = attrs.field(default=None, validator=int_at_least(2, optional=True))
-    pipeline_depth: int = attrs.field(default=2, validator=PIPELINE_DEPTH)
     shutdown: Literal["drain", "cancel"] = attrs.field(
         default="drain", validator=one_of("drain", "cancel")
     )
@@ -92,10 +89,6 @@ class EngineConfig:
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
-    enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
-    max_waiting_requests: int | None = attrs.field(
-        default=None, validator=int_at_least(1, optional=True, note=" (or None for no limit)")
-    )
     step_timeout: float | None = attrs.field(
         default=None,
         validator=attrs.validators.optional(number_in(0, low_open=True)),

@@ -83,16 +83,7 @@ class Engine:
         max_model_len = config.max_model_len or runner.max_model_len
         self._max_model_len = min(max_model_len, runner.max_model_len)
         self._scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self._max_model_len,
-                pipeline_depth=config.pipeline_depth,
-                enable_prefix_caching=config.enable_prefix_caching,
-                max_waiting_requests=config.max_waiting_requests,
-            ),
+            SchedulerConfig.sized(config, num_blocks=num_blocks, max_model_len=self._max_model_len),
             clock=anyio.current_time,
         )
         self._ids = itertools.count()

@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least
 
-__all__ = ["SchedulerConfig", "SchedulerStatistics"]
+__all__ = ["SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
 
 
 @attrs.frozen(kw_only=True)
-class SchedulerConfig:
-    """Sizes and limits of one scheduler.
+class SchedulingPolicy:
+    """How requests are batched: the scheduler's values that whoever runs one chooses.
+
+    Defined once for every layer: :class:`SchedulerConfig` adds the sizes of the pool and of
+    the context, and the engine's configuration (``twostroke.engine.EngineConfig``) adds
+    how it finds those sizes and how it runs; both take these fields, defaults and checks
+    from here.
 
     Args:
-        num_blocks: KV blocks in the pool.
-        block_size: Token positions per block.
-        max_num_batched_tokens: Token budget of one step (prefill chunks plus decodes).
+        block_size: Token positions per KV block.
+        max_num_batched_tokens: Token budget of one step (prefill chunks plus decodes;
+            chunked prefill splits longer prompts).
         max_num_seqs: The most requests running at once, and so in one step.
-        max_model_len: The model's context: prompt plus output may not exceed it.
-        pipeline_depth: Steps in flight at once: 1 plans after each outcome, 2 plans one
-            step ahead.
+        pipeline_depth: Steps in flight at once: 1 plans after each outcome (serial), 2
+            plans one step ahead while the step before runs (the default).
         enable_prefix_caching: Keep the KV of full blocks after their requests end, and
-            let a request whose prompt starts with the same tokens skip computing them.
+            let a request whose prompt starts with the same tokens (a shared system prompt,
+            the earlier turns of a chat) skip computing them. Outputs are the same either
+            way.
         max_waiting_requests: The most requests the waiting queue may hold (new and
             preempted) when a new one arrives:
             :meth:`~twostroke.states.scheduler.Scheduler.add_request` refuses a request
@@ -31,16 +39,41 @@ class SchedulerConfig:
             ``None`` (the default) sets no limit: an in-process caller decides what it queues.
     """
 
-    num_blocks: int = attrs.field(validator=int_at_least(1))
     block_size: int = attrs.field(default=16, validator=int_at_least(1))
     max_num_batched_tokens: int = attrs.field(default=512, validator=int_at_least(1))
     max_num_seqs: int = attrs.field(default=64, validator=int_at_least(1))
-    max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
     pipeline_depth: int = attrs.field(default=2, validator=PIPELINE_DEPTH)
     enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
     max_waiting_requests: int | None = attrs.field(
         default=None, validator=int_at_least(1, optional=True, note=" (or None for no limit)")
     )
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig(SchedulingPolicy):
+    """Sizes and limits of one scheduler: the fields of :class:`SchedulingPolicy`, and two sizes.
+
+    Args:
+        num_blocks: KV blocks in the pool.
+        max_model_len: The model's context: prompt plus output may not exceed it.
+    """
+
+    num_blocks: int = attrs.field(validator=int_at_least(1))
+    max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
+
+    @classmethod
+    def sized(
+        cls, policy: SchedulingPolicy, *, num_blocks: int, max_model_len: int
+    ) -> SchedulerConfig:
+        """The configuration that runs ``policy`` over a pool and a context of these sizes.
+
+        Raises:
+            TypeError, ValueError: a size of the wrong type or out of range.
+        """
+        chosen: dict[str, Any] = {
+            field.name: getattr(policy, field.name) for field in attrs.fields(SchedulingPolicy)
+        }
+        return cls(num_blocks=num_blocks, max_model_len=max_model_len, **chosen)
 
 
 @attrs.frozen

@@ -21,6 +21,7 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome
 from twostroke.states.request import FinishReason, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
+from twostroke.states.scheduler_config import SchedulingPolicy
 from twostroke.states.testing import (
     RequestSpec,
     SchedulerMachine,
@@ -209,6 +210,30 @@ def test_config_is_validated(
 ) -> None:
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         config(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_policy_sized_is_a_config_with_every_field_of_the_policy() -> None:
+    policy = SchedulingPolicy(
+        block_size=4,
+        max_num_batched_tokens=8,
+        max_num_seqs=2,
+        pipeline_depth=1,
+        enable_prefix_caching=False,
+        max_waiting_requests=3,
+    )
+    sized = SchedulerConfig.sized(policy, num_blocks=5, max_model_len=12)
+    assert sized == SchedulerConfig(
+        num_blocks=5,
+        max_model_len=12,
+        block_size=4,
+        max_num_batched_tokens=8,
+        max_num_seqs=2,
+        pipeline_depth=1,
+        enable_prefix_caching=False,
+        max_waiting_requests=3,
+    )
+    with pytest.raises(ValueError, match=r"^num_blocks must be >= 1, got 0$"):
+        SchedulerConfig.sized(policy, num_blocks=0, max_model_len=12)
 
 
 class CountingArrivals(dict[int, int]):
