@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import attrs
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -360,21 +361,10 @@ class Engine:
         await self._idle.wait()
 
     def statistics(self) -> EngineStatistics:
-        """A snapshot of the engine's counters and gauges."""
-        stats = self._scheduler.statistics()
+        """A snapshot of the engine's counters and gauges: its scheduler's, and its own."""
         return EngineStatistics(
-            num_waiting=stats.num_waiting,
-            num_running=stats.num_running,
+            **attrs.asdict(self._scheduler.statistics(), recurse=False),
             num_open_requests=len(self._open),
-            num_free_blocks=stats.num_free_blocks,
-            num_blocks=stats.num_blocks,
-            num_cached_blocks=stats.num_cached_blocks,
-            num_prefix_cache_queries=stats.num_prefix_cache_queries,
-            num_prefix_cache_hits=stats.num_prefix_cache_hits,
-            num_steps=stats.num_steps_completed,
-            num_tokens_scheduled=stats.num_tokens_scheduled,
-            num_tokens_generated=stats.num_tokens_generated,
-            num_preemptions=stats.num_preemptions,
             num_failed_steps=self._num_failed_steps,
             bookkeeping_seconds=self._bookkeeping_seconds,
             forward_seconds=self._forward_seconds,

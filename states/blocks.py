@@ -148,26 +148,29 @@ def block_mermaid_diagram() -> str:
     return "\n".join(lines)
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class BlockPoolStatistics:
-    """A snapshot of one block pool, taken by :meth:`BlockPool.statistics`."""
+    """A snapshot of one block pool, taken by :meth:`BlockPool.statistics`.
+
+    A count the scheduler's statistics report too has the same name there.
+    """
 
     #: Blocks in the pool (free + used).
     num_blocks: int
     #: Token positions per block.
     block_size: int
     #: Blocks with no reference, ready to allocate (empty or cached).
-    num_free: int
+    num_free_blocks: int
     #: Blocks with at least one reference.
-    num_used: int
+    num_used_blocks: int
     #: Blocks with more than one reference (shared between requests).
-    num_shared: int
+    num_shared_blocks: int
     #: Free blocks that hold a cached prefix (evicted, least recently released first).
-    num_cached: int
+    num_cached_blocks: int
     #: Prompt tokens looked up in the cache by :meth:`BlockPool.claim_prefix` callers.
-    num_queried_tokens: int
+    num_prefix_cache_queries: int
     #: Of those, tokens whose KV was found in the cache.
-    num_hit_tokens: int
+    num_prefix_cache_hits: int
 
 
 @attrs.frozen
@@ -460,12 +463,12 @@ class BlockPool:
         return BlockPoolStatistics(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            num_free=self.num_free,
-            num_used=used,
-            num_shared=shared,
-            num_cached=len(self._cached),
-            num_queried_tokens=self._num_queried,
-            num_hit_tokens=self._num_hits,
+            num_free_blocks=self.num_free,
+            num_used_blocks=used,
+            num_shared_blocks=shared,
+            num_cached_blocks=len(self._cached),
+            num_prefix_cache_queries=self._num_queried,
+            num_prefix_cache_hits=self._num_hits,
         )
 
     def check_invariants(self) -> None:

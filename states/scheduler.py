@@ -526,16 +526,16 @@ class Scheduler:
             num_running=len(self._running),
             num_ending=len(self._ending),
             num_inflight_steps=len(self._inflight),
-            num_free_blocks=self.pool.num_free,
-            num_cached_blocks=self.pool.num_cached,
-            num_blocks=self.pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_blocks=pool.num_blocks,
             num_steps_planned=self._next_step,
-            num_steps_completed=self._num_completed,
+            num_steps=self._num_completed,
             num_tokens_scheduled=self._num_tokens_scheduled,
             num_tokens_generated=self._num_tokens_generated,
             num_preemptions=self._num_preemptions,
-            num_prefix_cache_queries=pool.num_queried_tokens,
-            num_prefix_cache_hits=pool.num_hit_tokens,
+            num_prefix_cache_queries=pool.num_prefix_cache_queries,
+            num_prefix_cache_hits=pool.num_prefix_cache_hits,
         )
 
     def check_invariants(self) -> None:

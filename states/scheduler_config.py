@@ -6,6 +6,7 @@ from typing import Any
 
 import attrs
 
+from twostroke.states.statistics import count
 from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least
 
 __all__ = ["SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
@@ -76,41 +77,46 @@ class SchedulerConfig(SchedulingPolicy):
         return cls(num_blocks=num_blocks, max_model_len=max_model_len, **chosen)
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class SchedulerStatistics:
     """A snapshot of one scheduler.
 
-    Taken by :meth:`~twostroke.states.scheduler.Scheduler.statistics`.
+    Taken by :meth:`~twostroke.states.scheduler.Scheduler.statistics`. Every field is a
+    count (declared with :func:`~twostroke.states.statistics.count`, so records add up over
+    engines). The engine's statistics extend this record, and the counts it takes from the
+    block pool have the names they have in
+    :class:`~twostroke.states.blocks.BlockPoolStatistics`: one name per count, from the pool
+    to the server's metrics.
     """
 
     #: Requests queued for admission (new or preempted), not holding blocks.
-    num_waiting: int
+    num_waiting: int = count()
     #: Admitted requests (prefilling or decoding) that hold blocks.
-    num_running: int
+    num_running: int = count()
     #: Ended requests (finished, cancelled, failed) whose blocks a step in flight still uses.
-    num_ending: int
+    num_ending: int = count()
     #: Steps planned whose outcome has not been applied yet (at most ``pipeline_depth``).
-    num_inflight_steps: int
+    num_inflight_steps: int = count()
     #: KV blocks free to allocate: empty ones and cached ones (evicted when needed).
-    num_free_blocks: int
+    num_free_blocks: int = count()
     #: Free KV blocks that hold a cached prefix.
-    num_cached_blocks: int
+    num_cached_blocks: int = count()
     #: KV blocks in the pool.
-    num_blocks: int
+    num_blocks: int = count()
     #: Steps planned since the scheduler was made (the next step's id).
-    num_steps_planned: int
+    num_steps_planned: int = count()
     #: Steps whose outcome (or failure) has been applied.
-    num_steps_completed: int
+    num_steps: int = count()
     #: Token positions put into planned steps (prefill chunks, recomputes and decodes).
-    num_tokens_scheduled: int
+    num_tokens_scheduled: int = count()
     #: Sampled tokens appended to live requests (tokens dropped for ended requests excluded).
-    num_tokens_generated: int
+    num_tokens_generated: int = count()
     #: Times a running request was preempted to free blocks (it is recomputed later).
-    num_preemptions: int
+    num_preemptions: int = count()
     #: Tokens of admitted requests looked up in the prefix cache (each admission counts).
-    num_prefix_cache_queries: int
+    num_prefix_cache_queries: int = count()
     #: Of those, tokens whose KV was found in the cache and not computed.
-    num_prefix_cache_hits: int
+    num_prefix_cache_hits: int = count()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -45,6 +45,7 @@ from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router, RoutingConfig
+from twostroke.states.statistics import total
 
 __all__ = ["Coordinator", "CoordinatorStatistics", "ReplicaStatistics"]
 
@@ -381,7 +382,7 @@ class Coordinator:
         """Totals over the live replicas, the coordinator's open count, and each replica."""
         now = anyio.current_time()
         entries = []
-        totals: dict[str, float] = {}
+        live: list[EngineStatistics] = []
         for index, state in enumerate(self._replicas):
             engine = state.replica.statistics()
             alive = state.failure is None
@@ -390,8 +391,7 @@ class Coordinator:
                 state.progress_time = now
             stalled = state.num_open > 0 and now - state.progress_time > self._unhealthy_after
             if alive and engine is not None:
-                for name, value in attrs.asdict(engine).items():
-                    totals[name] = totals.get(name, 0) + value
+                live.append(engine)
             entries.append(
                 ReplicaStatistics(
                     index=index,
@@ -405,14 +405,10 @@ class Coordinator:
                     failure=None if state.failure is None else str(state.failure),
                 )
             )
-        fields = {f.name: f.type for f in attrs.fields(EngineStatistics)}
-        values: dict[str, Any] = {
-            name: (float if kind in (float, "float") else int)(totals.get(name, 0))
-            for name, kind in fields.items()
-        }
-        values["num_open_requests"] = len(self._relay.open)
+        totals = attrs.asdict(total(EngineStatistics, live), recurse=False)
+        totals["num_open_requests"] = len(self._relay.open)  # the coordinator's own count
         return CoordinatorStatistics(
-            **values,
+            **totals,
             num_replicas_alive=sum(1 for s in self._replicas if s.failure is None),
             num_resubmitted=self._relay.num_resubmitted,
             relay_seconds=sum(state.replica.relay_seconds for state in self._replicas),

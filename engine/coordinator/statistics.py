@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from twostroke.engine.statistics import EngineStatistics
+from twostroke.states.statistics import zero
 
 __all__ = ["CoordinatorStatistics", "ReplicaStatistics", "engine_statistics"]
 
@@ -46,7 +47,8 @@ class CoordinatorStatistics(EngineStatistics):
     """Totals over the live replicas' engines, and one entry per replica.
 
     ``num_open_requests`` is the coordinator's own count; every other total is the sum of the
-    live replicas' latest engine statistics.
+    live replicas' latest engine statistics (each field a count or seconds, as
+    :class:`EngineStatistics` declares it: :func:`~twostroke.states.statistics.total`).
 
     Attributes:
         num_replicas_alive: Replicas that have not died.
@@ -79,8 +81,8 @@ def engine_statistics(values: object) -> EngineStatistics:
         raise TypeError(f"statistics must be a mapping, got {type(values).__name__}")
     known: dict[str, Any] = {}
     for field in attrs.fields(EngineStatistics):
+        counts = isinstance(zero(field), int)  # as declared: a count, or seconds
         value: object = values.get(field.name, 0)
-        counts = field.type in (int, "int")
         if isinstance(value, int) and not isinstance(value, bool):
             known[field.name] = value if counts else float(value)
         elif isinstance(value, float) and not counts:

@@ -343,9 +343,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         pool.check_invariants()
         stats = pool.statistics()
         expected = self.model.counts()
-        if (stats.num_free, stats.num_used, stats.num_shared) != expected:
+        if (stats.num_free_blocks, stats.num_used_blocks, stats.num_shared_blocks) != expected:
             raise SimulationError(f"{stats} != reference (free, used, shared) {expected}")
-        if stats.num_free + stats.num_used != stats.num_blocks:
+        if stats.num_free_blocks + stats.num_used_blocks != stats.num_blocks:
             raise SimulationError(f"blocks not conserved: {stats}")
         counts = [pool.ref_count(b) for b in range(pool.num_blocks)]
         if counts != list(self.model.refs.values()):

@@ -226,11 +226,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             raise SimulationError(f"block states {states} != reference {expected}")
         stats = pool.statistics()
         counts = collections.Counter(states)
-        if (stats.num_free, stats.num_cached) != (model.num_free(), len(model.cached)):
+        if (stats.num_free_blocks, stats.num_cached_blocks) != (
+            model.num_free(),
+            len(model.cached),
+        ):
             raise SimulationError(f"{stats} != reference free {model.num_free()}")
         if (
-            stats.num_free + stats.num_used != stats.num_blocks
-            or stats.num_used != counts[BlockState.IN_USE]
+            stats.num_free_blocks + stats.num_used_blocks != stats.num_blocks
+            or stats.num_used_blocks != counts[BlockState.IN_USE]
         ):
             raise SimulationError(f"blocks not conserved: {stats}")
         for block_id in range(pool.num_blocks):
@@ -240,7 +243,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 raise SimulationError(f"block {block_id}: hash {block_hash!r}, prefix {prefix}")
             if prefix is not None and block_hash != block_hashes(prefix, pool.block_size)[-1]:
                 raise SimulationError(f"block {block_id}'s hash is not that of {prefix}")
-        if (stats.num_queried_tokens, stats.num_hit_tokens) != (model.queried, model.hits):
+        if (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) != (
+            model.queried,
+            model.hits,
+        ):
             raise SimulationError(f"counters {stats} != reference {model.queried, model.hits}")
         held = collections.Counter(b for holder in self.holders for b in holder.table)
         for block_id in range(pool.num_blocks):
@@ -253,5 +259,5 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for holder in self.holders:
             self.pool.release(holder.table[::-1])
         self.holders = []
-        if self.pool.statistics().num_used:
+        if self.pool.statistics().num_used_blocks:
             raise SimulationError(f"idle but blocks are in use: {self.pool!r}")

@@ -46,12 +46,12 @@ def test_allocation_is_fifo_and_freed_blocks_go_to_the_back() -> None:
     assert pool.statistics() == BlockPoolStatistics(
         num_blocks=4,
         block_size=16,
-        num_free=0,
-        num_used=4,
-        num_shared=0,
-        num_cached=0,
-        num_queried_tokens=0,
-        num_hit_tokens=0,
+        num_free_blocks=0,
+        num_used_blocks=4,
+        num_shared_blocks=0,
+        num_cached_blocks=0,
+        num_prefix_cache_queries=0,
+        num_prefix_cache_hits=0,
     )
 
 
@@ -60,7 +60,7 @@ def test_a_shared_block_is_free_only_when_its_last_reference_goes() -> None:
     (block,) = pool.allocate(1)
     pool.retain([block, block])
     assert pool.ref_count(block) == 3
-    assert pool.statistics().num_shared == 1
+    assert pool.statistics().num_shared_blocks == 1
     pool.release([block, block])
     assert pool.ref_count(block) == 1
     assert pool.num_free == 1
@@ -224,7 +224,7 @@ def test_match_prefix_verifies_every_block_and_leaves_the_last_token() -> None:
     assert pool.match_prefix([9, 2, 3, 4, 5], hashes) == ()
     # The same tokens under another parent are another prefix.
     assert pool.match_prefix([3, 4, 5], hashes[1:]) == ()
-    assert pool.statistics().num_queried_tokens == 0  # looking changes nothing
+    assert pool.statistics().num_prefix_cache_queries == 0  # looking changes nothing
 
 
 def test_claim_prefix_refuses_a_block_that_holds_nothing() -> None:
@@ -238,9 +238,9 @@ def test_claim_prefix_refuses_a_block_that_holds_nothing() -> None:
     # A block in use is shared by the next request that matches it.
     pool.claim_prefix(blocks[:1], 3)
     assert [pool.ref_count(b) for b in blocks] == [2, 1]
-    assert pool.statistics().num_shared == 1
-    assert pool.statistics().num_queried_tokens == 5 + 3
-    assert pool.statistics().num_hit_tokens == 4 + 2
+    assert pool.statistics().num_shared_blocks == 1
+    assert pool.statistics().num_prefix_cache_queries == 5 + 3
+    assert pool.statistics().num_prefix_cache_hits == 4 + 2
     pool.check_invariants()
 
 

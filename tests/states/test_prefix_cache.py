@@ -130,9 +130,9 @@ def test_claiming_shares_blocks_in_use_and_takes_cached_ones_back() -> None:
     assert pool.num_cached == 0
     pool.claim_prefix((0,), 3)
     assert pool.ref_count(0) == 2
-    assert pool.statistics().num_shared == 1
+    assert pool.statistics().num_shared_blocks == 1
     stats = pool.statistics()
-    assert (stats.num_queried_tokens, stats.num_hit_tokens) == (8, 6)
+    assert (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) == (8, 6)
     pool.check_invariants()
 
 

@@ -593,7 +593,7 @@ def test_statistics_and_repr_show_the_state() -> None:
     result = drive(scheduler, [request(i, 5, max_tokens=3, ignore_eos=True) for i in range(3)])
     stats = scheduler.statistics()
     assert stats.num_tokens_generated == 9
-    assert stats.num_steps_completed == result.num_steps
+    assert stats.num_steps == result.num_steps
     assert stats.num_free_blocks == stats.num_blocks == 8
     assert repr(scheduler) == "<Scheduler 0 waiting, 0 running, 0 in flight, 8/8 blocks free>"
     assert result.statuses == dict.fromkeys(range(3), RequestStatus.FINISHED)
@@ -669,7 +669,7 @@ def test_statistics_count_the_queues_the_pipeline_and_the_work() -> None:
         num_cached_blocks=0,
         num_blocks=8,
         num_steps_planned=0,
-        num_steps_completed=0,
+        num_steps=0,
         num_tokens_scheduled=0,
         num_tokens_generated=0,
         num_preemptions=0,
@@ -690,13 +690,24 @@ def test_statistics_count_the_queues_the_pipeline_and_the_work() -> None:
         num_steps_planned=2,
         num_tokens_scheduled=10,
     )
+    pool = scheduler.pool.statistics()
+    shared = attrs.fields_dict(type(pool)).keys() & attrs.fields_dict(SchedulerStatistics).keys()
+    # The counts taken from the pool keep its names (and its values).
+    assert shared == {
+        "num_blocks",
+        "num_free_blocks",
+        "num_cached_blocks",
+        "num_prefix_cache_queries",
+        "num_prefix_cache_hits",
+    }
+    assert all(getattr(pool, name) == getattr(scheduler.statistics(), name) for name in shared)
     outcomes = [kv.execute(first), kv.execute(second)]
     scheduler.cancel(2)  # both steps in flight use its blocks
     cancelled = scheduler.statistics()
     assert (cancelled.num_running, cancelled.num_ending, cancelled.num_free_blocks) == (1, 1, 4)
     scheduler.apply(outcomes[0])  # request 2's token is dropped
     assert scheduler.statistics() == attrs.evolve(
-        cancelled, num_inflight_steps=1, num_steps_completed=1, num_tokens_generated=1
+        cancelled, num_inflight_steps=1, num_steps=1, num_tokens_generated=1
     )
     scheduler.apply(outcomes[1])  # request 2's last step: its blocks come back, it is gone
     assert scheduler.statistics() == attrs.evolve(
@@ -704,7 +715,7 @@ def test_statistics_count_the_queues_the_pipeline_and_the_work() -> None:
         num_ending=0,
         num_inflight_steps=0,
         num_free_blocks=6,
-        num_steps_completed=2,
+        num_steps=2,
         num_tokens_generated=2,
     )
 
