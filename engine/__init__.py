@@ -1,7 +1,7 @@
 """twostroke's engine: the two strokes, the public async API, models, server and CLI."""
 
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.coordinator import Coordinator, CoordinatorStatistics
+from twostroke.engine.coordinator import Coordinator, CoordinatorConfig, CoordinatorStatistics
 from twostroke.engine.coordinator.frames import FrameError
 from twostroke.engine.engine import Engine
 from twostroke.engine.errors import (
@@ -41,6 +41,7 @@ __all__ = [
     "CompletionError",
     "CompletionNotDone",
     "Coordinator",
+    "CoordinatorConfig",
     "CoordinatorStatistics",
     "Delta",
     "DetokenizerError",

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import attrs
 
 from twostroke.states.scheduler_config import SchedulingPolicy
-from twostroke.states.validators import int_at_least, number_in, one_of
+from twostroke.states.validators import int_at_least, is_number, number_in, one_of
 
 __all__ = ["EngineConfig"]
 
@@ -15,7 +15,7 @@ __all__ = ["EngineConfig"]
 def _check_kv_memory(_: object, __: object, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise TypeError(
             "kv_cache_memory must be bytes (int) or a fraction (float), "
             f"got {type(value).__name__} {value!r}"

@@ -51,6 +51,7 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepFailure, StepOutcome, StepPlan
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
+from twostroke.states.validators import is_int
 
 __all__ = ["Engine"]
 
@@ -345,7 +346,7 @@ class Engine:
             raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
         vocab = self.tokenizer.vocab_size
         for index, token_id in enumerate(token_ids):
-            if isinstance(token_id, bool) or not isinstance(token_id, int):
+            if not is_int(token_id):
                 raise TypeError(
                     f"token ids must be ints, got {type(token_id).__name__} at index {index}"
                 )

@@ -20,12 +20,13 @@ A completion is used from the event loop's thread only: ``set_*``, ``done``, ``r
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import attrs
+
+from twostroke.gpu.validators import check_int_at_least, check_seconds
 
 __all__ = [
     "Completion",
@@ -116,17 +117,11 @@ class Launched(Generic[T]):
 
 
 def _check_delay(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{attribute.name} must be a number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{attribute.name} must be finite and > 0, got {value!r}")
+    check_seconds(attribute.name, value, positive=True)
 
 
 def _check_spin_polls(_: object, __: object, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"spin_polls must be an int, got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"spin_polls must be >= 0, got {value}")
+    check_int_at_least("spin_polls", value, 0)
 
 
 @attrs.frozen

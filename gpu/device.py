@@ -46,6 +46,7 @@ from twostroke.gpu.completion import (
     SupportsQuery,
 )
 from twostroke.gpu.forward_thread import ForwardThread, Ticket
+from twostroke.gpu.validators import check_int_at_least
 
 __all__ = [
     "CPU_BF16_ENV",
@@ -354,11 +355,7 @@ class CpuDevice(_WorkerThreadDevice):
 
 
 def _check_index(index: object) -> int:
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise TypeError(f"index must be an int, got {type(index).__name__} {index!r}")
-    if index < 0:
-        raise ValueError(f"index must be >= 0, got {index}")
-    return index
+    return check_int_at_least("index", index, 0)
 
 
 def _host_available_memory() -> int:

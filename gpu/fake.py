@@ -21,6 +21,7 @@ import torch
 
 from twostroke.gpu.completion import Completion, Launched
 from twostroke.gpu.device import Device, _resolve
+from twostroke.gpu.validators import check_int_at_least, check_seconds
 
 __all__ = ["LOST_CONTEXT", "CountdownEvent", "FakeDevice", "VirtualEvent"]
 
@@ -68,10 +69,7 @@ class CountdownEvent:
 
     @fires_on_query.validator
     def _check(self, _: object, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"fires_on_query must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"fires_on_query must be >= 1, got {value}")
+        check_int_at_least("fires_on_query", value, 1)
 
     def query(self) -> bool:
         """Count this query and return whether it is the ``fires_on_query``-th or a later one."""
@@ -80,11 +78,7 @@ class CountdownEvent:
 
 
 def _check_step_time(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"step_time must be a number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"step_time must be finite and >= 0, got {value!r}")
-    return float(value)
+    return check_seconds("step_time", value, positive=False)
 
 
 class FakeDevice(Device):

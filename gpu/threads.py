@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
+from twostroke.gpu.validators import check_int_at_least
+
 __all__ = ["torch_threads"]
 
 
@@ -38,10 +40,7 @@ def torch_threads(threads: int | None) -> Iterator[int]:
         ValueError: ``threads`` is less than 1.
     """
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int):
-            raise TypeError(f"threads must be an int, got {type(threads).__name__} {threads!r}")
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+        check_int_at_least("threads", threads, 1)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

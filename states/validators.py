@@ -9,7 +9,9 @@ Python says it is: ``max_num_seqs=True`` is a mistake, not a one.
 The attrs validators (:func:`int_at_least`, :func:`int_in`, :func:`number_in`,
 :func:`one_of`, :func:`boolean`) take ``(instance, attribute, value)``; the plain checks
 (:func:`check_int`, :func:`check_number`, :func:`check_int_at_least`) take the field's name,
-for values that are not attrs fields. :func:`frozen_mapping` is the converter that makes a
+for values that are not attrs fields; the predicates (:func:`is_int`, :func:`is_number`) are
+the rule alone, for a check that words its own message (an item of a list, a value that
+may be one of two kinds). :func:`frozen_mapping` is the converter that makes a
 mapping field of a frozen value read-only. ``gpu/`` keeps its own: it may not import ``states/``.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
@@ -32,6 +34,8 @@ __all__ = [
     "frozen_mapping",
     "int_at_least",
     "int_in",
+    "is_int",
+    "is_number",
     "number_in",
     "one_of",
 ]
@@ -46,13 +50,23 @@ def _kind(value: object) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an int: an ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is a number: an ``int`` or a ``float``, and not a ``bool``."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def check_int(name: str, value: object) -> int:
     """Return ``value`` if it is an int (and not a bool).
 
     Raises:
         TypeError: ``"{name} must be an int, got float 2.0"``.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {_kind(value)}")
     return value
 
@@ -77,7 +91,7 @@ def check_number(name: str, value: object) -> float:
         TypeError: ``"{name} must be a number, got str 'hot'"``.
         ValueError: ``"{name} must be finite, got inf"``.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {_kind(value)}")
     number = float(value)
     if not math.isfinite(number):

@@ -86,7 +86,7 @@ class CoordinatorDriver:
         async with Coordinator.open(
             model.name,
             replicas=self.replicas,
-            placement=self.placement,  # type: ignore[arg-type]
+            placement=self.placement,
             **options,
         ) as coordinator:
             startup = time.perf_counter() - started

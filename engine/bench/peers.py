@@ -23,6 +23,7 @@ from typing import Any
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec, load_hf_model, save_hf_dir
 from twostroke.engine.bench.workload import BenchRequest, Workload
+from twostroke.states.validators import is_int
 
 __all__ = ["HFContinuousDriver", "HFStaticDriver"]
 
@@ -112,7 +113,7 @@ class HFStaticDriver:
         Raises:
             ValueError: ``batch_size`` < 1.
         """
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.name = name
         self.batch_size = batch_size

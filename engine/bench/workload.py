@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from twostroke.states.validators import check_int_at_least, int_at_least
+from twostroke.states.validators import check_int_at_least, int_at_least, is_int
 
 __all__ = [
     "CORPUS",
@@ -107,7 +107,7 @@ class BenchRequest:
         if not value:
             raise ValueError("prompt_token_ids must hold at least one token, got none")
         for token in value:
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            if not is_int(token) or token < 0:
                 raise ValueError(f"prompt_token_ids must be ids >= 0, got {token!r}")
 
 
@@ -341,7 +341,7 @@ def _draw_requests(
     Windows start at distinct offsets where the text is long enough, so no two prompts share
     a prefix (a prefix cache would otherwise make one system look faster for the wrong reason).
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
         low, high = bounds

@@ -26,7 +26,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -35,6 +35,7 @@ import attrs
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator.auth import new_secret
+from twostroke.engine.coordinator.config import CoordinatorConfig
 from twostroke.engine.coordinator.frames import PromptInput, Start, wire_prompt
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
 from twostroke.engine.coordinator.replicas import LocalReplica, Replica
@@ -44,13 +45,11 @@ from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.params import SamplingParams
-from twostroke.states.routing import Router, RoutingConfig
+from twostroke.states.routing import Router
 from twostroke.states.statistics import total
 
 __all__ = ["Coordinator", "CoordinatorStatistics", "ReplicaStatistics"]
 
-Placement = Literal["local", "process", "ray"]
-_PLACEMENTS = ("local", "process", "ray")
 #: ``Engine.open`` keywords that are not ``EngineConfig`` fields.
 _OPEN_KEYWORDS = frozenset({"device", "model_name", "runner", "tokenizer"})
 
@@ -84,32 +83,21 @@ class Coordinator:
         cls,
         model: str | None = None,
         *,
-        replicas: int = 1,
-        placement: Placement = "local",
-        routing: RoutingConfig | None = None,
-        unhealthy_after: float = 30.0,
-        grace_period: float = 5.0,
         replica_options: Sequence[Mapping[str, Any]] | None = None,
-        **engine_options: Any,
+        **options: Any,
     ) -> AsyncIterator[Coordinator]:
-        """Start ``replicas`` engine replicas for the body of an ``async with`` block.
+        """Start engine replicas for the body of an ``async with`` block.
 
         Args:
             model: As for :meth:`Engine.open`; every replica loads it.
-            replicas: How many replicas (>= 1).
-            placement: ``"local"`` (engines in this task group), ``"process"`` (one child
-                process each, torch threads split between them) or ``"ray"`` (Ray actors;
-                needs ``twostroke[ray]`` and a running or startable Ray cluster).
-            routing: The routing thresholds (:class:`RoutingConfig` defaults when omitted).
-            unhealthy_after: Seconds a replica with open requests may go without a step
-                before ``statistics()`` reports it unhealthy.
-            grace_period: Seconds a replica process told to stop may take before it is
-                killed.
             replica_options: One mapping per replica of extra :meth:`Engine.open` keywords
                 (a ``device`` each, say); ``runner``/``tokenizer`` objects only for
                 ``"local"``.
-            **engine_options: :meth:`Engine.open` keywords for every replica (``device``
-                and the fields of :class:`EngineConfig`).
+            **options: The fields of
+                :class:`~twostroke.engine.coordinator.config.CoordinatorConfig`
+                (``replicas``, ``placement``, ``routing``, ``unhealthy_after``,
+                ``grace_period``), and :meth:`Engine.open` keywords for every replica
+                (``device`` and the fields of :class:`EngineConfig`).
 
         Leaving the block drains open requests (or cancels them, with
         ``shutdown="cancel"``, or when the body raised) and stops every replica. If every
@@ -124,20 +112,11 @@ class Coordinator:
             Exception: (``"ray"``) what ``ray.init()`` raised: this process is connected to
                 no Ray cluster and could not start a local one.
         """
-        if isinstance(replicas, bool) or not isinstance(replicas, int):
-            raise TypeError(f"replicas must be an int, got {type(replicas).__name__} {replicas!r}")
-        if replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {replicas}")
-        if placement not in _PLACEMENTS:
-            choices = ", ".join(repr(p) for p in _PLACEMENTS)
-            raise ValueError(f"placement must be one of {choices}, got {placement!r}")
-        if isinstance(unhealthy_after, bool) or not isinstance(unhealthy_after, int | float):
-            raise TypeError(f"unhealthy_after must be seconds, got {unhealthy_after!r}")
-        if isinstance(grace_period, bool) or not isinstance(grace_period, int | float):
-            raise TypeError(f"grace_period must be seconds, got {grace_period!r}")
-        if routing is not None and not isinstance(routing, RoutingConfig):
-            raise TypeError(f"routing must be a RoutingConfig, got {type(routing).__name__}")
-        per_replica = [dict(options) for options in (replica_options or [{}] * replicas)]
+        own = attrs.fields_dict(CoordinatorConfig).keys()
+        settings = CoordinatorConfig(**{k: v for k, v in options.items() if k in own})
+        engine_options = {k: v for k, v in options.items() if k not in own}
+        replicas, placement = settings.replicas, settings.placement
+        per_replica = [dict(each) for each in (replica_options or [{}] * replicas)]
         if len(per_replica) != replicas:
             raise ValueError(
                 f"replica_options must have one mapping per replica ({replicas}), "
@@ -149,14 +128,19 @@ class Coordinator:
         coordinator = cls(
             model_name="",
             placement=placement,
-            router=Router(replicas, routing),
-            unhealthy_after=float(unhealthy_after),
+            router=Router(replicas, settings.routing),
+            unhealthy_after=settings.unhealthy_after,
         )
         if placement == "process" and config.torch_threads is None:
             engine_options = {**engine_options, "torch_threads": _split_threads(replicas)}
         for index in range(replicas):
-            options = {**engine_options, **per_replica[index]}
-            replica = coordinator._make_replica(index, placement, model, options, grace_period)
+            replica = coordinator._make_replica(
+                index,
+                placement,
+                model,
+                {**engine_options, **per_replica[index]},
+                settings.grace_period,
+            )
             coordinator._replicas.append(ReplicaState(replica))
         body_error: BaseException | None = None
         async with contextlib.AsyncExitStack() as stack:

@@ -9,6 +9,7 @@ import attrs
 
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.statistics import zero
+from twostroke.states.validators import is_int
 
 __all__ = ["CoordinatorStatistics", "ReplicaStatistics", "engine_statistics"]
 
@@ -83,7 +84,7 @@ def engine_statistics(values: object) -> EngineStatistics:
     for field in attrs.fields(EngineStatistics):
         counts = isinstance(zero(field), int)  # as declared: a count, or seconds
         value: object = values.get(field.name, 0)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             known[field.name] = value if counts else float(value)
         elif isinstance(value, float) and not counts:
             known[field.name] = value

@@ -13,6 +13,7 @@ from twostroke.engine.config import EngineConfig
 from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.device import Device, default_dtype
+from twostroke.states.validators import check_int_at_least
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -107,11 +108,7 @@ def default_torch_threads(cores: int | None = None) -> int:
     """
     if cores is None:
         cores = os.cpu_count() or 1
-    if isinstance(cores, bool) or not isinstance(cores, int):
-        raise TypeError(f"cores must be an int, got {type(cores).__name__} {cores!r}")
-    if cores < 1:
-        raise ValueError(f"cores must be >= 1, got {cores}")
-    return cores
+    return check_int_at_least("cores", cores, 1)
 
 
 def intra_op_threads(config: EngineConfig, device: Device) -> int | None:

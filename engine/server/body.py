@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 
 from twostroke.engine.server.errors import ApiError
+from twostroke.states.validators import check_int_at_least
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "body_too_large", "check_max_body_bytes", "read_body"]
 
@@ -47,11 +48,7 @@ def check_max_body_bytes(value: object) -> int:
         TypeError: ``value`` is not an int (a bool is not one).
         ValueError: ``value`` is below 1.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"max_body_bytes must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"max_body_bytes must be >= 1, got {value}")
-    return value
+    return check_int_at_least("max_body_bytes", value, 1)
 
 
 def body_too_large(limit: int, sent: str) -> ApiError:

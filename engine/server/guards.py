@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from twostroke.engine.server.errors import ApiError
 from twostroke.engine.server.sse import encode, send_json
+from twostroke.states.validators import is_number
 
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
@@ -66,7 +67,7 @@ def check_timeout(name: str, value: object) -> float:
         TypeError: ``value`` is not a number (a bool is not one).
         ValueError: ``value`` is not positive and finite.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be > 0 seconds and finite, got {value}")

@@ -40,6 +40,7 @@ from twostroke.engine.server.transport import (
     busy_app,
 )
 from twostroke.engine.surface import EngineSurface
+from twostroke.states.validators import check_int
 
 __all__ = ["GRACEFUL_SHUTDOWN_SECONDS", "serve"]
 
@@ -107,9 +108,7 @@ async def serve(
     """
     if not isinstance(host, str) or not host:
         raise TypeError(f"host must be a non-empty str, got {host!r}")
-    if isinstance(port, bool) or not isinstance(port, int):
-        raise TypeError(f"port must be an int, got {type(port).__name__} {port!r}")
-    if not 0 <= port <= 65535:
+    if not 0 <= check_int("port", port) <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     if allowed_hosts is None:
         bound = f"[{host}]" if ":" in host else host

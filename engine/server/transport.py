@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from twostroke.engine.server.errors import ApiError
 from twostroke.engine.server.guards import ServerShutdown, check_timeout
 from twostroke.engine.server.sse import send_json
+from twostroke.states.validators import check_int_at_least, is_number
 
 __all__ = [
     "DEFAULT_HEADER_TIMEOUT",
@@ -74,11 +75,7 @@ def check_max_connections(value: object) -> int:
         TypeError: ``value`` is not an int (a bool is not one).
         ValueError: ``value`` is below 1.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"max_connections must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"max_connections must be >= 1, got {value}")
-    return value
+    return check_int_at_least("max_connections", value, 1)
 
 
 def _check_header_timeout(value: object) -> float:
@@ -92,7 +89,7 @@ def check_shutdown_timeout(value: object) -> float:
         TypeError: ``value`` is not a number (a bool is not one).
         ValueError: ``value`` is negative or not finite.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise TypeError(
             f"shutdown_timeout must be a number of seconds, got {type(value).__name__} {value!r}"
         )

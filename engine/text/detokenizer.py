@@ -28,6 +28,7 @@ import attrs
 
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.states.errors import EngineError
+from twostroke.states.validators import is_int
 
 __all__ = ["DetokenizedDelta", "DetokenizerError", "IncrementalDetokenizer"]
 
@@ -174,7 +175,7 @@ def _token_ids(name: str, token_ids: object, last: int | None = None) -> list[in
     if last is not None:
         token_ids = token_ids[max(len(token_ids) - last, 0) :]
     for item in token_ids:
-        if isinstance(item, bool) or not isinstance(item, int):
+        if not is_int(item):
             raise TypeError(f"{name} must contain only ints, got {type(item).__name__} {item!r}")
     return list(token_ids)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from twostroke.engine.text.chat import validate_messages
 from twostroke.states.errors import EngineError
+from twostroke.states.validators import is_int
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -329,10 +330,8 @@ def _generation_config_eos_ids(path: Path) -> frozenset[int]:
     value = config.get("eos_token_id") if isinstance(config, dict) else None
     if value is None:
         return frozenset()
-    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(ids, list) or not all(
-        isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in ids
-    ):
+    ids = [value] if is_int(value) else value
+    if not isinstance(ids, list) or not all(is_int(item) and item >= 0 for item in ids):
         raise TokenizerLoadError(
             path, f"eos_token_id must be an int >= 0 or a list of them, got {value!r}"
         )

@@ -17,6 +17,8 @@ from twostroke.states.validators import (
     check_number,
     int_at_least,
     int_in,
+    is_int,
+    is_number,
     number_in,
     one_of,
 )
@@ -107,6 +109,11 @@ def test_plain_checks() -> None:
     assert check_number("x", 2) == 2.0
     with pytest.raises(ValueError, match=r"^x must be finite, got nan$"):
         check_number("x", math.nan)
+
+
+def test_the_predicates_say_the_rule_alone() -> None:
+    assert [is_int(v) for v in (3, -1, True, 3.0, "3", None)] == [1, 1, 0, 0, 0, 0]
+    assert [is_number(v) for v in (3, 2.5, math.inf, False, "3")] == [1, 1, 1, 0, 0]
 
 
 def test_a_range_needs_a_bound() -> None:

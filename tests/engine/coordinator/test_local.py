@@ -159,8 +159,19 @@ async def test_bad_requests_raise_what_a_bare_engine_raises() -> None:
             ValueError,
             r"replica_options must have one mapping per replica \(2\), got 1",
         ),
-        ({"grace_period": "1"}, TypeError, "grace_period must be seconds, got '1'"),
-        ({"unhealthy_after": None}, TypeError, "unhealthy_after must be seconds, got None"),
+        ({"grace_period": "1"}, TypeError, "grace_period must be a number, got str '1'"),
+        ({"grace_period": -1}, ValueError, "grace_period must be >= 0, got -1"),
+        (
+            {"unhealthy_after": None},
+            TypeError,
+            "unhealthy_after must be a number, got NoneType None",
+        ),
+        ({"unhealthy_after": 0}, ValueError, "unhealthy_after must be > 0, got 0"),
+        (
+            {"placement": 1},
+            TypeError,
+            "placement must be a str: one of 'local', 'process', 'ray', got int 1",
+        ),
         ({"routing": {}}, TypeError, "routing must be a RoutingConfig, got dict"),
     ],
 )
