@@ -11,15 +11,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import anyio
 
 from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DEFAULT_MODEL
-from twostroke.engine.surface import EngineSurface
+from twostroke.engine.surface import open_surface
 from twostroke.states.params import SamplingParams
 
 __all__ = ["main"]
@@ -40,6 +39,23 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
+
+
+def _replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--replicas`` and ``--placement``: either one serves through a coordinator."""
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve through a coordinator over N engine replicas (default: one engine, "
+        "no coordinator; 1 with --placement)",
+    )
+    parser.add_argument(
+        "--placement",
+        default=None,
+        choices=["local", "process", "ray"],
+        help="where the replicas run (default: local)",
+    )
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -128,10 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
     _sampling_arguments(generate)
-    generate.add_argument(
-        "--replicas", type=int, default=1, help="engine replicas behind one coordinator"
-    )
-    generate.add_argument("--placement", default="local", choices=["local", "process", "ray"])
+    _replica_arguments(generate)
 
     chat = commands.add_parser("chat", help="a small chat REPL")
     _sampling_arguments(chat)
@@ -211,10 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 503 with Retry-After when a request's choices would make more than N "
         "requests wait for admission (default: 1024)",
     )
-    serve.add_argument(
-        "--replicas", type=int, default=1, help="engine replicas behind one coordinator"
-    )
-    serve.add_argument("--placement", default="local", choices=["local", "process", "ray"])
+    _replica_arguments(serve)
 
     from twostroke.engine.bench.runner import add_bench_arguments
 
@@ -246,13 +256,9 @@ async def _generate(args: argparse.Namespace) -> None:
     prompt: Any = args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
-    opened: AbstractAsyncContextManager[EngineSurface] = Engine.open(args.model, device=args.device)
-    if args.replicas != 1 or args.placement != "local":
-        from twostroke.engine.coordinator import Coordinator
-
-        opened = Coordinator.open(
-            args.model, replicas=args.replicas, placement=args.placement, device=args.device
-        )
+    opened = open_surface(
+        args.model, replicas=args.replicas, placement=args.placement, device=args.device
+    )
     async with opened as engine:
         async with engine.stream(prompt, _params(args)) as deltas:
             async for delta in deltas:
@@ -337,19 +343,8 @@ async def _serve(args: argparse.Namespace) -> None:
     # The engine (each replica's) refuses past it too: the server's check counts the
     # coordinator's replicas together, from statistics a process replica reports late.
     options["max_waiting_requests"] = max_waiting_requests
-    opened: AbstractAsyncContextManager[EngineSurface]
-    if args.replicas == 1 and args.placement == "local":
-        opened = Engine.open(args.model, **options)
-    else:  # the server takes any engine surface: a coordinator over replicas is one
-        from twostroke.engine.coordinator import Coordinator
-
-        # cast: CoordinatorStatistics is not an EngineStatistics, though it has its fields.
-        opened = cast(
-            AbstractAsyncContextManager[EngineSurface],
-            Coordinator.open(
-                args.model, replicas=args.replicas, placement=args.placement, **options
-            ),
-        )
+    # The server takes any engine surface: a coordinator over replicas is one.
+    opened = open_surface(args.model, replicas=args.replicas, placement=args.placement, **options)
     max_body_bytes = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     async with opened as engine:
         # What is alive now (torch, the model) lives as long as the process: frozen, the

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal, cast
 
 import anyio
 import anyio.from_thread
 
-from twostroke.engine.coordinator import Coordinator
-from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineClosed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.surface import EngineSurface
+from twostroke.engine.surface import EngineSurface, open_surface
 from twostroke.engine.text.prompts import Prompt
 from twostroke.states.errors import EngineError
 from twostroke.states.params import SamplingParams
@@ -39,9 +37,10 @@ class LLM:
         model: As for :meth:`Engine.open`.
         backend: The event loop the engine runs on (``"asyncio"`` or ``"trio"``).
         replicas: Serve through a :class:`~twostroke.engine.coordinator.Coordinator` over
-            this many engine replicas (``None``: one plain engine).
+            this many engine replicas (``None``: one plain engine, unless ``placement`` is
+            given; :func:`~twostroke.engine.surface.open_surface` decides).
         placement: Where the replicas run (``"local"``, ``"process"`` or ``"ray"``; see
-            :meth:`Coordinator.open`). Only with ``replicas``.
+            :meth:`Coordinator.open`); alone, one replica there.
         **engine_options: Passed to :meth:`Engine.open` (or to every replica).
 
     Use it as a context manager, or call :meth:`close` when done.
@@ -73,15 +72,7 @@ class LLM:
             self._portal = self._stack.enter_context(
                 anyio.from_thread.start_blocking_portal(backend)
             )
-            opened: AbstractAsyncContextManager[EngineSurface, bool | None]
-            if replicas is None:
-                if placement is not None:
-                    raise TypeError("placement needs replicas: pass replicas=N as well")
-                opened = Engine.open(model, **engine_options)
-            else:
-                opened = Coordinator.open(
-                    model, replicas=replicas, placement=placement or "local", **engine_options
-                )
+            opened = open_surface(model, replicas=replicas, placement=placement, **engine_options)
             portal: anyio.from_thread.BlockingPortal = self._portal
             wrapped: AbstractContextManager[EngineSurface] = portal.wrap_async_context_manager(
                 opened

@@ -3,14 +3,15 @@
 :class:`~twostroke.engine.engine.Engine` (one model on one device) and the data-parallel
 coordinator (N engine replicas behind one front) both satisfy :class:`EngineSurface`, so the
 ``LLM`` facade, the CLI, the HTTP server and ``twostroke bench`` take either. A front end
-that needs anything outside this protocol is reaching past the surface.
+that needs anything outside this protocol is reaching past the surface. Which of the two a
+front end opens, :func:`open_surface` decides, by one rule for all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
@@ -20,7 +21,7 @@ from twostroke.states.params import SamplingParams
 if TYPE_CHECKING:
     from twostroke.engine.statistics import EngineStatistics
 
-__all__ = ["EngineSurface"]
+__all__ = ["EngineSurface", "open_surface"]
 
 
 @runtime_checkable
@@ -70,3 +71,44 @@ class EngineSurface(Protocol):
     def statistics(self) -> EngineStatistics:
         """A snapshot of counters and gauges, cheap to take at any time."""
         ...
+
+
+def open_surface(
+    model: str | None = None,
+    *,
+    replicas: int | None = None,
+    placement: str | None = None,
+    **options: Any,
+) -> AbstractAsyncContextManager[EngineSurface]:
+    """Open an engine, or a coordinator over engine replicas: the one rule of every front end.
+
+    A plain :class:`~twostroke.engine.engine.Engine` unless ``replicas`` or ``placement`` is
+    given; then a :class:`~twostroke.engine.coordinator.Coordinator` over ``replicas``
+    replicas (1 if only ``placement`` is given) placed by ``placement`` (``"local"`` if only
+    ``replicas`` is). One replica behind a coordinator is still a coordinator, as asked: in a
+    process of its own it keeps the model out of this one, and the bench measures the relay
+    on it. ``LLM``, ``twostroke generate`` and ``serve``, and ``twostroke bench`` all open
+    through here.
+
+    Args:
+        model: As for :meth:`Engine.open`.
+        replicas: How many engine replicas behind a coordinator; ``None``: no coordinator.
+        placement: Where the replicas run (see
+            :class:`~twostroke.engine.coordinator.config.CoordinatorConfig`).
+        **options: :meth:`Engine.open` keywords (for every replica), and the coordinator's
+            other options when it is one.
+
+    Returns:
+        The engine's or the coordinator's ``async with`` block; nothing has started yet.
+    """
+    from twostroke.engine.engine import Engine
+
+    if replicas is None and placement is None:
+        return Engine.open(model, **options)
+    from twostroke.engine.coordinator import Coordinator
+
+    if replicas is not None:
+        options["replicas"] = replicas
+    if placement is not None:
+        options["placement"] = placement
+    return Coordinator.open(model, **options)

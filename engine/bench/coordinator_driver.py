@@ -19,7 +19,8 @@ from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.streaming import stream_workload
 from twostroke.engine.bench.workload import Workload
-from twostroke.engine.coordinator import Coordinator, CoordinatorStatistics
+from twostroke.engine.coordinator import CoordinatorStatistics
+from twostroke.engine.surface import open_surface
 
 __all__ = ["CoordinatorDriver", "coordinator_drivers"]
 
@@ -83,16 +84,17 @@ class CoordinatorDriver:
             "torch_threads": self.threads_per_replica(model),
             **self.engine_options,
         }
-        async with Coordinator.open(
-            model.name,
-            replicas=self.replicas,
-            placement=self.placement,
-            **options,
-        ) as coordinator:
+        # Opened as every front end opens one: replicas given, so a coordinator (over one
+        # replica too: what the relay costs).
+        opened = open_surface(
+            model.name, replicas=self.replicas, placement=self.placement, **options
+        )
+        async with opened as coordinator:
             startup = time.perf_counter() - started
             streamed = await stream_workload(coordinator, workload)
             await coordinator.wait_idle()  # fresh statistics from every replica
             stats = coordinator.statistics()
+        assert isinstance(stats, CoordinatorStatistics)
         return list(streamed.timings), streamed.wall_seconds, stats, startup
 
 

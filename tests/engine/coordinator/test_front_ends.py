@@ -1,12 +1,23 @@
-"""The front ends take a coordinator: ``LLM(replicas=...)`` and ``twostroke generate``."""
+"""The front ends take a coordinator: ``LLM(replicas=...)`` and ``twostroke generate``.
+
+All of them open an engine or a coordinator by one rule (``open_surface``).
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from twostroke.engine import LLM, CoordinatorStatistics, ReplicaFailed, SamplingParams
+from twostroke.engine import (
+    LLM,
+    Coordinator,
+    CoordinatorStatistics,
+    Engine,
+    ReplicaFailed,
+    SamplingParams,
+)
 from twostroke.engine.cli import main
 from twostroke.engine.server.errors import api_error_from
+from twostroke.engine.surface import open_surface
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -24,9 +35,31 @@ def test_llm_over_replicas_generates_what_one_engine_does(backend: str) -> None:
     assert len(stats.replicas) == 2
 
 
-def test_llm_placement_needs_replicas() -> None:
-    with pytest.raises(TypeError, match=r"^placement needs replicas: pass replicas=N as well$"):
-        LLM("toy", placement="process")
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("replicas", "placement", "expected"),
+    [
+        (None, None, Engine),
+        (1, None, Coordinator),  # one replica behind a coordinator is what was asked
+        (None, "local", Coordinator),
+        (2, "local", Coordinator),
+    ],
+)
+async def test_one_rule_opens_an_engine_or_a_coordinator(
+    replicas: int | None, placement: str | None, expected: type
+) -> None:
+    opened = open_surface("toy", replicas=replicas, placement=placement, device="cpu")
+    async with opened as engine:
+        assert type(engine) is expected
+        if isinstance(engine, Coordinator):
+            assert len(engine.statistics().replicas) == (replicas or 1)
+
+
+def test_llm_opens_by_the_same_rule() -> None:
+    with LLM("toy", placement="local", device="cpu") as llm:
+        stats = llm.statistics()
+    assert isinstance(stats, CoordinatorStatistics)
+    assert len(stats.replicas) == 1
 
 
 def test_generate_command_over_replicas_prints_what_one_engine_does(
