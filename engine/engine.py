@@ -39,7 +39,9 @@ from twostroke.engine.config import EngineConfig
 from twostroke.engine.delivery import Deliveries, Tracked
 from twostroke.engine.errors import EngineClosed, EngineDead, RequestCancelled, RequestRejected
 from twostroke.engine.handle import RequestHandle
+from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.pool_size import size_pool
 from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
@@ -104,10 +106,7 @@ class Engine:
         self._failed_launch: StepPlan | None = None
         self._num_failed_steps = 0
         self._bookkeeping_seconds = 0.0
-        # Written by the launches (on the device's thread), read by statistics().
-        self._forward_seconds = 0.0
-        self._forward_idle_seconds = 0.0
-        self._last_launch_end: float | None = None
+        self._launches = LaunchTimer()
         depth = config.pipeline_depth
         # Each plan travels with whether it continues a busy run (made while a step was in
         # flight or right after one was applied), so its launch can tell an idle device that
@@ -169,7 +168,7 @@ class Engine:
             name = type(runner).__name__
         if tokenizer is None:
             raise TypeError("a runner needs a tokenizer: pass tokenizer=...")
-        num_blocks = _size_pool(runner, device, engine_config)
+        num_blocks = size_pool(runner, device, engine_config)
         runner.allocate_kv_cache(num_blocks, engine_config.block_size)
         engine = cls(
             runner=runner,
@@ -368,8 +367,8 @@ class Engine:
             num_open_requests=len(self._open),
             num_failed_steps=self._num_failed_steps,
             bookkeeping_seconds=self._bookkeeping_seconds,
-            forward_seconds=self._forward_seconds,
-            forward_idle_seconds=self._forward_idle_seconds,
+            forward_seconds=self._launches.forward_seconds,
+            forward_idle_seconds=self._launches.forward_idle_seconds,
         )
 
     def check_invariants(self) -> None:
@@ -412,14 +411,8 @@ class Engine:
 
     def _launch(self, plan: StepPlan, continues: bool) -> Launched[RunnerOutput]:
         """Time the launch of one step (on the device's thread) and launch it."""
-        began = time.perf_counter()
-        if continues and self._last_launch_end is not None:
-            self._forward_idle_seconds += began - self._last_launch_end
-        try:
+        with self._launches.launch(continues=continues):
             return self._launch_plan(plan)
-        finally:
-            self._last_launch_end = time.perf_counter()
-            self._forward_seconds += self._last_launch_end - began
 
     def _launch_plan(self, plan: StepPlan) -> Launched[RunnerOutput]:
         """Launch one step, without the rows that the failure of the step before strands.
@@ -574,20 +567,3 @@ class Engine:
                 error = EngineClosed(f"the engine closed before request {request_id} finished")
             self._open.end(request_id, error)
         self._idle.set()
-
-
-def _size_pool(runner: ModelRunner, device: Device, config: EngineConfig) -> int:
-    """Blocks in the KV pool: as configured, or as many as the memory budget holds."""
-    if config.num_blocks is not None:
-        return config.num_blocks
-    per_block = runner.kv_cache_bytes_per_block(config.block_size)
-    budget = config.kv_cache_memory
-    if budget is None:
-        budget = 0.5 if device.kind == "cuda" else 1 << 30
-    if isinstance(budget, float):
-        budget = int(budget * device.free_memory())
-    num_blocks = budget // max(per_block, 1)
-    needed = -(-runner.max_model_len // config.block_size)
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory ({budget} bytes) holds no KV block of {per_block} bytes")
-    return int(min(num_blocks, max(needed * config.max_num_seqs, needed)))

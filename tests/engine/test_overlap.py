@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import types
+from functools import partial
 from typing import Any
 
 import anyio
@@ -13,6 +14,7 @@ import pytest
 
 from twostroke.engine import Engine, SamplingParams
 from twostroke.engine import engine as engine_module
+from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.gpu.completion import Launched
@@ -164,6 +166,7 @@ async def test_forward_time_is_the_launches_and_idle_time_the_gaps_of_a_busy_run
 ) -> None:
     clock = [0.0]
     monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(engine_module, "LaunchTimer", partial(LaunchTimer, lambda: clock[0]))
     params = SamplingParams(max_tokens=3, ignore_eos=True)  # 3 steps: a prefill, 2 decodes
     async with toy_engine(runner=ClockedRunner(clock), pipeline_depth=1) as engine:
         await engine.generate("first", params)
