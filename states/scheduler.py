@@ -52,9 +52,13 @@ from twostroke.states.request import (
     SampleScheduled,
     TokenSampled,
 )
-from twostroke.states.scheduler_config import SchedulerConfig, SchedulerStatistics
+from twostroke.states.scheduler_config import (
+    SchedulerConfig,
+    SchedulerStatistics,
+    SchedulingPolicy,
+)
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics"]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
 
 
 class Scheduler:
