@@ -28,9 +28,9 @@ from twostroke.gpu.device import (
     DeviceUnavailable,
     FakeDevice,
     VirtualEvent,
-    default_dtype,
     select_device,
 )
+from twostroke.gpu.dtype import default_dtype
 
 __all__ = [
     "Completion",

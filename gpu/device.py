@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import abc
 import functools
-import os
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
@@ -46,15 +44,14 @@ from twostroke.gpu.completion import (
     SupportsQuery,
 )
 from twostroke.gpu.forward_thread import ForwardThread, Ticket
+from twostroke.gpu.host import available_memory
 from twostroke.gpu.validators import check_int_at_least
 
 __all__ = [
-    "CPU_BF16_ENV",
     "CpuDevice",
     "CudaDevice",
     "Device",
     "DeviceUnavailable",
-    "default_dtype",
     "resolve_device",
     "select_device",
 ]
@@ -149,7 +146,7 @@ class Device(abc.ABC):
         The host's available memory (``MemAvailable``, or what ``os.sysconf`` reports) for
         the CPU and the fake device; subclasses with memory of their own say theirs.
         """
-        return _host_available_memory()
+        return available_memory()
 
 
 def _resolve(completion: Completion[T], launched: object) -> None:
@@ -358,17 +355,6 @@ def _check_index(index: object) -> int:
     return check_int_at_least("index", index, 0)
 
 
-def _host_available_memory() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
 class CudaDevice(_WorkerThreadDevice):
     """One CUDA GPU: the Python launch of each step runs in a worker thread.
 
@@ -502,88 +488,11 @@ def resolve_device(device: object) -> Device:
     )
 
 
-def default_dtype(device: Device | torch.device) -> torch.dtype:
-    """The dtype to hold weights and activations in on ``device``: the one rule of twostroke.
-
-    bfloat16 where the hardware computes it natively (same range as float32, so no overflow
-    handling; half the memory traffic, which bounds decode speed), else the best fallback:
-    float16 on older GPUs (compute capability below 8.0), float32 on CPUs without bf16
-    instructions (emulated bf16 there is slower than float32: on an AVX2-only CPU twostroke
-    measured 13.6 output tokens/s in bf16 against 60 in float32). Fake devices (and any
-    other torch device type) use float32, so tests give the same numbers on every machine.
-
-    The engine (``dtype="auto"``), the model loader and the benchmark all ask this function.
-    :data:`CPU_BF16_ENV` (``TWOSTROKE_CPU_BF16=native`` or ``emulated``) overrides what it
-    finds out about the CPU, so both branches can be exercised on any machine.
-
-    Args:
-        device: A :class:`Device`, or a ``torch.device`` (for code below the engine, such as
-            the model loader).
-
-    Returns:
-        ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
-
-    Raises:
-        ValueError: :data:`CPU_BF16_ENV` holds a value other than ``native`` or ``emulated``.
-    """
-    if isinstance(device, Device):
-        kind, torch_device = device.kind, device.torch_device
-    else:
-        kind, torch_device = device.type, device
-    if kind == "cuda":
-        major, _ = torch.cuda.get_device_capability(torch_device)
-        return torch.bfloat16 if major >= 8 else torch.float16
-    if kind == "cpu" and _cpu_has_fast_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-#: The environment variable that overrides what :func:`default_dtype` finds out about the
-#: CPU: ``native`` (treat bf16 as native, so ``"auto"`` is bfloat16) or ``emulated`` (so
-#: ``"auto"`` is float32). For tests that must exercise both branches of the rule on one
-#: machine, and for a user whose CPU is misread. Unset: the machine decides.
-CPU_BF16_ENV = "TWOSTROKE_CPU_BF16"
-_CPU_BF16_CHOICES = {"native": True, "emulated": False}
-
-
-def _cpu_has_fast_bf16() -> bool:
-    """Whether this CPU runs bf16 natively, unless :data:`CPU_BF16_ENV` says otherwise.
-
-    Raises:
-        ValueError: :data:`CPU_BF16_ENV` is set to something other than ``native`` or
-            ``emulated``; the message names the variable and the value.
-    """
-    forced = os.environ.get(CPU_BF16_ENV)
-    if forced is None or forced == "":
-        return _cpu_detects_fast_bf16()
-    try:
-        return _CPU_BF16_CHOICES[forced]
-    except KeyError:
-        choices = " or ".join(map(repr, _CPU_BF16_CHOICES))
-        raise ValueError(f"{CPU_BF16_ENV} must be {choices} (or unset), got {forced!r}") from None
-
-
-@functools.cache
-def _cpu_detects_fast_bf16() -> bool:
-    """Whether this CPU runs bf16 natively (a fact of the machine, read once)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: be conservative
-        cpuinfo = ""
-    return _fast_bf16(torch.backends.cpu.get_cpu_capability(), cpuinfo)
-
-
-def _fast_bf16(capability: str, cpuinfo: str) -> bool:
-    """Whether torch's CPU kernels (``capability``) and the CPU flags both give native bf16."""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-    return "AVX512" in capability and bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-# The test devices live in their own module, which builds on the one above; they are still
-# importable from here, as they always were (hence an import at the end: no cycle).
+# The test devices and the dtype policy live in modules of their own, which build on the one
+# above; they are still importable from here, as they always were (hence imports at the end:
+# no cycle).
+from twostroke.gpu.dtype import CPU_BF16_ENV as CPU_BF16_ENV  # noqa: E402
+from twostroke.gpu.dtype import default_dtype as default_dtype  # noqa: E402
 from twostroke.gpu.fake import LOST_CONTEXT as LOST_CONTEXT  # noqa: E402
 from twostroke.gpu.fake import CountdownEvent as CountdownEvent  # noqa: E402
 from twostroke.gpu.fake import FakeDevice as FakeDevice  # noqa: E402

@@ -32,7 +32,8 @@ _HF_DIR_MARKER = "twostroke-source.txt"
 def _resolve_auto(dtype: str) -> str:
     if dtype != "auto":
         return dtype
-    from twostroke.gpu.device import CpuDevice, default_dtype
+    from twostroke.gpu.device import CpuDevice
+    from twostroke.gpu.dtype import default_dtype
 
     return str(default_dtype(CpuDevice())).removeprefix("torch.")
 
@@ -45,7 +46,7 @@ class ModelSpec:
         name: The model as twostroke takes it (``"smollm2"``, a directory, a GGUF file).
         source: The GGUF file or Hugging Face directory it resolves to.
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``; ``"auto"`` is resolved when
-            the spec is made, to what :func:`twostroke.gpu.device.default_dtype` picks for
+            the spec is made, to what :func:`twostroke.gpu.dtype.default_dtype` picks for
             the CPU (bfloat16 only where the CPU computes it natively), so every system of
             the run computes in that one dtype and the report names it.
         threads: CPU threads each system may use.

@@ -88,17 +88,10 @@ class BenchRun:
 
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from twostroke.gpu.host import cpu_model_name
+
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": cpu_model_name() or platform.processor() or "unknown",
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -38,7 +38,7 @@ from twostroke.engine.models.artifacts import ArtifactCache
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.gguf_file import read_gguf
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
-from twostroke.gpu.device import default_dtype
+from twostroke.gpu.dtype import default_dtype
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
 
@@ -163,7 +163,7 @@ def load_model(
         model: ``"smollm2"``, a directory with ``config.json`` and ``*.safetensors``, or a
             ``.gguf`` file.
         dtype: float32, bfloat16 or float16; ``None`` takes
-            :func:`twostroke.gpu.device.default_dtype` of ``device``.
+            :func:`twostroke.gpu.dtype.default_dtype` of ``device``.
         device: Where to put the weights.
         pack_weights: Pack the projections for oneDNN where that works (see
             :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).

@@ -12,7 +12,8 @@ import torch
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.text.tokenizer import Tokenizer
-from twostroke.gpu.device import Device, default_dtype
+from twostroke.gpu.device import Device
+from twostroke.gpu.dtype import default_dtype
 from twostroke.states.validators import check_int_at_least
 
 __all__ = [
@@ -56,7 +57,7 @@ def resolve_dtype(name: str, device: Device) -> torch.dtype:
     once per process by default).
 
     Args:
-        name: ``"auto"`` (what :func:`twostroke.gpu.device.default_dtype` picks for
+        name: ``"auto"`` (what :func:`twostroke.gpu.dtype.default_dtype` picks for
             ``device``) or a key of :data:`DTYPES`.
         device: The device the model will run on.
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +16,6 @@ import pytest
 import torch
 import trio.testing
 
-from twostroke.gpu import device as device_module
 from twostroke.gpu.completion import Completion, CompletionAlreadySet, Launched, ReadyEvent
 from twostroke.gpu.device import (
     CountdownEvent,
@@ -26,7 +24,6 @@ from twostroke.gpu.device import (
     DeviceUnavailable,
     FakeDevice,
     VirtualEvent,
-    default_dtype,
     select_device,
 )
 
@@ -575,7 +572,7 @@ def test_countdown_event() -> None:
         CountdownEvent(0)
 
 
-# --- select_device and default_dtype ---------------------------------------------------------
+# --- select_device ---------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -627,68 +624,6 @@ def test_select_device_rejects_bad_arguments() -> None:
         select_device(0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^index must be >= 0, got -1$"):
         select_device("cpu", index=-1)
-
-
-def test_default_dtype_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    capability = (8, 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
-    assert default_dtype(CudaDevice(0)) == torch.bfloat16
-    capability = (7, 5)
-    assert default_dtype(CudaDevice(0)) == torch.float16
-
-
-def test_default_dtype_cpu_and_fake() -> None:
-    assert default_dtype(FakeDevice()) == torch.float32
-    expected = torch.bfloat16 if device_module._cpu_has_fast_bf16() else torch.float32
-    assert default_dtype(CpuDevice()) == expected
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"), [("native", torch.bfloat16), ("emulated", torch.float32)]
-)
-def test_the_environment_overrides_what_the_cpu_says(
-    monkeypatch: pytest.MonkeyPatch, value: str, expected: torch.dtype
-) -> None:
-    monkeypatch.setenv(device_module.CPU_BF16_ENV, value)
-    assert default_dtype(CpuDevice()) == default_dtype(torch.device("cpu")) == expected
-    assert default_dtype(FakeDevice()) == torch.float32  # fake devices ignore it
-    monkeypatch.setenv(device_module.CPU_BF16_ENV, "")  # empty is unset: the machine decides
-    assert device_module._cpu_has_fast_bf16() is device_module._cpu_detects_fast_bf16()
-
-
-def test_an_unknown_override_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TWOSTROKE_CPU_BF16", "yes")
-    message = "TWOSTROKE_CPU_BF16 must be 'native' or 'emulated' (or unset), got 'yes'"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        default_dtype(CpuDevice())
-
-
-@pytest.mark.parametrize("fast_bf16", [True, False])
-def test_default_dtype_of_a_torch_device_follows_the_same_rule(
-    monkeypatch: pytest.MonkeyPatch, fast_bf16: bool
-) -> None:
-    monkeypatch.setattr(device_module, "_cpu_has_fast_bf16", lambda: fast_bf16)
-    expected = torch.bfloat16 if fast_bf16 else torch.float32
-    assert default_dtype(torch.device("cpu")) == default_dtype(CpuDevice()) == expected
-    assert default_dtype(FakeDevice()) == torch.float32  # whatever the CPU
-    assert default_dtype(torch.device("meta")) == torch.float32
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))
-    assert default_dtype(torch.device("cuda", 0)) == torch.float16
-
-
-@pytest.mark.parametrize(
-    ("capability", "flags", "fast"),
-    [
-        ("AVX512", "fpu avx512f avx512_bf16 sse", True),
-        ("AVX512", "fpu avx512f amx_bf16 amx_tile", True),
-        ("AVX512", "fpu avx512f avx512bw", False),  # AVX-512 without bf16 instructions
-        ("AVX2", "fpu avx2 avx512_bf16", False),  # torch's kernels do not use them
-        ("DEFAULT", "", False),
-    ],
-)
-def test_fast_bf16_detection(capability: str, flags: str, fast: bool) -> None:
-    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n"
-    assert device_module._fast_bf16(capability, cpuinfo) is fast
 
 
 def test_the_host_devices_report_the_memory_the_host_has_free() -> None:

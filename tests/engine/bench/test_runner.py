@@ -192,9 +192,9 @@ def test_dtype_auto_is_the_engines_choice_on_this_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_bf16: bool, expected: str
 ) -> None:
     """Issue 8: the bench forced bfloat16, which AVX2-only CPUs emulate (13.6 tok/s, not 60)."""
-    from twostroke.gpu import device
+    from twostroke.gpu import dtype
 
-    monkeypatch.setattr(device, "_cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(dtype, "_cpu_has_fast_bf16", lambda: fast_bf16)
     assert _args(tmp_path).dtype == "auto"
     assert ModelSpec(name="tiny", source=tmp_path).dtype == expected
     assert ModelSpec(name="tiny", source=tmp_path, dtype="auto").dtype == expected

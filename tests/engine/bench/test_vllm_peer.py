@@ -13,7 +13,7 @@ import pytest
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.vllm_peer import ChildError, VLLMDriver, job_document, read_result
 from twostroke.engine.bench.workload import BenchRequest, Workload
-from twostroke.gpu.device import CPU_BF16_ENV
+from twostroke.gpu.dtype import CPU_BF16_ENV
 
 # A stand-in for vLLM's offline engine: every step gives each running request up to two new
 # tokens (DELTA outputs), so chunks and tokens differ. It logs what it was asked, and the

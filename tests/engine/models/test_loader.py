@@ -23,7 +23,7 @@ from tests.engine.models.test_llama import (
 )
 from twostroke.engine.models import loader
 from twostroke.engine.models.loader import ModelLoadError, load_model, resolve_model
-from twostroke.gpu import device as device_module
+from twostroke.gpu import dtype as dtype_module
 from twostroke.states.errors import EngineError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -204,8 +204,8 @@ def test_a_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatc
 def test_load_model_without_a_dtype_takes_the_devices_default(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fast_bf16: bool
 ) -> None:
-    """The loader asks the one rule (twostroke.gpu.device.default_dtype), not one of its own."""
-    monkeypatch.setattr(device_module, "_cpu_has_fast_bf16", lambda: fast_bf16)
+    """The loader asks the one rule (twostroke.gpu.dtype.default_dtype), not one of its own."""
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: fast_bf16)
     make_tiny_model("llama", tmp_path / "model")
     loaded = load_model(tmp_path / "model", device=CPU)
     assert loaded.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)

@@ -11,20 +11,20 @@ import torch
 
 from twostroke.engine.runners import loading
 from twostroke.engine.runners.loading import EmulatedBFloat16Warning, resolve_dtype
-from twostroke.gpu import device as device_module
+from twostroke.gpu import dtype as dtype_module
 from twostroke.gpu.device import CpuDevice, FakeDevice
 
 
 @pytest.fixture(params=[True, False], ids=["native-bf16", "no-native-bf16"])
 def native_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     native: bool = request.param
-    monkeypatch.setattr(device_module, "_cpu_has_fast_bf16", lambda: native)
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: native)
     return native
 
 
 def test_bfloat16_without_native_support_warns_with_its_cost_and_runs() -> None:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(device_module, "_cpu_has_fast_bf16", lambda: False)
+        patch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
         capability = torch.backends.cpu.get_cpu_capability()
         message = loading.EMULATED_BF16_MESSAGE.format(capability=capability)
         with pytest.warns(EmulatedBFloat16Warning, match=f"^{re.escape(message)}$"):

@@ -1,0 +1,65 @@
+"""The host machine, as Linux describes it under ``/proc``: its CPU and its free memory.
+
+Read when a device or the benchmark asks, never at import time. Off Linux (no ``/proc``) the
+CPU has no known flags or name, and the free memory is what ``os.sysconf`` reports.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["available_memory", "cpu_flags", "cpu_model_name"]
+
+_CPUINFO = Path("/proc/cpuinfo")
+_MEMINFO = Path("/proc/meminfo")
+
+
+def _cpuinfo() -> str:
+    try:
+        return _CPUINFO.read_text()
+    except OSError:  # not Linux
+        return ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags (``avx2``, ``avx512_bf16``, ...), from its ``flags`` lines.
+
+    Args:
+        cpuinfo: The text of ``/proc/cpuinfo``; ``None`` reads this machine's.
+    """
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return frozenset(flags)
+
+
+def cpu_model_name(cpuinfo: str | None = None) -> str | None:
+    """The CPU's model name (``"AMD EPYC 9R14 96-Core Processor"``), or ``None`` if unknown.
+
+    Args:
+        cpuinfo: The text of ``/proc/cpuinfo``; ``None`` reads this machine's.
+    """
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return None
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation without swapping.
+
+    ``MemAvailable`` of ``/proc/meminfo`` (free memory plus what the kernel can reclaim), or
+    the free pages ``os.sysconf`` reports where there is no such file.
+    """
+    try:
+        with _MEMINFO.open(encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
