@@ -71,7 +71,7 @@ def serve(
     decode_time = 0.0
     decode_tokens = 0
     started = time.perf_counter()
-    while scheduler.has_unfinished_requests():
+    while not scheduler.is_idle():  # serial (pipeline_depth=1): nothing in flight here
         plan = scheduler.schedule()
         assert plan is not None
         step_started = time.perf_counter()

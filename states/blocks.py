@@ -250,9 +250,6 @@ class BlockPool:
         entry = self._entries.get(block_id)
         return None if entry is None else entry.block_hash
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free
-
     # --- references ---------------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> tuple[int, ...]:
@@ -263,7 +260,7 @@ class BlockPool:
 
         Raises:
             SchedulerError: fewer than ``num_blocks`` blocks are free (check first with
-                :meth:`can_allocate`); nothing is taken.
+                :attr:`num_free`); nothing is taken.
         """
         check_int_at_least("num_blocks", num_blocks, 0)
         if num_blocks > self.num_free:

@@ -114,14 +114,6 @@ class Scheduler:
         return iter(list(self._requests.values()))
 
     @property
-    def waiting_ids(self) -> tuple[int, ...]:
-        return tuple(request.request_id for request in self._waiting)
-
-    @property
-    def running_ids(self) -> tuple[int, ...]:
-        return tuple(request.request_id for request in self._running)
-
-    @property
     def num_inflight_steps(self) -> int:
         return len(self._inflight)
 
@@ -133,10 +125,6 @@ class Scheduler:
     def can_schedule(self) -> bool:
         """Whether the pipeline has room for another step."""
         return len(self._inflight) < self.config.pipeline_depth
-
-    def has_unfinished_requests(self) -> bool:
-        """Whether any request is not yet terminal."""
-        return bool(self._waiting or self._running)
 
     def is_idle(self) -> bool:
         """No request record and no step in flight: every block is free."""

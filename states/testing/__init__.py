@@ -14,6 +14,7 @@ This is a test-support module: it imports hypothesis, which comes with the ``tes
   the same "model" without any scheduler). Subclass one and set its class attributes, or
   call :meth:`SchedulerMachine.for_config`, to test your own configuration; run it with
   ``TestMine = MyMachine.TestCase``.
+* :func:`waiting_ids` and :func:`running_ids`: a scheduler's queues, read from its records.
 * Re-exported from the pure modules: :func:`drive`, :class:`SimulatedKV`,
   :func:`reference_output` and the rest, so one import gives the whole toolkit.
 """
@@ -35,6 +36,7 @@ from twostroke.states.testing.harness import (
 )
 from twostroke.states.testing.machines import BlockPoolMachine, RequestMachine, SchedulerMachine
 from twostroke.states.testing.prefix import PrefixCacheMachine, PrefixModel
+from twostroke.states.testing.queues import running_ids, waiting_ids
 from twostroke.states.testing.strategies import (
     request_specs,
     requests,
@@ -60,9 +62,11 @@ __all__ = [
     "reference_output",
     "request_specs",
     "requests",
+    "running_ids",
     "sampling_params",
     "scheduler_configs",
     "step_bound",
     "toy_next_token",
+    "waiting_ids",
     "workloads",
 ]

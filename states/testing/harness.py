@@ -35,6 +35,7 @@ from twostroke.states.simulation import (
     reference_output,
     toy_next_token,
 )
+from twostroke.states.testing.queues import running_ids, waiting_ids
 
 __all__ = ["DriveResult", "RequestSpec", "SimulatedEngine", "Workload", "drive", "step_bound"]
 
@@ -210,9 +211,9 @@ class SimulatedEngine:
         Executing at planning time keeps the device's order (steps run in plan order) while
         the outcome waits, as on a device stream, until :meth:`complete` applies it.
         """
-        waiting_before = set(self.scheduler.waiting_ids)
+        waiting_before = set(waiting_ids(self.scheduler))
         running_before = {
-            rid: self.requests[rid].num_preemptions for rid in self.scheduler.running_ids
+            rid: self.requests[rid].num_preemptions for rid in running_ids(self.scheduler)
         }
         plan = self.scheduler.schedule()
         admitted: list[int] = []
@@ -415,7 +416,7 @@ class SimulatedEngine:
             raise SimulationError(f"first admissions out of arrival order: {self.first_admissions}")
         skipped = [
             (rid, older)
-            for rid in self.scheduler.waiting_ids
+            for rid in waiting_ids(self.scheduler)
             for older in admitted
             if arrival[rid] < arrival[older]
         ]

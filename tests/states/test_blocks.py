@@ -175,14 +175,14 @@ def cached_pool() -> tuple[BlockPool, tuple[int, ...], list[bytes]]:
     return pool, blocks, hashes
 
 
-def test_can_allocate_counts_cached_blocks_as_free() -> None:
+def test_cached_blocks_count_as_free_and_are_allocated() -> None:
     pool, _, _ = cached_pool()
     assert pool.num_free == 4
-    assert pool.can_allocate(4)
-    assert not pool.can_allocate(5)
     pool.allocate(3)  # the two empty blocks, then the least recently released cached one
-    assert pool.can_allocate(1)
-    assert not pool.can_allocate(2)
+    assert pool.num_free == 1
+    with pytest.raises(SchedulerError, match=r"^can't allocate 2 blocks: only 1 are free$"):
+        pool.allocate(2)
+    assert len(pool.allocate(1)) == 1
 
 
 def test_block_hash_names_the_prefix_a_block_holds() -> None:

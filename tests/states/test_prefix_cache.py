@@ -542,10 +542,12 @@ def test_a_reader_that_already_ended_is_not_failed_twice() -> None:
     engine.run_until_idle()
 
 
-def test_can_allocate_counts_cached_blocks_as_free() -> None:
+def test_cached_blocks_count_as_free() -> None:
     pool, _ = cached_pool()
-    assert pool.can_allocate(4)
-    assert not pool.can_allocate(5)
+    assert pool.num_free == 4
+    with pytest.raises(SchedulerError, match=r"^can't allocate 5 blocks: only 4 are free$"):
+        pool.allocate(5)
+    assert len(pool.allocate(4)) == 4
 
 
 def test_a_failed_step_uncaches_what_its_readers_write_after_it() -> None:

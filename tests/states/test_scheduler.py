@@ -30,7 +30,9 @@ from twostroke.states.testing import (
     Workload,
     drive,
     reference_output,
+    running_ids,
     scheduler_configs,
+    waiting_ids,
     workloads,
 )
 
@@ -166,7 +168,7 @@ def test_requests_that_can_never_fit_are_rejected_not_queued(
 def test_the_last_token_needs_no_block() -> None:
     scheduler = Scheduler(config(num_blocks=2))
     scheduler.add_request(request(1, 5, max_tokens=4))  # 9 tokens, 8 positions: 2 blocks
-    assert scheduler.waiting_ids == (1,)
+    assert waiting_ids(scheduler) == (1,)
 
 
 def test_ids_must_be_unique_and_requests_new() -> None:
@@ -260,7 +262,7 @@ def test_a_new_request_joins_the_back_of_the_queue_without_a_search() -> None:
     for request_id in range(1000):
         scheduler.add_request(request(request_id))
     assert arrivals.lookups == 0
-    assert scheduler.waiting_ids == tuple(range(1000))
+    assert waiting_ids(scheduler) == tuple(range(1000))
     scheduler.check_invariants()
 
 
@@ -286,7 +288,7 @@ def preempt_behind(backlog: int, **overrides: int) -> tuple[Scheduler, CountingA
 
 def test_a_preempted_request_goes_back_before_every_newer_one_by_binary_search() -> None:
     scheduler, arrivals = preempt_behind(1000)
-    assert scheduler.waiting_ids == (3, *range(4, 1004))
+    assert waiting_ids(scheduler) == (3, *range(4, 1004))
     assert arrivals.lookups <= 2 * (1003).bit_length() + 4  # O(log n), not one per request
     scheduler.check_invariants()
 
@@ -306,7 +308,7 @@ def test_a_full_waiting_queue_refuses_a_new_request_and_changes_nothing() -> Non
     with pytest.raises(EngineOverloaded, match=f"^{re.escape(message)}$"):
         scheduler.check_waiting_room()
     assert 3 not in scheduler
-    assert scheduler.waiting_ids == (1, 2)
+    assert waiting_ids(scheduler) == (1, 2)
     assert scheduler.statistics() == before
     # A request that can never be served says so, full queue or not.
     with pytest.raises(RequestRejected):
@@ -316,13 +318,13 @@ def test_a_full_waiting_queue_refuses_a_new_request_and_changes_nothing() -> Non
     assert plan.request_ids == (1, 2)
     scheduler.check_waiting_room()
     scheduler.add_request(request(3))
-    assert scheduler.waiting_ids == (3,)
+    assert waiting_ids(scheduler) == (3,)
     scheduler.check_invariants()
 
 
 def test_a_preempted_request_goes_back_even_past_max_waiting_requests() -> None:
     scheduler, _ = preempt_behind(3, max_waiting_requests=3)
-    assert scheduler.waiting_ids == (3, 4, 5, 6)  # 4 > 3: nothing admitted is ever dropped
+    assert waiting_ids(scheduler) == (3, 4, 5, 6)  # 4 > 3: nothing admitted is ever dropped
     scheduler.check_invariants()
     with pytest.raises(EngineOverloaded, match=r"^the waiting queue is full: 4 requests wait"):
         scheduler.add_request(request(7, 2))
@@ -334,7 +336,7 @@ def test_no_max_waiting_requests_is_no_limit() -> None:
     for request_id in range(300):
         scheduler.check_waiting_room()
         scheduler.add_request(request(request_id))
-    assert len(scheduler.waiting_ids) == 300
+    assert len(waiting_ids(scheduler)) == 300
 
 
 # --- planning -----------------------------------------------------------------------------
@@ -367,7 +369,8 @@ def test_admission_is_fifo_and_stops_at_the_first_request_that_does_not_fit() ->
     plan = scheduler.schedule()
     assert plan is not None
     assert plan.request_ids == (1,)
-    assert scheduler.waiting_ids == (2, 3)
+    assert waiting_ids(scheduler) == (2, 3)
+    scheduler.check_invariants()  # the queues themselves in that order
 
 
 def test_preemption_takes_the_newest_running_request() -> None:
@@ -388,8 +391,9 @@ def test_preemption_takes_the_newest_running_request() -> None:
     assert newest.status is RequestStatus.PREEMPTED
     assert newest.block_table == ()
     assert newest.num_computed_tokens == 0
-    assert scheduler.running_ids == (1, 2)
-    assert scheduler.waiting_ids == (3,)
+    assert running_ids(scheduler) == (1, 2)
+    assert waiting_ids(scheduler) == (3,)
+    scheduler.check_invariants()  # the queues themselves in that order
     assert scheduler.statistics().num_preemptions == 1
 
 
@@ -449,10 +453,11 @@ def test_a_request_that_finishes_at_step_n_drops_its_n_plus_1_token_and_frees_af
     third = scheduler.schedule()
     assert third is not None
     outcomes = [kv.execute(second), kv.execute(third)]
-    assert scheduler.has_unfinished_requests()
+    assert running_ids(scheduler) == (2,)
     scheduler.cancel(2)  # request 2 is in steps 1 and 2
     # No live request is left, but steps in flight still use its blocks: not idle yet.
-    assert not scheduler.has_unfinished_requests()
+    stats = scheduler.statistics()
+    assert (stats.num_waiting, stats.num_running, stats.num_ending) == (0, 0, 1)
     assert not scheduler.is_idle()
     assert scheduler.pool.num_free < 8
     report = scheduler.apply(outcomes[0])
@@ -584,7 +589,7 @@ def test_a_failed_step_fails_every_request_in_it_and_frees_their_blocks() -> Non
     report = scheduler.apply(StepFailure(0, "device lost"))
     assert report.failed == (1, 2)
     assert report.removed == (1, 2)
-    assert scheduler.waiting_ids == (3,)
+    assert waiting_ids(scheduler) == (3,)
     assert scheduler.pool.num_free == 8
 
 
@@ -832,7 +837,8 @@ def test_blocks_a_step_in_flight_returns_are_waited_for_not_taken_by_preemption(
     second = scheduler.schedule()
     assert second is not None
     assert second.request_ids == (3,)
-    assert scheduler.running_ids == (1, 3)
+    assert running_ids(scheduler) == (1, 3)
+    scheduler.check_invariants()  # the queues themselves in that order
     outcomes.append(kv.execute(second))
     for outcome in outcomes:
         scheduler.apply(outcome)

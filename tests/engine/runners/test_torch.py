@@ -82,7 +82,7 @@ def generate(
     tokens: dict[int, list[int]] = collections.defaultdict(list)
     logprobs: dict[int, list[TokenLogprobs]] = collections.defaultdict(list)
     steps = mixed = 0
-    while pending or scheduler.has_unfinished_requests() or inflight:
+    while pending or not scheduler.is_idle():
         while pending and arrivals[pending[0]] <= steps:
             index = pending.pop(0)
             scheduler.add_request(Request(index, prompts[index], params[index], 0.0))

@@ -29,6 +29,7 @@ from twostroke.states.testing import (
     scheduler_configs,
     step_bound,
     toy_next_token,
+    waiting_ids,
     workloads,
 )
 
@@ -66,7 +67,7 @@ def test_requests_drawn_for_a_config_are_accepted(data: st.DataObject) -> None:
     assert request.status is RequestStatus.WAITING
     scheduler = Scheduler(config)
     scheduler.add_request(request)
-    assert scheduler.waiting_ids == (5,)
+    assert waiting_ids(scheduler) == (5,)
 
 
 @given(st.data())
