@@ -151,17 +151,12 @@ class StepReport:
     """What applying one outcome changed, for the engine to deliver.
 
     Attributes:
-        step_id: The step whose outcome was applied.
         new_tokens: ``(request_id, token_id)`` for every token appended to a live request
             (tokens for requests that ended meanwhile are dropped and not listed).
         finished: ``(request_id, reason)`` for requests that finished on this outcome.
         failed: Requests that failed with this step.
-        removed: Requests whose records the scheduler dropped: they are terminal and every
-            step that used their blocks has completed, so their blocks are free.
     """
 
-    step_id: int
     new_tokens: tuple[tuple[int, int], ...] = ()
     finished: tuple[tuple[int, FinishReason], ...] = ()
     failed: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()

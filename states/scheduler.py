@@ -364,9 +364,6 @@ class Scheduler:
                 f"flight ({expected})"
             )
         plan = self._inflight[0]
-        # Every record this outcome can drop: the step's requests (removed at once if they
-        # end now and no later step uses them) and those that ended while it was in flight.
-        candidates = set(plan.request_ids) | self._ending
         if isinstance(outcome, StepOutcome):
             # Rows of requests that ended meanwhile may be missing: when the step before
             # this one failed, the runner never computed its requests' rows here.
@@ -435,13 +432,8 @@ class Scheduler:
             if self._last_step[request_id] <= plan.step_id:
                 self._ending.discard(request_id)
                 self._remove(request_id)
-        removed = sorted(rid for rid in candidates if rid not in self._requests)
         return StepReport(
-            step_id=plan.step_id,
-            new_tokens=tuple(new_tokens),
-            finished=tuple(finished),
-            failed=tuple(failed),
-            removed=tuple(removed),
+            new_tokens=tuple(new_tokens), finished=tuple(finished), failed=tuple(failed)
         )
 
     # --- internals ----------------------------------------------------------------------

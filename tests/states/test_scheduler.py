@@ -431,7 +431,7 @@ def test_step_n_plus_1_feeds_the_token_of_step_n_from_the_device() -> None:
     assert scheduler.get(1).num_placeholders == 2  # type: ignore[union-attr]
     first_outcome, second_outcome = kv.execute(first), kv.execute(second)
     report = scheduler.apply(first_outcome)
-    assert report.step_id == first.step_id
+    assert scheduler.inflight_plans == (second,)
     assert report.new_tokens == ((1, first_outcome.sampled[1]),)
     scheduler.apply(second_outcome)
     assert scheduler.get(1).output_token_ids == (  # type: ignore[union-attr]
@@ -462,10 +462,10 @@ def test_a_request_that_finishes_at_step_n_drops_its_n_plus_1_token_and_frees_af
     assert scheduler.pool.num_free < 8
     report = scheduler.apply(outcomes[0])
     assert report.new_tokens == ()
-    assert report.removed == ()
+    assert 2 in scheduler  # its record stays while a step in flight uses its blocks
     assert scheduler.pool.num_free < 8  # step 2 still writes into request 2's blocks
-    report = scheduler.apply(outcomes[1])
-    assert report.removed == (2,)
+    scheduler.apply(outcomes[1])
+    assert 2 not in scheduler
     assert scheduler.pool.num_free == 8
     assert scheduler.is_idle()
 
@@ -495,8 +495,9 @@ def test_blocks_wait_for_their_own_step_whatever_order_requests_end_in() -> None
     assert [plan.request_ids for plan in scheduler.inflight_plans] == [(2,), (3,)]
     engine.cancel(3)
     engine.cancel(2)
-    report = engine.complete()  # step 2: request 2's blocks come back now, not after step 3
-    assert report.removed == (2,)
+    engine.complete()  # step 2: request 2's blocks come back now, not after step 3
+    assert 2 not in scheduler
+    assert 3 in scheduler
     assert scheduler.pool.num_free == 2
     engine.check()
     scheduler.check_invariants()
@@ -588,7 +589,8 @@ def test_a_failed_step_fails_every_request_in_it_and_frees_their_blocks() -> Non
     scheduler.add_request(request(3))
     report = scheduler.apply(StepFailure(0, "device lost"))
     assert report.failed == (1, 2)
-    assert report.removed == (1, 2)
+    assert 1 not in scheduler
+    assert 2 not in scheduler
     assert waiting_ids(scheduler) == (3,)
     assert scheduler.pool.num_free == 8
 
