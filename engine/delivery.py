@@ -2,7 +2,7 @@
 
 The bookkeeping stroke applies a step's outcome to the scheduler and gets a
 :class:`~twostroke.states.plan.StepReport`; :class:`Deliveries` turns it into output. It keeps
-the engine's side of every open request (its handle, its incremental detokenizer and its
+the engine's side of every open request (its handle's writer, its incremental detokenizer and its
 logprobs), matches stop strings, merges deltas into the handles, and builds the final
 :class:`~twostroke.engine.outputs.RequestOutput` with vLLM's timing metrics.
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 import attrs
 
 from twostroke.engine.errors import RequestFailed
-from twostroke.engine.handle import RequestHandle
+from twostroke.engine.handle import HandleWriter
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
 from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
@@ -32,7 +32,7 @@ class Tracked:
     """The engine's side of one open request."""
 
     request: Request
-    handle: RequestHandle
+    writer: HandleWriter
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprobs] | None
 
@@ -96,7 +96,7 @@ class Deliveries:
                 assert tracked.logprobs is not None
                 tracked.logprobs.append(entry)
             update = tracked.detokenizer.push([token_id])
-            tracked.handle._deliver(
+            tracked.writer.deliver(
                 Delta(request_id, update.text, (token_id,), None if entry is None else (entry,))
             )
             if update.stopped:
@@ -106,7 +106,7 @@ class Deliveries:
             ended = self._open.get(request_id)
             if ended is not None:  # not already ended by a stop string
                 tail = ended.detokenizer.flush()
-                ended.handle._deliver(Delta(request_id, tail, ()))
+                ended.writer.deliver(Delta(request_id, tail, ()))
                 self._finish(ended, reason, now)
         for request_id in report.failed:
             failed = self._open.get(request_id)
@@ -118,11 +118,11 @@ class Deliveries:
     def end(self, request_id: int, error: BaseException) -> None:
         """End an open request with ``error`` (cancelled, failed, engine closed or dead)."""
         tracked = self._open.pop(request_id)
-        tracked.handle._finish(None, error)
+        tracked.writer.fail(error)
 
     def _finish(self, tracked: Tracked, reason: FinishReason, now: float) -> None:
         request = tracked.request
-        tracked.handle._deliver(Delta(request.request_id, finish_reason=reason))
+        tracked.writer.deliver(Delta(request.request_id, finish_reason=reason))
         output = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -136,7 +136,7 @@ class Deliveries:
             logprobs=tuple(tracked.logprobs) if tracked.logprobs is not None else None,
         )
         del self._open[request.request_id]
-        tracked.handle._finish(output, None)
+        tracked.writer.finish(output)
 
 
 def request_metrics(request: Request, now: float) -> RequestMetrics:

@@ -306,10 +306,10 @@ class Coordinator:
         try:
             verdict = self._relay.verdict(handle.request_id)
             if verdict is not None:
-                await verdict.wait()
-            error = handle._error
-            if isinstance(error, TypeError | ValueError):  # RequestRejected is a ValueError
-                raise error
+                await verdict.settled.wait()
+                refusal = verdict.refusal
+                if isinstance(refusal, TypeError | ValueError):  # RequestRejected is a ValueError
+                    raise refusal
             yield handle
         finally:
             handle.cancel()

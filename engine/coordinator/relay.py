@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Protocol
 
 import anyio
 import attrs
@@ -26,25 +27,39 @@ import attrs
 from twostroke.engine.coordinator.frames import WirePrompt, estimate_prompt_tokens, routing_key
 from twostroke.engine.coordinator.replicas import Ending, Replica
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed, RequestCancelled
-from twostroke.engine.handle import RequestHandle
+from twostroke.engine.handle import HandleWriter, RequestHandle, create_request_handle
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router
 
-__all__ = ["ReplicaState", "RequestRelay"]
+__all__ = ["ReplicaState", "RequestRelay", "Verdict"]
+
+
+class Verdict(Protocol):
+    """Whether a replica took a request."""
+
+    @property
+    def settled(self) -> anyio.Event:
+        """Set once the replica accepted or refused the request (or it ended first)."""
+
+    @property
+    def refusal(self) -> BaseException | None:
+        """Why the request ended before it was accepted (``None`` if it was)."""
 
 
 @attrs.define(eq=False)
 class _Relayed:
-    """The coordinator's side of one open request."""
+    """The coordinator's side of one open request: the writer of its handle, and its
+    :class:`Verdict`."""
 
     request_id: int
     prompt: WirePrompt
     params: SamplingParams
-    handle: RequestHandle
+    writer: HandleWriter
     replica: int
     arrival_time: float
-    verdict: anyio.Event = attrs.field(factory=anyio.Event)
+    settled: anyio.Event = attrs.field(factory=anyio.Event)
+    refusal: BaseException | None = None
     num_tokens: int = 0
     first_token_time: float | None = None
     resubmitted: bool = False
@@ -98,6 +113,8 @@ class RequestRelay:
         #: Requests resubmitted after their replica died.
         self.num_resubmitted = 0
         self._ids = itertools.count()
+        # Bound once and shared by every handle: one object fewer per open request.
+        self._cancel_callback = self.cancel
 
     def submit(self, prompt: WirePrompt, params: SamplingParams) -> RequestHandle:
         """Open a request, route it and hand it to its replica.
@@ -114,12 +131,12 @@ class RequestRelay:
                 the request; nothing stays open.
         """
         request_id = next(self._ids)
-        handle = RequestHandle(request_id, (), self.cancel)
+        writer, handle = create_request_handle(request_id, (), self._cancel_callback)
         relayed = _Relayed(
             request_id=request_id,
             prompt=prompt,
             params=params,
-            handle=handle,
+            writer=writer,
             replica=-1,
             arrival_time=anyio.current_time(),
         )
@@ -137,7 +154,7 @@ class RequestRelay:
         """Route ``relayed`` and hand it to its replica; undone if the replica refuses."""
         request_id = relayed.request_id
         wire = relayed.prompt
-        known = relayed.handle.prompt_token_ids
+        known = relayed.writer.handle.prompt_token_ids
         estimate = len(known) if known else estimate_prompt_tokens(wire)
         index = self.router.route(
             request_id, routing_key(wire), estimate, relayed.params.max_tokens
@@ -155,10 +172,9 @@ class RequestRelay:
         if prompt_token_ids is not None:
             self.accepted(index, request_id, prompt_token_ids)
 
-    def verdict(self, request_id: int) -> anyio.Event | None:
-        """Set once the replica accepted or refused the request; ``None`` if it has ended."""
-        relayed = self.open.get(request_id)
-        return None if relayed is None else relayed.verdict
+    def verdict(self, request_id: int) -> Verdict | None:
+        """Whether the replica took the request; ``None`` if the request has ended."""
+        return self.open.get(request_id)
 
     def close(self, *, cancel: bool) -> None:
         """Take no new work; if ``cancel``, end every open request with ``EngineClosed``."""
@@ -187,7 +203,7 @@ class RequestRelay:
         """Raise ``AssertionError`` if the open requests, the router and the counts disagree."""
         self.router.check_invariants()
         for request_id, relayed in self.open.items():
-            assert not relayed.handle.done(), f"request {request_id} is done but still open"
+            assert not relayed.writer.handle.done(), f"request {request_id} is done but still open"
             assert self.router.replica_of(request_id) == relayed.replica, relayed
         for index, state in enumerate(self.replicas):
             count = sum(1 for r in self.open.values() if r.replica == index)
@@ -209,9 +225,9 @@ class RequestRelay:
         relayed = self._relayed(replica, request_id)
         if relayed is None:
             return
-        relayed.handle.prompt_token_ids = prompt_token_ids
+        relayed.writer.set_prompt_token_ids(prompt_token_ids)
         self.router.set_prompt_tokens(request_id, len(prompt_token_ids))
-        relayed.verdict.set()
+        relayed.settled.set()
 
     def delta(self, replica: int, request_id: int, delta: Delta) -> None:
         """New output, delivered on the coordinator's handle under its request id."""
@@ -224,7 +240,7 @@ class RequestRelay:
                 relayed.first_token_time = anyio.current_time()
             relayed.num_tokens += count
             self.router.progress(request_id, count)
-        relayed.handle._deliver(
+        relayed.writer.deliver(
             Delta(request_id, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason)
         )
 
@@ -236,7 +252,7 @@ class RequestRelay:
         num_output = len(ending.token_ids)
         output = RequestOutput(
             request_id=request_id,
-            prompt_token_ids=relayed.handle.prompt_token_ids,
+            prompt_token_ids=relayed.writer.handle.prompt_token_ids,
             token_ids=ending.token_ids,
             text=ending.text,
             finish_reason=ending.finish_reason,
@@ -305,7 +321,13 @@ class RequestRelay:
         self.router.release(request_id)
         if counted and relayed.replica >= 0:
             self.replicas[relayed.replica].num_open -= 1
-        relayed.verdict.set()
-        relayed.handle._finish(output, error)
+        if not relayed.settled.is_set():
+            relayed.refusal = error
+            relayed.settled.set()
+        if error is None:
+            assert output is not None
+            relayed.writer.finish(output)
+        else:
+            relayed.writer.fail(error)
         if not self.open:
             self.idle.set()

@@ -10,7 +10,7 @@ opens its :class:`~twostroke.engine.engine.Engine` and answers :class:`~.frames.
 Everything model-specific happens here, never in the coordinator: tokenizing the prompt as
 given (text, token ids or chat messages), checking its length, detokenizing incrementally and
 matching stop strings. Output leaves as coalesced deltas: the engine's handles relay into one
-pending delta per request (:meth:`RequestHandle._relay_to`), and a writer task sends every
+pending delta per request (:meth:`RequestHandle.relay_to`), and a writer task sends every
 pending delta in one frame whenever the pipe can take it, so a slow coordinator receives
 bigger deltas, never a growing queue. No frame is longer than the coordinator accepts
 (:data:`~.frames.MAX_FRAME_BYTES`): deltas piled up past it go in several frames, a long
@@ -256,7 +256,7 @@ class _Server:
             self._push(Rejected(request_id, type(exc).__name__, str(exc)))
             return
         self._handles[request_id] = handle
-        handle._relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
+        handle.relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
         self._push(Accepted(request_id, list(handle.prompt_token_ids)))
 
     def _cancel(self, request_id: int) -> None:

@@ -240,7 +240,7 @@ class LocalReplica(_Starting):
         assert self._engine is not None
         handle = self._engine.submit(cast(Any, prompt), params)  # the engine checks it
         self._handles[request_id] = handle
-        handle._relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
+        handle.relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
         return handle.prompt_token_ids
 
     def cancel(self, request_id: int) -> bool:

@@ -88,9 +88,10 @@ async def test_reports_become_deltas_and_an_output_on_the_coordinators_handle() 
     assert relay.open.keys() == {handle.request_id}
     verdict = relay.verdict(handle.request_id)
     assert verdict is not None
-    assert not verdict.is_set()
+    assert not verdict.settled.is_set()
     relay.accepted(0, handle.request_id, (97, 98, 99))
-    assert verdict.is_set()
+    assert verdict.settled.is_set()
+    assert verdict.refusal is None
     assert handle.prompt_token_ids == (97, 98, 99)
     # The replica's own request id (77) is replaced by the coordinator's.
     relay.delta(0, handle.request_id, Delta(77, "xy", (1, 2), None, None))
@@ -115,8 +116,29 @@ async def test_a_replica_that_checks_at_once_settles_the_verdict_in_submit() -> 
     handle = books.relay.submit([5, 6], PARAMS)
     verdict = books.relay.verdict(handle.request_id)
     assert verdict is not None
-    assert verdict.is_set()
+    assert verdict.settled.is_set()
     assert handle.prompt_token_ids == (5, 6)
+
+
+async def test_a_request_that_ends_before_it_is_accepted_was_refused() -> None:
+    books = Books(1)
+    refused = books.relay.submit("abc", PARAMS)
+    verdict = books.relay.verdict(refused.request_id)
+    assert verdict is not None
+    error = RequestRejected("prompt too long")
+    books.relay.failed(0, refused.request_id, error)
+    assert verdict.settled.is_set()
+    assert verdict.refusal is error
+    with pytest.raises(RequestRejected, match="prompt too long"):
+        await refused.result()
+    # Once accepted, a later failure is no refusal.
+    accepted = books.relay.submit("abc", PARAMS)
+    verdict = books.relay.verdict(accepted.request_id)
+    assert verdict is not None
+    books.relay.accepted(0, accepted.request_id, (1,))
+    books.relay.failed(0, accepted.request_id, RequestCancelled(accepted.request_id))
+    assert verdict.refusal is None
+    books.relay.check_invariants()
 
 
 async def test_a_refused_request_leaves_nothing_open() -> None:
