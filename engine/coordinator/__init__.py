@@ -1,13 +1,15 @@
 """The data-parallel coordinator: one engine-shaped front over N engine replicas.
 
-Modules, one concept each: :mod:`.coordinator` (:class:`Coordinator`: its lifecycle and
-surface), :mod:`.relay` (its books of open requests, and what replicas report into them),
-:mod:`.replicas` (the coordinator's side of a replica: in this process, or over frames),
-:mod:`.frames` (the wire: msgspec frames with a length prefix), :mod:`.replica` (a replica's
-side of the wire: ``python -m twostroke.engine.coordinator.replica``), :mod:`.process` and
-:mod:`.ray` (the two remote placements). See ``docs/scaling.md``.
-
-:mod:`.config` holds :class:`CoordinatorConfig`: how many replicas, where, how they are watched.
+Modules, one concept each, named by the side of the wire they run on (vLLM's ``core`` and
+``core_client``): :mod:`.coordinator` (:class:`Coordinator`: its lifecycle and surface),
+:mod:`.config` (:class:`CoordinatorConfig`: how many replicas, where, how they are watched),
+:mod:`.relay` (its books of open requests, and what replicas report into them),
+:mod:`.replica_client` (the coordinator's side of a replica: what it asks, what it is told,
+and the client of a remote one), :mod:`.frames` (the wire: msgspec frames with a length
+prefix, and the conversions between them and the engine's values), :mod:`.replica_server`
+(a replica's side of the wire: ``python -m twostroke.engine.coordinator.replica_server``),
+and the three placements: :mod:`.local` (engines in this process), :mod:`.process` and
+:mod:`.ray`. See ``docs/scaling.md``.
 """
 
 from twostroke.engine.coordinator.config import CoordinatorConfig

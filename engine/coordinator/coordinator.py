@@ -37,8 +37,9 @@ from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator.auth import new_secret
 from twostroke.engine.coordinator.config import CoordinatorConfig
 from twostroke.engine.coordinator.frames import PromptInput, Start, wire_prompt
+from twostroke.engine.coordinator.local import LocalReplica
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
-from twostroke.engine.coordinator.replicas import LocalReplica, Replica
+from twostroke.engine.coordinator.replica_client import Replica
 from twostroke.engine.coordinator.statistics import CoordinatorStatistics, ReplicaStatistics
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed
 from twostroke.engine.handle import RequestHandle

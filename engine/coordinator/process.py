@@ -1,6 +1,6 @@
 """The ``process`` placement: one child process per replica on this machine.
 
-Each replica is ``python -m twostroke.engine.coordinator.replica``, started with
+Each replica is ``python -m twostroke.engine.coordinator.replica_server``, started with
 :func:`anyio.open_process` and spoken to in frames over its stdin and stdout (no ports, the
 same on asyncio and trio), in a session of its own, so that signals meant for the
 coordinator's process group (Ctrl-C) never reach it: the coordinator alone decides when its
@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 
 from twostroke.engine.coordinator.frames import Start
-from twostroke.engine.coordinator.replicas import Relay, RemoteReplica
+from twostroke.engine.coordinator.replica_client import Relay, RemoteReplica
 from twostroke.engine.errors import ReplicaFailed
 
 __all__ = [
@@ -56,7 +56,8 @@ def current_backend() -> str:
 def replica_command(backend: str | None = None) -> list[str]:
     """The command line of a replica child on this event loop's backend."""
     backend = backend or current_backend()
-    return [sys.executable, "-m", "twostroke.engine.coordinator.replica", "--backend", backend]
+    module = "twostroke.engine.coordinator.replica_server"
+    return [sys.executable, "-m", module, "--backend", backend]
 
 
 #: Variables of the coordinator's environment its replica children do not get: a replica

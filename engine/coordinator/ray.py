@@ -2,8 +2,8 @@
 
 Each actor (:class:`ReplicaActor`, one CPU, or one GPU when the engine's device is CUDA)
 listens on a TCP port of its node and serves one coordinator connection with
-:func:`~twostroke.engine.coordinator.replica.serve`: the very frames a child process gets on
-its stdin, over :func:`anyio.connect_tcp` instead. The first peer to prove it holds the
+:func:`~twostroke.engine.coordinator.replica_server.serve`: the very frames a child process
+gets on its stdin, over :func:`anyio.connect_tcp` instead. The first peer to prove it holds the
 coordinator's secret is served (:mod:`~twostroke.engine.coordinator.auth`); any other is
 closed. Ray's own calls are blocking (or asyncio-only), so they run through
 :func:`anyio.to_thread.run_sync`, which keeps the coordinator on asyncio and trio alike. A
@@ -28,7 +28,7 @@ import anyio.abc
 
 from twostroke.engine.coordinator.auth import AUTH_TIMEOUT, accept_authenticated, authenticate
 from twostroke.engine.coordinator.frames import FrameError, Start
-from twostroke.engine.coordinator.replicas import Relay, RemoteReplica
+from twostroke.engine.coordinator.replica_client import Relay, RemoteReplica
 from twostroke.engine.errors import ReplicaFailed
 
 __all__ = ["RayReplica", "ReplicaActor", "ray_cluster", "serve_authenticated"]
@@ -57,7 +57,7 @@ async def serve_authenticated(
         port = listener.extra(anyio.abc.SocketAttribute.local_port)
         task_status.started((host, port))
         stream, receive = await accept_authenticated(listener, secret, answer_within=answer_within)
-    from twostroke.engine.coordinator.replica import serve
+    from twostroke.engine.coordinator.replica_server import serve
 
     async with stream:
         await serve(receive, stream)

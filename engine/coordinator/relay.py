@@ -1,7 +1,7 @@
 """The coordinator's relay: its books of open requests, and what replicas report into them.
 
 A :class:`RequestRelay` is what every replica reports to (it satisfies
-:class:`~twostroke.engine.coordinator.replicas.Relay`). It owns the open requests — the
+:class:`~twostroke.engine.coordinator.replica_client.Relay`). It owns the open requests — the
 coordinator's handle for each, the replica serving it, its first-token time — and keeps the
 router's and the replicas' counts in step with them: a request is routed and handed to a
 replica (:meth:`RequestRelay.submit`), its replica's reports are turned into deltas and an
@@ -24,8 +24,13 @@ from typing import Protocol
 import anyio
 import attrs
 
-from twostroke.engine.coordinator.frames import WirePrompt, estimate_prompt_tokens, routing_key
-from twostroke.engine.coordinator.replicas import Ending, Replica
+from twostroke.engine.coordinator.frames import (
+    Ending,
+    WirePrompt,
+    estimate_prompt_tokens,
+    routing_key,
+)
+from twostroke.engine.coordinator.replica_client import Replica
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed, RequestCancelled
 from twostroke.engine.handle import HandleWriter, RequestHandle, create_request_handle
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage

@@ -7,6 +7,7 @@ import typing
 from typing import Any
 
 import attrs
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from twostroke.engine.coordinator.frames import (
     Add,
     DeltaItem,
     Deltas,
+    Ending,
     Failed,
     Finished,
     FinishedPart,
@@ -29,12 +31,31 @@ from twostroke.engine.coordinator.frames import (
     Stats,
     ToReplica,
     WireFinishReason,
+    call_error,
+    delta_from_item,
+    delta_item,
     encode_frame,
+    ending_from_finished,
     estimate_prompt_tokens,
+    failed_frame,
+    finished_frame,
+    logprobs_from_wire,
+    request_error,
     routing_key,
+    wire_logprobs,
     wire_prompt,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
+from twostroke.engine.errors import (
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    RequestCancelled,
+    RequestFailed,
+    RequestRejected,
+)
+from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
+from twostroke.engine.runners.protocol import TokenLogprobs
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.prompts import tokenize_prompt
@@ -172,3 +193,114 @@ def test_statistics_from_another_version_keep_the_fields_both_know() -> None:
         engine_statistics({"forward_seconds": "fast"})
     with pytest.raises(TypeError, match=r"^statistics must be a mapping, got str$"):
         engine_statistics("fast")
+
+
+# --- the engine's values on the wire ------------------------------------------------------
+
+LOGPROBS = (TokenLogprobs(104, -0.5, ((104, -0.5), (7, -2.0))), TokenLogprobs(195, -1.0))
+
+
+def _through_the_wire(frame: Any) -> Any:
+    decoder: FrameDecoder[Any] = FrameDecoder(FromReplica, "replica 0")
+    [decoded] = decoder.feed(encode_frame(frame))
+    return decoded
+
+
+@pytest.mark.parametrize("logprobs", [LOGPROBS, None])
+@pytest.mark.parametrize("reason", [None, FinishReason.STOP, FinishReason.LENGTH])
+def test_a_delta_crosses_the_wire_unchanged_under_the_coordinators_id(
+    logprobs: tuple[TokenLogprobs, ...] | None, reason: FinishReason | None
+) -> None:
+    delta = Delta(40, "hé", (104, 195), logprobs, reason)
+    [item] = _through_the_wire(Deltas([delta_item(7, delta)])).items
+    assert delta_from_item(item) == attrs.evolve(delta, request_id=7)
+    assert logprobs_from_wire(wire_logprobs(logprobs)) == logprobs
+
+
+def _output(logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=40,
+        prompt_token_ids=(1, 2, 3),
+        token_ids=(104, 195),
+        text="hé",
+        finish_reason=FinishReason.STOP,
+        usage=Usage(3, 2, 1),
+        metrics=RequestMetrics(queue_time=0.25, ttft=0.5, tpot=0.1, e2e=0.6, num_preemptions=2),
+        logprobs=logprobs,
+    )
+
+
+@pytest.mark.parametrize("logprobs", [LOGPROBS, None])
+def test_a_finished_output_crosses_the_wire_as_the_ending_the_coordinator_rebuilds_from(
+    logprobs: tuple[TokenLogprobs, ...] | None,
+) -> None:
+    frame = _through_the_wire(finished_frame(7, _output(logprobs)))
+    assert frame.request_id == 7
+    expected = Ending(
+        token_ids=(104, 195),
+        text="hé",
+        finish_reason=FinishReason.STOP,
+        prompt_tokens=3,
+        queue_time=0.25,
+        num_preemptions=2,
+        logprobs=logprobs,
+        cached_prompt_tokens=1,
+    )
+    assert ending_from_finished(frame) == expected
+    # The same output in parts ahead of its Finished frame joins to the same ending.
+    wire = wire_logprobs(logprobs)
+    parts = [
+        FinishedPart(7, [104], "h", None if wire is None else wire[:1]),
+        FinishedPart(7, [], "", None if wire is None else []),
+    ]
+    rest = msgspec.structs.replace(
+        frame, token_ids=[195], text="é", logprobs=None if wire is None else wire[1:]
+    )
+    assert ending_from_finished(rest, parts) == expected
+
+
+@pytest.mark.parametrize(
+    ("error", "sent", "received"),
+    [
+        (
+            RequestCancelled(40),
+            Failed(7, "RequestCancelled", "request 7 was cancelled"),
+            RequestCancelled(7),
+        ),
+        (
+            RequestFailed(40, "RuntimeError('boom')"),
+            Failed(7, "RequestFailed", "RuntimeError('boom')"),
+            RequestFailed(7, "in replica 1: RuntimeError('boom')"),
+        ),
+        (
+            RequestRejected("prompt too long"),
+            Failed(7, "RequestRejected", "prompt too long"),
+            RequestRejected("prompt too long"),
+        ),
+        (
+            EngineOverloaded("100 requests wait"),
+            Failed(7, "EngineOverloaded", "100 requests wait"),
+            EngineOverloaded("100 requests wait"),
+        ),
+        (EngineDead("gone"), Failed(7, "EngineDead", "gone"), EngineDead("gone")),
+        (
+            KeyError("x"),
+            Failed(7, "KeyError", "'x'"),
+            EngineError("replica 1: KeyError: 'x'"),
+        ),
+    ],
+)
+def test_a_request_error_crosses_the_wire_as_its_kind_under_the_coordinators_id(
+    error: BaseException, sent: Failed, received: BaseException
+) -> None:
+    frame = _through_the_wire(failed_frame(7, error))
+    assert frame == sent
+    raised = request_error(1, frame.request_id, frame.kind, frame.message)
+    assert (type(raised), str(raised)) == (type(received), str(received))
+
+
+def test_a_calls_error_is_raised_again_by_name_else_as_an_engine_error() -> None:
+    assert type(call_error("ValueError", "bad")) is ValueError
+    assert type(call_error("RequestRejected", "long")) is RequestRejected
+    unknown = call_error("KeyError", "'x'")
+    assert (type(unknown), str(unknown)) == (EngineError, "'x'")

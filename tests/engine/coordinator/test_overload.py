@@ -13,7 +13,7 @@ import pytest
 from twostroke.engine import Coordinator, EngineOverloaded, SamplingParams
 from twostroke.engine.coordinator import process
 
-from .test_replicas import RAW_WIRE
+from .test_replica_client import RAW_WIRE
 
 pytestmark = pytest.mark.anyio
 

@@ -34,7 +34,7 @@ from twostroke.engine.coordinator import process
 from twostroke.engine.coordinator.frames import Ready, encode_frame
 
 from .test_local import bare_outputs, comparable, workload
-from .test_replicas import FAKE_REPLICA
+from .test_replica_client import FAKE_REPLICA
 
 pytestmark = pytest.mark.anyio
 

@@ -3,18 +3,18 @@
 A replica is driven through :class:`Replica` (add, cancel, call, close, and a supervisor
 ``run``) and reports to a :class:`Relay` (the coordinator's
 :class:`~twostroke.engine.coordinator.relay.RequestRelay`) with plain synchronous calls made
-on the event loop. :class:`LocalReplica` wraps an :class:`~twostroke.engine.engine.Engine` in
-this process; :class:`RemoteReplica` speaks the frame protocol over a pair of byte streams and
-is the base of the process and Ray placements.
+on the event loop. :class:`RemoteReplica` is the client of
+:mod:`~twostroke.engine.coordinator.replica_server`: it speaks the frame protocol over a pair
+of byte streams and is the base of the process and Ray placements. The ``local`` placement
+(:mod:`~twostroke.engine.coordinator.local`) wraps an engine in this process instead; this
+module never imports the engine.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
-from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -27,6 +27,7 @@ from twostroke.engine.coordinator.frames import (
     Call,
     Cancel,
     Deltas,
+    Ending,
     Failed,
     Finished,
     FinishedPart,
@@ -41,44 +42,20 @@ from twostroke.engine.coordinator.frames import (
     Start,
     StartFailed,
     Stats,
-    WireLogprobs,
     WirePrompt,
+    call_error,
+    delta_from_item,
     encode_frame,
+    ending_from_finished,
+    request_error,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
-from twostroke.engine.engine import Engine
-from twostroke.engine.errors import (
-    EngineClosed,
-    EngineDead,
-    EngineError,
-    EngineOverloaded,
-    ReplicaFailed,
-    RequestCancelled,
-    RequestFailed,
-    RequestRejected,
-)
-from twostroke.engine.handle import RequestHandle
-from twostroke.engine.outputs import Delta, RequestOutput
-from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.engine.errors import ReplicaFailed, RequestRejected
+from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.params import SamplingParams
-from twostroke.states.request import FinishReason
 
-__all__ = ["Ending", "LocalReplica", "Relay", "RemoteReplica", "Replica"]
-
-
-@attrs.frozen
-class Ending:
-    """How a request finished in its replica (the coordinator rebuilds the output)."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: FinishReason
-    prompt_tokens: int
-    queue_time: float | None
-    num_preemptions: int
-    logprobs: tuple[TokenLogprobs, ...] | None
-    cached_prompt_tokens: int = 0
+__all__ = ["BaseReplica", "Relay", "RemoteReplica", "Replica"]
 
 
 class Relay(Protocol):
@@ -145,17 +122,10 @@ class Replica(Protocol):
         """The replica's engine statistics (the latest snapshot for a remote one)."""
 
 
-def _logprobs(entries: list[WireLogprobs] | None) -> tuple[TokenLogprobs, ...] | None:
-    if entries is None:
-        return None
-    return tuple(
-        TokenLogprobs(token_id, logprob, tuple((i, p) for i, p in top))
-        for token_id, logprob, top in entries
-    )
-
-
-class _Starting:
+class BaseReplica:
     """What every replica reports about its start: readiness, why it failed, its model.
+
+    The base of every placement's replica (it leaves the rest of :class:`Replica` to them).
 
     Args:
         index: The replica's index.
@@ -187,158 +157,10 @@ class _Starting:
         return self._model_name
 
 
-# --- in this process --------------------------------------------------------------------
-
-
-class LocalReplica(_Starting):
-    """An :class:`Engine` in the coordinator's own task group.
-
-    Args:
-        index: The replica's index.
-        relay: Where it reports (the coordinator's relay).
-        model: As for :meth:`Engine.open`.
-        options: Keyword arguments of :meth:`Engine.open` (``runner``, ``device``, config).
-    """
-
-    pid: int | None = None
-    #: The relay runs inside the engine's bookkeeping stroke: counted there, not here.
-    relay_seconds = 0.0
-
-    def __init__(self, index: int, relay: Relay, model: str | None, options: Mapping[str, Any]):
-        super().__init__(index, relay)
-        self._model = model
-        self._options = dict(options)
-        self._engine: Engine | None = None
-        self._handles: dict[int, RequestHandle] = {}
-        self._closed = anyio.Event()
-
-    @property
-    def engine(self) -> Engine | None:
-        """The replica's engine while it runs."""
-        return self._engine
-
-    async def run(self) -> None:
-        try:
-            async with Engine.open(self._model, **self._options) as engine:
-                self._engine = engine
-                self._max_model_len = engine.max_model_len
-                self._model_name = engine.model_name
-                self._ready.set()
-                await self._closed.wait()
-        except Exception as exc:
-            if not self._ready.is_set():
-                self._start_error = exc
-                self._ready.set()
-                return
-            self._relay.replica_failed(self.index, exc)
-        finally:
-            self._engine = None
-
-    def add(
-        self, request_id: int, prompt: WirePrompt, params: SamplingParams
-    ) -> tuple[int, ...] | None:
-        assert self._engine is not None
-        handle = self._engine.submit(cast(Any, prompt), params)  # the engine checks it
-        self._handles[request_id] = handle
-        handle.relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
-        return handle.prompt_token_ids
-
-    def cancel(self, request_id: int) -> bool:
-        handle = self._handles.get(request_id)
-        if handle is not None:
-            handle.cancel()
-        return False
-
-    async def call(self, method: str, argument: Any) -> Any:
-        engine = self._engine
-        if engine is None:
-            raise EngineClosed(f"replica {self.index} is not running")
-        if method == "tokenize":
-            return await engine.tokenize(argument)
-        if method == "detokenize":
-            return await engine.detokenize(argument)
-        assert method == "wait_idle", method
-        await engine.wait_idle()
-        return engine.statistics()
-
-    def close(self, *, cancel: bool) -> None:
-        if cancel:
-            for handle in list(self._handles.values()):
-                handle.cancel()
-        self._closed.set()
-
-    def statistics(self) -> EngineStatistics | None:
-        return None if self._engine is None else self._engine.statistics()
-
-    def _on_delta(self, request_id: int, delta: Delta) -> None:
-        self._relay.delta(self.index, request_id, delta)
-
-    def _on_end(
-        self, request_id: int, output: RequestOutput | None, error: BaseException | None
-    ) -> None:
-        del self._handles[request_id]
-        if output is None:
-            assert error is not None
-            if isinstance(error, EngineDead):
-                self._relay.replica_failed(self.index, error)
-            else:
-                self._relay.failed(self.index, request_id, _renumbered(error, request_id))
-            return
-        self._relay.finished(
-            self.index,
-            request_id,
-            Ending(
-                token_ids=output.token_ids,
-                text=output.text,
-                finish_reason=output.finish_reason,
-                prompt_tokens=output.usage.prompt_tokens,
-                queue_time=output.metrics.queue_time,
-                num_preemptions=output.metrics.num_preemptions,
-                logprobs=output.logprobs,
-                cached_prompt_tokens=output.usage.cached_prompt_tokens,
-            ),
-        )
-
-
-def _renumbered(error: BaseException, request_id: int) -> BaseException:
-    """A replica engine's request error, under the coordinator's request id."""
-    if isinstance(error, RequestCancelled):
-        return RequestCancelled(request_id)
-    if isinstance(error, RequestFailed):
-        message = str(error).removeprefix(f"request {error.request_id} failed: ")
-        renumbered = RequestFailed(request_id, message)
-        renumbered.__cause__ = error.__cause__
-        return renumbered
-    return error
-
-
 # --- over frames -------------------------------------------------------------------------
 
-#: Errors a replica may report by name, and how the coordinator raises them again.
-_SUBMIT_ERRORS: dict[str, type[Exception]] = {
-    "RequestRejected": RequestRejected,
-    "TypeError": TypeError,
-    "ValueError": ValueError,
-    "EngineClosed": EngineClosed,
-    "EngineOverloaded": EngineOverloaded,  # its waiting queue is full: the server's 503
-}
 
-
-def _request_error(replica: int, request_id: int, kind: str, message: str) -> BaseException:
-    """The coordinator's error for a request that ended with ``kind`` in its replica."""
-    if kind == "RequestCancelled":
-        return RequestCancelled(request_id)
-    if kind == "RequestFailed":
-        return RequestFailed(request_id, f"in replica {replica}: {message}")
-    error_type = _SUBMIT_ERRORS.get(kind)
-    if error_type is not None:
-        return error_type(message)
-    if kind == "EngineDead":
-        return EngineDead(message)
-    return EngineError(f"replica {replica}: {kind}: {message}")
-
-
-class RemoteReplica(_Starting):
+class RemoteReplica(BaseReplica):
     """A replica behind the frame protocol; subclasses open the byte streams.
 
     Frames to the replica wait in an outbox that one writer task sends in batches, so that
@@ -426,8 +248,7 @@ class RemoteReplica(_Starting):
             raise reply
         assert isinstance(reply, Reply)
         if reply.kind is not None:
-            error_type = _SUBMIT_ERRORS.get(reply.kind, EngineError)
-            raise error_type(reply.message)
+            raise call_error(reply.kind, reply.message)
         return reply.value
 
     def close(self, *, cancel: bool) -> None:
@@ -542,44 +363,17 @@ class RemoteReplica(_Starting):
         relay, index = self._relay, self.index
         if isinstance(frame, Deltas):
             for item in frame.items:
-                reason = item.finish_reason
-                relay.delta(
-                    index,
-                    item.request_id,
-                    Delta(
-                        item.request_id,
-                        item.text,
-                        tuple(item.token_ids),
-                        _logprobs(item.logprobs),
-                        None if reason is None else FinishReason(reason),
-                    ),
-                )
+                relay.delta(index, item.request_id, delta_from_item(item))
         elif isinstance(frame, Accepted):
             relay.accepted(index, frame.request_id, tuple(frame.prompt_token_ids))
         elif isinstance(frame, FinishedPart):
             self._parts.setdefault(frame.request_id, []).append(frame)
         elif isinstance(frame, Finished):
-            token_ids, text, logprobs = frame.token_ids, frame.text, frame.logprobs
-            parts = self._parts.pop(frame.request_id, None)
-            if parts is not None:  # the output arrived in parts: join them
-                token_ids = [i for part in parts for i in part.token_ids] + token_ids
-                text = "".join(part.text for part in parts) + text
-                if logprobs is not None:
-                    logprobs = [e for part in parts for e in part.logprobs or ()] + logprobs
-            ending = Ending(
-                token_ids=tuple(token_ids),
-                text=text,
-                finish_reason=FinishReason(frame.finish_reason),
-                prompt_tokens=frame.prompt_tokens,
-                queue_time=frame.queue_time,
-                num_preemptions=frame.num_preemptions,
-                logprobs=_logprobs(logprobs),
-                cached_prompt_tokens=frame.cached_prompt_tokens,
-            )
+            ending = ending_from_finished(frame, self._parts.pop(frame.request_id, ()))
             relay.finished(index, frame.request_id, ending)
         elif isinstance(frame, Failed | Rejected):
             self._parts.pop(frame.request_id, None)
-            error = _request_error(index, frame.request_id, frame.kind, frame.message)
+            error = request_error(index, frame.request_id, frame.kind, frame.message)
             relay.failed(index, frame.request_id, error)
         elif isinstance(frame, Stats):
             self._stats = engine_statistics(frame.values)

@@ -1,6 +1,6 @@
 """One engine replica behind the frame protocol: a child process, or the body of a Ray actor.
 
-``python -m twostroke.engine.coordinator.replica [--backend asyncio|trio]`` reads
+``python -m twostroke.engine.coordinator.replica_server [--backend asyncio|trio]`` reads
 :data:`~.frames.ToReplica` frames on stdin and writes :data:`~.frames.FromReplica` frames on
 stdout (anything else the process prints goes to stderr: stdout is dup'ed away first). The
 first frame, :class:`~.frames.Start`, names the model and the engine's options; the replica
@@ -63,17 +63,17 @@ from twostroke.engine.coordinator.frames import (
     StartFailed,
     Stats,
     ToReplica,
-    WireFinishReason,
-    WireLogprobs,
+    delta_item,
     encode_frame,
     encoded_size,
+    failed_frame,
+    finished_frame,
     split_output,
 )
 from twostroke.engine.engine import Engine
-from twostroke.engine.errors import EngineError, RequestCancelled, RequestFailed
+from twostroke.engine.errors import EngineError, RequestCancelled
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
-from twostroke.engine.runners.protocol import TokenLogprobs
 from twostroke.states.params import SamplingParams
 
 __all__ = ["FdReceiveStream", "FdSendStream", "main", "serve"]
@@ -81,16 +81,6 @@ __all__ = ["FdReceiveStream", "FdSendStream", "main", "serve"]
 #: How many ids of ended (or early-cancelled) requests a replica remembers, to tell a late
 #: cancel (ignored) from one that overtook its add (honoured).
 _REMEMBERED = 4096
-
-
-def wire_logprobs(entries: Sequence[TokenLogprobs] | None) -> list[WireLogprobs] | None:
-    if entries is None:
-        return None
-    return [(entry.token_id, entry.logprob, list(entry.top)) for entry in entries]
-
-
-def _reason(delta: Delta) -> WireFinishReason | None:
-    return None if delta.finish_reason is None else delta.finish_reason.value
 
 
 #: Bytes of a ``Deltas`` frame around its items (its tag and two array headers, rounded up).
@@ -244,8 +234,7 @@ class _Server:
         request_id = frame.request_id
         if self._cancelled_early.pop(request_id):
             self._ended.add(request_id)
-            message = f"request {request_id} was cancelled"
-            self._push_end(Failed(request_id, "RequestCancelled", message))
+            self._push_end(failed_frame(request_id, RequestCancelled(request_id)))
             return
         try:
             params = SamplingParams(**frame.params)
@@ -277,27 +266,10 @@ class _Server:
         del self._handles[request_id]
         self._ended.add(request_id)
         if output is not None:
-            self._push_end(
-                Finished(
-                    request_id=request_id,
-                    token_ids=list(output.token_ids),
-                    text=output.text,
-                    finish_reason=output.finish_reason.value,
-                    prompt_tokens=output.usage.prompt_tokens,
-                    queue_time=output.metrics.queue_time,
-                    num_preemptions=output.metrics.num_preemptions,
-                    logprobs=wire_logprobs(output.logprobs),
-                    cached_prompt_tokens=output.usage.cached_prompt_tokens,
-                )
-            )
+            self._push_end(finished_frame(request_id, output))
         else:
             assert error is not None
-            message = str(error)  # the engine's request ids mean nothing outside
-            if isinstance(error, RequestFailed):
-                message = message.removeprefix(f"request {error.request_id} failed: ")
-            elif isinstance(error, RequestCancelled):
-                message = str(RequestCancelled(request_id))
-            self._push_end(Failed(request_id, type(error).__name__, message))
+            self._push_end(failed_frame(request_id, error))
 
     async def _call(self, frame: Call) -> None:
         value: Any = None
@@ -341,16 +313,7 @@ class _Server:
         limit = self._limit
         chunks = [encode_frame(frame, limit=limit) for frame in self._control]
         if self._deltas:
-            items = [
-                DeltaItem(
-                    request_id=request_id,
-                    text=delta.text,
-                    token_ids=list(delta.token_ids),
-                    logprobs=wire_logprobs(delta.logprobs),
-                    finish_reason=_reason(delta),
-                )
-                for request_id, delta in self._deltas.items()
-            ]
+            items = [delta_item(request_id, delta) for request_id, delta in self._deltas.items()]
             chunks.extend(delta_frames(items, limit))
         for end in self._ends:
             if isinstance(end, Finished):
@@ -476,7 +439,7 @@ async def _serve_stdio(frames_fd: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one replica on stdin/stdout (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m twostroke.engine.coordinator.replica")
+    parser = argparse.ArgumentParser(prog="python -m twostroke.engine.coordinator.replica_server")
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     args = parser.parse_args(argv)
     frames_fd = os.dup(1)

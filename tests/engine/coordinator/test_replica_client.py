@@ -20,15 +20,10 @@ import pytest
 
 from twostroke.engine import Coordinator, RequestRejected, SamplingParams
 from twostroke.engine.coordinator import process
-from twostroke.engine.coordinator.frames import Start, encoded_size
+from twostroke.engine.coordinator.frames import Start, encoded_size, wire_logprobs
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
-from twostroke.engine.coordinator.replica import (
-    FdReceiveStream,
-    FdSendStream,
-    serve,
-    wire_logprobs,
-)
-from twostroke.engine.coordinator.replicas import RemoteReplica
+from twostroke.engine.coordinator.replica_client import RemoteReplica
+from twostroke.engine.coordinator.replica_server import FdReceiveStream, FdSendStream, serve
 from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.routing import Router

@@ -36,7 +36,7 @@ from twostroke.engine.coordinator.frames import (
     Stats,
     encode_frame,
 )
-from twostroke.engine.coordinator.replica import (
+from twostroke.engine.coordinator.replica_server import (
     FdReceiveStream,
     FdSendStream,
     delta_frames,
