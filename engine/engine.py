@@ -42,10 +42,11 @@ from twostroke.engine.handle import RequestHandle, create_request_handle
 from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.pool_size import size_pool
+from twostroke.engine.prompts import Prompt
 from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
-from twostroke.engine.text.prompts import Prompt, tokenize_prompt
+from twostroke.engine.text.prompts import tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion, Launched, ReadyEvent
 from twostroke.gpu.device import Device, resolve_device

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
-from twostroke.engine.text.prompts import Prompt
+from twostroke.engine.prompts import Prompt
 from twostroke.states.params import SamplingParams
 
 if TYPE_CHECKING:

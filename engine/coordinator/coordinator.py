@@ -36,7 +36,7 @@ import attrs
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator.auth import new_secret
 from twostroke.engine.coordinator.config import CoordinatorConfig
-from twostroke.engine.coordinator.frames import PromptInput, Start, wire_prompt
+from twostroke.engine.coordinator.frames import Start, wire_prompt
 from twostroke.engine.coordinator.local import LocalReplica
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
 from twostroke.engine.coordinator.replica_client import Replica
@@ -44,6 +44,7 @@ from twostroke.engine.coordinator.statistics import CoordinatorStatistics, Repli
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.prompts import Prompt
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router
@@ -246,7 +247,7 @@ class Coordinator:
         if self._relay.closing:
             raise EngineClosed("the coordinator is closed: its async with block was left")
 
-    def submit(self, prompt: PromptInput, params: SamplingParams | None = None) -> RequestHandle:
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Route a request to a replica and return its handle at once.
 
         What is checked here depends on the placement. The coordinator has no tokenizer,
@@ -272,9 +273,7 @@ class Coordinator:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         return self._relay.submit(wire_prompt(prompt), params)
 
-    async def generate(
-        self, prompt: PromptInput, params: SamplingParams | None = None
-    ) -> RequestOutput:
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Generate a complete output; cancelling the caller cancels the request.
 
         Raises:
@@ -292,7 +291,7 @@ class Coordinator:
 
     @asynccontextmanager
     async def stream(
-        self, prompt: PromptInput, params: SamplingParams | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestHandle]:
         """Stream a request's deltas; leaving the block early cancels the request.
 
@@ -315,7 +314,7 @@ class Coordinator:
         finally:
             handle.cancel()
 
-    async def tokenize(self, prompt: PromptInput) -> list[int]:
+    async def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids a replica computes for ``prompt`` (it holds the tokenizer).
 
         Raises:

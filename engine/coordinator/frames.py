@@ -18,7 +18,7 @@ import collections
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Generic, Literal, TypeAlias, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeAlias, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -35,6 +35,7 @@ from twostroke.engine.errors import (
     RequestRejected,
 )
 from twostroke.engine.outputs import Delta, RequestOutput
+from twostroke.engine.prompts import prompt_kind
 from twostroke.engine.runners.protocol import TokenLogprobs
 from twostroke.states.request import FinishReason
 
@@ -55,7 +56,6 @@ __all__ = [
     "FrameReader",
     "FrameTooLarge",
     "FromReplica",
-    "PromptInput",
     "Ready",
     "Rejected",
     "Reply",
@@ -85,9 +85,6 @@ __all__ = [
 MAX_FRAME_BYTES = 64 << 20
 _HEADER = struct.Struct(">I")
 
-#: What a caller may pass as a prompt: the engine's ``Prompt`` (restated here: the
-#: coordinator does not import the engine's text modules).
-PromptInput: TypeAlias = str | Sequence[int] | Sequence[Mapping[str, str]]
 #: A prompt on the wire: text, or a list of token ids or of chat messages.
 WirePrompt: TypeAlias = str | list[int | dict[str, Any]]
 #: A request id, call id or token id on the wire: never negative (decoding checks).
@@ -605,33 +602,19 @@ def call_error(kind: str, message: str) -> Exception:
 def wire_prompt(prompt: object) -> WirePrompt:
     """``prompt`` as it travels: checked for shape only (the replica tokenizes it).
 
-    The messages are those of the engine's own prompt check, so a bad prompt raises the same
-    error through the coordinator as through a bare engine.
+    The check is the engine's own (:func:`~twostroke.engine.prompts.prompt_kind`), so a bad
+    prompt raises the same error through the coordinator as through a bare engine.
 
     Raises:
         TypeError: neither text, token ids nor chat messages.
         ValueError: empty.
     """
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt must not be empty, got ''")
-        return prompt
-    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-        if len(prompt) == 0:
-            raise ValueError("prompt must not be empty, got an empty sequence")
-        if all(isinstance(item, Mapping) for item in prompt):
-            return [dict(item) for item in prompt]
-        if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
-            return list(prompt)
-        kinds = sorted({type(item).__name__ for item in prompt})
-        raise TypeError(
-            "prompt must be text, a sequence of token ids (int) or of chat messages "
-            f"(mappings), got a sequence of {', '.join(kinds)}"
-        )
-    raise TypeError(
-        "prompt must be text, a sequence of token ids or a list of chat messages, "
-        f"got {type(prompt).__name__}"
-    )
+    kind = prompt_kind(prompt)
+    if kind == "text":
+        return cast(str, prompt)
+    if kind == "messages":
+        return [dict(message) for message in cast(Sequence[Mapping[str, str]], prompt)]
+    return list(cast(Sequence[int], prompt))
 
 
 def routing_key(prompt: WirePrompt) -> str | list[int]:
