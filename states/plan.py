@@ -101,7 +101,12 @@ class StepPlan:
 
         They are the failed step's own requests (their rows may take an input it never
         sampled) and the requests that read KV it was writing: a prefix-cache hit on a block
-        still being filled when this step was planned.
+        still being filled when this step was planned. Only the step this one was planned
+        behind can strand rows of it: with at most
+        :data:`~twostroke.states.validators.MAX_PIPELINE_DEPTH` steps in flight, that is the
+        only step that can fail after this one was planned. The forward stroke drops these
+        rows before it launches this step; the prefix cache uncaches what they write
+        (:meth:`~twostroke.states.prefix_cache.PrefixCache.distrust`).
         """
         if self.planned_behind != failed.step_id:
             # Planned once the failure was applied: the scheduler left the failed requests

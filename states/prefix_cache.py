@@ -16,11 +16,12 @@ The hashes of each live request's full blocks are computed once and kept here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
-from twostroke.states.blocks import ROOT_HASH, BlockHash, BlockPool, block_hashes, blocks_for
-from twostroke.states.plan import ScheduledRequest, StepPlan
+from twostroke.states.blocks import ROOT_HASH, BlockHash, BlockPool, block_hashes
+from twostroke.states.plan import StepPlan
 from twostroke.states.request import PrefixCacheHit, Request
+from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
 __all__ = ["PrefixCache"]
 
@@ -99,15 +100,16 @@ class PrefixCache:
                 self.pool.cache(table[index], parent, known[offset : offset + size])
             self._num_cached[request.request_id] = full
 
-    def distrust(self, failed: StepPlan, later: Iterable[StepPlan]) -> set[int]:
+    def distrust(self, failed: StepPlan, later: Collection[StepPlan]) -> set[int]:
         """Uncache every block whose KV a failed step, or a reader of that KV, writes.
 
-        A request that took a block the failed step wrote as a hit reads garbage, and so
-        does every block it writes itself after that. One pass over the steps in flight
-        finds them all: a block is matchable only by steps planned after every step that
-        writes it, so the readers of the failed step's blocks are in the steps after it,
-        and with at most two steps in flight nobody can have matched a reader's own blocks
-        yet (that would take a step planned after the reader's, still in flight).
+        The rows that the failure strands in the plan after it
+        (:meth:`~twostroke.states.plan.StepPlan.stranded_by`: the failed step's own requests,
+        and those that took a block it was writing as a hit) read garbage, and so does every
+        block they write. With at most :data:`~twostroke.states.validators.MAX_PIPELINE_DEPTH`
+        steps in flight, that one plan is all there is, and nobody can have matched a
+        stranded row's own blocks yet: a block is matchable only by steps planned after every
+        step that writes it, and such a step would still be in flight after it.
 
         Args:
             failed: The plan of the step that failed.
@@ -116,24 +118,20 @@ class PrefixCache:
         Returns:
             The requests outside ``failed`` that read such KV (the scheduler recomputes them).
         """
+        assert len(later) < MAX_PIPELINE_DEPTH, f"{len(later)} steps in flight after a failed one"
         if not self.enabled:
             return set()  # no block is shared, so only the failed step's requests read it
         size = self.pool.block_size
-
-        def written(entry: ScheduledRequest) -> set[int]:
-            return set(entry.block_table[entry.start // size : blocks_for(entry.end, size)])
-
-        failed_ids = set(failed.request_ids)
-        garbage = {block_id for entry in failed.requests for block_id in written(entry)}
-        distrusted = set(garbage)
-        readers = set()
+        distrusted = set(failed.written_blocks(size))
+        readers: set[int] = set()
         for plan in later:
+            stranded = plan.stranded_by(failed, size)
+            readers |= stranded
             for entry in plan.requests:
-                if entry.request_id in failed_ids or not garbage.isdisjoint(entry.block_table):
-                    distrusted |= written(entry)
-                    readers.add(entry.request_id)
+                if entry.request_id in stranded:
+                    distrusted |= entry.written_blocks(size)
         self.pool.forget(sorted(distrusted))
-        return readers - failed_ids
+        return readers - set(failed.request_ids)
 
     def drop(self, request_id: int) -> None:
         """Forget a request that the scheduler removed."""

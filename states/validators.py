@@ -25,6 +25,7 @@ from typing import Any, TypeGuard
 import attrs
 
 __all__ = [
+    "MAX_PIPELINE_DEPTH",
     "PIPELINE_DEPTH",
     "Validator",
     "boolean",
@@ -225,8 +226,17 @@ def boolean(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise TypeError(f"{attribute.name} must be a bool, got {_kind(value)}")
 
 
+#: The most steps in flight at once: 2, the one-step lookahead. Step N+1 is planned while at
+#: most step N runs, so a plan is made behind at most one step
+#: (:attr:`~twostroke.states.plan.StepPlan.planned_behind`): its pending inputs are that
+#: step's samples, which the runner keeps on the device, and when that step fails the rows it
+#: strands are in the one plan after it (:meth:`~twostroke.states.plan.StepPlan.stranded_by`,
+#: :meth:`~twostroke.states.prefix_cache.PrefixCache.distrust`). A deeper pipeline would need
+#: each of these to look further back.
+MAX_PIPELINE_DEPTH = 2
+
 #: ``pipeline_depth`` of the scheduler and of the engine: how many steps may be in flight.
-PIPELINE_DEPTH = one_of(1, 2, describe="1 (serial) or 2 (lookahead)")
+PIPELINE_DEPTH = one_of(*range(1, MAX_PIPELINE_DEPTH + 1), describe="1 (serial) or 2 (lookahead)")
 
 
 def frozen_mapping(value: Mapping[Any, Any]) -> Mapping[Any, Any]:

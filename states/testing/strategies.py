@@ -20,6 +20,7 @@ from twostroke.states.testing.harness import (
     RequestSpec,
     Workload,
 )
+from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
 __all__ = ["request_specs", "requests", "sampling_params", "scheduler_configs", "workloads"]
 
@@ -192,7 +193,7 @@ def scheduler_configs(
         block_size: Positions per block (default 1 to 4).
         max_num_batched_tokens: Token budget per step (default 1 to 24).
         max_num_seqs: Request limit (default 1 to 6).
-        pipeline_depth: 1 (serial) or 2 (lookahead) (default either).
+        pipeline_depth: 1 (serial) to ``MAX_PIPELINE_DEPTH`` (lookahead) (default any).
         enable_prefix_caching: Whether the scheduler shares cached prefix blocks
             (default either).
     """
@@ -206,7 +207,9 @@ def scheduler_configs(
         max_num_seqs=draw(_ints(max_num_seqs, st.integers(1, 6))),
         # Mostly the pool's capacity: a short context would only allow short requests.
         max_model_len=draw(st.just(capacity) | st.integers(max(2, capacity // 2), capacity)),
-        pipeline_depth=draw(_ints(pipeline_depth, st.sampled_from((1, 2)))),
+        pipeline_depth=draw(
+            _ints(pipeline_depth, st.sampled_from(range(1, MAX_PIPELINE_DEPTH + 1)))
+        ),
         enable_prefix_caching=draw(
             st.booleans()
             if enable_prefix_caching is None

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from twostroke.states.blocks import ROOT_HASH, BlockPool, BlockState, block_hashes, hash_block
 from twostroke.states.errors import InvalidTransition, SchedulerError
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepOutcome
+from twostroke.states.plan import StepOutcome, StepPlan
 from twostroke.states.prefix_cache import PrefixCache
 from twostroke.states.request import Admitted, PrefixCacheHit, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
@@ -26,6 +26,7 @@ from twostroke.states.testing import (
     drive,
     scheduler_configs,
 )
+from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
 TestPrefixCache = PrefixCacheMachine.TestCase
 
@@ -568,6 +569,18 @@ def test_a_failed_step_uncaches_what_its_readers_write_after_it() -> None:
             entry.block_table
         )
     engine.run_until_idle()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_failure_looks_back_one_step_only(enabled: bool) -> None:
+    # With at most MAX_PIPELINE_DEPTH steps in flight, one plan at most follows a failed one.
+    cache = PrefixCache(BlockPool(4, 2), enabled=enabled)
+    failed = StepPlan(0, ())
+    later = [StepPlan(step, (), planned_behind=step - 1) for step in (1, 2)]
+    assert len(later) == MAX_PIPELINE_DEPTH
+    with pytest.raises(AssertionError, match=r"^2 steps in flight after a failed one$"):
+        cache.distrust(failed, later)
+    assert cache.distrust(failed, later[:1]) == set()
 
 
 def test_prefix_cache_invariants_notice_a_removed_request_kept() -> None:

@@ -35,6 +35,7 @@ from twostroke.states.testing import (
     waiting_ids,
     workloads,
 )
+from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
 # --- stateful -------------------------------------------------------------------------------
 
@@ -107,7 +108,7 @@ def test_a_preempted_request_produces_the_output_of_an_unpressed_run() -> None:
         num_blocks=4, block_size=2, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=9
     )
     specs = [RequestSpec([1, 2], SamplingParams(max_tokens=6, ignore_eos=True))] * 2
-    for depth in (1, 2):
+    for depth in range(1, MAX_PIPELINE_DEPTH + 1):
         result = drive(Scheduler(attrs.evolve(config, pipeline_depth=depth)), specs_to(specs))
         assert result.statistics.num_preemptions >= 1
         expected = reference_output([1, 2], specs[0].params)[0]
