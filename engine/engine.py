@@ -424,10 +424,12 @@ class Engine:
     def _launch_plan(self, plan: StepPlan) -> Launched[RunnerOutput]:
         """Launch one step, without the rows that the failure of the step before strands.
 
-        With the one-step lookahead, the plan of step N+1 was made before step N failed.
-        Rows of step N's requests in it may take their input from step N's samples, which do
-        not exist, and rows that took a prefix-cache hit on a block step N was filling would
-        read KV that was never written. The scheduler fails the first and recomputes the
+        With the one-step lookahead, the plan of step N+1 was made before step N failed (and
+        no later plan was:
+        :data:`~twostroke.states.validators.MAX_PIPELINE_DEPTH`). Rows of step N's requests
+        in it may take their input from step N's samples, which do not exist, and rows that
+        took a prefix-cache hit on a block step N was filling would read KV that was never
+        written. The scheduler fails the first and recomputes the
         second when it applies step N's failure; here their rows are dropped (their blocks
         come back when step N+1 completes) and the rest of step N+1 runs as planned. Called
         by the device, one launch at a time, in plan order.
