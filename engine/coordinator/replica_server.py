@@ -82,7 +82,6 @@ __all__ = ["FdReceiveStream", "FdSendStream", "main", "serve"]
 #: cancel (ignored) from one that overtook its add (honoured).
 _REMEMBERED = 4096
 
-
 #: Bytes of a ``Deltas`` frame around its items (its tag and two array headers, rounded up).
 _DELTAS_OVERHEAD = 16
 
