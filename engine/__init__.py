@@ -8,6 +8,7 @@ from twostroke.engine.errors import (
     CompletionAlreadySet,
     CompletionError,
     CompletionNotDone,
+    ConstraintRejected,
     DeviceUnavailable,
     EngineClosed,
     EngineDead,
@@ -31,15 +32,19 @@ from twostroke.engine.runners.torch import RunnerError
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.detokenizer import DetokenizerError
 from twostroke.engine.text.tokenizer import ChatTemplateError, TokenizerLoadError
+from twostroke.states.constraints import AnyJsonObject, Choice, Grammar, JsonSchema, Regex
 from twostroke.states.params import SamplingParams
 from twostroke.states.request import FinishReason
 
 __all__ = [
     "LLM",
+    "AnyJsonObject",
     "ChatTemplateError",
+    "Choice",
     "CompletionAlreadySet",
     "CompletionError",
     "CompletionNotDone",
+    "ConstraintRejected",
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorStatistics",
@@ -56,9 +61,12 @@ __all__ = [
     "FinishReason",
     "ForwardThreadClosed",
     "FrameError",
+    "Grammar",
     "InvalidTransition",
+    "JsonSchema",
     "ModelLoadError",
     "NoLiveReplica",
+    "Regex",
     "ReplicaFailed",
     "RequestCancelled",
     "RequestFailed",

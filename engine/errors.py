@@ -13,6 +13,7 @@ from twostroke.gpu.completion import CompletionAlreadySet, CompletionError, Comp
 from twostroke.gpu.device import DeviceUnavailable
 from twostroke.gpu.forward_thread import ForwardThreadClosed
 from twostroke.states.errors import (
+    ConstraintRejected,
     EngineError,
     EngineOverloaded,
     InvalidTransition,
@@ -25,6 +26,7 @@ __all__ = [
     "CompletionAlreadySet",
     "CompletionError",
     "CompletionNotDone",
+    "ConstraintRejected",
     "DeviceUnavailable",
     "EngineClosed",
     "EngineDead",

@@ -9,6 +9,7 @@ both the root and the builtin, so either ``except`` works.
 from __future__ import annotations
 
 __all__ = [
+    "ConstraintRejected",
     "EngineError",
     "EngineOverloaded",
     "InvalidTransition",
@@ -50,6 +51,29 @@ class InvalidTransition(EngineError):
 
 class RequestRejected(EngineError, ValueError):
     """A request can never be served with this configuration (it is not queued)."""
+
+
+class ConstraintRejected(RequestRejected):
+    """A request's constraint cannot be enforced: the backend refused it, or it took too long.
+
+    Raised when the constraint is compiled, before the request is queued: a keyword the
+    backend does not implement, a regular expression or grammar it cannot read, a schema no
+    output can satisfy, or one that did not compile within the time allowed
+    (``"constraint.pattern: invalid regex: unclosed group"``).
+
+    Attributes:
+        field: The part of the request at fault (``"constraint.schema"``,
+            ``"constraint.pattern"``, ``"constraint.choices"``, ``"constraint.grammar"``).
+        reason: What is wrong with it, in the backend's words where it has them.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+    def __reduce__(self) -> tuple[type[ConstraintRejected], tuple[str, str]]:
+        return type(self), (self.field, self.reason)
 
 
 class EngineOverloaded(EngineError):

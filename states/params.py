@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from twostroke.states.constraints import Constraint, check_constraint
 from twostroke.states.validators import boolean, check_int_at_least, int_at_least, int_in, number_in
 
 __all__ = [
@@ -96,6 +97,9 @@ class SamplingParams:
         logprobs: Return the log-probability of each chosen token and of this many top
             alternatives (``None`` returns none).
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
+        constraint: What the output must be (a JSON schema, any JSON object, a regular
+            expression, a choice or a grammar; see :mod:`twostroke.states.constraints`), or
+            ``None``. Whether the backend can enforce it is checked when it is compiled.
 
     Raises:
         TypeError: a value of the wrong type.
@@ -125,6 +129,7 @@ class SamplingParams:
         default=None, validator=int_in(0, MAX_LOGPROBS, optional=True, note=" (or None)")
     )
     include_stop_str_in_output: bool = attrs.field(default=False, validator=boolean)
+    constraint: Constraint | None = attrs.field(default=None, validator=check_constraint)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:

@@ -15,6 +15,10 @@ This is a test-support module: it imports hypothesis, which comes with the ``tes
   call :meth:`SchedulerMachine.for_config`, to test your own configuration; run it with
   ``TestMine = MyMachine.TestCase``.
 * :func:`waiting_ids` and :func:`running_ids`: a scheduler's queues, read from its records.
+* Constraints: :class:`ReferenceMatcher` (a plain
+  :class:`~twostroke.states.constraints.Matcher` for choices and regexes over a vocabulary of
+  token texts) and the strategies :func:`regexes`, :func:`choices` and
+  :func:`token_vocabularies` that draw what it can follow.
 * Re-exported from the pure modules: :func:`drive`, :class:`SimulatedKV`,
   :func:`reference_output` and the rest, so one import gives the whole toolkit.
 """
@@ -26,6 +30,7 @@ from twostroke.states.simulation import (
     reference_output,
     toy_next_token,
 )
+from twostroke.states.testing.constraints import ReferenceMatcher, parse_regex, regex_matches
 from twostroke.states.testing.harness import (
     DriveResult,
     RequestSpec,
@@ -38,19 +43,27 @@ from twostroke.states.testing.machines import BlockPoolMachine, RequestMachine, 
 from twostroke.states.testing.prefix import PrefixCacheMachine, PrefixModel
 from twostroke.states.testing.queues import running_ids, waiting_ids
 from twostroke.states.testing.strategies import (
+    CONSTRAINT_ALPHABET,
+    EOS_TEXT,
+    choices,
+    regexes,
     request_specs,
     requests,
     sampling_params,
     scheduler_configs,
+    token_vocabularies,
     workloads,
 )
 
 __all__ = [
+    "CONSTRAINT_ALPHABET",
+    "EOS_TEXT",
     "BlockPoolMachine",
     "DriveResult",
     "NextToken",
     "PrefixCacheMachine",
     "PrefixModel",
+    "ReferenceMatcher",
     "RequestMachine",
     "RequestSpec",
     "SchedulerMachine",
@@ -58,14 +71,19 @@ __all__ = [
     "SimulatedKV",
     "SimulationError",
     "Workload",
+    "choices",
     "drive",
+    "parse_regex",
     "reference_output",
+    "regex_matches",
+    "regexes",
     "request_specs",
     "requests",
     "running_ids",
     "sampling_params",
     "scheduler_configs",
     "step_bound",
+    "token_vocabularies",
     "toy_next_token",
     "waiting_ids",
     "workloads",

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 from hypothesis import strategies as st
 
+from twostroke.states.constraints import Choice, Regex
 from twostroke.states.params import MAX_LOGPROBS, SamplingParams
 from twostroke.states.request import (
     Request,
@@ -22,7 +23,18 @@ from twostroke.states.testing.harness import (
 )
 from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
-__all__ = ["request_specs", "requests", "sampling_params", "scheduler_configs", "workloads"]
+__all__ = [
+    "CONSTRAINT_ALPHABET",
+    "EOS_TEXT",
+    "choices",
+    "regexes",
+    "request_specs",
+    "requests",
+    "sampling_params",
+    "scheduler_configs",
+    "token_vocabularies",
+    "workloads",
+]
 
 Ints = int | st.SearchStrategy[int]
 VOCAB_SIZE = 64
@@ -218,3 +230,73 @@ def scheduler_configs(
             else st.just(enable_prefix_caching)
         ),
     )
+
+
+# --- constraints ------------------------------------------------------------------------------
+
+#: The characters drawn constraints and vocabularies are made of: letters, a digit, a space, a
+#: dot (a regex metacharacter, escaped where it is meant) and a two-byte UTF-8 character.
+CONSTRAINT_ALPHABET = "ab0 .é"
+#: The text :func:`token_vocabularies` gives its EOS token (the last id).
+EOS_TEXT = "<eos>"
+_REGEX_LITERALS = ("a", "b", "0", " ", "é", "\\.")
+
+
+def _regex_leaves() -> st.SearchStrategy[str]:
+    classes = st.lists(st.sampled_from("ab0é"), min_size=1, max_size=3, unique=True).map(
+        lambda chars: "[" + "".join(chars) + "]"
+    )
+    return st.one_of(
+        st.sampled_from(_REGEX_LITERALS), classes, st.sampled_from(["[a-b]", "[^a]", "."])
+    )
+
+
+def _regex_branches(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.lists(inner, min_size=2, max_size=3).map("".join),
+        st.lists(inner, min_size=2, max_size=3).map(lambda parts: "(" + "|".join(parts) + ")"),
+        st.tuples(inner, st.sampled_from("*+?")).map(lambda pair: f"({pair[0]}){pair[1]}"),
+    )
+
+
+def regexes() -> st.SearchStrategy[Regex]:
+    """Regular expressions over :data:`CONSTRAINT_ALPHABET` in the syntax Python's ``re``,
+    Rust's ``regex`` (llguidance) and the reference matcher's parser read alike: literals,
+    an escaped dot, classes (with a range and a negation), ``.``, groups, ``|``, ``*``, ``+``
+    and ``?``."""
+    patterns = st.recursive(_regex_leaves(), _regex_branches, max_leaves=8)
+    return patterns.map(Regex)
+
+
+def choices() -> st.SearchStrategy[Choice]:
+    """Choices of one to five strings over :data:`CONSTRAINT_ALPHABET`, some of them prefixes
+    of others (so that a matcher must tell a complete choice from a longer one)."""
+    words = st.text(alphabet=CONSTRAINT_ALPHABET, min_size=1, max_size=5)
+
+    @st.composite
+    def draw_choice(draw: st.DrawFn) -> Choice:
+        strings = draw(st.lists(words, min_size=1, max_size=5))
+        if draw(st.booleans()):  # a proper prefix of a choice is a choice too
+            longest = max(strings, key=len)
+            if len(longest) > 1:
+                strings.append(longest[: draw(st.integers(1, len(longest) - 1))])
+        return Choice(strings)
+
+    return draw_choice()
+
+
+def token_vocabularies(
+    alphabet: str = CONSTRAINT_ALPHABET, *, max_extra: int = 12
+) -> st.SearchStrategy[list[str]]:
+    """Token texts: every character of ``alphabet`` (so that any text over it can be spelled),
+    up to ``max_extra`` longer tokens of two to four characters, in a drawn order, and EOS
+    last (its text is :data:`EOS_TEXT`; its id is ``len(vocabulary) - 1``)."""
+    longer = st.text(alphabet=alphabet, min_size=2, max_size=4)
+
+    @st.composite
+    def draw_vocabulary(draw: st.DrawFn) -> list[str]:
+        extra = draw(st.lists(longer, max_size=max_extra, unique=True))
+        tokens = draw(st.permutations([*alphabet, *extra]))
+        return [*tokens, EOS_TEXT]
+
+    return draw_vocabulary()

@@ -1,0 +1,443 @@
+"""Constraints on a request's output, as values, and the matcher the core knows them through.
+
+A request may carry one constraint (``SamplingParams.constraint``): a JSON schema
+(:class:`JsonSchema`), any JSON object (:class:`AnyJsonObject`), a regular expression
+(:class:`Regex`), a choice among strings (:class:`Choice`) or a context-free grammar
+(:class:`Grammar`). Each is a frozen, hashable value validated at construction, in canonical
+form, so that equal constraints are equal values with one hash: the engine's cache of compiled
+grammars is keyed by them. A JSON schema is kept as its compact JSON text with sorted keys,
+whether it was given as a dict or as text; a choice's strings are sorted and deduplicated.
+
+The values check their shape and their size only. Whether a schema's keywords, a pattern's
+syntax or a grammar can be enforced is the backend's business (llguidance, in
+``twostroke.engine.structured``): it refuses what it cannot enforce with a
+:class:`~twostroke.states.errors.ConstraintRejected` naming the field and the reason.
+
+The core knows a constraint only through :class:`Matcher`, one request's position in the
+constraint's language: advance it by a token, roll it back, ask which tokens may come next
+(as a set, or as a packed bitmask row), and whether the output so far is complete. The
+bitmask layout is the one llguidance, xgrammar and vLLM share: bit ``t % 32`` of 32-bit word
+``t // 32`` is token ``t``, which on a little-endian host is bit ``t % 8`` of byte ``t // 8``;
+:func:`write_bitmask` and :func:`read_bitmask` convert between it and a set of ids. A plain
+reference matcher for choices and regular expressions over a small vocabulary lives in
+:mod:`twostroke.states.testing.constraints`. Pure: attrs and the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
+
+import attrs
+
+__all__ = [
+    "CONSTRAINT_TYPES",
+    "MAX_CHOICES",
+    "MAX_CHOICE_LENGTH",
+    "MAX_GRAMMAR_LENGTH",
+    "MAX_PATTERN_LENGTH",
+    "MAX_SCHEMA_DEPTH",
+    "MAX_SCHEMA_LENGTH",
+    "AnyJsonObject",
+    "Choice",
+    "Constraint",
+    "Grammar",
+    "JsonSchema",
+    "Matcher",
+    "Regex",
+    "bitmask_words",
+    "check_constraint",
+    "read_bitmask",
+    "write_bitmask",
+]
+
+#: The longest JSON schema, in characters of its compact canonical text. Large tool schemas
+#: are a few thousand; compiling is work per character.
+MAX_SCHEMA_LENGTH = 131_072
+#: How deep objects and arrays may nest in a JSON schema (each level of properties takes two).
+MAX_SCHEMA_DEPTH = 64
+#: The longest regular expression, in characters.
+MAX_PATTERN_LENGTH = 4_096
+#: The most strings a choice may offer.
+MAX_CHOICES = 1_024
+#: The longest string of a choice, in characters.
+MAX_CHOICE_LENGTH = 4_096
+#: The longest grammar, in characters of its source.
+MAX_GRAMMAR_LENGTH = 131_072
+
+_SHORT_REPR = 60
+
+
+def _kind(value: object) -> str:
+    return f"{type(value).__name__} {value!r:.80}"
+
+
+def _short(text: str) -> str:
+    if len(text) <= _SHORT_REPR:
+        return repr(text)
+    return f"{text[:_SHORT_REPR]!r}... ({len(text)} characters)"
+
+
+# --- JSON schemas -----------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"schema must hold finite numbers only, got {name}")
+
+
+def _parse_schema(text: str) -> object:
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"schema is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"schema must nest at most {MAX_SCHEMA_DEPTH} deep") from None
+
+
+def _pointer(path: tuple[str, ...]) -> str:
+    """A JSON pointer (RFC 6901) to a place in the schema, for messages."""
+    return "/" + "/".join(part.replace("~", "~0").replace("/", "~1") for part in path)
+
+
+def _check_json_value(root: object) -> None:
+    """Raise unless ``root`` is plain JSON (string keys, lists, scalars), nested boundedly.
+
+    Iterative, so a deep value raises the depth rule, not ``RecursionError``.
+    """
+    stack: list[tuple[object, tuple[str, ...]]] = [(root, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, Mapping | list | tuple) and len(path) >= MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"schema must nest at most {MAX_SCHEMA_DEPTH} deep, got deeper at {_pointer(path)}"
+            )
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"schema's keys must be strings, got {_kind(key)} at {_pointer(path)}"
+                    )
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list | tuple):
+            stack.extend((item, (*path, str(index))) for index, item in enumerate(value))
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"schema must hold finite numbers only, got {value!r} at {_pointer(path)}"
+                )
+        elif value is not None and not isinstance(value, str | int):  # bool is an int
+            raise TypeError(
+                f"schema must hold only JSON values (dict, list, str, int, float, bool, None), "
+                f"got {_kind(value)} at {_pointer(path)}"
+            )
+
+
+def canonical_schema(value: object) -> str:
+    """The compact JSON text of a schema with its keys sorted: one text for equal schemas.
+
+    An attrs converter (for :class:`JsonSchema`).
+
+    Args:
+        value: The schema as a JSON object (a mapping with string keys) or as its JSON text.
+
+    Returns:
+        ``json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``.
+
+    Raises:
+        TypeError: neither a mapping nor a string, a text whose JSON is not an object, or a
+            key or value JSON cannot represent.
+        ValueError: text that is not JSON, nesting past
+            :data:`MAX_SCHEMA_DEPTH`, a NaN or infinity, or a text longer than
+            :data:`MAX_SCHEMA_LENGTH`.
+    """
+    if isinstance(value, str):
+        if len(value) > 4 * MAX_SCHEMA_LENGTH:  # before parsing: no work for a huge text
+            raise ValueError(
+                f"schema must be <= {MAX_SCHEMA_LENGTH} characters as compact JSON, "
+                f"got a text of {len(value)}"
+            )
+        value = _parse_schema(value)
+        if not isinstance(value, Mapping):
+            raise TypeError(f"schema must be a JSON object, got {_kind(value)}")
+    elif not isinstance(value, Mapping):
+        raise TypeError(
+            f"schema must be a JSON object (a dict) or its JSON text, got {_kind(value)}"
+        )
+    _check_json_value(value)
+    text = json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+    if len(text) > MAX_SCHEMA_LENGTH:
+        raise ValueError(
+            f"schema must be <= {MAX_SCHEMA_LENGTH} characters as compact JSON, got {len(text)}"
+        )
+    return text
+
+
+@attrs.frozen(repr=False)
+class JsonSchema:
+    """The output is JSON that validates against a JSON schema (OpenAI's ``json_schema``).
+
+    Args:
+        schema: The schema, as a JSON object (a dict) or its JSON text. It is kept as its
+            canonical text (compact, keys sorted), so equal schemas make equal, equally
+            hashed constraints however they were written.
+
+    Raises:
+        TypeError, ValueError: see :func:`canonical_schema`.
+    """
+
+    kind: ClassVar[str] = "json"
+    argument: ClassVar[str] = "schema"
+
+    schema: str = attrs.field(converter=canonical_schema)
+
+    def parsed(self) -> dict[str, Any]:
+        """The schema as a fresh dict (the caller may change it)."""
+        value: dict[str, Any] = json.loads(self.schema)
+        return value
+
+    def __repr__(self) -> str:
+        return f"JsonSchema({_short(self.schema)})"
+
+
+@attrs.frozen
+class AnyJsonObject:
+    """The output is one JSON object, of any content (OpenAI's ``json_object``)."""
+
+    kind: ClassVar[str] = "json_object"
+    argument: ClassVar[str] = "json_object"
+
+
+# --- text -------------------------------------------------------------------------------------
+
+
+def _text(name: str, limit: int) -> Any:
+    """An attrs validator: a non-empty str of at most ``limit`` characters."""
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {_kind(value)}")
+        if not value:
+            raise ValueError(f"{name} must be non-empty, got ''")
+        if len(value) > limit:
+            raise ValueError(f"{name} must be <= {limit} characters long, got {len(value)}")
+
+    return check
+
+
+@attrs.frozen(repr=False)
+class Regex:
+    """The output, as a whole, matches a regular expression.
+
+    The syntax is the backend's (llguidance reads Rust's ``regex`` crate syntax: no
+    look-around, no back-references); the match is anchored at both ends.
+
+    Args:
+        pattern: The expression, non-empty, at most :data:`MAX_PATTERN_LENGTH` characters.
+
+    Raises:
+        TypeError: not a str.
+        ValueError: empty or too long.
+    """
+
+    kind: ClassVar[str] = "regex"
+    argument: ClassVar[str] = "pattern"
+
+    pattern: str = attrs.field(validator=_text("pattern", MAX_PATTERN_LENGTH))
+
+    def __repr__(self) -> str:
+        return f"Regex({_short(self.pattern)})"
+
+
+def _choices(value: object) -> tuple[str, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise TypeError(f"choices must be a sequence of strings, got {_kind(value)}")
+    strings = tuple(value)
+    if not strings:
+        raise ValueError("choices must hold at least one string, got none")
+    if len(strings) > MAX_CHOICES:
+        raise ValueError(f"choices must hold <= {MAX_CHOICES} strings, got {len(strings)}")
+    for item in strings:
+        if not isinstance(item, str):
+            raise TypeError(f"choices must contain only strings, got {_kind(item)}")
+        if not item:
+            raise ValueError("choices must be non-empty strings, got ''")
+        if len(item) > MAX_CHOICE_LENGTH:
+            raise ValueError(
+                f"choices must be <= {MAX_CHOICE_LENGTH} characters long, got one of {len(item)}"
+            )
+    return tuple(sorted(set(strings)))
+
+
+@attrs.frozen
+class Choice:
+    """The output is exactly one of some strings.
+
+    Args:
+        choices: The strings (an iterable, not a bare string): at least one, at most
+            :data:`MAX_CHOICES`, each non-empty and at most :data:`MAX_CHOICE_LENGTH`
+            characters. Kept sorted and without duplicates (their order means nothing).
+
+    Raises:
+        TypeError: not an iterable of strings.
+        ValueError: none, too many, an empty or too long string.
+    """
+
+    kind: ClassVar[str] = "choice"
+    argument: ClassVar[str] = "choices"
+
+    choices: tuple[str, ...] = attrs.field(converter=_choices)
+
+
+@attrs.frozen(repr=False)
+class Grammar:
+    """The output is a sentence of a context-free grammar.
+
+    The syntax is the backend's: llguidance reads Lark (``start: ...``) and llama.cpp's GBNF
+    (``root ::= ...``), which covers what vLLM accepts in ``structured_outputs.grammar``.
+
+    Args:
+        source: The grammar's text, non-empty, at most :data:`MAX_GRAMMAR_LENGTH` characters.
+
+    Raises:
+        TypeError: not a str.
+        ValueError: empty or too long.
+    """
+
+    kind: ClassVar[str] = "grammar"
+    argument: ClassVar[str] = "grammar"
+
+    source: str = attrs.field(validator=_text("grammar", MAX_GRAMMAR_LENGTH))
+
+    def __repr__(self) -> str:
+        return f"Grammar({_short(self.source)})"
+
+
+#: One constraint on a request's output.
+Constraint: TypeAlias = JsonSchema | AnyJsonObject | Regex | Choice | Grammar
+#: The classes of :data:`Constraint`, for ``isinstance``.
+CONSTRAINT_TYPES: tuple[type[Constraint], ...] = (JsonSchema, AnyJsonObject, Regex, Choice, Grammar)
+
+
+def check_constraint(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """An attrs validator: a :data:`Constraint` or ``None``.
+
+    Raises:
+        TypeError: ``"constraint must be a JsonSchema, AnyJsonObject, Regex, Choice or
+            Grammar (or None), got dict {...}"``.
+    """
+    if value is not None and not isinstance(value, CONSTRAINT_TYPES):
+        names = [kind.__name__ for kind in CONSTRAINT_TYPES]
+        raise TypeError(
+            f"{attribute.name} must be a {', '.join(names[:-1])} or {names[-1]} (or None), "
+            f"got {_kind(value)}"
+        )
+
+
+# --- matching ---------------------------------------------------------------------------------
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """How many 32-bit words one bitmask row of ``vocab_size`` tokens takes."""
+    return (vocab_size + 31) // 32
+
+
+def _bytes_of(row: memoryview) -> memoryview:
+    if row.readonly:
+        raise ValueError("a bitmask row must be writable")
+    if not row.c_contiguous:
+        raise ValueError("a bitmask row must be contiguous")
+    return row.cast("B") if row.format != "B" or row.ndim != 1 else row
+
+
+def write_bitmask(allowed: Iterable[int], row: memoryview) -> None:
+    """Write a set of token ids into a bitmask row (bit ``t % 8`` of byte ``t // 8``).
+
+    Args:
+        allowed: The ids whose bits are set; every other bit is cleared.
+        row: One row, writable and contiguous, of any item format (``int32`` words from
+            numpy or torch, or bytes); ``4 * bitmask_words(vocab_size)`` bytes long.
+
+    Raises:
+        ValueError: the row is read-only or not contiguous, or an id is outside the row.
+    """
+    target = _bytes_of(row)
+    bits = bytearray(target.nbytes)
+    for token in allowed:
+        if not 0 <= token < 8 * len(bits):
+            raise ValueError(f"token id {token} is outside a bitmask of {8 * len(bits)} bits")
+        bits[token >> 3] |= 1 << (token & 7)
+    target[:] = bits
+
+
+def read_bitmask(row: memoryview | bytes) -> frozenset[int]:
+    """The token ids whose bits are set in a bitmask row (see :func:`write_bitmask`)."""
+    data = row if isinstance(row, bytes) else row.tobytes()
+    return frozenset(
+        (index << 3) | bit
+        for index, byte in enumerate(data)
+        if byte
+        for bit in range(8)
+        if byte >> bit & 1
+    )
+
+
+@runtime_checkable
+class Matcher(Protocol):
+    """One request's position in its constraint's language, token by token.
+
+    The scheduling core drives it: it advances the matcher with each sampled token, rolls it
+    back when a sample is discarded, and asks which tokens may come next. EOS is one of the
+    model's EOS ids, which the matcher was made with: it is allowed exactly when the output
+    so far is complete (:attr:`accepting`). Once :attr:`terminated`, only EOS is allowed.
+
+    A matcher is not thread-safe: one thread at a time (the bookkeeping stroke advances it,
+    the forward stroke may fill its bitmask row, never both at once).
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the matcher knows (its bitmask row's bits, rounded up to 32)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens it has advanced by, net of rollbacks (the most it can roll back)."""
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the output so far is complete: EOS may come now (or has come)."""
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the output is over: EOS came, or nothing can extend the output.
+
+        Terminated but not :attr:`accepting` is a dead end (the vocabulary cannot spell any
+        continuation); the request cannot finish with ``stop`` and should fail.
+        """
+
+    def advance(self, token_id: int) -> bool:
+        """Move past ``token_id`` if it is allowed; return whether it was.
+
+        A token that is not allowed (or not an id of the vocabulary) leaves the matcher
+        unchanged and returns ``False``.
+        """
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` advances (0 does nothing).
+
+        Raises:
+            ValueError: ``num_tokens`` is negative or more than :attr:`num_tokens`.
+        """
+
+    def allowed_token_ids(self) -> frozenset[int]:
+        """The ids :meth:`advance` would take now (EOS included iff :attr:`accepting`)."""
+
+    def fill_bitmask(self, row: memoryview) -> None:
+        """Write :meth:`allowed_token_ids` into one bitmask row (see :func:`write_bitmask`).
+
+        Raises:
+            ValueError: the row is read-only, not contiguous or of the wrong size.
+        """
