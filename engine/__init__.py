@@ -16,12 +16,14 @@ from twostroke.engine.errors import (
     EngineOverloaded,
     ForwardThreadClosed,
     InvalidTransition,
+    MatcherError,
     NoLiveReplica,
     ReplicaFailed,
     RequestCancelled,
     RequestFailed,
     RequestRejected,
     SchedulerError,
+    StructuredOutputUnavailable,
 )
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.llm import LLM
@@ -64,6 +66,7 @@ __all__ = [
     "Grammar",
     "InvalidTransition",
     "JsonSchema",
+    "MatcherError",
     "ModelLoadError",
     "NoLiveReplica",
     "Regex",
@@ -77,6 +80,7 @@ __all__ = [
     "RunnerError",
     "SamplingParams",
     "SchedulerError",
+    "StructuredOutputUnavailable",
     "TokenizerLoadError",
     "Usage",
     "WeightError",

@@ -34,12 +34,14 @@ __all__ = [
     "EngineOverloaded",
     "ForwardThreadClosed",
     "InvalidTransition",
+    "MatcherError",
     "NoLiveReplica",
     "ReplicaFailed",
     "RequestCancelled",
     "RequestFailed",
     "RequestRejected",
     "SchedulerError",
+    "StructuredOutputUnavailable",
 ]
 
 
@@ -92,3 +94,20 @@ class ReplicaFailed(EngineError):
         self.request_id = request_id
         prefix = "" if request_id is None else f"request {request_id} failed: "
         super().__init__(f"{prefix}replica {replica} failed: {message}")
+
+
+class StructuredOutputUnavailable(EngineError, ImportError):
+    """The structured-output backend (llguidance) is missing or too old.
+
+    Raised when ``twostroke.engine.structured`` is imported; the message says which version
+    is needed and how to install it. The rest of the engine works without it.
+    """
+
+
+class MatcherError(EngineError, RuntimeError):
+    """A constrained request's matcher gave up mid-output: the request cannot go on.
+
+    The backend hit one of its limits (lexer or parser fuel, the size of the grammar) while
+    advancing or computing a mask; its message is the reason. Constraints that fail this
+    way from their first token are refused when compiled (``ConstraintRejected``) instead.
+    """

@@ -5,8 +5,9 @@ A request may carry one constraint (``SamplingParams.constraint``): a JSON schem
 (:class:`Regex`), a choice among strings (:class:`Choice`) or a context-free grammar
 (:class:`Grammar`). Each is a frozen, hashable value validated at construction, in canonical
 form, so that equal constraints are equal values with one hash: the engine's cache of compiled
-grammars is keyed by them. A JSON schema is kept as its compact JSON text with sorted keys,
-whether it was given as a dict or as text; a choice's strings are sorted and deduplicated.
+grammars is keyed by them. A JSON schema is kept as its compact JSON text, whether it was
+given as a dict or as text (its keys keep their order: the order of ``properties`` is the
+order the output's keys take); a choice's strings are sorted and deduplicated.
 
 The values check their shape and their size only. Whether a schema's keywords, a pattern's
 syntax or a grammar can be enforced is the backend's business (llguidance, in
@@ -135,7 +136,11 @@ def _check_json_value(root: object) -> None:
 
 
 def canonical_schema(value: object) -> str:
-    """The compact JSON text of a schema with its keys sorted: one text for equal schemas.
+    """The compact JSON text of a schema: one text however the schema was written.
+
+    Keys keep their order. It is not noise: a backend writes an object's properties in the
+    order of the schema's ``properties`` (a ``"reasoning"`` before an ``"answer"`` is a
+    choice), so two schemas that differ only in that order are two constraints.
 
     An attrs converter (for :class:`JsonSchema`).
 
@@ -143,7 +148,7 @@ def canonical_schema(value: object) -> str:
         value: The schema as a JSON object (a mapping with string keys) or as its JSON text.
 
     Returns:
-        ``json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``.
+        ``json.dumps(schema, separators=(",", ":"), ensure_ascii=False)``.
 
     Raises:
         TypeError: neither a mapping nor a string, a text whose JSON is not an object, or a
@@ -166,9 +171,7 @@ def canonical_schema(value: object) -> str:
             f"schema must be a JSON object (a dict) or its JSON text, got {_kind(value)}"
         )
     _check_json_value(value)
-    text = json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     if len(text) > MAX_SCHEMA_LENGTH:
         raise ValueError(
             f"schema must be <= {MAX_SCHEMA_LENGTH} characters as compact JSON, got {len(text)}"
@@ -182,8 +185,8 @@ class JsonSchema:
 
     Args:
         schema: The schema, as a JSON object (a dict) or its JSON text. It is kept as its
-            canonical text (compact, keys sorted), so equal schemas make equal, equally
-            hashed constraints however they were written.
+            compact text, keys in their order, so one schema makes equal, equally hashed
+            constraints however it was written (a dict, indented text, escaped text).
 
     Raises:
         TypeError, ValueError: see :func:`canonical_schema`.
@@ -419,10 +422,13 @@ class Matcher(Protocol):
         """
 
     def advance(self, token_id: int) -> bool:
-        """Move past ``token_id`` if it is allowed; return whether it was.
+        """Move past ``token_id`` if the output with it can still satisfy the constraint.
 
-        A token that is not allowed (or not an id of the vocabulary) leaves the matcher
-        unchanged and returns ``False``.
+        Every id of :meth:`allowed_token_ids` is taken. A backend may leave out of that set
+        some others that keep the output valid (llguidance allows only the tokenizer's own
+        spelling of a text the grammar forces) and still take them here. A token that is
+        refused (or not an id of the vocabulary) leaves the matcher unchanged and returns
+        ``False``; EOS is refused unless :attr:`accepting`.
         """
 
     def rollback(self, num_tokens: int) -> None:
@@ -433,7 +439,10 @@ class Matcher(Protocol):
         """
 
     def allowed_token_ids(self) -> frozenset[int]:
-        """The ids :meth:`advance` would take now (EOS included iff :attr:`accepting`)."""
+        """The ids a sampler may pick now (EOS included iff :attr:`accepting`).
+
+        Empty only at a dead end (see :attr:`terminated`).
+        """
 
     def fill_bitmask(self, row: memoryview) -> None:
         """Write :meth:`allowed_token_ids` into one bitmask row (see :func:`write_bitmask`).

@@ -51,6 +51,14 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(i for i in token_ids if i < EOS_TOKEN_ID).decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (EOS's is its name): what structured output builds its trie from."""
+        return [bytes([i]) for i in range(EOS_TOKEN_ID)] + [b"<eos>"]
+
+    def special_token_ids(self) -> frozenset[int]:
+        """EOS, the one token that is not text."""
+        return frozenset({EOS_TOKEN_ID})
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Bytes of ``<role>content`` lines, then ``<assistant>`` (a template of its own).
 

@@ -171,6 +171,16 @@ class HFTokenizer:
         return self._vocab_size
 
     @property
+    def backend(self) -> PreTrainedTokenizerBase:
+        """The ``transformers`` tokenizer this wraps.
+
+        For libraries that read a tokenizer's whole vocabulary in their own way (the
+        structured-output backend builds its token trie from it); the engine itself goes
+        through the methods above.
+        """
+        return self._tokenizer
+
+    @property
     def source(self) -> str:
         """The path the tokenizer was loaded from."""
         return self._source

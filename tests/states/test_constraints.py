@@ -48,23 +48,28 @@ TOOL = {
 # --- JSON schemas -----------------------------------------------------------------------------
 
 
-def test_a_schema_is_kept_as_compact_json_with_sorted_keys() -> None:
+def test_a_schema_is_kept_as_compact_json_with_its_keys_in_order() -> None:
     schema = JsonSchema({"type": "object", "properties": {"b": {}, "a": {"minimum": 1.5}}})
-    assert schema.schema == '{"properties":{"a":{"minimum":1.5},"b":{}},"type":"object"}'
+    assert schema.schema == '{"type":"object","properties":{"b":{},"a":{"minimum":1.5}}}'
     assert schema.kind == "json"
     assert schema.argument == "schema"
 
 
-def test_equal_schemas_are_equal_values_with_one_hash_however_written() -> None:
-    reordered = json.loads(json.dumps(TOOL), object_pairs_hook=lambda pairs: dict(pairs[::-1]))
-    assert list(reordered) != list(TOOL)
-    as_text = json.dumps(TOOL, indent=4)
-    constraints = [JsonSchema(TOOL), JsonSchema(reordered), JsonSchema(as_text)]
+def test_one_schema_is_one_value_with_one_hash_however_written() -> None:
+    as_text = json.dumps(TOOL, indent=4, ensure_ascii=True)
+    constraints = [JsonSchema(TOOL), JsonSchema(as_text), JsonSchema(json.loads(as_text))]
     assert len(set(constraints)) == 1
     assert len({hash(constraint) for constraint in constraints}) == 1
     params = {SamplingParams(constraint=constraint) for constraint in constraints}
     assert len(params) == 1
     assert JsonSchema(TOOL) != JsonSchema({**TOOL, "required": ["name"]})
+
+
+def test_the_order_of_properties_makes_another_constraint() -> None:
+    """The output's keys come in the order of ``properties``: reordering changes the output."""
+    reordered = json.loads(json.dumps(TOOL), object_pairs_hook=lambda pairs: dict(pairs[::-1]))
+    assert reordered == TOOL
+    assert JsonSchema(reordered) != JsonSchema(TOOL)
 
 
 def test_tuples_are_json_arrays_and_non_ascii_text_stays_text() -> None:
@@ -98,7 +103,7 @@ def test_values_are_frozen() -> None:
 def test_long_values_have_short_reprs() -> None:
     assert repr(JsonSchema({"type": "string"})) == """JsonSchema('{"type":"string"}')"""
     long = repr(JsonSchema(TOOL))
-    assert long.startswith('JsonSchema(\'{"properties"')
+    assert long.startswith('JsonSchema(\'{"type":"object","properties"')
     assert long.endswith(f"... ({len(JsonSchema(TOOL).schema)} characters))")
     assert repr(Regex("[a-z]+")) == "Regex('[a-z]+')"
     assert repr(Regex("a" * 61)) == f"Regex({'a' * 60!r}... (61 characters))"
@@ -202,7 +207,7 @@ def test_schemas_are_at_most_max_schema_length_characters() -> None:
 
 
 def test_canonical_schema_is_the_converter() -> None:
-    assert canonical_schema('{ "b" : 1 , "a" : [ ] }') == '{"a":[],"b":1}'
+    assert canonical_schema('{ "b" : 1 , "a" : [ ] }') == '{"b":1,"a":[]}'
 
 
 # --- the other kinds ----------------------------------------------------------------------------

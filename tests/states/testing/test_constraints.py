@@ -49,18 +49,23 @@ def walk_and_check(
     matcher: Matcher,
     data: st.DataObject,
     *,
-    decode: Callable[[Sequence[int]], str],
+    decode: Callable[[Sequence[int]], str | None],
     satisfied: Oracle,
     eos_token_ids: frozenset[int],
     max_tokens: int = 12,
 ) -> list[int]:
     """Follow drawn allowed tokens; check the matcher at every step; return the tokens.
 
+    ``decode`` gives the text of the tokens, or ``None`` where they are not text yet (bytes
+    that end inside a UTF-8 character): no constraint is satisfied there.
+
     At every step: ``accepting`` says whether the text so far satisfies the constraint; EOS
     is allowed exactly then; a drawn token that is not allowed is refused and changes
-    nothing. The walk ends at EOS (the text must satisfy the constraint), at a dead end, or
-    after ``max_tokens``. Then it rolls back a drawn number of tokens and checks that the
-    matcher is as it was at that length, and walks on from there.
+    nothing, or (a backend that masks all but the tokenizer's own spelling of a forced text)
+    is taken, and rolling it back restores the matcher. The walk ends at EOS (the text must
+    satisfy the constraint), at a dead end, or after ``max_tokens``. Then it rolls back a
+    drawn number of tokens, checks that the matcher is as it was at that length, and walks
+    on from there.
     """
     tokens: list[int] = []
     states = [snapshot(matcher)]
@@ -68,23 +73,30 @@ def walk_and_check(
         while len(tokens) < max_tokens:
             allowed = matcher.allowed_token_ids()
             text = decode(tokens)
-            assert matcher.accepting == satisfied(text), (text, matcher)
+            complete = text is not None and satisfied(text)
+            assert matcher.accepting == complete, (text, matcher)
             assert (eos_token_ids <= allowed) == matcher.accepting, (text, sorted(allowed))
             if not allowed:  # a dead end: the vocabulary cannot spell a continuation
                 assert matcher.terminated
                 assert not matcher.accepting
                 break
-            refused = data.draw(st.integers(0, matcher.vocab_size + 2), label="refused")
-            if refused not in allowed:
+            other = data.draw(st.integers(-1, matcher.vocab_size + 2), label="other")
+            if other not in allowed:
                 before = snapshot(matcher)
-                assert not matcher.advance(refused)
+                # refused, and nothing changed; or taken (another spelling of a valid text)
+                if matcher.advance(other):
+                    assert other not in eos_token_ids
+                    assert 0 <= other < matcher.vocab_size
+                    matcher.rollback(1)
                 assert snapshot(matcher) == before
             token = data.draw(st.sampled_from(sorted(allowed)), label="token")
             assert matcher.advance(token)
             tokens.append(token)
             states.append(snapshot(matcher))
             if token in eos_token_ids:
-                assert satisfied(decode(tokens)), decode(tokens)
+                text = decode(tokens)
+                assert text is not None
+                assert satisfied(text), text
                 assert matcher.terminated
                 assert matcher.allowed_token_ids() == eos_token_ids
                 break

@@ -1,0 +1,100 @@
+"""Each kind of constraint as an llguidance grammar, and the backend's refusals as reasons.
+
+A JSON schema (and "any JSON object", the schema ``{"type": "object"}``) goes through
+llguidance's JSON-schema compiler with one fixed format, whatever the schema's own
+``x-guidance`` says: no free whitespace, ``", "`` between items and ``": "`` after keys (the
+format of Python's ``json.dumps``), and no leniency, so a keyword llguidance does not
+implement is refused rather than ignored. Free whitespace would let a small model fill its
+output with newlines; a fixed format costs nothing a parser notices. A regex is anchored at
+both ends; a choice is a Lark alternation of string literals; a grammar is Lark, or GBNF
+converted to Lark.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import llguidance
+
+from twostroke.states.constraints import (
+    AnyJsonObject,
+    Choice,
+    Constraint,
+    Grammar,
+    JsonSchema,
+    Regex,
+)
+from twostroke.states.errors import ConstraintRejected
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+__all__ = ["JSON_FORMAT", "MAX_REASON_LENGTH", "field_of", "grammar_of", "reason_of"]
+
+#: The format every JSON output takes (llguidance's ``JsonCompileOptions``, as overrides).
+JSON_FORMAT: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": False,
+}
+#: The longest reason a refusal carries (the backend's messages can quote a whole grammar).
+MAX_REASON_LENGTH = 300
+
+
+def field_of(constraint: Constraint) -> str:
+    """The part of a request a refusal names (``"constraint.schema"``, ...)."""
+    return f"constraint.{constraint.argument}"
+
+
+def grammar_of(constraint: Constraint) -> str:
+    """The llguidance grammar (its JSON text) that enforces ``constraint``.
+
+    Nothing is checked here but GBNF syntax (its conversion to Lark): the backend validates
+    the grammar when it is compiled.
+
+    Raises:
+        ConstraintRejected: a grammar that is neither Lark nor valid GBNF.
+    """
+    if isinstance(constraint, JsonSchema):
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            constraint.schema, overrides=JSON_FORMAT
+        )
+    if isinstance(constraint, AnyJsonObject):
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, overrides=JSON_FORMAT
+        )
+    if isinstance(constraint, Regex):
+        return llguidance.LLMatcher.grammar_from_regex(constraint.pattern)
+    if isinstance(constraint, Choice):
+        # A Lark string literal reads JSON's escapes (llguidance's own "choice" format).
+        literals = " | ".join(
+            json.dumps(choice, ensure_ascii=False) for choice in constraint.choices
+        )
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {literals}")
+    assert isinstance(constraint, Grammar), constraint
+    try:
+        return llguidance.grammar_from("grammar", constraint.source)
+    except ValueError as exc:  # GBNF that does not convert; the message says where
+        raise ConstraintRejected(field_of(constraint), reason_of(str(exc))) from None
+
+
+def reason_of(message: str) -> str:
+    """The backend's refusal as one line: why, without its dump of the generated grammar.
+
+    A regex syntax error becomes ``"invalid regex: unclosed group"`` (its position in the
+    grammar llguidance generated would mean nothing to the caller), a dead end says so;
+    anything else keeps its first line, cut at :data:`MAX_REASON_LENGTH` characters.
+    """
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "the backend refused it without a reason"
+    if lines[0].startswith("NoExtension"):
+        return "no token of the vocabulary can continue the output (a dead end)"
+    if any("regex parse error" in line for line in lines[:2]):
+        cause = next((line for line in lines if line.startswith("error: ")), None)
+        if cause is not None:
+            return f"invalid regex: {cause.removeprefix('error: ')}"[:MAX_REASON_LENGTH]
+    first = lines[0]
+    return first if len(first) <= MAX_REASON_LENGTH else first[: MAX_REASON_LENGTH - 3] + "..."

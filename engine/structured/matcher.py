@@ -1,0 +1,218 @@
+"""The :class:`~twostroke.states.constraints.Matcher` protocol over llguidance's ``LLMatcher``.
+
+What llguidance does differently from the protocol, and how this adapter keeps the protocol:
+
+* A token the grammar does not allow puts an ``LLMatcher`` in an error state it never
+  leaves; :meth:`GuidanceMatcher.advance` tries the token first (``try_consume_tokens``), so
+  a refused token changes nothing and returns ``False``. Where the grammar forces a text,
+  the mask allows only the tokenizer's own spelling of it, and ``advance`` still takes the
+  others (the protocol allows that).
+* Where no token can continue an incomplete output (a dead end: the vocabulary cannot spell
+  what the grammar needs), llguidance allows EOS, or enters its error state; the protocol
+  allows EOS only where the output is complete, so the adapter clears the EOS bits there,
+  refuses EOS, and reports the dead end as the protocol does (nothing allowed, terminated,
+  not accepting). llguidance cannot roll back out of it: :meth:`GuidanceMatcher.rollback`
+  raises :class:`~twostroke.engine.errors.MatcherError` there (the request fails anyway).
+* Once the output cannot be extended (llguidance "stops"), llguidance allows EOS in the mask
+  but does not take it; the adapter takes it as a token that changes nothing (counted, so
+  that a rollback of the lookahead's discarded samples undoes the right number).
+* Limits the backend hits mid-output (lexer or parser fuel) leave it in its error state;
+  the adapter raises :class:`~twostroke.engine.errors.MatcherError` with its reason.
+
+:func:`fill_bitmasks` fills the rows of many matchers at once on llguidance's own thread
+pool (the GIL released), which is how a step's constrained rows should be filled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import llguidance
+
+from twostroke.engine.errors import MatcherError
+from twostroke.engine.structured.grammars import reason_of
+from twostroke.states.constraints import bitmask_words, read_bitmask
+
+__all__ = ["GuidanceMatcher", "fill_bitmasks"]
+
+#: How llguidance's error state starts when no token continues the output.
+_DEAD_END = "NoExtension"
+
+
+def _address(buffer: memoryview, nbytes: int) -> int:
+    """The address of a writable, contiguous buffer of exactly ``nbytes`` bytes."""
+    if buffer.readonly:
+        raise ValueError("a bitmask row must be writable")
+    if not buffer.c_contiguous:
+        raise ValueError("a bitmask row must be contiguous")
+    if buffer.nbytes != nbytes:
+        raise ValueError(f"a bitmask row must be {nbytes} bytes, got {buffer.nbytes}")
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+class GuidanceMatcher:
+    """One request's matcher: an llguidance ``LLMatcher`` behind the states protocol.
+
+    Made by :meth:`~twostroke.engine.structured.compiler.CompiledConstraint.matcher`, never
+    directly. Not thread-safe: one thread at a time.
+
+    Args:
+        matcher: llguidance's matcher, in its initial state, this object's alone.
+        vocab_size: How many token ids a mask covers.
+        eos_token_ids: The ids that end the output.
+    """
+
+    __slots__ = ("_eos", "_matcher", "_num_tokens", "_row_bytes", "_trailing_eos", "_vocab_size")
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]
+    ) -> None:
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._eos = eos_token_ids
+        self._row_bytes = 4 * bitmask_words(vocab_size)
+        self._num_tokens = 0
+        # EOS tokens taken after llguidance stopped; it never saw them (always the last ones).
+        self._trailing_eos = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def accepting(self) -> bool:
+        return bool(self._matcher.is_accepting())
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._matcher.is_stopped())
+
+    def _dead_end(self) -> bool:
+        return bool(self._matcher.is_error()) and self._matcher.get_error().startswith(_DEAD_END)
+
+    def _check(self) -> None:
+        if self._matcher.is_error() and not self._dead_end():
+            raise MatcherError(reason_of(self._matcher.get_error()))
+
+    def advance(self, token_id: int) -> bool:
+        """Move past ``token_id`` if it is allowed; return whether it was.
+
+        Raises:
+            MatcherError: the backend gave up (a limit), not because of this token.
+        """
+        if not 0 <= token_id < self._vocab_size:
+            return False
+        if token_id in self._eos:
+            if not self.accepting:
+                return False
+            if self._trailing_eos or self._matcher.is_stopped():
+                self._trailing_eos += 1
+                self._num_tokens += 1
+                return True
+        if self._matcher.try_consume_tokens([token_id]) == 1:
+            self._num_tokens += 1
+            return True
+        self._check()
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"can roll back 0 to {self._num_tokens} tokens, got {num_tokens}")
+        trailing = min(num_tokens, self._trailing_eos)
+        self._trailing_eos -= trailing
+        self._num_tokens -= trailing
+        backend = num_tokens - trailing
+        if backend and not self._matcher.rollback(backend):
+            self._check()
+            raise MatcherError(
+                "cannot roll back out of a dead end (llguidance keeps its error state)"
+                if self._dead_end()
+                else f"the backend could not roll back {backend} tokens"
+            )
+        self._num_tokens -= backend
+
+    def _clear_eos(self, row: memoryview) -> None:
+        """Clear the EOS bits of a row llguidance filled, unless the output is complete."""
+        if self._eos and not self.accepting:
+            data = row if row.format == "B" and row.ndim == 1 else row.cast("B")
+            for token in self._eos:
+                data[token >> 3] &= ~(1 << (token & 7)) & 0xFF
+
+    def allowed_token_ids(self) -> frozenset[int]:
+        """The ids :meth:`advance` would take now.
+
+        Raises:
+            MatcherError: the backend gave up computing the mask.
+        """
+        row = memoryview(bytearray(self._row_bytes))
+        self.fill_bitmask(row)
+        return read_bitmask(row)
+
+    def fill_bitmask(self, row: memoryview) -> None:
+        """Write the allowed set into one bitmask row (``4 * bitmask_words(vocab_size)`` bytes).
+
+        Raises:
+            ValueError: the row is read-only, not contiguous or of the wrong size.
+            MatcherError: the backend gave up computing the mask.
+        """
+        self._matcher.unsafe_compute_mask_ptr(_address(row, self._row_bytes), self._row_bytes)
+        self._check()
+        self._clear_eos(row)
+
+    def __repr__(self) -> str:
+        state = (
+            "dead end"
+            if self._dead_end()
+            else "error"
+            if self._matcher.is_error()
+            else "terminated"
+            if self.terminated
+            else "accepting"
+            if self.accepting
+            else "open"
+        )
+        return f"<GuidanceMatcher {self._num_tokens} tokens, {state}>"
+
+
+def fill_bitmasks(
+    matchers: Sequence[tuple[GuidanceMatcher, int]],
+    rows: memoryview,
+    executor: llguidance.LLExecutor,
+) -> None:
+    """Fill many matchers' rows of one bitmask at once, in parallel, the GIL released.
+
+    Args:
+        matchers: Each matcher with the index of its row; all of one vocabulary.
+        rows: The whole bitmask, writable and contiguous: ``num_rows`` rows of
+            ``4 * bitmask_words(vocab_size)`` bytes (a 2-D int32 array, or its bytes).
+        executor: llguidance's thread pool (``llguidance.LLExecutor(num_threads)``).
+
+    Raises:
+        ValueError: an index outside the rows, matchers of different vocabulary sizes, or a
+            bitmask of the wrong size or layout.
+        MatcherError: the backend gave up on one of the matchers (the first one's reason).
+    """
+    if not matchers:
+        return
+    row_bytes = matchers[0][0]._row_bytes
+    if any(matcher._row_bytes != row_bytes for matcher, _ in matchers):
+        raise ValueError("the matchers of one bitmask must share one vocabulary size")
+    if rows.nbytes % row_bytes:
+        raise ValueError(f"a bitmask must be whole rows of {row_bytes} bytes, got {rows.nbytes}")
+    num_rows = rows.nbytes // row_bytes
+    for _, index in matchers:
+        if not 0 <= index < num_rows:
+            raise ValueError(f"row {index} is outside a bitmask of {num_rows} rows")
+    address = _address(rows, rows.nbytes)
+    executor.unsafe_compute_mask_ptr(
+        [(matcher._matcher, index) for matcher, index in matchers], address, row_bytes, num_rows
+    )
+    data = rows if rows.format == "B" and rows.ndim == 1 else rows.cast("B")
+    for matcher, index in matchers:
+        matcher._check()
+        matcher._clear_eos(data[index * row_bytes : (index + 1) * row_bytes])
