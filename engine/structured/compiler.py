@@ -131,11 +131,7 @@ def _compile(
         grammar = grammar_of(constraint)
     except ConstraintRejected as refusal:
         return refusal
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, vocabulary.backend, limits=limits
-    )
-    if failed:
-        return ConstraintRejected(field, reason_of(messages[0] if messages else ""))
+    # The constructor validates the grammar: a bad one leaves the matcher in its error state.
     template = llguidance.LLMatcher(vocabulary.backend, grammar, log_level=0, limits=limits)
     if not template.is_error():
         # The first mask builds the lexer (llguidance builds it lazily) and meets the limits

@@ -187,7 +187,7 @@ def fill_bitmasks(
     """Fill many matchers' rows of one bitmask at once, in parallel, the GIL released.
 
     Args:
-        matchers: Each matcher with the index of its row; all of one vocabulary.
+        matchers: Each matcher (once) with the index of its row; all of one vocabulary.
         rows: The whole bitmask, writable and contiguous: ``num_rows`` rows of
             ``4 * bitmask_words(vocab_size)`` bytes (a 2-D int32 array, or its bytes).
         executor: llguidance's thread pool (``llguidance.LLExecutor(num_threads)``).

@@ -6,7 +6,7 @@ with that token appended can still grow into a match. For a :class:`Choice` that
 choice starts with it"; for a :class:`Regex` it is "the Brzozowski derivative of the
 expression by the text is not the empty language", over a small subset of regex syntax
 (:func:`parse_regex`: literals, ``\\``-escaped punctuation, ``[...]`` classes with ranges
-and ``^``, ``.``, groups, ``|``, ``*``, ``+``, ``?``), where Python's :mod:`re`, Rust's
+and ``^``, ``.``, groups, ``|``, ``*``, ``+``, ``?``), where Python's ``re``, Rust's
 ``regex`` and this parser agree. Tests check real backends against it; toy runners may
 constrain their output with it. Pure (the standard library).
 """
@@ -247,7 +247,7 @@ def parse_regex(pattern: str) -> _Node:
 
 
 def regex_matches(pattern: str, text: str) -> bool:
-    """Whether ``text`` as a whole matches ``pattern`` (by derivatives, not :mod:`re`)."""
+    """Whether ``text`` as a whole matches ``pattern`` (by derivatives, not ``re``)."""
     return _nullable(_derive_text(parse_regex(pattern), text))
 
 

@@ -37,7 +37,9 @@ def cases(draw: st.DrawFn) -> tuple[torch.Tensor, dict[int, set[int]], int]:
     mask_vocab = draw(st.integers(1, 110))
     rows = draw(st.sets(st.integers(0, batch - 1), max_size=batch))
     allowed = {row: draw(st.sets(st.integers(0, mask_vocab - 1), min_size=1)) for row in rows}
-    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(draw(st.integers())))
+    logits = torch.randn(
+        batch, vocab, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**32)))
+    )
     return logits, allowed, mask_vocab
 
 
