@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -15,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.engine.structured.test_matcher import bounded_schemas
 from tests.states.testing.test_constraints import oracle, walk_and_check
+from twostroke.engine.bench.schemas import TOOL_CALL_SAMPLE, TOOL_CALL_SCHEMA
 from twostroke.engine.models.loader import ModelLoadError, resolve_model
 from twostroke.engine.structured import GrammarCompiler, Vocabulary
 from twostroke.engine.text.tokenizer import HFTokenizer
@@ -22,13 +21,6 @@ from twostroke.states.constraints import Choice, JsonSchema, Regex
 from twostroke.states.testing import choices, regexes
 
 pytestmark = pytest.mark.slow
-
-SCRIPTS = Path(__file__).parents[3] / "scripts"
-#: The workload of scripts/structured_backends.py: its schema and a valid output of it.
-sys.path.insert(0, str(SCRIPTS))
-from structured_backends import TOOL_CALL_SAMPLE, TOOL_CALL_SCHEMA  # noqa: E402
-
-sys.path.remove(str(SCRIPTS))
 
 FEW = settings(
     max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None

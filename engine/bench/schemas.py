@@ -1,0 +1,132 @@
+"""Realistic JSON schemas for structured-output workloads, with a valid output of each.
+
+:data:`TOOL_CALL_SCHEMA` is what a chat client sends for tool calls: an OpenAI-style array of
+calls with nested objects, enums, arrays, patterns, ``$defs``/``$ref`` and ``anyOf``. It is
+the schema of scripts/structured_backends.py, which chose the backend by it
+(docs/structured-output.md), and of the tests on SmolLM2's vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TOOL_CALL_SAMPLE", "TOOL_CALL_SCHEMA"]
+
+#: An OpenAI-style tool call: nested objects, enums, arrays, a pattern, $defs and anyOf.
+TOOL_CALL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "tool_calls": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 4,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string", "pattern": "^call_[A-Za-z0-9]{8}$"},
+                    "type": {"const": "function"},
+                    "function": {
+                        "anyOf": [
+                            {"$ref": "#/$defs/get_weather"},
+                            {"$ref": "#/$defs/search_flights"},
+                        ]
+                    },
+                },
+                "required": ["id", "type", "function"],
+                "additionalProperties": False,
+            },
+        },
+        "reasoning": {"type": "string", "maxLength": 200},
+    },
+    "required": ["tool_calls"],
+    "additionalProperties": False,
+    "$defs": {
+        "get_weather": {
+            "type": "object",
+            "properties": {
+                "name": {"const": "get_weather"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {
+                        "location": {"type": "string", "minLength": 1, "maxLength": 64},
+                        "unit": {"enum": ["celsius", "fahrenheit", "kelvin"]},
+                        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                        "include_hourly": {"type": "boolean"},
+                    },
+                    "required": ["location", "unit"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        },
+        "search_flights": {
+            "type": "object",
+            "properties": {
+                "name": {"const": "search_flights"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {
+                        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                        "passengers": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "age": {"type": "integer", "minimum": 0},
+                                    "class": {"enum": ["economy", "business", "first"]},
+                                },
+                                "required": ["name", "class"],
+                                "additionalProperties": False,
+                            },
+                        },
+                        "max_price": {"type": "number", "minimum": 0},
+                    },
+                    "required": ["origin", "destination", "passengers"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+#: A valid output of :data:`TOOL_CALL_SCHEMA` (about 160 SmolLM2 tokens).
+TOOL_CALL_SAMPLE: dict[str, Any] = {
+    "tool_calls": [
+        {
+            "id": "call_A1b2C3d4",
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "arguments": {
+                    "location": "Reykjavík, Iceland",
+                    "unit": "celsius",
+                    "days": 3,
+                    "include_hourly": False,
+                },
+            },
+        },
+        {
+            "id": "call_Zz9Yy8Xx",
+            "type": "function",
+            "function": {
+                "name": "search_flights",
+                "arguments": {
+                    "origin": "KEF",
+                    "destination": "CDG",
+                    "passengers": [
+                        {"name": "Ada Lovelace", "age": 36, "class": "business"},
+                        {"name": "Charles Babbage", "class": "economy"},
+                    ],
+                    "max_price": 1250.5,
+                },
+            },
+        },
+    ],
+    "reasoning": "The user wants the weather in Reykjavik and a flight to Paris for two.",
+}
