@@ -100,7 +100,10 @@ class GuidanceMatcher:
             raise MatcherError(reason_of(self._matcher.get_error()))
 
     def advance(self, token_id: int) -> bool:
-        """Move past ``token_id`` if it is allowed; return whether it was.
+        """Move past ``token_id`` if the output with it can still match; return whether it can.
+
+        Every id of :meth:`allowed_token_ids` can; so can another spelling of a text the
+        grammar forces, which the mask leaves out. EOS only where :attr:`accepting`.
 
         Raises:
             MatcherError: the backend gave up (a limit), not because of this token.
