@@ -45,6 +45,7 @@ from twostroke.engine.pool_size import size_pool
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
 from twostroke.engine.statistics import EngineStatistics
+from twostroke.engine.surface import check_params
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.prompts import tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer
@@ -254,10 +255,7 @@ class Engine:
             EngineClosed, EngineDead: the engine no longer takes work.
         """
         self.check_health()
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = check_params(params)
         vocab = self.tokenizer.vocab_size
         for index, token_id in enumerate(params.stop_token_ids):
             if token_id >= vocab:  # (SamplingParams checked >= 0)

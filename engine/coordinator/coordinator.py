@@ -46,6 +46,7 @@ from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.statistics import EngineStatistics
+from twostroke.engine.surface import check_params
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router
 from twostroke.states.statistics import total
@@ -267,10 +268,7 @@ class Coordinator:
             EngineClosed, EngineDead: the coordinator no longer takes work.
         """
         self.check_health()
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = check_params(params)
         return self._relay.submit(wire_prompt(prompt), params)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:

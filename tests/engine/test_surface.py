@@ -6,7 +6,9 @@ import pytest
 
 from twostroke.engine import Engine, EngineClosed, SamplingParams
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
-from twostroke.engine.surface import EngineSurface
+from twostroke.engine.surface import EngineSurface, open_surface
+from twostroke.states.constraints import Regex
+from twostroke.states.errors import ConstraintRejected
 
 pytestmark = pytest.mark.anyio
 
@@ -74,3 +76,22 @@ async def test_model_name_must_be_text() -> None:
     with pytest.raises(TypeError, match="model_name must be a str, got int"):
         async with Engine.open(model="toy", model_name=5):  # type: ignore[arg-type]
             pass
+
+
+@pytest.mark.parametrize("placement", [None, "local"])
+async def test_a_constrained_request_is_refused_not_answered_unconstrained(
+    placement: str | None,
+) -> None:
+    constraint = Regex("[ab]+")
+    async with open_surface(
+        model="toy", replicas=None if placement is None else 1, placement=placement,
+        device="cpu", num_blocks=64, block_size=4,
+    ) as surface:  # fmt: skip
+        with pytest.raises(ConstraintRejected) as caught:
+            surface.submit("hi", SamplingParams(constraint=constraint))
+        assert caught.value.field == "constraint"
+        assert "a regex constraint is refused rather than ignored" in str(caught.value)
+        # Nothing was queued, and the surface goes on serving.
+        assert surface.statistics().num_waiting == 0
+        output = await surface.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output.token_ids) == 3
