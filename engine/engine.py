@@ -45,7 +45,7 @@ from twostroke.engine.pool_size import size_pool
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.surface import check_params
+from twostroke.engine.submit_checks import check_params
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.prompts import tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.prompts import Prompt
-from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
 
 if TYPE_CHECKING:
     from twostroke.engine.statistics import EngineStatistics
 
-__all__ = ["EngineSurface", "check_params", "open_surface"]
+__all__ = ["EngineSurface", "open_surface"]
 
 
 @runtime_checkable
@@ -113,27 +112,3 @@ def open_surface(
     if placement is not None:
         options["placement"] = placement
     return Coordinator.open(model, **options)
-
-
-def check_params(params: SamplingParams | None) -> SamplingParams:
-    """The parameters a submit gets: ``SamplingParams()`` for ``None``, checked otherwise.
-
-    Every surface's ``submit`` asks this first, before anything is queued.
-
-    Raises:
-        TypeError: ``params`` is not a :class:`SamplingParams`.
-        ConstraintRejected: it carries a constraint. The values and the backend exist
-            (``twostroke.engine.structured``), but sampling does not apply their masks yet,
-            so a constrained request is refused rather than answered unconstrained.
-    """
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    if params.constraint is not None:
-        raise ConstraintRejected(
-            "constraint",
-            f"sampling does not apply constraints yet, so a {params.constraint.kind} "
-            "constraint is refused rather than ignored",
-        )
-    return params

@@ -46,7 +46,7 @@ from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.surface import check_params
+from twostroke.engine.submit_checks import check_params
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router
 from twostroke.states.statistics import total

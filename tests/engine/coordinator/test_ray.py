@@ -23,7 +23,10 @@ from .test_local import bare_outputs, comparable, workload
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
+# A cluster start is ~10 s on a quiet 2-core machine, but Ray's own processes compete for
+# the same cores: with another job busy and the other test worker running, one start took
+# over 100 s. Each test is bounded by its own waits; the timeout only catches a hang.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DOC = pathlib.Path(__file__).parents[3] / "docs" / "scaling.md"
 

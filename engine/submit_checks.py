@@ -1,0 +1,36 @@
+"""What every surface's ``submit`` checks of a request's parameters before it queues anything.
+
+Kept apart from :mod:`twostroke.engine.surface` (which opens engines and coordinators) so the
+coordinator can ask it without importing the engine's text and sampling modules.
+"""
+
+from __future__ import annotations
+
+from twostroke.states.errors import ConstraintRejected
+from twostroke.states.params import SamplingParams
+
+__all__ = ["check_params"]
+
+
+def check_params(params: SamplingParams | None) -> SamplingParams:
+    """The parameters a submit gets: ``SamplingParams()`` for ``None``, checked otherwise.
+
+    Every surface's ``submit`` asks this first, before anything is queued.
+
+    Raises:
+        TypeError: ``params`` is not a :class:`SamplingParams`.
+        ConstraintRejected: it carries a constraint. The values and the backend exist
+            (``twostroke.engine.structured``), but sampling does not apply their masks yet,
+            so a constrained request is refused rather than answered unconstrained.
+    """
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if params.constraint is not None:
+        raise ConstraintRejected(
+            "constraint",
+            f"sampling does not apply constraints yet, so a {params.constraint.kind} "
+            "constraint is refused rather than ignored",
+        )
+    return params
