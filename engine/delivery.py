@@ -19,9 +19,8 @@ import attrs
 from twostroke.engine.errors import RequestFailed
 from twostroke.engine.handle import HandleWriter
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
-from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
-from twostroke.states.plan import StepReport
+from twostroke.states.plan import RunnerOutput, StepReport, TokenLogprobs
 from twostroke.states.request import FinishReason, Request
 
 __all__ = ["Deliveries", "Tracked"]
@@ -74,19 +73,17 @@ class Deliveries:
         self._open[request_id] = tracked
 
     def deliver(
-        self,
-        report: StepReport,
-        output: RunnerOutput | None,
-        cause: BaseException | None,
-        now: float,
+        self, report: StepReport, output: RunnerOutput | None, cause: BaseException | None
     ) -> None:
         """Deliver one applied step: new tokens, finished requests and failed ones.
+
+        What the scheduler recorded on each request (its finish time, its failure) is what
+        the caller sees; nothing is measured or worded again here.
 
         Args:
             report: What applying the step changed in the scheduler.
             output: The runner's output for the step (``None`` if it failed).
-            cause: The step's exception if it failed.
-            now: The event loop's clock, for the requests' metrics.
+            cause: The step's exception if it failed (each request's error is chained to it).
         """
         logprobs: Mapping[int, TokenLogprobs] = output.logprobs if output is not None else {}
         for request_id, token_id in report.new_tokens:
@@ -101,17 +98,18 @@ class Deliveries:
             )
             if update.stopped:
                 self._finish_early(request_id, FinishReason.STOP)
-                self._finish(tracked, FinishReason.STOP, now)
+                self._finish(tracked, FinishReason.STOP)
         for request_id, reason in report.finished:
             ended = self._open.get(request_id)
             if ended is not None:  # not already ended by a stop string
                 tail = ended.detokenizer.flush()
                 ended.writer.deliver(Delta(request_id, tail, ()))
-                self._finish(ended, reason, now)
+                self._finish(ended, reason)
         for request_id in report.failed:
             failed = self._open.get(request_id)
             if failed is not None:
-                error = RequestFailed(request_id, repr(cause))
+                assert failed.request.failure is not None, failed
+                error = RequestFailed(request_id, failed.request.failure)
                 error.__cause__ = cause
                 self.end(request_id, error)
 
@@ -120,7 +118,7 @@ class Deliveries:
         tracked = self._open.pop(request_id)
         tracked.writer.fail(error)
 
-    def _finish(self, tracked: Tracked, reason: FinishReason, now: float) -> None:
+    def _finish(self, tracked: Tracked, reason: FinishReason) -> None:
         request = tracked.request
         tracked.writer.deliver(Delta(request.request_id, finish_reason=reason))
         output = RequestOutput(
@@ -132,15 +130,16 @@ class Deliveries:
             usage=Usage(
                 request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens
             ),
-            metrics=request_metrics(request, now),
+            metrics=request_metrics(request),
             logprobs=tuple(tracked.logprobs) if tracked.logprobs is not None else None,
         )
         del self._open[request.request_id]
         tracked.writer.finish(output)
 
 
-def request_metrics(request: Request, now: float) -> RequestMetrics:
-    """vLLM's per-request timings for a request that finishes at ``now``."""
+def request_metrics(request: Request) -> RequestMetrics:
+    """vLLM's per-request timings of a request that has ended (its ``end_time`` is set)."""
+    assert request.end_time is not None, request
     queue_time = None
     if request.first_scheduled_time is not None:
         queue_time = request.first_scheduled_time - request.arrival_time
@@ -148,7 +147,7 @@ def request_metrics(request: Request, now: float) -> RequestMetrics:
         arrival=request.arrival_time,
         first_token=request.first_token_time,
         queue_time=queue_time,
-        now=now,
+        now=request.end_time,
         num_output_tokens=request.num_output_tokens,
         num_preemptions=request.num_preemptions,
     )

@@ -43,7 +43,7 @@ from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.pool_size import size_pool
 from twostroke.engine.prompts import Prompt
-from twostroke.engine.runners.protocol import ModelRunner, RunnerOutput
+from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.submit_checks import check_params
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
@@ -52,7 +52,7 @@ from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion, Launched, ReadyEvent
 from twostroke.gpu.device import Device, resolve_device
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepFailure, StepOutcome, StepPlan
+from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
@@ -66,6 +66,14 @@ class _Plan(NamedTuple):
     plan: StepPlan
     #: Made while a step was in flight or right after one was applied (not after idling).
     continues: bool
+
+
+class _Launched(NamedTuple):
+    """A launched step on its way back to the bookkeeping stroke."""
+
+    #: The plan's step id: what the scheduler applies a failure of this step to.
+    step_id: int
+    completion: Completion[RunnerOutput]
 
 
 class Engine:
@@ -120,7 +128,7 @@ class Engine:
         plans: tuple[MemoryObjectSendStream[_Plan], MemoryObjectReceiveStream[_Plan]]
         plans = anyio.create_memory_object_stream[_Plan](depth)
         self._plans_send, self._plans_receive = plans
-        results = anyio.create_memory_object_stream[Completion[RunnerOutput]](depth)
+        results = anyio.create_memory_object_stream[_Launched](depth)
         self._results_send, self._results_receive = results
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -409,7 +417,7 @@ class Engine:
             try:
                 async for plan, continues in self._plans_receive:
                     completion: Completion[RunnerOutput] = Completion()
-                    await self._results_send.send(completion)
+                    await self._results_send.send(_Launched(plan.step_id, completion))
                     await self._device.run(partial(self._launch, plan, continues), completion)
             except Exception as exc:
                 self._die(exc)
@@ -486,30 +494,29 @@ class Engine:
             Exception: the step failed and the device cannot run work any more (the step's
                 error): the engine dies of it.
         """
-        step_id = self._scheduler.inflight_plans[0].step_id
         output: RunnerOutput | None = None
         cause: Exception | None = None
         with anyio.move_on_after(self.config.step_timeout) as deadline:
-            completion = await self._results_receive.receive()
+            launched = await self._results_receive.receive()
             try:
-                output = await completion
+                output = await launched.completion
             except Exception as exc:
                 cause = exc
         if deadline.cancelled_caught:
             self._device.abandon()  # a step stuck on the device's thread must not hold the exit
             raise TimeoutError(
-                f"step {step_id} did not complete within step_timeout "
-                f"({self.config.step_timeout} s): the device hangs"
+                f"step {self._scheduler.inflight_plans[0].step_id} did not complete within "
+                f"step_timeout ({self.config.step_timeout} s): the device hangs"
             )
         if cause is not None and await self._device_failed(cause):
             raise cause
         began = time.perf_counter()
         if output is not None:
-            report = self._scheduler.apply(StepOutcome(step_id, output.sampled))
+            report = self._scheduler.apply(output)  # checks the runner's step id
         else:
             self._num_failed_steps += 1
-            report = self._scheduler.apply(StepFailure(step_id, repr(cause)))
-        self._open.deliver(report, output, cause, anyio.current_time())
+            report = self._scheduler.apply(StepFailure(launched.step_id, repr(cause)))
+        self._open.deliver(report, output, cause)
         self._bookkeeping_seconds += time.perf_counter() - began
 
     def _apply_cancels(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.states.plan import TokenLogprobs
 from twostroke.states.request import FinishReason
 
 __all__ = ["Delta", "RequestMetrics", "RequestOutput", "Usage"]

@@ -36,7 +36,6 @@ from twostroke.engine.models.loader import load_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepOutcome
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 
@@ -79,7 +78,7 @@ def serve(
         if all(entry.num_tokens == 1 for entry in plan.requests):
             decode_time += time.perf_counter() - step_started
             decode_tokens += plan.num_samples
-        generated += len(scheduler.apply(StepOutcome(plan.step_id, output.sampled)).new_tokens)
+        generated += len(scheduler.apply(output).new_tokens)
     elapsed = time.perf_counter() - started
     return {
         "output_tokens_per_s": generated / elapsed,

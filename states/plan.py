@@ -1,5 +1,9 @@
 """What crosses between the strokes: step plans going forward, outcomes coming back.
 
+A :class:`StepPlan` goes down to the runner; the runner's :class:`RunnerOutput` (or, when the
+step raised, a :class:`StepFailure`) comes back and is the scheduler's input as it is, as
+vLLM's ``update_from_output(scheduler_output, runner_output)`` takes it: the step id the
+runner read from the plan is the id the scheduler checks against its oldest step in flight.
 All values are frozen, so a plan in flight cannot change under the step that executes it.
 """
 
@@ -13,7 +17,14 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.request import FinishReason
 from twostroke.states.validators import frozen_mapping
 
-__all__ = ["ScheduledRequest", "StepFailure", "StepOutcome", "StepPlan", "StepReport"]
+__all__ = [
+    "RunnerOutput",
+    "ScheduledRequest",
+    "StepFailure",
+    "StepPlan",
+    "StepReport",
+    "TokenLogprobs",
+]
 
 
 @attrs.frozen
@@ -132,20 +143,38 @@ class StepPlan:
 
 
 @attrs.frozen
-class StepOutcome:
-    """A completed step: the token sampled for each request that sampled.
+class TokenLogprobs:
+    """Log-probability of the chosen token and of the top alternatives at one position."""
 
-    ``sampled`` is a read-only copy of the mapping given (assigning to it raises
-    ``TypeError``).
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class RunnerOutput:
+    """What one step produced, as the runner read it back to the host.
+
+    Attributes:
+        step_id: The id of the plan the runner executed.
+        sampled: The sampled token id for every request of the plan that sampled.
+        logprobs: For requests that asked for logprobs, the chosen token's and the top
+            alternatives' log-probabilities.
+
+    Both mappings are read-only copies of those given (assigning raises ``TypeError``).
     """
 
     step_id: int
     sampled: Mapping[int, int] = attrs.field(converter=frozen_mapping)
+    logprobs: Mapping[int, TokenLogprobs] = attrs.field(factory=dict, converter=frozen_mapping)
 
 
 @attrs.frozen
 class StepFailure:
-    """A step that failed: every request in it fails with ``message``."""
+    """A step that raised instead of producing a :class:`RunnerOutput`.
+
+    Every request in it fails with ``message`` (its ``Request.failure``).
+    """
 
     step_id: int
     message: str

@@ -109,7 +109,7 @@ class PrefixCacheHit:
 
 @attrs.frozen
 class ChunkScheduled:
-    """A step will compute ``num_tokens`` more prompt positions without sampling."""
+    """Step ``step_id`` will compute ``num_tokens`` more prompt positions without sampling."""
 
     step_id: int
     num_tokens: int
@@ -117,7 +117,7 @@ class ChunkScheduled:
 
 @attrs.frozen
 class SampleScheduled:
-    """A step will compute ``num_tokens`` positions, reaching the end, and sample one token.
+    """Step ``step_id`` will compute ``num_tokens`` positions, reaching the end, and sample.
 
     Until the step's outcome is applied, the sampled token is a placeholder.
     """
@@ -153,8 +153,6 @@ class Preempted:
     Its block table is emptied (the scheduler returns the blocks to the pool) and its
     computed count drops to zero. Placeholders stay: a step in flight still owes it a token.
     """
-
-    time: float
 
 
 @attrs.frozen
@@ -296,6 +294,7 @@ class Request:
     _num_computed_tokens: int = attrs.field(default=0, init=False)
     _num_cached_tokens: int = attrs.field(default=0, init=False)
     _num_placeholders: int = attrs.field(default=0, init=False)
+    _last_step_id: int | None = attrs.field(default=None, init=False)
     _finish_reason: FinishReason | None = attrs.field(default=None, init=False)
     _failure: str | None = attrs.field(default=None, init=False)
     _num_preemptions: int = attrs.field(default=0, init=False)
@@ -347,6 +346,14 @@ class Request:
         return self.num_known_tokens + self._num_placeholders
 
     @property
+    def last_step_id(self) -> int | None:
+        """The last step planned to compute for this request (``None`` before the first).
+
+        Until that step completes, a step in flight reads or writes the request's blocks.
+        """
+        return self._last_step_id
+
+    @property
     def num_computed_tokens(self) -> int:
         """Positions whose KV is written, or will be by a step already planned."""
         return self._num_computed_tokens
@@ -367,6 +374,7 @@ class Request:
 
     @property
     def failure(self) -> str | None:
+        """Why it failed (the message of :class:`Failed`), once FAILED; else ``None``."""
         return self._failure
 
     @property
@@ -387,6 +395,7 @@ class Request:
 
     @property
     def end_time(self) -> float | None:
+        """When it reached a terminal status (its last output's time), or ``None``."""
         return self._end_time
 
     def token_ids(self, start: int, stop: int) -> tuple[int, ...]:
@@ -481,11 +490,13 @@ class Request:
                     self._num_cached_tokens = n
             case BlocksAllocated(block_ids=block_ids):
                 self._block_table.extend(block_ids)
-            case ChunkScheduled(num_tokens=n):
+            case ChunkScheduled(step_id=step_id, num_tokens=n):
                 self._num_computed_tokens += n
-            case SampleScheduled(num_tokens=n):
+                self._last_step_id = step_id
+            case SampleScheduled(step_id=step_id, num_tokens=n):
                 self._num_computed_tokens += n
                 self._num_placeholders += 1
+                self._last_step_id = step_id
             case TokenSampled(token_id=token_id, time=time):
                 self._num_placeholders -= 1
                 self._output_token_ids.append(token_id)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 
 from twostroke.states.blocks import BlockPool, blocks_for
 from twostroke.states.errors import EngineOverloaded, RequestRejected, SchedulerError
-from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome, StepPlan, StepReport
+from twostroke.states.plan import RunnerOutput, ScheduledRequest, StepFailure, StepPlan, StepReport
 from twostroke.states.prefix_cache import PrefixCache
 from twostroke.states.request import (
     Admitted,
@@ -87,7 +87,6 @@ class Scheduler:
         # Terminal requests whose blocks a step in flight still uses.
         self._ending: set[int] = set()
         self._inflight: collections.deque[StepPlan] = collections.deque()
-        self._last_step: dict[int, int] = {}
         # Blocks to release when a step completes, by step id. Keyed, not queued: requests
         # end in any order (a cancel for step N may come after one for step N+1).
         self._deferred: dict[int, list[int]] = {}
@@ -267,7 +266,7 @@ class Scheduler:
             and len(self._running) < config.max_num_seqs
         ):
             request = self._waiting[0]
-            if self._in_flight(request):
+            if self._step_in_flight(request) is not None:
                 break  # a step in flight still owes it a token; keep FIFO order
             # The longest cached prefix is skipped; cached (free) blocks it takes back from
             # the pool are no longer free for the rest.
@@ -322,7 +321,7 @@ class Scheduler:
         pending = end > known_end
         if pending:
             # The placeholder comes from the step planned just before this one.
-            assert self._last_step.get(request.request_id) == step_id - 1, request
+            assert request.last_step_id == step_id - 1, request
         sample = end == request.num_tokens
         event: RequestEvent
         if sample:
@@ -331,7 +330,6 @@ class Scheduler:
             event = ChunkScheduled(step_id, num_tokens)
         sample_index = request.num_generated_tokens
         request.apply(event)
-        self._last_step[request.request_id] = step_id
         self._num_tokens_scheduled += num_tokens
         return ScheduledRequest(
             request_id=request.request_id,
@@ -347,15 +345,15 @@ class Scheduler:
 
     # --- outcomes -----------------------------------------------------------------------
 
-    def apply(self, outcome: StepOutcome | StepFailure) -> StepReport:
-        """Apply the outcome of the oldest step in flight.
+    def apply(self, outcome: RunnerOutput | StepFailure) -> StepReport:
+        """Apply the outcome of the oldest step in flight: the runner's output, or its failure.
 
         Tokens for requests that ended meanwhile are dropped. Blocks whose last user was
         this step are released, and requests that ended are removed.
 
         Raises:
-            SchedulerError: the outcome is not for the oldest step in flight, or the token of a
-                live request that sampled is missing; nothing is applied.
+            SchedulerError: the outcome's step id is not the oldest step in flight's, or the
+                token of a live request that sampled is missing; nothing is applied.
         """
         if not self._inflight or self._inflight[0].step_id != outcome.step_id:
             expected = self._inflight[0].step_id if self._inflight else None
@@ -364,7 +362,7 @@ class Scheduler:
                 f"flight ({expected})"
             )
         plan = self._inflight[0]
-        if isinstance(outcome, StepOutcome):
+        if isinstance(outcome, RunnerOutput):
             # Rows of requests that ended meanwhile may be missing: when the step before
             # this one failed, the runner never computed its requests' rows here.
             missing = [
@@ -418,7 +416,8 @@ class Scheduler:
         for request_id in sorted(readers):
             request = self._requests[request_id]
             if request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING):
-                self._discard[request_id] = self._last_step[request_id]
+                assert request.last_step_id is not None, request  # it was in a step
+                self._discard[request_id] = request.last_step_id
                 self._preempt(request)
         for request_id in [rid for rid, last in self._discard.items() if last <= plan.step_id]:
             del self._discard[request_id]
@@ -429,7 +428,9 @@ class Scheduler:
         for step_id in [step_id for step_id in self._deferred if step_id <= plan.step_id]:
             self.pool.release(self._deferred.pop(step_id))
         for request_id in sorted(self._ending):
-            if self._last_step[request_id] <= plan.step_id:
+            last = self._requests[request_id].last_step_id
+            assert last is not None  # it ended while a step in flight computed for it
+            if last <= plan.step_id:
                 self._ending.discard(request_id)
                 self._remove(request_id)
         return StepReport(
@@ -449,9 +450,12 @@ class Scheduler:
     def _arrival_of(self, request: Request) -> int:
         return self._arrival[request.request_id]
 
-    def _in_flight(self, request: Request) -> bool:
-        last = self._last_step.get(request.request_id)
-        return last is not None and bool(self._inflight) and last >= self._inflight[0].step_id
+    def _step_in_flight(self, request: Request) -> int | None:
+        """The last step in flight that computes for ``request``, or ``None`` if none does."""
+        last = request.last_step_id
+        if last is None or not self._inflight or last < self._inflight[0].step_id:
+            return None
+        return last
 
     def _num_returning_blocks(self) -> int:
         """Blocks that become free when the steps in flight complete.
@@ -468,14 +472,15 @@ class Scheduler:
         block_ids = block_ids[::-1]
         if not block_ids:
             return
-        if self._in_flight(request):
-            self._deferred.setdefault(self._last_step[request.request_id], []).extend(block_ids)
+        last = self._step_in_flight(request)
+        if last is not None:
+            self._deferred.setdefault(last, []).extend(block_ids)
         else:
             self.pool.release(block_ids)
 
     def _preempt(self, request: Request) -> None:
         block_ids = request.block_table
-        request.apply(Preempted(self._clock()))
+        request.apply(Preempted())
         self._running.remove(request)
         self._insert(self._waiting, request)
         self._release(request, block_ids)
@@ -489,16 +494,16 @@ class Scheduler:
         else:  # a live request is running or waiting (check_invariants)
             self._waiting.remove(request)
         self._release(request, block_ids)
-        if self._in_flight(request):
+        if self._step_in_flight(request) is not None:
             self._ending.add(request.request_id)
         else:
             self._remove(request.request_id)
 
     def _remove(self, request_id: int) -> None:
         self._prefix.drop(request_id)
-        del self._requests[request_id]
+        request = self._requests.pop(request_id)
         del self._arrival[request_id]
-        if self._last_step.pop(request_id, None) is not None:
+        if request.last_step_id is not None:  # a runner has seen it: it may drop its state
             self._gone.append(request_id)
 
     # --- introspection ------------------------------------------------------------------

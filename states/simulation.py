@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepOutcome, StepPlan
+from twostroke.states.plan import RunnerOutput, StepPlan
 
 __all__ = ["NextToken", "SimulatedKV", "SimulationError", "reference_output", "toy_next_token"]
 
@@ -76,7 +76,7 @@ class SimulatedKV:
         self._written: dict[int, dict[int, int]] = {}
         self.num_steps = 0
 
-    def execute(self, plan: StepPlan) -> StepOutcome:
+    def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run one step: write every computed position, then sample from what is stored.
 
         Steps must be executed in plan order, as a device stream would.
@@ -122,7 +122,7 @@ class SimulatedKV:
             sampled[entry.request_id] = self.next_token(context)
         self._previous = sampled
         self.num_steps += 1
-        return StepOutcome(step_id=plan.step_id, sampled=sampled)
+        return RunnerOutput(step_id=plan.step_id, sampled=sampled)
 
     def _locate(self, block_table: Sequence[int], position: int, plan: StepPlan) -> tuple[int, int]:
         index, slot = divmod(position, self.block_size)

@@ -31,14 +31,13 @@ from twostroke.engine.bench.workload import Workload
 from twostroke.engine.engine import Engine
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.loading import DTYPES, default_torch_threads
-from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
 from twostroke.gpu.device import Device, select_device
 from twostroke.gpu.forward_thread import ForwardThread
 from twostroke.gpu.threads import torch_threads
-from twostroke.states.plan import StepPlan
+from twostroke.states.plan import RunnerOutput, StepPlan
 
 __all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers"]
 

@@ -36,7 +36,7 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.outputs import Delta, RequestOutput
 from twostroke.engine.prompts import prompt_kind
-from twostroke.engine.runners.protocol import TokenLogprobs
+from twostroke.states.plan import TokenLogprobs
 from twostroke.states.request import FinishReason
 
 __all__ = [

@@ -28,12 +28,11 @@ from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkS
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
-from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
 from twostroke.gpu.staging import to_device
 from twostroke.states.errors import EngineError
-from twostroke.states.plan import ScheduledRequest, StepPlan
+from twostroke.states.plan import RunnerOutput, ScheduledRequest, StepPlan, TokenLogprobs
 
 __all__ = ["DEFAULT_DECODE_GATHER_BYTES", "RunnerError", "TorchModelRunner"]
 

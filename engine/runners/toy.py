@@ -13,10 +13,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from twostroke.engine.runners.protocol import RunnerOutput, TokenLogprobs
 from twostroke.engine.text.chat import validate_messages
 from twostroke.gpu.completion import Launched, ReadyEvent
-from twostroke.states.plan import StepPlan
+from twostroke.states.plan import RunnerOutput, StepPlan, TokenLogprobs
 from twostroke.states.simulation import SimulatedKV, toy_next_token
 
 __all__ = ["ByteTokenizer", "ToyRunner", "toy_text_next_token"]

@@ -21,12 +21,12 @@ import attrs
 from twostroke.engine.errors import EngineError, RequestCancelled
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
-from twostroke.engine.runners.protocol import TokenLogprobs
 from twostroke.engine.server.errors import ApiError, api_error_from
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
+from twostroke.states.plan import TokenLogprobs
 
 __all__ = ["ChatFormat", "Choice", "CompletionFormat", "Generation"]
 

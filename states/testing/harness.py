@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepFailure, StepOutcome, StepPlan, StepReport
+from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, StepReport
 from twostroke.states.request import FinishReason, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
 from twostroke.states.simulation import (
@@ -189,7 +189,7 @@ class SimulatedEngine:
         self.num_completed = 0
         self._arrival: dict[int, int] = {}
         self._arrivals = itertools.count()
-        self._outcomes: collections.deque[StepOutcome] = collections.deque()
+        self._outcomes: collections.deque[RunnerOutput] = collections.deque()
         self._references: dict[int, tuple[list[int], str]] = {}
         self._tables: dict[int, tuple[int, ...]] = {}
         self._endings: dict[int, _Ending] = {}
@@ -226,7 +226,7 @@ class SimulatedEngine:
 
     def complete(self, failure: str | None = None) -> StepReport:
         """Apply the oldest step's outcome, or fail that step with ``failure``."""
-        outcome: StepOutcome | StepFailure = self._outcomes.popleft()
+        outcome: RunnerOutput | StepFailure = self._outcomes.popleft()
         if failure is not None:
             outcome = StepFailure(outcome.step_id, failure)
             # Its KV is garbage now: a later step that reads it gets caught.

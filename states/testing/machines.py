@@ -154,7 +154,7 @@ class RequestMachine(RuleBasedStateMachine):
         if kind is Admitted:
             return Admitted(self.now)
         if kind is Preempted:
-            return Preempted(self.now)
+            return Preempted()
         return Cancelled(self.now)
 
     @rule(data=st.data())

@@ -46,7 +46,8 @@ def request_snapshot(request: Request) -> dict[str, object]:
         request: The request.
 
     Returns:
-        Its status, output, block table, counts, finish reason, failure and timestamps.
+        Its status, output, block table, counts, last step, finish reason, failure and
+        timestamps.
     """
     times = (
         request.first_scheduled_time,
@@ -61,6 +62,7 @@ def request_snapshot(request: Request) -> dict[str, object]:
         "computed": request.num_computed_tokens,
         "cached": request.num_cached_tokens,
         "placeholders": request.num_placeholders,
+        "last_step": request.last_step_id,
         "reason": request.finish_reason,
         "failure": request.failure,
         "preemptions": request.num_preemptions,
@@ -85,6 +87,7 @@ class RequestModel:
     computed: int = 0
     cached: int = 0
     placeholders: int = 0
+    last_step: int | None = None
     reason: FinishReason | None = None
     failure: str | None = None
     preemptions: int = 0
@@ -126,9 +129,11 @@ class RequestModel:
             self.blocks += event.block_ids
         elif isinstance(event, ChunkScheduled):
             self.computed += event.num_tokens
+            self.last_step = event.step_id
         elif isinstance(event, SampleScheduled):
             self.computed += event.num_tokens
             self.placeholders += 1
+            self.last_step = event.step_id
         elif isinstance(event, TokenSampled):
             self.placeholders -= 1
             self.output.append(event.token_id)
@@ -158,6 +163,7 @@ class RequestModel:
             "computed": self.computed,
             "cached": self.cached,
             "placeholders": self.placeholders,
+            "last_step": self.last_step,
             "reason": self.reason,
             "failure": self.failure,
             "preemptions": self.preemptions,

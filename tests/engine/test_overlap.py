@@ -15,10 +15,9 @@ import pytest
 from twostroke.engine import Engine, SamplingParams
 from twostroke.engine import engine as engine_module
 from twostroke.engine.launch_timer import LaunchTimer
-from twostroke.engine.runners.protocol import RunnerOutput
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.gpu.completion import Launched
-from twostroke.states.plan import StepPlan
+from twostroke.states.plan import RunnerOutput, StepPlan
 
 from .conftest import toy_engine
 

@@ -1,21 +1,27 @@
-"""Plans and outcomes are frozen all the way down: their mappings are read-only copies."""
+"""Plans and runner outputs are frozen all the way down: their mappings are read-only copies."""
 
 from __future__ import annotations
 
 import pytest
 
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import ScheduledRequest, StepOutcome, StepPlan
+from twostroke.states.plan import RunnerOutput, ScheduledRequest, StepPlan, TokenLogprobs
 
 
-def test_an_outcome_copies_its_mapping_and_refuses_assignment() -> None:
-    sampled = {1: 7, 2: 9}
-    outcome = StepOutcome(0, sampled)
-    sampled[3] = 11
-    assert dict(outcome.sampled) == {1: 7, 2: 9}
+def test_runner_output_mappings_are_read_only_copies() -> None:
+    sampled = {4: 1}
+    logprobs = {4: TokenLogprobs(token_id=1, logprob=-0.5)}
+    output = RunnerOutput(step_id=3, sampled=sampled, logprobs=logprobs)
+    sampled.clear()
+    logprobs.clear()
+    assert dict(output.sampled) == {4: 1}
+    assert output.logprobs[4].logprob == -0.5
     with pytest.raises(TypeError, match="does not support item assignment"):
-        outcome.sampled[1] = 8  # type: ignore[index]
-    assert outcome == StepOutcome(0, {1: 7, 2: 9})
+        output.sampled[4] = 2  # type: ignore[index]
+    with pytest.raises(TypeError, match="does not support item assignment"):
+        output.logprobs[5] = TokenLogprobs(token_id=2, logprob=-1.0)  # type: ignore[index]
+    assert dict(RunnerOutput(step_id=0, sampled={}).logprobs) == {}
+    assert output == RunnerOutput(3, {4: 1}, {4: TokenLogprobs(1, -0.5)})
 
 
 def entry(request_id: int, *, tokens: int, pending_input: bool, sample: bool) -> ScheduledRequest:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from twostroke.states.blocks import ROOT_HASH, BlockPool, BlockState, block_hashes, hash_block
 from twostroke.states.errors import InvalidTransition, SchedulerError
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepOutcome, StepPlan
+from twostroke.states.plan import RunnerOutput, StepPlan
 from twostroke.states.prefix_cache import PrefixCache
 from twostroke.states.request import Admitted, PrefixCacheHit, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
@@ -427,7 +427,7 @@ def test_once_its_discarded_step_is_applied_a_recomputed_reader_owes_its_tokens_
     assert [(row.request_id, row.sample) for row in plan.requests] == [(1, True)]
     # Its sample of step 2 is owed: an outcome without it is refused, not taken as a discard.
     with pytest.raises(SchedulerError, match=r"^step 2 outcome lacks tokens for \[1\]$"):
-        scheduler.apply(StepOutcome(2, {}))
+        scheduler.apply(RunnerOutput(2, {}))
     assert scheduler.num_inflight_steps == 1
 
 

@@ -132,7 +132,7 @@ def in_status(status: RequestStatus) -> Request:
         RequestStatus.WAITING: [],
         RequestStatus.PREFILLING: [Admitted(1.0)],
         RequestStatus.DECODING: [],
-        RequestStatus.PREEMPTED: [Preempted(3.0)],
+        RequestStatus.PREEMPTED: [Preempted()],
         RequestStatus.FINISHED: [Finished(FinishReason.LENGTH, 3.0)],
         RequestStatus.CANCELLED: [Cancelled(3.0)],
         RequestStatus.FAILED: [Failed("boom", 3.0)],
@@ -152,6 +152,7 @@ def state(request: Request) -> tuple[object, ...]:
         request.block_table,
         request.num_computed_tokens,
         request.num_placeholders,
+        request.last_step_id,
         request.finish_reason,
         request.failure,
         request.num_preemptions,
@@ -168,7 +169,7 @@ ONE_OF_EACH: list[RequestEvent] = [
     ChunkScheduled(5, 1),
     SampleScheduled(5, 1),
     TokenSampled(3, 9.0),
-    Preempted(9.0),
+    Preempted(),
     Finished(FinishReason.STOP, 9.0),
     Cancelled(9.0),
     Failed("late", 9.0),
@@ -264,7 +265,7 @@ def test_a_token_without_a_placeholder_is_refused() -> None:
 
 def test_a_discarded_sample_drops_the_placeholder_and_needs_one() -> None:
     request = decoding()  # one output token, one sample in flight
-    request.apply(Preempted(3.0))
+    request.apply(Preempted())
     assert request.num_placeholders == 1
     request.apply(SampleDiscarded(1))
     assert request.num_placeholders == 0
@@ -295,9 +296,12 @@ def test_a_request_goes_through_its_life_and_finishes_with_a_reason() -> None:
     request = new_request(prompt=5, max_tokens=4)
     assert request.apply(Admitted(1.0)) is RequestStatus.PREFILLING
     request.apply(BlocksAllocated((0,)))
+    assert request.last_step_id is None
     assert request.apply(ChunkScheduled(0, 2)) is RequestStatus.PREFILLING
+    assert request.last_step_id == 0
     request.apply(BlocksAllocated((1,)))
     assert request.apply(SampleScheduled(1, 3)) is RequestStatus.DECODING
+    assert request.last_step_id == 1
     assert (request.num_tokens, request.num_computed_tokens, request.num_placeholders) == (6, 5, 1)
     assert request.apply(TokenSampled(42, 2.5)) is RequestStatus.DECODING
     assert request.output_token_ids == (42,)
@@ -315,7 +319,7 @@ def test_a_request_goes_through_its_life_and_finishes_with_a_reason() -> None:
 
 def test_preemption_keeps_tokens_and_placeholders_and_drops_kv() -> None:
     request = decoding()
-    assert request.apply(Preempted(3.0)) is RequestStatus.PREEMPTED
+    assert request.apply(Preempted()) is RequestStatus.PREEMPTED
     assert (request.num_computed_tokens, request.block_table) == (0, ())
     assert (request.num_placeholders, request.output_token_ids) == (1, (11,))
     # The step in flight still delivers its token to the preempted request ...

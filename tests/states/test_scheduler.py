@@ -18,7 +18,7 @@ from twostroke.states.errors import (
     SchedulerError,
 )
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import ScheduledRequest, StepFailure, StepOutcome
+from twostroke.states.plan import RunnerOutput, ScheduledRequest, StepFailure
 from twostroke.states.request import FinishReason, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
 from twostroke.states.scheduler_config import SchedulingPolicy
@@ -35,6 +35,7 @@ from twostroke.states.testing import (
     waiting_ids,
     workloads,
 )
+from twostroke.states.testing.reference import request_snapshot
 from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
 # --- stateful -------------------------------------------------------------------------------
@@ -569,17 +570,30 @@ def test_finish_before_any_token_is_refused_and_changes_nothing() -> None:
 def test_outcomes_must_match_the_oldest_step_and_carry_every_token() -> None:
     scheduler = Scheduler(config())
     scheduler.add_request(request(1))
-    plan = scheduler.schedule()
-    assert plan is not None
-    message = "outcome for step 5 does not match the oldest step in flight (0)"
-    with pytest.raises(SchedulerError, match=f"^{re.escape(message)}$"):
-        scheduler.apply(StepOutcome(5, {1: 3}))
-    with pytest.raises(SchedulerError, match=r"^step 0 outcome lacks tokens for \[1\]$"):
-        scheduler.apply(StepOutcome(0, {}))
-    assert scheduler.num_inflight_steps == 1
-    scheduler.apply(StepOutcome(0, {1: 3}))
+    scheduler.add_request(request(2))
+    assert scheduler.schedule() is not None
+    assert scheduler.schedule() is not None
+    tracked = [r for r in scheduler if r is not None]
+
+    def state() -> tuple[object, ...]:
+        snapshots = [request_snapshot(r) for r in tracked]
+        return scheduler.statistics(), scheduler.inflight_plans, snapshots
+
+    before = state()
+    # The runner's output of the second step, or a failure named after it, arriving first.
+    message = "outcome for step 1 does not match the oldest step in flight (0)"
+    for early in (RunnerOutput(1, {1: 3, 2: 4}), StepFailure(1, "device lost")):
+        with pytest.raises(SchedulerError, match=f"^{re.escape(message)}$"):
+            scheduler.apply(early)
+        assert state() == before
+    with pytest.raises(SchedulerError, match=r"^step 0 outcome lacks tokens for \[2\]$"):
+        scheduler.apply(RunnerOutput(0, {1: 3}))
+    assert state() == before
+    scheduler.apply(RunnerOutput(0, {1: 3, 2: 4}))
+    scheduler.apply(RunnerOutput(1, {1: 5, 2: 6}))
+    assert [r.output_token_ids for r in tracked] == [(3, 5), (4, 6)]
     with pytest.raises(SchedulerError, match=r"does not match the oldest step in flight \(None\)"):
-        scheduler.apply(StepOutcome(1, {}))
+        scheduler.apply(RunnerOutput(1, {}))
 
 
 def test_a_failed_step_fails_every_request_in_it_and_frees_their_blocks() -> None:

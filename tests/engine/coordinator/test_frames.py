@@ -55,10 +55,10 @@ from twostroke.engine.errors import (
     RequestRejected,
 )
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
-from twostroke.engine.runners.protocol import TokenLogprobs
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.prompts import tokenize_prompt
+from twostroke.states.plan import TokenLogprobs
 from twostroke.states.request import FinishReason
 
 FROM_REPLICA: list[Any] = [

@@ -23,10 +23,9 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
-from twostroke.engine.runners.protocol import TokenLogprobs
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import ScheduledRequest, StepOutcome, StepPlan
+from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
 
@@ -98,7 +97,7 @@ def generate(
         assert launched.event.query()
         output = launched.readback()
         assert output.step_id == plan.step_id
-        report = scheduler.apply(StepOutcome(plan.step_id, output.sampled))
+        report = scheduler.apply(output)
         for request_id, token in report.new_tokens:
             tokens[request_id].append(token)
             if request_id in output.logprobs:

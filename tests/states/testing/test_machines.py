@@ -13,7 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from twostroke.states.errors import RequestRejected
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import StepOutcome, StepPlan, StepReport
+from twostroke.states.plan import RunnerOutput, StepPlan, StepReport
 from twostroke.states.request import Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.testing import (
@@ -165,8 +165,9 @@ class CorruptsTokens(Scheduler):
     """Applies a different token than the device sampled."""
 
     def apply(self, outcome: object) -> StepReport:
-        if isinstance(outcome, StepOutcome):
-            outcome = StepOutcome(outcome.step_id, {r: t + 1 for r, t in outcome.sampled.items()})
+        if isinstance(outcome, RunnerOutput):
+            sampled = {r: t + 1 for r, t in outcome.sampled.items()}
+            outcome = RunnerOutput(outcome.step_id, sampled)
         return super().apply(outcome)  # type: ignore[arg-type]
 
 
