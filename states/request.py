@@ -406,17 +406,29 @@ class Request:
         head = self.prompt_token_ids[start:num_prompt] if start < num_prompt else ()
         return head + tuple(self._output_token_ids[max(start - num_prompt, 0) : stop - num_prompt])
 
-    def stops_on(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a stop condition for this request right now.
+    def finish_reached(self) -> FinishReason | None:
+        """Whether the output known so far finishes the request, and why.
 
-        ``min_tokens`` is honoured: it counts the output tokens already known, so the
-        answer for the token about to be appended is taken before appending it.
+        The one rule on token ids (vLLM's ``check_stop``): ``STOP`` when the last output
+        token is a stop token id, or an EOS id unless ``params.ignore_eos``, and at least
+        ``min_tokens`` tokens precede it; else ``LENGTH`` once the output holds
+        ``max_tokens`` tokens. Stop strings are text: the engine matches them where the
+        text is made, and finishes the request through the scheduler.
+
+        Returns:
+            The reason to finish, or ``None`` while the request goes on.
         """
-        if len(self._output_token_ids) < self.params.min_tokens:
-            return False
-        if token_id in self.params.stop_token_ids:
-            return True
-        return not self.params.ignore_eos and token_id in self.eos_token_ids
+        output = self._output_token_ids
+        params = self.params
+        if len(output) > params.min_tokens:
+            last = output[-1]
+            if last in params.stop_token_ids or (
+                not params.ignore_eos and last in self.eos_token_ids
+            ):
+                return FinishReason.STOP
+        if len(output) >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
 
     # --- the one way to change a request ------------------------------------------------
 

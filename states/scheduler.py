@@ -399,15 +399,10 @@ class Scheduler:
             if not entry.sample:
                 continue
             token_id = outcome.sampled[entry.request_id]
-            stop = request.stops_on(token_id)
             request.apply(TokenSampled(token_id, now))
             self._num_tokens_generated += 1
             new_tokens.append((request.request_id, token_id))
-            reason = None
-            if stop:
-                reason = FinishReason.STOP
-            elif request.num_output_tokens >= request.params.max_tokens:
-                reason = FinishReason.LENGTH
+            reason = request.finish_reached()
             if reason is not None:
                 self._end(request, Finished(reason, now))
                 finished.append((request.request_id, reason))

@@ -200,21 +200,24 @@ class RequestMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def views(self, data: st.DataObject) -> None:
-        """``token_ids`` and ``stops_on`` agree with the model."""
+        """``token_ids`` and ``finish_reached`` agree with the model."""
         request, model = self._state()
         known = model.prompt + tuple(model.output)
         start = data.draw(st.integers(0, len(known) + 1))
         stop = data.draw(st.integers(start, len(known) + 1))
         if request.token_ids(start, stop) != known[start:stop]:
             raise SimulationError(f"token_ids({start}, {stop}) of {request!r} is wrong")
-        token_id = data.draw(st.integers(0, VOCAB_SIZE - 1))
         params = request.params
-        stops = len(model.output) >= params.min_tokens and (
-            token_id in params.stop_token_ids
-            or (not params.ignore_eos and token_id in request.eos_token_ids)
-        )
-        if request.stops_on(token_id) != stops:
-            raise SimulationError(f"stops_on({token_id}) of {request!r} should be {stops}")
+        expected = None
+        if len(model.output) >= params.max_tokens:
+            expected = FinishReason.LENGTH
+        if len(model.output) > params.min_tokens and (
+            model.output[-1] in params.stop_token_ids
+            or (not params.ignore_eos and model.output[-1] in request.eos_token_ids)
+        ):
+            expected = FinishReason.STOP
+        if request.finish_reached() is not expected:
+            raise SimulationError(f"finish_reached() of {request!r} should be {expected}")
 
     @invariant()
     def matches_model(self) -> None:

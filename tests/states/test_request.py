@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -337,19 +337,41 @@ def test_failure_keeps_its_message() -> None:
     assert request.finish_reason is None
 
 
-def test_stops_on_honours_min_tokens_ignore_eos_and_stop_ids() -> None:
-    params = SamplingParams(min_tokens=1, stop_token_ids=[5])
-    request = Request(1, [1, 2], params, arrival_time=0.0, eos_token_ids=[9])
-    assert not request.stops_on(5)
-    assert not request.stops_on(9)
-    request.apply(Admitted(0.0))
-    request.apply(SampleScheduled(0, 2))
-    request.apply(TokenSampled(3, 1.0))
-    assert request.stops_on(5)
-    assert request.stops_on(9)
-    assert not request.stops_on(3)
-    ignore = Request(2, [1], SamplingParams(ignore_eos=True), arrival_time=0, eos_token_ids=[9])
-    assert not ignore.stops_on(9)
+def output(request: Request, *token_ids: int) -> FinishReason | None:
+    """Sample ``token_ids`` into ``request`` one by one; what ``finish_reached`` says then."""
+    if request.status is RequestStatus.WAITING:
+        request.apply(Admitted(0.0))
+    for token_id in token_ids:
+        request.apply(SampleScheduled(0, request.num_tokens - request.num_computed_tokens))
+        request.apply(TokenSampled(token_id, 1.0))
+    return request.finish_reached()
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "reason"),
+    [
+        # min_tokens=1: a stop id or EOS as the first token does not stop; as the second does
+        ({"min_tokens": 1, "stop_token_ids": [5]}, [5], None),
+        ({"min_tokens": 1, "stop_token_ids": [5]}, [9], None),
+        ({"min_tokens": 1, "stop_token_ids": [5]}, [3, 5], FinishReason.STOP),
+        ({"min_tokens": 1, "stop_token_ids": [5]}, [3, 9], FinishReason.STOP),
+        ({"min_tokens": 1, "stop_token_ids": [5]}, [3, 3], None),
+        ({"ignore_eos": True}, [9], None),
+        ({"ignore_eos": True, "stop_token_ids": [9]}, [9], FinishReason.STOP),
+        # the length: at max_tokens, unless the last token stops it
+        ({"max_tokens": 2}, [3], None),
+        ({"max_tokens": 2}, [3, 3], FinishReason.LENGTH),
+        ({"max_tokens": 2}, [3, 9], FinishReason.STOP),
+        ({"max_tokens": 2, "min_tokens": 2}, [3, 9], FinishReason.LENGTH),
+        ({"max_tokens": 2, "ignore_eos": True}, [3, 9], FinishReason.LENGTH),
+    ],
+)
+def test_finish_reached_honours_min_tokens_ignore_eos_stop_ids_and_max_tokens(
+    params: dict[str, Any], tokens: list[int], reason: FinishReason | None
+) -> None:
+    request = Request(1, [1, 2], SamplingParams(**params), arrival_time=0.0, eos_token_ids=[9])
+    assert request.finish_reached() is None
+    assert output(request, *tokens) is reason
 
 
 # --- the diagram ------------------------------------------------------------------------------
