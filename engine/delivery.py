@@ -43,13 +43,15 @@ class Deliveries:
     """The open requests' handles and how a step's report reaches them.
 
     Args:
-        finish_early: Called with a request id when a stop string ends it (the scheduler
-            must stop scheduling it; its blocks come back once no step in flight uses them).
+        finish_on_stop_string: Called with a request id when its text matched a stop string
+            (the scheduler must stop scheduling it; its blocks come back once no step in
+            flight uses them). Stop strings are the one stop decided here, where the text
+            is; every stop on token ids is the request's own.
     """
 
-    def __init__(self, finish_early: Callable[[int, FinishReason], object]) -> None:
+    def __init__(self, finish_on_stop_string: Callable[[int], object]) -> None:
         self._open: dict[int, Tracked] = {}
-        self._finish_early = finish_early
+        self._finish_on_stop_string = finish_on_stop_string
 
     def __len__(self) -> int:
         return len(self._open)
@@ -97,7 +99,7 @@ class Deliveries:
                 Delta(request_id, update.text, (token_id,), None if entry is None else (entry,))
             )
             if update.stopped:
-                self._finish_early(request_id, FinishReason.STOP)
+                self._finish_on_stop_string(request_id)
                 self._finish(tracked, FinishReason.STOP)
         for request_id, reason in report.finished:
             ended = self._open.get(request_id)

@@ -101,7 +101,7 @@ class Engine:
             clock=anyio.current_time,
         )
         self._ids = itertools.count()
-        self._open = Deliveries(self._scheduler.finish)
+        self._open = Deliveries(self._scheduler.finish_on_stop_string)
         self._cancels: list[int] = []
         # Bound once and shared by every handle: a method bound per submit would be one more
         # object per open request for the collector to track (16k submits: one more full

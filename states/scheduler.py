@@ -199,8 +199,11 @@ class Scheduler:
         self._end(request, Cancelled(self._clock()))
         return True
 
-    def finish(self, request_id: int, reason: FinishReason = FinishReason.STOP) -> bool:
-        """Finish a decoding request early (the engine matched a stop string).
+    def finish_on_stop_string(self, request_id: int) -> bool:
+        """Finish a decoding request whose text matched a stop string (reason ``STOP``).
+
+        Stop strings are text, which the engine makes and matches; every stop on token ids
+        is the request's own (:meth:`Request.finish_reached`).
 
         Returns:
             Whether the request was live.
@@ -212,7 +215,7 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None or request.is_terminal:
             return False
-        self._end(request, Finished(reason, self._clock()))
+        self._end(request, Finished(FinishReason.STOP, self._clock()))
         return True
 
     # --- planning -----------------------------------------------------------------------

@@ -258,10 +258,10 @@ class SimulatedEngine:
         self._after()
         return answer
 
-    def finish(self, request_id: int) -> bool:
-        """Finish a request early, as the engine does when a stop string matched."""
+    def finish_on_stop_string(self, request_id: int) -> bool:
+        """Finish a request early, as the engine does when its text matched a stop string."""
         request = self.requests[request_id]
-        answer = self.scheduler.finish(request_id, FinishReason.STOP)
+        answer = self.scheduler.finish_on_stop_string(request_id)
         if answer:
             self._truncated[request_id] = request.num_output_tokens
         self._after()

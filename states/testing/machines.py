@@ -582,9 +582,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self._decoding()))
     @rule(data=st.data())
-    def finish_early(self, data: st.DataObject) -> None:
+    def stop_string(self, data: st.DataObject) -> None:
         """The engine matched a stop string in a decoding request's text."""
-        self.engine.finish(data.draw(st.sampled_from(self._decoding()), label="request_id"))
+        request_id = data.draw(st.sampled_from(self._decoding()), label="request_id")
+        self.engine.finish_on_stop_string(request_id)
 
     @invariant()
     def guarantees(self) -> None:

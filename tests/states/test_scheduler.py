@@ -543,23 +543,23 @@ def test_cancel_at_any_moment_is_idempotent_and_frees_by_the_next_step(
     assert scheduler.cancel(99) is False  # unknown ids are fine too
 
 
-def test_finish_early_keeps_the_output_so_far() -> None:
+def test_a_stop_string_finishes_a_request_and_keeps_the_output_so_far() -> None:
     scheduler, engine = run_to("in flight", 2)
     output = engine.requests[1].output_token_ids
-    assert engine.finish(1)
+    assert engine.finish_on_stop_string(1)
     assert engine.requests[1].finish_reason is FinishReason.STOP
     engine.run_until_idle()
     assert engine.requests[1].output_token_ids == output
-    assert not scheduler.finish(1)
+    assert not scheduler.finish_on_stop_string(1)
 
 
-def test_finish_before_any_token_is_refused_and_changes_nothing() -> None:
+def test_a_stop_string_before_any_token_is_refused_and_changes_nothing() -> None:
     scheduler = Scheduler(config(max_num_batched_tokens=4))
     scheduler.add_request(request(1, 10))
     scheduler.schedule()
     before = scheduler.statistics()
     with pytest.raises(InvalidTransition, match="status PREFILLING does not accept event Fin"):
-        scheduler.finish(1)
+        scheduler.finish_on_stop_string(1)
     assert scheduler.statistics() == before
     assert scheduler.get(1).status is RequestStatus.PREFILLING  # type: ignore[union-attr]
 
@@ -646,7 +646,7 @@ def test_finish_and_cancel_stamp_the_clock_time() -> None:
     plan = scheduler.schedule()
     assert plan is not None
     scheduler.apply(SimulatedKV(8, 4).execute(plan))
-    assert scheduler.finish(1)
+    assert scheduler.finish_on_stop_string(1)
     assert scheduler.cancel(2)
     assert finished.first_token_time is not None
     assert finished.end_time is not None
