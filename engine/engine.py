@@ -254,10 +254,14 @@ class Engine:
         Returns:
             The request's handle: await :meth:`RequestHandle.result` or iterate its deltas.
 
+        A request whose ``params.max_tokens`` is ``None`` gets as many as the context leaves
+        after its prompt.
+
         Raises:
             TypeError, ValueError: a malformed prompt or parameters (nothing is queued).
-            RequestRejected: the request can never be served: too long for the context or
-                the KV pool, or a stop token id outside the vocabulary.
+            RequestRejected: the request can never be served: too long for the context (the
+                error carries the numbers) or the KV pool, or a stop token id outside the
+                vocabulary.
             EngineOverloaded: ``max_waiting_requests`` requests are waiting (checked before
                 the prompt is tokenized); nothing is queued.
             EngineClosed, EngineDead: the engine no longer takes work.
@@ -272,6 +276,9 @@ class Engine:
                 )
         self._scheduler.check_waiting_room()  # cheap: before the tokenizer's work
         prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # as many as the context leaves (the scheduler checks it)
+            max_tokens = max(self._max_model_len - len(prompt_token_ids), 1)
         request_id = next(self._ids)
         request = Request(
             request_id=request_id,
@@ -279,6 +286,7 @@ class Engine:
             params=params,
             arrival_time=anyio.current_time(),
             eos_token_ids=self.tokenizer.eos_token_ids,
+            max_tokens=max_tokens,
         )
         self._scheduler.add_request(request)  # validates; raises before anything changes
         writer, handle = create_request_handle(

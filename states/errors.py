@@ -50,7 +50,31 @@ class InvalidTransition(EngineError):
 
 
 class RequestRejected(EngineError, ValueError):
-    """A request can never be served with this configuration (it is not queued)."""
+    """A request can never be served with this configuration (it is not queued).
+
+    A request whose prompt and ``max_tokens`` pass the context (``max_model_len``) carries
+    the three numbers, so that a front end words the refusal its own way from them (the
+    HTTP server: OpenAI's "This model's maximum context length is ..."); they are ``None``
+    for every other rejection.
+
+    Attributes:
+        num_prompt_tokens: The prompt's tokens.
+        max_tokens: The most output tokens the request asked for.
+        max_model_len: The context: the most prompt and output tokens a request may have.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        num_prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
 
 
 class ConstraintRejected(RequestRejected):

@@ -75,9 +75,14 @@ class SamplingParams:
     """How to sample one request's output, and when to stop.
 
     Args:
-        max_tokens: The most tokens to generate (>= 1). The request finishes with reason
-            ``length`` when it reaches this many.
-        min_tokens: Stop tokens and EOS are ignored until this many tokens exist.
+        max_tokens: The most tokens to generate (>= 1; 16 by default, the one place this
+            default is written). The request finishes with reason ``length`` when it reaches
+            this many. ``None``: as many as the context leaves after the prompt
+            (``max_model_len`` minus the prompt's tokens, at least 1), as vLLM's ``None``
+            and OpenAI's chat completions without one; the engine sets the number when the
+            prompt is tokenized.
+        min_tokens: Stop tokens and EOS are ignored until this many tokens exist (at most
+            ``max_tokens`` when that is a number).
         temperature: 0 means greedy; higher flattens the distribution.
         top_k: Keep only the k most likely tokens (``None`` keeps all).
         top_p: Keep the smallest set of tokens whose probability reaches ``top_p``.
@@ -106,7 +111,7 @@ class SamplingParams:
         ValueError: a value outside its range; the message names the field and the rule.
     """
 
-    max_tokens: int = attrs.field(default=16, validator=int_at_least(1))
+    max_tokens: int | None = attrs.field(default=16, validator=int_at_least(1, optional=True))
     min_tokens: int = attrs.field(default=0, validator=int_at_least(0))
     temperature: float = attrs.field(default=1.0, validator=number_in(0))
     top_k: int | None = attrs.field(
@@ -132,7 +137,7 @@ class SamplingParams:
     constraint: Constraint | None = attrs.field(default=None, validator=check_constraint)
 
     def __attrs_post_init__(self) -> None:
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}"

@@ -273,13 +273,25 @@ def _token_set(value: Iterable[int]) -> frozenset[int]:
     return frozenset(value)
 
 
+def _max_tokens_of_params(request: Request) -> int:
+    most = request.params.max_tokens
+    if most is None:
+        raise ValueError(
+            "max_tokens must be given when params.max_tokens is None (as many as the context "
+            "leaves): the request's own limit is a number"
+        )
+    return most
+
+
 @attrs.define(eq=False, repr=False)
 class Request:
     """One generation request: its tokens, its KV blocks, its status and its timings.
 
     Construct it with the prompt already tokenized; the engine validates the prompt and the
     parameters before that. ``eos_token_ids`` are the model's end-of-sequence ids; they stop
-    the request unless ``params.ignore_eos``.
+    the request unless ``params.ignore_eos``. ``max_tokens`` is the most output tokens as a
+    number: ``params.max_tokens`` by default; the engine passes it when the parameters leave
+    it to the context (``None``).
     """
 
     request_id: int
@@ -287,6 +299,9 @@ class Request:
     params: SamplingParams
     arrival_time: float
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_token_set)
+    max_tokens: int = attrs.field(
+        kw_only=True, default=attrs.Factory(_max_tokens_of_params, takes_self=True)
+    )
 
     _status: RequestStatus = attrs.field(default=RequestStatus.WAITING, init=False)
     _output_token_ids: list[int] = attrs.field(factory=list, init=False)
@@ -426,7 +441,7 @@ class Request:
                 not params.ignore_eos and last in self.eos_token_ids
             ):
                 return FinishReason.STOP
-        if len(output) >= params.max_tokens:
+        if len(output) >= self.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -539,6 +554,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"<Request {self.request_id} {self._status} "
-            f"{self.num_generated_tokens}/{self.params.max_tokens} tokens, "
+            f"{self.num_generated_tokens}/{self.max_tokens} tokens, "
             f"{len(self._block_table)} blocks>"
         )

@@ -148,12 +148,15 @@ class Scheduler:
             raise SchedulerError(f"request {request.request_id} is not new: {request!r}")
         if not request.prompt_token_ids:
             raise RequestRejected("the prompt must contain at least one token, got 0")
-        total = request.num_prompt_tokens + request.params.max_tokens
+        total = request.num_prompt_tokens + request.max_tokens
         if total > config.max_model_len:
             raise RequestRejected(
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.params.max_tokens}) must be <= max_model_len "
-                f"({config.max_model_len}), got {total}"
+                f"({request.max_tokens}) must be <= max_model_len "
+                f"({config.max_model_len}), got {total}",
+                num_prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.max_tokens,
+                max_model_len=config.max_model_len,
             )
         # The last sampled token's KV is never written, so total - 1 positions need blocks.
         needed = blocks_for(total - 1, config.block_size)
@@ -303,7 +306,7 @@ class Scheduler:
         return plan
 
     def _tokens_to_compute(self, request: Request, budget: int, computed: int | None = None) -> int:
-        if request.num_generated_tokens >= request.params.max_tokens:
+        if request.num_generated_tokens >= request.max_tokens:
             return 0  # its last token is in flight; computing its KV would be waste
         if computed is None:
             computed = request.num_computed_tokens
@@ -578,7 +581,7 @@ class Scheduler:
                 assert request.num_computed_tokens < request.num_tokens, (
                     f"{request!r} has no token left to compute"
                 )
-                assert request.num_generated_tokens <= request.params.max_tokens
+                assert request.num_generated_tokens <= request.max_tokens
             else:
                 assert request.is_terminal, request
                 assert request.request_id in self._ending, request

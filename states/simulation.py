@@ -189,7 +189,13 @@ def reference_output(
 
     Returns:
         The output ids and the finish reason (``"stop"`` or ``"length"``).
+
+    Raises:
+        ValueError: ``params.max_tokens`` is ``None``: this reference knows no context.
     """
+    most = params.max_tokens
+    if most is None:
+        raise ValueError("reference_output needs params.max_tokens as a number, got None")
     tokens = list(prompt_token_ids)
     output: list[int] = []
     while True:
@@ -202,5 +208,5 @@ def reference_output(
         output.append(token_id)
         if stop:
             return output, "stop"
-        if len(output) >= params.max_tokens:
+        if len(output) >= most:
             return output, "length"

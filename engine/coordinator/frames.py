@@ -74,6 +74,8 @@ __all__ = [
     "failed_frame",
     "finished_frame",
     "logprobs_from_wire",
+    "rejected_frame",
+    "rejection_error",
     "request_error",
     "routing_key",
     "split_output",
@@ -180,11 +182,17 @@ class Accepted(msgspec.Struct, tag="accepted", array_like=True):
 
 
 class Rejected(msgspec.Struct, tag="rejected", array_like=True):
-    """``submit`` raised: ``kind`` is ``RequestRejected``, ``TypeError`` or ``ValueError``."""
+    """``submit`` raised: ``kind`` is ``RequestRejected``, ``TypeError`` or ``ValueError``.
+
+    A ``RequestRejected`` for the context's length carries its numbers (its attributes).
+    """
 
     request_id: WireId
     kind: str
     message: str
+    num_prompt_tokens: WireCount | None = None
+    max_tokens: WireCount | None = None
+    max_model_len: WireCount | None = None
 
 
 class DeltaItem(msgspec.Struct, array_like=True):
@@ -573,6 +581,30 @@ _SUBMIT_ERRORS: dict[str, type[Exception]] = {
     "EngineClosed": EngineClosed,
     "EngineOverloaded": EngineOverloaded,  # its waiting queue is full: the server's 503
 }
+
+
+def rejected_frame(request_id: int, error: BaseException) -> Rejected:
+    """``submit``'s refusal as it leaves its replica (inverse: :func:`rejection_error`): a
+    ``RequestRejected`` for the context's length carries its numbers."""
+    rejected = Rejected(request_id, type(error).__name__, str(error))
+    if isinstance(error, RequestRejected):
+        rejected.num_prompt_tokens = error.num_prompt_tokens
+        rejected.max_tokens = error.max_tokens
+        rejected.max_model_len = error.max_model_len
+    return rejected
+
+
+def rejection_error(replica: int, frame: Rejected) -> BaseException:
+    """The coordinator's error for a request its replica refused (inverse:
+    :func:`rejected_frame`): a ``RequestRejected`` again with its numbers."""
+    if frame.kind == "RequestRejected":
+        return RequestRejected(
+            frame.message,
+            num_prompt_tokens=frame.num_prompt_tokens,
+            max_tokens=frame.max_tokens,
+            max_model_len=frame.max_model_len,
+        )
+    return request_error(replica, frame.request_id, frame.kind, frame.message)
 
 
 def request_error(replica: int, request_id: int, kind: str, message: str) -> BaseException:

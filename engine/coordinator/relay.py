@@ -161,9 +161,11 @@ class RequestRelay:
         wire = relayed.prompt
         known = relayed.writer.handle.prompt_token_ids
         estimate = len(known) if known else estimate_prompt_tokens(wire)
-        index = self.router.route(
-            request_id, routing_key(wire), estimate, relayed.params.max_tokens
-        )
+        most = relayed.params.max_tokens
+        if most is None:  # as many as the context leaves: the smallest context, estimated
+            lengths = [s.replica.max_model_len for s in self.replicas if s.failure is None]
+            most = max(min(lengths, default=0) - estimate, 1)
+        index = self.router.route(request_id, routing_key(wire), estimate, most)
         state = self.replicas[index]
         try:
             prompt_token_ids = state.replica.add(request_id, wire, relayed.params)

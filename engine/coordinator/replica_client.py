@@ -47,6 +47,7 @@ from twostroke.engine.coordinator.frames import (
     delta_from_item,
     encode_frame,
     ending_from_finished,
+    rejection_error,
     request_error,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
@@ -373,7 +374,10 @@ class RemoteReplica(BaseReplica):
             relay.finished(index, frame.request_id, ending)
         elif isinstance(frame, Failed | Rejected):
             self._parts.pop(frame.request_id, None)
-            error = request_error(index, frame.request_id, frame.kind, frame.message)
+            if isinstance(frame, Rejected):
+                error = rejection_error(index, frame)
+            else:
+                error = request_error(index, frame.request_id, frame.kind, frame.message)
             relay.failed(index, frame.request_id, error)
         elif isinstance(frame, Stats):
             self._stats = engine_statistics(frame.values)

@@ -56,7 +56,6 @@ from twostroke.engine.coordinator.frames import (
     FrameTooLarge,
     OutputPiece,
     Ready,
-    Rejected,
     Reply,
     Shutdown,
     Start,
@@ -68,6 +67,7 @@ from twostroke.engine.coordinator.frames import (
     encoded_size,
     failed_frame,
     finished_frame,
+    rejected_frame,
     split_output,
 )
 from twostroke.engine.engine import Engine
@@ -241,7 +241,7 @@ class _Server:
             handle = self._engine.submit(cast(Any, frame.prompt), params)
         except (EngineError, TypeError, ValueError) as exc:
             self._ended.add(request_id)
-            self._push(Rejected(request_id, type(exc).__name__, str(exc)))
+            self._push(rejected_frame(request_id, exc))
             return
         self._handles[request_id] = handle
         handle.relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))

@@ -86,7 +86,7 @@ class RequestSpec:
 
     def fits(self, config: SchedulerConfig) -> bool:
         """Whether a scheduler with ``config`` accepts this request (rather than reject it)."""
-        total = len(self.prompt_token_ids) + self.params.max_tokens
+        total = len(self.prompt_token_ids) + self.build(0).max_tokens
         needed = -(-(total - 1) // config.block_size)
         return (
             bool(self.prompt_token_ids)
@@ -150,7 +150,7 @@ def step_bound(config: SchedulerConfig, requests: Iterable[Request]) -> int:
     """
     depth = config.pipeline_depth
     return depth + sum(
-        3 * (request.num_prompt_tokens + request.params.max_tokens) + 4 * depth + 4
+        3 * (request.num_prompt_tokens + request.max_tokens) + 4 * depth + 4
         for request in requests
         if not request.is_terminal
     )

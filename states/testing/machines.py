@@ -209,7 +209,7 @@ class RequestMachine(RuleBasedStateMachine):
             raise SimulationError(f"token_ids({start}, {stop}) of {request!r} is wrong")
         params = request.params
         expected = None
-        if len(model.output) >= params.max_tokens:
+        if len(model.output) >= request.max_tokens:
             expected = FinishReason.LENGTH
         if len(model.output) > params.min_tokens and (
             model.output[-1] in params.stop_token_ids

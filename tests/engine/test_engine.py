@@ -153,6 +153,21 @@ async def test_bad_input_is_rejected_and_changes_nothing(
         assert (await engine.generate("still serving", SamplingParams(max_tokens=2))).token_ids
 
 
+async def test_max_tokens_none_takes_what_the_context_leaves() -> None:
+    async with toy_engine(max_model_len=40) as engine:
+        params = SamplingParams(max_tokens=None, ignore_eos=True)
+        output = await engine.generate("x" * 30, params)
+        assert (len(output.token_ids), output.finish_reason) == (10, FinishReason.LENGTH)
+        before = engine.statistics()
+        with pytest.raises(
+            RequestRejected, match=r"^prompt \(40 tokens\) \+ max_tokens \(1\)"
+        ) as full:
+            engine.submit("x" * 40, params)  # no room: at least one token, which passes it
+        numbers = full.value.num_prompt_tokens, full.value.max_tokens, full.value.max_model_len
+        assert numbers == (40, 1, 40)
+        assert engine.statistics() == before
+
+
 async def test_a_stop_token_id_outside_the_vocabulary_is_rejected() -> None:
     async with toy_engine() as engine:
         before = engine.statistics()

@@ -117,6 +117,11 @@ def test_min_tokens_may_not_exceed_max_tokens() -> None:
     assert SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
 
 
+def test_max_tokens_none_leaves_the_number_to_the_context() -> None:
+    params = SamplingParams(max_tokens=None, min_tokens=100)  # no number to compare with
+    assert (params.max_tokens, params.min_tokens) == (None, 100)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -374,6 +374,18 @@ def test_finish_reached_honours_min_tokens_ignore_eos_stop_ids_and_max_tokens(
     assert output(request, *tokens) is reason
 
 
+def test_max_tokens_is_the_params_number_or_the_one_given() -> None:
+    assert Request(1, [1, 2], SamplingParams(max_tokens=3), arrival_time=0.0).max_tokens == 3
+    context = SamplingParams(max_tokens=None)  # as many as the context leaves
+    message = "max_tokens must be given when params.max_tokens is None"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        Request(1, [1, 2], context, arrival_time=0.0)
+    request = Request(1, [1, 2], context, arrival_time=0.0, max_tokens=2)
+    assert repr(request) == "<Request 1 WAITING 0/2 tokens, 0 blocks>"
+    assert output(request, 3) is None
+    assert output(request, 3) is FinishReason.LENGTH
+
+
 # --- the diagram ------------------------------------------------------------------------------
 
 

@@ -141,28 +141,33 @@ def request(request_id: int, prompt: int = 4, **params: int) -> Request:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "max_tokens", "message"),
+    ("prompt", "max_tokens", "message", "numbers"),
     [
-        (0, 4, "the prompt must contain at least one token, got 0"),
+        (0, 4, "the prompt must contain at least one token, got 0", (None, None, None)),
         (
             30,
             4,
             "prompt (30 tokens) + max_tokens (4) must be <= max_model_len (32), got 34",
+            (30, 4, 32),
         ),
         (
             20,
             12,
             "prompt + max_tokens (32 tokens) needs 8 KV blocks of 4, but the pool has only 6",
+            (None, None, None),
         ),
     ],
 )
 def test_requests_that_can_never_fit_are_rejected_not_queued(
-    prompt: int, max_tokens: int, message: str
+    prompt: int, max_tokens: int, message: str, numbers: tuple[int | None, ...]
 ) -> None:
     scheduler = Scheduler(config(num_blocks=6))
     with pytest.raises(RequestRejected, match=f"^{re.escape(message)}$") as caught:
         scheduler.add_request(request(1, prompt, max_tokens=max_tokens))
     assert isinstance(caught.value, ValueError)
+    rejected = caught.value
+    # Only a rejection for the context carries its numbers (a front end words it from them).
+    assert (rejected.num_prompt_tokens, rejected.max_tokens, rejected.max_model_len) == numbers
     assert 1 not in scheduler
     assert scheduler.is_idle()
 

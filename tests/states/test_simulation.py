@@ -268,3 +268,9 @@ def test_reference_output_stops_where_the_parameters_say(
     params: SamplingParams, eos: frozenset[int], expected: tuple[list[int], str]
 ) -> None:
     assert reference_output([7, 7], params, eos_token_ids=eos, next_token=counting) == expected
+
+
+def test_reference_output_needs_max_tokens_as_a_number() -> None:
+    message = "reference_output needs params.max_tokens as a number, got None"
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        reference_output([7], SamplingParams(max_tokens=None))

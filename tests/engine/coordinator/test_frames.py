@@ -40,6 +40,8 @@ from twostroke.engine.coordinator.frames import (
     failed_frame,
     finished_frame,
     logprobs_from_wire,
+    rejected_frame,
+    rejection_error,
     request_error,
     routing_key,
     wire_logprobs,
@@ -64,7 +66,8 @@ from twostroke.states.request import FinishReason
 FROM_REPLICA: list[Any] = [
     Ready(pid=12, model_name="toy", max_model_len=4096),
     Accepted(3, [1, 2, 3]),
-    Rejected(4, "RequestRejected", "too long"),
+    Rejected(4, "RequestRejected", "too long", 5000, 16, 4096),
+    Rejected(4, "ValueError", "bad"),
     Deltas([DeltaItem(3, "hé", [104, 195], [(104, -0.5, [(104, -0.5), (7, -2.0)])], None)]),
     FinishedPart(3, [104], "h", [(104, -0.5, [(104, -0.5)])]),
     Finished(3, [104, 195, 169], "hé", "stop", 3, 0.25, 1, None),
@@ -297,6 +300,30 @@ def test_a_request_error_crosses_the_wire_as_its_kind_under_the_coordinators_id(
     assert frame == sent
     raised = request_error(1, frame.request_id, frame.kind, frame.message)
     assert (type(raised), str(raised)) == (type(received), str(received))
+
+
+@pytest.mark.parametrize(
+    ("error", "sent"),
+    [
+        (
+            RequestRejected("too long", num_prompt_tokens=60, max_tokens=8, max_model_len=64),
+            Rejected(7, "RequestRejected", "too long", 60, 8, 64),
+        ),
+        (RequestRejected("no blocks"), Rejected(7, "RequestRejected", "no blocks")),
+        (ValueError("id 300"), Rejected(7, "ValueError", "id 300")),
+    ],
+)
+def test_a_refusal_crosses_the_wire_with_the_numbers_of_the_context(
+    error: BaseException, sent: Rejected
+) -> None:
+    frame = _through_the_wire(rejected_frame(7, error))
+    assert frame == sent
+    raised = rejection_error(1, frame)
+    assert (type(raised), str(raised)) == (type(error), str(error))
+    if isinstance(error, RequestRejected):
+        assert isinstance(raised, RequestRejected)
+        numbers = (raised.num_prompt_tokens, raised.max_tokens, raised.max_model_len)
+        assert numbers == (error.num_prompt_tokens, error.max_tokens, error.max_model_len)
 
 
 def test_a_calls_error_is_raised_again_by_name_else_as_an_engine_error() -> None:

@@ -143,6 +143,15 @@ async def test_bad_requests_raise_what_a_bare_engine_raises() -> None:
         coordinator.submit("hi")
 
 
+async def test_max_tokens_none_takes_what_the_replicas_context_leaves() -> None:
+    params = SamplingParams(max_tokens=None, ignore_eos=True)  # routed on an estimate
+    async with Coordinator.open(model="toy", replicas=2, max_model_len=40, **TOY) as coordinator:
+        outputs = [await coordinator.generate("x" * length, params) for length in (10, 30)]
+        assert [len(output.token_ids) for output in outputs] == [30, 10]
+        assert coordinator.statistics().num_open_requests == 0
+        coordinator.check_invariants()
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [

@@ -71,8 +71,10 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
 
         # The replica rejects a prompt too long for the context: the same error, later.
         handle = c.submit("x" * 5000, SamplingParams(max_tokens=4))
-        with pytest.raises(RequestRejected, match="must be <= max_model_len"):
+        with pytest.raises(RequestRejected, match="must be <= max_model_len") as rejected:
             await handle.result()
+        numbers = rejected.value.num_prompt_tokens, rejected.value.max_tokens
+        assert (*numbers, rejected.value.max_model_len) == (5000, 4, c.max_model_len)
         with pytest.raises(RequestRejected, match="must be <= max_model_len"):
             async with c.stream("x" * 5000, SamplingParams(max_tokens=4)):
                 raise AssertionError("a rejected request must not stream")

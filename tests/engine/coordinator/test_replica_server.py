@@ -139,6 +139,8 @@ async def test_a_replica_serves_requests_in_frames_and_stops_when_told() -> None
         (rejected,) = await peer.until(Rejected, 2)
         assert rejected.kind == "RequestRejected"
         assert "max_model_len" in rejected.message
+        numbers = (rejected.num_prompt_tokens, rejected.max_tokens, rejected.max_model_len)
+        assert numbers == (5000, 4, 4096)
         await peer.send(Add(3, [300], params()))
         (rejected,) = await peer.until(Rejected, 3)
         assert rejected == Rejected(
