@@ -10,7 +10,10 @@ What one request may ask of the engine is checked from its body alone, before an
 tokenized: at most ``max_choices`` choices (prompts × ``n``, a 400), sampling parameters within
 :class:`~twostroke.states.params.SamplingParams`' caps (a 400 naming the field), and room in
 the waiting queue for all of its choices (``max_waiting_requests``: a 503 with
-``Retry-After``). A request's choices are queued whole or not at all.
+``Retry-After``). A request's choices are queued whole or not at all. The prompts then go to
+the engine as given: the engine tokenizes each once and checks its length, and a prompt too
+long for the context is a 400 in OpenAI's words, from the numbers of the engine's
+``RequestRejected`` (the server never tokenizes a prompt itself to check it).
 
 With an API key, every route wants ``Authorization: Bearer <key>`` except ``/health`` and
 ``/metrics``, which stay open for probes and scrapers.
@@ -34,6 +37,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from twostroke.engine.errors import EngineError, EngineOverloaded
+from twostroke.engine.prompts import Prompt
 from twostroke.engine.server import protocol
 from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES, check_max_body_bytes, read_body
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
@@ -54,6 +58,7 @@ from twostroke.engine.server.guards import (
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.surface import EngineSurface
+from twostroke.states.params import SamplingParams
 from twostroke.states.validators import check_int_at_least
 
 __all__ = ["DEFAULT_MAX_WAITING_REQUESTS", "KEEPALIVE_SECONDS", "build_app"]
@@ -147,15 +152,11 @@ class _OpenAI:
         body = protocol.decode_body(await self._body(request), protocol.CompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
         # What the body alone decides is checked before any prompt is tokenized.
-        texts = protocol.completion_prompts(body)
-        protocol.check_choices(len(texts), body.n, self.max_choices)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = protocol.choice_params(body, max_tokens=max_tokens)
-        self._check_room(len(texts) * len(params))
-        prompts = [await self._tokenize(prompt, "prompt") for prompt in texts]
-        self._check_length(prompts, max_tokens, "max_tokens")
+        prompts = protocol.completion_prompts(body)
+        protocol.check_choices(len(prompts), body.n, self.max_choices)
+        params = protocol.choice_params(body)
         fmt = CompletionFormat(self.engine, body.logprobs or 0)
-        await self._generate(fmt, prompts, params, body, receive, send)
+        await self._generate(fmt, list(prompts), params, body, "prompt", receive, send)
 
     async def chat(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
@@ -163,27 +164,15 @@ class _OpenAI:
         # What the body alone decides is checked before the messages are tokenized.
         messages = protocol.chat_messages(body.messages)
         protocol.check_choices(1, body.n, self.max_choices)
-        field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        # Without a max_tokens, the most the context could leave (known once tokenized).
-        most = max(self.engine.max_model_len - 1, 1)
-        params = protocol.choice_params(body, max_tokens=most if max_tokens is None else max_tokens)
-        self._check_room(len(params))
-        prompt = await self._tokenize(messages, "messages")
-        if max_tokens is None:  # as vLLM: whatever room the context leaves
-            max_tokens = max(self.engine.max_model_len - len(prompt), 1)
-            params = protocol.choice_params(body, max_tokens=max_tokens)
-        self._check_length([prompt], max_tokens, field)
+        params = protocol.choice_params(body)  # without max_tokens: what the context leaves
         fmt = ChatFormat(self.engine, body.top_logprobs or 0)
-        await self._generate(fmt, [prompt], params, body, receive, send)
+        await self._generate(fmt, [messages], params, body, "messages", receive, send)
 
     def _check_room(self, count: int) -> None:
         """Refuse ``count`` engine requests if the waiting queue cannot take them all.
 
-        Asked before the prompts are tokenized, and again right before they are submitted
-        (tokenizing awaits: other requests may queue meanwhile). Nothing else runs between
-        that second check and the last submit, so a request's choices are queued whole or
-        not at all.
+        Asked right before they are submitted: nothing else runs between this check and the
+        last submit, so a request's choices are queued whole or not at all.
 
         Raises:
             EngineOverloaded: the answer is a 503 with ``Retry-After``.
@@ -205,29 +194,25 @@ class _OpenAI:
         except (TypeError, ValueError) as exc:
             raise invalid_request(str(exc), param=param) from None
 
-    def _check_length(self, prompts: list[list[int]], max_tokens: int, field: str) -> None:
-        limit = self.engine.max_model_len
-        for prompt in prompts:
-            if len(prompt) + max_tokens > limit:
-                raise invalid_request(
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
-                    f"{max_tokens} for the completion). Please reduce the prompt or {field}.",
-                    param=field,
-                    code="context_length_exceeded",
-                )
-
     async def _generate(
         self,
         fmt: Format,
-        prompts: list[list[int]],
-        params: list[Any],
+        prompts: list[Prompt],
+        params: list[SamplingParams],
         body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+        prompt_field: str,
         receive: Receive,
         send: Send,
     ) -> None:
         self._check_room(len(prompts) * len(params))  # nothing runs from here to the last submit
-        generation = Generation(self.engine, self.metrics, fmt, keepalive=self.keepalive)
+        generation = Generation(
+            self.engine,
+            self.metrics,
+            fmt,
+            keepalive=self.keepalive,
+            prompt_field=prompt_field,
+            max_tokens_field=protocol.max_tokens_field(body),
+        )
         try:
             generation.submit(prompts, params)
             if body.stream:

@@ -79,20 +79,32 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return ApiError(400, message, type="invalid_request_error", param=param, code=code)
 
 
-def api_error_from(exc: BaseException) -> ApiError:
+def api_error_from(exc: BaseException, *, max_tokens_field: str = "max_tokens") -> ApiError:
     """The response for an exception raised while serving a request.
 
     Engine errors get their documented status (400 for a rejected request, 503 for a dead,
     closed or overloaded engine or a failed replica); anything else is a 500 that names only the
-    exception's type.
+    exception's type. A request too long for the context is worded as OpenAI words it, from
+    the numbers the engine's :class:`RequestRejected` carries, naming ``max_tokens_field``
+    (the body's field that set the most tokens to generate).
     """
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RequestRejected):
+        prompt, most, limit = exc.num_prompt_tokens, exc.max_tokens, exc.max_model_len
+        if prompt is not None and most is not None and limit is not None:
+            return invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt + most} tokens ({prompt} in the prompt, {most} for the "
+                f"completion). Please reduce the prompt or {max_tokens_field}.",
+                param=max_tokens_field,
+                code="context_length_exceeded",
+            )
         message = str(exc)
-        code = "context_length_exceeded" if "max_model_len" in message else "request_rejected"
         field = _FIELD.match(message)
-        return invalid_request(message, param=field.group(1) if field else None, code=code)
+        return invalid_request(
+            message, param=field.group(1) if field else None, code="request_rejected"
+        )
     if isinstance(exc, EngineOverloaded):  # transient: the same request may succeed later
         return ApiError(
             503,

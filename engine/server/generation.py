@@ -4,6 +4,11 @@ A completion with ``n`` choices over ``p`` prompts is ``n * p`` independent engi
 Every one of them is *settled* when the HTTP request ends, however it ends: cancelled if it
 is still open, then awaited (under a shield, it ends within one step) so that its outcome is
 counted exactly once: finished (with its timings), aborted by the server, or failed.
+
+Prompts go to the engine as the body gives them (text, token ids or chat messages): the
+engine tokenizes each once, and its refusals (a prompt too long for the context, token ids
+outside the vocabulary) become 400s here, from ``submit`` or, behind a coordinator's remote
+replicas, from the handle.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from typing import Any, Protocol
 import anyio
 import attrs
 
-from twostroke.engine.errors import EngineError, RequestCancelled
+from twostroke.engine.errors import EngineError, RequestCancelled, RequestRejected
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
-from twostroke.engine.server.errors import ApiError, api_error_from
+from twostroke.engine.prompts import Prompt
+from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender
 from twostroke.engine.surface import EngineSurface
@@ -69,34 +75,60 @@ class Generation:
         metrics: Where outcomes are counted.
         fmt: The endpoint's JSON shapes.
         keepalive: Seconds of silence on a stream before a keep-alive comment goes out.
+        prompt_field: The body's field that holds the prompts (``prompt``, ``messages``).
+        max_tokens_field: The body's field that set the most tokens to generate.
     """
 
     def __init__(
-        self, engine: EngineSurface, metrics: ServerMetrics, fmt: Format, *, keepalive: float
+        self,
+        engine: EngineSurface,
+        metrics: ServerMetrics,
+        fmt: Format,
+        *,
+        keepalive: float,
+        prompt_field: str = "prompt",
+        max_tokens_field: str = "max_tokens",
     ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._fmt = fmt
         self._keepalive = keepalive
+        self._prompt_field = prompt_field
+        self._max_tokens_field = max_tokens_field
         self.choices: list[Choice] = []
-        self.num_prompt_tokens = 0
         self.id = f"{'chatcmpl' if fmt.object_name == 'chat.completion' else 'cmpl'}-"
         self.id += uuid.uuid4().hex
         self.created = int(time.time())
 
-    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
+    def submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> None:
         """Submit every choice: ``len(params)`` per prompt, indexed prompt-major.
 
         Raises:
-            RequestRejected, EngineDead, EngineClosed, TypeError, ValueError: from the
-            engine; choices already submitted stay in :attr:`choices` to be settled.
+            ApiError: the engine refused a prompt (:meth:`error`).
+            EngineOverloaded, EngineDead, EngineClosed: from the engine.
+
+        Choices already submitted stay in :attr:`choices` to be settled.
         """
         for prompt_index, prompt in enumerate(prompts):
-            self.num_prompt_tokens += len(prompt)
             for choice_params in params:
-                handle = self._engine.submit(prompt, choice_params)
-                self._metrics.submitted(len(prompt))
+                try:
+                    handle = self._engine.submit(prompt, choice_params)
+                except (TypeError, ValueError) as exc:
+                    raise self.error(exc) from None
                 self.choices.append(Choice(len(self.choices), prompt_index, handle))
+
+    def error(self, exc: BaseException) -> ApiError:
+        """The answer to an error of one of this request's choices.
+
+        The engine's refusals are 400s: a prompt too long for the context in OpenAI's words
+        (naming the field that set ``max_tokens``), any other ``TypeError`` or ``ValueError``
+        naming the prompt's field (a malformed prompt, a token id outside the vocabulary).
+        """
+        if isinstance(exc, RequestRejected):
+            return api_error_from(exc, max_tokens_field=self._max_tokens_field)
+        if isinstance(exc, TypeError | ValueError):
+            return invalid_request(str(exc), param=self._prompt_field)
+        return api_error_from(exc)
 
     async def settle(self) -> None:
         """Cancel what is still open and count every outcome once. Shielded; always returns."""
@@ -104,6 +136,9 @@ class Generation:
             for choice in self.choices:
                 choice.handle.cancel()
             for choice in self.choices:
+                # Known once the engine tokenized the prompt (a remote replica's: once it
+                # accepted the request); a refused one counts none.
+                self._metrics.submitted(len(choice.handle.prompt_token_ids))
                 try:
                     output = await choice.handle.result()
                 except RequestCancelled:
@@ -119,12 +154,16 @@ class Generation:
         return {"id": self.id, "object": obj, "created": self.created, "model": model,
                 "choices": choices}  # fmt: skip
 
-    def _usage(self, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    def _usage(self, outputs: Sequence[RequestOutput], completion_tokens: int) -> dict[str, Any]:
+        """OpenAI's ``usage``: each prompt counts once, however many choices it has."""
+        prompts = {c.prompt_index: o.usage for c, o in zip(self.choices, outputs, strict=True)}
+        prompt_tokens = sum(usage.prompt_tokens for usage in prompts.values())
+        cached = max((output.usage.cached_prompt_tokens for output in outputs), default=0)
         return {
-            "prompt_tokens": self.num_prompt_tokens,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
-            "total_tokens": self.num_prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     # --- a complete response -----------------------------------------------------------
@@ -133,11 +172,15 @@ class Generation:
         """Wait for every choice's output.
 
         Raises:
+            ApiError: a remote replica refused a choice (:meth:`error`).
             RequestFailed, EngineDead, EngineClosed: a choice failed.
         """
         outputs = []
         for choice in self.choices:
-            output = await choice.handle.result()
+            try:
+                output = await choice.handle.result()
+            except (TypeError, ValueError) as exc:
+                raise self.error(exc) from None
             choice.num_tokens = len(output.token_ids)
             outputs.append(output)
         return outputs
@@ -153,10 +196,7 @@ class Generation:
             choices.append(self._fmt.choice(choice.index, output.text, logprobs, reason,
                                             chunk=False))  # fmt: skip
         body = self._envelope(self._fmt.object_name, choices)
-        body["usage"] = self._usage(
-            sum(len(output.token_ids) for output in outputs),
-            max((output.usage.cached_prompt_tokens for output in outputs), default=0),
-        )
+        body["usage"] = self._usage(outputs, sum(len(output.token_ids) for output in outputs))
         return body
 
     # --- a streamed response -----------------------------------------------------------
@@ -199,8 +239,7 @@ class Generation:
             completion_tokens = sum(choice.num_tokens for choice in self.choices)
             # Every choice has ended without error here, so each result is at hand.
             outputs = [await choice.handle.result() for choice in self.choices]
-            cached = max((output.usage.cached_prompt_tokens for output in outputs), default=0)
-            usage = self._envelope(obj, []) | {"usage": self._usage(completion_tokens, cached)}
+            usage = self._envelope(obj, []) | {"usage": self._usage(outputs, completion_tokens)}
             await sender.data(usage)
         await sender.done()
 
@@ -236,10 +275,11 @@ class Generation:
             except anyio.BrokenResourceError:
                 return  # the relay stopped: the stream is over
             except Exception as exc:
-                if not isinstance(exc, EngineError):
+                error = self.error(exc)
+                if error.status >= 500 and not isinstance(exc, EngineError):
                     logger.exception("choice %d of %s failed", choice.index, self.id)
                 with contextlib.suppress(anyio.BrokenResourceError):
-                    await events.send(api_error_from(exc))
+                    await events.send(error)
 
     async def _chunk(self, choice: Choice, delta: Delta) -> dict[str, Any]:
         choice.num_tokens += len(delta.token_ids)

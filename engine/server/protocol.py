@@ -32,6 +32,7 @@ __all__ = [
     "choice_params",
     "completion_prompts",
     "decode_body",
+    "max_tokens_field",
 ]
 
 #: The most choices (``n``) one request may ask for.
@@ -77,7 +78,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/completions``."""
 
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # SamplingParams' default (16) when not given
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -99,7 +100,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # neither given: as many as the context leaves
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -231,13 +232,24 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return converted
 
 
-def choice_params(
-    request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int
-) -> list[SamplingParams]:
+def max_tokens_field(request: CompletionRequest | ChatCompletionRequest) -> str:
+    """The body's field that sets the most tokens to generate (OpenAI's error names it).
+
+    A chat completion takes ``max_tokens`` or, newer, ``max_completion_tokens``.
+    """
+    if isinstance(request, ChatCompletionRequest) and request.max_tokens is None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def choice_params(request: CompletionRequest | ChatCompletionRequest) -> list[SamplingParams]:
     """One :class:`SamplingParams` per choice (``n`` of them), seeds derived from ``seed``.
 
     Choice 0 samples with ``seed`` itself; choice ``i`` with a seed derived from it, so that
     the same request gives the same ``n`` answers and the answers differ from each other.
+    Without a ``max_tokens``, a completion gets ``SamplingParams``' default and a chat
+    completion as many tokens as the context leaves (``max_tokens=None``; vLLM does the same):
+    the engine knows the prompt's length once it has tokenized it, the server never does.
 
     Raises:
         ApiError: 400 naming the field for a value out of range or an unsupported parameter.
@@ -246,18 +258,23 @@ def choice_params(
     if not 1 <= request.n <= MAX_N:
         raise invalid_request(f"n must be in [1, {MAX_N}], got {request.n}", param="n")
     chat = isinstance(request, ChatCompletionRequest)
+    fields: dict[str, Any] = {}
     if isinstance(request, ChatCompletionRequest):
         logprobs = _chat_logprobs(request)
-        max_tokens_field = "max_completion_tokens" if request.max_tokens is None else "max_tokens"
+        most = request.max_tokens
+        fields["max_tokens"] = most if most is not None else request.max_completion_tokens
     else:
         logprobs = request.logprobs
-        max_tokens_field = "max_tokens"
-    renamed = {"logprobs": "top_logprobs" if chat else "logprobs", "max_tokens": max_tokens_field}
+        if request.max_tokens is not None:
+            fields["max_tokens"] = request.max_tokens
+    renamed = {
+        "logprobs": "top_logprobs" if chat else "logprobs",
+        "max_tokens": max_tokens_field(request),
+    }
     top_k = request.top_k
     if top_k is not None and top_k in (-1, 0):  # vLLM's and OpenAI-style "disabled"
         top_k = None
-    fields: dict[str, Any] = {
-        "max_tokens": max_tokens,
+    fields |= {
         "min_tokens": request.min_tokens,
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "top_k": top_k,

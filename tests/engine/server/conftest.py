@@ -35,13 +35,15 @@ OPENAI_STREAMS_ON_TRIO = pytest.mark.filterwarnings(
 class ObservedEngine:
     """The engine surface of a real engine, with hooks a test can wait on or break.
 
-    ``submitted`` gets every (prompt, params) pair; ``on_submit`` (if set) is called with
-    each; ``failure`` (if set) is raised by every call, as from a dead engine.
+    ``submitted`` gets every (prompt, params) pair and ``tokenized`` every prompt of a
+    ``tokenize`` call; ``on_submit`` (if set) is called with each submitted pair; ``failure``
+    (if set) is raised by every call, as from a dead engine.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.submitted: list[tuple[Any, SamplingParams]] = []
+        self.tokenized: list[Any] = []
         self.on_submit: Callable[[Any, SamplingParams], None] | None = None
         self.failure: BaseException | None = None
         self._changed = anyio.Event()
@@ -85,6 +87,7 @@ class ObservedEngine:
 
     async def tokenize(self, prompt: Any) -> list[int]:
         self._check()
+        self.tokenized.append(prompt)
         return await self.engine.tokenize(prompt)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:

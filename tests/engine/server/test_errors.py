@@ -103,18 +103,50 @@ async def test_text_parts_join_into_one_message() -> None:
         assert reply.usage.prompt_tokens == len(await server.engine.tokenize(CHAT))
 
 
+def too_long(limit: int, prompt: int, max_tokens: int, field: str) -> dict[str, Any]:
+    """OpenAI's answer to a prompt and max_tokens that pass the context."""
+    return {
+        "message": f"This model's maximum context length is {limit} tokens. However, you "
+        f"requested {prompt + max_tokens} tokens ({prompt} in the prompt, {max_tokens} for the "
+        f"completion). Please reduce the prompt or {field}.",
+        "type": "invalid_request_error",
+        "param": field,
+        "code": "context_length_exceeded",
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_too_long_for_the_context_is_worded_from_the_engines_numbers(
+    stream: bool,
+) -> None:
+    async with served(max_model_len=64) as server:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await server.client.completions.create(
+                model="toy", prompt="a" * 60, max_tokens=8, stream=stream
+            )
+        assert caught.value.body == too_long(64, 60, 8, "max_tokens")
+        # The prompt went to the engine as text, tokenized there once: no round trip.
+        assert server.engine.tokenized == []
+        messages: Any = [{"role": "user", "content": "b" * 60}]
+        prompt = len(await server.engine.tokenize(messages))
+        server.engine.tokenized.clear()
+        chats: list[tuple[dict[str, Any], int, str]] = [
+            ({"max_tokens": 5}, 5, "max_tokens"),
+            ({"max_completion_tokens": 6}, 6, "max_completion_tokens"),
+            ({}, 1, "max_completion_tokens"),  # what the context leaves, at least 1
+        ]
+        for fields, max_tokens, field in chats:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await server.client.chat.completions.create(
+                    model="toy", messages=messages, stream=stream, **fields
+                )
+            assert caught.value.body == too_long(64, prompt, max_tokens, field), fields
+        assert server.engine.tokenized == []
+        await still_serving(server)
+
+
 async def test_request_level_errors() -> None:
     async with served(max_model_len=64) as server:
-        with pytest.raises(openai.BadRequestError) as too_long:
-            await server.client.completions.create(model="toy", prompt="a" * 60, max_tokens=8)
-        assert too_long.value.body == {
-            "message": "This model's maximum context length is 64 tokens. However, you "
-            "requested 68 tokens (60 in the prompt, 8 for the completion). Please reduce the "
-            "prompt or max_tokens.",
-            "type": "invalid_request_error",
-            "param": "max_tokens",
-            "code": "context_length_exceeded",
-        }
         with pytest.raises(openai.NotFoundError) as unknown:
             await server.client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
         assert isinstance(unknown.value.body, dict)

@@ -13,7 +13,9 @@ from twostroke.engine.server.protocol import (
     choice_params,
     completion_prompts,
     decode_body,
+    max_tokens_field,
 )
+from twostroke.states.params import SamplingParams
 
 
 def completion(**fields: object) -> CompletionRequest:
@@ -21,34 +23,52 @@ def completion(**fields: object) -> CompletionRequest:
 
 
 def test_choices_get_distinct_reproducible_seeds_derived_from_seed() -> None:
-    seeds = [params.seed for params in choice_params(completion(n=4, seed=7), max_tokens=3)]
-    again = [params.seed for params in choice_params(completion(n=4, seed=7), max_tokens=3)]
+    seeds = [params.seed for params in choice_params(completion(n=4, seed=7, max_tokens=3))]
+    again = [params.seed for params in choice_params(completion(n=4, seed=7, max_tokens=3))]
     assert seeds == again
     assert seeds[0] == 7
     assert len(set(seeds)) == 4
     assert all(seed is not None and 0 <= seed < 2**63 for seed in seeds)
-    unseeded = choice_params(completion(n=2), max_tokens=3)
+    unseeded = choice_params(completion(n=2, max_tokens=3))
     assert [params.seed for params in unseeded] == [None, None]
 
 
 def test_openai_defaults_and_disabled_top_k() -> None:
-    (params,) = choice_params(completion(top_k=-1), max_tokens=16)
-    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (
-        1.0, 1.0, None, 16
-    )  # fmt: skip
-    assert params.logprobs is None
-    assert params.stop == ()
+    (params,) = choice_params(completion(top_k=-1))
+    assert params == SamplingParams()  # max_tokens: SamplingParams' default, as OpenAI's
+    assert params.top_k is None
+    assert choice_params(completion(max_tokens=5))[0].max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("fields", "max_tokens", "field"),
+    [
+        ({}, None, "max_completion_tokens"),  # as many as the context leaves
+        ({"max_completion_tokens": 7}, 7, "max_completion_tokens"),
+        ({"max_tokens": 5}, 5, "max_tokens"),
+        ({"max_tokens": 5, "max_completion_tokens": 7}, 5, "max_tokens"),
+    ],
+)
+def test_a_chat_takes_either_max_tokens_field_and_leaves_none_to_the_context(
+    fields: dict[str, int], max_tokens: int | None, field: str
+) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}]} | fields
+    chat = decode_body(msgspec.json.encode(body), ChatCompletionRequest)
+    assert choice_params(chat)[0].max_tokens == max_tokens
+    assert max_tokens_field(chat) == field
+    assert max_tokens_field(completion()) == "max_tokens"
 
 
 def test_chat_errors_name_the_chat_fields() -> None:
     body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}
     request = decode_body(msgspec.json.encode(body), ChatCompletionRequest)
     with pytest.raises(ApiError) as caught:
-        choice_params(request, max_tokens=0)
+        choice_params(request)
     assert caught.value.param == "max_completion_tokens"
     assert caught.value.message == "max_completion_tokens must be >= 1, got 0"
-    chat = decode_body(msgspec.json.encode(body | {"logprobs": True}), ChatCompletionRequest)
-    (params,) = choice_params(chat, max_tokens=5)
+    body |= {"logprobs": True, "max_completion_tokens": 5}
+    chat = decode_body(msgspec.json.encode(body), ChatCompletionRequest)
+    (params,) = choice_params(chat)
     assert params.logprobs == 0  # the chosen token's only
 
 
