@@ -52,7 +52,7 @@ from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion, Launched, ReadyEvent
 from twostroke.gpu.device import Device, resolve_device
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan
+from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, TokenLogprobs
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
@@ -91,6 +91,7 @@ class Engine:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._model_name = model_name
         self._runner = runner
         self._device = device
@@ -254,8 +255,8 @@ class Engine:
         Returns:
             The request's handle: await :meth:`RequestHandle.result` or iterate its deltas.
 
-        A request whose ``params.max_tokens`` is ``None`` gets as many as the context leaves
-        after its prompt.
+        The prompt is tokenized (and given ids are checked) once, here; a request whose
+        ``params.max_tokens`` is ``None`` gets as many as the context leaves after it.
 
         Raises:
             TypeError, ValueError: a malformed prompt or parameters (nothing is queued).
@@ -268,12 +269,13 @@ class Engine:
         """
         self.check_health()
         params = check_params(params)
-        vocab = self.tokenizer.vocab_size
-        for index, token_id in enumerate(params.stop_token_ids):
-            if token_id >= vocab:  # (SamplingParams checked >= 0)
-                raise RequestRejected(
-                    f"stop_token_ids must be in [0, {vocab}), got {token_id} at index {index}"
-                )
+        if params.stop_token_ids:
+            vocab = self.tokenizer.vocab_size
+            for index, token_id in enumerate(params.stop_token_ids):
+                if token_id >= vocab:  # (SamplingParams checked >= 0)
+                    raise RequestRejected(
+                        f"stop_token_ids must be in [0, {vocab}), got {token_id} at index {index}"
+                    )
         self._scheduler.check_waiting_room()  # cheap: before the tokenizer's work
         prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = params.max_tokens
@@ -281,30 +283,18 @@ class Engine:
             max_tokens = max(self._max_model_len - len(prompt_token_ids), 1)
         request_id = next(self._ids)
         request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            arrival_time=anyio.current_time(),
-            eos_token_ids=self.tokenizer.eos_token_ids,
+            request_id,
+            prompt_token_ids,
+            params,
+            anyio.current_time(),
+            self._eos_token_ids,
             max_tokens=max_tokens,
         )
         self._scheduler.add_request(request)  # validates; raises before anything changes
-        writer, handle = create_request_handle(
-            request_id, request.prompt_token_ids, self._cancel_callback
-        )
-        self._open.track(
-            Tracked(
-                request=request,
-                writer=writer,
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer,
-                    request.prompt_token_ids,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                ),
-                logprobs=[] if params.logprobs is not None else None,
-            )
-        )
+        writer, handle = create_request_handle(request_id, prompt_token_ids, self._cancel_callback)
+        detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request)
+        logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self._open.track(Tracked(request, writer, detokenizer, logprobs))
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._wakeup.set()
         return handle
@@ -352,7 +342,7 @@ class Engine:
             TypeError, ValueError: a malformed prompt.
         """
         await anyio.lowlevel.checkpoint()
-        return tokenize_prompt(prompt, self.tokenizer)
+        return list(tokenize_prompt(prompt, self.tokenizer))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids``. Always a checkpoint.

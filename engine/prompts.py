@@ -35,13 +35,21 @@ def prompt_kind(prompt: object) -> PromptKind:
         if not prompt:
             raise ValueError("prompt must not be empty, got ''")
         return "text"
-    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+    # A list or a tuple is a Sequence without the ABC check (the engine asks at every submit).
+    if isinstance(prompt, list | tuple) or (
+        isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray)
+    ):
         if len(prompt) == 0:
             raise ValueError("prompt must not be empty, got an empty sequence")
-        if all(isinstance(item, Mapping) for item in prompt):
-            return "messages"
+        for item in prompt:  # the usual case first: plain ints, one type check each
+            if type(item) is not int:
+                break
+        else:
+            return "token_ids"
         if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
             return "token_ids"
+        if all(isinstance(item, Mapping) for item in prompt):
+            return "messages"
         kinds = sorted({type(item).__name__ for item in prompt})
         raise TypeError(
             "prompt must be text, a sequence of token ids (int) or of chat messages "

@@ -11,6 +11,9 @@ from twostroke.states.params import SamplingParams
 
 __all__ = ["check_params"]
 
+#: What a submit without parameters gets: one frozen value, shared (not made per submit).
+_DEFAULT_PARAMS = SamplingParams()
+
 
 def check_params(params: SamplingParams | None) -> SamplingParams:
     """The parameters a submit gets: ``SamplingParams()`` for ``None``, checked otherwise.
@@ -24,7 +27,7 @@ def check_params(params: SamplingParams | None) -> SamplingParams:
             so a constrained request is refused rather than answered unconstrained.
     """
     if params is None:
-        return SamplingParams()
+        return _DEFAULT_PARAMS
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
     if params.constraint is not None:

@@ -283,7 +283,9 @@ def _max_tokens_of_params(request: Request) -> int:
     return most
 
 
-@attrs.define(eq=False, repr=False)
+# No on_setattr hooks: the converters run once, at construction; without hooks attrs adds no
+# __setattr__ of its own, so every count the events change is a plain attribute store.
+@attrs.define(eq=False, repr=False, on_setattr=attrs.setters.NO_OP)
 class Request:
     """One generation request: its tokens, its KV blocks, its status and its timings.
 

@@ -28,6 +28,7 @@ import attrs
 
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.states.errors import EngineError
+from twostroke.states.request import Request
 from twostroke.states.validators import is_int
 
 __all__ = ["DetokenizedDelta", "DetokenizerError", "IncrementalDetokenizer"]
@@ -207,6 +208,22 @@ class IncrementalDetokenizer:
         ValueError: a stop string is empty.
     """
 
+    # The engine makes one per submitted request: slots, so no instance dict to allocate.
+    __slots__ = (
+        "_flushed",
+        "_held",
+        "_include_stop",
+        "_matcher",
+        "_parts",
+        "_read",
+        "_stop",
+        "_stop_state",
+        "_stop_string",
+        "_tokenizer",
+        "_unresolved_pushes",
+        "_window",
+    )
+
     def __init__(
         self,
         tokenizer: Tokenizer,
@@ -216,9 +233,28 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         context = _token_ids("prompt_token_ids", prompt_token_ids, last=PROMPT_CONTEXT_TOKENS)
+        self._start(tokenizer, context, _stop_strings(stop), bool(include_stop_str_in_output))
+
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer, request: Request) -> IncrementalDetokenizer:
+        """The detokenizer of an engine request, whose inputs were checked where they were made.
+
+        Its prompt ids come from ``tokenize_prompt`` and its stop strings from
+        :class:`~twostroke.states.params.SamplingParams`, so nothing is checked again here
+        (the engine makes one per submitted request).
+        """
+        detokenizer = cls.__new__(cls)
+        context = list(request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        params = request.params
+        detokenizer._start(tokenizer, context, params.stop, params.include_stop_str_in_output)
+        return detokenizer
+
+    def _start(
+        self, tokenizer: Tokenizer, context: list[int], stop: tuple[str, ...], include: bool
+    ) -> None:
         self._tokenizer = tokenizer
-        self._stop = _stop_strings(stop)
-        self._include_stop = bool(include_stop_str_in_output)
+        self._stop = stop
+        self._include_stop = include
         # Built at the first text (a waiting request needs none): it holds the held text's
         # state, ``_stop_state``.
         self._matcher: _StopMatcher | None = None

@@ -11,8 +11,13 @@ from twostroke.engine.text.tokenizer import Tokenizer
 __all__ = ["tokenize_prompt"]
 
 
-def tokenize_prompt(prompt: object, tokenizer: Tokenizer) -> list[int]:
-    """Token ids for ``prompt`` (a :data:`~twostroke.engine.prompts.Prompt`).
+def tokenize_prompt(prompt: object, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Token ids for ``prompt`` (a :data:`~twostroke.engine.prompts.Prompt`), checked once.
+
+    Returns:
+        The ids, as a tuple: ints in the vocabulary (given ids are checked; the tokenizer's
+        own are trusted). The engine builds the request, its handle and its detokenizer
+        from this tuple without checking it again.
 
     Raises:
         TypeError: the prompt is neither text, token ids nor chat messages.
@@ -24,13 +29,14 @@ def tokenize_prompt(prompt: object, tokenizer: Tokenizer) -> list[int]:
     elif kind == "messages":
         token_ids = tokenizer.apply_chat_template(cast(Sequence[Mapping[str, str]], prompt))
     else:
-        token_ids = list(cast(Sequence[int], prompt))
+        given = tuple(cast(Sequence[int], prompt))
         vocab = tokenizer.vocab_size
-        for index, token_id in enumerate(token_ids):
-            if not 0 <= token_id < vocab:
-                raise ValueError(
-                    f"prompt token ids must be in [0, {vocab}), got {token_id} at index {index}"
-                )
+        if min(given) < 0 or max(given) >= vocab:  # one pass each, in C; then find which
+            index, token_id = next((i, t) for i, t in enumerate(given) if not 0 <= t < vocab)
+            raise ValueError(
+                f"prompt token ids must be in [0, {vocab}), got {token_id} at index {index}"
+            )
+        return given
     if not token_ids:
         raise ValueError("prompt must encode to at least one token, got 0")
-    return token_ids
+    return tuple(token_ids)

@@ -27,6 +27,8 @@ from twostroke.engine.text.detokenizer import (
     IncrementalDetokenizer,
 )
 from twostroke.engine.text.tokenizer import Tokenizer
+from twostroke.states.params import SamplingParams
+from twostroke.states.request import Request
 
 REPLACEMENT = "\ufffd"
 BYTES_EOS = 256
@@ -203,6 +205,7 @@ def random_groups(data: st.DataObject, ids: list[int]) -> list[list[int]]:
     stop=STOP,
     include=st.booleans(),
     eos=st.booleans(),
+    engines=st.booleans(),
 )
 def test_deltas_add_up_to_the_decoded_output_cut_at_the_first_stop(
     name: str,
@@ -210,15 +213,21 @@ def test_deltas_add_up_to_the_decoded_output_cut_at_the_first_stop(
     stop: list[str],
     include: bool,
     eos: bool,
+    engines: bool,
 ) -> None:
     tokenizer = TOKENIZERS[name]
     prompt_ids = random_tokenization(data, name, text_around(data, stop, "prompt"))
     output_ids = random_tokenization(data, name, text_around(data, stop, "output"))
     if eos:
         output_ids.append(min(tokenizer.eos_token_ids))
-    detokenizer = IncrementalDetokenizer(
-        tokenizer, prompt_ids, stop=stop, include_stop_str_in_output=include
-    )
+    if engines:  # the engine's: from a request whose ids and parameters are checked already
+        params = SamplingParams(stop=stop, include_stop_str_in_output=include)
+        request = Request(0, prompt_ids, params, arrival_time=0.0)
+        detokenizer = IncrementalDetokenizer.for_request(tokenizer, request)
+    else:
+        detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids, stop=stop, include_stop_str_in_output=include
+        )
     expected, expected_stop = reference_cut(tokenizer.decode(output_ids), stop, include)
 
     shown, pushed, clean = "", 0, 0
