@@ -136,17 +136,19 @@ class Generation:
             for choice in self.choices:
                 choice.handle.cancel()
             for choice in self.choices:
-                # Known once the engine tokenized the prompt (a remote replica's: once it
-                # accepted the request); a refused one counts none.
-                self._metrics.submitted(len(choice.handle.prompt_token_ids))
                 try:
                     output = await choice.handle.result()
                 except RequestCancelled:
                     self._metrics.ended_early("abort", choice.num_tokens)
+                except (TypeError, ValueError):  # RequestRejected too
+                    continue  # a remote replica refused it: never served, as with submit's
                 except EngineError:
                     self._metrics.ended_early("error", choice.num_tokens)
                 else:
                     self._metrics.finished(output)
+                # Known once the engine tokenized the prompt (a remote replica's: once it
+                # accepted the request, which it reports before the request's end).
+                self._metrics.submitted(len(choice.handle.prompt_token_ids))
             self.choices = []
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:

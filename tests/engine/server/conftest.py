@@ -15,6 +15,7 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from twostroke.engine import Engine, EngineStatistics, RequestHandle, RequestOutput
+from twostroke.engine.handle import create_request_handle
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.server import serve
 from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
@@ -37,13 +38,16 @@ class ObservedEngine:
 
     ``submitted`` gets every (prompt, params) pair and ``tokenized`` every prompt of a
     ``tokenize`` call; ``on_submit`` (if set) is called with each submitted pair; ``failure``
-    (if set) is raised by every call, as from a dead engine.
+    (if set) is raised by every call, as from a dead engine. With ``refuse_later``, a
+    request the engine refuses (``TypeError``, ``ValueError``, ``RequestRejected``) is
+    refused through its handle instead, as a coordinator's process or ray replica reports it.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.submitted: list[tuple[Any, SamplingParams]] = []
         self.tokenized: list[Any] = []
+        self.refuse_later = False
         self.on_submit: Callable[[Any, SamplingParams], None] | None = None
         self.failure: BaseException | None = None
         self._changed = anyio.Event()
@@ -62,7 +66,14 @@ class ObservedEngine:
 
     def submit(self, prompt: Any, params: SamplingParams | None = None) -> RequestHandle:
         self._check()
-        handle = self.engine.submit(prompt, params)
+        try:
+            handle = self.engine.submit(prompt, params)
+        except (TypeError, ValueError) as exc:
+            if not self.refuse_later:
+                raise
+            writer, handle = create_request_handle(-1, (), lambda _: None)
+            writer.fail(exc)
+            return handle
         self.submitted.append((prompt, params or SamplingParams()))
         if self.on_submit is not None:
             self.on_submit(prompt, params or SamplingParams())

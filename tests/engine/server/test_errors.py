@@ -145,6 +145,33 @@ async def test_a_prompt_too_long_for_the_context_is_worded_from_the_engines_numb
         await still_serving(server)
 
 
+async def test_a_refusal_that_comes_through_the_handle_is_the_same_answer() -> None:
+    """Behind a coordinator's process or ray replicas, submit returns at once and the
+    replica's refusal comes later, through the handle."""
+    async with served(max_model_len=64) as server:
+        server.engine.refuse_later = True
+        with pytest.raises(openai.BadRequestError) as caught:
+            await server.client.completions.create(model="toy", prompt="a" * 60, max_tokens=8)
+        assert caught.value.body == too_long(64, 60, 8, "max_tokens")
+        with pytest.raises(openai.BadRequestError) as outside:
+            await server.client.completions.create(model="toy", prompt=[999], max_tokens=2)
+        assert caught.value.status_code == outside.value.status_code == 400
+        assert isinstance(outside.value.body, dict)
+        assert outside.value.body["param"] == "prompt"
+        assert "got 999 at index 0" in outside.value.body["message"]
+        # Streamed, the answer has begun: the refusal is the stream's error event.
+        stream = await server.client.completions.create(
+            model="toy", prompt="a" * 60, max_tokens=8, stream=True
+        )
+        with pytest.raises(openai.APIError, match="maximum context length is 64 tokens"):
+            async for _ in stream:
+                pass
+        # Refused requests were never served: no prompt tokens, no outcome counted.
+        assert await server.metric("twostroke:prompt_tokens_total") == 0
+        assert await server.metric("twostroke:request_success_total", finished_reason="length") == 0
+        await still_serving(server)
+
+
 async def test_request_level_errors() -> None:
     async with served(max_model_len=64) as server:
         with pytest.raises(openai.NotFoundError) as unknown:
