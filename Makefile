@@ -11,7 +11,15 @@ PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadscope
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint typecheck docs venv clean bench bench-peers mutate gpu-check
+# Python caches the bytecode of what it imports (and pytest its rewritten tests) only where
+# PYTHONDONTWRITEBYTECODE is unset. Some machines set it for everything; with the --no-compile
+# below, every process the suite starts (its workers, the servers and replicas it launches,
+# Ray's workers) then compiled torch, transformers and the engine from source again: about
+# 6 s of CPU each (import twostroke.engine and transformers: 10.6-11.2 s without bytecode,
+# 5.0-6.0 s with it, 2 AVX2 cores). The caches land in __pycache__ folders, ignored by git.
+unexport PYTHONDONTWRITEBYTECODE
+
+.PHONY: run test test-core test-rest test-fast lint typecheck docs venv clean bench bench-peers mutate gpu-check
 
 venv: $(STAMP)
 
@@ -59,9 +67,28 @@ docs: $(STAMP)
 # machine, go to whichever worker is free. The second run lists its 20 slowest tests: the
 # suite's time is a target (12 minutes on 2 AVX2 cores with another job busy), and its long
 # tail is where that time goes.
-test: lint typecheck docs
+test-core: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) --cov --hypothesis-profile=$(HYPOTHESIS_PROFILE) tests/states
+
+test-rest: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) --hypothesis-profile=$(HYPOTHESIS_PROFILE) --durations=20 --ignore=tests/states
+
+# `make test` runs the checks and the two test runs at once, not one after another: run in
+# a row, each phase left a core idle (lint, mypy and the docs build are one process each,
+# and a run's last long test holds one worker while the other has nothing left), so the
+# suite used 1.06 cores of 2 under a one-core background load. The long run streams its
+# output; the others are collected in one log (--output-sync: each target's output whole),
+# printed once they are all done. The exit status is the first failure's.
+CHECKS_LOG := build/checks.log
+test: $(STAMP)
+	mkdir -p build
+	$(MAKE) --no-print-directory -j4 -k --output-sync=target lint typecheck docs test-core \
+		> $(CHECKS_LOG) 2>&1 & checks=$$!; \
+	$(MAKE) --no-print-directory test-rest; rest=$$?; \
+	wait $$checks; status=$$?; \
+	echo "--- lint, mypy, docs and tests/states (from $(CHECKS_LOG)) ---"; cat $(CHECKS_LOG); \
+	if [ $$status -ne 0 ]; then echo "lint, mypy, docs or tests/states failed"; exit $$status; fi; \
+	exit $$rest
 
 # Mutation testing of the states/ core against tests/states (scripts/mutate.sh; slow, so not
 # part of `make test`). Fails when fewer than 95% of the mutants are killed.
