@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal, TypeAlias
 
+from twostroke.states.validators import is_int
+
 __all__ = ["Prompt", "PromptKind", "prompt_kind"]
 
 #: Text, token ids, or chat messages (``[{"role": "user", "content": "..."}]``).
@@ -46,7 +48,7 @@ def prompt_kind(prompt: object) -> PromptKind:
                 break
         else:
             return "token_ids"
-        if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        if all(is_int(item) for item in prompt):
             return "token_ids"
         if all(isinstance(item, Mapping) for item in prompt):
             return "messages"

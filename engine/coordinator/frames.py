@@ -38,6 +38,7 @@ from twostroke.engine.outputs import Delta, RequestOutput
 from twostroke.engine.prompts import prompt_kind
 from twostroke.states.plan import TokenLogprobs
 from twostroke.states.request import FinishReason
+from twostroke.states.validators import is_int
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -659,7 +660,7 @@ def routing_key(prompt: WirePrompt) -> str | list[int]:
             for message in prompt
             if isinstance(message, dict)
         )
-    return [item for item in prompt if isinstance(item, int)]
+    return [item for item in prompt if is_int(item)]
 
 
 def estimate_prompt_tokens(prompt: WirePrompt) -> int:

@@ -17,6 +17,7 @@ import msgspec
 
 from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.states.params import MAX_LOGPROBS, SamplingParams
+from twostroke.states.validators import is_int
 
 __all__ = [
     "DEFAULT_MAX_CHOICES",
@@ -185,7 +186,7 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
         return list(prompt)
     if prompt and all(_is_token_ids(item) for item in prompt):
         return [list(item) for item in prompt]
-    if prompt and all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+    if prompt and all(is_int(item) for item in prompt):
         return [list(prompt)]
     raise invalid_request(
         "prompt must be a string, a list of strings, a list of token ids or a list of lists "
@@ -195,11 +196,7 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
 
 
 def _is_token_ids(item: object) -> bool:
-    return (
-        isinstance(item, list)
-        and bool(item)
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in item)
-    )
+    return isinstance(item, list) and bool(item) and all(is_int(i) for i in item)
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
