@@ -50,7 +50,8 @@ from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.prompts import tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion, Launched, ReadyEvent
-from twostroke.gpu.device import Device, resolve_device
+from twostroke.gpu.device import Device
+from twostroke.gpu.selection import resolve_device
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, TokenLogprobs
 from twostroke.states.request import Request

@@ -20,17 +20,10 @@ from twostroke.gpu.completion import (
     ReadyEvent,
     SupportsQuery,
 )
-from twostroke.gpu.device import (
-    CountdownEvent,
-    CpuDevice,
-    CudaDevice,
-    Device,
-    DeviceUnavailable,
-    FakeDevice,
-    VirtualEvent,
-    select_device,
-)
+from twostroke.gpu.device import CpuDevice, CudaDevice, Device, DeviceUnavailable
 from twostroke.gpu.dtype import default_dtype
+from twostroke.gpu.fake import CountdownEvent, FakeDevice, VirtualEvent
+from twostroke.gpu.selection import select_device
 
 __all__ = [
     "Completion",

@@ -13,8 +13,8 @@ What differs between devices is only *where* the work runs and *when* its event 
   ``async with device:`` that is one long-lived thread of the device's own
   (:class:`~twostroke.gpu.forward_thread.ForwardThread`), which keeps torch's OpenMP team
   warm; outside, anyio's pooled worker threads.
-* :class:`~twostroke.gpu.fake.FakeDevice` (in :mod:`twostroke.gpu.fake`, importable from here
-  too) is a GPU in virtual time for tests: the work runs inline and its event fires
+* :class:`~twostroke.gpu.fake.FakeDevice` (in :mod:`twostroke.gpu.fake`) is a GPU in virtual
+  time for tests: the work runs inline and its event fires
   ``step_time`` seconds of loop time later, queued behind the steps before it.
 
 A device never raises an exception of the work from ``run``: it goes into the completion, and
@@ -52,13 +52,9 @@ __all__ = [
     "CudaDevice",
     "Device",
     "DeviceUnavailable",
-    "resolve_device",
-    "select_device",
 ]
 
 T = TypeVar("T")
-
-DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
 
 
 class DeviceUnavailable(RuntimeError):
@@ -424,76 +420,3 @@ class _GuardedEvent:
     def query(self) -> bool:
         with torch.cuda.device(self.device):
             return self.event.query()
-
-
-def select_device(kind: str = "auto", *, index: int = 0) -> Device:
-    """Return the device of the given kind.
-
-    Args:
-        kind: ``"auto"`` (CUDA if torch sees a GPU, else the CPU), ``"cuda"``, ``"cpu"`` or
-            ``"fake"`` (:class:`~twostroke.gpu.fake.FakeDevice` with ``step_time=0.0``).
-        index: The CUDA device index; ignored by the other kinds.
-
-    Returns:
-        A new device.
-
-    Raises:
-        TypeError: ``kind`` is not a string or ``index`` not an int.
-        ValueError: ``kind`` is not one of the kinds above, or ``index`` is negative.
-        DeviceUnavailable: ``"cuda"`` was asked for without CUDA, or ``index`` is not a GPU
-            of this machine.
-    """
-    if not isinstance(kind, str):
-        raise TypeError(f"device kind must be a string, got {type(kind).__name__} {kind!r}")
-    if kind not in DEVICE_KINDS:
-        accepted = ", ".join(repr(k) for k in DEVICE_KINDS)
-        raise ValueError(f"device kind must be one of {accepted}, got {kind!r}")
-    _check_index(index)
-    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
-        return CpuDevice()
-    if kind == "fake":
-        return FakeDevice(step_time=0.0)  # (imported at the end of this module)
-    if not torch.cuda.is_available():
-        raise DeviceUnavailable(
-            "device kind 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
-            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
-        )
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise DeviceUnavailable(f"cuda index must be < {count} (the visible GPUs), got {index}")
-    return CudaDevice(index)
-
-
-def resolve_device(device: object) -> Device:
-    """The device that ``Engine.open(device=...)`` names: a :class:`Device` or a kind.
-
-    Args:
-        device: A :class:`Device`, or a kind that :func:`select_device` takes.
-
-    Returns:
-        ``device`` itself, or a new device of that kind.
-
-    Raises:
-        TypeError: ``device`` is neither a :class:`Device` nor a string; the message names
-            the accepted values.
-        ValueError, DeviceUnavailable: as :func:`select_device`.
-    """
-    if isinstance(device, Device):
-        return device
-    if isinstance(device, str):
-        return select_device(device)
-    accepted = ", ".join(repr(kind) for kind in DEVICE_KINDS)
-    raise TypeError(
-        f"device must be a Device or one of {accepted}, got {type(device).__name__} {device!r}"
-    )
-
-
-# The test devices and the dtype policy live in modules of their own, which build on the one
-# above; they are still importable from here, as they always were (hence imports at the end:
-# no cycle).
-from twostroke.gpu.dtype import CPU_BF16_ENV as CPU_BF16_ENV  # noqa: E402
-from twostroke.gpu.dtype import default_dtype as default_dtype  # noqa: E402
-from twostroke.gpu.fake import LOST_CONTEXT as LOST_CONTEXT  # noqa: E402
-from twostroke.gpu.fake import CountdownEvent as CountdownEvent  # noqa: E402
-from twostroke.gpu.fake import FakeDevice as FakeDevice  # noqa: E402
-from twostroke.gpu.fake import VirtualEvent as VirtualEvent  # noqa: E402

@@ -5,7 +5,7 @@ completion fires ``step_time`` seconds of loop time later, behind the steps befo
 "a step is in flight" is a real, controllable state under trio's ``MockClock``; it can also
 lose its context (:meth:`FakeDevice.lose_context`) like a GPU after an illegal address.
 :class:`VirtualEvent` and :class:`CountdownEvent` test polling without a clock of their own.
-``twostroke.gpu.device`` re-exports all of them.
+``select_device("fake")`` (:mod:`twostroke.gpu.selection`) gives a :class:`FakeDevice`.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ from twostroke.engine.runners.loading import DTYPES, default_torch_threads
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
-from twostroke.gpu.device import Device, select_device
+from twostroke.gpu.device import Device
 from twostroke.gpu.forward_thread import ForwardThread
+from twostroke.gpu.selection import select_device
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.plan import RunnerOutput, StepPlan
 
@@ -89,7 +90,7 @@ class TwostrokeDriver:
 
     Args:
         depth: The pipeline depth (2: lookahead, 1: serial).
-        device: Where the engine runs: a kind :func:`~twostroke.gpu.device.select_device`
+        device: Where the engine runs: a kind :func:`~twostroke.gpu.selection.select_device`
             takes (``"cpu"``, ``"cuda"``, ``"auto"``).
         engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields.
     """

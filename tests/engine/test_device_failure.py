@@ -26,7 +26,7 @@ from twostroke.engine import (
     SamplingParams,
 )
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
-from twostroke.gpu.device import LOST_CONTEXT, FakeDevice
+from twostroke.gpu.fake import LOST_CONTEXT, FakeDevice
 from twostroke.states.plan import StepPlan
 
 from .conftest import expected_tokens

@@ -26,7 +26,7 @@ from twostroke.engine import (
     SamplingParams,
 )
 from twostroke.engine.runners.toy import ToyRunner
-from twostroke.gpu.device import FakeDevice
+from twostroke.gpu.fake import FakeDevice
 from twostroke.states.plan import StepPlan
 
 from .conftest import expected_tokens, toy_engine

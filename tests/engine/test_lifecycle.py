@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from twostroke.engine import Engine, EngineDead, RequestCancelled, RequestFailed, SamplingParams
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.completion import Completion, Launched
-from twostroke.gpu.device import FakeDevice
+from twostroke.gpu.fake import FakeDevice
 from twostroke.states.plan import StepPlan
 
 from .conftest import expected_tokens, toy_engine

@@ -9,7 +9,7 @@ import pytest
 
 from twostroke.engine import Engine, RequestOutput, SamplingParams
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
-from twostroke.gpu.device import FakeDevice
+from twostroke.gpu.fake import FakeDevice
 
 pytestmark = pytest.mark.anyio
 

@@ -21,7 +21,7 @@ from twostroke.gpu.completion import (
     PollSchedule,
     ReadyEvent,
 )
-from twostroke.gpu.device import CountdownEvent
+from twostroke.gpu.fake import CountdownEvent
 
 
 @attrs.define(eq=False)

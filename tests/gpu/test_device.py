@@ -17,15 +17,9 @@ import torch
 import trio.testing
 
 from twostroke.gpu.completion import Completion, CompletionAlreadySet, Launched, ReadyEvent
-from twostroke.gpu.device import (
-    CountdownEvent,
-    CpuDevice,
-    CudaDevice,
-    DeviceUnavailable,
-    FakeDevice,
-    VirtualEvent,
-    select_device,
-)
+from twostroke.gpu.device import CpuDevice, CudaDevice, DeviceUnavailable
+from twostroke.gpu.fake import CountdownEvent, FakeDevice, VirtualEvent
+from twostroke.gpu.selection import select_device
 
 # A bound for the thread handshakes below, only reached if the code under test is broken.
 DEADLOCK = 10.0
@@ -636,7 +630,7 @@ def test_the_host_devices_report_the_memory_the_host_has_free() -> None:
 
 
 def test_resolve_device_passes_devices_through_and_selects_kinds() -> None:
-    from twostroke.gpu.device import resolve_device
+    from twostroke.gpu.selection import resolve_device
 
     device = FakeDevice()
     assert resolve_device(device) is device

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from twostroke.gpu import dtype as dtype_module
-from twostroke.gpu.device import CpuDevice, CudaDevice, FakeDevice
+from twostroke.gpu.device import CpuDevice, CudaDevice
 from twostroke.gpu.dtype import default_dtype
+from twostroke.gpu.fake import FakeDevice
 
 
 def test_default_dtype_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,7 @@ from twostroke.engine import (
 )
 from twostroke.engine.surface import EngineSurface
 from twostroke.gpu.completion import Completion, Launched
-from twostroke.gpu.device import FakeDevice
+from twostroke.gpu.fake import FakeDevice
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,8 @@ import torch
 from twostroke.engine.runners import loading
 from twostroke.engine.runners.loading import EmulatedBFloat16Warning, resolve_dtype
 from twostroke.gpu import dtype as dtype_module
-from twostroke.gpu.device import CpuDevice, FakeDevice
+from twostroke.gpu.device import CpuDevice
+from twostroke.gpu.fake import FakeDevice
 
 
 @pytest.fixture(params=[True, False], ids=["native-bf16", "no-native-bf16"])
