@@ -279,13 +279,20 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="module", params=["converted", "cached"])
-def smollm2(
-    request: pytest.FixtureRequest, artifact_cache_in_tmp: Path
-) -> Iterator[tuple[HFTokenizer, Any]]:
-    """Ours converted from the GGUF file, then ours read back from the artifact cache."""
+@pytest.fixture(scope="module")
+def transformers_smollm2() -> Any:
+    """transformers' own tokenizer of the GGUF file: read once (a few seconds), for both of ours."""
     from transformers import AutoTokenizer
 
+    path = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+
+
+@pytest.fixture(scope="module", params=["converted", "cached"])
+def smollm2(
+    request: pytest.FixtureRequest, artifact_cache_in_tmp: Path, transformers_smollm2: Any
+) -> Iterator[tuple[HFTokenizer, Any]]:
+    """Ours converted from the GGUF file, then ours read back from the artifact cache."""
     path = smollm2_gguf()
     if request.param == "converted":  # an earlier test of the session may have cached it
         for entry in artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer"):
@@ -296,8 +303,7 @@ def smollm2(
         mtime = cached.stat().st_mtime_ns
         ours = HFTokenizer.from_pretrained(path)
         assert cached.stat().st_mtime_ns == mtime  # read back, not written again
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    return ours, theirs
+    return ours, transformers_smollm2
 
 
 @pytest.mark.slow
