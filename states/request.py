@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
+from twostroke.states.constraints import Matcher
 from twostroke.states.errors import InvalidTransition
 from twostroke.states.params import SamplingParams
 
@@ -304,6 +305,9 @@ class Request:
     max_tokens: int = attrs.field(
         kw_only=True, default=attrs.Factory(_max_tokens_of_params, takes_self=True)
     )
+    #: The request's position in its constraint's language (``params.constraint``), or
+    #: ``None`` for an unconstrained request. The scheduler advances it with each token.
+    matcher: Matcher | None = attrs.field(kw_only=True, default=None)
 
     _status: RequestStatus = attrs.field(default=RequestStatus.WAITING, init=False)
     _output_token_ids: list[int] = attrs.field(factory=list, init=False)
@@ -437,6 +441,9 @@ class Request:
         """
         output = self._output_token_ids
         params = self.params
+        matcher = self.matcher
+        if matcher is not None and matcher.terminated and matcher.accepting:
+            return FinishReason.STOP
         if len(output) > params.min_tokens:
             last = output[-1]
             if last in params.stop_token_ids or (

@@ -61,6 +61,28 @@ from twostroke.states.scheduler_config import (
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
 
 
+def _constrain(request: Request, token_id: int) -> str | None:
+    """Advance a constrained request's matcher by its new token; why it fails, if it does.
+
+    The sampler picked the token under the mask of allowed tokens, so a refusal means the
+    mask was not applied (a runner that ignores constraints) and a dead end means the
+    vocabulary cannot spell what the constraint needs: either way the request fails rather
+    than deliver output that does not satisfy its constraint. A matcher that raises (its
+    backend gave up, a limit) fails the request with the backend's message.
+    """
+    matcher = request.matcher
+    if matcher is None:
+        return None
+    try:
+        if not matcher.advance(token_id):
+            return f"the constraint does not allow token {token_id} here"
+    except Exception as exc:  # the backend's own error: this request fails, not the engine
+        return f"the constraint failed: {exc}"
+    if matcher.terminated and not matcher.accepting:
+        return "the constraint reached a dead end: no token of the vocabulary continues it"
+    return None
+
+
 class Scheduler:
     """Plans steps over a :class:`BlockPool` and applies their outcomes.
 
@@ -219,6 +241,21 @@ class Scheduler:
         if request is None or request.is_terminal:
             return False
         self._end(request, Finished(FinishReason.STOP, self._clock()))
+        return True
+
+    def fail(self, request_id: int, message: str) -> bool:
+        """Fail a live request for a reason of its own (its constraint's backend gave up).
+
+        Its blocks come back as for a cancel. The engine delivers the failure itself (it is
+        not in any :class:`StepReport`).
+
+        Returns:
+            Whether the request was live.
+        """
+        request = self._requests.get(request_id)
+        if request is None or request.is_terminal:
+            return False
+        self._end(request, Failed(message, self._clock()))
         return True
 
     # --- planning -----------------------------------------------------------------------
@@ -405,6 +442,11 @@ class Scheduler:
             if not entry.sample:
                 continue
             token_id = outcome.sampled[entry.request_id]
+            refusal = _constrain(request, token_id)
+            if refusal is not None:
+                self._end(request, Failed(refusal, now))
+                failed.append(request.request_id)
+                continue
             request.apply(TokenSampled(token_id, now))
             self._num_tokens_generated += 1
             new_tokens.append((request.request_id, token_id))

@@ -9,6 +9,10 @@ live requests, or feeds a wrong pending input changes the output, and
 A request may read positions that another request wrote (a prefix cache hit): a wrong hit
 reads other tokens, and so changes the output too.
 
+A constrained request's token is chosen among the tokens its mask allows (:data:`ChooseToken`,
+by default :func:`toy_choose`), still a pure function of the sequence, so the reference can
+follow the same constraint without a scheduler.
+
 This module is pure and synchronous, like the rest of :mod:`twostroke.states`; the
 hypothesis tools built on it live in :mod:`twostroke.states.testing`.
 """
@@ -17,13 +21,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from twostroke.states.constraints import Matcher
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import RunnerOutput, StepPlan
 
-__all__ = ["NextToken", "SimulatedKV", "SimulationError", "reference_output", "toy_next_token"]
+__all__ = [
+    "ChooseToken",
+    "NextToken",
+    "SimulatedKV",
+    "SimulationError",
+    "reference_output",
+    "toy_choose",
+    "toy_next_token",
+]
 
 #: A "model": maps a whole token sequence to the id of the next token.
 NextToken = Callable[[Sequence[int]], int]
+#: A constrained "model": maps a sequence and the ids its mask allows to the next id.
+ChooseToken = Callable[[Sequence[int], frozenset[int]], int]
 
 
 def toy_next_token(token_ids: Sequence[int], vocab_size: int = 64) -> int:
@@ -44,6 +59,23 @@ def toy_next_token(token_ids: Sequence[int], vocab_size: int = 64) -> int:
     return value % vocab_size
 
 
+def toy_choose(token_ids: Sequence[int], allowed: frozenset[int]) -> int:
+    """A deterministic constrained "model": one of the allowed ids, by a hash of the sequence.
+
+    Args:
+        token_ids: The sequence so far.
+        allowed: The ids the mask allows; with none (a dead end), the unconstrained
+            :func:`toy_next_token`, which the constraint then refuses.
+
+    Returns:
+        The next token id.
+    """
+    if not allowed:
+        return toy_next_token(token_ids)
+    ordered = sorted(allowed)
+    return ordered[toy_next_token(token_ids, vocab_size=1_000_003) % len(ordered)]
+
+
 class SimulationError(AssertionError):
     """The scheduler did something a real device or a real caller would get wrong.
 
@@ -59,13 +91,19 @@ class SimulatedKV:
         num_blocks: Blocks in the cache (the scheduler's pool size).
         block_size: Positions per block.
         next_token: The "model": maps a whole sequence to the next token id.
+        choose: The constrained "model", for rows with a mask.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, next_token: NextToken = toy_next_token
+        self,
+        num_blocks: int,
+        block_size: int,
+        next_token: NextToken = toy_next_token,
+        choose: ChooseToken = toy_choose,
     ) -> None:
         self.block_size = block_size
         self.next_token = next_token
+        self.choose = choose
         # Each slot holds (writer request id, token id), or None before it is written.
         self._slots: list[list[tuple[int, int] | None]] = [
             [None] * block_size for _ in range(num_blocks)
@@ -76,13 +114,16 @@ class SimulatedKV:
         self._written: dict[int, dict[int, int]] = {}
         self.num_steps = 0
 
-    def execute(self, plan: StepPlan) -> RunnerOutput:
+    def execute(
+        self, plan: StepPlan, allowed: Mapping[int, frozenset[int]] | None = None
+    ) -> RunnerOutput:
         """Run one step: write every computed position, then sample from what is stored.
 
         Steps must be executed in plan order, as a device stream would.
 
         Args:
             plan: The step to run.
+            allowed: For constrained requests, the ids their masks allow in this step.
 
         Returns:
             The token sampled for every request of the plan that samples.
@@ -119,7 +160,10 @@ class SimulatedKV:
                 self._read(entry.request_id, entry.block_table, position, plan, fresh)
                 for position in range(entry.end)
             ]
-            sampled[entry.request_id] = self.next_token(context)
+            if allowed is not None and entry.request_id in allowed:
+                sampled[entry.request_id] = self.choose(context, allowed[entry.request_id])
+            else:
+                sampled[entry.request_id] = self.next_token(context)
         self._previous = sampled
         self.num_steps += 1
         return RunnerOutput(step_id=plan.step_id, sampled=sampled)
@@ -178,6 +222,8 @@ def reference_output(
     *,
     eos_token_ids: frozenset[int] = frozenset(),
     next_token: NextToken = toy_next_token,
+    matcher: Matcher | None = None,
+    choose: ChooseToken = toy_choose,
 ) -> tuple[list[int], str]:
     """What a request must produce, computed without any scheduler.
 
@@ -186,9 +232,13 @@ def reference_output(
         params: Its sampling parameters (``max_tokens``, ``min_tokens``, stop ids, EOS).
         eos_token_ids: The model's end-of-sequence ids.
         next_token: The "model" the simulated device uses.
+        matcher: A fresh matcher of the request's constraint, for a constrained request
+            (it is advanced here): each token is chosen among the ones it allows.
+        choose: The constrained "model" the simulated device uses.
 
     Returns:
-        The output ids and the finish reason (``"stop"`` or ``"length"``).
+        The output ids and the finish reason: ``"stop"`` or ``"length"``, or ``"failed"``
+        where the constraint reached a dead end (the output holds the tokens before it).
 
     Raises:
         ValueError: ``params.max_tokens`` is ``None``: this reference knows no context.
@@ -199,7 +249,14 @@ def reference_output(
     tokens = list(prompt_token_ids)
     output: list[int] = []
     while True:
-        token_id = next_token(tokens)
+        if matcher is not None:
+            token_id = choose(tokens, matcher.allowed_token_ids())
+            if not matcher.advance(token_id) or (matcher.terminated and not matcher.accepting):
+                return output, "failed"
+            if matcher.terminated:
+                return [*output, token_id], "stop"
+        else:
+            token_id = next_token(tokens)
         stop = len(output) >= params.min_tokens and (
             token_id in params.stop_token_ids
             or (not params.ignore_eos and token_id in eos_token_ids)

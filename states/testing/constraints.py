@@ -291,6 +291,7 @@ class ReferenceMatcher:
         self.constraint = constraint
         # The state after each token: the output's text, and whether EOS has come.
         self._history: list[tuple[str, bool]] = [("", False)]
+        self._known: dict[str, frozenset[int]] = {}
 
     @property
     def text(self) -> str:
@@ -322,13 +323,26 @@ class ReferenceMatcher:
         return self._history[-1][1] or not self._extensions()
 
     def _extensions(self) -> frozenset[int]:
-        """The tokens other than EOS that keep the output viable."""
+        """The tokens other than EOS that keep the output viable (kept per text: asked often)."""
         if self._history[-1][1]:
             return frozenset()
         text = self.text
-        return frozenset(
-            token for token, piece in self._texts.items() if self._viable(text + piece)
-        )
+        known = self._known.get(text)
+        if known is not None:
+            return known
+        if isinstance(self._language, tuple):
+            found = frozenset(
+                token for token, piece in self._texts.items() if self._viable(text + piece)
+            )
+        else:  # the derivative by the text once, then by each piece
+            state = _derive_text(self._language, text)
+            found = frozenset(
+                token
+                for token, piece in self._texts.items()
+                if not _is_empty(_derive_text(state, piece))
+            )
+        self._known[text] = found
+        return found
 
     def allowed_token_ids(self) -> frozenset[int]:
         return self._extensions() | (self._eos if self.accepting else frozenset())

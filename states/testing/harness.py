@@ -35,9 +35,34 @@ from twostroke.states.simulation import (
     reference_output,
     toy_next_token,
 )
+from twostroke.states.testing.constraints import ReferenceMatcher
 from twostroke.states.testing.queues import running_ids, waiting_ids
 
-__all__ = ["DriveResult", "RequestSpec", "SimulatedEngine", "Workload", "drive", "step_bound"]
+__all__ = [
+    "SIMULATED_VOCABULARY",
+    "DriveResult",
+    "RequestSpec",
+    "SimulatedEngine",
+    "Workload",
+    "drive",
+    "reference_matcher",
+    "step_bound",
+]
+
+#: The text of each of the simulated model's 64 token ids (:func:`toy_next_token`'s), which a
+#: constrained request's :class:`ReferenceMatcher` reads.
+#: Every character of the constraint strategies' alphabet is one of them.
+SIMULATED_VOCABULARY = tuple("ab0 .écdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ12345678")
+assert len(SIMULATED_VOCABULARY) == 64
+
+
+def reference_matcher(
+    params: SamplingParams, eos_token_ids: Iterable[int]
+) -> ReferenceMatcher | None:
+    """A fresh matcher of ``params.constraint`` over :data:`SIMULATED_VOCABULARY`, or ``None``."""
+    if params.constraint is None:
+        return None
+    return ReferenceMatcher(params.constraint, SIMULATED_VOCABULARY, eos_token_ids)
 
 
 def _ints(value: Iterable[int]) -> tuple[int, ...]:
@@ -82,6 +107,7 @@ class RequestSpec:
             params=self.params,
             arrival_time=arrival_time,
             eos_token_ids=self.eos_token_ids,
+            matcher=reference_matcher(self.params, self.eos_token_ids),
         )
 
     def fits(self, config: SchedulerConfig) -> bool:
@@ -219,10 +245,36 @@ class SimulatedEngine:
         admitted: list[int] = []
         if plan is not None:
             admitted = self._check_plan(plan, waiting_before)
-            self._outcomes.append(self.kv.execute(plan))
+            self._outcomes.append(self.kv.execute(plan, self._allowed(plan)))
         self._check_preemptions(plan, running_before, admitted)
         self._after()
         return plan
+
+    def _allowed(self, plan: StepPlan) -> dict[int, frozenset[int]]:
+        """The masks of the plan's constrained rows, as the engine computes them.
+
+        The engine fills a step's masks once every earlier step is applied; here the step
+        executes at planning time, so each matcher is advanced by the tokens the steps in
+        flight sampled for its request (the device knows them), asked, and rolled back.
+        """
+        allowed: dict[int, frozenset[int]] = {}
+        for entry in plan.requests:
+            matcher = self.requests[entry.request_id].matcher
+            if not entry.sample or matcher is None:
+                continue
+            pending = [
+                outcome.sampled[entry.request_id]
+                for outcome in self._outcomes
+                if entry.request_id in outcome.sampled
+            ]
+            advanced = 0
+            for token_id in pending:
+                if not matcher.advance(token_id):
+                    break
+                advanced += 1
+            allowed[entry.request_id] = matcher.allowed_token_ids()
+            matcher.rollback(advanced)
+        return allowed
 
     def complete(self, failure: str | None = None) -> StepReport:
         """Apply the oldest step's outcome, or fail that step with ``failure``."""
@@ -426,6 +478,8 @@ class SimulatedEngine:
                 request.params,
                 eos_token_ids=request.eos_token_ids,
                 next_token=self.next_token,
+                matcher=reference_matcher(request.params, request.eos_token_ids),
+                choose=self.kv.choose,
             )
         return self._references[rid]
 

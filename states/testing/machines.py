@@ -437,6 +437,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_prompt_tokens=self.max_prompt_tokens,
             max_tokens=self.max_tokens,
             scheduling_only=True,
+            constrained=True,
         )
 
     @rule(target=request_ids, data=st.data())

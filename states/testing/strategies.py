@@ -26,6 +26,7 @@ from twostroke.states.validators import MAX_PIPELINE_DEPTH
 __all__ = [
     "CONSTRAINT_ALPHABET",
     "EOS_TEXT",
+    "SCHEDULING_CONSTRAINTS",
     "choices",
     "regexes",
     "request_specs",
@@ -35,6 +36,18 @@ __all__ = [
     "token_vocabularies",
     "workloads",
 ]
+
+#: The constraints :func:`request_specs` gives with ``constrained=True``: a few fixed ones
+#: (drawing :func:`regexes` per spec would cost the scheduler's machines most of their time),
+#: which finish on their own, need EOS, or never finish within a few tokens.
+SCHEDULING_CONSTRAINTS = (
+    Choice(["a", "ab", "b0 a"]),
+    Choice(["é"]),
+    Regex("a(b|0)*"),
+    Regex("[ab]+\\.?"),
+    Regex("(ab|0)*é"),
+    Regex(".*"),
+)
 
 Ints = int | st.SearchStrategy[int]
 VOCAB_SIZE = 64
@@ -107,6 +120,7 @@ def request_specs(
     max_tokens: int = 12,
     vocab_size: int = VOCAB_SIZE,
     scheduling_only: bool = False,
+    constrained: bool = False,
 ) -> RequestSpec:
     """Request specs (prompt, parameters, EOS ids); with ``config``, only ones it serves.
 
@@ -116,6 +130,9 @@ def request_specs(
         max_tokens: Largest ``max_tokens``.
         vocab_size: Token ids lie in ``range(vocab_size)``.
         scheduling_only: As for :func:`sampling_params`.
+        constrained: Give some specs a :func:`choices` or :func:`regexes` constraint (the
+            harness follows it over its
+            :data:`~twostroke.states.testing.harness.SIMULATED_VOCABULARY`).
     """
     capacity = max_prompt_tokens + max_tokens
     if config is not None:
@@ -124,13 +141,17 @@ def request_specs(
     # Long outputs half of the time: decodes that grow into new blocks make preemption.
     room = min(max_tokens, capacity - num_prompt)
     most = st.integers(1, room) | st.just(room)
+    params = draw(
+        sampling_params(max_tokens=most, vocab_size=vocab_size, scheduling_only=scheduling_only)
+    )
+    if constrained:
+        constraint = draw(st.none() | st.sampled_from(SCHEDULING_CONSTRAINTS))
+        params = attrs.evolve(params, constraint=constraint)
     return RequestSpec(
         prompt_token_ids=draw(
             st.lists(st.integers(0, vocab_size - 1), min_size=num_prompt, max_size=num_prompt)
         ),
-        params=draw(
-            sampling_params(max_tokens=most, vocab_size=vocab_size, scheduling_only=scheduling_only)
-        ),
+        params=params,
         eos_token_ids=draw(st.frozensets(st.integers(0, vocab_size - 1), max_size=2)),
     )
 
