@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -37,13 +37,20 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.delivery import Deliveries, Tracked
-from twostroke.engine.errors import EngineClosed, EngineDead, RequestCancelled, RequestRejected
+from twostroke.engine.errors import (
+    EngineClosed,
+    EngineDead,
+    RequestCancelled,
+    RequestFailed,
+    RequestRejected,
+)
 from twostroke.engine.handle import RequestHandle, create_request_handle
 from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.pool_size import size_pool
 from twostroke.engine.prompts import Prompt
-from twostroke.engine.runners.protocol import ModelRunner
+from twostroke.engine.runners.masks import StepMasks
+from twostroke.engine.runners.protocol import MaskingRunner, ModelRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.submit_checks import check_params
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
@@ -52,11 +59,15 @@ from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion, Launched, ReadyEvent
 from twostroke.gpu.device import Device
 from twostroke.gpu.selection import resolve_device
+from twostroke.states.errors import ConstraintRejected, EngineOverloaded
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, TokenLogprobs
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
+
+if TYPE_CHECKING:
+    from twostroke.engine.structured import GrammarCompiler
 
 __all__ = ["Engine"]
 
@@ -67,6 +78,8 @@ class _Plan(NamedTuple):
     plan: StepPlan
     #: Made while a step was in flight or right after one was applied (not after idling).
     continues: bool
+    #: The token masks of its constrained rows (``None``: it has none).
+    masks: StepMasks | None
 
 
 class _Launched(NamedTuple):
@@ -95,6 +108,15 @@ class Engine:
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._model_name = model_name
         self._runner = runner
+        self._masking: MaskingRunner | None = runner if isinstance(runner, MaskingRunner) else None
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = anyio.Lock()
+        # Constrained requests whose constraint is compiling (not in the scheduler yet).
+        self._compiling: set[int] = set()
+        # Masks of steps in flight that wait for the steps before them to be applied.
+        self._pending_masks: dict[int, StepMasks] = {}
+        self._num_mask_rows = 0
+        self._mask_seconds = 0.0
         self._device = device
         max_model_len = config.max_model_len or runner.max_model_len
         self._max_model_len = min(max_model_len, runner.max_model_len)
@@ -277,6 +299,12 @@ class Engine:
                     raise RequestRejected(
                         f"stop_token_ids must be in [0, {vocab}), got {token_id} at index {index}"
                     )
+        constraint = params.constraint
+        if constraint is not None and self._masking is None:
+            raise ConstraintRejected(
+                "constraint",
+                f"this engine's runner ({type(self._runner).__name__}) does not apply constraints",
+            )
         self._scheduler.check_waiting_room()  # cheap: before the tokenizer's work
         prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = params.max_tokens
@@ -291,14 +319,72 @@ class Engine:
             self._eos_token_ids,
             max_tokens=max_tokens,
         )
-        self._scheduler.add_request(request)  # validates; raises before anything changes
+        if constraint is None:
+            self._scheduler.add_request(request)  # validates; raises before anything changes
+        else:
+            self._scheduler.check_request(request)  # queued once its constraint compiled
         writer, handle = create_request_handle(request_id, prompt_token_ids, self._cancel_callback)
         detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request)
         logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self._open.track(Tracked(request, writer, detokenizer, logprobs))
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        if constraint is not None:
+            assert self._task_group is not None
+            self._compiling.add(request_id)
+            self._task_group.start_soon(self._compile_and_queue, request)
         self._wakeup.set()
         return handle
+
+    async def _get_compiler(self) -> GrammarCompiler:
+        """The engine's compiler, made on first use (reading the vocabulary off the loop).
+
+        Raises:
+            ConstraintRejected: the backend is missing or cannot read this tokenizer.
+        """
+        async with self._compiler_lock:
+            if self._compiler is None:
+                try:
+                    from twostroke.engine.structured import GrammarCompiler, Vocabulary
+
+                    vocabulary = await anyio.to_thread.run_sync(
+                        Vocabulary.from_tokenizer, self.tokenizer
+                    )
+                except (ImportError, TypeError) as exc:  # StructuredOutputUnavailable is one
+                    raise ConstraintRejected("constraint", str(exc)) from exc
+                self._compiler = GrammarCompiler(vocabulary)
+            return self._compiler
+
+    async def _compile_and_queue(self, request: Request) -> None:
+        """Compile a request's constraint in a worker thread, then queue the request.
+
+        A refusal (the backend cannot enforce the constraint, or did not compile it in
+        time) ends the request with :class:`ConstraintRejected`; a request cancelled
+        meanwhile is dropped.
+        """
+        request_id = request.request_id
+        constraint = request.params.constraint
+        assert constraint is not None
+        error: Exception | None = None
+        try:
+            compiled = await (await self._get_compiler()).compile(constraint)
+        except ConstraintRejected as exc:
+            error = exc
+        finally:
+            self._compiling.discard(request_id)
+        if request_id not in self._open:  # cancelled, or the engine closed meanwhile
+            self._update_idle()
+            self._wakeup.set()
+            return
+        if error is None:
+            request.matcher = compiled.matcher()
+            try:
+                self._scheduler.add_request(request)
+            except (RequestRejected, EngineOverloaded) as exc:  # the queue filled meanwhile
+                error = exc
+        if error is not None:
+            self._open.end(request_id, error)
+            self._update_idle()
+        self._wakeup.set()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Generate a complete output.
@@ -388,6 +474,8 @@ class Engine:
         self._scheduler.check_invariants()
         for tracked in self._open.values():
             request_id = tracked.request.request_id
+            if request_id in self._compiling:
+                continue
             assert not tracked.writer.handle.done(), f"request {request_id} is done but still open"
             assert self._scheduler.get(request_id) is tracked.request, (
                 f"request {request_id} is open but the scheduler has no record of it"
@@ -414,19 +502,24 @@ class Engine:
         async with self._plans_receive, self._results_send:
             task_status.started()
             try:
-                async for plan, continues in self._plans_receive:
+                async for plan, continues, masks in self._plans_receive:
                     completion: Completion[RunnerOutput] = Completion()
                     await self._results_send.send(_Launched(plan.step_id, completion))
-                    await self._device.run(partial(self._launch, plan, continues), completion)
+                    launch = partial(self._launch, plan, continues, masks)
+                    await self._device.run(launch, completion)
             except Exception as exc:
                 self._die(exc)
 
-    def _launch(self, plan: StepPlan, continues: bool) -> Launched[RunnerOutput]:
+    def _launch(
+        self, plan: StepPlan, continues: bool, masks: StepMasks | None = None
+    ) -> Launched[RunnerOutput]:
         """Time the launch of one step (on the device's thread) and launch it."""
         with self._launches.launch(continues=continues):
-            return self._launch_plan(plan)
+            return self._launch_plan(plan, masks)
 
-    def _launch_plan(self, plan: StepPlan) -> Launched[RunnerOutput]:
+    def _launch_plan(
+        self, plan: StepPlan, masks: StepMasks | None = None
+    ) -> Launched[RunnerOutput]:
         """Launch one step, without the rows that the failure of the step before strands.
 
         With the one-step lookahead, the plan of step N+1 was made before step N failed (and
@@ -446,6 +539,9 @@ class Engine:
                 empty = RunnerOutput(step_id=plan.step_id, sampled={})
                 return Launched(event=ReadyEvent(), readback=lambda: empty)
         try:
+            if masks is not None:
+                assert self._masking is not None  # submit refuses constraints otherwise
+                return self._masking.execute_masked(plan, masks)
             return self._runner.execute(plan)
         except BaseException:
             self._failed_launch = plan
@@ -467,8 +563,9 @@ class Engine:
                         plan = scheduler.schedule()
                         if plan is None:
                             break
+                        masks = self._masks_for(plan)
                         # room for pipeline_depth plans
-                        self._plans_send.send_nowait(_Plan(plan, continues))
+                        self._plans_send.send_nowait(_Plan(plan, continues, masks))
                     self._bookkeeping_seconds += time.perf_counter() - began
                     if not scheduler.num_inflight_steps:
                         self._update_idle()
@@ -479,6 +576,7 @@ class Engine:
                         self._wakeup = anyio.Event()
                         continue
                     await self._complete()
+                    self._publish_oldest_masks()
                     applied = True
         except Exception as exc:
             self._die(exc)
@@ -517,6 +615,61 @@ class Engine:
             report = self._scheduler.apply(StepFailure(launched.step_id, repr(cause)))
         self._open.deliver(report, output, cause)
         self._bookkeeping_seconds += time.perf_counter() - began
+
+    # --- constraints --------------------------------------------------------------------
+
+    def _masks_for(self, plan: StepPlan) -> StepMasks | None:
+        """The masks of a new plan's constrained rows; filled now if no step is before it.
+
+        Otherwise they are filled when the step before it is applied
+        (:meth:`_publish_oldest_masks`): only then have the matchers seen every token before.
+        """
+        constrained = tuple(
+            entry.request_id
+            for entry in plan.requests
+            if entry.sample and entry.params.constraint is not None
+        )
+        if not constrained:
+            return None
+        assert self._compiler is not None  # a constrained request was compiled
+        masks = StepMasks(
+            plan.step_id,
+            constrained,
+            self._compiler.vocabulary.vocab_size,
+            pin_memory=self._device.kind == "cuda",
+        )
+        self._pending_masks[plan.step_id] = masks
+        self._publish_oldest_masks()
+        return masks
+
+    def _publish_oldest_masks(self) -> None:
+        """Fill and publish the masks of the oldest step in flight, if it waits for them.
+
+        Every step before it is applied, so each matcher has advanced by every token its
+        request sampled before this step: while the step's layers run, its masks are filled
+        here and handed over. A matcher that fails to compute its mask fails its request.
+        """
+        inflight = self._scheduler.inflight_plans
+        if not inflight:
+            return
+        masks = self._pending_masks.pop(inflight[0].step_id, None)
+        if masks is None:
+            return
+        began = time.perf_counter()
+        for request_id, row in masks.rows.items():
+            request = self._scheduler.get(request_id)
+            if request is None or request.is_terminal or request.matcher is None:
+                continue  # its sample is dropped: the row may stay empty
+            try:
+                request.matcher.fill_bitmask(masks.bitmask[row].numpy().data)
+            except Exception as exc:  # the backend gave up (MatcherError): this request fails
+                message = f"the constraint failed: {exc}"
+                self._scheduler.fail(request_id, message)
+                self._open.end(request_id, RequestFailed(request_id, message))
+        masks.fill_seconds = time.perf_counter() - began
+        self._mask_seconds += masks.fill_seconds
+        self._num_mask_rows += len(masks.rows)
+        masks.publish()
 
     def _apply_cancels(self) -> None:
         cancels, self._cancels = self._cancels, []
@@ -571,6 +724,9 @@ class Engine:
             self._task_group.cancel_scope.cancel()
 
     def _fail_open_requests(self) -> None:
+        for masks in self._pending_masks.values():
+            masks.abandon()  # a runner waiting for them wakes and fails
+        self._pending_masks.clear()
         for request_id in self._open:
             error: BaseException
             if self._death is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
 
-__all__ = ["check_params"]
+__all__ = ["check_params", "refuse_constraint"]
 
 #: What a submit without parameters gets: one frozen value, shared (not made per submit).
 _DEFAULT_PARAMS = SamplingParams()
@@ -22,18 +22,24 @@ def check_params(params: SamplingParams | None) -> SamplingParams:
 
     Raises:
         TypeError: ``params`` is not a :class:`SamplingParams`.
-        ConstraintRejected: it carries a constraint. The values and the backend exist
-            (``twostroke.engine.structured``), but sampling does not apply their masks yet,
-            so a constrained request is refused rather than answered unconstrained.
     """
     if params is None:
         return _DEFAULT_PARAMS
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def refuse_constraint(params: SamplingParams, surface: str) -> None:
+    """Refuse a constrained request on a surface that cannot carry constraints yet.
+
+    Raises:
+        ConstraintRejected: ``params`` carries a constraint (it is refused rather than
+            answered unconstrained).
+    """
     if params.constraint is not None:
         raise ConstraintRejected(
             "constraint",
-            f"sampling does not apply constraints yet, so a {params.constraint.kind} "
-            "constraint is refused rather than ignored",
+            f"{surface} does not carry constraints to its replicas yet, so a "
+            f"{params.constraint.kind} constraint is refused rather than ignored",
         )
-    return params

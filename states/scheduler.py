@@ -163,6 +163,22 @@ class Scheduler:
                 is queued.
             SchedulerError: the id is in use or the request is not new.
         """
+        self.check_request(request)
+        self._requests[request.request_id] = request
+        self._arrival[request.request_id] = next(self._arrivals)
+        # The newest arrival of all: its place is the back, found without a search.
+        self._waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Return if :meth:`add_request` would take ``request`` now; change nothing.
+
+        The engine asks it before the work that comes ahead of queueing a constrained
+        request (compiling its constraint), so a request it can never serve is refused at
+        once.
+
+        Raises:
+            RequestRejected, EngineOverloaded, SchedulerError: as :meth:`add_request`.
+        """
         config = self.config
         if request.request_id in self._requests:
             raise SchedulerError(f"request id {request.request_id} is already in use")
@@ -188,10 +204,6 @@ class Scheduler:
                 f"{config.block_size}, but the pool has only {config.num_blocks}"
             )
         self.check_waiting_room()
-        self._requests[request.request_id] = request
-        self._arrival[request.request_id] = next(self._arrivals)
-        # The newest arrival of all: its place is the back, found without a search.
-        self._waiting.append(request)
 
     def check_waiting_room(self) -> None:
         """Return if the waiting queue has room for a new request.

@@ -14,12 +14,13 @@ which the runner keeps on the device.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from twostroke.engine.runners.masks import StepMasks
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import RunnerOutput, StepPlan
 
-__all__ = ["ModelRunner"]
+__all__ = ["MaskingRunner", "ModelRunner"]
 
 
 class ModelRunner(Protocol):
@@ -44,5 +45,23 @@ class ModelRunner(Protocol):
         Runs synchronously, possibly in a worker thread; on CUDA it only enqueues work and
         records an event. Steps are executed one at a time, in plan order. An exception
         fails every request of the plan; the runner must stay usable for the next plan.
+        """
+        ...
+
+
+@runtime_checkable
+class MaskingRunner(Protocol):
+    """A runner that applies constraints: the engine gives it a step's token masks.
+
+    The engine submits constrained requests only to a runner with this method.
+    """
+
+    def execute_masked(self, plan: StepPlan, masks: StepMasks | None) -> Launched[RunnerOutput]:
+        """Launch one step whose constrained rows sample under ``masks``.
+
+        ``masks`` (``None`` for a step without constrained rows) may not be filled yet at
+        the launch: the runner waits for them (:meth:`StepMasks.wait`) only where it samples
+        those rows, on the device's thread, or computes them later (a runner that launches
+        inline). Token ids a mask leaves out are never sampled for its row.
         """
         ...

@@ -6,19 +6,28 @@ model. The toy runner keeps a paged "KV cache" of token ids
 (:class:`twostroke.states.simulation.SimulatedKV`) and its next token is a pure function of the
 request's whole sequence *as read back through its block table*: scheduling bugs show up as
 wrong text, and the same prompt always gives the same output.
+
+A constrained request's token is chosen among the ones its mask allows (``choose``, by
+default :func:`toy_text_choose`). The toy never blocks for masks: a step whose masks are not
+filled when it is launched (the lookahead: they depend on the step before's tokens) is
+computed once they are, when it is read back or when the next step is launched, whichever
+comes first; the engine fills them before either can happen.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.text.chat import validate_messages
 from twostroke.gpu.completion import Launched, ReadyEvent
+from twostroke.states.constraints import read_bitmask
 from twostroke.states.plan import RunnerOutput, StepPlan, TokenLogprobs
-from twostroke.states.simulation import SimulatedKV, toy_next_token
+from twostroke.states.simulation import ChooseToken, SimulatedKV, toy_next_token
 
-__all__ = ["ByteTokenizer", "ToyRunner", "toy_text_next_token"]
+__all__ = ["ByteTokenizer", "ToyRunner", "toy_text_choose", "toy_text_next_token"]
 
 #: The toy model writes lowercase words.
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz   "
@@ -31,6 +40,28 @@ def toy_text_next_token(token_ids: Sequence[int], *, eos_rate: float = 0.02) -> 
     if value % 10_000 < eos_rate * 10_000:
         return EOS_TOKEN_ID
     return _ALPHABET[value % len(_ALPHABET)]
+
+
+def toy_text_choose(token_ids: Sequence[int], allowed: frozenset[int]) -> int:
+    """The toy model under a constraint: EOS half of the time where it is allowed, else one
+    of the allowed tokens by a hash of the sequence (nothing allowed: the unconstrained toy)."""
+    if not allowed:
+        return toy_text_next_token(token_ids)
+    value = toy_next_token(token_ids, vocab_size=1_000_003)
+    if EOS_TOKEN_ID in allowed and value % 2:
+        return EOS_TOKEN_ID
+    ordered = sorted(allowed)
+    return ordered[(value >> 1) % len(ordered)]
+
+
+class _MasksEvent:
+    """Fires once a deferred step's masks are filled (the step is computed on readback)."""
+
+    def __init__(self, masks: StepMasks) -> None:
+        self._masks = masks
+
+    def query(self) -> bool:
+        return self._masks.ready
 
 
 class ByteTokenizer:
@@ -80,6 +111,8 @@ class ToyRunner:
             use ``FakeDevice`` virtual time instead).
         fail_when: Called with each plan; if it returns true the step raises
             ``RuntimeError`` (to test failure handling).
+        choose: The model under a constraint: the sequence and the allowed ids to the next
+            id (default :func:`toy_text_choose`).
     """
 
     def __init__(
@@ -89,6 +122,7 @@ class ToyRunner:
         eos_rate: float = 0.02,
         latency: float = 0.0,
         fail_when: Callable[[StepPlan], bool] | None = None,
+        choose: ChooseToken = toy_text_choose,
     ) -> None:
         if not 0 <= eos_rate <= 1:
             raise ValueError(f"eos_rate must be in [0, 1], got {eos_rate}")
@@ -98,7 +132,12 @@ class ToyRunner:
         self._eos_rate = eos_rate
         self._latency = latency
         self._fail_when = fail_when
+        self._choose = choose
         self._kv: SimulatedKV | None = None
+        # A launched step whose masks were not filled yet, and outputs not read back yet.
+        self._lock = threading.Lock()
+        self._deferred: tuple[StepPlan, StepMasks] | None = None
+        self._outputs: dict[int, RunnerOutput] = {}
         self.num_steps = 0
 
     @property
@@ -110,20 +149,61 @@ class ToyRunner:
         return 64 * block_size
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self._kv = SimulatedKV(num_blocks, block_size, self._next_token)
+        self._kv = SimulatedKV(num_blocks, block_size, self._next_token, self._choose)
 
     def _next_token(self, token_ids: Sequence[int]) -> int:
         return toy_text_next_token(token_ids, eos_rate=self._eos_rate)
 
     def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
+        """Run one step without constraints."""
+        return self.execute_masked(plan, None)
+
+    def execute_masked(self, plan: StepPlan, masks: StepMasks | None) -> Launched[RunnerOutput]:
+        """Run one step whose constrained rows sample under ``masks``.
+
+        Never blocks: with masks not filled yet, the step is computed when they are (see
+        the module docstring), and its event fires then.
+        """
         if self._kv is None:
             raise RuntimeError("allocate_kv_cache must be called before the first step")
-        self.num_steps += 1
-        if self._fail_when is not None and self._fail_when(plan):
-            raise RuntimeError(f"injected failure in step {plan.step_id}")
-        if self._latency:
-            time.sleep(self._latency)
-        outcome = self._kv.execute(plan)
+        with self._lock:
+            self._settle()  # the step before, if deferred: its masks are filled by now
+            self.num_steps += 1
+            if self._fail_when is not None and self._fail_when(plan):
+                raise RuntimeError(f"injected failure in step {plan.step_id}")
+            if self._latency:
+                time.sleep(self._latency)
+            if masks is None or masks.ready:
+                output = self._run(self._kv, plan, masks)
+                return Launched(event=ReadyEvent(), readback=lambda: output)
+            self._deferred = (plan, masks)
+        step_id = plan.step_id
+        return Launched(event=_MasksEvent(masks), readback=lambda: self._read(step_id))
+
+    def _settle(self) -> None:
+        if self._deferred is None:
+            return
+        assert self._kv is not None
+        plan, masks = self._deferred
+        self._deferred = None
+        masks.wait()  # filled already (the engine fills them before this can run)
+        self._outputs[plan.step_id] = self._run(self._kv, plan, masks)
+
+    def _read(self, step_id: int) -> RunnerOutput:
+        with self._lock:
+            self._settle()
+            return self._outputs.pop(step_id)
+
+    def _run(self, kv: SimulatedKV, plan: StepPlan, masks: StepMasks | None) -> RunnerOutput:
+        allowed: dict[int, frozenset[int]] | None = None
+        if masks is not None:
+            bitmask = masks.wait()
+            allowed = {
+                entry.request_id: read_bitmask(bitmask[masks.rows[entry.request_id]].numpy().data)
+                for entry in plan.requests
+                if entry.sample and entry.request_id in masks.rows
+            }
+        outcome = kv.execute(plan, allowed)
         logprobs = {
             entry.request_id: TokenLogprobs(
                 token_id=outcome.sampled[entry.request_id],
@@ -133,5 +213,4 @@ class ToyRunner:
             for entry in plan.requests
             if entry.sample and entry.params.logprobs is not None
         }
-        output = RunnerOutput(step_id=plan.step_id, sampled=outcome.sampled, logprobs=logprobs)
-        return Launched(event=ReadyEvent(), readback=lambda: output)
+        return RunnerOutput(step_id=plan.step_id, sampled=outcome.sampled, logprobs=logprobs)

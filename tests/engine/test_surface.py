@@ -78,14 +78,10 @@ async def test_model_name_must_be_text() -> None:
             pass
 
 
-@pytest.mark.parametrize("placement", [None, "local"])
-async def test_a_constrained_request_is_refused_not_answered_unconstrained(
-    placement: str | None,
-) -> None:
+async def test_a_coordinator_refuses_a_constrained_request_rather_than_ignore_it() -> None:
     constraint = Regex("[ab]+")
     async with open_surface(
-        model="toy", replicas=None if placement is None else 1, placement=placement,
-        device="cpu", num_blocks=64, block_size=4,
+        model="toy", replicas=1, placement="local", device="cpu", num_blocks=64, block_size=4,
     ) as surface:  # fmt: skip
         with pytest.raises(ConstraintRejected) as caught:
             surface.submit("hi", SamplingParams(constraint=constraint))
