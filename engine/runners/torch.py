@@ -28,6 +28,7 @@ from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkS
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
+from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
 from twostroke.gpu.staging import to_device
@@ -185,7 +186,16 @@ class TorchModelRunner:
         self._zero_new_blocks([0], self._cache)  # padded decode histories read block 0
 
     def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
+        """Launch one step without constraints (see :meth:`execute_masked`)."""
+        return self.execute_masked(plan, None)
+
+    def execute_masked(self, plan: StepPlan, masks: StepMasks | None) -> Launched[RunnerOutput]:
         """Launch one step (on the CPU: run it) and return how to read its tokens back.
+
+        The constrained rows (those of ``masks``) sample under their masks: once the layers
+        are launched, this waits on the device's thread for the bookkeeping stroke to fill
+        them (on CUDA the layers run meanwhile), copies them to the device and sets the
+        logits they leave out to ``-inf``. A step without constrained rows never waits.
 
         Args:
             plan: The step; plans must come in the scheduler's order.
@@ -202,7 +212,7 @@ class TorchModelRunner:
             raise RunnerError("allocate_kv_cache() must be called before execute()")
         try:
             with torch.inference_mode():
-                return self._execute(plan, self._cache)
+                return self._execute(plan, self._cache, masks)
         except BaseException:
             # A failed step fails all its requests, so nothing may refer to its samples.
             self._previous_sampled = None
@@ -211,7 +221,9 @@ class TorchModelRunner:
 
     # --- one step -------------------------------------------------------------------------
 
-    def _execute(self, plan: StepPlan, cache: KVCache) -> Launched[RunnerOutput]:
+    def _execute(
+        self, plan: StepPlan, cache: KVCache, masks: StepMasks | None = None
+    ) -> Launched[RunnerOutput]:
         history = self._history
         if history is not None:
             for request_id in plan.finished_request_ids:
@@ -249,6 +261,9 @@ class TorchModelRunner:
         logits = self.model(ids, metadata, cache, to_device(logit_rows, device=device))
 
         sampling = [entry for entry in entries if entry.sample]
+        bitmask = None
+        if masks is not None:
+            bitmask = self._apply_masks(logits, sampling, masks)
         batch = self._sampler.prepare(
             [entry.params for entry in sampling], [entry.sample_index for entry in sampling]
         )
@@ -268,13 +283,32 @@ class TorchModelRunner:
         self._num_steps += 1
         staged = _stage(output, device)
         readback = _readback(plan.step_id, sampling, batch.logprob_rows, batch.num_logprobs, staged)
-        keepalive = (ids, metadata, logits, output, staged, token_history)
+        keepalive = (ids, metadata, logits, output, staged, token_history, bitmask)
         event: SupportsQuery = ReadyEvent()
         if device.type == "cuda":
             cuda_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             cuda_event.record()
             event = cuda_event
         return Launched(event, readback, keepalive)
+
+    def _apply_masks(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest], masks: StepMasks
+    ) -> torch.Tensor | None:
+        """Wait for the constrained rows' masks and apply them to their logits, in place."""
+        rows = [row for row, entry in enumerate(sampling) if entry.request_id in masks.rows]
+        if not rows:
+            return None
+        from twostroke.engine.structured.bitmask import apply_bitmask
+
+        host = masks.wait()
+        picked = host.index_select(
+            0, torch.tensor([masks.rows[sampling[r].request_id] for r in rows])
+        )
+        if self.device.type == "cuda":
+            picked = picked.pin_memory()
+        bitmask = picked.to(self.device, non_blocking=True)
+        apply_bitmask(logits, bitmask, to_device(rows, device=self.device))
+        return bitmask
 
     def _zero_new_blocks(self, block_ids: list[int], cache: KVCache) -> None:
         zeroed = self._zeroed

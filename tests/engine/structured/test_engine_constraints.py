@@ -1,0 +1,193 @@
+"""Constrained requests through the whole engine, over the toy runner (arbitrary logits).
+
+The property: whatever the toy's logits (a seeded random choice among the allowed tokens),
+every output that finishes with ``stop`` parses and satisfies its constraint, at depth 1 and
+2, with preemption (a tiny KV pool) and injected step failures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+
+import anyio
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from twostroke.engine import ConstraintRejected, Engine, JsonSchema, RequestFailed, SamplingParams
+from twostroke.engine.runners.toy import EOS_TOKEN_ID, ByteTokenizer, ToyRunner
+from twostroke.gpu.fake import FakeDevice
+from twostroke.states.constraints import Choice, Constraint, Regex
+from twostroke.states.request import FinishReason
+from twostroke.states.testing.strategies import choices, regexes
+
+pytestmark = pytest.mark.anyio
+
+
+def _schemas() -> st.SearchStrategy[dict[str, object]]:
+    leaves = st.sampled_from(
+        [
+            {"type": "boolean"},
+            {"type": "integer", "minimum": -5, "maximum": 120},
+            {"enum": ["red", "green", 3]},
+            {"type": "string", "maxLength": 4},
+            {"type": "string", "pattern": "^[ab]{1,3}$"},
+            {"type": "null"},
+        ]
+    )
+
+    def objects(
+        inner: st.SearchStrategy[dict[str, object]],
+    ) -> st.SearchStrategy[dict[str, object]]:
+        return st.one_of(
+            st.dictionaries(st.sampled_from("xyz"), inner, min_size=1, max_size=3).map(
+                lambda props: {
+                    "type": "object",
+                    "properties": props,
+                    "required": sorted(props),
+                    "additionalProperties": False,
+                }
+            ),
+            inner.map(lambda item: {"type": "array", "items": item, "maxItems": 2}),
+        )
+
+    return st.recursive(leaves, objects, max_leaves=4)
+
+
+def _chooser(seed: int) -> object:
+    """Arbitrary logits: a seeded random pick among the allowed ids, EOS favoured."""
+
+    def choose(token_ids: Sequence[int], allowed: frozenset[int]) -> int:
+        rng = random.Random(hash((seed, len(token_ids), tuple(token_ids[-4:]))))
+        if not allowed:
+            return 0
+        if EOS_TOKEN_ID in allowed and rng.random() < 0.5:
+            return EOS_TOKEN_ID
+        closers = sorted(allowed & set(b'"}]'))
+        if closers and rng.random() < 0.4:
+            return rng.choice(closers)
+        return rng.choice(sorted(allowed))
+
+    return choose
+
+
+def _satisfies(constraint: Constraint, text: str) -> None:
+    if isinstance(constraint, JsonSchema):
+        jsonschema.validate(json.loads(text), constraint.parsed())
+    elif isinstance(constraint, Regex):
+        assert re.fullmatch(constraint.pattern, text, flags=re.DOTALL), (constraint, text)
+    else:
+        assert isinstance(constraint, Choice)
+        assert text in constraint.choices, (constraint, text)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    constraints=st.lists(
+        st.one_of(_schemas().map(JsonSchema), regexes(), choices()), min_size=1, max_size=4
+    ),
+    seed=st.integers(0, 2**16),
+    depth=st.sampled_from([1, 2]),
+    num_blocks=st.sampled_from([6, 64]),
+    fail_step=st.none() | st.integers(0, 12),
+)
+async def test_every_output_that_stops_satisfies_its_constraint(
+    constraints: list[Constraint], seed: int, depth: int, num_blocks: int, fail_step: int | None
+) -> None:
+    runner = ToyRunner(
+        choose=_chooser(seed),  # type: ignore[arg-type]
+        fail_when=lambda plan: plan.step_id == fail_step,
+    )
+    stopped: list[tuple[Constraint, str]] = []
+    async with Engine.open(
+        runner=runner, tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=num_blocks,
+        block_size=4, pipeline_depth=depth,
+    ) as engine:  # fmt: skip
+
+        async def one(index: int, constraint: Constraint | None) -> None:
+            params = SamplingParams(max_tokens=16, constraint=constraint)
+            try:
+                output = await engine.generate(f"request {index}", params)
+            except (RequestFailed, ConstraintRejected):
+                return
+            if output.finish_reason is FinishReason.STOP and constraint is not None:
+                stopped.append((constraint, output.text))
+
+        async with anyio.create_task_group() as group:
+            for index, constraint in enumerate(constraints):
+                group.start_soon(one, index, constraint)
+            group.start_soon(one, len(constraints), None)  # unconstrained beside them
+        await engine.wait_idle()
+        engine.check_invariants()
+        assert engine.statistics().num_free_blocks == engine.statistics().num_blocks
+    for constraint, text in stopped:
+        _satisfies(constraint, text)
+    STOPPED.append(len(stopped))
+
+
+#: How many constrained outputs each example saw finish with stop (the property is not empty).
+STOPPED: list[int] = []
+
+
+def test_the_property_saw_outputs_that_stop() -> None:
+    """Run after the property (same module, in order): some examples had outputs to check."""
+    if STOPPED:
+        assert sum(STOPPED) >= len(STOPPED), STOPPED
+
+
+async def test_constrained_requests_overlap_on_the_cpu_device_at_depth_2() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device="cpu", num_blocks=32,
+        block_size=4, pipeline_depth=2,
+    ) as engine:  # fmt: skip
+        outputs = []
+        async with anyio.create_task_group() as group:
+
+            async def one(index: int) -> None:
+                params = SamplingParams(max_tokens=24, constraint=JsonSchema(schema))
+                outputs.append(await engine.generate(f"p{index}", params))
+
+            for index in range(4):
+                group.start_soon(one, index)
+            group.start_soon(engine.generate, "plain", SamplingParams(max_tokens=8))
+    for output in outputs:
+        assert output.finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(output.text), schema)
+
+
+async def test_a_constraint_the_backend_refuses_ends_the_handle_with_constraint_rejected() -> None:
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
+        block_size=4,
+    ) as engine:  # fmt: skip
+        with pytest.raises(ConstraintRejected) as refused:
+            await engine.generate("x", SamplingParams(constraint=Regex("(?<=a)b")))
+        assert refused.value.field == "constraint.pattern"
+        output = await engine.generate("x", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output.token_ids) == 3
+        await engine.wait_idle()
+        engine.check_invariants()
+
+
+async def test_cancelling_a_request_while_its_constraint_compiles_drops_it() -> None:
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
+        block_size=4,
+    ) as engine:  # fmt: skip
+        handle = engine.submit("x", SamplingParams(constraint=Choice(["yes", "no"])))
+        handle.cancel()
+        await engine.wait_idle()
+        engine.check_invariants()
+        assert engine.statistics().num_waiting == 0
