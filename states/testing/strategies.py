@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 from hypothesis import strategies as st
 
-from twostroke.states.constraints import Choice, Regex
+from twostroke.states.constraints import Choice, Constraint, Regex
 from twostroke.states.params import MAX_LOGPROBS, SamplingParams
 from twostroke.states.request import (
     Request,
@@ -40,7 +40,7 @@ __all__ = [
 #: The constraints :func:`request_specs` gives with ``constrained=True``: a few fixed ones
 #: (drawing :func:`regexes` per spec would cost the scheduler's machines most of their time),
 #: which finish on their own, need EOS, or never finish within a few tokens.
-SCHEDULING_CONSTRAINTS = (
+SCHEDULING_CONSTRAINTS: tuple[Constraint, ...] = (
     Choice(["a", "ab", "b0 a"]),
     Choice(["é"]),
     Regex("a(b|0)*"),
@@ -145,7 +145,7 @@ def request_specs(
         sampling_params(max_tokens=most, vocab_size=vocab_size, scheduling_only=scheduling_only)
     )
     if constrained:
-        constraint = draw(st.none() | st.sampled_from(SCHEDULING_CONSTRAINTS))
+        constraint: Constraint | None = draw(st.none() | st.sampled_from(SCHEDULING_CONSTRAINTS))
         params = attrs.evolve(params, constraint=constraint)
     return RequestSpec(
         prompt_token_ids=draw(
