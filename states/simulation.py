@@ -193,7 +193,7 @@ class SimulatedKV:
                 "the same step"
             )
         stored = self._slots[block][slot]
-        own = self._written.get(request_id, {}).get(position)
+        own = self._written[request_id].get(position)  # every reader of a step wrote in it
         if stored is None or (own is not None and stored[1] != own):
             writer = "nobody" if stored is None else f"request {stored[0]} ({stored[1]})"
             raise SimulationError(
