@@ -39,6 +39,18 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    _quantization_argument(parser)
+
+
+def _quantization_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp16", "int8"],
+        help="hold the projection weights in float16 or int8, activations at full precision "
+        "(CPU; quality per mode in docs/models.md; default: weights in the model's dtype)",
+    )
 
 
 def _replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
+    _quantization_argument(serve)
     serve.add_argument(
         "--max-body-bytes",
         type=_max_body_bytes,
@@ -257,7 +270,11 @@ async def _generate(args: argparse.Namespace) -> None:
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
     opened = open_surface(
-        args.model, replicas=args.replicas, placement=args.placement, device=args.device
+        args.model,
+        replicas=args.replicas,
+        placement=args.placement,
+        device=args.device,
+        quantization=args.quantization,
     )
     async with opened as engine:
         async with engine.stream(prompt, _params(args)) as deltas:
@@ -268,7 +285,9 @@ async def _generate(args: argparse.Namespace) -> None:
 
 async def _chat(args: argparse.Namespace) -> None:
     messages: list[dict[str, str]] = []
-    async with Engine.open(args.model, device=args.device) as engine:
+    async with Engine.open(
+        args.model, device=args.device, quantization=args.quantization
+    ) as engine:
         while True:
             try:
                 line = await anyio.to_thread.run_sync(input, "> ")
@@ -289,7 +308,9 @@ async def _chat(args: argparse.Namespace) -> None:
 
 async def _demo(args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    async with Engine.open(args.model, device=args.device) as engine:
+    async with Engine.open(
+        args.model, device=args.device, quantization=args.quantization
+    ) as engine:
         loaded = time.perf_counter()
         blocks = engine.statistics().num_blocks
         print(
@@ -338,6 +359,7 @@ async def _serve(args: argparse.Namespace) -> None:
         "model_name": args.served_model_name,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        "quantization": args.quantization,
     }
     max_waiting_requests = args.max_waiting_requests or DEFAULT_MAX_WAITING_REQUESTS
     # The engine (each replica's) refuses past it too: the server's check counts the
@@ -395,6 +417,7 @@ def _bench(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         compare_prefix_caching=args.compare_prefix_caching,
+        quantizations=tuple(args.quantization or ()),
     )
     if args.replicas is not None:
         from twostroke.engine.bench.coordinator_driver import coordinator_drivers

@@ -61,6 +61,14 @@ class EngineConfig(SchedulingPolicy):
         dtype: Weights and activations: ``"auto"`` (bfloat16 where the device computes it
             fast, else float32 on the CPU and float16 on CUDA), ``"float32"``,
             ``"bfloat16"`` or ``"float16"``.
+        quantization: The decoder's projection weights in reduced precision, activations
+            in ``dtype``, as vLLM's option of the same name quantizes an unquantized
+            checkpoint as it loads: ``"fp16"`` (float16 weights) or ``"int8"`` (int8
+            weights, one scale per output channel; activations quantized per call). CPU
+            only (fbgemm); where the kernel does not run, the engine warns
+            (:class:`~twostroke.engine.models.quantization.QuantizationUnavailable`) and
+            keeps full precision. ``None`` (the default): weights in ``dtype``. Quality per
+            mode is measured in docs/models.md.
         torch_threads: torch's intra-op threads for the forward pass (process-wide). ``None``
             takes every core on the CPU (see
             :func:`~twostroke.engine.runners.loading.default_torch_threads`) and leaves
@@ -87,6 +95,9 @@ class EngineConfig(SchedulingPolicy):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
+    )
+    quantization: Literal["fp16", "int8"] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(one_of("fp16", "int8"))
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     step_timeout: float | None = attrs.field(

@@ -245,6 +245,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run twostroke at depth 2 with prefix caching off",
     )
+    parser.add_argument(
+        "--quantization",
+        action="append",
+        choices=("fp16", "int8"),
+        default=None,
+        help="also run twostroke at depth 2 with the projection weights in this precision "
+        "(a row per mode; repeat for both)",
+    )
     parser.add_argument("--rate", type=float, default=4.0, help="serving: requests per second")
     parser.add_argument(
         "--burstiness", type=float, default=1.0, help="serving: gamma shape (1 = Poisson)"

@@ -101,6 +101,8 @@ class TwostrokeDriver:
         self.name = f"twostroke-depth{depth}"
         if engine_options.get("enable_prefix_caching") is False:
             self.name += "-nocache"
+        if engine_options.get("quantization") is not None:
+            self.name += f"-{engine_options['quantization']}"
         self.engine_options = engine_options
         self.recording: _Recording | None = None
 
@@ -118,7 +120,12 @@ class TwostrokeDriver:
     def _run(self, workload: Workload, model: ModelSpec) -> SystemResult:
         started = time.perf_counter()
         torch_device = self.new_device().torch_device
-        loaded = load_model(model.name, dtype=DTYPES[model.dtype], device=torch_device)
+        loaded = load_model(
+            model.name,
+            dtype=DTYPES[model.dtype],
+            device=torch_device,
+            quantization=self.engine_options.get("quantization"),
+        )
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
         warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)
         started += warmup
@@ -156,6 +163,7 @@ class TwostrokeDriver:
                 "forward_idle_s": round(stats.forward_idle_seconds, 3),
                 "warmup_s": round(warmup, 1),
                 "weights": "GGUF dequantized" if loaded.source.suffix == ".gguf" else "HF",
+                "quantization": loaded.quantization,
             },
         )
 
@@ -185,7 +193,7 @@ class TwostrokeDriver:
 
 
 #: The (model, dtype, threads, device) this process has run a warm-up pass for.
-_WARMED: set[tuple[str, str, int, str]] = set()
+_WARMED: set[tuple[str, str, str | None, int, str]] = set()
 
 #: Output tokens per request in the warm-up pass: every prompt chunk, then a few decodes.
 WARMUP_TOKENS = 8
@@ -210,7 +218,8 @@ def _warm_up(
     whichever twostroke system ran first (twostroke-depth2). The peers get no such pass: vLLM
     warms up in its own start-up, and HF static batching has one prefill and one decode shape.
     """
-    key = (model.name, model.dtype, torch.get_num_threads(), driver.device)
+    quantization = engine_options.get("quantization")
+    key = (model.name, model.dtype, quantization, torch.get_num_threads(), driver.device)
     if key in _WARMED:
         return 0.0
     _WARMED.add(key)
@@ -326,10 +335,15 @@ class BareForwardDriver:
 
 
 def engine_drivers(
-    *, compare_prefix_caching: bool = False, device: str = "cpu", **engine_options: Any
+    *,
+    compare_prefix_caching: bool = False,
+    device: str = "cpu",
+    quantizations: tuple[str, ...] = (),
+    **engine_options: Any,
 ) -> list[Any]:
-    """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1, and
-    with ``compare_prefix_caching`` depth 2 without prefix caching; all on ``device``."""
+    """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1,
+    with ``compare_prefix_caching`` depth 2 without prefix caching, and depth 2 with each
+    of ``quantizations`` (weight precisions); all on ``device``."""
     depth2 = TwostrokeDriver(2, device=device, **engine_options)
     drivers = [
         depth2,
@@ -338,5 +352,8 @@ def engine_drivers(
     ]
     if compare_prefix_caching:
         options = engine_options | {"enable_prefix_caching": False}
+        drivers.append(TwostrokeDriver(2, device=device, **options))
+    for quantization in quantizations:
+        options = engine_options | {"quantization": quantization}
         drivers.append(TwostrokeDriver(2, device=device, **options))
     return drivers

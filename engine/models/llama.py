@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,13 @@ from twostroke.engine.models.attention import paged_attention, write_kv
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache
+from twostroke.engine.models.quantization import (
+    Quantization,
+    QuantizationUnavailable,
+    QuantizedWeight,
+    kernel_available,
+    unavailable_message,
+)
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
 
@@ -68,17 +76,31 @@ class Linear(nn.Module):
         self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
         self.packed = False
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
         if self.packed:
             return _packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
         """Replace the weight by its oneDNN-packed copy (see :func:`can_pack`); no way back."""
-        if not self.packed:
+        if not self.packed and self.quantized is None:
             self.weight = nn.Parameter(_pack(self.weight), requires_grad=False)
             self.packed = True
+
+    def quantize(self, kind: Quantization) -> None:
+        """Replace weight and bias by a :class:`QuantizedWeight`; no way back.
+
+        The dense weight is dropped (an empty tensor stays in its place), so the module
+        holds one copy of its weights.
+        """
+        if self.quantized is None and not self.packed:
+            self.quantized = QuantizedWeight(self.weight, self.bias, kind)
+            self.weight = _empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            self.bias = None
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -316,6 +338,7 @@ class LlamaForCausalLM(nn.Module):
         # itself stays dense: lookups index it), set by pack_weights().
         self._packed_embedding: torch.Tensor | None = None
         self._packed = False
+        self._quantization: Quantization | None = None
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
 
@@ -377,6 +400,46 @@ class LlamaForCausalLM(nn.Module):
             if self.lm_head is None:
                 self._packed_embedding = _pack(self.embed_tokens)
         self._packed = True
+        return True
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """The projections' weight precision set by :meth:`quantize_weights`, if any."""
+        return self._quantization
+
+    def quantize_weights(self, kind: Quantization) -> bool:
+        """Hold every decoder projection's weight in ``kind`` (see :mod:`.quantization`).
+
+        A last step of loading, like :meth:`pack_weights` (call it first: packing then
+        leaves the quantized projections alone). The embedding and the output projection
+        keep the model's dtype. Where ``kind``'s kernel does not run (any device but the
+        CPU, or a torch without it), warns once with :class:`QuantizationUnavailable` and
+        leaves the weights as they are.
+
+        Returns:
+            Whether the weights are now held in ``kind``.
+
+        Raises:
+            RuntimeError: the weights are packed or quantized (differently) already.
+        """
+        if self._quantization == kind:
+            return True
+        if self._packed or self._quantization is not None:
+            raise RuntimeError(
+                f"cannot quantize to {kind!r}: the weights are packed or quantized already"
+            )
+        if not kernel_available(kind, self.device):
+            warnings.warn(
+                unavailable_message(kind, self.device), QuantizationUnavailable, stacklevel=2
+            )
+            return False
+        # One thread, as pack_weights: memory-bound conversions on a possibly busy machine.
+        with torch_threads(1):
+            for layer in self.layers:
+                for module in layer.modules():
+                    if isinstance(module, Linear):
+                        module.quantize(kind)
+        self._quantization = kind
         return True
 
     def allocate_kv_cache(
@@ -474,6 +537,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if self._packed:
             raise RuntimeError(f"cannot load {name!r}: the weights are packed already")
+        if self._quantization is not None:
+            raise RuntimeError(f"cannot load {name!r}: the weights are quantized already")
         if _IGNORED.match(name):
             return
         target = self._target(name)

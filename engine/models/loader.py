@@ -38,6 +38,7 @@ from twostroke.engine.models.artifacts import ArtifactCache
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.gguf_file import read_gguf
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
+from twostroke.engine.models.quantization import Quantization
 from twostroke.gpu.dtype import default_dtype
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
@@ -102,6 +103,8 @@ class LoadedModel:
         dtype: The weights' dtype.
         device: Where the weights live.
         load_seconds: Wall time the load took.
+        quantization: The projections' weight precision, if reduced (see
+            :mod:`~twostroke.engine.models.quantization`); ``None``: ``dtype``.
     """
 
     config: ModelConfig
@@ -110,6 +113,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float = 0.0
+    quantization: Quantization | None = None
 
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
@@ -156,6 +160,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device,
     pack_weights: bool = True,
+    quantization: Quantization | None = None,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
 
@@ -167,6 +172,12 @@ def load_model(
         device: Where to put the weights.
         pack_weights: Pack the projections for oneDNN where that works (see
             :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
+        quantization: Hold the decoder's projection weights in ``"fp16"`` or ``"int8"``
+            (activations stay in ``dtype``; see
+            :mod:`~twostroke.engine.models.quantization`). Where the kernel does not run
+            here, warns with
+            :class:`~twostroke.engine.models.quantization.QuantizationUnavailable` and
+            keeps full precision (``LoadedModel.quantization`` is then ``None``).
 
     Returns:
         The loaded decoder and where it came from.
@@ -195,6 +206,8 @@ def load_model(
                 path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
             )
         module.eval()
+        if quantization is not None:
+            module.quantize_weights(quantization)
         if pack_weights:
             module.pack_weights()
     return LoadedModel(
@@ -204,6 +217,7 @@ def load_model(
         dtype=dtype,
         device=device,
         load_seconds=time.perf_counter() - started,
+        quantization=module.quantization,
     )
 
 

@@ -155,7 +155,9 @@ def load_runner(
     from twostroke.engine.text.tokenizer import HFTokenizer
 
     dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(model, dtype=dtype, device=device.torch_device)
+    loaded = load_model(
+        model, dtype=dtype, device=device.torch_device, quantization=config.quantization
+    )
     runner = TorchModelRunner.from_loaded(
         loaded, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs
     )
