@@ -1,0 +1,153 @@
+"""Quality of each weight precision against float32 on SmolLM2 (not a test): the table of
+docs/models.md.
+
+For each ``quantization`` mode (float32 weights, ``"fp16"``, ``"int8"``), all with float32
+activations:
+
+* greedy agreement: 20 prompts that no test uses, 128 greedy tokens each (EOS ignored, 2,560
+  tokens in all) through ``LLM``, the whole engine; per prompt, the tokens that equal
+  float32's before the first that differs;
+* perplexity of the held-out text shipped with the tests (``tests/engine/data/heldout.txt``),
+  one sequence through ``forward_logits``; and the largest logit difference from float32
+  on it.
+
+Prints a Markdown table (and ``--json`` writes the figures). The CPU capability is printed
+with it: fbgemm's kernels differ between AVX2 and AVX-512 machines.
+
+    .venv/bin/python scripts/weight_quality.py [--modes none fp16 int8] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twostroke.engine import LLM, SamplingParams
+from twostroke.engine.models.loader import load_model
+from twostroke.engine.text.tokenizer import HFTokenizer
+
+HELDOUT = Path(__file__).resolve().parent.parent / "tests" / "engine" / "data" / "heldout.txt"
+
+PROMPTS = (
+    "The history of the printing press begins",
+    "To bake a loaf of sourdough bread, you first need",
+    "In a distant galaxy, a small robot named Pico",
+    "The three laws of thermodynamics can be summarized as",
+    "Dear hiring manager, I am writing to apply for",
+    "The best way to learn a new programming language is",
+    "Photosynthesis is the process by which plants",
+    "Once upon a time, in a village at the edge of a forest,",
+    "The main causes of the French Revolution were",
+    "Here is a short Python function that reverses a string:",
+    "A healthy breakfast should include",
+    "The stock market crashed in 1929 because",
+    "My favourite season of the year is autumn, because",
+    "Volcanoes form when",
+    "The difference between a virus and a bacterium is",
+    "Instructions for assembling a bookshelf: Step 1.",
+    "The ocean covers more than seventy percent of",
+    "If you want to improve your sleep, try",
+    "The old sailor looked at the horizon and said,",
+    "Machine learning models are trained by",
+)
+
+
+def greedy(quantization: str | None, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM("smollm2", dtype="float32", quantization=quantization) as llm:
+        outputs = llm.generate(list(PROMPTS), params, progress=False)
+    return [list(output.token_ids) for output in outputs]
+
+
+def heldout_logits(quantization: str | None, ids: list[int]) -> torch.Tensor:
+    loaded = load_model(
+        "smollm2", dtype=torch.float32, device=torch.device("cpu"), quantization=quantization
+    )
+    return loaded.module.forward_logits([ids], chunk_size=256, block_size=16)[0]
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    targets = torch.tensor(ids[1:])
+    nll = torch.nn.functional.cross_entropy(logits[:-1], targets)
+    return math.exp(nll.item())
+
+
+def agreement(reference: list[list[int]], tokens: list[list[int]]) -> list[int]:
+    """Per prompt, the leading tokens equal to the reference's."""
+    counts = []
+    for ours, theirs in zip(tokens, reference, strict=True):
+        same = 0
+        while same < min(len(ours), len(theirs)) and ours[same] == theirs[same]:
+            same += 1
+        counts.append(same)
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", default=["none", "fp16", "int8"])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
+    ids = HFTokenizer.from_pretrained(loaded.source).encode(HELDOUT.read_text())
+    del loaded
+    modes: list[str | None] = [None if mode == "none" else mode for mode in args.modes]
+    if None not in modes:
+        modes.insert(0, None)
+    rows: dict[str, dict[str, Any]] = {}
+    reference_tokens: list[list[int]] = []
+    reference_logits = torch.empty(0)
+    for mode in modes:
+        started = time.perf_counter()
+        tokens = greedy(mode, args.max_tokens)
+        logits = heldout_logits(mode, ids)
+        if mode is None:
+            reference_tokens, reference_logits = tokens, logits
+        counts = agreement(reference_tokens, tokens)
+        pairs = zip(counts, reference_tokens, strict=True)
+        rows[mode or "none"] = {
+            "perplexity": perplexity(logits, ids),
+            "max_logit_diff": float((logits - reference_logits).abs().max()),
+            "agreeing_tokens": sum(counts),
+            "generated_tokens": sum(len(t) for t in reference_tokens),
+            "prompts_identical": sum(c == len(t) for c, t in pairs),
+            "first_divergence_min": min(counts),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+    base = rows["none"]["perplexity"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(
+        f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), float32 activations; "
+        f"{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens; held-out text "
+        f"{len(ids)} tokens; CPU capability {capability}, torch {torch.__version__}\n"
+    )
+    print(
+        "| weights | perplexity | vs float32 | greedy tokens equal to float32's "
+        "(before first divergence) | prompts identical | earliest divergence | "
+        "max logit diff |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        label = "float32" if name == "none" else f'`quantization="{name}"`'
+        print(
+            f"| {label} | {row['perplexity']:.3f} | {100 * (row['perplexity'] / base - 1):+.2f} % "
+            f"| {row['agreeing_tokens']} / {row['generated_tokens']} "
+            f"({100 * row['agreeing_tokens'] / row['generated_tokens']:.1f} %) "
+            f"| {row['prompts_identical']} / {len(PROMPTS)} | token {row['first_divergence_min']} "
+            f"| {row['max_logit_diff']:.3g} |"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"capability": capability, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
