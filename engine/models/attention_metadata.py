@@ -22,6 +22,7 @@ __all__ = [
     "AttentionKernel",
     "AttentionMetadata",
     "ChunkSpec",
+    "DecodeBags",
     "DecodeGroup",
     "PrefillChunk",
     "default_group_overhead",
@@ -29,14 +30,20 @@ __all__ = [
     "split_decodes",
 ]
 
-#: How attention is computed: batched matrix products with a float32 softmax between them,
-#: or ``scaled_dot_product_attention``.
-AttentionKernel = Literal["matmul", "sdpa"]
+#: How decodes attend: ``"bag"`` reads keys and values in place through the block tables
+#: (two ``embedding_bag`` calls; the cache then holds each block's keys transposed), or over
+#: gathered histories: batched matrix products with a float32 softmax between them
+#: (``"matmul"``), or ``scaled_dot_product_attention`` (``"sdpa"``).
+AttentionKernel = Literal["bag", "matmul", "sdpa"]
 
 
 def default_kernel(device: torch.device) -> AttentionKernel:
-    """SDPA on CUDA (its fused kernels win there), batched matrix products elsewhere."""
-    return "sdpa" if device.type == "cuda" else "matmul"
+    """SDPA on CUDA (its fused kernels win there), in-place bags elsewhere.
+
+    On the CPU the bags beat gathering the histories for the products: SmolLM2's batch-32
+    decode step, whole, measured in one process on an AVX2 EPYC (see docs/performance.md).
+    """
+    return "sdpa" if device.type == "cuda" else "bag"
 
 
 def default_group_overhead(device: torch.device) -> int | None:
@@ -137,6 +144,35 @@ class ChunkSpec:
 
 
 @attrs.frozen
+class DecodeBags:
+    """Where the ``"bag"`` kernel reads a decode group's keys and values, in place.
+
+    Keys: one bag per (decode, query head, block of its padded table), a weighted sum of the
+    ``head_dim`` rows of the block's transposed keys (``[head_dim, block_size]`` per block
+    and head) with the query as weights, which is that block's ``block_size`` scores. Bags
+    past a decode's own blocks are empty (their scores are masked). Values: one bag per
+    (decode, query head), a weighted sum of its history's value rows with the probabilities
+    as weights.
+
+    Attributes:
+        key_index: Rows of the layer's keys viewed as ``[-1, block_size]``.
+        key_offsets: Start of each key bag in ``key_index``, ``[num_decodes * heads * W]``.
+        query_rows: Row of ``query.view(-1, head_dim)`` weighting each non-empty key bag.
+        value_index: Rows of the layer's values viewed as ``[-1, head_dim]``.
+        value_offsets: Start of each value bag, ``[num_decodes * heads]``.
+        prob_index: Element of the probabilities ``[num_decodes * heads * W * block_size]``
+            weighting each entry of ``value_index``.
+    """
+
+    key_index: torch.Tensor
+    key_offsets: torch.Tensor
+    query_rows: torch.Tensor
+    value_index: torch.Tensor
+    value_offsets: torch.Tensor
+    prob_index: torch.Tensor
+
+
+@attrs.frozen
 class DecodeGroup:
     """Consecutive decodes attended in one call, their histories padded to the longest.
 
@@ -145,16 +181,18 @@ class DecodeGroup:
         num_decodes: Rows of the group.
         gather: Rows of the cache view ``[2 * num_blocks * num_kv_heads, block_size,
             head_dim]`` holding the histories, keys then values, decode by decode and head
-            by head.
+            by head; ``None`` for the ``"bag"`` kernel, which reads in place.
         mask: The additive key mask: float32 ``[num_decodes, 1, keys]`` for the
-            ``"matmul"`` kernel, ``[num_decodes, 1, 1, keys]`` in the model's dtype for
-            ``"sdpa"``.
+            ``"matmul"`` and ``"bag"`` kernels, ``[num_decodes, 1, 1, keys]`` in the
+            model's dtype for ``"sdpa"``.
+        bags: The ``"bag"`` kernel's indices, else ``None``.
     """
 
     offset: int
     num_decodes: int
-    gather: torch.Tensor
+    gather: torch.Tensor | None
     mask: torch.Tensor
+    bags: DecodeBags | None = None
 
 
 @attrs.frozen
@@ -193,7 +231,11 @@ class AttentionMetadata:
             of each token.
         write_index: ``[2 * num_tokens * num_kv_heads]`` rows of the layer's cache viewed as
             ``[-1, head_dim]`` that the step's keys, then its values, go to, token by token
-            and head by head.
+            and head by head. With :attr:`keys_transposed`, ``[num_tokens * num_kv_heads]``
+            rows of the values only (``layer_cache[1]`` viewed as ``[-1, head_dim]``).
+        key_write_index: With :attr:`keys_transposed`, ``[num_tokens * num_kv_heads *
+            head_dim]`` elements of ``layer_cache[0]`` (flat) that the step's keys go to,
+            token by token, head by head, dimension by dimension; else ``None``.
         num_decodes: The leading single-token chunks, attended in batched calls.
         decode_groups: The decodes, cut into groups of similar lengths.
         kernel: How the decodes attend.
@@ -207,10 +249,21 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeGroup, ...]
     kernel: AttentionKernel
     prefills: tuple[PrefillChunk, ...]
+    key_write_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def keys_transposed(self) -> bool:
+        """Whether the cache holds each block's keys as ``[head_dim, block_size]``.
+
+        The ``"bag"`` kernel's layout: a block's scores are a weighted sum of its
+        ``head_dim`` key rows. Values stay ``[block_size, head_dim]``. One cache is written
+        and read with one kernel for its whole life (the runner's device picks it).
+        """
+        return self.kernel == "bag"
 
     @classmethod
     def build(
@@ -225,6 +278,8 @@ class AttentionMetadata:
         kernel: AttentionKernel | None = None,
         group_overhead: int | Literal["auto"] | None = "auto",
         max_decode_positions: int | None = None,
+        num_heads: int | None = None,
+        head_dim: int | None = None,
     ) -> AttentionMetadata:
         """Lay out one step: tokens of ``chunks`` in order, each chunk's tokens contiguous.
 
@@ -245,16 +300,24 @@ class AttentionMetadata:
             max_decode_positions: The most padded key positions one decode group gathers
                 (``max_positions`` of :func:`split_decodes`): bounds the memory of the
                 padded histories a layer gathers at once. ``None``: no bound.
+            num_heads: Query heads of the model; the ``"bag"`` kernel needs it.
+            head_dim: Width of a head; the ``"bag"`` kernel needs it.
 
         Returns:
             The step's metadata, on ``device``.
 
         Raises:
             ValueError: a chunk is empty, or its block table does not cover its positions
-                or names a block outside the cache.
+                or names a block outside the cache; or the ``"bag"`` kernel without
+                ``num_heads`` and ``head_dim``.
         """
         if kernel is None:
             kernel = default_kernel(device)
+        if kernel == "bag" and (num_heads is None or head_dim is None):
+            raise ValueError(
+                "the 'bag' kernel needs num_heads and head_dim, got "
+                f"num_heads={num_heads} and head_dim={head_dim}"
+            )
         if group_overhead == "auto":
             group_overhead = default_group_overhead(device)
         positions: list[int] = []
@@ -269,7 +332,15 @@ class AttentionMetadata:
                 high = min(chunk.end, (index + 1) * block_size) - index * block_size
                 slots.extend(range(base + low, base + high))
             positions.extend(range(chunk.start, chunk.end))
-        layout = _Layout(block_size, num_blocks, num_kv_heads, device)
+        layout = _Layout(
+            block_size,
+            num_blocks,
+            num_kv_heads,
+            device,
+            keys_transposed=kernel == "bag",
+            num_heads=num_heads or num_kv_heads,
+            head_dim=head_dim or 0,
+        )
         slot_mapping = to_device(slots, device=device)
 
         num_decodes = 0
@@ -285,7 +356,7 @@ class AttentionMetadata:
                 max_positions=max_decode_positions,
             )
             for first, last in zip([0, *cuts], [*cuts, num_decodes], strict=True):
-                mask_dtype = torch.float32 if kernel == "matmul" else dtype
+                mask_dtype = dtype if kernel == "sdpa" else torch.float32
                 group = _decode_group(chunks[first:last], first, layout, mask_dtype)
                 if kernel == "sdpa":
                     group = attrs.evolve(group, mask=group.mask[:, :, None, :])
@@ -303,6 +374,7 @@ class AttentionMetadata:
             decode_groups=tuple(decode_groups),
             kernel=kernel,
             prefills=tuple(prefills),
+            key_write_index=layout.key_write_index(slot_mapping),
         )
 
 
@@ -314,6 +386,9 @@ class _Layout:
     num_blocks: int
     num_kv_heads: int
     device: torch.device
+    keys_transposed: bool = False
+    num_heads: int = 0
+    head_dim: int = 0
 
     def gather(self, tables: torch.Tensor) -> torch.Tensor:
         """Rows of the ``[-1, block_size, dim]`` view for ``tables`` ``[R, W]``.
@@ -328,13 +403,62 @@ class _Layout:
         return (rows + head[None, None, :, None]).flatten()
 
     def write_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Rows of the ``[-1, dim]`` view for each ``(kv, token, head)``, in that order."""
+        """Rows of the ``[-1, dim]`` view for each ``(kv, token, head)``, in that order.
+
+        With transposed keys, rows of the values' ``[-1, dim]`` view for each ``(token,
+        head)``: the keys go by :meth:`key_write_index`.
+        """
         size, heads = self.block_size, self.num_kv_heads
         block, within = slot_mapping // size, slot_mapping % size
+        if self.keys_transposed:
+            rows = block[:, None] * heads + torch.arange(heads, device=self.device)
+            return (rows * size + within[:, None]).flatten()
         kv = torch.arange(2, device=self.device) * self.num_blocks
         head = torch.arange(heads, device=self.device)
         rows = (kv[:, None, None] + block[None, :, None]) * heads + head[None, None, :]
         return (rows * size + within[None, :, None]).flatten()
+
+    def key_write_index(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """With transposed keys, elements of the flat keys for each ``(token, head, dim)``.
+
+        The key tile of block ``b`` and head ``h`` holds dimension ``d`` of position ``p``
+        at ``((b * heads + h) * dim + d) * block_size + p``.
+        """
+        if not self.keys_transposed:
+            return None
+        size, heads, dim = self.block_size, self.num_kv_heads, self.head_dim
+        block, within = slot_mapping // size, slot_mapping % size
+        tiles = block[:, None] * heads + torch.arange(heads, device=self.device)  # [T, KV]
+        rows = tiles[:, :, None] * dim + torch.arange(dim, device=self.device)  # [T, KV, D]
+        return (rows * size + within[:, None, None]).flatten()
+
+    def bags(self, tables: torch.Tensor, counts: torch.Tensor) -> DecodeBags:
+        """The ``"bag"`` kernel's indices for decodes with padded ``tables`` ``[R, W]``.
+
+        ``counts`` ``[R]`` is each decode's own number of blocks.
+        """
+        device, size, dim = self.device, self.block_size, self.head_dim
+        heads = self.num_heads
+        decodes, width = tables.shape
+        kv_head = torch.arange(heads, device=device) // (heads // self.num_kv_heads)
+        valid = torch.arange(width, device=device)[None, :] < counts[:, None]  # [R, W]
+        valid = valid[:, None, :].expand(decodes, heads, width)  # [R, H, W]
+        tiles = (tables[:, None, :] * self.num_kv_heads + kv_head[None, :, None])[valid]
+        key_index = (tiles[:, None] * dim + torch.arange(dim, device=device)).flatten()
+        key_lengths = valid.flatten().long() * dim
+        query_rows = torch.arange(decodes * heads, device=device).view(decodes, heads, 1)
+        within = torch.arange(size, device=device)
+        value_index = (tiles[:, None] * size + within).flatten()
+        bag = torch.arange(decodes * heads * width, device=device).view(decodes, heads, width)
+        value_lengths = (counts * size)[:, None].expand(decodes, heads).flatten()
+        return DecodeBags(
+            key_index=key_index,
+            key_offsets=torch.cumsum(key_lengths, 0) - key_lengths,
+            query_rows=query_rows.expand(decodes, heads, width)[valid],
+            value_index=value_index,
+            value_offsets=torch.cumsum(value_lengths, 0) - value_lengths,
+            prob_index=(bag[valid][:, None] * size + within).flatten(),
+        )
 
 
 def _decode_group(
@@ -352,6 +476,9 @@ def _decode_group(
     ends = to_device([chunk.end for chunk in decodes], device=device)
     visible = torch.arange(width * size, device=device)[None, :] < ends[:, None]
     mask = _additive(visible, mask_dtype)[:, None, :]
+    if layout.keys_transposed:
+        bags = layout.bags(tables, -(-ends // size))
+        return DecodeGroup(offset, len(decodes), None, mask, bags)
     return DecodeGroup(offset, len(decodes), layout.gather(tables), mask)
 
 

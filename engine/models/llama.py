@@ -511,6 +511,8 @@ class LlamaForCausalLM(nn.Module):
                 num_kv_heads=self.config.num_kv_heads,
                 dtype=self.dtype,
                 device=self.device,
+                num_heads=self.config.num_heads,
+                head_dim=self.config.head_dim,
             )
             rows = torch.arange(len(ids), device=self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

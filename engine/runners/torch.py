@@ -248,6 +248,8 @@ class TorchModelRunner:
             dtype=self.model.dtype,
             device=device,
             max_decode_positions=self._max_decode_positions,
+            num_heads=self.config.num_heads,
+            head_dim=self.config.head_dim,
         )
         # Every block a step reads was written by this step or an earlier one, except block 0
         # (padding): zeroing the blocks this step writes covers everything read.

@@ -57,12 +57,20 @@ def metadata(
         device=CPU,
         kernel=kernel,
         group_overhead=group_overhead,
+        num_heads=HEADS,
+        head_dim=WIDTH,
     )
 
 
 @pytest.mark.parametrize(
     ("kernel", "group_overhead", "tile_scores"),
-    [("matmul", None, None), ("matmul", 0, 100), ("sdpa", 0, None)],
+    [
+        ("matmul", None, None),
+        ("matmul", 0, 100),
+        ("sdpa", 0, None),
+        ("bag", None, None),
+        ("bag", 0, None),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_matches_dense_attention(
@@ -100,7 +108,7 @@ def test_mixed_step_matches_dense_attention(
         keys = torch.randn(end, KV_HEADS, WIDTH, generator=generator).to(dtype)
         values = torch.randn(end, KV_HEADS, WIDTH, generator=generator).to(dtype)
         if start:  # the history an earlier step wrote
-            earlier = metadata([ChunkSpec(0, start, table)], num_blocks, dtype)
+            earlier = metadata([ChunkSpec(0, start, table)], num_blocks, dtype, kernel)
             write_kv(cache.layer(0), keys[:start], values[:start], earlier)
         chunks.append(ChunkSpec(start, count, table))
         histories.append((keys, values))
@@ -137,8 +145,10 @@ def test_slot_mapping_follows_block_tables() -> None:
     assert torch.isinf(group.mask).flatten().tolist() == [False] * 4
 
 
-def test_keys_and_values_land_in_their_block_head_and_offset() -> None:
-    """The cache is head-major inside a block: ``[layer, kv, block, head, offset, dim]``."""
+@pytest.mark.parametrize("kernel", ["matmul", "bag"])
+def test_keys_and_values_land_in_their_block_head_and_offset(kernel: AttentionKernel) -> None:
+    """The cache is head-major inside a block: ``[layer, kv, block, head, offset, dim]``;
+    for the bag kernel each block's keys are transposed, ``[..., head, dim, offset]``."""
     cache = KVCache.allocate(
         num_layers=1,
         num_blocks=10,
@@ -148,14 +158,17 @@ def test_keys_and_values_land_in_their_block_head_and_offset() -> None:
         dtype=torch.float32,
         device=CPU,
     )
-    step = metadata([ChunkSpec(3, 1, (7, 2)), ChunkSpec(2, 4, (5, 9))], 10, torch.float32)
+    chunks = [ChunkSpec(3, 1, (7, 2)), ChunkSpec(2, 4, (5, 9))]
+    step = metadata(chunks, 10, torch.float32, kernel)
     keys = torch.randn(5, KV_HEADS, WIDTH)
     values = torch.randn(5, KV_HEADS, WIDTH)
     write_kv(cache.layer(0), keys, values, step)
     for token, slot in enumerate(step.slot_mapping.tolist()):
         block, offset = divmod(slot, BLOCK)
         for head in range(KV_HEADS):
-            assert torch.equal(cache.key[0, block, head, offset], keys[token, head])
+            tile = cache.key[0, block, head]
+            stored = tile.view(WIDTH, BLOCK)[:, offset] if kernel == "bag" else tile[offset]
+            assert torch.equal(stored, keys[token, head])
             assert torch.equal(cache.value[0, block, head, offset], values[token, head])
     assert int((cache.data != 0).sum()) == 2 * keys.numel()  # nothing else was written
 
@@ -257,7 +270,7 @@ def test_split_decodes_keeps_every_group_under_max_positions(
 
 
 def test_default_kernel_is_sdpa_only_on_cuda() -> None:
-    assert default_kernel(torch.device("cpu")) == "matmul"
+    assert default_kernel(torch.device("cpu")) == "bag"
     assert default_kernel(torch.device("cuda", 0)) == "sdpa"
     assert default_group_overhead(torch.device("cpu")) == 1024
     assert default_group_overhead(torch.device("cuda", 0)) is None

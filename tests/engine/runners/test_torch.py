@@ -304,7 +304,6 @@ def test_decode_groups_gather_within_decode_gather_bytes(
     monkeypatch.setattr(AttentionMetadata, "build", classmethod(spy))
     config = loaded.module.config
     block_size = 4
-    row_bytes = block_size * config.head_dim * 4  # one gathered row: a block of one head, fp32
     per_position = 2 * config.num_kv_heads * config.head_dim * 4
     budget = 40 * per_position  # 40 padded key positions per group
     prompts = random_sequences([3, 60, 5, 7, 90, 4], seed=3)
@@ -314,7 +313,9 @@ def test_decode_groups_gather_within_decode_gather_bytes(
     assert any(len(metadata.decode_groups) > 2 for metadata in built)
     assert any(group.num_decodes > 1 for group in groups)
     for group in groups:
-        gathered = group.gather.numel() * row_bytes
+        # Padded positions (the mask's width) of every decode: what the matmul and sdpa
+        # kernels gather, and what the bag kernel scores in place.
+        gathered = group.num_decodes * group.mask.shape[-1] * per_position
         assert gathered <= budget or group.num_decodes == 1, (group.num_decodes, gathered)
     built.clear()
     unbounded = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=None)
