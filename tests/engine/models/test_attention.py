@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from twostroke.engine.models import attention
 from twostroke.engine.models.attention import paged_attention, write_kv
@@ -360,3 +362,56 @@ def test_sdpa_never_takes_a_mask_with_grouped_query_heads(
     assert len(calls) == 2 + 3  # two decode groups, three other chunks
     assert [call for call in calls if call[2] and (call[0] != call[1] or call[3])] == []
     assert (HEADS, KV_HEADS, False, True) in calls  # the first chunk: is_causal, GQA
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    num_decodes=st.integers(1, 6),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_bag_decodes_match_gathered_products(
+    data: st.DataObject, num_decodes: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """The in-place kernel against the gathering one on random decode batches: histories
+    of any length (last blocks partly filled), blocks shared by several decodes (a prefix
+    cache's), groups cut or not."""
+    lengths = data.draw(st.lists(st.integers(1, 40), min_size=num_decodes, max_size=num_decodes))
+    shared = data.draw(st.integers(0, min(lengths) // block_size))  # full blocks all share
+    widest = -(-max(lengths) // block_size)
+    num_blocks = 1 + shared + num_decodes * widest
+    order = data.draw(st.permutations(range(1, num_blocks)))
+    prefix, rest = tuple(order[:shared]), list(order[shared:])
+    tables = []
+    for length in lengths:
+        own = -(-length // block_size) - shared
+        tables.append(prefix + tuple(rest.pop() for _ in range(own)))
+    chunks = [ChunkSpec(n - 1, 1, t) for n, t in zip(lengths, tables, strict=True)]
+    chunks.sort(key=lambda chunk: -chunk.end)
+    overhead = data.draw(st.sampled_from([None, 0]))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    history = torch.randn(2, num_blocks, KV_HEADS, block_size, WIDTH, generator=generator)
+    query = torch.randn(num_decodes, HEADS, WIDTH, generator=generator).to(dtype)
+    new = torch.zeros(num_decodes, KV_HEADS, WIDTH, dtype=dtype)
+    outputs = []
+    for kernel in ("matmul", "bag"):
+        step = AttentionMetadata.build(
+            chunks,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_kv_heads=KV_HEADS,
+            dtype=dtype,
+            device=CPU,
+            kernel=kernel,
+            group_overhead=overhead,
+            num_heads=HEADS,
+            head_dim=WIDTH,
+        )
+        layer = history.clone()
+        if kernel == "bag":  # the same keys, stored transposed within each block
+            layer[0] = history[0].transpose(-1, -2).reshape(layer[0].shape)
+        out = paged_attention(query, new, new, layer.to(dtype), step, scale=WIDTH**-0.5)
+        outputs.append(out.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=0)
