@@ -47,10 +47,18 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["fp16", "int8"],
-        help="hold the projection weights in float16 or int8, activations at full precision "
-        "(CPU; quality per mode in docs/models.md; default: weights in the model's dtype)",
+        choices=["auto", "none", "fp16", "int8"],
+        help="the projection weights in float16 or int8, activations at full precision (CPU; "
+        "quality per mode in docs/models.md); none: weights in the dtype; default auto: fp16 "
+        "where the CPU computes in float32, else none",
     )
+
+
+def _quantization(args: argparse.Namespace) -> dict[str, Any]:
+    """``quantization=`` for the engine when ``--quantization`` was given ("none": None)."""
+    if args.quantization is None:
+        return {}
+    return {"quantization": None if args.quantization == "none" else args.quantization}
 
 
 def _replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -274,7 +282,7 @@ async def _generate(args: argparse.Namespace) -> None:
         replicas=args.replicas,
         placement=args.placement,
         device=args.device,
-        quantization=args.quantization,
+        **_quantization(args),
     )
     async with opened as engine:
         async with engine.stream(prompt, _params(args)) as deltas:
@@ -285,9 +293,7 @@ async def _generate(args: argparse.Namespace) -> None:
 
 async def _chat(args: argparse.Namespace) -> None:
     messages: list[dict[str, str]] = []
-    async with Engine.open(
-        args.model, device=args.device, quantization=args.quantization
-    ) as engine:
+    async with Engine.open(args.model, device=args.device, **_quantization(args)) as engine:
         while True:
             try:
                 line = await anyio.to_thread.run_sync(input, "> ")
@@ -308,9 +314,7 @@ async def _chat(args: argparse.Namespace) -> None:
 
 async def _demo(args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    async with Engine.open(
-        args.model, device=args.device, quantization=args.quantization
-    ) as engine:
+    async with Engine.open(args.model, device=args.device, **_quantization(args)) as engine:
         loaded = time.perf_counter()
         blocks = engine.statistics().num_blocks
         print(
@@ -359,7 +363,7 @@ async def _serve(args: argparse.Namespace) -> None:
         "model_name": args.served_model_name,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
-        "quantization": args.quantization,
+        **_quantization(args),
     }
     max_waiting_requests = args.max_waiting_requests or DEFAULT_MAX_WAITING_REQUESTS
     # The engine (each replica's) refuses past it too: the server's check counts the

@@ -67,8 +67,11 @@ class EngineConfig(SchedulingPolicy):
             weights, one scale per output channel; activations quantized per call). CPU
             only (fbgemm); where the kernel does not run, the engine warns
             (:class:`~twostroke.engine.models.quantization.QuantizationUnavailable`) and
-            keeps full precision. ``None`` (the default): weights in ``dtype``. Quality per
-            mode is measured in docs/models.md.
+            keeps full precision. ``None``: weights in ``dtype``. ``"auto"`` (the default)
+            goes with ``dtype="auto"``: the fastest weights whose perplexity is within 1 %
+            of float32's, measured (docs/models.md): ``"fp16"`` where ``dtype="auto"``
+            resolves to float32 on a CPU with the kernel, else ``None``. An explicit
+            ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
         torch_threads: torch's intra-op threads for the forward pass (process-wide). ``None``
             takes every core on the CPU (see
             :func:`~twostroke.engine.runners.loading.default_torch_threads`) and leaves
@@ -96,8 +99,8 @@ class EngineConfig(SchedulingPolicy):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
-    quantization: Literal["fp16", "int8"] | None = attrs.field(
-        default=None, validator=attrs.validators.optional(one_of("fp16", "int8"))
+    quantization: Literal["auto", "fp16", "int8"] | None = attrs.field(
+        default="auto", validator=attrs.validators.optional(one_of("auto", "fp16", "int8"))
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     step_timeout: float | None = attrs.field(

@@ -112,7 +112,8 @@ def test_quantization_off_the_cpu_warns_and_keeps_the_weights() -> None:
 
 def test_engine_config_takes_vllm_names_only() -> None:
     assert EngineConfig(quantization="int8").quantization == "int8"
-    assert EngineConfig().quantization is None
+    assert EngineConfig().quantization == "auto"
+    assert EngineConfig(quantization=None).quantization is None
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")  # type: ignore[arg-type]
 

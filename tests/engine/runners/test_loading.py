@@ -60,3 +60,22 @@ def test_the_default_thread_count_is_every_core() -> None:
         loading.default_torch_threads(0)
     with pytest.raises(TypeError, match=r"^cores must be an int, got float 2\.0$"):
         loading.default_torch_threads(2.0)  # type: ignore[arg-type]
+
+
+def test_auto_quantization_is_fp16_weights_only_with_auto_float32_on_a_cpu(
+    native_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The measured policy (docs/models.md): dtype='auto' on a CPU that computes in float32
+    takes fp16 weights where the kernel runs; an explicit dtype keeps its weights."""
+    from twostroke.engine.models import quantization
+
+    for kernel in (True, False):
+        monkeypatch.setattr(quantization, "_self_test", lambda kind, ok=kernel: ok)
+        cpu = CpuDevice()
+        auto = resolve_dtype("auto", cpu)
+        expected = "fp16" if kernel and not native_bf16 else None
+        assert loading.resolve_quantization("auto", "auto", auto, cpu) == expected
+        assert loading.resolve_quantization("auto", "float32", torch.float32, cpu) is None
+        assert loading.resolve_quantization("auto", "auto", torch.float32, FakeDevice()) is None
+        assert loading.resolve_quantization(None, "auto", auto, cpu) is None
+        assert loading.resolve_quantization("int8", "float32", torch.float32, cpu) == "int8"

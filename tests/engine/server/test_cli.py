@@ -26,6 +26,20 @@ def test_max_body_bytes_is_parsed() -> None:
     assert DEFAULT_MAX_BODY_BYTES == 8 * 2**20
 
 
+def test_quantization_is_passed_only_when_given() -> None:
+    from twostroke.engine.cli import _quantization
+
+    parser = build_parser()
+    assert _quantization(parser.parse_args(["generate", "Hi"])) == {}  # the engine's "auto"
+    assert _quantization(parser.parse_args(["generate", "Hi", "-q", "int8"])) == {
+        "quantization": "int8"
+    }
+    serve = parser.parse_args(["serve", "--quantization", "none"])
+    assert _quantization(serve) == {"quantization": None}
+    bench = parser.parse_args(["bench", "--quantization", "fp16", "--quantization", "int8"])
+    assert bench.quantization == ["fp16", "int8"]
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
