@@ -72,7 +72,9 @@ class TorchModelRunner:
             single decode whose own history is larger gets a group of its own, which takes
             its history's size (at most ``max_model_len`` positions). The KV cache is sized
             from what memory is left after this (``kv_cache_memory``), so keep it well
-            under that margin. ``None``: no bound.
+            under that margin. The CPU's in-place ``"bag"`` attention gathers nothing, but
+            its groups are cut the same way (which bounds their padded scores). ``None``:
+            no bound.
 
     Raises:
         ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1.
