@@ -432,33 +432,44 @@ class _Layout:
         rows = tiles[:, :, None] * dim + torch.arange(dim, device=self.device)  # [T, KV, D]
         return (rows * size + within[:, None, None]).flatten()
 
-    def bags(self, tables: torch.Tensor, counts: torch.Tensor) -> DecodeBags:
-        """The ``"bag"`` kernel's indices for decodes with padded ``tables`` ``[R, W]``.
+    def bags(self, tables: Sequence[Sequence[int]], counts: Sequence[int]) -> DecodeBags:
+        """The ``"bag"`` kernel's indices for decodes with padded ``tables`` (``R`` rows of
+        ``W`` blocks), ``counts`` the number of each decode's own blocks.
 
-        ``counts`` ``[R]`` is each decode's own number of blocks.
+        Built on the host with no data-dependent shapes (nothing a device would have to
+        report back) and staged to the device without waiting for it, as
+        :func:`~twostroke.gpu.staging.to_device` does.
         """
-        device, size, dim = self.device, self.block_size, self.head_dim
-        heads = self.num_heads
-        decodes, width = tables.shape
-        kv_head = torch.arange(heads, device=device) // (heads // self.num_kv_heads)
-        valid = torch.arange(width, device=device)[None, :] < counts[:, None]  # [R, W]
-        valid = valid[:, None, :].expand(decodes, heads, width)  # [R, H, W]
-        tiles = (tables[:, None, :] * self.num_kv_heads + kv_head[None, :, None])[valid]
-        key_index = (tiles[:, None] * dim + torch.arange(dim, device=device)).flatten()
-        key_lengths = valid.flatten().long() * dim
-        query_rows = torch.arange(decodes * heads, device=device).view(decodes, heads, 1)
-        within = torch.arange(size, device=device)
-        value_index = (tiles[:, None] * size + within).flatten()
-        bag = torch.arange(decodes * heads * width, device=device).view(decodes, heads, width)
-        value_lengths = (counts * size)[:, None].expand(decodes, heads).flatten()
-        return DecodeBags(
-            key_index=key_index,
-            key_offsets=torch.cumsum(key_lengths, 0) - key_lengths,
-            query_rows=query_rows.expand(decodes, heads, width)[valid],
-            value_index=value_index,
-            value_offsets=torch.cumsum(value_lengths, 0) - value_lengths,
-            prob_index=(bag[valid][:, None] * size + within).flatten(),
+        size, dim, heads = self.block_size, self.head_dim, self.num_heads
+        decodes, width = len(tables), len(tables[0])
+        table = torch.tensor(tables)  # [R, W]
+        per_head = torch.tensor(counts).repeat_interleave(heads, output_size=decodes * heads)
+        total = heads * sum(counts)
+        # Bag (r, h, j) for every decode r, query head h and block j < counts[r], in that
+        # order, as its position (r * H + h) * W + j in the padded [R, H, W] grid.
+        first = torch.cumsum(per_head, 0) - per_head
+        row = torch.arange(decodes * heads).repeat_interleave(per_head, output_size=total)
+        within_row = torch.arange(total) - first.repeat_interleave(per_head, output_size=total)
+        bag = row * width + within_row
+        kv_head = torch.arange(heads) // (heads // self.num_kv_heads)
+        tiles = (table[:, None, :] * self.num_kv_heads + kv_head[None, :, None]).flatten()
+        tiles = tiles.index_select(0, bag)
+        key_lengths = torch.zeros(decodes * heads * width, dtype=torch.long).index_fill_(
+            0, bag, dim
         )
+        positions = torch.arange(size)
+        value_lengths = per_head * size
+        bags = DecodeBags(
+            key_index=(tiles[:, None] * dim + torch.arange(dim)).flatten(),
+            key_offsets=torch.cumsum(key_lengths, 0) - key_lengths,
+            query_rows=row,
+            value_index=(tiles[:, None] * size + positions).flatten(),
+            value_offsets=torch.cumsum(value_lengths, 0) - value_lengths,
+            prob_index=(bag[:, None] * size + positions).flatten(),
+        )
+        if self.device.type == "cpu":
+            return bags
+        return DecodeBags(*(_stage(tensor, self.device) for tensor in attrs.astuple(bags)))
 
 
 def _decode_group(
@@ -472,13 +483,14 @@ def _decode_group(
         row = chunk.block_table[:width]
         flat.extend(row)
         flat.extend([0] * (width - len(row)))  # any block: masked out below
-    tables = to_device(flat, device=device).view(len(decodes), width)
     ends = to_device([chunk.end for chunk in decodes], device=device)
     visible = torch.arange(width * size, device=device)[None, :] < ends[:, None]
     mask = _additive(visible, mask_dtype)[:, None, :]
     if layout.keys_transposed:
-        bags = layout.bags(tables, -(-ends // size))
+        rows = [flat[index * width : (index + 1) * width] for index in range(len(decodes))]
+        bags = layout.bags(rows, [-(-chunk.end // size) for chunk in decodes])
         return DecodeGroup(offset, len(decodes), None, mask, bags)
+    tables = to_device(flat, device=device).view(len(decodes), width)
     return DecodeGroup(offset, len(decodes), layout.gather(tables), mask)
 
 
@@ -516,6 +528,11 @@ def _check_chunk(chunk: ChunkSpec, block_size: int, num_blocks: int) -> None:
     if min(used) < 0 or max(used) >= num_blocks:
         bad = [block for block in used if not 0 <= block < num_blocks]
         raise ValueError(f"block ids must be in [0, {num_blocks}), got {bad}")
+
+
+def _stage(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device (pinned, non-blocking)."""
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
