@@ -71,3 +71,19 @@ def test_the_engine_systems_run_on_the_device_they_are_given(
     assert [t.output_tokens for t in timings] == [4, 3]
     assert stats.num_steps == len(runner.plans)
     assert engine_drivers()[0].device == "cpu"  # the peers run on the CPU: so does the default
+
+
+def test_each_weight_precision_is_a_depth_2_row_of_its_own() -> None:
+    drivers = engine_drivers(quantizations=("fp16", "int8"), max_num_seqs=8)
+    assert [driver.name for driver in drivers] == [
+        "twostroke-depth2",
+        "bare-forward",
+        "twostroke-depth1",
+        "twostroke-depth2-fp16",
+        "twostroke-depth2-int8",
+    ]
+    assert [getattr(d, "engine_options", {}).get("quantization") for d in drivers[3:]] == [
+        "fp16",
+        "int8",
+    ]
+    assert drivers[0].engine_options == {"max_num_seqs": 8}  # as given: no quantization
