@@ -91,10 +91,11 @@ def resolve_quantization(
 
     ``"auto"`` is the measured policy of ``dtype="auto"``: the fastest weights whose
     perplexity stays within 1 % of float32's. On SmolLM2 (docs/models.md) fp16 weights
-    kept it (31.34 against 31.34; int8 did not, +82 %) and ran the batch-32 decode step
-    1.16x faster than float32 weights on an AVX2 EPYC, so ``"auto"`` takes ``"fp16"``
-    where ``dtype="auto"`` resolved to float32 on a CPU whose torch has the kernel (where
-    bfloat16 is native, ``"auto"`` is bfloat16 and its weights stay so). An explicit
+    kept it (31.34 against 31.34; int8 did not, +83 %) and ran the batch-32 decode step
+    1.27x faster than float32 weights on an AVX2 EPYC (docs/performance.md), so
+    ``"auto"`` takes ``"fp16"`` where ``dtype="auto"`` resolved to float32 on a CPU whose
+    torch has the kernel (where bfloat16 is native, ``"auto"`` is bfloat16 and its weights
+    stay so). An explicit
     ``dtype`` keeps its own weights: ``dtype="float32"`` is transformers' arithmetic.
 
     Args:
