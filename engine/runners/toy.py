@@ -191,7 +191,12 @@ class ToyRunner:
 
     def _read(self, step_id: int) -> RunnerOutput:
         with self._lock:
-            self._settle()
+            if step_id not in self._outputs:
+                # Then the deferred step is this one, and its event fired: its masks are
+                # filled. Another step deferred since (launched after this one was computed)
+                # is left alone: its masks may not be filled yet, and this is the event
+                # loop's thread, which fills them.
+                self._settle()
             return self._outputs.pop(step_id)
 
     def _run(self, kv: SimulatedKV, plan: StepPlan, masks: StepMasks | None) -> RunnerOutput:
