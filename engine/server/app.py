@@ -57,6 +57,7 @@ from twostroke.engine.server.guards import (
 )
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
+from twostroke.engine.server.structured import OutputConstraint, output_constraint
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 from twostroke.states.validators import check_int_at_least
@@ -154,9 +155,10 @@ class _OpenAI:
         # What the body alone decides is checked before any prompt is tokenized.
         prompts = protocol.completion_prompts(body)
         protocol.check_choices(len(prompts), body.n, self.max_choices)
-        params = protocol.choice_params(body)
+        shape = output_constraint(body)
+        params = protocol.choice_params(body, shape.constraint)
         fmt = CompletionFormat(self.engine, body.logprobs or 0)
-        await self._generate(fmt, list(prompts), params, body, "prompt", receive, send)
+        await self._generate(fmt, list(prompts), params, body, "prompt", shape, receive, send)
 
     async def chat(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
@@ -164,9 +166,11 @@ class _OpenAI:
         # What the body alone decides is checked before the messages are tokenized.
         messages = protocol.chat_messages(body.messages)
         protocol.check_choices(1, body.n, self.max_choices)
-        params = protocol.choice_params(body)  # without max_tokens: what the context leaves
-        fmt = ChatFormat(self.engine, body.top_logprobs or 0)
-        await self._generate(fmt, [messages], params, body, "messages", receive, send)
+        shape = output_constraint(body)
+        # without max_tokens: what the context leaves
+        params = protocol.choice_params(body, shape.constraint)
+        fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
+        await self._generate(fmt, [messages], params, body, "messages", shape, receive, send)
 
     def _check_room(self, count: int) -> None:
         """Refuse ``count`` engine requests if the waiting queue cannot take them all.
@@ -201,6 +205,7 @@ class _OpenAI:
         params: list[SamplingParams],
         body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
         prompt_field: str,
+        shape: OutputConstraint,
         receive: Receive,
         send: Send,
     ) -> None:
@@ -212,6 +217,7 @@ class _OpenAI:
             keepalive=self.keepalive,
             prompt_field=prompt_field,
             max_tokens_field=protocol.max_tokens_field(body),
+            constraint_field=shape.param,
         )
         try:
             generation.submit(prompts, params)

@@ -23,13 +23,19 @@ from typing import Any, Protocol
 import anyio
 import attrs
 
-from twostroke.engine.errors import EngineError, RequestCancelled, RequestRejected
+from twostroke.engine.errors import (
+    ConstraintRejected,
+    EngineError,
+    RequestCancelled,
+    RequestRejected,
+)
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender
+from twostroke.engine.server.structured import ToolCalls, constraint_error
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
@@ -77,6 +83,10 @@ class Generation:
         keepalive: Seconds of silence on a stream before a keep-alive comment goes out.
         prompt_field: The body's field that holds the prompts (``prompt``, ``messages``).
         max_tokens_field: The body's field that set the most tokens to generate.
+        constraint_field: The body's field that constrained the output, if one did: the
+            constraint's refusal (:class:`ConstraintRejected`, from ``submit`` or, once the
+            engine compiled it, from the handle) is a 400 naming it, and a stream waits for
+            the first output (or refusal) before it answers.
     """
 
     def __init__(
@@ -88,6 +98,7 @@ class Generation:
         keepalive: float,
         prompt_field: str = "prompt",
         max_tokens_field: str = "max_tokens",
+        constraint_field: str | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -95,6 +106,7 @@ class Generation:
         self._keepalive = keepalive
         self._prompt_field = prompt_field
         self._max_tokens_field = max_tokens_field
+        self._constraint_field = constraint_field
         self.choices: list[Choice] = []
         self.id = f"{'chatcmpl' if fmt.object_name == 'chat.completion' else 'cmpl'}-"
         self.id += uuid.uuid4().hex
@@ -123,7 +135,10 @@ class Generation:
         The engine's refusals are 400s: a prompt too long for the context in OpenAI's words
         (naming the field that set ``max_tokens``), any other ``TypeError`` or ``ValueError``
         naming the prompt's field (a malformed prompt, a token id outside the vocabulary).
+        A refused constraint names the field that set it.
         """
+        if isinstance(exc, ConstraintRejected):
+            return constraint_error(self._constraint_field, exc)
         if isinstance(exc, RequestRejected):
             return api_error_from(exc, max_tokens_field=self._max_tokens_field)
         if isinstance(exc, TypeError | ValueError):
@@ -207,17 +222,18 @@ class Generation:
         """Stream every choice as SSE chunks, then the usage chunk if asked, then ``[DONE]``.
 
         An error after the stream started goes out as an ``error`` event before ``[DONE]``.
+        A constrained request's stream starts with its first output (or keep-alive), so that
+        a constraint the engine refuses once it compiled it is still a plain 400.
 
         Raises:
             Disconnected: a send to the client failed.
+            ApiError: (constrained only) the first thing a choice reported was an error.
         """
-        await sender.start()
         usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
         obj = self._fmt.chunk_object_name
-        for choice in self.choices:
-            opening = self._fmt.opening(choice.index)
-            if opening is not None:
-                await sender.data(self._envelope(obj, [opening]) | usage_field)
+        opened = self._constraint_field is None
+        if opened:
+            await self._open(sender, usage_field)
         events, received = anyio.create_memory_object_stream[dict[str, Any] | ApiError](
             len(self.choices)
         )
@@ -229,12 +245,16 @@ class Generation:
                     task_group.start_soon(self._pump, choice, events.clone())
             async with received:
                 try:
-                    failure = await self._relay(sender, received, usage_field)
+                    failure, opened = await self._relay(sender, received, usage_field, opened)
                 except Disconnected:  # raised below, outside the task group
                     disconnected = True
                 task_group.cancel_scope.cancel()
         if disconnected:
             raise Disconnected
+        if not opened:
+            if failure is not None:
+                raise failure  # nothing was sent: the answer is the error itself
+            await self._open(sender, usage_field)
         if failure is not None:
             await sender.data(failure.body())
         elif include_usage:
@@ -245,21 +265,37 @@ class Generation:
             await sender.data(usage)
         await sender.done()
 
+    async def _open(self, sender: EventSender, usage_field: dict[str, Any]) -> None:
+        """Start the response: its headers, then each choice's opening chunk (chat's role)."""
+        await sender.start()
+        obj = self._fmt.chunk_object_name
+        for choice in self.choices:
+            opening = self._fmt.opening(choice.index)
+            if opening is not None:
+                await sender.data(self._envelope(obj, [opening]) | usage_field)
+
     async def _relay(
-        self, sender: EventSender, received: Any, usage_field: dict[str, Any]
-    ) -> ApiError | None:
-        """Send the pumps' chunks as they come, a keep-alive comment when none comes."""
+        self, sender: EventSender, received: Any, usage_field: dict[str, Any], opened: bool
+    ) -> tuple[ApiError | None, bool]:
+        """Send the pumps' chunks as they come, a keep-alive comment when none comes.
+
+        Opens the response first if ``opened`` is false, unless the first item is an error.
+        Returns the error that ended the stream, if any, and whether the response is open.
+        """
         obj = self._fmt.chunk_object_name
         while True:
             with anyio.move_on_after(self._keepalive) as timer:
                 try:
                     item = await received.receive()
                 except anyio.EndOfStream:
-                    return None
+                    return None, opened
+            if not timer.cancelled_caught and isinstance(item, ApiError):
+                return item, opened
+            if not opened:
+                await self._open(sender, usage_field)
+                opened = True
             if timer.cancelled_caught:
                 await sender.comment("keep-alive")
-            elif isinstance(item, ApiError):
-                return item
             else:
                 await sender.data(self._envelope(obj, [item]) | usage_field)
 
@@ -349,9 +385,12 @@ class ChatFormat:
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, engine: EngineSurface, top_logprobs: int) -> None:
+    def __init__(
+        self, engine: EngineSurface, top_logprobs: int, tool_calls: ToolCalls | None = None
+    ) -> None:
         self._texts = _TokenTexts(engine)
         self._top = top_logprobs
+        self._tool_calls = tool_calls
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""},
@@ -363,7 +402,12 @@ class ChatFormat:
         if chunk:
             content: dict[str, Any] = {"delta": {"content": text} if text else {}}
         else:
-            content = {"message": {"role": "assistant", "content": text}}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls = None if self._tool_calls is None else self._tool_calls.calls(text)
+            if calls is not None:  # a complete call: as OpenAI answers it
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                finish_reason = "tool_calls"
+            content = {"message": message}
         return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
     async def _token(self, token_id: int, logprob: float) -> dict[str, Any]:

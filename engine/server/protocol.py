@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from twostroke.engine.server.errors import ApiError, invalid_request
+from twostroke.states.constraints import Constraint
 from twostroke.states.params import MAX_LOGPROBS, SamplingParams
 from twostroke.states.validators import is_int
 
@@ -26,7 +27,13 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "FunctionDefinition",
+    "JsonSchemaFormat",
+    "NamedToolChoice",
+    "ResponseFormat",
+    "StructuredOutputs",
     "TokenizeRequest",
+    "Tool",
     "chat_messages",
     "check_choices",
     "check_model",
@@ -51,6 +58,60 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # the output is constrained either way
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` extra field: exactly one of the constraints."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's options this server cannot honour: a 400 naming them, never ignored.
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    """One of ``tools``: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming a function: ``{"type": "function", "function": {"name"}}``."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     """Fields that completions and chat completions share (vLLM's extras included)."""
 
@@ -73,6 +134,13 @@ class _Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older extra fields, replaced by ``structured_outputs``: refused, never ignored.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -105,10 +173,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: Any = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools; ignored
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # one call is made either way; ignored
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -239,7 +306,9 @@ def max_tokens_field(request: CompletionRequest | ChatCompletionRequest) -> str:
     return "max_tokens"
 
 
-def choice_params(request: CompletionRequest | ChatCompletionRequest) -> list[SamplingParams]:
+def choice_params(
+    request: CompletionRequest | ChatCompletionRequest, constraint: Constraint | None = None
+) -> list[SamplingParams]:
     """One :class:`SamplingParams` per choice (``n`` of them), seeds derived from ``seed``.
 
     Choice 0 samples with ``seed`` itself; choice ``i`` with a seed derived from it, so that
@@ -247,6 +316,8 @@ def choice_params(request: CompletionRequest | ChatCompletionRequest) -> list[Sa
     Without a ``max_tokens``, a completion gets ``SamplingParams``' default and a chat
     completion as many tokens as the context leaves (``max_tokens=None``; vLLM does the same):
     the engine knows the prompt's length once it has tokenized it, the server never does.
+    Every choice carries ``constraint`` (from :func:`~twostroke.engine.server.structured.
+    output_constraint`).
 
     Raises:
         ApiError: 400 naming the field for a value out of range or an unsupported parameter.
@@ -285,6 +356,7 @@ def choice_params(request: CompletionRequest | ChatCompletionRequest) -> list[Sa
         "frequency_penalty": request.frequency_penalty,
         "logprobs": logprobs,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "constraint": constraint,
     }
     seeds = _choice_seeds(request.seed, request.n)
     try:
@@ -330,13 +402,6 @@ def _reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
             raise _unsupported("suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise _unsupported("best_of", "other than n")
-    else:
-        if request.tools:
-            raise _unsupported("tools")
-        if request.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice")
-        if request.response_format not in (None, {"type": "text"}):
-            raise _unsupported("response_format", "other than {'type': 'text'}")
 
 
 def _unsupported(param: str, detail: str = "") -> ApiError:

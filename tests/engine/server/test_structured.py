@@ -1,0 +1,221 @@
+"""Structured output over HTTP: response_format, structured_outputs, tools; their refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+from twostroke.engine.server.structured import MAX_TOOLS
+from twostroke.states.constraints import MAX_CHOICES
+
+from .conftest import OPENAI_STREAMS_ON_TRIO, served
+
+pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
+
+CHAT = [{"role": "user", "content": "What is the weather in Oslo?"}]
+# The toy writes random bytes where a string may hold anything: bound the city's length.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "toy", "messages": CHAT, "max_tokens": 64} | fields
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "toy", "prompt": "Weather:", "max_tokens": 64} | fields
+
+
+async def test_response_format_and_structured_outputs_constrain_both_endpoints() -> None:
+    schema_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER,
+                                                            "strict": True}}  # fmt: skip
+    async with served() as server:
+        for path, body in [
+            ("/v1/chat/completions", _chat(response_format=schema_format)),
+            ("/v1/completions", _completion(response_format=schema_format, n=2)),
+            ("/v1/chat/completions", _chat(structured_outputs={"json": WEATHER})),
+            ("/v1/completions", _completion(structured_outputs={"json": json.dumps(WEATHER)})),
+        ]:
+            reply = await server.http.post(path, json=body)
+            assert reply.status_code == 200, reply.text
+            for choice in reply.json()["choices"]:
+                text = choice["message"]["content"] if "message" in choice else choice["text"]
+                assert choice["finish_reason"] == "stop", text
+                jsonschema.validate(json.loads(text), WEATHER)
+        reply = await server.http.post(
+            "/v1/chat/completions", json=_chat(response_format={"type": "json_object"})
+        )
+        assert isinstance(json.loads(reply.json()["choices"][0]["message"]["content"]), dict)
+        for field, check in [
+            ({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+            ({"choice": ["yes", "no"]}, lambda t: t in {"yes", "no"}),
+            ({"grammar": 'start: "a" "b"+'}, lambda t: re.fullmatch("ab+", t)),
+            ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+        ]:
+            reply = await server.http.post(
+                "/v1/completions", json=_completion(structured_outputs=field, max_tokens=24)
+            )
+            text = reply.json()["choices"][0]["text"]
+            assert check(text), (field, text)
+
+
+async def test_a_constrained_stream_is_the_complete_answer_in_pieces() -> None:
+    async with served() as server:
+        stream = await server.client.chat.completions.create(
+            model="toy", messages=CHAT, max_tokens=64, stream=True,  # type: ignore[arg-type]
+            extra_body={"structured_outputs": {"json": WEATHER}},
+        )  # fmt: skip
+        chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    jsonschema.validate(json.loads(text), WEATHER)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_tool_choice_named_and_required_answer_tool_calls() -> None:
+    async with served() as server:
+        named = await server.http.post("/v1/chat/completions", json=_chat(
+            tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        ))  # fmt: skip
+        required = await server.http.post(
+            "/v1/chat/completions",
+            json=_chat(tools=TOOLS, tool_choice="required", n=4, max_tokens=128),
+        )
+    choice = named.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function"
+    assert call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    for choice in required.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls"
+        (call,) = choice["message"]["tool_calls"]
+        name = call["function"]["name"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+#: (path, body fields, param, message, code)
+REFUSALS: list[tuple[str, dict[str, Any], str, str, str | None]] = [
+    ("chat", {"tools": TOOLS}, "tool_choice", "tool_choice 'auto' (the default with tools) is "
+     "not supported", None),
+    ("chat", {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "is not supported", None),
+    ("chat", {"tool_choice": "required"}, "tools", "tool_choice 'required' needs tools", None),
+    ("chat", {"tools": TOOLS, "tool_choice": NAMED | {"function": {"name": "nope"}}},
+     "tool_choice", "tool_choice names function 'nope', which is not one of tools", None),
+    ("chat", {"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream",
+     "stream is not supported with tool_choice", None),
+    ("chat", {"tools": [TOOLS[0]] * (MAX_TOOLS + 1), "tool_choice": "required"}, "tools",
+     f"tools must hold <= {MAX_TOOLS}, got {MAX_TOOLS + 1}", None),
+    ("chat", {"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"},
+     "tools[1].function.name", "'get_weather' is not unique", None),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "a b"}}],
+              "tool_choice": "required"}, "tools[0].function.name", "must be 1 to 64", None),
+    ("chat", {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": NAMED},
+     "tools", "the output may be constrained by one field only, got response_format and "
+     "tools", None),
+    ("completions", {"response_format": {"type": "xml"}}, "response_format", "Invalid enum "
+     "value 'xml'", None),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}},
+     "response_format.json_schema", "needs json_schema.schema", None),
+    ("completions", {"structured_outputs": {}}, "structured_outputs", "must set exactly one "
+     "of json, regex, choice, grammar and json_object, got 0", None),
+    ("completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs", "got 2 (regex, choice)", None),
+    ("completions", {"structured_outputs": {"choice": ["a"] * 2 + [str(i) for i in
+                                                                    range(MAX_CHOICES)]}},
+     "structured_outputs.choice", f"choices must hold <= {MAX_CHOICES} strings",
+     "constraint_rejected"),
+    ("completions", {"structured_outputs": {"regex": "a" * 5000}}, "structured_outputs.regex",
+     "pattern must be <= 4096 characters long, got 5000", "constraint_rejected"),
+    ("completions", {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json",
+     "schema is not valid JSON", "constraint_rejected"),
+    ("completions", {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern", "is not supported by this server", None),
+    ("completions", {"guided_json": WEATHER}, "guided_json", "use structured_outputs", None),
+]  # fmt: skip
+
+#: Refused by the backend once the engine compiles them: through the handle, still 400s.
+BACKEND_REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("completions", {"structured_outputs": {"regex": "(?<=a)b"}}, "structured_outputs.regex",
+     "structured_outputs.regex: invalid regex: look-around, including look-ahead and "
+     "look-behind, is not supported"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": {"type": "object", "if": {}, "then": {}}}}},
+     "response_format.json_schema.schema",
+     'response_format.json_schema.schema: Unimplemented keys: ["if", "then"]'),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "integer", "minimum": 5, "maximum": 1}}}], "tool_choice": "required"}, "tools",
+     "tools: Unsatisfiable schema: required property 'arguments' is unsatisfiable"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "integer", "minimum": 5, "maximum": 1}}}], "tool_choice": NAMED | {
+        "function": {"name": "f"}}}, "tools[0].function.parameters",
+     "tools[0].function.parameters: Unsatisfiable schema: minimum (5) is greater than "
+     "maximum (1)"),
+    ("completions", {"structured_outputs": {"grammar": "start: value"}},
+     "structured_outputs.grammar", 'structured_outputs.grammar: at 1(8): unknown name: "value"'),
+]  # fmt: skip
+
+
+async def test_malformed_constraints_are_400s_naming_the_field_and_the_reason() -> None:
+    async with served() as server:
+        for path, fields, param, message, code in REFUSALS:
+            body = (_chat if path == "chat" else _completion)(**fields)
+            reply = await server.http.post(f"/v1/{path.replace('chat', 'chat/completions')}",
+                                           json=body)  # fmt: skip
+            assert reply.status_code == 400, (fields, reply.text)
+            error = reply.json()["error"]
+            assert error["param"] == param, (fields, error)
+            assert message in error["message"], (fields, error)
+            assert error["code"] == code, (fields, error)
+        assert server.engine.submitted == []  # all refused from the body alone
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_constraint_the_backend_refuses_is_a_400_not_a_500(stream: bool) -> None:
+    async with served() as server:
+        for path, fields, param, message in BACKEND_REFUSALS:
+            if stream and "tools" in fields:
+                continue  # tools do not stream
+            body = (_chat if path == "chat" else _completion)(**fields, stream=stream)
+            reply = await server.http.post(f"/v1/{path.replace('chat', 'chat/completions')}",
+                                           json=body)  # fmt: skip
+            assert reply.status_code == 400, (fields, reply.text)
+            assert reply.json()["error"] == {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": param,
+                "code": "constraint_rejected",
+            }
+        reply = await server.http.post("/v1/completions", json=_completion(max_tokens=2))
+        assert reply.status_code == 200  # and serves on
