@@ -346,3 +346,35 @@ async def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(
     assert usage_chunk.usage.prompt_tokens_details is not None
     assert usage_chunk.usage.prompt_tokens_details.cached_tokens == 48  # three full blocks
     assert (hits, queries) == (48, 2 * 51)
+
+
+async def test_the_clients_parse_helpers_read_a_schema_answer_and_a_tool_call() -> None:
+    """``response_format`` from a pydantic model, and a strict function tool, parsed back."""
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=8)  # the toy writes random bytes where it may
+        unit: Literal["celsius", "fahrenheit"]
+
+    async with served() as server:
+        with anyio.fail_after(30):
+            answer = await server.client.chat.completions.parse(
+                model="toy", messages=CHAT, max_tokens=64, response_format=Weather
+            )
+            called = await server.client.chat.completions.parse(
+                model="toy",
+                messages=CHAT,
+                max_tokens=64,
+                tools=[openai.pydantic_function_tool(Weather, name="get_weather")],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            )
+    parsed = answer.choices[0].message.parsed
+    assert isinstance(parsed, Weather)
+    assert answer.choices[0].finish_reason == "stop"
+    (call,) = called.choices[0].message.tool_calls or []
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    assert isinstance(call.function.parsed_arguments, Weather)
