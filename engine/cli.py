@@ -19,6 +19,8 @@ import anyio
 from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.engine.surface import open_surface
+from twostroke.states.constraints import MAX_SCHEMA_LENGTH, Constraint, JsonSchema, Regex
+from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
 
 __all__ = ["main"]
@@ -85,7 +87,29 @@ def _params(args: argparse.Namespace) -> SamplingParams:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        constraint=getattr(args, "constraint", None),
     )
+
+
+def _json_schema_file(path: str) -> Constraint:
+    """``--json-schema FILE``: read and checked as it is parsed, before any model is loaded."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read(4 * MAX_SCHEMA_LENGTH + 1)  # JsonSchema refuses a longer text
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the schema file {path!r}: {exc}") from None
+    try:
+        return JsonSchema(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+
+
+def _regex(pattern: str) -> Constraint:
+    """``--regex PATTERN``: its shape and length checked as it is parsed."""
+    try:
+        return Regex(pattern)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _max_body_bytes(text: str) -> int:
@@ -163,6 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="stream a completion to the terminal")
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    constrain = generate.add_mutually_exclusive_group()
+    constrain.add_argument(
+        "--json-schema",
+        dest="constraint",
+        type=_json_schema_file,
+        metavar="FILE",
+        help="the output is JSON that validates against the JSON schema in FILE",
+    )
+    constrain.add_argument(
+        "--regex",
+        dest="constraint",
+        type=_regex,
+        metavar="PATTERN",
+        help="the output, as a whole, matches PATTERN (Rust regex syntax)",
+    )
     _sampling_arguments(generate)
     _replica_arguments(generate)
 
@@ -273,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _generate(args: argparse.Namespace) -> None:
+async def _generate(args: argparse.Namespace) -> int:
     prompt: Any = args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
@@ -285,10 +324,16 @@ async def _generate(args: argparse.Namespace) -> None:
         **_quantization(args),
     )
     async with opened as engine:
-        async with engine.stream(prompt, _params(args)) as deltas:
-            async for delta in deltas:
-                print(delta.text, end="", flush=True)
+        try:
+            async with engine.stream(prompt, _params(args)) as deltas:
+                async for delta in deltas:
+                    print(delta.text, end="", flush=True)
+        except ConstraintRejected as exc:  # the backend cannot enforce --json-schema / --regex
+            flag = "--json-schema" if isinstance(args.constraint, JsonSchema) else "--regex"
+            print(f"twostroke generate: error: argument {flag}: {exc.reason}", file=sys.stderr)
+            return 2
         print()
+    return 0
 
 
 async def _chat(args: argparse.Namespace) -> None:
@@ -451,10 +496,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130 if interrupted else 0
     command = {"generate": _generate, "chat": _chat, "demo": _demo}[args.command]
     try:
-        anyio.run(command, args)
+        code = anyio.run(command, args)
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":
