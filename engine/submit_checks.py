@@ -6,10 +6,9 @@ coordinator can ask it without importing the engine's text and sampling modules.
 
 from __future__ import annotations
 
-from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
 
-__all__ = ["check_params", "refuse_constraint"]
+__all__ = ["check_params"]
 
 #: What a submit without parameters gets: one frozen value, shared (not made per submit).
 _DEFAULT_PARAMS = SamplingParams()
@@ -28,18 +27,3 @@ def check_params(params: SamplingParams | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
     return params
-
-
-def refuse_constraint(params: SamplingParams, surface: str) -> None:
-    """Refuse a constrained request on a surface that cannot carry constraints yet.
-
-    Raises:
-        ConstraintRejected: ``params`` carries a constraint (it is refused rather than
-            answered unconstrained).
-    """
-    if params.constraint is not None:
-        raise ConstraintRejected(
-            "constraint",
-            f"{surface} does not carry constraints to its replicas yet, so a "
-            f"{params.constraint.kind} constraint is refused rather than ignored",
-        )

@@ -46,7 +46,7 @@ from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.submit_checks import check_params, refuse_constraint
+from twostroke.engine.submit_checks import check_params
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router
 from twostroke.states.statistics import total
@@ -269,7 +269,6 @@ class Coordinator:
         """
         self.check_health()
         params = check_params(params)
-        refuse_constraint(params, "a coordinator")
         return self._relay.submit(wire_prompt(prompt), params)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.abc
-import attrs
 
 from twostroke.engine.coordinator.frames import (
     MAX_FRAME_BYTES,
@@ -49,6 +48,7 @@ from twostroke.engine.coordinator.frames import (
     ending_from_finished,
     rejection_error,
     request_error,
+    wire_params,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
 from twostroke.engine.errors import ReplicaFailed, RequestRejected
@@ -209,7 +209,7 @@ class RemoteReplica(BaseReplica):
     def add(
         self, request_id: int, prompt: WirePrompt, params: SamplingParams
     ) -> tuple[int, ...] | None:
-        frame = Add(request_id, prompt, attrs.asdict(params))
+        frame = Add(request_id, prompt, *wire_params(params))
         try:
             data = encode_frame(frame, limit=self._limit)
         except FrameTooLarge as exc:

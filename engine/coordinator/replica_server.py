@@ -67,6 +67,7 @@ from twostroke.engine.coordinator.frames import (
     encoded_size,
     failed_frame,
     finished_frame,
+    params_from_wire,
     rejected_frame,
     split_output,
 )
@@ -74,7 +75,6 @@ from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineError, RequestCancelled
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
-from twostroke.states.params import SamplingParams
 
 __all__ = ["FdReceiveStream", "FdSendStream", "main", "serve"]
 
@@ -236,7 +236,7 @@ class _Server:
             self._push_end(failed_frame(request_id, RequestCancelled(request_id)))
             return
         try:
-            params = SamplingParams(**frame.params)
+            params = params_from_wire(frame)
             # The engine checks the prompt's shape (its types are the engine's Prompt).
             handle = self._engine.submit(cast(Any, frame.prompt), params)
         except (EngineError, TypeError, ValueError) as exc:

@@ -30,7 +30,11 @@ from twostroke.engine.coordinator.frames import (
     Reply,
     Stats,
     ToReplica,
+    WireChoice,
     WireFinishReason,
+    WireGrammar,
+    WireJsonSchema,
+    WireRegex,
     call_error,
     delta_from_item,
     delta_item,
@@ -40,11 +44,13 @@ from twostroke.engine.coordinator.frames import (
     failed_frame,
     finished_frame,
     logprobs_from_wire,
+    params_from_wire,
     rejected_frame,
     rejection_error,
     request_error,
     routing_key,
     wire_logprobs,
+    wire_params,
     wire_prompt,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
@@ -60,6 +66,18 @@ from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.prompts import tokenize_prompt
+from twostroke.states.constraints import (
+    MAX_CHOICES,
+    MAX_PATTERN_LENGTH,
+    MAX_SCHEMA_LENGTH,
+    AnyJsonObject,
+    Choice,
+    Grammar,
+    JsonSchema,
+    Regex,
+)
+from twostroke.states.errors import ConstraintRejected
+from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
 from twostroke.states.request import FinishReason
 
@@ -331,3 +349,75 @@ def test_a_calls_error_is_raised_again_by_name_else_as_an_engine_error() -> None
     assert type(call_error("RequestRejected", "long")) is RequestRejected
     unknown = call_error("KeyError", "'x'")
     assert (type(unknown), str(unknown)) == (EngineError, "'x'")
+
+
+CONSTRAINTS = [
+    JsonSchema({"type": "object", "properties": {"a": {"enum": ["x", "é"]}}}),
+    AnyJsonObject(),
+    Regex("[0-9]{3}"),
+    Choice(["yes", "no"]),
+    Grammar('start: "a"+'),
+    None,
+]
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS)
+def test_a_constraint_crosses_the_wire_as_its_own_tagged_field(constraint: Any) -> None:
+    params = SamplingParams(max_tokens=5, stop=["x"], constraint=constraint)
+    frame = Add(3, "hi", *wire_params(params))
+    assert "constraint" not in frame.params
+    (received,) = FrameDecoder(ToReplica, "the coordinator").feed(encode_frame(frame))
+    assert params_from_wire(received) == params
+
+
+@pytest.mark.parametrize(
+    ("constraint", "fault"),
+    [
+        (WireRegex(""), r"Expected `str` of length >= 1 - at `\$\[4\]\[1\]`"),
+        (WireRegex("a" * (MAX_PATTERN_LENGTH + 1)), f"length <= {MAX_PATTERN_LENGTH}"),
+        (WireChoice(["x"] * (MAX_CHOICES + 1)), f"length <= {MAX_CHOICES}"),
+        (WireChoice([]), r"Expected `array` of length >= 1"),
+        (WireJsonSchema("x" * (MAX_SCHEMA_LENGTH + 1)), f"length <= {MAX_SCHEMA_LENGTH}"),
+        (WireGrammar(""), r"Expected `str` of length >= 1"),
+    ],
+    ids=["empty-regex", "long-regex", "many-choices", "no-choices", "long-schema", "no-grammar"],
+)
+def test_a_constraint_past_its_limits_is_a_malformed_frame(constraint: Any, fault: str) -> None:
+    frame = encode_frame(Add(1, "x", {}, constraint))
+    with pytest.raises(FrameError, match=r"^malformed frame 0 from the coordinator .*" + fault):
+        FrameDecoder(ToReplica, "the coordinator").feed(frame)
+
+
+def test_a_constraint_of_an_unknown_kind_is_a_malformed_frame() -> None:
+    body = msgspec.msgpack.encode(["add", 1, "x", {}, ["other", "x"]])
+    unknown = len(body).to_bytes(4, "big") + body
+    with pytest.raises(FrameError, match=r"Invalid value 'other' - at `\$\[4\]\[0\]`"):
+        FrameDecoder(ToReplica, "the coordinator").feed(unknown)
+
+
+@pytest.mark.parametrize(
+    ("frame", "error", "message"),
+    [
+        (Add(1, "x", {}, WireJsonSchema("{nope")), ValueError, "^schema is not valid JSON: "),
+        (Add(1, "x", {}, WireJsonSchema("[1]")), TypeError, "^schema must be a JSON object"),
+        (Add(1, "x", {"constraint": None}), TypeError, "^params must not name constraint"),
+    ],
+)
+def test_a_constraint_its_own_rules_refuse_is_the_requests_refusal(
+    frame: Add, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        params_from_wire(frame)
+
+
+def test_a_refused_constraint_crosses_the_wire_with_its_field_and_reason() -> None:
+    refused = ConstraintRejected("constraint.pattern", "invalid regex: a: b")
+    for frame in (_through_the_wire(failed_frame(7, refused)),
+                  _through_the_wire(rejected_frame(7, refused))):  # fmt: skip
+        raised = (
+            rejection_error(1, frame)
+            if isinstance(frame, Rejected)
+            else request_error(1, 7, frame.kind, frame.message)
+        )
+        assert isinstance(raised, ConstraintRejected)
+        assert (raised.field, raised.reason) == (refused.field, refused.reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Callable
@@ -12,6 +13,8 @@ import pytest
 import trio.testing
 
 from twostroke.engine import (
+    Choice,
+    ConstraintRejected,
     Coordinator,
     CoordinatorStatistics,
     Engine,
@@ -19,6 +22,8 @@ from twostroke.engine import (
     EngineDead,
     EngineStatistics,
     FinishReason,
+    JsonSchema,
+    Regex,
     ReplicaFailed,
     RequestCancelled,
     RequestOutput,
@@ -331,3 +336,38 @@ async def test_a_replica_that_stops_stepping_is_reported_unhealthy() -> None:
         assert [(r.healthy, r.num_open_requests) for r in stats.replicas] == [(False, 1), (True, 0)]
         await handle.result()
         assert all(r.healthy for r in coordinator.statistics().replicas)
+
+
+async def test_replicas_answer_constrained_requests_and_refuse_what_the_backend_refuses() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "high": {"type": "boolean"}},
+        "required": ["unit", "high"],
+        "additionalProperties": False,
+    }
+    constraints = [JsonSchema(schema), Choice(["yes", "no"]), Regex("[a-c]{2}[0-9]")] * 2
+    outputs: list[RequestOutput | None] = [None] * len(constraints)
+    async with Coordinator.open(model="toy", replicas=2, **TOY) as coordinator:
+
+        async def one(index: int) -> None:
+            params = SamplingParams(max_tokens=48, constraint=constraints[index])
+            outputs[index] = await coordinator.generate(f"{index}: a question", params)
+
+        async with anyio.create_task_group() as task_group:
+            for index in range(len(constraints)):
+                task_group.start_soon(one, index)
+        handle = coordinator.submit("hi", SamplingParams(constraint=Regex("(?<=a)b")))
+        with pytest.raises(ConstraintRejected, match=r"^constraint\.pattern: invalid regex: "):
+            await handle.result()
+        replicas = coordinator.statistics().replicas
+    steps = [replica.engine.num_steps if replica.engine else 0 for replica in replicas]
+    assert all(steps), steps  # both replicas compiled constraints and answered
+    for output, constraint in zip(outputs, constraints, strict=True):
+        assert output is not None
+        assert str(output.finish_reason) == "stop"
+        if isinstance(constraint, JsonSchema):
+            assert json.loads(output.text)["unit"] in {"celsius", "fahrenheit"}
+        elif isinstance(constraint, Choice):
+            assert output.text in {"yes", "no"}
+        else:
+            assert re.fullmatch("[a-c]{2}[0-9]", output.text)

@@ -21,9 +21,12 @@ import anyio
 import pytest
 
 from twostroke.engine import (
+    Choice,
+    ConstraintRejected,
     Coordinator,
     EngineDead,
     FinishReason,
+    Regex,
     ReplicaFailed,
     RequestCancelled,
     RequestOutput,
@@ -78,6 +81,12 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
         with pytest.raises(RequestRejected, match="must be <= max_model_len"):
             async with c.stream("x" * 5000, SamplingParams(max_tokens=4)):
                 raise AssertionError("a rejected request must not stream")
+
+        # A constraint crosses the wire; the replica compiles it, and its refusal comes back.
+        answer = await c.generate("pick", SamplingParams(constraint=Choice(["yes", "no"])))
+        assert (answer.text, str(answer.finish_reason)) in {("yes", "stop"), ("no", "stop")}
+        with pytest.raises(ConstraintRejected, match=r"^constraint\.pattern: invalid regex: "):
+            await c.generate("hi", SamplingParams(constraint=Regex("(?<=a)b")))
 
         # A cancellation storm: every way to cancel, then no block is held anywhere.
         async def cancelled(way: int) -> None:

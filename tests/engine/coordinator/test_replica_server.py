@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,7 +35,9 @@ from twostroke.engine.coordinator.frames import (
     Start,
     StartFailed,
     Stats,
+    WireJsonSchema,
     encode_frame,
+    wire_params,
 )
 from twostroke.engine.coordinator.replica_server import (
     FdReceiveStream,
@@ -43,6 +46,7 @@ from twostroke.engine.coordinator.replica_server import (
     finished_frames,
     serve,
 )
+from twostroke.states.constraints import Regex
 from twostroke.states.params import SamplingParams
 
 from ..conftest import toy_engine
@@ -157,6 +161,32 @@ async def test_a_replica_serves_requests_in_frames_and_stops_when_told() -> None
         assert idle.value["num_free_blocks"] == idle.value["num_blocks"] == 64
         await peer.send(Shutdown(cancel=False))
         assert [frame async for frame in peer.frames if not isinstance(frame, Stats)] == []
+    assert errors == []
+
+
+async def test_a_replica_compiles_the_constraint_a_frame_carries() -> None:
+    async with replica() as (peer, errors):
+        await peer.send(TOY)
+        await peer.until(Ready)
+        await peer.send(
+            Add(1, "hi", *wire_params(SamplingParams(constraint=Regex("[0-9]{3}-[a-z]")))),
+            Add(2, "hi", *wire_params(SamplingParams(constraint=Regex("(?<=a)b")))),
+            Add(3, "hi", params(), WireJsonSchema("[1]")),
+        )
+        ends: dict[int, Any] = {}
+        async for frame in peer.frames:  # the three end in any order
+            if isinstance(frame, Finished | Failed | Rejected):
+                ends[frame.request_id] = frame
+                if len(ends) == 3:
+                    break
+        assert re.fullmatch("[0-9]{3}-[a-z]", ends[1].text)
+        assert ends[1].finish_reason == "stop"
+        assert ends[2] == Failed(
+            2, "ConstraintRejected", "constraint.pattern: invalid regex: look-around, including "
+            "look-ahead and look-behind, is not supported",
+        )  # fmt: skip
+        assert ends[3] == Rejected(3, "TypeError", "schema must be a JSON object, got list [1]")
+        await peer.send(Shutdown(cancel=False))
     assert errors == []
 
 
