@@ -316,8 +316,8 @@ def choice_params(
     Without a ``max_tokens``, a completion gets ``SamplingParams``' default and a chat
     completion as many tokens as the context leaves (``max_tokens=None``; vLLM does the same):
     the engine knows the prompt's length once it has tokenized it, the server never does.
-    Every choice carries ``constraint`` (from :func:`~twostroke.engine.server.structured.
-    output_constraint`).
+    Every choice carries ``constraint`` (from the body's structured-output fields:
+    :func:`~twostroke.engine.server.structured.output_constraint`).
 
     Raises:
         ApiError: 400 naming the field for a value out of range or an unsupported parameter.
