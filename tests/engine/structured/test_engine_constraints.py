@@ -167,6 +167,19 @@ async def test_constrained_requests_overlap_on_the_cpu_device_at_depth_2() -> No
         jsonschema.validate(json.loads(output.text), schema)
 
 
+async def test_a_readback_leaves_a_later_step_whose_masks_are_not_filled_alone() -> None:
+    """On the CPU device the next step is launched (deferred: its masks not filled) on the
+    device's thread while the step before is read back on the event loop's: reading back
+    must not compute the later step, which would wait there for masks only that thread
+    fills (it failed a request, "waiting would deadlock", in 4 runs of 4 on trio before the
+    fix)."""
+    async with Engine.open(model="toy", device="cpu", pipeline_depth=2) as engine:
+        for index in range(16):
+            params = SamplingParams(max_tokens=40, constraint=Regex("[a-z]{30}"))
+            output = await engine.generate(f"request {index}", params)
+            assert output.finish_reason is FinishReason.STOP
+
+
 async def test_a_constraint_the_backend_refuses_ends_the_handle_with_constraint_rejected() -> None:
     async with Engine.open(
         runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
