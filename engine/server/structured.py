@@ -82,14 +82,15 @@ class ToolCalls:
         if self.name is None:
             if not isinstance(value, dict) or not isinstance(value.get("name"), str):
                 return None
-            name, arguments = value["name"], value.get("arguments", {})
+            name = value["name"]
+            arguments = json.dumps(value.get("arguments", {}), ensure_ascii=False)
         else:
-            name, arguments = self.name, value
+            name, arguments = self.name, text  # the arguments as the model wrote them
         return [
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
                 "type": "function",
-                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+                "function": {"name": name, "arguments": arguments},
             }
         ]
 
