@@ -716,8 +716,8 @@ def params_from_wire(frame: Add) -> SamplingParams:
 
     Raises:
         TypeError, ValueError: a field the parameters or the constraint refuse (a schema
-            that is not a JSON object, a ``constraint`` among the named fields): the
-            request's refusal, as ``submit``'s.
+            that is not a JSON object, a ``constraint`` other than ``None`` among the named
+            fields): the request's refusal, as ``submit``'s.
     """
     wire = frame.constraint
     constraint: Constraint | None
@@ -733,9 +733,11 @@ def params_from_wire(frame: Add) -> SamplingParams:
         constraint = Choice(wire.choices)
     else:
         constraint = Grammar(wire.source)
-    if "constraint" in frame.params:
-        raise TypeError("params must not name constraint: it travels as its own field")
-    return SamplingParams(**frame.params, constraint=constraint)
+    fields = dict(frame.params)
+    # An older coordinator names it, always None (it refused constraints): taken as absent.
+    if fields.pop("constraint", None) is not None:
+        raise TypeError("params must not name a constraint: it travels as its own field")
+    return SamplingParams(**fields, constraint=constraint)
 
 
 # --- prompts on the wire ---------------------------------------------------------------

@@ -400,7 +400,11 @@ def test_a_constraint_of_an_unknown_kind_is_a_malformed_frame() -> None:
     [
         (Add(1, "x", {}, WireJsonSchema("{nope")), ValueError, "^schema is not valid JSON: "),
         (Add(1, "x", {}, WireJsonSchema("[1]")), TypeError, "^schema must be a JSON object"),
-        (Add(1, "x", {"constraint": None}), TypeError, "^params must not name constraint"),
+        (
+            Add(1, "x", {"constraint": {"pattern": "a"}}),
+            TypeError,
+            "^params must not name a constraint: it travels as its own field$",
+        ),
     ],
 )
 def test_a_constraint_its_own_rules_refuse_is_the_requests_refusal(
@@ -408,6 +412,11 @@ def test_a_constraint_its_own_rules_refuse_is_the_requests_refusal(
 ) -> None:
     with pytest.raises(error, match=message):
         params_from_wire(frame)
+
+
+def test_an_older_coordinators_params_with_constraint_none_are_taken() -> None:
+    sampling = SamplingParams(max_tokens=3)
+    assert params_from_wire(Add(1, "x", attrs.asdict(sampling))) == sampling
 
 
 def test_a_refused_constraint_crosses_the_wire_with_its_field_and_reason() -> None:
