@@ -219,3 +219,19 @@ async def test_a_constraint_the_backend_refuses_is_a_400_not_a_500(stream: bool)
             }
         reply = await server.http.post("/v1/completions", json=_completion(max_tokens=2))
         assert reply.status_code == 200  # and serves on
+
+
+async def test_a_constrained_stream_held_for_its_first_output_still_keeps_alive() -> None:
+    """Keep-alive comments while the constraint compiles open the response; then the chunks."""
+    async with served(keepalive=0.001) as server:
+        body = _chat(structured_outputs={"choice": ["yes", "no"]}, stream=True)
+        raw = b""
+        async with server.http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            async for chunk in reply.aiter_bytes():
+                raw += chunk
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = [line[6:] for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+    first, *rest = (json.loads(event)["choices"][0] for event in events)
+    assert first["delta"] == {"role": "assistant", "content": ""}  # the opening comes first
+    assert "".join(choice["delta"].get("content", "") for choice in rest) in {"yes", "no"}
