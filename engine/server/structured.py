@@ -153,10 +153,10 @@ def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> Out
         if tools is not None:
             found.append(tools)
     if len(found) > 1:
-        fields = " and ".join(str(each.param).split(".")[0] for each in found)
+        fields = [_top_field(str(each.param)) for each in found]
         raise invalid_request(
-            f"the output may be constrained by one field only, got {fields}",
-            param=str(found[1].param).split(".")[0].split("[")[0],
+            f"the output may be constrained by one field only, got {' and '.join(fields)}",
+            param=fields[1],
         )
     return found[0] if found else OutputConstraint()
 
@@ -275,6 +275,11 @@ def _check_names(tools: list[Tool]) -> list[str]:
             )
         names.append(name)
     return names
+
+
+def _top_field(param: str) -> str:
+    """The body's own field of a nested one: ``tools`` for ``tools[0].function.parameters``."""
+    return re.split(r"[.\[]", param, maxsplit=1)[0]
 
 
 def _describe(choice: object) -> str:

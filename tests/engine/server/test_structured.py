@@ -144,6 +144,9 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str, str | None]] = [
     ("chat", {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": NAMED},
      "tools", "the output may be constrained by one field only, got response_format and "
      "tools", None),
+    ("completions", {"response_format": {"type": "json_object"},
+                     "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "one field only, got response_format and structured_outputs", None),
     ("completions", {"response_format": {"type": "xml"}}, "response_format", "Invalid enum "
      "value 'xml'", None),
     ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}},
