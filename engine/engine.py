@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -36,6 +36,7 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from twostroke.engine.config import EngineConfig
+from twostroke.engine.constraining import Constraining
 from twostroke.engine.delivery import Deliveries, Tracked
 from twostroke.engine.errors import (
     EngineClosed,
@@ -65,9 +66,6 @@ from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, TokenLogp
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
-
-if TYPE_CHECKING:
-    from twostroke.engine.structured import GrammarCompiler
 
 __all__ = ["Engine"]
 
@@ -109,15 +107,8 @@ class Engine:
         self._model_name = model_name
         self._runner = runner
         self._masking: MaskingRunner | None = runner if isinstance(runner, MaskingRunner) else None
-        self._compiler: GrammarCompiler | None = None
-        self._compiler_lock = anyio.Lock()
-        # Constrained requests whose constraint is compiling (not in the scheduler yet).
-        self._compiling: set[int] = set()
-        # Masks of steps in flight that wait for the steps before them to be applied.
-        self._pending_masks: dict[int, StepMasks] = {}
-        self._num_mask_rows = 0
-        self._mask_seconds = 0.0
         self._device = device
+        self._constraining = Constraining(tokenizer, pin_memory=device.kind == "cuda")
         max_model_len = config.max_model_len or runner.max_model_len
         self._max_model_len = min(max_model_len, runner.max_model_len)
         self._scheduler = Scheduler(
@@ -330,29 +321,9 @@ class Engine:
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         if constraint is not None:
             assert self._task_group is not None
-            self._compiling.add(request_id)
             self._task_group.start_soon(self._compile_and_queue, request)
         self._wakeup.set()
         return handle
-
-    async def _get_compiler(self) -> GrammarCompiler:
-        """The engine's compiler, made on first use (reading the vocabulary off the loop).
-
-        Raises:
-            ConstraintRejected: the backend is missing or cannot read this tokenizer.
-        """
-        async with self._compiler_lock:
-            if self._compiler is None:
-                try:
-                    from twostroke.engine.structured import GrammarCompiler, Vocabulary
-
-                    vocabulary = await anyio.to_thread.run_sync(
-                        Vocabulary.from_tokenizer, self.tokenizer
-                    )
-                except (ImportError, TypeError) as exc:  # StructuredOutputUnavailable is one
-                    raise ConstraintRejected("constraint", str(exc)) from exc
-                self._compiler = GrammarCompiler(vocabulary)
-            return self._compiler
 
     async def _compile_and_queue(self, request: Request) -> None:
         """Compile a request's constraint in a worker thread, then queue the request.
@@ -366,17 +337,15 @@ class Engine:
         assert constraint is not None
         error: Exception | None = None
         try:
-            compiled = await (await self._get_compiler()).compile(constraint)
+            matcher = await self._constraining.matcher(request_id, constraint)
         except ConstraintRejected as exc:
             error = exc
-        finally:
-            self._compiling.discard(request_id)
         if request_id not in self._open:  # cancelled, or the engine closed meanwhile
             self._update_idle()
             self._wakeup.set()
             return
         if error is None:
-            request.matcher = compiled.matcher()
+            request.matcher = matcher
             try:
                 self._scheduler.add_request(request)
             except (RequestRejected, EngineOverloaded) as exc:  # the queue filled meanwhile
@@ -474,7 +443,7 @@ class Engine:
         self._scheduler.check_invariants()
         for tracked in self._open.values():
             request_id = tracked.request.request_id
-            if request_id in self._compiling:
+            if request_id in self._constraining.compiling:
                 continue
             assert not tracked.writer.handle.done(), f"request {request_id} is done but still open"
             assert self._scheduler.get(request_id) is tracked.request, (
@@ -563,7 +532,9 @@ class Engine:
                         plan = scheduler.schedule()
                         if plan is None:
                             break
-                        masks = self._masks_for(plan)
+                        masks = self._constraining.masks_for(plan)
+                        if masks is not None:  # filled now if no step is before it
+                            self._fill_oldest_masks()
                         # room for pipeline_depth plans
                         self._plans_send.send_nowait(_Plan(plan, continues, masks))
                     self._bookkeeping_seconds += time.perf_counter() - began
@@ -576,7 +547,7 @@ class Engine:
                         self._wakeup = anyio.Event()
                         continue
                     await self._complete()
-                    self._publish_oldest_masks()
+                    self._fill_oldest_masks()
                     applied = True
         except Exception as exc:
             self._die(exc)
@@ -618,58 +589,15 @@ class Engine:
 
     # --- constraints --------------------------------------------------------------------
 
-    def _masks_for(self, plan: StepPlan) -> StepMasks | None:
-        """The masks of a new plan's constrained rows; filled now if no step is before it.
+    def _fill_oldest_masks(self) -> None:
+        """Fill the masks of the oldest step in flight, now that every step before it is
+        applied: while its layers run (at depth 2), before it samples."""
+        self._constraining.fill_oldest(self._scheduler, self._fail_constrained)
 
-        Otherwise they are filled when the step before it is applied
-        (:meth:`_publish_oldest_masks`): only then have the matchers seen every token before.
-        """
-        constrained = tuple(
-            entry.request_id
-            for entry in plan.requests
-            if entry.sample and entry.params.constraint is not None
-        )
-        if not constrained:
-            return None
-        assert self._compiler is not None  # a constrained request was compiled
-        masks = StepMasks(
-            plan.step_id,
-            constrained,
-            self._compiler.vocabulary.vocab_size,
-            pin_memory=self._device.kind == "cuda",
-        )
-        self._pending_masks[plan.step_id] = masks
-        self._publish_oldest_masks()
-        return masks
-
-    def _publish_oldest_masks(self) -> None:
-        """Fill and publish the masks of the oldest step in flight, if it waits for them.
-
-        Every step before it is applied, so each matcher has advanced by every token its
-        request sampled before this step: while the step's layers run, its masks are filled
-        here and handed over. A matcher that fails to compute its mask fails its request.
-        """
-        inflight = self._scheduler.inflight_plans
-        if not inflight:
-            return
-        masks = self._pending_masks.pop(inflight[0].step_id, None)
-        if masks is None:
-            return
-        began = time.perf_counter()
-        for request_id, row in masks.rows.items():
-            request = self._scheduler.get(request_id)
-            if request is None or request.is_terminal or request.matcher is None:
-                continue  # its sample is dropped: the row may stay empty
-            try:
-                request.matcher.fill_bitmask(masks.bitmask[row].numpy().data)
-            except Exception as exc:  # the backend gave up (MatcherError): this request fails
-                message = f"the constraint failed: {exc}"
-                self._scheduler.fail(request_id, message)
-                self._open.end(request_id, RequestFailed(request_id, message))
-        masks.fill_seconds = time.perf_counter() - began
-        self._mask_seconds += masks.fill_seconds
-        self._num_mask_rows += len(masks.rows)
-        masks.publish()
+    def _fail_constrained(self, request_id: int, message: str) -> None:
+        """A constrained request whose matcher gave up fails alone."""
+        self._scheduler.fail(request_id, message)
+        self._open.end(request_id, RequestFailed(request_id, message))
 
     def _apply_cancels(self) -> None:
         cancels, self._cancels = self._cancels, []
@@ -724,9 +652,7 @@ class Engine:
             self._task_group.cancel_scope.cancel()
 
     def _fail_open_requests(self) -> None:
-        for masks in self._pending_masks.values():
-            masks.abandon()  # a runner waiting for them wakes and fails
-        self._pending_masks.clear()
+        self._constraining.abandon()  # a runner waiting for masks wakes and fails
         for request_id in self._open:
             error: BaseException
             if self._death is not None:

@@ -1,0 +1,135 @@
+"""The engine's constrained requests: their compiler, and the token masks of their steps.
+
+A constrained request reaches the scheduler only once its constraint is compiled (in a
+worker thread, bounded in time: :class:`~twostroke.engine.structured.GrammarCompiler`), so
+that the bookkeeping stroke never waits for a compiler. Each step that samples constrained
+rows carries a :class:`~twostroke.engine.runners.masks.StepMasks`; the bookkeeping stroke
+fills it once every step before it is applied (then each row's matcher has seen every token
+before the step), which at depth 2 is while the step's layers run, and the runner waits for
+it only where it samples those rows (docs/structured-output.md, "The overlap").
+
+Kept apart from :mod:`twostroke.engine.engine`: the engine decides *when* (a plan is made, a
+step is applied, the engine dies); this module knows *how*, and imports the structured-output
+backend only when the first constrained request arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+
+from twostroke.engine.runners.masks import StepMasks
+from twostroke.engine.text.tokenizer import Tokenizer
+from twostroke.states.constraints import Constraint, Matcher
+from twostroke.states.errors import ConstraintRejected
+from twostroke.states.plan import StepPlan
+from twostroke.states.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from twostroke.engine.structured import GrammarCompiler
+
+__all__ = ["Constraining"]
+
+
+class Constraining:
+    """The compiler of one engine's constraints and the masks of its steps in flight.
+
+    Args:
+        tokenizer: The engine's tokenizer, whose vocabulary the masks cover.
+        pin_memory: Page-locked masks, for an asynchronous copy to a CUDA device.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, pin_memory: bool) -> None:
+        self._tokenizer = tokenizer
+        self._pin_memory = pin_memory
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = anyio.Lock()
+        #: Constrained requests whose constraint is compiling (not in the scheduler yet).
+        self.compiling: set[int] = set()
+        # Masks of steps in flight that wait for the steps before them to be applied.
+        self._pending: dict[int, StepMasks] = {}
+
+    async def matcher(self, request_id: int, constraint: Constraint) -> Matcher:
+        """Compile ``constraint`` in a worker thread (within the compiler's time limit) and
+        return a matcher at its start; ``request_id`` counts as :attr:`compiling` meanwhile.
+
+        Raises:
+            ConstraintRejected: the backend is missing, cannot read this tokenizer, refuses
+                the constraint or did not compile it in time.
+        """
+        self.compiling.add(request_id)
+        try:
+            compiled = await (await self._get_compiler()).compile(constraint)
+        finally:
+            self.compiling.discard(request_id)
+        return compiled.matcher()
+
+    async def _get_compiler(self) -> GrammarCompiler:
+        """The compiler, made on first use (reading the vocabulary off the loop)."""
+        async with self._compiler_lock:
+            if self._compiler is None:
+                try:
+                    from twostroke.engine.structured import GrammarCompiler, Vocabulary
+
+                    vocabulary = await anyio.to_thread.run_sync(
+                        Vocabulary.from_tokenizer, self._tokenizer
+                    )
+                except (ImportError, TypeError) as exc:  # StructuredOutputUnavailable is one
+                    raise ConstraintRejected("constraint", str(exc)) from exc
+                self._compiler = GrammarCompiler(vocabulary)
+            return self._compiler
+
+    def masks_for(self, plan: StepPlan) -> StepMasks | None:
+        """The masks of a new plan's constrained rows (``None``: it has none), pending until
+        :meth:`fill_oldest` fills them."""
+        constrained = tuple(
+            entry.request_id
+            for entry in plan.requests
+            if entry.sample and entry.params.constraint is not None
+        )
+        if not constrained:
+            return None
+        assert self._compiler is not None  # a constrained request was compiled
+        masks = StepMasks(
+            plan.step_id,
+            constrained,
+            self._compiler.vocabulary.vocab_size,
+            pin_memory=self._pin_memory,
+        )
+        self._pending[plan.step_id] = masks
+        return masks
+
+    def fill_oldest(self, scheduler: Scheduler, fail: Callable[[int, str], None]) -> None:
+        """Fill and publish the masks of the oldest step in flight, if it waits for them.
+
+        Call it once every step before that one is applied: each matcher has then advanced
+        by every token its request sampled before the step. A matcher that fails to compute
+        its mask fails its request (``fail(request_id, message)``).
+        """
+        inflight = scheduler.inflight_plans
+        if not inflight:
+            return
+        masks = self._pending.pop(inflight[0].step_id, None)
+        if masks is None:
+            return
+        began = time.perf_counter()
+        for request_id, row in masks.rows.items():
+            request = scheduler.get(request_id)
+            if request is None or request.is_terminal or request.matcher is None:
+                continue  # its sample is dropped: the row may stay empty
+            try:
+                request.matcher.fill_bitmask(masks.bitmask[row].numpy().data)
+            except Exception as exc:  # the backend gave up (MatcherError): this request fails
+                fail(request_id, f"the constraint failed: {exc}")
+        masks.fill_seconds = time.perf_counter() - began
+        masks.publish()
+
+    def abandon(self) -> None:
+        """The engine stopped: no pending masks will be filled; a runner waiting wakes."""
+        for masks in self._pending.values():
+            masks.abandon()
+        self._pending.clear()
