@@ -236,6 +236,13 @@ def test_regex_and_grammar_keep_their_text() -> None:
     assert (Grammar.kind, Grammar.argument) == ("grammar", "grammar")
 
 
+def test_texts_at_their_limit_are_taken() -> None:
+    assert len(Regex("a" * MAX_PATTERN_LENGTH).pattern) == MAX_PATTERN_LENGTH
+    assert len(Grammar("x" * MAX_GRAMMAR_LENGTH).source) == MAX_GRAMMAR_LENGTH
+    assert len(Choice([f"c{i}" for i in range(MAX_CHOICES)]).choices) == MAX_CHOICES
+    assert Choice(["x" * MAX_CHOICE_LENGTH]).choices == ("x" * MAX_CHOICE_LENGTH,)
+
+
 BAD_VALUES = [
     (Regex, 3, TypeError, "pattern must be a str, got int 3"),
     (Regex, "", ValueError, "pattern must be non-empty, got ''"),
