@@ -292,6 +292,10 @@ class ReferenceMatcher:
         # The state after each token: the output's text, and whether EOS has come.
         self._history: list[tuple[str, bool]] = [("", False)]
         self._known: dict[str, frozenset[int]] = {}
+        # A regex's derivative by each text reached, made from the one before it by the new
+        # token's text: one derivative per token, not one per character of the whole text
+        # at every question (the scheduler's machines ask thousands).
+        self._states: dict[str, _Node] = {}
 
     @property
     def text(self) -> str:
@@ -307,16 +311,23 @@ class ReferenceMatcher:
         return len(self._history) - 1
 
     def _viable(self, text: str) -> bool:
-        """Whether ``text`` can still grow into a match."""
-        if isinstance(self._language, tuple):
-            return any(choice.startswith(text) for choice in self._language)
-        return not _is_empty(_derive_text(self._language, text))
+        """Whether ``text`` (of a choice) can still grow into a match."""
+        assert isinstance(self._language, tuple)
+        return any(choice.startswith(text) for choice in self._language)
+
+    def _state(self, text: str) -> _Node:
+        """The regex's derivative by ``text``, a text this matcher has reached."""
+        assert not isinstance(self._language, tuple)
+        state = self._states.get(text)
+        if state is None:
+            state = self._states[text] = _derive_text(self._language, text)
+        return state
 
     @property
     def accepting(self) -> bool:
         if isinstance(self._language, tuple):
             return self.text in self._language
-        return _nullable(_derive_text(self._language, self.text))
+        return _nullable(self._state(self.text))
 
     @property
     def terminated(self) -> bool:
@@ -335,7 +346,7 @@ class ReferenceMatcher:
                 token for token, piece in self._texts.items() if self._viable(text + piece)
             )
         else:  # the derivative by the text once, then by each piece
-            state = _derive_text(self._language, text)
+            state = self._state(text)
             found = frozenset(
                 token
                 for token, piece in self._texts.items()
@@ -353,7 +364,10 @@ class ReferenceMatcher:
         if token_id in self._eos:  # EOS again after EOS changes nothing but the count
             self._history.append((self.text, True))
         else:
-            self._history.append((self.text + self._texts[token_id], False))
+            text, piece = self.text, self._texts[token_id]
+            if not isinstance(self._language, tuple) and text + piece not in self._states:
+                self._states[text + piece] = _derive_text(self._state(text), piece)
+            self._history.append((text + piece, False))
         return True
 
     def rollback(self, num_tokens: int) -> None:
