@@ -30,6 +30,7 @@ from twostroke.engine.llm import LLM
 from twostroke.engine.models.llama import WeightError
 from twostroke.engine.models.loader import ModelLoadError
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
+from twostroke.engine.runners.masks import MasksAbandoned
 from twostroke.engine.runners.torch import RunnerError
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.detokenizer import DetokenizerError
@@ -66,6 +67,7 @@ __all__ = [
     "Grammar",
     "InvalidTransition",
     "JsonSchema",
+    "MasksAbandoned",
     "MatcherError",
     "ModelLoadError",
     "NoLiveReplica",

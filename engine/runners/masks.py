@@ -18,12 +18,13 @@ import time
 
 import torch
 
+from twostroke.engine.errors import EngineError
 from twostroke.states.constraints import bitmask_words
 
 __all__ = ["MasksAbandoned", "StepMasks"]
 
 
-class MasksAbandoned(RuntimeError):
+class MasksAbandoned(EngineError, RuntimeError):
     """The masks of a step will never come: the engine stopped before it filled them."""
 
 
