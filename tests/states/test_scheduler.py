@@ -48,29 +48,40 @@ tiny_configs = scheduler_configs(
     max_num_batched_tokens=st.integers(2, 16),
 )
 
-#: The lookahead under memory pressure, where the rarest interleavings live.
-TestSchedulerTinyPool = SchedulerMachine.for_config(
-    scheduler_configs(
-        num_blocks=st.integers(2, 6),
-        block_size=st.integers(1, 3),
-        max_num_seqs=st.integers(2, 4),
-        max_num_batched_tokens=st.integers(2, 16),
-        pipeline_depth=2,
-    )
-).TestCase
+
+def _tiny_pool(block_size: st.SearchStrategy[int]) -> Any:
+    """The lookahead under memory pressure, where the rarest interleavings live."""
+    return SchedulerMachine.for_config(
+        scheduler_configs(
+            num_blocks=st.integers(2, 6),
+            block_size=block_size,
+            max_num_seqs=st.integers(2, 4),
+            max_num_batched_tokens=st.integers(2, 16),
+            pipeline_depth=2,
+        )
+    ).TestCase
+
+
+# Two machines, one pool each (blocks of one token, blocks of two or three), so that each
+# fits its timeout on a loaded 2-core machine and the two run on different workers.
+TestSchedulerTinyPool = _tiny_pool(st.integers(2, 3))
+TestSchedulerTinyPoolOneTokenBlocks = _tiny_pool(st.just(1))
 #: Both depths, pools of up to 48 positions.
 TestScheduler = SchedulerMachine.TestCase
 
 
-# Three times the profile's examples for the two scheduler machines: a run costs ~30 ms,
-# and an interleaving such as "cancel a request of step N+1, then one of step N, while both
-# are in flight" turns up about once in a few hundred runs.
-def _more_examples(case: type[Any]) -> None:
-    case.settings = settings(case.settings, max_examples=3 * settings.default.max_examples)
+# More than the profile's examples for the scheduler machines (three times for the pools
+# of up to 48 positions; one and a half for each tiny pool, three between them): a run costs
+# ~30 ms, and an interleaving such as "cancel a request of step N+1, then one of step N,
+# while both are in flight" turns up about once in a few hundred runs.
+def _more_examples(case: type[Any], times: float) -> None:
+    examples = round(times * settings.default.max_examples)
+    case.settings = settings(case.settings, max_examples=examples)
 
 
-_more_examples(TestSchedulerTinyPool)
-_more_examples(TestScheduler)
+_more_examples(TestSchedulerTinyPool, 1.5)
+_more_examples(TestSchedulerTinyPoolOneTokenBlocks, 1.5)
+_more_examples(TestScheduler, 3)
 
 
 # --- properties -------------------------------------------------------------------------------
