@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("default", max_examples=40, deadline=None)
-# `make test`: sized so that the slowest property test (a scheduler machine) stays well under
-# the 120 s per-test timeout on a 2-core AVX2 machine with another job busy on one core while
-# the rest of `make test` runs beside it (10.6 s with coverage on that machine when quiet).
+# `make test`: sized for a 2-core AVX2 machine with another job busy on one core; the slowest
+# property test (a scheduler machine) takes 10.6 s with coverage there when quiet, and has a
+# 300 s hang tripwire for when the rest of `make test` runs beside it (tests/states/conftest.py).
 settings.register_profile(
     "ci",
     max_examples=60,
