@@ -16,6 +16,7 @@ backend only when the first constrained request arrives.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,13 @@ class Constraining:
         self.compiling: set[int] = set()
         # Masks of steps in flight that wait for the steps before them to be applied.
         self._pending: dict[int, StepMasks] = {}
+        # Filled masks whose step may still be sampling (the runner's wait is not final).
+        self._filled: deque[StepMasks] = deque()
+        #: Masks filled, one per constrained row sampled (a finished request's row is not).
+        self.num_masked_rows = 0
+        #: Seconds the bookkeeping stroke spent filling masks.
+        self.mask_fill_seconds = 0.0
+        self._mask_wait_seconds = 0.0
 
     async def matcher(self, request_id: int, constraint: Constraint) -> Matcher:
         """Compile ``constraint`` in a worker thread (within the compiler's time limit) and
@@ -125,11 +133,28 @@ class Constraining:
                 request.matcher.fill_bitmask(masks.bitmask[row].numpy().data)
             except Exception as exc:  # the backend gave up (MatcherError): this request fails
                 fail(request_id, f"the constraint failed: {exc}")
+            else:
+                self.num_masked_rows += 1
         masks.fill_seconds = time.perf_counter() - began
         masks.publish()
+        self.mask_fill_seconds += masks.fill_seconds
+        self._filled.append(masks)
+
+    def mask_wait_seconds(self, scheduler: Scheduler) -> float:
+        """Seconds the runner waited for masks, over the steps the scheduler has applied.
+
+        A step's wait is final once it is applied (the runner sampled it before it returned);
+        the waits of steps still in flight count once they are.
+        """
+        inflight = scheduler.inflight_plans
+        oldest = inflight[0].step_id if inflight else None
+        while self._filled and (oldest is None or self._filled[0].step_id < oldest):
+            self._mask_wait_seconds += self._filled.popleft().wait_seconds
+        return self._mask_wait_seconds
 
     def abandon(self) -> None:
         """The engine stopped: no pending masks will be filled; a runner waiting wakes."""
         for masks in self._pending.values():
             masks.abandon()
         self._pending.clear()
+        self._filled.clear()

@@ -436,6 +436,9 @@ class Engine:
             bookkeeping_seconds=self._bookkeeping_seconds,
             forward_seconds=self._launches.forward_seconds,
             forward_idle_seconds=self._launches.forward_idle_seconds,
+            num_masked_rows=self._constraining.num_masked_rows,
+            mask_fill_seconds=self._constraining.mask_fill_seconds,
+            mask_wait_seconds=self._constraining.mask_wait_seconds(self._scheduler),
         )
 
     def check_invariants(self) -> None:

@@ -39,3 +39,12 @@ class EngineStatistics(SchedulerStatistics):
     #: after one was applied): the time it waited on Python. Not counted: idle time with
     #: nothing to run.
     forward_idle_seconds: float = seconds()
+    #: Rows sampled under a structured-output mask: one per token a constrained request
+    #: sampled (its matcher's allowed set, filled by the bookkeeping stroke).
+    num_masked_rows: int = count()
+    #: Seconds the bookkeeping stroke spent filling those masks (at depth 2, while the
+    #: step's layers ran).
+    mask_fill_seconds: float = seconds()
+    #: Seconds the runner waited for masks at sampling, over the steps applied: the part of
+    #: the filling the forward did not hide.
+    mask_wait_seconds: float = seconds()

@@ -162,9 +162,14 @@ async def test_constrained_requests_overlap_on_the_cpu_device_at_depth_2() -> No
             for index in range(4):
                 group.start_soon(one, index)
             group.start_soon(engine.generate, "plain", SamplingParams(max_tokens=8))
+        stats = engine.statistics()
     for output in outputs:
         assert output.finish_reason is FinishReason.STOP
         jsonschema.validate(json.loads(output.text), schema)
+    # One mask per constrained token sampled (the grammar completes at the closing brace,
+    # so no EOS is sampled after it); the plain request's tokens sample without one.
+    assert stats.num_masked_rows == sum(len(output.token_ids) for output in outputs)
+    assert stats.mask_fill_seconds > 0
 
 
 async def test_a_readback_leaves_a_later_step_whose_masks_are_not_filled_alone() -> None:
