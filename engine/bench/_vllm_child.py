@@ -7,18 +7,23 @@ job and reads the result; the protocol is plain JSON, versioned by ``"protocol"`
 
 job::
 
-    {"protocol": 1, "model_dir": str, "dtype": str, "seed": int, "max_model_len": int,
-     "requests": [{"prompt_token_ids": [int, ...], "max_tokens": int}, ...],
+    {"protocol": 2, "model_dir": str, "dtype": str, "seed": int, "max_model_len": int,
+     "requests": [{"prompt_token_ids": [int, ...], "max_tokens": int,
+                   "json_schema": str | null}, ...],
      "arrival_times": [float, ...] | null, "engine_args": {str: value}}
 
 result (exit status 0)::
 
-    {"protocol": 1, "startup_seconds": float, "wall_seconds": float,
+    {"protocol": 2, "startup_seconds": float, "wall_seconds": float,
      "timings": [{"prompt_tokens", "output_tokens", "start", "first_token", "end",
                   "chunk_times": [float, ...]}, ...],
      "extra": {"vllm": version, "torch": version, ...}}
 
-or, when anything fails (exit status 1): ``{"protocol": 1, "error": "Type: message"}``.
+or, when anything fails (exit status 1): ``{"protocol": 2, "error": "Type: message"}``.
+
+A request with a ``json_schema`` samples under it through vLLM's structured outputs (its
+default backend), as ``SamplingParams(structured_outputs=...)`` from vLLM 0.10.2 on and
+``guided_decoding=`` before.
 
 Why ``LLMEngine.step()`` and not ``LLM.generate``: ``generate`` returns when every request is
 done, so it shows neither first tokens nor arrivals. Stepping the engine by hand delivers every
@@ -37,7 +42,7 @@ from typing import Any
 
 _PROCESS_START = time.perf_counter()
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +84,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 ignore_eos=True,
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
+                **_constraint(requests[added].get("json_schema")),
             )
             engine.add_request(
                 str(added), {"prompt_token_ids": requests[added]["prompt_token_ids"]}, params
@@ -129,6 +135,24 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
         },
     }
+
+
+def _constraint(schema: str | None) -> dict[str, Any]:
+    """The ``SamplingParams`` keyword of a JSON-schema constraint in this vLLM (none: ``{}``)."""
+    if schema is None:
+        return {}
+    parsed = json.loads(schema)
+    try:
+        from vllm.sampling_params import (  # type: ignore[import-not-found, unused-ignore]
+            StructuredOutputsParams,
+        )
+    except ImportError:  # vLLM before 0.10.2
+        from vllm.sampling_params import (  # type: ignore[import-not-found, unused-ignore]
+            GuidedDecodingParams,
+        )
+
+        return {"guided_decoding": GuidedDecodingParams(json=parsed)}
+    return {"structured_outputs": StructuredOutputsParams(json=parsed)}
 
 
 def _version(name: str) -> str:

@@ -123,6 +123,8 @@ async def _stream(client: Any, model: str, request: BenchRequest, start: float) 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.json_schema is not None:  # vLLM's field, which twostroke's server takes too
+        body["structured_outputs"] = {"json": json.loads(request.json_schema)}
     arrived = anyio.current_time() - start
     chunk_times: list[float] = []
     output_tokens = 0

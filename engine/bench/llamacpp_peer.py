@@ -46,11 +46,16 @@ class LlamaCppDriver:
         """Run each request to ``max_tokens`` in turn, waiting for arrivals when idle.
 
         Returns:
-            The timings, or an unavailable result when the model is not a GGUF file.
+            The timings, or an unavailable result when the model is not a GGUF file or the
+            workload has JSON schemas.
         """
         if not model.is_gguf:
             return SystemResult.unavailable(
                 self.name, f"llama.cpp needs a GGUF file; {model.source} is a directory"
+            )
+        if workload.num_constrained:
+            return SystemResult.unavailable(
+                self.name, "JSON schemas are not run through llama.cpp's grammar sampler here"
             )
         from llama_cpp import Llama
 

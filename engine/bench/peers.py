@@ -27,6 +27,11 @@ from twostroke.states.validators import is_int
 
 __all__ = ["HFContinuousDriver", "HFStaticDriver"]
 
+#: Why transformers' generation runs no structured workload.
+NO_SCHEMAS = (
+    "transformers' generate has no JSON-schema constraint (it needs an outside logits processor)"
+)
+
 
 def _missing_hf_packages() -> str | None:
     missing = [
@@ -126,12 +131,15 @@ class HFStaticDriver:
         """Generate every request of an offline workload, batch after batch.
 
         Returns:
-            The timings, or an unavailable result for a serving workload.
+            The timings, or an unavailable result for a serving workload or one with JSON
+            schemas.
         """
         if not workload.is_offline:
             return SystemResult.unavailable(
                 self.name, "static batching runs offline workloads only (generate is a batch call)"
             )
+        if workload.num_constrained:
+            return SystemResult.unavailable(self.name, NO_SCHEMAS)
         import torch
 
         from twostroke.gpu.threads import torch_threads
@@ -245,9 +253,14 @@ class HFContinuousDriver:
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
         """Feed the workload's requests to the manager at their arrival times.
 
+        Returns:
+            The timings, or an unavailable result for a workload with JSON schemas.
+
         Raises:
             RuntimeError: the manager's thread died or a request failed.
         """
+        if workload.num_constrained:
+            return SystemResult.unavailable(self.name, NO_SCHEMAS)
         import torch
         import transformers
         from transformers.generation.continuous_batching.utils import WorkloadHints

@@ -93,6 +93,12 @@ def _note(extra: Mapping[str, Any]) -> str:
         parts.append(f"batch {extra['batch_size']}")
     if extra.get("load_average") is not None:
         parts.append(f"load average {extra['load_average']:.2f}")
+    if "masked_tokens" in extra:
+        parts.append(
+            f"{extra['masked_tokens']} tokens under a JSON schema: masks "
+            f"{extra['mask_fill_ms_per_token']:.3f} ms/token to fill, "
+            f"{extra['mask_wait_s']:.2f} s waited for at sampling"
+        )
     return "; ".join(parts)
 
 

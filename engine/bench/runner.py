@@ -30,7 +30,12 @@ from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
 from twostroke.engine.bench.report import DEFAULT_REFERENCE, write_report
 from twostroke.engine.bench.vllm_peer import VLLMDriver
-from twostroke.engine.bench.workload import Workload, offline_workload, serving_workload
+from twostroke.engine.bench.workload import (
+    Workload,
+    offline_workload,
+    serving_workload,
+    with_json_schemas,
+)
 
 __all__ = [
     "BenchRun",
@@ -246,6 +251,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run twostroke at depth 2 with prefix caching off",
     )
     parser.add_argument(
+        "--structured-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="the fraction of requests whose output must follow the bench's JSON schema "
+        "(structured output; 0.25: a quarter)",
+    )
+    parser.add_argument(
+        "--compare-unconstrained",
+        action="store_true",
+        help="also run twostroke at depth 2 and 1 with the JSON schemas taken off",
+    )
+    parser.add_argument(
         "--quantization",
         action="append",
         choices=("fp16", "int8"),
@@ -357,6 +375,7 @@ def bench_command(
         workload = offline_workload(encode, **shape)
     else:
         workload = serving_workload(encode, rate=args.rate, burstiness=args.burstiness, **shape)
+    workload = with_json_schemas(workload, args.structured_fraction)
     console.print(workload.description)
     run = run_systems(
         drivers, workload, model=model, console=console, progress=not args.no_progress

@@ -4,13 +4,16 @@
 calls with nested objects, enums, arrays, patterns, ``$defs``/``$ref`` and ``anyOf``. It is
 the schema of scripts/structured_backends.py, which chose the backend by it
 (docs/structured-output.md), and of the tests on SmolLM2's vocabulary.
+:func:`bench_schema` is the schema of ``twostroke bench --structured-fraction``'s requests.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TOOL_CALL_SAMPLE", "TOOL_CALL_SCHEMA"]
+from twostroke.states.validators import check_int_at_least
+
+__all__ = ["TOOL_CALL_SAMPLE", "TOOL_CALL_SCHEMA", "bench_schema"]
 
 #: An OpenAI-style tool call: nested objects, enums, arrays, a pattern, $defs and anyOf.
 TOOL_CALL_SCHEMA: dict[str, Any] = {
@@ -130,3 +133,37 @@ TOOL_CALL_SAMPLE: dict[str, Any] = {
     ],
     "reasoning": "The user wants the weather in Reykjavik and a flight to Paris for two.",
 }
+
+
+def bench_schema(min_items: int) -> dict[str, object]:
+    """The JSON schema of the bench's structured requests: a typed record whose list of
+    keywords holds at least ``min_items`` entries.
+
+    A record of the kind applications extract (a title, a rating, a flag, an enum and a list
+    of strings, no other keys), so the matcher does the work a real schema gives it. Each
+    keyword is at least 8 characters between quotes, and no token of a BPE vocabulary spans a
+    quote, a comma and a word, so every keyword costs at least one token: with ``min_items``
+    at least the request's ``max_tokens`` the output cannot complete first, and a constrained
+    request generates exactly as many tokens as the same request unconstrained.
+
+    Raises:
+        ValueError: ``min_items`` < 1.
+        TypeError: ``min_items`` is not an int.
+    """
+    check_int_at_least("min_items", min_items, 1)
+    return {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 80},
+            "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+            "recommended": {"type": "boolean"},
+            "language": {"enum": ["en", "de", "fr", "other"]},
+            "keywords": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 8, "maxLength": 40},
+                "minItems": min_items,
+            },
+        },
+        "required": ["title", "rating", "recommended", "language", "keywords"],
+        "additionalProperties": False,
+    }

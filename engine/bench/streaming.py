@@ -3,7 +3,8 @@
 twostroke's own systems (the engine at each depth, the coordinator over N replicas) are
 measured the same way: each request is submitted at its arrival time, streamed through
 :meth:`~twostroke.engine.surface.EngineSurface.stream` greedily to its ``max_tokens``
-(``ignore_eos``), and the delivery time of every chunk with tokens is recorded. One function
+(``ignore_eos``; under its JSON schema where it has one), and the delivery time of every
+chunk with tokens is recorded. One function
 does it for all of them, so their figures differ only in the system.
 """
 
@@ -17,6 +18,7 @@ import attrs
 from twostroke.engine.bench.metrics import RequestTiming
 from twostroke.engine.bench.workload import Workload
 from twostroke.engine.surface import EngineSurface
+from twostroke.states.constraints import JsonSchema
 from twostroke.states.params import SamplingParams
 
 __all__ = ["StreamedRun", "stream_workload"]
@@ -41,7 +43,8 @@ async def stream_workload(surface: EngineSurface, workload: Workload) -> Streame
     """Submit every request of ``workload`` at its arrival time and stream it to the end.
 
     The run starts (t = 0) when this is called. Each request streams its prompt token ids with
-    greedy sampling and ``ignore_eos``, so it produces exactly its ``max_tokens``.
+    greedy sampling and ``ignore_eos``, so it produces exactly its ``max_tokens`` (a request
+    with a JSON schema samples under it: the bench's schema does not complete sooner).
 
     Args:
         surface: An open engine or coordinator.
@@ -68,7 +71,12 @@ async def stream_workload(surface: EngineSurface, workload: Workload) -> Streame
         if delay > 0:
             await anyio.sleep(delay)
         start = time.perf_counter() - t0
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            constraint=None if request.json_schema is None else JsonSchema(request.json_schema),
+        )
         chunks: list[float] = []
         num_tokens = 0
         async with surface.stream(list(request.prompt_token_ids), params) as deltas:

@@ -27,7 +27,7 @@ import torch
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.streaming import stream_workload
-from twostroke.engine.bench.workload import Workload
+from twostroke.engine.bench.workload import Workload, without_json_schemas
 from twostroke.engine.engine import Engine
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.loading import DTYPES, default_torch_threads
@@ -92,17 +92,24 @@ class TwostrokeDriver:
         depth: The pipeline depth (2: lookahead, 1: serial).
         device: Where the engine runs: a kind :func:`~twostroke.gpu.selection.select_device`
             takes (``"cpu"``, ``"cuda"``, ``"auto"``).
+        unconstrained: Run the workload with its JSON schemas taken off (the same prompts and
+            lengths): what the cost of structured output is measured against.
         engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields.
     """
 
-    def __init__(self, depth: int, *, device: str = "cpu", **engine_options: Any) -> None:
+    def __init__(
+        self, depth: int, *, device: str = "cpu", unconstrained: bool = False, **engine_options: Any
+    ) -> None:
         self.depth = depth
         self.device = device
+        self.unconstrained = unconstrained
         self.name = f"twostroke-depth{depth}"
         if engine_options.get("enable_prefix_caching") is False:
             self.name += "-nocache"
         if engine_options.get("quantization") is not None:
             self.name += f"-{engine_options['quantization']}"
+        if unconstrained:
+            self.name += "-unconstrained"
         self.engine_options = engine_options
         self.recording: _Recording | None = None
 
@@ -114,6 +121,8 @@ class TwostrokeDriver:
         return None
 
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
+        if self.unconstrained:
+            workload = without_json_schemas(workload)
         with torch_threads(_intra_op_threads(model)):
             return self._run(workload, model)
 
@@ -164,6 +173,7 @@ class TwostrokeDriver:
                 "warmup_s": round(warmup, 1),
                 "weights": "GGUF dequantized" if loaded.source.suffix == ".gguf" else "HF",
                 "quantization": loaded.quantization,
+                **_mask_figures(stats),
             },
         )
 
@@ -190,6 +200,20 @@ class TwostrokeDriver:
             request_ids[:] = streamed.request_ids
             stats = engine.statistics()
         return list(streamed.timings), streamed.wall_seconds, stats, startup
+
+
+def _mask_figures(stats: Any) -> dict[str, Any]:
+    """The structured-output masks' cost, for a run that had any: how many, the bookkeeping
+    stroke's time per mask, and how long the runner waited for them (what the forward did
+    not hide)."""
+    if not stats.num_masked_rows:
+        return {}
+    return {
+        "masked_tokens": stats.num_masked_rows,
+        "mask_fill_ms_per_token": round(1000 * stats.mask_fill_seconds / stats.num_masked_rows, 4),
+        "mask_fill_s": round(stats.mask_fill_seconds, 3),
+        "mask_wait_s": round(stats.mask_wait_seconds, 3),
+    }
 
 
 #: The (model, dtype, threads, device) this process has run a warm-up pass for.
@@ -337,13 +361,15 @@ class BareForwardDriver:
 def engine_drivers(
     *,
     compare_prefix_caching: bool = False,
+    compare_unconstrained: bool = False,
     device: str = "cpu",
     quantizations: tuple[str, ...] = (),
     **engine_options: Any,
 ) -> list[Any]:
     """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1,
-    with ``compare_prefix_caching`` depth 2 without prefix caching, and depth 2 with each
-    of ``quantizations`` (weight precisions); all on ``device``."""
+    with ``compare_prefix_caching`` depth 2 without prefix caching, with
+    ``compare_unconstrained`` depth 2 and depth 1 with the workload's JSON schemas taken off,
+    and depth 2 with each of ``quantizations`` (weight precisions); all on ``device``."""
     depth2 = TwostrokeDriver(2, device=device, **engine_options)
     drivers = [
         depth2,
@@ -353,6 +379,11 @@ def engine_drivers(
     if compare_prefix_caching:
         options = engine_options | {"enable_prefix_caching": False}
         drivers.append(TwostrokeDriver(2, device=device, **options))
+    if compare_unconstrained:
+        for depth in (2, 1):
+            drivers.append(
+                TwostrokeDriver(depth, device=device, unconstrained=True, **engine_options)
+            )
     for quantization in quantizations:
         options = engine_options | {"quantization": quantization}
         drivers.append(TwostrokeDriver(2, device=device, **options))

@@ -32,7 +32,7 @@ __all__ = ["CHILD_SCRIPT", "PROTOCOL", "VLLMDriver", "job_document", "read_resul
 CHILD_SCRIPT = Path(__file__).with_name("_vllm_child.py")
 
 #: The version of the JSON job and result documents (the child's ``PROTOCOL``).
-PROTOCOL = 1
+PROTOCOL = 2
 
 _SETUP_HINT = "set it up with `make bench-peers`, then pass --vllm-python .venv-vllm/bin/python"
 
@@ -42,7 +42,7 @@ class ChildError(Exception):
 
 
 def job_document(workload: Workload, *, model_dir: Path, model: ModelSpec) -> dict[str, Any]:
-    """The JSON job the child runs: the workload's token ids, lengths and arrivals.
+    """The JSON job the child runs: the workload's token ids, lengths, schemas and arrivals.
 
     Prefix caching is on only when the workload's prompts share prefixes: otherwise they
     are distinct, and a cache only adds bookkeeping.
@@ -55,7 +55,11 @@ def job_document(workload: Workload, *, model_dir: Path, model: ModelSpec) -> di
         "seed": model.seed,
         "max_model_len": max(len(r.prompt_token_ids) + r.max_tokens for r in requests),
         "requests": [
-            {"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens}
+            {
+                "prompt_token_ids": list(r.prompt_token_ids),
+                "max_tokens": r.max_tokens,
+                "json_schema": r.json_schema,
+            }
             for r in requests
         ],
         "arrival_times": None if workload.arrival_times is None else list(workload.arrival_times),

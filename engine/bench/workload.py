@@ -8,17 +8,22 @@ built in, so making a workload needs no network and no data set.
 
 Two shapes, after vLLM's benchmarks: **offline** (every request submitted at t = 0; the figure
 is throughput) and **serving** (requests arrive over time, gaps drawn from a gamma
-distribution; the figures are latencies at a given load).
+distribution; the figures are latencies at a given load). Either may carry **structured
+output**: :func:`with_json_schemas` gives a fraction of its requests a JSON schema their
+output must follow (:func:`~twostroke.engine.bench.schemas.bench_schema`), for the cost of
+the token masks.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from twostroke.engine.bench.schemas import bench_schema
 from twostroke.states.validators import check_int_at_least, int_at_least, is_int
 
 __all__ = [
@@ -27,6 +32,8 @@ __all__ = [
     "Workload",
     "offline_workload",
     "serving_workload",
+    "with_json_schemas",
+    "without_json_schemas",
 ]
 
 #: English prose the prompt windows are cut from (written for this project, no licence).
@@ -97,10 +104,29 @@ class BenchRequest:
     Attributes:
         prompt_token_ids: The prompt, at least one token.
         max_tokens: Tokens to generate, at least one.
+        json_schema: A JSON schema (its JSON text) the output must follow, or ``None``. The
+            bench's schema (:func:`~twostroke.engine.bench.schemas.bench_schema`) cannot
+            complete in fewer than ``max_tokens`` tokens, so the work stays fixed under it.
     """
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=_ids)
     max_tokens: int = attrs.field(validator=int_at_least(1))
+    json_schema: str | None = attrs.field(default=None, kw_only=True)
+
+    @json_schema.validator
+    def _check_schema(self, attribute: object, value: str | None) -> None:
+        if value is None:
+            return
+        if not isinstance(value, str):
+            raise TypeError(f"json_schema must be JSON text or None, got {type(value).__name__}")
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"json_schema must be JSON text, got {value[:40]!r}: {exc}") from exc
+        if not isinstance(parsed, dict):  # the text is the wrong value, not the wrong type
+            raise ValueError(  # noqa: TRY004
+                f"json_schema must be a JSON object, got {type(parsed).__name__}"
+            )
 
     @prompt_token_ids.validator
     def _check_prompt(self, attribute: object, value: tuple[int, ...]) -> None:
@@ -172,6 +198,54 @@ class Workload:
     def num_output_tokens(self) -> int:
         """Tokens all systems must generate, over all requests."""
         return sum(request.max_tokens for request in self.requests)
+
+    @property
+    def num_constrained(self) -> int:
+        """Requests whose output must follow a JSON schema."""
+        return sum(request.json_schema is not None for request in self.requests)
+
+
+def with_json_schemas(workload: Workload, fraction: float) -> Workload:
+    """``workload`` with ``round(fraction * n)`` of its requests carrying
+    :func:`~twostroke.engine.bench.schemas.bench_schema`.
+
+    Which requests is drawn from the workload's seed, so the choice is repeatable and spread
+    over the lengths; each gets the schema with ``minItems`` equal to its ``max_tokens``.
+    Everything else (prompts, lengths, arrivals) is unchanged: :func:`without_json_schemas`
+    of the result has the workload's requests again.
+
+    Raises:
+        ValueError: ``fraction`` is not a number in [0, 1].
+    """
+    if isinstance(fraction, bool) or not (isinstance(fraction, int | float) and 0 <= fraction <= 1):
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+    count = round(fraction * len(workload.requests))
+    if not count:
+        return workload
+    chosen = set(
+        random.Random(f"schemas-{workload.seed}").sample(range(len(workload.requests)), count)
+    )
+    requests = [
+        attrs.evolve(request, json_schema=json.dumps(bench_schema(request.max_tokens)))
+        if index in chosen
+        else request
+        for index, request in enumerate(workload.requests)
+    ]
+    description = (
+        f"{workload.description}; {count} of {len(requests)} with a JSON schema ({fraction:.0%})"
+    )
+    return attrs.evolve(workload, requests=requests, description=description)
+
+
+def without_json_schemas(workload: Workload) -> Workload:
+    """``workload`` with every JSON schema taken off: the same work, unconstrained."""
+    if not workload.num_constrained:
+        return workload
+    return attrs.evolve(
+        workload,
+        requests=[attrs.evolve(request, json_schema=None) for request in workload.requests],
+        description=f"{workload.description}, the schemas taken off",
+    )
 
 
 def offline_workload(

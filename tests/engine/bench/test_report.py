@@ -135,3 +135,20 @@ def test_nothing_ran(tmp_path: Path) -> None:
     assert files.png is None
     assert "vllm-cpu: not run: no --vllm-python given" in out.getvalue()
     assert json.loads(files.json.read_text())["reference"] is None
+
+
+def test_the_mask_figures_of_a_structured_run_are_noted(tmp_path: Path) -> None:
+    from twostroke.engine.bench.report import notes
+
+    masked = _result(
+        "twostroke-depth2",
+        2.0,
+        masked_tokens=96,
+        mask_fill_ms_per_token=0.0421,
+        mask_fill_s=0.004,
+        mask_wait_s=0.25,
+    )
+    assert notes(_run(tmp_path, masked, _result("twostroke-depth1", 2.0))) == [
+        "twostroke-depth2: 96 tokens under a JSON schema: masks 0.042 ms/token to fill, "
+        "0.25 s waited for at sampling"
+    ]

@@ -22,7 +22,7 @@ from twostroke.engine.bench.runner import (
     bench_command,
     run_systems,
 )
-from twostroke.engine.bench.workload import BenchRequest, Workload
+from twostroke.engine.bench.workload import BenchRequest, Workload, with_json_schemas
 
 WORKLOAD = Workload(
     requests=(BenchRequest((1, 2), 2),), arrival_times=None, seed=0, description="one"
@@ -294,3 +294,61 @@ def test_hf_continuous_with_an_older_manager_api(monkeypatch: pytest.MonkeyPatch
         f"transformers {transformers.__version__} has continuous batching without the manager "
         "API this driver uses (workload hints); upgrade transformers"
     )
+
+
+def test_a_structured_workload_from_the_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from twostroke.engine.text import tokenizer
+
+    monkeypatch.setattr(
+        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
+    )
+    engine = FakeDriver("twostroke-depth2")
+    out = io.StringIO()
+    args = _args(
+        tmp_path,
+        *("--num-requests", "8", "--prompt-len", "4", "8", "--output-len", "2", "3"),
+        *("--structured-fraction", "0.25", "--systems", "twostroke-depth2,hf-static"),
+    )
+    status = bench_command(args, engine_drivers=[engine], console=Console(file=out, width=250))
+    assert status == 0
+    (workload,) = engine.ran
+    assert workload.num_constrained == 2
+    assert "2 of 8 with a JSON schema (25%)" in out.getvalue()
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert document["systems"][1]["reason"] == peers.NO_SCHEMAS
+
+
+def test_the_peers_without_a_json_schema_sampler_say_so(tmp_path: Path) -> None:
+    structured = with_json_schemas(WORKLOAD, 1)
+    assert HFStaticDriver().run(structured, model=_model(tmp_path)).reason == peers.NO_SCHEMAS
+    assert HFContinuousDriver().run(structured, model=_model(tmp_path)).reason == peers.NO_SCHEMAS
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    gguf = ModelSpec(name="tiny", source=tmp_path / "model.gguf", work_dir=tmp_path)
+    assert LlamaCppDriver().run(structured, model=gguf).reason == (
+        "JSON schemas are not run through llama.cpp's grammar sampler here"
+    )
+
+
+def test_engine_drivers_compare_unconstrained_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    from twostroke.engine.bench import twostroke_driver
+
+    drivers = twostroke_driver.engine_drivers(max_num_seqs=4, compare_unconstrained=True)
+    assert [driver.name for driver in drivers] == [
+        "twostroke-depth2",
+        "bare-forward",
+        "twostroke-depth1",
+        "twostroke-depth2-unconstrained",
+        "twostroke-depth1-unconstrained",
+    ]
+    ran: list[Workload] = []
+    monkeypatch.setattr(
+        twostroke_driver.TwostrokeDriver, "_run", lambda self, workload, model: ran.append(workload)
+    )
+    structured = with_json_schemas(WORKLOAD, 1)
+    model = ModelSpec(name="tiny", source=Path("m"))
+    drivers[0].run(structured, model=model)
+    drivers[3].run(structured, model=model)
+    assert [workload.num_constrained for workload in ran] == [1, 0]
+    assert ran[1].requests == WORKLOAD.requests

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from twostroke.engine.bench.streaming import stream_workload
-from twostroke.engine.bench.workload import BenchRequest, Workload, offline_workload
+from twostroke.engine.bench.workload import (
+    BenchRequest,
+    Workload,
+    offline_workload,
+    with_json_schemas,
+)
 from twostroke.engine.errors import RequestRejected
 from twostroke.engine.runners.toy import ByteTokenizer
 
@@ -44,3 +49,19 @@ async def test_a_rejected_request_fails_the_run() -> None:
         with pytest.raises(ExceptionGroup) as raised:
             await stream_workload(engine, workload)
     assert raised.group_contains(RequestRejected, match="the pool has only 8")
+
+
+async def test_a_request_with_a_json_schema_streams_its_max_tokens_under_it() -> None:
+    workload = with_json_schemas(
+        offline_workload(ByteTokenizer().encode, n=6, prompt_len=(3, 10), output_len=(2, 30)),
+        0.5,
+    )
+    async with toy_engine() as engine:
+        run = await stream_workload(engine, workload)
+        stats = engine.statistics()
+    for timing, request in zip(run.timings, workload.requests, strict=True):
+        assert timing.output_tokens == request.max_tokens
+    # Every token of a constrained request sampled under a mask, and no other token did.
+    constrained = [r.max_tokens for r in workload.requests if r.json_schema is not None]
+    assert len(constrained) == 3
+    assert stats.num_masked_rows == sum(constrained)

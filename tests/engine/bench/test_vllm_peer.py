@@ -11,7 +11,14 @@ import attrs
 import pytest
 
 from twostroke.engine.bench.model import ModelSpec
-from twostroke.engine.bench.vllm_peer import ChildError, VLLMDriver, job_document, read_result
+from twostroke.engine.bench.schemas import bench_schema
+from twostroke.engine.bench.vllm_peer import (
+    PROTOCOL,
+    ChildError,
+    VLLMDriver,
+    job_document,
+    read_result,
+)
 from twostroke.engine.bench.workload import BenchRequest, Workload
 from twostroke.gpu.dtype import CPU_BF16_ENV
 
@@ -81,16 +88,25 @@ class LLM:
 
     def __del__(self):
         with open(_LOG, "w") as file:
-            json.dump(self.log, file)
+            json.dump(self.log, file, default=lambda value: {type(value).__name__: value.__dict__})
 """
 
 SAMPLING_PARAMS = """
-import enum
+import enum, os
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+class GuidedDecodingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+if not os.environ.get("FAKE_VLLM_BEFORE_0_10_2"):
+    class StructuredOutputsParams:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
 """
 
 
@@ -171,6 +187,31 @@ def test_offline_run_through_the_real_child(
     }
 
 
+@pytest.mark.parametrize(
+    ("before_0_10_2", "keyword", "kind"),
+    [(False, "structured_outputs", "StructuredOutputsParams"),
+     (True, "guided_decoding", "GuidedDecodingParams")],
+)  # fmt: skip
+def test_a_json_schema_reaches_vllms_structured_outputs(
+    fake_vllm: dict[str, str],
+    model: ModelSpec,
+    tmp_path: Path,
+    before_0_10_2: bool,
+    keyword: str,
+    kind: str,
+) -> None:
+    schema = bench_schema(5)
+    requests = list(WORKLOAD.requests)
+    requests[0] = attrs.evolve(requests[0], json_schema=json.dumps(schema))
+    workload = attrs.evolve(WORKLOAD, requests=requests)
+    env = fake_vllm | ({"FAKE_VLLM_BEFORE_0_10_2": "1"} if before_0_10_2 else {})
+    result = VLLMDriver(sys.executable, env=env).run(workload, model=model)
+    assert result.available, result.reason
+    added = json.loads((tmp_path / "fake.json").read_text())["added"]
+    assert added[0]["params"][keyword] == {kind: {"json": schema}}
+    assert all(key not in a["params"] for a in added[1:] for key in (keyword, "guided_decoding"))
+
+
 def test_serving_requests_join_at_their_arrival_times(
     fake_vllm: dict[str, str], model: ModelSpec, tmp_path: Path
 ) -> None:
@@ -227,8 +268,12 @@ def test_unavailable_without_a_usable_python(tmp_path: Path, model: ModelSpec) -
 def test_job_document(model: ModelSpec) -> None:
     serving = Workload(WORKLOAD.requests, (0.0, 0.5, 1.0), 0, "s")
     document = job_document(serving, model_dir=Path("/m"), model=model)
-    assert document["protocol"] == 1
-    assert document["requests"][0] == {"prompt_token_ids": [1, 2, 3], "max_tokens": 5}
+    assert document["protocol"] == PROTOCOL
+    assert document["requests"][0] == {
+        "prompt_token_ids": [1, 2, 3],
+        "max_tokens": 5,
+        "json_schema": None,
+    }
     assert document["arrival_times"] == [0.0, 0.5, 1.0]
     assert document["max_model_len"] == 8
     json.dumps(document)
@@ -256,16 +301,24 @@ def _timing(tokens: int) -> dict[str, object]:
 @pytest.mark.parametrize(
     ("document", "message"),
     [
-        ({"protocol": 2}, "the child speaks protocol 2, expected 1"),
-        ({"protocol": 1, "error": "OSError: disk full"}, "vLLM failed: OSError: disk full"),
-        ({"protocol": 1, "timings": []}, "the child's result is malformed: 'startup_seconds'"),
+        ({"protocol": 1}, f"the child speaks protocol 1, expected {PROTOCOL}"),
+        ({"protocol": PROTOCOL, "error": "OSError: disk full"}, "vLLM failed: OSError: disk full"),
         (
-            {"protocol": 1, "startup_seconds": 1, "wall_seconds": 1, "timings": [_timing(5)]},
+            {"protocol": PROTOCOL, "timings": []},
+            "the child's result is malformed: 'startup_seconds'",
+        ),
+        (
+            {
+                "protocol": PROTOCOL,
+                "startup_seconds": 1,
+                "wall_seconds": 1,
+                "timings": [_timing(5)],
+            },
             "the child returned 1 timings for 3 requests",
         ),
         (
             {
-                "protocol": 1,
+                "protocol": PROTOCOL,
                 "startup_seconds": 1,
                 "wall_seconds": 1,
                 "timings": [_timing(5), _timing(2), _timing(4)],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 
@@ -10,12 +11,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from twostroke.engine.bench.schemas import bench_schema
 from twostroke.engine.bench.workload import (
     CORPUS,
     BenchRequest,
     Workload,
     offline_workload,
     serving_workload,
+    with_json_schemas,
+    without_json_schemas,
 )
 
 
@@ -196,3 +200,56 @@ def test_bad_sharing_names_the_rule(
 ) -> None:
     with pytest.raises(error, match=f"^{message}$"):
         offline_workload(encode, n=2, **options)  # type: ignore[arg-type]
+
+
+def test_a_quarter_of_the_requests_carry_the_bench_schema() -> None:
+    plain = offline_workload(encode, n=32, output_len=(16, 64), seed=3)
+    structured = with_json_schemas(plain, 0.25)
+    assert structured.num_constrained == 8
+    assert plain.num_constrained == 0
+    assert structured.description == f"{plain.description}; 8 of 32 with a JSON schema (25%)"
+    for before, after in zip(plain.requests, structured.requests, strict=True):
+        assert (before.prompt_token_ids, before.max_tokens) == (
+            after.prompt_token_ids,
+            after.max_tokens,
+        )
+        if after.json_schema is not None:
+            schema = json.loads(after.json_schema)
+            assert schema == bench_schema(after.max_tokens)
+            assert schema["properties"]["keywords"]["minItems"] == after.max_tokens
+    # The same seed picks the same requests; another seed others.
+    assert with_json_schemas(plain, 0.25) == structured
+    other = with_json_schemas(offline_workload(encode, n=32, output_len=(16, 64), seed=4), 0.25)
+    assert [r.json_schema is None for r in other.requests] != [
+        r.json_schema is None for r in structured.requests
+    ]
+    assert without_json_schemas(structured).requests == plain.requests
+    assert without_json_schemas(plain) is plain
+    assert with_json_schemas(plain, 0) is plain
+    assert with_json_schemas(plain, 1).num_constrained == 32
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, math.nan, "0.25", True])
+def test_a_fraction_outside_zero_to_one_is_refused(fraction: object) -> None:
+    with pytest.raises(ValueError, match="fraction must be a number in"):
+        with_json_schemas(offline_workload(encode, n=4), fraction)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("schema", "error", "message"),
+    [
+        (7, TypeError, "json_schema must be JSON text or None, got int"),
+        ("{", ValueError, "json_schema must be JSON text, got '{'"),
+        ("[1]", ValueError, "json_schema must be a JSON object, got list"),
+    ],
+)
+def test_a_request_refuses_a_schema_that_is_not_a_json_object(
+    schema: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        BenchRequest((1,), 1, json_schema=schema)  # type: ignore[arg-type]
+
+
+def test_the_bench_schema_needs_at_least_one_keyword() -> None:
+    with pytest.raises(ValueError, match="min_items must be"):
+        bench_schema(0)

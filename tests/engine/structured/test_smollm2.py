@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -171,3 +172,18 @@ async def _both(first: Any, second: Any) -> tuple[Any, Any]:
         task_group.start_soon(run, 0, first)
         task_group.start_soon(run, 1, second)
     return results[0], results[1]
+
+
+def test_no_token_spans_two_keywords_of_the_bench_schema(
+    smollm2: tuple[HFTokenizer, GrammarCompiler],
+) -> None:
+    """The bench's structured requests cannot finish before ``max_tokens``
+    (:func:`~twostroke.engine.bench.schemas.bench_schema`): that holds if no token holds text
+    of two keywords, i.e. a closing quote, a comma and an opening quote with a keyword's
+    characters on both sides. Only the separators themselves hold the quote-comma-quote."""
+    tokenizer, _ = smollm2
+    separator = re.compile(r'"\s*,\s*"')
+    spanning = re.compile(r'[^\s",\[\]]\s*"\s*,\s*"\s*[^\s",\[\]]')
+    texts = [tokenizer.decode([token]) for token in range(tokenizer.vocab_size)]
+    assert {text for text in texts if separator.search(text)} == {'","', ' ","'}
+    assert not [text for text in texts if spanning.search(text)]
