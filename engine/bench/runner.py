@@ -192,10 +192,21 @@ def _run_one(
     try:
         result = driver.run(workload, model=model)
     except Exception as error:
-        return SystemResult.unavailable(driver.name, f"failed: {type(error).__name__}: {error}")
+        return SystemResult.unavailable(driver.name, f"failed: {_describe(error)}")
     # Other processes on the cores distort every figure (spinning thread pools suffer most):
     # record the load the system ran under, for whoever reads the numbers.
     return attrs.evolve(result, extra={**result.extra, "load_average": _load_average()})
+
+
+def _describe(error: BaseException) -> str:
+    """``Type: message`` of an error; of a group, its first leaf's (what a reader needs: the
+    task group around the requests says only how many failed)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        count = len(error.exceptions)
+        error = error.exceptions[0]
+        if count > 1:
+            return f"{_describe(error)} (and {count - 1} more)"
+    return f"{type(error).__name__}: {error}"
 
 
 def _load_average() -> float | None:

@@ -31,6 +31,7 @@ from twostroke.engine.bench.workload import Workload, without_json_schemas
 from twostroke.engine.engine import Engine
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.loading import DTYPES, default_torch_threads
+from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
@@ -52,7 +53,8 @@ def _intra_op_threads(model: ModelSpec) -> int:
 
 
 class _RecordingRunner:
-    """A runner that remembers every plan it executes (for the bare forward replay)."""
+    """A runner that remembers every plan it executes (for the bare forward replay); it
+    applies structured-output masks as its runner does (the replay samples without them)."""
 
     def __init__(self, runner: TorchModelRunner) -> None:
         self.runner = runner
@@ -71,6 +73,10 @@ class _RecordingRunner:
     def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
         self.plans.append(plan)
         return self.runner.execute(plan)
+
+    def execute_masked(self, plan: StepPlan, masks: StepMasks | None) -> Launched[RunnerOutput]:
+        self.plans.append(plan)
+        return self.runner.execute_masked(plan, masks)
 
 
 @attrs.define

@@ -33,7 +33,9 @@ SERVING = Workload(requests=WORKLOAD.requests, arrival_times=(0.0,), seed=0, des
 class FakeDriver:
     """A system that reports fixed timings, refuses to run, or crashes, as told."""
 
-    def __init__(self, name: str, *, reason: str | None = None, crash: bool = False) -> None:
+    def __init__(
+        self, name: str, *, reason: str | None = None, crash: bool | BaseException = False
+    ) -> None:
         self.name = name
         self.reason = reason
         self.crash = crash
@@ -44,6 +46,8 @@ class FakeDriver:
 
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
         self.ran.append(workload)
+        if isinstance(self.crash, BaseException):
+            raise self.crash
         if self.crash:
             raise RuntimeError("segfault in the kernel")
         timings = [
@@ -352,3 +356,15 @@ def test_engine_drivers_compare_unconstrained_on_request(monkeypatch: pytest.Mon
     drivers[3].run(structured, model=model)
     assert [workload.num_constrained for workload in ran] == [1, 0]
     assert ran[1].requests == WORKLOAD.requests
+
+
+def test_a_failed_group_of_requests_is_reported_by_its_first_error(tmp_path: Path) -> None:
+    group = ExceptionGroup(
+        "unhandled errors in a TaskGroup",
+        [ExceptionGroup("inner", [ValueError("bad schema")]), KeyError("x")],
+    )
+    run = run_systems(
+        [FakeDriver("a", crash=group)], WORKLOAD, model=_model(tmp_path), progress=False,
+        console=Console(file=io.StringIO()),
+    )  # fmt: skip
+    assert run.results[0].reason == "failed: ValueError: bad schema (and 1 more)"

@@ -12,7 +12,7 @@ from twostroke.engine.bench import twostroke_driver
 from twostroke.engine.bench.metrics import metrics
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.twostroke_driver import engine_drivers
-from twostroke.engine.bench.workload import BenchRequest, Workload
+from twostroke.engine.bench.workload import BenchRequest, Workload, with_json_schemas
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.device import Device
 
@@ -87,3 +87,27 @@ def test_each_weight_precision_is_a_depth_2_row_of_its_own() -> None:
         "int8",
     ]
     assert drivers[0].engine_options == {"max_num_seqs": 8}  # as given: no quantization
+
+
+def test_a_structured_workload_runs_through_the_recording_runner() -> None:
+    """The depth-2 system records its plans through a wrapper: it must apply masks too
+    (without, the engine refused every constrained request)."""
+    depth2 = engine_drivers(max_num_seqs=4)[0]
+    workload = with_json_schemas(
+        Workload(
+            requests=(BenchRequest(range(100, 112), 6), BenchRequest(range(200, 205), 5)),
+            arrival_times=None,
+            seed=0,
+            description="two tiny requests",
+        ),
+        0.5,
+    )
+    runner = twostroke_driver._RecordingRunner(ToyRunner(eos_rate=0))  # type: ignore[arg-type]
+    timings, _, stats, _ = anyio.run(
+        depth2._serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1, -1]
+    )
+    assert [t.output_tokens for t in timings] == [6, 5]
+    (constrained,) = [r for r in workload.requests if r.json_schema is not None]
+    assert stats.num_masked_rows == constrained.max_tokens
+    assert stats.num_steps == len(runner.plans)
+    assert twostroke_driver._mask_figures(stats)["masked_tokens"] == constrained.max_tokens
