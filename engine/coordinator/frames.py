@@ -25,6 +25,7 @@ import anyio.abc
 import attrs
 import msgspec
 
+from twostroke.engine.coordinator.wire_constraints import WireConstraint
 from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
@@ -36,21 +37,7 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.outputs import Delta, RequestOutput
 from twostroke.engine.prompts import prompt_kind
-from twostroke.states.constraints import (
-    MAX_CHOICE_LENGTH,
-    MAX_CHOICES,
-    MAX_GRAMMAR_LENGTH,
-    MAX_PATTERN_LENGTH,
-    MAX_SCHEMA_LENGTH,
-    AnyJsonObject,
-    Choice,
-    Constraint,
-    Grammar,
-    JsonSchema,
-    Regex,
-)
 from twostroke.states.errors import ConstraintRejected
-from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
 from twostroke.states.request import FinishReason
 from twostroke.states.validators import is_int
@@ -80,7 +67,6 @@ __all__ = [
     "StartFailed",
     "Stats",
     "ToReplica",
-    "WireConstraint",
     "WireFinishReason",
     "WirePrompt",
     "call_error",
@@ -91,14 +77,12 @@ __all__ = [
     "failed_frame",
     "finished_frame",
     "logprobs_from_wire",
-    "params_from_wire",
     "rejected_frame",
     "rejection_error",
     "request_error",
     "routing_key",
     "split_output",
     "wire_logprobs",
-    "wire_params",
     "wire_prompt",
 ]
 
@@ -154,42 +138,10 @@ class Start(msgspec.Struct, tag="start", array_like=True):
     options: dict[str, Any]
 
 
-# A request's constraint on the wire: tagged by kind, each field bounded by the constraint's
-# own limit (a longer one is a malformed frame); the replica makes the constraint from it, so
-# its other rules (a schema's JSON, its depth) are the request's refusal there.
-
-
-class WireJsonSchema(msgspec.Struct, tag="json", array_like=True):
-    schema: Annotated[str, msgspec.Meta(max_length=MAX_SCHEMA_LENGTH)]
-
-
-class WireAnyJsonObject(msgspec.Struct, tag="json_object", array_like=True):
-    pass
-
-
-class WireRegex(msgspec.Struct, tag="regex", array_like=True):
-    pattern: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATTERN_LENGTH)]
-
-
-class WireChoice(msgspec.Struct, tag="choice", array_like=True):
-    choices: Annotated[
-        list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CHOICE_LENGTH)]],
-        msgspec.Meta(min_length=1, max_length=MAX_CHOICES),
-    ]
-
-
-class WireGrammar(msgspec.Struct, tag="grammar", array_like=True):
-    source: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_LENGTH)]
-
-
-#: A :data:`~twostroke.states.constraints.Constraint` on the wire.
-WireConstraint: TypeAlias = (
-    WireJsonSchema | WireAnyJsonObject | WireRegex | WireChoice | WireGrammar
-)
-
-
 class Add(msgspec.Struct, tag="add", array_like=True):
-    """A request: its parameters but the constraint by name, and the constraint apart."""
+    """A request: its parameters but the constraint by name, and the constraint apart
+    (:func:`~twostroke.engine.coordinator.wire_constraints.wire_params` splits them,
+    :func:`~twostroke.engine.coordinator.wire_constraints.params_from_wire` joins them)."""
 
     request_id: WireId
     prompt: WirePrompt
@@ -685,59 +637,6 @@ def call_error(kind: str, message: str) -> Exception:
     """The error a :class:`Reply` reports by name, raised again by the coordinator's call
     (an :class:`~twostroke.engine.errors.EngineError` for a name it does not know)."""
     return _SUBMIT_ERRORS.get(kind, EngineError)(message)
-
-
-# --- parameters on the wire ------------------------------------------------------------
-
-
-def wire_params(params: SamplingParams) -> tuple[dict[str, Any], WireConstraint | None]:
-    """A request's parameters as they travel: the fields by name but the constraint, and the
-    constraint as a tagged value (inverse: :func:`params_from_wire`)."""
-    fields = attrs.asdict(params, filter=lambda field, _: field.name != "constraint")
-    constraint = params.constraint
-    wire: WireConstraint | None
-    if constraint is None:
-        wire = None
-    elif isinstance(constraint, JsonSchema):
-        wire = WireJsonSchema(constraint.schema)
-    elif isinstance(constraint, AnyJsonObject):
-        wire = WireAnyJsonObject()
-    elif isinstance(constraint, Regex):
-        wire = WireRegex(constraint.pattern)
-    elif isinstance(constraint, Choice):
-        wire = WireChoice(list(constraint.choices))
-    else:
-        wire = WireGrammar(constraint.source)
-    return fields, wire
-
-
-def params_from_wire(frame: Add) -> SamplingParams:
-    """The parameters an :class:`Add` frame carries (inverse: :func:`wire_params`).
-
-    Raises:
-        TypeError, ValueError: a field the parameters or the constraint refuse (a schema
-            that is not a JSON object, a ``constraint`` other than ``None`` among the named
-            fields): the request's refusal, as ``submit``'s.
-    """
-    wire = frame.constraint
-    constraint: Constraint | None
-    if wire is None:
-        constraint = None
-    elif isinstance(wire, WireJsonSchema):
-        constraint = JsonSchema(wire.schema)
-    elif isinstance(wire, WireAnyJsonObject):
-        constraint = AnyJsonObject()
-    elif isinstance(wire, WireRegex):
-        constraint = Regex(wire.pattern)
-    elif isinstance(wire, WireChoice):
-        constraint = Choice(wire.choices)
-    else:
-        constraint = Grammar(wire.source)
-    fields = dict(frame.params)
-    # An older coordinator names it, always None (it refused constraints): taken as absent.
-    if fields.pop("constraint", None) is not None:
-        raise TypeError("params must not name a constraint: it travels as its own field")
-    return SamplingParams(**fields, constraint=constraint)
 
 
 # --- prompts on the wire ---------------------------------------------------------------

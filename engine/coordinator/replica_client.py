@@ -48,9 +48,9 @@ from twostroke.engine.coordinator.frames import (
     ending_from_finished,
     rejection_error,
     request_error,
-    wire_params,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
+from twostroke.engine.coordinator.wire_constraints import wire_params
 from twostroke.engine.errors import ReplicaFailed, RequestRejected
 from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics

@@ -67,10 +67,10 @@ from twostroke.engine.coordinator.frames import (
     encoded_size,
     failed_frame,
     finished_frame,
-    params_from_wire,
     rejected_frame,
     split_output,
 )
+from twostroke.engine.coordinator.wire_constraints import params_from_wire
 from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineError, RequestCancelled
 from twostroke.engine.handle import RequestHandle

@@ -30,11 +30,7 @@ from twostroke.engine.coordinator.frames import (
     Reply,
     Stats,
     ToReplica,
-    WireChoice,
     WireFinishReason,
-    WireGrammar,
-    WireJsonSchema,
-    WireRegex,
     call_error,
     delta_from_item,
     delta_item,
@@ -44,16 +40,22 @@ from twostroke.engine.coordinator.frames import (
     failed_frame,
     finished_frame,
     logprobs_from_wire,
-    params_from_wire,
     rejected_frame,
     rejection_error,
     request_error,
     routing_key,
     wire_logprobs,
-    wire_params,
     wire_prompt,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
+from twostroke.engine.coordinator.wire_constraints import (
+    WireChoice,
+    WireGrammar,
+    WireJsonSchema,
+    WireRegex,
+    params_from_wire,
+    wire_params,
+)
 from twostroke.engine.errors import (
     EngineDead,
     EngineError,

@@ -35,9 +35,7 @@ from twostroke.engine.coordinator.frames import (
     Start,
     StartFailed,
     Stats,
-    WireJsonSchema,
     encode_frame,
-    wire_params,
 )
 from twostroke.engine.coordinator.replica_server import (
     FdReceiveStream,
@@ -46,6 +44,7 @@ from twostroke.engine.coordinator.replica_server import (
     finished_frames,
     serve,
 )
+from twostroke.engine.coordinator.wire_constraints import WireJsonSchema, wire_params
 from twostroke.states.constraints import Regex
 from twostroke.states.params import SamplingParams
 
