@@ -16,8 +16,9 @@ from typing import Any, cast
 
 import anyio
 
-from twostroke.engine.coordinator.frames import Ending, WirePrompt
+from twostroke.engine.coordinator.frames import WirePrompt
 from twostroke.engine.coordinator.replica_client import BaseReplica, Relay
+from twostroke.engine.coordinator.wire_outputs import Ending
 from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineClosed, EngineDead, RequestCancelled, RequestFailed
 from twostroke.engine.handle import RequestHandle

@@ -24,13 +24,9 @@ from typing import Protocol
 import anyio
 import attrs
 
-from twostroke.engine.coordinator.frames import (
-    Ending,
-    WirePrompt,
-    estimate_prompt_tokens,
-    routing_key,
-)
+from twostroke.engine.coordinator.frames import WirePrompt, estimate_prompt_tokens, routing_key
 from twostroke.engine.coordinator.replica_client import Replica
+from twostroke.engine.coordinator.wire_outputs import Ending
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed, RequestCancelled
 from twostroke.engine.handle import HandleWriter, RequestHandle, create_request_handle
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage

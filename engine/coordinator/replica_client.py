@@ -26,7 +26,6 @@ from twostroke.engine.coordinator.frames import (
     Call,
     Cancel,
     Deltas,
-    Ending,
     Failed,
     Finished,
     FinishedPart,
@@ -42,15 +41,18 @@ from twostroke.engine.coordinator.frames import (
     StartFailed,
     Stats,
     WirePrompt,
+    encode_frame,
+)
+from twostroke.engine.coordinator.statistics import engine_statistics
+from twostroke.engine.coordinator.wire_constraints import wire_params
+from twostroke.engine.coordinator.wire_outputs import (
+    Ending,
     call_error,
     delta_from_item,
-    encode_frame,
     ending_from_finished,
     rejection_error,
     request_error,
 )
-from twostroke.engine.coordinator.statistics import engine_statistics
-from twostroke.engine.coordinator.wire_constraints import wire_params
 from twostroke.engine.errors import ReplicaFailed, RequestRejected
 from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics

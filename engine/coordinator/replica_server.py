@@ -62,15 +62,17 @@ from twostroke.engine.coordinator.frames import (
     StartFailed,
     Stats,
     ToReplica,
-    delta_item,
     encode_frame,
     encoded_size,
-    failed_frame,
-    finished_frame,
-    rejected_frame,
     split_output,
 )
 from twostroke.engine.coordinator.wire_constraints import params_from_wire
+from twostroke.engine.coordinator.wire_outputs import (
+    delta_item,
+    failed_frame,
+    finished_frame,
+    rejected_frame,
+)
 from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineError, RequestCancelled
 from twostroke.engine.handle import RequestHandle

@@ -6,9 +6,10 @@ from typing import cast
 
 import pytest
 
-from twostroke.engine.coordinator.frames import Ending, WirePrompt
+from twostroke.engine.coordinator.frames import WirePrompt
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
 from twostroke.engine.coordinator.replica_client import Replica
+from twostroke.engine.coordinator.wire_outputs import Ending
 from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,

@@ -20,10 +20,11 @@ import pytest
 
 from twostroke.engine import Coordinator, RequestRejected, SamplingParams
 from twostroke.engine.coordinator import process
-from twostroke.engine.coordinator.frames import Start, encoded_size, wire_logprobs
+from twostroke.engine.coordinator.frames import Start, encoded_size
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
 from twostroke.engine.coordinator.replica_client import RemoteReplica
 from twostroke.engine.coordinator.replica_server import FdReceiveStream, FdSendStream, serve
+from twostroke.engine.coordinator.wire_outputs import wire_logprobs
 from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.routing import Router
