@@ -31,14 +31,7 @@ from twostroke.states.simulation import (
     toy_next_token,
 )
 from twostroke.states.testing.constraints import ReferenceMatcher, parse_regex, regex_matches
-from twostroke.states.testing.harness import (
-    DriveResult,
-    RequestSpec,
-    SimulatedEngine,
-    Workload,
-    drive,
-    step_bound,
-)
+from twostroke.states.testing.harness import DriveResult, SimulatedEngine, drive, step_bound
 from twostroke.states.testing.machines import BlockPoolMachine, RequestMachine, SchedulerMachine
 from twostroke.states.testing.prefix import PrefixCacheMachine, PrefixModel
 from twostroke.states.testing.queues import running_ids, waiting_ids
@@ -54,6 +47,7 @@ from twostroke.states.testing.strategies import (
     token_vocabularies,
     workloads,
 )
+from twostroke.states.testing.workload import RequestSpec, Workload
 
 __all__ = [
     "CONSTRAINT_ALPHABET",

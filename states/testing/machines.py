@@ -51,10 +51,7 @@ from twostroke.states.simulation import (
     SimulationError,
     toy_next_token,
 )
-from twostroke.states.testing.harness import (
-    RequestSpec,
-    SimulatedEngine,
-)
+from twostroke.states.testing.harness import SimulatedEngine
 from twostroke.states.testing.reference import (
     PoolModel,
     RequestModel,
@@ -66,6 +63,7 @@ from twostroke.states.testing.strategies import (
     request_specs,
     scheduler_configs,
 )
+from twostroke.states.testing.workload import RequestSpec
 
 __all__ = ["BlockPoolMachine", "RequestMachine", "SchedulerMachine"]
 

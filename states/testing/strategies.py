@@ -17,10 +17,7 @@ from twostroke.states.request import (
     Request,
 )
 from twostroke.states.scheduler import SchedulerConfig
-from twostroke.states.testing.harness import (
-    RequestSpec,
-    Workload,
-)
+from twostroke.states.testing.workload import RequestSpec, Workload
 from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
 __all__ = [
@@ -132,7 +129,7 @@ def request_specs(
         scheduling_only: As for :func:`sampling_params`.
         constrained: Give some specs a :func:`choices` or :func:`regexes` constraint (the
             harness follows it over its
-            :data:`~twostroke.states.testing.harness.SIMULATED_VOCABULARY`).
+            :data:`~twostroke.states.testing.workload.SIMULATED_VOCABULARY`).
     """
     capacity = max_prompt_tokens + max_tokens
     if config is not None:
