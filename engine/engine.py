@@ -46,18 +46,18 @@ from twostroke.engine.errors import (
     RequestRejected,
 )
 from twostroke.engine.handle import RequestHandle, create_request_handle
-from twostroke.engine.launch_timer import LaunchTimer
+from twostroke.engine.launcher import Launcher
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.pool_size import size_pool
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.runners.masks import StepMasks
-from twostroke.engine.runners.protocol import MaskingRunner, ModelRunner
+from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.submit_checks import check_params
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.prompts import tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer
-from twostroke.gpu.completion import Completion, Launched, ReadyEvent
+from twostroke.gpu.completion import Completion
 from twostroke.gpu.device import Device
 from twostroke.gpu.selection import resolve_device
 from twostroke.states.errors import ConstraintRejected, EngineOverloaded
@@ -106,7 +106,6 @@ class Engine:
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._model_name = model_name
         self._runner = runner
-        self._masking: MaskingRunner | None = runner if isinstance(runner, MaskingRunner) else None
         self._device = device
         self._constraining = Constraining(tokenizer, pin_memory=device.kind == "cuda")
         max_model_len = config.max_model_len or runner.max_model_len
@@ -132,10 +131,9 @@ class Engine:
         # The last step whose launch failed: the forward stroke drops the rows it strands
         # from the next plan (already planned, one step ahead) before the runner sees it.
         # Written and read only by the forward stroke's launches, which run one at a time.
-        self._failed_launch: StepPlan | None = None
         self._num_failed_steps = 0
         self._bookkeeping_seconds = 0.0
-        self._launches = LaunchTimer()
+        self._launcher = Launcher(runner, block_size=config.block_size)
         depth = config.pipeline_depth
         # Each plan travels with whether it continues a busy run (made while a step was in
         # flight or right after one was applied), so its launch can tell an idle device that
@@ -291,7 +289,7 @@ class Engine:
                         f"stop_token_ids must be in [0, {vocab}), got {token_id} at index {index}"
                     )
         constraint = params.constraint
-        if constraint is not None and self._masking is None:
+        if constraint is not None and not self._launcher.applies_masks:
             raise ConstraintRejected(
                 "constraint",
                 f"this engine's runner ({type(self._runner).__name__}) does not apply constraints",
@@ -434,8 +432,8 @@ class Engine:
             num_open_requests=len(self._open),
             num_failed_steps=self._num_failed_steps,
             bookkeeping_seconds=self._bookkeeping_seconds,
-            forward_seconds=self._launches.forward_seconds,
-            forward_idle_seconds=self._launches.forward_idle_seconds,
+            forward_seconds=self._launcher.timer.forward_seconds,
+            forward_idle_seconds=self._launcher.timer.forward_idle_seconds,
             num_masked_rows=self._constraining.num_masked_rows,
             mask_fill_seconds=self._constraining.mask_fill_seconds,
             mask_wait_seconds=self._constraining.mask_wait_seconds(self._scheduler),
@@ -477,47 +475,10 @@ class Engine:
                 async for plan, continues, masks in self._plans_receive:
                     completion: Completion[RunnerOutput] = Completion()
                     await self._results_send.send(_Launched(plan.step_id, completion))
-                    launch = partial(self._launch, plan, continues, masks)
+                    launch = partial(self._launcher, plan, continues, masks)
                     await self._device.run(launch, completion)
             except Exception as exc:
                 self._die(exc)
-
-    def _launch(
-        self, plan: StepPlan, continues: bool, masks: StepMasks | None = None
-    ) -> Launched[RunnerOutput]:
-        """Time the launch of one step (on the device's thread) and launch it."""
-        with self._launches.launch(continues=continues):
-            return self._launch_plan(plan, masks)
-
-    def _launch_plan(
-        self, plan: StepPlan, masks: StepMasks | None = None
-    ) -> Launched[RunnerOutput]:
-        """Launch one step, without the rows that the failure of the step before strands.
-
-        With the one-step lookahead, the plan of step N+1 was made before step N failed (and
-        no later plan was:
-        :data:`~twostroke.states.validators.MAX_PIPELINE_DEPTH`). Rows of step N's requests
-        in it may take their input from step N's samples, which do not exist, and rows that
-        took a prefix-cache hit on a block step N was filling would read KV that was never
-        written. The scheduler fails the first and recomputes the
-        second when it applies step N's failure; here their rows are dropped (their blocks
-        come back when step N+1 completes) and the rest of step N+1 runs as planned. Called
-        by the device, one launch at a time, in plan order.
-        """
-        failed, self._failed_launch = self._failed_launch, None
-        if failed is not None:
-            plan = plan.without(plan.stranded_by(failed, self.config.block_size))
-            if not plan.requests:
-                empty = RunnerOutput(step_id=plan.step_id, sampled={})
-                return Launched(event=ReadyEvent(), readback=lambda: empty)
-        try:
-            if masks is not None:
-                assert self._masking is not None  # submit refuses constraints otherwise
-                return self._masking.execute_masked(plan, masks)
-            return self._runner.execute(plan)
-        except BaseException:
-            self._failed_launch = plan
-            raise
 
     # --- the bookkeeping stroke ---------------------------------------------------------
 

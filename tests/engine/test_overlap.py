@@ -12,7 +12,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from twostroke.engine import Engine, SamplingParams
+from twostroke.engine import Engine, SamplingParams, launcher
 from twostroke.engine import engine as engine_module
 from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.runners.toy import ToyRunner
@@ -165,7 +165,7 @@ async def test_forward_time_is_the_launches_and_idle_time_the_gaps_of_a_busy_run
 ) -> None:
     clock = [0.0]
     monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(engine_module, "LaunchTimer", partial(LaunchTimer, lambda: clock[0]))
+    monkeypatch.setattr(launcher, "LaunchTimer", partial(LaunchTimer, lambda: clock[0]))
     params = SamplingParams(max_tokens=3, ignore_eos=True)  # 3 steps: a prefill, 2 decodes
     async with toy_engine(runner=ClockedRunner(clock), pipeline_depth=1) as engine:
         await engine.generate("first", params)
