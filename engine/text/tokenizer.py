@@ -15,6 +15,7 @@ tokenizer is converted once and kept in the artifact cache
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from twostroke.engine.text.chat import validate_messages
+from twostroke.engine.text.saved_tokenizer import SavedTokenizer
 from twostroke.states.errors import EngineError
 from twostroke.states.validators import is_int
 
@@ -39,6 +41,8 @@ _GGUF_MAGIC = b"GGUF"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _GENERATION_CONFIG = "generation_config.json"
 _CACHED_TOKENIZER = "tokenizer"
+
+_log = logging.getLogger(__name__)
 
 
 class TokenizerLoadError(EngineError):
@@ -92,7 +96,7 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
-    """A :class:`Tokenizer` over a Hugging Face ``transformers`` tokenizer.
+    """A :class:`Tokenizer` over a Hugging Face ``transformers`` tokenizer, or its saved files.
 
     Decoding never cleans up tokenization spaces (``clean_up_tokenization_spaces=False``),
     whatever the model's configuration says: the clean-up rewrites text across token
@@ -100,10 +104,14 @@ class HFTokenizer:
     agree with decoding the whole output, and incremental detokenization relies on that
     agreement. vLLM's streamed text has the same property.
 
-    Use :meth:`from_pretrained`; the constructor wraps a tokenizer already loaded.
+    Use :meth:`from_pretrained`; the constructor wraps a tokenizer already loaded. A GGUF
+    model's tokenizer read back from the artifact cache is a
+    :class:`~twostroke.engine.text.saved_tokenizer.SavedTokenizer`, which gives the same ids
+    and text without importing ``transformers`` (seconds of every start); :attr:`backend`
+    then loads the ``transformers`` tokenizer from the same files when first asked.
 
     Args:
-        tokenizer: The loaded ``transformers`` tokenizer.
+        tokenizer: The loaded ``transformers`` tokenizer, or a saved fast tokenizer.
         extra_eos_token_ids: Ids that end generation besides the tokenizer's EOS token (the
             generation config's ``eos_token_id``).
         source: Where the tokenizer came from, for messages and ``repr``.
@@ -111,7 +119,7 @@ class HFTokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | SavedTokenizer,
         *,
         extra_eos_token_ids: Iterable[int] = (),
         source: str = "<memory>",
@@ -119,9 +127,15 @@ class HFTokenizer:
         eos = set(extra_eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
-        self._tokenizer = tokenizer
+        if isinstance(tokenizer, SavedTokenizer):
+            self._saved: SavedTokenizer | None = tokenizer
+            self._tokenizer: PreTrainedTokenizerBase | None = None
+            self._vocab_size = tokenizer.vocab_size
+        else:
+            self._saved = None
+            self._tokenizer = tokenizer
+            self._vocab_size = len(tokenizer)
         self._eos_token_ids = frozenset(eos)
-        self._vocab_size = len(tokenizer)
         self._source = source
 
     @classmethod
@@ -150,7 +164,9 @@ class HFTokenizer:
                 raise TokenizerLoadError(
                     path, f"the directory has neither {' nor '.join(_TOKENIZER_FILES)}"
                 )
-            tokenizer = _load_transformers_tokenizer(path, str(path))
+            tokenizer: PreTrainedTokenizerBase | SavedTokenizer = _load_transformers_tokenizer(
+                path, str(path)
+            )
             extra_eos = _generation_config_eos_ids(path / _GENERATION_CONFIG)
         elif path.is_file():
             _check_gguf_magic(path)
@@ -172,12 +188,19 @@ class HFTokenizer:
 
     @property
     def backend(self) -> PreTrainedTokenizerBase:
-        """The ``transformers`` tokenizer this wraps.
+        """The ``transformers`` tokenizer this wraps (loaded on first use from saved files).
 
         For libraries that read a tokenizer's whole vocabulary in their own way (the
         structured-output backend builds its token trie from it); the engine itself goes
         through the methods above.
+
+        Raises:
+            TokenizerLoadError: ``transformers`` cannot load the saved files.
         """
+        if self._tokenizer is None:
+            assert self._saved is not None
+            folder = self._saved.folder
+            self._tokenizer = _load_transformers_tokenizer(folder, str(folder))
         return self._tokenizer
 
     @property
@@ -199,6 +222,9 @@ class HFTokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__} {text!r:.80}")
+        if self._saved is not None:
+            return self._saved.encode(text)
+        assert self._tokenizer is not None
         return list(self._tokenizer.encode(text, add_special_tokens=True))
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -210,6 +236,9 @@ class HFTokenizer:
         Returns:
             The text; an incomplete UTF-8 sequence at the end renders as U+FFFD.
         """
+        if self._saved is not None:
+            return self._saved.decode(token_ids)
+        assert self._tokenizer is not None
         text = self._tokenizer.decode(
             list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
@@ -236,7 +265,7 @@ class HFTokenizer:
                 conversation (for example roles that do not alternate).
         """
         conversation = validate_messages(messages)
-        if not self._tokenizer.chat_template:
+        if not self._chat_template:
             raise ChatTemplateError(
                 f"the tokenizer from {self._source} has no chat template; "
                 "pass the prompt as text or token ids instead of chat messages"
@@ -244,6 +273,10 @@ class HFTokenizer:
         from jinja2 import TemplateError
 
         try:
+            if self._saved is not None:
+                rendered = self._saved.render_chat(conversation)
+                return self._saved.encode(rendered, add_special_tokens=False)
+            assert self._tokenizer is not None
             ids = self._tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, tokenize=True, return_dict=False
             )
@@ -254,6 +287,14 @@ class HFTokenizer:
         # One conversation, tokenize=True and return_dict=False: a flat list of ids.
         assert isinstance(ids, list), type(ids)
         return [int(token_id) for token_id in cast("list[int]", ids)]
+
+    @property
+    def _chat_template(self) -> str | None:
+        if self._saved is not None:
+            return self._saved.chat_template
+        assert self._tokenizer is not None
+        template = self._tokenizer.chat_template
+        return template if isinstance(template, str) else None
 
     def __repr__(self) -> str:
         return (
@@ -276,13 +317,13 @@ def _check_gguf_magic(path: Path) -> None:
         )
 
 
-def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | SavedTokenizer:
     """The tokenizer embedded in a GGUF file, through the artifact cache.
 
     transformers builds it from the GGUF vocabulary in seconds (it parses the whole file);
     the first load saves the result (``tokenizer.json`` and its configuration) in the
     artifact cache (:mod:`twostroke.engine.models.artifacts`), from which the next loads
-    read it in a fraction of a second.
+    read it with ``tokenizers`` alone (:class:`SavedTokenizer`) in a fraction of a second.
     """
     from twostroke.engine.models.artifacts import ArtifactCache
 
@@ -293,9 +334,10 @@ def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         cached = None
     if cached is not None and (cached / "tokenizer.json").is_file():
         try:
-            return _load_transformers_tokenizer(cached, str(cached))
-        except TokenizerLoadError:
-            pass  # a damaged entry: convert again and replace it
+            return SavedTokenizer.read(cached)
+        except ValueError as error:  # a damaged entry: convert again and replace it
+            _log.warning("twostroke: ignoring the cached tokenizer (%s); converting again", error)
+    _log.info("twostroke: converting the tokenizer of %s (once: it is cached)", path.name)
     tokenizer = _load_transformers_tokenizer(path, str(path.parent), gguf_file=path.name)
     if cache is not None and cached is not None:
         if cached.is_dir():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from tests.engine.text.test_chat import MALFORMED
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
+from twostroke.engine.text.saved_tokenizer import SavedTokenizer
 from twostroke.engine.text.tokenizer import (
     ChatTemplateError,
     HFTokenizer,
@@ -100,9 +102,13 @@ def raw_tokenizer(model_directory: Path) -> RawTokenizer:
     return RawTokenizer.from_file(str(model_directory / "tokenizer.json"))
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_directory: Path) -> HFTokenizer:
-    return HFTokenizer.from_pretrained(model_directory)
+@pytest.fixture(scope="module", params=["transformers", "saved"])
+def tokenizer(request: pytest.FixtureRequest, model_directory: Path) -> HFTokenizer:
+    """transformers' tokenizer of the directory, and the same files read without it."""
+    if request.param == "transformers":
+        return HFTokenizer.from_pretrained(model_directory)
+    saved = SavedTokenizer.read(model_directory)
+    return HFTokenizer(saved, extra_eos_token_ids=[1, 2], source=str(model_directory))
 
 
 # --- a model directory ----------------------------------------------------------------------
@@ -307,7 +313,7 @@ def smollm2(
 
 
 @pytest.mark.slow
-def test_smollm2_is_read_from_the_cache_without_the_gguf_vocabulary(
+def test_smollm2_is_read_from_the_cache_without_transformers(
     smollm2: tuple[HFTokenizer, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from twostroke.engine.text import tokenizer
@@ -320,10 +326,38 @@ def test_smollm2_is_read_from_the_cache_without_the_gguf_vocabulary(
         return load(path, directory, gguf_file)
 
     monkeypatch.setattr(tokenizer, "_load_transformers_tokenizer", spy)
-    HFTokenizer.from_pretrained(smollm2_gguf())
+    ours = HFTokenizer.from_pretrained(smollm2_gguf())
+    assert ours.encode("Hi") == smollm2[0].encode("Hi")
+    assert seen == []  # read with tokenizers alone: transformers is not imported to start
+    backend = ours.backend  # structured output asks for transformers' tokenizer: loaded now,
+    assert ours.backend is backend  # once, from the cached files
     [(path, gguf_file)] = seen
     assert gguf_file is None
     assert path.name == "tokenizer"
+    assert backend.encode("Hi") == ours.encode("Hi")
+
+
+@pytest.mark.slow
+def test_a_damaged_cached_tokenizer_is_converted_again(
+    artifact_cache_in_tmp: Path, transformers_smollm2: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = smollm2_gguf()
+    HFTokenizer.from_pretrained(path)  # converted and cached, unless an earlier test did
+    (cached,) = artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer/tokenizer.json")
+    cached.write_text('{"version": "1.0", "model": ')
+    with caplog.at_level(logging.INFO, logger="twostroke.engine.text.tokenizer"):
+        ours = HFTokenizer.from_pretrained(path)
+    warning, progress = caplog.records
+    assert warning.levelno == logging.WARNING
+    assert warning.getMessage().startswith(
+        f"twostroke: ignoring the cached tokenizer ({cached.parent}: Exception: "
+    )
+    assert progress.getMessage() == (
+        f"twostroke: converting the tokenizer of {path.name} (once: it is cached)"
+    )
+    text = SMOLLM2_TEXTS[2]
+    assert ours.encode(text) == transformers_smollm2(text)["input_ids"]
+    assert SavedTokenizer.read(cached.parent).encode(text) == ours.encode(text)  # replaced
 
 
 SMOLLM2_TEXTS = [
