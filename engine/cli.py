@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import logging
@@ -10,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -497,10 +498,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130 if interrupted else 0
     command = {"generate": _generate, "chat": _chat, "demo": _demo}[args.command]
     try:
-        code = anyio.run(command, args)
+        with _progress_on_stderr():
+            code = anyio.run(command, args)
     except KeyboardInterrupt:
         return 130
     return code or 0
+
+
+#: The loggers that say, at INFO, what loading converts or packs (seconds, on a first start).
+_PROGRESS_LOGGERS = ("twostroke.engine.models", "twostroke.engine.text")
+
+
+@contextlib.contextmanager
+def _progress_on_stderr() -> Iterator[None]:
+    """Show the loaders' progress lines on stderr, one line each, for the block.
+
+    ``serve`` logs everything at INFO already; the other commands print only what the model
+    writes, so a start that spends seconds converting or packing would look hung.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    loggers = [logging.getLogger(name) for name in _PROGRESS_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
 
 
 if __name__ == "__main__":

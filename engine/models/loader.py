@@ -39,6 +39,7 @@ from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.gguf_file import read_gguf
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
 from twostroke.engine.models.quantization import Quantization
+from twostroke.engine.models.safetensors_into import read_into
 from twostroke.gpu.dtype import default_dtype
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
@@ -193,6 +194,9 @@ def load_model(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     started = time.perf_counter()
     path = resolve_model(model)
+    # Packing runs a Python thread per intra-op thread the caller allowed (see
+    # LlamaForCausalLM.quantize_weights); everything else here runs on one.
+    threads = torch.get_num_threads()
     # One thread: loading is conversions and copies, bound by memory; a second thread gains
     # little, and on a machine whose other core is busy every parallel region waits for it
     # (SmolLM2's load took 4.5 s on two threads against 2.9 s on one, measured).
@@ -207,7 +211,13 @@ def load_model(
             )
         module.eval()
         if quantization is not None:
-            module.quantize_weights(quantization)
+            _log.info(
+                "twostroke: packing %s's projection weights for fbgemm's %s kernel (%d threads)",
+                path.name,
+                quantization,
+                threads,
+            )
+            module.quantize_weights(quantization, threads=threads)
         if pack_weights:
             module.pack_weights()
     return LoadedModel(
@@ -326,14 +336,20 @@ def _load_gguf(
         cached = _read_cached(entry, dtype, device)
         if cached is not None:
             return cached
+    where = "once: the result is cached" if entry is not None else "the cache is off"
+    _log.info("twostroke: converting %s to %s weights (%s)", path.name, _dtype_name(dtype), where)
     config, module = _convert_gguf(path, dtype, device)
     if entry is not None:
         _write_cached(entry, config, module)
     return config, module
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _cached_weights(entry: Path, dtype: torch.dtype) -> Path:
-    return entry / f"model-{str(dtype).removeprefix('torch.')}.safetensors"
+    return entry / f"model-{_dtype_name(dtype)}.safetensors"
 
 
 def _read_cached(
@@ -343,15 +359,17 @@ def _read_cached(
     weights = _cached_weights(entry, dtype)
     if not weights.is_file():
         return None
-    from safetensors.torch import load
-
     try:
         config = ModelConfig.from_dict(json.loads((entry / _CACHED_CONFIG).read_text()))
         module = LlamaForCausalLM(config, dtype=dtype, device=device)
-        # One read() of the file, not a memory map: first touches of a mapped file fault
-        # page by page, which took 5x longer here (0.7 s against 0.13 s for SmolLM2).
-        state = load(weights.read_bytes())
-        module.load_state_dict(state, strict=True, assign=device.type == "cpu")
+        # Read, not memory-mapped: first touches of a mapped file fault page by page, which
+        # took 5x longer here (0.7 s against 0.13 s for SmolLM2).
+        if device.type == "cpu":
+            read_into(weights, module.state_dict())  # straight into the parameters
+        else:
+            from safetensors.torch import load
+
+            module.load_state_dict(load(weights.read_bytes()), strict=True)
     except Exception as error:  # any damage: convert again (and overwrite the entry)
         name = type(error).__name__
         _log.warning("twostroke: ignoring the cached %s (%s: %s)", weights, name, error)

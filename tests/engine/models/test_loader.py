@@ -456,13 +456,18 @@ def test_a_changed_file_is_converted_again(cached_gguf: tuple[Path, Path]) -> No
 
 
 def test_a_damaged_cache_entry_is_converted_again_and_replaced(
-    cached_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    cached_gguf: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     file, cache = cached_gguf
     expected = load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
     (weights,) = cache.glob("*/model-float32.safetensors")
     weights.write_bytes(weights.read_bytes()[:1000])
-    again = load_model(file, dtype=torch.float32, device=CPU)
+    with caplog.at_level(logging.WARNING):
+        again = load_model(file, dtype=torch.float32, device=CPU)
+    [warning] = caplog.records  # one line says why, and the load goes on
+    assert warning.getMessage().startswith(f"twostroke: ignoring the cached {weights} (")
     assert torch.equal(again.module.forward_logits([[1, 2]])[0], expected[0])
     forbid_conversion(monkeypatch)
     load_model(file, dtype=torch.float32, device=CPU)  # the entry was rewritten whole

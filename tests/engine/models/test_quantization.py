@@ -3,6 +3,7 @@ float32, the fallback where a kernel does not run, and quality on SmolLM2 (slow)
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from twostroke.engine.models.quantization import (
     QuantizedWeight,
     kernel_available,
 )
+from twostroke.gpu.threads import torch_threads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -105,6 +107,35 @@ def test_quantized_model_tracks_float32(tiny: Path, kind: Any) -> None:
         loaded.module.quantize_weights(other)
     with pytest.raises(RuntimeError, match=r"cannot load 'model.norm.weight': .* quantized"):
         loaded.module.load_weight("model.norm.weight", torch.ones(64))
+
+
+def test_packing_on_several_threads_gives_the_same_model(
+    tiny: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not available("fp16"):
+        pytest.skip("fp16's kernel does not run here")
+    serial = load_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
+    with torch_threads(3), caplog.at_level(logging.INFO, logger="twostroke.engine.models"):
+        parallel = load_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
+    assert [record.getMessage() for record in caplog.records] == [
+        f"twostroke: packing {tiny.name}'s projection weights for fbgemm's fp16 kernel (3 threads)"
+    ]
+    sequences = random_sequences([6, 21])
+    for ours, theirs in zip(
+        parallel.module.forward_logits(sequences),
+        serial.module.forward_logits(sequences),
+        strict=True,
+    ):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("threads", [0, 1.5])
+def test_packing_threads_must_be_a_positive_int(threads: Any) -> None:
+    model = LlamaForCausalLM(_config(), dtype=torch.float32, device=CPU)
+    error = ValueError if isinstance(threads, int) else TypeError
+    with pytest.raises(error, match=r"^threads must be"):
+        model.quantize_weights("fp16", threads=threads)
+    assert model.quantization is None
 
 
 def test_quantization_off_the_cpu_warns_and_keeps_the_weights() -> None:
