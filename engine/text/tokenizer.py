@@ -20,7 +20,7 @@ import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from twostroke.engine.text.chat import validate_messages
 from twostroke.engine.text.saved_tokenizer import SavedTokenizer
@@ -353,7 +353,11 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
 def _load_transformers_tokenizer(
     path: Path, directory: str, gguf_file: str | None = None
 ) -> PreTrainedTokenizerBase:
-    """``AutoTokenizer.from_pretrained`` offline, with any failure named after ``path``."""
+    """``AutoTokenizer.from_pretrained`` offline, with any failure named after ``path``.
+
+    For a GGUF file, the class ``AutoTokenizer`` would choose is looked up directly (see
+    :func:`_gguf_tokenizer_class`).
+    """
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
@@ -361,14 +365,48 @@ def _load_transformers_tokenizer(
             path, "transformers is not installed (pip install 'twostroke[models]')"
         ) from exc
     extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    loader = AutoTokenizer if gguf_file is None else _gguf_tokenizer_class(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer = loader.from_pretrained(
             directory, local_files_only=True, trust_remote_code=False, **extra
         )
     except Exception as exc:  # transformers raises anything from OSError to JSONDecodeError
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TokenizerLoadError(path, f"{type(exc).__name__}: {first_line}") from exc
     return tokenizer
+
+
+def _gguf_tokenizer_class(path: Path) -> Any:
+    """The tokenizer class ``AutoTokenizer`` picks for a GGUF file, found without its config.
+
+    ``AutoTokenizer`` builds the model's whole configuration to learn its type, and for an
+    architecture transformers reads no GGUF configuration of (``llama`` among them) that
+    means ``gguf.GGUFReader`` parsing every vocabulary string into numpy views: 16 s of the
+    17 s SmolLM2's tokenizer took (AVX2 EPYC, load average 5), against 1.1 s for the class
+    itself. The class comes from the same table ``AutoTokenizer`` reads, by the file's
+    ``general.architecture``; a model type without an entry gets ``TokenizersBackend``, as
+    ``AutoTokenizer`` gives it. An architecture transformers does not know as a model type,
+    or a file our reader rejects, goes through ``AutoTokenizer`` itself.
+    """
+    from transformers import CONFIG_MAPPING, AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
+
+    from twostroke.engine.models.gguf_file import read_gguf
+
+    try:
+        architecture = read_gguf(path).metadata.get("general.architecture")
+    except (OSError, ValueError):
+        return AutoTokenizer  # it reports the file's problem in its own words
+    if not isinstance(architecture, str) or architecture not in CONFIG_MAPPING:
+        return AutoTokenizer
+    name = TOKENIZER_MAPPING_NAMES.get(architecture)
+    if name is None:
+        return TokenizersBackend
+    found = tokenizer_class_from_name(name)
+    return AutoTokenizer if found is None else found
 
 
 def _generation_config_eos_ids(path: Path) -> frozenset[int]:

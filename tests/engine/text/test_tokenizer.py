@@ -360,6 +360,21 @@ def test_a_damaged_cached_tokenizer_is_converted_again(
     assert SavedTokenizer.read(cached.parent).encode(text) == ours.encode(text)  # replaced
 
 
+@pytest.mark.slow
+def test_a_gguf_tokenizer_class_is_found_without_the_models_configuration(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    from twostroke.engine.text.tokenizer import _gguf_tokenizer_class
+
+    # llama has no tokenizer of its own in AutoTokenizer's table: the generic backend.
+    assert _gguf_tokenizer_class(smollm2_gguf()) is TokenizersBackend
+    truncated = tmp_path / "model.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert _gguf_tokenizer_class(truncated) is AutoTokenizer  # it names the problem
+
+
 SMOLLM2_TEXTS = [
     "What is the capital of France?",
     "def add(a, b):\n    return a + b\n",
