@@ -2,10 +2,12 @@
 
 Loading SmolLM2's GGUF takes seconds that are all conversion: dequantizing every tensor
 (about 1 s) and building a fast tokenizer out of the GGUF vocabulary through
-``transformers`` (about 3.5 s, most of it parsing the file again). The results depend on
-the file alone, so the first load writes them to a cache folder and the next loads read
-them back: the weights as safetensors in the model's dtype (0.3 s), the tokenizer as
-``tokenizer.json`` and its configuration (0.3 s).
+``transformers`` (1.1 s, plus 2-3 s to import it). The results depend on the file alone, so
+the first load writes them to a cache folder and the next loads read them back: the
+weights as safetensors in the model's dtype, read straight into the parameters
+(:mod:`~twostroke.engine.models.safetensors_into`), the tokenizer as ``tokenizer.json``,
+its configuration and its chat template, read without ``transformers``
+(:mod:`~twostroke.engine.text.saved_tokenizer`).
 
 Where: ``$TWOSTROKE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/twostroke``, else
 ``~/.cache/twostroke``; ``TWOSTROKE_NO_CACHE=1`` turns the cache off. Each source file has
