@@ -4,7 +4,10 @@ Every figure comes from :func:`~twostroke.engine.bench.metrics.metrics`; this mo
 them out. Each system's throughput is also given as a ratio to one reference system (twostroke
 depth 2 when it ran), because the targets of the project are ratios measured in one run on one
 machine, where absolute numbers drift with the machine's load. A system that did not run gets
-a row that says why, never an empty one.
+a row that says why, never an empty one. When the run measured the machine's roof
+(:mod:`~twostroke.engine.bench.roof`), each system's throughput is also given as a fraction of
+the roof's, in the table, the JSON and the plot, and a line under the table says how the roof
+was found.
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
         caption=run.workload.description,
     )
     table.add_column("system", style="bold", no_wrap=True)
-    headers = ["startup s", "wall s", "out tok/s", f"× {reference or 'ref'}", "req/s"]
+    headers = ["startup s", "wall s", "out tok/s", f"× {reference or 'ref'}"]
+    headers += ["% roof"] * (run.roof is not None) + ["req/s"]
     headers += ["TTFT ms", "TPOT ms", "ITL ms p50", "E2E s"]
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
@@ -125,7 +129,7 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
     for result in run.results:
         figure = figures.get(result.name)
         if figure is None:
-            table.add_row(result.name, "[red]not run[/red]", *["-"] * (8 + slos))
+            table.add_row(result.name, "[red]not run[/red]", *["-"] * (len(headers) - 1 + slos))
             continue
         cells = [
             result.name,
@@ -133,6 +137,7 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
             f"{figure.wall_seconds:.2f}",
             f"{figure.output_throughput:.1f}",
             "-" if not base else f"{figure.output_throughput / base:.2f}",
+            *_roof_cell(run, figure),
             f"{figure.request_throughput:.2f}",
             _ms(figure.ttft, "mean", "p99"),
             _ms(figure.tpot, "mean", "p99"),
@@ -143,6 +148,13 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
             cells.append("-" if figure.goodput is None else f"{figure.goodput:.2f}")
         table.add_row(*cells)
     return table
+
+
+def _roof_cell(run: BenchRun, figure: Metrics) -> list[str]:
+    """The "% roof" cell, or no cell when the run has no roof."""
+    if run.roof is None:
+        return []
+    return [f"{100 * run.roof.fraction(figure.output_throughput):.0f}"]
 
 
 def notes(run: BenchRun) -> list[str]:
@@ -170,6 +182,11 @@ def report_document(
         entry["ratio_to_reference"] = (
             figure.output_throughput / base if figure is not None and base else None
         )
+        entry["fraction_of_roof"] = (
+            run.roof.fraction(figure.output_throughput)
+            if figure is not None and run.roof is not None
+            else None
+        )
         systems.append(entry)
     return {
         "format": JSON_FORMAT,
@@ -194,6 +211,7 @@ def report_document(
             ],
         },
         "reference": reference,
+        "roof": None if run.roof is None else run.roof.to_json(),
         "systems": systems,
     }
 
@@ -219,6 +237,19 @@ def write_plot(
     bars = axes[0][0].bar(names, throughputs, color="tab:blue")
     base = figures[reference].output_throughput if reference else None
     labels = [f"{value:.0f}" + (f"\n×{value / base:.2f}" if base else "") for value in throughputs]
+    if run.roof is not None:
+        roof = run.roof
+        labels = [f"{label}\n{100 * roof.fraction(value):.0f} % of roof" for label, value in
+                  zip(labels, throughputs, strict=True)]  # fmt: skip
+        axes[0][0].axhline(roof.output_throughput, color="tab:red", linestyle="--")
+        axes[0][0].annotate(
+            f"roof {roof.output_throughput:.0f} tok/s",
+            (0, roof.output_throughput),
+            xycoords=("axes fraction", "data"),
+            xytext=(4, 4),
+            textcoords="offset points",
+            color="tab:red",
+        )
     axes[0][0].bar_label(bars, labels=labels)
     axes[0][0].set_ylabel("output tokens / s")
     axes[0][0].set_title("throughput" + (f" (ratio to {reference})" if reference else ""))
@@ -273,6 +304,14 @@ def write_report(
     figures = compute_metrics(run, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
     chosen = choose_reference(figures, reference)
     console.print(render_table(run, figures, chosen))
+    if run.roof is not None:
+        console.print(run.roof.summary(), highlight=False)
+        if not run.workload.is_offline:
+            console.print(
+                "(serving: the arrivals pace every system, so its fraction of the roof "
+                "measures the load offered, not the kernels)",
+                highlight=False,
+            )
     for line in notes(run):
         console.print(line, highlight=False)
     if reference is not None and chosen != reference and chosen is not None:

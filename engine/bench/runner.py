@@ -23,12 +23,20 @@ import attrs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from twostroke.engine.bench.cost import ModelCost
 from twostroke.engine.bench.http_peer import parse_endpoint
 from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
 from twostroke.engine.bench.metrics import SystemResult, metrics
 from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
 from twostroke.engine.bench.report import DEFAULT_REFERENCE, write_report
+from twostroke.engine.bench.roof import (
+    MachineRoof,
+    WorkloadRoof,
+    measure_machine,
+    prepare_roof,
+    roof_of_run,
+)
 from twostroke.engine.bench.vllm_peer import VLLMDriver
 from twostroke.engine.bench.workload import (
     Workload,
@@ -36,6 +44,7 @@ from twostroke.engine.bench.workload import (
     serving_workload,
     with_json_schemas,
 )
+from twostroke.states.scheduler_config import SchedulingPolicy
 
 __all__ = [
     "BenchRun",
@@ -82,6 +91,7 @@ class BenchRun:
         results: One per system, in the order they ran.
         started_at: ISO 8601 time the run began.
         machine: CPU, cores, OS, Python, torch.
+        roof: The workload's floor on this machine (``None``: not computed).
     """
 
     workload: Workload
@@ -89,6 +99,7 @@ class BenchRun:
     results: tuple[SystemResult, ...] = attrs.field(converter=_results)
     started_at: str
     machine: Mapping[str, Any] = attrs.field(eq=False)
+    roof: WorkloadRoof | None = None
 
 
 def machine_info() -> dict[str, Any]:
@@ -314,6 +325,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "repeatable; alone, only the endpoints run",
     )
     parser.add_argument("--endpoint-api-key", default=None, help="Bearer key for --endpoint")
+    parser.add_argument(
+        "--no-roof",
+        action="store_true",
+        help="skip measuring the machine's bandwidth and FLOPS (~3 s) and the roof column",
+    )
 
 
 def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
@@ -331,6 +347,7 @@ def bench_command(
     *,
     engine_drivers: Sequence[SystemDriver] = (),
     console: Console | None = None,
+    measure_roof: Callable[..., MachineRoof] = measure_machine,
 ) -> int:
     """``twostroke bench``: build the workload, run the systems, print and write the report.
 
@@ -338,6 +355,8 @@ def bench_command(
         args: Parsed with :func:`add_bench_arguments`'s options.
         engine_drivers: twostroke's own systems, run before the peers.
         console: Where the table goes (stdout by default).
+        measure_roof: Measures the machine for the roof (see
+            :func:`~twostroke.engine.bench.roof.prepare_roof`); tests give their figures.
 
     Returns:
         The exit status: 0, or 2 when ``--systems`` names an unknown system.
@@ -388,9 +407,17 @@ def bench_command(
         workload = serving_workload(encode, rate=args.rate, burstiness=args.burstiness, **shape)
     workload = with_json_schemas(workload, args.structured_fraction)
     console.print(workload.description)
+    roof = None if args.no_roof else _measure_roof(model, measure_roof, console)
     run = run_systems(
         drivers, workload, model=model, console=console, progress=not args.no_progress
     )
+    if roof is not None:
+        limits = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        chosen = {name: value for name in limits if (value := getattr(args, name, None))}
+        workload_roof = roof_of_run(
+            *roof, workload, drivers=drivers, policy=SchedulingPolicy(**chosen)
+        )
+        run = attrs.evolve(run, roof=workload_roof)
     write_report(
         run,
         out,
@@ -400,6 +427,22 @@ def bench_command(
         console=console,
     )
     return 0
+
+
+def _measure_roof(
+    model: ModelSpec, measure: Callable[..., MachineRoof], console: Console
+) -> tuple[MachineRoof, ModelCost] | None:
+    """The machine's rates and the model's costs, or ``None`` (said) when the shape is unknown."""
+    from twostroke.engine.models.loader import ModelLoadError
+
+    console.print("roof: measuring memory bandwidth and matmul FLOPS", highlight=False)
+    try:
+        machine, cost = prepare_roof(model, measure=measure)
+    except ModelLoadError as error:
+        console.print(f"roof: not computed: {error}", highlight=False)
+        return None
+    console.print(f"roof: {machine.summary()}", highlight=False)
+    return machine, cost
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,6 +51,7 @@ __all__ = [
     "PackagedModel",
     "hf_tensor_name",
     "load_model",
+    "read_config",
     "resolve_model",
 ]
 
@@ -231,6 +232,33 @@ def load_model(
     )
 
 
+def read_config(model: str | os.PathLike[str]) -> ModelConfig:
+    """The shape of a model, read without loading its weights.
+
+    For what needs sizes only (the benchmark's cost model): a Hugging Face directory's
+    ``config.json`` is parsed; a GGUF file's key/values are read and its tensors mapped,
+    not dequantized.
+
+    Args:
+        model: A name from :data:`KNOWN_MODELS`, a model directory or a GGUF file.
+
+    Returns:
+        The model's configuration.
+
+    Raises:
+        ModelLoadError: the model cannot be found, is not supported, or its configuration
+            is missing or invalid.
+    """
+    path = resolve_model(model)
+    if path.is_dir():
+        return _hf_config(path)
+    if _is_gguf(path):
+        return _gguf_config(path)[0]
+    raise ModelLoadError(
+        path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
+    )
+
+
 # --- Hugging Face directories ---------------------------------------------------------------
 
 
@@ -239,19 +267,7 @@ def _load_hf_directory(
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     from safetensors import safe_open
 
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(config_path, "missing: a model directory needs config.json")
-    try:
-        data = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelLoadError(config_path, f"cannot be read as JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ModelLoadError(config_path, f"must hold a JSON object, got {type(data).__name__}")
-    try:
-        config = ModelConfig.from_hf_config(data)
-    except (TypeError, ValueError) as error:
-        raise ModelLoadError(config_path, str(error)) from error
+    config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(path, "no *.safetensors files (other weight formats are not read)")
@@ -267,6 +283,22 @@ def _load_hf_directory(
             raise ModelLoadError(file, f"is not a readable safetensors file: {error}") from error
     _check_complete(module, path)
     return config, module
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(config_path, "missing: a model directory needs config.json")
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(config_path, f"cannot be read as JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ModelLoadError(config_path, f"must hold a JSON object, got {type(data).__name__}")
+    try:
+        return ModelConfig.from_hf_config(data)
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(config_path, str(error)) from error
 
 
 def _check_complete(module: LlamaForCausalLM, path: Path) -> None:
@@ -399,6 +431,28 @@ def _convert_gguf(
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     from gguf.quants import dequantize
 
+    config, metadata, tensors = _gguf_config(path)
+    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    permute = metadata.get("general.architecture") == "llama"
+    for gguf_name, weights in _dequantized(path, tensors, dequantize):
+        name = hf_tensor_name(gguf_name)
+        if name is None:
+            raise ModelLoadError(
+                path, f"unexpected tensor {gguf_name!r}: the model has no such weight"
+            )
+        if permute and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            heads = config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads
+            weights = _unpermute_rotary(weights, heads)
+        try:
+            module.load_weight(name, torch.from_numpy(weights))
+        except WeightError as error:
+            raise ModelLoadError(path, f"tensor {gguf_name!r}: {error}") from error
+    _check_complete(module, path)
+    return config, module
+
+
+def _gguf_config(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """The file's configuration, its key/values and its tensors (``rope_freqs`` taken out)."""
     try:
         contents = read_gguf(path)
     except ValueError as error:
@@ -417,23 +471,7 @@ def _convert_gguf(
         )
     except (TypeError, ValueError) as error:
         raise ModelLoadError(path, str(error)) from error
-    module = LlamaForCausalLM(config, dtype=dtype, device=device)
-    permute = metadata.get("general.architecture") == "llama"
-    for gguf_name, weights in _dequantized(path, tensors, dequantize):
-        name = hf_tensor_name(gguf_name)
-        if name is None:
-            raise ModelLoadError(
-                path, f"unexpected tensor {gguf_name!r}: the model has no such weight"
-            )
-        if permute and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            heads = config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads
-            weights = _unpermute_rotary(weights, heads)
-        try:
-            module.load_weight(name, torch.from_numpy(weights))
-        except WeightError as error:
-            raise ModelLoadError(path, f"tensor {gguf_name!r}: {error}") from error
-    _check_complete(module, path)
-    return config, module
+    return config, metadata, tensors
 
 
 def _dequantized(path: Path, tensors: dict[str, Any], dequantize: Any) -> Iterator[tuple[str, Any]]:

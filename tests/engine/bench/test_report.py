@@ -8,12 +8,14 @@ import json
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 from rich.console import Console
 
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.report import write_report
+from twostroke.engine.bench.roof import MachineRoof, WorkloadRoof
 from twostroke.engine.bench.runner import BenchRun
 from twostroke.engine.bench.workload import BenchRequest, Workload
 
@@ -152,3 +154,64 @@ def test_the_mask_figures_of_a_structured_run_are_noted(tmp_path: Path) -> None:
         "twostroke-depth2: 96 tokens under a JSON schema: masks 0.042 ms/token to fill, "
         "0.25 s waited for at sampling"
     ]
+
+
+def _roof(floor_seconds: float) -> WorkloadRoof:
+    machine = MachineRoof(bandwidth=16e9, flops=157e9, dtype="float32", threads=2)
+    return WorkloadRoof(
+        machine=machine,
+        schedule="the schedule twostroke-depth2 ran",
+        steps=4,
+        floor_seconds=floor_seconds,
+        memory_bound_steps=3,
+        bytes=10,
+        flops=20,
+        output_tokens=6,
+    )
+
+
+def test_each_system_as_a_fraction_of_the_roof(tmp_path: Path) -> None:
+    # The roof runs the 6 output tokens in 0.5 s: 12 tok/s.
+    run = attrs.evolve(
+        _run(
+            tmp_path,
+            _result("twostroke-depth2", 1.0),  # 6 tok/s: 50 %
+            _result("hf-static", 2.0),  # 3 tok/s: 25 %
+            SystemResult.unavailable("vllm-cpu", "no --vllm-python given"),
+        ),
+        roof=_roof(0.5),
+    )
+    console, out = _console()
+    files = write_report(run, tmp_path / "out", console=console)
+    text = out.getvalue()
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 3}
+    header = next(line for line in text.splitlines() if "% roof" in line)
+    assert [cell.strip() for cell in header.split("┃")][4:7] == [
+        "out tok/s",
+        "× twostroke-depth2",
+        "% roof",
+    ]
+    assert [c.strip() for c in rows["twostroke-depth2"].split("│")][4:7] == ["6.0", "1.00", "50"]
+    assert [c.strip() for c in rows["hf-static"].split("│")][4:7] == ["3.0", "0.50", "25"]
+    assert rows["vllm-cpu"].count("-") >= 10  # every figure column of the row, the roof's too
+    assert (
+        "roof: 16.0 GB/s read, 157.0 GFLOPS float32 on 2 threads; floor 0.50 s over 4 steps "
+        "(75 % memory-bound) of the schedule twostroke-depth2 ran → 12.0 output tok/s"
+    ) in text
+    assert "(serving:" not in text
+    document = json.loads(files.json.read_text())
+    assert document["roof"]["output_throughput"] == 12.0
+    assert document["roof"]["machine"]["flops"] == 157e9
+    systems = {s["name"]: s for s in document["systems"]}
+    assert systems["hf-static"]["fraction_of_roof"] == 0.25
+    assert systems["vllm-cpu"]["fraction_of_roof"] is None
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert files.png is not None
+
+
+def test_a_serving_roof_says_what_it_measures(tmp_path: Path) -> None:
+    run = _run(tmp_path, _result("twostroke-depth2", 1.0))
+    serving = attrs.evolve(run.workload, arrival_times=(0.0, 0.5))
+    console, out = _console()
+    write_report(attrs.evolve(run, workload=serving, roof=_roof(0.5)), tmp_path, console=console)
+    assert "(serving: the arrivals pace every system" in out.getvalue()

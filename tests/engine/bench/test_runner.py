@@ -16,6 +16,7 @@ from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
+from twostroke.engine.bench.roof import MachineRoof
 from twostroke.engine.bench.runner import (
     SystemDriver,
     add_bench_arguments,
@@ -137,7 +138,12 @@ def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         "--systems",
         "twostroke-depth2,vllm-cpu",
     )
-    status = bench_command(args, engine_drivers=[engine], console=Console(file=out, width=250))
+    status = bench_command(
+        args,
+        engine_drivers=[engine],
+        console=Console(file=out, width=250),
+        measure_roof=_given_rates,
+    )
     assert status == 0
     (workload,) = engine.ran
     assert len(workload.requests) == 5
@@ -146,6 +152,56 @@ def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert [s["name"] for s in document["systems"]] == ["twostroke-depth2", "vllm-cpu"]
     assert document["systems"][1]["reason"].startswith("no --vllm-python given")
     assert "serving: 5 requests at 8/s (Poisson)" in out.getvalue()
+    # The model directory has no config.json: the roof is skipped, and says why.
+    assert document["roof"] is None
+    assert f"roof: not computed: {tmp_path / 'config.json'}: missing" in out.getvalue()
+
+
+def _given_rates(*, dtype: str, threads: int) -> MachineRoof:
+    return MachineRoof(bandwidth=1e9, flops=1e9, dtype=dtype, threads=threads, method="given")
+
+
+def test_bench_command_computes_the_roof(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from twostroke.engine.text import tokenizer
+
+    monkeypatch.setattr(
+        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 4,
+        "intermediate_size": 6,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 64,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = io.StringIO()
+    shape = ("--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "2", "3")
+    args = _args(tmp_path, *shape, "--systems", "twostroke-depth2", "--dtype", "float32")
+    engine = FakeDriver("twostroke-depth2")
+    console = Console(file=out, width=250)
+    assert (
+        bench_command(args, engine_drivers=[engine], console=console, measure_roof=_given_rates)
+        == 0
+    )
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    roof = document["roof"]
+    assert roof["machine"]["method"] == "given"
+    assert roof["schedule"].startswith("the scheduler's plan without a model")
+    (workload,) = engine.ran
+    assert roof["output_tokens"] == sum(request.max_tokens for request in workload.requests)
+    system = document["systems"][0]
+    # The fake system takes 1 s for the workload's tokens; the roof, its floor.
+    throughput = system["metrics"]["output_throughput"]
+    assert system["fraction_of_roof"] == pytest.approx(throughput / roof["output_throughput"])
+    assert throughput == roof["output_tokens"] / 1.0
+    text = out.getvalue()
+    assert "roof: 1.0 GB/s read, 1.0 GFLOPS float32 on " in text
+    assert "% roof" in text
+    assert f"{100 * system['fraction_of_roof']:.0f}" in text
 
 
 def test_shared_prefix_workload_from_the_arguments(
@@ -173,6 +229,7 @@ def test_shared_prefix_workload_from_the_arguments(
         "2",
         "--systems",
         "twostroke-depth2",
+        "--no-roof",
     )
     assert bench_command(args, engine_drivers=[engine], console=Console(file=io.StringIO())) == 0
     (workload,) = engine.ran

@@ -22,7 +22,7 @@ from tests.engine.models.test_llama import (
     reference_logits,
 )
 from twostroke.engine.models import loader
-from twostroke.engine.models.loader import ModelLoadError, load_model, resolve_model
+from twostroke.engine.models.loader import ModelLoadError, load_model, read_config, resolve_model
 from twostroke.gpu import dtype as dtype_module
 from twostroke.states.errors import EngineError
 
@@ -180,6 +180,22 @@ def test_hf_directory_loads_in_the_requested_dtype(tmp_path: Path) -> None:
     assert loaded.config.architecture == "LlamaForCausalLM"
     assert all(p.dtype == torch.bfloat16 for p in loaded.module.parameters())
     assert loaded.load_seconds > 0
+
+
+def test_read_config_gives_the_loaded_shape_without_the_weights(tmp_path: Path) -> None:
+    reference = make_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=True)
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama")
+    for source in (tmp_path / "hf", file):
+        assert read_config(source) == load_model(source, dtype=torch.float32, device=CPU).config
+    (tmp_path / "hf" / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"missing: a model directory needs config\.json"):
+        read_config(tmp_path / "hf")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    with pytest.raises(ModelLoadError, match="is neither a model directory"):
+        read_config(notes)
 
 
 # --- names ----------------------------------------------------------------------------------
