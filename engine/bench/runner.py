@@ -407,7 +407,8 @@ def bench_command(
         workload = serving_workload(encode, rate=args.rate, burstiness=args.burstiness, **shape)
     workload = with_json_schemas(workload, args.structured_fraction)
     console.print(workload.description)
-    roof = None if args.no_roof else _measure_roof(model, measure_roof, console)
+    device = getattr(args, "device", "cpu")  # `twostroke bench` has it; the peers alone do not
+    roof = None if args.no_roof else _measure_roof(model, device, measure_roof, console)
     run = run_systems(
         drivers, workload, model=model, console=console, progress=not args.no_progress
     )
@@ -430,11 +431,21 @@ def bench_command(
 
 
 def _measure_roof(
-    model: ModelSpec, measure: Callable[..., MachineRoof], console: Console
+    model: ModelSpec, device: str, measure: Callable[..., MachineRoof], console: Console
 ) -> tuple[MachineRoof, ModelCost] | None:
-    """The machine's rates and the model's costs, or ``None`` (said) when the shape is unknown."""
+    """The machine's rates and the model's costs, or ``None`` (and why) when there is no roof."""
     from twostroke.engine.models.loader import ModelLoadError
 
+    if device != "cpu":
+        import torch
+
+        if device == "cuda" or torch.cuda.is_available():
+            console.print(
+                f"roof: not computed: it measures the CPU, and --device {device} runs "
+                "twostroke's systems on a GPU",
+                highlight=False,
+            )
+            return None
     console.print("roof: measuring memory bandwidth and matmul FLOPS", highlight=False)
     try:
         machine, cost = prepare_roof(model, measure=measure)

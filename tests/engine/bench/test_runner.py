@@ -204,6 +204,29 @@ def test_bench_command_computes_the_roof(tmp_path: Path, monkeypatch: pytest.Mon
     assert f"{100 * system['fraction_of_roof']:.0f}" in text
 
 
+def test_no_roof_for_a_gpu_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from twostroke.engine.text import tokenizer
+
+    monkeypatch.setattr(
+        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
+    )
+    args = _args(tmp_path, "--num-requests", "1", "--systems", "twostroke-depth2")
+    args.device = "cuda"  # `twostroke bench` adds --device
+    out = io.StringIO()
+
+    def measure(**options: object) -> MachineRoof:
+        raise AssertionError("a GPU run measures no CPU roof")
+
+    engine = FakeDriver("twostroke-depth2")
+    console = Console(file=out, width=250)
+    assert bench_command(args, engine_drivers=[engine], console=console, measure_roof=measure) == 0
+    assert (
+        "roof: not computed: it measures the CPU, and --device cuda runs twostroke's systems "
+        "on a GPU"
+    ) in out.getvalue()
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["roof"] is None
+
+
 def test_shared_prefix_workload_from_the_arguments(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
