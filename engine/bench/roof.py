@@ -59,9 +59,8 @@ _POSITIVE = number_in(0, low_open=True)
 MIN_BUFFER_BYTES = 256 * 2**20
 CACHE_MULTIPLE = 8
 
-#: Matmul sizes tried, smallest first; a size is skipped once one product of the size before
-#: took more than an eighth of what is left of the budget (bfloat16 is emulated on AVX2 CPUs,
-#: where a 1024-cube product takes seconds).
+#: Matmul sizes tried, smallest first, up to the largest that fits the budget (bfloat16 is
+#: emulated on AVX2 CPUs, where a 1024-cube product takes seconds).
 MATMUL_SIZES = (256, 512, 1024, 2048)
 
 
@@ -295,9 +294,10 @@ def measure_machine(
     Bandwidth: ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (default: 256 MiB or
     8 times the last-level cache, whichever is larger), repeated for 40 % of ``seconds``
     after one untimed pass; the best repeat's bytes per second. Matmul: square products
-    ``a @ b`` in ``dtype`` of each of ``matmul_sizes`` in turn, one untimed then repeated for
-    a share of the remaining time, the sizes left skipped once a product took more than an
-    eighth of the time left; the best repeat's ``2 n³`` FLOPs per second, over all sizes.
+    ``a @ b`` in ``dtype`` of each of ``matmul_sizes`` in turn, one untimed and two timed,
+    growing while the next size's three products (predicted at this size's rate, as n³) fit
+    in the time left; the largest size run takes the rest of the time. The best repeat's
+    ``2 n³`` FLOPs per second, over all sizes.
 
     Args:
         dtype: The products' dtype (a key of :data:`~twostroke.engine.bench.cost.DTYPE_BYTES`).
@@ -354,21 +354,24 @@ def _measure(
         bandwidth = buffer_bytes // 4 * 4 / min(reads)
         generator = torch.Generator().manual_seed(0)
         kind = getattr(torch, dtype)
-        best, products, largest = 0.0, 0, 0
-        last = 0.0
+        best, products, ran = 0.0, 0, []
         for index, size in enumerate(sizes):
-            left = seconds - (clock() - began)
-            if largest and last > left / 8:
-                break
             a = torch.rand(size, size, generator=generator).to(kind)
             b = torch.rand(size, size, generator=generator).to(kind)
             product = functools.partial(torch.matmul, a, b)
-            # The sizes left share what is left of the budget (half of it to the one left,
-            # the rest kept for the untimed first products).
-            times = _repeat(product, clock, max(left, 0.0) / (len(sizes) - index + 1))
+            times = _repeat(product, clock, 0.0)
+            left = seconds - (clock() - began)
+            following = sizes[index + 1] if index + 1 < len(sizes) else None
+            # The next size's untimed product and two timed ones, at this size's rate (n³).
+            if following is None or 3 * min(times) * (following / size) ** 3 > left:
+                # The largest size that fits: the rest of the budget goes to it.
+                times += _repeat(product, clock, left, warm_up=False, at_least=0)
+                following = None
             best = max(best, 2 * size**3 / min(times))
             products += len(times)
-            last, largest = min(times), size
+            ran.append(size)
+            if following is None:
+                break
     if cache is None:
         cached = ""
     elif buffer_bytes >= cache:
@@ -377,7 +380,8 @@ def _measure(
         cached = f" (within the {cache >> 20} MiB cache: its bandwidth, not the memory's)"
     method = (
         f"read: best of {len(reads)} torch.sum passes over {buffer_bytes >> 20} MiB of float32"
-        f"{cached}; matmul: best of {products} {dtype} square products up to {largest}"
+        f"{cached}; matmul: best of {products} {dtype} square products of sizes "
+        f"{', '.join(map(str, ran))}"
     )
     return MachineRoof(
         bandwidth=bandwidth,
@@ -390,18 +394,26 @@ def _measure(
     )
 
 
-def _repeat(work: Callable[[], object], clock: Callable[[], float], budget: float) -> list[float]:
-    """Times of ``work`` after one untimed run: at least two, then until ``budget`` is spent."""
-    work()
+def _repeat(
+    work: Callable[[], object],
+    clock: Callable[[], float],
+    budget: float,
+    *,
+    warm_up: bool = True,
+    at_least: int = 2,
+) -> list[float]:
+    """Times of ``work``, after one untimed run if ``warm_up``: ``at_least`` of them, then
+    more until ``budget`` seconds are spent."""
+    if warm_up:
+        work()
     times: list[float] = []
-    spent = 0.0
-    while len(times) < 2 or spent < budget:
+    began = end = clock()
+    while len(times) < at_least or end - began < budget:
         start = clock()
         work()
-        elapsed = clock() - start
+        end = clock()
         # A clock too coarse for the work would give 0; count it as one tick, not infinity.
-        times.append(max(elapsed, 1e-9))
-        spent += elapsed
+        times.append(max(end - start, 1e-9))
     return times
 
 

@@ -125,7 +125,7 @@ def test_the_measurement_on_a_fake_clock() -> None:
     assert (machine.dtype, machine.threads) == ("float32", 1)
     assert machine.method.startswith("read: best of ")
     assert "torch.sum passes over 1 MiB of float32" in machine.method
-    assert machine.method.endswith("float32 square products up to 16")
+    assert machine.method.endswith("float32 square products of sizes 8, 16")
     assert machine.seconds == pytest.approx(1.0, abs=0.01)  # the budget, spent
 
 
@@ -137,7 +137,7 @@ def test_a_size_is_skipped_once_the_budget_is_short() -> None:
         matmul_sizes=(4, 8),
         clock=lambda: next(ticks) / 1000,
     )
-    assert machine.method.endswith("up to 4")
+    assert machine.method.endswith("square products of sizes 4")
     assert machine.flops == pytest.approx(2 * 4**3 / 0.001)
 
 
