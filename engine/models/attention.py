@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from twostroke.engine.models.attention_metadata import AttentionMetadata, DecodeBags
+from twostroke.engine.models.kv_cache import LayerCache
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -60,32 +61,25 @@ __all__ = ["paged_attention", "write_kv"]
 _TILE_SCORES = 1 << 20
 
 
-def write_kv(
-    layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata
-) -> None:
-    """Store the step's keys and values ``[num_tokens, num_kv_heads, head_dim]`` in their slots.
+def write_kv(layer: LayerCache, key_value: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """Store the step's keys and values ``[num_tokens, 2, num_kv_heads, head_dim]`` in their slots.
+
+    One ``index_put_`` writes both (keys at index 0 of the second axis, values at 1), so the
+    model passes the keys and values as they come out of its q/k/v projection, unsplit.
 
     Args:
-        layer_cache: One layer's ``[2, num_blocks, num_kv_heads, block_size, head_dim]``.
-        key: The step's keys, rotary embeddings applied.
-        value: The step's values.
+        layer: One layer's cache.
+        key_value: The step's keys, rotary embeddings applied, and values.
         metadata: The step's layout.
     """
-    width = key.shape[-1]
-    if metadata.key_write_index is not None:  # keys transposed within their blocks
-        layer_cache[0].view(-1).index_copy_(0, metadata.key_write_index, key.reshape(-1))
-        values = value.reshape(-1, width)
-        layer_cache[1].view(-1, width).index_copy_(0, metadata.write_index, values)
-        return
-    source = torch.stack((key, value)).view(-1, width)
-    layer_cache.view(-1, width).index_copy_(0, metadata.write_index, source)
+    target = layer.flat if metadata.keys_transposed else layer.rows
+    target.index_put_((metadata.write_index,), key_value)
 
 
 def paged_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layer_cache: torch.Tensor,
+    key_value: torch.Tensor,
+    layer: LayerCache,
     metadata: AttentionMetadata,
     *,
     scale: float,
@@ -96,36 +90,40 @@ def paged_attention(
     passed as well because a chunk without history attends over them directly.
 
     Args:
-        query: ``[num_tokens, num_heads, head_dim]``, rotary embeddings applied.
-        key: ``[num_tokens, num_kv_heads, head_dim]``, the step's keys.
-        value: Same shape as ``key``, the step's values.
-        layer_cache: One layer's ``[2, num_blocks, num_kv_heads, block_size, head_dim]``.
+        query: ``[num_tokens, num_heads, head_dim]``, rotary embeddings applied (any strides).
+        key_value: ``[num_tokens, 2, num_kv_heads, head_dim]``, the step's keys and values.
+        layer: One layer's cache.
         metadata: The step's layout.
         scale: Multiplies the scores (``head_dim ** -0.5`` for Llama).
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]``.
+        ``[num_tokens, num_heads * head_dim]``, the output projection's input.
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = layer_cache.shape[2], layer_cache.shape[3]
-    groups = num_heads // num_kv_heads
-    blocks = layer_cache.view(-1, block_size, head_dim)
+    groups = metadata.decode_groups
+    if len(groups) == 1 and not metadata.prefills and groups[0].bags is not None:
+        # The CPU's usual decode step: one call's result is the whole output, no copy.
+        group = groups[0]
+        assert group.bags is not None
+        return _decode_bags(query, layer, group.bags, group.mask, scale).view(num_tokens, -1)
+    num_kv_heads, block_size = layer.data.shape[2], layer.data.shape[3]
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    for group in metadata.decode_groups:
+    for group in groups:
         rows = slice(group.offset, group.offset + group.num_decodes)
         decodes = group.num_decodes
         if group.bags is not None:
-            out[rows] = _decode_bags(query[rows], layer_cache, group.bags, group.mask, scale)
+            attended = _decode_bags(query, layer, group.bags, group.mask, scale)
+            out[rows] = attended.view(decodes, num_heads, head_dim)
             continue
         assert group.gather is not None
-        history = blocks.index_select(0, group.gather)
+        history = layer.blocks.index_select(0, group.gather)
         history = history.view(2, decodes * num_kv_heads, -1, head_dim)
         if metadata.kernel == "matmul":
             out[rows] = _decode_matmul(query[rows], history, group.mask, scale)
         else:
             shape = (decodes, num_kv_heads, -1, head_dim)
             attended = F.scaled_dot_product_attention(
-                query[rows].view(decodes, num_kv_heads, groups, head_dim),
+                query[rows].reshape(decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),
                 history[0].view(shape),
                 history[1].view(shape),
                 attn_mask=group.mask,
@@ -135,9 +133,10 @@ def paged_attention(
     for chunk in metadata.prefills:
         rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
         if chunk.gather is None:
-            keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            own = key_value[rows].transpose(0, 2)  # [kv_heads, 2, n, dim]
+            keys, values = own[:, 0], own[:, 1]
         else:
-            history = blocks.index_select(0, chunk.gather).view(2, num_kv_heads, -1, head_dim)
+            history = layer.blocks.index_select(0, chunk.gather).view(2, num_kv_heads, -1, head_dim)
             keys, values = history[0, :, : chunk.num_keys], history[1, :, : chunk.num_keys]
             if metadata.keys_transposed:  # each block's keys are [head_dim, block_size]
                 tiles = history[0].view(num_kv_heads, -1, head_dim, block_size)
@@ -159,7 +158,7 @@ def paged_attention(
             out[rows] = attended[0].transpose(0, 1)
         else:
             out[rows] = _prefill_sdpa_folded(query[rows], keys, values, chunk.mask, scale)
-    return out
+    return out.view(num_tokens, -1)
 
 
 def _prefill_sdpa_folded(
@@ -193,7 +192,7 @@ def _prefill_sdpa_folded(
 
 def _decode_bags(
     query: torch.Tensor,
-    layer_cache: torch.Tensor,
+    layer: LayerCache,
     bags: DecodeBags,
     mask: torch.Tensor,
     scale: float,
@@ -208,29 +207,35 @@ def _decode_bags(
     :func:`_decode_matmul`; the sums run in another order than the products', so float32
     results agree to rounding (about 1e-7), not bit for bit.
 
-    ``query`` is ``[R, heads, dim]``, ``mask`` float32 ``[R, 1, W * block_size]``.
+    Each line is as few torch calls as it takes (``torch.embedding_bag`` rather than
+    ``F.embedding_bag``'s Python checks, ``mask + scale * scores`` as one ``add``, no cast
+    in float32): every call hands the GIL back and forth (see docs/performance.md).
+
+    ``query`` is the whole step's ``[T, heads, dim]`` (the bags name their queries' rows),
+    ``mask`` float32 ``[R, 1, W * block_size]``; returns ``[R * heads, dim]``.
     """
-    decodes, num_heads, head_dim = query.shape
-    block_size = layer_cache.shape[3]
-    width = mask.shape[-1]
-    weights = query.reshape(-1, head_dim).index_select(0, bags.query_rows).view(-1)
-    scores = F.embedding_bag(
-        bags.key_index,
-        layer_cache[0].view(-1, block_size),
-        bags.key_offsets,
-        mode="sum",
-        per_sample_weights=weights,
-    )
-    scores = scores.to(torch.float32).view(decodes, num_heads, width).mul_(scale).add_(mask)
-    probs = torch.softmax(scores, dim=-1).to(query.dtype).view(-1)
-    attended = F.embedding_bag(
+    decodes, width = mask.shape[0], mask.shape[-1]
+    weights = query[bags.query_tokens, bags.query_heads].view(-1)
+    scores = torch.embedding_bag(
+        layer.key_rows, bags.key_index, bags.key_offsets, False, 0, False, weights
+    )[0].view(decodes, -1, width)
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    # mask + scale * scores: one rounding of the product, as scores * scale + mask has
+    # (the mask is 0 or -inf), so this is the same arithmetic in one call instead of two.
+    probs = torch.softmax(torch.add(mask, scores, alpha=scale), dim=-1)
+    if probs.dtype != query.dtype:
+        probs = probs.to(query.dtype)
+    attended: torch.Tensor = torch.embedding_bag(
+        layer.value_rows,
         bags.value_index,
-        layer_cache[1].view(-1, head_dim),
         bags.value_offsets,
-        mode="sum",
-        per_sample_weights=probs.index_select(0, bags.prob_index),
-    )
-    return attended.view(decodes, num_heads, head_dim)
+        False,
+        0,
+        False,
+        probs.take(bags.prob_index),
+    )[0]
+    return attended
 
 
 def _decode_matmul(

@@ -157,7 +157,9 @@ class DecodeBags:
     Attributes:
         key_index: Rows of the layer's keys viewed as ``[-1, block_size]``.
         key_offsets: Start of each key bag in ``key_index``, ``[num_decodes * heads * W]``.
-        query_rows: Row of ``query.view(-1, head_dim)`` weighting each non-empty key bag.
+        query_tokens: Token (row of the step's batch) of the query weighting each non-empty
+            key bag.
+        query_heads: Head of that query.
         value_index: Rows of the layer's values viewed as ``[-1, head_dim]``.
         value_offsets: Start of each value bag, ``[num_decodes * heads]``.
         prob_index: Element of the probabilities ``[num_decodes * heads * W * block_size]``
@@ -166,7 +168,8 @@ class DecodeBags:
 
     key_index: torch.Tensor
     key_offsets: torch.Tensor
-    query_rows: torch.Tensor
+    query_tokens: torch.Tensor
+    query_heads: torch.Tensor
     value_index: torch.Tensor
     value_offsets: torch.Tensor
     prob_index: torch.Tensor
@@ -229,13 +232,11 @@ class AttentionMetadata:
         positions: ``[num_tokens]`` position of each token (rotary embeddings).
         slot_mapping: ``[num_tokens]`` flat cache slot (``block * block_size + offset``)
             of each token.
-        write_index: ``[2 * num_tokens * num_kv_heads]`` rows of the layer's cache viewed as
-            ``[-1, head_dim]`` that the step's keys, then its values, go to, token by token
-            and head by head. With :attr:`keys_transposed`, ``[num_tokens * num_kv_heads]``
-            rows of the values only (``layer_cache[1]`` viewed as ``[-1, head_dim]``).
-        key_write_index: With :attr:`keys_transposed`, ``[num_tokens * num_kv_heads *
-            head_dim]`` elements of ``layer_cache[0]`` (flat) that the step's keys go to,
-            token by token, head by head, dimension by dimension; else ``None``.
+        write_index: Where the step's keys and values ``[num_tokens, 2, num_kv_heads,
+            head_dim]`` go in one layer's cache: ``[num_tokens, 2, num_kv_heads]`` rows of
+            it viewed as ``[-1, head_dim]``, or with :attr:`keys_transposed` ``[num_tokens,
+            2, num_kv_heads, head_dim]`` elements of it flat (each block's keys are
+            transposed, so a key's elements are not a row). One ``index_put_`` writes both.
         num_decodes: The leading single-token chunks, attended in batched calls.
         decode_groups: The decodes, cut into groups of similar lengths.
         kernel: How the decodes attend.
@@ -249,7 +250,6 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeGroup, ...]
     kernel: AttentionKernel
     prefills: tuple[PrefillChunk, ...]
-    key_write_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -374,7 +374,6 @@ class AttentionMetadata:
             decode_groups=tuple(decode_groups),
             kernel=kernel,
             prefills=tuple(prefills),
-            key_write_index=layout.key_write_index(slot_mapping),
         )
 
 
@@ -403,38 +402,32 @@ class _Layout:
         return (rows + head[None, None, :, None]).flatten()
 
     def write_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Rows of the ``[-1, dim]`` view for each ``(kv, token, head)``, in that order.
+        """Where each ``(token, kv, head)`` goes: rows of the ``[-1, dim]`` view, ``[T, 2,
+        KV]``; with transposed keys, elements of the flat layer, ``[T, 2, KV, dim]``.
 
-        With transposed keys, rows of the values' ``[-1, dim]`` view for each ``(token,
-        head)``: the keys go by :meth:`key_write_index`.
+        The key tile of block ``b`` and head ``h`` then holds dimension ``d`` of position
+        ``p`` at ``((b * heads + h) * dim + d) * block_size + p``; the values are rows as
+        usual, after all the keys.
         """
-        size, heads = self.block_size, self.num_kv_heads
+        size, heads, device = self.block_size, self.num_kv_heads, self.device
         block, within = slot_mapping // size, slot_mapping % size
-        if self.keys_transposed:
-            rows = block[:, None] * heads + torch.arange(heads, device=self.device)
-            return (rows * size + within[:, None]).flatten()
-        kv = torch.arange(2, device=self.device) * self.num_blocks
-        head = torch.arange(heads, device=self.device)
-        rows = (kv[:, None, None] + block[None, :, None]) * heads + head[None, None, :]
-        return (rows * size + within[None, :, None]).flatten()
-
-    def key_write_index(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
-        """With transposed keys, elements of the flat keys for each ``(token, head, dim)``.
-
-        The key tile of block ``b`` and head ``h`` holds dimension ``d`` of position ``p``
-        at ``((b * heads + h) * dim + d) * block_size + p``.
-        """
+        kv = torch.arange(2, device=device)[None, :, None] * (self.num_blocks * heads)
+        tiles = kv + (block[:, None, None] * heads + torch.arange(heads, device=device))
         if not self.keys_transposed:
-            return None
-        size, heads, dim = self.block_size, self.num_kv_heads, self.head_dim
-        block, within = slot_mapping // size, slot_mapping % size
-        tiles = block[:, None] * heads + torch.arange(heads, device=self.device)  # [T, KV]
-        rows = tiles[:, :, None] * dim + torch.arange(dim, device=self.device)  # [T, KV, D]
-        return (rows * size + within[:, None, None]).flatten()
+            return tiles * size + within[:, None, None]  # [T, 2, KV]
+        dim = self.head_dim
+        dims = torch.arange(dim, device=device)
+        rows = tiles[..., None] * dim + dims  # [T, 2, KV, D]: a tile's first element
+        keys = rows[:, 0] * size + within[:, None, None]  # element (d, p) at d * size + p
+        values = (rows[:, 1] - dims) * size + within[:, None, None] * dim + dims
+        return torch.stack((keys, values), dim=1)
 
-    def bags(self, tables: Sequence[Sequence[int]], counts: Sequence[int]) -> DecodeBags:
+    def bags(
+        self, tables: Sequence[Sequence[int]], counts: Sequence[int], offset: int
+    ) -> DecodeBags:
         """The ``"bag"`` kernel's indices for decodes with padded ``tables`` (``R`` rows of
-        ``W`` blocks), ``counts`` the number of each decode's own blocks.
+        ``W`` blocks), ``counts`` the number of each decode's own blocks, the first decode
+        at row ``offset`` of the batch.
 
         Built on the host with no data-dependent shapes (nothing a device would have to
         report back) and staged to the device without waiting for it, as
@@ -462,7 +455,8 @@ class _Layout:
         bags = DecodeBags(
             key_index=(tiles[:, None] * dim + torch.arange(dim)).flatten(),
             key_offsets=torch.cumsum(key_lengths, 0) - key_lengths,
-            query_rows=row,
+            query_tokens=offset + row // heads,
+            query_heads=row % heads,
             value_index=(tiles[:, None] * size + positions).flatten(),
             value_offsets=torch.cumsum(value_lengths, 0) - value_lengths,
             prob_index=(bag[:, None] * size + positions).flatten(),
@@ -488,7 +482,7 @@ def _decode_group(
     mask = _additive(visible, mask_dtype)[:, None, :]
     if layout.keys_transposed:
         rows = [flat[index * width : (index + 1) * width] for index in range(len(decodes))]
-        bags = layout.bags(rows, [-(-chunk.end // size) for chunk in decodes])
+        bags = layout.bags(rows, [-(-chunk.end // size) for chunk in decodes], offset)
         return DecodeGroup(offset, len(decodes), None, mask, bags)
     tables = to_device(flat, device=device).view(len(decodes), width)
     return DecodeGroup(offset, len(decodes), layout.gather(tables), mask)

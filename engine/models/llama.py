@@ -30,7 +30,7 @@ from torch import nn
 from twostroke.engine.models.attention import paged_attention, write_kv
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.kv_cache import KVCache
+from twostroke.engine.models.kv_cache import KVCache, LayerCache
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
@@ -149,19 +149,25 @@ def _packed_linear(
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as transformers does."""
+    """Root-mean-square norm, computed in float32 as transformers does.
+
+    ``torch.rms_norm`` is one fused kernel with transformers' arithmetic: in float32 its
+    results are transformers' bit for bit (checked on SmolLM2's shapes), in one call
+    instead of seven. In another dtype transformers casts the normalized float32 values
+    before it multiplies by the weight, so that stays a step of its own.
+    """
 
     def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _empty(size, dtype=dtype, device=device)
         self.eps = eps
+        self.shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, self.shape, self.weight, self.eps)
+        normalized = torch.rms_norm(x.float(), self.shape, None, self.eps)
+        return self.weight * normalized.to(x.dtype)
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -192,10 +198,17 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Apply rotary embeddings to ``x`` ``[tokens, heads, dim]`` in place.
+
+    transformers computes ``x * cos + cat(-x2, x1) * sin`` (``x1``, ``x2`` the halves of
+    ``x``). ``roll`` makes ``cat(x2, x1)`` in one call, and ``signed_sin`` (``sin`` with its
+    first half negated, made once per step) puts the minus sign in the product, where it
+    is exact: the same values bit for bit, in four calls instead of seven.
+    """
+    rolled = x.roll(x.shape[-1] // 2, -1)
+    rolled.mul_(signed_sin)
+    x.mul_(cos).add_(rolled)
 
 
 class Attention(nn.Module):
@@ -223,20 +236,21 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         metadata: AttentionMetadata,
-        layer_cache: torch.Tensor,
+        layer: LayerCache,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        # Queries and keys rotate together: one set of element-wise ops instead of two.
-        rotated = _rotate(qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim), cos, sin)
-        query, key = rotated[:, :heads], rotated[:, heads:]
-        value = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
-        write_kv(layer_cache, key, value, metadata)
-        out = paged_attention(query, key, value, layer_cache, metadata, scale=self.scale)
-        projected: torch.Tensor = self.o_proj(out.view(num_tokens, heads * dim))
+        # Queries and keys rotate together, in place in the projection's output, which
+        # then holds them and the values side by side: no split, no copy.
+        query_key = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim)
+        _rotate_(query_key, cos, signed_sin)
+        key_value = qkv[:, heads * dim :].view(num_tokens, 2, kv_heads, dim)
+        write_kv(layer, key_value, metadata)
+        out = paged_attention(query_key[:, :heads], key_value, layer, metadata, scale=self.scale)
+        projected: torch.Tensor = self.o_proj(out)
         return projected
 
 
@@ -262,8 +276,9 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        down: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        # chunk, not split (a Python method); the SiLU's fresh output takes the product.
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        down: torch.Tensor = self.down_proj(F.silu(gate).mul_(up))
         return down
 
 
@@ -282,12 +297,12 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         metadata: AttentionMetadata,
-        layer_cache: torch.Tensor,
+        layer: LayerCache,
     ) -> torch.Tensor:
         attended: torch.Tensor = self.self_attn(
-            self.input_layernorm(x), cos, sin, metadata, layer_cache
+            self.input_layernorm(x), cos, signed_sin, metadata, layer
         )
         x = x + attended
         mixed: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
@@ -366,8 +381,9 @@ class LlamaForCausalLM(nn.Module):
         angles = metadata.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, metadata, kv_cache.layer(index))
+        sin[..., : sin.shape[-1] // 2].neg_()  # see _rotate_
+        for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
+            x = layer(x, cos, sin, metadata, layer_cache)
         x = self.norm(x.index_select(0, logits_indices))
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(x)

@@ -19,7 +19,7 @@ from twostroke.engine.models.attention_metadata import (
     default_kernel,
     split_decodes,
 )
-from twostroke.engine.models.kv_cache import KVCache
+from twostroke.engine.models.kv_cache import KVCache, LayerCache
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,7 +111,7 @@ def test_mixed_step_matches_dense_attention(
         values = torch.randn(end, KV_HEADS, WIDTH, generator=generator).to(dtype)
         if start:  # the history an earlier step wrote
             earlier = metadata([ChunkSpec(0, start, table)], num_blocks, dtype, kernel)
-            write_kv(cache.layer(0), keys[:start], values[:start], earlier)
+            write_kv(cache.layer(0), torch.stack((keys, values), 1)[:start], earlier)
         chunks.append(ChunkSpec(start, count, table))
         histories.append((keys, values))
     step = metadata(chunks, num_blocks, dtype, kernel, group_overhead)
@@ -127,8 +127,10 @@ def test_mixed_step_matches_dense_attention(
     new_values = torch.cat(
         [values[c.start :] for c, (_, values) in zip(chunks, histories, strict=True)]
     )
-    write_kv(cache.layer(0), new_keys, new_values, step)
-    out = paged_attention(query, new_keys, new_values, cache.layer(0), step, scale=WIDTH**-0.5)
+    new = torch.stack((new_keys, new_values), 1)
+    write_kv(cache.layer(0), new, step)
+    out = paged_attention(query, new, cache.layer(0), step, scale=WIDTH**-0.5)
+    out = out.view(-1, HEADS, WIDTH)
     offset = 0
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for chunk, (keys, values) in zip(chunks, histories, strict=True):
@@ -164,7 +166,7 @@ def test_keys_and_values_land_in_their_block_head_and_offset(kernel: AttentionKe
     step = metadata(chunks, 10, torch.float32, kernel)
     keys = torch.randn(5, KV_HEADS, WIDTH)
     values = torch.randn(5, KV_HEADS, WIDTH)
-    write_kv(cache.layer(0), keys, values, step)
+    write_kv(cache.layer(0), torch.stack((keys, values), 1), step)
     for token, slot in enumerate(step.slot_mapping.tolist()):
         block, offset = divmod(slot, BLOCK)
         for head in range(KV_HEADS):
@@ -194,7 +196,7 @@ def test_padded_decodes_gather_their_history_and_mask_every_key_past_it(
                     kernel)  # fmt: skip
     (group,) = step.decode_groups
     assert (group.offset, group.num_decodes) == (0, 2)
-    blocks = cache.layer(0).view(-1, BLOCK, WIDTH)
+    blocks = cache.layer(0).blocks
     gathered = blocks.index_select(0, group.gather).view(2, 2, KV_HEADS, -1, WIDTH)
     for request, table in enumerate([(4,), (1, 3)]):
         for kv, stored in enumerate((cache.key[0], cache.value[0])):
@@ -393,7 +395,7 @@ def test_bag_decodes_match_gathered_products(
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     history = torch.randn(2, num_blocks, KV_HEADS, block_size, WIDTH, generator=generator)
     query = torch.randn(num_decodes, HEADS, WIDTH, generator=generator).to(dtype)
-    new = torch.zeros(num_decodes, KV_HEADS, WIDTH, dtype=dtype)
+    new = torch.zeros(num_decodes, 2, KV_HEADS, WIDTH, dtype=dtype)
     outputs = []
     for kernel in ("matmul", "bag"):
         step = AttentionMetadata.build(
@@ -411,7 +413,7 @@ def test_bag_decodes_match_gathered_products(
         layer = history.clone()
         if kernel == "bag":  # the same keys, stored transposed within each block
             layer[0] = history[0].transpose(-1, -2).reshape(layer[0].shape)
-        out = paged_attention(query, new, new, layer.to(dtype), step, scale=WIDTH**-0.5)
+        out = paged_attention(query, new, LayerCache.of(layer.to(dtype)), step, scale=WIDTH**-0.5)
         outputs.append(out.float())
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=0)
