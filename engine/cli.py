@@ -311,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--placement", default="process", choices=["local", "process", "ray"], help="of replicas"
     )
+
+    from twostroke.engine.bench.step_profile import add_profile_arguments
+
+    profile = commands.add_parser(
+        "profile-step",
+        help="torch calls, aten ops and GIL-free time of one decode step (CPU)",
+    )
+    add_profile_arguments(profile)
     return parser
 
 
@@ -492,6 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "profile-step":
+        from twostroke.engine.bench.step_profile import profile_command
+
+        return profile_command(args)
     if args.command == "serve":
         interrupted = False
         options = {}

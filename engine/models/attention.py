@@ -101,11 +101,12 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     groups = metadata.decode_groups
-    if len(groups) == 1 and not metadata.prefills and groups[0].bags is not None:
-        # The CPU's usual decode step: one call's result is the whole output, no copy.
-        group = groups[0]
-        assert group.bags is not None
-        return _decode_bags(query, layer, group.bags, group.mask, scale).view(num_tokens, -1)
+    if not metadata.prefills and all(group.bags is not None for group in groups):
+        # The CPU's usual decode step: the groups' results, in order, are the whole output
+        # (one group's without a copy), in fewer calls than filling a new tensor.
+        parts = [_decode_bags(query, layer, g.bags, g.mask, scale) for g in groups if g.bags]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.view(num_tokens, -1)
     num_kv_heads, block_size = layer.data.shape[2], layer.data.shape[3]
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for group in groups:
