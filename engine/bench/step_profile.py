@@ -213,7 +213,9 @@ class DecodeStep:
             SchedulerConfig(
                 num_blocks=num_blocks,
                 block_size=block_size,
-                max_num_batched_tokens=max(high, 512),
+                # Every prompt in the first step, so no request decodes before the last
+                # is prefilled: the second step is the whole batch's first decode.
+                max_num_batched_tokens=batch * high,
                 max_num_seqs=batch,
                 max_model_len=runner.max_model_len,
                 pipeline_depth=1,
