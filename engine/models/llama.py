@@ -17,7 +17,6 @@ initialization and holds one copy of the weights.
 from __future__ import annotations
 
 import functools
-import math
 import re
 import warnings
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from twostroke.engine.models.attention import paged_attention, write_kv
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache, LayerCache
+from twostroke.engine.models.layers import RMSNorm, inverse_frequencies, rotary_tables, rotate_
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
@@ -148,69 +148,6 @@ def _packed_linear(
     return out
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as transformers does.
-
-    ``torch.rms_norm`` is one fused kernel with transformers' arithmetic: in float32 its
-    results are transformers' bit for bit (checked on SmolLM2's shapes), in one call
-    instead of seven. In another dtype transformers casts the normalized float32 values
-    before it multiplies by the weight, so that stays a step of its own.
-    """
-
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _empty(size, dtype=dtype, device=device)
-        self.eps = eps
-        self.shape = (size,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, self.shape, self.weight, self.eps)
-        normalized = torch.rms_norm(x.float(), self.shape, None, self.eps)
-        return self.weight * normalized.to(x.dtype)
-
-
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """The rotary inverse frequencies ``[head_dim / 2]`` in float32, scaling applied.
-
-    Computed exactly as transformers' ``modeling_rope_utils`` does, so the tables agree.
-    """
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is not None and scaling.kind == "linear":
-        inv_freq = inv_freq / scaling.factor
-    elif scaling is not None and scaling.kind == "llama3":
-        old_context = scaling.original_max_position_embeddings
-        low_wavelen = old_context / scaling.low_freq_factor
-        high_wavelen = old_context / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_context / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    if config.rope_frequency_factors is not None:
-        inv_freq = inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
-    return inv_freq
-
-
-def _rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """Apply rotary embeddings to ``x`` ``[tokens, heads, dim]`` in place.
-
-    transformers computes ``x * cos + cat(-x2, x1) * sin`` (``x1``, ``x2`` the halves of
-    ``x``). ``roll`` makes ``cat(x2, x1)`` in one call, and ``signed_sin`` (``sin`` with its
-    first half negated, made once per step) puts the minus sign in the product, where it
-    is exact: the same values bit for bit, in four calls instead of seven.
-    """
-    rolled = x.roll(x.shape[-1] // 2, -1)
-    rolled.mul_(signed_sin)
-    x.mul_(cos).add_(rolled)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged cache."""
 
@@ -246,7 +183,7 @@ class Attention(nn.Module):
         # Queries and keys rotate together, in place in the projection's output, which
         # then holds them and the values side by side: no split, no copy.
         query_key = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim)
-        _rotate_(query_key, cos, signed_sin)
+        rotate_(query_key, cos, signed_sin)
         key_value = qkv[:, heads * dim :].view(num_tokens, 2, kv_heads, dim)
         write_kv(layer, key_value, metadata)
         out = paged_attention(query_key[:, :heads], key_value, layer, metadata, scale=self.scale)
@@ -378,10 +315,7 @@ class LlamaForCausalLM(nn.Module):
                 largest matrix, so it runs only for them).
         """
         x = F.embedding(input_ids, self.embed_tokens)
-        angles = metadata.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        sin[..., : sin.shape[-1] // 2].neg_()  # see _rotate_
+        cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
         for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
             x = layer(x, cos, sin, metadata, layer_cache)
         x = self.norm(x.index_select(0, logits_indices))

@@ -1,0 +1,99 @@
+"""The decoder's element-wise layers: RMSNorm and rotary position embeddings.
+
+Both follow transformers' arithmetic to the bit in float32 (``modeling_llama`` and
+``modeling_rope_utils``), in as few torch calls as that allows: each call from Python hands
+the GIL back and forth with the engine's bookkeeping stroke (docs/performance.md, "Fewer
+torch calls per step").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from twostroke.engine.models.config import ModelConfig
+
+__all__ = ["RMSNorm", "inverse_frequencies", "rotary_tables", "rotate_"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as transformers does.
+
+    ``torch.rms_norm`` is one fused kernel with transformers' arithmetic: in float32 its
+    results are transformers' bit for bit (checked on SmolLM2's shapes), in one call
+    instead of seven. In another dtype transformers casts the normalized float32 values
+    before it multiplies by the weight, so that stays a step of its own.
+    """
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        empty = torch.empty(size, dtype=dtype, device=device)  # the loader fills it
+        self.weight = nn.Parameter(empty, requires_grad=False)
+        self.eps = eps
+        self.shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, self.shape, self.weight, self.eps)
+        normalized = torch.rms_norm(x.float(), self.shape, None, self.eps)
+        return self.weight * normalized.to(x.dtype)
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies ``[head_dim / 2]`` in float32, scaling applied.
+
+    Computed exactly as transformers' ``modeling_rope_utils`` does, so the tables agree.
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None and scaling.kind == "llama3":
+        old_context = scaling.original_max_position_embeddings
+        low_wavelen = old_context / scaling.low_freq_factor
+        high_wavelen = old_context / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    if config.rope_frequency_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def rotary_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's ``cos`` and signed ``sin`` tables ``[tokens, 1, head_dim]`` for :func:`rotate_`.
+
+    The angles are computed in float32 and the tables cast to ``dtype``, as transformers
+    does; ``sin``'s first half is negated (see :func:`rotate_`). Made once per step, shared
+    by every layer.
+    """
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    sin[..., : sin.shape[-1] // 2].neg_()
+    return cos, sin
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Apply rotary embeddings to ``x`` ``[tokens, heads, dim]`` in place.
+
+    transformers computes ``x * cos + cat(-x2, x1) * sin`` (``x1``, ``x2`` the halves of
+    ``x``). ``roll`` makes ``cat(x2, x1)`` in one call, and ``signed_sin`` (``sin`` with
+    its first half negated, made once per step by :func:`rotary_tables`) puts the minus
+    sign in the product, where it is exact: the same values bit for bit, in four calls
+    instead of seven.
+    """
+    rolled = x.roll(x.shape[-1] // 2, -1)
+    rolled.mul_(signed_sin)
+    x.mul_(cos).add_(rolled)
