@@ -10,6 +10,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from twostroke.engine.models import attention_metadata
+from twostroke.engine.models.attention_metadata import AttentionKernel
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.llama import (
     LlamaForCausalLM,
@@ -100,6 +102,20 @@ def test_llama_logits_match_transformers(
         expected = reference_logits(reference, tokens)
         assert logits.shape == expected.shape
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa"])
+def test_gathering_kernels_match_transformers_through_the_model(
+    tiny_llama: tuple[Any, LoadedModel], kernel: AttentionKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU runs the bag kernel; the others (CUDA's SDPA) take the model's strided
+    queries and its row-wise cache writes too: mixed chunks, fp32 logits within 1e-4."""
+    monkeypatch.setattr(attention_metadata, "default_kernel", lambda device: kernel)
+    reference, loaded = tiny_llama
+    sequences = random_sequences(LENGTHS)
+    ours = loaded.module.forward_logits(sequences, chunk_size=3)
+    for tokens, logits in zip(sequences, ours, strict=True):
+        torch.testing.assert_close(logits, reference_logits(reference, tokens), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(
