@@ -15,9 +15,9 @@ from twostroke.engine.models.loader import LoadedModel, load_model
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 #: The most torch calls one decoder layer may make from Python in a decode step. SmolLM2's
-#: layer made about 95 before issue 16's item 4 and 30 after (one decode group; see
+#: layer made about 95 before issue 16's item 4 and 34 after (one decode group; see
 #: docs/performance.md): a change that brings many back fails here.
-MAX_CALLS_PER_LAYER = 36
+MAX_CALLS_PER_LAYER = 40
 
 
 @pytest.fixture(scope="module")

@@ -378,7 +378,7 @@ def test_bag_decodes_match_gathered_products(
 ) -> None:
     """The in-place kernel against the gathering one on random decode batches: histories
     of any length (last blocks partly filled), blocks shared by several decodes (a prefix
-    cache's), groups cut or not."""
+    cache's), groups cut or not, queries of any strides."""
     lengths = data.draw(st.lists(st.integers(1, 40), min_size=num_decodes, max_size=num_decodes))
     shared = data.draw(st.integers(0, min(lengths) // block_size))  # full blocks all share
     widest = -(-max(lengths) // block_size)
@@ -395,6 +395,12 @@ def test_bag_decodes_match_gathered_products(
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     history = torch.randn(2, num_blocks, KV_HEADS, block_size, WIDTH, generator=generator)
     query = torch.randn(num_decodes, HEADS, WIDTH, generator=generator).to(dtype)
+    layout = data.draw(st.sampled_from(["contiguous", "inside q/k/v", "transposed"]))
+    if layout == "inside q/k/v":  # the model's: a view of the projection, offset and strided
+        wide = torch.zeros(num_decodes, 1 + HEADS + 2 * KV_HEADS, WIDTH, dtype=dtype)
+        query = wide[:, 1 : 1 + HEADS].copy_(query)
+    elif layout == "transposed":  # rows the bag kernel cannot view: it copies them
+        query = query.transpose(0, 1).contiguous().transpose(0, 1)
     new = torch.zeros(num_decodes, 2, KV_HEADS, WIDTH, dtype=dtype)
     outputs = []
     for kernel in ("matmul", "bag"):
