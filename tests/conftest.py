@@ -32,7 +32,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked ``cuda`` where torch sees no GPU (scripts/gpu_check.sh runs them)."""
+    """Modules with slow tests first; skip the tests marked ``cuda`` where torch sees no GPU
+    (scripts/gpu_check.sh runs them)."""
+    _slow_modules_first(items)
     needs_gpu = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not needs_gpu:
         return
@@ -43,6 +45,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
     for item in needs_gpu:
         item.add_marker(skip)
+
+
+def _slow_modules_first(items: list[pytest.Item]) -> None:
+    """Run the modules that hold ``slow`` (real-model, Ray) tests before the rest.
+
+    xdist's ``--dist loadscope`` hands modules to its workers in collection order, each
+    worker taking the next when it is done. A long module collected late ran alone at the
+    end while the other worker sat idle; handed out first, the long modules are spread over
+    both workers and the many short ones fill the gaps. A stable sort: the order of the
+    modules within each group and of the tests within each module is kept.
+    """
+
+    def module(item: pytest.Item) -> str | None:
+        found = getattr(item, "module", None)
+        return getattr(found, "__name__", None)
+
+    slow = {module(item) for item in items if item.get_closest_marker("slow") is not None}
+    slow.discard(None)
+    items.sort(key=lambda item: module(item) not in slow)
 
 
 @pytest.fixture(

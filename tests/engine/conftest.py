@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,13 +39,21 @@ def smollm2_hf_fp32(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
     Hugging Face folder (``spec.hf_dir``) that the tests comparing with transformers share.
 
     Reading the GGUF through transformers is most of those tests' time (about 20 s on a
-    2-core AVX2 machine with another job busy); the folder reads back in about one.
+    2-core AVX2 machine with another job busy, 79 s in make test beside the rest); the
+    folder reads back in about one. Under xdist the workers share one folder, so the modules
+    that use it may run on both workers without converting twice.
     """
     pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
-    spec = ModelSpec.resolve(
-        "smollm2", work_dir=tmp_path_factory.mktemp("hf-smollm2"), dtype="float32"
-    )
-    ensure_hf_dir(spec)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        work = tmp_path_factory.mktemp("hf-smollm2")
+    else:  # written once for all the workers of this run (their temp folders' parent)
+        work = tmp_path_factory.getbasetemp().parent / f"hf-smollm2-{run}"
+        work.mkdir(exist_ok=True)
+    with (work / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker writing it: wait, then reuse it
+        spec = ModelSpec.resolve("smollm2", work_dir=work, dtype="float32")
+        ensure_hf_dir(spec)
     return spec
 
 
