@@ -113,12 +113,17 @@ class _Tokenizer:
         return [len(word) for word in text.split()]
 
 
-def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _use_fake_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench command reads the model's tokenizer: here a word-length stand-in."""
     from twostroke.engine.text import tokenizer
 
     monkeypatch.setattr(
         tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
     )
+
+
+def test_bench_command_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_fake_tokenizer(monkeypatch)
     engine = FakeDriver("twostroke-depth2")
     out = io.StringIO()
     args = _args(
@@ -162,11 +167,7 @@ def _given_rates(*, dtype: str, threads: int) -> MachineRoof:
 
 
 def test_bench_command_computes_the_roof(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from twostroke.engine.text import tokenizer
-
-    monkeypatch.setattr(
-        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
-    )
+    _use_fake_tokenizer(monkeypatch)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": 10,
@@ -205,11 +206,7 @@ def test_bench_command_computes_the_roof(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_no_roof_for_a_gpu_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from twostroke.engine.text import tokenizer
-
-    monkeypatch.setattr(
-        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
-    )
+    _use_fake_tokenizer(monkeypatch)
     args = _args(tmp_path, "--num-requests", "1", "--systems", "twostroke-depth2")
     args.device = "cuda"  # `twostroke bench` adds --device
     out = io.StringIO()
@@ -230,11 +227,7 @@ def test_no_roof_for_a_gpu_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_shared_prefix_workload_from_the_arguments(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from twostroke.engine.text import tokenizer
-
-    monkeypatch.setattr(
-        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
-    )
+    _use_fake_tokenizer(monkeypatch)
     engine = FakeDriver("twostroke-depth2")
     args = _args(
         tmp_path,
@@ -383,11 +376,7 @@ def test_hf_continuous_with_an_older_manager_api(monkeypatch: pytest.MonkeyPatch
 def test_a_structured_workload_from_the_arguments(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from twostroke.engine.text import tokenizer
-
-    monkeypatch.setattr(
-        tokenizer.HFTokenizer, "from_pretrained", classmethod(lambda cls, path: _Tokenizer())
-    )
+    _use_fake_tokenizer(monkeypatch)
     engine = FakeDriver("twostroke-depth2")
     out = io.StringIO()
     args = _args(
