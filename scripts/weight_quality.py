@@ -1,8 +1,11 @@
 """Quality of each weight precision against float32 on SmolLM2 (not a test): the table of
 docs/models.md.
 
-For each ``quantization`` mode (float32 weights, ``"fp16"``, ``"int8"``), all with float32
-activations:
+For each weight mode, all with float32 activations: ``none`` (float32 weights, MKL's products:
+transformers' arithmetic, the reference), ``packed`` (float32 weights packed for oneDNN:
+``dtype="auto"`` with ``quantization=None`` where auto is float32), ``fp16`` and ``int8``
+(``quantization=``, the output projection in MKL's float32), and ``auto`` (the engine's defaults
+where ``dtype="auto"`` is float32: fp16 projections, the output projection packed):
 
 * greedy agreement: 20 prompts that no test uses, 128 greedy tokens each (EOS ignored, 2,560
   tokens in all) through ``LLM``, the whole engine; per prompt, the tokens that equal
@@ -14,7 +17,8 @@ activations:
 Prints a Markdown table (and ``--json`` writes the figures). The CPU capability is printed
 with it: fbgemm's kernels differ between AVX2 and AVX-512 machines.
 
-    .venv/bin/python scripts/weight_quality.py [--modes none fp16 int8] [--max-tokens 128]
+    .venv/bin/python scripts/weight_quality.py [--modes none packed fp16 int8 auto]
+        [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 from twostroke.engine import LLM, SamplingParams
 from twostroke.engine.models.loader import load_model
 from twostroke.engine.text.tokenizer import HFTokenizer
+from twostroke.gpu.device import CpuDevice
+from twostroke.gpu.dtype import default_dtype
 
 HELDOUT = Path(__file__).resolve().parent.parent / "tests" / "engine" / "data" / "heldout.txt"
 
@@ -59,16 +65,41 @@ PROMPTS = (
 )
 
 
-def greedy(quantization: str | None, max_tokens: int) -> list[list[int]]:
+LABELS = {
+    "none": 'float32 (`dtype="float32"`)',
+    "packed": 'float32 packed (`dtype="auto", quantization=None`)',
+    "fp16": '`quantization="fp16"`',
+    "int8": '`quantization="int8"`',
+    "auto": "the defaults (fp16 projections, packed output projection)",
+}
+
+#: Per mode: the engine's ``dtype`` and ``quantization``, and the loader's ``exact`` and
+#: ``quantization`` that load the same weights for the held-out text.
+MODES: dict[str, tuple[Any, Any, bool, Any]] = {
+    "none": ("float32", None, True, None),
+    "packed": ("auto", None, False, None),
+    "fp16": ("float32", "fp16", True, "fp16"),
+    "int8": ("float32", "int8", True, "int8"),
+    "auto": ("auto", "auto", False, "fp16"),
+}
+
+
+def greedy(mode: str, max_tokens: int) -> list[list[int]]:
+    dtype, quantization, _, _ = MODES[mode]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM("smollm2", dtype="float32", quantization=quantization) as llm:
+    with LLM("smollm2", dtype=dtype, quantization=quantization) as llm:
         outputs = llm.generate(list(PROMPTS), params, progress=False)
     return [list(output.token_ids) for output in outputs]
 
 
-def heldout_logits(quantization: str | None, ids: list[int]) -> torch.Tensor:
+def heldout_logits(mode: str, ids: list[int]) -> torch.Tensor:
+    _, _, exact, quantization = MODES[mode]
     loaded = load_model(
-        "smollm2", dtype=torch.float32, device=torch.device("cpu"), quantization=quantization
+        "smollm2",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        exact=exact,
+        quantization=quantization,
     )
     return loaded.module.forward_logits([ids], chunk_size=256, block_size=16)[0]
 
@@ -92,17 +123,17 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="+", default=["none", "fp16", "int8"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if default_dtype(CpuDevice()) != torch.float32 and {"packed", "auto"} & set(args.modes):
+        parser.error("the packed and auto modes need a CPU where dtype='auto' is float32")
     loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
     ids = HFTokenizer.from_pretrained(loaded.source).encode(HELDOUT.read_text())
     del loaded
-    modes: list[str | None] = [None if mode == "none" else mode for mode in args.modes]
-    if None not in modes:
-        modes.insert(0, None)
+    modes = ["none", *(mode for mode in args.modes if mode != "none")]
     rows: dict[str, dict[str, Any]] = {}
     reference_tokens: list[list[int]] = []
     reference_logits = torch.empty(0)
@@ -110,11 +141,11 @@ def main() -> None:
         started = time.perf_counter()
         tokens = greedy(mode, args.max_tokens)
         logits = heldout_logits(mode, ids)
-        if mode is None:
+        if mode == "none":
             reference_tokens, reference_logits = tokens, logits
         counts = agreement(reference_tokens, tokens)
         pairs = zip(counts, reference_tokens, strict=True)
-        rows[mode or "none"] = {
+        rows[mode] = {
             "perplexity": perplexity(logits, ids),
             "max_logit_diff": float((logits - reference_logits).abs().max()),
             "agreeing_tokens": sum(counts),
@@ -137,7 +168,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for name, row in rows.items():
-        label = "float32" if name == "none" else f'`quantization="{name}"`'
+        label = LABELS[name]
         print(
             f"| {label} | {row['perplexity']:.3f} | {100 * (row['perplexity'] / base - 1):+.2f} % "
             f"| {row['agreeing_tokens']} / {row['generated_tokens']} "

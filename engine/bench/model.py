@@ -50,6 +50,11 @@ class ModelSpec:
             the CPU (bfloat16 only where the CPU computes it natively), so every system of
             the run computes in that one dtype and the report names it.
         threads: CPU threads each system may use.
+        exact: twostroke computes float32 exactly as transformers does, as the engine does
+            for an explicit ``dtype="float32"``. ``False`` (the default, and what
+            :meth:`resolve` makes of ``dtype="auto"``): as the engine's ``dtype="auto"``,
+            float32 weights packed for oneDNN (see
+            :func:`~twostroke.engine.models.llama.can_pack`).
         work_dir: The run's folder: converted weights, vLLM's caches, logs, results.
         seed: For systems that take one (sampling is greedy; this fixes anything else).
     """
@@ -58,6 +63,7 @@ class ModelSpec:
     source: Path = attrs.field(converter=Path)
     dtype: str = attrs.field(default="auto", converter=_resolve_auto)
     threads: int = attrs.field(default=2, validator=int_at_least(1))
+    exact: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     work_dir: Path = attrs.field(converter=Path, default=Path("bench-results"))
     seed: int = 0
 
@@ -88,6 +94,7 @@ class ModelSpec:
             source=resolve_model(model),
             dtype=dtype,
             threads=threads,
+            exact=dtype != "auto",
             work_dir=Path(work_dir),
             seed=seed,
         )

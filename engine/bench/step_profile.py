@@ -327,7 +327,9 @@ def profile_command(args: argparse.Namespace) -> int:
     check_int_at_least("threads", args.threads, 1)
     dtype = resolve_dtype(args.dtype, CpuDevice())
     with torch_threads(args.threads):
-        loaded = load_model(args.model, dtype=dtype, device=torch.device("cpu"))
+        loaded = load_model(
+            args.model, dtype=dtype, device=torch.device("cpu"), exact=args.dtype != "auto"
+        )
         step = DecodeStep.prefill(
             loaded, batch=args.batch, history=tuple(args.history), max_steps=args.repeats + 8
         )

@@ -139,6 +139,7 @@ class TwostrokeDriver:
             model.name,
             dtype=DTYPES[model.dtype],
             device=torch_device,
+            exact=model.exact,
             quantization=self.engine_options.get("quantization"),
         )
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
@@ -179,6 +180,7 @@ class TwostrokeDriver:
                 "warmup_s": round(warmup, 1),
                 "weights": "GGUF dequantized" if loaded.source.suffix == ".gguf" else "HF",
                 "quantization": loaded.quantization,
+                "packed": loaded.module.packed,
                 **_mask_figures(stats),
             },
         )
@@ -223,7 +225,7 @@ def _mask_figures(stats: Any) -> dict[str, Any]:
 
 
 #: The (model, dtype, threads, device) this process has run a warm-up pass for.
-_WARMED: set[tuple[str, str, str | None, int, str]] = set()
+_WARMED: set[tuple[str, str, bool, str | None, int, str]] = set()
 
 #: Output tokens per request in the warm-up pass: every prompt chunk, then a few decodes.
 WARMUP_TOKENS = 8
@@ -249,7 +251,14 @@ def _warm_up(
     warms up in its own start-up, and HF static batching has one prefill and one decode shape.
     """
     quantization = engine_options.get("quantization")
-    key = (model.name, model.dtype, quantization, torch.get_num_threads(), driver.device)
+    key = (
+        model.name,
+        model.dtype,
+        model.exact,
+        quantization,
+        torch.get_num_threads(),
+        driver.device,
+    )
     if key in _WARMED:
         return 0.0
     _WARMED.add(key)

@@ -9,7 +9,8 @@ residual order), so float32 logits match it to rounding and greedy tokens match 
 Departures, all for speed: q/k/v are one fused projection and so are gate/up
 (:meth:`LlamaForCausalLM.load_weight` takes transformers' tensor names and copies each into
 its slice); queries and keys are rotated together; on the CPU the projections' weights are
-packed for oneDNN once loaded in bfloat16 (:meth:`LlamaForCausalLM.pack_weights`). Parameters are
+packed for oneDNN once loaded, in bfloat16 (same results) and, unless transformers' exact
+float32 arithmetic is asked for, in float32 (:meth:`LlamaForCausalLM.pack_weights`). Parameters are
 allocated uninitialized and filled by the loader, so building the module costs no random
 initialization and holds one copy of the weights.
 """
@@ -60,9 +61,8 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 class Linear(nn.Module):
     """``y = x W^T + b`` with uninitialized parameters (the loader fills them).
 
-    In bfloat16 on the CPU, :meth:`pack` turns the weight into oneDNN's blocked layout once
-    loaded: a product with a packed weight skips the per-call reorder, about 2x faster for
-    one row and 1.3x for 32 (measured), with identical results.
+    On the CPU, :meth:`pack` turns the weight into oneDNN's blocked layout once loaded (see
+    :func:`can_pack` for when): a product with a packed weight skips the per-call reorder.
     """
 
     def __init__(
@@ -105,19 +105,43 @@ class Linear(nn.Module):
             self.bias = None
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :meth:`Linear.pack` works here: bfloat16 on a CPU with oneDNN.
+def can_pack(dtype: torch.dtype, device: torch.device, *, exact: bool = True) -> bool:
+    """Whether :meth:`Linear.pack` works here: bfloat16, or float32 unless ``exact``, on a CPU.
 
-    bfloat16 only: its plain products already run in oneDNN, so packed ones give the same
-    results bit for bit. float32 products run in MKL, whose results are transformers' own;
-    packed float32 is 1.3-2x faster but differs by rounding (up to 1.3e-4 on SmolLM2's
-    logits), and float32 is the mode that promises transformers' logits.
+    * bfloat16: its plain products already run in oneDNN, so packed ones give the same
+      results bit for bit (about 2x faster for one row and 1.3x for 32, measured on an
+      AVX-512-BF16 EPYC).
+    * float32: plain products run in MKL, whose results are transformers' own. oneDNN's
+      packed products round differently (about 1e-6 of a projection's largest output; up
+      to 1.3e-4 on SmolLM2's logits) and are faster: SmolLM2's 30-layer projection stack
+      took 36.0 ms packed against 43.7 ms at one row and 107 against 164 ms at 32 rows
+      (2 threads, AVX2 EPYC, docs/performance.md). So float32 packs only where transformers'
+      arithmetic is not asked for (``exact=False``: ``dtype="auto"``); ``dtype="float32"``
+      keeps MKL's products.
+    * float16: not packed.
 
     oneDNN's packed products are the private ops behind ``torch.compile``'s CPU weight
     freezing, so rather than trust a version number this runs one tiny product both ways
-    and packs only if the op exists and agrees with ``F.linear``.
+    and packs only if the op exists and agrees with ``F.linear`` (bit for bit in bfloat16,
+    to float32 rounding otherwise).
+
+    Args:
+        dtype: The weights' dtype.
+        device: Where they live.
+        exact: Whether float32 must compute exactly what ``F.linear`` does.
     """
-    return device.type == "cpu" and dtype == torch.bfloat16 and _packing_works(dtype)
+    if device.type != "cpu":
+        return False
+    if dtype == torch.bfloat16 or (dtype == torch.float32 and not exact):
+        return _packing_works(dtype)
+    return False
+
+
+#: The batch size oneDNN lays a packed weight out for, per dtype. float32: vLLM-CPU's
+#: choice (32, its ``create_onednn_mm``), and the fastest here at every batch measured, 1 to
+#: 256 rows (hint 1 was 1.05-1.4x slower from 1 to 64 rows). bfloat16: 1, as measured when
+#: its packing was added.
+_PACK_BATCH_HINT = {torch.bfloat16: 1, torch.float32: 32}
 
 
 @functools.cache
@@ -133,11 +157,15 @@ def _packing_works(dtype: torch.dtype) -> bool:
             packed = _packed_linear(x, _pack(weight), bias)
     except (RuntimeError, AttributeError):  # op missing, or the CPU lacks the dtype
         return False
-    return torch.equal(packed, F.linear(x, weight, bias))
+    expected = F.linear(x, weight, bias)
+    if dtype == torch.bfloat16:
+        return torch.equal(packed, expected)
+    return bool(torch.allclose(packed, expected, rtol=1e-5, atol=1e-5))
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    hint = _PACK_BATCH_HINT[weight.dtype]
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), hint)
     return packed
 
 
@@ -332,16 +360,23 @@ class LlamaForCausalLM(nn.Module):
         """Whether :meth:`pack_weights` packed the projections."""
         return self._packed
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, *, exact: bool = True) -> bool:
         """Pack every projection for oneDNN where that works (see :func:`can_pack`).
 
         The last step of loading: packed weights cannot be loaded into any more. A tied
         embedding gets a packed copy for the output projection (it stays dense for lookups).
+        Projections :meth:`quantize_weights` quantized stay as they are; the output
+        projection, never quantized, is packed.
+
+        Args:
+            exact: Keep float32's products exactly transformers' (MKL's): float32 weights
+                are packed only when this is false.
 
         Returns:
-            Whether the weights are packed (``False`` unless bfloat16 on a CPU with oneDNN).
+            Whether the weights are packed (``False`` unless bfloat16, or float32 with
+            ``exact=False``, on a CPU with oneDNN).
         """
-        if self._packed or not can_pack(self.dtype, self.device):
+        if self._packed or not can_pack(self.dtype, self.device, exact=exact):
             return self._packed
         # One thread: the reorders are memory-bound, and with two threads on a busy machine
         # each call waits for a descheduled thread (5x slower, measured: 0.9 s for SmolLM2).

@@ -162,6 +162,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device,
     pack_weights: bool = True,
+    exact: bool = True,
     quantization: Quantization | None = None,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
@@ -174,6 +175,10 @@ def load_model(
         device: Where to put the weights.
         pack_weights: Pack the projections for oneDNN where that works (see
             :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
+        exact: float32 products exactly as transformers computes them (MKL's, on the
+            CPU). ``False`` lets float32 weights be packed too: faster, and rounded
+            differently (about 1e-6 of a projection's output); the engine's
+            ``dtype="auto"``.
         quantization: Hold the decoder's projection weights in ``"fp16"`` or ``"int8"``
             (activations stay in ``dtype``; see
             :mod:`~twostroke.engine.models.quantization`). Where the kernel does not run
@@ -220,7 +225,7 @@ def load_model(
             )
             module.quantize_weights(quantization, threads=threads)
         if pack_weights:
-            module.pack_weights()
+            module.pack_weights(exact=exact)
     return LoadedModel(
         config=config,
         module=module,

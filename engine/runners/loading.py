@@ -187,7 +187,14 @@ def load_runner(
 
     dtype = resolve_dtype(config.dtype, device)
     quantization = resolve_quantization(config.quantization, config.dtype, dtype, device)
-    loaded = load_model(model, dtype=dtype, device=device.torch_device, quantization=quantization)
+    loaded = load_model(
+        model,
+        dtype=dtype,
+        device=device.torch_device,
+        # An explicit dtype="float32" asks for transformers' arithmetic; "auto" for speed.
+        exact=config.dtype != "auto",
+        quantization=quantization,
+    )
     runner = TorchModelRunner.from_loaded(
         loaded, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs
     )

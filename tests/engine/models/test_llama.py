@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from twostroke.engine.models import attention_metadata
 from twostroke.engine.models.attention_metadata import AttentionKernel
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.llama import (
+    Linear,
     LlamaForCausalLM,
     WeightError,
     can_pack,
     inverse_frequencies,
 )
 from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.models.quantization import QuantizationUnavailable
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -262,12 +268,89 @@ def test_packed_weights_take_no_more_loading(tmp_path: Path) -> None:
         loaded.module.load_weight("model.norm.weight", torch.ones(64))
 
 
-def test_weights_are_packed_only_in_bfloat16_on_the_cpu() -> None:
-    """float32 keeps MKL's products, transformers' own (bit for bit on SmolLM2)."""
+def test_float32_weights_are_packed_only_when_transformers_arithmetic_is_not_asked() -> None:
+    """float32 keeps MKL's products, transformers' own (bit for bit on SmolLM2), by default."""
     assert not can_pack(torch.float32, CPU)
+    assert can_pack(torch.float32, CPU, exact=False) == torch.backends.mkldnn.is_available()
     assert not can_pack(torch.float16, CPU)
+    assert not can_pack(torch.float16, CPU, exact=False)
     assert not can_pack(torch.bfloat16, torch.device("cuda", 0))
+    assert not can_pack(torch.float32, torch.device("cuda", 0), exact=False)
     assert not can_pack(torch.bfloat16, torch.device("meta"))
     float32 = LlamaForCausalLM(_config(), dtype=torch.float32, device=CPU)
     assert not float32.pack_weights()
     assert not float32.packed
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    in_features=st.integers(1, 80),
+    out_features=st.integers(1, 80),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_packed_float32_projection_is_f_linear_to_rounding(
+    rows: int, in_features: int, out_features: int, bias: bool, seed: int
+) -> None:
+    """Random shapes: batches below, at and above the packing's batch hint of 32."""
+    if not can_pack(torch.float32, CPU, exact=False):
+        pytest.skip("oneDNN cannot pack float32 weights on this machine")
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    linear = Linear(in_features, out_features, bias=bias, dtype=torch.float32, device=CPU)
+    with torch.inference_mode():
+        linear.weight.copy_(weight)
+        if linear.bias is not None and b is not None:
+            linear.bias.copy_(b)
+        linear.pack()
+        out = linear(x)
+    expected = F.linear(x, weight, b)
+    assert linear.packed
+    assert out.shape == expected.shape
+    # Rounding errors add up term by term: they scale with the sum of the terms' sizes.
+    terms = x.abs() @ weight.abs().T + (0 if b is None else b.abs())
+    assert ((out - expected).abs() <= 1e-5 * terms + 1e-6).all()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_float32_weights_compute_what_dense_weights_do_to_rounding(
+    tied: bool, tmp_path: Path
+) -> None:
+    """oneDNN's packed float32 products (``exact=False``, ``dtype="auto"``) against MKL's."""
+    if not can_pack(torch.float32, CPU, exact=False):
+        pytest.skip("oneDNN cannot pack float32 weights on this machine")
+    make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=tied)
+    dense = load_model(tmp_path, dtype=torch.float32, device=CPU)
+    packed = load_model(tmp_path, dtype=torch.float32, device=CPU, exact=False)
+    assert not dense.module.packed
+    assert packed.module.packed
+    sequences = random_sequences([3, 17], seed=6)
+    expected = dense.module.forward_logits(sequences, chunk_size=4)
+    for ours, theirs in zip(
+        packed.module.forward_logits(sequences, chunk_size=4), expected, strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_quantized_projections_stay_quantized_when_the_rest_is_packed(tmp_path: Path) -> None:
+    """fp16 weights with ``exact=False``: the output projection is packed, the others not."""
+    if not can_pack(torch.float32, CPU, exact=False):
+        pytest.skip("oneDNN cannot pack float32 weights on this machine")
+    make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QuantizationUnavailable)
+        loaded = load_model(
+            tmp_path, dtype=torch.float32, device=CPU, exact=False, quantization="fp16"
+        )
+    if loaded.quantization is None:
+        pytest.skip("fbgemm's fp16 kernel does not run here")
+    assert loaded.module.packed
+    layer = loaded.module.layers[0]
+    assert layer.self_attn.qkv_proj.quantized is not None
+    assert not layer.self_attn.qkv_proj.packed
+    assert loaded.module.lm_head is not None
+    assert loaded.module.lm_head.packed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +80,31 @@ def test_auto_quantization_is_fp16_weights_only_with_auto_float32_on_a_cpu(
         assert loading.resolve_quantization("auto", "auto", torch.float32, FakeDevice()) is None
         assert loading.resolve_quantization(None, "auto", auto, cpu) is None
         assert loading.resolve_quantization("int8", "float32", torch.float32, cpu) == "int8"
+
+
+@pytest.mark.parametrize(("dtype", "packs"), [("auto", True), ("float32", False)])
+def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transformers_products(
+    dtype: str, packs: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dtype="auto"`` that resolves to float32 packs for oneDNN; ``"float32"`` does not."""
+    from tests.engine.models.test_llama import make_tiny_model
+    from twostroke.engine.config import EngineConfig
+    from twostroke.engine.models.llama import can_pack
+    from twostroke.engine.runners.torch import TorchModelRunner
+    from twostroke.engine.text.tokenizer import HFTokenizer
+
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
+    # The tiny model has no tokenizer; loading is what this test is about.
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    make_tiny_model("llama", tmp_path, seed=5)
+    config = EngineConfig(
+        dtype=dtype,  # type: ignore[arg-type]
+        quantization=None,
+        torch_threads=torch.get_num_threads(),
+    )
+    runner, _ = loading.load_runner(str(tmp_path), device=CpuDevice(), config=config)
+    assert isinstance(runner, TorchModelRunner)
+    assert runner.model.dtype == torch.float32
+    assert runner.model.packed == (
+        packs and can_pack(torch.float32, CpuDevice().torch_device, exact=False)
+    )
