@@ -21,7 +21,13 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from twostroke.engine.bench.metrics import Distribution, Metrics, RequestTiming, metrics
+from twostroke.engine.bench.metrics import (
+    Distribution,
+    Metrics,
+    RequestTiming,
+    SystemResult,
+    metrics,
+)
 
 if TYPE_CHECKING:
     from twostroke.engine.bench.runner import BenchRun
@@ -132,7 +138,7 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
             table.add_row(result.name, "[red]not run[/red]", *["-"] * (len(headers) - 1 + slos))
             continue
         cells = [
-            result.name,
+            _system_cell(result),
             f"{figure.startup_seconds:.1f}",
             f"{figure.wall_seconds:.2f}",
             f"{figure.output_throughput:.1f}",
@@ -148,6 +154,13 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
             cells.append("-" if figure.goodput is None else f"{figure.goodput:.2f}")
         table.add_row(*cells)
     return table
+
+
+def _system_cell(result: SystemResult) -> str:
+    """The system's name, with its weight format when it computes with its own (llama.cpp's
+    GGUF types: not the run's dtype, so not the same arithmetic as the rows around it)."""
+    weight_format = result.extra.get("weight_format")
+    return result.name if weight_format is None else f"{result.name} ({weight_format})"
 
 
 def _roof_cell(run: BenchRun, figure: Metrics) -> list[str]:

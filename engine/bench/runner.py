@@ -312,6 +312,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", default=DEFAULT_REFERENCE, help="system ratios are to")
     parser.add_argument("--hf-batch", type=int, default=32, help="HF static batch size")
     parser.add_argument("--vllm-python", default=None, help="the vLLM venv's python")
+    parser.add_argument(
+        "--llamacpp-python",
+        default=None,
+        help="the python of a venv with llama-cpp-python (make bench-peers: "
+        ".venv-llamacpp/bin/python; default: this one, if it has llama-cpp-python)",
+    )
     parser.add_argument("--ttft-slo", type=float, default=None, help="goodput TTFT target, ms")
     parser.add_argument("--tpot-slo", type=float, default=None, help="goodput TPOT target, ms")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<time>)")
@@ -338,7 +344,7 @@ def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
         HFStaticDriver(batch_size=args.hf_batch),
         HFContinuousDriver(),
         VLLMDriver(args.vllm_python),
-        LlamaCppDriver(),
+        LlamaCppDriver(args.llamacpp_python),
     ]
 
 

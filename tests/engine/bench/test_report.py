@@ -117,6 +117,22 @@ def test_ratios_fall_back_to_the_first_system_that_ran(tmp_path: Path) -> None:
     assert [s["ratio_to_reference"] for s in systems] == [1.0, 2.0]
 
 
+def test_a_system_with_its_own_weight_format_names_it_beside_its_row(tmp_path: Path) -> None:
+    weights = "GGUF Q4_1: Q4_1 79 %, Q8_0 21 %, F32 <1 % of 134.5 M weights, computed as stored"
+    run = _run(
+        tmp_path,
+        _result("twostroke-depth2", 1.0),
+        _result("llama.cpp", 2.0, weight_format="Q4_1", weights=weights),
+    )
+    console, out = _console()
+    write_report(run, tmp_path, console=console)
+    lines = out.getvalue().splitlines()
+    rows = {line.split("│")[1].strip(): line for line in lines if line.count("│") > 3}
+    assert list(rows) == ["twostroke-depth2", "llama.cpp (Q4_1)"]
+    assert [c.strip() for c in rows["llama.cpp (Q4_1)"].split("│")][4:6] == ["3.0", "0.50"]
+    assert f"llama.cpp: {weights}" in lines
+
+
 def test_without_matplotlib_the_report_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -292,11 +291,17 @@ def test_unknown_system(tmp_path: Path) -> None:
 
 
 def test_peer_drivers_follow_the_arguments(tmp_path: Path) -> None:
-    drivers = runner.peer_drivers(_args(tmp_path, "--hf-batch", "8", "--vllm-python", "/x/py"))
+    args = _args(
+        tmp_path, "--hf-batch", "8", "--vllm-python", "/x/py", "--llamacpp-python", "/y/py"
+    )
+    drivers = runner.peer_drivers(args)
     assert [d.name for d in drivers] == list(runner.PEER_NAMES)
     assert isinstance(drivers[0], HFStaticDriver)
     assert drivers[0].batch_size == 8
     assert str(getattr(drivers[2], "python", None)) == "/x/py"
+    assert str(getattr(drivers[3], "python", None)) == "/y/py"
+    # Without the option, llama.cpp runs in this Python if it has llama-cpp-python.
+    assert getattr(runner.peer_drivers(_args(tmp_path))[3], "python", "") is None
 
 
 # The peers' unavailable paths: each says why, and loads nothing.
@@ -339,22 +344,10 @@ def test_hf_continuous_without_generate_batch(monkeypatch: pytest.MonkeyPatch) -
     )
 
 
-def test_llamacpp_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A directory model: llama.cpp needs a GGUF file.
+def test_llamacpp_unavailable(tmp_path: Path) -> None:
+    # A directory model: llama.cpp needs a GGUF file (the rest: test_llamacpp_peer.py).
     result = LlamaCppDriver().run(WORKLOAD, model=_model(tmp_path))
     assert result.reason == f"llama.cpp needs a GGUF file; {tmp_path} is a directory"
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "llama_cpp" else real(name, *a),
-    )
-    assert LlamaCppDriver().check() == (
-        "llama-cpp-python is not installed (pip install llama-cpp-python)"
-    )
 
 
 def test_hf_continuous_with_an_older_manager_api(monkeypatch: pytest.MonkeyPatch) -> None:

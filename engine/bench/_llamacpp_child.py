@@ -1,0 +1,125 @@
+"""Runs a benchmark workload in llama.cpp, inside the venv ``llama-cpp-python`` was built in.
+
+This script is run by path (``PYTHON _llamacpp_child.py JOB.json RESULT.json``) with the Python
+of the venv ``make bench-peers`` builds (``.venv-llamacpp``), or of any venv where
+``llama-cpp-python`` is installed; twostroke need not be: it imports nothing but the standard
+library and ``llama_cpp``. The parent (:mod:`twostroke.engine.bench.llamacpp_peer`) writes the
+job and reads the result (:mod:`twostroke.engine.bench.child` describes the result). The job::
+
+    {"protocol": 1, "model_path": str, "threads": int, "seed": int, "n_ctx": int,
+     "n_batch": int, "requests": [{"prompt_token_ids": [int, ...], "max_tokens": int}, ...],
+     "arrival_times": [float, ...] | null}
+
+The Python binding serves one sequence at a time, so requests run one after another, in
+arrival order (a single-slot server). ``Llama.generate`` never stops by itself (EOS is the
+completion API's business), so each request stops at its ``max_tokens``, as the other systems
+do by ignoring EOS; the state is reset before each, so no request reuses another's prefix.
+Start-up runs from this script's first line through loading the model and a two-token warm-up
+(the first decode allocates the compute buffers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+_PROCESS_START = time.perf_counter()
+
+PROTOCOL = 1
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Load the model, run the job's requests one at a time, and return the result document."""
+    if job.get("protocol") != PROTOCOL:
+        raise ValueError(f"job protocol must be {PROTOCOL}, got {job.get('protocol')!r}")
+    # Installed in the child's venv only, so the type checker of twostroke's venv cannot see it.
+    import llama_cpp  # type: ignore[import-not-found, unused-ignore]
+
+    requests = job["requests"]
+    arrivals = job.get("arrival_times") or [0.0] * len(requests)
+    llm = llama_cpp.Llama(
+        model_path=job["model_path"],
+        n_ctx=job["n_ctx"],
+        n_batch=job["n_batch"],
+        n_threads=job["threads"],
+        n_threads_batch=job["threads"],
+        seed=job["seed"],
+        verbose=False,
+    )
+    _generate(llm, requests[0]["prompt_token_ids"][:8], 2, time.perf_counter())
+    startup = time.perf_counter() - _PROCESS_START
+
+    timings = []
+    origin = time.perf_counter()
+    for index, request in enumerate(requests):
+        idle = arrivals[index] - (time.perf_counter() - origin)
+        if idle > 0:
+            time.sleep(idle)
+        chunks = _generate(llm, request["prompt_token_ids"], request["max_tokens"], origin)
+        timings.append(
+            {
+                "prompt_tokens": len(request["prompt_token_ids"]),
+                "output_tokens": len(chunks),
+                "start": arrivals[index],
+                "first_token": chunks[0],
+                "end": chunks[-1],
+                "chunk_times": chunks,
+            }
+        )
+    wall = time.perf_counter() - origin
+    llm.close()
+    return {
+        "protocol": PROTOCOL,
+        "startup_seconds": startup,
+        "wall_seconds": wall,
+        "timings": timings,
+        "extra": {
+            "llama-cpp-python": getattr(llama_cpp, "__version__", "unknown"),
+            # The CPU features the build uses (AVX2 = 1, ...) and its threading (OPENMP = 1).
+            "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        },
+    }
+
+
+def _generate(llm: Any, prompt: list[int], max_tokens: int, origin: float) -> list[float]:
+    """Generate ``max_tokens`` greedy tokens after ``prompt``; when each was sampled."""
+    llm.reset()
+    times: list[float] = []
+    for _ in llm.generate(list(prompt), temp=0.0, repeat_penalty=1.0, reset=True):
+        times.append(time.perf_counter() - origin)
+        if len(times) == max_tokens:
+            break
+    return times
+
+
+def _write(path: str, document: dict[str, Any]) -> None:
+    """Write atomically, so the parent never reads half a result."""
+    partial = path + ".partial"
+    with open(partial, "w") as file:
+        json.dump(document, file)
+    os.replace(partial, path)
+
+
+def main(argv: list[str]) -> int:
+    """``_llamacpp_child.py JOB.json RESULT.json``: 0 on success, 1 with an error document."""
+    if len(argv) != 3:
+        print(f"usage: {argv[0]} JOB.json RESULT.json", file=sys.stderr)
+        return 2
+    try:
+        with open(argv[1]) as file:
+            job = json.load(file)
+        result = run_job(job)
+    except Exception as error:
+        traceback.print_exc()
+        _write(argv[2], {"protocol": PROTOCOL, "error": f"{type(error).__name__}: {error}"})
+        return 1
+    _write(argv[2], result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
