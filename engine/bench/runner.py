@@ -163,6 +163,7 @@ def run_systems(
             style="yellow",
         )
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    machine = machine_info()  # before the systems: its load average is the one at the start
     results = []
     columns = (
         TextColumn("{task.description}"),
@@ -186,7 +187,7 @@ def run_systems(
         model=model,
         results=tuple(results),
         started_at=started_at,
-        machine=machine_info(),
+        machine=machine,
     )
 
 

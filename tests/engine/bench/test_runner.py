@@ -92,6 +92,22 @@ def test_systems_run_in_turn_and_failures_become_rows(tmp_path: Path) -> None:
     assert isinstance(good, SystemDriver)
 
 
+def test_the_load_average_at_the_start_is_taken_before_the_systems_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load = {"now": 0.25}
+
+    class Busy(FakeDriver):
+        def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
+            load["now"] = 1.75  # the system itself loads the machine
+            return super().run(workload, model=model)
+
+    monkeypatch.setattr(runner, "_load_average", lambda: load["now"])
+    run = run_systems([Busy("busy")], WORKLOAD, model=_model(tmp_path), progress=False)
+    assert run.machine["load_average_at_start"] == 0.25
+    assert run.results[0].extra["load_average"] == 1.75
+
+
 def test_driver_names_must_be_distinct(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="driver names must be distinct, got a twice"):
         run_systems([FakeDriver("a"), FakeDriver("a")], WORKLOAD, model=_model(tmp_path))
