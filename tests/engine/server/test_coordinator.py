@@ -5,14 +5,12 @@ from __future__ import annotations
 from functools import partial
 
 import anyio
-import httpx
 import pytest
-from openai import AsyncOpenAI
 
 from twostroke.engine.coordinator import Coordinator
 from twostroke.engine.server import serve
 
-from .conftest import OPENAI_STREAMS_ON_TRIO
+from .conftest import OPENAI_STREAMS_ON_TRIO, http_client, openai_client
 
 pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
 
@@ -23,8 +21,8 @@ async def test_serving_a_coordinator() -> None:
             port = await task_group.start(partial(serve, coordinator, port=0))
             base_url = f"http://127.0.0.1:{port}"
             async with (
-                AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0) as client,
-                httpx.AsyncClient(base_url=base_url) as http,
+                openai_client(f"{base_url}/v1", api_key="-") as client,
+                http_client(base_url) as http,
             ):
                 reply = await client.completions.create(
                     model="toy", prompt="hello", max_tokens=6, n=4, extra_body={"ignore_eos": True}

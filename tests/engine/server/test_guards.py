@@ -20,7 +20,7 @@ from twostroke.engine import Engine
 from twostroke.engine.server import build_app, serve
 from twostroke.engine.server.guards import DEFAULT_ALLOWED_HOSTS, ServerShutdown
 
-from .conftest import API_KEY, OPENAI_STREAMS_ON_TRIO, Served, served
+from .conftest import API_KEY, OPENAI_STREAMS_ON_TRIO, Served, http_client, served
 
 pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
 
@@ -94,7 +94,7 @@ async def test_the_bound_host_is_allowed_by_default() -> None:
             port = await task_group.start(lambda task_status: serve(
                 engine, "127.0.0.1", 0, task_status=task_status
             ))  # fmt: skip
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            async with http_client(f"http://127.0.0.1:{port}") as http:
                 assert (await http.get("/v1/models")).status_code == 200
             task_group.cancel_scope.cancel()
     assert set(DEFAULT_ALLOWED_HOSTS) == {"localhost", "127.0.0.1", "[::1]"}

@@ -28,7 +28,7 @@ from twostroke.engine.server.app import DEFAULT_MAX_WAITING_REQUESTS, build_app
 from twostroke.engine.server.protocol import DEFAULT_MAX_CHOICES
 from twostroke.states.plan import StepPlan
 
-from .conftest import API_KEY, ObservedEngine
+from .conftest import API_KEY, ObservedEngine, http_client
 
 pytestmark = pytest.mark.anyio
 
@@ -74,8 +74,8 @@ async def limited(
         engine = CountingEngine(real)
         async with anyio.create_task_group() as task_group:
             port = await task_group.start(partial(serve, engine, port=0, api_key=api_key, **server))
-            async with httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{port}",
+            async with http_client(
+                f"http://127.0.0.1:{port}",
                 headers={"authorization": f"Bearer {api_key}".encode()},
                 timeout=20,
             ) as http:

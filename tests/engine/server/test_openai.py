@@ -11,7 +11,7 @@ import pytest
 
 from twostroke.engine.runners.toy import ToyRunner
 
-from .conftest import OPENAI_STREAMS_ON_TRIO, served
+from .conftest import OPENAI_STREAMS_ON_TRIO, openai_client, served
 
 pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
 
@@ -298,17 +298,13 @@ async def test_an_idle_stream_gets_keep_alive_comments() -> None:
 
 @pytest.mark.slow
 async def test_smollm2_names_the_capital_of_france() -> None:
-    from openai import AsyncOpenAI
-
     from twostroke.engine import Engine
     from twostroke.engine.server import serve
 
     async with Engine.open(model="smollm2", device="cpu") as engine:
         async with anyio.create_task_group() as task_group:
             port = await task_group.start(partial(serve, engine, port=0))
-            async with AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
-            ) as client:
+            async with openai_client(f"http://127.0.0.1:{port}/v1", api_key="unused") as client:
                 reply = await client.chat.completions.create(
                     model="smollm2",
                     messages=[{"role": "user", "content": "What is the capital of France?"}],

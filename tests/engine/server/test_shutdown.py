@@ -23,7 +23,7 @@ from twostroke.engine import Engine
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.server import serve
 
-from .conftest import API_KEY, ObservedEngine
+from .conftest import API_KEY, ObservedEngine, http_client
 
 pytestmark = pytest.mark.anyio
 
@@ -58,9 +58,7 @@ async def stoppable(latency: float, **options: Any) -> AsyncIterator[Stoppable]:
                 stopped.set()
 
             port = await task_group.start(run)
-            async with httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10
-            ) as http:
+            async with http_client(f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as http:
                 yield Stoppable(engine, http, port, scope, stopped)
             scope.cancel()
 
