@@ -31,6 +31,9 @@ NOT_EXPORTED = {
     # The wire's own signal: each side turns it into RequestRejected, a ValueError or a
     # FinishedPart split before it leaves the coordinator or the replica.
     "twostroke.engine.coordinator.frames.FrameTooLarge",
+    # The bench's own signal: a peer's child process failed; the bench records it as that
+    # system's reason for not running, and nothing outside `twostroke bench` sees it.
+    "twostroke.engine.bench.child.ChildError",
     # A test oracle (an AssertionError): a scheduling bug the simulated KV cache caught.
     "twostroke.states.simulation.SimulationError",
 }
