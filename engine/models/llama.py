@@ -139,7 +139,7 @@ def can_pack(dtype: torch.dtype, device: torch.device, *, exact: bool = True) ->
 
 #: The batch size oneDNN lays a packed weight out for, per dtype. float32: vLLM-CPU's
 #: choice (32, its ``create_onednn_mm``), and the fastest here at every batch measured, 1 to
-#: 256 rows (hint 1 was 1.05-1.4x slower from 1 to 64 rows). bfloat16: 1, as measured when
+#: 256 rows (hint 1 was 1.06-1.58x slower from 1 to 64 rows). bfloat16: 1, as measured when
 #: its packing was added.
 _PACK_BATCH_HINT = {torch.bfloat16: 1, torch.float32: 32}
 
