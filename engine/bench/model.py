@@ -54,7 +54,7 @@ class ModelSpec:
             for an explicit ``dtype="float32"``. ``False`` (the default, and what
             :meth:`resolve` makes of ``dtype="auto"``): as the engine's ``dtype="auto"``,
             float32 weights packed for oneDNN (see
-            :func:`~twostroke.engine.models.llama.can_pack`).
+            :func:`~twostroke.engine.models.linear.can_pack`).
         work_dir: The run's folder: converted weights, vLLM's caches, logs, results.
         seed: For systems that take one (sampling is greedy; this fixes anything else).
     """

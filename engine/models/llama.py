@@ -10,14 +10,14 @@ Departures, all for speed: q/k/v are one fused projection and so are gate/up
 (:meth:`LlamaForCausalLM.load_weight` takes transformers' tensor names and copies each into
 its slice); queries and keys are rotated together; on the CPU the projections' weights are
 packed for oneDNN once loaded, in bfloat16 (same results) and, unless transformers' exact
-float32 arithmetic is asked for, in float32 (:meth:`LlamaForCausalLM.pack_weights`). Parameters are
+float32 arithmetic is asked for, in float32 (:meth:`LlamaForCausalLM.pack_weights`; the
+projection layer is :mod:`~twostroke.engine.models.linear`'s). Parameters are
 allocated uninitialized and filled by the loader, so building the module costs no random
 initialization and holds one copy of the weights.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 import warnings
 from collections.abc import Sequence
@@ -32,10 +32,10 @@ from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkS
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache, LayerCache
 from twostroke.engine.models.layers import RMSNorm, inverse_frequencies, rotary_tables, rotate_
+from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pack, packed_linear
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
-    QuantizedWeight,
     kernel_available,
     unavailable_message,
 )
@@ -43,7 +43,7 @@ from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
 from twostroke.states.validators import check_int_at_least
 
-__all__ = ["LlamaForCausalLM", "WeightError", "can_pack", "inverse_frequencies"]
+__all__ = ["LlamaForCausalLM", "WeightError", "inverse_frequencies"]
 
 
 class WeightError(EngineError, ValueError):
@@ -52,128 +52,6 @@ class WeightError(EngineError, ValueError):
     Bad input (the checkpoint's), so also a ``ValueError``, like every error of twostroke
     that a caller's input causes.
     """
-
-
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """``y = x W^T + b`` with uninitialized parameters (the loader fills them).
-
-    On the CPU, :meth:`pack` turns the weight into oneDNN's blocked layout once loaded (see
-    :func:`can_pack` for when): a product with a packed weight skips the per-call reorder.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
-        self.packed = False
-        self.quantized: QuantizedWeight | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized(x)
-        if self.packed:
-            return _packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def pack(self) -> None:
-        """Replace the weight by its oneDNN-packed copy (see :func:`can_pack`); no way back."""
-        if not self.packed and self.quantized is None:
-            self.weight = nn.Parameter(_pack(self.weight), requires_grad=False)
-            self.packed = True
-
-    def quantize(self, kind: Quantization) -> None:
-        """Replace weight and bias by a :class:`QuantizedWeight`; no way back.
-
-        The dense weight is dropped (an empty tensor stays in its place), so the module
-        holds one copy of its weights.
-        """
-        if self.quantized is None and not self.packed:
-            self.quantized = QuantizedWeight(self.weight, self.bias, kind)
-            self.weight = _empty(0, dtype=self.weight.dtype, device=self.weight.device)
-            self.bias = None
-
-
-def can_pack(dtype: torch.dtype, device: torch.device, *, exact: bool = True) -> bool:
-    """Whether :meth:`Linear.pack` works here: bfloat16, or float32 unless ``exact``, on a CPU.
-
-    * bfloat16: its plain products already run in oneDNN, so packed ones give the same
-      results bit for bit (about 2x faster for one row and 1.3x for 32, measured on an
-      AVX-512-BF16 EPYC).
-    * float32: plain products run in MKL, whose results are transformers' own. oneDNN's
-      packed products round differently (about 1e-6 of a projection's largest output; up
-      to 1.3e-4 on SmolLM2's logits) and are faster: SmolLM2's 30-layer projection stack
-      took 36.0 ms packed against 43.7 ms at one row and 107 against 164 ms at 32 rows
-      (2 threads, AVX2 EPYC, docs/performance.md). So float32 packs only where transformers'
-      arithmetic is not asked for (``exact=False``: ``dtype="auto"``); ``dtype="float32"``
-      keeps MKL's products.
-    * float16: not packed.
-
-    oneDNN's packed products are the private ops behind ``torch.compile``'s CPU weight
-    freezing, so rather than trust a version number this runs one tiny product both ways
-    and packs only if the op exists and agrees with ``F.linear`` (bit for bit in bfloat16,
-    to float32 rounding otherwise).
-
-    Args:
-        dtype: The weights' dtype.
-        device: Where they live.
-        exact: Whether float32 must compute exactly what ``F.linear`` does.
-    """
-    if device.type != "cpu":
-        return False
-    if dtype == torch.bfloat16 or (dtype == torch.float32 and not exact):
-        return _packing_works(dtype)
-    return False
-
-
-#: The batch size oneDNN lays a packed weight out for, per dtype. float32: vLLM-CPU's
-#: choice (32, its ``create_onednn_mm``), and the fastest here at every batch measured, 1 to
-#: 256 rows (hint 1 was 1.06-1.58x slower from 1 to 64 rows). bfloat16: 1, as measured when
-#: its packing was added.
-_PACK_BATCH_HINT = {torch.bfloat16: 1, torch.float32: 32}
-
-
-@functools.cache
-def _packing_works(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return False
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(24, 16, generator=generator).to(dtype)
-    bias = torch.randn(24, generator=generator).to(dtype)
-    x = torch.randn(3, 16, generator=generator).to(dtype)
-    try:
-        with torch.inference_mode():
-            packed = _packed_linear(x, _pack(weight), bias)
-    except (RuntimeError, AttributeError):  # op missing, or the CPU lacks the dtype
-        return False
-    expected = F.linear(x, weight, bias)
-    if dtype == torch.bfloat16:
-        return torch.equal(packed, expected)
-    return bool(torch.allclose(packed, expected, rtol=1e-5, atol=1e-5))
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    hint = _PACK_BATCH_HINT[weight.dtype]
-    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), hint)
-    return packed
-
-
-def _packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return out
 
 
 class Attention(nn.Module):
@@ -302,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.embed_tokens = _empty(
+        self.embed_tokens = empty_parameter(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
@@ -350,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(x)
         elif self._packed_embedding is not None:
-            logits = _packed_linear(x, self._packed_embedding, None)
+            logits = packed_linear(x, self._packed_embedding, None)
         else:
             logits = F.linear(x, self.embed_tokens)
         return logits.float()
@@ -361,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         return self._packed
 
     def pack_weights(self, *, exact: bool = True) -> bool:
-        """Pack every projection for oneDNN where that works (see :func:`can_pack`).
+        """Pack every projection for oneDNN where that works (:func:`.linear.can_pack`).
 
         The last step of loading: packed weights cannot be loaded into any more. A tied
         embedding gets a packed copy for the output projection (it stays dense for lookups).
@@ -385,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, Linear):
                     module.pack()
             if self.lm_head is None:
-                self._packed_embedding = _pack(self.embed_tokens)
+                self._packed_embedding = pack(self.embed_tokens)
         self._packed = True
         return True
 

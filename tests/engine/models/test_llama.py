@@ -17,11 +17,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from twostroke.engine.models import attention_metadata
 from twostroke.engine.models.attention_metadata import AttentionKernel
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.linear import Linear, can_pack
 from twostroke.engine.models.llama import (
-    Linear,
     LlamaForCausalLM,
     WeightError,
-    can_pack,
     inverse_frequencies,
 )
 from twostroke.engine.models.loader import LoadedModel, load_model

@@ -89,7 +89,7 @@ def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transforme
     """``dtype="auto"`` that resolves to float32 packs for oneDNN; ``"float32"`` does not."""
     from tests.engine.models.test_llama import make_tiny_model
     from twostroke.engine.config import EngineConfig
-    from twostroke.engine.models.llama import can_pack
+    from twostroke.engine.models.linear import can_pack
     from twostroke.engine.runners.torch import TorchModelRunner
     from twostroke.engine.text.tokenizer import HFTokenizer
 
