@@ -105,6 +105,7 @@ class BenchRun:
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on."""
     from twostroke.gpu.host import cpu_model_name
+    from twostroke.gpu.openmp import wait_policy
 
     info: dict[str, Any] = {
         "cpu": cpu_model_name() or platform.processor() or "unknown",
@@ -112,6 +113,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "load_average_at_start": _load_average(),
+        "openmp_wait_policy": wait_policy(),
     }
     for package in ("torch", "transformers"):
         try:

@@ -55,3 +55,33 @@ def test_importing_the_package_sets_it_before_torch_loads() -> None:
     )
     assert result.stdout.split() == ["True", "PASSIVE"]
     assert isinstance(openmp.SET_AT_IMPORT, bool)
+
+
+@pytest.mark.parametrize(
+    ("environ", "set_at_import", "expected"),
+    [
+        ({}, False, "GNU OpenMP's default (spin 300,000 polls, then sleep)"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, True, "OMP_WAIT_POLICY=PASSIVE (set by twostroke)"),
+        (
+            {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "3000"},
+            False,
+            "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=3000 (chosen by the user)",
+        ),
+    ],
+)
+def test_the_policy_in_effect_is_described_for_reports(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], set_at_import: bool, expected: str
+) -> None:
+    monkeypatch.setattr(
+        openmp, "_AT_IMPORT", {name: environ.get(name) for name in WAIT_POLICY_VARIABLES}
+    )
+    monkeypatch.setattr(openmp, "SET_AT_IMPORT", set_at_import)
+    assert openmp.wait_policy() == expected
+
+
+def test_this_process_reports_what_importing_the_package_found() -> None:
+    described = openmp.wait_policy()
+    if openmp.SET_AT_IMPORT:
+        assert described == "OMP_WAIT_POLICY=PASSIVE (set by twostroke)"
+    else:
+        assert described.endswith(("(chosen by the user)", "then sleep)"))

@@ -108,6 +108,13 @@ def test_the_load_average_at_the_start_is_taken_before_the_systems_run(
     assert run.results[0].extra["load_average"] == 1.75
 
 
+def test_the_run_records_how_openmp_threads_wait(tmp_path: Path) -> None:
+    from twostroke.gpu.openmp import wait_policy
+
+    run = run_systems([FakeDriver("fake")], WORKLOAD, model=_model(tmp_path), progress=False)
+    assert run.machine["openmp_wait_policy"] == wait_policy()
+
+
 def test_driver_names_must_be_distinct(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="driver names must be distinct, got a twice"):
         run_systems([FakeDriver("a"), FakeDriver("a")], WORKLOAD, model=_model(tmp_path))
