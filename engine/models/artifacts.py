@@ -12,8 +12,12 @@ its configuration and its chat template, read without ``transformers``
 Where: ``$TWOSTROKE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/twostroke``, else
 ``~/.cache/twostroke``; ``TWOSTROKE_NO_CACHE=1`` turns the cache off. Each source file has
 its own folder, named after the file and keyed by its resolved path, size and modification
-time, so an edited or replaced file is converted again (stale folders are left behind;
-deleting the cache folder is always safe).
+time, so an edited or replaced file is converted again. A folder records the path of its
+source (``source``); each conversion removes the folders it makes stale: those of its own
+file at an earlier size or time, those whose file is gone (a deleted virtual environment,
+an uninstalled package), and folders of the same file name without a record (written before
+records were kept). So the cache holds one folder per model file that still exists (about
+0.6 GB for SmolLM2 in float32), not one per install. Deleting the cache folder is always safe.
 
 Every artifact is written to a temporary name in its final folder and renamed into place,
 so a reader never sees half a file, and two processes converting the same model at once
@@ -37,7 +41,7 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["CACHE_DIR_ENV", "NO_CACHE_ENV", "ArtifactCache"]
+__all__ = ["CACHE_DIR_ENV", "NO_CACHE_ENV", "SOURCE_RECORD", "ArtifactCache"]
 
 #: Environment variable naming the cache folder.
 CACHE_DIR_ENV = "TWOSTROKE_CACHE_DIR"
@@ -46,6 +50,9 @@ NO_CACHE_ENV = "TWOSTROKE_NO_CACHE"
 
 #: Bumped when the layout or the contents of a cache folder change.
 _FORMAT = 1
+
+#: The file in an entry folder that records the resolved path of the entry's source.
+SOURCE_RECORD = "source"
 
 _log = logging.getLogger(__name__)
 
@@ -98,6 +105,57 @@ class ArtifactCache:
         identity = f"{_FORMAT}\0{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}"
         digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
         return self.root / f"{resolved.name}-{digest}"
+
+    def prepare(self, source: Path) -> Path:
+        """The folder to write ``source``'s artifacts into, recording the source in it, and
+        with the folders this conversion makes stale removed (see the module).
+
+        Call it when ``source`` is about to be converted (a cache miss), not on reads.
+
+        Args:
+            source: The model file the artifacts are converted from; it must exist.
+
+        Returns:
+            :meth:`entry` of ``source``.
+
+        Raises:
+            OSError: ``source`` cannot be read.
+        """
+        entry = self.entry(source)
+        resolved = str(source.resolve())
+
+        def record(path: Path) -> None:
+            path.write_text(resolved + "\n")
+
+        if not (entry / SOURCE_RECORD).is_file():
+            self.store(entry / SOURCE_RECORD, record)
+        for stale in self._stale(entry, resolved):
+            _log.info("twostroke: removing the stale cache folder %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        return entry
+
+    def _stale(self, entry: Path, resolved: str) -> list[Path]:
+        """The folders besides ``entry`` that the conversion of ``resolved`` makes stale."""
+        try:
+            folders = [folder for folder in self.root.iterdir() if folder.is_dir()]
+        except OSError:
+            return []
+        name = f"{Path(resolved).name}-"
+        stale = []
+        for folder in folders:
+            if folder == entry or folder.name.startswith("."):
+                continue
+            try:
+                recorded = (folder / SOURCE_RECORD).read_text().strip()
+            except FileNotFoundError:
+                if folder.name.startswith(name):  # this file's, from before records
+                    stale.append(folder)
+                continue
+            except OSError:
+                continue
+            if recorded == resolved or not Path(recorded).exists():
+                stale.append(folder)
+        return stale
 
     def store(self, path: Path, write: Callable[[Path], None]) -> bool:
         """Create ``path`` atomically: ``write`` fills a temporary file, then it is renamed.

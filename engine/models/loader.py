@@ -20,6 +20,7 @@ corrupt data) raises :class:`ModelLoadError` naming the file and the problem.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -376,7 +377,9 @@ def _load_gguf(
     where = "once: the result is cached" if entry is not None else "the cache is off"
     _log.info("twostroke: converting %s to %s weights (%s)", path.name, _dtype_name(dtype), where)
     config, module = _convert_gguf(path, dtype, device)
-    if entry is not None:
+    if entry is not None and cache is not None:
+        with contextlib.suppress(OSError):  # the file just read vanished: write all the same
+            cache.prepare(path)  # records the source, removes stale folders
         _write_cached(entry, config, module)
     return config, module
 

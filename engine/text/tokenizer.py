@@ -14,6 +14,7 @@ tokenizer is converted once and kept in the artifact cache
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -342,6 +343,8 @@ def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | SavedTokenizer
     if cache is not None and cached is not None:
         if cached.is_dir():
             shutil.rmtree(cached, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the file just read vanished: store all the same
+            cache.prepare(path)  # records the source, removes stale folders
         cache.store(cached, lambda folder: _save_tokenizer(tokenizer, folder))
     return tokenizer
 

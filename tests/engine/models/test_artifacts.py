@@ -1,4 +1,4 @@
-"""The artifact cache: where it lives, how entries are keyed, and atomic writes."""
+"""The artifact cache: where it lives, how entries are keyed, atomic writes, stale folders."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV, ArtifactCache
+from twostroke.engine.models.artifacts import (
+    CACHE_DIR_ENV,
+    NO_CACHE_ENV,
+    SOURCE_RECORD,
+    ArtifactCache,
+)
 
 
 @pytest.mark.parametrize(
@@ -109,3 +114,76 @@ def test_an_unwritable_cache_is_skipped(tmp_path: Path) -> None:
     blocker.write_text("a file where the folder should be")
     cache = ArtifactCache(blocker)
     assert not cache.store(blocker / "entry" / "config.json", lambda path: path.write_text("{}"))
+
+
+def _model(folder: Path, name: str = "model.gguf", contents: bytes = b"GGUF") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model = folder / name
+    model.write_bytes(contents)
+    return model
+
+
+def _fill(entry: Path) -> None:
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / "weights.bin").write_bytes(b"weights")
+
+
+def test_prepare_records_the_source_in_its_folder(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path / "cache")
+    model = _model(tmp_path / "models")
+    entry = cache.prepare(tmp_path / "models" / "." / "model.gguf")
+    assert entry == cache.entry(model)
+    assert (entry / SOURCE_RECORD).read_text() == f"{model.resolve()}\n"
+    assert cache.prepare(model) == entry  # again: nothing changes
+    assert sorted(path.name for path in cache.root.iterdir()) == [entry.name]
+
+
+def test_a_changed_file_replaces_its_older_folder(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path / "cache")
+    model = _model(tmp_path / "models")
+    old = cache.prepare(model)
+    _fill(old)
+    model.write_bytes(b"GGUF, a newer version")
+    new = cache.prepare(model)
+    assert new != old
+    assert not old.exists()
+    assert [path.name for path in cache.root.iterdir()] == [new.name]
+
+
+def test_folders_of_files_that_are_gone_are_removed(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path / "cache")
+    kept = _model(tmp_path / "venv-a" / "pkg")
+    gone = _model(tmp_path / "venv-b" / "pkg")
+    other = _model(tmp_path / "elsewhere", name="other.gguf")
+    for source in (kept, gone, other):
+        _fill(cache.prepare(source))
+    gone.unlink()  # its virtual environment was deleted
+    fresh = _model(tmp_path / "venv-c" / "pkg")
+    cache.prepare(fresh)
+    assert sorted(path.name for path in cache.root.iterdir()) == sorted(
+        cache.entry(source).name for source in (kept, other, fresh)
+    )
+
+
+def test_folders_without_a_record_go_only_when_their_file_name_is_converted(
+    tmp_path: Path,
+) -> None:
+    cache = ArtifactCache(tmp_path / "cache")
+    legacy_same = cache.root / "model.gguf-0123456789abcdef"
+    legacy_other = cache.root / "other.gguf-0123456789abcdef"
+    stranger = cache.root / ".in-progress"
+    for folder in (legacy_same, legacy_other, stranger):
+        _fill(folder)
+    (cache.root / "notes.txt").write_text("a user's file")
+    entry = cache.prepare(_model(tmp_path / "models"))
+    assert sorted(path.name for path in cache.root.iterdir()) == sorted(
+        [entry.name, legacy_other.name, stranger.name, "notes.txt"]
+    )
+
+
+def test_an_unreadable_record_is_left_alone(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path / "cache")
+    odd = cache.root / "model.gguf-fedcba9876543210"
+    (odd / SOURCE_RECORD).mkdir(parents=True)  # not a file: reading it fails
+    entry = cache.prepare(_model(tmp_path / "models"))
+    assert sorted(path.name for path in cache.root.iterdir()) == sorted([entry.name, odd.name])

@@ -22,6 +22,7 @@ from tests.engine.models.test_llama import (
     reference_logits,
 )
 from twostroke.engine.models import loader
+from twostroke.engine.models.artifacts import SOURCE_RECORD
 from twostroke.engine.models.loader import ModelLoadError, load_model, read_config, resolve_model
 from twostroke.gpu import dtype as dtype_module
 from twostroke.states.errors import EngineError
@@ -432,6 +433,7 @@ def test_a_converted_gguf_is_cached_and_read_back(
     assert sorted(path.name for path in entry.iterdir()) == [
         "config.json",
         f"model-{name}.safetensors",
+        SOURCE_RECORD,
     ]
     forbid_conversion(monkeypatch)
     second = load_model(file, dtype=dtype, device=CPU)
@@ -465,10 +467,13 @@ def test_each_dtype_has_its_own_cached_weights(
 def test_a_changed_file_is_converted_again(cached_gguf: tuple[Path, Path]) -> None:
     file, cache = cached_gguf
     load_model(file, dtype=torch.float32, device=CPU)
+    (old,) = cache.iterdir()
     stat = file.stat()
     os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     load_model(file, dtype=torch.float32, device=CPU)
-    assert len(list(cache.iterdir())) == 2
+    (new,) = cache.iterdir()  # the older version's folder is removed with the conversion
+    assert new != old
+    assert (new / "model-float32.safetensors").is_file()
 
 
 def test_a_damaged_cache_entry_is_converted_again_and_replaced(
