@@ -246,8 +246,10 @@ def write_plot(
     figure = Figure(figsize=(13, 9), layout="constrained")
     axes = figure.subplots(2, 2)
     names = list(figures)
+    by_name = {result.name: result for result in run.results}
+    shown = {name: _system_cell(by_name[name]) for name in names}  # as in the table's rows
     throughputs = [figures[name].output_throughput for name in names]
-    bars = axes[0][0].bar(names, throughputs, color="tab:blue")
+    bars = axes[0][0].bar([shown[name] for name in names], throughputs, color="tab:blue")
     base = figures[reference].output_throughput if reference else None
     labels = [f"{value:.0f}" + (f"\n×{value / base:.2f}" if base else "") for value in throughputs]
     if run.roof is not None:
@@ -268,7 +270,6 @@ def write_plot(
     axes[0][0].set_title("throughput" + (f" (ratio to {reference})" if reference else ""))
     axes[0][0].tick_params(axis="x", labelrotation=20)
     axes[0][0].margins(y=0.2)
-    by_name = {result.name: result for result in run.results}
     panels: tuple[tuple[Any, str, Callable[[RequestTiming], float | None]], ...] = (
         (axes[0][1], "TTFT", lambda t: t.ttft),
         (axes[1][0], "TPOT", lambda t: t.tpot),
@@ -280,7 +281,7 @@ def write_plot(
             if values:
                 # The empirical CDF: 0 up to the fastest request, 1 from the slowest on.
                 fractions = [0.0] + [(i + 1) / len(values) for i in range(len(values))]
-                axis.step([values[0], *values], fractions, where="post", label=name)
+                axis.step([values[0], *values], fractions, where="post", label=shown[name])
         axis.set_xlabel("seconds")
         axis.set_ylabel("fraction of requests")
         axis.set_title(f"{title} CDF")

@@ -7,6 +7,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -131,6 +132,26 @@ def test_a_system_with_its_own_weight_format_names_it_beside_its_row(tmp_path: P
     assert list(rows) == ["twostroke-depth2", "llama.cpp (Q4_1)"]
     assert [c.strip() for c in rows["llama.cpp (Q4_1)"].split("│")][4:6] == ["3.0", "0.50"]
     assert f"llama.cpp: {weights}" in lines
+
+
+def test_the_plot_names_the_systems_as_the_table_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    figure_module = pytest.importorskip("matplotlib.figure")
+    drawn: list[Any] = []
+    monkeypatch.setattr(figure_module.Figure, "savefig", lambda self, *a, **k: drawn.append(self))
+    run = _run(
+        tmp_path,
+        _result("twostroke-depth2", 1.0),
+        _result("llama.cpp", 2.0, weight_format="Q4_1"),
+    )
+    write_report(run, tmp_path, console=_console()[0])
+    (figure,) = drawn
+    throughput, *cdfs = figure.axes
+    expected = ["twostroke-depth2", "llama.cpp (Q4_1)"]
+    assert [label.get_text() for label in throughput.get_xticklabels()] == expected
+    for axis in cdfs:
+        assert [text.get_text() for text in axis.get_legend().get_texts()] == expected
 
 
 def test_without_matplotlib_the_report_says_so(
