@@ -174,12 +174,19 @@ async def accept_authenticated(
         if receive is None:
             logger.warning("refused a peer of the replica: %s", problem)
 
-    async with anyio.create_task_group() as task_group:
-        while True:
-            stream = await listener.accept()
-            if pending >= MAX_PENDING_PEERS:
-                await anyio.aclose_forcefully(stream)
-                continue
-            pending += 1
-            task_group.start_soon(check, stream, task_group.cancel_scope)
+    try:
+        async with anyio.create_task_group() as task_group:
+            while True:
+                stream = await listener.accept()
+                if pending >= MAX_PENDING_PEERS:
+                    await anyio.aclose_forcefully(stream)
+                    continue
+                pending += 1
+                task_group.start_soon(check, stream, task_group.cancel_scope)
+    except BaseException:
+        # Cancelled (or failed) after a peer passed, while the others were being closed:
+        # the winner's connection is nobody's yet, so it is closed here too.
+        for passed, _ in winner:
+            await anyio.aclose_forcefully(passed)
+        raise
     return winner[0]

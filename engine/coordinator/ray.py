@@ -57,10 +57,11 @@ async def serve_authenticated(
         port = listener.extra(anyio.abc.SocketAttribute.local_port)
         task_status.started((host, port))
         stream, receive = await accept_authenticated(listener, secret, answer_within=answer_within)
-    from twostroke.engine.coordinator.replica_server import serve
+        from twostroke.engine.coordinator.replica_server import serve
 
-    async with stream:
-        await serve(receive, stream)
+        async with stream:  # entered before the next checkpoint: closed if cancelled there
+            await listeners.aclose()  # no one else gets in while the peer is served
+            await serve(receive, stream)
 
 
 class ReplicaActor:

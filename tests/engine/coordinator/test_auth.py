@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from typing import Any
 
 import anyio
@@ -15,11 +16,13 @@ import anyio.abc
 import pytest
 import trio.testing
 
+from twostroke.engine.coordinator import ray
 from twostroke.engine.coordinator.auth import (
     AUTH_TIMEOUT,
     HANDSHAKE_FRAME_BYTES,
     Challenge,
     Hello,
+    accept_authenticated,
     authenticate,
     new_secret,
 )
@@ -160,3 +163,79 @@ async def test_a_peer_that_does_not_answer_in_time_is_closed_and_the_next_is_ser
     assert refusals == [
         f"refused a peer of the replica: it did not answer within {answer_within} s"
     ]
+
+
+class CancelledWithItsAccept(anyio.abc.SocketListener):
+    """A listener that cancels ``outer`` when its ``accept`` is cancelled.
+
+    ``accept_authenticated`` cancels its ``accept`` when a peer has passed: this cancels the
+    actor as well at that very moment (the actor stopped just as the coordinator got in).
+    """
+
+    def __init__(self, listener: anyio.abc.SocketListener, outer: anyio.CancelScope) -> None:
+        self._listener = listener
+        self._outer = outer
+
+    async def accept(self) -> anyio.abc.SocketStream:
+        try:
+            return await self._listener.accept()
+        except anyio.get_cancelled_exc_class():
+            self._outer.cancel()
+            raise
+
+    async def aclose(self) -> None:
+        await self._listener.aclose()
+
+    @property
+    def _raw_socket(self) -> socket.socket:
+        return self._listener.extra(anyio.abc.SocketAttribute.raw_socket)
+
+
+async def test_a_peer_that_passes_as_the_actor_is_cancelled_is_closed() -> None:
+    """Cancellation closes every connection accepted so far, the one that passed too."""
+    secret = new_secret()
+    returned: list[object] = []
+    async with (
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as listeners,
+        anyio.create_task_group() as task_group,
+    ):
+        (listener,) = listeners.listeners
+        assert isinstance(listener, anyio.abc.SocketListener)
+        address = ("127.0.0.1", listener.extra(anyio.abc.SocketAttribute.local_port))
+
+        async def actor() -> None:
+            with anyio.CancelScope() as outer:
+                wrapped = CancelledWithItsAccept(listener, outer)
+                returned.append(await accept_authenticated(wrapped, secret))
+
+        task_group.start_soon(actor)
+        async with await anyio.connect_tcp(*address) as stream:
+            await authenticate(stream, secret)
+            assert await everything(stream) == b""  # closed, not left to the garbage collector
+    assert returned == []
+
+
+async def test_the_actor_cancelled_once_its_peer_passed_closes_the_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between the handshake and serving, the listener is closed (a checkpoint): the peer's
+    connection is closed if the actor is cancelled there."""
+    secret = new_secret()
+
+    async with anyio.create_task_group() as task_group:
+
+        async def actor(*, task_status: anyio.abc.TaskStatus[tuple[str, int]]) -> None:
+            with anyio.CancelScope() as outer:
+
+                async def then_cancelled(*args: Any, **kwargs: Any) -> Any:
+                    passed = await accept_authenticated(*args, **kwargs)
+                    outer.cancel()  # the actor is stopped just as its peer got in
+                    return passed
+
+                monkeypatch.setattr(ray, "accept_authenticated", then_cancelled)
+                await serve_authenticated("127.0.0.1", secret, task_status=task_status)
+
+        address = await task_group.start(actor)
+        async with await anyio.connect_tcp(*address) as stream:
+            await authenticate(stream, secret)
+            assert await everything(stream) == b""  # closed, not left to the garbage collector
