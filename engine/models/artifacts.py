@@ -110,7 +110,8 @@ class ArtifactCache:
         """The folder to write ``source``'s artifacts into, recording the source in it, and
         with the folders this conversion makes stale removed (see the module).
 
-        Call it when ``source`` is about to be converted (a cache miss), not on reads.
+        Call it when ``source`` was converted (a cache miss), before storing what the
+        conversion made; never on reads.
 
         Args:
             source: The model file the artifacts are converted from; it must exist.
