@@ -185,42 +185,58 @@ class Engine:
         if model_name is not None and not isinstance(model_name, str):
             raise TypeError(f"model_name must be a str, got {type(model_name).__name__}")
         if runner is None:
-            from twostroke.engine.runners.loading import DEFAULT_MODEL, load_runner
+            from twostroke.engine.runners.loading import (
+                DEFAULT_MODEL,
+                load_runner,
+                set_intra_op_threads,
+            )
 
-            runner, tokenizer = load_runner(model, device=device, config=engine_config)
             name = model if model is not None else DEFAULT_MODEL
+            # Before the device's thread starts: it takes the count this thread has.
+            set_intra_op_threads(engine_config, device)
         elif model is not None:
             raise TypeError("pass either model or runner, not both")
+        elif tokenizer is None:
+            raise TypeError("a runner needs a tokenizer: pass tokenizer=...")
         else:
             name = type(runner).__name__
-        if tokenizer is None:
-            raise TypeError("a runner needs a tokenizer: pass tokenizer=...")
-        num_blocks = size_pool(runner, device, engine_config)
-        runner.allocate_kv_cache(num_blocks, engine_config.block_size)
-        engine = cls(
-            runner=runner,
-            tokenizer=tokenizer,
-            device=device,
-            config=engine_config,
-            num_blocks=num_blocks,
-            model_name=model_name if model_name is not None else name,
-        )
         body_error: BaseException | None = None
         # The device holds what runs steps (on the CPU, one long-lived forward thread that
-        # keeps torch's OpenMP team) for exactly the engine's life.
-        async with device, anyio.create_task_group() as task_group:
-            engine._task_group = task_group
-            await task_group.start(engine._forward_stroke)
-            await task_group.start(engine._bookkeeping_stroke)
-            try:
-                yield engine
-            except BaseException as exc:
-                # Kept out of the task group so the caller sees its own exception, not a
-                # group; the strokes are told to cancel their work and exit.
-                body_error = exc
-                engine._close(cancel=True)
-            else:
-                engine._close(cancel=engine_config.shutdown == "cancel")
+        # keeps torch's OpenMP team) for exactly the engine's life. The model loads and its
+        # cache is made there too: the event loop serves its other tasks meanwhile, and the
+        # process keeps one OpenMP team (docs/performance.md, "Spinning waits inside the
+        # engine").
+        async with device:
+            if runner is None:
+                load = partial(load_runner, model, device=device, config=engine_config)
+                loaded: tuple[ModelRunner, Tokenizer] = await device.call(load)
+                runner, tokenizer = loaded
+            assert tokenizer is not None  # given with the runner, or loaded with it
+            num_blocks = size_pool(runner, device, engine_config)
+            await device.call(
+                partial(runner.allocate_kv_cache, num_blocks, engine_config.block_size)
+            )
+            engine = cls(
+                runner=runner,
+                tokenizer=tokenizer,
+                device=device,
+                config=engine_config,
+                num_blocks=num_blocks,
+                model_name=model_name if model_name is not None else name,
+            )
+            async with anyio.create_task_group() as task_group:
+                engine._task_group = task_group
+                await task_group.start(engine._forward_stroke)
+                await task_group.start(engine._bookkeeping_stroke)
+                try:
+                    yield engine
+                except BaseException as exc:
+                    # Kept out of the task group so the caller sees its own exception, not a
+                    # group; the strokes are told to cancel their work and exit.
+                    body_error = exc
+                    engine._close(cancel=True)
+                else:
+                    engine._close(cancel=engine_config.shutdown == "cancel")
         if engine._death is not None:
             raise EngineDead(f"the engine died: {engine._death!r}") from engine._death
         if body_error is not None:

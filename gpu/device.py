@@ -113,6 +113,24 @@ class Device(abc.ABC):
             CompletionAlreadySet: ``completion`` was already set (a bug in the caller).
         """
 
+    async def call(self, work: Callable[[], T]) -> T:
+        """Run ``work`` where this device's steps run, and return what it returns.
+
+        For the set-up that comes before the steps and uses torch: loading a model, making its
+        KV cache. A device with a thread of its own runs it there, so the event loop keeps
+        serving its other tasks meanwhile (a model takes seconds to load) and the process
+        has one OpenMP team, the thread's, instead of a second on the loop thread. A device
+        without threads runs it in the calling thread, after a checkpoint.
+
+        Cancellation: work handed over runs to its end, and is waited for (shielded); the
+        cancellation is delivered after.
+
+        Raises:
+            BaseException: what ``work`` raised, as is.
+        """
+        await anyio.lowlevel.checkpoint()
+        return work()
+
     async def probe(self) -> None:
         """Check that the device still runs work; raise what it raises if it cannot.
 
@@ -297,6 +315,17 @@ class _WorkerThreadDevice(Device):
                     _resolve(completion, launched)
         await anyio.lowlevel.checkpoint_if_cancelled()
 
+    async def call(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on the forward thread, behind the steps queued there (see
+        :meth:`Device.call`); outside a block, on one of anyio's worker threads."""
+        if self._forward is not None:
+            return await self._forward.run(functools.partial(self._in_thread, work))
+        return await anyio.to_thread.run_sync(functools.partial(self._in_thread, work))
+
+    def _in_thread(self, work: Callable[[], T]) -> T:
+        """Run ``work`` in the worker thread; subclasses set up thread state around it."""
+        return work()
+
     async def probe(self) -> None:
         """Run :meth:`_probe` where steps run (the forward thread, behind the queued steps).
 
@@ -322,8 +351,8 @@ class _WorkerThreadDevice(Device):
             self._forward.abandon()
 
     def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
-        """Run ``work`` in the worker thread; subclasses set up thread state around it."""
-        return work()
+        """Run a step's ``work`` in the worker thread."""
+        return self._in_thread(work)
 
     def _current_serializer(self) -> _Serializer:
         serializer = self._serializer.get(None)
@@ -393,11 +422,14 @@ class CudaDevice(_WorkerThreadDevice):
             torch.ones(1, device=self.torch_device).add_(1)
             torch.cuda.synchronize(self.torch_device)
 
-    def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
+    def _in_thread(self, work: Callable[[], T]) -> T:
         # The current device is per thread, and anyio's worker threads are shared: set it for
-        # this launch only and restore it after.
+        # this call only and restore it after.
         with torch.cuda.device(self.torch_device):
-            launched = work()
+            return work()
+
+    def _launch(self, work: Callable[[], Launched[T]]) -> Launched[T]:
+        launched = self._in_thread(work)
         if isinstance(launched, Launched):  # anything else fails the completion as it is
             launched = attrs.evolve(
                 launched, event=_GuardedEvent(launched.event, self.torch_device)

@@ -27,6 +27,7 @@ __all__ = [
     "load_runner",
     "resolve_dtype",
     "resolve_quantization",
+    "set_intra_op_threads",
 ]
 
 #: The model ``make run`` and the CLI use when none is named.
@@ -155,14 +156,29 @@ def intra_op_threads(config: EngineConfig, device: Device) -> int | None:
     return threads
 
 
+def set_intra_op_threads(config: EngineConfig, device: Device) -> int | None:
+    """Set torch's intra-op thread count (process-wide) to :func:`intra_op_threads`.
+
+    :meth:`Engine.open <twostroke.engine.Engine.open>` calls it on its own thread before it
+    enters the device, whose forward thread takes the count of the thread that starts it.
+
+    Returns:
+        The count set, or ``None`` where torch keeps its own.
+    """
+    threads = intra_op_threads(config, device)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return threads
+
+
 def load_runner(
     model: str | None, *, device: Device, config: EngineConfig
 ) -> tuple[ModelRunner, Tokenizer]:
     """The runner and tokenizer for a model name, directory or GGUF file.
 
-    ``"toy"`` is the model-free toy runner (see :mod:`twostroke.engine.runners.toy`).
-    torch's intra-op thread count is set (process-wide) before the model loads, to
-    :func:`intra_op_threads`.
+    ``"toy"`` is the model-free toy runner (see :mod:`twostroke.engine.runners.toy`). The
+    engine calls it on its device's thread (:meth:`~twostroke.gpu.device.Device.call`),
+    after :func:`set_intra_op_threads`.
 
     Raises:
         ModelLoadError: the model cannot be found or loaded; the message says why.
@@ -172,11 +188,6 @@ def load_runner(
         model = DEFAULT_MODEL
     if not isinstance(model, str):
         raise TypeError(f"model must be a name or a path (str), got {type(model).__name__}")
-    # Process-wide for the engine's life; the engine, which owns that life, should rather
-    # hold gpu.threads.torch_threads(intra_op_threads(...)) for it (and restore at exit).
-    threads = intra_op_threads(config, device)
-    if threads is not None:
-        torch.set_num_threads(threads)
     if model == "toy":
         from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 

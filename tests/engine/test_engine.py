@@ -293,3 +293,44 @@ async def test_the_cpu_forward_thread_lives_exactly_as_long_as_the_engine() -> N
         output = await engine.generate("warm", SamplingParams(max_tokens=3))
         assert output.token_ids
     assert not forward_threads()
+
+
+async def test_the_model_loads_and_its_cache_is_made_on_the_forward_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loading takes seconds: the event loop serves its other tasks meanwhile, and torch's
+    set-up runs on the one thread that runs the steps (one OpenMP team in the process)."""
+    import threading
+
+    from twostroke.engine.runners import loading
+
+    # Only reached if the loop waited for the load (then nobody sets the event).
+    deadlock = 10.0
+    released = threading.Event()
+    seen: dict[str, int] = {}
+    load_runner = loading.load_runner
+
+    class Recorder(ToyRunner):
+        def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+            seen["cache"] = threading.get_ident()
+            super().allocate_kv_cache(num_blocks, block_size)
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        seen["load"] = threading.get_ident()
+        assert released.wait(deadlock), "the event loop waited for the model to load"
+        _, tokenizer = load_runner(*args, **kwargs)
+        return Recorder(), tokenizer
+
+    async def release() -> None:
+        released.set()
+
+    monkeypatch.setattr(loading, "load_runner", load)
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(release)
+        async with Engine.open(model="toy", device="cpu", num_blocks=16) as engine:
+            forward = [t for t in threading.enumerate() if t.name == "twostroke cpu forward"]
+            output = await engine.generate("warm", SamplingParams(max_tokens=3))
+    assert output.token_ids
+    (thread,) = forward
+    assert seen == {"load": thread.ident, "cache": thread.ident}
+    assert thread.ident != threading.get_ident()

@@ -12,6 +12,7 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 import torch
 import trio.testing
@@ -709,3 +710,96 @@ async def test_a_fake_device_that_lost_its_context_fails_every_call() -> None:
         await after
     assert calls == []  # a dead context runs nothing
     assert await before == 1  # launched before the loss
+
+
+# --- Device.call: set-up work where the steps run -------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_cpu_call_runs_behind_the_queued_steps_on_the_forward_thread() -> None:
+    device = CpuDevice()
+    outside = await device.call(threading.get_ident)  # outside a block: a worker thread
+    assert outside != threading.get_ident()
+    order: list[str] = []
+
+    def step() -> Launched[int]:
+        order.append("step")
+        return Launched(event=ReadyEvent(), readback=lambda: 1)
+
+    def set_up() -> int:
+        order.append("call")
+        return threading.get_ident()
+
+    async with device:
+        assert device.forward_thread is not None
+        completion: Completion[int] = Completion()
+        await device.run(step, completion)
+        assert await device.call(set_up) == device.forward_thread.ident
+        assert order == ["step", "call"]
+        assert await completion == 1
+        with pytest.raises(ValueError, match=r"^bad set-up$"):
+            await device.call(functools.partial(_raise, ValueError("bad set-up")))
+        assert await device.call(lambda: "still serving") == "still serving"
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+@pytest.mark.anyio
+async def test_while_a_cpu_call_runs_the_event_loop_serves_its_other_tasks() -> None:
+    """A model loads for seconds: the loop must not stop for it."""
+    released = threading.Event()
+
+    def set_up() -> str:
+        assert released.wait(DEADLOCK), "the event loop waited for the call"
+        return "loaded"
+
+    async def release() -> None:
+        released.set()
+
+    async with CpuDevice() as device, anyio.create_task_group() as task_group:
+        task_group.start_soon(release)
+        assert await device.call(set_up) == "loaded"
+
+
+@pytest.mark.anyio
+async def test_a_cpu_call_cancelled_meanwhile_runs_to_its_end() -> None:
+    finished = threading.Event()
+    entered = threading.Event()
+
+    def set_up() -> None:
+        entered.set()
+        finished.wait(DEADLOCK)
+
+    async with CpuDevice() as device:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as task_group:
+
+                async def cancel_once_running() -> None:
+                    await anyio.to_thread.run_sync(entered.wait, DEADLOCK)
+                    scope.cancel()
+                    finished.set()
+
+                task_group.start_soon(cancel_once_running)
+                await device.call(set_up)
+                pytest.fail("the cancellation was not delivered after the call")
+        assert scope.cancelled_caught
+        assert finished.is_set()  # the call was waited for, not abandoned
+
+
+@pytest.mark.anyio
+async def test_a_cuda_call_runs_with_its_gpu_current_on_the_forward_thread(
+    cuda_guard: list[tuple[int, torch.device, str]],
+) -> None:
+    async with CudaDevice(1) as device:  # its thread starts without touching CUDA
+        assert device.forward_thread is not None
+        assert await device.call(lambda: "made") == "made"
+        forward = device.forward_thread.ident
+    cuda1 = torch.device("cuda", 1)
+    assert cuda_guard == [(forward, cuda1, "enter"), (forward, cuda1, "exit")]
+
+
+@pytest.mark.anyio
+async def test_a_fake_device_calls_in_the_calling_thread() -> None:
+    assert await FakeDevice().call(threading.get_ident) == threading.get_ident()
