@@ -17,8 +17,10 @@ policy, four rounds alternated, median step of each): on an otherwise idle machi
 waits took 93 and 298 ms, ``GOMP_SPINCOUNT=3000`` 77 and 263, ``30000`` 77 and 251,
 ``OMP_WAIT_POLICY=ACTIVE`` 79 and 247 (spinning is 15-20 % faster); with one other process
 busy on one core, passive took 106-132 and 396-416 ms, ``3000`` 157-179 and 435-506,
-``30000`` 342-536 and 1217-1294 (spinning is 1.2-4x slower). The engine keeps the robust
-choice; on a machine of its own, export ``OMP_WAIT_POLICY=ACTIVE`` before starting Python.
+``30000`` 342-536 and 1217-1294 (spinning is 1.2-4x slower). Inside the engine, once it
+kept one team (the model loads on the forward thread), spinning paid the same 12-19 % on an
+idle machine (docs/performance.md, 2026-12-02). The engine keeps the robust choice; on a
+machine of its own, export ``GOMP_SPINCOUNT=30000`` before starting Python.
 
 The runtime reads the policy once, when it is loaded (``import torch``), so
 :func:`prefer_passive_waits` runs when ``twostroke.gpu`` is imported, before it imports
