@@ -317,10 +317,15 @@ class _WorkerThreadDevice(Device):
 
     async def call(self, work: Callable[[], T]) -> T:
         """Run ``work`` on the forward thread, behind the steps queued there (see
-        :meth:`Device.call`); outside a block, on one of anyio's worker threads."""
+        :meth:`Device.call`); outside a block, on one of anyio's worker threads, one at a
+        time with the steps, as :meth:`run` runs them there."""
         if self._forward is not None:
             return await self._forward.run(functools.partial(self._in_thread, work))
-        return await anyio.to_thread.run_sync(functools.partial(self._in_thread, work))
+        serializer = self._current_serializer()
+        async with serializer.lock:
+            return await anyio.to_thread.run_sync(
+                functools.partial(self._in_thread, work), limiter=serializer.limiter
+            )
 
     def _in_thread(self, work: Callable[[], T]) -> T:
         """Run ``work`` in the worker thread; subclasses set up thread state around it."""

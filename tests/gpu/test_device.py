@@ -747,6 +747,33 @@ def _raise(error: BaseException) -> None:
 
 
 @pytest.mark.anyio
+async def test_outside_a_block_a_cpu_call_waits_for_the_step_in_progress() -> None:
+    device = CpuDevice()
+    running = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+
+    def step() -> Launched[int]:
+        running.set()
+        assert release.wait(DEADLOCK), "the test never released the step"
+        order.append("step")
+        return Launched(event=ReadyEvent(), readback=lambda: 1)
+
+    def set_up() -> None:
+        order.append("call")
+
+    completion: Completion[int] = Completion()
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(device.run, step, completion)
+        await anyio.to_thread.run_sync(running.wait, DEADLOCK)
+        task_group.start_soon(device.call, set_up)
+        await anyio.lowlevel.checkpoint()
+        release.set()
+    assert order == ["step", "call"]
+    assert await completion == 1
+
+
+@pytest.mark.anyio
 async def test_while_a_cpu_call_runs_the_event_loop_serves_its_other_tasks() -> None:
     """A model loads for seconds: the loop must not stop for it."""
     released = threading.Event()
