@@ -477,6 +477,7 @@ def _bench(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         compare_prefix_caching=args.compare_prefix_caching,
         compare_unconstrained=args.compare_unconstrained,
+        compare_governed=args.compare_governed,
         quantizations=tuple(args.quantization or ()),
     )
     if args.replicas is not None:

@@ -75,10 +75,12 @@ class EngineConfig(SchedulingPolicy):
             of float32's, measured (docs/models.md): ``"fp16"`` where ``dtype="auto"``
             resolves to float32 on a CPU with the kernel, else ``None``. An explicit
             ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
-        torch_threads: torch's intra-op threads for the forward pass (process-wide). ``None``
-            takes every core on the CPU (see
-            :func:`~twostroke.engine.runners.loading.default_torch_threads`) and leaves
-            torch's default on CUDA.
+        torch_threads: torch's intra-op threads for the forward pass, fixed. ``None`` (the
+            default) lets the engine choose on the CPU: every core
+            (:func:`~twostroke.engine.runners.loading.default_torch_threads`) while they
+            are free, one fewer at a time while other work wants them, chosen between steps
+            (:class:`~twostroke.gpu.cores.ThreadGovernor`; ``Engine.statistics().torch_threads``
+            says how many now). On CUDA ``None`` leaves torch's default.
         step_timeout: Seconds a step may take, from when the engine starts waiting for it
             until its tokens are back (and the probe of a device after a failed step); a
             step past it means a hung device, and the engine dies

@@ -58,6 +58,7 @@ from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.prompts import tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion
+from twostroke.gpu.cores import ThreadGovernor
 from twostroke.gpu.device import Device
 from twostroke.gpu.selection import resolve_device
 from twostroke.states.errors import ConstraintRejected, EngineOverloaded
@@ -133,7 +134,14 @@ class Engine:
         # Written and read only by the forward stroke's launches, which run one at a time.
         self._num_failed_steps = 0
         self._bookkeeping_seconds = 0.0
-        self._launcher = Launcher(runner, block_size=config.block_size)
+        # On the CPU, unless the user fixed the count: as many torch threads as the cores
+        # other work leaves free, chosen between steps (twostroke.gpu.cores).
+        governor = None
+        if device.kind == "cpu" and config.torch_threads is None:
+            from twostroke.engine.runners.loading import default_torch_threads
+
+            governor = ThreadGovernor(default_torch_threads())
+        self._launcher = Launcher(runner, block_size=config.block_size, governor=governor)
         depth = config.pipeline_depth
         # Each plan travels with whether it continues a busy run (made while a step was in
         # flight or right after one was applied), so its launch can tell an idle device that
@@ -443,6 +451,7 @@ class Engine:
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of the engine's counters and gauges: its scheduler's, and its own."""
+        governor = self._launcher.governor
         return EngineStatistics(
             **attrs.asdict(self._scheduler.statistics(), recurse=False),
             num_open_requests=len(self._open),
@@ -450,10 +459,21 @@ class Engine:
             bookkeeping_seconds=self._bookkeeping_seconds,
             forward_seconds=self._launcher.timer.forward_seconds,
             forward_idle_seconds=self._launcher.timer.forward_idle_seconds,
+            torch_threads=self._torch_threads(),
+            num_torch_thread_changes=0 if governor is None else governor.changes,
             num_masked_rows=self._constraining.num_masked_rows,
             mask_fill_seconds=self._constraining.mask_fill_seconds,
             mask_wait_seconds=self._constraining.mask_wait_seconds(self._scheduler),
         )
+
+    def _torch_threads(self) -> int:
+        """The forward pass's torch threads now: the governor's count, the configured one on
+        the CPU, or 0."""
+        if self._launcher.governor is not None:
+            return self._launcher.governor.threads
+        if self._device.kind == "cpu" and self.config.torch_threads is not None:
+            return self.config.torch_threads
+        return 0
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the engine's or the scheduler's books disagree."""

@@ -13,6 +13,7 @@ from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.runners.protocol import MaskingRunner, ModelRunner
 from twostroke.gpu.completion import Launched, ReadyEvent
+from twostroke.gpu.cores import ThreadGovernor
 from twostroke.states.plan import RunnerOutput, StepPlan
 
 __all__ = ["Launcher"]
@@ -24,10 +25,15 @@ class Launcher:
     Args:
         runner: The engine's runner.
         block_size: Tokens per KV block (which rows a failed step strands depends on it).
+        governor: Sets torch's thread count before each launch, from what the cores are
+            doing (on the CPU, when the configuration leaves ``torch_threads`` to the engine).
     """
 
-    def __init__(self, runner: ModelRunner, *, block_size: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, *, block_size: int, governor: ThreadGovernor | None = None
+    ) -> None:
         self._runner = runner
+        self.governor = governor
         self._masking = runner if isinstance(runner, MaskingRunner) else None
         self._block_size = block_size
         self._failed: StepPlan | None = None
@@ -48,6 +54,8 @@ class Launcher:
         applied (the wait before it counts as the device's idle time, see
         :class:`~twostroke.engine.launch_timer.LaunchTimer`).
         """
+        if self.governor is not None:
+            self.governor.adjust()
         with self.timer.launch(continues=continues):
             return self._launch(plan, masks)
 

@@ -39,6 +39,12 @@ class EngineStatistics(SchedulerStatistics):
     #: after one was applied): the time it waited on Python. Not counted: idle time with
     #: nothing to run.
     forward_idle_seconds: float = seconds()
+    #: torch threads the forward pass runs on now, on the CPU: the count the engine's
+    #: :class:`~twostroke.gpu.cores.ThreadGovernor` last chose, or the fixed
+    #: ``torch_threads`` configured (0 on other devices).
+    torch_threads: int = count()
+    #: Times the governor changed that count (another process took a core, or gave it back).
+    num_torch_thread_changes: int = count()
     #: Rows sampled under a structured-output mask: one per token a constrained request
     #: sampled (its matcher's allowed set, filled by the bookkeeping stroke).
     num_masked_rows: int = count()

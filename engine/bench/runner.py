@@ -289,6 +289,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run twostroke at depth 2 and 1 with the JSON schemas taken off",
     )
     parser.add_argument(
+        "--compare-governed",
+        action="store_true",
+        help="also run twostroke at depth 2 with its torch thread count left to the engine "
+        "(every core while they are free, fewer while other work wants them)",
+    )
+    parser.add_argument(
         "--quantization",
         action="append",
         choices=("fp16", "int8"),

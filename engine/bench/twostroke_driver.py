@@ -114,6 +114,12 @@ class TwostrokeDriver:
             self.name += "-nocache"
         if engine_options.get("quantization") is not None:
             self.name += f"-{engine_options['quantization']}"
+        #: The thread count is left to the engine (``torch_threads=None``).
+        self.governed = (
+            "torch_threads" in engine_options and engine_options["torch_threads"] is None
+        )
+        if self.governed:
+            self.name += "-governed"
         if unconstrained:
             self.name += "-unconstrained"
         self.engine_options = engine_options
@@ -170,7 +176,7 @@ class TwostrokeDriver:
             extra={
                 "device": str(torch_device),
                 "dtype": model.dtype,
-                "threads": f"{_intra_op_threads(model)} torch + 1 event loop",
+                "threads": self._threads_described(model, stats),
                 "pipeline_depth": self.depth,
                 "steps": stats.num_steps,
                 "preemptions": stats.num_preemptions,
@@ -184,6 +190,16 @@ class TwostrokeDriver:
                 **_mask_figures(stats),
             },
         )
+
+    def _threads_described(self, model: ModelSpec, stats: Any) -> str:
+        """The torch threads the row ran on: the bench's count, or, where the engine chose
+        (``torch_threads=None``), the count it ended on and how often it changed."""
+        if self.governed:
+            return (
+                f"governed: {stats.torch_threads} torch at the end, "
+                f"{stats.num_torch_thread_changes} changes + 1 event loop"
+            )
+        return f"{_intra_op_threads(model)} torch + 1 event loop"
 
     async def _serve(
         self,
@@ -377,6 +393,7 @@ def engine_drivers(
     *,
     compare_prefix_caching: bool = False,
     compare_unconstrained: bool = False,
+    compare_governed: bool = False,
     device: str = "cpu",
     quantizations: tuple[str, ...] = (),
     **engine_options: Any,
@@ -384,7 +401,9 @@ def engine_drivers(
     """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1,
     with ``compare_prefix_caching`` depth 2 without prefix caching, with
     ``compare_unconstrained`` depth 2 and depth 1 with the workload's JSON schemas taken off,
-    and depth 2 with each of ``quantizations`` (weight precisions); all on ``device``."""
+    with ``compare_governed`` depth 2 with its thread count left to the engine (its
+    :class:`~twostroke.gpu.cores.ThreadGovernor`, up to every core), and depth 2 with each
+    of ``quantizations`` (weight precisions); all on ``device``."""
     depth2 = TwostrokeDriver(2, device=device, **engine_options)
     drivers = [
         depth2,
@@ -399,6 +418,9 @@ def engine_drivers(
             drivers.append(
                 TwostrokeDriver(depth, device=device, unconstrained=True, **engine_options)
             )
+    if compare_governed:
+        options = engine_options | {"torch_threads": None}
+        drivers.append(TwostrokeDriver(2, device=device, **options))
     for quantization in quantizations:
         options = engine_options | {"quantization": quantization}
         drivers.append(TwostrokeDriver(2, device=device, **options))

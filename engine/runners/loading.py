@@ -114,7 +114,7 @@ def resolve_quantization(
 
 
 def default_torch_threads(cores: int | None = None) -> int:
-    """The engine's torch intra-op thread count on a CPU with ``cores`` cores: all of them.
+    """The most torch intra-op threads an engine takes on a CPU with ``cores`` cores: all.
 
     The event loop thread shares a core with the team, which used to make every core a
     loss: a team thread that reaches a barrier spun while the loop thread held its partner's
@@ -122,15 +122,13 @@ def default_torch_threads(cores: int | None = None) -> int:
     device's own forward thread (:class:`~twostroke.gpu.forward_thread.ForwardThread`), the
     second core pays. Measured on 2 cores (AMD EPYC, AVX512 with bf16, SmolLM2-135M bf16):
     the bare forward loop goes from 347 to 597 output tok/s on a quiet machine from 1 to 2
-    threads; under other jobs' load (load average 6) 2 threads cost no more than 1, and the
-    engine keeps the bare loop's speed at both counts (61.6-63.6 against 63.7 tok/s at 2,
-    68.9-69.4 against 69.0 at 1). With spinning waits and that load, 2 threads took
-    692-3405 ms a batch-32 decode step against 220 ms on 1: set ``torch_threads`` to one
-    fewer than the cores where the policy cannot be passive (torch imported before
-    twostroke with ``OMP_WAIT_POLICY`` unset).
+    threads. While other processes want the cores, fewer threads run faster, and the
+    engine's :class:`~twostroke.gpu.cores.ThreadGovernor` drops to them between steps
+    (docs/performance.md, "Fewer threads while other work wants the cores").
 
     Args:
-        cores: The cores the engine may use; ``None`` takes ``os.cpu_count()``.
+        cores: The cores the engine may use; ``None`` takes the ones this process may run
+            on (its CPU affinity, where the platform has one; else ``os.cpu_count()``).
 
     Returns:
         The thread count, at least 1.
@@ -140,7 +138,8 @@ def default_torch_threads(cores: int | None = None) -> int:
         ValueError: ``cores`` is less than 1.
     """
     if cores is None:
-        cores = os.cpu_count() or 1
+        affinity = getattr(os, "sched_getaffinity", None)
+        cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
     return check_int_at_least("cores", cores, 1)
 
 

@@ -334,3 +334,56 @@ async def test_the_model_loads_and_its_cache_is_made_on_the_forward_thread(
     (thread,) = forward
     assert seen == {"load": thread.ident, "cache": thread.ident}
     assert thread.ident != threading.get_ident()
+
+
+async def test_on_the_cpu_the_engine_governs_its_threads_unless_the_count_is_fixed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``torch_threads`` left to it, the engine adjusts the forward thread's count before
+    each step (twostroke.gpu.cores); a count the user fixed, or a device that is not the CPU,
+    is never governed."""
+    import threading
+
+    from twostroke.engine import engine as engine_module
+    from twostroke.engine.runners.loading import default_torch_threads
+    from twostroke.gpu import FakeDevice
+    from twostroke.gpu.cores import CoreSample, ThreadGovernor
+
+    class Contended:
+        """A machine where the forward thread waits for its core half of every second."""
+
+        def __init__(self) -> None:
+            self.now = 0.0
+            self.threads: set[str] = set()
+
+        def clock(self) -> float:
+            self.now += 1.0
+            return self.now
+
+        def sample(self) -> CoreSample:
+            self.threads.add(threading.current_thread().name)
+            return CoreSample(wall=self.now, idle=0.0, waited=self.now / 2)
+
+    machine = Contended()
+
+    def governor(most: int) -> ThreadGovernor:
+        return ThreadGovernor(max(most, 2), sample=machine.sample, clock=machine.clock)
+
+    monkeypatch.setattr(engine_module, "ThreadGovernor", governor)
+    async with Engine.open(model="toy", device="cpu", num_blocks=16) as engine:
+        assert engine.statistics().torch_threads == max(default_torch_threads(), 2)
+        output = await engine.generate("busy", SamplingParams(max_tokens=4))
+        stats = engine.statistics()
+    assert len(output.token_ids) == 4
+    assert (stats.torch_threads, stats.num_torch_thread_changes) == (1, 1)
+    assert machine.threads == {"twostroke cpu forward"}  # read where the steps run
+
+    machine.threads.clear()
+    async with Engine.open(model="toy", device="cpu", num_blocks=16, torch_threads=1) as engine:
+        await engine.generate("fixed", SamplingParams(max_tokens=4))
+        stats = engine.statistics()
+    assert (stats.torch_threads, stats.num_torch_thread_changes) == (1, 0)
+    async with toy_engine(device=FakeDevice()) as engine:
+        await engine.generate("fake", SamplingParams(max_tokens=4))
+        assert engine.statistics().torch_threads == 0
+    assert not machine.threads

@@ -111,3 +111,36 @@ def test_a_structured_workload_runs_through_the_recording_runner() -> None:
     assert stats.num_masked_rows == constrained.max_tokens
     assert stats.num_steps == len(runner.plans)
     assert twostroke_driver._mask_figures(stats)["masked_tokens"] == constrained.max_tokens
+
+
+def test_the_governed_row_leaves_the_thread_count_to_the_engine() -> None:
+    """``--compare-governed``: one more depth-2 row, whose engine gets ``torch_threads=None``
+    (its ThreadGovernor) where every other row gets the bench's fixed count."""
+    drivers = engine_drivers(compare_governed=True, max_num_seqs=4)
+    assert [driver.name for driver in drivers] == [
+        "twostroke-depth2",
+        "bare-forward",
+        "twostroke-depth1",
+        "twostroke-depth2-governed",
+    ]
+    fixed, governed = drivers[0], drivers[3]
+    assert (fixed.governed, governed.governed) == (False, True)
+    workload = Workload(
+        requests=(BenchRequest(range(100, 112), 4),), arrival_times=None, seed=0, description="1"
+    )
+    model = ModelSpec(name="tiny", source=Path("m"), threads=2)
+    for driver, governor in ((fixed, False), (governed, True)):
+        runner = twostroke_driver._RecordingRunner(ToyRunner(eos_rate=0))  # type: ignore[arg-type]
+        _, _, stats, _ = anyio.run(
+            driver._serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1]
+        )
+        described = driver._threads_described(model, stats)
+        if governor:
+            assert described == (
+                f"governed: {stats.torch_threads} torch at the end, "
+                f"{stats.num_torch_thread_changes} changes + 1 event loop"
+            )
+            assert stats.torch_threads >= 1
+        else:
+            assert described == "2 torch + 1 event loop"
+            assert stats.num_torch_thread_changes == 0

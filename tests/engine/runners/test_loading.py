@@ -54,9 +54,14 @@ def test_unknown_names_are_refused() -> None:
         resolve_dtype("fp8", CpuDevice())
 
 
-def test_the_default_thread_count_is_every_core() -> None:
+def test_the_default_thread_count_is_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [loading.default_torch_threads(cores) for cores in (1, 2, 3, 8)] == [1, 2, 3, 8]
-    assert loading.default_torch_threads() == loading.default_torch_threads(os.cpu_count() or 1)
+    # The cores this process may run on (taskset, a container's cpuset), where there is an
+    # affinity; else all of them.
+    assert loading.default_torch_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 5)
+    assert loading.default_torch_threads() == 5
     with pytest.raises(ValueError, match=r"^cores must be >= 1, got 0$"):
         loading.default_torch_threads(0)
     with pytest.raises(TypeError, match=r"^cores must be an int, got float 2\.0$"):
