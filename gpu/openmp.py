@@ -19,8 +19,14 @@ waits took 93 and 298 ms, ``GOMP_SPINCOUNT=3000`` 77 and 263, ``30000`` 77 and 2
 busy on one core, passive took 106-132 and 396-416 ms, ``3000`` 157-179 and 435-506,
 ``30000`` 342-536 and 1217-1294 (spinning is 1.2-4x slower). Inside the engine, once it
 kept one team (the model loads on the forward thread), spinning paid the same 12-19 % on an
-idle machine (docs/performance.md, 2026-12-02). The engine keeps the robust choice; on a
-machine of its own, export ``GOMP_SPINCOUNT=30000`` before starting Python.
+idle machine (docs/performance.md, 2026-12-02). An engine that governs its thread count
+(``torch_threads`` left to it, :mod:`twostroke.gpu.cores`) drops to one thread while another
+process wants a core, and then spinning costs it nothing (39.1 output tok/s spinning against
+37.4-41.3 passive, where a fixed team of two fell to 14.3), while it still gains 7-12 % on a
+quiet machine. The policy is the whole process's, though, and torch work outside a governed
+engine (a fixed ``torch_threads``, an application's own) would spin on a shared machine, so
+passive waits stay the default: where only governed engines run torch, export
+``GOMP_SPINCOUNT=30000`` before starting Python.
 
 The runtime reads the policy once, when it is loaded (``import torch``), so
 :func:`prefer_passive_waits` runs when ``twostroke.gpu`` is imported, before it imports
