@@ -80,7 +80,9 @@ class EngineConfig(SchedulingPolicy):
             (:func:`~twostroke.engine.runners.loading.default_torch_threads`) while they
             are free, one fewer at a time while other work wants them, chosen between steps
             (:class:`~twostroke.gpu.cores.ThreadGovernor`; ``Engine.statistics().torch_threads``
-            says how many now). On CUDA ``None`` leaves torch's default.
+            says how many now). On CUDA ``None`` leaves torch's default. A fixed count
+            above one on a machine shared with other work wants ``OMP_WAIT_POLICY=PASSIVE``
+            exported before Python starts (:mod:`twostroke.gpu.openmp`).
         step_timeout: Seconds a step may take, from when the engine starts waiting for it
             until its tokens are back (and the probe of a device after a failed step); a
             step past it means a hung device, and the engine dies

@@ -8,30 +8,37 @@ core), its partners burn their time slices spinning for it, and every one of the
 barriers in a step pays. Measured on 2 cores shared with other jobs (load average 6-8,
 SmolLM2-135M bf16, a batch-32 decode step): 2 threads took 692-3405 ms with the default
 policy against 220 ms on 1 thread; with ``OMP_WAIT_POLICY=PASSIVE`` 2 threads took
-178-480 ms, and the engine ran as fast as the bare forward loop at 2 threads as at 1.
+178-480 ms.
 
-The price is paid on a machine the team has to itself: a sleeping thread is woken through the
-kernel at each of the step's parallel regions. Measured 2026-12-01 (AVX2 EPYC, 2 cores,
-SmolLM2 float32 with packed weights, decode steps of 1 and 32 requests, one process per
-policy, four rounds alternated, median step of each): on an otherwise idle machine passive
-waits took 93 and 298 ms, ``GOMP_SPINCOUNT=3000`` 77 and 263, ``30000`` 77 and 251,
+Sleeping has its price on a machine the team has to itself: a sleeping thread is woken
+through the kernel at each of the step's parallel regions. Measured 2026-12-01 (AVX2 EPYC,
+2 cores, SmolLM2 float32 with packed weights, decode steps of 1 and 32 requests, one process
+per policy, four rounds alternated, median step of each): on an otherwise idle machine
+passive waits took 93 and 298 ms, ``GOMP_SPINCOUNT=3000`` 77 and 263, ``30000`` 77 and 251,
 ``OMP_WAIT_POLICY=ACTIVE`` 79 and 247 (spinning is 15-20 % faster); with one other process
 busy on one core, passive took 106-132 and 396-416 ms, ``3000`` 157-179 and 435-506,
-``30000`` 342-536 and 1217-1294 (spinning is 1.2-4x slower). Inside the engine, once it
-kept one team (the model loads on the forward thread), spinning paid the same 12-19 % on an
-idle machine (docs/performance.md, 2026-12-02). An engine that governs its thread count
-(``torch_threads`` left to it, :mod:`twostroke.gpu.cores`) drops to one thread while another
-process wants a core, and then spinning costs it nothing (39.1 output tok/s spinning against
-37.4-41.3 passive, where a fixed team of two fell to 14.3), while it still gains 7-12 % on a
-quiet machine. The policy is the whole process's, though, and torch work outside a governed
-engine (a fixed ``torch_threads``, an application's own) would spin on a shared machine, so
-passive waits stay the default: where only governed engines run torch, export
-``GOMP_SPINCOUNT=30000`` before starting Python.
+``30000`` 342-536 and 1217-1294 (spinning is 1.2-4x slower).
+
+The engine resolves the dilemma with its thread count, not its waits: unless told a fixed
+``torch_threads``, it drops to one thread while another process wants a core
+(:mod:`twostroke.gpu.cores`), and one thread has no partner to wait for. Measured inside the
+engine (docs/performance.md, 2026-12-02; 32 requests, output tok/s): with one other core busy,
+spinning ran a governed engine at 39.1 against 37.4-41.3 passive, where a fixed team of two
+fell to 14.3; on a quiet machine spinning gained 7-12 % (61.7 and 70.8 against 57.8 and
+63.0). So twostroke sets ``GOMP_SPINCOUNT=30000``: bounded spinning (a tenth of GNU OpenMP's
+own default; as fast as ``ACTIVE``'s endless spinning above), then sleep.
+
+What still spins on a shared machine is torch work on several threads that no governor
+watches: an engine with a fixed ``torch_threads`` above one, or an application's own torch
+(which would spin ten times longer without twostroke). For those, export
+``OMP_WAIT_POLICY=PASSIVE`` before starting Python; the coordinator gives its process
+replicas, whose thread counts are fixed shares of the cores, passive waits itself
+(:func:`replica_wait_policy`).
 
 The runtime reads the policy once, when it is loaded (``import torch``), so
-:func:`prefer_passive_waits` runs when ``twostroke.gpu`` is imported, before it imports
+:func:`prefer_bounded_spin` runs when ``twostroke.gpu`` is imported, before it imports
 torch. It never overrides a policy the user chose, and does nothing if torch was imported
-first (export ``OMP_WAIT_POLICY=PASSIVE`` yourself then).
+first.
 """
 
 from __future__ import annotations
@@ -39,28 +46,40 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["SET_AT_IMPORT", "WAIT_POLICY_VARIABLES", "prefer_passive_waits", "wait_policy"]
+__all__ = [
+    "SET_AT_IMPORT",
+    "SPIN_COUNT",
+    "WAIT_POLICY_VARIABLES",
+    "prefer_bounded_spin",
+    "replica_wait_policy",
+    "wait_policy",
+]
 
 #: The environment variables that decide how OpenMP threads wait; any one set by the user
 #: is their choice, and is left alone.
 WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def prefer_passive_waits() -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` if nobody chose a policy and torch is not loaded yet.
+#: The polls a team thread spins at a barrier before it sleeps, unless the user chose.
+SPIN_COUNT = "30000"
+
+
+def prefer_bounded_spin() -> bool:
+    """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` if nobody chose a policy and torch is not
+    loaded yet.
 
     Returns:
         Whether this call set it.
     """
     if "torch" in sys.modules or any(name in os.environ for name in WAIT_POLICY_VARIABLES):
         return False
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return True
 
 
 #: Whether importing ``twostroke.gpu`` set the policy: its ``__init__`` imports this module
 #: first, before anything in the package imports torch.
-SET_AT_IMPORT = prefer_passive_waits()
+SET_AT_IMPORT = prefer_bounded_spin()
 
 #: The wait-policy variables as they were when ``twostroke.gpu`` was imported: what torch's
 #: OpenMP runtime read, unless torch was loaded before (then it read the same, or older).
@@ -74,3 +93,25 @@ def wait_policy() -> str:
     if not chosen:
         return "GNU OpenMP's default (spin 300,000 polls, then sleep)"
     return f"{chosen} ({'set by twostroke' if SET_AT_IMPORT else 'chosen by the user'})"
+
+
+def replica_wait_policy(environ: dict[str, str]) -> dict[str, str]:
+    """The wait policy for a child process whose torch thread count is fixed, in place.
+
+    A fixed team of several threads spins for partners another process keeps from their
+    cores (the module), so such a child gets ``OMP_WAIT_POLICY=PASSIVE`` instead of the
+    spinning twostroke chose for this process, unless the user chose a policy: theirs is
+    left as it is.
+
+    Args:
+        environ: The child's environment, inherited from this process's.
+
+    Returns:
+        ``environ``, changed.
+    """
+    chosen = {name: environ.get(name) for name in WAIT_POLICY_VARIABLES}
+    set_here = SET_AT_IMPORT and chosen == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": SPIN_COUNT}
+    if set_here or not any(value is not None for value in chosen.values()):
+        environ.pop("GOMP_SPINCOUNT", None)
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return environ

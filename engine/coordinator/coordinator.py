@@ -412,8 +412,10 @@ class Coordinator:
 def _split_threads(replicas: int) -> int:
     """torch threads per replica process: the cores shared out, at least one each.
 
-    The same rule as one engine's (every core: OpenMP waits passively and each replica's
-    steps run on its own forward thread); with cores - 1, one process replica ran at 0.90 of
-    a bare engine on 2 cores, because it computed on one core against the engine's two.
+    The same rule as one engine's (every core, each replica's steps on its own forward
+    thread), but fixed: the children wait passively at OpenMP's barriers
+    (:func:`~twostroke.gpu.openmp.replica_wait_policy`), as no thread governor watches
+    them. With cores - 1, one process replica ran at 0.90 of a bare engine on 2 cores,
+    because it computed on one core against the engine's two.
     """
     return max(1, (os.cpu_count() or 1) // replicas)

@@ -30,6 +30,7 @@ import anyio.abc
 from twostroke.engine.coordinator.frames import Start
 from twostroke.engine.coordinator.replica_client import Relay, RemoteReplica
 from twostroke.engine.errors import ReplicaFailed
+from twostroke.gpu.openmp import replica_wait_policy
 
 __all__ = [
     "MAX_STDERR_LINE_BYTES",
@@ -69,10 +70,14 @@ WITHHELD_VARIABLES = frozenset({"TWOSTROKE_API_KEY"})
 def replica_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a replica child.
 
-    It is ``environ`` (default: ``os.environ``) without :data:`WITHHELD_VARIABLES`.
+    It is ``environ`` (default: ``os.environ``) without :data:`WITHHELD_VARIABLES`, and with
+    passive OpenMP waits unless the user chose a policy: a process replica runs a fixed share
+    of the cores' torch threads, which no thread governor watches
+    (:func:`~twostroke.gpu.openmp.replica_wait_policy`).
     """
     source = os.environ if environ is None else environ
-    return {name: value for name, value in source.items() if name not in WITHHELD_VARIABLES}
+    kept = {name: value for name, value in source.items() if name not in WITHHELD_VARIABLES}
+    return replica_wait_policy(kept)
 
 
 def describe_exit(returncode: int | None) -> str:

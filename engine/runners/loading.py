@@ -118,8 +118,9 @@ def default_torch_threads(cores: int | None = None) -> int:
 
     The event loop thread shares a core with the team, which used to make every core a
     loss: a team thread that reaches a barrier spun while the loop thread held its partner's
-    core. With OpenMP's waits passive (:mod:`twostroke.gpu.openmp`) and every step on the
-    device's own forward thread (:class:`~twostroke.gpu.forward_thread.ForwardThread`), the
+    core. With every step on the device's own forward thread
+    (:class:`~twostroke.gpu.forward_thread.ForwardThread`), OpenMP's waits bounded
+    (:mod:`twostroke.gpu.openmp`) and a thread dropped while another wants a core, the
     second core pays. Measured on 2 cores (AMD EPYC, AVX512 with bf16, SmolLM2-135M bf16):
     the bare forward loop goes from 347 to 597 output tok/s on a quiet machine from 1 to 2
     threads. While other processes want the cores, fewer threads run faster, and the

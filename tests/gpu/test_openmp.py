@@ -1,4 +1,4 @@
-"""OpenMP's wait policy: passive unless the user chose one, set before torch loads."""
+"""OpenMP's wait policy: bounded spinning unless the user chose one, set before torch loads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from twostroke.gpu import openmp
-from twostroke.gpu.openmp import WAIT_POLICY_VARIABLES, prefer_passive_waits
+from twostroke.gpu.openmp import WAIT_POLICY_VARIABLES, prefer_bounded_spin
 
 
 @pytest.fixture
@@ -20,9 +20,10 @@ def no_policy(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-def test_passive_when_nobody_chose(no_policy: pytest.MonkeyPatch) -> None:
-    assert prefer_passive_waits()
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+def test_bounded_spinning_when_nobody_chose(no_policy: pytest.MonkeyPatch) -> None:
+    assert prefer_bounded_spin()
+    assert os.environ["GOMP_SPINCOUNT"] == openmp.SPIN_COUNT == "30000"
+    assert "OMP_WAIT_POLICY" not in os.environ
 
 
 @pytest.mark.parametrize(
@@ -30,30 +31,34 @@ def test_passive_when_nobody_chose(no_policy: pytest.MonkeyPatch) -> None:
 )
 def test_a_users_choice_is_left_alone(no_policy: pytest.MonkeyPatch, name: str, value: str) -> None:
     no_policy.setenv(name, value)
-    assert not prefer_passive_waits()
+    assert not prefer_bounded_spin()
     assert os.environ[name] == value
-    if name != "OMP_WAIT_POLICY":
-        assert "OMP_WAIT_POLICY" not in os.environ
+    (other,) = set(WAIT_POLICY_VARIABLES) - {name}
+    assert other not in os.environ
 
 
 def test_too_late_once_torch_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in WAIT_POLICY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert "torch" in sys.modules
-    assert not prefer_passive_waits()
-    assert "OMP_WAIT_POLICY" not in os.environ
+    assert not prefer_bounded_spin()
+    assert not set(WAIT_POLICY_VARIABLES) & set(os.environ)
 
 
 def test_importing_the_package_sets_it_before_torch_loads() -> None:
     env = {k: v for k, v in os.environ.items() if k not in WAIT_POLICY_VARIABLES}
     code = (
         "import os, twostroke.gpu.openmp as o, torch; "
-        "print(o.SET_AT_IMPORT, os.environ.get('OMP_WAIT_POLICY'))"
+        "print(o.SET_AT_IMPORT, os.environ.get('GOMP_SPINCOUNT'), o.wait_policy())"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert result.stdout.split() == ["True", "PASSIVE"]
+    assert result.stdout.split(maxsplit=2) == [
+        "True",
+        "30000",
+        "GOMP_SPINCOUNT=30000 (set by twostroke)\n",
+    ]
     assert isinstance(openmp.SET_AT_IMPORT, bool)
 
 
@@ -61,7 +66,7 @@ def test_importing_the_package_sets_it_before_torch_loads() -> None:
     ("environ", "set_at_import", "expected"),
     [
         ({}, False, "GNU OpenMP's default (spin 300,000 polls, then sleep)"),
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, True, "OMP_WAIT_POLICY=PASSIVE (set by twostroke)"),
+        ({"GOMP_SPINCOUNT": "30000"}, True, "GOMP_SPINCOUNT=30000 (set by twostroke)"),
         (
             {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "3000"},
             False,
@@ -82,6 +87,6 @@ def test_the_policy_in_effect_is_described_for_reports(
 def test_this_process_reports_what_importing_the_package_found() -> None:
     described = openmp.wait_policy()
     if openmp.SET_AT_IMPORT:
-        assert described == "OMP_WAIT_POLICY=PASSIVE (set by twostroke)"
+        assert described == "GOMP_SPINCOUNT=30000 (set by twostroke)"
     else:
         assert described.endswith(("(chosen by the user)", "then sleep)"))
