@@ -50,7 +50,15 @@ import torch
 
 from twostroke.gpu.validators import check_int_at_least, check_seconds
 
-__all__ = ["CONTENDED", "SPARE", "WINDOW", "CoreSample", "ThreadGovernor", "read_core_sample"]
+__all__ = [
+    "CONTENDED",
+    "SPARE",
+    "WINDOW",
+    "CoreSample",
+    "ThreadGovernor",
+    "read_core_sample",
+    "usable_cores",
+]
 
 logger = logging.getLogger("twostroke.gpu.cores")
 
@@ -64,6 +72,15 @@ CONTENDED = 0.1
 
 #: The idle time, in cores, a window must show before the team gains a thread.
 SPARE = 0.75
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset)
+    where the platform has one, else ``os.cpu_count()``; at least 1."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        return max(1, len(affinity(0)))
+    return os.cpu_count() or 1
 
 
 @attrs.frozen

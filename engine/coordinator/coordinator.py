@@ -23,7 +23,6 @@ no replica is left (new work is refused, the body is cancelled and the block rai
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -47,6 +46,7 @@ from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.prompts import Prompt
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.submit_checks import check_params
+from twostroke.gpu.cores import usable_cores
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router
 from twostroke.states.statistics import total
@@ -410,7 +410,8 @@ class Coordinator:
 
 
 def _split_threads(replicas: int) -> int:
-    """torch threads per replica process: the cores shared out, at least one each.
+    """torch threads per replica process: the cores this process may run on
+    (:func:`~twostroke.gpu.cores.usable_cores`) shared out, at least one each.
 
     The same rule as one engine's (every core, each replica's steps on its own forward
     thread), but fixed: the children wait passively at OpenMP's barriers
@@ -418,4 +419,4 @@ def _split_threads(replicas: int) -> int:
     them. With cores - 1, one process replica ran at 0.90 of a bare engine on 2 cores,
     because it computed on one core against the engine's two.
     """
-    return max(1, (os.cpu_count() or 1) // replicas)
+    return max(1, usable_cores() // replicas)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import types
 import warnings
 from collections.abc import Mapping
@@ -14,6 +13,7 @@ from twostroke.engine.config import EngineConfig
 from twostroke.engine.models.quantization import Quantization, kernel_available
 from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.text.tokenizer import Tokenizer
+from twostroke.gpu.cores import usable_cores
 from twostroke.gpu.device import Device
 from twostroke.gpu.dtype import default_dtype
 from twostroke.states.validators import check_int_at_least
@@ -129,7 +129,7 @@ def default_torch_threads(cores: int | None = None) -> int:
 
     Args:
         cores: The cores the engine may use; ``None`` takes the ones this process may run
-            on (its CPU affinity, where the platform has one; else ``os.cpu_count()``).
+            on (:func:`~twostroke.gpu.cores.usable_cores`).
 
     Returns:
         The thread count, at least 1.
@@ -139,8 +139,7 @@ def default_torch_threads(cores: int | None = None) -> int:
         ValueError: ``cores`` is less than 1.
     """
     if cores is None:
-        affinity = getattr(os, "sched_getaffinity", None)
-        cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+        cores = usable_cores()
     return check_int_at_least("cores", cores, 1)
 
 

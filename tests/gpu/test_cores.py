@@ -21,6 +21,7 @@ from twostroke.gpu.cores import (
     CoreSample,
     ThreadGovernor,
     read_core_sample,
+    usable_cores,
 )
 from twostroke.gpu.forward_thread import ForwardThread
 
@@ -264,3 +265,15 @@ async def test_on_the_forward_thread_the_count_is_that_threads() -> None:
         assert await forward.run(lambda: (governor.adjust(), torch.get_num_threads())) == (1, 1)
         await anyio.lowlevel.checkpoint()
         assert torch.get_num_threads() == before
+
+
+def test_the_usable_cores_are_the_affinity_or_else_every_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if hasattr(os, "sched_getaffinity"):
+        assert usable_cores() == len(os.sched_getaffinity(0))
+        monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert usable_cores() == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # undeterminable
+    assert usable_cores() == 1
