@@ -10,9 +10,11 @@ one ``index_select`` over ``(block, head)`` rows gathers a batch's history strai
 ``[request, head, position, dim]`` layout that batched matrix products take: no copy after
 the gather, and keys and values come out of the same call. No Python loop runs over tokens.
 
-On the CPU decodes read the cache in place instead (the ``"bag"`` kernel, the default
-there): each block's keys are stored transposed (``[head_dim, block_size]``), so a block's
-scores for one query head are a weighted sum of its ``head_dim`` key rows, the query's
+On the CPU decodes read the cache in place instead. The ``"native"`` kernel (the default
+where a C compiler is found, :mod:`~twostroke.engine.models.native`) does it in one compiled
+call per layer. The ``"bag"`` kernel (the fallback, on the same cache layout) does it with
+torch's operators: each block's keys are stored transposed (``[head_dim, block_size]``), so
+a block's scores for one query head are a weighted sum of its ``head_dim`` key rows, the query's
 elements the weights, and the output is a weighted sum of value rows, the probabilities the
 weights. ``embedding_bag`` computes such sums straight from the cache through the block
 tables (one call for the scores, one for the outputs), so no history is copied: the whole
@@ -50,7 +52,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from twostroke.engine.models.attention_metadata import AttentionMetadata, DecodeBags
+from twostroke.engine.models.attention_metadata import AttentionMetadata, DecodeBags, PagedDecodes
 from twostroke.engine.models.kv_cache import LayerCache
 
 __all__ = ["paged_attention", "write_kv"]
@@ -101,10 +103,16 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     groups = metadata.decode_groups
+    if not metadata.prefills and len(groups) == 1 and groups[0].paged is not None:
+        return _decode_native(query, layer, groups[0].paged, scale)  # the CPU's usual step
     if not metadata.prefills and all(group.bags is not None for group in groups):
         # The CPU's usual decode step: the groups' results, in order, are the whole output
         # (one group's without a copy), in fewer calls than filling a new tensor.
-        parts = [_decode_bags(query, layer, g.bags, g.mask, scale) for g in groups if g.bags]
+        parts = [
+            _decode_bags(query, layer, g.bags, g.mask, scale)
+            for g in groups
+            if g.bags is not None and g.mask is not None
+        ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.view(num_tokens, -1)
     num_kv_heads, block_size = layer.data.shape[2], layer.data.shape[3]
@@ -112,6 +120,12 @@ def paged_attention(
     for group in groups:
         rows = slice(group.offset, group.offset + group.num_decodes)
         decodes = group.num_decodes
+        if group.paged is not None:
+            out[rows] = _decode_native(query[rows], layer, group.paged, scale).view(
+                decodes, num_heads, head_dim
+            )
+            continue
+        assert group.mask is not None
         if group.bags is not None:
             attended = _decode_bags(query, layer, group.bags, group.mask, scale)
             out[rows] = attended.view(decodes, num_heads, head_dim)
@@ -189,6 +203,17 @@ def _prefill_sdpa_folded(
     )
     attended = attended[0].view(num_kv_heads, count, groups, head_dim).transpose(0, 1)
     return attended.reshape(count, num_heads, head_dim)
+
+
+def _decode_native(
+    query: torch.Tensor, layer: LayerCache, paged: PagedDecodes, scale: float
+) -> torch.Tensor:
+    """The decodes through the compiled kernel: one call, keys and values read in place.
+
+    ``query`` is ``[R, heads, dim]`` (any strides; the q/k/v output's view is read as it
+    is), its rows the decodes in order; returns ``[R, heads * dim]``.
+    """
+    return paged.kernel(query, layer.key_rows, layer.value_rows, paged.tables, paged.lengths, scale)
 
 
 def _decode_bags(

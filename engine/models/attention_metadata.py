@@ -5,7 +5,8 @@ write slots for the new keys and values, gather indices into the paged cache, an
 Decodes are batched, padded to the longest history, and split into groups when the padding
 saved outweighs one more call, or when one group's padded histories would exceed a bound
 (:func:`split_decodes`); every other chunk gets a call of its own. This module holds only
-that index arithmetic; the kernels are in :mod:`twostroke.engine.models.attention`.
+that index arithmetic; the kernels are in :mod:`twostroke.engine.models.attention` (and
+:mod:`twostroke.engine.models.native`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Literal
 import attrs
 import torch
 
+from twostroke.engine.models.native import PagedDecodeKernel, native_wanted, paged_decode_kernel
 from twostroke.gpu.staging import to_device
 
 __all__ = [
@@ -24,17 +26,20 @@ __all__ = [
     "ChunkSpec",
     "DecodeBags",
     "DecodeGroup",
+    "PagedDecodes",
     "PrefillChunk",
+    "best_kernel",
     "default_group_overhead",
     "default_kernel",
     "split_decodes",
 ]
 
-#: How decodes attend: ``"bag"`` reads keys and values in place through the block tables
-#: (two ``embedding_bag`` calls; the cache then holds each block's keys transposed), or over
-#: gathered histories: batched matrix products with a float32 softmax between them
-#: (``"matmul"``), or ``scaled_dot_product_attention`` (``"sdpa"``).
-AttentionKernel = Literal["bag", "matmul", "sdpa"]
+#: How decodes attend: ``"native"`` reads keys and values in place through the block tables
+#: in one compiled call per layer (:mod:`~twostroke.engine.models.native`), ``"bag"`` does
+#: with two ``embedding_bag`` calls (with either, the cache holds each block's keys
+#: transposed), or over gathered histories: batched matrix products with a float32 softmax
+#: between them (``"matmul"``), or ``scaled_dot_product_attention`` (``"sdpa"``).
+AttentionKernel = Literal["native", "bag", "matmul", "sdpa"]
 
 
 def default_kernel(device: torch.device) -> AttentionKernel:
@@ -44,6 +49,35 @@ def default_kernel(device: torch.device) -> AttentionKernel:
     decode step, whole, measured in one process on an AVX2 EPYC (see docs/performance.md).
     """
     return "sdpa" if device.type == "cuda" else "bag"
+
+
+def best_kernel(
+    device: torch.device,
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> AttentionKernel:
+    """:func:`default_kernel`, or ``"native"`` in place of ``"bag"`` where it runs and is
+    wanted (``TWOSTROKE_NATIVE=0`` keeps ``"bag"``).
+
+    The compiled kernel reads the bag kernel's cache layout in one call per layer (1.5-1.7x
+    faster on SmolLM2's batch-32 attention, docs/performance.md); it is built, or loaded
+    from the cache, by this call (:func:`~twostroke.engine.models.native.paged_decode_kernel`).
+    """
+    kernel = default_kernel(device)
+    if kernel != "bag" or not native_wanted():
+        return kernel
+    native = paged_decode_kernel(
+        block_size=block_size,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=dtype,
+    )
+    return "bag" if native is None else "native"
 
 
 def default_group_overhead(device: torch.device) -> int | None:
@@ -176,6 +210,21 @@ class DecodeBags:
 
 
 @attrs.frozen
+class PagedDecodes:
+    """Where the ``"native"`` kernel reads the decodes' histories, in place.
+
+    Attributes:
+        tables: int32 ``[R, W]``: each decode's blocks in order, padded with block 0.
+        lengths: int32 ``[R]``: the positions each decode attends to (its chunk's end).
+        kernel: The compiled kernel for the cache's shape and dtype.
+    """
+
+    tables: torch.Tensor
+    lengths: torch.Tensor
+    kernel: PagedDecodeKernel
+
+
+@attrs.frozen
 class DecodeGroup:
     """Consecutive decodes attended in one call, their histories padded to the longest.
 
@@ -184,18 +233,22 @@ class DecodeGroup:
         num_decodes: Rows of the group.
         gather: Rows of the cache view ``[2 * num_blocks * num_kv_heads, block_size,
             head_dim]`` holding the histories, keys then values, decode by decode and head
-            by head; ``None`` for the ``"bag"`` kernel, which reads in place.
+            by head; ``None`` for the ``"bag"`` and ``"native"`` kernels, which read in
+            place.
         mask: The additive key mask: float32 ``[num_decodes, 1, keys]`` for the
             ``"matmul"`` and ``"bag"`` kernels, ``[num_decodes, 1, 1, keys]`` in the
-            model's dtype for ``"sdpa"``.
+            model's dtype for ``"sdpa"``; ``None`` for ``"native"``, which reads only each
+            decode's own positions.
         bags: The ``"bag"`` kernel's indices, else ``None``.
+        paged: The ``"native"`` kernel's tables and lengths, else ``None``.
     """
 
     offset: int
     num_decodes: int
     gather: torch.Tensor | None
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     bags: DecodeBags | None = None
+    paged: PagedDecodes | None = None
 
 
 @attrs.frozen
@@ -259,11 +312,11 @@ class AttentionMetadata:
     def keys_transposed(self) -> bool:
         """Whether the cache holds each block's keys as ``[head_dim, block_size]``.
 
-        The ``"bag"`` kernel's layout: a block's scores are a weighted sum of its
-        ``head_dim`` key rows. Values stay ``[block_size, head_dim]``. One cache is written
-        and read with one kernel for its whole life (the runner's device picks it).
+        The ``"bag"`` and ``"native"`` kernels' layout: a block's scores are a weighted sum
+        of its ``head_dim`` key rows. Values stay ``[block_size, head_dim]``. One cache is
+        written and read with one layout for its whole life (the runner picks the kernel).
         """
-        return self.kernel == "bag"
+        return _transposes_keys(self.kernel)
 
     @classmethod
     def build(
@@ -300,24 +353,43 @@ class AttentionMetadata:
             max_decode_positions: The most padded key positions one decode group gathers
                 (``max_positions`` of :func:`split_decodes`): bounds the memory of the
                 padded histories a layer gathers at once. ``None``: no bound.
-            num_heads: Query heads of the model; the ``"bag"`` kernel needs it.
-            head_dim: Width of a head; the ``"bag"`` kernel needs it.
+            num_heads: Query heads of the model; the ``"bag"`` and ``"native"`` kernels
+                need it.
+            head_dim: Width of a head; the ``"bag"`` and ``"native"`` kernels need it.
 
         Returns:
             The step's metadata, on ``device``.
 
         Raises:
             ValueError: a chunk is empty, or its block table does not cover its positions
-                or names a block outside the cache; or the ``"bag"`` kernel without
-                ``num_heads`` and ``head_dim``.
+                or names a block outside the cache; the ``"bag"`` or ``"native"`` kernel
+                without ``num_heads`` and ``head_dim``; or the ``"native"`` kernel where it
+                does not run (see :func:`~twostroke.engine.models.native.paged_decode_kernel`).
         """
         if kernel is None:
             kernel = default_kernel(device)
-        if kernel == "bag" and (num_heads is None or head_dim is None):
+        if _transposes_keys(kernel) and (num_heads is None or head_dim is None):
             raise ValueError(
-                "the 'bag' kernel needs num_heads and head_dim, got "
+                f"the {kernel!r} kernel needs num_heads and head_dim, got "
                 f"num_heads={num_heads} and head_dim={head_dim}"
             )
+        native = None
+        if kernel == "native":
+            assert num_heads is not None
+            assert head_dim is not None
+            if device.type == "cpu":
+                native = paged_decode_kernel(
+                    block_size=block_size,
+                    head_dim=head_dim,
+                    num_heads=num_heads,
+                    num_kv_heads=num_kv_heads,
+                    dtype=dtype,
+                )
+            if native is None:
+                raise ValueError(
+                    f"the 'native' kernel does not run for {dtype} on {device.type} here "
+                    "(see twostroke.engine.models.native)"
+                )
         if group_overhead == "auto":
             group_overhead = default_group_overhead(device)
         positions: list[int] = []
@@ -337,7 +409,7 @@ class AttentionMetadata:
             num_blocks,
             num_kv_heads,
             device,
-            keys_transposed=kernel == "bag",
+            keys_transposed=_transposes_keys(kernel),
             num_heads=num_heads or num_kv_heads,
             head_dim=head_dim or 0,
         )
@@ -347,7 +419,10 @@ class AttentionMetadata:
         while num_decodes < len(chunks) and chunks[num_decodes].num_tokens == 1:
             num_decodes += 1
         decode_groups: list[DecodeGroup] = []
-        if num_decodes:
+        if native is not None and num_decodes:
+            # No padding is read, so nothing is saved by cutting: one group, one call.
+            decode_groups.append(_paged_decodes(chunks[:num_decodes], block_size, native))
+        elif num_decodes:
             lengths = [chunk.end for chunk in chunks[:num_decodes]]
             cuts = split_decodes(
                 lengths,
@@ -358,7 +433,7 @@ class AttentionMetadata:
             for first, last in zip([0, *cuts], [*cuts, num_decodes], strict=True):
                 mask_dtype = dtype if kernel == "sdpa" else torch.float32
                 group = _decode_group(chunks[first:last], first, layout, mask_dtype)
-                if kernel == "sdpa":
+                if kernel == "sdpa" and group.mask is not None:
                     group = attrs.evolve(group, mask=group.mask[:, :, None, :])
                 decode_groups.append(group)
         prefills: list[PrefillChunk] = []
@@ -464,6 +539,25 @@ class _Layout:
         if self.device.type == "cpu":
             return bags
         return DecodeBags(*(_stage(tensor, self.device) for tensor in attrs.astuple(bags)))
+
+
+def _transposes_keys(kernel: AttentionKernel) -> bool:
+    return kernel in ("bag", "native")
+
+
+def _paged_decodes(
+    decodes: Sequence[ChunkSpec], block_size: int, kernel: PagedDecodeKernel
+) -> DecodeGroup:
+    """All decodes in one group for the ``"native"`` kernel: their tables and lengths."""
+    width = max(-(-chunk.end // block_size) for chunk in decodes)
+    flat: list[int] = []
+    for chunk in decodes:
+        used = -(-chunk.end // block_size)
+        flat.extend(chunk.block_table[:used])
+        flat.extend([0] * (width - used))
+    tables = torch.tensor(flat, dtype=torch.int32).view(len(decodes), width)
+    lengths = torch.tensor([chunk.end for chunk in decodes], dtype=torch.int32)
+    return DecodeGroup(0, len(decodes), None, None, paged=PagedDecodes(tables, lengths, kernel))
 
 
 def _decode_group(

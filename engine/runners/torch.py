@@ -24,7 +24,13 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
+from twostroke.engine.models.attention_metadata import (
+    AttentionKernel,
+    AttentionMetadata,
+    ChunkSpec,
+    best_kernel,
+    default_kernel,
+)
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
@@ -72,9 +78,9 @@ class TorchModelRunner:
             single decode whose own history is larger gets a group of its own, which takes
             its history's size (at most ``max_model_len`` positions). The KV cache is sized
             from what memory is left after this (``kv_cache_memory``), so keep it well
-            under that margin. The CPU's in-place ``"bag"`` attention gathers nothing, but
-            its groups are cut the same way (which bounds their padded scores). ``None``:
-            no bound.
+            under that margin. The CPU's in-place attention gathers nothing: the ``"bag"``
+            kernel's groups are cut the same way (which bounds their padded scores), the
+            ``"native"`` kernel's decodes are one group. ``None``: no bound.
 
     Raises:
         ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1.
@@ -105,6 +111,7 @@ class TorchModelRunner:
         self._sampler = Sampler(model.config.vocab_size, model.device, seed=seed)
         self._history: TokenHistory | None = None
         self._cache: KVCache | None = None
+        self._kernel: AttentionKernel = default_kernel(model.device)
         self._zeroed = bytearray()  # per KV block: zeroed since allocation
         self._previous_sampled: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
@@ -159,6 +166,12 @@ class TorchModelRunner:
         """The longest sequence (prompt and output) the model accepts."""
         return self._max_model_len
 
+    @property
+    def attention_kernel(self) -> AttentionKernel:
+        """How decodes attend: chosen when the KV cache is allocated (see
+        :func:`~twostroke.engine.models.attention_metadata.best_kernel`)."""
+        return self._kernel
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of KV cache one block of ``block_size`` positions takes (all layers)."""
         config = self.config
@@ -183,6 +196,15 @@ class TorchModelRunner:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         # Unzeroed: each block is zeroed the first time a step writes it (see KVCache).
+        config = self.config
+        self._kernel = best_kernel(
+            self.device,
+            block_size=block_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=self.model.dtype,
+        )
         self._cache = self.model.allocate_kv_cache(num_blocks, block_size, zeroed=False)
         self._zeroed = bytearray(num_blocks)
         self._zero_new_blocks([0], self._cache)  # padded decode histories read block 0
@@ -249,6 +271,7 @@ class TorchModelRunner:
             num_kv_heads=self.config.num_kv_heads,
             dtype=self.model.dtype,
             device=device,
+            kernel=self._kernel,
             max_decode_positions=self._max_decode_positions,
             num_heads=self.config.num_heads,
             head_dim=self.config.head_dim,

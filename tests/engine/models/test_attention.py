@@ -72,6 +72,7 @@ def metadata(
         ("sdpa", 0, None),
         ("bag", None, None),
         ("bag", 0, None),
+        ("native", None, None),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -149,10 +150,11 @@ def test_slot_mapping_follows_block_tables() -> None:
     assert torch.isinf(group.mask).flatten().tolist() == [False] * 4
 
 
-@pytest.mark.parametrize("kernel", ["matmul", "bag"])
+@pytest.mark.parametrize("kernel", ["matmul", "bag", "native"])
 def test_keys_and_values_land_in_their_block_head_and_offset(kernel: AttentionKernel) -> None:
     """The cache is head-major inside a block: ``[layer, kv, block, head, offset, dim]``;
-    for the bag kernel each block's keys are transposed, ``[..., head, dim, offset]``."""
+    for the bag and native kernels each block's keys are transposed, ``[..., head, dim,
+    offset]``."""
     cache = KVCache.allocate(
         num_layers=1,
         num_blocks=10,
@@ -171,7 +173,8 @@ def test_keys_and_values_land_in_their_block_head_and_offset(kernel: AttentionKe
         block, offset = divmod(slot, BLOCK)
         for head in range(KV_HEADS):
             tile = cache.key[0, block, head]
-            stored = tile.view(WIDTH, BLOCK)[:, offset] if kernel == "bag" else tile[offset]
+            transposed = kernel in ("bag", "native")
+            stored = tile.view(WIDTH, BLOCK)[:, offset] if transposed else tile[offset]
             assert torch.equal(stored, keys[token, head])
             assert torch.equal(cache.value[0, block, head, offset], values[token, head])
     assert int((cache.data != 0).sum()) == 2 * keys.numel()  # nothing else was written
@@ -373,12 +376,13 @@ def test_sdpa_never_takes_a_mask_with_grouped_query_heads(
     block_size=st.sampled_from([1, 3, 4, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_bag_decodes_match_gathered_products(
+def test_in_place_decodes_match_gathered_products(
     data: st.DataObject, num_decodes: int, block_size: int, dtype: torch.dtype
 ) -> None:
-    """The in-place kernel against the gathering one on random decode batches: histories
-    of any length (last blocks partly filled), blocks shared by several decodes (a prefix
-    cache's), groups cut or not, queries of any strides."""
+    """The in-place kernels (bag and native) against the gathering one on random decode
+    batches: histories of any length (last blocks partly filled, their unwritten slots NaN
+    for the native kernel), blocks shared by several decodes (a prefix cache's), groups
+    cut or not, queries of any strides."""
     lengths = data.draw(st.lists(st.integers(1, 40), min_size=num_decodes, max_size=num_decodes))
     shared = data.draw(st.integers(0, min(lengths) // block_size))  # full blocks all share
     widest = -(-max(lengths) // block_size)
@@ -394,6 +398,13 @@ def test_bag_decodes_match_gathered_products(
     overhead = data.draw(st.sampled_from([None, 0]))
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     history = torch.randn(2, num_blocks, KV_HEADS, block_size, WIDTH, generator=generator)
+    # Slots past a decode's end were never written. The padding kernels need them finite (a
+    # zeroed cache); the native kernel never reads them, so it gets them as NaN.
+    poisoned = history.clone()
+    for chunk in chunks:
+        last, used = chunk.block_table[(chunk.end - 1) // block_size], (chunk.end - 1) % block_size
+        if last not in prefix:
+            poisoned[:, last, :, used + 1 :] = math.nan
     query = torch.randn(num_decodes, HEADS, WIDTH, generator=generator).to(dtype)
     layout = data.draw(st.sampled_from(["contiguous", "inside q/k/v", "transposed"]))
     if layout == "inside q/k/v":  # the model's: a view of the projection, offset and strided
@@ -403,7 +414,7 @@ def test_bag_decodes_match_gathered_products(
         query = query.transpose(0, 1).contiguous().transpose(0, 1)
     new = torch.zeros(num_decodes, 2, KV_HEADS, WIDTH, dtype=dtype)
     outputs = []
-    for kernel in ("matmul", "bag"):
+    for kernel in ("matmul", "bag", "native"):
         step = AttentionMetadata.build(
             chunks,
             block_size=block_size,
@@ -416,10 +427,11 @@ def test_bag_decodes_match_gathered_products(
             num_heads=HEADS,
             head_dim=WIDTH,
         )
-        layer = history.clone()
-        if kernel == "bag":  # the same keys, stored transposed within each block
-            layer[0] = history[0].transpose(-1, -2).reshape(layer[0].shape)
+        layer = (poisoned if kernel == "native" else history).clone()
+        if kernel != "matmul":  # the same keys, stored transposed within each block
+            layer[0] = layer[0].transpose(-1, -2).reshape(layer[0].shape)
         out = paged_attention(query, new, LayerCache.of(layer.to(dtype)), step, scale=WIDTH**-0.5)
         outputs.append(out.float())
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=0)
+    torch.testing.assert_close(outputs[2], outputs[0], atol=tolerance, rtol=0)

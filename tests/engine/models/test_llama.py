@@ -109,12 +109,13 @@ def test_llama_logits_match_transformers(
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kernel", ["matmul", "sdpa"])
-def test_gathering_kernels_match_transformers_through_the_model(
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa", "native"])
+def test_other_kernels_match_transformers_through_the_model(
     tiny_llama: tuple[Any, LoadedModel], kernel: AttentionKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CPU runs the bag kernel; the others (CUDA's SDPA) take the model's strided
-    queries and its row-wise cache writes too: mixed chunks, fp32 logits within 1e-4."""
+    """``forward_logits`` runs the bag kernel; the others (the runners' native one on the
+    CPU, CUDA's SDPA) take the model's strided queries and its cache writes too: mixed
+    chunks, fp32 logits within 1e-4."""
     monkeypatch.setattr(attention_metadata, "default_kernel", lambda device: kernel)
     reference, loaded = tiny_llama
     sequences = random_sequences(LENGTHS)

@@ -6,7 +6,8 @@ boolean mask index, an accumulating ``index_put_``) makes that launch wait for s
 depth 2 silently becomes depth 1. Those ops are the same on every device, so a
 ``TorchDispatchMode`` sees them on the CPU: every launch below runs under one that records
 each op that would synchronize on CUDA, for every kind of batch the sampler handles and on
-both default attention kernels (the CPU's in-place bags, and CUDA's SDPA).
+the default attention kernels (the CPU's compiled one and its fallback, in-place bags, and
+CUDA's SDPA).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_torch import generate
 from twostroke.engine.models import attention_metadata
 from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.models.native import NATIVE_ENV
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 
@@ -121,13 +123,16 @@ def _from_loaded_watched(cls: type, loaded: LoadedModel, **options: Any) -> Torc
     return _WatchedRunner(loaded.module, **options)
 
 
-@pytest.fixture(params=["bag", "sdpa"])
+@pytest.fixture(params=["native", "bag", "sdpa"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The CPU's attention kernel (in-place bags), or CUDA's (SDPA, decodes in one group).
+    """The CPU's attention kernels (compiled, or its fallback, in-place bags), or CUDA's
+    (SDPA, decodes in one group).
 
     The gathering ``"matmul"`` kernel (the CPU's before the bags) builds its indices with
     the same sync-free arithmetic as SDPA's, which the ``"sdpa"`` runs cover.
     """
+    if request.param == "bag":
+        monkeypatch.setenv(NATIVE_ENV, "0")
     if request.param == "sdpa":
         monkeypatch.setattr(attention_metadata, "default_kernel", lambda device: "sdpa")
         monkeypatch.setattr(attention_metadata, "default_group_overhead", lambda device: None)

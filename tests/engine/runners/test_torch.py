@@ -23,6 +23,7 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.models.native import NATIVE_ENV
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs
@@ -139,10 +140,17 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedMod
     return reference, load_model(path, dtype=torch.float32, device=CPU)
 
 
-@pytest.mark.parametrize("pipeline_depth", [2, 1])
-def test_greedy_continuous_batch_matches_transformers(tiny: Any, pipeline_depth: int) -> None:
-    """8 prompts x 32 tokens, chunked prefill (16-token budget), staggered arrivals."""
+@pytest.mark.parametrize(("pipeline_depth", "kernel"), [(2, "native"), (1, "native"), (2, "bag")])
+def test_greedy_continuous_batch_matches_transformers(
+    tiny: Any, pipeline_depth: int, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 prompts x 32 tokens, chunked prefill (16-token budget), staggered arrivals; with
+    the CPU's compiled decode attention and with its fallback (``TWOSTROKE_NATIVE=0``)."""
     _, loaded, prompts, expected = tiny
+    monkeypatch.setenv(NATIVE_ENV, "0" if kernel == "bag" else "1")
+    runner = TorchModelRunner.from_loaded(loaded)
+    runner.allocate_kv_cache(8, 4)
+    assert runner.attention_kernel == kernel
     run = generate(
         loaded,
         prompts,
@@ -292,8 +300,10 @@ def test_decode_groups_gather_within_decode_gather_bytes(
     tiny_llama: tuple[Any, LoadedModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long and short histories decoding together: no group gathers past the budget (unless
-    one history alone is larger), and the tokens are those of an unbounded run."""
+    one history alone is larger), and the tokens are those of an unbounded run. The
+    native kernel reads no padding: its decodes stay one group whatever the budget."""
     _, loaded = tiny_llama
+    monkeypatch.setenv(NATIVE_ENV, "0")  # the bag kernel: the CPU's that cuts groups
     built: list[AttentionMetadata] = []
     build = AttentionMetadata.build.__func__  # type: ignore[attr-defined]
 
@@ -321,6 +331,12 @@ def test_decode_groups_gather_within_decode_gather_bytes(
     unbounded = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=None)
     assert max(len(metadata.decode_groups) for metadata in built) == 1  # CPU: no padding cut
     assert bounded.tokens == unbounded.tokens
+    monkeypatch.setenv(NATIVE_ENV, "1")
+    built.clear()
+    native = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=budget)
+    assert {metadata.kernel for metadata in built} == {"native"}
+    assert max(len(metadata.decode_groups) for metadata in built) == 1
+    assert native.tokens == unbounded.tokens
     with pytest.raises(ValueError, match=r"^decode_gather_bytes must be >= 1, got 0$"):
         TorchModelRunner.from_loaded(loaded, decode_gather_bytes=0)
 

@@ -1,0 +1,190 @@
+/* Paged decode attention on the CPU: each decode's query heads attend over its history,
+ * read in place from the paged KV cache through its block table.
+ *
+ * twostroke.engine.models.native compiles this file at run time with the machine's C
+ * compiler, once per shape and element type, and caches the library (see that module):
+ *
+ *   -DBLOCK_SIZE=16 -DHEAD_DIM=64 -DGROUP=3   positions per block, width of a head, and
+ *                                             query heads per key/value head
+ *   -DELEMENT_BF16                            bfloat16 queries, cache and output (else float)
+ *
+ * Compile-time sizes let the compiler keep a block's scores and a head's output in vector
+ * registers and unroll the inner loops; with run-time sizes the same loops ran 3x slower.
+ *
+ * The cache layout is the "bag" kernel's (twostroke.engine.models.attention): one layer is
+ * [2, num_blocks, num_kv_heads, ...], keys first. A key tile (block b, head g) is
+ * [HEAD_DIM, BLOCK_SIZE], transposed, so a block's scores for one query are a sum over d of
+ * query[d] times row d: BLOCK_SIZE lanes wide, no horizontal reduction. A value tile is
+ * [BLOCK_SIZE, HEAD_DIM]. The GROUP query heads that share a key/value head are computed
+ * together, so each tile is read from memory once, not GROUP times.
+ *
+ * Work is split over (decode, key/value head) pairs with OpenMP. The library links the
+ * libgomp that torch has already loaded (the same soname), so it runs on torch's own
+ * thread team at torch's thread count, on the thread that calls it.
+ *
+ * Arithmetic: scores, softmax and sums in float32 whatever the element type; exp by a
+ * polynomial (relative error about 2e-7) that the compiler vectorizes. Positions at or past
+ * a decode's length are never read, so unwritten slots of its last block cannot leak in.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(BLOCK_SIZE) || !defined(HEAD_DIM) || !defined(GROUP)
+#error "compile with -DBLOCK_SIZE=, -DHEAD_DIM= and -DGROUP="
+#endif
+
+#ifdef ELEMENT_BF16
+typedef uint16_t element;
+static inline float load(element x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline element store(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (element)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
+    return (element)(bits >> 16);
+}
+#else
+typedef float element;
+static inline float load(element x) { return x; }
+static inline element store(float f) { return f; }
+#endif
+
+#define TILE ((ptrdiff_t)HEAD_DIM * BLOCK_SIZE)
+#define LINE 64
+
+/* exp(x) for x <= 0: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 (Cephes' expf). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+static inline void prefetch_tile(const element *tile) {
+    const char *bytes = (const char *)tile;
+    for (size_t at = 0; at < sizeof(element) * TILE; at += LINE) __builtin_prefetch(bytes + at, 0, 3);
+}
+
+/* One decode and one key/value head: GROUP query rows over `length` positions. */
+static void attend(const element *restrict query, float scale, int32_t length,
+                   const int32_t *restrict table, const element *restrict keys,
+                   const element *restrict values, ptrdiff_t kv_heads, ptrdiff_t head,
+                   float *restrict scores, ptrdiff_t padded, element *restrict out) {
+    const ptrdiff_t blocks = (length + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    float q[GROUP][HEAD_DIM];
+    for (int h = 0; h < GROUP; h++)
+        for (int d = 0; d < HEAD_DIM; d++) q[h][d] = load(query[h * HEAD_DIM + d]) * scale;
+
+    /* Scores, block by block; the next key tile (then the first value tile) is fetched
+     * while this one is summed: the block table hides the next address from the
+     * hardware's prefetcher. */
+    for (ptrdiff_t j = 0; j < blocks; j++) {
+        const element *restrict tile = keys + ((ptrdiff_t)table[j] * kv_heads + head) * TILE;
+        prefetch_tile(j + 1 < blocks ? keys + ((ptrdiff_t)table[j + 1] * kv_heads + head) * TILE
+                                     : values + ((ptrdiff_t)table[0] * kv_heads + head) * TILE);
+        float block[GROUP][BLOCK_SIZE];
+        for (int h = 0; h < GROUP; h++)
+            for (int i = 0; i < BLOCK_SIZE; i++) block[h][i] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; d++) {
+            const element *restrict row = tile + d * BLOCK_SIZE;
+            for (int h = 0; h < GROUP; h++) {
+                const float w = q[h][d];
+                for (int i = 0; i < BLOCK_SIZE; i++) block[h][i] += w * load(row[i]);
+            }
+        }
+        for (int h = 0; h < GROUP; h++)
+            memcpy(scores + h * padded + j * BLOCK_SIZE, block[h], sizeof block[h]);
+    }
+
+    float total[GROUP];
+    for (int h = 0; h < GROUP; h++) {
+        float *restrict s = scores + h * padded;
+        float top = s[0];
+        for (int32_t i = 1; i < length; i++) top = s[i] > top ? s[i] : top;
+        float sum = 0.0f;
+        for (int32_t i = 0; i < length; i++) {
+            const float e = exp_nonpositive(s[i] - top);
+            s[i] = e;
+            sum += e;
+        }
+        total[h] = sum;
+    }
+
+    /* Outputs, one query head at a time, so its HEAD_DIM sums stay in registers; a value
+     * tile read by the first head is in cache for the others. */
+    for (int h = 0; h < GROUP; h++) {
+        const float *restrict p = scores + h * padded;
+        float sum[HEAD_DIM];
+        for (int d = 0; d < HEAD_DIM; d++) sum[d] = 0.0f;
+        for (ptrdiff_t j = 0; j < blocks; j++) {
+            const element *restrict tile = values + ((ptrdiff_t)table[j] * kv_heads + head) * TILE;
+            if (h == 0 && j + 1 < blocks)
+                prefetch_tile(values + ((ptrdiff_t)table[j + 1] * kv_heads + head) * TILE);
+            const ptrdiff_t left = length - j * BLOCK_SIZE;
+            const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
+            for (int i = 0; i < count; i++) {
+                const float w = p[j * BLOCK_SIZE + i];
+                for (int d = 0; d < HEAD_DIM; d++) sum[d] += w * load(tile[i * HEAD_DIM + d]);
+            }
+        }
+        const float inverse = 1.0f / total[h];
+        for (int d = 0; d < HEAD_DIM; d++) out[h * HEAD_DIM + d] = store(sum[d] * inverse);
+    }
+}
+
+/* Attend `decodes` single-token queries over their histories in one layer's cache.
+ *
+ * query:        decode r's query heads at query + r * query_stride, [heads, HEAD_DIM]
+ * keys, values: the layer's key and value tiles (see the top of this file)
+ * tables:       decode r's block table at tables + r * table_stride (int32 block ids)
+ * lengths:      positions decode r attends to (its history and itself), each >= 1
+ * out:          [decodes, kv_heads * GROUP, HEAD_DIM]
+ *
+ * Returns 0, or 1 if a thread could not allocate its scores (out is then incomplete).
+ */
+int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride,
+                           const element *restrict keys, const element *restrict values,
+                           const int32_t *restrict tables, ptrdiff_t table_stride,
+                           const int32_t *restrict lengths, ptrdiff_t decodes,
+                           ptrdiff_t kv_heads, float scale, element *restrict out) {
+    int32_t longest = 1;
+    for (ptrdiff_t r = 0; r < decodes; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    const ptrdiff_t padded = ((ptrdiff_t)longest + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
+    const ptrdiff_t items = decodes * kv_heads;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(GROUP * padded));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (ptrdiff_t item = 0; item < items; item++) {
+            if (scores == NULL) continue;
+            const ptrdiff_t r = item / kv_heads, head = item % kv_heads;
+            attend(query + r * query_stride + head * GROUP * HEAD_DIM, scale, lengths[r],
+                   tables + r * table_stride, keys, values, kv_heads, head, scores, padded,
+                   out + (r * kv_heads + head) * GROUP * HEAD_DIM);
+        }
+        free(scores);
+    }
+    return failed;
+}

@@ -1,0 +1,227 @@
+"""The compiled paged decode kernel: built, cached, checked, and refused with a reason."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from twostroke.engine.models import native
+from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
+from twostroke.engine.models.attention_metadata import (
+    AttentionMetadata,
+    ChunkSpec,
+    best_kernel,
+)
+from twostroke.engine.models.native import (
+    NATIVE_ENV,
+    NativeBuildError,
+    build_kernel,
+    paged_decode_kernel,
+    reference_paged_decode,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh_kernels() -> Iterator[None]:
+    """Forget the kernels this process built, before and after (they are cached per shape)."""
+    native._kernel.cache_clear()
+    yield
+    native._kernel.cache_clear()
+
+
+def environment(**overrides: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(overrides)
+    return env
+
+
+def batch(
+    kernel: native.PagedDecodeKernel, lengths: list[int], kv_heads: int = 2
+) -> tuple[torch.Tensor, ...]:
+    """Random queries and cache, each decode with its own blocks, shuffled."""
+    size, dim = kernel.block_size, kernel.head_dim
+    generator = torch.Generator().manual_seed(len(lengths))
+    widths = [-(-length // size) for length in lengths]
+    num_blocks = sum(widths) + 1
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
+    for row, width in enumerate(widths):
+        tables[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    keys = torch.randn(num_blocks, kv_heads, dim, size, generator=generator).to(kernel.dtype)
+    values = torch.randn(num_blocks, kv_heads, size, dim, generator=generator).to(kernel.dtype)
+    query = torch.randn(len(lengths), kv_heads * kernel.group, dim, generator=generator)
+    lengths_tensor = torch.tensor(lengths, dtype=torch.int32)
+    return query.to(kernel.dtype), keys, values, tables, lengths_tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "head_dim", "group"), [(16, 64, 3), (5, 8, 1), (1, 4, 4)])
+def test_the_kernel_matches_torch(
+    block_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+    lengths = [1, block_size, block_size + 1, 3 * block_size + 2, 40]
+    query, keys, values, tables, lengths_tensor = batch(kernel, lengths)
+    got = kernel(query, keys, values, tables, lengths_tensor, 0.3)
+    assert got.dtype == dtype
+    assert got.shape == (len(lengths), query.shape[1] * head_dim)
+    expected = reference_paged_decode(query, keys, values, tables, lengths_tensor, 0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
+
+
+def test_a_query_of_any_strides_is_read_right() -> None:
+    kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
+    query, keys, values, tables, lengths = batch(kernel, [3, 9, 17])
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)  # rows not of head_dim
+    inside = torch.zeros(3, query.shape[1] + 5, 8)[:, 2 : 2 + query.shape[1]].copy_(query)
+    expected = kernel(query, keys, values, tables, lengths, 0.5)
+    for view in (strided, inside):
+        torch.testing.assert_close(kernel(view, keys, values, tables, lengths, 0.5), expected)
+
+
+def test_a_second_build_loads_the_cached_library(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=native.__name__)
+    first = build_kernel(block_size=2, head_dim=4, group=3, dtype=torch.float32)
+    built = first.path.stat().st_mtime_ns
+    caplog.clear()
+    second = build_kernel(block_size=2, head_dim=4, group=3, dtype=torch.float32)
+    assert second.path == first.path
+    assert second.path.stat().st_mtime_ns == built
+    assert "compiling" not in caplog.text
+    assert first.path.parent == Path(os.environ[CACHE_DIR_ENV]) / "native"
+
+
+def test_each_shape_and_element_type_has_its_own_library() -> None:
+    paths = {
+        build_kernel(block_size=size, head_dim=8, group=1, dtype=dtype).path
+        for size in (2, 4)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    assert len(paths) == 4
+
+
+def test_without_the_cache_the_library_is_built_and_left_nowhere(tmp_path: Path) -> None:
+    env = environment(**{NO_CACHE_ENV: "1", CACHE_DIR_ENV: str(tmp_path)})
+    kernel = build_kernel(block_size=3, head_dim=4, group=2, dtype=torch.float32, environ=env)
+    query, keys, values, tables, lengths = batch(kernel, [4, 7])
+    expected = reference_paged_decode(query, keys, values, tables, lengths, 1.0)
+    torch.testing.assert_close(kernel(query, keys, values, tables, lengths, 1.0), expected)
+    assert not kernel.path.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_the_library_leaves_denormals_alone() -> None:
+    """Fast-math flags go to the compile only: linked in, GCC's crtfastmath would flush
+    denormals to zero for the whole process, torch included."""
+    build_kernel(block_size=16, head_dim=64, group=3, dtype=torch.float32)
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float(tiny * 1.0) != 0.0
+    assert float(torch.tensor(1e-38) / torch.tensor(100.0)) != 0.0
+
+
+@pytest.mark.parametrize(
+    ("compiler", "message"),
+    [
+        ("/nonexistent/cc", "'/nonexistent/cc', which is not an executable"),
+        ("false", "exited with 1"),
+    ],
+)
+def test_a_compiler_that_fails_is_named_in_the_error(
+    tmp_path: Path, compiler: str, message: str
+) -> None:
+    env = environment(CC=compiler, **{CACHE_DIR_ENV: str(tmp_path)})
+    with pytest.raises(NativeBuildError, match=message):
+        build_kernel(block_size=4, head_dim=8, group=1, dtype=torch.float32, environ=env)
+
+
+def test_no_compiler_found_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    env = environment(CC="", **{CACHE_DIR_ENV: str(tmp_path)})
+    with pytest.raises(NativeBuildError, match=r"no C compiler found \(set \$CC"):
+        build_kernel(block_size=4, head_dim=8, group=1, dtype=torch.float32, environ=env)
+
+
+def test_a_kernel_that_disagrees_with_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(native._TOLERANCE, torch.float32, -1.0)  # nothing passes
+    with pytest.raises(NativeBuildError, match=r"check differs from torch by .* torch\.float32"):
+        build_kernel(block_size=4, head_dim=8, group=1, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [("block_size", 0, "block_size must be >= 1, got 0"), ("group", -2, "group must be >= 1")],
+)
+def test_bad_sizes_are_rejected(name: str, value: int, message: str) -> None:
+    sizes = {"block_size": 4, "head_dim": 8, "group": 1, name: value}
+    with pytest.raises(ValueError, match=message):
+        build_kernel(**sizes, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"takes float32 or bfloat16, got torch\.float16"):
+        build_kernel(block_size=4, head_dim=8, group=1, dtype=torch.float16)
+
+
+@pytest.mark.usefixtures("fresh_kernels")
+def test_where_the_build_fails_the_runner_keeps_the_bag_kernel_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    shape = {"block_size": 4, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8}
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
+        assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
+    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1  # once per shape and process
+    assert "/nonexistent/cc" in warnings[0].getMessage()
+    assert "'bag' kernel instead" in warnings[0].getMessage()
+    with pytest.raises(ValueError, match=r"the 'native' kernel does not run for torch\.float32"):
+        AttentionMetadata.build(
+            [ChunkSpec(2, 1, (1,))],
+            num_blocks=3,
+            dtype=torch.float32,
+            device=CPU,
+            kernel="native",
+            **shape,
+        )
+
+
+def test_the_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = {"block_size": 4, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8}
+    assert best_kernel(CPU, dtype=torch.float32, **shape) == "native"
+    assert best_kernel(CPU, dtype=torch.bfloat16, **shape) == "native"
+    assert best_kernel(CPU, dtype=torch.float16, **shape) == "bag"  # no float16 build
+    assert best_kernel(torch.device("cuda", 0), dtype=torch.float32, **shape) == "sdpa"
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
+
+
+def test_heads_that_do_not_share_evenly_get_no_kernel() -> None:
+    assert (
+        paged_decode_kernel(
+            block_size=4, head_dim=8, num_heads=5, num_kv_heads=2, dtype=torch.float32
+        )
+        is None
+    )
+
+
+def test_nothing_past_a_decode_is_read() -> None:
+    """NaN in every slot past each decode's length changes nothing."""
+    kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
+    query, keys, values, tables, lengths = batch(kernel, [1, 6, 11])
+    expected = kernel(query, keys, values, tables, lengths, 0.7)
+    for row, length in enumerate(lengths.tolist()):
+        last, used = int(tables[row, (length - 1) // 4]), (length - 1) % 4 + 1
+        keys[last, :, :, used:] = math.nan
+        values[last, :, used:] = math.nan
+    assert torch.equal(kernel(query, keys, values, tables, lengths, 0.7), expected)
