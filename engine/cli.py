@@ -478,6 +478,7 @@ def _bench(args: argparse.Namespace) -> int:
         compare_prefix_caching=args.compare_prefix_caching,
         compare_unconstrained=args.compare_unconstrained,
         compare_governed=args.compare_governed,
+        compare_attention=args.compare_attention,
         quantizations=tuple(args.quantization or ()),
     )
     if args.replicas is not None:

@@ -295,6 +295,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "(every core while they are free, fewer while other work wants them)",
     )
     parser.add_argument(
+        "--compare-attention",
+        action="store_true",
+        help="also run twostroke at depth 2 with the 'bag' decode attention (torch's "
+        "operators), the fallback of the compiled kernel the CPU runs by default",
+    )
+    parser.add_argument(
         "--quantization",
         action="append",
         choices=("fp16", "int8"),

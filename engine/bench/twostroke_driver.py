@@ -29,6 +29,7 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.streaming import stream_workload
 from twostroke.engine.bench.workload import Workload, without_json_schemas
 from twostroke.engine.engine import Engine
+from twostroke.engine.models.attention_metadata import AttentionKernel
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.loading import DTYPES, default_torch_threads
 from twostroke.engine.runners.masks import StepMasks
@@ -100,16 +101,26 @@ class TwostrokeDriver:
             takes (``"cpu"``, ``"cuda"``, ``"auto"``).
         unconstrained: Run the workload with its JSON schemas taken off (the same prompts and
             lengths): what the cost of structured output is measured against.
+        attention_kernel: The runner's decode attention (``None``: the one it picks).
         engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields.
     """
 
     def __init__(
-        self, depth: int, *, device: str = "cpu", unconstrained: bool = False, **engine_options: Any
+        self,
+        depth: int,
+        *,
+        device: str = "cpu",
+        unconstrained: bool = False,
+        attention_kernel: AttentionKernel | None = None,
+        **engine_options: Any,
     ) -> None:
         self.depth = depth
         self.device = device
         self.unconstrained = unconstrained
+        self.attention_kernel = attention_kernel
         self.name = f"twostroke-depth{depth}"
+        if attention_kernel is not None:
+            self.name += f"-{attention_kernel}"
         if engine_options.get("enable_prefix_caching") is False:
             self.name += "-nocache"
         if engine_options.get("quantization") is not None:
@@ -153,7 +164,9 @@ class TwostrokeDriver:
         started += warmup
         runner = _RecordingRunner(
             TorchModelRunner.from_loaded(
-                loaded, max_num_seqs=self.engine_options.get("max_num_seqs", 64)
+                loaded,
+                max_num_seqs=self.engine_options.get("max_num_seqs", 64),
+                attention_kernel=self.attention_kernel,
             )
         )
         request_ids = [-1] * len(workload.requests)
@@ -187,6 +200,7 @@ class TwostrokeDriver:
                 "weights": "GGUF dequantized" if loaded.source.suffix == ".gguf" else "HF",
                 "quantization": loaded.quantization,
                 "packed": loaded.module.packed,
+                "attention": runner.runner.attention_kernel,
                 **_mask_figures(stats),
             },
         )
@@ -394,6 +408,7 @@ def engine_drivers(
     compare_prefix_caching: bool = False,
     compare_unconstrained: bool = False,
     compare_governed: bool = False,
+    compare_attention: bool = False,
     device: str = "cpu",
     quantizations: tuple[str, ...] = (),
     **engine_options: Any,
@@ -402,8 +417,10 @@ def engine_drivers(
     with ``compare_prefix_caching`` depth 2 without prefix caching, with
     ``compare_unconstrained`` depth 2 and depth 1 with the workload's JSON schemas taken off,
     with ``compare_governed`` depth 2 with its thread count left to the engine (its
-    :class:`~twostroke.gpu.cores.ThreadGovernor`, up to every core), and depth 2 with each
-    of ``quantizations`` (weight precisions); all on ``device``."""
+    :class:`~twostroke.gpu.cores.ThreadGovernor`, up to every core), with
+    ``compare_attention`` depth 2 with the ``"bag"`` decode attention (the compiled kernel's
+    fallback), and depth 2 with each of ``quantizations`` (weight precisions); all on
+    ``device``."""
     depth2 = TwostrokeDriver(2, device=device, **engine_options)
     drivers = [
         depth2,
@@ -421,6 +438,8 @@ def engine_drivers(
     if compare_governed:
         options = engine_options | {"torch_threads": None}
         drivers.append(TwostrokeDriver(2, device=device, **options))
+    if compare_attention:
+        drivers.append(TwostrokeDriver(2, device=device, attention_kernel="bag", **engine_options))
     for quantization in quantizations:
         options = engine_options | {"quantization": quantization}
         drivers.append(TwostrokeDriver(2, device=device, **options))

@@ -20,6 +20,7 @@ the copy, and every tensor the step touches is kept alive in ``keepalive``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
 import attrs
 import torch
@@ -81,9 +82,15 @@ class TorchModelRunner:
             under that margin. The CPU's in-place attention gathers nothing: the ``"bag"``
             kernel's groups are cut the same way (which bounds their padded scores), the
             ``"native"`` kernel's decodes are one group. ``None``: no bound.
+        attention_kernel: How decodes attend (see
+            :data:`~twostroke.engine.models.attention_metadata.AttentionKernel`); ``None``
+            takes :func:`~twostroke.engine.models.attention_metadata.best_kernel` when the
+            KV cache is allocated. For comparisons: a kernel the device or the cache's
+            shape cannot run fails there.
 
     Raises:
-        ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1.
+        ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1,
+            or an unknown ``attention_kernel``.
     """
 
     def __init__(
@@ -94,6 +101,7 @@ class TorchModelRunner:
         max_num_seqs: int | None = None,
         seed: int | None = None,
         decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
+        attention_kernel: AttentionKernel | None = None,
     ) -> None:
         for name, value in (
             ("max_model_len", max_model_len),
@@ -102,6 +110,12 @@ class TorchModelRunner:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if attention_kernel is not None and attention_kernel not in get_args(AttentionKernel):
+            raise ValueError(
+                f"attention_kernel must be one of {get_args(AttentionKernel)} or None, got "
+                f"{attention_kernel!r}"
+            )
+        self._chosen_kernel = attention_kernel
         self.model = model
         self.config = model.config
         self.device = model.device
@@ -131,6 +145,7 @@ class TorchModelRunner:
         max_num_seqs: int | None = None,
         seed: int | None = None,
         decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
+        attention_kernel: AttentionKernel | None = None,
     ) -> TorchModelRunner:
         """A runner for a model :func:`~twostroke.engine.models.loader.load_model` loaded.
 
@@ -140,6 +155,7 @@ class TorchModelRunner:
             max_num_seqs: See the class.
             seed: See the class.
             decode_gather_bytes: See the class.
+            attention_kernel: See the class.
 
         Returns:
             The runner (its KV cache is allocated later, by the engine).
@@ -150,6 +166,7 @@ class TorchModelRunner:
             max_num_seqs=max_num_seqs,
             seed=seed,
             decode_gather_bytes=decode_gather_bytes,
+            attention_kernel=attention_kernel,
         )
 
     def __repr__(self) -> str:
@@ -197,7 +214,7 @@ class TorchModelRunner:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         # Unzeroed: each block is zeroed the first time a step writes it (see KVCache).
         config = self.config
-        self._kernel = best_kernel(
+        self._kernel = self._chosen_kernel or best_kernel(
             self.device,
             block_size=block_size,
             num_heads=config.num_heads,

@@ -29,13 +29,16 @@ def test_the_engine_systems_warm_up_once_and_the_bare_loop_replays_their_plans(
         seed=0,
         description="two tiny requests",
     )
-    depth2, bare, depth1 = engine_drivers(max_num_seqs=4)
-    results = [driver.run(workload, model=model) for driver in (depth2, bare, depth1)]
+    drivers = engine_drivers(max_num_seqs=4, compare_attention=True)
+    assert [driver.name for driver in drivers][3:] == ["twostroke-depth2-bag"]
+    results = [driver.run(workload, model=model) for driver in drivers]
     for result in results:
         assert result.available, result.reason
         assert [t.output_tokens for t in result.timings] == [4, 3]
         assert metrics(result).output_tokens == 7
-    first, _, second = results
+    first, _, second, bag = results
+    # --compare-attention: the runner's own choice (the compiled kernel here) and its fallback.
+    assert (first.extra["attention"], bag.extra["attention"]) == ("native", "bag")
     # The first engine system of the process ran the warm-up pass, untimed; the next did not.
     assert first.extra["warmup_s"] > 0
     assert second.extra["warmup_s"] == 0

@@ -402,6 +402,17 @@ def test_pending_inputs_come_from_the_previous_step_on_the_device(
     assert second.readback().sampled == {1: expected}
 
 
+def test_an_unknown_attention_kernel_is_refused(tiny_llama: tuple[Any, LoadedModel]) -> None:
+    _, loaded = tiny_llama
+    with pytest.raises(
+        ValueError, match=r"^attention_kernel must be one of \(.*\) or None, got 'fast'$"
+    ):
+        TorchModelRunner.from_loaded(loaded, attention_kernel="fast")  # type: ignore[arg-type]
+    runner = TorchModelRunner.from_loaded(loaded, attention_kernel="matmul")
+    runner.allocate_kv_cache(8, 4)
+    assert runner.attention_kernel == "matmul"
+
+
 def test_sizes(tiny_llama: tuple[Any, LoadedModel]) -> None:
     _, loaded = tiny_llama
     runner = TorchModelRunner.from_loaded(loaded, max_model_len=10_000)
