@@ -3,7 +3,7 @@
 The layout is ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``: keys at
 index 0 of the second axis, values at 1. Blocks are stored head-major so one
 ``index_select`` gathers a batch's history straight into the layout batched matrix products
-take; with the ``"bag"`` attention kernel (the CPU's default) each block's keys are held
+take; with the CPU's in-place kernels (``"native"`` and ``"bag"``) each block's keys are held
 transposed, ``[head_dim, block_size]``, in the same space (see
 :mod:`twostroke.engine.models.attention`).
 """
