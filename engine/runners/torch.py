@@ -35,6 +35,7 @@ from twostroke.engine.models.attention_metadata import (
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
+from twostroke.engine.models.native import paged_decode_kernel
 from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
@@ -85,8 +86,8 @@ class TorchModelRunner:
         attention_kernel: How decodes attend (see
             :data:`~twostroke.engine.models.attention_metadata.AttentionKernel`); ``None``
             takes :func:`~twostroke.engine.models.attention_metadata.best_kernel` when the
-            KV cache is allocated. For comparisons: a kernel the device or the cache's
-            shape cannot run fails there.
+            KV cache is allocated. For comparisons: ``"native"`` where it does not run
+            fails there.
 
     Raises:
         ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1,
@@ -205,7 +206,9 @@ class TorchModelRunner:
 
         Raises:
             RunnerError: the cache exists already.
-            ValueError: ``num_blocks`` or ``block_size`` below 1.
+            ValueError: ``num_blocks`` or ``block_size`` below 1, or ``attention_kernel``
+                ``"native"`` where it does not run (see
+                :func:`~twostroke.engine.models.native.paged_decode_kernel`).
         """
         if self._cache is not None:
             raise RunnerError("the KV cache can be allocated only once")
@@ -214,6 +217,21 @@ class TorchModelRunner:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         # Unzeroed: each block is zeroed the first time a step writes it (see KVCache).
         config = self.config
+        if self._chosen_kernel == "native" and (
+            self.device.type != "cpu"
+            or paged_decode_kernel(
+                block_size=block_size,
+                head_dim=config.head_dim,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                dtype=self.model.dtype,
+            )
+            is None
+        ):
+            raise ValueError(
+                f"attention_kernel='native' does not run for {self.model.dtype} on "
+                f"{self.device.type} here (see twostroke.engine.models.native)"
+            )
         self._kernel = self._chosen_kernel or best_kernel(
             self.device,
             block_size=block_size,

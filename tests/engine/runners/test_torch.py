@@ -24,6 +24,7 @@ from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.models.native import NATIVE_ENV
+from twostroke.engine.runners import torch as torch_runner
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs
@@ -402,7 +403,9 @@ def test_pending_inputs_come_from_the_previous_step_on_the_device(
     assert second.readback().sampled == {1: expected}
 
 
-def test_an_unknown_attention_kernel_is_refused(tiny_llama: tuple[Any, LoadedModel]) -> None:
+def test_an_attention_kernel_that_cannot_run_is_refused(
+    tiny_llama: tuple[Any, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, loaded = tiny_llama
     with pytest.raises(
         ValueError, match=r"^attention_kernel must be one of \(.*\) or None, got 'fast'$"
@@ -411,6 +414,10 @@ def test_an_unknown_attention_kernel_is_refused(tiny_llama: tuple[Any, LoadedMod
     runner = TorchModelRunner.from_loaded(loaded, attention_kernel="matmul")
     runner.allocate_kv_cache(8, 4)
     assert runner.attention_kernel == "matmul"
+    monkeypatch.setattr(torch_runner, "paged_decode_kernel", lambda **shape: None)  # no build
+    native = TorchModelRunner.from_loaded(loaded, attention_kernel="native")
+    with pytest.raises(ValueError, match=r"^attention_kernel='native' does not run for torch"):
+        native.allocate_kv_cache(8, 4)
 
 
 def test_sizes(tiny_llama: tuple[Any, LoadedModel]) -> None:
