@@ -147,7 +147,8 @@ class PagedDecodeKernel:
             values: One layer's value tiles, ``[num_blocks, kv_heads, block_size,
                 head_dim]``, contiguous.
             tables: int32 ``[R, W]``, row ``r`` the blocks of decode ``r`` in order,
-                contiguous rows.
+                contiguous rows. Block ids are not checked here: each must name a block
+                of the cache (``AttentionMetadata.build`` checks them).
             lengths: int32 ``[R]``: the positions decode ``r`` attends to, each at least 1
                 and at most ``W * block_size``.
             scale: Multiplies the scores.
@@ -156,8 +157,28 @@ class PagedDecodeKernel:
             ``[R, heads * head_dim]`` in ``dtype``.
 
         Raises:
+            ValueError: a tensor of another dtype, or a cache of another shape, than the
+                kernel was built for (it would read the wrong bytes).
             RuntimeError: the kernel could not allocate its scratch memory.
         """
+        dtype = self.dtype
+        if (
+            query.dtype != dtype
+            or keys.dtype != dtype
+            or values.dtype != dtype
+            or tables.dtype != torch.int32
+            or lengths.dtype != torch.int32
+            or keys.shape[-1] != self.block_size
+            or values.shape[-1] != self.head_dim
+            or query.shape[-1] != self.head_dim
+        ):
+            raise ValueError(
+                f"the kernel takes {dtype} queries and cache with blocks of {self.block_size} "
+                f"and heads of {self.head_dim}, and int32 tables and lengths; got query "
+                f"{query.dtype} {tuple(query.shape)}, keys {keys.dtype} {tuple(keys.shape)}, "
+                f"values {values.dtype} {tuple(values.shape)}, tables {tables.dtype}, "
+                f"lengths {lengths.dtype}"
+            )
         decodes, heads, _ = query.shape
         if query.stride(2) != 1 or query.stride(1) != self.head_dim:
             query = query.contiguous()
@@ -176,7 +197,7 @@ class PagedDecodeKernel:
             out.data_ptr(),
         )
         if failed:
-            raise RuntimeError("the paged decode kernel could not allocate its scores")
+            raise RuntimeError("the paged decode kernel could not allocate its scratch memory")
         return out
 
 

@@ -225,3 +225,14 @@ def test_nothing_past_a_decode_is_read() -> None:
         keys[last, :, :, used:] = math.nan
         values[last, :, used:] = math.nan
     assert torch.equal(kernel(query, keys, values, tables, lengths, 0.7), expected)
+
+
+def test_tensors_the_kernel_was_not_built_for_are_refused() -> None:
+    kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
+    query, keys, values, tables, lengths = batch(kernel, [3, 9])
+    with pytest.raises(ValueError, match=r"got query torch\.float32 .* keys torch\.bfloat16"):
+        kernel(query, keys.bfloat16(), values, tables, lengths, 1.0)
+    with pytest.raises(ValueError, match=r"int32 tables and lengths; .* tables torch\.int64"):
+        kernel(query, keys, values, tables.long(), lengths, 1.0)
+    with pytest.raises(ValueError, match=r"blocks of 4 and heads of 8"):
+        kernel(query, keys.transpose(-1, -2), values, tables, lengths, 1.0)
