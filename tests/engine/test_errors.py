@@ -34,6 +34,9 @@ NOT_EXPORTED = {
     # The bench's own signal: a peer's child process failed; the bench records it as that
     # system's reason for not running, and nothing outside `twostroke bench` sees it.
     "twostroke.engine.bench.child.ChildError",
+    # The native kernel's own signal: a runner that meets it logs it once and attends with
+    # the bag kernel instead; only build_kernel's own callers (the tests) see it.
+    "twostroke.engine.models.native.NativeBuildError",
     # A test oracle (an AssertionError): a scheduling bug the simulated KV cache caught.
     "twostroke.states.simulation.SimulationError",
 }
