@@ -236,3 +236,13 @@ def test_tensors_the_kernel_was_not_built_for_are_refused() -> None:
         kernel(query, keys, values, tables.long(), lengths, 1.0)
     with pytest.raises(ValueError, match=r"blocks of 4 and heads of 8"):
         kernel(query, keys.transpose(-1, -2), values, tables, lengths, 1.0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_the_library_runs_on_torchs_own_openmp() -> None:
+    """One OpenMP runtime in the process: the library's libgomp.so.1 is the one torch loaded
+    (two would each keep a thread team, and oversubscribe the cores)."""
+    build_kernel(block_size=16, head_dim=64, group=3, dtype=torch.float32)
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
