@@ -31,6 +31,7 @@ __all__ = [
     "best_kernel",
     "default_group_overhead",
     "default_kernel",
+    "native_kernel",
     "split_decodes",
 ]
 
@@ -70,14 +71,45 @@ def best_kernel(
     kernel = default_kernel(device)
     if kernel != "bag" or not native_wanted():
         return kernel
-    native = paged_decode_kernel(
-        block_size=block_size,
-        head_dim=head_dim,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        dtype=dtype,
-    )
-    return "bag" if native is None else "native"
+    shape = {"block_size": block_size, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+    try:
+        native_kernel(device, head_dim=head_dim, dtype=dtype, **shape)
+    except ValueError:
+        return "bag"
+    return "native"
+
+
+def native_kernel(
+    device: torch.device,
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> PagedDecodeKernel:
+    """The compiled decode attention for this cache on ``device`` (built on first use).
+
+    Raises:
+        ValueError: it does not run here: not the CPU, an element type it is not built
+            for, or a failed build (logged, see
+            :func:`~twostroke.engine.models.native.paged_decode_kernel`).
+    """
+    kernel = None
+    if device.type == "cpu":
+        kernel = paged_decode_kernel(
+            block_size=block_size,
+            head_dim=head_dim,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            dtype=dtype,
+        )
+    if kernel is None:
+        raise ValueError(
+            f"the 'native' kernel does not run for {dtype} on {device.type} here "
+            "(see twostroke.engine.models.native)"
+        )
+    return kernel
 
 
 def default_group_overhead(device: torch.device) -> int | None:
@@ -377,19 +409,14 @@ class AttentionMetadata:
         if kernel == "native":
             assert num_heads is not None
             assert head_dim is not None
-            if device.type == "cpu":
-                native = paged_decode_kernel(
-                    block_size=block_size,
-                    head_dim=head_dim,
-                    num_heads=num_heads,
-                    num_kv_heads=num_kv_heads,
-                    dtype=dtype,
-                )
-            if native is None:
-                raise ValueError(
-                    f"the 'native' kernel does not run for {dtype} on {device.type} here "
-                    "(see twostroke.engine.models.native)"
-                )
+            native = native_kernel(
+                device,
+                block_size=block_size,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+            )
         if group_overhead == "auto":
             group_overhead = default_group_overhead(device)
         positions: list[int] = []

@@ -31,11 +31,11 @@ from twostroke.engine.models.attention_metadata import (
     ChunkSpec,
     best_kernel,
     default_kernel,
+    native_kernel,
 )
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
-from twostroke.engine.models.native import paged_decode_kernel
 from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
@@ -208,7 +208,7 @@ class TorchModelRunner:
             RunnerError: the cache exists already.
             ValueError: ``num_blocks`` or ``block_size`` below 1, or ``attention_kernel``
                 ``"native"`` where it does not run (see
-                :func:`~twostroke.engine.models.native.paged_decode_kernel`).
+                :func:`~twostroke.engine.models.attention_metadata.native_kernel`).
         """
         if self._cache is not None:
             raise RunnerError("the KV cache can be allocated only once")
@@ -217,28 +217,16 @@ class TorchModelRunner:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         # Unzeroed: each block is zeroed the first time a step writes it (see KVCache).
         config = self.config
-        if self._chosen_kernel == "native" and (
-            self.device.type != "cpu"
-            or paged_decode_kernel(
-                block_size=block_size,
-                head_dim=config.head_dim,
-                num_heads=config.num_heads,
-                num_kv_heads=config.num_kv_heads,
-                dtype=self.model.dtype,
-            )
-            is None
-        ):
-            raise ValueError(
-                f"attention_kernel='native' does not run for {self.model.dtype} on "
-                f"{self.device.type} here (see twostroke.engine.models.native)"
-            )
+        shape = {
+            "block_size": block_size,
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+        }
+        if self._chosen_kernel == "native":
+            native_kernel(self.device, dtype=self.model.dtype, **shape)  # fails here, not later
         self._kernel = self._chosen_kernel or best_kernel(
-            self.device,
-            block_size=block_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=self.model.dtype,
+            self.device, dtype=self.model.dtype, **shape
         )
         self._cache = self.model.allocate_kv_cache(num_blocks, block_size, zeroed=False)
         self._zeroed = bytearray(num_blocks)
