@@ -64,7 +64,7 @@ def best_kernel(
     """:func:`default_kernel`, or ``"native"`` in place of ``"bag"`` where it runs and is
     wanted (``TWOSTROKE_NATIVE=0`` keeps ``"bag"``).
 
-    The compiled kernel reads the bag kernel's cache layout in one call per layer (1.5-1.7x
+    The compiled kernel reads the bag kernel's cache layout in one call per layer (1.7-1.9x
     faster on SmolLM2's batch-32 attention, docs/performance.md); it is built, or loaded
     from the cache, by this call (:func:`~twostroke.engine.models.native.paged_decode_kernel`).
     """

@@ -2,17 +2,17 @@
 
 torch has no operator that attends over a paged cache in place, so the CPU's decodes either
 gather their histories (a copy per layer) or sum them with ``embedding_bag`` (the ``"bag"``
-kernel: two calls and a softmax between them, with the cache read once per query head).
-``paged_decode.c``, next to this module, does it in one call per layer: each (decode,
-key/value head) reads its key and value tiles once, through the block table, for all the
-query heads that share them, and prefetches the next tile while it sums this one. On
-SmolLM2's batch-32 step it took the attention of 30 layers from 65-75 ms to 39-45 ms
-(docs/performance.md).
+kernel: two calls and a softmax between them, each tile summed once per query head).
+``paged_decode.c``, next to this module, does it in one call per layer: each decode reads
+its key and value tiles once, through the block table, a block's tiles for every head at
+once, for all the query heads that share them, and prefetches the next block while it sums
+this one. On SmolLM2's batch-32 step it took the attention of 30 layers from 61-68 ms to
+35-36 ms (medians), and the whole step 1.17x (docs/performance.md).
 
 **Built where it runs.** :func:`paged_decode_kernel` compiles the file with the machine's C
 compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``), with ``-march=native`` and the model's
 shape as constants (block size, head width, query heads per key/value head), into a shared
-library; about half a second. The library is kept in the artifact cache
+library, in 0.2-0.4 s. The library is kept in the artifact cache
 (``$TWOSTROKE_CACHE_DIR/native``, see :mod:`~twostroke.engine.models.artifacts`), named by a
 hash of the source, the flags, the compiler's version and the CPU's model and flags, so a
 later start loads it in milliseconds and a changed machine or compiler builds its own. It
