@@ -71,10 +71,16 @@ def best_kernel(
     kernel = default_kernel(device)
     if kernel != "bag" or not native_wanted():
         return kernel
-    shape = {"block_size": block_size, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
     try:
-        native_kernel(device, head_dim=head_dim, dtype=dtype, **shape)
-    except ValueError:
+        native_kernel(
+            device,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+    except ValueError:  # logged where the build failed
         return "bag"
     return "native"
 
