@@ -29,7 +29,7 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.streaming import stream_workload
 from twostroke.engine.bench.workload import Workload, without_json_schemas
 from twostroke.engine.engine import Engine
-from twostroke.engine.models.attention_metadata import AttentionKernel
+from twostroke.engine.models.attention_kernels import AttentionKernel
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.loading import DTYPES, default_torch_threads
 from twostroke.engine.runners.masks import StepMasks

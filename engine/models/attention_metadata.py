@@ -5,7 +5,8 @@ write slots for the new keys and values, gather indices into the paged cache, an
 Decodes are batched, padded to the longest history, and split into groups when the padding
 saved outweighs one more call, or when one group's padded histories would exceed a bound
 (:func:`split_decodes`); every other chunk gets a call of its own. This module holds only
-that index arithmetic; the kernels are in :mod:`twostroke.engine.models.attention` (and
+that index arithmetic, for the kernel :mod:`~twostroke.engine.models.attention_kernels`
+chose; the kernels are in :mod:`twostroke.engine.models.attention` (and
 :mod:`twostroke.engine.models.native`).
 """
 
@@ -17,105 +18,25 @@ from typing import Literal
 import attrs
 import torch
 
-from twostroke.engine.models.native import PagedDecodeKernel, native_wanted, paged_decode_kernel
+from twostroke.engine.models.attention_kernels import (
+    AttentionKernel,
+    default_kernel,
+    native_kernel,
+    transposes_keys,
+)
+from twostroke.engine.models.native import PagedDecodeKernel
 from twostroke.gpu.staging import to_device
 
 __all__ = [
-    "AttentionKernel",
     "AttentionMetadata",
     "ChunkSpec",
     "DecodeBags",
     "DecodeGroup",
     "PagedDecodes",
     "PrefillChunk",
-    "best_kernel",
     "default_group_overhead",
-    "default_kernel",
-    "native_kernel",
     "split_decodes",
 ]
-
-#: How decodes attend: ``"native"`` reads keys and values in place through the block tables
-#: in one compiled call per layer (:mod:`~twostroke.engine.models.native`), ``"bag"`` does
-#: with two ``embedding_bag`` calls (with either, the cache holds each block's keys
-#: transposed), or over gathered histories: batched matrix products with a float32 softmax
-#: between them (``"matmul"``), or ``scaled_dot_product_attention`` (``"sdpa"``).
-AttentionKernel = Literal["native", "bag", "matmul", "sdpa"]
-
-
-def default_kernel(device: torch.device) -> AttentionKernel:
-    """SDPA on CUDA (its fused kernels win there), in-place bags elsewhere.
-
-    On the CPU the bags beat gathering the histories for the products: SmolLM2's batch-32
-    decode step, whole, measured in one process on an AVX2 EPYC (see docs/performance.md).
-    """
-    return "sdpa" if device.type == "cuda" else "bag"
-
-
-def best_kernel(
-    device: torch.device,
-    *,
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> AttentionKernel:
-    """:func:`default_kernel`, or ``"native"`` in place of ``"bag"`` where it runs and is
-    wanted (``TWOSTROKE_NATIVE=0`` keeps ``"bag"``).
-
-    The compiled kernel reads the bag kernel's cache layout in one call per layer (1.7-1.9x
-    faster on SmolLM2's batch-32 attention, docs/performance.md); it is built, or loaded
-    from the cache, by this call (:func:`~twostroke.engine.models.native.paged_decode_kernel`).
-    """
-    kernel = default_kernel(device)
-    if kernel != "bag" or not native_wanted():
-        return kernel
-    try:
-        native_kernel(
-            device,
-            block_size=block_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-        )
-    except ValueError:  # logged where the build failed
-        return "bag"
-    return "native"
-
-
-def native_kernel(
-    device: torch.device,
-    *,
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> PagedDecodeKernel:
-    """The compiled decode attention for this cache on ``device`` (built on first use).
-
-    Raises:
-        ValueError: it does not run here: not the CPU, an element type it is not built
-            for, or a failed build (logged, see
-            :func:`~twostroke.engine.models.native.paged_decode_kernel`).
-    """
-    kernel = None
-    if device.type == "cpu":
-        kernel = paged_decode_kernel(
-            block_size=block_size,
-            head_dim=head_dim,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            dtype=dtype,
-        )
-    if kernel is None:
-        raise ValueError(
-            f"the 'native' kernel does not run for {dtype} on {device.type} here "
-            "(see twostroke.engine.models.native)"
-        )
-    return kernel
 
 
 def default_group_overhead(device: torch.device) -> int | None:
@@ -354,7 +275,7 @@ class AttentionMetadata:
         of its ``head_dim`` key rows. Values stay ``[block_size, head_dim]``. One cache is
         written and read with one layout for its whole life (the runner picks the kernel).
         """
-        return _transposes_keys(self.kernel)
+        return transposes_keys(self.kernel)
 
     @classmethod
     def build(
@@ -406,7 +327,7 @@ class AttentionMetadata:
         """
         if kernel is None:
             kernel = default_kernel(device)
-        if _transposes_keys(kernel) and (num_heads is None or head_dim is None):
+        if transposes_keys(kernel) and (num_heads is None or head_dim is None):
             raise ValueError(
                 f"the {kernel!r} kernel needs num_heads and head_dim, got "
                 f"num_heads={num_heads} and head_dim={head_dim}"
@@ -442,7 +363,7 @@ class AttentionMetadata:
             num_blocks,
             num_kv_heads,
             device,
-            keys_transposed=_transposes_keys(kernel),
+            keys_transposed=transposes_keys(kernel),
             num_heads=num_heads or num_kv_heads,
             head_dim=head_dim or 0,
         )
@@ -572,10 +493,6 @@ class _Layout:
         if self.device.type == "cpu":
             return bags
         return DecodeBags(*(_stage(tensor, self.device) for tensor in attrs.astuple(bags)))
-
-
-def _transposes_keys(kernel: AttentionKernel) -> bool:
-    return kernel in ("bag", "native")
 
 
 def _paged_decodes(

@@ -25,14 +25,13 @@ from typing import get_args
 import attrs
 import torch
 
-from twostroke.engine.models.attention_metadata import (
+from twostroke.engine.models.attention_kernels import (
     AttentionKernel,
-    AttentionMetadata,
-    ChunkSpec,
     best_kernel,
     default_kernel,
     native_kernel,
 )
+from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import LoadedModel
@@ -84,8 +83,8 @@ class TorchModelRunner:
             kernel's groups are cut the same way (which bounds their padded scores), the
             ``"native"`` kernel's decodes are one group. ``None``: no bound.
         attention_kernel: How decodes attend (see
-            :data:`~twostroke.engine.models.attention_metadata.AttentionKernel`); ``None``
-            takes :func:`~twostroke.engine.models.attention_metadata.best_kernel` when the
+            :data:`~twostroke.engine.models.attention_kernels.AttentionKernel`); ``None``
+            takes :func:`~twostroke.engine.models.attention_kernels.best_kernel` when the
             KV cache is allocated. For comparisons: ``"native"`` where it does not run
             fails there.
 
@@ -187,7 +186,7 @@ class TorchModelRunner:
     @property
     def attention_kernel(self) -> AttentionKernel:
         """How decodes attend: chosen when the KV cache is allocated (see
-        :func:`~twostroke.engine.models.attention_metadata.best_kernel`)."""
+        :func:`~twostroke.engine.models.attention_kernels.best_kernel`)."""
         return self._kernel
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -208,7 +207,7 @@ class TorchModelRunner:
             RunnerError: the cache exists already.
             ValueError: ``num_blocks`` or ``block_size`` below 1, or ``attention_kernel``
                 ``"native"`` where it does not run (see
-                :func:`~twostroke.engine.models.attention_metadata.native_kernel`).
+                :func:`~twostroke.engine.models.attention_kernels.native_kernel`).
         """
         if self._cache is not None:
             raise RunnerError("the KV cache can be allocated only once")

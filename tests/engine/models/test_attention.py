@@ -11,12 +11,11 @@ from hypothesis import strategies as st
 
 from twostroke.engine.models import attention
 from twostroke.engine.models.attention import paged_attention, write_kv
+from twostroke.engine.models.attention_kernels import AttentionKernel, default_kernel
 from twostroke.engine.models.attention_metadata import (
-    AttentionKernel,
     AttentionMetadata,
     ChunkSpec,
     default_group_overhead,
-    default_kernel,
     split_decodes,
 )
 from twostroke.engine.models.kv_cache import KVCache, LayerCache

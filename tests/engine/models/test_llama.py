@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from twostroke.engine.models import attention_metadata
-from twostroke.engine.models.attention_metadata import AttentionKernel
+from twostroke.engine.models.attention_kernels import AttentionKernel
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.linear import Linear, can_pack
 from twostroke.engine.models.llama import (

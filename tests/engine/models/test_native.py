@@ -13,11 +13,8 @@ import torch
 
 from twostroke.engine.models import native
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
-from twostroke.engine.models.attention_metadata import (
-    AttentionMetadata,
-    ChunkSpec,
-    best_kernel,
-)
+from twostroke.engine.models.attention_kernels import best_kernel
+from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.native import (
     NATIVE_ENV,
     NativeBuildError,

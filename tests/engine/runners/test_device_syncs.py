@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_torch import generate
-from twostroke.engine.models import attention_metadata
+from twostroke.engine.models import attention_kernels, attention_metadata
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.models.native import NATIVE_ENV
 from twostroke.engine.runners.torch import TorchModelRunner
@@ -134,7 +134,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     """
     monkeypatch.setenv(NATIVE_ENV, "0")
     if request.param == "sdpa":
-        monkeypatch.setattr(attention_metadata, "default_kernel", lambda device: "sdpa")
+        monkeypatch.setattr(attention_kernels, "default_kernel", lambda device: "sdpa")
         monkeypatch.setattr(attention_metadata, "default_group_overhead", lambda device: None)
     return str(request.param)
 

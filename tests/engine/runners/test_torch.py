@@ -20,7 +20,7 @@ from tests.engine.models.test_llama import (
 )
 from tests.engine.runners.test_sampler import reference_penalties
 from twostroke.engine.bench.model import ModelSpec
-from twostroke.engine.models import attention_metadata
+from twostroke.engine.models import attention_kernels
 from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.loader import LoadedModel, load_model
@@ -414,7 +414,7 @@ def test_an_attention_kernel_that_cannot_run_is_refused(
     runner = TorchModelRunner.from_loaded(loaded, attention_kernel="matmul")
     runner.allocate_kv_cache(8, 4)
     assert runner.attention_kernel == "matmul"
-    monkeypatch.setattr(attention_metadata, "paged_decode_kernel", lambda **shape: None)
+    monkeypatch.setattr(attention_kernels, "paged_decode_kernel", lambda **shape: None)
     native = TorchModelRunner.from_loaded(loaded, attention_kernel="native")
     with pytest.raises(ValueError, match=r"^the 'native' kernel does not run for torch\.float32"):
         native.allocate_kv_cache(8, 4)
