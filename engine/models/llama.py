@@ -22,6 +22,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,8 @@ from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache, LayerCache
 from twostroke.engine.models.layers import RMSNorm, inverse_frequencies, rotary_tables, rotate_
 from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pack, packed_linear
+from twostroke.engine.models.native import native_wanted
+from twostroke.engine.models.native_norm import RMSNormKernel, rms_norm_kernel
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
@@ -151,6 +154,29 @@ class DecoderLayer(nn.Module):
         mixed: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
         return x + mixed
 
+    def forward_fused(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: LayerCache,
+        norms: RMSNormKernel,
+    ) -> torch.Tensor:
+        """:meth:`forward` with each residual add and the norm after it one ``norms`` call.
+
+        ``residual`` is the stream before the previous layer's MLP output ``delta`` (``None``
+        for the first layer) is added; both adds happen in place in ``residual``. Returns this
+        layer's MLP output, which the next layer (or the final norm) adds.
+        """
+        first, second = self.input_layernorm, self.post_attention_layernorm
+        attended: torch.Tensor = self.self_attn(
+            norms(residual, delta, first.weight, first.eps), cos, signed_sin, metadata, layer
+        )
+        mixed: torch.Tensor = self.mlp(norms(residual, attended, second.weight, second.eps))
+        return mixed
+
 
 #: transformers' per-layer tensor names -> (our parameter, index of the slice in a fused one).
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:(\w+)\.)?(\w+)\.(weight|bias)")
@@ -199,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         self._packed_embedding: torch.Tensor | None = None
         self._packed = False
         self._quantization: Quantization | None = None
+        self._norm_kernel: RMSNormKernel | None = None  # set by fuse_norms()
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
 
@@ -222,9 +249,18 @@ class LlamaForCausalLM(nn.Module):
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
-        for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
-            x = layer(x, cos, sin, metadata, layer_cache)
-        x = self.norm(x.index_select(0, logits_indices))
+        norms = self._norm_kernel
+        if norms is None:
+            for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
+                x = layer(x, cos, sin, metadata, layer_cache)
+            x = self.norm(x.index_select(0, logits_indices))
+        else:
+            delta: torch.Tensor | None = None  # x is the residual stream, added to in place
+            for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
+                decoder = cast(DecoderLayer, layer)  # a ModuleList's items are Modules to mypy
+                delta = decoder.forward_fused(x, delta, cos, sin, metadata, layer_cache, norms)
+            last = None if delta is None else delta.index_select(0, logits_indices)
+            x = norms(x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps)
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(x)
         elif self._packed_embedding is not None:
@@ -266,6 +302,28 @@ class LlamaForCausalLM(nn.Module):
                 self._packed_embedding = pack(self.embed_tokens)
         self._packed = True
         return True
+
+    @property
+    def fused_norms(self) -> bool:
+        """Whether :meth:`fuse_norms` gave the decoder its compiled norms."""
+        return self._norm_kernel is not None
+
+    def fuse_norms(self) -> bool:
+        """Compute each residual add and the RMSNorm after it in one compiled call.
+
+        On the CPU, in float32 or bfloat16, where the kernel of
+        :mod:`~twostroke.engine.models.native_norm` builds and passes its check, unless
+        ``TWOSTROKE_NATIVE=0``. Results agree with the operators' to float32 rounding, not
+        bit for bit (the mean's sum runs in another order), so the loader asks for it only
+        when transformers' exact arithmetic is not (``exact=False``).
+
+        Returns:
+            Whether the norms are now fused (``False`` where the kernel does not run; its
+            build logs why).
+        """
+        if self._norm_kernel is None and self.device.type == "cpu" and native_wanted():
+            self._norm_kernel = rms_norm_kernel(hidden=self.config.hidden_size, dtype=self.dtype)
+        return self._norm_kernel is not None
 
     @property
     def quantization(self) -> Quantization | None:

@@ -177,9 +177,10 @@ def load_model(
         pack_weights: Pack the projections for oneDNN where that works (see
             :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
         exact: float32 products exactly as transformers computes them (MKL's, on the
-            CPU). ``False`` lets float32 weights be packed too: faster, and rounded
-            differently (about 1e-6 of a projection's output); the engine's
-            ``dtype="auto"``.
+            CPU). ``False`` lets float32 weights be packed too, and the norms run as one
+            compiled call each on the CPU (:meth:`~twostroke.engine.models.llama.
+            LlamaForCausalLM.fuse_norms`): faster, and rounded differently (about 1e-6 of
+            a projection's output); the engine's ``dtype="auto"``.
         quantization: Hold the decoder's projection weights in ``"fp16"`` or ``"int8"``
             (activations stay in ``dtype``; see
             :mod:`~twostroke.engine.models.quantization`). Where the kernel does not run
@@ -227,6 +228,8 @@ def load_model(
             module.quantize_weights(quantization, threads=threads)
         if pack_weights:
             module.pack_weights(exact=exact)
+        if not exact:
+            module.fuse_norms()
     return LoadedModel(
         config=config,
         module=module,

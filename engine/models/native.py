@@ -50,11 +50,14 @@ import torch
 from twostroke.engine.models.artifacts import ArtifactCache
 
 __all__ = [
+    "ELEMENTS",
+    "HEADER",
     "NATIVE_ENV",
     "SOURCE",
     "NativeBuildError",
     "PagedDecodeKernel",
     "build_kernel",
+    "compile_library",
     "native_wanted",
     "paged_decode_kernel",
     "reference_paged_decode",
@@ -63,12 +66,15 @@ __all__ = [
 #: The kernel's C source.
 SOURCE = Path(__file__).with_name("paged_decode.c")
 
+#: The element type's header, which every kernel's source includes.
+HEADER = Path(__file__).with_name("native_element.h")
+
 #: Environment variable that keeps runners off the native kernel when set to ``0`` (see
 #: :func:`native_wanted`).
 NATIVE_ENV = "TWOSTROKE_NATIVE"
 
-#: Element types the kernel is built for, and the define that selects each.
-_ELEMENTS: Mapping[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "ELEMENT_BF16"}
+#: Element types the kernels are built for, and the define that selects each.
+ELEMENTS: Mapping[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "ELEMENT_BF16"}
 
 #: Compile flags. The math flags let the compiler vectorize the softmax's max and sum
 #: reductions and contract products into FMAs; they are passed when compiling only, never
@@ -217,7 +223,7 @@ def paged_decode_kernel(
     float32 and bfloat16, and where the build or its check fails (logged once as a warning,
     with the reason).
     """
-    if dtype not in _ELEMENTS:
+    if dtype not in ELEMENTS:
         return None
     if num_heads % num_kv_heads:
         return None
@@ -265,23 +271,14 @@ def build_kernel(
     for name, value in (("block_size", block_size), ("head_dim", head_dim), ("group", group)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if dtype not in _ELEMENTS:
+    if dtype not in ELEMENTS:
         raise ValueError(f"the native kernel takes float32 or bfloat16, got {dtype}")
     env = os.environ if environ is None else environ
-    compiler = _compiler(env)
     defines = [f"-DBLOCK_SIZE={block_size}", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
-    element = _ELEMENTS[dtype]
+    element = ELEMENTS[dtype]
     if element is not None:
         defines.append(f"-D{element}")
-    cache = ArtifactCache.from_environment(env)
-    with _build_lock:
-        if cache is None:
-            with tempfile.TemporaryDirectory(prefix="twostroke-native-") as folder:
-                path = _build(compiler, defines, Path(folder))
-                library = _load(path)  # the mapping outlives the file
-        else:
-            path = _build(compiler, defines, cache.root / "native")
-            library = _load(path)
+    library, path = compile_library(SOURCE, defines, "the paged decode kernel", env)
     function = library.twostroke_paged_decode
     function.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_ssize_t
@@ -292,6 +289,38 @@ def build_kernel(
     kernel = PagedDecodeKernel(block_size, head_dim, group, dtype, path, function=function)
     _check(kernel)
     return kernel
+
+
+def compile_library(
+    source: Path, defines: Sequence[str], what: str, environ: Mapping[str, str]
+) -> tuple[ctypes.CDLL, Path]:
+    """Compile ``source`` with ``defines`` (or find it compiled in the cache) and load it.
+
+    The library lands in the artifact cache's ``native`` folder, named by the source's stem
+    and a hash of everything that makes it (see the module); with the cache off
+    (``TWOSTROKE_NO_CACHE``), in a temporary folder that is gone once it is loaded.
+
+    Args:
+        source: A C file next to this module (it may include ``native_element.h``).
+        defines: ``-D`` flags.
+        what: Names the kernel in the log lines ("the paged decode kernel").
+        environ: Where ``$CC`` and the cache folder are read.
+
+    Returns:
+        The loaded library and its path.
+
+    Raises:
+        NativeBuildError: no compiler, or a failed compile or load; the message says which.
+    """
+    compiler = _compiler(environ)
+    cache = ArtifactCache.from_environment(environ)
+    with _build_lock:
+        if cache is None:
+            with tempfile.TemporaryDirectory(prefix="twostroke-native-") as folder:
+                path = _build(compiler, source, defines, what, Path(folder))
+                return _load(path), path  # the mapping outlives the file
+        path = _build(compiler, source, defines, what, cache.root / "native")
+        return _load(path), path
 
 
 def _compiler(environ: Mapping[str, str]) -> list[str]:
@@ -309,12 +338,14 @@ def _compiler(environ: Mapping[str, str]) -> list[str]:
     raise NativeBuildError("no C compiler found (set $CC, or install cc, gcc or clang)")
 
 
-def _build(compiler: Sequence[str], defines: Sequence[str], folder: Path) -> Path:
+def _build(
+    compiler: Sequence[str], source: Path, defines: Sequence[str], what: str, folder: Path
+) -> Path:
     """The library for ``defines`` in ``folder``: built unless an identical build is there."""
-    source = SOURCE.read_bytes()
     identity = b"\0".join(
         [
-            source,
+            source.read_bytes(),
+            HEADER.read_bytes(),
             " ".join([*_CFLAGS, *defines, "|", *_LDFLAGS]).encode(),
             _compiler_identity(tuple(compiler)).encode(),
             _cpu_identity().encode(),
@@ -322,7 +353,7 @@ def _build(compiler: Sequence[str], defines: Sequence[str], folder: Path) -> Pat
         ]
     )
     digest = hashlib.sha256(identity).hexdigest()[:16]
-    path = folder / f"paged_decode-{digest}.so"
+    path = folder / f"{source.stem}-{digest}.so"
     if path.exists():
         return path
     try:
@@ -330,19 +361,17 @@ def _build(compiler: Sequence[str], defines: Sequence[str], folder: Path) -> Pat
     except OSError as error:
         raise NativeBuildError(f"cannot create {folder}: {error}") from error
     started = time.perf_counter()
-    _log.info("twostroke: compiling the paged decode kernel (%s)", " ".join(defines))
+    _log.info("twostroke: compiling %s (%s)", what, " ".join(defines))
     partial = folder / f".{path.name}.{uuid.uuid4().hex}"
     objects = partial.with_suffix(".o")
     try:
-        _run([*compiler, *_CFLAGS, *defines, "-c", str(SOURCE), "-o", str(objects)])
+        _run([*compiler, *_CFLAGS, *defines, "-c", str(source), "-o", str(objects)])
         _run([*compiler, *_LDFLAGS, str(objects), "-o", str(partial)])
         os.replace(partial, path)  # atomic: a reader never sees half a library
     finally:
         for leftover in (objects, partial):
             leftover.unlink(missing_ok=True)
-    _log.info(
-        "twostroke: compiled the paged decode kernel in %.1f s", time.perf_counter() - started
-    )
+    _log.info("twostroke: compiled %s in %.1f s", what, time.perf_counter() - started)
     return path
 
 

@@ -6,7 +6,8 @@
  *
  *   -DBLOCK_SIZE=16 -DHEAD_DIM=64 -DGROUP=3   positions per block, width of a head, and
  *                                             query heads per key/value head
- *   -DELEMENT_BF16                            bfloat16 queries, cache and output (else float)
+ *   -DELEMENT_BF16                            bfloat16 queries, cache and output (else float;
+ *                                             see native_element.h)
  *
  * Compile-time sizes let the compiler keep a block's scores and a head's output in vector
  * registers and unroll the inner loops; with run-time sizes the same loops ran 3x slower.
@@ -36,29 +37,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_element.h"
+
 #if !defined(BLOCK_SIZE) || !defined(HEAD_DIM) || !defined(GROUP)
 #error "compile with -DBLOCK_SIZE=, -DHEAD_DIM= and -DGROUP="
-#endif
-
-#ifdef ELEMENT_BF16
-typedef uint16_t element;
-static inline float load(element x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-static inline element store(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (element)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (element)(bits >> 16);
-}
-#else
-typedef float element;
-static inline float load(element x) { return x; }
-static inline element store(float f) { return f; }
 #endif
 
 #define TILE ((ptrdiff_t)HEAD_DIM * BLOCK_SIZE)
