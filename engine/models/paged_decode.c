@@ -39,12 +39,71 @@
 
 #include "native_element.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #if !defined(BLOCK_SIZE) || !defined(HEAD_DIM) || !defined(GROUP)
 #error "compile with -DBLOCK_SIZE=, -DHEAD_DIM= and -DGROUP="
 #endif
 
 #define TILE ((ptrdiff_t)HEAD_DIM * BLOCK_SIZE)
 #define LINE 64
+
+/* The inner loops work on vectors of LANES floats (GCC's and clang's vector extensions),
+ * whose arrays the compiler keeps in registers: with plain float arrays GCC 12 spilled one
+ * of the three score accumulators to the stack on every step of the sum (a store and a
+ * load in each iteration's dependency chain), and the whole kernel ran 4x slower. */
+#if defined(__AVX512F__)
+#define WIDEST 16
+#define REGISTERS 32
+#else
+#define WIDEST 8
+#define REGISTERS 16
+#endif
+#if BLOCK_SIZE % WIDEST == 0 && HEAD_DIM % WIDEST == 0
+#define LANES WIDEST
+#elif BLOCK_SIZE % 8 == 0 && HEAD_DIM % 8 == 0
+#define LANES 8
+#elif BLOCK_SIZE % 4 == 0 && HEAD_DIM % 4 == 0
+#define LANES 4
+#else
+#define LANES 1
+#endif
+#define KEY_CHUNKS (BLOCK_SIZE / LANES)
+#define VALUE_CHUNKS (HEAD_DIM / LANES)
+/* Two partial sums per score, over even and odd d, where they fit in half the vector
+ * registers: twice the independent FMA chains (with 16-lane vectors, 3 chains become 6). */
+#define SPLIT (HEAD_DIM % 2 == 0 && 2 * GROUP * KEY_CHUNKS <= REGISTERS / 2 ? 2 : 1)
+/* Query heads whose outputs are summed together: all GROUP where their sums fit in half
+ * the vector registers, else one at a time. */
+#define OUTPUT_HEADS (GROUP * VALUE_CHUNKS <= REGISTERS / 2 ? GROUP : 1)
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+/* LANES elements from p (any alignment) as floats. bfloat16 widens in one instruction
+ * where the vector is a register of AVX-512 or AVX2 (GCC 12 made three of the generic
+ * conversion, and the AVX2 kernel ran slower than before vectors). */
+static inline vec load_vec(const element *p) {
+    vec v;
+#if defined(ELEMENT_BF16) && LANES == 16 && defined(__AVX512F__)
+    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    memcpy(&v, &widened, sizeof v);
+#elif defined(ELEMENT_BF16) && LANES == 8 && defined(__AVX2__)
+    const __m256i widened = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    memcpy(&v, &widened, sizeof v);
+#elif defined(ELEMENT_BF16)
+    typedef uint16_t narrow __attribute__((vector_size(LANES * sizeof(uint16_t))));
+    typedef uint32_t wide __attribute__((vector_size(LANES * sizeof(uint32_t))));
+    narrow bits;
+    memcpy(&bits, p, sizeof bits);
+    const wide widened = __builtin_convertvector(bits, wide) << 16;
+    memcpy(&v, &widened, sizeof v);
+#else
+    memcpy(&v, p, sizeof v);
+#endif
+    return v;
+}
 
 /* exp(x) for x <= 0: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 (Cephes' expf). */
 static inline float exp_nonpositive(float x) {
@@ -89,18 +148,22 @@ static void attend(const element *restrict query, float scale, int32_t length,
             prefetch_tile(next + g * TILE);
             const element *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
             const float *restrict qg = q + g * GROUP * HEAD_DIM;
-            float block[GROUP][BLOCK_SIZE];
-            for (int h = 0; h < GROUP; h++)
-                for (int i = 0; i < BLOCK_SIZE; i++) block[h][i] = 0.0f;
-            for (int d = 0; d < HEAD_DIM; d++) {
-                const element *restrict row = tile + d * BLOCK_SIZE;
-                for (int h = 0; h < GROUP; h++) {
-                    const float w = qg[h * HEAD_DIM + d];
-                    for (int i = 0; i < BLOCK_SIZE; i++) block[h][i] += w * load(row[i]);
+            vec block[SPLIT][GROUP][KEY_CHUNKS] = {0};
+            for (int first = 0; first < HEAD_DIM; first += SPLIT)
+                for (int part = 0; part < SPLIT; part++) {
+                    const int d = first + part;
+                    for (int c = 0; c < KEY_CHUNKS; c++) {
+                        const vec k = load_vec(tile + d * BLOCK_SIZE + c * LANES);
+                        for (int h = 0; h < GROUP; h++) block[part][h][c] += qg[h * HEAD_DIM + d] * k;
+                    }
                 }
-            }
             for (int h = 0; h < GROUP; h++)
-                memcpy(scores + (g * GROUP + h) * padded + j * BLOCK_SIZE, block[h], sizeof block[h]);
+                for (int c = 0; c < KEY_CHUNKS; c++) {
+                    vec total = block[0][h][c];
+                    for (int part = 1; part < SPLIT; part++) total += block[part][h][c];
+                    memcpy(scores + (g * GROUP + h) * padded + j * BLOCK_SIZE + c * LANES, &total,
+                           sizeof total);
+                }
         }
     }
     for (ptrdiff_t h = 0; h < rows; h++) {
@@ -116,27 +179,32 @@ static void attend(const element *restrict query, float scale, int32_t length,
         const float inverse = 1.0f / sum;
         for (int32_t i = 0; i < length; i++) s[i] *= inverse;
     }
-    /* Outputs, one query head at a time, so its HEAD_DIM sums stay in registers. The first
-     * head's pass fetches every head's value tiles of the next block; the other heads find
-     * them in cache. */
+    /* Outputs, OUTPUT_HEADS query heads at a time, so their sums stay in registers and each
+     * value row is read once for them. The first pass fetches every head's value tiles of
+     * the next block; later passes find them in cache. */
     for (ptrdiff_t g = 0; g < kv_heads; g++) {
-        for (int h = 0; h < GROUP; h++) {
-            const float *restrict p = scores + (g * GROUP + h) * padded;
-            float sum[HEAD_DIM];
-            for (int d = 0; d < HEAD_DIM; d++) sum[d] = 0.0f;
+        for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
+            const float *restrict p = scores + (g * GROUP + first) * padded;
+            vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
             for (ptrdiff_t j = 0; j < blocks; j++) {
-                if (g == 0 && h == 0 && j + 1 < blocks)
+                if (g == 0 && first == 0 && j + 1 < blocks)
                     for (ptrdiff_t t = 0; t < kv_heads; t++)
                         prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + t * TILE);
                 const element *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
                 const ptrdiff_t left = length - j * BLOCK_SIZE;
                 const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
                 for (int i = 0; i < count; i++) {
-                    const float w = p[j * BLOCK_SIZE + i];
-                    for (int d = 0; d < HEAD_DIM; d++) sum[d] += w * load(tile[i * HEAD_DIM + d]);
+                    const ptrdiff_t at = j * BLOCK_SIZE + i;
+                    for (int c = 0; c < VALUE_CHUNKS; c++) {
+                        const vec v = load_vec(tile + i * HEAD_DIM + c * LANES);
+                        for (int h = 0; h < OUTPUT_HEADS; h++) sum[h][c] += p[h * padded + at] * v;
+                    }
                 }
             }
-            for (int d = 0; d < HEAD_DIM; d++) out[(g * GROUP + h) * HEAD_DIM + d] = store(sum[d]);
+            for (int h = 0; h < OUTPUT_HEADS; h++)
+                for (int c = 0; c < VALUE_CHUNKS; c++)
+                    for (int l = 0; l < LANES; l++)
+                        out[(g * GROUP + first + h) * HEAD_DIM + c * LANES + l] = store(sum[h][c][l]);
         }
     }
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,6 +76,26 @@ def test_the_kernel_matches_torch(
     expected = reference_paged_decode(query, keys, values, tables, lengths_tensor, 0.3)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_built_for_older_x86_cpus_matches_torch_too(
+    march: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vector code has a path per register width: ``-march=native`` takes one, so the
+    SSE2 (x86-64) and AVX2 (x86-64-v3) builds are tried here too, where this CPU runs them."""
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in native._CFLAGS]
+    monkeypatch.setattr(native, "_CFLAGS", tuple(flags))
+    for block_size, head_dim, group in [(16, 64, 3), (5, 8, 1), (8, 64, 8)]:
+        kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+        lengths = [1, block_size + 1, 3 * block_size + 2, 40]
+        query, keys, values, tables, lengths_tensor = batch(kernel, lengths)
+        got = kernel(query, keys, values, tables, lengths_tensor, 0.3)
+        expected = reference_paged_decode(query, keys, values, tables, lengths_tensor, 0.3)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
 
 
 def test_a_query_of_any_strides_is_read_right() -> None:
