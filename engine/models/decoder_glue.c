@@ -1,38 +1,42 @@
-/* The decoder's residual add and RMSNorm on the CPU, in one pass over each row.
+/* The decoder's element-wise glue on the CPU: what sits between its matrix products.
  *
- * twostroke.engine.models.native_norm compiles this file at run time with the machine's C
- * compiler, once per width and element type, and caches the library (see
+ * twostroke.engine.models.native_glue compiles this file at run time with the machine's C
+ * compiler, once per model shape and element type, and caches the library (see
  * twostroke.engine.models.native):
  *
- *   -DHIDDEN=576      the width of a row (the model's hidden size)
- *   -DELEMENT_BF16    bfloat16 rows and weight (else float; see native_element.h)
+ *   -DHIDDEN=576 -DHEAD_DIM=64   the width of the residual stream and of a head
+ *   -DELEMENT_BF16               bfloat16 tensors (else float; see native_element.h)
  *
- * A pre-norm decoder layer adds each block's output to the residual stream and normalizes
- * the sum for the next block. torch does that in five operators or more per norm
- * (``rms_norm`` is not one kernel on the CPU, and in bfloat16 two casts come with it), each
- * a pass over the rows and a call from Python. Here it is one call per norm, one pass.
+ * In torch each of these is several operators, each a pass over the rows and a call from
+ * Python that hands the GIL back and forth with the engine's bookkeeping stroke: a residual
+ * add and ``rms_norm`` (five operators on the CPU, two casts more in bfloat16); rotary
+ * embeddings (a roll, two products and a sum) and the cache write (an ``index_put_``);
+ * SiLU and the product with the up projection. Here each is one call, one pass.
  *
- * The arithmetic is transformers' (modeling_llama's LlamaRMSNorm) in float32, whatever the
- * element type: the sum is rounded to the element type first (as ``x + delta`` is), the
- * mean of its squares taken in float32, the row multiplied by ``1 / sqrt(mean + eps)``,
- * rounded to the element type, and multiplied by the weight. Only the order of the mean's
- * sum differs from torch's, so results agree to float32 rounding.
+ * The arithmetic is transformers' in float32 whatever the element type, rounded to the
+ * element type wherever torch rounds (after every operator). It is compiled without
+ * contracting products into FMAs (-ffp-contract=off), so the rotary embeddings are
+ * transformers' bit for bit; the norm's mean is summed in another order than torch's and
+ * SiLU's exp is a polynomial, so those agree to float32 rounding.
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "native_element.h"
 
-#ifndef HIDDEN
-#error "compile with -DHIDDEN="
+#if !defined(HIDDEN) || !defined(HEAD_DIM)
+#error "compile with -DHIDDEN= and -DHEAD_DIM="
 #endif
 
-/* Below this many rows the call stays on the calling thread: a decode step's rows take
+/* Below this many rows a call stays on the calling thread: a decode step's rows take
  * microseconds, less than waking the thread team. */
 #define PARALLEL_ROWS 64
 
+#define HALF (HEAD_DIM / 2)
+
 /* Add `delta` to each row of `residual` in place (unless `delta` is NULL), and write the
- * normalized rows, times `weight`, to `out`.
+ * normalized rows, times `weight`, to `out` (transformers' LlamaRMSNorm).
  *
  * residual: [rows, HIDDEN], contiguous; holds the sums afterwards
  * delta:    [rows, HIDDEN], contiguous, or NULL
@@ -60,5 +64,88 @@ void twostroke_add_rms_norm(element *restrict residual, const element *restrict 
         const float inverse = 1.0f / sqrtf(squares / (float)HIDDEN + eps);
         element *restrict y = out + r * HIDDEN;
         for (int i = 0; i < HIDDEN; i++) y[i] = store(load(weight[i]) * load(store(sum[i] * inverse)));
+    }
+}
+
+/* Rotate one head in place: x * cos + cat(x2, x1) * signed_sin, rounded after each
+ * operator as torch's rotate_ is (twostroke.engine.models.layers). */
+static inline void rotate_head(element *restrict x, const element *restrict cos,
+                               const element *restrict sin) {
+    element rolled[HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; i++) rolled[i] = x[(i + HALF) % HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; i++) {
+        const element turned = store(load(rolled[i]) * load(sin[i]));
+        const element kept = store(load(x[i]) * load(cos[i]));
+        x[i] = store(load(kept) + load(turned));
+    }
+}
+
+/* Rotate each token's query and key heads in place and write its keys and values into the
+ * layer's cache slots: the key tile of (block b, head h) is [HEAD_DIM, block_size] (element
+ * (d, p) at d * block_size + p), the value tile [block_size, HEAD_DIM].
+ *
+ * qkv:      [tokens, (heads + 2 * kv_heads) * HEAD_DIM], rows `qkv_stride` apart: queries,
+ *           keys, values
+ * cos, sin: [tokens, HEAD_DIM] each, contiguous (sin with its first half negated)
+ * slots:    [tokens], each token's slot, block * block_size + offset
+ * keys, values: the layer's key and value tiles, [num_blocks, kv_heads, ...] each
+ */
+void twostroke_rotate_write(element *restrict qkv, ptrdiff_t qkv_stride, ptrdiff_t tokens,
+                            ptrdiff_t heads, ptrdiff_t kv_heads, const element *restrict cos,
+                            const element *restrict sin, const int64_t *restrict slots,
+                            ptrdiff_t block_size, element *restrict keys,
+                            element *restrict values) {
+#pragma omp parallel for if (tokens >= PARALLEL_ROWS) schedule(static)
+    for (ptrdiff_t t = 0; t < tokens; t++) {
+        element *restrict row = qkv + t * qkv_stride;
+        const element *restrict c = cos + t * HEAD_DIM;
+        const element *restrict s = sin + t * HEAD_DIM;
+        for (ptrdiff_t h = 0; h < heads + kv_heads; h++) rotate_head(row + h * HEAD_DIM, c, s);
+        const ptrdiff_t block = slots[t] / block_size, within = slots[t] % block_size;
+        for (ptrdiff_t h = 0; h < kv_heads; h++) {
+            const element *restrict k = row + (heads + h) * HEAD_DIM;
+            const element *restrict v = row + (heads + kv_heads + h) * HEAD_DIM;
+            const ptrdiff_t tile = (block * kv_heads + h) * HEAD_DIM * block_size;
+            for (int d = 0; d < HEAD_DIM; d++) keys[tile + d * block_size + within] = k[d];
+            for (int d = 0; d < HEAD_DIM; d++) values[tile + within * HEAD_DIM + d] = v[d];
+        }
+    }
+}
+
+/* exp(x) for |x| <= 88: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 (Cephes' expf). */
+static inline float exp_bounded(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* SwiGLU's middle: out = silu(gate) * up, each rounded as torch rounds them.
+ *
+ * gate_up: [rows, 2 * width], rows `stride` apart: the gate, then the up projection
+ * out:     [rows, width], contiguous
+ */
+void twostroke_silu_mul(const element *restrict gate_up, ptrdiff_t stride, ptrdiff_t rows,
+                        ptrdiff_t width, element *restrict out) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const element *restrict gate = gate_up + r * stride;
+        const element *restrict up = gate + width;
+        element *restrict y = out + r * width;
+        for (ptrdiff_t i = 0; i < width; i++) {
+            const float g = load(gate[i]);
+            const element silu = store(g / (1.0f + exp_bounded(-g)));
+            y[i] = store(load(silu) * load(up[i]));
+        }
     }
 }

@@ -35,7 +35,7 @@ from twostroke.engine.models.kv_cache import KVCache, LayerCache
 from twostroke.engine.models.layers import RMSNorm, inverse_frequencies, rotary_tables, rotate_
 from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pack, packed_linear
 from twostroke.engine.models.native import native_wanted
-from twostroke.engine.models.native_norm import RMSNormKernel, rms_norm_kernel
+from twostroke.engine.models.native_glue import DecoderGlue, decoder_glue
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
@@ -85,6 +85,7 @@ class Attention(nn.Module):
         signed_sin: torch.Tensor,
         metadata: AttentionMetadata,
         layer: LayerCache,
+        glue: DecoderGlue | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -92,9 +93,13 @@ class Attention(nn.Module):
         # Queries and keys rotate together, in place in the projection's output, which
         # then holds them and the values side by side: no split, no copy.
         query_key = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim)
-        rotate_(query_key, cos, signed_sin)
         key_value = qkv[:, heads * dim :].view(num_tokens, 2, kv_heads, dim)
-        write_kv(layer, key_value, metadata)
+        if glue is not None and metadata.keys_transposed:
+            slots = metadata.slot_mapping
+            glue.rotate_write(qkv, heads, kv_heads, cos, signed_sin, slots, layer.data)
+        else:
+            rotate_(query_key, cos, signed_sin)
+            write_kv(layer, key_value, metadata)
         out = paged_attention(query_key[:, :heads], key_value, layer, metadata, scale=self.scale)
         projected: torch.Tensor = self.o_proj(out)
         return projected
@@ -121,10 +126,13 @@ class MLP(nn.Module):
             device=device,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, glue: DecoderGlue | None = None) -> torch.Tensor:
+        if glue is not None:
+            down: torch.Tensor = self.down_proj(glue.silu_mul(self.gate_up_proj(x)))
+            return down
         # chunk, not split (a Python method); the SiLU's fresh output takes the product.
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        down: torch.Tensor = self.down_proj(F.silu(gate).mul_(up))
+        down = self.down_proj(F.silu(gate).mul_(up))
         return down
 
 
@@ -162,19 +170,20 @@ class DecoderLayer(nn.Module):
         signed_sin: torch.Tensor,
         metadata: AttentionMetadata,
         layer: LayerCache,
-        norms: RMSNormKernel,
+        glue: DecoderGlue,
     ) -> torch.Tensor:
-        """:meth:`forward` with each residual add and the norm after it one ``norms`` call.
+        """:meth:`forward` with its glue compiled: each residual add and the norm after it,
+        the rotary embeddings and the cache write, and SiLU times up, one call each.
 
         ``residual`` is the stream before the previous layer's MLP output ``delta`` (``None``
         for the first layer) is added; both adds happen in place in ``residual``. Returns this
         layer's MLP output, which the next layer (or the final norm) adds.
         """
         first, second = self.input_layernorm, self.post_attention_layernorm
-        attended: torch.Tensor = self.self_attn(
-            norms(residual, delta, first.weight, first.eps), cos, signed_sin, metadata, layer
-        )
-        mixed: torch.Tensor = self.mlp(norms(residual, attended, second.weight, second.eps))
+        normed = glue.add_rms_norm(residual, delta, first.weight, first.eps)
+        attended: torch.Tensor = self.self_attn(normed, cos, signed_sin, metadata, layer, glue)
+        normed = glue.add_rms_norm(residual, attended, second.weight, second.eps)
+        mixed: torch.Tensor = self.mlp(normed, glue)
         return mixed
 
 
@@ -225,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self._packed_embedding: torch.Tensor | None = None
         self._packed = False
         self._quantization: Quantization | None = None
-        self._norm_kernel: RMSNormKernel | None = None  # set by fuse_norms()
+        self._glue: DecoderGlue | None = None  # set by fuse_glue()
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
 
@@ -249,8 +258,8 @@ class LlamaForCausalLM(nn.Module):
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
-        norms = self._norm_kernel
-        if norms is None:
+        glue = self._glue
+        if glue is None:
             for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
                 x = layer(x, cos, sin, metadata, layer_cache)
             x = self.norm(x.index_select(0, logits_indices))
@@ -258,9 +267,11 @@ class LlamaForCausalLM(nn.Module):
             delta: torch.Tensor | None = None  # x is the residual stream, added to in place
             for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
                 decoder = cast(DecoderLayer, layer)  # a ModuleList's items are Modules to mypy
-                delta = decoder.forward_fused(x, delta, cos, sin, metadata, layer_cache, norms)
+                delta = decoder.forward_fused(x, delta, cos, sin, metadata, layer_cache, glue)
             last = None if delta is None else delta.index_select(0, logits_indices)
-            x = norms(x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps)
+            x = glue.add_rms_norm(
+                x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps
+            )
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(x)
         elif self._packed_embedding is not None:
@@ -304,26 +315,30 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     @property
-    def fused_norms(self) -> bool:
-        """Whether :meth:`fuse_norms` gave the decoder its compiled norms."""
-        return self._norm_kernel is not None
+    def fused_glue(self) -> bool:
+        """Whether :meth:`fuse_glue` gave the decoder its compiled glue."""
+        return self._glue is not None
 
-    def fuse_norms(self) -> bool:
-        """Compute each residual add and the RMSNorm after it in one compiled call.
+    def fuse_glue(self) -> bool:
+        """Run the decoder's element-wise glue as compiled calls (:mod:`.native_glue`).
 
-        On the CPU, in float32 or bfloat16, where the kernel of
-        :mod:`~twostroke.engine.models.native_norm` builds and passes its check, unless
-        ``TWOSTROKE_NATIVE=0``. Results agree with the operators' to float32 rounding, not
-        bit for bit (the mean's sum runs in another order), so the loader asks for it only
+        Each residual add and the RMSNorm after it, the rotary embeddings with the cache
+        write (where the cache holds keys transposed, the CPU's layout), and SiLU times up:
+        one call each. On the CPU, in float32 or bfloat16, where the glue builds and passes
+        its check, unless ``TWOSTROKE_NATIVE=0``. The norms and SiLU agree with torch's
+        operators to float32 rounding, not bit for bit, so the loader asks for this only
         when transformers' exact arithmetic is not (``exact=False``).
 
         Returns:
-            Whether the norms are now fused (``False`` where the kernel does not run; its
-            build logs why).
+            Whether the glue is now compiled (``False`` where it does not run; its build
+            logs why).
         """
-        if self._norm_kernel is None and self.device.type == "cpu" and native_wanted():
-            self._norm_kernel = rms_norm_kernel(hidden=self.config.hidden_size, dtype=self.dtype)
-        return self._norm_kernel is not None
+        if self._glue is None and self.device.type == "cpu" and native_wanted():
+            config = self.config
+            self._glue = decoder_glue(
+                hidden=config.hidden_size, head_dim=config.head_dim, dtype=self.dtype
+            )
+        return self._glue is not None
 
     @property
     def quantization(self) -> Quantization | None:

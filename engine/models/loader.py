@@ -177,10 +177,10 @@ def load_model(
         pack_weights: Pack the projections for oneDNN where that works (see
             :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
         exact: float32 products exactly as transformers computes them (MKL's, on the
-            CPU). ``False`` lets float32 weights be packed too, and the norms run as one
-            compiled call each on the CPU (:meth:`~twostroke.engine.models.llama.
-            LlamaForCausalLM.fuse_norms`): faster, and rounded differently (about 1e-6 of
-            a projection's output); the engine's ``dtype="auto"``.
+            CPU). ``False`` lets float32 weights be packed too, and the decoder's glue run
+            compiled on the CPU (:meth:`~twostroke.engine.models.llama.LlamaForCausalLM.
+            fuse_glue`): faster, and rounded differently (about 1e-6 of a projection's
+            output); the engine's ``dtype="auto"``.
         quantization: Hold the decoder's projection weights in ``"fp16"`` or ``"int8"``
             (activations stay in ``dtype``; see
             :mod:`~twostroke.engine.models.quantization`). Where the kernel does not run
@@ -229,7 +229,7 @@ def load_model(
         if pack_weights:
             module.pack_weights(exact=exact)
         if not exact:
-            module.fuse_norms()
+            module.fuse_glue()
     return LoadedModel(
         config=config,
         module=module,

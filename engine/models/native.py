@@ -302,7 +302,8 @@ def compile_library(
 
     Args:
         source: A C file next to this module (it may include ``native_element.h``).
-        defines: ``-D`` flags.
+        defines: ``-D`` flags, and any other compile flag (after the common ones, so
+            they override them).
         what: Names the kernel in the log lines ("the paged decode kernel").
         environ: Where ``$CC`` and the cache folder are read.
 

@@ -1,5 +1,5 @@
-"""The compiled residual add and RMSNorm: against transformers' arithmetic, in the decoder,
-and refused or left out with a reason."""
+"""The decoder's compiled glue (norms, rotary embeddings with the cache write, SiLU times up):
+against torch's arithmetic, in the decoder, and refused or left out with a reason."""
 
 from __future__ import annotations
 
@@ -14,16 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
-from twostroke.engine.models import native_norm
+from twostroke.engine.models import native_glue
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV
+from twostroke.engine.models.attention import write_kv
+from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
+from twostroke.engine.models.kv_cache import KVCache
+from twostroke.engine.models.layers import rotary_tables, rotate_
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import load_model
 from twostroke.engine.models.native import NATIVE_ENV, NativeBuildError
-from twostroke.engine.models.native_norm import (
-    RMSNormKernel,
-    build_norm_kernel,
+from twostroke.engine.models.native_glue import (
+    DecoderGlue,
+    build_glue,
+    decoder_glue,
     reference_add_rms_norm,
-    rms_norm_kernel,
+    reference_silu_mul,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -31,16 +36,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")
 
 #: Largest difference from the reference, relative to the output's largest magnitude: the
-#: mean's sum runs in another order (float32), and may then round differently (bfloat16).
+#: norm's mean is summed in another order and SiLU's exp is a polynomial (float32), and a
+#: result may then round differently (bfloat16).
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture
 def fresh_kernels() -> Iterator[None]:
     """Forget the kernels this process built, before and after (they are cached per shape)."""
-    native_norm._kernel.cache_clear()
+    native_glue._glue.cache_clear()
     yield
-    native_norm._kernel.cache_clear()
+    native_glue._glue.cache_clear()
 
 
 def rows(count: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
@@ -64,115 +70,220 @@ def assert_close_to(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     with_delta=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_the_kernel_is_transformers_arithmetic_to_rounding(
+def test_the_norm_is_transformers_arithmetic_to_rounding(
     dtype: torch.dtype, hidden: int, count: int, with_delta: bool, seed: int
 ) -> None:
-    kernel = build_norm_kernel(hidden=hidden, dtype=dtype)
+    glue = build_glue(hidden=hidden, head_dim=8, dtype=dtype)
     residual, delta, weight = rows(count, hidden, dtype, seed)
     total, expected = reference_add_rms_norm(residual, delta if with_delta else None, weight, 1e-6)
-    got = kernel(residual, delta if with_delta else None, weight, 1e-6)
+    got = glue.add_rms_norm(residual, delta if with_delta else None, weight, 1e-6)
     assert got.dtype == dtype
     assert got.shape == (count, hidden)
     assert torch.equal(residual, total)  # the add is one rounding, as torch's
     assert_close_to(got, expected, dtype)
 
 
-def test_a_delta_of_any_strides_is_read_right() -> None:
-    kernel = build_norm_kernel(hidden=8, dtype=torch.float32)
-    residual, delta, weight = rows(5, 8, torch.float32, seed=3)
-    strided = delta.t().contiguous().t()
-    expected = kernel(residual.clone(), delta, weight, 1e-5)
-    assert torch.equal(kernel(residual.clone(), strided, weight, 1e-5), expected)
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    width=st.integers(1, 200),
+    count=st.integers(1, 140),
+    padding=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_times_up_is_torchs_to_rounding(
+    dtype: torch.dtype, width: int, count: int, padding: int, seed: int
+) -> None:
+    """Rows of any stride (a view of a wider projection), gates from -30 to 30."""
+    glue = build_glue(hidden=8, head_dim=8, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    wide = (10 * torch.randn(count, 2 * width + padding, generator=generator)).to(dtype)
+    gate_up = wide[:, : 2 * width]
+    got = glue.silu_mul(gate_up)
+    assert got.shape == (count, width)
+    assert_close_to(got, reference_silu_mul(gate_up), dtype)
 
 
-def test_tensors_the_kernel_was_not_built_for_are_refused() -> None:
-    kernel = build_norm_kernel(hidden=8, dtype=torch.float32)
+def written(
+    glue: DecoderGlue | None,
+    dtype: torch.dtype,
+    chunks: list[ChunkSpec],
+    heads: int,
+    kv_heads: int,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's q/k/v rows after rotation and the layer's cache after the write, through
+    ``glue`` or, with ``None``, the model's torch operators."""
+    dim, block_size, num_blocks = 8, 4, 24
+    metadata = AttentionMetadata.build(
+        chunks,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_kv_heads=kv_heads,
+        dtype=dtype,
+        device=CPU,
+        kernel="bag",
+        num_heads=heads,
+        head_dim=dim,
+    )
+    tokens = metadata.num_tokens
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = rotary_tables(metadata.positions, inv_freq, dtype)
+    shape = {"num_blocks": num_blocks, "block_size": block_size, "num_kv_heads": kv_heads}
+    layer = KVCache.allocate(num_layers=1, head_dim=dim, dtype=dtype, device=CPU, **shape)
+    cache = layer.layers[0]
+    if glue is None:
+        rotate_(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+        write_kv(cache, qkv[:, heads * dim :].view(tokens, 2, kv_heads, dim), metadata)
+    else:
+        glue.rotate_write(qkv, heads, kv_heads, cos, sin, metadata.slot_mapping, cache.data)
+    return qkv, cache.data
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    heads_per_kv=st.integers(1, 3),
+    kv_heads=st.integers(1, 2),
+    lengths=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 70)), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_the_rotary_write_is_the_models_bit_for_bit(
+    dtype: torch.dtype,
+    heads_per_kv: int,
+    kv_heads: int,
+    lengths: list[tuple[int, int]],
+    seed: int,
+) -> None:
+    """Decodes and chunks at any positions (64 tokens and more run on the thread team),
+    shuffled blocks: the rotated queries and keys and every slot of the cache, written or
+    not, equal the operators' (``rotate_``, then ``write_kv`` into keys held transposed)."""
+    glue = build_glue(hidden=8, head_dim=8, dtype=dtype)
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(seed)).tolist()
+    chunks: list[ChunkSpec] = []
+    used = 0
+    for start, count in sorted(lengths, key=lambda item: item[1] != 1):  # decodes first
+        width = -(-(start + count) // 4)
+        if used + width <= 24:
+            chunks.append(ChunkSpec(start, count, tuple(order[used : used + width])))
+            used += width
+    if not chunks:
+        chunks = [ChunkSpec(0, 1, (order[0],))]
+    heads = heads_per_kv * kv_heads
+    ours = written(glue, dtype, chunks, heads, kv_heads, seed)
+    theirs = written(None, dtype, chunks, heads, kv_heads, seed)
+    assert torch.equal(ours[0], theirs[0])
+    assert torch.equal(ours[1], theirs[1])
+
+
+def test_tensors_the_glue_was_not_built_for_are_refused() -> None:
+    glue = build_glue(hidden=8, head_dim=4, dtype=torch.float32)
     residual, delta, weight = rows(4, 8, torch.float32, seed=4)
     with pytest.raises(ValueError, match=r"contiguous torch\.float32 residual \[rows, 8\]"):
-        kernel(residual.bfloat16(), None, weight, 1e-5)
+        glue.add_rms_norm(residual.bfloat16(), None, weight, 1e-5)
     with pytest.raises(ValueError, match=r"residual torch\.float32 \(4, 8\) \(contiguous: False\)"):
-        kernel(residual.view(8, 4).t(), None, weight, 1e-5)  # the sum would be lost
+        glue.add_rms_norm(residual.view(8, 4).t(), None, weight, 1e-5)  # the sum would be lost
     with pytest.raises(ValueError, match=r"delta \(torch\.float32, \(3, 8\)\)"):
-        kernel(residual, delta[:3], weight, 1e-5)
+        glue.add_rms_norm(residual, delta[:3], weight, 1e-5)
     with pytest.raises(ValueError, match=r"weight torch\.float32 \(9,\)"):
-        kernel(residual, None, torch.ones(9), 1e-5)
+        glue.add_rms_norm(residual, None, torch.ones(9), 1e-5)
     assert torch.equal(residual, rows(4, 8, torch.float32, seed=4)[0])  # nothing written
+    with pytest.raises(ValueError, match=r"\[rows, 2 \* width\] .* got torch\.float32 \(3, 5\)"):
+        glue.silu_mul(torch.ones(3, 5))
+    with pytest.raises(ValueError, match=r"unit stride along a row; got .* strides \(1, 3\)"):
+        glue.silu_mul(torch.ones(4, 3).t())
+    qkv, cos, sin = torch.ones(2, 16), torch.ones(2, 1, 4), torch.ones(2, 1, 4)
+    cache = torch.zeros(2, 3, 1, 4, 4)
+    slots = torch.tensor([0, 5])
+    with pytest.raises(
+        ValueError, match=r"qkv \[tokens, 16\] .* int64 slots .* slots torch\.int32"
+    ):
+        glue.rotate_write(qkv, 2, 1, cos, sin, slots.int(), cache)
+    with pytest.raises(
+        ValueError, match=r"cache \[2, blocks, 1, block_size, 4\]; .* \(2, 3, 2, 4, 2\)"
+    ):
+        glue.rotate_write(qkv, 2, 1, cos, sin, slots, torch.zeros(2, 3, 2, 4, 2))
+    with pytest.raises(ValueError, match=r"got qkv torch\.float32 \(2, 12\)"):
+        glue.rotate_write(qkv[:, :12], 2, 1, cos, sin, slots, cache)
+    assert not cache.any()
 
 
 def test_bad_sizes_and_element_types_are_rejected() -> None:
     with pytest.raises(ValueError, match="hidden must be >= 1, got 0"):
-        build_norm_kernel(hidden=0, dtype=torch.float32)
+        build_glue(hidden=0, head_dim=8, dtype=torch.float32)
+    with pytest.raises(
+        ValueError, match=r"head_dim must be even and >= 2 \(rotary halves\), got 7"
+    ):
+        build_glue(hidden=8, head_dim=7, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"takes float32 or bfloat16, got torch\.float16"):
-        build_norm_kernel(hidden=8, dtype=torch.float16)
-    assert rms_norm_kernel(hidden=8, dtype=torch.float16) is None
+        build_glue(hidden=8, head_dim=8, dtype=torch.float16)
+    assert decoder_glue(hidden=8, head_dim=8, dtype=torch.float16) is None
 
 
 def test_its_library_is_cached_beside_the_attention_kernels() -> None:
-    first = build_norm_kernel(hidden=12, dtype=torch.bfloat16)
+    first = build_glue(hidden=12, head_dim=4, dtype=torch.bfloat16)
     assert first.path.parent == Path(os.environ[CACHE_DIR_ENV]) / "native"
-    assert first.path.name.startswith("rms_norm-")
-    assert build_norm_kernel(hidden=12, dtype=torch.bfloat16).path == first.path
-    assert build_norm_kernel(hidden=12, dtype=torch.float32).path != first.path
+    assert first.path.name.startswith("decoder_glue-")
+    assert build_glue(hidden=12, head_dim=4, dtype=torch.bfloat16).path == first.path
+    assert build_glue(hidden=12, head_dim=4, dtype=torch.float32).path != first.path
+    assert "library" not in repr(first)
 
 
-def test_a_kernel_that_disagrees_with_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(native_norm._TOLERANCE, torch.float32, -1.0)  # nothing passes
+def test_a_glue_that_disagrees_with_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(native_glue._TOLERANCE, torch.float32, -1.0)  # nothing passes
     with pytest.raises(NativeBuildError, match=r"check differs from torch by .* torch\.float32"):
-        build_norm_kernel(hidden=8, dtype=torch.float32)
+        build_glue(hidden=8, head_dim=8, dtype=torch.float32)
 
 
 def tiny_decoder(dtype: torch.dtype) -> LlamaForCausalLM:
-    """A decoder without weights to run: enough for what fuse_norms decides."""
+    """A decoder without weights to run: enough for what fuse_glue decides."""
     return LlamaForCausalLM(_config(), dtype=dtype, device=CPU)
 
 
 @pytest.mark.usefixtures("fresh_kernels")
-def test_where_the_build_fails_the_decoder_keeps_torchs_norms_and_says_why(
+def test_where_the_build_fails_the_decoder_keeps_torchs_operators_and_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    with caplog.at_level(logging.WARNING, logger=native_norm.__name__):
-        assert not tiny_decoder(torch.float32).fuse_norms()
-        assert not tiny_decoder(torch.float32).fuse_norms()
+    with caplog.at_level(logging.WARNING, logger=native_glue.__name__):
+        assert not tiny_decoder(torch.float32).fuse_glue()
+        assert not tiny_decoder(torch.float32).fuse_glue()
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1  # once per shape and process
     assert "/nonexistent/cc" in warnings[0].getMessage()
     assert "run as torch operators instead" in warnings[0].getMessage()
 
 
-def test_which_decoders_fuse_their_norms(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert tiny_decoder(torch.float32).fuse_norms()
-    assert tiny_decoder(torch.bfloat16).fuse_norms()
-    assert not tiny_decoder(torch.float16).fuse_norms()  # no float16 build
+def test_which_decoders_compile_their_glue(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tiny_decoder(torch.float32).fuse_glue()
+    assert tiny_decoder(torch.bfloat16).fuse_glue()
+    assert not tiny_decoder(torch.float16).fuse_glue()  # no float16 build
     monkeypatch.setenv(NATIVE_ENV, "0")
     model = tiny_decoder(torch.float32)
-    assert not model.fuse_norms()
-    assert not model.fused_norms
+    assert not model.fuse_glue()
+    assert not model.fused_glue
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norms_compute_what_torchs_do_to_rounding(dtype: torch.dtype, tmp_path: Path) -> None:
-    """Only ``exact=False`` fuses; its logits are the operators' to rounding, through prefill
-    chunks and decodes, and so are its greedy tokens."""
+def test_the_compiled_glue_computes_what_torchs_operators_do_to_rounding(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """Only ``exact=False`` compiles it; its logits are the operators' to rounding, through
+    prefill chunks and decodes, and so are its greedy tokens."""
     make_tiny_model("llama", tmp_path, seed=7)
     exact = load_model(tmp_path, dtype=dtype, device=CPU)
     fused = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
-    assert not exact.module.fused_norms
-    assert fused.module.fused_norms
+    assert not exact.module.fused_glue
+    assert fused.module.fused_glue
     sequences = random_sequences([1, 5, 30], seed=8)
-    unfused = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
-    unfused.module._norm_kernel = None  # the same packed weights, torch's norms
-    expected = unfused.module.forward_logits(sequences, chunk_size=4)
+    operators = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
+    operators.module._glue = None  # the same packed weights, torch's operators
+    expected = operators.module.forward_logits(sequences, chunk_size=4)
     got = fused.module.forward_logits(sequences, chunk_size=4)
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     for ours, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
         if dtype == torch.float32:
             assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
-
-
-def test_the_kernel_holds_its_shape() -> None:
-    kernel = build_norm_kernel(hidden=8, dtype=torch.bfloat16)
-    assert isinstance(kernel, RMSNormKernel)
-    assert (kernel.hidden, kernel.dtype) == (8, torch.bfloat16)
-    assert "function" not in repr(kernel)
