@@ -52,7 +52,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from twostroke.engine.models.attention_metadata import AttentionMetadata, DecodeBags, PagedDecodes
+from twostroke.engine.models.attention_metadata import (
+    AttentionMetadata,
+    DecodeBags,
+    PagedChunks,
+    PagedDecodes,
+)
 from twostroke.engine.models.kv_cache import LayerCache
 
 __all__ = ["paged_attention", "write_kv"]
@@ -105,6 +110,8 @@ def paged_attention(
     groups = metadata.decode_groups
     if not metadata.prefills and len(groups) == 1 and groups[0].paged is not None:
         return _decode_native(query, layer, groups[0].paged, scale)  # the CPU's usual step
+    if metadata.paged_chunks is not None:
+        return _chunks_native(query, layer, metadata.paged_chunks, scale)
     if not metadata.prefills and all(group.bags is not None for group in groups):
         # The CPU's usual decode step: the groups' results, in order, are the whole output
         # (one group's without a copy), in fewer calls than filling a new tensor.
@@ -214,6 +221,30 @@ def _decode_native(
     is), its rows the decodes in order; returns ``[R, heads * dim]``.
     """
     return paged.kernel(query, layer.key_rows, layer.value_rows, paged.tables, paged.lengths, scale)
+
+
+def _chunks_native(
+    query: torch.Tensor, layer: LayerCache, chunks: PagedChunks, scale: float
+) -> torch.Tensor:
+    """Every chunk of a step with prefills through the compiled kernel, decodes as chunks of
+    one token: one call, keys and values read in place, no gather and no mask.
+
+    ``query`` is ``[T, heads, dim]`` (any strides); returns ``[T, heads * dim]``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    out = query.new_empty(num_tokens, num_heads * head_dim)
+    chunks.kernel.prefill(
+        query,
+        layer.key_rows,
+        layer.value_rows,
+        chunks.tables,
+        chunks.starts,
+        chunks.counts,
+        chunks.offsets,
+        scale,
+        out,
+    )
+    return out
 
 
 def _decode_bags(

@@ -184,6 +184,27 @@ class PagedDecodes:
 
 
 @attrs.frozen
+class PagedChunks:
+    """Where the ``"native"`` kernel reads every chunk of a step that has prefills, in place.
+
+    Decodes are chunks of one token here, so the step's attention is one call per layer.
+
+    Attributes:
+        tables: int32 ``[C, W]``: each chunk's blocks in order, padded with block 0.
+        starts: int32 ``[C]``: each chunk's first position.
+        counts: int32 ``[C]``: each chunk's tokens.
+        offsets: int32 ``[C]``: each chunk's first row in the flat batch.
+        kernel: The compiled kernel for the cache's shape and dtype.
+    """
+
+    tables: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    kernel: PagedDecodeKernel
+
+
+@attrs.frozen
 class DecodeGroup:
     """Consecutive decodes attended in one call, their histories padded to the longest.
 
@@ -221,10 +242,12 @@ class PrefillChunk:
         gather: Rows of the cache view ``[2 * num_blocks * num_kv_heads, block_size,
             head_dim]`` holding keys then values of positions ``[0, num_keys)`` (rounded up
             to whole blocks), head by head; ``None`` for a chunk that starts at 0, which
-            attends only over its own keys and values.
+            attends only over its own keys and values, and for the ``"native"`` kernel,
+            which reads in place (:class:`PagedChunks`).
         mask: Additive ``[num_tokens, num_keys]`` causal mask offset by the chunk's start:
             float32 for the ``"matmul"`` kernel; in the model's dtype for ``"sdpa"``, and
-            ``None`` there for a chunk that starts at 0 (``is_causal`` does it).
+            ``None`` there for a chunk that starts at 0 (``is_causal`` does it); ``None``
+            for ``"native"``.
     """
 
     offset: int
@@ -253,6 +276,8 @@ class AttentionMetadata:
         decode_groups: The decodes, cut into groups of similar lengths.
         kernel: How the decodes attend.
         prefills: The other chunks.
+        paged_chunks: With the ``"native"`` kernel and prefills in the step, every chunk
+            (decodes too) for its one call per layer; else ``None``.
     """
 
     positions: torch.Tensor
@@ -262,6 +287,7 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeGroup, ...]
     kernel: AttentionKernel
     prefills: tuple[PrefillChunk, ...]
+    paged_chunks: PagedChunks | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -395,6 +421,9 @@ class AttentionMetadata:
         for chunk in chunks[num_decodes:]:
             prefills.append(_prefill_chunk(chunk, offset, layout, dtype, kernel))
             offset += chunk.num_tokens
+        paged_chunks = None
+        if native is not None and prefills:
+            paged_chunks = _paged_chunks(chunks, block_size, native)
         return cls(
             positions=to_device(positions, device=device),
             slot_mapping=slot_mapping,
@@ -403,6 +432,7 @@ class AttentionMetadata:
             decode_groups=tuple(decode_groups),
             kernel=kernel,
             prefills=tuple(prefills),
+            paged_chunks=paged_chunks,
         )
 
 
@@ -510,6 +540,30 @@ def _paged_decodes(
     return DecodeGroup(0, len(decodes), None, None, paged=PagedDecodes(tables, lengths, kernel))
 
 
+def _paged_chunks(
+    chunks: Sequence[ChunkSpec], block_size: int, kernel: PagedDecodeKernel
+) -> PagedChunks:
+    """Every chunk of the step for the ``"native"`` kernel's one call per layer."""
+    width = max(-(-chunk.end // block_size) for chunk in chunks)
+    flat: list[int] = []
+    offsets: list[int] = []
+    offset = 0
+    for chunk in chunks:
+        used = -(-chunk.end // block_size)
+        flat.extend(chunk.block_table[:used])
+        flat.extend([0] * (width - used))
+        offsets.append(offset)
+        offset += chunk.num_tokens
+    int32 = torch.int32
+    return PagedChunks(
+        tables=torch.tensor(flat, dtype=int32).view(len(chunks), width),
+        starts=torch.tensor([chunk.start for chunk in chunks], dtype=int32),
+        counts=torch.tensor([chunk.num_tokens for chunk in chunks], dtype=int32),
+        offsets=torch.tensor(offsets, dtype=int32),
+        kernel=kernel,
+    )
+
+
 def _decode_group(
     decodes: Sequence[ChunkSpec], offset: int, layout: _Layout, mask_dtype: torch.dtype
 ) -> DecodeGroup:
@@ -535,7 +589,12 @@ def _decode_group(
 def _prefill_chunk(
     chunk: ChunkSpec, offset: int, layout: _Layout, dtype: torch.dtype, kernel: AttentionKernel
 ) -> PrefillChunk:
-    """A chunk's own call: no history from position 0, else its history; a causal mask."""
+    """A chunk's own call: no history from position 0, else its history; a causal mask.
+
+    Neither for the ``"native"`` kernel, which reads the chunk's history in place.
+    """
+    if kernel == "native":
+        return PrefillChunk(offset, chunk.num_tokens, chunk.end, None, None)
     device = layout.device
     gather = causal = None
     if chunk.start:

@@ -61,6 +61,7 @@ __all__ = [
     "native_wanted",
     "paged_decode_kernel",
     "reference_paged_decode",
+    "reference_paged_prefill",
 ]
 
 #: The kernel's C source.
@@ -133,6 +134,7 @@ class PagedDecodeKernel:
     dtype: torch.dtype
     path: Path
     _function: Callable[..., int] = attrs.field(repr=False)
+    _prefill: Callable[..., int] = attrs.field(repr=False)
 
     def __call__(
         self,
@@ -205,6 +207,89 @@ class PagedDecodeKernel:
         if failed:
             raise RuntimeError("the paged decode kernel could not allocate its scratch memory")
         return out
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tables: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        offsets: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Attend chunks of consecutive query tokens (prefills) over their histories.
+
+        Token ``i`` of chunk ``c`` sits at position ``starts[c] + i`` and attends to every
+        position up to its own; the chunks' keys and values must be written already. Its
+        query is row ``offsets[c] + i`` of ``query`` and its output goes to that row of
+        ``out``. Each tile of query tokens reads its key tiles once for all its heads.
+
+        Args:
+            query: ``[T, heads, head_dim]`` with unit stride along ``head_dim`` and rows of
+                ``head_dim``.
+            keys, values: As for :meth:`__call__`.
+            tables: int32 ``[C, W]``, row ``c`` the blocks of chunk ``c`` in order, covering
+                its last position; contiguous rows. Block ids are not checked here.
+            starts: int32 ``[C]``, each chunk's first position.
+            counts: int32 ``[C]``, each chunk's tokens, at least 1.
+            offsets: int32 ``[C]``, each chunk's first row in ``query`` and ``out``.
+            scale: Multiplies the scores.
+            out: ``[T, heads * head_dim]`` in ``dtype``, unit stride along a row: the rows
+                of the chunks' tokens are written, no others.
+
+        Raises:
+            ValueError: a tensor of another dtype or shape than the kernel was built for.
+            RuntimeError: the kernel could not allocate its scratch memory.
+        """
+        dtype = self.dtype
+        int32 = torch.int32
+        if (
+            query.dtype != dtype
+            or keys.dtype != dtype
+            or values.dtype != dtype
+            or out.dtype != dtype
+            or tables.dtype != int32
+            or starts.dtype != int32
+            or counts.dtype != int32
+            or offsets.dtype != int32
+            or keys.shape[-1] != self.block_size
+            or values.shape[-1] != self.head_dim
+            or query.shape[-1] != self.head_dim
+            or out.stride(-1) != 1
+            or out.shape[-1] != query.shape[1] * self.head_dim
+        ):
+            raise ValueError(
+                f"the kernel takes {dtype} queries, cache and output with blocks of "
+                f"{self.block_size} and heads of {self.head_dim}, and int32 tables, starts, "
+                f"counts and offsets; got query {query.dtype} {tuple(query.shape)}, keys "
+                f"{keys.dtype} {tuple(keys.shape)}, values {values.dtype} "
+                f"{tuple(values.shape)}, out {out.dtype} {tuple(out.shape)}, tables "
+                f"{tables.dtype}, starts {starts.dtype}, counts {counts.dtype}, offsets "
+                f"{offsets.dtype}"
+            )
+        if query.stride(2) != 1 or query.stride(1) != self.head_dim:
+            query = query.contiguous()
+        failed = self._prefill(
+            query.data_ptr(),
+            query.stride(0),
+            keys.data_ptr(),
+            values.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            starts.data_ptr(),
+            counts.data_ptr(),
+            offsets.data_ptr(),
+            starts.shape[0],
+            query.shape[1] // self.group,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+        )
+        if failed:
+            raise RuntimeError("the paged prefill kernel could not allocate its scratch memory")
 
 
 def native_wanted(environ: Mapping[str, str] | None = None) -> bool:
@@ -286,7 +371,15 @@ def build_kernel(
         pointer, size, pointer, pointer, pointer, size, pointer, size, size, ctypes.c_float,
         pointer,
     ]  # fmt: skip
-    kernel = PagedDecodeKernel(block_size, head_dim, group, dtype, path, function=function)
+    prefill = library.twostroke_paged_prefill
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = [
+        pointer, size, pointer, pointer, pointer, size, pointer, pointer, pointer, size, size,
+        ctypes.c_float, pointer, size,
+    ]  # fmt: skip
+    kernel = PagedDecodeKernel(
+        block_size, head_dim, group, dtype, path, function=function, prefill=prefill
+    )
     _check(kernel)
     return kernel
 
@@ -455,11 +548,44 @@ def reference_paged_decode(
     return out.view(decodes, -1)
 
 
+def reference_paged_prefill(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """What :meth:`PagedDecodeKernel.prefill` writes, in float32 (for checks): each token
+    of each chunk as a decode of its own length; ``[T, heads * head_dim]``, rows that no
+    chunk covers zero."""
+    rows, chunk_tables, lengths = [], [], []
+    for c in range(starts.shape[0]):
+        for i in range(int(counts[c])):
+            rows.append(int(offsets[c]) + i)
+            chunk_tables.append(tables[c])
+            lengths.append(int(starts[c]) + i + 1)
+    out = torch.zeros(query.shape[0], query.shape[1] * query.shape[2])
+    out[rows] = reference_paged_decode(
+        query[rows],
+        keys,
+        values,
+        torch.stack(chunk_tables),
+        torch.tensor(lengths, dtype=torch.int32),
+        scale,
+    )
+    return out
+
+
 def _check(kernel: PagedDecodeKernel) -> None:
-    """Run ``kernel`` on a small random batch against :func:`reference_paged_decode`.
+    """Run ``kernel`` on a small random batch against :func:`reference_paged_decode`, and
+    its prefill on chunks of the same histories against :func:`reference_paged_prefill`.
 
     The batch has a shared block, a partly filled last block, a one-position history and
-    garbage (NaN) in the slots no decode reads.
+    garbage (NaN) in the slots no decode reads; the chunks start inside a block and span
+    several tiles of query tokens, the last one partly filled.
     """
     size, dim, group, dtype = kernel.block_size, kernel.head_dim, kernel.group, kernel.dtype
     generator = torch.Generator().manual_seed(0)
@@ -479,6 +605,23 @@ def _check(kernel: PagedDecodeKernel) -> None:
         raise NativeBuildError(f"the kernel's check failed: {error}") from error
     expected = reference_paged_decode(query, keys, values, tables, lengths, scale)
     difference = float((got - expected).abs().max()) if got.isfinite().all() else float("inf")
+    starts = torch.tensor([size - 1, 0, 0], dtype=torch.int32)
+    counts = torch.tensor([2 * size + 1, 2 * size + 1, 1], dtype=torch.int32)
+    offsets = torch.tensor([0, 2 * size + 1, 4 * size + 2], dtype=torch.int32)
+    tokens = torch.randn(4 * size + 3, kv_heads * group, dim, generator=generator).to(dtype)
+    chunk_tables = tables[[1, 0, 2]].contiguous()
+    attended = torch.zeros(4 * size + 3, kv_heads * group * dim, dtype=dtype)
+    try:
+        kernel.prefill(tokens, keys, values, chunk_tables, starts, counts, offsets, scale, attended)
+    except RuntimeError as error:
+        raise NativeBuildError(f"the kernel's check failed: {error}") from error
+    expected = reference_paged_prefill(
+        tokens, keys, values, chunk_tables, starts, counts, offsets, scale
+    )
+    if attended.isfinite().all():
+        difference = max(difference, float((attended.float() - expected).abs().max()))
+    else:
+        difference = float("inf")
     if not difference <= _TOLERANCE[dtype]:
         raise NativeBuildError(
             f"its check differs from torch by {difference:.3g} (at most "

@@ -128,83 +128,111 @@ static inline void prefetch_tile(const element *tile) {
     for (size_t at = 0; at < sizeof(element) * TILE; at += LINE) __builtin_prefetch(bytes + at, 0, 3);
 }
 
-/* One decode, every key/value head: block by block, all heads' tiles of a block together
- * (they are adjacent in memory), so each block is one contiguous read. */
-static void attend(const element *restrict query, float scale, int32_t length,
-                   const int32_t *restrict table, const element *restrict keys,
-                   const element *restrict values, ptrdiff_t kv_heads, float *restrict q,
-                   float *restrict scores, ptrdiff_t padded, element *restrict out) {
-    const ptrdiff_t blocks = (length + BLOCK_SIZE - 1) / BLOCK_SIZE;
+/* Query tokens of one chunk attended together: each key tile is read once for all their
+ * heads, so a prefill chunk's scores are a small matrix product per tile rather than one
+ * row per token. As many as keep the scores' sums in three quarters of the registers. */
+#define TILE_ROWS ((REGISTERS * 3 / 4) / (GROUP * KEY_CHUNKS))
+#define TILE_TOKENS (TILE_ROWS < 1 ? 1 : TILE_ROWS > 8 ? 8 : TILE_ROWS)
+
+/* `tokens` consecutive query tokens of one sequence (at most T; the first attends to
+ * `length` positions, each next one to one more), every key/value head: block by block,
+ * all heads' tiles of a block together (they are adjacent in memory), so each block is one
+ * contiguous read. T is a constant where this is inlined (1 for decodes, TILE_TOKENS for
+ * chunks), so the score sums stay in registers; rows past `tokens` repeat the last query
+ * and are never stored. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const element *restrict query, ptrdiff_t query_stride, int tokens, const int T, float scale,
+    int32_t length, const int32_t *restrict table, const element *restrict keys,
+    const element *restrict values, ptrdiff_t kv_heads, float *restrict q,
+    float *restrict scores, ptrdiff_t padded, element *restrict out, ptrdiff_t out_stride) {
+    const int32_t last = length + tokens - 1; /* the last token's length */
+    const ptrdiff_t blocks = (last + BLOCK_SIZE - 1) / BLOCK_SIZE;
     const ptrdiff_t rows = kv_heads * GROUP;
     const ptrdiff_t span = kv_heads * TILE; /* one block's tiles, every head */
-    for (ptrdiff_t h = 0; h < rows; h++)
-        for (int d = 0; d < HEAD_DIM; d++) q[h * HEAD_DIM + d] = load(query[h * HEAD_DIM + d]) * scale;
+    const int split = T == 1 ? SPLIT : 1;
+    for (int t = 0; t < T; t++) {
+        const element *restrict from = query + (t < tokens ? t : tokens - 1) * query_stride;
+        for (ptrdiff_t h = 0; h < rows; h++)
+            for (int d = 0; d < HEAD_DIM; d++)
+                q[(t * rows + h) * HEAD_DIM + d] = load(from[h * HEAD_DIM + d]) * scale;
+    }
     /* Scores; the next block's key tiles (after the last, the first value tiles) are
-     * fetched while this block's are summed. */
+     * fetched while this block's are summed. Positions past a token's length are summed
+     * too (they are few) but never read after. */
     for (ptrdiff_t j = 0; j < blocks; j++) {
         const element *next = j + 1 < blocks ? keys + (ptrdiff_t)table[j + 1] * span
                                              : values + (ptrdiff_t)table[0] * span;
         for (ptrdiff_t g = 0; g < kv_heads; g++) {
             prefetch_tile(next + g * TILE);
             const element *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
-            const float *restrict qg = q + g * GROUP * HEAD_DIM;
-            vec block[SPLIT][GROUP][KEY_CHUNKS] = {0};
-            for (int first = 0; first < HEAD_DIM; first += SPLIT)
-                for (int part = 0; part < SPLIT; part++) {
+            vec block[SPLIT][TILE_TOKENS * GROUP][KEY_CHUNKS] = {0};
+            for (int first = 0; first < HEAD_DIM; first += split)
+                for (int part = 0; part < split; part++) {
                     const int d = first + part;
                     for (int c = 0; c < KEY_CHUNKS; c++) {
                         const vec k = load_vec(tile + d * BLOCK_SIZE + c * LANES);
-                        for (int h = 0; h < GROUP; h++) block[part][h][c] += qg[h * HEAD_DIM + d] * k;
+                        for (int t = 0; t < T; t++)
+                            for (int h = 0; h < GROUP; h++)
+                                block[part][t * GROUP + h][c] +=
+                                    q[(t * rows + g * GROUP + h) * HEAD_DIM + d] * k;
                     }
                 }
-            for (int h = 0; h < GROUP; h++)
-                for (int c = 0; c < KEY_CHUNKS; c++) {
-                    vec total = block[0][h][c];
-                    for (int part = 1; part < SPLIT; part++) total += block[part][h][c];
-                    memcpy(scores + (g * GROUP + h) * padded + j * BLOCK_SIZE + c * LANES, &total,
-                           sizeof total);
-                }
-        }
-    }
-    for (ptrdiff_t h = 0; h < rows; h++) {
-        float *restrict s = scores + h * padded;
-        float top = s[0];
-        for (int32_t i = 1; i < length; i++) top = s[i] > top ? s[i] : top;
-        float sum = 0.0f;
-        for (int32_t i = 0; i < length; i++) {
-            const float e = exp_nonpositive(s[i] - top);
-            s[i] = e;
-            sum += e;
-        }
-        const float inverse = 1.0f / sum;
-        for (int32_t i = 0; i < length; i++) s[i] *= inverse;
-    }
-    /* Outputs, OUTPUT_HEADS query heads at a time, so their sums stay in registers and each
-     * value row is read once for them. The first pass fetches every head's value tiles of
-     * the next block; later passes find them in cache. */
-    for (ptrdiff_t g = 0; g < kv_heads; g++) {
-        for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
-            const float *restrict p = scores + (g * GROUP + first) * padded;
-            vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
-            for (ptrdiff_t j = 0; j < blocks; j++) {
-                if (g == 0 && first == 0 && j + 1 < blocks)
-                    for (ptrdiff_t t = 0; t < kv_heads; t++)
-                        prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + t * TILE);
-                const element *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
-                const ptrdiff_t left = length - j * BLOCK_SIZE;
-                const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
-                for (int i = 0; i < count; i++) {
-                    const ptrdiff_t at = j * BLOCK_SIZE + i;
-                    for (int c = 0; c < VALUE_CHUNKS; c++) {
-                        const vec v = load_vec(tile + i * HEAD_DIM + c * LANES);
-                        for (int h = 0; h < OUTPUT_HEADS; h++) sum[h][c] += p[h * padded + at] * v;
+            for (int t = 0; t < T; t++)
+                for (int h = 0; h < GROUP; h++)
+                    for (int c = 0; c < KEY_CHUNKS; c++) {
+                        vec total = block[0][t * GROUP + h][c];
+                        for (int part = 1; part < split; part++) total += block[part][t * GROUP + h][c];
+                        memcpy(scores + (t * rows + g * GROUP + h) * padded + j * BLOCK_SIZE + c * LANES,
+                               &total, sizeof total);
                     }
-                }
+        }
+    }
+    for (int t = 0; t < tokens; t++) {
+        const int32_t seen = length + t;
+        for (ptrdiff_t h = 0; h < rows; h++) {
+            float *restrict s = scores + (t * rows + h) * padded;
+            float top = s[0];
+            for (int32_t i = 1; i < seen; i++) top = s[i] > top ? s[i] : top;
+            float sum = 0.0f;
+            for (int32_t i = 0; i < seen; i++) {
+                const float e = exp_nonpositive(s[i] - top);
+                s[i] = e;
+                sum += e;
             }
-            for (int h = 0; h < OUTPUT_HEADS; h++)
-                for (int c = 0; c < VALUE_CHUNKS; c++)
-                    for (int l = 0; l < LANES; l++)
-                        out[(g * GROUP + first + h) * HEAD_DIM + c * LANES + l] = store(sum[h][c][l]);
+            const float inverse = 1.0f / sum;
+            for (int32_t i = 0; i < seen; i++) s[i] *= inverse;
+        }
+    }
+    /* Outputs, token by token and OUTPUT_HEADS query heads at a time, so their sums stay in
+     * registers and each value row is read once for them. The first pass fetches every
+     * head's value tiles of the next block; later passes find them in cache. */
+    for (int t = 0; t < tokens; t++) {
+        const int32_t seen = length + t;
+        const ptrdiff_t used = (seen + BLOCK_SIZE - 1) / BLOCK_SIZE;
+        for (ptrdiff_t g = 0; g < kv_heads; g++) {
+            for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
+                const float *restrict p = scores + (t * rows + g * GROUP + first) * padded;
+                vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
+                for (ptrdiff_t j = 0; j < used; j++) {
+                    if (t == 0 && g == 0 && first == 0 && j + 1 < used)
+                        for (ptrdiff_t u = 0; u < kv_heads; u++)
+                            prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + u * TILE);
+                    const element *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
+                    const ptrdiff_t left = seen - j * BLOCK_SIZE;
+                    const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
+                    for (int i = 0; i < count; i++) {
+                        const ptrdiff_t at = j * BLOCK_SIZE + i;
+                        for (int c = 0; c < VALUE_CHUNKS; c++) {
+                            const vec v = load_vec(tile + i * HEAD_DIM + c * LANES);
+                            for (int h = 0; h < OUTPUT_HEADS; h++) sum[h][c] += p[h * padded + at] * v;
+                        }
+                    }
+                }
+                element *restrict to = out + t * out_stride + (g * GROUP + first) * HEAD_DIM;
+                for (int h = 0; h < OUTPUT_HEADS; h++)
+                    for (int c = 0; c < VALUE_CHUNKS; c++)
+                        for (int l = 0; l < LANES; l++) to[h * HEAD_DIM + c * LANES + l] = store(sum[h][c][l]);
+            }
         }
     }
 }
@@ -238,11 +266,84 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
 #pragma omp for schedule(dynamic, 1)
         for (ptrdiff_t r = 0; r < decodes; r++) {
             if (scratch == NULL) continue;
-            attend(query + r * query_stride, scale, lengths[r], tables + r * table_stride, keys,
-                   values, kv_heads, scratch + kv_heads * GROUP * padded, scratch, padded,
-                   out + r * kv_heads * GROUP * HEAD_DIM);
+            attend_tile(query + r * query_stride, 0, 1, 1, scale, lengths[r],
+                        tables + r * table_stride, keys, values, kv_heads,
+                        scratch + kv_heads * GROUP * padded, scratch, padded,
+                        out + r * kv_heads * GROUP * HEAD_DIM, 0);
         }
         free(scratch);
     }
+    return failed;
+}
+
+/* Attend `chunks` runs of consecutive query tokens (prefill chunks, and decodes as chunks
+ * of one) over their histories in one layer's cache: chunk c's tokens are at positions
+ * starts[c] .. starts[c] + counts[c] - 1, each attending to every position up to its own,
+ * its own keys and values already written.
+ *
+ * query:        the query heads of the chunks' tokens, token i of chunk c at
+ *               query + (offsets[c] + i) * query_stride, [heads, HEAD_DIM]
+ * keys, values: the layer's key and value tiles (see the top of this file)
+ * tables:       chunk c's block table at tables + c * table_stride (int32 block ids)
+ * starts, counts, offsets: int32 [chunks] each; counts >= 1
+ * out:          token i of chunk c's output at out + (offsets[c] + i) * out_stride,
+ *               [kv_heads * GROUP, HEAD_DIM]
+ *
+ * Work is split over tiles of TILE_TOKENS tokens. Returns 0, or 1 if memory for the work
+ * list or a thread's scratch could not be allocated (out is then incomplete).
+ */
+int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_stride,
+                            const element *restrict keys, const element *restrict values,
+                            const int32_t *restrict tables, ptrdiff_t table_stride,
+                            const int32_t *restrict starts, const int32_t *restrict counts,
+                            const int32_t *restrict offsets, ptrdiff_t chunks, ptrdiff_t kv_heads,
+                            float scale, element *restrict out, ptrdiff_t out_stride) {
+    ptrdiff_t tiles = 0;
+    int32_t longest = 1;
+    for (ptrdiff_t c = 0; c < chunks; c++) {
+        tiles += (counts[c] + TILE_TOKENS - 1) / TILE_TOKENS;
+        const int32_t end = starts[c] + counts[c];
+        longest = end > longest ? end : longest;
+    }
+    const ptrdiff_t padded = ((ptrdiff_t)longest + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
+    ptrdiff_t *work = malloc(sizeof(ptrdiff_t) * (size_t)(2 * tiles + 1));
+    if (work == NULL) return 1;
+    ptrdiff_t at = 0;
+    for (ptrdiff_t c = 0; c < chunks; c++)
+        for (int32_t first = 0; first < counts[c]; first += TILE_TOKENS) {
+            work[2 * at] = c;
+            work[2 * at + 1] = first;
+            at++;
+        }
+    const ptrdiff_t rows = kv_heads * GROUP;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(TILE_TOKENS * rows * (padded + HEAD_DIM)));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (ptrdiff_t item = 0; item < tiles; item++) {
+            if (scratch == NULL) continue;
+            const ptrdiff_t c = work[2 * item], first = work[2 * item + 1];
+            const int left = counts[c] - (int)first;
+            const ptrdiff_t row = offsets[c] + first;
+            const int32_t length = starts[c] + (int32_t)first + 1;
+            float *restrict q = scratch + TILE_TOKENS * rows * padded;
+            if (counts[c] == 1) /* a decode: a tile of one */
+                attend_tile(query + row * query_stride, query_stride, 1, 1, scale, length,
+                            tables + c * table_stride, keys, values, kv_heads, q, scratch, padded,
+                            out + row * out_stride, out_stride);
+            else
+                attend_tile(query + row * query_stride, query_stride,
+                            left < TILE_TOKENS ? left : TILE_TOKENS, TILE_TOKENS, scale, length,
+                            tables + c * table_stride, keys, values, kv_heads, q, scratch, padded,
+                            out + row * out_stride, out_stride);
+        }
+        free(scratch);
+    }
+    free(work);
     return failed;
 }

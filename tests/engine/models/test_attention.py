@@ -122,6 +122,12 @@ def test_mixed_step_matches_dense_attention(
     assert [
         (g.offset, g.num_decodes) for g in step.decode_groups
     ] == expected_groups  # only the leading single-token chunks are batched
+    if kernel == "native":  # every chunk in one call, histories read in place
+        assert step.paged_chunks is not None
+        assert step.paged_chunks.counts.tolist() == [count for _, count in shapes]
+        assert all(chunk.gather is None and chunk.mask is None for chunk in step.prefills)
+    else:
+        assert step.paged_chunks is None
     query = torch.randn(step.num_tokens, HEADS, WIDTH, generator=generator).to(dtype)
     new_keys = torch.cat([keys[c.start :] for c, (keys, _) in zip(chunks, histories, strict=True)])
     new_values = torch.cat(

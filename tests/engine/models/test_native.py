@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from twostroke.engine.models import native
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
@@ -22,6 +24,7 @@ from twostroke.engine.models.native import (
     build_kernel,
     paged_decode_kernel,
     reference_paged_decode,
+    reference_paged_prefill,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -96,6 +99,74 @@ def test_the_kernel_built_for_older_x86_cpus_matches_torch_too(
         expected = reference_paged_decode(query, keys, values, tables, lengths_tensor, 0.3)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    shape=st.sampled_from([(16, 64, 3), (4, 8, 2), (5, 8, 1)]),
+    spans=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=5),
+    shared=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_chunks_match_torch(
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    spans: list[tuple[int, int]],
+    shared: bool,
+    seed: int,
+) -> None:
+    """Chunks (and decodes, chunks of one) from any position, several tiles of query tokens
+    or part of one, blocks shared by every chunk (a prefix cache's) or not, NaN in every
+    slot past a chunk's end: the prefill agrees with each token attended as a decode, and
+    writes no other row."""
+    block_size, head_dim, group = shape
+    kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    widths = [-(-(start + count) // block_size) for start, count in spans]
+    width = max(widths)
+    num_blocks = width if shared else sum(widths)
+    order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    tables = torch.zeros(len(spans), width, dtype=torch.int32)
+    used = 0
+    for row, used_width in enumerate(widths):
+        first = 0 if shared else used
+        tables[row, :used_width] = order[first : first + used_width]
+        used += used_width
+    kv_heads = 2
+    keys = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=generator)
+    values = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=generator)
+    keys, values = keys.to(dtype), values.to(dtype)
+    if not shared:  # past each chunk's end, in its last block: never written, never read
+        for row, (start, count) in enumerate(spans):
+            last, filled = int(tables[row, widths[row] - 1]), (start + count - 1) % block_size + 1
+            keys[last, :, :, filled:] = math.nan
+            values[last, :, filled:] = math.nan
+    counts = torch.tensor([count for _, count in spans], dtype=torch.int32)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32) - counts + 1  # row 0 unused
+    tokens = int(counts.sum()) + 2
+    heads = kv_heads * group
+    query = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
+    starts = torch.tensor([start for start, _ in spans], dtype=torch.int32)
+    out = torch.full((tokens, heads * head_dim), 7.0, dtype=dtype)
+    kernel.prefill(query, keys, values, tables, starts, counts, offsets, 0.3, out)
+    expected = reference_paged_prefill(query, keys, values, tables, starts, counts, offsets, 0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    written = slice(1, tokens - 1)
+    torch.testing.assert_close(out[written].float(), expected[written], atol=tolerance, rtol=0)
+    assert (out[0] == 7).all()
+    assert (out[-1] == 7).all()
+
+
+def test_prefill_refuses_tensors_it_was_not_built_for() -> None:
+    kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
+    query, keys, values, tables, _ = batch(kernel, [3, 9])
+    one = torch.ones(2, dtype=torch.int32)
+    out = torch.empty(2, query.shape[1] * 8)
+    with pytest.raises(ValueError, match=r"int32 tables, starts, counts and offsets; .* tables"):
+        kernel.prefill(query, keys, values, tables.long(), one, one, one, 1.0, out)
+    with pytest.raises(ValueError, match=r"out torch\.bfloat16"):
+        kernel.prefill(query, keys, values, tables, one, one, one, 1.0, out.bfloat16())
 
 
 def test_a_query_of_any_strides_is_read_right() -> None:
