@@ -153,3 +153,38 @@ void twostroke_silu_mul(const element *restrict gate_up, ptrdiff_t stride, ptrdi
         }
     }
 }
+
+/* The index of each row's largest value, as torch.argmax takes it: the first of equal
+ * maxima, and the first NaN where a row has one (NaN counts as the largest). NaN is found
+ * by its bits, which the compiler's finite-math assumption leaves alone. torch's own argmax
+ * is a scalar loop on the CPU: 0.7-1.1 ms for a decode step's 32 x 49,152 logits, against
+ * a vectorized max of 0.05 ms.
+ *
+ * logits: [rows, cols] float32, rows `stride` apart
+ * out:    [rows] int64
+ */
+void twostroke_argmax(const float *restrict logits, ptrdiff_t rows, ptrdiff_t cols,
+                      ptrdiff_t stride, int64_t *restrict out) {
+#pragma omp parallel for if (rows * cols >= 16 * PARALLEL_ELEMENTS) schedule(static)
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const float *restrict x = logits + r * stride;
+        float top = x[0];
+        uint32_t nan = 0;
+        for (ptrdiff_t i = 0; i < cols; i++) {
+            uint32_t bits;
+            memcpy(&bits, x + i, sizeof bits);
+            nan |= (bits & 0x7fffffffu) > 0x7f800000u;
+            top = x[i] > top ? x[i] : top;
+        }
+        ptrdiff_t found = 0;
+        for (ptrdiff_t i = 0; i < cols; i++) {
+            uint32_t bits;
+            memcpy(&bits, x + i, sizeof bits);
+            if (nan ? (bits & 0x7fffffffu) > 0x7f800000u : x[i] == top) {
+                found = i;
+                break;
+            }
+        }
+        out[r] = (int64_t)found;
+    }
+}

@@ -319,6 +319,12 @@ class LlamaForCausalLM(nn.Module):
         """Whether :meth:`fuse_glue` gave the decoder its compiled glue."""
         return self._glue is not None
 
+    @property
+    def glue(self) -> DecoderGlue | None:
+        """The compiled glue :meth:`fuse_glue` set, if any (the runner's sampler takes its
+        ``argmax``)."""
+        return self._glue
+
     def fuse_glue(self) -> bool:
         """Run the decoder's element-wise glue as compiled calls (:mod:`.native_glue`).
 

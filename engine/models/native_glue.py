@@ -2,7 +2,8 @@
 
 Between its matrix products a decoder layer adds to the residual stream and normalizes it
 (twice), rotates its queries and keys and writes its keys and values into the cache, and
-multiplies SiLU of the gate by the up projection. In torch that is about twenty operators
+multiplies SiLU of the gate by the up projection; after the last, greedy rows take an
+``argmax`` of the logits. In torch that is about twenty operators
 a layer, each a pass over the rows and a call from Python that hands the GIL back and forth
 with the engine's bookkeeping stroke. ``decoder_glue.c``, next to this module, does each
 in one call and one pass (the GIL released around it); on SmolLM2's batch-32 decode step
@@ -225,6 +226,28 @@ class DecoderGlue:
         )
         return out
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's ``argmax`` as ``torch.argmax(logits, dim=-1)`` gives it (the first of
+        equal maxima; the first NaN where a row has one), int64 ``[rows]``.
+
+        Args:
+            logits: float32 ``[rows, cols]``, ``cols`` >= 1, any strides.
+
+        Raises:
+            ValueError: another dtype or shape.
+        """
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] < 1:
+            raise ValueError(
+                f"argmax takes float32 [rows, cols >= 1]; got {logits.dtype} {tuple(logits.shape)}"
+            )
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._library.twostroke_argmax(
+            logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
+        )
+        return out
+
 
 def decoder_glue(*, hidden: int, head_dim: int, dtype: torch.dtype) -> DecoderGlue | None:
     """The glue for this shape and element type, or ``None`` where it does not run.
@@ -287,6 +310,7 @@ def build_glue(
         + [_POINTER] * 2,
     )
     _declare(library.twostroke_silu_mul, [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER])
+    _declare(library.twostroke_argmax, [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER])
     glue = DecoderGlue(hidden, head_dim, dtype, path, library=library)
     _check(glue)
     return glue
@@ -356,6 +380,11 @@ def _check(glue: DecoderGlue) -> None:
     glue.rotate_write(qkv, heads, kv_heads, cos, sin, slots, cache)
     if not (torch.equal(qkv, expected_qkv) and torch.equal(cache, expected_cache)):
         differences.append(float("inf"))  # the rotary write is torch's bit for bit
+    logits = torch.randn(5, 3 * hidden + 1, generator=generator)
+    logits[1, 7 % logits.shape[1]] = logits[1].max()  # a tie: the first index wins
+    logits[3, -1] = float("nan")
+    if not torch.equal(glue.argmax(logits), logits.argmax(dim=-1)):
+        differences.append(float("inf"))
     difference = max(differences)
     if not difference <= _TOLERANCE[dtype]:
         raise NativeBuildError(

@@ -19,7 +19,7 @@ device (:class:`TokenHistory`) and is updated there from the sampled ids.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -117,11 +117,23 @@ class Sampler:
         vocab_size: Columns of the logits.
         device: Where the logits live.
         seed: Seeds the generator shared by unseeded rows (``None``: from the OS).
+        argmax: Takes the greedy rows' tokens from float32 logits ``[rows, vocab]``, as
+            ``torch.argmax(logits, dim=-1)`` does (ties and NaN included); ``None`` takes
+            that. The CPU runner passes the decoder glue's compiled one
+            (:meth:`~twostroke.engine.models.native_glue.DecoderGlue.argmax`).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device, *, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        *,
+        seed: int | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self._argmax = argmax
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(random.SystemRandom().getrandbits(63) if seed is None else seed)
 
@@ -219,7 +231,7 @@ class Sampler:
             processed = logits.clone()
             rows = logits.index_select(0, batch.penalty_rows)
             processed.index_copy_(0, batch.penalty_rows, _apply_penalties(rows, batch, *history))
-        sampled = processed.argmax(dim=-1)
+        sampled = processed.argmax(dim=-1) if self._argmax is None else self._argmax(processed)
         if batch.random_rows is not None:
             drawn = self._draw(processed.index_select(0, batch.random_rows), batch)
             sampled.index_copy_(0, batch.random_rows, drawn)

@@ -122,7 +122,13 @@ class TorchModelRunner:
         limit = model.config.max_position_embeddings
         self._max_model_len = limit if max_model_len is None else min(limit, max_model_len)
         self._history_capacity = min(max_num_seqs or 8, 64)
-        self._sampler = Sampler(model.config.vocab_size, model.device, seed=seed)
+        glue = model.glue
+        self._sampler = Sampler(
+            model.config.vocab_size,
+            model.device,
+            seed=seed,
+            argmax=None if glue is None else glue.argmax,
+        )
         self._history: TokenHistory | None = None
         self._cache: KVCache | None = None
         self._kernel: AttentionKernel = default_kernel(model.device)

@@ -30,6 +30,9 @@ from twostroke.engine.models.native_glue import (
     reference_add_rms_norm,
     reference_silu_mul,
 )
+from twostroke.engine.runners.sampler import Sampler
+from twostroke.engine.runners.torch import TorchModelRunner
+from twostroke.states.params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -287,3 +290,52 @@ def test_the_compiled_glue_computes_what_torchs_operators_do_to_rounding(
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
         if dtype == torch.float32:
             assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    cols=st.integers(1, 3000),
+    specials=st.lists(
+        st.tuples(
+            st.integers(0, 39),
+            st.integers(0, 2999),
+            st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 5.0]),
+        ),
+        max_size=12,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_argmax_is_torchs(
+    rows: int, cols: int, specials: list[tuple[int, int, float]], seed: int
+) -> None:
+    """Ties (values drawn from a few), NaN, infinities and signed zeros anywhere: the
+    compiled argmax picks the index torch.argmax picks."""
+    glue = build_glue(hidden=8, head_dim=8, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, cols), generator=generator).float()
+    for row, col, value in specials:
+        if row < rows and col < cols:
+            logits[row, col] = value
+    assert torch.equal(glue.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(glue.argmax(logits.t().contiguous().t()), logits.argmax(dim=-1))
+    with pytest.raises(ValueError, match=r"argmax takes float32 \[rows, cols >= 1\]"):
+        glue.argmax(logits.double())
+
+
+def test_the_cpu_runners_sampler_takes_the_compiled_argmax(tmp_path: Path) -> None:
+    """Greedy rows through the sampler with the compiled argmax: torch's tokens (ties
+    included); the runner hands it over only where the glue is compiled."""
+    make_tiny_model("llama", tmp_path, seed=9)
+    fused = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU, exact=False))
+    exact = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU))
+    glue = fused.model.glue
+    assert glue is not None
+    assert fused._sampler._argmax == glue.argmax
+    assert exact._sampler._argmax is None
+    logits = torch.randint(-2, 3, (6, 40)).float()
+    greedy = [SamplingParams(temperature=0.0)] * 6
+    compiled = Sampler(40, CPU, argmax=glue.argmax)
+    plain = Sampler(40, CPU)
+    ours = compiled.sample(logits, compiled.prepare(greedy, [0] * 6)).sampled
+    assert torch.equal(ours, plain.sample(logits, plain.prepare(greedy, [0] * 6)).sampled)
