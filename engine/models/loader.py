@@ -178,9 +178,10 @@ def load_model(
             :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
         exact: float32 products exactly as transformers computes them (MKL's, on the
             CPU). ``False`` lets float32 weights be packed too, and the decoder's glue run
-            compiled on the CPU (:meth:`~twostroke.engine.models.llama.LlamaForCausalLM.
-            fuse_glue`): faster, and rounded differently (about 1e-6 of a projection's
-            output); the engine's ``dtype="auto"``.
+            compiled on the CPU
+            (:meth:`~twostroke.engine.models.llama.LlamaForCausalLM.fuse_glue`): faster,
+            and rounded differently (about 1e-6 of a projection's output); the engine's
+            ``dtype="auto"``.
         quantization: Hold the decoder's projection weights in ``"fp16"`` or ``"int8"``
             (activations stay in ``dtype``; see
             :mod:`~twostroke.engine.models.quantization`). Where the kernel does not run
