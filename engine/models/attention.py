@@ -11,8 +11,9 @@ one ``index_select`` over ``(block, head)`` rows gathers a batch's history strai
 the gather, and keys and values come out of the same call. No Python loop runs over tokens.
 
 On the CPU decodes read the cache in place instead. The ``"native"`` kernel (the default
-where a C compiler is found, :mod:`~twostroke.engine.models.native`) does it in one compiled
-call per layer. The ``"bag"`` kernel (the fallback, on the same cache layout) does it with
+where a C compiler is found, :mod:`~twostroke.engine.models.native_attention`) does it in one
+compiled call per layer, and in a step with prefill chunks it attends those in place too, in
+the same call. The ``"bag"`` kernel (the fallback, on the same cache layout) does it with
 torch's operators: each block's keys are stored transposed (``[head_dim, block_size]``), so
 a block's scores for one query head are a weighted sum of its ``head_dim`` key rows, the query's
 elements the weights, and the output is a weighted sum of value rows, the probabilities the

@@ -12,7 +12,8 @@ from typing import Literal
 
 import torch
 
-from twostroke.engine.models.native import PagedDecodeKernel, native_wanted, paged_decode_kernel
+from twostroke.engine.models.native import native_wanted
+from twostroke.engine.models.native_attention import PagedDecodeKernel, paged_decode_kernel
 
 __all__ = [
     "AttentionKernel",
@@ -53,7 +54,8 @@ def best_kernel(
 
     The compiled kernel reads the bag kernel's cache layout in one call per layer (1.7-1.9x
     faster on SmolLM2's batch-32 attention, docs/performance.md); it is built, or loaded
-    from the cache, by this call (:func:`~twostroke.engine.models.native.paged_decode_kernel`).
+    from the cache, by this call
+    (:func:`~twostroke.engine.models.native_attention.paged_decode_kernel`).
     """
     kernel = default_kernel(device)
     if kernel != "bag" or not native_wanted():
@@ -86,7 +88,7 @@ def native_kernel(
     Raises:
         ValueError: it does not run here: not the CPU, an element type it is not built
             for, or a failed build (logged, see
-            :func:`~twostroke.engine.models.native.paged_decode_kernel`).
+            :func:`~twostroke.engine.models.native_attention.paged_decode_kernel`).
     """
     kernel = None
     if device.type == "cpu":

@@ -24,7 +24,7 @@ from twostroke.engine.models.attention_kernels import (
     native_kernel,
     transposes_keys,
 )
-from twostroke.engine.models.native import PagedDecodeKernel
+from twostroke.engine.models.native_attention import PagedDecodeKernel
 from twostroke.gpu.staging import to_device
 
 __all__ = [
@@ -349,7 +349,8 @@ class AttentionMetadata:
             ValueError: a chunk is empty, or its block table does not cover its positions
                 or names a block outside the cache; the ``"bag"`` or ``"native"`` kernel
                 without ``num_heads`` and ``head_dim``; or the ``"native"`` kernel where it
-                does not run (see :func:`~twostroke.engine.models.native.paged_decode_kernel`).
+                does not run (see
+                :func:`~twostroke.engine.models.native_attention.paged_decode_kernel`).
         """
         if kernel is None:
             kernel = default_kernel(device)

@@ -116,24 +116,6 @@ void twostroke_rotate_write(element *restrict qkv, ptrdiff_t qkv_stride, ptrdiff
     }
 }
 
-/* exp(x) for |x| <= 88: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 (Cephes' expf). */
-static inline float exp_bounded(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 /* SwiGLU's middle: out = silu(gate) * up, each rounded as torch rounds them.
  *
  * gate_up: [rows, 2 * width], rows `stride` apart: the gate, then the up projection
@@ -148,7 +130,7 @@ void twostroke_silu_mul(const element *restrict gate_up, ptrdiff_t stride, ptrdi
         element *restrict y = out + r * width;
         for (ptrdiff_t i = 0; i < width; i++) {
             const float g = load(gate[i]);
-            const element silu = store(g / (1.0f + exp_bounded(-g)));
+            const element silu = store(g / (1.0f + exp_clamped(-g)));
             y[i] = store(load(silu) * load(up[i]));
         }
     }

@@ -105,24 +105,6 @@ static inline vec load_vec(const element *p) {
     return v;
 }
 
-/* exp(x) for x <= 0: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 (Cephes' expf). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 static inline void prefetch_tile(const element *tile) {
     const char *bytes = (const char *)tile;
     for (size_t at = 0; at < sizeof(element) * TILE; at += LINE) __builtin_prefetch(bytes + at, 0, 3);
@@ -195,7 +177,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             for (int32_t i = 1; i < seen; i++) top = s[i] > top ? s[i] : top;
             float sum = 0.0f;
             for (int32_t i = 0; i < seen; i++) {
-                const float e = exp_nonpositive(s[i] - top);
+                const float e = exp_clamped(s[i] - top);
                 s[i] = e;
                 sum += e;
             }

@@ -1,4 +1,5 @@
-"""The compiled paged decode kernel: built, cached, checked, and refused with a reason."""
+"""The compiled paged attention kernel (decodes and prefill chunks) and the build of every
+compiled kernel: built, cached, checked, and refused with a reason."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twostroke.engine.models import native
+from twostroke.engine.models import native, native_attention
 from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.models.attention_kernels import best_kernel
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
-from twostroke.engine.models.native import (
-    NATIVE_ENV,
-    NativeBuildError,
+from twostroke.engine.models.native import NATIVE_ENV, NativeBuildError
+from twostroke.engine.models.native_attention import (
     build_kernel,
     paged_decode_kernel,
     reference_paged_decode,
@@ -35,9 +35,9 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def fresh_kernels() -> Iterator[None]:
     """Forget the kernels this process built, before and after (they are cached per shape)."""
-    native._kernel.cache_clear()
+    native_attention._kernel.cache_clear()
     yield
-    native._kernel.cache_clear()
+    native_attention._kernel.cache_clear()
 
 
 def environment(**overrides: str) -> dict[str, str]:
@@ -47,7 +47,7 @@ def environment(**overrides: str) -> dict[str, str]:
 
 
 def batch(
-    kernel: native.PagedDecodeKernel, lengths: list[int], kv_heads: int = 2
+    kernel: native_attention.PagedDecodeKernel, lengths: list[int], kv_heads: int = 2
 ) -> tuple[torch.Tensor, ...]:
     """Random queries and cache, each decode with its own blocks, shuffled."""
     size, dim = kernel.block_size, kernel.head_dim
@@ -244,7 +244,7 @@ def test_no_compiler_found_says_what_to_install(
 
 
 def test_a_kernel_that_disagrees_with_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(native._TOLERANCE, torch.float32, -1.0)  # nothing passes
+    monkeypatch.setitem(native_attention._TOLERANCE, torch.float32, -1.0)  # nothing passes
     with pytest.raises(NativeBuildError, match=r"check differs from torch by .* torch\.float32"):
         build_kernel(block_size=4, head_dim=8, group=1, dtype=torch.float32)
 
@@ -267,7 +267,7 @@ def test_where_the_build_fails_the_runner_keeps_the_bag_kernel_and_says_why(
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     shape = {"block_size": 4, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8}
-    with caplog.at_level(logging.WARNING, logger=native.__name__):
+    with caplog.at_level(logging.WARNING, logger=native_attention.__name__):
         assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
         assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
