@@ -91,7 +91,9 @@ def test_the_kernel_built_for_older_x86_cpus_matches_torch_too(
     SSE2 (x86-64) and AVX2 (x86-64-v3) builds are tried here too, where this CPU runs them."""
     flags = [f"-march={march}" if flag == "-march=native" else flag for flag in native._CFLAGS]
     monkeypatch.setattr(native, "_CFLAGS", tuple(flags))
-    for block_size, head_dim, group in [(16, 64, 3), (5, 8, 1), (8, 64, 8)]:
+    # SmolLM2's shape (16-lane vectors, one output head at a time without AVX-512) and
+    # one with no vector width dividing the block (scalar lanes).
+    for block_size, head_dim, group in [(16, 64, 3), (5, 8, 1)]:
         kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
         lengths = [1, block_size + 1, 3 * block_size + 2, 40]
         query, keys, values, tables, lengths_tensor = batch(kernel, lengths)
