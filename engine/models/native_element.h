@@ -21,9 +21,10 @@ static inline float load(element x) {
 static inline element store(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (element)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (element)(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16; /* to nearest even */
+    const uint32_t quiet = (bits >> 16) | 0x40u;                             /* NaN stays NaN */
+    /* A select, not a branch, so that loops over elements vectorize. */
+    return (element)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 #else
 typedef float element;
