@@ -1,8 +1,10 @@
-/* Paged decode attention on the CPU: each decode's query heads attend over its history,
- * read in place from the paged KV cache through its block table.
+/* Paged attention on the CPU: each decode's query heads attend over its history, and each
+ * prefill chunk's tokens over theirs, read in place from the paged KV cache through the
+ * block tables (twostroke_paged_decode, twostroke_paged_prefill at the end of the file).
  *
- * twostroke.engine.models.native compiles this file at run time with the machine's C
- * compiler, once per shape and element type, and caches the library (see that module):
+ * twostroke.engine.models.native_attention has this file compiled at run time with the
+ * machine's C compiler, once per shape and element type, and the library cached (see
+ * twostroke.engine.models.native):
  *
  *   -DBLOCK_SIZE=16 -DHEAD_DIM=64 -DGROUP=3   positions per block, width of a head, and
  *                                             query heads per key/value head
@@ -19,18 +21,20 @@
  * [BLOCK_SIZE, HEAD_DIM]. The GROUP query heads that share a key/value head are computed
  * together, so each tile is read from memory once, not GROUP times.
  *
- * Work is split over decodes with OpenMP. A decode reads its history block by block, every
- * head's tiles of a block together (they are adjacent: one contiguous read per block), and
- * prefetches the next block's while it sums this one, since the block table hides the next
- * address from the hardware's prefetcher. Split over (decode, head) pairs instead, each
+ * Work is split over decodes (and tiles of a chunk's tokens) with OpenMP. A decode reads its
+ * history block by block, every head's tiles of a block together (they are adjacent: one
+ * contiguous read per block), and prefetches the next block's while it sums this one, since
+ * the block table hides the next address from the hardware's prefetcher. Split over (decode, head) pairs instead, each
  * pair read a third of that per block, and the attention of SmolLM2's batch-32 step took
  * 1.3x longer. The library links the libgomp that torch has already loaded (the same
  * soname), so it runs on torch's own thread team at torch's thread count, on the thread
  * that calls it.
  *
  * Arithmetic: scores, softmax and sums in float32 whatever the element type; exp by a
- * polynomial (relative error about 2e-7) that the compiler vectorizes. Positions at or past
- * a decode's length are never read, so unwritten slots of its last block cannot leak in.
+ * polynomial (relative error about 2e-7) that the compiler vectorizes. No value at or past a
+ * token's length is read, and no score there enters a softmax (a tile's tokens share their
+ * key reads, so a few such scores are computed and dropped): unwritten slots of a last block
+ * cannot leak in.
  */
 #include <stddef.h>
 #include <stdint.h>
