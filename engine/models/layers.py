@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from twostroke.engine.models.config import ModelConfig
 
-__all__ = ["RMSNorm", "inverse_frequencies", "rotary_tables", "rotate_"]
+__all__ = ["RMSNorm", "inverse_frequencies", "rms_norm", "rotary_tables", "rotate_", "silu_mul"]
 
 
 class RMSNorm(nn.Module):
@@ -32,13 +33,27 @@ class RMSNorm(nn.Module):
         empty = torch.empty(size, dtype=dtype, device=device)  # the loader fills it
         self.weight = nn.Parameter(empty, requires_grad=False)
         self.eps = eps
-        self.shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, self.shape, self.weight, self.eps)
-        normalized = torch.rms_norm(x.float(), self.shape, None, self.eps)
-        return self.weight * normalized.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm` of ``x`` over its last dimension, transformers' arithmetic."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, shape, weight, eps)
+    normalized = torch.rms_norm(x.float(), shape, None, eps)
+    return weight * normalized.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's middle, ``silu(gate) * up``, of the fused gate/up projection's output.
+
+    ``chunk``, not ``split`` (a Python method); the SiLU's fresh output takes the product.
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

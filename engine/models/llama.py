@@ -32,7 +32,13 @@ from twostroke.engine.models.attention import paged_attention, write_kv
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache, LayerCache
-from twostroke.engine.models.layers import RMSNorm, inverse_frequencies, rotary_tables, rotate_
+from twostroke.engine.models.layers import (
+    RMSNorm,
+    inverse_frequencies,
+    rotary_tables,
+    rotate_,
+    silu_mul,
+)
 from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pack, packed_linear
 from twostroke.engine.models.native import native_wanted
 from twostroke.engine.models.native_glue import DecoderGlue, decoder_glue
@@ -127,12 +133,9 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, glue: DecoderGlue | None = None) -> torch.Tensor:
-        if glue is not None:
-            down: torch.Tensor = self.down_proj(glue.silu_mul(self.gate_up_proj(x)))
-            return down
-        # chunk, not split (a Python method); the SiLU's fresh output takes the product.
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        down = self.down_proj(F.silu(gate).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        mixed = silu_mul(gate_up) if glue is None else glue.silu_mul(gate_up)
+        down: torch.Tensor = self.down_proj(mixed)
         return down
 
 
@@ -313,11 +316,6 @@ class LlamaForCausalLM(nn.Module):
                 self._packed_embedding = pack(self.embed_tokens)
         self._packed = True
         return True
-
-    @property
-    def fused_glue(self) -> bool:
-        """Whether :meth:`fuse_glue` gave the decoder its compiled glue."""
-        return self._glue is not None
 
     @property
     def glue(self) -> DecoderGlue | None:

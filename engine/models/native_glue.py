@@ -31,9 +31,8 @@ from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 
-from twostroke.engine.models.layers import rotate_
+from twostroke.engine.models.layers import rms_norm, rotate_, silu_mul
 from twostroke.engine.models.native import ELEMENTS, NativeBuildError, compile_library
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "build_glue",
     "decoder_glue",
     "reference_add_rms_norm",
-    "reference_silu_mul",
 ]
 
 #: The kernels' C source.
@@ -329,15 +327,7 @@ def reference_add_rms_norm(
     Nothing is modified: the sum is a new tensor.
     """
     total = residual if delta is None else residual + delta
-    shape = (total.shape[-1],)
-    normalized = torch.rms_norm(total.float(), shape, None, eps).to(total.dtype)
-    return total, weight * normalized
-
-
-def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """What :meth:`DecoderGlue.silu_mul` computes, as the model's MLP did."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return total, rms_norm(total, weight, eps)
 
 
 def _check(glue: DecoderGlue) -> None:
@@ -361,7 +351,7 @@ def _check(glue: DecoderGlue) -> None:
         differences.append(_relative(got, expected))
         differences.append(float((residual.float() - total.float()).abs().max()))
         gate_up = random(rows, 2 * hidden, scale=3)
-        differences.append(_relative(glue.silu_mul(gate_up), reference_silu_mul(gate_up)))
+        differences.append(_relative(glue.silu_mul(gate_up), silu_mul(gate_up)))
     heads, kv_heads, block_size, tokens = 3, 1, 4, 70
     qkv = random(tokens, (heads + 2 * kv_heads) * dim)
     angles = torch.rand(tokens, 1, dim, generator=generator) * 6

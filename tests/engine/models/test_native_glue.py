@@ -19,7 +19,7 @@ from twostroke.engine.models.artifacts import CACHE_DIR_ENV
 from twostroke.engine.models.attention import write_kv
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.kv_cache import KVCache
-from twostroke.engine.models.layers import rotary_tables, rotate_
+from twostroke.engine.models.layers import rotary_tables, rotate_, silu_mul
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import load_model
 from twostroke.engine.models.native import NATIVE_ENV, NativeBuildError
@@ -28,7 +28,6 @@ from twostroke.engine.models.native_glue import (
     build_glue,
     decoder_glue,
     reference_add_rms_norm,
-    reference_silu_mul,
 )
 from twostroke.engine.runners.sampler import Sampler
 from twostroke.engine.runners.torch import TorchModelRunner
@@ -104,7 +103,7 @@ def test_silu_times_up_is_torchs_to_rounding(
     gate_up = wide[:, : 2 * width]
     got = glue.silu_mul(gate_up)
     assert got.shape == (count, width)
-    assert_close_to(got, reference_silu_mul(gate_up), dtype)
+    assert_close_to(got, silu_mul(gate_up), dtype)
 
 
 def written(
@@ -266,7 +265,7 @@ def test_which_decoders_compile_their_glue(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(NATIVE_ENV, "0")
     model = tiny_decoder(torch.float32)
     assert not model.fuse_glue()
-    assert not model.fused_glue
+    assert model.glue is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -278,8 +277,8 @@ def test_the_compiled_glue_computes_what_torchs_operators_do_to_rounding(
     make_tiny_model("llama", tmp_path, seed=7)
     exact = load_model(tmp_path, dtype=dtype, device=CPU)
     fused = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
-    assert not exact.module.fused_glue
-    assert fused.module.fused_glue
+    assert exact.module.glue is None
+    assert fused.module.glue is not None
     sequences = random_sequences([1, 5, 30], seed=8)
     operators = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
     operators.module._glue = None  # the same packed weights, torch's operators
