@@ -1,9 +1,12 @@
-"""The decoder's projection layer: dense, packed for oneDNN, or holding reduced-precision weights.
+"""The decoder's projection layer: dense, packed for oneDNN or twostroke's own kernel, or
+holding reduced-precision weights.
 
 :class:`Linear` is ``y = x W^T + b`` with uninitialized parameters (the loader fills them).
 Once loaded, its weight may be replaced for speed, never back: packed into oneDNN's blocked
-layout (:meth:`Linear.pack`, where :func:`can_pack` says it works) or held in float16 / int8
-for fbgemm (:meth:`Linear.quantize`, see :mod:`~twostroke.engine.models.quantization`).
+layout (:meth:`Linear.pack`, where :func:`can_pack` says it works), laid out in panels for
+the compiled bfloat16 kernel (:meth:`Linear.pack_panels`, see
+:mod:`~twostroke.engine.models.native_projection`) or held in float16 / int8 for fbgemm
+(:meth:`Linear.quantize`, see :mod:`~twostroke.engine.models.quantization`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twostroke.engine.models.native_projection import PanelWeight, ProjectionKernel
 from twostroke.engine.models.quantization import Quantization, QuantizedWeight
 
 __all__ = ["Linear", "can_pack", "empty_parameter", "pack", "packed_linear"]
@@ -45,8 +49,11 @@ class Linear(nn.Module):
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
         self.packed = False
         self.quantized: QuantizedWeight | None = None
+        self.panels: PanelWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return self.panels(x)
         if self.quantized is not None:
             return self.quantized(x)
         if self.packed:
@@ -55,7 +62,7 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         """Replace the weight by its oneDNN-packed copy (see :func:`can_pack`); no way back."""
-        if not self.packed and self.quantized is None:
+        if not self.packed and self.quantized is None and self.panels is None:
             self.weight = nn.Parameter(pack(self.weight), requires_grad=False)
             self.packed = True
 
@@ -65,10 +72,22 @@ class Linear(nn.Module):
         The dense weight is dropped (an empty tensor stays in its place), so the module
         holds one copy of its weights.
         """
-        if self.quantized is None and not self.packed:
+        if self.quantized is None and not self.packed and self.panels is None:
             self.quantized = QuantizedWeight(self.weight, self.bias, kind)
-            self.weight = empty_parameter(0, dtype=self.weight.dtype, device=self.weight.device)
-            self.bias = None
+            self._drop_weight()
+
+    def pack_panels(self, kernel: ProjectionKernel) -> None:
+        """Replace weight and bias by ``kernel``'s panels (a bfloat16 weight); no way back.
+
+        Like :meth:`quantize`, the dense weight is dropped, so the module holds one copy.
+        """
+        if self.panels is None and self.quantized is None and not self.packed:
+            self.panels = kernel.pack(self.weight, self.bias)
+            self._drop_weight()
+
+    def _drop_weight(self) -> None:
+        self.weight = empty_parameter(0, dtype=self.weight.dtype, device=self.weight.device)
+        self.bias = None
 
 
 def can_pack(dtype: torch.dtype, device: torch.device, *, exact: bool = True) -> bool:

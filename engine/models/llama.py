@@ -10,8 +10,10 @@ Departures, all for speed: q/k/v are one fused projection and so are gate/up
 (:meth:`LlamaForCausalLM.load_weight` takes transformers' tensor names and copies each into
 its slice); queries and keys are rotated together; on the CPU the projections' weights are
 packed for oneDNN once loaded, in bfloat16 (same results) and, unless transformers' exact
-float32 arithmetic is asked for, in float32 (:meth:`LlamaForCausalLM.pack_weights`; the
-projection layer is :mod:`~twostroke.engine.models.linear`'s). Parameters are
+float32 arithmetic is asked for, in float32; where it is not asked for, bfloat16 weights on
+a CPU with AVX512-BF16 go to twostroke's compiled kernel instead
+(:meth:`LlamaForCausalLM.pack_weights`; the projection layer is
+:mod:`~twostroke.engine.models.linear`'s). Parameters are
 allocated uninitialized and filled by the loader, so building the module costs no random
 initialization and holds one copy of the weights.
 """
@@ -42,6 +44,7 @@ from twostroke.engine.models.layers import (
 from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pack, packed_linear
 from twostroke.engine.models.native import native_wanted
 from twostroke.engine.models.native_glue import DecoderGlue, decoder_glue
+from twostroke.engine.models.native_projection import PanelWeight, projection_kernel
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
@@ -235,6 +238,9 @@ class LlamaForCausalLM(nn.Module):
         # The packed copy of the tied embedding for the output projection (the embedding
         # itself stays dense: lookups index it), set by pack_weights().
         self._packed_embedding: torch.Tensor | None = None
+        # Or its panels for the compiled bfloat16 kernel, where pack_weights() chose it.
+        self._embedding_panels: PanelWeight | None = None
+        self._native_projections = False
         self._packed = False
         self._quantization: Quantization | None = None
         self._glue: DecoderGlue | None = None  # set by fuse_glue()
@@ -277,6 +283,8 @@ class LlamaForCausalLM(nn.Module):
             )
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(x)
+        elif self._embedding_panels is not None:
+            logits = self._embedding_panels(x)
         elif self._packed_embedding is not None:
             logits = packed_linear(x, self._packed_embedding, None)
         else:
@@ -285,11 +293,23 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether :meth:`pack_weights` packed the projections."""
+        """Whether :meth:`pack_weights` packed the projections (for either kernel)."""
         return self._packed
 
+    @property
+    def panels(self) -> bool:
+        """Whether :meth:`pack_weights` gave the projections it packed to the compiled
+        bfloat16 kernel (:mod:`.native_projection`) rather than to oneDNN."""
+        return self._native_projections
+
     def pack_weights(self, *, exact: bool = True) -> bool:
-        """Pack every projection for oneDNN where that works (:func:`.linear.can_pack`).
+        """Pack every projection for its fastest kernel here, where that works.
+
+        bfloat16 weights on a CPU with AVX512-BF16, unless ``exact``, are laid out for the
+        compiled kernel of :mod:`.native_projection` (1.4-1.9x oneDNN's speed at a decode
+        step's batch sizes; it sums in another order, so not bit for bit ``F.linear``, and
+        ``TWOSTROKE_NATIVE=0`` keeps oneDNN). Otherwise they are packed for oneDNN where
+        :func:`.linear.can_pack` says that works.
 
         The last step of loading: packed weights cannot be loaded into any more. A tied
         embedding gets a packed copy for the output projection (it stays dense for lookups).
@@ -297,15 +317,36 @@ class LlamaForCausalLM(nn.Module):
         projection, never quantized, is packed.
 
         Args:
-            exact: Keep float32's products exactly transformers' (MKL's): float32 weights
-                are packed only when this is false.
+            exact: Keep products exactly transformers' (MKL's in float32, oneDNN's plain
+                ones in bfloat16): float32 weights are packed and bfloat16 ones go to the
+                compiled kernel only when this is false.
 
         Returns:
             Whether the weights are packed (``False`` unless bfloat16, or float32 with
             ``exact=False``, on a CPU with oneDNN).
         """
-        if self._packed or not can_pack(self.dtype, self.device, exact=exact):
-            return self._packed
+        if self._packed:
+            return True
+        kernel = (
+            projection_kernel()
+            if not exact
+            and self.dtype == torch.bfloat16
+            and self.device.type == "cpu"
+            and native_wanted()
+            else None
+        )
+        if kernel is not None:
+            with torch_threads(1):
+                for module in self.modules():
+                    if isinstance(module, Linear):
+                        module.pack_panels(kernel)
+                if self.lm_head is None:
+                    self._embedding_panels = kernel.pack(self.embed_tokens)
+            self._native_projections = True
+            self._packed = True
+            return True
+        if not can_pack(self.dtype, self.device, exact=exact):
+            return False
         # One thread: the reorders are memory-bound, and with two threads on a busy machine
         # each call waits for a descheduled thread (5x slower, measured: 0.9 s for SmolLM2).
         with torch_threads(1):

@@ -1,10 +1,13 @@
 """C kernels compiled on the machine that runs them, when first needed.
 
 torch has no operator for some of what the CPU's decoder does each step (attention over a
-paged cache in place), and runs other parts as many small operators (the glue between the
-matrix products). twostroke writes those few kernels in C, next to this module
+paged cache in place), runs other parts as many small operators (the glue between the
+matrix products), and multiplies a decode step's few rows by bfloat16 weights well below the
+machine's speed (oneDNN). twostroke writes those few kernels in C, next to this module
 (``paged_decode.c``, :mod:`~twostroke.engine.models.native_attention`; ``decoder_glue.c``,
-:mod:`~twostroke.engine.models.native_glue`), and :func:`compile_library` builds them here.
+:mod:`~twostroke.engine.models.native_glue`; ``projection_bf16.c``,
+:mod:`~twostroke.engine.models.native_projection`), and :func:`compile_library` builds them
+here.
 
 **Built where it runs.** The machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``), ``-march=native``, and the model's shape as constants, into a shared library in
