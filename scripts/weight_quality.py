@@ -1,11 +1,14 @@
 """Quality of each weight precision against float32 on SmolLM2 (not a test): the table of
 docs/models.md.
 
-For each weight mode, all with float32 activations: ``none`` (float32 weights, MKL's products:
+For each weight mode, with float32 activations: ``none`` (float32 weights, MKL's products:
 transformers' arithmetic, the reference), ``packed`` (float32 weights packed for oneDNN:
 ``dtype="auto"`` with ``quantization=None`` where auto is float32), ``fp16`` and ``int8``
 (``quantization=``, the output projection in MKL's float32), and ``auto`` (the engine's defaults
-where ``dtype="auto"`` is float32: fp16 projections, the output projection packed):
+where ``dtype="auto"`` is float32: fp16 projections, the output projection packed). With
+bfloat16 weights and activations: ``bfloat16`` (``dtype="bfloat16"``: oneDNN's products,
+torch's operators) and ``bfloat16-auto`` (the engine's defaults where ``dtype="auto"`` is
+bfloat16: the compiled projections and glue):
 
 * greedy agreement: 20 prompts that no test uses, 128 greedy tokens each (EOS ignored, 2,560
   tokens in all) through ``LLM``, the whole engine; per prompt, the tokens that equal
@@ -19,6 +22,7 @@ with it: fbgemm's kernels differ between AVX2 and AVX-512 machines.
 
     .venv/bin/python scripts/weight_quality.py [--modes none packed fp16 int8 auto]
         [--max-tokens 128]
+    .venv/bin/python scripts/weight_quality.py --modes none bfloat16 bfloat16-auto
 """
 
 from __future__ import annotations
@@ -71,21 +75,27 @@ LABELS = {
     "fp16": '`quantization="fp16"`',
     "int8": '`quantization="int8"`',
     "auto": "the defaults (fp16 projections, packed output projection)",
+    "bfloat16": 'bfloat16 (`dtype="bfloat16"`: oneDNN, torch\'s operators)',
+    "bfloat16-auto": "the defaults where bfloat16 is native (compiled projections and glue)",
 }
 
-#: Per mode: the engine's ``dtype`` and ``quantization``, and the loader's ``exact`` and
-#: ``quantization`` that load the same weights for the held-out text.
-MODES: dict[str, tuple[Any, Any, bool, Any]] = {
-    "none": ("float32", None, True, None),
-    "packed": ("auto", None, False, None),
-    "fp16": ("float32", "fp16", True, "fp16"),
-    "int8": ("float32", "int8", True, "int8"),
-    "auto": ("auto", "auto", False, "fp16"),
+F32, BF16 = torch.float32, torch.bfloat16
+
+#: Per mode: the engine's ``dtype`` and ``quantization``, and the loader's ``dtype``,
+#: ``exact`` and ``quantization`` that load the same weights for the held-out text.
+MODES: dict[str, tuple[Any, Any, torch.dtype, bool, Any]] = {
+    "none": ("float32", None, F32, True, None),
+    "packed": ("auto", None, F32, False, None),
+    "fp16": ("float32", "fp16", F32, True, "fp16"),
+    "int8": ("float32", "int8", F32, True, "int8"),
+    "auto": ("auto", "auto", F32, False, "fp16"),
+    "bfloat16": ("bfloat16", None, BF16, True, None),
+    "bfloat16-auto": ("auto", "auto", BF16, False, None),
 }
 
 
 def greedy(mode: str, max_tokens: int) -> list[list[int]]:
-    dtype, quantization, _, _ = MODES[mode]
+    dtype, quantization, _, _, _ = MODES[mode]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM("smollm2", dtype=dtype, quantization=quantization) as llm:
         outputs = llm.generate(list(PROMPTS), params, progress=False)
@@ -93,15 +103,15 @@ def greedy(mode: str, max_tokens: int) -> list[list[int]]:
 
 
 def heldout_logits(mode: str, ids: list[int]) -> torch.Tensor:
-    _, _, exact, quantization = MODES[mode]
+    _, _, dtype, exact, quantization = MODES[mode]
     loaded = load_model(
         "smollm2",
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
         exact=exact,
         quantization=quantization,
     )
-    return loaded.module.forward_logits([ids], chunk_size=256, block_size=16)[0]
+    return loaded.module.forward_logits([ids], chunk_size=256, block_size=16)[0].float()
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -128,8 +138,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    if default_dtype(CpuDevice()) != torch.float32 and {"packed", "auto"} & set(args.modes):
+    native = default_dtype(CpuDevice())
+    if native != torch.float32 and {"packed", "auto"} & set(args.modes):
         parser.error("the packed and auto modes need a CPU where dtype='auto' is float32")
+    if native != torch.bfloat16 and "bfloat16-auto" in args.modes:
+        parser.error("the bfloat16-auto mode needs a CPU where dtype='auto' is bfloat16")
     loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
     ids = HFTokenizer.from_pretrained(loaded.source).encode(HELDOUT.read_text())
     del loaded
@@ -157,7 +170,8 @@ def main() -> None:
     base = rows["none"]["perplexity"]
     capability = torch.backends.cpu.get_cpu_capability()
     print(
-        f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), float32 activations; "
+        f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), activations in the weights' dtype "
+        f"(float32 for fp16 and int8); "
         f"{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens; held-out text "
         f"{len(ids)} tokens; CPU capability {capability}, torch {torch.__version__}\n"
     )
