@@ -200,6 +200,7 @@ class TwostrokeDriver:
                 "weights": "GGUF dequantized" if loaded.source.suffix == ".gguf" else "HF",
                 "quantization": loaded.quantization,
                 "packed": loaded.module.packed,
+                "projections": "native" if loaded.module.panels else "torch",
                 "attention": runner.runner.attention_kernel,
                 **_mask_figures(stats),
             },

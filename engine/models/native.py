@@ -172,7 +172,7 @@ def _build(
     except OSError as error:
         raise NativeBuildError(f"cannot create {folder}: {error}") from error
     started = time.perf_counter()
-    _log.info("twostroke: compiling %s (%s)", what, " ".join(defines))
+    _log.info("twostroke: compiling %s%s", what, f" ({' '.join(defines)})" if defines else "")
     partial = folder / f".{path.name}.{uuid.uuid4().hex}"
     objects = partial.with_suffix(".o")
     try:
