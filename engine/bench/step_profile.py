@@ -16,10 +16,12 @@ runner:
   :class:`~torch.utils._python_dispatch.TorchDispatchMode` (composite calls count once per
   operator they reach);
 * **GIL-free fraction**: the step under :mod:`torch.profiler`, where the time inside the
-  outermost ops of the calling thread (the GIL is released for all of it) is divided by
-  the step's wall time. What is left is Python and the bindings' own work, with the GIL
-  held. The profiler adds a microsecond or two per op, partly outside the ops, so the
-  fraction is a slight underestimate;
+  outermost ops of the calling thread (the GIL is released for all of it), plus the time
+  inside the compiled kernels (:mod:`~twostroke.engine.models.native`'s, which ``ctypes``
+  calls with the GIL released; timed by :func:`~twostroke.engine.models.native.timed`), is
+  divided by the step's wall time. What is left is Python and the bindings' own work, with
+  the GIL held. The profiler adds a microsecond or two per op, partly outside the ops, so
+  the fraction is a slight underestimate;
 * **step time**: the median wall time of uninstrumented steps.
 
 Counts do not depend on the machine (only on the model's shape, the batch and the code);
@@ -42,6 +44,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from twostroke.engine.models import native
 from twostroke.engine.models.loader import LoadedModel
 from twostroke.engine.runners.loading import DEFAULT_MODEL, DTYPES, resolve_dtype
 from twostroke.engine.runners.torch import TorchModelRunner
@@ -76,6 +79,8 @@ class StepProfile:
         step_samples: The uninstrumented steps' wall times, in order.
         profiled_seconds: Wall time of the step run under the profiler.
         kernel_seconds: Of that, the time inside the calling thread's outermost ops.
+        compiled_seconds: And the time inside compiled kernels (outside torch's ops).
+        compiled_calls: Calls into compiled kernels in that step.
     """
 
     batch: int
@@ -87,11 +92,16 @@ class StepProfile:
     step_samples: tuple[float, ...]
     profiled_seconds: float
     kernel_seconds: float
+    compiled_seconds: float
+    compiled_calls: int
 
     @property
     def gil_free_fraction(self) -> float:
-        """The share of the profiled step spent inside torch ops, the GIL released."""
-        return self.kernel_seconds / self.profiled_seconds if self.profiled_seconds else 0.0
+        """The share of the profiled step spent inside torch ops and compiled kernels, the
+        GIL released."""
+        if not self.profiled_seconds:
+            return 0.0
+        return (self.kernel_seconds + self.compiled_seconds) / self.profiled_seconds
 
     def report(self) -> str:
         """A few lines for a terminal."""
@@ -105,7 +115,9 @@ class StepProfile:
                 f"  step wall time (median)  {self.step_seconds * 1e3:.1f} ms"
                 f" of {len(self.step_samples)}",
                 f"  GIL released (profiled)  {self.gil_free_fraction:.1%}"
-                f" of {self.profiled_seconds * 1e3:.1f} ms",
+                f" of {self.profiled_seconds * 1e3:.1f} ms (torch ops"
+                f" {self.kernel_seconds * 1e3:.1f} ms, compiled kernels"
+                f" {self.compiled_seconds * 1e3:.1f} ms in {self.compiled_calls} calls)",
                 f"  most called: {calls}",
             ]
         )
@@ -275,7 +287,8 @@ def profile_decode_step(step: DecodeStep, *, repeats: int = 5) -> StepProfile:
     with ops:
         step.execute()
     step.advance()
-    profiled, inside = _kernel_seconds(step.execute)
+    with native.timed() as compiled:
+        profiled, inside = _kernel_seconds(step.execute)
     step.advance()
     samples = []
     for _ in range(repeats):
@@ -295,6 +308,8 @@ def profile_decode_step(step: DecodeStep, *, repeats: int = 5) -> StepProfile:
         step_samples=tuple(samples),
         profiled_seconds=profiled,
         kernel_seconds=inside,
+        compiled_seconds=compiled.seconds,
+        compiled_calls=compiled.calls,
     )
 
 

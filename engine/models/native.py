@@ -25,6 +25,7 @@ kernel off without a word (for comparisons, or a machine where compiling is not 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,8 +39,9 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,9 +51,12 @@ __all__ = [
     "ELEMENTS",
     "HEADER",
     "NATIVE_ENV",
+    "KernelTime",
     "NativeBuildError",
+    "call",
     "compile_library",
     "native_wanted",
+    "timed",
 ]
 
 #: The element type's header, which every kernel's source includes.
@@ -93,6 +98,49 @@ _build_lock = threading.Lock()
 
 class NativeBuildError(RuntimeError):
     """A kernel could not be compiled, loaded, or did not pass its check."""
+
+
+class KernelTime:
+    """Wall time spent inside compiled kernels while :func:`timed` is active."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
+#: The active timer, if any (:func:`timed`).
+_timer: KernelTime | None = None
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[KernelTime]:
+    """Add up the time every compiled kernel call takes in this block, on any thread.
+
+    ``ctypes`` releases the GIL for a foreign call, so this is the time the kernels leave
+    Python free to run (``twostroke profile-step`` adds it to the time inside torch's ops).
+    Outside the block, :func:`call` costs one global read.
+    """
+    global _timer
+    timer, previous = KernelTime(), _timer
+    _timer = timer
+    try:
+        yield timer
+    finally:
+        _timer = previous
+
+
+def call(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``: how the kernels' modules call into their libraries, timed when a
+    :func:`timed` block is active."""
+    timer = _timer
+    if timer is None:
+        return function(*args)
+    start = time.perf_counter()
+    try:
+        return function(*args)
+    finally:
+        timer.seconds += time.perf_counter() - start
+        timer.calls += 1
 
 
 def native_wanted(environ: Mapping[str, str] | None = None) -> bool:

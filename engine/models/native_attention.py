@@ -31,7 +31,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from twostroke.engine.models.native import ELEMENTS, NativeBuildError, compile_library
+from twostroke.engine.models.native import ELEMENTS, NativeBuildError, call, compile_library
 
 __all__ = [
     "SOURCE",
@@ -132,7 +132,8 @@ class PagedDecodeKernel:
         if query.stride(2) != 1 or query.stride(1) != self.head_dim:
             query = query.contiguous()
         out = query.new_empty(decodes, heads * self.head_dim)
-        failed = self._function(
+        failed = call(
+            self._function,
             query.data_ptr(),
             query.stride(0),
             keys.data_ptr(),
@@ -213,7 +214,8 @@ class PagedDecodeKernel:
             )
         if query.stride(2) != 1 or query.stride(1) != self.head_dim:
             query = query.contiguous()
-        failed = self._prefill(
+        failed = call(
+            self._prefill,
             query.data_ptr(),
             query.stride(0),
             keys.data_ptr(),

@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from twostroke.engine.models.layers import rms_norm, rotate_, silu_mul
-from twostroke.engine.models.native import ELEMENTS, NativeBuildError, compile_library
+from twostroke.engine.models.native import ELEMENTS, NativeBuildError, call, compile_library
 
 __all__ = [
     "GLUE_SOURCE",
@@ -112,7 +112,8 @@ class DecoderGlue:
         if delta is not None and not delta.is_contiguous():
             delta = delta.contiguous()
         out = torch.empty_like(residual)
-        self._library.twostroke_add_rms_norm(
+        call(
+            self._library.twostroke_add_rms_norm,
             residual.data_ptr(),
             None if delta is None else delta.data_ptr(),
             weight.data_ptr(),
@@ -187,7 +188,8 @@ class DecoderGlue:
                 f"{tuple(signed_sin.shape)}, slots {slots.dtype} {tuple(slots.shape)}, cache "
                 f"{cache.dtype} {tuple(cache.shape)}"
             )
-        self._library.twostroke_rotate_write(
+        call(
+            self._library.twostroke_rotate_write,
             qkv.data_ptr(),
             qkv.stride(0),
             tokens,
@@ -219,8 +221,13 @@ class DecoderGlue:
             )
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, width)
-        self._library.twostroke_silu_mul(
-            gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr()
+        call(
+            self._library.twostroke_silu_mul,
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            rows,
+            width,
+            out.data_ptr(),
         )
         return out
 
@@ -241,8 +248,13 @@ class DecoderGlue:
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        self._library.twostroke_argmax(
-            logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
+        call(
+            self._library.twostroke_argmax,
+            logits.data_ptr(),
+            logits.shape[0],
+            logits.shape[1],
+            logits.stride(0),
+            out.data_ptr(),
         )
         return out
 

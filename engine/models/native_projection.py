@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from twostroke.engine.models.native import NativeBuildError, compile_library
+from twostroke.engine.models.native import NativeBuildError, call, compile_library
 
 __all__ = [
     "PROJECTION_SOURCE",
@@ -112,29 +112,33 @@ class ProjectionKernel:
         Raises:
             ValueError: ``x`` of another dtype or width.
         """
-        in_features = weight.in_features
-        if x.dtype != torch.bfloat16 or x.dim() == 0 or x.shape[-1] != in_features:
+        # Few torch calls: this runs for every projection of every step.
+        in_features, out_features = weight.in_features, weight.out_features
+        shape = x.shape
+        if x.dtype != torch.bfloat16 or not shape or shape[-1] != in_features:
             raise ValueError(
-                f"the projection takes bfloat16 [..., {in_features}]; got {x.dtype} "
-                f"{tuple(x.shape)}"
+                f"the projection takes bfloat16 [..., {in_features}]; got {x.dtype} {tuple(shape)}"
             )
-        rows = x if x.dim() == 2 else x.reshape(-1, in_features)
-        if rows.stride(1) != 1:
+        rows = x if len(shape) == 2 else x.reshape(-1, in_features)
+        strides = rows.stride()
+        if strides[1] != 1:
             rows = rows.contiguous()
-        out = rows.new_empty(rows.shape[0], weight.out_features)
-        bias = weight.bias
-        self._function(
+            strides = rows.stride()
+        count = rows.shape[0]
+        out = torch.empty((count, out_features), dtype=torch.bfloat16)
+        call(
+            self._function,
             rows.data_ptr(),
-            rows.stride(0),
-            rows.shape[0],
+            strides[0],
+            count,
             in_features,
-            weight.panels.data_ptr(),
-            weight.out_features,
-            None if bias is None else bias.data_ptr(),
+            weight.addresses[0],
+            out_features,
+            weight.addresses[1],
             out.data_ptr(),
-            weight.out_features,
+            out_features,
         )
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+        return out if len(shape) == 2 else out.view(*shape[:-1], out_features)
 
 
 @attrs.frozen
@@ -148,6 +152,7 @@ class PanelWeight:
         bias: float32 ``[panels * panel]`` or ``None``.
         out_features: Output width.
         in_features: Input width.
+        addresses: Where ``panels`` and ``bias`` (or ``None``) are, for the kernel's calls.
     """
 
     kernel: ProjectionKernel
@@ -155,6 +160,11 @@ class PanelWeight:
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    addresses: tuple[int, int | None] = attrs.field(init=False, repr=False)
+
+    @addresses.default
+    def _addresses(self) -> tuple[int, int | None]:
+        return self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self)

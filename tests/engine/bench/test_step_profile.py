@@ -66,11 +66,13 @@ def counts(result: StepProfile) -> tuple[object, ...]:
 def test_times_are_a_split_of_the_step(tiny_models: dict[int, LoadedModel]) -> None:
     result = profile(tiny_models[2])
     assert 0 < result.kernel_seconds <= result.profiled_seconds
+    assert 0 < result.kernel_seconds + result.compiled_seconds <= result.profiled_seconds
     assert 0 < result.gil_free_fraction <= 1
     assert len(result.step_samples) == 2
     assert result.step_seconds in (min(result.step_samples), sum(result.step_samples) / 2)
     text = result.report()
     assert text.startswith("decode step, batch 4\n")
+    assert f"in {result.compiled_calls} calls)" in text
     assert f"torch calls from Python  {result.torch_calls}" in text
 
 
@@ -122,3 +124,15 @@ def test_the_command_prints_the_profile(tmp_path: Path, capsys: pytest.CaptureFi
     )
     assert lines[1] == "decode step, batch 2"
     assert lines[2].startswith("  torch calls from Python  ")
+
+
+def test_the_compiled_kernels_calls_are_timed_apart_from_torchs_ops(
+    tiny_models: dict[int, LoadedModel],
+) -> None:
+    """The tiny models attend with the compiled kernel (exact float32 keeps torch's glue and
+    projections): one call a layer, whose time counts as GIL-free too."""
+    two, three = profile(tiny_models[2]), profile(tiny_models[3])
+    if (two.compiled_calls, three.compiled_calls) == (0, 0):
+        pytest.skip("no compiled attention kernel on this machine")
+    assert (two.compiled_calls, three.compiled_calls) == (2, 3)
+    assert 0 < two.compiled_seconds < two.profiled_seconds

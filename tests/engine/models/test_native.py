@@ -337,3 +337,20 @@ def test_the_library_runs_on_torchs_own_openmp() -> None:
     with open("/proc/self/maps", encoding="utf-8") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) <= 1, runtimes
+
+
+def test_timed_adds_up_the_kernel_calls_made_in_its_block() -> None:
+    kernel = build_kernel(block_size=4, head_dim=8, group=1, dtype=torch.float32)
+    query, keys, values, tables, lengths = batch(kernel, [3, 9])
+    kernel(query, keys, values, tables, lengths, 0.5)  # not timed: no block is active
+    with native.timed() as outer:
+        kernel(query, keys, values, tables, lengths, 0.5)
+        with native.timed() as inner:
+            assert native.call(max, 2, 7) == 7  # any callable: what it returns comes back
+        kernel(query, keys, values, tables, lengths, 0.5)
+    assert (outer.calls, inner.calls) == (2, 1)  # the inner block's call is its own
+    assert outer.seconds > 0
+    assert inner.seconds >= 0
+    with native.timed() as failing, pytest.raises(ZeroDivisionError):
+        native.call(lambda: 1 / 0)
+    assert failing.calls == 1  # a call that raised was timed too
