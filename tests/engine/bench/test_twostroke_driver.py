@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -13,6 +15,7 @@ from twostroke.engine.bench.metrics import metrics
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.twostroke_driver import engine_drivers
 from twostroke.engine.bench.workload import BenchRequest, Workload, with_json_schemas
+from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.device import Device
 
@@ -31,7 +34,19 @@ def test_the_engine_systems_warm_up_once_and_the_bare_loop_replays_their_plans(
     )
     drivers = engine_drivers(max_num_seqs=4, compare_attention=True)
     assert [driver.name for driver in drivers][3:] == ["twostroke-depth2-bag"]
+    allocated_on: list[threading.Thread] = []
+    allocate = TorchModelRunner.allocate_kv_cache
+
+    def recorded(runner: TorchModelRunner, *args: Any, **kwargs: Any) -> None:
+        allocated_on.append(threading.current_thread())
+        allocate(runner, *args, **kwargs)
+
+    monkeypatch.setattr(TorchModelRunner, "allocate_kv_cache", recorded)
     results = [driver.run(workload, model=model) for driver in drivers]
+    # Every system zeroes its cache off the main thread (the engines on their device's
+    # thread, the bare loop on its forward thread), so the process keeps one OpenMP team.
+    assert len(allocated_on) == len(drivers) + 1  # and the untimed warm-up's engine
+    assert threading.main_thread() not in allocated_on
     for result in results:
         assert result.available, result.reason
         assert [t.output_tokens for t in result.timings] == [4, 3]
