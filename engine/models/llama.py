@@ -335,11 +335,12 @@ class LlamaForCausalLM(nn.Module):
             and native_wanted()
             else None
         )
-        if kernel is not None:
+        dense = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
+        if kernel is not None and all(m.weight.shape[1] % 2 == 0 for m in dense):
+            # (The kernel reads inputs in pairs: a model with an odd width stays on oneDNN.)
             with torch_threads(1):
-                for module in self.modules():
-                    if isinstance(module, Linear):
-                        module.pack_panels(kernel)
+                for linear in dense:
+                    linear.pack_panels(kernel)
                 if self.lm_head is None:
                     self._embedding_panels = kernel.pack(self.embed_tokens)
             self._native_projections = True

@@ -206,6 +206,9 @@ def test_which_decoders_take_the_kernel(
     float32 = tiny_decoder(torch.float32)
     float32.pack_weights(exact=False)  # oneDNN's, where it packs float32
     assert not float32.panels
+    odd = LlamaForCausalLM(_config(intermediate_size=15), dtype=torch.bfloat16, device=CPU)
+    assert odd.pack_weights(exact=False)  # down_proj's inputs are odd: all stay oneDNN's
+    assert not odd.panels
     monkeypatch.setenv(NATIVE_ENV, "0")
     kept = tiny_decoder()
     kept.pack_weights(exact=False)
