@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from twostroke.engine.models.artifacts import ArtifactCache
@@ -100,12 +101,13 @@ class NativeBuildError(RuntimeError):
     """A kernel could not be compiled, loaded, or did not pass its check."""
 
 
+@attrs.define
 class KernelTime:
-    """Wall time spent inside compiled kernels while :func:`timed` is active."""
+    """Wall time spent inside compiled kernels, and their calls, while :func:`timed` is
+    active."""
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.calls = 0
+    seconds: float = 0.0
+    calls: int = 0
 
 
 #: The active timer, if any (:func:`timed`).

@@ -85,12 +85,18 @@ class ProjectionKernel:
             bias: ``[out_features]`` in any floating dtype, or ``None``.
 
         Raises:
-            ValueError: another dtype, shape, or an odd input width.
+            ValueError: another dtype, shape or device, or an odd input width.
         """
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        if (
+            weight.dtype != torch.bfloat16
+            or weight.dim() != 2
+            or weight.shape[1] % 2
+            or weight.device.type != "cpu"
+        ):
             raise ValueError(
                 "the projection kernel packs a bfloat16 weight [out_features, in_features] "
-                f"with in_features even; got {weight.dtype} {tuple(weight.shape)}"
+                f"on the CPU with in_features even; got {weight.dtype} {tuple(weight.shape)} "
+                f"on {weight.device}"
             )
         out_features, in_features = int(weight.shape[0]), int(weight.shape[1])
         if bias is not None and bias.shape != (out_features,):
@@ -110,14 +116,20 @@ class ProjectionKernel:
         """``x W^T + b`` in bfloat16, for ``x`` ``[..., in_features]`` bfloat16.
 
         Raises:
-            ValueError: ``x`` of another dtype or width.
+            ValueError: ``x`` of another dtype or width, or not on the CPU.
         """
         # Few torch calls: this runs for every projection of every step.
         in_features, out_features = weight.in_features, weight.out_features
         shape = x.shape
-        if x.dtype != torch.bfloat16 or not shape or shape[-1] != in_features:
+        if (
+            x.dtype != torch.bfloat16
+            or not shape
+            or shape[-1] != in_features
+            or x.device.type != "cpu"
+        ):
             raise ValueError(
-                f"the projection takes bfloat16 [..., {in_features}]; got {x.dtype} {tuple(shape)}"
+                f"the projection takes bfloat16 [..., {in_features}] on the CPU; got {x.dtype} "
+                f"{tuple(shape)} on {x.device}"
             )
         rows = x if len(shape) == 2 else x.reshape(-1, in_features)
         strides = rows.stride()

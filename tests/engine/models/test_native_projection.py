@@ -128,12 +128,16 @@ def test_what_it_was_not_built_for_is_refused(kernel: ProjectionKernel) -> None:
     bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"packs a bfloat16 weight .* got torch\.float32"):
         kernel.pack(torch.zeros(4, 6))
+    with pytest.raises(ValueError, match=r"got torch\.bfloat16 \(4, 6\) on meta"):
+        kernel.pack(torch.zeros(4, 6, dtype=torch.bfloat16, device="meta"))
     with pytest.raises(ValueError, match=r"in_features even; got torch\.bfloat16 \(4, 5\)"):
         kernel.pack(torch.zeros(4, 5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"bias must be \[4\], got \(3,\)"):
         kernel.pack(bf16, torch.zeros(3))
     packed = kernel.pack(bf16)
-    with pytest.raises(ValueError, match=r"takes bfloat16 \[\.\.\., 6\]; got torch\.float32"):
+    with pytest.raises(
+        ValueError, match=r"takes bfloat16 \[\.\.\., 6\] on the CPU; got torch\.float32"
+    ):
         packed(torch.zeros(2, 6))
     with pytest.raises(ValueError, match=r"got torch\.bfloat16 \(2, 8\)"):
         packed(torch.zeros(2, 8, dtype=torch.bfloat16))
