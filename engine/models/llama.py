@@ -240,7 +240,6 @@ class LlamaForCausalLM(nn.Module):
         self._packed_embedding: torch.Tensor | None = None
         # Or its panels for the compiled bfloat16 kernel, where pack_weights() chose it.
         self._embedding_panels: PanelWeight | None = None
-        self._native_projections = False
         self._packed = False
         self._quantization: Quantization | None = None
         self._glue: DecoderGlue | None = None  # set by fuse_glue()
@@ -300,7 +299,10 @@ class LlamaForCausalLM(nn.Module):
     def panels(self) -> bool:
         """Whether :meth:`pack_weights` gave the projections it packed to the compiled
         bfloat16 kernel (:mod:`.native_projection`) rather than to oneDNN."""
-        return self._native_projections
+        # The output projection is never quantized, so it is laid out whenever the rest is.
+        if self.lm_head is not None:
+            return self.lm_head.panels is not None
+        return self._embedding_panels is not None
 
     def pack_weights(self, *, exact: bool = True) -> bool:
         """Pack every projection for its fastest kernel here, where that works.
@@ -343,7 +345,6 @@ class LlamaForCausalLM(nn.Module):
                     linear.pack_panels(kernel)
                 if self.lm_head is None:
                     self._embedding_panels = kernel.pack(self.embed_tokens)
-            self._native_projections = True
             self._packed = True
             return True
         if not can_pack(self.dtype, self.device, exact=exact):

@@ -57,6 +57,7 @@ __all__ = [
     "call",
     "compile_library",
     "native_wanted",
+    "relative_difference",
     "timed",
 ]
 
@@ -143,6 +144,13 @@ def call(function: Callable[..., Any], *args: Any) -> Any:
     finally:
         timer.seconds += time.perf_counter() - start
         timer.calls += 1
+
+
+def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference of ``got`` from ``expected``, relative to the largest
+    magnitude expected (how the kernels' start-up checks compare with torch)."""
+    scale = float(expected.float().abs().max()) or 1.0
+    return float((got.float() - expected.float()).abs().max()) / scale
 
 
 def native_wanted(environ: Mapping[str, str] | None = None) -> bool:

@@ -33,7 +33,13 @@ import attrs
 import torch
 
 from twostroke.engine.models.layers import rms_norm, rotate_, silu_mul
-from twostroke.engine.models.native import ELEMENTS, NativeBuildError, call, compile_library
+from twostroke.engine.models.native import (
+    ELEMENTS,
+    NativeBuildError,
+    call,
+    compile_library,
+    relative_difference,
+)
 
 __all__ = [
     "GLUE_SOURCE",
@@ -360,10 +366,10 @@ def _check(glue: DecoderGlue) -> None:
         delta = random(rows, hidden) if with_delta else None
         total, expected = reference_add_rms_norm(residual, delta, weight, 1e-5)
         got = glue.add_rms_norm(residual, delta, weight, 1e-5)
-        differences.append(_relative(got, expected))
+        differences.append(relative_difference(got, expected))
         differences.append(float((residual.float() - total.float()).abs().max()))
         gate_up = random(rows, 2 * hidden, scale=3)
-        differences.append(_relative(glue.silu_mul(gate_up), silu_mul(gate_up)))
+        differences.append(relative_difference(glue.silu_mul(gate_up), silu_mul(gate_up)))
     heads, kv_heads, block_size, tokens = 3, 1, 4, 70
     qkv = random(tokens, (heads + 2 * kv_heads) * dim)
     angles = torch.rand(tokens, 1, dim, generator=generator) * 6
@@ -393,9 +399,3 @@ def _check(glue: DecoderGlue) -> None:
             f"its check differs from torch by {difference:.3g} (at most "
             f"{_TOLERANCE[dtype]:g} allowed for {dtype})"
         )
-
-
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest difference relative to the largest magnitude expected."""
-    scale = float(expected.float().abs().max()) or 1.0
-    return float((got.float() - expected.float()).abs().max()) / scale

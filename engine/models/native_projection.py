@@ -34,7 +34,12 @@ from pathlib import Path
 import attrs
 import torch
 
-from twostroke.engine.models.native import NativeBuildError, call, compile_library
+from twostroke.engine.models.native import (
+    NativeBuildError,
+    call,
+    compile_library,
+    relative_difference,
+)
 
 __all__ = [
     "PROJECTION_SOURCE",
@@ -257,9 +262,7 @@ def _check(kernel: ProjectionKernel) -> None:
         weight, bias = random(out_features, in_features), random(out_features)
         packed = kernel.pack(weight, bias if with_bias else None)
         expected = x.float() @ weight.float().T + (bias.float() if with_bias else 0.0)
-        got = packed(x)
-        scale = float(expected.abs().max()) or 1.0
-        worst = max(worst, float((got.float() - expected).abs().max()) / scale)
+        worst = max(worst, relative_difference(packed(x), expected))
     if not worst <= _TOLERANCE:
         raise NativeBuildError(
             f"its check differs from torch by {worst:.3g} of the largest output (at most "
