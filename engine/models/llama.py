@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twostroke.engine.models.attention import paged_attention, write_kv
+from twostroke.engine.models.attention_kernels import AttentionKernel
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.kv_cache import KVCache, LayerCache
@@ -45,6 +46,7 @@ from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pa
 from twostroke.engine.models.native import native_wanted
 from twostroke.engine.models.native_glue import DecoderGlue, decoder_glue
 from twostroke.engine.models.native_projection import PanelWeight, projection_kernel
+from twostroke.engine.models.native_stack import DecoderStack, StackLayer, decoder_stack
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
@@ -243,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
         self._packed = False
         self._quantization: Quantization | None = None
         self._glue: DecoderGlue | None = None  # set by fuse_glue()
+        self._stack: DecoderStack | None = None  # set once both the glue and panels are
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
 
@@ -266,16 +269,19 @@ class LlamaForCausalLM(nn.Module):
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
-        glue = self._glue
+        glue, stack = self._glue, self._stack
         if glue is None:
             for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
                 x = layer(x, cos, sin, metadata, layer_cache)
             x = self.norm(x.index_select(0, logits_indices))
         else:
             delta: torch.Tensor | None = None  # x is the residual stream, added to in place
-            for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
-                decoder = cast(DecoderLayer, layer)  # a ModuleList's items are Modules to mypy
-                delta = decoder.forward_fused(x, delta, cos, sin, metadata, layer_cache, glue)
+            if stack is not None and stack.runs(metadata):
+                delta = stack(x, cos, sin, metadata, kv_cache)  # the loop below, in C
+            else:
+                for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
+                    decoder = cast(DecoderLayer, layer)  # ModuleList items are Modules to mypy
+                    delta = decoder.forward_fused(x, delta, cos, sin, metadata, layer_cache, glue)
             last = None if delta is None else delta.index_select(0, logits_indices)
             x = glue.add_rms_norm(
                 x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps
@@ -346,6 +352,7 @@ class LlamaForCausalLM(nn.Module):
                 if self.lm_head is None:
                     self._embedding_panels = kernel.pack(self.embed_tokens)
             self._packed = True
+            self._link_stack()
             return True
         if not can_pack(self.dtype, self.device, exact=exact):
             return False
@@ -385,7 +392,40 @@ class LlamaForCausalLM(nn.Module):
             self._glue = decoder_glue(
                 hidden=config.hidden_size, head_dim=config.head_dim, dtype=self.dtype
             )
+            self._link_stack()
         return self._glue is not None
+
+    @property
+    def stack(self) -> DecoderStack | None:
+        """The compiled driver that runs a step's layers in one call (:mod:`.native_stack`),
+        set once the glue is fused and the projections are packed for the bfloat16 kernel
+        (with any projection quantized, there is none)."""
+        return self._stack
+
+    def _link_stack(self) -> None:
+        glue = self._glue
+        if glue is None or not self.panels or self._stack is not None:
+            return
+        layers = []
+        for layer in self.layers:
+            decoder = cast(DecoderLayer, layer)
+            attention, mlp = decoder.self_attn, decoder.mlp
+            qkv, o = attention.qkv_proj.panels, attention.o_proj.panels
+            gate_up, down = mlp.gate_up_proj.panels, mlp.down_proj.panels
+            if qkv is None or o is None or gate_up is None or down is None:
+                return  # quantized projections: their kernels are torch's
+            first, second = decoder.input_layernorm, decoder.post_attention_layernorm
+            norms = (first.weight, first.eps, second.weight, second.eps)
+            layers.append(StackLayer(*norms, qkv, o, gate_up, down))
+        config = self.config
+        self._stack = decoder_stack(
+            layers,
+            glue=glue,
+            projection=layers[0].qkv.kernel,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            intermediate=config.intermediate_size,
+        )
 
     @property
     def quantization(self) -> Quantization | None:
@@ -460,6 +500,7 @@ class LlamaForCausalLM(nn.Module):
         *,
         chunk_size: int | None = None,
         block_size: int = 4,
+        kernel: AttentionKernel | None = None,
     ) -> list[torch.Tensor]:
         """Logits at every position of each sequence, computed through a fresh paged cache.
 
@@ -472,6 +513,9 @@ class LlamaForCausalLM(nn.Module):
             sequences: Token ids, each non-empty.
             chunk_size: Positions per sequence per step.
             block_size: Positions per cache block.
+            kernel: How the steps attend (``None``: the device's default, as
+                :meth:`AttentionMetadata.build <.attention_metadata.AttentionMetadata.build>`
+                takes it).
 
         Returns:
             One float32 tensor ``[len(sequence), vocab_size]`` per sequence.
@@ -508,6 +552,7 @@ class LlamaForCausalLM(nn.Module):
                 device=self.device,
                 num_heads=self.config.num_heads,
                 head_dim=self.config.head_dim,
+                kernel=kernel,
             )
             rows = torch.arange(len(ids), device=self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

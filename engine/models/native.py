@@ -54,6 +54,7 @@ __all__ = [
     "NATIVE_ENV",
     "KernelTime",
     "NativeBuildError",
+    "address",
     "call",
     "compile_library",
     "native_wanted",
@@ -144,6 +145,15 @@ def call(function: Callable[..., Any], *args: Any) -> Any:
     finally:
         timer.seconds += time.perf_counter() - start
         timer.calls += 1
+
+
+def address(function: Callable[..., Any]) -> int:
+    """Where a library's ``function`` is in memory, for a kernel that calls it by pointer."""
+    # (A library's functions are ctypes function pointers, typed as callables here.)
+    found = ctypes.cast(function, ctypes.c_void_p).value  # type: ignore[arg-type]
+    if found is None:  # a loaded function is never at 0
+        raise ValueError(f"{function!r} has no address")
+    return found
 
 
 def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -31,7 +31,13 @@ from pathlib import Path
 import attrs
 import torch
 
-from twostroke.engine.models.native import ELEMENTS, NativeBuildError, call, compile_library
+from twostroke.engine.models.native import (
+    ELEMENTS,
+    NativeBuildError,
+    address,
+    call,
+    compile_library,
+)
 
 __all__ = [
     "SOURCE",
@@ -76,6 +82,11 @@ class PagedDecodeKernel:
     path: Path
     _function: Callable[..., int] = attrs.field(repr=False)
     _prefill: Callable[..., int] = attrs.field(repr=False)
+
+    @property
+    def addresses(self) -> tuple[int, int]:
+        """Where the decode and the prefill entry points are (for ``decoder_stack.c``)."""
+        return address(self._function), address(self._prefill)
 
     def __call__(
         self,

@@ -36,6 +36,7 @@ from twostroke.engine.models.layers import rms_norm, rotate_, silu_mul
 from twostroke.engine.models.native import (
     ELEMENTS,
     NativeBuildError,
+    address,
     call,
     compile_library,
     relative_difference,
@@ -78,6 +79,16 @@ class DecoderGlue:
     dtype: torch.dtype
     path: Path
     _library: ctypes.CDLL = attrs.field(repr=False)
+
+    @property
+    def addresses(self) -> tuple[int, int, int]:
+        """Where the norm, the rotary write and SiLU times up are (for ``decoder_stack.c``)."""
+        library = self._library
+        return (
+            address(library.twostroke_add_rms_norm),
+            address(library.twostroke_rotate_write),
+            address(library.twostroke_silu_mul),
+        )
 
     def add_rms_norm(
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

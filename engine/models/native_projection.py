@@ -36,6 +36,7 @@ import torch
 
 from twostroke.engine.models.native import (
     NativeBuildError,
+    address,
     call,
     compile_library,
     relative_difference,
@@ -81,6 +82,11 @@ class ProjectionKernel:
     panel: int
     path: Path
     _function: Callable[..., None] = attrs.field(repr=False)
+
+    @property
+    def address(self) -> int:
+        """Where the kernel's entry point is (for ``decoder_stack.c``)."""
+        return address(self._function)
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
         """Lay ``weight`` (and ``bias``) out for this kernel; the originals are not kept.
