@@ -76,13 +76,14 @@ class Linear(nn.Module):
             self.quantized = QuantizedWeight(self.weight, self.bias, kind)
             self._drop_weight()
 
-    def pack_panels(self, kernel: ProjectionKernel) -> None:
+    def pack_panels(self, kernel: ProjectionKernel, into: torch.Tensor | None = None) -> None:
         """Replace weight and bias by ``kernel``'s panels (a bfloat16 weight); no way back.
 
         Like :meth:`quantize`, the dense weight is dropped, so the module holds one copy.
+        ``into`` is where the panels go (see :meth:`ProjectionKernel.pack`).
         """
         if self.panels is None and self.quantized is None and not self.packed:
-            self.panels = kernel.pack(self.weight, self.bias)
+            self.panels = kernel.pack(self.weight, self.bias, into=into)
             self._drop_weight()
 
     def _drop_weight(self) -> None:

@@ -34,6 +34,7 @@ from twostroke.engine.models.attention import paged_attention, write_kv
 from twostroke.engine.models.attention_kernels import AttentionKernel
 from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.huge_pages import huge_page_buffer
 from twostroke.engine.models.kv_cache import KVCache, LayerCache
 from twostroke.engine.models.layers import (
     RMSNorm,
@@ -346,11 +347,16 @@ class LlamaForCausalLM(nn.Module):
         dense = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
         if kernel is not None and all(m.weight.shape[1] % 2 == 0 for m in dense):
             # (The kernel reads inputs in pairs: a model with an odd width stays on oneDNN.)
+            # All the panels in one allocation, in huge pages: each weight is read in full
+            # every step (1.28x the speed at one row, measured; see huge_pages).
+            tied = [] if self.lm_head is not None else [self.embed_tokens.shape]
+            shapes = [m.weight.shape for m in dense] + tied
+            rooms = huge_page_buffer([kernel.packed_size(*s) for s in shapes], torch.bfloat16)
             with torch_threads(1):
-                for linear in dense:
-                    linear.pack_panels(kernel)
-                if self.lm_head is None:
-                    self._embedding_panels = kernel.pack(self.embed_tokens)
+                for linear, room in zip(dense, rooms, strict=False):
+                    linear.pack_panels(kernel, room)
+                if tied:
+                    self._embedding_panels = kernel.pack(self.embed_tokens, into=rooms[-1])
             self._packed = True
             self._link_stack()
             return True

@@ -88,15 +88,29 @@ class ProjectionKernel:
         """Where the kernel's entry point is (for ``decoder_stack.c``)."""
         return address(self._function)
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
+    def packed_size(self, out_features: int, in_features: int) -> int:
+        """Elements of the panels of an ``[out_features, in_features]`` weight."""
+        return -(-out_features // self.panel) * self.panel * in_features
+
+    def pack(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        into: torch.Tensor | None = None,
+    ) -> PanelWeight:
         """Lay ``weight`` (and ``bias``) out for this kernel; the originals are not kept.
 
         Args:
             weight: bfloat16 ``[out_features, in_features]``, ``in_features`` even.
             bias: ``[out_features]`` in any floating dtype, or ``None``.
+            into: Where the panels go: a contiguous bfloat16 CPU tensor of
+                :meth:`packed_size` elements (a model's weights share one allocation in huge
+                pages, :mod:`.huge_pages`); ``None`` allocates one.
 
         Raises:
-            ValueError: another dtype, shape or device, or an odd input width.
+            ValueError: another dtype, shape or device, an odd input width, or an ``into``
+                that does not fit.
         """
         if (
             weight.dtype != torch.bfloat16
@@ -116,7 +130,21 @@ class ProjectionKernel:
         count = -(-out_features // panel)
         padded = weight.detach().new_zeros(count * panel, in_features)
         padded[:out_features] = weight.detach()
-        panels = padded.view(count, panel, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+        laid_out = padded.view(count, panel, in_features // 2, 2).permute(0, 2, 1, 3)
+        if into is None:
+            panels = laid_out.contiguous()
+        elif (
+            into.dtype != torch.bfloat16
+            or into.device.type != "cpu"
+            or into.numel() != laid_out.numel()
+            or not into.is_contiguous()
+        ):
+            raise ValueError(
+                f"into must be a contiguous bfloat16 CPU tensor of {laid_out.numel()} elements; "
+                f"got {into.dtype} {tuple(into.shape)} on {into.device}"
+            )
+        else:
+            panels = into.view(laid_out.shape).copy_(laid_out)
         padded_bias = None
         if bias is not None:
             padded_bias = torch.zeros(count * panel, dtype=torch.float32, device=weight.device)

@@ -143,6 +143,26 @@ def test_what_it_was_not_built_for_is_refused(kernel: ProjectionKernel) -> None:
         packed(torch.zeros(2, 8, dtype=torch.bfloat16))
 
 
+def test_panels_packed_into_a_given_buffer_are_the_same(kernel: ProjectionKernel) -> None:
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 64, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(100, generator=generator)
+    size = kernel.packed_size(100, 64)
+    assert size == -(-100 // kernel.panel) * kernel.panel * 64
+    buffer = torch.full((size + 3,), float("nan"), dtype=torch.bfloat16)
+    packed = kernel.pack(weight, bias, into=buffer[3:])
+    assert packed.panels.data_ptr() == buffer[3:].data_ptr()
+    alone = kernel.pack(weight, bias)
+    assert torch.equal(packed.panels, alone.panels)
+    x = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    assert torch.equal(packed(x), alone(x))
+    for wrong in (buffer[4:], buffer[3:].float(), torch.empty(2 * size, dtype=torch.bfloat16)[::2]):
+        with pytest.raises(
+            ValueError, match=rf"into must be a contiguous bfloat16 CPU tensor of {size} elements"
+        ):
+            kernel.pack(weight, bias, into=wrong)
+
+
 def test_a_build_that_disagrees_with_torch_is_refused(
     kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,90 @@
+"""Large CPU buffers backed by 2 MiB pages, where Linux gives them.
+
+A decode step streams every weight from memory, and the attention hops from block to block
+of the KV cache. In 4 KiB pages that is a TLB miss every 4 KiB (the 212 MB of SmolLM2's
+projections are 52,000 pages, against a few thousand TLB entries), and the hardware
+prefetchers stop at each page's end. Backed by 2 MiB pages, the bfloat16 projections at one
+row read 43.2 GB/s instead of 33.9 (1.28x; 1.12x at 4 rows, 1.06x at 32), measured on an
+AMD EPYC Zen 4 whose memory reads 47.7 GB/s.
+
+Linux backs anonymous memory with huge pages where ``madvise(MADV_HUGEPAGE)`` asks for it
+(``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise``, most distributions'
+default, or ``always``), for the pages first touched after the advice. So a buffer is
+allocated, advised, and only then filled. Where the advice is not taken (another OS, huge
+pages off, a buffer smaller than one), the buffer is an ordinary one: nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import sys
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["HUGE_PAGE", "huge_page_buffer"]
+
+#: Bytes in a huge page (x86-64 and most arm64 kernels).
+HUGE_PAGE = 2 << 20
+
+#: ``MADV_HUGEPAGE`` in Linux's ``<sys/mman.h>``.
+_MADV_HUGEPAGE = 14
+
+#: Bytes every view of :func:`huge_page_buffer` starts on a multiple of (a cache line).
+_ALIGNMENT = 64
+
+_log = logging.getLogger(__name__)
+
+
+def huge_page_buffer(counts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Uninitialized 1-D CPU tensors of ``counts`` elements, carved from one allocation
+    whose memory Linux is asked to back with huge pages.
+
+    Each view starts on a cache line; together they keep the allocation alive. Fill them
+    before anything else touches them (pages touched first are small ones).
+
+    Raises:
+        ValueError: a negative count.
+    """
+    if any(count < 0 for count in counts):
+        raise ValueError(f"counts must be >= 0, got {counts}")
+    size = torch.empty((), dtype=dtype).element_size()
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += -(-count * size // _ALIGNMENT) * _ALIGNMENT
+    raw = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    _advise(raw.data_ptr() + offset, total)
+    base = raw[offset : offset + total]
+    return [
+        base[start : start + count * size].view(dtype)
+        for start, count in zip(starts, counts, strict=True)
+    ]
+
+
+def _advise(address: int, length: int) -> bool:
+    """Ask for huge pages over the whole huge pages of ``[address, address + length)``."""
+    usable = length // HUGE_PAGE * HUGE_PAGE
+    madvise = _madvise()
+    if madvise is None or usable == 0:
+        return False
+    if madvise(address, usable, _MADV_HUGEPAGE) != 0:
+        _log.debug("twostroke: madvise(MADV_HUGEPAGE) failed (errno %d)", ctypes.get_errno())
+        return False
+    return True
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function
