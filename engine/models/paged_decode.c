@@ -26,7 +26,8 @@
  * contiguous read per block), and prefetches the next block's while it sums this one, since
  * the block table hides the next address from the hardware's prefetcher. Split over (decode, head) pairs instead, each
  * pair read a third of that per block, and the attention of SmolLM2's batch-32 step took
- * 1.3x longer. The library links the libgomp that torch has already loaded (the same
+ * 1.3x longer; so decodes are split by heads only where there are fewer than threads (one
+ * request's decode would leave every thread but one idle). The library links the libgomp that torch has already loaded (the same
  * soname), so it runs on torch's own thread team at torch's thread count, on the thread
  * that calls it.
  *
@@ -36,6 +37,7 @@
  * key reads, so a few such scores are computed and dropped): unwritten slots of a last block
  * cannot leak in.
  */
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -126,16 +128,17 @@ static inline void prefetch_tile(const element *tile) {
 #define TILE_TOKENS (TILE_ROWS < 1 ? 1 : TILE_ROWS > 8 ? 8 : TILE_ROWS)
 
 /* `tokens` consecutive query tokens of one sequence (at most T; the first attends to
- * `length` positions, each next one to one more), every key/value head: block by block,
- * all heads' tiles of a block together (they are adjacent in memory), so each block is one
- * contiguous read. T is a constant where this is inlined (1 for decodes, TILE_TOKENS for
+ * `length` positions, each next one to one more), key/value heads g0 to g1 - 1 (and their
+ * query heads): block by block, those heads' tiles of a block together (they are adjacent
+ * in memory), so each block is one contiguous read. T is a constant where this is inlined (1 for decodes, TILE_TOKENS for
  * chunks), so the score sums stay in registers; rows past `tokens` repeat the last query
  * and are never stored. */
 static inline __attribute__((always_inline)) void attend_tile(
     const element *restrict query, ptrdiff_t query_stride, int tokens, const int T, float scale,
     int32_t length, const int32_t *restrict table, const element *restrict keys,
-    const element *restrict values, ptrdiff_t kv_heads, float *restrict q,
-    float *restrict scores, ptrdiff_t padded, element *restrict out, ptrdiff_t out_stride) {
+    const element *restrict values, ptrdiff_t kv_heads, ptrdiff_t g0, ptrdiff_t g1,
+    float *restrict q, float *restrict scores, ptrdiff_t padded, element *restrict out,
+    ptrdiff_t out_stride) {
     const int32_t last = length + tokens - 1; /* the last token's length */
     const ptrdiff_t blocks = (last + BLOCK_SIZE - 1) / BLOCK_SIZE;
     const ptrdiff_t rows = kv_heads * GROUP;
@@ -143,7 +146,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int split = T == 1 ? SPLIT : 1;
     for (int t = 0; t < T; t++) {
         const element *restrict from = query + (t < tokens ? t : tokens - 1) * query_stride;
-        for (ptrdiff_t h = 0; h < rows; h++)
+        for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++)
             for (int d = 0; d < HEAD_DIM; d++)
                 q[(t * rows + h) * HEAD_DIM + d] = load(from[h * HEAD_DIM + d]) * scale;
     }
@@ -153,7 +156,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (ptrdiff_t j = 0; j < blocks; j++) {
         const element *next = j + 1 < blocks ? keys + (ptrdiff_t)table[j + 1] * span
                                              : values + (ptrdiff_t)table[0] * span;
-        for (ptrdiff_t g = 0; g < kv_heads; g++) {
+        for (ptrdiff_t g = g0; g < g1; g++) {
             prefetch_tile(next + g * TILE);
             const element *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
             vec block[SPLIT][TILE_TOKENS * GROUP][KEY_CHUNKS] = {0};
@@ -180,7 +183,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int t = 0; t < tokens; t++) {
         const int32_t seen = length + t;
-        for (ptrdiff_t h = 0; h < rows; h++) {
+        for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++) {
             float *restrict s = scores + (t * rows + h) * padded;
             float top = s[0];
             for (int32_t i = 1; i < seen; i++) top = s[i] > top ? s[i] : top;
@@ -200,13 +203,13 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int t = 0; t < tokens; t++) {
         const int32_t seen = length + t;
         const ptrdiff_t used = (seen + BLOCK_SIZE - 1) / BLOCK_SIZE;
-        for (ptrdiff_t g = 0; g < kv_heads; g++) {
+        for (ptrdiff_t g = g0; g < g1; g++) {
             for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
                 const float *restrict p = scores + (t * rows + g * GROUP + first) * padded;
                 vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
                 for (ptrdiff_t j = 0; j < used; j++) {
-                    if (t == 0 && g == 0 && first == 0 && j + 1 < used)
-                        for (ptrdiff_t u = 0; u < kv_heads; u++)
+                    if (t == 0 && g == g0 && first == 0 && j + 1 < used)
+                        for (ptrdiff_t u = g0; u < g1; u++)
                             prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + u * TILE);
                     const element *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
                     const ptrdiff_t left = seen - j * BLOCK_SIZE;
@@ -246,6 +249,8 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
     int32_t longest = 1;
     for (ptrdiff_t r = 0; r < decodes; r++) longest = lengths[r] > longest ? lengths[r] : longest;
     const ptrdiff_t padded = ((ptrdiff_t)longest + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
+    /* Fewer decodes than threads: each decode's heads are split among them instead. */
+    const ptrdiff_t parts = decodes < omp_get_max_threads() ? kv_heads : 1;
     int failed = 0;
 #pragma omp parallel
     {
@@ -255,10 +260,12 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (ptrdiff_t r = 0; r < decodes; r++) {
+        for (ptrdiff_t item = 0; item < decodes * parts; item++) {
             if (scratch == NULL) continue;
+            const ptrdiff_t r = item / parts, part = item % parts;
             attend_tile(query + r * query_stride, 0, 1, 1, scale, lengths[r],
                         tables + r * table_stride, keys, values, kv_heads,
+                        part * kv_heads / parts, (part + 1) * kv_heads / parts,
                         scratch + kv_heads * GROUP * padded, scratch, padded,
                         out + r * kv_heads * GROUP * HEAD_DIM, 0);
         }
@@ -325,13 +332,13 @@ int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_strid
             float *restrict q = scratch + TILE_TOKENS * rows * padded;
             if (counts[c] == 1) /* a decode: a tile of one */
                 attend_tile(query + row * query_stride, query_stride, 1, 1, scale, length,
-                            tables + c * table_stride, keys, values, kv_heads, q, scratch, padded,
-                            out + row * out_stride, out_stride);
+                            tables + c * table_stride, keys, values, kv_heads, 0, kv_heads, q,
+                            scratch, padded, out + row * out_stride, out_stride);
             else
                 attend_tile(query + row * query_stride, query_stride,
                             left < TILE_TOKENS ? left : TILE_TOKENS, TILE_TOKENS, scale, length,
-                            tables + c * table_stride, keys, values, kv_heads, q, scratch, padded,
-                            out + row * out_stride, out_stride);
+                            tables + c * table_stride, keys, values, kv_heads, 0, kv_heads, q,
+                            scratch, padded, out + row * out_stride, out_stride);
         }
         free(scratch);
     }

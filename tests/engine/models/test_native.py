@@ -26,6 +26,7 @@ from twostroke.engine.models.native_attention import (
     reference_paged_decode,
     reference_paged_prefill,
 )
+from twostroke.gpu.threads import torch_threads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -79,6 +80,20 @@ def test_the_kernel_matches_torch(
     expected = reference_paged_decode(query, keys, values, tables, lengths_tensor, 0.3)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("decodes", [1, 2, 3])
+def test_fewer_decodes_than_threads_split_their_heads_to_the_same_bits(decodes: int) -> None:
+    """With more threads than decodes each decode's heads go to different threads."""
+    kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
+    query, keys, values, tables, lengths = batch(kernel, [37, 5, 12][:decodes], kv_heads=3)
+    with torch_threads(1):
+        alone = kernel(query, keys, values, tables, lengths, 0.3)
+    with torch_threads(3):  # more threads than decodes, and not dividing the heads evenly
+        split = kernel(query, keys, values, tables, lengths, 0.3)
+    assert torch.equal(split, alone)
+    expected = reference_paged_decode(query, keys, values, tables, lengths, 0.3)
+    torch.testing.assert_close(split, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
