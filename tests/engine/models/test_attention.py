@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -153,6 +154,16 @@ def test_slot_mapping_follows_block_tables() -> None:
     assert step.num_decodes == 1
     (group,) = step.decode_groups
     assert torch.isinf(group.mask).flatten().tolist() == [False] * 4
+
+
+def test_the_write_index_is_computed_once_when_first_asked_for() -> None:
+    step = metadata([ChunkSpec(3, 1, (7, 2)), ChunkSpec(2, 4, (5, 9))], 10, torch.float32)
+    index = step.write_index
+    assert index is step.write_index
+    assert index.shape[0] == 5
+    bare = attrs.evolve(step, layout=None)  # metadata made by hand, without the cache layout
+    with pytest.raises(ValueError, match="write_index needs the cache layout"):
+        _ = bare.write_index
 
 
 @pytest.mark.parametrize("kernel", ["matmul", "bag", "native"])
