@@ -29,8 +29,9 @@ process, another engine in this process, the event loop's thread.
 
 The thresholds sit well apart from what the engine's windows show (32 requests, 2 cores,
 docs/performance.md, "Fewer threads while other work wants the cores"): on a quiet machine
-the forward thread waited 0-3 % of each window with 0.08-0.17 cores idle; with one other
-core busy, 40 % at two threads, then 0-2 % with no idle core at one. There the governed
+the forward thread waited 0-3 % of each window with 0.08-0.17 cores idle (10-14 % with one
+request, whose short steps leave the event loop's bookkeeping a larger share); with one
+other core busy, 40 % at two threads, then 0-2 % with no idle core at one. There the governed
 engine ran 1.09-1.19x faster than two fixed threads with sleeping waits and 2.7x faster with
 spinning ones, and on the quiet machine as fast.
 
@@ -67,8 +68,11 @@ logger = logging.getLogger("twostroke.gpu.cores")
 WINDOW = 0.25
 
 #: The fraction of a window the forward thread may wait on a run queue before the team
-#: loses a thread.
-CONTENDED = 0.1
+#: loses a thread. Above what the engine's own event loop causes: with one request on two
+#: cores, the loop's bookkeeping beside a step made the forward thread wait 10-14 % of a
+#: window, and at 0.1 the team lost a thread every other window (each a quarter of a second
+#: at half speed); another process busy on one core makes it wait about 40 %.
+CONTENDED = 0.25
 
 #: The idle time, in cores, a window must show before the team gains a thread.
 SPARE = 0.75
