@@ -48,6 +48,7 @@ __all__ = [
     "build_glue",
     "decoder_glue",
     "reference_add_rms_norm",
+    "rotary_inputs_fit",
 ]
 
 #: The kernels' C source.
@@ -176,20 +177,12 @@ class DecoderGlue:
         dtype, dim = self.dtype, self.head_dim
         tokens = qkv.shape[0]
         width = (num_heads + 2 * num_kv_heads) * dim
-        table = (tokens, 1, dim)
         if (
             qkv.dtype != dtype
             or qkv.dim() != 2
             or qkv.shape[1] != width
             or qkv.stride(1) != 1
-            or cos.dtype != dtype
-            or signed_sin.dtype != dtype
-            or cos.shape != table
-            or signed_sin.shape != table
-            or not cos.is_contiguous()
-            or not signed_sin.is_contiguous()
-            or slots.dtype != torch.int64
-            or slots.shape != (tokens,)
+            or not rotary_inputs_fit(cos, signed_sin, slots, tokens, dim, dtype)
             or cache.dtype != dtype
             or cache.dim() != 5
             or cache.shape[0] != 2
@@ -274,6 +267,30 @@ class DecoderGlue:
             out.data_ptr(),
         )
         return out
+
+
+def rotary_inputs_fit(
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slots: torch.Tensor,
+    tokens: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> bool:
+    """Whether the rotary tables and slots are what :meth:`DecoderGlue.rotate_write` takes
+    for ``tokens`` tokens: contiguous ``dtype`` tables ``[tokens, 1, head_dim]`` and int64
+    slots ``[tokens]``."""
+    table = (tokens, 1, head_dim)
+    return (
+        cos.dtype == dtype
+        and signed_sin.dtype == dtype
+        and cos.shape == table
+        and signed_sin.shape == table
+        and cos.is_contiguous()
+        and signed_sin.is_contiguous()
+        and slots.dtype == torch.int64
+        and slots.shape == (tokens,)
+    )
 
 
 def decoder_glue(*, hidden: int, head_dim: int, dtype: torch.dtype) -> DecoderGlue | None:

@@ -33,7 +33,7 @@ import torch
 from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.native import NativeBuildError, call, compile_library
-from twostroke.engine.models.native_glue import DecoderGlue
+from twostroke.engine.models.native_glue import DecoderGlue, rotary_inputs_fit
 from twostroke.engine.models.native_projection import PanelWeight, ProjectionKernel
 
 __all__ = ["SOURCE", "DecoderStack", "StackLayer", "build_stack", "decoder_stack"]
@@ -185,18 +185,12 @@ class DecoderStack:
         dtype, hidden = self.dtype, self.hidden
         tokens = residual.shape[0]
         table = (tokens, 1, self.head_dim)
+        slots = metadata.slot_mapping
         if (
             residual.dtype != dtype
             or residual.shape != (tokens, hidden)
             or not residual.is_contiguous()
-            or cos.dtype != dtype
-            or signed_sin.dtype != dtype
-            or cos.shape != table
-            or signed_sin.shape != table
-            or not cos.is_contiguous()
-            or not signed_sin.is_contiguous()
-            or metadata.slot_mapping.dtype != torch.int64
-            or metadata.slot_mapping.shape != (tokens,)
+            or not rotary_inputs_fit(cos, signed_sin, slots, tokens, self.head_dim, dtype)
             or len(kv_cache.layers) != self._model.layers
             or kv_cache.data.dtype != dtype
         ):
@@ -205,9 +199,8 @@ class DecoderStack:
                 f"cos and sin {list(table)}, int64 slots [tokens] and a {dtype} cache of "
                 f"{self._model.layers} layers; got residual {residual.dtype} "
                 f"{tuple(residual.shape)}, cos {cos.dtype} {tuple(cos.shape)}, sin "
-                f"{tuple(signed_sin.shape)}, slots {metadata.slot_mapping.dtype} "
-                f"{tuple(metadata.slot_mapping.shape)}, cache of {len(kv_cache.layers)} layers "
-                f"in {kv_cache.data.dtype}"
+                f"{tuple(signed_sin.shape)}, slots {slots.dtype} {tuple(slots.shape)}, cache "
+                f"of {len(kv_cache.layers)} layers in {kv_cache.data.dtype}"
             )
         if not self.runs(metadata):
             raise ValueError("the stack calls the compiled attention only; this step needs another")
@@ -231,7 +224,7 @@ class DecoderStack:
             residual.data_ptr(),
             cos.data_ptr(),
             signed_sin.data_ptr(),
-            metadata.slot_mapping.data_ptr(),
+            slots.data_ptr(),
             kv_cache.block_size,
             keys,
             values,
