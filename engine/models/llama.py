@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         self._packed = False
         self._quantization: Quantization | None = None
         self._glue: DecoderGlue | None = None  # set by fuse_glue()
-        self._stack: DecoderStack | None = None  # set once both the glue and panels are
+        self._stack: DecoderStack | None = None  # set once the glue and the panels are
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
 
@@ -353,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
             shapes = [m.weight.shape for m in dense] + tied
             rooms = huge_page_buffer([kernel.packed_size(*s) for s in shapes], torch.bfloat16)
             with torch_threads(1):
-                for linear, room in zip(dense, rooms, strict=False):
+                for linear, room in zip(dense, rooms[: len(dense)], strict=True):
                     linear.pack_panels(kernel, room)
                 if tied:
                     self._embedding_panels = kernel.pack(self.embed_tokens, into=rooms[-1])
@@ -409,6 +409,7 @@ class LlamaForCausalLM(nn.Module):
         return self._stack
 
     def _link_stack(self) -> None:
+        """Set :attr:`stack` where the glue and every decoder projection's panels are."""
         glue = self._glue
         if glue is None or not self.panels or self._stack is not None:
             return

@@ -33,6 +33,7 @@ import torch
 from twostroke.engine.models.attention_metadata import AttentionMetadata
 from twostroke.engine.models.kv_cache import KVCache
 from twostroke.engine.models.native import NativeBuildError, call, compile_library
+from twostroke.engine.models.native_attention import PagedDecodeKernel
 from twostroke.engine.models.native_glue import DecoderGlue, rotary_inputs_fit
 from twostroke.engine.models.native_projection import PanelWeight, ProjectionKernel
 
@@ -149,11 +150,21 @@ class DecoderStack:
         decodes only, read in place, or every chunk through the compiled prefill."""
         if not metadata.keys_transposed:
             return False
+        kernel = self._attention_kernel(metadata)
+        return (
+            kernel is not None
+            and kernel.dtype == self.dtype
+            and kernel.head_dim == self.head_dim
+            and kernel.group * self.num_kv_heads == self.num_heads
+        )
+
+    @staticmethod
+    def _attention_kernel(metadata: AttentionMetadata) -> PagedDecodeKernel | None:
+        """The compiled attention a step calls once a layer, if it calls one."""
         groups = metadata.decode_groups
         if not metadata.prefills and len(groups) == 1 and groups[0].paged is not None:
-            return groups[0].paged.kernel.dtype == self.dtype
-        chunks = metadata.paged_chunks
-        return chunks is not None and chunks.kernel.dtype == self.dtype
+            return groups[0].paged.kernel
+        return None if metadata.paged_chunks is None else metadata.paged_chunks.kernel
 
     def __call__(
         self,
@@ -193,17 +204,24 @@ class DecoderStack:
             or not rotary_inputs_fit(cos, signed_sin, slots, tokens, self.head_dim, dtype)
             or len(kv_cache.layers) != self._model.layers
             or kv_cache.data.dtype != dtype
+            or kv_cache.data.shape[3] != self.num_kv_heads
+            or kv_cache.data.shape[5] != self.head_dim
         ):
             raise ValueError(
                 f"the stack takes a contiguous {dtype} residual [tokens, {hidden}], contiguous "
                 f"cos and sin {list(table)}, int64 slots [tokens] and a {dtype} cache of "
-                f"{self._model.layers} layers; got residual {residual.dtype} "
-                f"{tuple(residual.shape)}, cos {cos.dtype} {tuple(cos.shape)}, sin "
-                f"{tuple(signed_sin.shape)}, slots {slots.dtype} {tuple(slots.shape)}, cache "
-                f"of {len(kv_cache.layers)} layers in {kv_cache.data.dtype}"
+                f"{self._model.layers} layers of {self.num_kv_heads} heads of {self.head_dim}; "
+                f"got residual {residual.dtype} {tuple(residual.shape)}, cos {cos.dtype} "
+                f"{tuple(cos.shape)}, sin {tuple(signed_sin.shape)}, slots {slots.dtype} "
+                f"{tuple(slots.shape)}, cache {tuple(kv_cache.data.shape)} in "
+                f"{kv_cache.data.dtype}"
             )
-        if not self.runs(metadata):
-            raise ValueError("the stack calls the compiled attention only; this step needs another")
+        kernel = self._attention_kernel(metadata)
+        if not self.runs(metadata) or kernel is None or kernel.block_size != kv_cache.block_size:
+            raise ValueError(
+                "the stack calls the compiled attention for this model's heads and the "
+                "cache's blocks only; this step needs another"
+            )
         keys, values = self._cache_addresses(kv_cache)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
 

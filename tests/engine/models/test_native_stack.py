@@ -147,12 +147,15 @@ def test_what_it_was_not_built_for_is_refused(models: dict[str, LlamaForCausalLM
         stack(residual.float(), table, table, metadata, cache)
     with pytest.raises(ValueError, match=r"cos torch\.bfloat16 \(2, 1, 16\)"):
         stack(residual, table[:2], table, metadata, cache)
-    with pytest.raises(ValueError, match=r"cache of 3 layers in torch\.float32"):
+    with pytest.raises(ValueError, match=r"cache \(3, 2, 2, 2, 4, 16\) in torch\.float32"):
         stack(residual, table, table, metadata, cache.__class__(cache.data.float()))
     bag, _ = step_of(model, "bag")
     assert not stack.runs(bag)
-    with pytest.raises(ValueError, match="calls the compiled attention only"):
+    with pytest.raises(ValueError, match="calls the compiled attention for this model's"):
         stack(residual, table, table, bag, cache)
+    other_blocks = model.allocate_kv_cache(1, 8)  # the kernel was built for blocks of 4
+    with pytest.raises(ValueError, match="and the cache's blocks only"):
+        stack(residual, table, table, metadata, other_blocks)
     assert torch.equal(residual, torch.zeros_like(residual))  # nothing ran
 
 
