@@ -1,17 +1,23 @@
 """Large CPU buffers backed by 2 MiB pages, where Linux gives them.
 
-A decode step streams every weight from memory, and the attention hops from block to block
-of the KV cache. In 4 KiB pages that is a TLB miss every 4 KiB (the 212 MB of SmolLM2's
-projections are 52,000 pages, against a few thousand TLB entries), and the hardware
-prefetchers stop at each page's end. Backed by 2 MiB pages, the bfloat16 projections at one
-row read 43.2 GB/s instead of 33.9 (1.28x; 1.12x at 4 rows, 1.06x at 32), measured on an
-AMD EPYC Zen 4 whose memory reads 47.7 GB/s.
+A decode step streams every weight from memory. In 4 KiB pages that is a TLB miss every 4
+KiB (the 212 MB of SmolLM2's projections are 52,000 pages, against a few thousand TLB
+entries), and the hardware prefetchers stop at each page's end. Backed by 2 MiB pages, the
+bfloat16 projections at one row read 43.2 GB/s instead of 33.9 (1.28x; 1.12x at 4 rows,
+1.06x at 32), measured on an AMD EPYC Zen 4 whose memory reads 47.7 GB/s.
 
 Linux backs anonymous memory with huge pages where ``madvise(MADV_HUGEPAGE)`` asks for it
 (``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise``, most distributions'
 default, or ``always``), for the pages first touched after the advice. So a buffer is
 allocated, advised, and only then filled. Where the advice is not taken (another OS, huge
 pages off, a buffer smaller than one), the buffer is an ordinary one: nothing else changes.
+
+The weights take it, filled once at load. The KV cache does not: a runner zeroes each block
+when a step first writes it, and a block spans every layer, so that first write would fault
+in 60 huge pages at once, in the middle of a step (where memory is fragmented, after the
+kernel compacts some: its ``defrag`` default does that for advised memory), and make most
+of the cache resident within a few steps. With cache and weights in huge pages, a step of
+32 decodes was no faster than with neither.
 """
 
 from __future__ import annotations

@@ -10,13 +10,10 @@ transposed, ``[head_dim, block_size]``, in the same space (see
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import attrs
 import torch
-
-from twostroke.engine.models.huge_pages import huge_page_buffer
 
 __all__ = ["KVCache", "LayerCache"]
 
@@ -99,11 +96,6 @@ class KVCache:
             The new cache.
         """
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
-        if device.type == "cpu":
-            # In huge pages: the attention reads blocks scattered over the whole cache.
-            (flat,) = huge_page_buffer([math.prod(shape)], dtype)
-            data = flat.view(shape)
-            return cls(data=data.zero_() if zeroed else data)
         allocate = torch.zeros if zeroed else torch.empty
         return cls(data=allocate(shape, dtype=dtype, device=device))
 

@@ -1,4 +1,4 @@
-"""Buffers in huge pages: how they are carved and advised, and the cache and panels in them."""
+"""Buffers in huge pages: how they are carved and advised."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from twostroke.engine.models import huge_pages
 from twostroke.engine.models.huge_pages import HUGE_PAGE, huge_page_buffer
-from twostroke.engine.models.kv_cache import KVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -60,24 +59,3 @@ def test_without_madvise_the_buffer_is_an_ordinary_one(monkeypatch: pytest.Monke
     assert not huge_pages._advise(view.data_ptr(), view.numel())
     view.fill_(1)
     assert int(view.sum()) == 3 * HUGE_PAGE
-
-
-@pytest.mark.parametrize("zeroed", [True, False])
-def test_a_cpu_cache_lives_in_one_huge_page_buffer(zeroed: bool) -> None:
-    cache = KVCache.allocate(
-        num_layers=2,
-        num_blocks=40,
-        block_size=16,
-        num_kv_heads=2,
-        head_dim=64,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-        zeroed=zeroed,
-    )
-    assert cache.data.shape == (2, 2, 40, 2, 16, 64)
-    assert cache.data.is_contiguous()
-    assert cache.data.data_ptr() % HUGE_PAGE == 0
-    if zeroed:
-        assert not cache.data.any()
-    cache.zero_blocks(range(40))
-    assert not cache.data.any()
