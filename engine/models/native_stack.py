@@ -8,9 +8,9 @@ order from C, so a step's layers are one foreign call: its results are the per-l
 bit for bit (a test holds it to that), and the whole stack runs without the GIL, which the
 engine's bookkeeping stroke wants meanwhile.
 
-Measured on SmolLM2-135M in bfloat16 (AMD EPYC Zen 4, AVX512-BF16, 2 threads): the step of
-one decode took 13.0 ms, of which the kernels 10.3; docs/performance.md has the figures
-with the stack.
+Measured on SmolLM2-135M in bfloat16 (AMD EPYC Zen 4, AVX512-BF16, 2 threads), both paths
+alternating in one process: a step of one decode 14.13 ms layer by layer, 11.08 with the
+stack; of 32 decodes 41.24 and 37.02 (docs/performance.md, "The decoder stack in one call").
 
 The library has no shape constants and does no arithmetic, so it is built once a machine
 and has no check of its own: the kernels it calls passed theirs. Where it does not build,
