@@ -6,8 +6,9 @@ matrix products), and multiplies a decode step's few rows by bfloat16 weights we
 machine's speed (oneDNN). twostroke writes those few kernels in C, next to this module
 (``paged_decode.c``, :mod:`~twostroke.engine.models.native_attention`; ``decoder_glue.c``,
 :mod:`~twostroke.engine.models.native_glue`; ``projection_bf16.c``,
-:mod:`~twostroke.engine.models.native_projection`), and :func:`compile_library` builds them
-here.
+:mod:`~twostroke.engine.models.native_projection`), and one that calls the others layer after
+layer (``decoder_stack.c``, :mod:`~twostroke.engine.models.native_stack`);
+:func:`compile_library` builds them here.
 
 **Built where it runs.** The machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``), ``-march=native``, and the model's shape as constants, into a shared library in
