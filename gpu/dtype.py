@@ -1,20 +1,19 @@
 """The dtype policy: which dtype an engine's weights and activations take on a device.
 
 One rule for the engine (``dtype="auto"``), the model loader and the benchmark:
-:func:`default_dtype`. It needs to know whether the CPU computes bf16 natively, which it
-reads from the host (:func:`twostroke.gpu.host.cpu_flags`) once, unless
-:data:`CPU_BF16_ENV` says otherwise.
+:func:`default_dtype`. It needs to know whether the CPU computes bf16 natively, which the
+CPU's personality says (:func:`twostroke.gpu.isa.cpu_personality`: the machine's flags, or
+the rung ``TWOSTROKE_CPU_ISA`` caps them at), unless :data:`CPU_BF16_ENV` says otherwise.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from twostroke.gpu.device import Device
-from twostroke.gpu.host import cpu_flags
+from twostroke.gpu.isa import Personality, cpu_personality
 
 __all__ = ["CPU_BF16_ENV", "default_dtype"]
 
@@ -26,8 +25,9 @@ def default_dtype(device: Device | torch.device) -> torch.dtype:
     handling; half the memory traffic, which bounds decode speed), else the best fallback:
     float16 on older GPUs (compute capability below 8.0), float32 on CPUs without bf16
     instructions (emulated bf16 there is slower than float32: on an AVX2-only CPU twostroke
-    measured 13.6 output tokens/s in bf16 against 60 in float32). Fake devices (and any
-    other torch device type) use float32, so tests give the same numbers on every machine.
+    measured 13.6 output tokens/s in bf16 against 60 in float32), or whose personality
+    (``TWOSTROKE_CPU_ISA``) stops below ``avx512_bf16``. Fake devices (and any other torch
+    device type) use float32, so tests give the same numbers on every machine.
 
     The engine (``dtype="auto"``), the model loader and the benchmark all ask this function.
     :data:`CPU_BF16_ENV` (``TWOSTROKE_CPU_BF16=native`` or ``emulated``) overrides what it
@@ -41,7 +41,9 @@ def default_dtype(device: Device | torch.device) -> torch.dtype:
         ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
 
     Raises:
-        ValueError: :data:`CPU_BF16_ENV` holds a value other than ``native`` or ``emulated``.
+        ValueError: :data:`CPU_BF16_ENV` holds a value other than ``native`` or ``emulated``,
+            or ``TWOSTROKE_CPU_ISA`` one that :func:`~twostroke.gpu.isa.cpu_personality`
+            refuses.
     """
     if isinstance(device, Device):
         kind, torch_device = device.kind, device.torch_device
@@ -72,7 +74,7 @@ def _cpu_has_fast_bf16() -> bool:
     """
     forced = os.environ.get(CPU_BF16_ENV)
     if forced is None or forced == "":
-        return _cpu_detects_fast_bf16()
+        return _fast_bf16(torch.backends.cpu.get_cpu_capability(), cpu_personality())
     try:
         return _CPU_BF16_CHOICES[forced]
     except KeyError:
@@ -80,15 +82,11 @@ def _cpu_has_fast_bf16() -> bool:
         raise ValueError(f"{CPU_BF16_ENV} must be {choices} (or unset), got {forced!r}") from None
 
 
-@functools.cache
-def _cpu_detects_fast_bf16() -> bool:
-    """Whether this CPU runs bf16 natively (a fact of the machine, read once)."""
-    return _fast_bf16(torch.backends.cpu.get_cpu_capability(), cpu_flags())
+def _fast_bf16(capability: str, personality: Personality) -> bool:
+    """Whether torch's CPU kernels (``capability``) and the personality both give native bf16.
 
-
-def _fast_bf16(capability: str, flags: frozenset[str]) -> bool:
-    """Whether torch's CPU kernels (``capability``) and the CPU flags both give native bf16.
-
-    Off Linux no flag is known: conservatively, no native bf16.
+    The personality's rung must be ``avx512_bf16`` (the CPU's flags, or the cap), and ATen
+    must dispatch to its AVX-512 kernels (a torch built without them, or an
+    ``ATEN_CPU_CAPABILITY`` the user set lower, emulates bf16).
     """
-    return "AVX512" in capability and bool(flags & {"avx512_bf16", "amx_bf16"})
+    return "AVX512" in capability and personality.bf16

@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "native_element.h"
+
 typedef void (*norm_fn)(void *residual, const void *delta, const void *weight, float eps,
                         ptrdiff_t rows, void *out);
 typedef void (*projection_fn)(const void *x, ptrdiff_t x_stride, ptrdiff_t rows,

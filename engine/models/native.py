@@ -11,8 +11,10 @@ layer (``decoder_stack.c``, :mod:`~twostroke.engine.models.native_stack`);
 :func:`compile_library` builds them here.
 
 **Built where it runs.** The machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``), ``-march=native``, and the model's shape as constants, into a shared library in
-a fraction of a second. The library is kept in the artifact cache
+``clang``), the instruction set of the CPU's personality (``-march=native``, or the rung
+``TWOSTROKE_CPU_ISA`` caps it at: :mod:`twostroke.gpu.isa`), and the model's shape as
+constants, into a shared library in a fraction of a second. Each library says which
+instruction set it was built for (:func:`vector_bits`). The library is kept in the artifact cache
 (``$TWOSTROKE_CACHE_DIR/native``, see :mod:`~twostroke.engine.models.artifacts`), named by a
 hash of the source, the flags, the compiler's version and the CPU's model and flags, so a
 later start loads it in milliseconds and a changed machine or compiler builds its own. It
@@ -48,6 +50,7 @@ import attrs
 import torch
 
 from twostroke.engine.models.artifacts import ArtifactCache
+from twostroke.gpu.isa import cpu_personality
 
 __all__ = [
     "ELEMENTS",
@@ -57,10 +60,12 @@ __all__ = [
     "NativeBuildError",
     "address",
     "call",
+    "compile_flags",
     "compile_library",
     "native_wanted",
     "relative_difference",
     "timed",
+    "vector_bits",
 ]
 
 #: The element type's header, which every kernel's source includes.
@@ -73,13 +78,12 @@ NATIVE_ENV = "TWOSTROKE_NATIVE"
 #: Element types the kernels are built for, and the define that selects each.
 ELEMENTS: Mapping[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "ELEMENT_BF16"}
 
-#: Compile flags. The math flags let the compiler vectorize the softmax's max and sum
-#: reductions and contract products into FMAs; they are passed when compiling only, never
-#: when linking, where GCC would add ``crtfastmath.o`` and flush denormals for the whole
-#: process (torch included).
+#: Compile flags, besides the instruction set's (:func:`compile_flags`). The math flags let
+#: the compiler vectorize the softmax's max and sum reductions and contract products into
+#: FMAs; they are passed when compiling only, never when linking, where GCC would add
+#: ``crtfastmath.o`` and flush denormals for the whole process (torch included).
 _CFLAGS = (
     "-O3",
-    "-march=native",
     "-std=c11",
     "-fPIC",
     "-fopenmp",
@@ -164,6 +168,27 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float() - expected.float()).abs().max()) / scale
 
 
+def compile_flags(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Every flag a kernel compiles with: the common ones, then the personality's
+    instruction set (:meth:`twostroke.gpu.isa.Personality.compile_flags`).
+
+    Args:
+        environ: Where ``TWOSTROKE_CPU_ISA`` is read (``os.environ`` if ``None``).
+
+    Raises:
+        ValueError: ``TWOSTROKE_CPU_ISA`` names no rung, or one above this CPU's.
+    """
+    return (*_CFLAGS, *cpu_personality(environ).compile_flags)
+
+
+def vector_bits(library: ctypes.CDLL) -> int:
+    """The widest vectors a compiled library's code uses: 512 (AVX-512), 256 (AVX) or 128
+    (SSE and anything else), as its compile flags made it (``native_element.h``)."""
+    function = library.twostroke_vector_bits
+    function.restype = ctypes.c_int
+    return int(function())
+
+
 def native_wanted(environ: Mapping[str, str] | None = None) -> bool:
     """Whether to use the compiled kernels where they run: unless ``TWOSTROKE_NATIVE=0``."""
     env = os.environ if environ is None else environ
@@ -191,15 +216,17 @@ def compile_library(
 
     Raises:
         NativeBuildError: no compiler, or a failed compile or load; the message says which.
+        ValueError: ``TWOSTROKE_CPU_ISA`` names no rung, or one above this CPU's.
     """
+    flags = compile_flags(environ)
     compiler = _compiler(environ)
     cache = ArtifactCache.from_environment(environ)
     with _build_lock:
         if cache is None:
             with tempfile.TemporaryDirectory(prefix="twostroke-native-") as folder:
-                path = _build(compiler, source, defines, what, Path(folder))
+                path = _build(compiler, flags, source, defines, what, Path(folder))
                 return _load(path), path  # the mapping outlives the file
-        path = _build(compiler, source, defines, what, cache.root / "native")
+        path = _build(compiler, flags, source, defines, what, cache.root / "native")
         return _load(path), path
 
 
@@ -219,14 +246,23 @@ def _compiler(environ: Mapping[str, str]) -> list[str]:
 
 
 def _build(
-    compiler: Sequence[str], source: Path, defines: Sequence[str], what: str, folder: Path
+    compiler: Sequence[str],
+    flags: Sequence[str],
+    source: Path,
+    defines: Sequence[str],
+    what: str,
+    folder: Path,
 ) -> Path:
-    """The library for ``defines`` in ``folder``: built unless an identical build is there."""
+    """The library for ``defines`` in ``folder``: built unless an identical build is there.
+
+    Its name hashes everything that makes it, the instruction-set flags included, so each
+    personality has libraries of its own.
+    """
     identity = b"\0".join(
         [
             source.read_bytes(),
             HEADER.read_bytes(),
-            " ".join([*_CFLAGS, *defines, "|", *_LDFLAGS]).encode(),
+            " ".join([*flags, *defines, "|", *_LDFLAGS]).encode(),
             _compiler_identity(tuple(compiler)).encode(),
             _cpu_identity().encode(),
             torch.__version__.encode(),
@@ -245,7 +281,7 @@ def _build(
     partial = folder / f".{path.name}.{uuid.uuid4().hex}"
     objects = partial.with_suffix(".o")
     try:
-        _run([*compiler, *_CFLAGS, *defines, "-c", str(source), "-o", str(objects)])
+        _run([*compiler, *flags, *defines, "-c", str(source), "-o", str(objects)])
         _run([*compiler, *_LDFLAGS, str(objects), "-o", str(partial)])
         os.replace(partial, path)  # atomic: a reader never sees half a library
     finally:

@@ -37,6 +37,7 @@ from twostroke.engine.models.native import (
     address,
     call,
     compile_library,
+    vector_bits,
 )
 
 __all__ = [
@@ -73,6 +74,8 @@ class PagedDecodeKernel:
         group: Query heads per key/value head.
         dtype: Element type of the queries, the cache and the output.
         path: The shared library.
+        vector_bits: The widest vectors its code uses (512, 256 or 128: which of its
+            paths the instruction set it was built for took; :func:`.native.vector_bits`).
     """
 
     block_size: int
@@ -80,6 +83,7 @@ class PagedDecodeKernel:
     group: int
     dtype: torch.dtype
     path: Path
+    vector_bits: int
     _function: Callable[..., int] = attrs.field(repr=False)
     _prefill: Callable[..., int] = attrs.field(repr=False)
 
@@ -326,7 +330,14 @@ def build_kernel(
         ctypes.c_float, pointer, size,
     ]  # fmt: skip
     kernel = PagedDecodeKernel(
-        block_size, head_dim, group, dtype, path, function=function, prefill=prefill
+        block_size,
+        head_dim,
+        group,
+        dtype,
+        path,
+        vector_bits(library),
+        function=function,
+        prefill=prefill,
     )
     _check(kernel)
     return kernel

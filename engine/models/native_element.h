@@ -1,5 +1,6 @@
 /* What twostroke's compiled CPU kernels share: the element type, its conversions to and from
- * float (where all their arithmetic happens), and a vectorizable exp.
+ * float (where all their arithmetic happens), a vectorizable exp, and the instruction set the
+ * library was compiled for.
  *
  *   -DELEMENT_BF16   bfloat16 tensors (rounded to nearest, ties to even, as torch does);
  *                    else float32.
@@ -31,6 +32,19 @@ typedef float element;
 static inline float load(element x) { return x; }
 static inline element store(float f) { return f; }
 #endif
+
+/* The widest vector registers this library's code may use: 512 (AVX-512), 256 (AVX), or 128
+ * (SSE, the x86-64 baseline, and any other machine). The compile flags decide it
+ * (twostroke.gpu.isa's personality caps them), so a library says which of its paths it runs. */
+int twostroke_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX__)
+    return 256;
+#else
+    return 128;
+#endif
+}
 
 /* exp(x), x clamped to [-87, 88]: 2^n * p(r) with x = n ln 2 + r, |r| <= ln 2 / 2 (Cephes'
  * expf; relative error about 2e-7). A polynomial the compiler vectorizes, where a call to

@@ -28,6 +28,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from twostroke.gpu.isa import cpu_personality
+
 __all__ = [
     "QUANTIZATIONS",
     "Quantization",
@@ -103,10 +105,12 @@ def _int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
 def kernel_available(kind: Quantization, device: torch.device) -> bool:
     """Whether ``kind``'s fbgemm kernel runs here and agrees with ``F.linear``.
 
-    CPU only. One tiny prepack and product per kind and process: the ops live in torch's
-    quantization stack, slated for removal, so their presence is tested, not assumed.
+    CPU only, and a CPU whose personality runs fbgemm (AVX2 and up: fbgemm has no path
+    below it, so ``TWOSTROKE_CPU_ISA=portable`` keeps full-precision weights, as a CPU
+    without AVX2 would). One tiny prepack and product per kind and process: the ops live in
+    torch's quantization stack, slated for removal, so their presence is tested, not assumed.
     """
-    return device.type == "cpu" and _self_test(kind)
+    return device.type == "cpu" and cpu_personality().fbgemm and _self_test(kind)
 
 
 @functools.cache
@@ -127,9 +131,10 @@ def _self_test(kind: Quantization) -> bool:
 
 def unavailable_message(kind: Quantization, device: torch.device) -> str:
     """The warning's text when ``kind`` cannot run on ``device``."""
-    where = (
-        f"on {device.type} (fbgemm kernels are CPU-only)"
-        if device.type != "cpu"
-        else f"in torch {torch.__version__} (its fbgemm op is missing or gives wrong results)"
-    )
+    if device.type != "cpu":
+        where = f"on {device.type} (fbgemm kernels are CPU-only)"
+    elif not cpu_personality().fbgemm:
+        where = f"on a {cpu_personality().describe()} CPU (fbgemm needs AVX2)"
+    else:
+        where = f"in torch {torch.__version__} (its fbgemm op is missing or gives wrong results)"
     return f"quantization={kind!r} is not available {where}: the weights stay at full precision"

@@ -21,7 +21,8 @@ from twostroke.engine.models.attention_metadata import (
 )
 from twostroke.engine.models.kv_cache import KVCache, LayerCache
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 BLOCK = 4

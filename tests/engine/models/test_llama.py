@@ -26,7 +26,8 @@ from twostroke.engine.models.llama import (
 from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.models.quantization import QuantizationUnavailable
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 

@@ -27,7 +27,8 @@ from twostroke.engine.models.loader import ModelLoadError, load_model, read_conf
 from twostroke.gpu import dtype as dtype_module
 from twostroke.states.errors import EngineError
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

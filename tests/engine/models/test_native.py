@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +25,11 @@ from twostroke.engine.models.native_attention import (
     reference_paged_decode,
     reference_paged_prefill,
 )
+from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality, rung_named
 from twostroke.gpu.threads import torch_threads
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 
@@ -96,20 +97,22 @@ def test_fewer_decodes_than_threads_split_their_heads_to_the_same_bits(decodes: 
     torch.testing.assert_close(split, expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+@pytest.mark.parametrize("rung", [rung.name for rung in RUNGS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_built_for_older_x86_cpus_matches_torch_too(
-    march: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+def test_the_kernel_built_for_each_instruction_set_matches_torch(
+    rung: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The vector code has a path per register width: ``-march=native`` takes one, so the
-    SSE2 (x86-64) and AVX2 (x86-64-v3) builds are tried here too, where this CPU runs them."""
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in native._CFLAGS]
-    monkeypatch.setattr(native, "_CFLAGS", tuple(flags))
+    """The vector code has a path per register width, and the personality picks one: each
+    rung this CPU runs is built and tried here (`make test` runs the module again under the
+    lower rungs, so the rest of its tests take those paths too)."""
+    if rung_named(rung).rank > cpu_personality().rung.rank:
+        pytest.skip(f"this run's CPU personality is below {rung}")
+    monkeypatch.setenv(ISA_ENV, rung)
     # SmolLM2's shape (16-lane vectors, one output head at a time without AVX-512) and
     # one with no vector width dividing the block (scalar lanes).
     for block_size, head_dim, group in [(16, 64, 3), (5, 8, 1)]:
         kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+        assert kernel.vector_bits == rung_named(rung).vector_bits
         lengths = [1, block_size + 1, 3 * block_size + 2, 40]
         query, keys, values, tables, lengths_tensor = batch(kernel, lengths)
         got = kernel(query, keys, values, tables, lengths_tensor, 0.3)

@@ -33,7 +33,8 @@ from twostroke.engine.runners.sampler import Sampler
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 

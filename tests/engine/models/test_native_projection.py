@@ -4,7 +4,6 @@ models take it."""
 from __future__ import annotations
 
 import logging
-import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
-from twostroke.engine.models import native, native_projection
-from twostroke.engine.models.linear import Linear
+from twostroke.engine.models import native_projection
+from twostroke.engine.models.linear import Linear, can_pack
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.loader import load_model
 from twostroke.engine.models.native import NATIVE_ENV, NativeBuildError
@@ -26,8 +25,10 @@ from twostroke.engine.models.native_projection import (
     build_projection,
     projection_kernel,
 )
+from twostroke.gpu.isa import ISA_ENV, RUNGS, machine_rung
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 
@@ -171,13 +172,15 @@ def test_a_build_that_disagrees_with_torch_is_refused(
         build_projection()
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 @pytest.mark.usefixtures("fresh_kernel")
 def test_built_for_a_cpu_without_avx512_bf16_it_says_so_and_oneDNN_stays(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    flags = ["-march=x86-64-v3" if flag == "-march=native" else flag for flag in native._CFLAGS]
-    monkeypatch.setattr(native, "_CFLAGS", tuple(flags))
+    """Built under the highest personality below ``avx512_bf16`` that this CPU runs, the
+    kernel says it cannot run, and the decoder takes what the packing policy gives it
+    (oneDNN's packing where oneDNN packs bfloat16, which it does only with AVX-512)."""
+    below = [rung for rung in RUNGS if not rung.bf16 and rung.rank <= machine_rung().rank]
+    monkeypatch.setenv(ISA_ENV, below[-1].name)
     with pytest.raises(ProjectionUnsupported, match="no AVX512-BF16"):
         build_projection()
     with caplog.at_level(logging.INFO, logger=native_projection.__name__):
@@ -186,8 +189,8 @@ def test_built_for_a_cpu_without_avx512_bf16_it_says_so_and_oneDNN_stays(
     assert [r.levelno for r in said] == [logging.INFO]
     assert "stay oneDNN's: this CPU has no AVX512-BF16" in said[0].getMessage()
     decoder = tiny_decoder()
-    assert decoder.pack_weights(exact=False)
-    assert not decoder.panels  # oneDNN's packing, as before
+    assert decoder.pack_weights(exact=False) is can_pack(torch.bfloat16, CPU, exact=False)
+    assert not decoder.panels  # never the compiled kernel's panels
 
 
 @pytest.mark.usefixtures("fresh_kernel")

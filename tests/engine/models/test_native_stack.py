@@ -29,7 +29,8 @@ from twostroke.engine.models.native_projection import (
 from twostroke.engine.models.native_stack import DecoderStack, StackLayer, build_stack, load_stack
 from twostroke.engine.models.quantization import kernel_available
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 

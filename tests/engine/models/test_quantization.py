@@ -26,7 +26,8 @@ from twostroke.engine.models.quantization import (
 )
 from twostroke.gpu.threads import torch_threads
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 
 CPU = torch.device("cpu")
 HELDOUT = Path(__file__).resolve().parent.parent / "data" / "heldout.txt"

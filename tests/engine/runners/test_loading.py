@@ -16,6 +16,9 @@ from twostroke.gpu import dtype as dtype_module
 from twostroke.gpu.device import CpuDevice
 from twostroke.gpu.fake import FakeDevice
 
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = pytest.mark.isa
+
 
 @pytest.fixture(params=[True, False], ids=["native-bf16", "no-native-bf16"])
 def native_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
