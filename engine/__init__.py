@@ -2,6 +2,7 @@
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorConfig, CoordinatorStatistics
+from twostroke.engine.coordinator.auth import HandshakeFailed
 from twostroke.engine.coordinator.frames import FrameError
 from twostroke.engine.engine import Engine
 from twostroke.engine.errors import (
@@ -65,6 +66,7 @@ __all__ = [
     "ForwardThreadClosed",
     "FrameError",
     "Grammar",
+    "HandshakeFailed",
     "InvalidTransition",
     "JsonSchema",
     "MasksAbandoned",

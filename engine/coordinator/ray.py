@@ -26,7 +26,12 @@ from typing import Any, cast
 import anyio
 import anyio.abc
 
-from twostroke.engine.coordinator.auth import AUTH_TIMEOUT, accept_authenticated, authenticate
+from twostroke.engine.coordinator.auth import (
+    AUTH_TIMEOUT,
+    HandshakeFailed,
+    accept_authenticated,
+    connect_authenticated,
+)
 from twostroke.engine.coordinator.frames import FrameError, Start
 from twostroke.engine.coordinator.replica_client import Relay, RemoteReplica
 from twostroke.engine.errors import ReplicaFailed
@@ -190,14 +195,17 @@ class RayReplica(RemoteReplica):
         actor: Any = None
         cause: BaseException | None = None
         try:
-            actor, address = await anyio.to_thread.run_sync(self._start_actor, ray)
-            stream = await anyio.connect_tcp(*address)
+            actor, (host, port) = await anyio.to_thread.run_sync(self._start_actor, ray)
+            # Retried with a bounded backoff: the actor drops a handshake to make room when
+            # too many peers connect at once (auth.MAX_PENDING_PEERS).
+            stream, receive = await connect_authenticated(host, port, self._secret)
             async with stream, anyio.create_task_group() as task_group:
-                with anyio.fail_after(AUTH_TIMEOUT):
-                    receive = await authenticate(stream, self._secret)
                 task_group.start_soon(self._close_after_grace, stream)
                 cause = await self.serve(receive, stream)
                 task_group.cancel_scope.cancel()
+        except HandshakeFailed as exc:
+            self._start_cause = exc
+            self._start_problem = str(exc)
         except (OSError, FrameError, anyio.IncompleteRead, ray.exceptions.RayError) as exc:
             if self._started:
                 cause = exc

@@ -8,22 +8,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import anyio.abc
 import pytest
 import trio.testing
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from twostroke.engine.coordinator import ray
 from twostroke.engine.coordinator.auth import (
     AUTH_TIMEOUT,
+    CONNECT_TIMEOUT,
+    FIRST_RETRY_PAUSE,
     HANDSHAKE_FRAME_BYTES,
+    MAX_PENDING_PEERS,
+    MAX_RETRY_PAUSE,
     Challenge,
+    HandshakeFailed,
     Hello,
     accept_authenticated,
     authenticate,
+    connect_authenticated,
     new_secret,
 )
 from twostroke.engine.coordinator.frames import (
@@ -83,10 +92,10 @@ async def test_only_a_peer_holding_the_secret_is_served_and_rogues_first_change_
         guesser = await connect()
         await guesser.send(encode_frame(Hello(b"\x00" * 32)))
         challenge_of(await everything(guesser))
-        # One that speaks the protocol with a secret of its own.
+        # One that speaks the protocol with a secret of its own: closed, never welcomed.
         other = await connect()
-        await authenticate(other, new_secret())
-        assert await everything(other) == b""  # closed, nothing served
+        with pytest.raises(anyio.IncompleteRead):
+            await authenticate(other, new_secret())
         # One that announces a huge frame to make the replica buffer it.
         greedy = await connect()
         await greedy.send((HANDSHAKE_FRAME_BYTES + 1).to_bytes(4, "big"))
@@ -239,3 +248,202 @@ async def test_the_actor_cancelled_once_its_peer_passed_closes_the_peer(
         async with await anyio.connect_tcp(*address) as stream:
             await authenticate(stream, secret)
             assert await everything(stream) == b""  # closed, not left to the garbage collector
+
+
+async def read_challenge(peer: anyio.abc.SocketStream) -> BufferedByteReceiveStream:
+    """Read the actor's challenge to ``peer`` (so its handshake is pending); the rest."""
+    receive = BufferedByteReceiveStream(peer)
+    with anyio.fail_after(30):  # a hang tripwire: the challenge comes at once
+        header = await receive.receive_exactly(4)
+        challenge_of(header + await receive.receive_exactly(int.from_bytes(header, "big")))
+    return receive
+
+
+async def test_silent_peers_at_the_limit_push_out_the_oldest_and_the_coordinator_gets_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``MAX_PENDING_PEERS`` peers that connect and say nothing once made the actor close
+    every newcomer at once, the coordinator too, until their deadline; renewed, they locked
+    it out for good. Now a newcomer pushes the oldest out: the coordinator always gets its
+    challenge, and only a flood within its one round trip could push it out in turn."""
+    secret = new_secret()
+    caplog.set_level(logging.WARNING, "twostroke.engine.coordinator.auth")
+    async with anyio.create_task_group() as task_group, contextlib.AsyncExitStack() as peers:
+        address = await task_group.start(serve_authenticated, "127.0.0.1", secret)
+
+        async def silent_peer() -> BufferedByteReceiveStream:
+            return await read_challenge(
+                await peers.enter_async_context(await anyio.connect_tcp(*address))
+            )
+
+        silent = [await silent_peer() for _ in range(MAX_PENDING_PEERS)]
+        # One more: the oldest is closed to make room, while its handshake was pending.
+        silent.append(await silent_peer())
+        assert await everything(silent[0]) == b""
+        # The coordinator, with the room full again: it pushes out the next oldest and passes.
+        stream = await peers.enter_async_context(await anyio.connect_tcp(*address))
+        receive = await authenticate(stream, secret)
+        await stream.send(encode_frame(TOY))
+        frames = FrameReader(receive, FromReplica, "replica 0")
+        assert isinstance(await anext(frames), Ready)
+        for peer in silent[1:]:  # the rest were closed when the coordinator passed
+            assert await everything(peer) == b""
+        await stream.send(encode_frame(Shutdown(cancel=True)))
+        async for _ in frames:
+            pass
+    pushed_out = (
+        "refused a peer of the replica: it had not answered when "
+        f"{MAX_PENDING_PEERS} newer peers were in their handshakes (the oldest makes room)"
+    )
+    assert [r.getMessage() for r in caplog.records] == [pushed_out, pushed_out]
+
+
+class ClosingListener:
+    """A listener that closes the first ``refusals`` connections at once, then lets the
+    handshake decide (``accept_authenticated``)."""
+
+    def __init__(self, listener: anyio.abc.SocketListener, refusals: int) -> None:
+        self.listener = listener
+        self.refusals = refusals
+        self.accepted = 0
+        self.passed: list[tuple[anyio.abc.SocketStream, anyio.abc.ByteReceiveStream]] = []
+
+    async def serve(self, secret: bytes) -> None:
+        while self.accepted < self.refusals:
+            await anyio.aclose_forcefully(await self.listener.accept())
+            self.accepted += 1
+        self.passed.append(await accept_authenticated(self.listener, secret))
+        self.accepted += 1
+
+
+@contextlib.asynccontextmanager
+async def loopback_listener() -> AsyncIterator[tuple[anyio.abc.SocketListener, int]]:
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listeners:
+        (listener,) = listeners.listeners
+        assert isinstance(listener, anyio.abc.SocketListener)
+        yield listener, listener.extra(anyio.abc.SocketAttribute.local_port)
+
+
+def pauses_logged(caplog: pytest.LogCaptureFixture) -> list[float]:
+    """The pauses the coordinator announced between its attempts, in order."""
+    found = [re.search(r"again in (\S+) s$", r.getMessage()) for r in caplog.records]
+    return [float(match.group(1)) for match in found if match is not None]
+
+
+def doubling(count: int, first: float, most: float) -> list[float]:
+    return [min(first * 2**index, most) for index in range(count)]
+
+
+@pytest.mark.parametrize("anyio_backend", virtual_time_on_trio())
+async def test_the_coordinator_tries_again_until_the_actor_lets_it_in(
+    anyio_backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three connections closed at once (an actor with no room, or not listening yet), then
+    the handshake: the coordinator gets in on its fourth attempt, after pauses that double."""
+    secret = new_secret()
+    # Real pauses on asyncio are short, to keep the test quick; virtual ones are the defaults.
+    first = FIRST_RETRY_PAUSE if anyio_backend != "asyncio" else 0.01
+    caplog.set_level(logging.INFO, "twostroke.engine.coordinator.auth")
+    async with loopback_listener() as (listener, port), anyio.create_task_group() as task_group:
+        actor = ClosingListener(listener, refusals=3)
+        task_group.start_soon(actor.serve, secret)
+        stream, _ = await connect_authenticated("127.0.0.1", port, secret, first_pause=first)
+        async with stream:
+            pass
+    (passed,) = actor.passed
+    await passed[0].aclose()
+    assert actor.accepted == 4
+    assert pauses_logged(caplog) == doubling(3, first, MAX_RETRY_PAUSE)
+
+
+@pytest.mark.parametrize("anyio_backend", virtual_time_on_trio())
+@pytest.mark.parametrize("actor", ["closes", "is-silent", "is-not-listening"])
+async def test_the_coordinator_gives_up_in_bounded_time_naming_what_it_tried(
+    anyio_backend: Any, actor: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listener that closes every connection, one that accepts and never says a word, or
+    none at all: the coordinator tries until ``give_up_after`` (the default
+    :data:`CONNECT_TIMEOUT`, in virtual time on trio), pausing longer each time up to
+    :data:`MAX_RETRY_PAUSE`, then raises :class:`HandshakeFailed` with the address, the
+    attempts and the last failure."""
+    secret = new_secret()
+    virtual = anyio_backend != "asyncio"
+    # On asyncio the clock is real: a short budget, so the test stays quick.
+    give_up_after = CONNECT_TIMEOUT if virtual else 0.5
+    attempt_within = AUTH_TIMEOUT if virtual else 0.1
+    first = FIRST_RETRY_PAUSE if virtual else 0.01
+    caplog.set_level(logging.INFO, "twostroke.engine.coordinator.auth")
+    accepted = 0
+    async with (
+        loopback_listener() as (listener, port),
+        contextlib.AsyncExitStack() as held,
+        anyio.create_task_group() as task_group,
+    ):
+
+        async def answer_every_connection() -> None:
+            nonlocal accepted
+            while True:
+                peer = await listener.accept()
+                accepted += 1
+                if actor == "closes":
+                    await anyio.aclose_forcefully(peer)
+                else:
+                    await held.enter_async_context(peer)
+
+        if actor == "is-not-listening":
+            await listener.aclose()  # the port is closed: each connection is refused
+        else:
+            task_group.start_soon(answer_every_connection)
+        began = anyio.current_time()
+        with pytest.raises(HandshakeFailed) as raised:
+            await connect_authenticated(
+                "127.0.0.1",
+                port,
+                secret,
+                give_up_after=give_up_after,
+                attempt_within=attempt_within,
+                first_pause=first,
+            )
+        spent = anyio.current_time() - began
+        task_group.cancel_scope.cancel()
+    error = raised.value
+    attempts = error.attempts
+    assert error.address == ("127.0.0.1", port)
+    # In virtual time the schedule is exact; a real half second may hold a single attempt
+    # on a loaded machine, so asyncio checks the wording, not the count.
+    assert attempts >= (2 if virtual else 1)
+    assert attempts == accepted or actor == "is-not-listening"
+    message = str(error)
+    tried = f"{attempts} attempts" if attempts > 1 else "1 attempt"
+    assert message.startswith(
+        f"could not pass the handshake of the replica actor at 127.0.0.1:{port}: {tried} in "
+    ), message
+    assert f"(at most {give_up_after:g} s, each at most {attempt_within:g} s)" in message
+    if actor == "is-silent":
+        # The last attempt gets what is left of the budget, at most ``attempt_within``.
+        last = re.search(r"; the last failed: it got no welcome within (\S+) s$", message)
+        assert last is not None, message
+        assert 0 < float(last.group(1)) <= attempt_within
+        assert isinstance(error.__cause__, TimeoutError)
+    elif actor == "closes":
+        assert message.endswith(
+            "; the last failed: the actor closed the connection before its welcome"
+        ), message
+        assert isinstance(error.__cause__, anyio.IncompleteRead)
+    else:
+        assert message.endswith("; the last failed: OSError: All connection attempts failed")
+        assert isinstance(error.__cause__, OSError)
+    assert pauses_logged(caplog) == doubling(attempts - 1, first, MAX_RETRY_PAUSE)
+    if virtual:  # exact: the budget holds, and one more pause would have overrun it
+        assert spent <= give_up_after + 1e-9
+        assert spent + min(first * 2 ** (attempts - 1), MAX_RETRY_PAUSE) >= give_up_after
+
+
+async def test_a_coordinator_cancelled_in_its_handshake_closes_its_connection() -> None:
+    async with loopback_listener() as (listener, port):
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(connect_authenticated, "127.0.0.1", port, new_secret())
+            peer = await listener.accept()
+            task_group.cancel_scope.cancel()
+        async with peer:
+            assert await everything(peer) == b""
