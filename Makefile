@@ -19,8 +19,8 @@ STAMP := $(VENV)/.installed
 # 5.0-6.0 s with it, 2 AVX2 cores). The caches land in __pycache__ folders, ignored by git.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-core test-rest test-fast lint typecheck docs venv clean bench bench-peers \
-	bench-peer-vllm bench-peer-llamacpp mutate gpu-check
+.PHONY: run test test-core test-rest test-isa test-fast lint typecheck docs venv clean bench \
+	bench-peers bench-peer-vllm bench-peer-llamacpp mutate gpu-check
 
 venv: $(STAMP)
 
@@ -81,7 +81,7 @@ docs: $(STAMP)
 # references, fixed thread counts), where no thread governor drops a thread for it. Spinning
 # waits, twostroke's default for engines that govern their threads (twostroke.gpu.openmp),
 # would make those teams spin for partners kept from their cores, so the suite waits passively.
-test test-core test-rest test-fast: export OMP_WAIT_POLICY ?= PASSIVE
+test test-core test-rest test-isa test-fast: export OMP_WAIT_POLICY ?= PASSIVE
 
 test-core: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) --cov --hypothesis-profile=$(HYPOTHESIS_PROFILE) \
@@ -92,6 +92,20 @@ test-core: $(STAMP)
 test-rest: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST) --hypothesis-profile=$(HYPOTHESIS_PROFILE) --durations=20 --ignore=tests/states
 
+# The tests marked `isa` (kernels, attention, projections, weight forms, the dtype policy,
+# quantization, the bench peers' dtype) once more as on each lower CPU: under every rung of
+# TWOSTROKE_CPU_ISA that `twostroke isa --rungs-to-test` names (avx2 and portable, where they
+# are below this machine's own; twostroke.gpu.isa), which caps the compiled kernels, ATen,
+# oneDNN, MKL, fbgemm and the policies alike. A test written on an AVX-512 machine so also
+# runs the AVX2 and portable paths a user's laptop takes; a new test joins by being marked.
+test-isa: $(STAMP)
+	@rungs="$$($(BIN)/twostroke isa --rungs-to-test)" || exit 1; \
+	for rung in $$rungs; do \
+		echo "--- the isa tests as on a CPU whose instruction set stops at $$rung ---"; \
+		TWOSTROKE_CPU_ISA=$$rung $(BIN)/python -m pytest $(XDIST) \
+			--hypothesis-profile=$(HYPOTHESIS_PROFILE) -m isa tests || exit 1; \
+	done
+
 # `make test` runs the checks and the two test runs at once, not one after another: run in
 # a row, each phase left a core idle (lint, mypy and the docs build are one process each,
 # and a run's last long test holds one worker while the other has nothing left), so the
@@ -101,12 +115,14 @@ test-rest: $(STAMP)
 CHECKS_LOG := build/checks.log
 test: $(STAMP)
 	mkdir -p build
-	$(MAKE) --no-print-directory -j4 -k --output-sync=target lint typecheck docs test-core \
-		> $(CHECKS_LOG) 2>&1 & checks=$$!; \
+	$(MAKE) --no-print-directory -j5 -k --output-sync=target lint typecheck docs test-core \
+		test-isa > $(CHECKS_LOG) 2>&1 & checks=$$!; \
 	$(MAKE) --no-print-directory test-rest; rest=$$?; \
 	wait $$checks; status=$$?; \
-	echo "--- lint, mypy, docs and tests/states (from $(CHECKS_LOG)) ---"; cat $(CHECKS_LOG); \
-	if [ $$status -ne 0 ]; then echo "lint, mypy, docs or tests/states failed"; exit $$status; fi; \
+	echo "--- lint, mypy, docs, tests/states and the isa pass (from $(CHECKS_LOG)) ---"; \
+	cat $(CHECKS_LOG); \
+	if [ $$status -ne 0 ]; then \
+		echo "lint, mypy, docs, tests/states or the isa pass failed"; exit $$status; fi; \
 	exit $$rest
 
 # Mutation testing of the states/ core against tests/states (scripts/mutate.sh; slow, so not

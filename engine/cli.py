@@ -319,6 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch calls, aten ops and GIL-free time of one decode step (CPU)",
     )
     add_profile_arguments(profile)
+
+    isa = commands.add_parser(
+        "isa",
+        help="the CPU's instruction set, the TWOSTROKE_CPU_ISA personality and what it decides",
+    )
+    isa.add_argument(
+        "--rungs-to-test",
+        action="store_true",
+        help="print only the lower rungs `make test` runs the isa tests on, one a line",
+    )
     return parser
 
 
@@ -493,6 +503,28 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_command(args, engine_drivers=drivers)
 
 
+def _isa(args: argparse.Namespace) -> int:
+    """``twostroke isa``: the personality and each decision it reaches (see
+    :mod:`twostroke.engine.models.cpu_report`)."""
+    from twostroke.gpu.isa import cpu_personality, rungs_to_test
+
+    try:
+        personality = cpu_personality()
+    except ValueError as error:
+        print(f"twostroke isa: error: {error}", file=sys.stderr)
+        return 2
+    if args.rungs_to_test:
+        for name in rungs_to_test(personality.machine):
+            print(name)
+        return 0
+    from twostroke.engine.models.cpu_report import cpu_report
+
+    with _progress_on_stderr():
+        report = cpu_report()
+    print("\n".join(report.lines()))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The interpreter's last garbage collections walk every object torch created, 0.6-0.9 s
     # of every `twostroke generate` (AVX2 EPYC, load 2.4: `import torch` alone exits in
@@ -502,6 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "isa":
+        return _isa(args)
     if args.command == "profile-step":
         from twostroke.engine.bench.step_profile import profile_command
 

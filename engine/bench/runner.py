@@ -104,11 +104,17 @@ class BenchRun:
 
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on."""
+    import torch
+
     from twostroke.gpu.host import cpu_model_name
+    from twostroke.gpu.isa import cpu_personality
     from twostroke.gpu.openmp import wait_policy
 
     info: dict[str, Any] = {
         "cpu": cpu_model_name() or platform.processor() or "unknown",
+        # The figures hold for the instruction set the program ran as (TWOSTROKE_CPU_ISA).
+        "cpu_isa": cpu_personality().describe(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

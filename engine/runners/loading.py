@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.cores import usable_cores
 from twostroke.gpu.device import Device
 from twostroke.gpu.dtype import default_dtype
+from twostroke.gpu.isa import cpu_personality
 from twostroke.states.validators import check_int_at_least
 
 __all__ = [
@@ -37,6 +39,9 @@ DEFAULT_MODEL = "smollm2"
 DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 )
+
+
+_log = logging.getLogger(__name__)
 
 
 class EmulatedBFloat16Warning(UserWarning):
@@ -170,6 +175,14 @@ def set_intra_op_threads(config: EngineConfig, device: Device) -> int | None:
     return threads
 
 
+def _log_personality() -> None:
+    """Say what instruction set the CPU runs as, and what of a capped one a library missed."""
+    personality = cpu_personality()
+    _log.info("twostroke: the CPU runs as %s", personality.describe())
+    for line in personality.unapplied(torch.backends.cpu.get_cpu_capability()):
+        _log.warning("twostroke: %s", line)
+
+
 def load_runner(
     model: str | None, *, device: Device, config: EngineConfig
 ) -> tuple[ModelRunner, Tokenizer]:
@@ -197,6 +210,8 @@ def load_runner(
 
     dtype = resolve_dtype(config.dtype, device)
     quantization = resolve_quantization(config.quantization, config.dtype, dtype, device)
+    if device.kind == "cpu":
+        _log_personality()
     loaded = load_model(
         model,
         dtype=dtype,

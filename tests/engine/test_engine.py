@@ -365,15 +365,22 @@ async def test_on_the_cpu_the_engine_governs_its_threads_unless_the_count_is_fix
             return CoreSample(wall=self.now, idle=0.0, waited=self.now / 2)
 
     machine = Contended()
+    asked: list[int] = []
 
     def governor(most: int) -> ThreadGovernor:
-        return ThreadGovernor(max(most, 2), sample=machine.sample, clock=machine.clock)
+        # Two threads whatever this machine's cores, so that the first contended window
+        # drops the count to one, where it stays: with the machine's own count (it was
+        # max(cores, 2)) a machine of more than two cores dropped one a step, and the
+        # changes counted depended on its cores.
+        asked.append(most)
+        return ThreadGovernor(2, sample=machine.sample, clock=machine.clock)
 
     monkeypatch.setattr(engine_module, "ThreadGovernor", governor)
     async with Engine.open(model="toy", device="cpu", num_blocks=16) as engine:
-        assert engine.statistics().torch_threads == max(default_torch_threads(), 2)
+        assert engine.statistics().torch_threads == 2
         output = await engine.generate("busy", SamplingParams(max_tokens=4))
         stats = engine.statistics()
+    assert asked == [default_torch_threads()]  # the engine governs every core it may use
     assert len(output.token_ids) == 4
     assert (stats.torch_threads, stats.num_torch_thread_changes) == (1, 1)
     assert machine.threads == {"twostroke cpu forward"}  # read where the steps run
