@@ -15,6 +15,7 @@ from twostroke.engine.runners.loading import EmulatedBFloat16Warning, resolve_dt
 from twostroke.gpu import dtype as dtype_module
 from twostroke.gpu.device import CpuDevice
 from twostroke.gpu.fake import FakeDevice
+from twostroke.gpu.isa import cpu_personality
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
 pytestmark = pytest.mark.isa
@@ -75,14 +76,16 @@ def test_auto_quantization_is_fp16_weights_only_with_auto_float32_on_a_cpu(
     native_bf16: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The measured policy (docs/models.md): dtype='auto' on a CPU that computes in float32
-    takes fp16 weights where the kernel runs; an explicit dtype keeps its weights."""
+    takes fp16 weights where the kernel runs (its self-test passes, and the CPU's personality
+    runs fbgemm: AVX2 and up); an explicit dtype keeps its weights."""
     from twostroke.engine.models import quantization
 
+    fbgemm = cpu_personality().fbgemm
     for kernel in (True, False):
         monkeypatch.setattr(quantization, "_self_test", lambda kind, ok=kernel: ok)
         cpu = CpuDevice()
         auto = resolve_dtype("auto", cpu)
-        expected = "fp16" if kernel and not native_bf16 else None
+        expected = "fp16" if kernel and fbgemm and not native_bf16 else None
         assert loading.resolve_quantization("auto", "auto", auto, cpu) == expected
         assert loading.resolve_quantization("auto", "float32", torch.float32, cpu) is None
         assert loading.resolve_quantization("auto", "auto", torch.float32, FakeDevice()) is None
