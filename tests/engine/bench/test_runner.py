@@ -302,6 +302,22 @@ def test_dtype_auto_is_the_engines_choice_on_this_cpu(
         ModelSpec(name="tiny", source=tmp_path, dtype="fp8")
 
 
+@pytest.mark.isa
+def test_dtype_auto_follows_the_cpu_personality(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench (and so its peers) asks for what this run's personality makes of ``auto``:
+    float32 on every rung below ``avx512_bf16`` (``make test`` runs it again under each)."""
+    import torch
+
+    from twostroke.gpu.dtype import CPU_BF16_ENV
+    from twostroke.gpu.isa import cpu_personality
+
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)
+    native = cpu_personality().bf16 and "AVX512" in torch.backends.cpu.get_cpu_capability()
+    assert ModelSpec(name="tiny", source=tmp_path).dtype == ("bfloat16" if native else "float32")
+
+
 def test_unknown_system(tmp_path: Path) -> None:
     out = io.StringIO()
     status = bench_command(
