@@ -1,7 +1,9 @@
 """The host machine, as Linux describes it under ``/proc``: its CPU and its free memory.
 
-Read when a device or the benchmark asks, never at import time. Off Linux (no ``/proc``) the
-CPU has no known flags or name, and the free memory is what ``os.sysconf`` reports.
+Read when a device, a policy or the benchmark asks, and at import time only where
+``TWOSTROKE_CPU_ISA`` asks for a personality (:mod:`twostroke.gpu.isa` checks it against the
+CPU's flags before torch dispatches). Off Linux (no ``/proc``) the CPU has no known flags or
+name, and the free memory is what ``os.sysconf`` reports.
 """
 
 from __future__ import annotations
