@@ -142,7 +142,11 @@ async def test_a_peer_that_does_not_answer_in_time_is_closed_and_the_next_is_ser
     too, and the test failed (and the sockets it left open failed a later test as a
     ``ResourceWarning``). On trio the clock is virtual (``MockClock``): the default
     :data:`AUTH_TIMEOUT` is checked exactly and at no cost; on asyncio the deadline is a
-    real second, which a handshake on loopback (well under a millisecond) never nears.
+    real second, which a handshake on loopback (well under a millisecond) never nears: a
+    loop kept waiting for a core by a background load on both cores loses tens of
+    milliseconds a turn, and the handshake takes three turns. The lower bound cannot fail
+    on a slow machine: ``began`` is taken before the connection, and the deadline runs
+    from it.
     """
     secret = new_secret()
     answer_within = AUTH_TIMEOUT if anyio_backend != "asyncio" else 1.0

@@ -43,6 +43,10 @@ pytestmark = pytest.mark.anyio
 
 #: A pool with room for long requests (the toy's outputs do not depend on the pool).
 POOL = {"device": "cpu", "num_blocks": 4096, "block_size": 4}
+#: The end-to-end test's grace period: the one timer a dead child's requests could wait on
+#: (a supervisor that stopped a failed child as it stops a live one), far longer than the
+#: default, so that waiting on it and noticing the death at once are seconds apart.
+GRACE_PERIOD = 60.0
 
 
 def gone(pid: int) -> bool:
@@ -57,7 +61,9 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
     requests = workload(12)
     expected = await bare_outputs(requests)
     long = SamplingParams(max_tokens=4000, ignore_eos=True)
-    async with Coordinator.open(model="toy", replicas=2, placement="process", **POOL) as c:
+    async with Coordinator.open(
+        model="toy", replicas=2, placement="process", grace_period=GRACE_PERIOD, **POOL
+    ) as c:
         pids = [replica.pid for replica in c.statistics().replicas]
         assert all(pid is not None and not gone(pid) for pid in pids)
 
@@ -109,7 +115,7 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
             assert replica.engine.num_free_blocks == replica.engine.num_blocks
             assert replica.engine.num_open_requests == 0
 
-        # SIGKILL one replica mid-stream: only its requests fail, within a second.
+        # SIGKILL one replica mid-stream: only its requests fail, as soon as its pipe ends.
         prompts = [f"stream {i}" for i in range(6)]
         streams = [c.submit(prompt, long) for prompt in prompts]
         for handle in streams:
@@ -130,7 +136,11 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
                 await handle.result()
         elapsed = anyio.current_time() - killed
         print(f"SIGKILL to ReplicaFailed of {len(on_zero)} streams: {elapsed * 1000:.0f} ms")
-        assert elapsed < 1.0
+        # Noticed at the pipe's end, not after a timer: tens of milliseconds on a quiet
+        # machine, 1,024 ms once under load (this bound was 1 s then). A supervisor that
+        # waited out the grace period would take GRACE_PERIOD (60 s) or more; half of it
+        # leaves a margin of 30 times the slowest seen for a machine busy on both cores.
+        assert elapsed < GRACE_PERIOD / 2
         # It had no token when its replica died: resubmitted to the survivor.
         assert (await fresh.result()).usage.completion_tokens == 1
         for handle in on_one:
