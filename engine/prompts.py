@@ -50,7 +50,8 @@ def prompt_kind(prompt: object) -> PromptKind:
             return "token_ids"
         if all(is_int(item) for item in prompt):
             return "token_ids"
-        if all(isinstance(item, Mapping) for item in prompt):
+        # A dict, the usual message, skips the ABC check (the engine asks at every submit).
+        if all(type(item) is dict or isinstance(item, Mapping) for item in prompt):
             return "messages"
         kinds = sorted({type(item).__name__ for item in prompt})
         raise TypeError(

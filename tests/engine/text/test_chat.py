@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -36,6 +37,16 @@ MALFORMED: list[tuple[Any, type[Exception], str]] = [
     ),
     (
         [{"content": "x", "role": "user", "name": "bob"}],
+        ValueError,
+        "messages[0] may have only keys 'role' and 'content', got also 'name'",
+    ),
+    (  # both wrong: the missing key is named first
+        [{"role": "user", "name": "bob"}],
+        ValueError,
+        "messages[0] must have keys 'role' and 'content', missing 'content'",
+    ),
+    (  # a mapping other than a dict is checked as closely
+        [types.MappingProxyType({"role": "user", "content": "a", "name": "bob"})],
         ValueError,
         "messages[0] may have only keys 'role' and 'content', got also 'name'",
     ),
@@ -81,10 +92,14 @@ def test_validate_messages_returns_plain_dicts() -> None:
     class Message(dict[str, str]):
         pass
 
-    checked = validate_messages((Message(role="user", content="hi"),))
-    assert checked == [{"role": "user", "content": "hi"}]
+    proxy = types.MappingProxyType({"content": "there", "role": "assistant"})
+    checked = validate_messages((Message(role="user", content="hi"), proxy))
+    assert checked == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "there"},
+    ]
     assert type(checked) is list
-    assert type(checked[0]) is dict
+    assert [type(message) for message in checked] == [dict, dict]
 
 
 def test_the_toy_template() -> None:
