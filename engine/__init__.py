@@ -28,6 +28,7 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.llm import LLM
+from twostroke.engine.models.artifacts import InvalidCacheLimit
 from twostroke.engine.models.llama import WeightError
 from twostroke.engine.models.loader import ModelLoadError
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
@@ -67,6 +68,7 @@ __all__ = [
     "FrameError",
     "Grammar",
     "HandshakeFailed",
+    "InvalidCacheLimit",
     "InvalidTransition",
     "JsonSchema",
     "MasksAbandoned",

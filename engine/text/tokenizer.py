@@ -333,8 +333,9 @@ def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | SavedTokenizer
         cached = None if cache is None else cache.entry(path) / _CACHED_TOKENIZER
     except OSError:
         cached = None
-    if cached is not None and (cached / "tokenizer.json").is_file():
+    if cache is not None and cached is not None and (cached / "tokenizer.json").is_file():
         try:
+            cache.open(cached)  # its files as recorded, and this user's alone: or ValueError
             return SavedTokenizer.read(cached)
         except ValueError as error:  # a damaged entry: convert again and replace it
             _log.warning("twostroke: ignoring the cached tokenizer (%s); converting again", error)

@@ -22,9 +22,17 @@ from tests.engine.models.test_llama import (
     reference_logits,
 )
 from twostroke.engine.models import loader
-from twostroke.engine.models.artifacts import SOURCE_RECORD
+from twostroke.engine.models.artifact_records import RECORD, Provenance
+from twostroke.engine.models.artifacts import (
+    CACHE_LIMIT_ENV,
+    LAST_USED,
+    SOURCE_RECORD,
+    ArtifactCache,
+    InvalidCacheLimit,
+)
 from twostroke.engine.models.loader import ModelLoadError, load_model, read_config, resolve_model
 from twostroke.gpu import dtype as dtype_module
+from twostroke.gpu.isa import cpu_personality
 from twostroke.states.errors import EngineError
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
@@ -432,10 +440,26 @@ def test_a_converted_gguf_is_cached_and_read_back(
     (entry,) = cache.iterdir()
     name = str(dtype).removeprefix("torch.")
     assert sorted(path.name for path in entry.iterdir()) == [
-        "config.json",
-        f"model-{name}.safetensors",
+        LAST_USED,
+        f"model-{name}",
         SOURCE_RECORD,
     ]
+    artifact = entry / f"model-{name}"
+    assert sorted(path.name for path in artifact.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        RECORD,
+    ]
+    record = ArtifactCache(cache).open(artifact)
+    assert record is not None
+    assert record.provenance == Provenance(
+        what="weights",
+        source=str(file.resolve()),
+        torch=torch.__version__,
+        isa=cpu_personality().describe(),
+        dtype=name,
+    )
+    assert record.checksum == "crc32"
     forbid_conversion(monkeypatch)
     second = load_model(file, dtype=dtype, device=CPU)
     assert second.config == first.config
@@ -474,7 +498,7 @@ def test_a_changed_file_is_converted_again(cached_gguf: tuple[Path, Path]) -> No
     load_model(file, dtype=torch.float32, device=CPU)
     (new,) = cache.iterdir()  # the older version's folder is removed with the conversion
     assert new != old
-    assert (new / "model-float32.safetensors").is_file()
+    assert (new / "model-float32" / "model.safetensors").is_file()
 
 
 def test_a_damaged_cache_entry_is_converted_again_and_replaced(
@@ -484,7 +508,7 @@ def test_a_damaged_cache_entry_is_converted_again_and_replaced(
 ) -> None:
     file, cache = cached_gguf
     expected = load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
-    (weights,) = cache.glob("*/model-float32.safetensors")
+    (weights,) = cache.glob("*/model-float32/model.safetensors")
     weights.write_bytes(weights.read_bytes()[:1000])
     with caplog.at_level(logging.WARNING):
         again = load_model(file, dtype=torch.float32, device=CPU)
@@ -513,3 +537,79 @@ def test_an_unwritable_cache_does_not_fail_the_load(
         loaded = load_model(file, dtype=torch.float32, device=CPU)
     assert loaded.config.num_layers == 3
     assert "cannot write" in caplog.text
+
+
+def flip(path: Path, offset: int) -> None:
+    """Flip every bit of one 32-bit word of ``path`` at ``offset`` (from the end if < 0)."""
+    data = bytearray(path.read_bytes())
+    start = offset % len(data)
+    data[start : start + 4] = bytes(byte ^ 0xFF for byte in data[start : start + 4])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("name", "offset"),
+    [
+        ("model.safetensors", -4),  # the last word of the last tensor
+        ("model.safetensors", 200_000),  # inside a tensor in the middle
+        ("model.safetensors", 100),  # the header's JSON
+        ("config.json", 20),
+    ],
+)
+def test_a_flipped_word_in_the_cached_model_is_caught_and_converted_again(
+    cached_gguf: tuple[Path, Path],
+    name: str,
+    offset: int,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A word of the cached file changed on disk: the load says so once, removes the entry
+    and converts the file again, and the model computes what it did (it loaded silently)."""
+    file, cache = cached_gguf
+    expected = load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
+    (damaged,) = cache.glob(f"*/model-float32/{name}")
+    flip(damaged, offset)
+    with caplog.at_level(logging.WARNING):
+        again = load_model(file, dtype=torch.float32, device=CPU)
+    [warning] = caplog.records
+    message = warning.getMessage()
+    assert message.startswith(
+        f"twostroke: ignoring the cached {damaged.parent / 'model.safetensors'} ("
+    )
+    assert "crc32" in message or "not JSON" in message
+    assert torch.equal(again.module.forward_logits([[1, 2]])[0], expected[0])
+    forbid_conversion(monkeypatch)
+    assert torch.equal(
+        load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])[0],
+        expected[0],
+    )  # converted again and cached whole
+
+
+def test_a_cache_others_may_write_is_not_used(
+    cached_gguf: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    file, cache = cached_gguf
+    load_model(file, dtype=torch.float32, device=CPU)
+    cache.chmod(0o777)
+    calls: list[Path] = []
+    convert = loader._convert_gguf
+
+    def spy(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
+        calls.append(path)
+        return convert(path, dtype, device)
+
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(loader, "_convert_gguf", spy)
+        load_model(file, dtype=torch.float32, device=CPU)
+    assert calls == [file]
+    assert "twostroke: not using the artifact cache:" in caplog.text
+    assert "writable by its group or by others (mode 0777)" in caplog.text
+
+
+def test_a_bad_cache_limit_is_an_error_naming_it(
+    cached_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file, _ = cached_gguf
+    monkeypatch.setenv(CACHE_LIMIT_ENV, "a lot")
+    with pytest.raises(InvalidCacheLimit, match="TWOSTROKE_CACHE_LIMIT must be a size above zero"):
+        load_model(file, dtype=torch.float32, device=CPU)

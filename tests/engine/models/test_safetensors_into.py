@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,38 @@ def test_bad_offsets(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
     assert error_of(path, {"x": torch.zeros(1)}) == f"{path}: bad data_offsets [4, 0]"
+
+
+def test_it_returns_the_crc32_of_every_byte_it_read(
+    written: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """The artifact cache checks the weights with it: one pass over the file."""
+    path, source = written
+    assert read_into(path, empty_like(source)) == zlib.crc32(path.read_bytes())
+    padded = path.with_name("padded.safetensors")
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+    body = b""
+    for name, entry in entries:  # 5 bytes between tensors, 3 after the last
+        begin, end = entry["data_offsets"]
+        offset = len(body) + 5
+        body += b"\x00" * 5 + data[8 + length + begin : 8 + length + end]
+        header[name]["data_offsets"] = [offset, offset + end - begin]
+    text = json.dumps(header).encode()
+    padded.write_bytes(struct.pack("<Q", len(text)) + text + body + b"end")
+    destination = empty_like(source)
+    assert read_into(padded, destination) == zlib.crc32(padded.read_bytes())
+    assert all(torch.equal(destination[name], source[name]) for name in source)
+
+
+def test_tensors_that_overlap_are_refused(written: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, source = written
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header["b.bias"]["data_offsets"] = [0, 14]  # over a.weight's first bytes
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+    assert re.search(r"overlaps the tensor before it", error_of(path, empty_like(source)))

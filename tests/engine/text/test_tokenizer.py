@@ -343,14 +343,17 @@ def test_a_damaged_cached_tokenizer_is_converted_again(
 ) -> None:
     path = smollm2_gguf()
     HFTokenizer.from_pretrained(path)  # converted and cached, unless an earlier test did
-    (cached,) = artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer/tokenizer.json")
-    cached.write_text('{"version": "1.0", "model": ')
+    (cached,) = artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer/chat_template.jinja")
+    template = cached.read_text()
+    # One letter of the chat template: it rendered the changed prompt without a word before
+    # the cache recorded each file's SHA-256.
+    cached.write_text(template.replace("SmolLM", "SmolLN"))
     with caplog.at_level(logging.INFO, logger="twostroke.engine.text.tokenizer"):
         ours = HFTokenizer.from_pretrained(path)
     warning, progress = caplog.records
     assert warning.levelno == logging.WARNING
     assert warning.getMessage().startswith(
-        f"twostroke: ignoring the cached tokenizer ({cached.parent}: Exception: "
+        f"twostroke: ignoring the cached tokenizer ({cached}: its sha256 is "
     )
     assert progress.getMessage() == (
         f"twostroke: converting the tokenizer of {path.name} (once: it is cached)"
@@ -358,6 +361,7 @@ def test_a_damaged_cached_tokenizer_is_converted_again(
     text = SMOLLM2_TEXTS[2]
     assert ours.encode(text) == transformers_smollm2(text)["input_ids"]
     assert SavedTokenizer.read(cached.parent).encode(text) == ours.encode(text)  # replaced
+    assert cached.read_text() == template
 
 
 @pytest.mark.slow
