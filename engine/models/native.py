@@ -14,11 +14,22 @@ layer (``decoder_stack.c``, :mod:`~twostroke.engine.models.native_stack`);
 ``clang``), the instruction set of the CPU's personality (``-march=native``, or the rung
 ``TWOSTROKE_CPU_ISA`` caps it at: :mod:`twostroke.gpu.isa`), and the model's shape as
 constants, into a shared library in a fraction of a second. Each library says which
-instruction set it was built for (:func:`vector_bits`). The library is kept in the artifact cache
-(``$TWOSTROKE_CACHE_DIR/native``, see :mod:`~twostroke.engine.models.artifacts`), named by a
-hash of the source, the flags, the compiler's version and the CPU's model and flags, so a
-later start loads it in milliseconds and a changed machine or compiler builds its own. It
-links OpenMP by the soname torch's own libgomp has, so it runs on torch's thread team.
+instruction set it was built for (:func:`vector_bits`). The library is kept in the artifact
+cache (``$TWOSTROKE_CACHE_DIR/native``, see :mod:`~twostroke.engine.models.artifacts`), in
+a folder named by a hash of the source, the flags, the compiler's version and the CPU's
+model and flags, so a later start loads it in milliseconds and a changed machine or
+compiler builds its own. It links OpenMP by the soname torch's own libgomp has, so it runs
+on torch's thread team.
+
+**Loaded only when it is ours.** A library runs code in the engine the moment it is loaded
+(its constructors), so a cached one is loaded only after the cache has checked it
+(:meth:`~twostroke.engine.models.artifacts.ArtifactCache.open`): every folder from the cache
+down to it belongs to this user and is writable by no one else, and its SHA-256 is the one
+recorded when it was built. A library that fails the check, does not load, or lacks a
+symbol its module binds is built again; a cache folder that others may write is not used at
+all (the library is built in a private temporary folder, and a warning says so). Each build
+compiles in a folder of its own and the result is renamed into place, so processes that
+build one kernel at once do not collide.
 
 **Tested, not assumed.** Each kernel's module checks a fresh library against torch before
 it is used. Where there is no compiler, the build fails, or the check disagrees, one warning
@@ -41,7 +52,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,7 +59,14 @@ from typing import Any
 import attrs
 import torch
 
-from twostroke.engine.models.artifacts import ArtifactCache
+from twostroke.engine.models.artifact_records import (
+    DamagedArtifact,
+    Provenance,
+    Record,
+    UnsafeCachePath,
+    digest_file,
+)
+from twostroke.engine.models.artifacts import NATIVE_FOLDER, ArtifactCache
 from twostroke.gpu.isa import cpu_personality
 
 __all__ = [
@@ -62,6 +79,7 @@ __all__ = [
     "call",
     "compile_flags",
     "compile_library",
+    "lookup",
     "native_wanted",
     "relative_difference",
     "timed",
@@ -105,7 +123,7 @@ _build_lock = threading.Lock()
 
 
 class NativeBuildError(RuntimeError):
-    """A kernel could not be compiled, loaded, or did not pass its check."""
+    """A kernel could not be compiled, loaded, lacks a symbol, or did not pass its check."""
 
 
 @attrs.define
@@ -196,38 +214,134 @@ def native_wanted(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def compile_library(
-    source: Path, defines: Sequence[str], what: str, environ: Mapping[str, str]
+    source: Path,
+    defines: Sequence[str],
+    what: str,
+    environ: Mapping[str, str],
+    *,
+    symbols: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
 ) -> tuple[ctypes.CDLL, Path]:
     """Compile ``source`` with ``defines`` (or find it compiled in the cache) and load it.
 
-    The library lands in the artifact cache's ``native`` folder, named by the source's stem
-    and a hash of everything that makes it (see the module); with the cache off
-    (``TWOSTROKE_NO_CACHE``), in a temporary folder that is gone once it is loaded.
+    The library lands in an entry of the artifact cache's ``native`` folder, named by the
+    source's stem and a hash of everything that makes it (see the module), with a record of
+    what made it and its SHA-256; with the cache off (``TWOSTROKE_NO_CACHE``) or not this
+    user's alone, in a temporary folder that is gone once it is loaded.
 
     Args:
-        source: A C file next to this module (it may include ``native_element.h``).
+        source: A C file next to this module (it includes ``native_element.h``).
         defines: ``-D`` flags, and any other compile flag (after the common ones, so
             they override them).
         what: Names the kernel in the log lines ("the paged decode kernel").
         environ: Where ``$CC`` and the cache folder are read.
+        symbols: Every function the caller will take from the library
+            (``twostroke_vector_bits`` is always checked): a library without one of them
+            is built again, or refused with :class:`NativeBuildError`, never returned.
+        dtype: The element type it is built for, for the cache's record.
 
     Returns:
         The loaded library and its path.
 
     Raises:
-        NativeBuildError: no compiler, or a failed compile or load; the message says which.
-        ValueError: ``TWOSTROKE_CPU_ISA`` names no rung, or one above this CPU's.
+        NativeBuildError: no compiler, a failed compile or load, or a library without one
+            of ``symbols``; the message says which.
+        ValueError: ``TWOSTROKE_CPU_ISA`` names no rung, or one above this CPU's, or
+            ``TWOSTROKE_CACHE_LIMIT`` is not a size.
     """
     flags = compile_flags(environ)
     compiler = _compiler(environ)
     cache = ArtifactCache.from_environment(environ)
+    required = ("twostroke_vector_bits", *symbols)
+    build = functools.partial(_build, compiler, flags, source, defines, what)
     with _build_lock:
-        if cache is None:
-            with tempfile.TemporaryDirectory(prefix="twostroke-native-") as folder:
-                path = _build(compiler, flags, source, defines, what, Path(folder))
-                return _load(path), path  # the mapping outlives the file
-        path = _build(compiler, flags, source, defines, what, cache.root / "native")
-        return _load(path), path
+        if cache is not None:
+            entry = (
+                cache.root
+                / NATIVE_FOLDER
+                / f"{source.stem}-{_identity(compiler, flags, source, defines)}"
+            )
+            provenance = Provenance(
+                what="library",
+                source=source.name,
+                torch=torch.__version__,
+                isa=cpu_personality(environ).describe(),
+                dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+                detail=" ".join(defines) or None,
+            )
+            try:
+                return _cached(cache, entry, build, what, required, provenance)
+            except UnsafeCachePath as error:
+                _warn_once(
+                    f"twostroke: not using the cache for compiled kernels: {error}; each "
+                    "start builds them in a private folder until it is fixed (`twostroke "
+                    "cache clear` makes a folder of this user's private again)"
+                )
+        with tempfile.TemporaryDirectory(prefix="twostroke-native-") as folder:
+            path = build(Path(folder))
+            return _load(path, required), path  # the mapping outlives the file
+
+
+def _cached(
+    cache: ArtifactCache,
+    entry: Path,
+    build: Callable[[Path], Path],
+    what: str,
+    required: Sequence[str],
+    provenance: Provenance,
+) -> tuple[ctypes.CDLL, Path]:
+    """The library of the cache entry ``entry``: loaded once the cache has checked it;
+    built (again) when it is missing, refused or does not load.
+
+    Raises:
+        UnsafeCachePath: the cache is not this user's alone (nothing was loaded from it).
+        NativeBuildError: the build fails, or what it built is refused too.
+    """
+    built_here = False
+    while True:
+        try:
+            record = cache.open(entry)
+            if record is not None:
+                path = entry / _library_file(entry, record)
+                return _load(path, required), path
+        except (DamagedArtifact, NativeBuildError) as error:
+            if built_here:
+                raise NativeBuildError(f"the library just built is refused: {error}") from error
+            _log.warning(
+                "twostroke: building %s again: the cached library is refused (%s)", what, error
+            )
+            cache.discard(entry)
+        if built_here:  # stored, and gone at once: another process cleared the cache
+            raise NativeBuildError(f"the library built for {entry.name} left the cache")
+        built_here = True
+        with tempfile.TemporaryDirectory(prefix="twostroke-native-") as folder:
+            built = build(Path(folder))
+            if not cache.store(entry, functools.partial(_place, built), provenance=provenance):
+                return _load(built, required), built  # a cache it cannot write: this build
+
+
+def _library_file(entry: Path, record: Record) -> str:
+    """The library's file name in its cache entry (named by its content)."""
+    libraries = [name for name in record.files if name.endswith(".so")]
+    if len(libraries) != 1:
+        raise DamagedArtifact(entry, f"its record names {len(libraries)} libraries, not one")
+    return libraries[0]
+
+
+def _place(built: Path, folder: Path) -> None:
+    """Fill a cache entry's temporary folder with the library ``built``.
+
+    The file is named by its content, so a process that loaded an earlier library of this
+    entry (its loader keeps one mapping per path) loads a rebuilt one afresh.
+    """
+    folder.mkdir(mode=0o700)
+    digest = digest_file(built, "sha256")
+    shutil.copyfile(built, folder / f"{built.stem}-{digest[:16]}.so")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    _log.warning("%s", message)
 
 
 def _compiler(environ: Mapping[str, str]) -> list[str]:
@@ -245,19 +359,11 @@ def _compiler(environ: Mapping[str, str]) -> list[str]:
     raise NativeBuildError("no C compiler found (set $CC, or install cc, gcc or clang)")
 
 
-def _build(
-    compiler: Sequence[str],
-    flags: Sequence[str],
-    source: Path,
-    defines: Sequence[str],
-    what: str,
-    folder: Path,
-) -> Path:
-    """The library for ``defines`` in ``folder``: built unless an identical build is there.
-
-    Its name hashes everything that makes it, the instruction-set flags included, so each
-    personality has libraries of its own.
-    """
+def _identity(
+    compiler: Sequence[str], flags: Sequence[str], source: Path, defines: Sequence[str]
+) -> str:
+    """A hash of everything that makes the library (the instruction-set flags included, so
+    each personality has libraries of its own)."""
     identity = b"\0".join(
         [
             source.read_bytes(),
@@ -268,25 +374,25 @@ def _build(
             torch.__version__.encode(),
         ]
     )
-    digest = hashlib.sha256(identity).hexdigest()[:16]
-    path = folder / f"{source.stem}-{digest}.so"
-    if path.exists():
-        return path
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise NativeBuildError(f"cannot create {folder}: {error}") from error
+    return hashlib.sha256(identity).hexdigest()[:16]
+
+
+def _build(
+    compiler: Sequence[str],
+    flags: Sequence[str],
+    source: Path,
+    defines: Sequence[str],
+    what: str,
+    folder: Path,
+) -> Path:
+    """Compile and link the library for ``defines`` in ``folder``, a folder of this build's
+    own (so the object file of one build is never another's)."""
     started = time.perf_counter()
     _log.info("twostroke: compiling %s%s", what, f" ({' '.join(defines)})" if defines else "")
-    partial = folder / f".{path.name}.{uuid.uuid4().hex}"
-    objects = partial.with_suffix(".o")
-    try:
-        _run([*compiler, *flags, *defines, "-c", str(source), "-o", str(objects)])
-        _run([*compiler, *_LDFLAGS, str(objects), "-o", str(partial)])
-        os.replace(partial, path)  # atomic: a reader never sees half a library
-    finally:
-        for leftover in (objects, partial):
-            leftover.unlink(missing_ok=True)
+    objects = folder / f"{source.stem}.o"
+    path = folder / f"{source.stem}.so"
+    _run([*compiler, *flags, *defines, "-c", str(source), "-o", str(objects)])
+    _run([*compiler, *_LDFLAGS, str(objects), "-o", str(path)])
     _log.info("twostroke: compiled %s in %.1f s", what, time.perf_counter() - started)
     return path
 
@@ -305,11 +411,35 @@ def _run(command: Sequence[str]) -> None:
         )
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def lookup(library: ctypes.CDLL, path: Path, names: Sequence[str]) -> list[Any]:
+    """The functions ``names`` of a loaded library (their ctypes pointers), in order.
+
+    For a kernel module's functions that only some builds have; :func:`compile_library`
+    checks the ones every build has.
+
+    Raises:
+        NativeBuildError: the library lacks one of them (ctypes' ``AttributeError``,
+            turned into the error every kernel module falls back on).
+    """
+    missing = [name for name in names if not hasattr(library, name)]
+    if missing:
+        raise NativeBuildError(f"{path} lacks {', '.join(missing)}")
+    return [getattr(library, name) for name in names]
+
+
+def _load(path: Path, names: Sequence[str]) -> ctypes.CDLL:
+    """Load a library and look up each of ``symbols`` in it.
+
+    Raises:
+        NativeBuildError: it does not load, or lacks one of ``symbols`` (a library from
+            another source, or damaged).
+    """
     try:
-        return ctypes.CDLL(str(path))
+        library = ctypes.CDLL(str(path))
     except OSError as error:
         raise NativeBuildError(f"cannot load {path}: {error}") from error
+    lookup(library, path, names)
+    return library
 
 
 @functools.cache

@@ -42,6 +42,7 @@ from twostroke.engine.models.native import (
 
 __all__ = [
     "SOURCE",
+    "SYMBOLS",
     "PagedDecodeKernel",
     "build_kernel",
     "paged_decode_kernel",
@@ -51,6 +52,10 @@ __all__ = [
 
 #: The kernel's C source.
 SOURCE = Path(__file__).with_name("paged_decode.c")
+
+#: The functions this module takes from the library (:func:`.native.compile_library`
+#: checks each is there).
+SYMBOLS = ("twostroke_paged_decode", "twostroke_paged_prefill")
 
 #: Largest difference from the reference the start-up check accepts, per element type
 #: (float32 differs by summation order and the polynomial exp; bfloat16 also by rounding
@@ -315,7 +320,9 @@ def build_kernel(
     element = ELEMENTS[dtype]
     if element is not None:
         defines.append(f"-D{element}")
-    library, path = compile_library(SOURCE, defines, "the paged decode kernel", env)
+    library, path = compile_library(
+        SOURCE, defines, "the paged decode kernel", env, symbols=SYMBOLS, dtype=dtype
+    )
     function = library.twostroke_paged_decode
     function.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_ssize_t

@@ -44,6 +44,7 @@ from twostroke.engine.models.native import (
 
 __all__ = [
     "GLUE_SOURCE",
+    "SYMBOLS",
     "DecoderGlue",
     "build_glue",
     "decoder_glue",
@@ -53,6 +54,15 @@ __all__ = [
 
 #: The kernels' C source.
 GLUE_SOURCE = Path(__file__).with_name("decoder_glue.c")
+
+#: The functions this module takes from the library (:func:`.native.compile_library`
+#: checks each is there).
+SYMBOLS = (
+    "twostroke_add_rms_norm",
+    "twostroke_rotate_write",
+    "twostroke_silu_mul",
+    "twostroke_argmax",
+)
 
 #: Largest difference from torch the start-up check accepts, relative to the output's
 #: largest magnitude (float32: the mean's summation order, the polynomial exp; bfloat16:
@@ -346,7 +356,9 @@ def build_glue(
     element = ELEMENTS[dtype]
     if element is not None:
         defines.append(f"-D{element}")
-    library, path = compile_library(GLUE_SOURCE, defines, "the decoder glue", env)
+    library, path = compile_library(
+        GLUE_SOURCE, defines, "the decoder glue", env, symbols=SYMBOLS, dtype=dtype
+    )
     _declare(library.twostroke_add_rms_norm, [_POINTER] * 3 + [ctypes.c_float, _SIZE, _POINTER])
     _declare(
         library.twostroke_rotate_write,

@@ -39,11 +39,14 @@ from twostroke.engine.models.native import (
     address,
     call,
     compile_library,
+    lookup,
     relative_difference,
 )
 
 __all__ = [
     "PROJECTION_SOURCE",
+    "SUPPORTED_SYMBOLS",
+    "SYMBOLS",
     "PanelWeight",
     "ProjectionKernel",
     "ProjectionUnsupported",
@@ -53,6 +56,12 @@ __all__ = [
 
 #: The kernel's C source.
 PROJECTION_SOURCE = Path(__file__).with_name("projection_bf16.c")
+
+#: The functions this module takes from every build of the library
+#: (:func:`.native.compile_library` checks each is there).
+SYMBOLS = ("twostroke_projection_supported", "twostroke_projection_panel")
+#: The functions a build has where the CPU runs it (``twostroke_projection_supported``).
+SUPPORTED_SYMBOLS = ("twostroke_projection",)
 
 #: Largest difference from a float32 product of the same bfloat16 inputs that the start-up
 #: check accepts, relative to the product's largest magnitude: the output's rounding to
@@ -259,14 +268,21 @@ def build_projection(*, environ: Mapping[str, str] | None = None) -> ProjectionK
             with torch's; the message says which.
     """
     env = os.environ if environ is None else environ
-    library, path = compile_library(PROJECTION_SOURCE, [], "the bfloat16 projection", env)
+    library, path = compile_library(
+        PROJECTION_SOURCE,
+        [],
+        "the bfloat16 projection",
+        env,
+        symbols=SYMBOLS,
+        dtype=torch.bfloat16,
+    )
     library.twostroke_projection_supported.restype = ctypes.c_int
     library.twostroke_projection_panel.restype = ctypes.c_int
     if not library.twostroke_projection_supported():
         raise ProjectionUnsupported(
             "this CPU has no AVX512-BF16 (with AVX512-BW and -VL), which the kernel needs"
         )
-    function = library.twostroke_projection
+    [function] = lookup(library, path, SUPPORTED_SYMBOLS)
     function.restype = None
     function.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER, _POINTER, _SIZE]
     kernel = ProjectionKernel(int(library.twostroke_projection_panel()), path, function=function)

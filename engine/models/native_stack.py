@@ -37,10 +37,14 @@ from twostroke.engine.models.native_attention import PagedDecodeKernel
 from twostroke.engine.models.native_glue import DecoderGlue, rotary_inputs_fit
 from twostroke.engine.models.native_projection import PanelWeight, ProjectionKernel
 
-__all__ = ["SOURCE", "DecoderStack", "StackLayer", "build_stack", "decoder_stack"]
+__all__ = ["SOURCE", "SYMBOLS", "DecoderStack", "StackLayer", "build_stack", "decoder_stack"]
 
 #: The driver's C source.
 SOURCE = Path(__file__).with_name("decoder_stack.c")
+
+#: The functions this module takes from the library (:func:`.native.compile_library`
+#: checks each is there).
+SYMBOLS = ("twostroke_decoder_stack",)
 
 _log = logging.getLogger(__name__)
 
@@ -436,7 +440,7 @@ def load_stack(*, environ: Mapping[str, str] | None = None) -> Callable[..., int
         NativeBuildError: no compiler, or a failed compile or load.
     """
     env = os.environ if environ is None else environ
-    library, _ = compile_library(SOURCE, [], "the decoder stack", env)
+    library, _ = compile_library(SOURCE, [], "the decoder stack", env, symbols=SYMBOLS)
     function: Callable[..., int] = library.twostroke_decoder_stack
     function.restype = ctypes.c_int  # type: ignore[attr-defined]
     function.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]  # type: ignore[attr-defined]
