@@ -288,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _replica_arguments(serve)
 
+    from twostroke.engine.models.cache_command import add_cache_arguments
+
+    cache = commands.add_parser(
+        "cache", help="the artifact cache (converted models, compiled kernels): list, prune, clear"
+    )
+    add_cache_arguments(cache)
+
     from twostroke.engine.bench.runner import add_bench_arguments
 
     bench = commands.add_parser(
@@ -532,6 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     atexit.unregister(_freeze_at_exit)  # once, however often main() runs (tests)
     atexit.register(_freeze_at_exit)
     args = build_parser().parse_args(argv)
+    if args.command == "cache":
+        from twostroke.engine.models.cache_command import cache_command
+
+        return cache_command(args)
     if args.command == "bench":
         return _bench(args)
     if args.command == "isa":

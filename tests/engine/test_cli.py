@@ -1,15 +1,28 @@
-"""``twostroke generate --json-schema FILE`` and ``--regex PATTERN``."""
+"""``twostroke generate --json-schema FILE`` and ``--regex PATTERN``; ``twostroke cache``."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 from pathlib import Path
 
+import attrs
 import jsonschema
 import pytest
 
 from twostroke.engine.cli import main
+from twostroke.engine.models.artifact_records import Provenance
+from twostroke.engine.models.artifacts import (
+    CACHE_DIR_ENV,
+    CACHE_LIMIT_ENV,
+    LAST_USED,
+    NATIVE_FOLDER,
+    ArtifactCache,
+    CacheEntry,
+    format_size,
+)
 
 GENERATE = ["generate", "Weather?", "--model", "toy", "--device", "cpu", "--max-tokens", "64"]
 SCHEMA = {
@@ -75,3 +88,177 @@ def test_a_constraint_the_backend_refuses_is_an_error_naming_the_flag(
     schema.write_text('{"type": "object", "if": {}}')
     assert main([*GENERATE, *(a.format(schema=schema) for a in arguments)]) == 2
     assert capsys.readouterr().err == f"twostroke generate: error: {message}\n"
+
+
+# --- twostroke cache ----------------------------------------------------------------------------
+
+
+def _stored(cache: ArtifactCache, artifact: Path, provenance: Provenance, used: int) -> None:
+    def write(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "data").write_bytes(b"x" * 1000)
+
+    assert cache.store(artifact, write, provenance=provenance)
+    entry = artifact if artifact.parent.name == NATIVE_FOLDER else artifact.parent
+    os.utime(entry / LAST_USED, (used, used))
+
+
+@pytest.fixture
+def filled_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ArtifactCache:
+    """A cache of two model entries and a library, in that order of last use (oldest first)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_DIR_ENV, str(root))
+    monkeypatch.delenv(CACHE_LIMIT_ENV, raising=False)
+    cache = ArtifactCache(root, limit=None)
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF")
+    entry = cache.prepare(model)
+    weights = Provenance(
+        what="weights", source=str(model), torch="2.13.0+cpu", isa="native (avx2)", dtype="float32"
+    )
+    _stored(cache, entry / "model-float32", weights, used=1_000_000_000)
+    _stored(
+        cache, entry / "tokenizer", Provenance(what="tokenizer", source=str(model)), 1_000_000_000
+    )
+    other = cache.root / "other.gguf-0123456789abcdef"
+    _stored(cache, other / "model-bfloat16", attrs.evolve(weights, dtype="bfloat16"), 900_000_000)
+    library = Provenance(
+        what="library",
+        source="paged_decode.c",
+        torch="2.13.0+cpu",
+        isa="avx2 (capped by TWOSTROKE_CPU_ISA; this CPU: avx512_bf16)",
+        dtype="bfloat16",
+        detail="-DBLOCK_SIZE=16",
+    )
+    _stored(
+        cache, cache.root / NATIVE_FOLDER / "paged_decode-0123456789abcdef", library, 1_100_000_000
+    )
+    return cache
+
+
+def total(entries: list[CacheEntry]) -> str:
+    return format_size(sum(entry.size for entry in entries))
+
+
+def test_cache_lists_its_entries_most_recently_used_first(
+    filled_cache: ArtifactCache, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entries = filled_cache.entries()
+    assert main(["cache"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        f"{filled_cache.root}: {total(entries)} in 3 entries (limit 8.6 GB, $TWOSTROKE_CACHE_LIMIT)"
+    )
+    heading, library, model, other = (
+        [c.strip() for c in line.split("  ") if c] for line in lines[1:]
+    )
+    assert heading == ["last used", "size", "what", "torch", "ISA", "source"]
+    assert library[1:] == [
+        format_size(entries[0].size),
+        "library bfloat16",
+        "2.13.0+cpu",
+        "avx2 (capped by TWOSTROKE_CPU_ISA; this CPU: avx512_bf16)",
+        "paged_decode.c -DBLOCK_SIZE=16",
+    ]
+    tiny = str((filled_cache.root.parent / "tiny.gguf").resolve())
+    assert model[2:] == ["weights float32, tokenizer", "2.13.0+cpu", "native (avx2)", tiny]
+    assert other[2] == "weights bfloat16"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(1_100_000_000))
+    assert library[0] == when
+    assert main(["cache", "list"]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
+
+
+def test_cache_prune_keeps_the_newest(
+    filled_cache: ArtifactCache, capsys: pytest.CaptureFixture[str]
+) -> None:
+    newest, *older = filled_cache.entries()
+    assert main(["cache", "prune", "--keep", "1"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        *(f"removed {entry.path} ({format_size(entry.size)})" for entry in older),
+        f"pruned: 2 entries, {total(older)}",
+    ]
+    assert filled_cache.entries() == [newest]
+
+
+def test_cache_prune_fits_the_size_it_is_given(
+    filled_cache: ArtifactCache, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    newest, middle, oldest = filled_cache.entries()
+    assert main(["cache", "prune"]) == 0  # the default limit: nothing to do
+    assert capsys.readouterr().out == "pruned: 0 entries, 0 B\n"
+    monkeypatch.setenv(CACHE_LIMIT_ENV, str(newest.size + middle.size))
+    assert main(["cache", "prune"]) == 0
+    assert capsys.readouterr().out.endswith(f"pruned: 1 entry, {total([oldest])}\n")
+    assert main(["cache", "prune", "--max-size", str(newest.size)]) == 0
+    assert capsys.readouterr().out.endswith(f"pruned: 1 entry, {total([middle])}\n")
+    assert filled_cache.entries() == [newest]
+    assert main(["cache", "prune", "--max-size", "unlimited", "--keep", "0"]) == 0
+    assert filled_cache.entries() == []
+
+
+def test_cache_clear_removes_everything(
+    filled_cache: ArtifactCache, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entries = filled_cache.entries()
+    assert main(["cache", "clear"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"cleared: 3 entries, {total(entries)}"
+    assert filled_cache.entries() == []
+    assert main(["cache"]) == 0
+    assert capsys.readouterr().out == (
+        f"{filled_cache.root}: 0 B in 0 entries (limit 8.6 GB, $TWOSTROKE_CACHE_LIMIT)\n"
+    )
+
+
+def test_cache_says_when_others_may_write_it(
+    filled_cache: ArtifactCache, capsys: pytest.CaptureFixture[str]
+) -> None:
+    filled_cache.root.chmod(0o777)
+    assert main(["cache"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"warning: {filled_cache.root}: is writable by its group or by others (mode 0777); a "
+        "cache folder must belong to this user and be writable by no one else: nothing in it is "
+        "loaded (`twostroke cache clear` empties a folder of yours and makes it private)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "environ", "message"),
+    [
+        (["cache"], {CACHE_LIMIT_ENV: "big"}, "twostroke cache: error: TWOSTROKE_CACHE_LIMIT "
+         "must be a size above zero such as 8GiB, 500MB or 1073741824 (bytes), or 'unlimited'; "
+         "got 'big'"),
+        (["cache", "prune", "--max-size", "0"], {}, "twostroke cache prune: error: argument "
+         "--max-size: --max-size must be a size above zero such as 8GiB, 500MB or 1073741824 "
+         "(bytes), or 'unlimited'; got '0'"),
+        (["cache", "prune", "--keep", "-1"], {}, "twostroke cache prune: error: argument --keep: "
+         "--keep must be >= 0, got -1"),
+        (["cache", "prune", "--keep", "two"], {}, "twostroke cache prune: error: argument --keep: "
+         "--keep must be an int, got 'two'"),
+    ],
+)  # fmt: skip
+def test_cache_refuses_a_bad_limit_or_count(
+    arguments: list[str],
+    environ: dict[str, str],
+    message: str,
+    filled_cache: ArtifactCache,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = main(arguments)
+    except SystemExit as exited:
+        code = exited.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert len(filled_cache.entries()) == 3  # nothing removed
+
+
+def test_cache_says_when_it_is_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TWOSTROKE_NO_CACHE", "1")
+    assert main(["cache", "clear"]) == 0
+    assert capsys.readouterr().out == "the artifact cache is off (TWOSTROKE_NO_CACHE=1)\n"
