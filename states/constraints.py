@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
@@ -37,10 +38,13 @@ __all__ = [
     "CONSTRAINT_TYPES",
     "MAX_CHOICES",
     "MAX_CHOICE_LENGTH",
+    "MAX_CHOICE_TOTAL_LENGTH",
     "MAX_GRAMMAR_LENGTH",
+    "MAX_GRAMMAR_RULES",
     "MAX_PATTERN_LENGTH",
     "MAX_SCHEMA_DEPTH",
     "MAX_SCHEMA_LENGTH",
+    "MAX_SCHEMA_REFS",
     "AnyJsonObject",
     "Choice",
     "Constraint",
@@ -59,14 +63,31 @@ __all__ = [
 MAX_SCHEMA_LENGTH = 131_072
 #: How deep objects and arrays may nest in a JSON schema (each level of properties takes two).
 MAX_SCHEMA_DEPTH = 64
+#: The most ``$ref`` s in a JSON schema (keys of that name, anywhere). The backend compiles a
+#: schema recursively through them: a chain of 3,500 overflowed a compiling thread's stack.
+MAX_SCHEMA_REFS = 1_024
 #: The longest regular expression, in characters.
 MAX_PATTERN_LENGTH = 4_096
 #: The most strings a choice may offer.
 MAX_CHOICES = 1_024
 #: The longest string of a choice, in characters.
 MAX_CHOICE_LENGTH = 4_096
+#: The most characters of a choice's strings together, as long as the longest schema: the
+#: compiled grammar, and each request's matcher, hold every one of them.
+MAX_CHOICE_TOTAL_LENGTH = 131_072
 #: The longest grammar, in characters of its source.
 MAX_GRAMMAR_LENGTH = 131_072
+#: The most rules (and terminals) a grammar may define. The backend compiles a grammar
+#: recursively through them: a chain of 4,000 overflowed a compiling thread's stack.
+MAX_GRAMMAR_RULES = 1_024
+
+#: Where a grammar defines a rule or terminal: at the start of a line, a name (Lark's may
+#: start with ``?`` or ``!``, have a priority and template parameters) and ``:`` or GBNF's
+#: ``::=``.
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(?:\{[^}\n]*\}[ \t]*)?(?:::=|:)", re.M)
+#: A ``"$ref"`` key of a JSON schema inlined in a grammar, however its letters are escaped.
+_GRAMMAR_REF = re.compile(r'"(?:\$|\\u0024)(?:r|\\u0072)(?:e|\\u0065)(?:f|\\u0066)"', re.I)
+_X_GUIDANCE = "x-guidance"
 
 _SHORT_REPR = 60
 
@@ -79,6 +100,29 @@ def _short(text: str) -> str:
     if len(text) <= _SHORT_REPR:
         return repr(text)
     return f"{text[:_SHORT_REPR]!r}... ({len(text)} characters)"
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (text no encoding writes), if it does.
+
+    llguidance raised ``ValueError`` on one, which ended the engine that compiled it.
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _check_unicode(name: str, text: str) -> None:
+    index = _lone_surrogate(text)
+    if index is not None:
+        raise ValueError(
+            f"{name} must be valid Unicode, got a lone surrogate {text[index]!r} "
+            f"at character {index}"
+        )
 
 
 # --- JSON schemas -----------------------------------------------------------------------------
@@ -102,12 +146,18 @@ def _pointer(path: tuple[str, ...]) -> str:
     return "/" + "/".join(part.replace("~", "~0").replace("/", "~1") for part in path)
 
 
+def _surrogate_error(text: str, index: int, where: str) -> ValueError:
+    return ValueError(f"schema must be valid Unicode, got a lone surrogate {text[index]!r} {where}")
+
+
 def _check_json_value(root: object) -> None:
-    """Raise unless ``root`` is plain JSON (string keys, lists, scalars), nested boundedly.
+    """Raise unless ``root`` is plain JSON (string keys, lists, scalars), nested boundedly,
+    with valid Unicode text, at most :data:`MAX_SCHEMA_REFS` ``$ref`` s and no ``x-guidance``.
 
     Iterative, so a deep value raises the depth rule, not ``RecursionError``.
     """
     stack: list[tuple[object, tuple[str, ...]]] = [(root, ())]
+    refs = 0
     while stack:
         value, path = stack.pop()
         if isinstance(value, Mapping | list | tuple) and len(path) >= MAX_SCHEMA_DEPTH:
@@ -120,6 +170,15 @@ def _check_json_value(root: object) -> None:
                     raise TypeError(
                         f"schema's keys must be strings, got {_kind(key)} at {_pointer(path)}"
                     )
+                index = _lone_surrogate(key)
+                if index is not None:
+                    raise _surrogate_error(key, index, f"in a key at {_pointer(path)}")
+                if key == _X_GUIDANCE:
+                    raise ValueError(
+                        f"schema must not hold {_X_GUIDANCE} (the backend's options: the "
+                        f"server sets them), got it at {_pointer((*path, key))}"
+                    )
+                refs += key == "$ref"
                 stack.append((item, (*path, key)))
         elif isinstance(value, list | tuple):
             stack.extend((item, (*path, str(index))) for index, item in enumerate(value))
@@ -128,11 +187,17 @@ def _check_json_value(root: object) -> None:
                 raise ValueError(
                     f"schema must hold finite numbers only, got {value!r} at {_pointer(path)}"
                 )
-        elif value is not None and not isinstance(value, str | int):  # bool is an int
+        elif isinstance(value, str):
+            index = _lone_surrogate(value)
+            if index is not None:
+                raise _surrogate_error(value, index, f"at {_pointer(path)}")
+        elif value is not None and not isinstance(value, int):  # bool is an int
             raise TypeError(
                 f"schema must hold only JSON values (dict, list, str, int, float, bool, None), "
                 f"got {_kind(value)} at {_pointer(path)}"
             )
+    if refs > MAX_SCHEMA_REFS:
+        raise ValueError(f"schema must hold at most {MAX_SCHEMA_REFS} $refs, got {refs}")
 
 
 def canonical_schema(value: object) -> str:
@@ -153,9 +218,10 @@ def canonical_schema(value: object) -> str:
     Raises:
         TypeError: neither a mapping nor a string, a text whose JSON is not an object, or a
             key or value JSON cannot represent.
-        ValueError: text that is not JSON, nesting past
-            :data:`MAX_SCHEMA_DEPTH`, a NaN or infinity, or a text longer than
-            :data:`MAX_SCHEMA_LENGTH`.
+        ValueError: text that is not JSON, nesting past :data:`MAX_SCHEMA_DEPTH`, a NaN or
+            infinity, a lone surrogate, more than :data:`MAX_SCHEMA_REFS` ``$ref`` s, an
+            ``x-guidance`` key (llguidance's own options, which would override the fixed
+            format), or a text longer than :data:`MAX_SCHEMA_LENGTH`.
     """
     if isinstance(value, str):
         if len(value) > 4 * MAX_SCHEMA_LENGTH:  # before parsing: no work for a huge text
@@ -227,6 +293,7 @@ def _text(name: str, limit: int) -> Any:
             raise ValueError(f"{name} must be non-empty, got ''")
         if len(value) > limit:
             raise ValueError(f"{name} must be <= {limit} characters long, got {len(value)}")
+        _check_unicode(name, value)
 
     return check
 
@@ -243,7 +310,7 @@ class Regex:
 
     Raises:
         TypeError: not a str.
-        ValueError: empty or too long.
+        ValueError: empty, too long, or a lone surrogate in it.
     """
 
     kind: ClassVar[str] = "regex"
@@ -253,6 +320,23 @@ class Regex:
 
     def __repr__(self) -> str:
         return f"Regex({_short(self.pattern)})"
+
+
+def _rules() -> Any:
+    """An attrs validator: a grammar's chains (rules, ``$ref`` s) within their limits."""
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+        rules = sum(1 for _ in _RULE.finditer(value))
+        if rules > MAX_GRAMMAR_RULES:
+            raise ValueError(f"grammar must define at most {MAX_GRAMMAR_RULES} rules, got {rules}")
+        refs = sum(1 for _ in _GRAMMAR_REF.finditer(value))
+        if refs > MAX_SCHEMA_REFS:
+            raise ValueError(
+                f"grammar must hold at most {MAX_SCHEMA_REFS} $refs (in its %json schemas), "
+                f"got {refs}"
+            )
+
+    return check
 
 
 def _choices(value: object) -> tuple[str, ...]:
@@ -272,7 +356,14 @@ def _choices(value: object) -> tuple[str, ...]:
             raise ValueError(
                 f"choices must be <= {MAX_CHOICE_LENGTH} characters long, got one of {len(item)}"
             )
-    return tuple(sorted(set(strings)))
+        _check_unicode("choices", item)
+    unique = sorted(set(strings))
+    total = sum(map(len, unique))
+    if total > MAX_CHOICE_TOTAL_LENGTH:
+        raise ValueError(
+            f"choices must be <= {MAX_CHOICE_TOTAL_LENGTH} characters long together, got {total}"
+        )
+    return tuple(unique)
 
 
 @attrs.frozen
@@ -282,11 +373,13 @@ class Choice:
     Args:
         choices: The strings (an iterable, not a bare string): at least one, at most
             :data:`MAX_CHOICES`, each non-empty and at most :data:`MAX_CHOICE_LENGTH`
-            characters. Kept sorted and without duplicates (their order means nothing).
+            characters, :data:`MAX_CHOICE_TOTAL_LENGTH` together (once each). Kept sorted
+            and without duplicates (their order means nothing).
 
     Raises:
         TypeError: not an iterable of strings.
-        ValueError: none, too many, an empty or too long string.
+        ValueError: none, too many, an empty or too long string, too long together, or a
+            lone surrogate in one.
     """
 
     kind: ClassVar[str] = "choice"
@@ -303,17 +396,20 @@ class Grammar:
     (``root ::= ...``), which covers what vLLM accepts in ``structured_outputs.grammar``.
 
     Args:
-        source: The grammar's text, non-empty, at most :data:`MAX_GRAMMAR_LENGTH` characters.
+        source: The grammar's text, non-empty, at most :data:`MAX_GRAMMAR_LENGTH` characters,
+            defining at most :data:`MAX_GRAMMAR_RULES` rules and terminals (counted where a
+            line starts with a name and ``:`` or ``::=``), with at most
+            :data:`MAX_SCHEMA_REFS` ``$ref`` s in the JSON schemas it inlines (``%json``).
 
     Raises:
         TypeError: not a str.
-        ValueError: empty or too long.
+        ValueError: empty, too long, too many rules or ``$ref`` s, or a lone surrogate.
     """
 
     kind: ClassVar[str] = "grammar"
     argument: ClassVar[str] = "grammar"
 
-    source: str = attrs.field(validator=_text("grammar", MAX_GRAMMAR_LENGTH))
+    source: str = attrs.field(validator=[_text("grammar", MAX_GRAMMAR_LENGTH), _rules()])
 
     def __repr__(self) -> str:
         return f"Grammar({_short(self.source)})"

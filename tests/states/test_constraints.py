@@ -15,11 +15,14 @@ from hypothesis import strategies as st
 from twostroke.states.constraints import (
     CONSTRAINT_TYPES,
     MAX_CHOICE_LENGTH,
+    MAX_CHOICE_TOTAL_LENGTH,
     MAX_CHOICES,
     MAX_GRAMMAR_LENGTH,
+    MAX_GRAMMAR_RULES,
     MAX_PATTERN_LENGTH,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_LENGTH,
+    MAX_SCHEMA_REFS,
     AnyJsonObject,
     Choice,
     Grammar,
@@ -154,6 +157,31 @@ BAD_SCHEMAS = [
         "schema must hold only JSON values (dict, list, str, int, float, bool, None), "
         "got bytes b'x' at /default",
     ),
+    # A lone surrogate is text no encoding can write: llguidance raised ValueError on it,
+    # which ended the engine that compiled it.
+    (
+        '{"type": "string", "description": "\\ud800"}',
+        ValueError,
+        "schema must be valid Unicode, got a lone surrogate '\\ud800' at /description",
+    ),
+    (
+        {"properties": {"a\udfff": {}}},
+        ValueError,
+        "schema must be valid Unicode, got a lone surrogate '\\udfff' in a key at /properties",
+    ),
+    # The backend's own options would override the server's (free whitespace, coerce_one_of).
+    (
+        {"type": "object", "x-guidance": {"whitespace_flexible": True}},
+        ValueError,
+        "schema must not hold x-guidance (the backend's options: the server sets them), "
+        "got it at /x-guidance",
+    ),
+    (
+        {"$defs": {"a": {"x-guidance": {"coerce_one_of": True}}}, "$ref": "#/$defs/a"},
+        ValueError,
+        "schema must not hold x-guidance (the backend's options: the server sets them), "
+        "got it at /$defs/a/x-guidance",
+    ),
 ]
 
 
@@ -206,6 +234,25 @@ def test_schemas_are_at_most_max_schema_length_characters() -> None:
     assert JsonSchema(" " * (MAX_SCHEMA_LENGTH + 1) + "{}") == JsonSchema({})
 
 
+def _ref_chain(length: int) -> dict[str, Any]:
+    """``length`` definitions, each a ``$ref`` to the next: a chain the backend follows."""
+    defs: dict[str, Any] = {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(length)}
+    defs[str(length)] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/0"}
+
+
+def test_schemas_hold_at_most_max_schema_refs() -> None:
+    """A chain of 3,500 ``$ref`` s (113 KB) overflowed the compiling thread's stack."""
+    JsonSchema(_ref_chain(MAX_SCHEMA_REFS - 1))
+    with pytest.raises(
+        ValueError,
+        match=f"^schema must hold at most {MAX_SCHEMA_REFS} \\$refs, got {MAX_SCHEMA_REFS + 1}$",
+    ):
+        JsonSchema(_ref_chain(MAX_SCHEMA_REFS))
+    with pytest.raises(ValueError, match=r"got 3501$"):
+        JsonSchema(_ref_chain(3_500))
+
+
 def test_canonical_schema_is_the_converter() -> None:
     assert canonical_schema('{ "b" : 1 , "a" : [ ] }') == '{"b":1,"a":[]}'
 
@@ -241,6 +288,12 @@ def test_texts_at_their_limit_are_taken() -> None:
     assert len(Grammar("x" * MAX_GRAMMAR_LENGTH).source) == MAX_GRAMMAR_LENGTH
     assert len(Choice([f"c{i}" for i in range(MAX_CHOICES)]).choices) == MAX_CHOICES
     assert Choice(["x" * MAX_CHOICE_LENGTH]).choices == ("x" * MAX_CHOICE_LENGTH,)
+    together = [f"{i:04}" + "x" * (MAX_CHOICE_LENGTH - 4) for i in range(32)]
+    assert sum(map(len, Choice(together).choices)) == MAX_CHOICE_TOTAL_LENGTH
+    rules = "".join(f"r{i}: r{i + 1}\n" for i in range(MAX_GRAMMAR_RULES - 2))
+    Grammar(f'start: r0\n{rules}r{MAX_GRAMMAR_RULES - 2}: "a"')
+    # rules are definitions at the start of a line, not every colon
+    Grammar('start: "a:b" | /c:d/\n  | "e" // f: g\n# h: i')
 
 
 BAD_VALUES = [
@@ -278,6 +331,54 @@ BAD_VALUES = [
         ValueError,
         f"choices must be <= {MAX_CHOICE_LENGTH} characters long, "
         f"got one of {MAX_CHOICE_LENGTH + 1}",
+    ),
+    (
+        Choice,
+        [f"{i:04}" + "x" * (MAX_CHOICE_LENGTH - 4) for i in range(33)],
+        ValueError,
+        f"choices must be <= {MAX_CHOICE_TOTAL_LENGTH} characters long together, "
+        f"got {33 * MAX_CHOICE_LENGTH}",
+    ),
+    (
+        Regex,
+        "a\ud800",
+        ValueError,
+        "pattern must be valid Unicode, got a lone surrogate '\\ud800' at character 1",
+    ),
+    (
+        Grammar,
+        'start: "\udbff"',
+        ValueError,
+        "grammar must be valid Unicode, got a lone surrogate '\\udbff' at character 8",
+    ),
+    (
+        Choice,
+        ["yes", "n\udc00"],
+        ValueError,
+        "choices must be valid Unicode, got a lone surrogate '\\udc00' at character 1",
+    ),
+    (
+        Grammar,
+        "start: r0\n"
+        + "".join(f"r{i}: r{i + 1}\n" for i in range(MAX_GRAMMAR_RULES))
+        + 'r9999: "a"',
+        ValueError,
+        f"grammar must define at most {MAX_GRAMMAR_RULES} rules, got {MAX_GRAMMAR_RULES + 2}",
+    ),
+    (
+        Grammar,
+        "root ::= r0\n"
+        + "".join(f"r{i} ::= r{i + 1}\n" for i in range(MAX_GRAMMAR_RULES))
+        + 'r9999 ::= "a"',
+        ValueError,
+        f"grammar must define at most {MAX_GRAMMAR_RULES} rules, got {MAX_GRAMMAR_RULES + 2}",
+    ),
+    (
+        Grammar,
+        "start: %json " + json.dumps(_ref_chain(MAX_SCHEMA_REFS)),
+        ValueError,
+        f"grammar must hold at most {MAX_SCHEMA_REFS} $refs (in its %json schemas), "
+        f"got {MAX_SCHEMA_REFS + 1}",
     ),
 ]
 
