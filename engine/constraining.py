@@ -67,14 +67,22 @@ class Constraining:
 
         Raises:
             ConstraintRejected: the backend is missing, cannot read this tokenizer, refuses
-                the constraint or did not compile it in time.
+                the constraint (or raised anything while compiling it or copying its
+                matcher: one request's input never ends the engine) or did not compile it
+                in time.
         """
         self.compiling.add(request_id)
         try:
             compiled = await (await self._get_compiler()).compile(constraint)
+            return compiled.matcher()
+        except ConstraintRejected:
+            raise
+        except Exception as exc:  # the compiler refuses what the backend raises; this is a net
+            raise ConstraintRejected(
+                f"constraint.{constraint.argument}", f"{type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             self.compiling.discard(request_id)
-        return compiled.matcher()
 
     async def _get_compiler(self) -> GrammarCompiler:
         """The compiler, made on first use (reading the vocabulary off the loop)."""

@@ -30,7 +30,14 @@ from twostroke.states.errors import ConstraintRejected
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["JSON_FORMAT", "MAX_REASON_LENGTH", "field_of", "grammar_of", "reason_of"]
+__all__ = [
+    "JSON_FORMAT",
+    "MAX_REASON_LENGTH",
+    "field_of",
+    "grammar_of",
+    "reason_of",
+    "size_of",
+]
 
 #: The format every JSON output takes (llguidance's ``JsonCompileOptions``, as overrides).
 JSON_FORMAT: JsonCompileOptions = {
@@ -46,6 +53,23 @@ MAX_REASON_LENGTH = 300
 def field_of(constraint: Constraint) -> str:
     """The part of a request a refusal names (``"constraint.schema"``, ...)."""
     return f"constraint.{constraint.argument}"
+
+
+def size_of(constraint: Constraint) -> int:
+    """A constraint's size: the characters of its text (a choice's strings together).
+
+    What compiling it costs grows with it, and what the compiled grammar holds: the
+    compiler's queue and its cache are ordered and bounded by it.
+    """
+    if isinstance(constraint, JsonSchema):
+        return len(constraint.schema)
+    if isinstance(constraint, Regex):
+        return len(constraint.pattern)
+    if isinstance(constraint, Choice):
+        return sum(len(choice) for choice in constraint.choices)
+    if isinstance(constraint, Grammar):
+        return len(constraint.source)
+    return 0  # AnyJsonObject
 
 
 def grammar_of(constraint: Constraint) -> str:

@@ -166,6 +166,16 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str, str | None]] = [
     ("completions", {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      "structured_outputs.whitespace_pattern", "is not supported by this server", None),
     ("completions", {"guided_json": WEATHER}, "guided_json", "use structured_outputs", None),
+    # llguidance raised ValueError on a lone surrogate, which ended the engine
+    ("completions", {"structured_outputs": {"json": '{"type": "string", "description": '
+                                                    '"\\ud800"}'}},
+     "structured_outputs.json", "schema must be valid Unicode, got a lone surrogate "
+     "'\\ud800' at /description", "constraint_rejected"),
+    # the client's backend options would override the server's format
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+        "type": "object", "x-guidance": {"whitespace_pattern": "[ ]*"}}}}},
+     "response_format.json_schema.schema", "schema must not hold x-guidance (the backend's "
+     "options: the server sets them), got it at /x-guidance", "constraint_rejected"),
 ]  # fmt: skip
 
 #: Refused by the backend once the engine compiles them: through the handle, still 400s.
@@ -187,6 +197,16 @@ BACKEND_REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
      "maximum (1)"),
     ("completions", {"structured_outputs": {"grammar": "start: value"}},
      "structured_outputs.grammar", 'structured_outputs.grammar: at 1(8): unknown name: "value"'),
+    # llguidance raised ValueError on a 401-digit bound (a 515-byte body), which ended the
+    # engine: every request after it failed
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "integer", "minimum": int("9" * 401)}}}], "tool_choice": NAMED | {
+        "function": {"name": "f"}}}, "tools[0].function.parameters",
+     "tools[0].function.parameters: number out of range at line 1 column 429"),
+    ("completions", {"structured_outputs": {"json": {"type": "integer",
+                                                     "minimum": int("9" * 401)}}},
+     "structured_outputs.json", "structured_outputs.json: number out of range at line 1 "
+     "column 429"),
 ]  # fmt: skip
 
 

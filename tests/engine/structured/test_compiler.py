@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -45,12 +47,17 @@ class GatedCompile:
         self.calls: list[Constraint] = []
         self.real = compiler._compile
         self._called = threading.Condition()
+        #: Only these wait for the gate (all when ``None``); the others compile at once.
+        self.gated: set[Constraint] | None = None
+        #: How long a gated call waits at most (a bound, not a sleep: the test opens it).
+        self.bound = 60.0
 
     def __call__(self, constraint: Constraint, *args: Any) -> Any:
         with self._called:
             self.calls.append(constraint)
             self._called.notify_all()
-        self.gate.wait(timeout=60)  # a bound, not a sleep: the test opens the gate
+        if self.gated is None or constraint in self.gated:
+            self.gate.wait(timeout=self.bound)
         return self.real(constraint, *args)
 
     async def called(self, times: int) -> None:
@@ -74,6 +81,7 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedCompile]:
 async def test_equal_constraints_compile_once(byte_vocabulary: Vocabulary) -> None:
     compiler_ = GrammarCompiler(byte_vocabulary)
     first = await compiler_.compile(JsonSchema(SCHEMA))
+    first_text = JsonSchema(SCHEMA).schema
     text = '{ "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"] }'
     again = await compiler_.compile(JsonSchema(text))
     assert again is first
@@ -82,7 +90,14 @@ async def test_equal_constraints_compile_once(byte_vocabulary: Vocabulary) -> No
     assert first.vocabulary is byte_vocabulary
     assert first.seconds > 0
     assert compiler_.statistics() == CompilerStatistics(
-        num_hits=1, num_compiled=1, num_rejected=0, num_timed_out=0, num_cached=1
+        num_hits=1,
+        num_compiled=1,
+        num_rejected=0,
+        num_timed_out=0,
+        num_cached=1,
+        cached_bytes=compiler.ENTRY_BYTES + compiler.BYTES_PER_CHARACTER * len(first_text),
+        num_queued=0,
+        num_running=0,
     )
     assert compiler_.compile_now(JsonSchema(SCHEMA)) is first
     # each request gets a matcher of its own
@@ -102,8 +117,16 @@ async def test_refusals_are_cached_and_raised_afresh(byte_vocabulary: Vocabulary
     for error in caught:
         assert str(error) == 'constraint.schema: Unimplemented keys: ["if"]'
         assert (error.field, error.reason) == ("constraint.schema", 'Unimplemented keys: ["if"]')
+    reason = 'Unimplemented keys: ["if"]'
     assert compiler_.statistics() == CompilerStatistics(
-        num_hits=1, num_compiled=0, num_rejected=1, num_timed_out=0, num_cached=1
+        num_hits=1,
+        num_compiled=0,
+        num_rejected=1,
+        num_timed_out=0,
+        num_cached=1,
+        cached_bytes=256 + len(reason),
+        num_queued=0,
+        num_running=0,
     )
 
 
@@ -179,7 +202,14 @@ async def test_the_cache_keeps_the_most_recently_used(byte_vocabulary: Vocabular
     assert await compiler_.compile(a) is first_a
     await compiler_.compile(b)  # compiled again
     assert compiler_.statistics() == CompilerStatistics(
-        num_hits=2, num_compiled=4, num_rejected=0, num_timed_out=0, num_cached=2
+        num_hits=2,
+        num_compiled=4,
+        num_rejected=0,
+        num_timed_out=0,
+        num_cached=2,
+        cached_bytes=2 * (compiler.ENTRY_BYTES + compiler.BYTES_PER_CHARACTER),
+        num_queued=0,
+        num_running=0,
     )
     assert repr(compiler_) == "<GrammarCompiler 257 tokens, 2/2 cached>"
 
@@ -195,8 +225,16 @@ async def test_a_compile_past_its_time_is_refused_and_remembered(
     with pytest.raises(ConstraintRejected, match=f"^{re.escape(message)}$"):
         await compiler_.compile(Regex("a+"))
     assert gated.calls == [Regex("a+")]
+    reason = "did not compile within 0.05 s (too complex)"
     assert compiler_.statistics() == CompilerStatistics(
-        num_hits=1, num_compiled=0, num_rejected=1, num_timed_out=1, num_cached=1
+        num_hits=1,
+        num_compiled=0,
+        num_rejected=1,
+        num_timed_out=1,
+        num_cached=1,
+        cached_bytes=256 + len(reason),
+        num_queued=0,
+        num_running=1,  # given up, but its thread still computes: it holds its slot
     )
 
 
@@ -264,7 +302,8 @@ async def test_a_cancelled_compile_lets_a_waiter_compile_it(
 async def test_at_most_max_concurrent_compiles_run(
     byte_vocabulary: Vocabulary, gated: GatedCompile
 ) -> None:
-    compiler_ = GrammarCompiler(byte_vocabulary, CompilerConfig(max_concurrent=1))
+    # No thread of its own for small constraints: these two are small.
+    compiler_ = GrammarCompiler(byte_vocabulary, CompilerConfig(max_concurrent=1, small_size=0))
     async with anyio.create_task_group() as group:
         group.start_soon(compiler_.compile, Regex("a"))
         group.start_soon(compiler_.compile, Regex("b"))
@@ -274,6 +313,81 @@ async def test_at_most_max_concurrent_compiles_run(
         gated.gate.set()
     assert len(gated.calls) == 2
     assert compiler_.statistics().num_compiled == 2
+
+
+async def test_a_compile_given_up_keeps_its_thread_until_it_ends(
+    byte_vocabulary: Vocabulary, gated: GatedCompile
+) -> None:
+    """A timed-out compile went on in its thread while its slot let another start: the
+    CPU of every abandoned compile at once (19.6 CPU-seconds in a 10 s idle window)."""
+    config = CompilerConfig(timeout=0.05, max_concurrent=1, small_size=0)
+    compiler_ = GrammarCompiler(byte_vocabulary, config)
+    with pytest.raises(ConstraintRejected, match=r"did not compile within 0\.05 s"):
+        await compiler_.compile(Regex("a+"))
+    async with anyio.create_task_group() as group:
+        group.start_soon(compiler_.compile, Regex("b+"))
+        await anyio.wait_all_tasks_blocked()
+        stats = compiler_.statistics()
+        assert (stats.num_running, stats.num_queued) == (1, 1)  # the given-up one runs
+        assert gated.calls == [Regex("a+")]
+        gated.gate.set()  # the abandoned compile ends; then the queued one runs
+    assert gated.calls == [Regex("a+"), Regex("b+")]
+    stats = compiler_.statistics()
+    assert (stats.num_running, stats.num_queued, stats.num_compiled) == (0, 0, 1)
+
+
+async def test_small_constraints_never_wait_behind_large_ones(
+    byte_vocabulary: Vocabulary, gated: GatedCompile
+) -> None:
+    """A small schema waited 9.1 s behind a flood of slow ones in the shared 2-slot queue."""
+    large = [Choice(["x" * 4_096, "y" * 4_096, str(i)]) for i in range(3)]
+    gated.gated = set(large)
+    gated.bound = 10.0  # before the fix the small one waited for this
+    compiler_ = GrammarCompiler(byte_vocabulary, CompilerConfig(max_concurrent=1))
+    async with anyio.create_task_group() as group:
+        for constraint in large:
+            group.start_soon(compiler_.compile, constraint)
+        await gated.called(1)  # one large compile holds the only general thread
+        small = await compiler_.compile(JsonSchema(SCHEMA))  # on the small constraints' thread
+        assert small.matcher().allowed_token_ids() == {ord("{")}
+        assert len(gated.calls) == 2  # one large (trio starts tasks in any order), the small
+        assert gated.calls[0] in large
+        assert gated.calls[1] == JsonSchema(SCHEMA)
+        assert compiler_.statistics().num_queued == 2
+        gated.gate.set()
+    assert compiler_.statistics().num_compiled == 4
+
+
+async def test_the_queue_takes_the_smallest_constraint_first(
+    byte_vocabulary: Vocabulary, gated: GatedCompile
+) -> None:
+    compiler_ = GrammarCompiler(byte_vocabulary, CompilerConfig(max_concurrent=1, small_size=0))
+    first, large, medium, small = Regex("x"), Regex("a{1,30}"), Regex("a{1,3}"), Regex("ab")
+    async with anyio.create_task_group() as group:
+        group.start_soon(compiler_.compile, first)
+        await gated.called(1)
+        for constraint in (large, medium, small):  # queued in this order
+            group.start_soon(compiler_.compile, constraint)
+            await anyio.wait_all_tasks_blocked()
+        gated.gate.set()
+    assert gated.calls == [first, small, medium, large]
+
+
+async def test_a_queued_compile_given_up_is_never_run(
+    byte_vocabulary: Vocabulary, gated: GatedCompile
+) -> None:
+    compiler_ = GrammarCompiler(byte_vocabulary, CompilerConfig(max_concurrent=1, small_size=0))
+    async with anyio.create_task_group() as group:
+        group.start_soon(compiler_.compile, Regex("a"))
+        await gated.called(1)
+        async with anyio.create_task_group() as queued:
+            queued.start_soon(compiler_.compile, Regex("b"))
+            await anyio.wait_all_tasks_blocked()
+            assert compiler_.statistics().num_queued == 1
+            queued.cancel_scope.cancel()
+        assert compiler_.statistics().num_queued == 0
+        gated.gate.set()
+    assert gated.calls == [Regex("a")]
 
 
 async def test_compile_is_a_checkpoint_even_from_the_cache(byte_vocabulary: Vocabulary) -> None:
@@ -325,3 +439,74 @@ def test_compiler_config_gives_llguidance_its_limits() -> None:
         20,
         30,
     )
+
+
+#: A 401-digit bound: llguidance's JSON reader raises ValueError ("number out of range").
+HUGE_MINIMUM = JsonSchema({"type": "integer", "minimum": int("9" * 401)})
+
+
+async def test_a_backend_exception_is_the_constraints_refusal_not_the_callers(
+    byte_vocabulary: Vocabulary,
+) -> None:
+    compiler_ = GrammarCompiler(byte_vocabulary)
+    message = "constraint.schema: number out of range at line 1 column 429"
+    for _ in range(2):  # cached like any refusal
+        with pytest.raises(ConstraintRejected, match=f"^{re.escape(message)}$"):
+            await compiler_.compile(HUGE_MINIMUM)
+    assert compiler_.statistics().num_rejected == 1
+
+
+async def test_any_exception_while_compiling_is_a_refusal(
+    byte_vocabulary: Vocabulary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(constraint: Constraint) -> str:
+        raise RuntimeError("the backend broke\nsecond line")
+
+    monkeypatch.setattr(compiler, "grammar_of", broken)
+    with pytest.raises(
+        ConstraintRejected, match=r"^constraint.choices: RuntimeError: the backend broke$"
+    ):
+        await GrammarCompiler(byte_vocabulary).compile(Choice(["a"]))
+
+
+#: The deepest constraints the limits allow, compiled in a child process (a stack overflow
+#: there is a SIGSEGV that no except catches) by the compiler's own threads.
+DEEPEST = """
+import sys
+from twostroke.engine.runners.toy import ByteTokenizer
+from twostroke.engine.structured import GrammarCompiler, Vocabulary
+from twostroke.states.constraints import Grammar, JsonSchema
+from twostroke.states.errors import ConstraintRejected
+
+def items(inner, depth):
+    for _ in range(depth):
+        inner = {"items": inner}
+    return inner
+
+defs = {str(i): items({"$ref": f"#/$defs/{i + 1}"}, 44) for i in range(255)}
+defs["255"] = {"type": "integer"}
+chain = {str(i): {"anyOf": [{"$ref": f"#/$defs/{i + 1}"}, {"type": "null"}]} for i in range(1022)}
+chain["1022"] = {"type": "integer"}
+rules = "".join(f"r{i}: " + "(" * 25 + f"r{i + 1}" + ")" * 25 + "\\n" for i in range(1022))
+deepest = [
+    JsonSchema({"$defs": defs, "$ref": "#/$defs/0"}),
+    JsonSchema({"$defs": chain, "$ref": "#/$defs/0"}),
+    Grammar(f"start: r0\\n{rules}r1022: \\"a\\""),
+]
+compiler = GrammarCompiler(Vocabulary.from_tokenizer(ByteTokenizer()))
+for constraint in deepest:
+    try:
+        compiler.compile_now(constraint)
+    except ConstraintRejected as refusal:  # a refusal is fine: not a crash
+        print(refusal, file=sys.stderr)
+print("survived")
+"""
+
+
+def test_the_deepest_constraints_the_limits_allow_compile_without_overflowing() -> None:
+    """A chain of 3,500 $refs, or of 4,000 grammar rules, killed the process (SIGSEGV)."""
+    done = subprocess.run(
+        [sys.executable, "-c", DEEPEST], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout == "survived\n"

@@ -209,3 +209,39 @@ async def test_cancelling_a_request_while_its_constraint_compiles_drops_it() -> 
         await engine.wait_idle()
         engine.check_invariants()
         assert engine.statistics().num_waiting == 0
+
+
+async def test_a_constraint_whose_compile_raises_fails_only_its_own_request() -> None:
+    """llguidance raises ValueError on a 401-digit bound; the engine died of it."""
+    huge = JsonSchema({"type": "integer", "minimum": int("9" * 401)})
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
+        block_size=4,
+    ) as engine:  # fmt: skip
+        with pytest.raises(ConstraintRejected, match=r"^constraint.schema: number out of range"):
+            await engine.generate("x", SamplingParams(constraint=huge))
+        engine.check_health()
+        output = await engine.generate("x", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output.token_ids) == 3
+        await engine.wait_idle()
+        engine.check_invariants()
+
+
+async def test_a_request_whose_matcher_cannot_be_made_is_refused_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from twostroke.engine.structured import CompiledConstraint
+
+    def broken(self: CompiledConstraint) -> object:
+        raise MemoryError("no room for a matcher")
+
+    monkeypatch.setattr(CompiledConstraint, "matcher", broken)
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
+        block_size=4,
+    ) as engine:  # fmt: skip
+        message = "constraint.choices: MemoryError: no room for a matcher"
+        with pytest.raises(ConstraintRejected, match=f"^{message}$"):
+            await engine.generate("x", SamplingParams(constraint=Choice(["a", "b"])))
+        output = await engine.generate("x", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output.token_ids) == 3
