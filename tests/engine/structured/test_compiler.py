@@ -214,6 +214,25 @@ async def test_the_cache_keeps_the_most_recently_used(byte_vocabulary: Vocabular
     assert repr(compiler_) == "<GrammarCompiler 257 tokens, 2/2 cached>"
 
 
+async def test_the_cache_is_bounded_by_estimated_bytes(byte_vocabulary: Vocabulary) -> None:
+    """24 distinct 4 MB choices took a server 605 MiB up: 256 entries of any size."""
+    entry = compiler.ENTRY_BYTES + compiler.BYTES_PER_CHARACTER * 1_000
+    compiler_ = GrammarCompiler(byte_vocabulary, CompilerConfig(max_cached_bytes=2 * entry))
+    choices = [Choice([letter * 1_000]) for letter in "abc"]
+    for choice in choices:
+        await compiler_.compile(choice)
+    stats = compiler_.statistics()
+    assert (stats.num_cached, stats.cached_bytes) == (2, 2 * entry)  # "a" went
+    await compiler_.compile(choices[1])
+    assert compiler_.statistics().num_hits == 1
+    await compiler_.compile(choices[0])
+    assert compiler_.statistics().num_compiled == 4  # compiled again
+    # The most recent entry stays, however large.
+    alone = GrammarCompiler(byte_vocabulary, CompilerConfig(max_cached_bytes=1))
+    await alone.compile(choices[0])
+    assert alone.statistics().num_cached == 1
+
+
 async def test_a_compile_past_its_time_is_refused_and_remembered(
     byte_vocabulary: Vocabulary, gated: GatedCompile
 ) -> None:
