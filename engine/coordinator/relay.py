@@ -8,7 +8,10 @@ replica (:meth:`RequestRelay.submit`), its replica's reports are turned into del
 output on the coordinator's handle (a report from a replica that no longer serves the request
 is stale and dropped), and a request ends exactly once (finished, failed, cancelled, or closed
 with the coordinator). When a replica dies its requests that had no token yet are resubmitted
-once to a live replica; the others fail with :class:`~twostroke.engine.errors.ReplicaFailed`.
+once to a live replica, but for constrained ones; the others fail with
+:class:`~twostroke.engine.errors.ReplicaFailed`. A constrained request is never moved: its
+replica compiled its constraint, running the backend on the client's input, and if that is
+what killed the replica it would kill the next one, and every replica in turn.
 When no replica is left the relay records the death and tells the coordinator.
 
 The coordinator keeps the lifecycle (starting and stopping replicas) and the public surface;
@@ -293,7 +296,12 @@ class RequestRelay:
         for request_id in orphans:
             relayed = self.open[request_id]
             state.num_open -= 1
-            retry = not relayed.num_tokens and not relayed.resubmitted and not self.closing
+            retry = (
+                not relayed.num_tokens
+                and not relayed.resubmitted
+                and relayed.params.constraint is None  # it may be what killed the replica
+                and not self.closing
+            )
             if retry and self.router.live_replicas:
                 relayed.resubmitted = True
                 self.num_resubmitted += 1

@@ -19,6 +19,7 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta
+from twostroke.states.constraints import Choice
 from twostroke.states.params import SamplingParams
 from twostroke.states.routing import Router
 
@@ -265,3 +266,23 @@ async def test_cancel_ends_at_once_only_if_the_request_never_left() -> None:
     relay.cancel(dropped.request_id)  # no longer open: nothing happens
     relay.check_invariants()
     assert relay.idle.is_set()
+
+
+async def test_a_constrained_request_is_never_moved_to_another_replica() -> None:
+    """Compiling runs the backend on the client's input: if that killed one replica, it
+    would kill the next (every replica in turn), so the request fails with its replica."""
+    books = Books(2)
+    relay = books.relay
+    params = SamplingParams(max_tokens=8, constraint=Choice(["yes", "no"]))
+    handle = relay.submit("abc", params)
+    plain = relay.submit("abc", PARAMS)
+    replica = books.replica_of(handle)
+    assert books.replica_of(plain) == replica  # prefix affinity
+    relay.replica_failed(replica, RuntimeError("segfault"))
+    relay.check_invariants()
+    assert handle.request_id not in relay.open  # ended, not moved
+    with pytest.raises(ReplicaFailed, match="segfault"):
+        await handle.result()
+    assert books.replica_of(plain) == 1 - replica  # the plain one moved
+    assert relay.num_resubmitted == 1
+    assert books.fakes[1 - replica].added == [plain.request_id]
