@@ -49,8 +49,12 @@ class Constraining:
         self._pin_memory = pin_memory
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = anyio.Lock()
-        #: Constrained requests whose constraint is compiling (not in the scheduler yet).
+        #: Constrained requests whose constraint is compiling (not in the scheduler yet):
+        #: from :meth:`begin` to the end of :meth:`matcher`. They wait for admission as
+        #: much as the scheduler's waiting requests, and count with them.
         self.compiling: set[int] = set()
+        # What each compiling request awaits, so that cancelling it drops its compile.
+        self._compiles: dict[int, anyio.CancelScope] = {}
         # Masks of steps in flight that wait for the steps before them to be applied.
         self._pending: dict[int, StepMasks] = {}
         # Filled masks whose step may still be sampling (the runner's wait is not final).
@@ -61,9 +65,26 @@ class Constraining:
         self.mask_fill_seconds = 0.0
         self._mask_wait_seconds = 0.0
 
-    async def matcher(self, request_id: int, constraint: Constraint) -> Matcher:
-        """Compile ``constraint`` in a worker thread (within the compiler's time limit) and
-        return a matcher at its start; ``request_id`` counts as :attr:`compiling` meanwhile.
+    def begin(self, request_id: int) -> None:
+        """Count ``request_id`` as :attr:`compiling` from now (its submit) until its
+        :meth:`matcher` returns or raises, or it is :meth:`cancel` led."""
+        self.compiling.add(request_id)
+
+    def cancel(self, request_id: int) -> None:
+        """The request was cancelled: it waits no more, and its compile is given up (dropped
+        from the compiler's queue if it has not started)."""
+        self.compiling.discard(request_id)
+        scope = self._compiles.get(request_id)
+        if scope is not None:
+            scope.cancel()
+
+    async def matcher(self, request_id: int, constraint: Constraint) -> Matcher | None:
+        """Compile ``constraint`` on a compile thread (within the compiler's time limit) and
+        return a matcher at its start; ``request_id`` no longer counts as :attr:`compiling`
+        once it returns or raises.
+
+        Returns:
+            The matcher, or ``None`` if the request was :meth:`cancel` led meanwhile.
 
         Raises:
             ConstraintRejected: the backend is missing, cannot read this tokenizer, refuses
@@ -71,18 +92,23 @@ class Constraining:
                 matcher: one request's input never ends the engine) or did not compile it
                 in time.
         """
-        self.compiling.add(request_id)
-        try:
-            compiled = await (await self._get_compiler()).compile(constraint)
-            return compiled.matcher()
-        except ConstraintRejected:
-            raise
-        except Exception as exc:  # the compiler refuses what the backend raises; this is a net
-            raise ConstraintRejected(
-                f"constraint.{constraint.argument}", f"{type(exc).__name__}: {exc}"
-            ) from exc
-        finally:
-            self.compiling.discard(request_id)
+        with anyio.CancelScope() as scope:
+            self._compiles[request_id] = scope
+            if request_id not in self.compiling:  # cancelled before this task ran
+                scope.cancel()
+            try:
+                compiled = await (await self._get_compiler()).compile(constraint)
+                return compiled.matcher()
+            except ConstraintRejected:
+                raise
+            except Exception as exc:  # the compiler refuses what the backend raises: a net
+                raise ConstraintRejected(
+                    f"constraint.{constraint.argument}", f"{type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                self.compiling.discard(request_id)
+                del self._compiles[request_id]
+        return None
 
     async def _get_compiler(self) -> GrammarCompiler:
         """The compiler, made on first use (reading the vocabulary off the loop)."""

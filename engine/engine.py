@@ -318,7 +318,7 @@ class Engine:
                 "constraint",
                 f"this engine's runner ({type(self._runner).__name__}) does not apply constraints",
             )
-        self._scheduler.check_waiting_room()  # cheap: before the tokenizer's work
+        self._check_waiting_room()  # cheap: before the tokenizer's work
         prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = params.max_tokens
         if max_tokens is None:  # as many as the context leaves (the scheduler checks it)
@@ -343,9 +343,30 @@ class Engine:
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         if constraint is not None:
             assert self._task_group is not None
+            self._constraining.begin(request_id)  # waits for admission from now
             self._task_group.start_soon(self._compile_and_queue, request)
         self._wakeup.set()
         return handle
+
+    def _check_waiting_room(self) -> None:
+        """Refuse a new request if ``max_waiting_requests`` wait already, counting those
+        whose constraint still compiles (they are queued once it has).
+
+        Raises:
+            EngineOverloaded: the queue is full; nothing changes.
+        """
+        compiling = len(self._constraining.compiling)
+        limit = self._scheduler.config.max_waiting_requests
+        if not compiling or limit is None:
+            self._scheduler.check_waiting_room()
+            return
+        waiting = self._scheduler.statistics().num_waiting + compiling
+        if waiting >= limit:
+            raise EngineOverloaded(
+                f"the waiting queue is full: {waiting} requests wait for admission ({compiling} "
+                f"of them compiling their constraint) and max_waiting_requests is {limit}; "
+                "retry later"
+            )
 
     async def _compile_and_queue(self, request: Request) -> None:
         """Compile a request's constraint in a worker thread, then queue the request.
@@ -358,6 +379,7 @@ class Engine:
         constraint = request.params.constraint
         assert constraint is not None
         error: Exception | None = None
+        matcher = None
         try:
             matcher = await self._constraining.matcher(request_id, constraint)
         except ConstraintRejected as exc:
@@ -367,6 +389,7 @@ class Engine:
             self._wakeup.set()
             return
         if error is None:
+            assert matcher is not None  # only a cancelled request's compile gives none
             request.matcher = matcher
             try:
                 self._scheduler.add_request(request)
@@ -450,10 +473,16 @@ class Engine:
         await self._idle.wait()
 
     def statistics(self) -> EngineStatistics:
-        """A snapshot of the engine's counters and gauges: its scheduler's, and its own."""
+        """A snapshot of the engine's counters and gauges: its scheduler's, and its own.
+
+        ``num_waiting`` counts the requests whose constraint still compiles: they wait for
+        admission too (the server's and the engine's ``max_waiting_requests`` count them).
+        """
         governor = self._launcher.governor
+        scheduler = attrs.asdict(self._scheduler.statistics(), recurse=False)
+        scheduler["num_waiting"] += len(self._constraining.compiling)
         return EngineStatistics(
-            **attrs.asdict(self._scheduler.statistics(), recurse=False),
+            **scheduler,
             num_open_requests=len(self._open),
             num_failed_steps=self._num_failed_steps,
             bookkeeping_seconds=self._bookkeeping_seconds,
@@ -603,6 +632,7 @@ class Engine:
         cancels, self._cancels = self._cancels, []
         for request_id in cancels:
             self._scheduler.cancel(request_id)
+            self._constraining.cancel(request_id)  # if it still compiles: not any more
             if request_id in self._open:
                 error: BaseException = RequestCancelled(request_id)
                 if self._closing and self._cancel_on_close:

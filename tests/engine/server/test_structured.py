@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any
 
+import anyio
+import httpx
 import jsonschema
 import pytest
 
@@ -258,3 +261,35 @@ async def test_a_constrained_stream_held_for_its_first_output_still_keeps_alive(
     first, *rest = (json.loads(event)["choices"][0] for event in events)
     assert first["delta"] == {"role": "assistant", "content": ""}  # the opening comes first
     assert "".join(choice["delta"].get("content", "") for choice in rest) in {"yes", "no"}
+
+
+async def test_requests_still_compiling_count_against_max_waiting_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--max-waiting-requests 2 refused none of 8 constrained requests compiling at once."""
+    from twostroke.engine.structured import compiler
+
+    gate, real = threading.Event(), compiler._compile
+
+    def gated(*args: Any) -> Any:
+        gate.wait(timeout=60)  # a bound, not a sleep: the test opens it
+        return real(*args)
+
+    monkeypatch.setattr(compiler, "_compile", gated)
+    body = _completion(structured_outputs={"choice": ["yes", "no"]}, max_tokens=4)
+    async with served(serve_options={"max_waiting_requests": 2}) as server:
+        answers: list[httpx.Response] = []
+
+        async def post() -> None:
+            answers.append(await server.http.post("/v1/completions", json=body))
+
+        async with anyio.create_task_group() as group:
+            for _ in range(2):
+                group.start_soon(post)
+            await server.engine.wait_submitted(2)
+            assert server.engine.statistics().num_waiting == 2  # both compiling
+            refused = await server.http.post("/v1/completions", json=body)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "engine_overloaded"
+            gate.set()
+        assert [answer.status_code for answer in answers] == [200, 200]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from collections.abc import Sequence
 
 import anyio
@@ -18,7 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from twostroke.engine import ConstraintRejected, Engine, JsonSchema, RequestFailed, SamplingParams
+from twostroke.engine import (
+    ConstraintRejected,
+    Engine,
+    EngineOverloaded,
+    JsonSchema,
+    RequestCancelled,
+    RequestFailed,
+    SamplingParams,
+)
 from twostroke.engine.runners.toy import EOS_TOKEN_ID, ByteTokenizer, ToyRunner
 from twostroke.gpu.fake import FakeDevice
 from twostroke.states.constraints import Choice, Constraint, Regex
@@ -245,3 +254,73 @@ async def test_a_request_whose_matcher_cannot_be_made_is_refused_alone(
             await engine.generate("x", SamplingParams(constraint=Choice(["a", "b"])))
         output = await engine.generate("x", SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(output.token_ids) == 3
+
+
+async def test_requests_still_compiling_count_as_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With max_waiting_requests=2 and 8 constrained requests compiling, none was refused."""
+    from twostroke.engine.structured import compiler
+
+    gate, real = threading.Event(), compiler._compile
+
+    def gated(*args: object) -> object:
+        gate.wait(timeout=60)  # a bound, not a sleep: the test opens it
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compiler, "_compile", gated)
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
+        block_size=4, max_waiting_requests=2,
+    ) as engine:  # fmt: skip
+        params = SamplingParams(max_tokens=4, constraint=Choice(["yes", "no"]))
+        handles = [engine.submit("x", params), engine.submit("y", params)]
+        assert engine.statistics().num_waiting == 2  # compiling, not queued yet
+        message = (
+            "the waiting queue is full: 2 requests wait for admission (2 of them compiling "
+            "their constraint) and max_waiting_requests is 2; retry later"
+        )
+        for refused in (params, SamplingParams(max_tokens=4)):
+            with pytest.raises(EngineOverloaded, match=f"^{re.escape(message)}$"):
+                engine.submit("z", refused)
+        gate.set()
+        for handle in handles:
+            assert (await handle.result()).text in {"yes", "no"}
+        assert engine.statistics().num_waiting == 0
+
+
+async def test_cancelling_a_request_drops_its_queued_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from twostroke.engine.structured import compiler
+
+    gate, real, calls = threading.Event(), compiler._compile, []
+
+    def gated(constraint: Constraint, *args: object) -> object:
+        calls.append(constraint)
+        gate.wait(timeout=60)  # a bound, not a sleep: the test opens it
+        return real(constraint, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compiler, "_compile", gated)
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
+        block_size=4,
+    ) as engine:  # fmt: skip
+        # Two threads for any constraint and one for small ones: three compiles hold them.
+        running = [
+            engine.submit("x", SamplingParams(max_tokens=4, constraint=Choice([word])))
+            for word in ("a", "b", "c")
+        ]
+        queued = engine.submit("x", SamplingParams(max_tokens=4, constraint=Choice(["d"])))
+        compiler_ = engine._constraining._compiler
+        while compiler_ is None or compiler_.statistics().num_queued < 1:
+            await anyio.wait_all_tasks_blocked()
+            compiler_ = engine._constraining._compiler
+        queued.cancel()
+        with pytest.raises(RequestCancelled):
+            await queued.result()
+        await anyio.wait_all_tasks_blocked()
+        assert compiler_.statistics().num_queued == 0
+        assert engine.statistics().num_waiting == 3  # the three still compiling
+        gate.set()
+        for handle in running:
+            await handle.result()
+    assert Choice(["d"]) not in calls
