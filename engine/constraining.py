@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
+from twostroke.engine.errors import ConstraintFailed, RequestFailed
 from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.states.constraints import Constraint, Matcher
 from twostroke.states.errors import ConstraintRejected
 from twostroke.states.plan import StepPlan
+from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -145,12 +147,31 @@ class Constraining:
         self._pending[plan.step_id] = masks
         return masks
 
-    def fill_oldest(self, scheduler: Scheduler, fail: Callable[[int, str], None]) -> None:
+    @staticmethod
+    def failure_of(request: Request) -> ConstraintFailed | None:
+        """Why a constrained request's backend gave up on its output, as the request's error
+        (``None`` if it did not: the request failed for another reason).
+
+        The matcher (a :class:`~twostroke.engine.structured.GuidanceMatcher`) knows: the
+        limit it hit, named with its value, or a dead end.
+        """
+        matcher, constraint = request.matcher, request.params.constraint
+        reason = getattr(matcher, "failure", None)
+        if matcher is None or constraint is None or not isinstance(reason, str):
+            return None
+        return ConstraintFailed(
+            request.request_id,
+            f"constraint.{constraint.argument}",
+            f"the backend gave up at output token {matcher.num_tokens + 1}: {reason}",
+        )
+
+    def fill_oldest(self, scheduler: Scheduler, fail: Callable[[int, RequestFailed], None]) -> None:
         """Fill and publish the masks of the oldest step in flight, if it waits for them.
 
         Call it once every step before that one is applied: each matcher has then advanced
         by every token its request sampled before the step. A matcher that fails to compute
-        its mask fails its request (``fail(request_id, message)``).
+        its mask fails its request (``fail(request_id, error)``, a :class:`ConstraintFailed`
+        where the backend gave up).
         """
         inflight = scheduler.inflight_plans
         if not inflight:
@@ -166,7 +187,10 @@ class Constraining:
             try:
                 request.matcher.fill_bitmask(masks.bitmask[row].numpy().data)
             except Exception as exc:  # the backend gave up (MatcherError): this request fails
-                fail(request_id, f"the constraint failed: {exc}")
+                error = self.failure_of(request)
+                fail(
+                    request_id, error or RequestFailed(request_id, f"the constraint failed: {exc}")
+                )
             else:
                 self.num_masked_rows += 1
         masks.fill_seconds = time.perf_counter() - began

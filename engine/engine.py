@@ -613,6 +613,7 @@ class Engine:
         else:
             self._num_failed_steps += 1
             report = self._scheduler.apply(StepFailure(launched.step_id, repr(cause)))
+        self._end_constraint_failures(report.failed)
         self._open.deliver(report, output, cause)
         self._bookkeeping_seconds += time.perf_counter() - began
 
@@ -623,10 +624,21 @@ class Engine:
         applied: while its layers run (at depth 2), before it samples."""
         self._constraining.fill_oldest(self._scheduler, self._fail_constrained)
 
-    def _fail_constrained(self, request_id: int, message: str) -> None:
+    def _fail_constrained(self, request_id: int, error: RequestFailed) -> None:
         """A constrained request whose matcher gave up fails alone."""
-        self._scheduler.fail(request_id, message)
-        self._open.end(request_id, RequestFailed(request_id, message))
+        self._scheduler.fail(request_id, str(error))
+        self._open.end(request_id, error)
+
+    def _end_constraint_failures(self, failed: Sequence[int]) -> None:
+        """End the requests of a step whose constraint's backend gave up (the scheduler
+        failed them as it advanced their matchers) with :class:`ConstraintFailed`, naming
+        the limit, rather than a step's ``RequestFailed``."""
+        for request_id in failed:
+            tracked = self._open.get(request_id)
+            if tracked is not None and tracked.request.matcher is not None:
+                error = self._constraining.failure_of(tracked.request)
+                if error is not None:
+                    self._open.end(request_id, error)
 
     def _apply_cancels(self) -> None:
         cancels, self._cancels = self._cancels, []

@@ -26,6 +26,7 @@ __all__ = [
     "CompletionAlreadySet",
     "CompletionError",
     "CompletionNotDone",
+    "ConstraintFailed",
     "ConstraintRejected",
     "DeviceUnavailable",
     "EngineClosed",
@@ -66,6 +67,25 @@ class RequestFailed(EngineError):
     def __init__(self, request_id: int, message: str) -> None:
         self.request_id = request_id
         super().__init__(f"request {request_id} failed: {message}")
+
+
+class ConstraintFailed(RequestFailed):
+    """A constrained request's backend gave up partway through its output: a limit of the
+    backend the constraint breaks only there (a row of the parse past
+    ``max_items_in_row``), or a dead end (no token of the vocabulary continues it).
+
+    The constraint's own doing, not a step's: the server answers it as a 400
+    (``constraint_failed``) naming the body's field. Other requests are unaffected.
+
+    Attributes:
+        field: The part of the request at fault (``"constraint.schema"``, ...).
+        reason: Which rule it broke, with the limit's value where the backend gives it.
+    """
+
+    def __init__(self, request_id: int, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(request_id, f"{field}: {reason}")
 
 
 class RequestCancelled(EngineError):

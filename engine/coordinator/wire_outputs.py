@@ -24,6 +24,7 @@ from twostroke.engine.coordinator.frames import (
     WireLogprobs,
 )
 from twostroke.engine.errors import (
+    ConstraintFailed,
     EngineClosed,
     EngineDead,
     EngineError,
@@ -205,6 +206,9 @@ def request_error(replica: int, request_id: int, kind: str, message: str) -> Bas
         return RequestCancelled(request_id)
     if kind == "RequestFailed":
         return RequestFailed(request_id, f"in replica {replica}: {message}")
+    if kind == "ConstraintFailed":  # its message is "field: reason", as the replica's
+        field, _, reason = message.partition(": ")
+        return ConstraintFailed(request_id, field, reason)
     if kind == "ConstraintRejected":  # its message is "field: reason"
         field, _, reason = message.partition(": ")
         return ConstraintRejected(field, reason)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from twostroke.engine.errors import (
+    ConstraintFailed,
     EngineClosed,
     EngineDead,
     EngineError,
@@ -82,11 +83,12 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 def api_error_from(exc: BaseException, *, max_tokens_field: str = "max_tokens") -> ApiError:
     """The response for an exception raised while serving a request.
 
-    Engine errors get their documented status (400 for a rejected request, 503 for a dead,
-    closed or overloaded engine or a failed replica); anything else is a 500 that names only the
-    exception's type. A request too long for the context is worded as OpenAI words it, from
-    the numbers the engine's :class:`RequestRejected` carries, naming ``max_tokens_field``
-    (the body's field that set the most tokens to generate).
+    Engine errors get their documented status (400 for a rejected request or a constraint
+    that failed partway, 503 for a dead, closed or overloaded engine or a failed replica);
+    anything else is a 500 that names only the exception's type. A request too long for the
+    context is worded as OpenAI words it, from the numbers the engine's
+    :class:`RequestRejected` carries, naming ``max_tokens_field`` (the body's field that set
+    the most tokens to generate).
     """
     if isinstance(exc, ApiError):
         return exc
@@ -126,6 +128,8 @@ def api_error_from(exc: BaseException, *, max_tokens_field: str = "max_tokens") 
             type="server_error",
             code="replica_failed",
         )
+    if isinstance(exc, ConstraintFailed):  # the constraint's doing, not a step's
+        return invalid_request(str(exc).partition(" failed: ")[2], code="constraint_failed")
     if isinstance(exc, RequestFailed):
         return ApiError(500, "a step of this request failed", type="server_error")
     return ApiError(500, f"internal server error ({type(exc).__name__})", type="server_error")

@@ -24,6 +24,7 @@ import anyio
 import attrs
 
 from twostroke.engine.errors import (
+    ConstraintFailed,
     ConstraintRejected,
     EngineError,
     RequestCancelled,
@@ -35,7 +36,7 @@ from twostroke.engine.prompts import Prompt
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender
-from twostroke.engine.server.structured import ToolCalls, constraint_error
+from twostroke.engine.server.structured import ToolCalls, constraint_error, constraint_failure
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
@@ -135,10 +136,13 @@ class Generation:
         The engine's refusals are 400s: a prompt too long for the context in OpenAI's words
         (naming the field that set ``max_tokens``), any other ``TypeError`` or ``ValueError``
         naming the prompt's field (a malformed prompt, a token id outside the vocabulary).
-        A refused constraint names the field that set it.
+        A refused constraint names the field that set it, and so does one whose backend gave
+        up partway through the output (:class:`ConstraintFailed`, a 400 too).
         """
         if isinstance(exc, ConstraintRejected):
             return constraint_error(self._constraint_field, exc)
+        if isinstance(exc, ConstraintFailed):
+            return constraint_failure(self._constraint_field, exc)
         if isinstance(exc, RequestRejected):
             return api_error_from(exc, max_tokens_field=self._max_tokens_field)
         if isinstance(exc, TypeError | ValueError):
@@ -189,14 +193,15 @@ class Generation:
         """Wait for every choice's output.
 
         Raises:
-            ApiError: a remote replica refused a choice (:meth:`error`).
+            ApiError: a remote replica refused a choice, or its constraint failed partway
+                (:meth:`error`).
             RequestFailed, EngineDead, EngineClosed: a choice failed.
         """
         outputs = []
         for choice in self.choices:
             try:
                 output = await choice.handle.result()
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, ConstraintFailed) as exc:
                 raise self.error(exc) from None
             choice.num_tokens = len(output.token_ids)
             outputs.append(output)

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from twostroke.engine.errors import ConstraintFailed
 from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.engine.server.protocol import (
     ChatCompletionRequest,
@@ -47,6 +48,7 @@ __all__ = [
     "OutputConstraint",
     "ToolCalls",
     "constraint_error",
+    "constraint_failure",
     "output_constraint",
 ]
 
@@ -115,6 +117,13 @@ def constraint_error(param: str | None, exc: BaseException) -> ApiError:
     reason = exc.reason if isinstance(exc, ConstraintRejected) else str(exc)
     name = param or "constraint"
     return invalid_request(f"{name}: {reason}", param=name, code=_CODE)
+
+
+def constraint_failure(param: str | None, exc: ConstraintFailed) -> ApiError:
+    """The 400 for a constraint whose backend gave up partway through the output (a limit
+    it breaks only there, named with its value, or a dead end)."""
+    name = param or "constraint"
+    return invalid_request(f"{name}: {exc.reason}", param=name, code="constraint_failed")
 
 
 def _make(param: str, make: Any, *args: Any) -> Constraint:

@@ -13,6 +13,7 @@ converted to Lark.
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -104,18 +105,34 @@ def grammar_of(constraint: Constraint) -> str:
         raise ConstraintRejected(field_of(constraint), reason_of(str(exc))) from None
 
 
+#: The backend's words for the limits of its parser, and the names they have in
+#: :class:`~twostroke.engine.structured.compiler.CompilerConfig`.
+_ROW_LIMIT = re.compile(r"Current row has (\d+) items; max is (\d+)")
+_STEP_ITEMS = re.compile(r"Too many items \(limit (\d+)")
+
+
 def reason_of(message: str) -> str:
     """The backend's refusal as one line: why, without its dump of the generated grammar.
 
     A regex syntax error becomes ``"invalid regex: unclosed group"`` (its position in the
-    grammar llguidance generated would mean nothing to the caller), a dead end says so;
-    anything else keeps its first line, cut at :data:`MAX_REASON_LENGTH` characters.
+    grammar llguidance generated would mean nothing to the caller), a dead end says so, a
+    parser limit names the rule and its value as ``CompilerConfig`` does
+    (``max_items_in_row``, ``step_max_items``); anything else keeps its first line, cut at
+    :data:`MAX_REASON_LENGTH` characters.
     """
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     if not lines:
         return "the backend refused it without a reason"
     if lines[0].startswith("NoExtension"):
         return "no token of the vocabulary can continue the output (a dead end)"
+    row = _ROW_LIMIT.search(lines[0])
+    if row is not None:
+        return f"a row of the parse reached {row[1]} Earley items, past max_items_in_row ({row[2]})"
+    items = _STEP_ITEMS.search(lines[0])
+    if items is not None:
+        return (
+            f"one step of the parse added too many Earley items, past step_max_items ({items[1]})"
+        )
     if any("regex parse error" in line for line in lines[:2]):
         cause = next((line for line in lines if line.startswith("error: ")), None)
         if cause is not None:

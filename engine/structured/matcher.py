@@ -92,6 +92,16 @@ class GuidanceMatcher:
     def terminated(self) -> bool:
         return bool(self._matcher.is_stopped())
 
+    @property
+    def failure(self) -> str | None:
+        """Why the backend gave up on the output, if it did: the limit it hit (named as in
+        ``CompilerConfig``, with its value), or a dead end; ``None`` while it goes on."""
+        if self._matcher.is_error() and not self._dead_end():
+            return reason_of(self._matcher.get_error())
+        if self.terminated and not self.accepting:
+            return reason_of(_DEAD_END)
+        return None
+
     def _dead_end(self) -> bool:
         return bool(self._matcher.is_error()) and self._matcher.get_error().startswith(_DEAD_END)
 

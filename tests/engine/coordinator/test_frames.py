@@ -59,6 +59,7 @@ from twostroke.engine.coordinator.wire_outputs import (
     wire_logprobs,
 )
 from twostroke.engine.errors import (
+    ConstraintFailed,
     EngineDead,
     EngineError,
     EngineOverloaded,
@@ -434,3 +435,14 @@ def test_a_refused_constraint_crosses_the_wire_with_its_field_and_reason() -> No
         )
         assert isinstance(raised, ConstraintRejected)
         assert (raised.field, raised.reason) == (refused.field, refused.reason)
+
+
+def test_a_constraint_failed_partway_crosses_the_wire_with_its_field_and_reason() -> None:
+    failed = ConstraintFailed(3, "constraint.schema", "past max_items_in_row (2000): a: b")
+    frame = _through_the_wire(failed_frame(7, failed))
+    assert frame == Failed(
+        7, "ConstraintFailed", "constraint.schema: past max_items_in_row (2000): a: b"
+    )
+    raised = request_error(1, 7, frame.kind, frame.message)
+    assert isinstance(raised, ConstraintFailed)
+    assert (raised.request_id, raised.field, raised.reason) == (7, failed.field, failed.reason)

@@ -293,3 +293,24 @@ async def test_requests_still_compiling_count_against_max_waiting_requests(
             assert refused.json()["error"]["code"] == "engine_overloaded"
             gate.set()
         assert [answer.status_code for answer in answers] == [200, 200]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_constraint_that_breaks_a_backend_limit_mid_output_is_a_400_naming_it(
+    stream: bool,
+) -> None:
+    """It was a 500 "a step of this request failed", with no reason."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    body = _completion(structured_outputs={"json": wide}, max_tokens=8, stream=stream)
+    async with served() as server:
+        reply = await server.http.post("/v1/completions", json=body)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"] == {
+            "message": "structured_outputs.json: the backend gave up at output token 1: a row "
+            "of the parse reached 2407 Earley items, past max_items_in_row (2000)",
+            "type": "invalid_request_error",
+            "param": "structured_outputs.json",
+            "code": "constraint_failed",
+        }
+        reply = await server.http.post("/v1/completions", json=_completion(max_tokens=2))
+        assert reply.status_code == 200  # and serves on

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twostroke.engine import (
+    ConstraintFailed,
     ConstraintRejected,
     Engine,
     EngineOverloaded,
@@ -309,11 +310,13 @@ async def test_cancelling_a_request_drops_its_queued_compile(
             engine.submit("x", SamplingParams(max_tokens=4, constraint=Choice([word])))
             for word in ("a", "b", "c")
         ]
+        while len(calls) < 3:  # (trio starts the tasks in any order: these three first)
+            await anyio.wait_all_tasks_blocked()
         queued = engine.submit("x", SamplingParams(max_tokens=4, constraint=Choice(["d"])))
         compiler_ = engine._constraining._compiler
-        while compiler_ is None or compiler_.statistics().num_queued < 1:
+        assert compiler_ is not None
+        while compiler_.statistics().num_queued < 1:
             await anyio.wait_all_tasks_blocked()
-            compiler_ = engine._constraining._compiler
         queued.cancel()
         with pytest.raises(RequestCancelled):
             await queued.result()
@@ -324,3 +327,30 @@ async def test_cancelling_a_request_drops_its_queued_compile(
         for handle in running:
             await handle.result()
     assert Choice(["d"]) not in calls
+
+
+#: 600 optional properties: the first mask is fine, the row after "{" has 2,407 Earley items.
+WIDE = JsonSchema(
+    {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+)
+WIDE_REASON = (
+    "the backend gave up at output token 1: a row of the parse reached 2407 Earley items, "
+    "past max_items_in_row (2000)"
+)
+
+
+async def test_a_constraint_that_breaks_a_backend_limit_mid_output_fails_naming_the_rule() -> None:
+    """It failed with a bare RequestFailed, which the server answered with a 500."""
+    async with Engine.open(
+        runner=ToyRunner(), tokenizer=ByteTokenizer(), device=FakeDevice(), num_blocks=16,
+        block_size=4,
+    ) as engine:  # fmt: skip
+        with pytest.raises(ConstraintFailed) as failed:
+            await engine.generate("x", SamplingParams(max_tokens=8, constraint=WIDE))
+        assert isinstance(failed.value, RequestFailed)
+        assert (failed.value.field, failed.value.reason) == ("constraint.schema", WIDE_REASON)
+        assert str(failed.value) == f"request 0 failed: constraint.schema: {WIDE_REASON}"
+        output = await engine.generate("x", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output.token_ids) == 3
+        await engine.wait_idle()
+        engine.check_invariants()
