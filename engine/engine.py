@@ -563,7 +563,7 @@ class Engine:
                             break
                         masks = self._constraining.masks_for(plan)
                         if masks is not None:  # filled now if no step is before it
-                            self._fill_oldest_masks()
+                            await self._fill_oldest_masks()
                         # room for pipeline_depth plans
                         self._plans_send.send_nowait(_Plan(plan, continues, masks))
                     self._bookkeeping_seconds += time.perf_counter() - began
@@ -576,7 +576,7 @@ class Engine:
                         self._wakeup = anyio.Event()
                         continue
                     await self._complete()
-                    self._fill_oldest_masks()
+                    await self._fill_oldest_masks()
                     applied = True
         except Exception as exc:
             self._die(exc)
@@ -619,10 +619,11 @@ class Engine:
 
     # --- constraints --------------------------------------------------------------------
 
-    def _fill_oldest_masks(self) -> None:
+    async def _fill_oldest_masks(self) -> None:
         """Fill the masks of the oldest step in flight, now that every step before it is
-        applied: while its layers run (at depth 2), before it samples."""
-        self._constraining.fill_oldest(self._scheduler, self._fail_constrained)
+        applied: while its layers run (at depth 2), before it samples. In a worker thread:
+        the loop serves other tasks meanwhile."""
+        await self._constraining.fill_oldest(self._scheduler, self._fail_constrained)
 
     def _fail_constrained(self, request_id: int, error: RequestFailed) -> None:
         """A constrained request whose matcher gave up fails alone."""

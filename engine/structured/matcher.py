@@ -196,6 +196,8 @@ def fill_bitmasks(
     matchers: Sequence[tuple[GuidanceMatcher, int]],
     rows: memoryview,
     executor: llguidance.LLExecutor,
+    *,
+    failures: list[tuple[int, Exception]] | None = None,
 ) -> None:
     """Fill many matchers' rows of one bitmask at once, in parallel, the GIL released.
 
@@ -204,11 +206,14 @@ def fill_bitmasks(
         rows: The whole bitmask, writable and contiguous: ``num_rows`` rows of
             ``4 * bitmask_words(vocab_size)`` bytes (a 2-D int32 array, or its bytes).
         executor: llguidance's thread pool (``llguidance.LLExecutor(num_threads)``).
+        failures: Where each matcher the backend gave up on goes, as its row and its error,
+            rather than raising the first (the others' rows are filled all the same).
 
     Raises:
         ValueError: an index outside the rows, matchers of different vocabulary sizes, or a
             bitmask of the wrong size or layout.
-        MatcherError: the backend gave up on one of the matchers (the first one's reason).
+        MatcherError: the backend gave up on one of the matchers (the first one's reason),
+            unless ``failures`` takes it.
     """
     if not matchers:
         return
@@ -227,5 +232,11 @@ def fill_bitmasks(
     )
     data = rows if rows.format == "B" and rows.ndim == 1 else rows.cast("B")
     for matcher, index in matchers:
-        matcher._check()
+        try:
+            matcher._check()
+        except MatcherError as exc:
+            if failures is None:
+                raise
+            failures.append((index, exc))
+            continue
         matcher._clear_eos(data[index * row_bytes : (index + 1) * row_bytes])

@@ -348,6 +348,11 @@ def test_fill_bitmasks_checks_its_arguments(
     failing.advance(ord("a"))
     with pytest.raises(MatcherError, match=r"^lexer error"):
         fill_bitmasks([(failing, 0)], bitmask_rows(bitmask), executor)
+    # With failures to take them, the others' rows are filled and nothing is raised.
+    failures: list[tuple[int, Exception]] = []
+    fill_bitmasks([(failing, 1), (matcher, 0)], bitmask_rows(bitmask), executor, failures=failures)
+    assert [(row, type(error)) for row, error in failures] == [(1, MatcherError)]
+    assert read_bitmask(bitmask_row(bitmask, 0)) == {ord("a")}
 
 
 def test_choices_with_quotes_backslashes_and_newlines(byte_compiler: GrammarCompiler) -> None:
