@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from twostroke.engine.coordinator.wire_constraints import WireConstraint
+from twostroke.engine.coordinator.wire_constraints import WireConstraint, WireConstraintRef
 from twostroke.engine.errors import EngineError
 from twostroke.engine.prompts import prompt_kind
 from twostroke.states.validators import is_int
@@ -39,11 +39,13 @@ __all__ = [
     "Add",
     "Call",
     "Cancel",
+    "DefineConstraint",
     "DeltaItem",
     "Deltas",
     "Failed",
     "Finished",
     "FinishedPart",
+    "ForgetConstraint",
     "FrameDecoder",
     "FrameError",
     "FrameReader",
@@ -125,7 +127,22 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     request_id: WireId
     prompt: WirePrompt
     params: dict[str, Any]
-    constraint: WireConstraint | None = None
+    constraint: WireConstraint | WireConstraintRef | None = None
+
+
+class DefineConstraint(msgspec.Struct, tag="define", array_like=True):
+    """A constraint that ``Add`` frames name by ``constraint_id`` from now on
+    (:class:`~twostroke.engine.coordinator.wire_constraints.WireConstraintRef`): sent once,
+    however many requests carry it, until a :class:`ForgetConstraint`."""
+
+    constraint_id: WireId
+    constraint: WireConstraint
+
+
+class ForgetConstraint(msgspec.Struct, tag="forget", array_like=True):
+    """The last request that named a defined constraint has ended: the replica drops it."""
+
+    constraint_id: WireId
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -146,7 +163,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     cancel: bool
 
 
-ToReplica: TypeAlias = Start | Add | Cancel | Call | Shutdown
+ToReplica: TypeAlias = Start | Add | DefineConstraint | ForgetConstraint | Cancel | Call | Shutdown
 
 
 # --- replica → coordinator -------------------------------------------------------------

@@ -25,10 +25,12 @@ from twostroke.engine.coordinator.frames import (
     Add,
     Call,
     Cancel,
+    DefineConstraint,
     Deltas,
     Failed,
     Finished,
     FinishedPart,
+    ForgetConstraint,
     FrameError,
     FrameReader,
     FrameTooLarge,
@@ -44,7 +46,11 @@ from twostroke.engine.coordinator.frames import (
     encode_frame,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
-from twostroke.engine.coordinator.wire_constraints import wire_params
+from twostroke.engine.coordinator.wire_constraints import (
+    WireConstraintRef,
+    wire_constraint,
+    wire_params,
+)
 from twostroke.engine.coordinator.wire_outputs import (
     Ending,
     call_error,
@@ -56,6 +62,7 @@ from twostroke.engine.coordinator.wire_outputs import (
 from twostroke.engine.errors import ReplicaFailed, RequestRejected
 from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics
+from twostroke.states.constraints import Constraint
 from twostroke.states.params import SamplingParams
 
 __all__ = ["BaseReplica", "Relay", "RemoteReplica", "Replica"]
@@ -172,6 +179,11 @@ class RemoteReplica(BaseReplica):
     longer than ``max_frame_bytes``: a request or call whose frame would be is refused
     before it is sent, and a finished output that would be arrives in parts.
 
+    A constraint goes once, in a ``DefineConstraint`` frame, and every request of this
+    replica that carries it names it by id, until the last of them has ended (then a
+    ``ForgetConstraint``): the choices of one request share one copy on the wire and in the
+    replica, not one each.
+
     Args:
         index: The replica's index.
         relay: Where it reports (the coordinator's relay).
@@ -207,23 +219,64 @@ class RemoteReplica(BaseReplica):
         self._gone: BaseException | None = None
         #: Seconds this process spent decoding the replica's frames and relaying them.
         self.relay_seconds = 0.0
+        #: The constraints the replica holds: each one's id and how many open requests
+        #: name it; and the constraint of each open request that has one.
+        self._constraints: dict[Constraint, list[int]] = {}
+        self._constraint_of: dict[int, Constraint] = {}
+        self._constraint_ids = itertools.count()
 
     def add(
         self, request_id: int, prompt: WirePrompt, params: SamplingParams
     ) -> tuple[int, ...] | None:
-        frame = Add(request_id, prompt, *wire_params(params))
+        fields, _ = wire_params(params)
+        constraint = params.constraint
+        reference = None if constraint is None else self._hold(request_id, constraint)
         try:
-            data = encode_frame(frame, limit=self._limit)
+            data = encode_frame(Add(request_id, prompt, fields, reference), limit=self._limit)
         except FrameTooLarge as exc:
+            self._release(request_id)
             raise RequestRejected(f"the request is too large to send to a replica: {exc}") from None
         self._outbox.append((request_id, data))
         self._unsent.add(request_id)
         self._wake.set()
         return None
 
+    def _hold(self, request_id: int, constraint: Constraint) -> WireConstraintRef:
+        """The reference ``request_id``'s frame carries; the constraint is defined first if
+        the replica does not hold it yet."""
+        entry = self._constraints.get(constraint)
+        if entry is None:
+            constraint_id = next(self._constraint_ids)
+            frame = DefineConstraint(constraint_id, wire_constraint(constraint))
+            try:
+                data = encode_frame(frame, limit=self._limit)
+            except FrameTooLarge as exc:
+                raise RequestRejected(
+                    f"the constraint is too large to send to a replica: {exc}"
+                ) from None
+            self._send(data)
+            entry = self._constraints[constraint] = [constraint_id, 0]
+        entry[1] += 1
+        self._constraint_of[request_id] = constraint
+        return WireConstraintRef(entry[0])
+
+    def _release(self, request_id: int) -> None:
+        """``request_id`` has ended: its constraint is forgotten once no open request names
+        it."""
+        constraint = self._constraint_of.pop(request_id, None)
+        if constraint is None:
+            return
+        entry = self._constraints[constraint]
+        entry[1] -= 1
+        if not entry[1]:
+            del self._constraints[constraint]
+            if not self._closing:
+                self._send(encode_frame(ForgetConstraint(entry[0])))
+
     def cancel(self, request_id: int) -> bool:
         if request_id in self._unsent:
             self._unsent.discard(request_id)
+            self._release(request_id)
             return True
         self._send(encode_frame(Cancel(request_id)))
         return False
@@ -372,9 +425,11 @@ class RemoteReplica(BaseReplica):
         elif isinstance(frame, FinishedPart):
             self._parts.setdefault(frame.request_id, []).append(frame)
         elif isinstance(frame, Finished):
+            self._release(frame.request_id)
             ending = ending_from_finished(frame, self._parts.pop(frame.request_id, ()))
             relay.finished(index, frame.request_id, ending)
         elif isinstance(frame, Failed | Rejected):
+            self._release(frame.request_id)
             self._parts.pop(frame.request_id, None)
             if isinstance(frame, Rejected):
                 error = rejection_error(index, frame)

@@ -46,11 +46,13 @@ from twostroke.engine.coordinator.frames import (
     Add,
     Call,
     Cancel,
+    DefineConstraint,
     DeltaItem,
     Deltas,
     Failed,
     Finished,
     FinishedPart,
+    ForgetConstraint,
     FrameError,
     FrameReader,
     FrameTooLarge,
@@ -66,7 +68,7 @@ from twostroke.engine.coordinator.frames import (
     encoded_size,
     split_output,
 )
-from twostroke.engine.coordinator.wire_constraints import params_from_wire
+from twostroke.engine.coordinator.wire_constraints import constraint_from_wire, params_from_wire
 from twostroke.engine.coordinator.wire_outputs import (
     delta_item,
     failed_frame,
@@ -77,6 +79,7 @@ from twostroke.engine.engine import Engine
 from twostroke.engine.errors import EngineError, RequestCancelled
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
+from twostroke.states.constraints import Constraint
 
 __all__ = ["FdReceiveStream", "FdSendStream", "main", "serve"]
 
@@ -196,6 +199,8 @@ class _Server:
         self._stopping = False
         self._broken = False
         self._stats_scope = anyio.CancelScope()
+        #: The constraints the coordinator defined, by id (or why each was refused).
+        self._constraints: dict[int, Constraint | Exception] = {}
 
     async def run(self, frames: FrameReader, stats_interval: float) -> None:
         error: FrameError | None = None
@@ -207,6 +212,10 @@ class _Server:
                 async for frame in frames:
                     if isinstance(frame, Add):
                         self._add(frame)
+                    elif isinstance(frame, DefineConstraint):
+                        self._define(frame)
+                    elif isinstance(frame, ForgetConstraint):
+                        self._constraints.pop(frame.constraint_id, None)
                     elif isinstance(frame, Cancel):
                         self._cancel(frame.request_id)
                     elif isinstance(frame, Call):
@@ -238,7 +247,7 @@ class _Server:
             self._push_end(failed_frame(request_id, RequestCancelled(request_id)))
             return
         try:
-            params = params_from_wire(frame)
+            params = params_from_wire(frame, self._constraints)
             # The engine checks the prompt's shape (its types are the engine's Prompt).
             handle = self._engine.submit(cast(Any, frame.prompt), params)
         except (EngineError, TypeError, ValueError) as exc:
@@ -248,6 +257,14 @@ class _Server:
         self._handles[request_id] = handle
         handle.relay_to(partial(self._on_delta, request_id), partial(self._on_end, request_id))
         self._push(Accepted(request_id, list(handle.prompt_token_ids)))
+
+    def _define(self, frame: DefineConstraint) -> None:
+        """Make a constraint that requests will name; one the constraint's checks refuse is
+        each such request's refusal."""
+        try:
+            self._constraints[frame.constraint_id] = constraint_from_wire(frame.constraint)
+        except (TypeError, ValueError) as exc:
+            self._constraints[frame.constraint_id] = exc
 
     def _cancel(self, request_id: int) -> None:
         handle = self._handles.get(request_id)

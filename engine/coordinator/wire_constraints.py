@@ -7,6 +7,12 @@ constraint, and the constraint apart as one of the tagged structs below (a
 field dict cannot tell apart. :func:`wire_params` splits the parameters on the coordinator's
 side; :func:`params_from_wire` joins them again in the replica.
 
+A remote replica's client sends each constraint once, in a
+:class:`~twostroke.engine.coordinator.frames.DefineConstraint` frame, and every request that
+carries it names it (:class:`WireConstraintRef`) until the last of them has ended
+(:class:`~twostroke.engine.coordinator.frames.ForgetConstraint`): a 2 MB choice with ``n=128``
+was 128 copies in 128 frames, 541 MiB in all.
+
 Each struct bounds its fields by the constraint's own limits (``MAX_SCHEMA_LENGTH`` and the
 rest, from :mod:`twostroke.states.constraints`), so a longer one is a malformed frame that
 decoding refuses (:class:`~twostroke.engine.coordinator.frames.FrameError`). The replica makes
@@ -16,6 +22,7 @@ are the request's refusal there, as ``submit``'s.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import attrs
@@ -43,10 +50,13 @@ __all__ = [
     "WireAnyJsonObject",
     "WireChoice",
     "WireConstraint",
+    "WireConstraintRef",
     "WireGrammar",
     "WireJsonSchema",
     "WireRegex",
+    "constraint_from_wire",
     "params_from_wire",
+    "wire_constraint",
     "wire_params",
 ]
 
@@ -82,10 +92,47 @@ class WireGrammar(msgspec.Struct, tag="grammar", array_like=True):
     source: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_LENGTH)]
 
 
+class WireConstraintRef(msgspec.Struct, tag="ref", array_like=True):
+    """A constraint a :class:`~twostroke.engine.coordinator.frames.DefineConstraint` frame
+    sent before, by its id."""
+
+    constraint_id: Annotated[int, msgspec.Meta(ge=0)]
+
+
 #: A :data:`~twostroke.states.constraints.Constraint` on the wire.
 WireConstraint: TypeAlias = (
     WireJsonSchema | WireAnyJsonObject | WireRegex | WireChoice | WireGrammar
 )
+
+
+def wire_constraint(constraint: Constraint) -> WireConstraint:
+    """A constraint as it travels (inverse: :func:`constraint_from_wire`)."""
+    if isinstance(constraint, JsonSchema):
+        return WireJsonSchema(constraint.schema)
+    if isinstance(constraint, AnyJsonObject):
+        return WireAnyJsonObject()
+    if isinstance(constraint, Regex):
+        return WireRegex(constraint.pattern)
+    if isinstance(constraint, Choice):
+        return WireChoice(list(constraint.choices))
+    return WireGrammar(constraint.source)
+
+
+def constraint_from_wire(wire: WireConstraint) -> Constraint:
+    """The constraint a frame carries (inverse: :func:`wire_constraint`).
+
+    Raises:
+        TypeError, ValueError: the constraint's own checks refuse it.
+    """
+    if isinstance(wire, WireJsonSchema):
+        return JsonSchema(wire.schema)
+    if isinstance(wire, WireAnyJsonObject):
+        return AnyJsonObject()
+    if isinstance(wire, WireRegex):
+        return Regex(wire.pattern)
+    if isinstance(wire, WireChoice):
+        return Choice(wire.choices)
+    return Grammar(wire.source)
 
 
 def wire_params(params: SamplingParams) -> tuple[dict[str, Any], WireConstraint | None]:
@@ -93,45 +140,39 @@ def wire_params(params: SamplingParams) -> tuple[dict[str, Any], WireConstraint 
     constraint as a tagged value (inverse: :func:`params_from_wire`)."""
     fields = attrs.asdict(params, filter=lambda field, _: field.name != "constraint")
     constraint = params.constraint
-    wire: WireConstraint | None
-    if constraint is None:
-        wire = None
-    elif isinstance(constraint, JsonSchema):
-        wire = WireJsonSchema(constraint.schema)
-    elif isinstance(constraint, AnyJsonObject):
-        wire = WireAnyJsonObject()
-    elif isinstance(constraint, Regex):
-        wire = WireRegex(constraint.pattern)
-    elif isinstance(constraint, Choice):
-        wire = WireChoice(list(constraint.choices))
-    else:
-        wire = WireGrammar(constraint.source)
-    return fields, wire
+    return fields, None if constraint is None else wire_constraint(constraint)
 
 
-def params_from_wire(frame: Add) -> SamplingParams:
+def params_from_wire(
+    frame: Add, defined: Mapping[int, Constraint | Exception] | None = None
+) -> SamplingParams:
     """The parameters an :class:`~twostroke.engine.coordinator.frames.Add` frame carries
     (inverse: :func:`wire_params`).
+
+    Args:
+        frame: The frame.
+        defined: The constraints ``DefineConstraint`` frames sent, by id (or why each was
+            refused), for a constraint the frame names by reference.
 
     Raises:
         TypeError, ValueError: a field the parameters or the constraint refuse (a schema
             that is not a JSON object, a ``constraint`` other than ``None`` among the named
-            fields): the request's refusal, as ``submit``'s.
+            fields, a reference to a constraint never defined or refused): the request's
+            refusal, as ``submit``'s.
     """
     wire = frame.constraint
     constraint: Constraint | None
     if wire is None:
         constraint = None
-    elif isinstance(wire, WireJsonSchema):
-        constraint = JsonSchema(wire.schema)
-    elif isinstance(wire, WireAnyJsonObject):
-        constraint = AnyJsonObject()
-    elif isinstance(wire, WireRegex):
-        constraint = Regex(wire.pattern)
-    elif isinstance(wire, WireChoice):
-        constraint = Choice(wire.choices)
+    elif isinstance(wire, WireConstraintRef):
+        found = (defined or {}).get(wire.constraint_id)
+        if found is None:
+            raise ValueError(f"constraint {wire.constraint_id} was never defined (or forgotten)")
+        if isinstance(found, Exception):  # refused when defined: each request's refusal
+            raise type(found)(*found.args)
+        constraint = found
     else:
-        constraint = Grammar(wire.source)
+        constraint = constraint_from_wire(wire)
     fields = dict(frame.params)
     # An older coordinator names it, always None (it refused constraints): taken as absent.
     if fields.pop("constraint", None) is not None:

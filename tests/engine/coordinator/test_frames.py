@@ -16,11 +16,13 @@ from twostroke.engine.coordinator.frames import (
     MAX_FRAME_BYTES,
     Accepted,
     Add,
+    DefineConstraint,
     DeltaItem,
     Deltas,
     Failed,
     Finished,
     FinishedPart,
+    ForgetConstraint,
     FrameDecoder,
     FrameError,
     FromReplica,
@@ -38,9 +40,11 @@ from twostroke.engine.coordinator.frames import (
 from twostroke.engine.coordinator.statistics import engine_statistics
 from twostroke.engine.coordinator.wire_constraints import (
     WireChoice,
+    WireConstraintRef,
     WireGrammar,
     WireJsonSchema,
     WireRegex,
+    constraint_from_wire,
     params_from_wire,
     wire_params,
 )
@@ -117,6 +121,26 @@ def test_a_coordinator_frame_round_trips() -> None:
     frame = Add(9, [{"role": "user", "content": "hi"}], {"max_tokens": 4, "stop": ["x"]})
     decoder: FrameDecoder[Any] = FrameDecoder(ToReplica, "the coordinator")
     assert decoder.feed(encode_frame(frame)) == [frame]
+
+
+def test_a_constraint_defined_once_is_named_by_reference() -> None:
+    frames = [
+        DefineConstraint(4, WireChoice(["yes", "no"])),
+        Add(9, "hi", {"max_tokens": 4}, WireConstraintRef(4)),
+        ForgetConstraint(4),
+    ]
+    decoder: FrameDecoder[Any] = FrameDecoder(ToReplica, "the coordinator")
+    received = decoder.feed(b"".join(encode_frame(frame) for frame in frames))
+    assert received == frames
+    defined = {4: constraint_from_wire(received[0].constraint)}
+    assert params_from_wire(received[1], defined) == SamplingParams(
+        max_tokens=4, constraint=Choice(["yes", "no"])
+    )
+    with pytest.raises(ValueError, match=r"^constraint 4 was never defined \(or forgotten\)$"):
+        params_from_wire(received[1])
+    for bad in (DefineConstraint(-1, WireRegex("a")), ForgetConstraint(-1)):
+        with pytest.raises(FrameError, match=r"Expected `int` >= 0"):
+            decoder.feed(encode_frame(bad))
 
 
 @pytest.mark.parametrize(

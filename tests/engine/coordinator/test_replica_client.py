@@ -20,13 +20,14 @@ import pytest
 
 from twostroke.engine import Coordinator, RequestRejected, SamplingParams
 from twostroke.engine.coordinator import process
-from twostroke.engine.coordinator.frames import Start, encoded_size
+from twostroke.engine.coordinator.frames import MAX_FRAME_BYTES, Start, encoded_size
 from twostroke.engine.coordinator.relay import ReplicaState, RequestRelay
 from twostroke.engine.coordinator.replica_client import RemoteReplica
 from twostroke.engine.coordinator.replica_server import FdReceiveStream, FdSendStream, serve
 from twostroke.engine.coordinator.wire_outputs import wire_logprobs
 from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics
+from twostroke.states.constraints import Choice
 from twostroke.states.routing import Router
 
 from ..conftest import toy_engine
@@ -161,9 +162,24 @@ async def test_statistics_of_a_newer_replica_ignore_the_fields_this_version_lack
 LIMIT = 512
 
 
+class CountingSendStream(FdSendStream):
+    """The coordinator's end of the pipe to the replica, counting the bytes it sends."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
+        self.num_bytes = 0
+
+    async def send(self, item: bytes) -> None:
+        self.num_bytes += len(item)
+        await super().send(item)
+
+
 @asynccontextmanager
-async def wired(limit: int) -> AsyncIterator[tuple[RemoteReplica, RequestRelay]]:
-    """A toy replica served in this process, and the coordinator's side of its pipes."""
+async def wired(
+    limit: int, sent: list[CountingSendStream] | None = None
+) -> AsyncIterator[tuple[RemoteReplica, RequestRelay]]:
+    """A toy replica served in this process, and the coordinator's side of its pipes (the
+    stream it sends on appended to ``sent``)."""
     to_replica, from_replica = os.pipe(), os.pipe()
     states: list[ReplicaState] = []
     relay = RequestRelay(Router(1), states, on_death=lambda: None)
@@ -180,7 +196,10 @@ async def wired(limit: int) -> AsyncIterator[tuple[RemoteReplica, RequestRelay]]
 
     async def coordinator_side() -> None:
         receive = FdReceiveStream(from_replica[0])
-        assert await replica.serve(receive, FdSendStream(to_replica[1])) is None
+        send = CountingSendStream(to_replica[1])
+        if sent is not None:
+            sent.append(send)
+        assert await replica.serve(receive, send) is None
 
     try:
         async with anyio.create_task_group() as task_group:
@@ -239,4 +258,26 @@ async def test_a_request_or_call_too_large_for_a_frame_is_refused_before_it_is_s
         assert await replica.call("tokenize", "ab") == [97, 98]
         output = await relay.submit("hello", SamplingParams(max_tokens=3)).result()
         assert len(output.token_ids) == 3
+        assert relay.replicas[0].failure is None
+
+
+async def test_a_constraint_goes_to_a_replica_once_whatever_the_requests_naming_it() -> None:
+    """A 2 MB choice with n=128 was 128 copies, one per choice's frame (541 MiB)."""
+    choice = Choice([f"{i:03}" + "x" * 4_000 for i in range(30)])  # 120 KB
+    sent: list[CountingSendStream] = []
+    async with wired(MAX_FRAME_BYTES, sent) as (_, relay):
+        (stream,) = sent
+        sampling = SamplingParams(max_tokens=2, constraint=choice)
+        before = stream.num_bytes
+        handles = [relay.submit(f"p{i}", sampling) for i in range(16)]
+        for handle in handles:
+            text = (await handle.result()).text  # two tokens of one of the choices
+            assert any(string.startswith(text) for string in choice.choices), text
+        once = stream.num_bytes - before
+        assert 120_000 < once < 2 * 120_000  # one copy and 16 small frames
+        # All ended: the replica forgot it; the next request defines it again.
+        before = stream.num_bytes
+        text = (await relay.submit("again", sampling).result()).text
+        assert any(string.startswith(text) for string in choice.choices), text
+        assert stream.num_bytes - before > 120_000
         assert relay.replicas[0].failure is None

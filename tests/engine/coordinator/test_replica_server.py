@@ -18,11 +18,13 @@ from twostroke.engine.coordinator.frames import (
     Add,
     Call,
     Cancel,
+    DefineConstraint,
     DeltaItem,
     Deltas,
     Failed,
     Finished,
     FinishedPart,
+    ForgetConstraint,
     FrameDecoder,
     FrameError,
     FrameReader,
@@ -44,7 +46,12 @@ from twostroke.engine.coordinator.replica_server import (
     finished_frames,
     serve,
 )
-from twostroke.engine.coordinator.wire_constraints import WireJsonSchema, wire_params
+from twostroke.engine.coordinator.wire_constraints import (
+    WireConstraintRef,
+    WireJsonSchema,
+    WireRegex,
+    wire_params,
+)
 from twostroke.states.constraints import Regex
 from twostroke.states.params import SamplingParams
 
@@ -296,3 +303,33 @@ def test_a_finished_output_over_the_frame_limit_comes_in_parts() -> None:
     assert (last.finish_reason, last.prompt_tokens, last.cached_prompt_tokens) == ("length", 7, 2)
     with pytest.raises(FrameTooLarge, match=r"^a one-token output frame of \d+ bytes is more"):
         finished_frames(finished, 20)
+
+
+async def test_requests_name_a_constraint_defined_once_until_it_is_forgotten() -> None:
+    fields = params(max_tokens=4)
+    async with replica() as (peer, errors):
+        await peer.send(TOY)
+        await peer.until(Ready)
+        await peer.send(
+            DefineConstraint(0, WireRegex("[0-9]{3}")),
+            DefineConstraint(1, WireJsonSchema("[1]")),  # refused: each request naming it is
+            Add(1, "hi", fields, WireConstraintRef(0)),
+            Add(2, "ho", fields, WireConstraintRef(0)),
+            Add(3, "hi", fields, WireConstraintRef(1)),
+            Add(4, "hi", fields, WireConstraintRef(7)),
+        )
+        ends: dict[int, Any] = {}
+        async for frame in peer.frames:
+            if isinstance(frame, Finished | Failed | Rejected):
+                ends[frame.request_id] = frame
+                if len(ends) == 4:
+                    break
+        assert re.fullmatch("[0-9]{3}", ends[1].text)
+        assert re.fullmatch("[0-9]{3}", ends[2].text)
+        assert ends[3] == Rejected(3, "TypeError", "schema must be a JSON object, got list [1]")
+        assert ends[4] == Rejected(4, "ValueError", "constraint 7 was never defined (or forgotten)")
+        await peer.send(ForgetConstraint(0), Add(5, "hi", fields, WireConstraintRef(0)))
+        (*_, rejected) = await peer.until(Rejected, 5)
+        assert rejected.message == "constraint 0 was never defined (or forgotten)"
+        await peer.send(Shutdown(cancel=False))
+    assert errors == []
