@@ -150,8 +150,8 @@ class CompilePool:
         """
         await anyio.lowlevel.checkpoint()
         job: _Job[T] = _Job(size, function, anyio.lowlevel.current_token())
-        self._submit(job)
         try:
+            self._submit(job)  # (a thread that cannot start: the job is withdrawn below)
             await job.started.wait()
             with anyio.move_on_after(seconds):
                 await job.finished.wait()
