@@ -439,6 +439,10 @@ CONFIG_ERRORS = [
     ({"max_grammar_size": 1.5}, TypeError, "max_grammar_size must be an int, got float 1.5"),
     ({"lexer_fuel": 0}, ValueError, "lexer_fuel must be >= 1, got 0"),
     ({"step_lexer_fuel": -1}, ValueError, "step_lexer_fuel must be >= 1, got -1"),
+    ({"max_cached_bytes": 0}, ValueError, "max_cached_bytes must be >= 1, got 0"),
+    ({"small_size": -1}, ValueError, "small_size must be >= 0, got -1"),
+    ({"max_items_in_row": 0}, ValueError, "max_items_in_row must be >= 1, got 0"),
+    ({"step_max_items": 0}, ValueError, "step_max_items must be >= 1, got 0"),
 ]
 
 
@@ -451,12 +455,32 @@ def test_compiler_config_is_validated(
 
 
 def test_compiler_config_gives_llguidance_its_limits() -> None:
-    limits = CompilerConfig(max_grammar_size=10, lexer_fuel=20, step_lexer_fuel=30).limits()
+    config = CompilerConfig(
+        max_grammar_size=10,
+        lexer_fuel=20,
+        step_lexer_fuel=30,
+        max_items_in_row=40,
+        step_max_items=50,
+    )
+    limits = config.limits()
     assert isinstance(limits, llguidance.LLParserLimits)
-    assert (limits.max_grammar_size, limits.initial_lexer_fuel, limits.step_lexer_fuel) == (
-        10,
-        20,
-        30,
+    assert (
+        limits.max_grammar_size,
+        limits.initial_lexer_fuel,
+        limits.step_lexer_fuel,
+        limits.max_items_in_row,
+        limits.step_max_items,
+    ) == (10, 20, 30, 40, 50)
+    defaults = CompilerConfig()
+    assert (defaults.max_cached, defaults.max_cached_bytes, defaults.max_concurrent) == (
+        256,
+        256 << 20,
+        2,
+    )
+    assert (defaults.small_size, defaults.max_items_in_row, defaults.step_max_items) == (
+        8_192,
+        2_000,
+        50_000,
     )
 
 
