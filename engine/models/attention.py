@@ -152,7 +152,9 @@ def paged_attention(
                 attn_mask=group.mask,
                 scale=scale,
             )
-            out[rows] = attended.view(decodes, num_heads, head_dim)
+            # reshape, not view: CUDA's fused kernels lay their output out as
+            # [decodes, group, kv_heads, dim], so the heads do not merge without a copy.
+            out[rows] = attended.reshape(decodes, num_heads, head_dim)
     for chunk in metadata.prefills:
         rows = slice(chunk.offset, chunk.offset + chunk.num_tokens)
         if chunk.gather is None:

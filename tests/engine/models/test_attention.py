@@ -386,6 +386,24 @@ def test_sdpa_never_takes_a_mask_with_grouped_query_heads(
     assert (HEADS, KV_HEADS, False, True) in calls  # the first chunk: is_causal, GQA
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_output_in_any_memory_layout_is_taken(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA's fused SDPA kernels return ``[batch, heads, queries, dim]`` laid out as
+    ``[batch, queries, heads, dim]`` in memory; the CPU's math kernel returns it contiguous.
+    Every SDPA result here comes back in CUDA's layout, and the step still matches dense
+    attention (a ``view`` of the decodes' output failed on an H200 for every request)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_layout(*args: torch.Tensor, **options: object) -> torch.Tensor:
+        out = sdpa(*args, **options)  # type: ignore[arg-type]
+        return out.transpose(-2, -3).contiguous().transpose(-2, -3)  # the same values
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", transposed_layout)
+    test_mixed_step_matches_dense_attention(dtype, "sdpa", 0, None, monkeypatch)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     data=st.data(),
