@@ -214,6 +214,11 @@ def test_where_the_library_does_not_build_the_layers_run_one_by_one_with_one_war
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=True)  # models["llama"]
+    sequences = random_sequences([4, 7], seed=8)
+    # First, while a compiler is there: this builds the attention kernel the model without a
+    # stack also calls (it relied on an earlier test of this module having built it, and
+    # failed where pytest-xdist ran it first in its worker).
+    expected = models["llama"].forward_logits(sequences, chunk_size=3, kernel="native")
     native_stack._library.cache_clear()
     monkeypatch.setenv("CC", "/nonexistent/cc")
     try:
@@ -231,9 +236,7 @@ def test_where_the_library_does_not_build_the_layers_run_one_by_one_with_one_war
     said = [r for r in caplog.records if r.name == native_stack.__name__]
     assert len(said) == 1  # once per process
     assert "called one by one" in said[0].getMessage()
-    sequences = random_sequences([4, 7], seed=8)
     got = first.forward_logits(sequences, chunk_size=3, kernel="native")
-    expected = models["llama"].forward_logits(sequences, chunk_size=3, kernel="native")
     for mine, reference in zip(got, expected, strict=True):
         assert torch.equal(mine, reference)  # the same model, the same bits, the slow way
 
