@@ -66,7 +66,8 @@ def _tokenize_checked(prompt: object, tokenizer: Tokenizer) -> tuple[int, ...]:
     elif kind == "messages":
         token_ids = tokenizer.apply_chat_template(cast(Sequence[Mapping[str, str]], prompt))
     else:
-        given = tuple(cast(Sequence[int], prompt))
+        # Plain ints: an int subclass (an IntEnum, say) passes the rule but is not one.
+        given = tuple(map(int, cast(Sequence[int], prompt)))
         vocab = tokenizer.vocab_size
         if min(given) < 0 or max(given) >= vocab:  # one pass each, in C; then find which
             index, token_id = next((i, t) for i, t in enumerate(given) if not 0 <= t < vocab)

@@ -91,6 +91,7 @@ ITEMS = st.one_of(
 @example(prompt=[0, 256], as_tuple=False)  # the vocabulary's edges, in
 @example(prompt=[257], as_tuple=False)  # and just past them
 @example(prompt=[-1], as_tuple=True)
+@example(prompt=[Token.A], as_tuple=False)  # an int subclass comes back a plain int
 def test_given_ids_follow_the_rule_whichever_path_checks_them(
     prompt: list[Any], as_tuple: bool
 ) -> None:
