@@ -43,6 +43,13 @@ def fresh_personality() -> Iterator[None]:
     isa._personality.cache_clear()
 
 
+@pytest.fixture
+def avx512_machine(fresh_personality: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process runs on an x86 CPU with AVX-512 (F, BW, CD, DQ, VL) and nothing above."""
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(AVX512_FLAGS.split()))
+    monkeypatch.setattr(isa, "_is_x86", lambda: True)
+
+
 def test_the_ladder_is_ordered_and_each_rung_holds_the_one_below() -> None:
     assert [rung.name for rung in RUNGS] == [
         "portable",
@@ -88,12 +95,8 @@ def test_the_machine_rung_is_the_highest_whose_flags_it_has(
     assert machine_rung(frozenset(flags.split()), x86=x86).name == expected
 
 
-@pytest.mark.usefixtures("fresh_personality")
-def test_a_personality_lowers_the_instruction_set_and_never_raises_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(AVX512_FLAGS.split()))
-    monkeypatch.setattr(isa, "_is_x86", lambda: True)
+@pytest.mark.usefixtures("avx512_machine")
+def test_a_personality_lowers_the_instruction_set_and_never_raises_it() -> None:
     native_one = cpu_personality({})
     assert (native_one.name, native_one.rung.name, native_one.capped) == ("native", "avx512", False)
     assert native_one.compile_flags == ("-march=native",)
@@ -132,12 +135,8 @@ def test_off_x86_only_aten_is_capped_and_the_compiler_keeps_its_default() -> Non
     assert native_one.compile_flags == ("-march=native",)
 
 
-@pytest.mark.usefixtures("fresh_personality")
-def test_apply_writes_the_caps_a_capped_personality_asks_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(AVX512_FLAGS.split()))
-    monkeypatch.setattr(isa, "_is_x86", lambda: True)
+@pytest.mark.usefixtures("avx512_machine")
+def test_apply_writes_the_caps_a_capped_personality_asks_for() -> None:
     environ = {ISA_ENV: "portable", "ATEN_CPU_CAPABILITY": "avx512"}  # the personality wins
     written = apply(environ)
     assert written == {
