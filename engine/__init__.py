@@ -1,5 +1,7 @@
 """twostroke's engine: the two strokes, the public async API, models, server and CLI."""
 
+from twostroke.engine.artifacts.cache import InvalidCacheLimit
+from twostroke.engine.checkpoints.loader import ModelLoadError
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorConfig, CoordinatorStatistics
 from twostroke.engine.coordinator.auth import HandshakeFailed
@@ -29,13 +31,11 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.llm import LLM
-from twostroke.engine.models.artifacts import InvalidCacheLimit
 from twostroke.engine.models.llama import WeightError
-from twostroke.engine.models.loader import ModelLoadError
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
-from twostroke.engine.runners.masks import MasksAbandoned
 from twostroke.engine.runners.torch import RunnerError
 from twostroke.engine.statistics import EngineStatistics
+from twostroke.engine.structured.masks import MasksAbandoned
 from twostroke.engine.text.detokenizer import DetokenizerError
 from twostroke.engine.text.tokenizer import ChatTemplateError, TokenizerLoadError
 from twostroke.states.constraints import AnyJsonObject, Choice, Grammar, JsonSchema, Regex

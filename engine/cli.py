@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _replica_arguments(serve)
 
-    from twostroke.engine.models.cache_command import add_cache_arguments
+    from twostroke.engine.artifacts.command import add_cache_arguments
 
     cache = commands.add_parser(
         "cache", help="the artifact cache (converted models, compiled kernels): list, prune, clear"
@@ -512,7 +512,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _isa(args: argparse.Namespace) -> int:
     """``twostroke isa``: the personality and each decision it reaches (see
-    :mod:`twostroke.engine.models.cpu_report`)."""
+    :mod:`twostroke.engine.kernels.report`)."""
     from twostroke.gpu.isa import cpu_personality, rungs_to_test
 
     try:
@@ -524,7 +524,7 @@ def _isa(args: argparse.Namespace) -> int:
         for name in rungs_to_test(personality.machine):
             print(name)
         return 0
-    from twostroke.engine.models.cpu_report import cpu_report
+    from twostroke.engine.kernels.report import cpu_report
 
     with _progress_on_stderr():
         report = cpu_report()
@@ -540,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     atexit.register(_freeze_at_exit)
     args = build_parser().parse_args(argv)
     if args.command == "cache":
-        from twostroke.engine.models.cache_command import cache_command
+        from twostroke.engine.artifacts.command import cache_command
 
         return cache_command(args)
     if args.command == "bench":
@@ -575,7 +575,13 @@ def _freeze_at_exit() -> None:
 
 
 #: The loggers that say, at INFO, what loading converts or packs (seconds, on a first start).
-_PROGRESS_LOGGERS = ("twostroke.engine.models", "twostroke.engine.text")
+_PROGRESS_LOGGERS = (
+    "twostroke.engine.artifacts",
+    "twostroke.engine.checkpoints",
+    "twostroke.engine.kernels",
+    "twostroke.engine.models",
+    "twostroke.engine.text",
+)
 
 
 @contextlib.contextmanager

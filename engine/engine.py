@@ -36,8 +36,6 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.constraining import Constraining
-from twostroke.engine.delivery import Deliveries, Tracked
 from twostroke.engine.errors import (
     EngineClosed,
     EngineDead,
@@ -46,24 +44,25 @@ from twostroke.engine.errors import (
     RequestRejected,
 )
 from twostroke.engine.handle import RequestHandle, create_request_handle
-from twostroke.engine.launcher import Launcher
 from twostroke.engine.outputs import RequestOutput
-from twostroke.engine.pool_size import size_pool
-from twostroke.engine.prompts import Prompt
-from twostroke.engine.runners.masks import StepMasks
+from twostroke.engine.runners.pool_size import size_pool
 from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.submit_checks import check_params
+from twostroke.engine.strokes.delivery import Deliveries, Tracked
+from twostroke.engine.strokes.launcher import Launcher
+from twostroke.engine.structured.constraining import Constraining
+from twostroke.engine.structured.masks import StepMasks
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
-from twostroke.engine.text.prompts import tokenize_prompt
+from twostroke.engine.text.prompt_ids import tokenize_prompt
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.completion import Completion
 from twostroke.gpu.cores import ThreadGovernor
 from twostroke.gpu.device import Device
 from twostroke.gpu.selection import resolve_device
 from twostroke.states.errors import ConstraintRejected, EngineOverloaded
-from twostroke.states.params import SamplingParams
+from twostroke.states.params import SamplingParams, check_params
 from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, TokenLogprobs
+from twostroke.states.prompts import Prompt
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int

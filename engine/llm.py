@@ -19,11 +19,11 @@ import anyio.from_thread
 from twostroke.engine.errors import EngineClosed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
-from twostroke.engine.prompts import Prompt
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.surface import EngineSurface, open_surface
 from twostroke.states.errors import EngineError
 from twostroke.states.params import SamplingParams
+from twostroke.states.prompts import Prompt
 
 __all__ = ["LLM"]
 

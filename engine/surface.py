@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
-from twostroke.engine.prompts import Prompt
 from twostroke.states.params import SamplingParams
+from twostroke.states.prompts import Prompt
 
 if TYPE_CHECKING:
     from twostroke.engine.statistics import EngineStatistics

@@ -37,7 +37,7 @@ import anyio
 import torch
 
 from twostroke.engine import Engine, SamplingParams
-from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.text.tokenizer import HFTokenizer, Tokenizer

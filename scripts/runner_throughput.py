@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from twostroke.engine.models.loader import load_model
+from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams

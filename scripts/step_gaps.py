@@ -24,7 +24,7 @@ import torch
 from twostroke.engine import Engine
 from twostroke.engine.bench.streaming import stream_workload
 from twostroke.engine.bench.workload import offline_workload
-from twostroke.engine.models.loader import load_model
+from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.runners.loading import DTYPES, resolve_dtype
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer

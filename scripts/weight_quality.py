@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from twostroke.engine import LLM, SamplingParams
-from twostroke.engine.models.loader import load_model
+from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.device import CpuDevice
 from twostroke.gpu.dtype import default_dtype

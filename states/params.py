@@ -21,6 +21,7 @@ __all__ = [
     "MAX_STOP_STRING_LENGTH",
     "MAX_STOP_TOKEN_IDS",
     "SamplingParams",
+    "check_params",
 ]
 
 #: The most alternatives a request may ask log-probabilities for (vLLM's default cap).
@@ -156,3 +157,23 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+#: What a submit without parameters gets: one frozen value, shared (not made per submit).
+_DEFAULT_PARAMS = SamplingParams()
+
+
+def check_params(params: SamplingParams | None) -> SamplingParams:
+    """The parameters a submit gets: ``SamplingParams()`` for ``None``, checked otherwise.
+
+    Every surface's ``submit`` (the engine's and the coordinator's) asks this first, before
+    anything is queued.
+
+    Raises:
+        TypeError: ``params`` is not a :class:`SamplingParams`.
+    """
+    if params is None:
+        return _DEFAULT_PARAMS
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    return params

@@ -98,7 +98,7 @@ def gguf_weights(path: Path) -> GGUFWeights:
     """
     from gguf import GGML_QUANT_SIZES, LlamaFileType
 
-    from twostroke.engine.models.gguf_file import read_gguf
+    from twostroke.engine.checkpoints.gguf import read_gguf
 
     contents = read_gguf(path)
     counts: dict[str, int] = {}

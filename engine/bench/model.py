@@ -87,7 +87,7 @@ class ModelSpec:
         Raises:
             ModelLoadError: the name's package is not installed, or the path does not exist.
         """
-        from twostroke.engine.models.loader import resolve_model
+        from twostroke.engine.checkpoints.loader import resolve_model
 
         return cls(
             name=model,

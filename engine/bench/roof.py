@@ -443,7 +443,7 @@ def prepare_roof(
         ModelLoadError: the model's configuration cannot be read (before anything is
             measured).
     """
-    from twostroke.engine.models.loader import read_config
+    from twostroke.engine.checkpoints.loader import read_config
     from twostroke.engine.runners.loading import default_torch_threads
 
     cost = ModelCost.of(read_config(model.source), dtype=model.dtype)

@@ -461,7 +461,7 @@ def _measure_roof(
     model: ModelSpec, device: str, measure: Callable[..., MachineRoof], console: Console
 ) -> tuple[MachineRoof, ModelCost] | None:
     """The machine's rates and the model's costs, or ``None`` (and why) when there is no roof."""
-    from twostroke.engine.models.loader import ModelLoadError
+    from twostroke.engine.checkpoints.loader import ModelLoadError
 
     if device != "cpu":
         import torch

@@ -17,8 +17,8 @@ runner:
   operator they reach);
 * **GIL-free fraction**: the step under :mod:`torch.profiler`, where the time inside the
   outermost ops of the calling thread (the GIL is released for all of it), plus the time
-  inside the compiled kernels (:mod:`~twostroke.engine.models.native`'s, which ``ctypes``
-  calls with the GIL released; timed by :func:`~twostroke.engine.models.native.timed`), is
+  inside the compiled kernels (:mod:`~twostroke.engine.kernels.build`'s, which ``ctypes``
+  calls with the GIL released; timed by :func:`~twostroke.engine.kernels.build.timed`), is
   divided by the step's wall time. What is left is Python and the bindings' own work, with
   the GIL held. The profiler adds a microsecond or two per op, partly outside the ops, so
   the fraction is a slight underestimate;
@@ -44,8 +44,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twostroke.engine.models import native
-from twostroke.engine.models.loader import LoadedModel
+from twostroke.engine.checkpoints.loader import LoadedModel
+from twostroke.engine.kernels import build
 from twostroke.engine.runners.loading import DEFAULT_MODEL, DTYPES, resolve_dtype
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.gpu.completion import Launched
@@ -287,7 +287,7 @@ def profile_decode_step(step: DecodeStep, *, repeats: int = 5) -> StepProfile:
     with ops:
         step.execute()
     step.advance()
-    with native.timed() as compiled:
+    with build.timed() as compiled:
         profiled, inside = _kernel_seconds(step.execute)
     step.advance()
     samples = []
@@ -336,7 +336,7 @@ def profile_command(args: argparse.Namespace) -> int:
     Returns:
         The exit status.
     """
-    from twostroke.engine.models.loader import load_model
+    from twostroke.engine.checkpoints.loader import load_model
     from twostroke.gpu.device import CpuDevice
 
     check_int_at_least("threads", args.threads, 1)

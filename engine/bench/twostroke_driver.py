@@ -24,16 +24,16 @@ import anyio
 import attrs
 import torch
 
+from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.streaming import stream_workload
 from twostroke.engine.bench.workload import Workload, without_json_schemas
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.engine import Engine
-from twostroke.engine.models.attention_kernels import AttentionKernel
-from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.runners.loading import DTYPES, default_torch_threads
-from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.runners.torch import TorchModelRunner
+from twostroke.engine.structured.masks import StepMasks
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.completion import Launched
 from twostroke.gpu.device import Device

@@ -43,11 +43,10 @@ from twostroke.engine.coordinator.statistics import CoordinatorStatistics, Repli
 from twostroke.engine.errors import EngineClosed, EngineDead, ReplicaFailed
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import RequestOutput
-from twostroke.engine.prompts import Prompt
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.submit_checks import check_params
 from twostroke.gpu.cores import usable_cores
-from twostroke.states.params import SamplingParams
+from twostroke.states.params import SamplingParams, check_params
+from twostroke.states.prompts import Prompt
 from twostroke.states.routing import Router
 from twostroke.states.statistics import total
 

@@ -30,7 +30,7 @@ import msgspec
 
 from twostroke.engine.coordinator.wire_constraints import WireConstraint, WireConstraintRef
 from twostroke.engine.errors import EngineError
-from twostroke.engine.prompts import prompt_kind
+from twostroke.states.prompts import prompt_kind
 from twostroke.states.validators import is_int
 
 __all__ = [
@@ -467,7 +467,7 @@ class FrameReader:
 def wire_prompt(prompt: object) -> WirePrompt:
     """``prompt`` as it travels: checked for shape only (the replica tokenizes it).
 
-    The check is the engine's own (:func:`~twostroke.engine.prompts.prompt_kind`), so a bad
+    The check is the engine's own (:func:`~twostroke.states.prompts.prompt_kind`), so a bad
     prompt raises the same error through the coordinator as through a bare engine.
 
     Raises:

@@ -5,7 +5,7 @@ holding reduced-precision weights.
 Once loaded, its weight may be replaced for speed, never back: packed into oneDNN's blocked
 layout (:meth:`Linear.pack`, where :func:`can_pack` says it works), laid out in panels for
 the compiled bfloat16 kernel (:meth:`Linear.pack_panels`, see
-:mod:`~twostroke.engine.models.native_projection`) or held in float16 / int8 for fbgemm
+:mod:`~twostroke.engine.kernels.projection`) or held in float16 / int8 for fbgemm
 (:meth:`Linear.quantize`, see :mod:`~twostroke.engine.models.quantization`).
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twostroke.engine.models.native_projection import PanelWeight, ProjectionKernel
+from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
 from twostroke.engine.models.quantization import Quantization, QuantizedWeight
 
 __all__ = ["Linear", "can_pack", "empty_parameter", "pack", "packed_linear"]

@@ -1,7 +1,7 @@
 """The Llama-family decoder over a paged KV cache (Llama, Mistral, Qwen2, SmolLM).
 
 A flat batch of tokens goes in (several requests' chunks back to back, see
-:class:`~twostroke.engine.models.attention.AttentionMetadata`), logits for the rows that
+:class:`~twostroke.engine.attention.ops.AttentionMetadata`), logits for the rows that
 sample come out. The arithmetic follows transformers' ``modeling_llama`` operation for
 operation (RMSNorm in float32, rotary tables in float32 cast to the model dtype, the same
 residual order), so float32 logits match it to rounding and greedy tokens match exactly.
@@ -30,12 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twostroke.engine.models.attention import paged_attention, write_kv
-from twostroke.engine.models.attention_kernels import AttentionKernel
-from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
+from twostroke.engine.attention.kernels import AttentionKernel
+from twostroke.engine.attention.kv_cache import KVCache, LayerCache
+from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
+from twostroke.engine.attention.ops import paged_attention, write_kv
+from twostroke.engine.kernels.build import native_wanted
+from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
+from twostroke.engine.kernels.projection import PanelWeight, projection_kernel
+from twostroke.engine.kernels.stack import DecoderStack, StackLayer, decoder_stack
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.huge_pages import huge_page_buffer
-from twostroke.engine.models.kv_cache import KVCache, LayerCache
 from twostroke.engine.models.layers import (
     RMSNorm,
     inverse_frequencies,
@@ -44,16 +47,13 @@ from twostroke.engine.models.layers import (
     silu_mul,
 )
 from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pack, packed_linear
-from twostroke.engine.models.native import native_wanted
-from twostroke.engine.models.native_glue import DecoderGlue, decoder_glue
-from twostroke.engine.models.native_projection import PanelWeight, projection_kernel
-from twostroke.engine.models.native_stack import DecoderStack, StackLayer, decoder_stack
 from twostroke.engine.models.quantization import (
     Quantization,
     QuantizationUnavailable,
     kernel_available,
     unavailable_message,
 )
+from twostroke.gpu.huge_pages import huge_page_buffer
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
 from twostroke.states.validators import check_int_at_least
@@ -305,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def panels(self) -> bool:
         """Whether :meth:`pack_weights` gave the projections it packed to the compiled
-        bfloat16 kernel (:mod:`.native_projection`) rather than to oneDNN."""
+        bfloat16 kernel (:mod:`twostroke.engine.kernels.projection`) rather than to oneDNN."""
         # The output projection is never quantized, so it is laid out whenever the rest is.
         if self.lm_head is not None:
             return self.lm_head.panels is not None
@@ -315,8 +315,9 @@ class LlamaForCausalLM(nn.Module):
         """Pack every projection for its fastest kernel here, where that works.
 
         bfloat16 weights on a CPU with AVX512-BF16, unless ``exact``, are laid out for the
-        compiled kernel of :mod:`.native_projection` (1.36x oneDNN's speed at 32 rows, 1.9x
-        at one, on SmolLM2's projections; it sums in another order, so not bit for bit
+        compiled kernel of :mod:`~twostroke.engine.kernels.projection` (1.36x oneDNN's speed
+        at 32 rows, 1.9x at one, on SmolLM2's projections; it sums in another order, so not
+        bit for bit
         ``F.linear``, and ``TWOSTROKE_NATIVE=0`` keeps oneDNN's). Otherwise they are packed
         for oneDNN where :func:`.linear.can_pack` says that works.
 
@@ -380,7 +381,8 @@ class LlamaForCausalLM(nn.Module):
         return self._glue
 
     def fuse_glue(self) -> bool:
-        """Run the decoder's element-wise glue as compiled calls (:mod:`.native_glue`).
+        """Run the decoder's element-wise glue as compiled calls
+        (:mod:`~twostroke.engine.kernels.glue`).
 
         Each residual add and the RMSNorm after it, the rotary embeddings with the cache
         write (where the cache holds keys transposed, the CPU's layout), and SiLU times up:
@@ -403,9 +405,10 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def stack(self) -> DecoderStack | None:
-        """The compiled driver that runs a step's layers in one call (:mod:`.native_stack`),
-        set once the glue is fused and the projections are packed for the bfloat16 kernel
-        (with any projection quantized, there is none)."""
+        """The compiled driver that runs a step's layers in one call
+        (:mod:`~twostroke.engine.kernels.stack`), set once the glue is fused and the
+        projections are packed for the bfloat16 kernel (with any projection quantized, there
+        is none)."""
         return self._stack
 
     def _link_stack(self) -> None:
@@ -521,7 +524,7 @@ class LlamaForCausalLM(nn.Module):
             chunk_size: Positions per sequence per step.
             block_size: Positions per cache block.
             kernel: How the steps attend (``None``: the device's default, as
-                :meth:`AttentionMetadata.build <.attention_metadata.AttentionMetadata.build>`
+                :meth:`~twostroke.engine.attention.metadata.AttentionMetadata.build`
                 takes it).
 
         Returns:

@@ -204,7 +204,7 @@ def load_runner(
         from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 
         return ToyRunner(), ByteTokenizer()
-    from twostroke.engine.models.loader import load_model
+    from twostroke.engine.checkpoints.loader import load_model
     from twostroke.engine.runners.torch import TorchModelRunner
     from twostroke.engine.text.tokenizer import HFTokenizer
 

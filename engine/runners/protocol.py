@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from twostroke.engine.runners.masks import StepMasks
+from twostroke.engine.structured.masks import StepMasks
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import RunnerOutput, StepPlan
 

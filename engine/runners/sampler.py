@@ -120,7 +120,7 @@ class Sampler:
         argmax: Takes the greedy rows' tokens from float32 logits ``[rows, vocab]``, as
             ``torch.argmax(logits, dim=-1)`` does (ties and NaN included); ``None`` takes
             that. The CPU runner passes the decoder glue's compiled one
-            (:meth:`~twostroke.engine.models.native_glue.DecoderGlue.argmax`).
+            (:meth:`~twostroke.engine.kernels.glue.DecoderGlue.argmax`).
     """
 
     def __init__(

@@ -25,18 +25,18 @@ from typing import get_args
 import attrs
 import torch
 
-from twostroke.engine.models.attention_kernels import (
+from twostroke.engine.attention.kernels import (
     AttentionKernel,
     best_kernel,
     default_kernel,
     native_kernel,
 )
-from twostroke.engine.models.attention_metadata import AttentionMetadata, ChunkSpec
-from twostroke.engine.models.kv_cache import KVCache
+from twostroke.engine.attention.kv_cache import KVCache
+from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
+from twostroke.engine.checkpoints.loader import LoadedModel
 from twostroke.engine.models.llama import LlamaForCausalLM
-from twostroke.engine.models.loader import LoadedModel
-from twostroke.engine.runners.masks import StepMasks
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
+from twostroke.engine.structured.masks import StepMasks
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
 from twostroke.gpu.staging import to_device
 from twostroke.states.errors import EngineError
@@ -83,8 +83,8 @@ class TorchModelRunner:
             kernel's groups are cut the same way (which bounds their padded scores), the
             ``"native"`` kernel's decodes are one group. ``None``: no bound.
         attention_kernel: How decodes attend (see
-            :data:`~twostroke.engine.models.attention_kernels.AttentionKernel`); ``None``
-            takes :func:`~twostroke.engine.models.attention_kernels.best_kernel` when the
+            :data:`~twostroke.engine.attention.kernels.AttentionKernel`); ``None``
+            takes :func:`~twostroke.engine.attention.kernels.best_kernel` when the
             KV cache is allocated. For comparisons: ``"native"`` where it does not run
             fails there.
 
@@ -153,7 +153,7 @@ class TorchModelRunner:
         decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
         attention_kernel: AttentionKernel | None = None,
     ) -> TorchModelRunner:
-        """A runner for a model :func:`~twostroke.engine.models.loader.load_model` loaded.
+        """A runner for a model :func:`~twostroke.engine.checkpoints.loader.load_model` loaded.
 
         Args:
             loaded: The loaded model.
@@ -192,7 +192,7 @@ class TorchModelRunner:
     @property
     def attention_kernel(self) -> AttentionKernel:
         """How decodes attend: chosen when the KV cache is allocated (see
-        :func:`~twostroke.engine.models.attention_kernels.best_kernel`)."""
+        :func:`~twostroke.engine.attention.kernels.best_kernel`)."""
         return self._kernel
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -213,7 +213,7 @@ class TorchModelRunner:
             RunnerError: the cache exists already.
             ValueError: ``num_blocks`` or ``block_size`` below 1, or ``attention_kernel``
                 ``"native"`` where it does not run (see
-                :func:`~twostroke.engine.models.attention_kernels.native_kernel`).
+                :func:`~twostroke.engine.attention.kernels.native_kernel`).
         """
         if self._cache is not None:
             raise RunnerError("the KV cache can be allocated only once")

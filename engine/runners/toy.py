@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from twostroke.engine.runners.masks import StepMasks
+from twostroke.engine.structured.masks import StepMasks
 from twostroke.engine.text.chat import validate_messages
 from twostroke.gpu.completion import Launched, ReadyEvent
 from twostroke.states.constraints import read_bitmask

@@ -37,7 +37,6 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from twostroke.engine.errors import EngineError, EngineOverloaded
-from twostroke.engine.prompts import Prompt
 from twostroke.engine.server import protocol
 from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES, check_max_body_bytes, read_body
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
@@ -60,6 +59,7 @@ from twostroke.engine.server.sse import Disconnected, EventSender, send_json, un
 from twostroke.engine.server.structured import OutputConstraint, output_constraint
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
+from twostroke.states.prompts import Prompt
 from twostroke.states.validators import check_int_at_least
 
 __all__ = ["DEFAULT_MAX_WAITING_REQUESTS", "KEEPALIVE_SECONDS", "build_app"]

@@ -32,7 +32,6 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
-from twostroke.engine.prompts import Prompt
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender
@@ -40,6 +39,7 @@ from twostroke.engine.server.structured import ToolCalls, constraint_error, cons
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
+from twostroke.states.prompts import Prompt
 
 __all__ = ["ChatFormat", "Choice", "CompletionFormat", "Generation"]
 

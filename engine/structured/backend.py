@@ -1,12 +1,15 @@
 """The structured-output backend, llguidance, feature-tested once at import.
 
-The package's ``__init__`` calls :func:`load_llguidance` before it imports any module that
-uses llguidance (Python imports a package before its modules), so a missing or too old
-installation gives one clear error,
-:class:`~twostroke.engine.errors.StructuredOutputUnavailable`, when any part of the package is
-imported, rather than an ``ImportError`` or ``AttributeError`` deep inside it. Why
-llguidance and not xgrammar is in docs/structured-output.md (measured on SmolLM2's
-vocabulary).
+Every module of the package that uses llguidance takes it from here (``from
+twostroke.engine.structured.backend import llguidance``), and this module runs
+:func:`load_llguidance` before it imports llguidance, so a missing or too old installation
+gives one clear error, :class:`~twostroke.engine.errors.StructuredOutputUnavailable`, when
+any such module is imported, rather than an ``ImportError`` or ``AttributeError`` deep
+inside it. The parts that need no backend (the engine's manager of constrained requests,
+:mod:`~twostroke.engine.structured.constraining`, and the masks' hand-over,
+:mod:`~twostroke.engine.structured.masks`) import without it, so the engine itself does
+not need llguidance. Why llguidance and not xgrammar is in docs/structured-output.md
+(measured on SmolLM2's vocabulary).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from types import ModuleType
 
 from twostroke.engine.errors import StructuredOutputUnavailable
 
-__all__ = ["MIN_VERSION", "REQUIREMENT", "load_llguidance"]
+__all__ = ["MIN_VERSION", "REQUIREMENT", "llguidance", "load_llguidance"]
 
 #: The oldest llguidance whose API this package uses (``LLMatcher.try_consume_tokens``,
 #: ``validate_grammar_with_warnings``, ``LLParserLimits``, ``LLExecutor``).
@@ -57,3 +60,8 @@ def load_llguidance(name: str = "llguidance") -> ModuleType:
             + (f", which lacks {', '.join(missing)}" if missing else "")
         )
     return module
+
+
+load_llguidance()
+
+import llguidance as llguidance  # noqa: E402  (after the feature test)

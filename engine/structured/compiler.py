@@ -33,8 +33,8 @@ from functools import partial
 import anyio
 import anyio.lowlevel
 import attrs
-import llguidance
 
+from twostroke.engine.structured.backend import llguidance
 from twostroke.engine.structured.grammars import field_of, grammar_of, reason_of, size_of
 from twostroke.engine.structured.matcher import GuidanceMatcher
 from twostroke.engine.structured.vocabulary import Vocabulary

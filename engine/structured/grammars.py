@@ -16,8 +16,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
-import llguidance
-
+from twostroke.engine.structured.backend import llguidance
 from twostroke.states.constraints import (
     AnyJsonObject,
     Choice,

@@ -28,9 +28,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-import llguidance
-
 from twostroke.engine.errors import MatcherError
+from twostroke.engine.structured.backend import llguidance
 from twostroke.engine.structured.grammars import reason_of
 from twostroke.states.constraints import bitmask_words, read_bitmask
 

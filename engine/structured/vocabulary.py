@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
-import llguidance
 
+from twostroke.engine.structured.backend import llguidance
 from twostroke.engine.text.tokenizer import HFTokenizer, Tokenizer
 
 __all__ = ["TokenBytes", "Vocabulary"]

@@ -4,7 +4,7 @@ Importing ``transformers`` takes 1.7-2.8 s (its ``__init__`` scans every model f
 ships), and ``AutoTokenizer.from_pretrained`` then parses ``tokenizer.json`` four times
 (another second): more than half of a warm start (measured on the AVX2 EPYC; see
 docs/performance.md). A tokenizer that ``save_pretrained`` wrote, as the artifact cache
-holds for a GGUF model (:mod:`twostroke.engine.models.artifacts`), needs none of it:
+holds for a GGUF model (:mod:`twostroke.engine.artifacts.cache`), needs none of it:
 
 * ``tokenizer.json`` is the Rust tokenizer exactly as ``transformers`` configured it (its
   post-processor adds BOS where the model wants one), read by ``tokenizers`` in a few

@@ -9,7 +9,7 @@ GGUF file, offline: loading never touches the network.
 ``transformers`` is imported only when a tokenizer is loaded, because importing it takes
 seconds and the engine's pure paths (tests, toy models) never need it. A GGUF file's
 tokenizer is converted once and kept in the artifact cache
-(:mod:`twostroke.engine.models.artifacts`).
+(:mod:`twostroke.engine.artifacts.cache`).
 """
 
 from __future__ import annotations
@@ -323,10 +323,10 @@ def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | SavedTokenizer
 
     transformers builds it from the GGUF vocabulary in seconds (it parses the whole file);
     the first load saves the result (``tokenizer.json`` and its configuration) in the
-    artifact cache (:mod:`twostroke.engine.models.artifacts`), from which the next loads
+    artifact cache (:mod:`twostroke.engine.artifacts.cache`), from which the next loads
     read it with ``tokenizers`` alone (:class:`SavedTokenizer`) in a fraction of a second.
     """
-    from twostroke.engine.models.artifacts import ArtifactCache
+    from twostroke.engine.artifacts.cache import ArtifactCache
 
     cache = ArtifactCache.from_environment()
     try:
@@ -398,7 +398,7 @@ def _gguf_tokenizer_class(path: Path) -> Any:
         tokenizer_class_from_name,
     )
 
-    from twostroke.engine.models.gguf_file import read_gguf
+    from twostroke.engine.checkpoints.gguf import read_gguf
 
     try:
         architecture = read_gguf(path).metadata.get("general.architecture")

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from twostroke.engine import Engine, SamplingParams
+from twostroke.engine.artifacts.cache import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.bench.model import ModelSpec, ensure_hf_dir
-from twostroke.engine.models.artifacts import CACHE_DIR_ENV, NO_CACHE_ENV
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
 from twostroke.gpu.device import Device
 from twostroke.states.testing import reference_output

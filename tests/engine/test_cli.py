@@ -12,9 +12,7 @@ import attrs
 import jsonschema
 import pytest
 
-from twostroke.engine.cli import main
-from twostroke.engine.models.artifact_records import Provenance
-from twostroke.engine.models.artifacts import (
+from twostroke.engine.artifacts.cache import (
     CACHE_DIR_ENV,
     CACHE_LIMIT_ENV,
     LAST_USED,
@@ -23,6 +21,8 @@ from twostroke.engine.models.artifacts import (
     CacheEntry,
     format_size,
 )
+from twostroke.engine.artifacts.records import Provenance
+from twostroke.engine.cli import main
 
 GENERATE = ["generate", "Weather?", "--model", "toy", "--device", "cpu", "--max-tokens", "64"]
 SCHEMA = {

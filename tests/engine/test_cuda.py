@@ -16,7 +16,7 @@ import torch
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_device_syncs import BATCHES
 from tests.engine.runners.test_torch import generate, transformers_greedy
-from twostroke.engine.models.loader import LoadedModel, load_model
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 

@@ -36,16 +36,16 @@ NOT_EXPORTED = {
     "twostroke.engine.bench.child.ChildError",
     # The native kernel's own signal: a runner that meets it logs it once and attends with
     # the bag kernel instead; only build_kernel's own callers (the tests) see it.
-    "twostroke.engine.models.native.NativeBuildError",
+    "twostroke.engine.kernels.build.NativeBuildError",
     # Its kind for a CPU the bfloat16 projection does not run on: the model logs it and
     # keeps oneDNN's products; only build_projection's own callers (the tests) see it.
-    "twostroke.engine.models.native_projection.ProjectionUnsupported",
+    "twostroke.engine.kernels.projection.ProjectionUnsupported",
     # The artifact cache's refusals of an entry (damaged, or another user's to write): the
     # loader, the tokenizer and the kernels log them, remove the entry and make it again
     # (or build privately); only ArtifactCache.open's own callers see them.
-    "twostroke.engine.models.artifact_records.UnusableArtifact",
-    "twostroke.engine.models.artifact_records.DamagedArtifact",
-    "twostroke.engine.models.artifact_records.UnsafeCachePath",
+    "twostroke.engine.artifacts.records.UnusableArtifact",
+    "twostroke.engine.artifacts.records.DamagedArtifact",
+    "twostroke.engine.artifacts.records.UnsafeCachePath",
     # A test oracle (an AssertionError): a scheduling bug the simulated KV cache caught.
     "twostroke.states.simulation.SimulationError",
 }
@@ -80,7 +80,7 @@ def test_the_scan_finds_the_errors_of_every_layer() -> None:
     assert {
         "twostroke.states.errors.InvalidTransition",
         "twostroke.gpu.device.DeviceUnavailable",
-        "twostroke.engine.models.loader.ModelLoadError",
+        "twostroke.engine.checkpoints.loader.ModelLoadError",
     } <= ERRORS.keys()
     assert ERRORS.keys() >= NOT_EXPORTED  # the excused ones still exist
 

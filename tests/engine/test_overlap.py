@@ -12,10 +12,11 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from twostroke.engine import Engine, SamplingParams, launcher
+from twostroke.engine import Engine, SamplingParams
 from twostroke.engine import engine as engine_module
-from twostroke.engine.launch_timer import LaunchTimer
 from twostroke.engine.runners.toy import ToyRunner
+from twostroke.engine.strokes import launcher
+from twostroke.engine.strokes.launcher import LaunchTimer
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import RunnerOutput, StepPlan
 

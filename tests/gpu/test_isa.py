@@ -1,6 +1,6 @@
 """The CPU personality (TWOSTROKE_CPU_ISA): the ladder, the machine's rung, the caps it writes,
 and that a process started under it runs as the lower CPU (ATen, oneDNN's cap, the dtype,
-fbgemm's weights). tests/engine/models/test_cpu_report.py shows the compiled kernels and the
+fbgemm's weights). tests/engine/kernels/test_report.py shows the compiled kernels and the
 kernel report follow it too."""
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from twostroke.states.params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
+    check_params,
 )
 from twostroke.states.testing import sampling_params
 
@@ -177,3 +178,12 @@ def test_the_strategy_draws_only_valid_params(params: SamplingParams) -> None:
     # Rebuilding from the fields runs every validator again.
     assert SamplingParams(**attrs.asdict(params, recurse=False)) == params
     assert 0 <= params.min_tokens <= params.max_tokens
+
+
+def test_a_submit_without_parameters_gets_the_one_default_and_a_wrong_type_is_refused() -> None:
+    """What every surface's ``submit`` asks first (the engine's and the coordinator's)."""
+    assert check_params(None) is check_params(None) == SamplingParams()
+    chosen = SamplingParams(max_tokens=3)
+    assert check_params(chosen) is chosen
+    with pytest.raises(TypeError, match=r"^params must be SamplingParams, got dict$"):
+        check_params({"max_tokens": 3})  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from twostroke.engine.bench.roof import (
     workload_roof,
 )
 from twostroke.engine.bench.workload import BenchRequest, Workload
-from twostroke.engine.models.loader import ModelLoadError
+from twostroke.engine.checkpoints.loader import ModelLoadError
 from twostroke.states.scheduler_config import SchedulingPolicy
 
 WORKLOAD = Workload(

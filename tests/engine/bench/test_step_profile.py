@@ -9,8 +9,8 @@ import torch
 
 from tests.engine.models.test_llama import make_tiny_model
 from twostroke.engine.bench.step_profile import DecodeStep, StepProfile, profile_decode_step
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.cli import main
-from twostroke.engine.models.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -74,7 +74,7 @@ from twostroke.engine.errors import (
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.text.prompts import tokenize_prompt
+from twostroke.engine.text.prompt_ids import tokenize_prompt
 from twostroke.states.constraints import (
     MAX_CHOICES,
     MAX_PATTERN_LENGTH,

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from twostroke.engine.models import attention_metadata
-from twostroke.engine.models.attention_kernels import AttentionKernel
+from twostroke.engine.attention import metadata as attention_metadata
+from twostroke.engine.attention.kernels import AttentionKernel
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.linear import Linear, can_pack
 from twostroke.engine.models.llama import (
@@ -23,7 +24,6 @@ from twostroke.engine.models.llama import (
     WeightError,
     inverse_frequencies,
 )
-from twostroke.engine.models.loader import LoadedModel, load_model
 from twostroke.engine.models.quantization import QuantizationUnavailable
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).

@@ -15,9 +15,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
+from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.models.llama import LlamaForCausalLM
-from twostroke.engine.models.loader import load_model
 from twostroke.engine.models.quantization import (
     QUANTIZATIONS,
     QuantizationUnavailable,
@@ -116,7 +116,7 @@ def test_packing_on_several_threads_gives_the_same_model(
     if not available("fp16"):
         pytest.skip("fp16's kernel does not run here")
     serial = load_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
-    with torch_threads(3), caplog.at_level(logging.INFO, logger="twostroke.engine.models"):
+    with torch_threads(3), caplog.at_level(logging.INFO, logger="twostroke.engine.checkpoints"):
         parallel = load_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
     assert [record.getMessage() for record in caplog.records] == [
         f"twostroke: packing {tiny.name}'s projection weights for fbgemm's fp16 kernel (3 threads)"

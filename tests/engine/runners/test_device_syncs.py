@@ -20,9 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_torch import generate
-from twostroke.engine.models import attention_kernels, attention_metadata
-from twostroke.engine.models.loader import LoadedModel, load_model
-from twostroke.engine.models.native import NATIVE_ENV
+from twostroke.engine.attention import kernels as attention_kernels
+from twostroke.engine.attention import metadata as attention_metadata
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.kernels.build import NATIVE_ENV
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 

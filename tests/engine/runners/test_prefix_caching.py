@@ -11,7 +11,7 @@ import torch
 
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_torch import CPU, generate, transformers_greedy
-from twostroke.engine.models.loader import load_model
+from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.states.params import SamplingParams
 

@@ -19,12 +19,12 @@ from tests.engine.models.test_llama import (
     random_sequences,
 )
 from tests.engine.runners.test_sampler import reference_penalties
+from twostroke.engine.attention import kernels as attention_kernels
+from twostroke.engine.attention.kv_cache import KVCache
+from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.bench.model import ModelSpec
-from twostroke.engine.models import attention_kernels
-from twostroke.engine.models.attention_metadata import AttentionMetadata
-from twostroke.engine.models.kv_cache import KVCache
-from twostroke.engine.models.loader import LoadedModel, load_model
-from twostroke.engine.models.native import NATIVE_ENV
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.kernels.build import NATIVE_ENV
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs

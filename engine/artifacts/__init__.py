@@ -1,0 +1,1 @@
+"""The artifact cache: what is converted or compiled once, on disk, and read back by later runs."""

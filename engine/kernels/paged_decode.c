@@ -1,0 +1,347 @@
+/* Paged attention on the CPU: each decode's query heads attend over its history, and each
+ * prefill chunk's tokens over theirs, read in place from the paged KV cache through the
+ * block tables (twostroke_paged_decode, twostroke_paged_prefill at the end of the file).
+ *
+ * twostroke.engine.kernels.paged_attention has this file compiled at run time with the
+ * machine's C compiler, once per shape and element type, and the library cached (see
+ * twostroke.engine.kernels.build):
+ *
+ *   -DBLOCK_SIZE=16 -DHEAD_DIM=64 -DGROUP=3   positions per block, width of a head, and
+ *                                             query heads per key/value head
+ *   -DELEMENT_BF16                            bfloat16 queries, cache and output (else float;
+ *                                             see native_element.h)
+ *
+ * Compile-time sizes let the compiler keep a block's scores and a head's output in vector
+ * registers and unroll the inner loops; with run-time sizes the same loops ran 3x slower.
+ *
+ * The cache layout is the "bag" kernel's (twostroke.engine.attention.ops): one layer is
+ * [2, num_blocks, num_kv_heads, ...], keys first. A key tile (block b, head g) is
+ * [HEAD_DIM, BLOCK_SIZE], transposed, so a block's scores for one query are a sum over d of
+ * query[d] times row d: BLOCK_SIZE lanes wide, no horizontal reduction. A value tile is
+ * [BLOCK_SIZE, HEAD_DIM]. The GROUP query heads that share a key/value head are computed
+ * together, so each tile is read from memory once, not GROUP times.
+ *
+ * Work is split over decodes (and tiles of a chunk's tokens) with OpenMP. A decode reads its
+ * history block by block, every head's tiles of a block together (they are adjacent: one
+ * contiguous read per block), and prefetches the next block's while it sums this one, since
+ * the block table hides the next address from the hardware's prefetcher. Split over (decode, head) pairs instead, each
+ * pair read a third of that per block, and the attention of SmolLM2's batch-32 step took
+ * 1.3x longer; so decodes are split by heads only where there are fewer than threads (one
+ * request's decode would leave every thread but one idle). The library links the libgomp that torch has already loaded (the same
+ * soname), so it runs on torch's own thread team at torch's thread count, on the thread
+ * that calls it.
+ *
+ * Arithmetic: scores, softmax and sums in float32 whatever the element type; exp by a
+ * polynomial (relative error about 2e-7) that the compiler vectorizes. No value at or past a
+ * token's length is read, and no score there enters a softmax (a tile's tokens share their
+ * key reads, so a few such scores are computed and dropped): unwritten slots of a last block
+ * cannot leak in.
+ */
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_element.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if !defined(BLOCK_SIZE) || !defined(HEAD_DIM) || !defined(GROUP)
+#error "compile with -DBLOCK_SIZE=, -DHEAD_DIM= and -DGROUP="
+#endif
+
+#define TILE ((ptrdiff_t)HEAD_DIM * BLOCK_SIZE)
+#define LINE 64
+
+/* The inner loops work on vectors of LANES floats (GCC's and clang's vector extensions),
+ * whose arrays the compiler keeps in registers: with plain float arrays GCC 12 spilled one
+ * of the three score accumulators to the stack on every step of the sum (a store and a
+ * load in each iteration's dependency chain), and the whole kernel ran 4x slower. */
+#if defined(__AVX512F__)
+#define WIDEST 16
+#define REGISTERS 32
+#else
+#define WIDEST 8
+#define REGISTERS 16
+#endif
+#if BLOCK_SIZE % WIDEST == 0 && HEAD_DIM % WIDEST == 0
+#define LANES WIDEST
+#elif BLOCK_SIZE % 8 == 0 && HEAD_DIM % 8 == 0
+#define LANES 8
+#elif BLOCK_SIZE % 4 == 0 && HEAD_DIM % 4 == 0
+#define LANES 4
+#else
+#define LANES 1
+#endif
+#define KEY_CHUNKS (BLOCK_SIZE / LANES)
+#define VALUE_CHUNKS (HEAD_DIM / LANES)
+/* Two partial sums per score, over even and odd d, where they fit in half the vector
+ * registers: twice the independent FMA chains (with 16-lane vectors, 3 chains become 6). */
+#define SPLIT (HEAD_DIM % 2 == 0 && 2 * GROUP * KEY_CHUNKS <= REGISTERS / 2 ? 2 : 1)
+/* Query heads whose outputs are summed together: all GROUP where their sums fit in half
+ * the vector registers, else one at a time. */
+#define OUTPUT_HEADS (GROUP * VALUE_CHUNKS <= REGISTERS / 2 ? GROUP : 1)
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+/* LANES elements from p (any alignment) as floats. bfloat16 widens in one instruction
+ * where the vector is a register of AVX-512 or AVX2 (GCC 12 made three of the generic
+ * conversion, and the AVX2 kernel ran slower than before vectors). */
+static inline vec load_vec(const element *p) {
+    vec v;
+#if defined(ELEMENT_BF16) && LANES == 16 && defined(__AVX512F__)
+    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    memcpy(&v, &widened, sizeof v);
+#elif defined(ELEMENT_BF16) && LANES == 8 && defined(__AVX2__)
+    const __m256i widened = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    memcpy(&v, &widened, sizeof v);
+#elif defined(ELEMENT_BF16)
+    typedef uint16_t narrow __attribute__((vector_size(LANES * sizeof(uint16_t))));
+    typedef uint32_t wide __attribute__((vector_size(LANES * sizeof(uint32_t))));
+    narrow bits;
+    memcpy(&bits, p, sizeof bits);
+    const wide widened = __builtin_convertvector(bits, wide) << 16;
+    memcpy(&v, &widened, sizeof v);
+#else
+    memcpy(&v, p, sizeof v);
+#endif
+    return v;
+}
+
+/* Into L2 (prefetcht1), not L1: on a Zen 4 EPYC the 30 layers' decode attention of a batch of
+ * 32 (histories 90-312, blocks in random order, 147 MB from memory) took 12.7 ms prefetching
+ * into L1 and 8.4 ms into L2 (8.1-8.4 ms fetching 1 to 6 blocks ahead; blocks in order 12.0 ->
+ * 10.1 ms; from L3, 3.8 -> 3.7 ms), and 10.2 -> 9.7 ms inside SmolLM2's decode step; on
+ * Zen 5 the two were alike. */
+static inline void prefetch_tile(const element *tile) {
+    const char *bytes = (const char *)tile;
+    for (size_t at = 0; at < sizeof(element) * TILE; at += LINE) __builtin_prefetch(bytes + at, 0, 2);
+}
+
+/* Query tokens of one chunk attended together: each key tile is read once for all their
+ * heads, so a prefill chunk's scores are a small matrix product per tile rather than one
+ * row per token. As many as keep the scores' sums in three quarters of the registers. */
+#define TILE_ROWS ((REGISTERS * 3 / 4) / (GROUP * KEY_CHUNKS))
+#define TILE_TOKENS (TILE_ROWS < 1 ? 1 : TILE_ROWS > 8 ? 8 : TILE_ROWS)
+
+/* `tokens` consecutive query tokens of one sequence (at most T; the first attends to
+ * `length` positions, each next one to one more), key/value heads g0 to g1 - 1 (and their
+ * query heads): block by block, those heads' tiles of a block together (they are adjacent
+ * in memory), so each block is one contiguous read. T is a constant where this is inlined (1 for decodes, TILE_TOKENS for
+ * chunks), so the score sums stay in registers; rows past `tokens` repeat the last query
+ * and are never stored. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const element *restrict query, ptrdiff_t query_stride, int tokens, const int T, float scale,
+    int32_t length, const int32_t *restrict table, const element *restrict keys,
+    const element *restrict values, ptrdiff_t kv_heads, ptrdiff_t g0, ptrdiff_t g1,
+    float *restrict q, float *restrict scores, ptrdiff_t padded, element *restrict out,
+    ptrdiff_t out_stride) {
+    const int32_t last = length + tokens - 1; /* the last token's length */
+    const ptrdiff_t blocks = (last + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    const ptrdiff_t rows = kv_heads * GROUP;
+    const ptrdiff_t span = kv_heads * TILE; /* one block's tiles, every head */
+    const int split = T == 1 ? SPLIT : 1;
+    for (int t = 0; t < T; t++) {
+        const element *restrict from = query + (t < tokens ? t : tokens - 1) * query_stride;
+        for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++)
+            for (int d = 0; d < HEAD_DIM; d++)
+                q[(t * rows + h) * HEAD_DIM + d] = load(from[h * HEAD_DIM + d]) * scale;
+    }
+    /* Scores; the next block's key tiles (after the last, the first value tiles) are
+     * fetched while this block's are summed. Positions past a token's length are summed
+     * too (they are few) but never read after. */
+    for (ptrdiff_t j = 0; j < blocks; j++) {
+        const element *next = j + 1 < blocks ? keys + (ptrdiff_t)table[j + 1] * span
+                                             : values + (ptrdiff_t)table[0] * span;
+        for (ptrdiff_t g = g0; g < g1; g++) {
+            prefetch_tile(next + g * TILE);
+            const element *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
+            vec block[SPLIT][TILE_TOKENS * GROUP][KEY_CHUNKS] = {0};
+            for (int first = 0; first < HEAD_DIM; first += split)
+                for (int part = 0; part < split; part++) {
+                    const int d = first + part;
+                    for (int c = 0; c < KEY_CHUNKS; c++) {
+                        const vec k = load_vec(tile + d * BLOCK_SIZE + c * LANES);
+                        for (int t = 0; t < T; t++)
+                            for (int h = 0; h < GROUP; h++)
+                                block[part][t * GROUP + h][c] +=
+                                    q[(t * rows + g * GROUP + h) * HEAD_DIM + d] * k;
+                    }
+                }
+            for (int t = 0; t < T; t++)
+                for (int h = 0; h < GROUP; h++)
+                    for (int c = 0; c < KEY_CHUNKS; c++) {
+                        vec total = block[0][t * GROUP + h][c];
+                        for (int part = 1; part < split; part++) total += block[part][t * GROUP + h][c];
+                        memcpy(scores + (t * rows + g * GROUP + h) * padded + j * BLOCK_SIZE + c * LANES,
+                               &total, sizeof total);
+                    }
+        }
+    }
+    for (int t = 0; t < tokens; t++) {
+        const int32_t seen = length + t;
+        for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++) {
+            float *restrict s = scores + (t * rows + h) * padded;
+            float top = s[0];
+            for (int32_t i = 1; i < seen; i++) top = s[i] > top ? s[i] : top;
+            float sum = 0.0f;
+            for (int32_t i = 0; i < seen; i++) {
+                const float e = exp_clamped(s[i] - top);
+                s[i] = e;
+                sum += e;
+            }
+            const float inverse = 1.0f / sum;
+            for (int32_t i = 0; i < seen; i++) s[i] *= inverse;
+        }
+    }
+    /* Outputs, token by token and OUTPUT_HEADS query heads at a time, so their sums stay in
+     * registers and each value row is read once for them. The first pass fetches every
+     * head's value tiles of the next block; later passes find them in cache. */
+    for (int t = 0; t < tokens; t++) {
+        const int32_t seen = length + t;
+        const ptrdiff_t used = (seen + BLOCK_SIZE - 1) / BLOCK_SIZE;
+        for (ptrdiff_t g = g0; g < g1; g++) {
+            for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
+                const float *restrict p = scores + (t * rows + g * GROUP + first) * padded;
+                vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
+                for (ptrdiff_t j = 0; j < used; j++) {
+                    if (t == 0 && g == g0 && first == 0 && j + 1 < used)
+                        for (ptrdiff_t u = g0; u < g1; u++)
+                            prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + u * TILE);
+                    const element *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
+                    const ptrdiff_t left = seen - j * BLOCK_SIZE;
+                    const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
+                    for (int i = 0; i < count; i++) {
+                        const ptrdiff_t at = j * BLOCK_SIZE + i;
+                        for (int c = 0; c < VALUE_CHUNKS; c++) {
+                            const vec v = load_vec(tile + i * HEAD_DIM + c * LANES);
+                            for (int h = 0; h < OUTPUT_HEADS; h++) sum[h][c] += p[h * padded + at] * v;
+                        }
+                    }
+                }
+                element *restrict to = out + t * out_stride + (g * GROUP + first) * HEAD_DIM;
+                for (int h = 0; h < OUTPUT_HEADS; h++)
+                    for (int c = 0; c < VALUE_CHUNKS; c++)
+                        for (int l = 0; l < LANES; l++) to[h * HEAD_DIM + c * LANES + l] = store(sum[h][c][l]);
+            }
+        }
+    }
+}
+
+/* Attend `decodes` single-token queries over their histories in one layer's cache.
+ *
+ * query:        decode r's query heads at query + r * query_stride, [heads, HEAD_DIM]
+ * keys, values: the layer's key and value tiles (see the top of this file)
+ * tables:       decode r's block table at tables + r * table_stride (int32 block ids)
+ * lengths:      positions decode r attends to (its history and itself), each >= 1
+ * out:          [decodes, kv_heads * GROUP, HEAD_DIM]
+ *
+ * Returns 0, or 1 if a thread could not allocate its scratch memory (out is then incomplete).
+ */
+int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride,
+                           const element *restrict keys, const element *restrict values,
+                           const int32_t *restrict tables, ptrdiff_t table_stride,
+                           const int32_t *restrict lengths, ptrdiff_t decodes,
+                           ptrdiff_t kv_heads, float scale, element *restrict out) {
+    int32_t longest = 1;
+    for (ptrdiff_t r = 0; r < decodes; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+    const ptrdiff_t padded = ((ptrdiff_t)longest + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
+    /* Fewer decodes than threads: each decode's heads are split among them instead. */
+    const ptrdiff_t parts = decodes < omp_get_max_threads() ? kv_heads : 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(kv_heads * GROUP * (padded + HEAD_DIM)));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (ptrdiff_t item = 0; item < decodes * parts; item++) {
+            if (scratch == NULL) continue;
+            const ptrdiff_t r = item / parts, part = item % parts;
+            attend_tile(query + r * query_stride, 0, 1, 1, scale, lengths[r],
+                        tables + r * table_stride, keys, values, kv_heads,
+                        part * kv_heads / parts, (part + 1) * kv_heads / parts,
+                        scratch + kv_heads * GROUP * padded, scratch, padded,
+                        out + r * kv_heads * GROUP * HEAD_DIM, 0);
+        }
+        free(scratch);
+    }
+    return failed;
+}
+
+/* Attend `chunks` runs of consecutive query tokens (prefill chunks, and decodes as chunks
+ * of one) over their histories in one layer's cache: chunk c's tokens are at positions
+ * starts[c] .. starts[c] + counts[c] - 1, each attending to every position up to its own,
+ * its own keys and values already written.
+ *
+ * query:        the query heads of the chunks' tokens, token i of chunk c at
+ *               query + (offsets[c] + i) * query_stride, [heads, HEAD_DIM]
+ * keys, values: the layer's key and value tiles (see the top of this file)
+ * tables:       chunk c's block table at tables + c * table_stride (int32 block ids)
+ * starts, counts, offsets: int32 [chunks] each; counts >= 1
+ * out:          token i of chunk c's output at out + (offsets[c] + i) * out_stride,
+ *               [kv_heads * GROUP, HEAD_DIM]
+ *
+ * Work is split over tiles of TILE_TOKENS tokens. Returns 0, or 1 if memory for the work
+ * list or a thread's scratch could not be allocated (out is then incomplete).
+ */
+int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_stride,
+                            const element *restrict keys, const element *restrict values,
+                            const int32_t *restrict tables, ptrdiff_t table_stride,
+                            const int32_t *restrict starts, const int32_t *restrict counts,
+                            const int32_t *restrict offsets, ptrdiff_t chunks, ptrdiff_t kv_heads,
+                            float scale, element *restrict out, ptrdiff_t out_stride) {
+    ptrdiff_t tiles = 0;
+    int32_t longest = 1;
+    for (ptrdiff_t c = 0; c < chunks; c++) {
+        tiles += (counts[c] + TILE_TOKENS - 1) / TILE_TOKENS;
+        const int32_t end = starts[c] + counts[c];
+        longest = end > longest ? end : longest;
+    }
+    const ptrdiff_t padded = ((ptrdiff_t)longest + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
+    ptrdiff_t *work = malloc(sizeof(ptrdiff_t) * (size_t)(2 * tiles + 1));
+    if (work == NULL) return 1;
+    ptrdiff_t at = 0;
+    for (ptrdiff_t c = 0; c < chunks; c++)
+        for (int32_t first = 0; first < counts[c]; first += TILE_TOKENS) {
+            work[2 * at] = c;
+            work[2 * at + 1] = first;
+            at++;
+        }
+    const ptrdiff_t rows = kv_heads * GROUP;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(TILE_TOKENS * rows * (padded + HEAD_DIM)));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (ptrdiff_t item = 0; item < tiles; item++) {
+            if (scratch == NULL) continue;
+            const ptrdiff_t c = work[2 * item], first = work[2 * item + 1];
+            const int left = counts[c] - (int)first;
+            const ptrdiff_t row = offsets[c] + first;
+            const int32_t length = starts[c] + (int32_t)first + 1;
+            float *restrict q = scratch + TILE_TOKENS * rows * padded;
+            if (counts[c] == 1) /* a decode: a tile of one */
+                attend_tile(query + row * query_stride, query_stride, 1, 1, scale, length,
+                            tables + c * table_stride, keys, values, kv_heads, 0, kv_heads, q,
+                            scratch, padded, out + row * out_stride, out_stride);
+            else
+                attend_tile(query + row * query_stride, query_stride,
+                            left < TILE_TOKENS ? left : TILE_TOKENS, TILE_TOKENS, scale, length,
+                            tables + c * table_stride, keys, values, kv_heads, 0, kv_heads, q,
+                            scratch, padded, out + row * out_stride, out_stride);
+        }
+        free(scratch);
+    }
+    free(work);
+    return failed;
+}

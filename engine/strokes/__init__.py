@@ -1,0 +1,1 @@
+"""What the engine's two strokes do beside their loops: launching a step, delivering its output."""

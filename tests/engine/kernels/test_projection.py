@@ -1,0 +1,263 @@
+"""The compiled bfloat16 projection: its products against torch's, its refusals, and which
+models take it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
+from twostroke.engine.checkpoints.loader import load_model
+from twostroke.engine.kernels import projection
+from twostroke.engine.kernels.build import NATIVE_ENV, NativeBuildError
+from twostroke.engine.kernels.projection import (
+    ProjectionKernel,
+    ProjectionUnsupported,
+    build_projection,
+    projection_kernel,
+)
+from twostroke.engine.models.linear import Linear, can_pack
+from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.gpu.isa import ISA_ENV, RUNGS, machine_rung
+
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
+
+CPU = torch.device("cpu")
+
+#: Largest difference from a float32 product of the same bfloat16 inputs, relative to the
+#: largest output: one rounding of the output to bfloat16, float32 sums in another order.
+TOLERANCE = 8e-3
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ProjectionKernel:
+    try:
+        return build_projection()
+    except ProjectionUnsupported as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture
+def fresh_kernel() -> Iterator[None]:
+    """Forget the kernel this process built, before and after."""
+    projection._kernel.cache_clear()
+    yield
+    projection._kernel.cache_clear()
+
+
+def assert_close_to_float32_product(
+    got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    expected = x.float() @ weight.float().T
+    if bias is not None:
+        expected = expected + bias.float()
+    assert got.dtype == torch.bfloat16
+    assert got.shape == expected.shape
+    if expected.numel():
+        scale = float(expected.abs().max())
+        assert float((got.float() - expected).abs().max()) <= TOLERANCE * scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(0, 41),  # every tile height, several tiles, none
+    out_features=st.integers(1, 160),  # whole and partial panels of 48
+    pairs=st.integers(1, 70),
+    with_bias=st.booleans(),
+    row_gap=st.integers(0, 5),  # rows of x further apart than its width
+    seed=st.integers(0, 2**16),
+)
+def test_products_are_torchs_to_bfloat16_rounding(
+    kernel: ProjectionKernel,
+    rows: int,
+    out_features: int,
+    pairs: int,
+    with_bias: bool,
+    row_gap: int,
+    seed: int,
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    in_features = 2 * pairs
+    wide = torch.randn(rows, in_features + row_gap, generator=generator).to(torch.bfloat16)
+    x = wide[:, row_gap:]
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16) if with_bias else None
+    got = kernel.pack(weight, bias)(x)
+    assert_close_to_float32_product(got, x, weight, bias)
+    if rows:  # F.linear rounds the same sums once too: the two differ by those roundings
+        expected = F.linear(x, weight, bias).float()
+        scale = float(expected.abs().max())
+        assert float((got.float() - expected).abs().max()) <= 2 * TOLERANCE * scale
+
+
+def test_the_thread_team_splits_the_panels_to_the_same_products(kernel: ProjectionKernel) -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 576, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(961, 576, generator=generator).to(torch.bfloat16)
+    packed = kernel.pack(weight)
+    alone = packed(x)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = packed(x)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(alone, together)  # each output is one tile's sums, whoever sums it
+    assert_close_to_float32_product(together, x, weight, None)
+
+
+def test_inputs_with_more_dimensions_keep_them(kernel: ProjectionKernel) -> None:
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 10, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(7, 10, generator=generator).to(torch.bfloat16)
+    got = kernel.pack(weight)(x)
+    assert got.shape == (2, 3, 7)
+    assert_close_to_float32_product(got.view(6, 7), x.reshape(6, 10), weight, None)
+    transposed = x.transpose(0, 1)  # not contiguous: copied first
+    assert torch.equal(kernel.pack(weight)(transposed), got.transpose(0, 1))
+
+
+def test_what_it_was_not_built_for_is_refused(kernel: ProjectionKernel) -> None:
+    bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"packs a bfloat16 weight .* got torch\.float32"):
+        kernel.pack(torch.zeros(4, 6))
+    with pytest.raises(ValueError, match=r"got torch\.bfloat16 \(4, 6\) on meta"):
+        kernel.pack(torch.zeros(4, 6, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match=r"in_features even; got torch\.bfloat16 \(4, 5\)"):
+        kernel.pack(torch.zeros(4, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"bias must be \[4\], got \(3,\)"):
+        kernel.pack(bf16, torch.zeros(3))
+    packed = kernel.pack(bf16)
+    with pytest.raises(
+        ValueError, match=r"takes bfloat16 \[\.\.\., 6\] on the CPU; got torch\.float32"
+    ):
+        packed(torch.zeros(2, 6))
+    with pytest.raises(ValueError, match=r"got torch\.bfloat16 \(2, 8\)"):
+        packed(torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+def test_panels_packed_into_a_given_buffer_are_the_same(kernel: ProjectionKernel) -> None:
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 64, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(100, generator=generator)
+    size = kernel.packed_size(100, 64)
+    assert size == -(-100 // kernel.panel) * kernel.panel * 64
+    buffer = torch.full((size + 3,), float("nan"), dtype=torch.bfloat16)
+    packed = kernel.pack(weight, bias, into=buffer[3:])
+    assert packed.panels.data_ptr() == buffer[3:].data_ptr()
+    alone = kernel.pack(weight, bias)
+    assert torch.equal(packed.panels, alone.panels)
+    x = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
+    assert torch.equal(packed(x), alone(x))
+    for wrong in (buffer[4:], buffer[3:].float(), torch.empty(2 * size, dtype=torch.bfloat16)[::2]):
+        with pytest.raises(
+            ValueError, match=rf"into must be a contiguous bfloat16 CPU tensor of {size} elements"
+        ):
+            kernel.pack(weight, bias, into=wrong)
+
+
+def test_a_build_that_disagrees_with_torch_is_refused(
+    kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(projection, "_TOLERANCE", -1.0)  # nothing passes
+    with pytest.raises(NativeBuildError, match=r"check differs from torch by .* allowed"):
+        build_projection()
+
+
+@pytest.mark.usefixtures("fresh_kernel")
+def test_built_for_a_cpu_without_avx512_bf16_it_says_so_and_oneDNN_stays(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Built under the highest personality below ``avx512_bf16`` that this CPU runs, the
+    kernel says it cannot run, and the decoder takes what the packing policy gives it
+    (oneDNN's packing where oneDNN packs bfloat16, which it does only with AVX-512)."""
+    below = [rung for rung in RUNGS if not rung.bf16 and rung.rank <= machine_rung().rank]
+    monkeypatch.setenv(ISA_ENV, below[-1].name)
+    with pytest.raises(ProjectionUnsupported, match="no AVX512-BF16"):
+        build_projection()
+    with caplog.at_level(logging.INFO, logger=projection.__name__):
+        assert projection_kernel() is None
+    said = [r for r in caplog.records if r.name == projection.__name__]
+    assert [r.levelno for r in said] == [logging.INFO]
+    assert "stay oneDNN's: this CPU has no AVX512-BF16" in said[0].getMessage()
+    decoder = tiny_decoder()
+    assert decoder.pack_weights(exact=False) is can_pack(torch.bfloat16, CPU, exact=False)
+    assert not decoder.panels  # never the compiled kernel's panels
+
+
+@pytest.mark.usefixtures("fresh_kernel")
+def test_where_the_build_fails_oneDNN_stays_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger=projection.__name__):
+        assert projection_kernel() is None
+        assert projection_kernel() is None
+    said = [r for r in caplog.records if r.name == projection.__name__]
+    assert len(said) == 1  # once per process
+    assert said[0].levelno == logging.WARNING
+    assert "/nonexistent/cc" in said[0].getMessage()
+    assert "stay oneDNN's" in said[0].getMessage()
+
+
+def tiny_decoder(dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+    """A decoder with zero weights: enough for what pack_weights decides."""
+    model = LlamaForCausalLM(_config(), dtype=dtype, device=CPU)
+    for parameter in model.parameters():
+        parameter.data.zero_()
+    return model
+
+
+def test_which_decoders_take_the_kernel(
+    kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    projection._kernel.cache_clear()
+    taken = tiny_decoder()
+    assert taken.pack_weights(exact=False)
+    assert taken.panels
+    linears = [m for m in taken.modules() if isinstance(m, Linear)]
+    assert linears
+    assert all(m.panels is not None and m.weight.numel() == 0 for m in linears)
+    assert taken.pack_weights(exact=False)  # idempotent
+    exact = tiny_decoder()
+    assert exact.pack_weights(exact=True)
+    assert not exact.panels  # oneDNN's: F.linear's bits
+    float32 = tiny_decoder(torch.float32)
+    float32.pack_weights(exact=False)  # oneDNN's, where it packs float32
+    assert not float32.panels
+    odd = LlamaForCausalLM(_config(intermediate_size=15), dtype=torch.bfloat16, device=CPU)
+    assert odd.pack_weights(exact=False)  # down_proj's inputs are odd: all stay oneDNN's
+    assert not odd.panels
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    kept = tiny_decoder()
+    kept.pack_weights(exact=False)
+    assert not kept.panels
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied"),
+    [("llama", False), ("llama", True), ("qwen2", False)],  # qwen2: q/k/v biases
+)
+def test_a_decoder_on_the_kernel_computes_what_oneDNNs_does_to_rounding(
+    kernel: ProjectionKernel, kind: str, tied: bool, tmp_path: Path
+) -> None:
+    """Through prefill chunks and decodes, the output projection (tied or not) included."""
+    make_tiny_model(kind, tmp_path, seed=11, tie_word_embeddings=tied)
+    ours = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False)
+    theirs = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
+    assert ours.module.panels
+    assert not theirs.module.panels
+    sequences = random_sequences([1, 6, 29], seed=12)
+    got = ours.module.forward_logits(sequences, chunk_size=5)
+    theirs.module.fuse_glue()  # the same glue, so only the projections differ
+    expected = theirs.module.forward_logits(sequences, chunk_size=5)
+    for mine, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, reference, rtol=5e-2, atol=5e-2)

@@ -1,0 +1,253 @@
+"""The compiled decoder stack: the per-layer path's logits bit for bit, which steps it runs,
+which models get it, and its refusals."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from attrs import evolve as attrs_evolve
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.engine.models.test_llama import make_tiny_model, random_sequences
+from twostroke.engine.attention.kernels import AttentionKernel
+from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
+from twostroke.engine.checkpoints.loader import load_model
+from twostroke.engine.kernels import build, stack
+from twostroke.engine.kernels.build import NativeBuildError
+from twostroke.engine.kernels.glue import decoder_glue
+from twostroke.engine.kernels.projection import (
+    ProjectionKernel,
+    ProjectionUnsupported,
+    build_projection,
+    projection_kernel,
+)
+from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack, load_stack
+from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.quantization import kernel_available
+
+# isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def projection() -> ProjectionKernel:
+    """The process's kernel, which models pack for."""
+    try:
+        build_projection()  # (raises why there is none)
+    except ProjectionUnsupported as error:
+        pytest.skip(str(error))
+    kernel = projection_kernel()
+    assert kernel is not None
+    return kernel
+
+
+@pytest.fixture(scope="module")
+def models(
+    projection: ProjectionKernel, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, LlamaForCausalLM]:
+    """Tiny decoders on the compiled kernels, by kind: llama (tied output projection) and
+    qwen2 (q/k/v biases, untied)."""
+    found = {}
+    for kind, tied in (("llama", True), ("qwen2", False)):
+        folder = tmp_path_factory.mktemp(kind)
+        make_tiny_model(kind, folder, seed=5, tie_word_embeddings=tied)
+        module = load_model(folder, dtype=torch.bfloat16, device=CPU, exact=False).module
+        assert module.stack is not None
+        found[kind] = module
+    return found
+
+
+def layer_by_layer(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The same model without its stack (shares the weights)."""
+    twin = LlamaForCausalLM.__new__(LlamaForCausalLM)
+    twin.__dict__.update(model.__dict__)
+    twin._stack = None
+    return twin
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["llama", "qwen2"]),
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
+    chunk=st.sampled_from([None, 1, 3, 8]),
+    block_size=st.sampled_from([4, 16]),
+)
+def test_logits_are_the_per_layer_paths_bit_for_bit(
+    models: dict[str, LlamaForCausalLM],
+    kind: str,
+    lengths: list[int],
+    chunk: int | None,
+    block_size: int,
+) -> None:
+    """Through prefills, chunks with history, decodes among them and decodes alone, in
+    partially filled blocks of tables that interleave the sequences' blocks."""
+    model = models[kind]
+    sequences = random_sequences(lengths, seed=sum(lengths))
+    expected = layer_by_layer(model).forward_logits(  # (builds the attention first)
+        sequences, chunk_size=chunk, block_size=block_size, kernel="native"
+    )
+    with build.timed() as timer:
+        got = model.forward_logits(
+            sequences, chunk_size=chunk, block_size=block_size, kernel="native"
+        )
+    for mine, reference in zip(got, expected, strict=True):
+        assert torch.equal(mine, reference)
+    steps = -(-max(lengths) // (chunk or max(lengths)))
+    assert timer.calls == 3 * steps  # the stack, the final norm and the output projection
+
+
+def test_steps_of_another_attention_kernel_run_layer_by_layer(
+    models: dict[str, LlamaForCausalLM],
+) -> None:
+    """The "bag" kernel's decodes and torch's prefills are not the compiled attention's."""
+    model = models["llama"]
+    sequences = random_sequences([5, 9], seed=3)
+    with build.timed() as timer:
+        got = model.forward_logits(sequences, chunk_size=4, kernel="bag")
+    expected = layer_by_layer(model).forward_logits(sequences, chunk_size=4, kernel="bag")
+    for mine, reference in zip(got, expected, strict=True):
+        assert torch.equal(mine, reference)
+    layers = model.config.num_layers
+    assert timer.calls > 3 * layers  # each layer's norms, projections and SiLU, one by one
+
+
+def step_of(
+    model: LlamaForCausalLM, kernel: AttentionKernel
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """One prefill of three tokens: its metadata and rotary tables."""
+    metadata = AttentionMetadata.build(
+        [ChunkSpec(0, 3, (0,))],
+        block_size=4,
+        num_blocks=2,
+        num_kv_heads=model.config.num_kv_heads,
+        dtype=model.dtype,
+        device=CPU,
+        num_heads=model.config.num_heads,
+        head_dim=model.config.head_dim,
+        kernel=kernel,
+    )
+    return metadata, torch.zeros(3, 1, model.config.head_dim, dtype=model.dtype)
+
+
+def test_what_it_was_not_built_for_is_refused(models: dict[str, LlamaForCausalLM]) -> None:
+    model = models["llama"]
+    compiled = model.stack
+    assert compiled is not None
+    cache = model.allocate_kv_cache(2, 4)
+    hidden = model.config.hidden_size
+    metadata, table = step_of(model, "native")
+    assert compiled.runs(metadata)
+    residual = torch.zeros(3, hidden, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"got residual torch\.float32 \(3, 64\)"):
+        compiled(residual.float(), table, table, metadata, cache)
+    with pytest.raises(ValueError, match=r"cos torch\.bfloat16 \(2, 1, 16\)"):
+        compiled(residual, table[:2], table, metadata, cache)
+    with pytest.raises(ValueError, match=r"cache \(3, 2, 2, 2, 4, 16\) in torch\.float32"):
+        compiled(residual, table, table, metadata, cache.__class__(cache.data.float()))
+    bag, _ = step_of(model, "bag")
+    assert not compiled.runs(bag)
+    with pytest.raises(ValueError, match="calls the compiled attention for this model's"):
+        compiled(residual, table, table, bag, cache)
+    other_blocks = model.allocate_kv_cache(1, 8)  # the kernel was built for blocks of 4
+    with pytest.raises(ValueError, match="and the cache's blocks only"):
+        compiled(residual, table, table, metadata, other_blocks)
+    assert torch.equal(residual, torch.zeros_like(residual))  # nothing ran
+
+
+def layers_of(model: LlamaForCausalLM) -> list[StackLayer]:
+    compiled = model.stack
+    assert compiled is not None
+    layers = compiled._kept[1]  # what it was built from
+    assert isinstance(layers, tuple)
+    return list(layers)
+
+
+def test_layers_that_do_not_fit_are_refused(
+    models: dict[str, LlamaForCausalLM], projection: ProjectionKernel
+) -> None:
+    model = models["llama"]
+    config = model.config
+    layers = layers_of(model)
+    glue = model.glue
+    assert glue is not None
+    function = load_stack()
+    shape = {
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "intermediate": config.intermediate_size,
+    }
+    assert isinstance(
+        build_stack(layers, function=function, glue=glue, projection=projection, **shape),
+        DecoderStack,
+    )
+    with pytest.raises(ValueError, match="at least one layer"):
+        build_stack([], function=function, glue=glue, projection=projection, **shape)
+    float32 = decoder_glue(hidden=glue.hidden, head_dim=glue.head_dim, dtype=torch.float32)
+    assert float32 is not None
+    with pytest.raises(ValueError, match=r"the glue is torch\.float32"):
+        build_stack(layers, function=function, glue=float32, projection=projection, **shape)
+    wider = {**shape, "intermediate": 2 * config.intermediate_size}
+    with pytest.raises(
+        ValueError, match=r"layer 0's gate_up projection maps 64 -> 256; .* 64 -> 512"
+    ):
+        build_stack(layers, function=function, glue=glue, projection=projection, **wider)
+    other = ProjectionKernel(projection.panel, projection.path, function=projection._function)
+    with pytest.raises(ValueError, match="layer 0's qkv projection is packed for another kernel"):
+        build_stack(layers, function=function, glue=glue, projection=other, **shape)
+    loose = [attrs_evolve(layers[0], post_norm=layers[0].post_norm.float()), *layers[1:]]
+    with pytest.raises(
+        ValueError, match=r"layer 0's norm weights must be contiguous torch\.bfloat16 \[64\]"
+    ):
+        build_stack(loose, function=function, glue=glue, projection=projection, **shape)
+
+
+def test_where_the_library_does_not_build_the_layers_run_one_by_one_with_one_warning(
+    models: dict[str, LlamaForCausalLM],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=True)  # models["llama"]
+    sequences = random_sequences([4, 7], seed=8)
+    # First, while a compiler is there: this builds the attention kernel the model without a
+    # stack also calls (it relied on an earlier test of this module having built it, and
+    # failed where pytest-xdist ran it first in its worker).
+    expected = models["llama"].forward_logits(sequences, chunk_size=3, kernel="native")
+    stack._library.cache_clear()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    try:
+        with pytest.raises(NativeBuildError, match="/nonexistent/cc"):
+            load_stack()
+        with caplog.at_level(logging.WARNING, logger=stack.__name__):
+            first = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False).module
+            second = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False).module
+    finally:
+        stack._library.cache_clear()
+    assert first.panels
+    assert first.glue is not None
+    assert first.stack is None
+    assert second.stack is None
+    said = [r for r in caplog.records if r.name == stack.__name__]
+    assert len(said) == 1  # once per process
+    assert "called one by one" in said[0].getMessage()
+    got = first.forward_logits(sequences, chunk_size=3, kernel="native")
+    for mine, reference in zip(got, expected, strict=True):
+        assert torch.equal(mine, reference)  # the same model, the same bits, the slow way
+
+
+def test_a_model_with_quantized_projections_has_no_stack(tmp_path: Path) -> None:
+    make_tiny_model("llama", tmp_path, seed=5)
+    if not kernel_available("fp16", CPU):
+        pytest.skip("no fp16 weight kernel in this torch")
+    loaded = load_model(
+        tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, quantization="fp16"
+    )
+    assert loaded.module.quantization == "fp16"
+    assert loaded.module.glue is not None
+    assert loaded.module.stack is None
