@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from rich.console import Console
@@ -28,9 +28,7 @@ from twostroke.engine.bench.metrics import (
     SystemResult,
     metrics,
 )
-
-if TYPE_CHECKING:
-    from twostroke.engine.bench.runner import BenchRun
+from twostroke.engine.bench.record import BenchRun
 
 __all__ = [
     "DEFAULT_REFERENCE",

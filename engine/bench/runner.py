@@ -15,7 +15,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,10 +29,10 @@ from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
 from twostroke.engine.bench.metrics import SystemResult, metrics
 from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
+from twostroke.engine.bench.record import BenchRun
 from twostroke.engine.bench.report import DEFAULT_REFERENCE, write_report
 from twostroke.engine.bench.roof import (
     MachineRoof,
-    WorkloadRoof,
     measure_machine,
     prepare_roof,
     roof_of_run,
@@ -47,7 +47,6 @@ from twostroke.engine.bench.workload import (
 from twostroke.states.scheduler_config import SchedulingPolicy
 
 __all__ = [
-    "BenchRun",
     "SystemDriver",
     "add_bench_arguments",
     "bench_command",
@@ -75,31 +74,6 @@ class SystemDriver(Protocol):
         May return an unavailable result (a workload shape it does not serve).
         """
         ...
-
-
-def _results(values: Iterable[SystemResult]) -> tuple[SystemResult, ...]:
-    return tuple(values)
-
-
-@attrs.frozen
-class BenchRun:
-    """One workload through several systems, with what a reader needs to repeat it.
-
-    Attributes:
-        workload: What every system ran.
-        model: On which weights, dtype and threads.
-        results: One per system, in the order they ran.
-        started_at: ISO 8601 time the run began.
-        machine: CPU, cores, OS, Python, torch.
-        roof: The workload's floor on this machine (``None``: not computed).
-    """
-
-    workload: Workload
-    model: ModelSpec
-    results: tuple[SystemResult, ...] = attrs.field(converter=_results)
-    started_at: str
-    machine: Mapping[str, Any] = attrs.field(eq=False)
-    roof: WorkloadRoof | None = None
 
 
 def machine_info() -> dict[str, Any]:
