@@ -1,15 +1,45 @@
-"""Engine configuration: one frozen value, validated when built."""
+"""Configuration: the engine's and the HTTP server's, each one frozen value, validated when built.
+
+:class:`EngineConfig` says how an engine batches, sizes its memory and shuts down;
+:class:`ServerConfig` holds the limits of ``twostroke serve``'s server. The server's value lives
+here, beside the engine's, and not in :mod:`twostroke.engine.server`: the ``twostroke`` command
+builds its ``serve`` flags from the class whatever the subcommand, and the server's package
+needs starlette, which ``twostroke generate`` does not.
+"""
 
 from __future__ import annotations
 
+import inspect
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import attrs
 
 from twostroke.states.scheduler_config import SchedulingPolicy
-from twostroke.states.validators import int_at_least, is_number, number_in, one_of
+from twostroke.states.validators import (
+    Validator,
+    int_at_least,
+    is_number,
+    number_in,
+    one_of,
+)
 
-__all__ = ["EngineConfig"]
+__all__ = [
+    "LOOPBACK_HOST_NAMES",
+    "EngineConfig",
+    "ServerConfig",
+    "host_names",
+    "parse_server_limit",
+    "server_config",
+    "server_field_docs",
+    "server_flag",
+    "server_flag_help",
+    "server_flag_metavar",
+    "server_limits_table",
+    "without_port",
+]
 
 
 def _check_kv_memory(_: object, __: object, value: Any) -> None:
@@ -114,3 +144,335 @@ class EngineConfig(SchedulingPolicy):
         default=None,
         validator=attrs.validators.optional(number_in(0, low_open=True)),
     )
+
+
+# --- the HTTP server ----------------------------------------------------------------------
+
+#: The ``Host`` names a server without an API key answers to when its ``allowed_hosts`` is
+#: ``None``, besides the address it binds.
+LOOPBACK_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def without_port(host: str) -> str:
+    """``host``, as a ``Host`` header gives it, without its port (``[::1]:8000``: ``[::1]``)."""
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def host_names(value: object) -> frozenset[str] | None:
+    """The allow-list ``value`` names, lower-cased (``None`` stays ``None``), if it is one.
+
+    Each entry is a host as it appears in a ``Host`` header without its port (``localhost``,
+    ``10.0.0.5``, ``[::1]``, ``llm.internal``), or ``*`` for any host; an IPv6 address gets
+    the brackets a ``Host`` header puts around it (``::1`` is ``[::1]``). The converter of
+    :attr:`ServerConfig.allowed_hosts`.
+
+    Raises:
+        TypeError: ``value`` is a string (not a list of them) or holds something else.
+        ValueError: an entry is empty or has a port or a space in it.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"allowed_hosts must be a list of host names, got {type(value).__name__} {value!r}"
+        )
+    hosts = set()
+    for host in value:
+        if not isinstance(host, str):
+            raise TypeError(
+                f"allowed_hosts entries must be str, got {type(host).__name__} {host!r}"
+            )
+        name = host.strip().lower()
+        if name.count(":") > 1 and not name.startswith("["):
+            name = f"[{name}]"  # an IPv6 address, as a Host header writes it
+        if not name or " " in name or without_port(name) != name:
+            raise ValueError(
+                f"allowed_hosts entries must be host names without a port, got {host!r}"
+            )
+        hosts.add(name)
+    return frozenset(hosts)
+
+
+def _seconds(*, zero: bool) -> Validator:
+    """An attrs validator: a finite number of seconds, above 0 (at least 0 with ``zero``)."""
+    rule = ">= 0" if zero else "> 0"
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not is_number(value):
+            raise TypeError(
+                f"{attribute.name} must be a number of seconds, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        if not ((value >= 0 if zero else value > 0) and math.isfinite(value)):
+            raise ValueError(f"{attribute.name} must be {rule} seconds and finite, got {value}")
+
+    return check
+
+
+#: How a limit given as text (a command-line flag) becomes its value, by the field's
+#: ``kind`` (its metadata): the parse, the words for what it wants, the flag's metavar.
+_FROM_TEXT: Mapping[str, tuple[Callable[[str], object], str, str]] = {
+    "count": (int, "an int", "N"),
+    "seconds": (float, "a number of seconds", "SECONDS"),
+    "hosts": (lambda text: text.split(","), "host names", "HOST,..."),
+}
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """What the HTTP server allows: its limits on requests, connections and time.
+
+    One value, validated when built, from ``twostroke serve``'s flags (one per field,
+    ``--max-body-bytes`` for ``max_body_bytes``) or in code, and handed to
+    :func:`~twostroke.engine.server.serve.serve` and
+    :func:`~twostroke.engine.server.app.build_app` as ``config=`` (or its fields as their
+    keywords). ``build_app`` uses the application's fields; ``max_connections``,
+    ``header_timeout`` and ``shutdown_timeout`` are the HTTP server's, which ``serve`` runs.
+    docs/serving.md's table of them is :func:`server_limits_table`'s output.
+
+    Args:
+        max_body_bytes: The largest request body accepted, in bytes: a larger one is a 413
+            ``invalid_request_error`` / ``request_too_large``, refused from its
+            ``Content-Length`` before a byte is read or as soon as a chunked body passes it,
+            never buffered; that connection is closed.
+        max_choices: The most choices one request may ask for, prompts × ``n`` (one engine
+            request each): more is a 400 ``invalid_request_error`` / ``too_many_choices``
+            (``param`` ``n``, or ``prompt`` when ``n`` is 1) before anything is tokenized.
+            Never more than ``max_waiting_requests``, since more could never be queued.
+        max_waiting_requests: The most engine requests waiting for admission (those whose
+            constraint compiles included; all replicas together behind a coordinator): a
+            request whose choices would pass it is a 503 ``server_error`` /
+            ``engine_overloaded`` with ``Retry-After: 1``, and none of its choices is queued.
+            ``twostroke serve`` gives the engine (each replica) the same limit, which it
+            enforces too (``EngineOverloaded``; an engine alone has none). ``None``: no limit
+            here.
+        allowed_hosts: Without an API key, the ``Host`` names answered (``*``: any; ``None``:
+            ``localhost``, ``127.0.0.1``, ``[::1]`` and the address the server binds): another
+            is a 403 ``invalid_request_error`` / ``host_not_allowed``. Names without a port,
+            comma-separated on the command line; ``/health`` and ``/metrics`` answer any
+            ``Host``.
+        max_connections: Connections served at once: a request on one more is a 503
+            ``server_error`` / ``too_many_connections`` with ``Retry-After: 1``, and that
+            connection is closed.
+        header_timeout: Seconds a connection has to send a request's headers, from its start
+            or its previous response (idle keep-alive connections too): a later one is closed
+            without an answer.
+        body_timeout: Seconds a request body may take after its headers: a later one is a 408
+            ``invalid_request_error`` / ``request_timeout``, and that connection is closed.
+        shutdown_timeout: Seconds open responses may take to finish once the server is
+            cancelled (SIGTERM or Ctrl-C for ``twostroke serve``; 0: none): meanwhile a new
+            request is a 503 ``server_error`` / ``server_shutting_down``; at the end an open
+            stream gets an ``error`` event with that type and code and ``[DONE]``, a request
+            not yet answered the 503.
+        keepalive: Seconds of silence on a stream before a keep-alive comment
+            (``: keep-alive``), so that proxies do not time the stream out.
+
+    Raises:
+        TypeError: a value of the wrong type (a bool is not a number); the message names the
+            field and the value.
+        ValueError: a value out of its field's range.
+    """
+
+    # Enough for a whole context as a prompt, with room to spare. Take Llama 3.1's context,
+    # 131,072 tokens. As token ids a prompt takes at most 8 bytes a token ("128255, "):
+    # 1 MiB. As text, an English token is about 4 characters; the worst common case is text
+    # JSON-escaped to ASCII (Python's json.dumps default), where a CJK character becomes
+    # \uXXXX (6 bytes) at about 1.5 characters a token: 9 bytes a token, about 1.2 MiB.
+    # 8 MiB leaves room for chat framing, a batch of prompts or 64 bytes a token, while no
+    # request holds more than 8 MiB of raw body (its decoded JSON is a small multiple of that).
+    max_body_bytes: int = attrs.field(
+        default=8 * 1024 * 1024, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    # As n's own limit (MAX_N): a body of 1.7 KB with 400 one-token prompts and n=128 asked
+    # for 51,200 engine requests and stalled the server for minutes.
+    max_choices: int = attrs.field(
+        default=128, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    # 16 batches of the default max_num_seqs (64). The last request in a full queue waits for
+    # about 16 rounds of generation, already a long wait for an interactive client, and beyond
+    # it a client is better told at once, with a 503 and Retry-After, than kept waiting
+    # (Ollama's OLLAMA_MAX_QUEUE is 512). A full queue holds 1024 prompts: 2 million token ids
+    # at a 2048-token context, well under 100 MB. An offline batch is no reason for more:
+    # LLM.generate queues in-process, unlimited (the engine's own default).
+    max_waiting_requests: int | None = attrs.field(
+        default=1024, validator=int_at_least(1, optional=True), metadata={"kind": "count"}
+    )
+    allowed_hosts: frozenset[str] | None = attrs.field(
+        default=None, converter=host_names, metadata={"kind": "hosts"}
+    )
+    # Each connection is a file descriptor, and the usual soft limit of a process is 1,024; a
+    # streaming client holds one connection per open request, and an engine runs a few dozen
+    # requests at a time (max_num_seqs, 64 by default), so 512 leaves room for a long queue.
+    max_connections: int = attrs.field(
+        default=512, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    # A client on any network sends a few hundred bytes of headers in well under a second;
+    # one that takes longer is holding the connection open (a "slowloris").
+    header_timeout: float = attrs.field(
+        default=10.0, validator=_seconds(zero=False), metadata={"kind": "seconds"}
+    )
+    # The default body limit, 8 MiB, takes 7 s at 10 Mbit/s; a prompt of a few kilobytes
+    # takes milliseconds. A client slower than that is holding a connection, not sending.
+    body_timeout: float = attrs.field(
+        default=60.0, validator=_seconds(zero=False), metadata={"kind": "seconds"}
+    )
+    shutdown_timeout: float = attrs.field(
+        default=5.0, validator=_seconds(zero=True), metadata={"kind": "seconds"}
+    )
+    # Under the 30-60 s read timeouts that proxies default to.
+    keepalive: float = attrs.field(
+        default=15.0, validator=_seconds(zero=False), metadata={"kind": "seconds"}
+    )
+
+    def hosts_answered(self, host: str | None = None) -> frozenset[str]:
+        """The ``Host`` names answered without an API key by a server bound to ``host``.
+
+        ``allowed_hosts``, or where it is ``None`` :data:`LOOPBACK_HOST_NAMES` and ``host``
+        (an IPv6 address in brackets), lower-cased.
+
+        Raises:
+            ValueError: ``host`` cannot be a ``Host`` name (a space in it, say).
+        """
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        if host is None:
+            return LOOPBACK_HOST_NAMES
+        bound = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        names = host_names((*LOOPBACK_HOST_NAMES, bound))
+        assert names is not None  # a tuple is never None
+        return names
+
+
+def server_config(config: object, limits: Mapping[str, Any], *, caller: str) -> ServerConfig:
+    """The :class:`ServerConfig` a call was given: ``config=``, or one of its fields' keywords.
+
+    Args:
+        config: The caller's ``config`` argument: a ``ServerConfig`` or ``None``.
+        limits: The caller's other keywords, each a field of ``ServerConfig``.
+        caller: The caller's name, for the messages (``"serve"``).
+
+    Raises:
+        TypeError: a keyword that is no field (the message lists the fields), ``config`` that
+            is no ``ServerConfig``, or ``config`` and keywords together.
+        ValueError: a field's value out of its range.
+    """
+    names = attrs.fields_dict(ServerConfig)
+    unknown = sorted(name for name in limits if name not in names)
+    if unknown:
+        raise TypeError(
+            f"{caller}() got an unexpected keyword argument {unknown[0]!r}: the server's "
+            f"limits are ServerConfig's fields ({', '.join(names)})"
+        )
+    if config is None:
+        return ServerConfig(**limits)
+    if not isinstance(config, ServerConfig):
+        raise TypeError(f"config must be a ServerConfig or None, got {type(config).__name__}")
+    if limits:
+        raise TypeError(
+            f"{caller}() takes the server's limits as config= or as keywords, not both: "
+            f"got config and {', '.join(sorted(limits))}"
+        )
+    return config
+
+
+def parse_server_limit(name: str, text: str) -> object:
+    """The value of :class:`ServerConfig`'s field ``name`` given as ``text`` (a flag), checked.
+
+    Raises:
+        ValueError: ``text`` is not what the field takes, or its value is out of range (the
+            messages are the field's own: ``"max_connections must be >= 1, got 0"``).
+        TypeError: from the field's check, as for a value given in code.
+    """
+    field = attrs.fields_dict(ServerConfig)[name]
+    parse, wanted, _ = _FROM_TEXT[field.metadata["kind"]]
+    try:
+        value: Any = parse(text)  # the field's check, in ServerConfig, says what it must be
+    except ValueError:
+        raise ValueError(f"{name} must be {wanted}, got {text!r}") from None
+    return getattr(ServerConfig(**{name: value}), name)
+
+
+def server_field_docs() -> dict[str, str]:
+    """Each field of :class:`ServerConfig` and its text in the class's ``Args:``, one line.
+
+    Empty where Python runs without docstrings (``-OO``).
+
+    Raises:
+        ValueError: a field the docstring does not document.
+    """
+    if ServerConfig.__doc__ is None:
+        return {}
+    docstring = inspect.cleandoc(ServerConfig.__doc__)
+    _, _, after = docstring.partition("\nArgs:\n")
+    docs: dict[str, list[str]] = {}
+    for line in after.splitlines():
+        if line and not line.startswith(" "):
+            break  # the next section
+        entry = re.fullmatch(r" {4}(\w+): (.*)", line)
+        if entry:
+            docs[entry[1]] = [entry[2]]
+        elif docs and line.startswith(" " * 8):
+            docs[list(docs)[-1]].append(line.strip())
+    missing = [name for name in attrs.fields_dict(ServerConfig) if name not in docs]
+    if missing:
+        raise ValueError(f"ServerConfig's docstring documents no {', '.join(missing)}")
+    return {name: " ".join(lines) for name, lines in docs.items()}
+
+
+def server_flag(name: str) -> str:
+    """The ``twostroke serve`` flag of :class:`ServerConfig`'s field ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def server_flag_metavar(name: str) -> str:
+    """How ``--help`` shows the value of the flag of ``name`` (``N``, ``SECONDS``)."""
+    return _FROM_TEXT[attrs.fields_dict(ServerConfig)[name].metadata["kind"]][2]
+
+
+def server_flag_help(name: str) -> str:
+    """The ``--help`` text of the flag of ``name``: its doc's first clause and its default.
+
+    (For argparse, which formats help with ``%``: a ``%`` in the doc is doubled.)
+    """
+    doc = server_field_docs().get(name, name.replace("_", " ")).replace("``", "")
+    depth = 0
+    for index, character in enumerate(doc):
+        depth += {"(": 1, ")": -1}.get(character, 0)
+        if depth == 0 and (character == ":" or doc.startswith(". ", index)):
+            doc = doc[:index]
+            break
+    doc = doc.removesuffix(".").replace("%", "%%")
+    default = attrs.fields_dict(ServerConfig)[name].default
+    if default is None:
+        return doc
+    return (
+        f"{doc} (default: {default:g})"
+        if isinstance(default, float)
+        else f"{doc} (default: {default})"
+    )
+
+
+def server_limits_table() -> str:
+    """docs/serving.md's table of the server's limits, drawn from :class:`ServerConfig`.
+
+    One row per field: its name, its ``twostroke serve`` flag, its default and its doc. The
+    docs paste this output and a test fails when the two diverge, so the table can never
+    disagree with the class.
+
+    Returns:
+        The Markdown table, one row per line, without a trailing newline.
+    """
+    docs = server_field_docs()
+    if not docs:
+        raise ValueError("ServerConfig has no docstring to draw the table from (python -OO)")
+    lines = ["| field | flag | default | limit |", "|---|---|---|---|"]
+    for field in attrs.fields(ServerConfig):
+        doc = re.sub(r"``(.+?)``", r"`\1`", docs[field.name])
+        if "|" in doc:
+            raise ValueError(f"ServerConfig.{field.name}'s doc has a '|', which ends a cell")
+        lines.append(
+            f"| `{field.name}` | `{server_flag(field.name)}` | `{field.default!r}` | {doc} |"
+        )
+    return "\n".join(lines)

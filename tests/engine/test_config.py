@@ -9,6 +9,15 @@ import attrs
 import pytest
 
 from twostroke.engine import EngineConfig
+from twostroke.engine.config import (
+    LOOPBACK_HOST_NAMES,
+    ServerConfig,
+    parse_server_limit,
+    server_config,
+    server_flag_help,
+    server_flag_metavar,
+    without_port,
+)
 
 
 @pytest.mark.parametrize(
@@ -131,3 +140,181 @@ def test_defaults() -> None:
     config = EngineConfig()
     assert (config.pipeline_depth, config.shutdown, config.dtype) == (2, "drain", "auto")
     assert config.enable_prefix_caching is True
+
+
+# --- ServerConfig ---------------------------------------------------------------------------
+
+
+def test_the_server_defaults() -> None:
+    """The limits docs/serving.md explains (8 MiB, 128 choices, 16 batches of 64, ...)."""
+    assert ServerConfig() == ServerConfig(
+        max_body_bytes=8 * 2**20,
+        max_choices=128,
+        max_waiting_requests=1024,
+        allowed_hosts=None,
+        max_connections=512,
+        header_timeout=10.0,
+        body_timeout=60.0,
+        shutdown_timeout=5.0,
+        keepalive=15.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"max_body_bytes": 0}, ValueError, "max_body_bytes must be >= 1, got 0"),
+        ({"max_body_bytes": True}, TypeError, "max_body_bytes must be an int, got bool True"),
+        ({"max_choices": 2.0}, TypeError, "max_choices must be an int, got float 2.0"),
+        ({"max_choices": None}, TypeError, "max_choices must be an int, got NoneType None"),
+        ({"max_waiting_requests": 0}, ValueError, "max_waiting_requests must be >= 1, got 0"),
+        (
+            {"max_waiting_requests": "9"},
+            TypeError,
+            "max_waiting_requests must be an int, got str '9'",
+        ),
+        (
+            {"allowed_hosts": "localhost"},
+            TypeError,
+            "allowed_hosts must be a list of host names, got str 'localhost'",
+        ),
+        (
+            {"allowed_hosts": ["localhost:8000"]},
+            ValueError,
+            "allowed_hosts entries must be host names without a port, got 'localhost:8000'",
+        ),
+        ({"allowed_hosts": [7]}, TypeError, "allowed_hosts entries must be str, got int 7"),
+        ({"max_connections": 0}, ValueError, "max_connections must be >= 1, got 0"),
+        (
+            {"header_timeout": 0},
+            ValueError,
+            "header_timeout must be > 0 seconds and finite, got 0",
+        ),
+        (
+            {"header_timeout": float("inf")},
+            ValueError,
+            "header_timeout must be > 0 seconds and finite, got inf",
+        ),
+        (
+            {"body_timeout": float("nan")},
+            ValueError,
+            "body_timeout must be > 0 seconds and finite, got nan",
+        ),
+        (
+            {"body_timeout": "5"},
+            TypeError,
+            "body_timeout must be a number of seconds, got str '5'",
+        ),
+        (
+            {"shutdown_timeout": -1},
+            ValueError,
+            "shutdown_timeout must be >= 0 seconds and finite, got -1",
+        ),
+        (
+            {"shutdown_timeout": True},
+            TypeError,
+            "shutdown_timeout must be a number of seconds, got bool True",
+        ),
+        ({"keepalive": 0}, ValueError, "keepalive must be > 0 seconds and finite, got 0"),
+    ],
+)
+def test_bad_server_config(options: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        ServerConfig(**options)
+
+
+@pytest.mark.parametrize("field", [field.name for field in attrs.fields(ServerConfig)])
+def test_every_server_field_rejects_a_wrong_type(field: str) -> None:
+    optional = {field.name for field in attrs.fields(ServerConfig) if field.default is None}
+    optional.add("max_waiting_requests")  # None: no limit but the engine's own
+    if field not in optional:
+        with pytest.raises(TypeError, match=f"^{field} must be "):
+            ServerConfig(**{field: None})
+    with pytest.raises(TypeError, match=f"^{field} "):
+        ServerConfig(**{field: [1] if field != "allowed_hosts" else [1.5]})
+
+
+def test_the_server_config_is_frozen_and_zero_grace_is_allowed() -> None:
+    config = ServerConfig(shutdown_timeout=0, max_waiting_requests=None)
+    assert (config.shutdown_timeout, config.max_waiting_requests) == (0, None)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        config.max_choices = 4  # type: ignore[misc]
+
+
+def test_the_hosts_answered_are_the_loopback_names_and_the_address_bound() -> None:
+    assert ServerConfig().hosts_answered() == LOOPBACK_HOST_NAMES
+    assert ServerConfig().hosts_answered("10.0.0.5") == LOOPBACK_HOST_NAMES | {"10.0.0.5"}
+    assert ServerConfig().hosts_answered("FE80::1") == LOOPBACK_HOST_NAMES | {"[fe80::1]"}
+    assert ServerConfig().hosts_answered("[fe80::1]") == LOOPBACK_HOST_NAMES | {"[fe80::1]"}
+    given = ServerConfig(allowed_hosts=["LLM.internal", "::1", "*"])
+    assert given.allowed_hosts == frozenset({"llm.internal", "[::1]", "*"})
+    assert given.hosts_answered("10.0.0.5") == given.allowed_hosts  # given: taken as it is
+    assert without_port("[::1]:8000") == "[::1]"
+    assert without_port("localhost:8000") == "localhost"
+    assert without_port("fe80::1") == "fe80::1"  # not a port: an address without brackets
+
+
+def test_a_call_takes_a_server_config_or_its_fields_never_both() -> None:
+    config = ServerConfig(max_choices=4)
+    assert server_config(None, {}, caller="serve") == ServerConfig()
+    assert server_config(config, {}, caller="serve") is config
+    assert server_config(None, {"max_choices": 4}, caller="serve") == config
+    with pytest.raises(TypeError) as both:
+        server_config(config, {"max_choices": 4, "keepalive": 1}, caller="serve")
+    assert str(both.value) == (
+        "serve() takes the server's limits as config= or as keywords, not both: "
+        "got config and keepalive, max_choices"
+    )
+    with pytest.raises(TypeError) as unknown:
+        server_config(None, {"max_conections": 4}, caller="build_app")
+    assert str(unknown.value) == (
+        "build_app() got an unexpected keyword argument 'max_conections': the server's "
+        "limits are ServerConfig's fields (max_body_bytes, max_choices, max_waiting_requests, "
+        "allowed_hosts, max_connections, header_timeout, body_timeout, shutdown_timeout, "
+        "keepalive)"
+    )
+    with pytest.raises(TypeError, match=r"^config must be a ServerConfig or None, got dict$"):
+        server_config({"max_choices": 4}, {}, caller="serve")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "value"),
+    [
+        ("max_body_bytes", "1024", 1024),
+        ("max_waiting_requests", "64", 64),
+        ("header_timeout", "2.5", 2.5),
+        ("shutdown_timeout", "0", 0.0),
+        ("allowed_hosts", "a.example,[::1]", frozenset({"a.example", "[::1]"})),
+    ],
+)
+def test_a_limit_given_as_text(name: str, text: str, value: object) -> None:
+    assert parse_server_limit(name, text) == value
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("max_connections", "many", "max_connections must be an int, got 'many'"),
+        ("max_choices", "1.5", "max_choices must be an int, got '1.5'"),
+        ("body_timeout", "10s", "body_timeout must be a number of seconds, got '10s'"),
+        ("max_connections", "0", "max_connections must be >= 1, got 0"),
+        ("allowed_hosts", "a,,b", "allowed_hosts entries must be host names without a port, "
+         "got ''"),
+    ],
+)  # fmt: skip
+def test_a_bad_limit_given_as_text(name: str, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        parse_server_limit(name, text)
+
+
+def test_the_flag_help_is_the_doc_s_first_clause_and_the_default() -> None:
+    assert server_flag_help("max_connections") == "Connections served at once (default: 512)"
+    assert server_flag_help("body_timeout") == (
+        "Seconds a request body may take after its headers (default: 60)"
+    )
+    assert server_flag_help("keepalive") == (
+        "Seconds of silence on a stream before a keep-alive comment (: keep-alive), so that "
+        "proxies do not time the stream out (default: 15)"
+    )
+    assert server_flag_help("allowed_hosts").endswith("and the address the server binds)")
+    assert server_flag_metavar("allowed_hosts") == "HOST,..."
