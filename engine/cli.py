@@ -12,12 +12,20 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import anyio
+import attrs
 
+from twostroke.engine.config import (
+    ServerConfig,
+    parse_server_limit,
+    server_flag,
+    server_flag_help,
+    server_flag_metavar,
+)
 from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.engine.surface import open_surface
@@ -114,72 +122,33 @@ def _regex(pattern: str) -> Constraint:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _max_body_bytes(text: str) -> int:
-    """``--max-body-bytes``: checked as it is parsed, before any model is loaded."""
-    from twostroke.engine.server.body import check_max_body_bytes
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of :class:`~twostroke.engine.config.ServerConfig`, with its default.
 
+    Each is checked as it is parsed, by the field's own check, before any model is loaded.
+    """
+    for field in attrs.fields(ServerConfig):
+        parser.add_argument(
+            server_flag(field.name),
+            type=partial(_server_limit, field.name),
+            default=field.default,
+            metavar=server_flag_metavar(field.name),
+            help=server_flag_help(field.name),
+        )
+
+
+def _server_limit(name: str, text: str) -> object:
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"max_body_bytes must be an int, got {text!r}") from None
-    try:
-        return check_max_body_bytes(value)
-    except ValueError as exc:
+        return parse_server_limit(name, text)
+    except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _count(name: str) -> Callable[[str], int]:
-    """An argparse type: an int of at least 1, named ``name`` in its error."""
-
-    def parse(text: str) -> int:
-        from twostroke.states.validators import check_int_at_least
-
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
-        try:
-            return check_int_at_least(name, value, 1)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
-
-
-def _limit(name: str) -> Callable[[str], object]:
-    """An argparse type for the server limit ``name``, checked by the server's own check.
-
-    The check is imported when an argument is parsed: the server's modules need starlette,
-    which ``twostroke generate`` does not.
-    """
-
-    def parse(text: str) -> object:
-        from twostroke.engine.server import guards, transport
-
-        checks: dict[str, Callable[[Any], object]] = {
-            "allowed_hosts": guards.check_allowed_hosts,
-            "max_connections": transport.check_max_connections,
-            "header_timeout": partial(guards.check_timeout, "header_timeout"),
-            "body_timeout": partial(guards.check_timeout, "body_timeout"),
-            "shutdown_timeout": transport.check_shutdown_timeout,
-        }
-        value: object
-        try:
-            if name == "allowed_hosts":
-                value = text.split(",")
-            elif name == "max_connections":
-                value = int(text)
-            else:
-                value = float(text)
-        except ValueError:
-            kind = "an int" if name == "max_connections" else "a number of seconds"
-            raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
-        try:
-            return checks[name](value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ``serve`` command's limits: its flags, each field's default where one is absent."""
+    return ServerConfig(
+        **{field.name: getattr(args, field.name) for field in attrs.fields(ServerConfig)}
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,67 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("TWOSTROKE_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $TWOSTROKE_API_KEY)",
     )
-    serve.add_argument(
-        "--allowed-hosts",
-        type=_limit("allowed_hosts"),
-        default=None,
-        metavar="HOST,...",
-        help="without an API key, answer only requests whose Host is one of these ('*': any; "
-        "default: localhost, 127.0.0.1, [::1] and --host)",
-    )
-    serve.add_argument(
-        "--max-connections",
-        type=_limit("max_connections"),
-        default=None,
-        metavar="N",
-        help="serve at most N connections at once; one more gets a 503 (default: 512)",
-    )
-    serve.add_argument(
-        "--header-timeout",
-        type=_limit("header_timeout"),
-        default=None,
-        metavar="SECONDS",
-        help="close a connection whose request headers take longer (default: 10)",
-    )
-    serve.add_argument(
-        "--body-timeout",
-        type=_limit("body_timeout"),
-        default=None,
-        metavar="SECONDS",
-        help="answer 408 to a request body that takes longer after its headers (default: 60)",
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=_limit("shutdown_timeout"),
-        default=None,
-        metavar="SECONDS",
-        help="on SIGTERM or Ctrl-C, let open responses finish this long (default: 5)",
-    )
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     _quantization_argument(serve)
-    serve.add_argument(
-        "--max-body-bytes",
-        type=_max_body_bytes,
-        default=None,  # the server's own default; importing it here would need starlette
-        metavar="N",
-        help="refuse a request body over N bytes with a 413 (default: 8 MiB)",
-    )
-    serve.add_argument(
-        "--max-choices",
-        type=_count("max_choices"),
-        default=None,
-        metavar="N",
-        help="refuse a request for more than N choices (prompts x n) with a 400 (default: 128)",
-    )
-    serve.add_argument(
-        "--max-waiting-requests",
-        type=_count("max_waiting_requests"),
-        default=None,
-        metavar="N",
-        help="answer 503 with Retry-After when a request's choices would make more than N "
-        "requests wait for admission (default: 1024)",
-    )
+    _server_arguments(serve)
     _replica_arguments(serve)
 
     from twostroke.engine.artifacts.command import add_cache_arguments
@@ -425,25 +337,21 @@ async def _demo(args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     from twostroke.engine.server import serve
-    from twostroke.engine.server.app import DEFAULT_MAX_WAITING_REQUESTS
-    from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
-    from twostroke.engine.server.protocol import DEFAULT_MAX_CHOICES
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = _server_config(args)
     options: dict[str, Any] = {
         "device": args.device,
         "model_name": args.served_model_name,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        # The engine (each replica's) refuses past it too: the server's check counts the
+        # coordinator's replicas together, from statistics a process replica reports late.
+        "max_waiting_requests": config.max_waiting_requests,
         **_quantization(args),
     }
-    max_waiting_requests = args.max_waiting_requests or DEFAULT_MAX_WAITING_REQUESTS
-    # The engine (each replica's) refuses past it too: the server's check counts the
-    # coordinator's replicas together, from statistics a process replica reports late.
-    options["max_waiting_requests"] = max_waiting_requests
     # The server takes any engine surface: a coordinator over replicas is one.
     opened = open_surface(args.model, replicas=args.replicas, placement=args.placement, **options)
-    max_body_bytes = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     async with opened as engine:
         # What is alive now (torch, the model) lives as long as the process: frozen, the
         # collector no longer walks it at every full collection (as vLLM does). A burst of
@@ -460,10 +368,7 @@ async def _serve(args: argparse.Namespace) -> None:
                         args.host,
                         args.port,
                         api_key=args.api_key,
-                        max_body_bytes=max_body_bytes,
-                        **_server_limits(args),
-                        max_choices=args.max_choices or DEFAULT_MAX_CHOICES,
-                        max_waiting_requests=max_waiting_requests,
+                        config=config,
                         access_log=True,
                     )
                 )
@@ -475,13 +380,6 @@ async def _serve(args: argparse.Namespace) -> None:
                 async for _ in signals:
                     task_group.cancel_scope.cancel()
                     break
-
-
-def _server_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The limits given on the command line (those not given keep ``serve()``'s defaults)."""
-    names = ("allowed_hosts", "max_connections", "header_timeout", "body_timeout",
-             "shutdown_timeout")  # fmt: skip
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ a plain ASGI callable (not a Starlette request/response function) because it mus
 is read under a size limit (:mod:`~twostroke.engine.server.body`): a larger one is a 413.
 
 What one request may ask of the engine is checked from its body alone, before any prompt is
-tokenized: at most ``max_choices`` choices (prompts × ``n``, a 400), sampling parameters within
+tokenized (the limits are a :class:`~twostroke.engine.config.ServerConfig`): at most
+``max_choices`` choices (prompts × ``n``, a 400), sampling parameters within
 :class:`~twostroke.states.params.SamplingParams`' caps (a 400 naming the field), and room in
 the waiting queue for all of its choices (``max_waiting_requests``: a 503 with
 ``Retry-After``). A request's choices are queued whole or not at all. The prompts then go to
@@ -25,7 +26,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -36,9 +37,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from twostroke.engine.config import ServerConfig, server_config
 from twostroke.engine.errors import EngineError, EngineOverloaded
 from twostroke.engine.server import protocol
-from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES, check_max_body_bytes, read_body
+from twostroke.engine.server.body import read_body
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
 from twostroke.engine.server.generation import (
     ChatFormat,
@@ -46,36 +48,17 @@ from twostroke.engine.server.generation import (
     Format,
     Generation,
 )
-from twostroke.engine.server.guards import (
-    DEFAULT_ALLOWED_HOSTS,
-    DEFAULT_BODY_TIMEOUT,
-    Guards,
-    ServerShutdown,
-    check_allowed_hosts,
-    check_timeout,
-)
+from twostroke.engine.server.guards import Guards, ServerShutdown
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
-from twostroke.states.validators import check_int_at_least
 
-__all__ = ["DEFAULT_MAX_WAITING_REQUESTS", "KEEPALIVE_SECONDS", "build_app"]
+__all__ = ["build_app"]
 
 logger = logging.getLogger("twostroke.server")
-
-#: Seconds of silence on a stream before a keep-alive comment goes out.
-KEEPALIVE_SECONDS = 15.0
-
-#: The server's default ``max_waiting_requests``: 16 batches of the default ``max_num_seqs``
-#: (64). The last request in a full queue waits for about 16 rounds of generation, already a
-#: long wait for an interactive client, and beyond it a client is better told at once, with a
-#: 503 and ``Retry-After``, than kept waiting (Ollama's ``OLLAMA_MAX_QUEUE`` is 512). A full
-#: queue holds 1024 prompts: 2 million token ids at a 2048-token context, well under 100 MB.
-#: An offline batch is no reason for more: ``LLM.generate`` queues in-process, unlimited.
-DEFAULT_MAX_WAITING_REQUESTS = 1024
 
 _Handler = Callable[[Request, Receive, Send], Awaitable[None]]
 
@@ -300,13 +283,9 @@ def build_app(
     engine: EngineSurface,
     *,
     api_key: str | None = None,
-    keepalive: float = KEEPALIVE_SECONDS,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_choices: int = protocol.DEFAULT_MAX_CHOICES,
-    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-    allowed_hosts: Iterable[str] = DEFAULT_ALLOWED_HOSTS,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    config: ServerConfig | None = None,
     shutdown: ServerShutdown | None = None,
+    **limits: Any,
 ) -> Starlette:
     """The ASGI application serving ``engine`` with OpenAI's API.
 
@@ -318,36 +297,25 @@ def build_app(
             coordinator over replicas).
         api_key: If given, every route but ``/health`` and ``/metrics`` wants
             ``Authorization: Bearer <api_key>``.
-        keepalive: Seconds of silence on a stream before a keep-alive comment.
-        max_body_bytes: The largest request body accepted, in bytes; a larger one is a 413
-            (``request_too_large``), refused before or while it is read, never buffered
-            (default :data:`~twostroke.engine.server.body.DEFAULT_MAX_BODY_BYTES`, 8 MiB).
-        max_choices: The most choices one request may ask for, prompts × ``n`` (one engine
-            request each); more is a 400 (``too_many_choices``) before anything is tokenized
-            (default :data:`~twostroke.engine.server.protocol.DEFAULT_MAX_CHOICES`, 128;
-            never more than ``max_waiting_requests``).
-        max_waiting_requests: The most engine requests that may wait for admission
-            (``statistics().num_waiting``): a request whose choices would pass it is a 503
-            (``engine_overloaded``, ``Retry-After``) before anything is tokenized (default
-            :data:`DEFAULT_MAX_WAITING_REQUESTS`, 1024; ``None``: no limit here, only the
-            engine's own ``max_waiting_requests``, if any).
-        allowed_hosts: Without an API key, the ``Host`` names answered (``*``: any); any
-            other is a 403 (``host_not_allowed``). See :mod:`~twostroke.engine.server.guards`.
-        body_timeout: Seconds a request body may take to arrive after its headers; a later
-            one is a 408 (``request_timeout``).
+        config: The server's limits (default: ``ServerConfig()``'s). The application uses
+            ``max_body_bytes``, ``max_choices`` (never more than ``max_waiting_requests``),
+            ``max_waiting_requests`` (checked against ``statistics().num_waiting``; ``None``:
+            only the engine's own limit, if any), ``allowed_hosts`` (``None``: the loopback
+            names; see :mod:`~twostroke.engine.server.guards`), ``body_timeout`` and
+            ``keepalive``; the others are the HTTP server's, which
+            :func:`~twostroke.engine.server.serve.serve` runs.
         shutdown: Lets the server that runs the application end open responses gracefully
             (:func:`~twostroke.engine.server.serve.serve` passes one).
+        **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
+            (``max_choices=4``), instead of ``config``.
 
     Every ``POST`` wants ``Content-Type: application/json`` (else a 415).
 
     Raises:
-        TypeError: ``engine`` lacks the engine surface, ``api_key`` is not a string,
-            ``max_body_bytes`` is not an int, ``allowed_hosts`` is not a list of strings, or
-            ``body_timeout`` is not a number.
-        ValueError: ``api_key`` is empty, ``keepalive`` or ``body_timeout`` is not positive,
-            ``max_body_bytes`` is below 1, or an allowed host is empty or has a port.
-        TypeError, ValueError: ``max_choices`` or ``max_waiting_requests`` is not an int
-            of at least 1.
+        TypeError: ``engine`` lacks the engine surface, ``api_key`` is not a string, a
+            keyword is no field of ``ServerConfig``, or ``config`` comes with keywords.
+        ValueError: ``api_key`` is empty.
+        TypeError, ValueError: a limit's value, as ``ServerConfig`` refuses it.
     """
     if not isinstance(engine, EngineSurface):
         raise TypeError(f"engine must have the engine surface, got {type(engine).__name__}")
@@ -355,22 +323,18 @@ def build_app(
         raise TypeError(f"api_key must be a str or None, got {type(api_key).__name__}")
     if api_key == "":
         raise ValueError("api_key must not be empty, got ''")
-    if not keepalive > 0:
-        raise ValueError(f"keepalive must be > 0 seconds, got {keepalive}")
-    check_max_body_bytes(max_body_bytes)
-    check_int_at_least("max_choices", max_choices, 1)
-    if max_waiting_requests is not None:
-        check_int_at_least("max_waiting_requests", max_waiting_requests, 1)
-        max_choices = min(max_choices, max_waiting_requests)  # more could never be queued
-    hosts = check_allowed_hosts(allowed_hosts)
-    body_timeout = check_timeout("body_timeout", body_timeout)
+    config = server_config(config, limits, caller="build_app")
+    max_choices = config.max_choices
+    if config.max_waiting_requests is not None:  # more could never be queued
+        max_choices = min(max_choices, config.max_waiting_requests)
+    hosts = config.hosts_answered()
     handlers = _OpenAI(
         engine,
         ServerMetrics(engine),
-        keepalive,
-        max_body_bytes,
+        config.keepalive,
+        config.max_body_bytes,
         max_choices=max_choices,
-        max_waiting_requests=max_waiting_requests,
+        max_waiting_requests=config.max_waiting_requests,
     )
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
@@ -393,7 +357,7 @@ def build_app(
                 Guards,
                 api_key=api_key is not None,
                 allowed_hosts=hosts,
-                body_timeout=body_timeout,
+                body_timeout=config.body_timeout,
                 shutdown=shutdown,
             )
         ],

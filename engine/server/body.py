@@ -5,7 +5,8 @@ Starlette's ``request.body()`` buffers whatever the client sends. Here a declare
 without one (``Transfer-Encoding: chunked``) is refused as soon as what was read passes the
 limit; either way the answer is a 413 in OpenAI's error shape, and the server closes that
 connection after it (as Go's ``MaxBytesReader`` and nginx's ``client_max_body_size`` do): the
-rest of the body is never read.
+rest of the body is never read. The limit is the server's
+:attr:`~twostroke.engine.config.ServerConfig.max_body_bytes`.
 """
 
 from __future__ import annotations
@@ -17,38 +18,10 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 
 from twostroke.engine.server.errors import ApiError
-from twostroke.states.validators import check_int_at_least
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "body_too_large", "check_max_body_bytes", "read_body"]
-
-#: The default limit on a request body: 8 MiB.
-#:
-#: Enough for a whole context as a prompt, with room to spare. Take Llama 3.1's context,
-#: 131,072 tokens. As token ids a prompt takes at most 8 bytes a token (``"128255, "``):
-#: 1 MiB. As text, an English token is about 4 characters; the worst common case is text
-#: JSON-escaped to ASCII (Python's ``json.dumps`` default), where a CJK character becomes
-#: ``\uXXXX`` (6 bytes) at about 1.5 characters a token: 9 bytes a token, about 1.2 MiB.
-#: 8 MiB leaves room for chat framing, a batch of prompts or 64 bytes a token, while no
-#: request holds more than 8 MiB of raw body (its decoded JSON is a small multiple of that).
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+__all__ = ["body_too_large", "read_body"]
 
 _DIGITS = re.compile(r"[0-9]+")
-
-
-def check_max_body_bytes(value: object) -> int:
-    """``value`` if it is a valid body limit.
-
-    Args:
-        value: The limit in bytes.
-
-    Returns:
-        ``value``, an int.
-
-    Raises:
-        TypeError: ``value`` is not an int (a bool is not one).
-        ValueError: ``value`` is below 1.
-    """
-    return check_int_at_least("max_body_bytes", value, 1)
 
 
 def body_too_large(limit: int, sent: str) -> ApiError:

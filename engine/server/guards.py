@@ -10,8 +10,9 @@
 * a ``POST`` whose ``Content-Type`` is not ``application/json`` (415 ``unsupported_media_type``):
   a page may send ``text/plain`` cross-origin without asking, but ``application/json`` needs a
   CORS preflight, which this server never grants;
-* a body still arriving :data:`DEFAULT_BODY_TIMEOUT` seconds after its headers (408
-  ``request_timeout``): a client trickling a byte at a time holds its connection no longer.
+* a body still arriving ``body_timeout`` seconds after its headers (408 ``request_timeout``;
+  :class:`~twostroke.engine.config.ServerConfig`): a client trickling a byte at a time holds
+  its connection no longer.
 
 A refusal asks the HTTP server to close the connection, since the body behind it is left unread.
 
@@ -23,94 +24,21 @@ OpenAI-shaped ``error`` event and ``data: [DONE]``, a response that had not gets
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterable
 
 import anyio
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from twostroke.engine.config import without_port
 from twostroke.engine.server.errors import ApiError
 from twostroke.engine.server.sse import encode, send_json
-from twostroke.states.validators import is_number
 
-__all__ = [
-    "DEFAULT_ALLOWED_HOSTS",
-    "DEFAULT_BODY_TIMEOUT",
-    "OPEN_PATHS",
-    "Guards",
-    "ServerShutdown",
-    "check_allowed_hosts",
-    "check_timeout",
-    "shutting_down",
-]
-
-#: The ``Host`` names a server without an API key answers to (besides the address it binds).
-DEFAULT_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "[::1]")
-
-#: Seconds a request's body may take to arrive, counted from the end of its headers.
-#:
-#: The default body limit, 8 MiB, takes 7 s at 10 Mbit/s; a prompt of a few kilobytes takes
-#: milliseconds. A client slower than that is holding a connection, not sending a request.
-DEFAULT_BODY_TIMEOUT = 60.0
+__all__ = ["OPEN_PATHS", "Guards", "ServerShutdown", "shutting_down"]
 
 #: Routes answered whatever the ``Host``, as they are without an API key.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 _CLOSE = (b"connection", b"close")
-
-
-def check_timeout(name: str, value: object) -> float:
-    """``value`` as a float if it is a valid timeout in seconds.
-
-    Raises:
-        TypeError: ``value`` is not a number (a bool is not one).
-        ValueError: ``value`` is not positive and finite.
-    """
-    if not is_number(value):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be > 0 seconds and finite, got {value}")
-    return float(value)
-
-
-def check_allowed_hosts(value: object) -> frozenset[str]:
-    """The allow-list ``value`` names, lower-cased, if it is a valid one.
-
-    Each entry is a host as it appears in a ``Host`` header without its port (``localhost``,
-    ``10.0.0.5``, ``[::1]``, ``llm.internal``), or ``*`` for any host; an IPv6 address gets
-    the brackets a ``Host`` header puts around it (``::1`` is ``[::1]``).
-
-    Raises:
-        TypeError: ``value`` is a string (not a list of them) or holds something else.
-        ValueError: an entry is empty or has a port or a space in it.
-    """
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"allowed_hosts must be a list of host names, got {type(value).__name__} {value!r}"
-        )
-    hosts = set()
-    for host in value:
-        if not isinstance(host, str):
-            raise TypeError(
-                f"allowed_hosts entries must be str, got {type(host).__name__} {host!r}"
-            )
-        name = host.strip().lower()
-        if name.count(":") > 1 and not name.startswith("["):
-            name = f"[{name}]"  # an IPv6 address, as a Host header writes it
-        if not name or " " in name or _split_port(name) != name:
-            raise ValueError(
-                f"allowed_hosts entries must be host names without a port, got {host!r}"
-            )
-        hosts.add(name)
-    return frozenset(hosts)
-
-
-def _split_port(host: str) -> str:
-    """``host`` without a ``:port`` suffix (``[::1]:8000`` -> ``[::1]``)."""
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def shutting_down(detail: str) -> ApiError:
@@ -192,7 +120,7 @@ class Guards:
         app: The application.
         api_key: Whether the server has an API key (then ``Host`` is not checked).
         allowed_hosts: The ``Host`` names answered without a key (see
-            :func:`check_allowed_hosts`).
+            :meth:`~twostroke.engine.config.ServerConfig.hosts_answered`).
         body_timeout: Seconds a body may take to arrive after its headers.
         shutdown: The server's shutdown signal, if it gives one.
     """
@@ -233,7 +161,7 @@ class Guards:
         headers = Headers(scope=scope)
         if self._check_host and scope["path"] not in OPEN_PATHS:
             host = headers.get("host")
-            if host is None or _split_port(host.strip().lower()) not in self._allowed_hosts:
+            if host is None or without_port(host.strip().lower()) not in self._allowed_hosts:
                 allowed = ", ".join(sorted(self._allowed_hosts))
                 return ApiError(
                     403,

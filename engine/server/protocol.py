@@ -21,7 +21,6 @@ from twostroke.states.params import MAX_LOGPROBS, SamplingParams
 from twostroke.states.validators import is_int
 
 __all__ = [
-    "DEFAULT_MAX_CHOICES",
     "MAX_N",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -45,10 +44,6 @@ __all__ = [
 
 #: The most choices (``n``) one request may ask for.
 MAX_N = 128
-#: The most choices one request may ask for in all: prompts × ``n``, one engine request
-#: each (the server's ``max_choices``). A body of 1.7 KB with 400 one-token prompts and
-#: ``n=128`` asked for 51,200 and stalled the server for minutes.
-DEFAULT_MAX_CHOICES = 128
 _SEED_MODULUS = 2**63
 _T = TypeVar("_T")
 _SEED_STRIDE = 0x9E37_79B9_7F4A_7C15  # the golden-ratio increment of splitmix64

@@ -5,8 +5,9 @@ run on trio, so under trio the server is Hypercorn
 (:mod:`~twostroke.engine.server.hypercorn_server`); under asyncio (and uvloop) it is uvicorn
 (:mod:`~twostroke.engine.server.uvicorn_server`). Either way the listening socket is bound
 before the port is reported through ``task_status``, so ``port=0`` works and a client may
-connect as soon as ``start`` returns, and both servers keep the same limits
-(:mod:`~twostroke.engine.server.transport`) and end the same way.
+connect as soon as ``start`` returns, and both servers keep the same limits (one
+:class:`~twostroke.engine.config.ServerConfig`, through
+:mod:`~twostroke.engine.server.transport`) and end the same way.
 """
 
 from __future__ import annotations
@@ -14,35 +15,20 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
-from collections.abc import Iterable
+from typing import Any
 
 import anyio
 import anyio.abc
+import attrs
 
-from twostroke.engine.server.app import (
-    DEFAULT_MAX_WAITING_REQUESTS,
-    KEEPALIVE_SECONDS,
-    build_app,
-)
-from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
-from twostroke.engine.server.guards import (
-    DEFAULT_ALLOWED_HOSTS,
-    DEFAULT_BODY_TIMEOUT,
-    ServerShutdown,
-    check_allowed_hosts,
-)
-from twostroke.engine.server.protocol import DEFAULT_MAX_CHOICES
-from twostroke.engine.server.transport import (
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_MAX_CONNECTIONS,
-    GRACEFUL_SHUTDOWN_SECONDS,
-    Transport,
-    busy_app,
-)
+from twostroke.engine.config import ServerConfig, server_config
+from twostroke.engine.server.app import build_app
+from twostroke.engine.server.guards import ServerShutdown
+from twostroke.engine.server.transport import Transport, busy_app
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.validators import check_int
 
-__all__ = ["GRACEFUL_SHUTDOWN_SECONDS", "serve"]
+__all__ = ["serve"]
 
 logger = logging.getLogger("twostroke.server")
 
@@ -53,17 +39,10 @@ async def serve(
     port: int = 8000,
     *,
     api_key: str | None = None,
-    keepalive: float = KEEPALIVE_SECONDS,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_choices: int = DEFAULT_MAX_CHOICES,
-    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-    allowed_hosts: Iterable[str] | None = None,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT,
-    shutdown_timeout: float = GRACEFUL_SHUTDOWN_SECONDS,
+    config: ServerConfig | None = None,
     access_log: bool = False,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+    **limits: Any,
 ) -> None:
     """Serve ``engine`` with OpenAI's API over HTTP/1.1 until cancelled.
 
@@ -77,25 +56,14 @@ async def serve(
             address without ``api_key`` is logged as a warning.
         port: The TCP port; 0 picks a free one (reported through ``task_status``).
         api_key: If given, requests must carry ``Authorization: Bearer <api_key>``.
-        keepalive: Seconds of silence on a stream before a keep-alive comment.
-        max_body_bytes: The largest request body accepted, in bytes (default 8 MiB); a
-            larger one is a 413, refused before or while it is read (see :func:`build_app`).
-        max_choices: The most choices (prompts × ``n``) one request may ask for (default
-            128); more is a 400 (see :func:`build_app`).
-        max_waiting_requests: The most engine requests waiting for admission (default 1024;
-            ``None``: no limit); a request with no room for all its choices is a 503 with
-            ``Retry-After`` (see :func:`build_app`).
-        allowed_hosts: Without ``api_key``, the ``Host`` names answered (default: ``localhost``,
-            ``127.0.0.1``, ``[::1]`` and ``host``; ``*``: any); another is a 403.
-        max_connections: Connections served at once (default 512); a request on one more is
-            a 503 (``too_many_connections``) and that connection is closed.
-        header_timeout: Seconds a connection has to send a request's headers, from its start
-            or its previous response (default 10); a later one is closed.
-        body_timeout: Seconds a request body may take after its headers (default 60); a
-            later one is a 408 (``request_timeout``).
-        shutdown_timeout: The grace period of a shutdown, in seconds (default 5).
+        config: The server's limits (default: ``ServerConfig()``'s): on request bodies,
+            choices, the waiting queue, ``Host`` names (``allowed_hosts=None``: the loopback
+            names and ``host``), connections, headers, bodies, the shutdown's grace period and
+            keep-alive comments; see :class:`~twostroke.engine.config.ServerConfig`.
         access_log: Log one line per request to the ``twostroke.server`` logger.
         task_status: Receives the bound port once the server accepts connections.
+        **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
+            (``max_connections=100``), instead of ``config``.
 
     Cancelling the call stops accepting connections and refuses new requests on open ones
     (503), lets open responses finish for up to ``shutdown_timeout`` seconds, then ends each
@@ -103,34 +71,27 @@ async def serve(
     503), which cancels their engine requests. A connection that fails is closed alone.
 
     Raises:
-        TypeError, ValueError: a bad argument (see :func:`build_app`).
+        TypeError, ValueError: a bad argument or limit (see :func:`build_app`).
         OSError: the address cannot be bound.
     """
     if not isinstance(host, str) or not host:
         raise TypeError(f"host must be a non-empty str, got {host!r}")
     if not 0 <= check_int("port", port) <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
-    if allowed_hosts is None:
-        bound = f"[{host}]" if ":" in host else host
-        allowed_hosts = (*DEFAULT_ALLOWED_HOSTS, bound)
+    config = server_config(config, limits, caller="serve")
     transport = Transport(
         host,
         port,
-        max_connections=max_connections,
-        header_timeout=header_timeout,
-        grace=shutdown_timeout,
+        max_connections=config.max_connections,
+        header_timeout=config.header_timeout,
+        grace=config.shutdown_timeout,
         access_log=access_log,
     )
     shutdown = ServerShutdown()
     app = build_app(
         engine,
         api_key=api_key,
-        keepalive=keepalive,
-        max_body_bytes=max_body_bytes,
-        max_choices=max_choices,
-        max_waiting_requests=max_waiting_requests,
-        allowed_hosts=check_allowed_hosts(allowed_hosts),
-        body_timeout=body_timeout,
+        config=attrs.evolve(config, allowed_hosts=config.hosts_answered(host)),
         shutdown=shutdown,
     )
     if api_key is None and not _is_loopback(host):

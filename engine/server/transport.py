@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import math
 import socket
 
 import anyio
@@ -16,40 +15,18 @@ import attrs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from twostroke.engine.server.errors import ApiError
-from twostroke.engine.server.guards import ServerShutdown, check_timeout
+from twostroke.engine.server.guards import ServerShutdown
 from twostroke.engine.server.sse import send_json
-from twostroke.states.validators import check_int_at_least, is_number
 
 __all__ = [
-    "DEFAULT_HEADER_TIMEOUT",
-    "DEFAULT_MAX_CONNECTIONS",
-    "GRACEFUL_SHUTDOWN_SECONDS",
+    "CLOSING_SECONDS",
     "HTTP2_REFUSAL",
     "Transport",
     "bind_socket",
     "busy_app",
-    "check_max_connections",
-    "check_shutdown_timeout",
     "expire_after",
     "too_many_connections",
 ]
-
-#: Open connections served at once; one more is answered with a 503 and closed.
-#:
-#: Each connection is a file descriptor, and the usual soft limit of a process is 1,024; a
-#: streaming client holds one connection per open request, and an engine runs a few dozen
-#: requests at a time (``max_num_seqs``, 64 by default), so 512 leaves room for a long queue.
-DEFAULT_MAX_CONNECTIONS = 512
-
-#: Seconds a connection has to send a request's headers, from its start or its last response.
-#:
-#: A client on any network sends a few hundred bytes of headers in well under a second; one
-#: that takes longer is holding the connection open (a "slowloris"). Idle keep-alive
-#: connections are closed after the same time.
-DEFAULT_HEADER_TIMEOUT = 10.0
-
-#: On cancellation, how long open responses may take to finish before they are ended.
-GRACEFUL_SHUTDOWN_SECONDS = 5.0
 
 #: After the grace period, how long ending the open responses may take (a client that does
 #: not read holds its last write) before their connections are cut.
@@ -68,59 +45,28 @@ HTTP2_REFUSAL = (
 )
 
 
-def check_max_connections(value: object) -> int:
-    """``value`` if it is a valid connection limit.
-
-    Raises:
-        TypeError: ``value`` is not an int (a bool is not one).
-        ValueError: ``value`` is below 1.
-    """
-    return check_int_at_least("max_connections", value, 1)
-
-
-def _check_header_timeout(value: object) -> float:
-    return check_timeout("header_timeout", value)
-
-
-def check_shutdown_timeout(value: object) -> float:
-    """``value`` as a float if it is a valid grace period in seconds (0: none).
-
-    Raises:
-        TypeError: ``value`` is not a number (a bool is not one).
-        ValueError: ``value`` is negative or not finite.
-    """
-    if not is_number(value):
-        raise TypeError(
-            f"shutdown_timeout must be a number of seconds, got {type(value).__name__} {value!r}"
-        )
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"shutdown_timeout must be >= 0 seconds and finite, got {value}")
-    return float(value)
-
-
 @attrs.frozen
 class Transport:
-    """Where a server listens and the limits on its connections (validated).
+    """Where a server listens and the limits on its connections.
+
+    The limits come from a :class:`~twostroke.engine.config.ServerConfig`, validated there.
 
     Attributes:
         host: The address to bind.
         port: The TCP port (0: any free one).
         max_connections: Connections served at once.
-        header_timeout: Seconds to send a request's headers (see
-            :data:`DEFAULT_HEADER_TIMEOUT`).
+        header_timeout: Seconds to send a request's headers, from a connection's start or its
+            previous response; idle keep-alive connections are closed after the same time.
         grace: Seconds open responses may take to finish once the server is cancelled.
         access_log: Log one line per request.
+        closing: Seconds ending the open responses may take after the grace period.
     """
 
     host: str
     port: int
-    max_connections: int = attrs.field(
-        default=DEFAULT_MAX_CONNECTIONS, converter=check_max_connections
-    )
-    header_timeout: float = attrs.field(
-        default=DEFAULT_HEADER_TIMEOUT, converter=_check_header_timeout
-    )
-    grace: float = attrs.field(default=GRACEFUL_SHUTDOWN_SECONDS, converter=check_shutdown_timeout)
+    max_connections: int
+    header_timeout: float
+    grace: float
     access_log: bool = False
     closing: float = CLOSING_SECONDS
 

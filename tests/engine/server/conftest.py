@@ -19,7 +19,6 @@ from twostroke.engine import Engine, EngineStatistics, RequestHandle, RequestOut
 from twostroke.engine.handle import create_request_handle
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.server import serve
-from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 
@@ -169,17 +168,20 @@ async def served(
     *,
     runner: ToyRunner | None = None,
     api_key: str | None = API_KEY,
-    keepalive: float = 15.0,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    keepalive: float | None = None,
+    max_body_bytes: int | None = None,
     check_clean: bool = True,
     serve_options: dict[str, Any] | None = None,
     **config: Any,
 ) -> AsyncIterator[Served]:
     """A toy engine served on 127.0.0.1 (a free port), with an ``openai`` client for it.
 
-    ``serve_options`` go to :func:`serve` as keywords. When the block ends normally the
-    engine must be idle with every KV block free.
+    ``keepalive``, ``max_body_bytes`` and ``serve_options`` go to :func:`serve` as keywords
+    (the server's defaults where absent). When the block ends normally the engine must be
+    idle with every KV block free.
     """
+    given = {"keepalive": keepalive, "max_body_bytes": max_body_bytes}
+    limits = {name: value for name, value in given.items() if value is not None}
     engine_context = (
         Engine.open(
             runner=runner, tokenizer=ByteTokenizer(), device="cpu", model_name="toy", **config
@@ -197,8 +199,7 @@ async def served(
                     engine,
                     port=0,
                     api_key=api_key,
-                    keepalive=keepalive,
-                    max_body_bytes=max_body_bytes,
+                    **limits,
                     **(serve_options or {}),
                 )
             )

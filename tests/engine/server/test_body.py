@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from twostroke.engine import Engine
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.server import build_app, serve
-from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES, check_max_body_bytes
 
 from .conftest import API_KEY, OPENAI_STREAMS_ON_TRIO, Served, served
 
@@ -162,8 +162,8 @@ async def test_a_body_of_exactly_the_limit_is_served() -> None:
 
 
 async def test_the_limit_is_checked_where_it_is_configured() -> None:
-    assert check_max_body_bytes(1) == 1
-    assert DEFAULT_MAX_BODY_BYTES == 8 * 2**20
+    assert ServerConfig(max_body_bytes=1).max_body_bytes == 1
+    assert ServerConfig().max_body_bytes == 8 * 2**20
     bad: list[tuple[object, type[Exception], str]] = [
         (0, ValueError, "max_body_bytes must be >= 1, got 0"),
         (-5, ValueError, "max_body_bytes must be >= 1, got -5"),

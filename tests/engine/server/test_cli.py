@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from twostroke.engine.cli import build_parser
-from twostroke.engine.server.body import DEFAULT_MAX_BODY_BYTES
+from twostroke.engine.config import ServerConfig
 
 
 def test_max_body_bytes_is_parsed() -> None:
@@ -22,8 +22,7 @@ def test_max_body_bytes_is_parsed() -> None:
     given = parser.parse_args(["serve", "--max-body-bytes", "1048576"])
     assert given.max_body_bytes == 1048576
     # Absent, the server's own default applies (the help says what it is).
-    assert parser.parse_args(["serve"]).max_body_bytes is None
-    assert DEFAULT_MAX_BODY_BYTES == 8 * 2**20
+    assert parser.parse_args(["serve"]).max_body_bytes == ServerConfig().max_body_bytes
 
 
 def test_quantization_is_passed_only_when_given() -> None:

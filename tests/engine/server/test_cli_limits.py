@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import signal
 
+import attrs
 import httpx
 import msgspec
 import pytest
 
-from twostroke.engine.cli import _server_limits, build_parser
+from twostroke.engine.cli import _server_config, build_parser
+from twostroke.engine.config import ServerConfig
 
 from .test_cli import serve_command
 
@@ -16,17 +18,38 @@ from .test_cli import serve_command
 def test_the_limit_flags_are_parsed_and_absent_ones_keep_the_server_defaults() -> None:
     parser = build_parser()
     given = parser.parse_args(
-        ["serve", "--allowed-hosts", "llm.internal,10.0.0.5", "--max-connections", "100",
-         "--header-timeout", "2.5", "--body-timeout", "30", "--shutdown-timeout", "0"]
+        ["serve", "--allowed-hosts", "LLM.internal,10.0.0.5", "--max-connections", "100",
+         "--header-timeout", "2.5", "--body-timeout", "30", "--shutdown-timeout", "0",
+         "--max-body-bytes", "1024", "--max-choices", "8", "--max-waiting-requests", "64",
+         "--keepalive", "0.5"]
     )  # fmt: skip
-    assert _server_limits(given) == {
-        "allowed_hosts": frozenset({"llm.internal", "10.0.0.5"}),
-        "max_connections": 100,
-        "header_timeout": 2.5,
-        "body_timeout": 30.0,
-        "shutdown_timeout": 0.0,
-    }
-    assert _server_limits(parser.parse_args(["serve"])) == {}
+    assert _server_config(given) == ServerConfig(
+        allowed_hosts=frozenset({"llm.internal", "10.0.0.5"}),
+        max_connections=100,
+        header_timeout=2.5,
+        body_timeout=30.0,
+        shutdown_timeout=0.0,
+        max_body_bytes=1024,
+        max_choices=8,
+        max_waiting_requests=64,
+        keepalive=0.5,
+    )
+    assert _server_config(parser.parse_args(["serve"])) == ServerConfig()
+
+
+def test_every_field_of_the_server_config_is_a_flag_with_its_default_in_the_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert (
+        "--max-body-bytes N The largest request body accepted, in bytes (default: 8388608)" in shown
+    )
+    assert "--header-timeout SECONDS Seconds a connection has to send a request's headers" in shown
+    assert "(default: 10)" in shown
+    for field in attrs.fields(ServerConfig):
+        assert f"--{field.name.replace('_', '-')} " in shown
 
 
 @pytest.mark.parametrize(
@@ -43,6 +66,8 @@ def test_the_limit_flags_are_parsed_and_absent_ones_keep_the_server_defaults() -
         ("--body-timeout", "inf", "body_timeout must be > 0 seconds and finite, got inf"),
         ("--shutdown-timeout", "-1", "shutdown_timeout must be >= 0 seconds and finite, got "
          "-1.0"),
+        ("--keepalive", "0", "keepalive must be > 0 seconds and finite, got 0.0"),
+        ("--max-choices", "8.5", "max_choices must be an int, got '8.5'"),
     ],
 )  # fmt: skip
 def test_a_bad_limit_is_refused_before_anything_loads(

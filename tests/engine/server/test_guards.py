@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from twostroke.engine import Engine
+from twostroke.engine.config import LOOPBACK_HOST_NAMES
 from twostroke.engine.server import build_app, serve
-from twostroke.engine.server.guards import DEFAULT_ALLOWED_HOSTS, ServerShutdown
+from twostroke.engine.server.guards import ServerShutdown
 
 from .conftest import API_KEY, OPENAI_STREAMS_ON_TRIO, Served, http_client, served
 
@@ -97,7 +98,7 @@ async def test_the_bound_host_is_allowed_by_default() -> None:
             async with http_client(f"http://127.0.0.1:{port}") as http:
                 assert (await http.get("/v1/models")).status_code == 200
             task_group.cancel_scope.cancel()
-    assert set(DEFAULT_ALLOWED_HOSTS) == {"localhost", "127.0.0.1", "[::1]"}
+    assert {"localhost", "127.0.0.1", "[::1]"} == LOOPBACK_HOST_NAMES
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,10 @@ import pytest
 
 from twostroke.engine import Engine, SamplingParams
 from twostroke.engine.cli import build_parser
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.server import serve
-from twostroke.engine.server.app import DEFAULT_MAX_WAITING_REQUESTS, build_app
-from twostroke.engine.server.protocol import DEFAULT_MAX_CHOICES
+from twostroke.engine.server.app import build_app
 from twostroke.states.plan import StepPlan
 
 from .conftest import API_KEY, ObservedEngine, http_client
@@ -252,7 +252,27 @@ async def test_build_app_checks_the_limits() -> None:
         for options, error, message in CHECKS:
             with pytest.raises(error, match=f"^{message}"):
                 build_app(engine, **options)
-    assert (DEFAULT_MAX_CHOICES, DEFAULT_MAX_WAITING_REQUESTS) == (128, 1024)
+    defaults = ServerConfig()
+    assert (defaults.max_choices, defaults.max_waiting_requests) == (128, 1024)
+
+
+async def test_the_limits_come_as_one_server_config_or_as_its_keywords() -> None:
+    async with limited(config=ServerConfig(max_choices=4)) as (engine, http):
+        body = {"model": "toy", "prompt": "hi", "max_tokens": 1, "n": 5}
+        error = error_of(await http.post("/v1/completions", json=body), 400)
+        assert error["message"].endswith("must be <= 4, got 1 prompts x n=5 = 5")
+        assert engine.submitted == []
+    async with Engine.open(model="toy", device="cpu") as engine:
+        with pytest.raises(TypeError) as both:  # before anything is bound
+            await serve(engine, port=0, config=ServerConfig(), max_choices=4)
+        assert str(both.value) == (
+            "serve() takes the server's limits as config= or as keywords, not both: got "
+            "config and max_choices"
+        )
+        with pytest.raises(TypeError, match=r"^build_app\(\) got an unexpected keyword "
+                           r"argument 'keep_alive': the server's limits are ServerConfig's "
+                           r"fields \(max_body_bytes, "):  # fmt: skip
+            build_app(engine, keep_alive=1.0)
 
 
 async def test_max_choices_never_passes_max_waiting_requests() -> None:
@@ -268,7 +288,11 @@ def test_the_serve_command_takes_the_limits(capsys: pytest.CaptureFixture[str]) 
     given = parser.parse_args(["serve", "--max-choices", "8", "--max-waiting-requests", "64"])
     assert (given.max_choices, given.max_waiting_requests) == (8, 64)
     absent = parser.parse_args(["serve"])  # the server's defaults apply
-    assert (absent.max_choices, absent.max_waiting_requests) == (None, None)
+    defaults = ServerConfig()
+    assert (absent.max_choices, absent.max_waiting_requests) == (
+        defaults.max_choices,
+        defaults.max_waiting_requests,
+    )
     for flag, value, message in [
         ("--max-choices", "0", "max_choices must be >= 1, got 0"),
         ("--max-waiting-requests", "many", "max_waiting_requests must be an int, got 'many'"),

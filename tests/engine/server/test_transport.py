@@ -24,8 +24,7 @@ import msgspec
 import pytest
 import trio.testing
 
-from twostroke.engine.server.guards import DEFAULT_BODY_TIMEOUT
-from twostroke.engine.server.transport import DEFAULT_HEADER_TIMEOUT
+from twostroke.engine.config import ServerConfig
 
 from .conftest import API_KEY, OPENAI_STREAMS_ON_TRIO, Served, served
 
@@ -271,7 +270,7 @@ async def test_headers_sent_a_byte_at_a_time_are_cut_at_the_deadline(
 ) -> None:
     """The deadline runs from the connection's start, or from the response before."""
     options, pause, slack = trickle_pace(anyio_backend)
-    header_timeout = options.get("header_timeout", DEFAULT_HEADER_TIMEOUT)
+    header_timeout = options.get("header_timeout", ServerConfig().header_timeout)
     most = header_timeout + slack
     async with served(serve_options=options) as server:
         request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
@@ -299,7 +298,7 @@ async def test_headers_sent_a_byte_at_a_time_are_cut_at_the_deadline(
 @pytest.mark.parametrize("anyio_backend", virtual_time_on_trio())
 async def test_a_body_sent_a_byte_at_a_time_is_a_408_at_the_deadline(anyio_backend: Any) -> None:
     options, pause, slack = trickle_pace(anyio_backend)
-    timeout = options.get("body_timeout", DEFAULT_BODY_TIMEOUT)
+    timeout = options.get("body_timeout", ServerConfig().body_timeout)
     most = timeout + slack
     async with served(serve_options=options) as server:
         body = msgspec.json.encode({"model": "toy", "prompt": "x" * 300, "max_tokens": 2})
