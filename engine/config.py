@@ -434,6 +434,8 @@ def server_flag_metavar(name: str) -> str:
 def server_flag_help(name: str) -> str:
     """The ``--help`` text of the flag of ``name``: its doc's first clause and its default.
 
+    Lower-cased at its start, as the command's other help texts are.
+
     (For argparse, which formats help with ``%``: a ``%`` in the doc is doubled.)
     """
     doc = server_field_docs().get(name, name.replace("_", " ")).replace("``", "")
@@ -443,7 +445,7 @@ def server_flag_help(name: str) -> str:
         if depth == 0 and (character == ":" or doc.startswith(". ", index)):
             doc = doc[:index]
             break
-    doc = doc.removesuffix(".").replace("%", "%%")
+    doc = doc[:1].lower() + doc[1:].removesuffix(".").replace("%", "%%")
     default = attrs.fields_dict(ServerConfig)[name].default
     if default is None:
         return doc

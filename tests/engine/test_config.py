@@ -308,12 +308,12 @@ def test_a_bad_limit_given_as_text(name: str, text: str, message: str) -> None:
 
 
 def test_the_flag_help_is_the_doc_s_first_clause_and_the_default() -> None:
-    assert server_flag_help("max_connections") == "Connections served at once (default: 512)"
+    assert server_flag_help("max_connections") == "connections served at once (default: 512)"
     assert server_flag_help("body_timeout") == (
-        "Seconds a request body may take after its headers (default: 60)"
+        "seconds a request body may take after its headers (default: 60)"
     )
     assert server_flag_help("keepalive") == (
-        "Seconds of silence on a stream before a keep-alive comment (: keep-alive), so that "
+        "seconds of silence on a stream before a keep-alive comment (: keep-alive), so that "
         "proxies do not time the stream out (default: 15)"
     )
     assert server_flag_help("allowed_hosts").endswith("and the address the server binds)")

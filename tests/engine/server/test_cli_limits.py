@@ -44,9 +44,9 @@ def test_every_field_of_the_server_config_is_a_flag_with_its_default_in_the_help
         build_parser().parse_args(["serve", "--help"])
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
     assert (
-        "--max-body-bytes N The largest request body accepted, in bytes (default: 8388608)" in shown
+        "--max-body-bytes N the largest request body accepted, in bytes (default: 8388608)" in shown
     )
-    assert "--header-timeout SECONDS Seconds a connection has to send a request's headers" in shown
+    assert "--header-timeout SECONDS seconds a connection has to send a request's headers" in shown
     assert "(default: 10)" in shown
     for field in attrs.fields(ServerConfig):
         assert f"--{field.name.replace('_', '-')} " in shown
