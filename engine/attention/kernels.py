@@ -1,9 +1,9 @@
-"""Which kernel attends a step's decodes: by device, and on the CPU by what the machine built.
+"""The kernels that attend a step's decodes, by name, and the compiled one for a cache.
 
-:mod:`~twostroke.engine.attention.metadata` lays a step out for the kernel chosen
-here; :mod:`~twostroke.engine.attention.ops` and
-:mod:`~twostroke.engine.kernels.build` hold the kernels. A runner chooses once, when it
-allocates its KV cache (:func:`best_kernel`), since the cache's layout follows the kernel.
+:func:`~twostroke.engine.kernels.selection.select_kernels` chooses one when a model loads
+(the cache's layout follows it); :mod:`~twostroke.engine.attention.metadata` lays each step
+out for the kernel it is given, :mod:`~twostroke.engine.attention.ops` runs torch's kernels
+and :mod:`~twostroke.engine.kernels.paged_attention` the compiled one.
 """
 
 from __future__ import annotations
@@ -12,20 +12,18 @@ from typing import Literal
 
 import torch
 
-from twostroke.engine.kernels.build import native_wanted
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel, paged_decode_kernel
 
 __all__ = [
     "AttentionKernel",
-    "best_kernel",
     "default_kernel",
     "native_kernel",
     "transposes_keys",
 ]
 
 #: How decodes attend: ``"native"`` reads keys and values in place through the block tables
-#: in one compiled call per layer (:mod:`~twostroke.engine.kernels.build`), ``"bag"`` does
-#: with two ``embedding_bag`` calls (with either, the cache holds each block's keys
+#: in one compiled call per layer (:mod:`~twostroke.engine.kernels.paged_attention`),
+#: ``"bag"`` does with two ``embedding_bag`` calls (with either, the cache holds each block's keys
 #: transposed), or over gathered histories: batched matrix products with a float32 softmax
 #: between them (``"matmul"``), or ``scaled_dot_product_attention`` (``"sdpa"``).
 AttentionKernel = Literal["native", "bag", "matmul", "sdpa"]
@@ -38,40 +36,6 @@ def default_kernel(device: torch.device) -> AttentionKernel:
     decode step, whole, measured in one process on an AVX2 EPYC (see docs/performance.md).
     """
     return "sdpa" if device.type == "cuda" else "bag"
-
-
-def best_kernel(
-    device: torch.device,
-    *,
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> AttentionKernel:
-    """:func:`default_kernel`, or ``"native"`` in place of ``"bag"`` where it runs and is
-    wanted (``TWOSTROKE_NATIVE=0`` keeps ``"bag"``).
-
-    The compiled kernel reads the bag kernel's cache layout in one call per layer (1.7-1.9x
-    faster on SmolLM2's batch-32 attention, docs/performance.md); it is built, or loaded
-    from the cache, by this call
-    (:func:`~twostroke.engine.kernels.paged_attention.paged_decode_kernel`).
-    """
-    kernel = default_kernel(device)
-    if kernel != "bag" or not native_wanted():
-        return kernel
-    try:
-        native_kernel(
-            device,
-            block_size=block_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-        )
-    except ValueError:  # logged where the build failed
-        return "bag"
-    return "native"
 
 
 def native_kernel(
@@ -102,7 +66,7 @@ def native_kernel(
     if kernel is None:
         raise ValueError(
             f"the 'native' kernel does not run for {dtype} on {device.type} here "
-            "(see twostroke.engine.kernels.build)"
+            "(see twostroke.engine.kernels.paged_attention)"
         )
     return kernel
 

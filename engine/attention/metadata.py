@@ -5,9 +5,9 @@ write slots for the new keys and values, gather indices into the paged cache, an
 Decodes are batched, padded to the longest history, and split into groups when the padding
 saved outweighs one more call, or when one group's padded histories would exceed a bound
 (:func:`split_decodes`); every other chunk gets a call of its own. This module holds only
-that index arithmetic, for the kernel :mod:`~twostroke.engine.attention.kernels`
-chose; the kernels are in :mod:`twostroke.engine.attention.ops` (and
-:mod:`twostroke.engine.kernels.build`).
+that index arithmetic, for the kernel it is given (chosen once, when the model loaded:
+:mod:`~twostroke.engine.kernels.selection`); the kernels are in
+:mod:`twostroke.engine.attention.ops` and :mod:`twostroke.engine.kernels.paged_attention`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,7 @@ from typing import Literal
 import attrs
 import torch
 
-from twostroke.engine.attention.kernels import (
-    AttentionKernel,
-    default_kernel,
-    native_kernel,
-    transposes_keys,
-)
+from twostroke.engine.attention.kernels import AttentionKernel, default_kernel, transposes_keys
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.gpu.staging import to_device
 
@@ -322,7 +317,7 @@ class AttentionMetadata:
         num_kv_heads: int,
         dtype: torch.dtype,
         device: torch.device,
-        kernel: AttentionKernel | None = None,
+        kernel: AttentionKernel | PagedDecodeKernel | None = None,
         group_overhead: int | Literal["auto"] | None = "auto",
         max_decode_positions: int | None = None,
         num_heads: int | None = None,
@@ -340,8 +335,11 @@ class AttentionMetadata:
             num_kv_heads: Key/value heads of the model.
             dtype: The model's dtype (SDPA masks are added to its attention scores).
             device: Where the model runs.
-            kernel: How decodes attend; ``None`` takes
-                :func:`default_kernel` for ``device``.
+            kernel: How decodes attend: one of torch's kernels by name (``"bag"``,
+                ``"matmul"``, ``"sdpa"``), or the compiled ``"native"`` one itself, built
+                for this cache once (:meth:`LlamaForCausalLM.attention_for
+                <twostroke.engine.models.llama.LlamaForCausalLM.attention_for>`); ``None``
+                takes :func:`default_kernel` for ``device``.
             group_overhead: See :func:`split_decodes`; ``"auto"`` takes
                 :func:`default_group_overhead` for ``device``.
             max_decode_positions: The most padded key positions one decode group gathers
@@ -357,28 +355,35 @@ class AttentionMetadata:
         Raises:
             ValueError: a chunk is empty, or its block table does not cover its positions
                 or names a block outside the cache; the ``"bag"`` or ``"native"`` kernel
-                without ``num_heads`` and ``head_dim``; or the ``"native"`` kernel where it
-                does not run (see
-                :func:`~twostroke.engine.kernels.paged_attention.paged_decode_kernel`).
+                without ``num_heads`` and ``head_dim``; ``"native"`` by name, or a compiled
+                kernel built for another cache shape or dtype.
         """
-        if kernel is None:
+        native = None
+        if isinstance(kernel, PagedDecodeKernel):
+            native, kernel = kernel, "native"
+        elif kernel == "native":
+            raise ValueError(
+                "the 'native' kernel is passed as itself (a PagedDecodeKernel built for the "
+                "cache), not by name"
+            )
+        elif kernel is None:
             kernel = default_kernel(device)
         if transposes_keys(kernel) and (num_heads is None or head_dim is None):
             raise ValueError(
                 f"the {kernel!r} kernel needs num_heads and head_dim, got "
                 f"num_heads={num_heads} and head_dim={head_dim}"
             )
-        native = None
-        if kernel == "native":
-            assert num_heads is not None
-            assert head_dim is not None
-            native = native_kernel(
-                device,
-                block_size=block_size,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                dtype=dtype,
+        if native is not None and (
+            native.block_size != block_size
+            or native.head_dim != head_dim
+            or native.group * num_kv_heads != num_heads
+            or native.dtype != dtype
+        ):
+            raise ValueError(
+                f"the compiled kernel was built for blocks of {native.block_size}, heads of "
+                f"{native.head_dim}, {native.group} query heads per key/value head and "
+                f"{native.dtype}; the cache has blocks of {block_size}, heads of {head_dim}, "
+                f"{num_heads} query heads over {num_kv_heads} and {dtype}"
             )
         if group_overhead == "auto":
             group_overhead = default_group_overhead(device)

@@ -32,7 +32,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -47,6 +47,7 @@ from twostroke.engine.artifacts.records import (
 )
 from twostroke.engine.checkpoints.gguf import read_gguf
 from twostroke.engine.checkpoints.safetensors import read_into
+from twostroke.engine.kernels.selection import DEFAULT_BLOCK_SIZE, select_kernels
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
 from twostroke.engine.models.quantization import Quantization
@@ -175,7 +176,8 @@ def load_model(
     device: torch.device,
     pack_weights: bool = True,
     exact: bool = True,
-    quantization: Quantization | None = None,
+    quantization: Quantization | Literal["auto"] | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
 
@@ -185,20 +187,26 @@ def load_model(
         dtype: float32, bfloat16 or float16; ``None`` takes
             :func:`twostroke.gpu.dtype.default_dtype` of ``device``.
         device: Where to put the weights.
-        pack_weights: Pack the projections for oneDNN where that works (see
-            :meth:`~twostroke.engine.models.llama.LlamaForCausalLM.pack_weights`).
+        pack_weights: Lay the projections' weights out for a faster kernel where one runs
+            (oneDNN's packing, the compiled bfloat16 panels).
         exact: float32 products exactly as transformers computes them (MKL's, on the
             CPU). ``False`` lets float32 weights be packed too, and the decoder's glue run
-            compiled on the CPU
-            (:meth:`~twostroke.engine.models.llama.LlamaForCausalLM.fuse_glue`): faster,
-            and rounded differently (about 1e-6 of a projection's output); the engine's
-            ``dtype="auto"``.
+            compiled on the CPU: faster, and rounded differently (about 1e-6 of a
+            projection's output); the engine's ``dtype="auto"``.
         quantization: Hold the decoder's projection weights in ``"fp16"`` or ``"int8"``
             (activations stay in ``dtype``; see
             :mod:`~twostroke.engine.models.quantization`). Where the kernel does not run
             here, warns with
             :class:`~twostroke.engine.models.quantization.QuantizationUnavailable` and
             keeps full precision (``LoadedModel.quantization`` is then ``None``).
+            ``"auto"``: the engine's policy (see
+            :func:`~twostroke.engine.kernels.selection.select_kernels`).
+        block_size: The KV cache's block size, for which the compiled attention is built
+            and checked.
+
+    Every kernel the model computes with is chosen here, once
+    (:func:`~twostroke.engine.kernels.selection.select_kernels`, logged at INFO), and the
+    model takes it (:meth:`~twostroke.engine.models.llama.LlamaForCausalLM.use_kernels`).
 
     Returns:
         The loaded decoder and where it came from.
@@ -217,7 +225,7 @@ def load_model(
     started = time.perf_counter()
     path = resolve_model(model)
     # Packing runs a Python thread per intra-op thread the caller allowed (see
-    # LlamaForCausalLM.quantize_weights); everything else here runs on one.
+    # LlamaForCausalLM.use_kernels); everything else here runs on one.
     threads = torch.get_num_threads()
     # One thread: loading is conversions and copies, bound by memory; a second thread gains
     # little, and on a machine whose other core is busy every parallel region waits for it
@@ -232,18 +240,24 @@ def load_model(
                 path, "is neither a model directory (config.json + *.safetensors) nor a GGUF file"
             )
         module.eval()
-        if quantization is not None:
+        kernels = select_kernels(
+            config,
+            dtype=dtype,
+            device=device,
+            exact=exact,
+            quantization=quantization,
+            pack=pack_weights,
+            block_size=block_size,
+        )
+        reduced = kernels.projection.quantization
+        if reduced is not None:
             _log.info(
                 "twostroke: packing %s's projection weights for fbgemm's %s kernel (%d threads)",
                 path.name,
-                quantization,
+                reduced,
                 threads,
             )
-            module.quantize_weights(quantization, threads=threads)
-        if pack_weights:
-            module.pack_weights(exact=exact)
-        if not exact:
-            module.fuse_glue()
+        module.use_kernels(kernels, threads=threads)
     return LoadedModel(
         config=config,
         module=module,
@@ -251,7 +265,7 @@ def load_model(
         dtype=dtype,
         device=device,
         load_seconds=time.perf_counter() - started,
-        quantization=module.quantization,
+        quantization=reduced,
     )
 
 

@@ -2,26 +2,25 @@
 
 ``twostroke isa`` prints it; the tests of :mod:`twostroke.gpu.isa` read it to show that a
 capped personality reaches every decision (ATen, the compiled kernels, the dtype, the
-weights). Nothing here decides anything: each line asks the function that makes the choice
-(:func:`~twostroke.gpu.dtype.default_dtype`,
-:func:`~twostroke.engine.models.quantization.kernel_available`,
-:func:`.projection.projection_kernel`, :func:`.paged_attention.paged_decode_kernel`),
-for the default model's attention shape (SmolLM2-135M: 9 query heads of 64 over 3 key/value
-heads, blocks of 16 positions).
+weights). Nothing here decides anything: each line asks the functions that make the
+choices (:func:`~twostroke.gpu.dtype.default_dtype`, and
+:func:`.selection.select_kernels` for the engine's defaults, ``dtype="auto"`` and
+``quantization="auto"``, and for bfloat16 weights), for the default model's shape
+(SmolLM2-135M: 9 query heads of 64 over 3 key/value heads, blocks of 16 positions).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
 
-from twostroke.engine.kernels.build import native_wanted
-from twostroke.engine.kernels.paged_attention import paged_decode_kernel
-from twostroke.engine.kernels.projection import projection_kernel
-from twostroke.engine.models.quantization import kernel_available
+from twostroke.engine.attention.kernels import native_kernel
+from twostroke.engine.kernels.selection import CpuKernels, select_kernels
+from twostroke.engine.models.config import ModelConfig
 from twostroke.gpu.dtype import default_dtype
 from twostroke.gpu.host import cpu_model_name
 from twostroke.gpu.isa import (
@@ -34,8 +33,22 @@ from twostroke.gpu.isa import (
 
 __all__ = ["CpuReport", "cpu_report"]
 
-#: The attention shape the report builds its kernel for: the default model's.
-_ATTENTION = {"block_size": 16, "head_dim": 64, "num_heads": 9, "num_kv_heads": 3}
+#: The shape the report chooses kernels for: the default model's (SmolLM2-135M).
+_MODEL = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+_BLOCK_SIZE = 16
 
 _CPU = torch.device("cpu")
 
@@ -102,9 +115,10 @@ def cpu_report(environ: Mapping[str, str] | None = None) -> CpuReport:
     personality = cpu_personality()
     aten = torch.backends.cpu.get_cpu_capability()
     dtype = default_dtype(_CPU)
+    auto = _choose(dtype, quantization="auto")
     weights = str(dtype).removeprefix("torch.")
-    if dtype == torch.float32 and kernel_available("fp16", _CPU):
-        weights = "fp16 (fbgemm)"
+    if auto.projection.quantization is not None:
+        weights = f"{auto.projection.quantization} (fbgemm)"
     return CpuReport(
         personality=personality,
         cpu=cpu_model_name(),
@@ -113,25 +127,36 @@ def cpu_report(environ: Mapping[str, str] | None = None) -> CpuReport:
         unapplied=tuple(personality.unapplied(aten)),
         dtype=dtype,
         weights=weights,
-        projections=_projections(),
-        attention=_attention(dtype),
+        projections=_projections(_choose(torch.bfloat16, attention="bag")),
+        attention=_attention(auto, dtype),
         rungs_to_test=tuple(rungs_to_test(personality.machine)),
     )
 
 
-def _projections() -> str:
-    if not native_wanted():
-        return "oneDNN's (TWOSTROKE_NATIVE=0)"
-    kernel = projection_kernel()
-    if kernel is None:
-        return "oneDNN's (no compiled kernel runs here; the log says why)"
-    return f"compiled, {kernel.panel}-column panels"
+def _choose(dtype: torch.dtype, **options: Any) -> CpuKernels:
+    """What the engine chooses for the default model in ``dtype``, its ``exact=False``."""
+    return select_kernels(
+        _MODEL, dtype=dtype, device=_CPU, exact=False, block_size=_BLOCK_SIZE, **options
+    )
 
 
-def _attention(dtype: torch.dtype) -> str:
-    if not native_wanted():
-        return "bag (TWOSTROKE_NATIVE=0)"
-    kernel = paged_decode_kernel(dtype=dtype, **_ATTENTION)
-    if kernel is None:
-        return "bag (the compiled kernel did not build or check; the log says why)"
+def _projections(kernels: CpuKernels) -> str:
+    projection = kernels.projection
+    if projection.kernel is not None and projection.layers == "panels":
+        return f"compiled, {projection.kernel.panel}-column panels"
+    return f"oneDNN's ({dict(kernels.reasons).get('projections', 'not compiled')})"
+
+
+def _attention(kernels: CpuKernels, dtype: torch.dtype) -> str:
+    if kernels.attention != "native":
+        return f"{kernels.attention} ({dict(kernels.reasons).get('attention', 'chosen')})"
+    config = _MODEL
+    kernel = native_kernel(
+        _CPU,
+        block_size=_BLOCK_SIZE,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )
     return f"compiled, {kernel.vector_bits}-bit vectors"

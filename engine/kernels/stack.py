@@ -37,7 +37,15 @@ from twostroke.engine.kernels.glue import DecoderGlue, rotary_inputs_fit
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
 
-__all__ = ["SOURCE", "SYMBOLS", "DecoderStack", "StackLayer", "build_stack", "decoder_stack"]
+__all__ = [
+    "SOURCE",
+    "SYMBOLS",
+    "DecoderStack",
+    "StackLayer",
+    "build_stack",
+    "load_stack",
+    "stack_library",
+]
 
 #: The driver's C source.
 SOURCE = Path(__file__).with_name("decoder_stack.c")
@@ -121,7 +129,7 @@ class StackLayer:
 class DecoderStack:
     """One model's decoder layers as one compiled call (see the module).
 
-    Make it with :func:`decoder_stack`. It holds the addresses of the model's weights: the
+    Make it with :func:`build_stack`. It holds the addresses of the model's weights: the
     weights must outlive it and never move (the model keeps them, packed and frozen).
 
     Attributes:
@@ -295,42 +303,14 @@ class DecoderStack:
         return keys, values
 
 
-def decoder_stack(
-    layers: Sequence[StackLayer],
-    *,
-    glue: DecoderGlue,
-    projection: ProjectionKernel,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate: int,
-) -> DecoderStack | None:
-    """The stack for these layers, or ``None`` where its library does not build (logged once
+def stack_library() -> Callable[..., int] | None:
+    """The driver's entry point, or ``None`` where its library does not build (logged once
     as a warning, with the reason).
 
-    Args:
-        layers: Every decoder layer, in order, its projections packed for ``projection``.
-        glue: The glue built for the model (bfloat16).
-        projection: The kernel the layers' projections are packed for.
-        num_heads: Query heads.
-        num_kv_heads: Key/value heads.
-        intermediate: Width of the MLP.
-
-    Raises:
-        ValueError: no layers, glue of another dtype than bfloat16, or layers whose shapes
-            disagree with the arguments.
+    Built (or loaded from the cache) the first time it is asked for in a process; it has no
+    shape constants, so one library serves every model (:func:`build_stack` binds it to one).
     """
-    function = _library()
-    if function is None:
-        return None
-    return build_stack(
-        layers,
-        function=function,
-        glue=glue,
-        projection=projection,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate=intermediate,
-    )
+    return _library()
 
 
 def build_stack(
@@ -343,10 +323,20 @@ def build_stack(
     num_kv_heads: int,
     intermediate: int,
 ) -> DecoderStack:
-    """:func:`decoder_stack` with the library's entry point given (see :func:`load_stack`).
+    """The stack for these layers, calling the driver ``function`` (:func:`stack_library`).
+
+    Args:
+        layers: Every decoder layer, in order, its projections packed for ``projection``.
+        function: The driver's entry point.
+        glue: The glue built for the model (bfloat16).
+        projection: The kernel the layers' projections are packed for.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads.
+        intermediate: Width of the MLP.
 
     Raises:
-        ValueError: as :func:`decoder_stack`.
+        ValueError: no layers, glue of another dtype than bfloat16, or layers whose shapes
+            disagree with the arguments.
     """
     if not layers:
         raise ValueError("the stack needs at least one layer")

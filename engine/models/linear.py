@@ -12,6 +12,7 @@ the compiled bfloat16 kernel (:meth:`Linear.pack_panels`, see
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,14 @@ from torch import nn
 from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
 from twostroke.engine.models.quantization import Quantization, QuantizedWeight
 
-__all__ = ["Linear", "can_pack", "empty_parameter", "pack", "packed_linear"]
+__all__ = ["Linear", "WeightForm", "can_pack", "empty_parameter", "pack", "packed_linear"]
+
+#: How a projection holds its weight, each form with its kernel: ``"dense"`` (``F.linear``:
+#: MKL in float32, oneDNN in bfloat16), ``"onednn"`` (packed once for oneDNN),
+#: ``"fp16"`` and ``"int8"`` (reduced precision for fbgemm,
+#: :mod:`~twostroke.engine.models.quantization`), ``"panels"`` (laid out for the compiled
+#: bfloat16 projection, :mod:`~twostroke.engine.kernels.projection`).
+WeightForm = Literal["dense", "onednn", "fp16", "int8", "panels"]
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

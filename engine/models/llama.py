@@ -11,8 +11,9 @@ Departures, all for speed: q/k/v are one fused projection and so are gate/up
 its slice); queries and keys are rotated together; on the CPU the projections' weights are
 packed for oneDNN once loaded, in bfloat16 (same results) and, unless transformers' exact
 float32 arithmetic is asked for, in float32; where it is not asked for, bfloat16 weights on
-a CPU with AVX512-BF16 go to twostroke's compiled kernel instead
-(:meth:`LlamaForCausalLM.pack_weights`; the projection layer is
+a CPU with AVX512-BF16 go to twostroke's compiled kernel instead (chosen once, when the
+model loads: :mod:`~twostroke.engine.kernels.selection`, applied by
+:meth:`LlamaForCausalLM.use_kernels`; the projection layer is
 :mod:`~twostroke.engine.models.linear`'s). Parameters are
 allocated uninitialized and filled by the loader, so building the module costs no random
 initialization and holds one copy of the weights.
@@ -21,7 +22,6 @@ initialization and holds one copy of the weights.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
@@ -30,14 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twostroke.engine.attention.kernels import AttentionKernel
+from twostroke.engine.attention.kernels import AttentionKernel, native_kernel
 from twostroke.engine.attention.kv_cache import KVCache, LayerCache
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.attention.ops import paged_attention, write_kv
-from twostroke.engine.kernels.build import native_wanted
-from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
-from twostroke.engine.kernels.projection import PanelWeight, projection_kernel
-from twostroke.engine.kernels.stack import DecoderStack, StackLayer, decoder_stack
+from twostroke.engine.kernels.glue import DecoderGlue
+from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
+from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
+from twostroke.engine.kernels.selection import CpuKernels, torch_kernels
+from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.layers import (
     RMSNorm,
@@ -46,13 +47,8 @@ from twostroke.engine.models.layers import (
     rotate_,
     silu_mul,
 )
-from twostroke.engine.models.linear import Linear, can_pack, empty_parameter, pack, packed_linear
-from twostroke.engine.models.quantization import (
-    Quantization,
-    QuantizationUnavailable,
-    kernel_available,
-    unavailable_message,
-)
+from twostroke.engine.models.linear import Linear, empty_parameter, pack, packed_linear
+from twostroke.engine.models.quantization import Quantization
 from twostroke.gpu.huge_pages import huge_page_buffer
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
@@ -239,14 +235,12 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         # The packed copy of the tied embedding for the output projection (the embedding
-        # itself stays dense: lookups index it), set by pack_weights().
+        # itself stays dense: lookups index it), where the chosen kernels pack it.
         self._packed_embedding: torch.Tensor | None = None
-        # Or its panels for the compiled bfloat16 kernel, where pack_weights() chose it.
+        # Or its panels for the compiled bfloat16 kernel.
         self._embedding_panels: PanelWeight | None = None
-        self._packed = False
-        self._quantization: Quantization | None = None
-        self._glue: DecoderGlue | None = None  # set by fuse_glue()
-        self._stack: DecoderStack | None = None  # set once the glue and the panels are
+        self._kernels: CpuKernels | None = None  # chosen once: use_kernels()
+        self._stack: DecoderStack | None = None  # the chosen driver, bound to the weights
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
 
@@ -270,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
-        glue, stack = self._glue, self._stack
+        glue, stack = self.kernels.glue, self._stack
         if glue is None:
             for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
                 x = layer(x, cos, sin, metadata, layer_cache)
@@ -298,71 +292,73 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     @property
-    def packed(self) -> bool:
-        """Whether :meth:`pack_weights` packed the projections (for either kernel)."""
-        return self._packed
+    def kernels(self) -> CpuKernels:
+        """What computes each part of a step: chosen once (:meth:`use_kernels`), torch's
+        operators and dense weights until then."""
+        return self._kernels or torch_kernels(self.device)
 
     @property
-    def panels(self) -> bool:
-        """Whether :meth:`pack_weights` gave the projections it packed to the compiled
-        bfloat16 kernel (:mod:`twostroke.engine.kernels.projection`) rather than to oneDNN."""
-        # The output projection is never quantized, so it is laid out whenever the rest is.
-        if self.lm_head is not None:
-            return self.lm_head.panels is not None
-        return self._embedding_panels is not None
+    def stack(self) -> DecoderStack | None:
+        """The compiled driver that runs a step's layers in one call
+        (:mod:`~twostroke.engine.kernels.stack`), where the chosen kernels have one."""
+        return self._stack
 
-    def pack_weights(self, *, exact: bool = True) -> bool:
-        """Pack every projection for its fastest kernel here, where that works.
+    def use_kernels(self, kernels: CpuKernels, *, threads: int = 1) -> None:
+        """Compute with ``kernels`` from now on: the last step of loading.
 
-        bfloat16 weights on a CPU with AVX512-BF16, unless ``exact``, are laid out for the
-        compiled kernel of :mod:`~twostroke.engine.kernels.projection` (1.36x oneDNN's speed
-        at 32 rows, 1.9x at one, on SmolLM2's projections; it sums in another order, so not
-        bit for bit
-        ``F.linear``, and ``TWOSTROKE_NATIVE=0`` keeps oneDNN's). Otherwise they are packed
-        for oneDNN where :func:`.linear.can_pack` says that works.
-
-        The last step of loading: packed weights cannot be loaded into any more. A tied
-        embedding gets a packed copy for the output projection (it stays dense for lookups).
-        Projections :meth:`quantize_weights` quantized stay as they are; the output
-        projection, never quantized, is packed.
+        Each projection's weight takes its chosen form (packed for oneDNN, laid out for the
+        compiled bfloat16 kernel, or held in float16 / int8 for fbgemm: see
+        :class:`~twostroke.engine.kernels.selection.Projections`), and the compiled stack,
+        if chosen, is bound to the weights. Weights in those forms cannot be loaded into any
+        more, so no tensor is loaded after this.
 
         Args:
-            exact: Keep products exactly transformers' (MKL's in float32, oneDNN's plain
-                ones in bfloat16): float32 weights are packed and bfloat16 ones go to the
-                compiled kernel only when this is false.
+            kernels: What :func:`~twostroke.engine.kernels.selection.select_kernels` chose
+                for this model.
+            threads: Python threads packing matrices at once (fp16 only: int8's per-channel
+                quantization sets warning filters, which are process-wide).
 
-        Returns:
-            Whether the weights are packed (``False`` unless bfloat16, or float32 with
-            ``exact=False``, on a CPU with oneDNN or the compiled kernel).
+        Raises:
+            RuntimeError: the model computes with other kernels already (they are chosen
+                once).
+            TypeError, ValueError: ``threads`` is not an int >= 1.
         """
-        if self._packed:
-            return True
-        kernel = (
-            projection_kernel()
-            if not exact
-            and self.dtype == torch.bfloat16
-            and self.device.type == "cpu"
-            and native_wanted()
-            else None
-        )
+        check_int_at_least("threads", threads, 1)
+        if self._kernels is not None:
+            if kernels == self._kernels:
+                return
+            raise RuntimeError(
+                "the model's kernels are chosen once: it computes with "
+                f"{self._kernels.describe()!r} already"
+            )
+        projection = kernels.projection
+        if projection.quantization is not None:
+            self._quantize(projection.quantization, threads)
+        if projection.head == "panels":
+            assert projection.kernel is not None
+            self._lay_out_panels(projection.kernel)
+        elif projection.head == "onednn":
+            self._pack()
+        self._kernels = kernels
+        if kernels.stack is not None:
+            self._stack = self._bind_stack(kernels)
+
+    def _lay_out_panels(self, kernel: ProjectionKernel) -> None:
+        """Every full-precision projection's weight in panels for the compiled kernel."""
         dense = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
-        if kernel is not None and all(m.weight.shape[1] % 2 == 0 for m in dense):
-            # (The kernel reads inputs in pairs: a model with an odd width stays on oneDNN.)
-            # All the panels in one allocation, in huge pages: each weight is read in full
-            # every step (1.28x the speed at one row, measured; see huge_pages).
-            tied = [] if self.lm_head is not None else [self.embed_tokens.shape]
-            shapes = [m.weight.shape for m in dense] + tied
-            rooms = huge_page_buffer([kernel.packed_size(*s) for s in shapes], torch.bfloat16)
-            with torch_threads(1):
-                for linear, room in zip(dense, rooms[: len(dense)], strict=True):
-                    linear.pack_panels(kernel, room)
-                if tied:
-                    self._embedding_panels = kernel.pack(self.embed_tokens, into=rooms[-1])
-            self._packed = True
-            self._link_stack()
-            return True
-        if not can_pack(self.dtype, self.device, exact=exact):
-            return False
+        # All the panels in one allocation, in huge pages: each weight is read in full
+        # every step (1.28x the speed at one row, measured; see huge_pages).
+        tied = [] if self.lm_head is not None else [self.embed_tokens.shape]
+        shapes = [m.weight.shape for m in dense] + tied
+        rooms = huge_page_buffer([kernel.packed_size(*s) for s in shapes], torch.bfloat16)
+        with torch_threads(1):
+            for linear, room in zip(dense, rooms[: len(dense)], strict=True):
+                linear.pack_panels(kernel, room)
+            if tied:
+                self._embedding_panels = kernel.pack(self.embed_tokens, into=rooms[-1])
+
+    def _pack(self) -> None:
+        """Every full-precision projection's weight packed for oneDNN."""
         # One thread: the reorders are memory-bound, and with two threads on a busy machine
         # each call waits for a descheduled thread (5x slower, measured: 0.9 s for SmolLM2).
         with torch_threads(1):
@@ -371,121 +367,76 @@ class LlamaForCausalLM(nn.Module):
                     module.pack()
             if self.lm_head is None:
                 self._packed_embedding = pack(self.embed_tokens)
-        self._packed = True
-        return True
 
-    @property
-    def glue(self) -> DecoderGlue | None:
-        """The compiled glue :meth:`fuse_glue` set, if any (the runner's sampler takes its
-        ``argmax``)."""
-        return self._glue
+    def _quantize(self, kind: Quantization, threads: int) -> None:
+        """Every decoder projection's weight in ``kind`` (see :mod:`.quantization`)."""
+        linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        # fbgemm packs each matrix in one serial loop that reads the weight with a stride
+        # (about 25 ns an element on the AVX2 EPYC, 2.5 s for SmolLM2) and releases the GIL,
+        # so ``threads`` Python threads pack different matrices at once; torch's own team
+        # stays at one thread, as in _pack.
+        workers = threads if kind == "fp16" else 1
+        with torch_threads(1), ThreadPoolExecutor(workers, "twostroke-pack") as pool:
+            for _ in pool.map(lambda linear: linear.quantize(kind), linears):
+                pass
 
-    def fuse_glue(self) -> bool:
-        """Run the decoder's element-wise glue as compiled calls
-        (:mod:`~twostroke.engine.kernels.glue`).
-
-        Each residual add and the RMSNorm after it, the rotary embeddings with the cache
-        write (where the cache holds keys transposed, the CPU's layout), and SiLU times up:
-        one call each. On the CPU, in float32 or bfloat16, where the glue builds and passes
-        its check, unless ``TWOSTROKE_NATIVE=0``. The norms and SiLU agree with torch's
-        operators to float32 rounding, not bit for bit, so the loader asks for this only
-        when transformers' exact arithmetic is not (``exact=False``).
-
-        Returns:
-            Whether the glue is now compiled (``False`` where it does not run; its build
-            logs why).
-        """
-        if self._glue is None and self.device.type == "cpu" and native_wanted():
-            config = self.config
-            self._glue = decoder_glue(
-                hidden=config.hidden_size, head_dim=config.head_dim, dtype=self.dtype
-            )
-            self._link_stack()
-        return self._glue is not None
-
-    @property
-    def stack(self) -> DecoderStack | None:
-        """The compiled driver that runs a step's layers in one call
-        (:mod:`~twostroke.engine.kernels.stack`), set once the glue is fused and the
-        projections are packed for the bfloat16 kernel (with any projection quantized, there
-        is none)."""
-        return self._stack
-
-    def _link_stack(self) -> None:
-        """Set :attr:`stack` where the glue and every decoder projection's panels are."""
-        glue = self._glue
-        if glue is None or not self.panels or self._stack is not None:
-            return
+    def _bind_stack(self, kernels: CpuKernels) -> DecoderStack:
+        """The chosen stack driver, given every decoder projection's panels."""
+        glue, projection = kernels.glue, kernels.projection.kernel
+        assert glue is not None
+        assert projection is not None
+        assert kernels.stack is not None
         layers = []
         for layer in self.layers:
             decoder = cast(DecoderLayer, layer)
             attention, mlp = decoder.self_attn, decoder.mlp
             qkv, o = attention.qkv_proj.panels, attention.o_proj.panels
             gate_up, down = mlp.gate_up_proj.panels, mlp.down_proj.panels
-            if qkv is None or o is None or gate_up is None or down is None:
-                return  # quantized projections: their kernels are torch's
+            assert qkv is not None
+            assert o is not None
+            assert gate_up is not None
+            assert down is not None
             first, second = decoder.input_layernorm, decoder.post_attention_layernorm
             norms = (first.weight, first.eps, second.weight, second.eps)
             layers.append(StackLayer(*norms, qkv, o, gate_up, down))
         config = self.config
-        self._stack = decoder_stack(
+        return build_stack(
             layers,
+            function=kernels.stack,
             glue=glue,
-            projection=layers[0].qkv.kernel,
+            projection=projection,
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,
             intermediate=config.intermediate_size,
         )
 
-    @property
-    def quantization(self) -> Quantization | None:
-        """The projections' weight precision set by :meth:`quantize_weights`, if any."""
-        return self._quantization
+    def attention_for(
+        self, block_size: int, kernel: AttentionKernel | None = None
+    ) -> AttentionKernel | PagedDecodeKernel:
+        """How a cache of ``block_size``-position blocks attends: the chosen kernel (or
+        ``kernel``), the compiled ``"native"`` one as itself, built for this shape.
 
-    def quantize_weights(self, kind: Quantization, *, threads: int = 1) -> bool:
-        """Hold every decoder projection's weight in ``kind`` (see :mod:`.quantization`).
-
-        A last step of loading, like :meth:`pack_weights` (call it first: packing then
-        leaves the quantized projections alone). The embedding and the output projection
-        keep the model's dtype. Where ``kind``'s kernel does not run (any device but the
-        CPU, or a torch without it), warns once with :class:`QuantizationUnavailable` and
-        leaves the weights as they are.
-
-        Args:
-            kind: ``"fp16"`` or ``"int8"``.
-            threads: Python threads packing matrices at once (fp16 only: int8's per-channel
-                quantization sets warning filters, which are process-wide).
-
-        Returns:
-            Whether the weights are now held in ``kind``.
+        Built (or loaded from the cache) on first use and kept for the process: a runner
+        asks once, when it allocates its cache, and hands it to every step's
+        :meth:`AttentionMetadata.build
+        <twostroke.engine.attention.metadata.AttentionMetadata.build>`.
 
         Raises:
-            RuntimeError: the weights are packed or quantized (differently) already.
-            TypeError, ValueError: ``threads`` is not an int >= 1.
+            ValueError: ``"native"`` where it does not run (see
+                :func:`~twostroke.engine.attention.kernels.native_kernel`).
         """
-        check_int_at_least("threads", threads, 1)
-        if self._quantization == kind:
-            return True
-        if self._packed or self._quantization is not None:
-            raise RuntimeError(
-                f"cannot quantize to {kind!r}: the weights are packed or quantized already"
-            )
-        if not kernel_available(kind, self.device):
-            warnings.warn(
-                unavailable_message(kind, self.device), QuantizationUnavailable, stacklevel=2
-            )
-            return False
-        linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
-        # fbgemm packs each matrix in one serial loop that reads the weight with a stride
-        # (about 25 ns an element on the AVX2 EPYC, 2.5 s for SmolLM2) and releases the GIL,
-        # so ``threads`` Python threads pack different matrices at once; torch's own team
-        # stays at one thread, as in pack_weights.
-        workers = threads if kind == "fp16" else 1
-        with torch_threads(1), ThreadPoolExecutor(workers, "twostroke-pack") as pool:
-            for _ in pool.map(lambda linear: linear.quantize(kind), linears):
-                pass
-        self._quantization = kind
-        return True
+        chosen = self.kernels.attention if kernel is None else kernel
+        if chosen != "native":
+            return chosen
+        config = self.config
+        return native_kernel(
+            self.device,
+            block_size=block_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+        )
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, *, zeroed: bool = True
@@ -523,15 +474,14 @@ class LlamaForCausalLM(nn.Module):
             sequences: Token ids, each non-empty.
             chunk_size: Positions per sequence per step.
             block_size: Positions per cache block.
-            kernel: How the steps attend (``None``: the device's default, as
-                :meth:`~twostroke.engine.attention.metadata.AttentionMetadata.build`
-                takes it).
+            kernel: How the steps attend (``None``: the chosen kernel, :attr:`kernels`).
 
         Returns:
             One float32 tensor ``[len(sequence), vocab_size]`` per sequence.
 
         Raises:
-            ValueError: no sequences, an empty one, or ``chunk_size`` below 1.
+            ValueError: no sequences, an empty one, or ``chunk_size`` below 1; or
+                ``"native"`` attention where it does not run.
         """
         if not sequences or not all(sequences):
             raise ValueError("forward_logits needs at least one sequence, each non-empty")
@@ -540,6 +490,7 @@ class LlamaForCausalLM(nn.Module):
         count = len(sequences)
         longest = max(len(tokens) for tokens in sequences)
         width = -(-longest // block_size)
+        attention = self.attention_for(block_size, kernel)
         cache = self.allocate_kv_cache(count * width, block_size)
         tables = [tuple(index + count * k for k in range(width)) for index in range(count)]
         done = [0] * count
@@ -562,7 +513,7 @@ class LlamaForCausalLM(nn.Module):
                 device=self.device,
                 num_heads=self.config.num_heads,
                 head_dim=self.config.head_dim,
-                kernel=kernel,
+                kernel=attention,
             )
             rows = torch.arange(len(ids), device=self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -585,12 +536,14 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             WeightError: the name is unknown, or the shape does not fit.
-            RuntimeError: the weights are packed (:meth:`pack_weights`) already.
+            RuntimeError: the kernels are chosen (:meth:`use_kernels`): the weights are in
+                their forms already.
         """
-        if self._packed:
-            raise RuntimeError(f"cannot load {name!r}: the weights are packed already")
-        if self._quantization is not None:
-            raise RuntimeError(f"cannot load {name!r}: the weights are quantized already")
+        if self._kernels is not None:
+            raise RuntimeError(
+                f"cannot load {name!r}: the kernels are chosen, and the weights packed or "
+                "quantized for them already"
+            )
         if _IGNORED.match(name):
             return
         target = self._target(name)

@@ -6,12 +6,10 @@ import logging
 import types
 import warnings
 from collections.abc import Mapping
-from typing import cast
 
 import torch
 
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.models.quantization import Quantization, kernel_available
 from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.cores import usable_cores
@@ -28,7 +26,6 @@ __all__ = [
     "intra_op_threads",
     "load_runner",
     "resolve_dtype",
-    "resolve_quantization",
     "set_intra_op_threads",
 ]
 
@@ -90,34 +87,6 @@ def resolve_dtype(name: str, device: Device) -> torch.dtype:
     return dtype
 
 
-def resolve_quantization(
-    name: str | None, dtype_name: str, dtype: torch.dtype, device: Device
-) -> Quantization | None:
-    """The weight precision ``EngineConfig.quantization`` stands for (``None``: ``dtype``).
-
-    ``"auto"`` is the measured policy of ``dtype="auto"``: the fastest weights whose
-    perplexity stays within 1 % of float32's. On SmolLM2 (docs/models.md) fp16 weights
-    kept it (31.34 against 31.34; int8 did not, +83 %) and ran the batch-32 decode step
-    1.27x faster than float32 weights on an AVX2 EPYC (docs/performance.md), so
-    ``"auto"`` takes ``"fp16"`` where ``dtype="auto"`` resolved to float32 on a CPU whose
-    torch has the kernel (where bfloat16 is native, ``"auto"`` is bfloat16 and its weights
-    stay so). An explicit
-    ``dtype`` keeps its own weights: ``dtype="float32"`` is transformers' arithmetic.
-
-    Args:
-        name: ``"auto"``, ``"fp16"``, ``"int8"`` or ``None``.
-        dtype_name: The configured dtype name (``"auto"`` or explicit).
-        dtype: What it resolved to (:func:`resolve_dtype`).
-        device: The device the model will run on.
-    """
-    if name != "auto":
-        return cast("Quantization | None", name)
-    automatic = dtype_name == "auto" and dtype == torch.float32 and device.kind == "cpu"
-    if automatic and kernel_available("fp16", device.torch_device):
-        return "fp16"
-    return None
-
-
 def default_torch_threads(cores: int | None = None) -> int:
     """The most torch intra-op threads an engine takes on a CPU with ``cores`` cores: all.
 
@@ -175,10 +144,10 @@ def set_intra_op_threads(config: EngineConfig, device: Device) -> int | None:
     return threads
 
 
-def _log_personality() -> None:
-    """Say what instruction set the CPU runs as, and what of a capped one a library missed."""
+def _log_unapplied() -> None:
+    """Say what of a capped personality a library missed (the kernels' choice names the
+    personality it was made for)."""
     personality = cpu_personality()
-    _log.info("twostroke: the CPU runs as %s", personality.describe())
     for line in personality.unapplied(torch.backends.cpu.get_cpu_capability()):
         _log.warning("twostroke: %s", line)
 
@@ -209,16 +178,17 @@ def load_runner(
     from twostroke.engine.text.tokenizer import HFTokenizer
 
     dtype = resolve_dtype(config.dtype, device)
-    quantization = resolve_quantization(config.quantization, config.dtype, dtype, device)
     if device.kind == "cpu":
-        _log_personality()
+        _log_unapplied()
     loaded = load_model(
         model,
         dtype=dtype,
         device=device.torch_device,
-        # An explicit dtype="float32" asks for transformers' arithmetic; "auto" for speed.
+        # An explicit dtype="float32" asks for transformers' arithmetic; "auto" for speed
+        # (and quantization="auto" for fp16 weights where they run: the kernels' choice).
         exact=config.dtype != "auto",
-        quantization=quantization,
+        quantization=config.quantization,
+        block_size=config.block_size,
     )
     runner = TorchModelRunner.from_loaded(
         loaded, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs

@@ -20,20 +20,15 @@ the copy, and every tensor the step touches is kept alive in ``keepalive``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import get_args
 
 import attrs
 import torch
 
-from twostroke.engine.attention.kernels import (
-    AttentionKernel,
-    best_kernel,
-    default_kernel,
-    native_kernel,
-)
+from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.attention.kv_cache import KVCache
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.checkpoints.loader import LoadedModel
+from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.engine.structured.masks import StepMasks
@@ -84,9 +79,10 @@ class TorchModelRunner:
             ``"native"`` kernel's decodes are one group. ``None``: no bound.
         attention_kernel: How decodes attend (see
             :data:`~twostroke.engine.attention.kernels.AttentionKernel`); ``None``
-            takes :func:`~twostroke.engine.attention.kernels.best_kernel` when the
-            KV cache is allocated. For comparisons: ``"native"`` where it does not run
-            fails there.
+            takes the one chosen when the model loaded
+            (:attr:`LlamaForCausalLM.kernels
+            <twostroke.engine.models.llama.LlamaForCausalLM.kernels>`). For comparisons:
+            ``"native"`` where it does not run fails when the KV cache is allocated.
 
     Raises:
         ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1,
@@ -110,19 +106,17 @@ class TorchModelRunner:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if attention_kernel is not None and attention_kernel not in get_args(AttentionKernel):
-            raise ValueError(
-                f"attention_kernel must be one of {get_args(AttentionKernel)} or None, got "
-                f"{attention_kernel!r}"
-            )
-        self._chosen_kernel = attention_kernel
+        kernels = model.kernels
+        if attention_kernel is not None:
+            kernels = kernels.with_attention(attention_kernel)
+        self.kernels = kernels
         self.model = model
         self.config = model.config
         self.device = model.device
         limit = model.config.max_position_embeddings
         self._max_model_len = limit if max_model_len is None else min(limit, max_model_len)
         self._history_capacity = min(max_num_seqs or 8, 64)
-        glue = model.glue
+        glue = kernels.glue
         self._sampler = Sampler(
             model.config.vocab_size,
             model.device,
@@ -131,7 +125,8 @@ class TorchModelRunner:
         )
         self._history: TokenHistory | None = None
         self._cache: KVCache | None = None
-        self._kernel: AttentionKernel = default_kernel(model.device)
+        # The chosen attention, the compiled kernel built for the cache's blocks: set once.
+        self._attention: AttentionKernel | PagedDecodeKernel = kernels.attention
         self._zeroed = bytearray()  # per KV block: zeroed since allocation
         self._previous_sampled: torch.Tensor | None = None
         self._previous_rows: dict[int, int] = {}
@@ -191,9 +186,8 @@ class TorchModelRunner:
 
     @property
     def attention_kernel(self) -> AttentionKernel:
-        """How decodes attend: chosen when the KV cache is allocated (see
-        :func:`~twostroke.engine.attention.kernels.best_kernel`)."""
-        return self._kernel
+        """How decodes attend: chosen when the model loaded, or given."""
+        return self.kernels.attention
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of KV cache one block of ``block_size`` positions takes (all layers)."""
@@ -211,28 +205,20 @@ class TorchModelRunner:
 
         Raises:
             RunnerError: the cache exists already.
-            ValueError: ``num_blocks`` or ``block_size`` below 1, or ``attention_kernel``
-                ``"native"`` where it does not run (see
-                :func:`~twostroke.engine.attention.kernels.native_kernel`).
+            ValueError: ``num_blocks`` or ``block_size`` below 1, or the ``"native"``
+                attention where it does not run for these blocks (see
+                :meth:`LlamaForCausalLM.attention_for
+                <twostroke.engine.models.llama.LlamaForCausalLM.attention_for>`).
         """
         if self._cache is not None:
             raise RunnerError("the KV cache can be allocated only once")
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        # The compiled attention is built for these blocks here, once (it fails here, not in
+        # a step); every step's layout receives it.
+        self._attention = self.model.attention_for(block_size, self.kernels.attention)
         # Unzeroed: each block is zeroed the first time a step writes it (see KVCache).
-        config = self.config
-        shape = {
-            "block_size": block_size,
-            "num_heads": config.num_heads,
-            "num_kv_heads": config.num_kv_heads,
-            "head_dim": config.head_dim,
-        }
-        if self._chosen_kernel == "native":
-            native_kernel(self.device, dtype=self.model.dtype, **shape)  # fails here, not later
-        self._kernel = self._chosen_kernel or best_kernel(
-            self.device, dtype=self.model.dtype, **shape
-        )
         self._cache = self.model.allocate_kv_cache(num_blocks, block_size, zeroed=False)
         self._zeroed = bytearray(num_blocks)
         self._zero_new_blocks([0], self._cache)  # padded decode histories read block 0
@@ -299,7 +285,7 @@ class TorchModelRunner:
             num_kv_heads=self.config.num_kv_heads,
             dtype=self.model.dtype,
             device=device,
-            kernel=self._kernel,
+            kernel=self._attention,
             max_decode_positions=self._max_decode_positions,
             num_heads=self.config.num_heads,
             head_dim=self.config.head_dim,

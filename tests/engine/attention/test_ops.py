@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twostroke.engine.attention import ops
-from twostroke.engine.attention.kernels import AttentionKernel, default_kernel
+from twostroke.engine.attention.kernels import AttentionKernel, default_kernel, native_kernel
 from twostroke.engine.attention.kv_cache import KVCache, LayerCache
 from twostroke.engine.attention.metadata import (
     AttentionMetadata,
@@ -20,6 +20,7 @@ from twostroke.engine.attention.metadata import (
     split_decodes,
 )
 from twostroke.engine.attention.ops import paged_attention, write_kv
+from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -44,6 +45,23 @@ def dense_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
+def handed(
+    kernel: AttentionKernel | None, block_size: int, dtype: torch.dtype
+) -> AttentionKernel | PagedDecodeKernel | None:
+    """What a step's layout is given for ``kernel``: the compiled one as itself, built for
+    the cache (as a runner builds it once), torch's by name."""
+    if kernel != "native":
+        return kernel
+    return native_kernel(
+        CPU,
+        block_size=block_size,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=WIDTH,
+        dtype=dtype,
+    )
+
+
 def metadata(
     chunks: list[ChunkSpec],
     num_blocks: int,
@@ -58,7 +76,7 @@ def metadata(
         num_kv_heads=KV_HEADS,
         dtype=dtype,
         device=CPU,
-        kernel=kernel,
+        kernel=handed(kernel, BLOCK, dtype),
         group_overhead=group_overhead,
         num_heads=HEADS,
         head_dim=WIDTH,
@@ -457,7 +475,7 @@ def test_in_place_decodes_match_gathered_products(
             num_kv_heads=KV_HEADS,
             dtype=dtype,
             device=CPU,
-            kernel=kernel,
+            kernel=handed(kernel, block_size, dtype),
             group_overhead=overhead,
             num_heads=HEADS,
             head_dim=WIDTH,

@@ -54,8 +54,8 @@ def test_the_engine_systems_warm_up_once_and_the_bare_loop_replays_their_plans(
     first, _, second, bag = results
     # --compare-attention: the runner's own choice (the compiled kernel here) and its fallback.
     assert (first.extra["attention"], bag.extra["attention"]) == ("native", "bag")
-    # dtype="float32" asks for transformers' arithmetic: the projections stay torch's.
-    assert first.extra["projections"] == "torch"
+    # dtype="float32" asks for transformers' arithmetic: the projections stay F.linear's.
+    assert first.extra["projections"] == "dense"
     # The first engine system of the process ran the warm-up pass, untimed; the next did not.
     assert first.extra["warmup_s"] > 0
     assert second.extra["warmup_s"] == 0

@@ -468,7 +468,7 @@ def test_a_converted_gguf_is_cached_and_read_back(
     forbid_conversion(monkeypatch)
     second = load_model(file, dtype=dtype, device=CPU)
     assert second.config == first.config
-    assert second.module.packed == first.module.packed
+    assert second.module.kernels.projection == first.module.kernels.projection
     sequences = random_sequences([4, 11])
     for ours, theirs in zip(
         second.module.forward_logits(sequences), first.module.forward_logits(sequences), strict=True

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -27,8 +28,8 @@ from twostroke.engine.kernels.glue import (
     decoder_glue,
     reference_add_rms_norm,
 )
+from twostroke.engine.kernels.selection import select_kernels
 from twostroke.engine.models.layers import rotary_tables, rotate_, silu_mul
-from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.runners.sampler import Sampler
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
@@ -240,9 +241,10 @@ def test_a_glue_that_disagrees_with_torch_is_refused(monkeypatch: pytest.MonkeyP
         build_glue(hidden=8, head_dim=8, dtype=torch.float32)
 
 
-def tiny_decoder(dtype: torch.dtype) -> LlamaForCausalLM:
-    """A decoder without weights to run: enough for what fuse_glue decides."""
-    return LlamaForCausalLM(_config(), dtype=dtype, device=CPU)
+def chosen_glue(dtype: torch.dtype, *, exact: bool = False) -> DecoderGlue | None:
+    """The glue chosen for the tiny model's shape (the attention is not built: it is given)."""
+    kernels = select_kernels(_config(), dtype=dtype, device=CPU, exact=exact, attention="bag")
+    return kernels.glue
 
 
 @pytest.mark.usefixtures("fresh_kernels")
@@ -251,8 +253,8 @@ def test_where_the_build_fails_the_decoder_keeps_torchs_operators_and_says_why(
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger=glue_module.__name__):
-        assert not tiny_decoder(torch.float32).fuse_glue()
-        assert not tiny_decoder(torch.float32).fuse_glue()
+        assert chosen_glue(torch.float32) is None
+        assert chosen_glue(torch.float32) is None
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1  # once per shape and process
     assert "/nonexistent/cc" in warnings[0].getMessage()
@@ -260,13 +262,12 @@ def test_where_the_build_fails_the_decoder_keeps_torchs_operators_and_says_why(
 
 
 def test_which_decoders_compile_their_glue(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert tiny_decoder(torch.float32).fuse_glue()
-    assert tiny_decoder(torch.bfloat16).fuse_glue()
-    assert not tiny_decoder(torch.float16).fuse_glue()  # no float16 build
+    assert chosen_glue(torch.float32) is not None
+    assert chosen_glue(torch.bfloat16) is not None
+    assert chosen_glue(torch.float16) is None  # no float16 build
+    assert chosen_glue(torch.float32, exact=True) is None  # transformers' arithmetic
     monkeypatch.setenv(NATIVE_ENV, "0")
-    model = tiny_decoder(torch.float32)
-    assert not model.fuse_glue()
-    assert model.glue is None
+    assert chosen_glue(torch.float32) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -278,11 +279,12 @@ def test_the_compiled_glue_computes_what_torchs_operators_do_to_rounding(
     make_tiny_model("llama", tmp_path, seed=7)
     exact = load_model(tmp_path, dtype=dtype, device=CPU)
     fused = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
-    assert exact.module.glue is None
-    assert fused.module.glue is not None
+    assert exact.module.kernels.glue is None
+    assert fused.module.kernels.glue is not None
     sequences = random_sequences([1, 5, 30], seed=8)
     operators = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
-    operators.module._glue = None  # the same packed weights, torch's operators
+    # The same packed weights, torch's operators.
+    operators.module._kernels = attrs.evolve(operators.module.kernels, glue=None, stack=None)
     expected = operators.module.forward_logits(sequences, chunk_size=4)
     got = fused.module.forward_logits(sequences, chunk_size=4)
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
@@ -329,7 +331,7 @@ def test_the_cpu_runners_sampler_takes_the_compiled_argmax(tmp_path: Path) -> No
     make_tiny_model("llama", tmp_path, seed=9)
     fused = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU, exact=False))
     exact = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU))
-    glue = fused.model.glue
+    glue = fused.kernels.glue
     assert glue is not None
     assert fused._sampler._argmax == glue.argmax
     assert exact._sampler._argmax is None

@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.engine.models.test_llama import _config
 from twostroke.engine.artifacts.cache import CACHE_DIR_ENV, NO_CACHE_ENV
-from twostroke.engine.attention.kernels import best_kernel
+from twostroke.engine.attention.kernels import native_kernel
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.kernels import build, paged_attention
 from twostroke.engine.kernels.build import NATIVE_ENV, NativeBuildError
@@ -25,6 +26,7 @@ from twostroke.engine.kernels.paged_attention import (
     reference_paged_decode,
     reference_paged_prefill,
 )
+from twostroke.engine.kernels.selection import select_kernels
 from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality, rung_named
 from twostroke.gpu.threads import torch_threads
 
@@ -281,38 +283,64 @@ def test_bad_sizes_are_rejected(name: str, value: int, message: str) -> None:
         build_kernel(block_size=4, head_dim=8, group=1, dtype=torch.float16)
 
 
+def chosen_attention(dtype: torch.dtype, device: torch.device = CPU) -> str:
+    """The attention chosen for a model of 6 query heads of 8 over 2 (blocks of 4)."""
+    config = _config(num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    kernels = select_kernels(config, dtype=dtype, device=device, exact=True, block_size=4)
+    return kernels.attention
+
+
 @pytest.mark.usefixtures("fresh_kernels")
-def test_where_the_build_fails_the_runner_keeps_the_bag_kernel_and_says_why(
+def test_where_the_build_fails_the_bag_kernel_is_chosen_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    shape = {"block_size": 4, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8}
     with caplog.at_level(logging.WARNING, logger=paged_attention.__name__):
-        assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
-        assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
+        assert chosen_attention(torch.float32) == "bag"
+        assert chosen_attention(torch.float32) == "bag"
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1  # once per shape and process
     assert "/nonexistent/cc" in warnings[0].getMessage()
     assert "'bag' kernel instead" in warnings[0].getMessage()
+    shape = {"block_size": 4, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8}
     with pytest.raises(ValueError, match=r"the 'native' kernel does not run for torch\.float32"):
+        native_kernel(CPU, dtype=torch.float32, **shape)
+
+
+def test_what_each_machine_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert chosen_attention(torch.float32) == "native"
+    assert chosen_attention(torch.bfloat16) == "native"
+    assert chosen_attention(torch.float16) == "bag"  # no float16 build
+    assert chosen_attention(torch.float32, torch.device("cuda", 0)) == "sdpa"
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    assert chosen_attention(torch.float32) == "bag"
+
+
+def test_a_step_is_laid_out_for_the_compiled_kernel_it_is_given() -> None:
+    """The layout resolves nothing: the compiled kernel is passed as itself, built for the
+    cache's shape, and ``"native"`` by name is refused."""
+    shape = {"block_size": 4, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8}
+    kernel = native_kernel(CPU, dtype=torch.float32, **shape)
+    chunks = [ChunkSpec(2, 1, (1,))]
+    step = AttentionMetadata.build(
+        chunks, num_blocks=3, dtype=torch.float32, device=CPU, kernel=kernel, **shape
+    )
+    assert step.kernel == "native"
+    assert step.decode_groups[0].paged is not None
+    assert step.decode_groups[0].paged.kernel is kernel
+    with pytest.raises(ValueError, match=r"'native' kernel is passed as itself"):
         AttentionMetadata.build(
-            [ChunkSpec(2, 1, (1,))],
+            chunks, num_blocks=3, dtype=torch.float32, device=CPU, kernel="native", **shape
+        )
+    with pytest.raises(ValueError, match=r"built for blocks of 4, .* the cache has blocks of 8"):
+        AttentionMetadata.build(
+            chunks,
             num_blocks=3,
             dtype=torch.float32,
             device=CPU,
-            kernel="native",
-            **shape,
+            kernel=kernel,
+            **{**shape, "block_size": 8},
         )
-
-
-def test_the_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    shape = {"block_size": 4, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8}
-    assert best_kernel(CPU, dtype=torch.float32, **shape) == "native"
-    assert best_kernel(CPU, dtype=torch.bfloat16, **shape) == "native"
-    assert best_kernel(CPU, dtype=torch.float16, **shape) == "bag"  # no float16 build
-    assert best_kernel(torch.device("cuda", 0), dtype=torch.float32, **shape) == "sdpa"
-    monkeypatch.setenv(NATIVE_ENV, "0")
-    assert best_kernel(CPU, dtype=torch.float32, **shape) == "bag"
 
 
 def test_heads_that_do_not_share_evenly_get_no_kernel() -> None:

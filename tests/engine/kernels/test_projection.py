@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from twostroke.engine.kernels.projection import (
     build_projection,
     projection_kernel,
 )
+from twostroke.engine.kernels.selection import CpuKernels, Projections, select_kernels
 from twostroke.engine.models.linear import Linear, can_pack
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.gpu.isa import ISA_ENV, RUNGS, machine_rung
@@ -188,9 +190,8 @@ def test_built_for_a_cpu_without_avx512_bf16_it_says_so_and_oneDNN_stays(
     said = [r for r in caplog.records if r.name == projection.__name__]
     assert [r.levelno for r in said] == [logging.INFO]
     assert "stay oneDNN's: this CPU has no AVX512-BF16" in said[0].getMessage()
-    decoder = tiny_decoder()
-    assert decoder.pack_weights(exact=False) is can_pack(torch.bfloat16, CPU, exact=False)
-    assert not decoder.panels  # never the compiled kernel's panels
+    form = "onednn" if can_pack(torch.bfloat16, CPU, exact=False) else "dense"
+    assert chosen(exact=False).projection == Projections(form, form)  # never the panels
 
 
 @pytest.mark.usefixtures("fresh_kernel")
@@ -208,38 +209,32 @@ def test_where_the_build_fails_oneDNN_stays_with_one_warning(
     assert "stay oneDNN's" in said[0].getMessage()
 
 
-def tiny_decoder(dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
-    """A decoder with zero weights: enough for what pack_weights decides."""
-    model = LlamaForCausalLM(_config(), dtype=dtype, device=CPU)
-    for parameter in model.parameters():
-        parameter.data.zero_()
-    return model
+def chosen(dtype: torch.dtype = torch.bfloat16, *, exact: bool, **overrides: Any) -> CpuKernels:
+    """The kernels chosen for the tiny model's shape (the attention is given, not built)."""
+    config = _config(**overrides)
+    return select_kernels(config, dtype=dtype, device=CPU, exact=exact, attention="bag")
 
 
 def test_which_decoders_take_the_kernel(
     kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     projection._kernel.cache_clear()
-    taken = tiny_decoder()
-    assert taken.pack_weights(exact=False)
-    assert taken.panels
-    linears = [m for m in taken.modules() if isinstance(m, Linear)]
+    taken = chosen(exact=False)
+    assert taken.projection == Projections("panels", "panels", projection_kernel())
+    model = LlamaForCausalLM(_config(), dtype=torch.bfloat16, device=CPU)
+    for parameter in model.parameters():
+        parameter.data.zero_()
+    model.use_kernels(taken)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears
     assert all(m.panels is not None and m.weight.numel() == 0 for m in linears)
-    assert taken.pack_weights(exact=False)  # idempotent
-    exact = tiny_decoder()
-    assert exact.pack_weights(exact=True)
-    assert not exact.panels  # oneDNN's: F.linear's bits
-    float32 = tiny_decoder(torch.float32)
-    float32.pack_weights(exact=False)  # oneDNN's, where it packs float32
-    assert not float32.panels
-    odd = LlamaForCausalLM(_config(intermediate_size=15), dtype=torch.bfloat16, device=CPU)
-    assert odd.pack_weights(exact=False)  # down_proj's inputs are odd: all stay oneDNN's
-    assert not odd.panels
+    # oneDNN's (F.linear's bits) where exact, for float32, for an odd input width (the
+    # kernel reads inputs in pairs: down_proj's here) and with TWOSTROKE_NATIVE=0.
+    assert chosen(exact=True).projection.layers != "panels"
+    assert chosen(torch.float32, exact=False).projection.layers != "panels"
+    assert chosen(exact=False, intermediate_size=15).projection.layers != "panels"
     monkeypatch.setenv(NATIVE_ENV, "0")
-    kept = tiny_decoder()
-    kept.pack_weights(exact=False)
-    assert not kept.panels
+    assert chosen(exact=False).projection.layers != "panels"
 
 
 @pytest.mark.parametrize(
@@ -252,12 +247,14 @@ def test_a_decoder_on_the_kernel_computes_what_oneDNNs_does_to_rounding(
     """Through prefill chunks and decodes, the output projection (tied or not) included."""
     make_tiny_model(kind, tmp_path, seed=11, tie_word_embeddings=tied)
     ours = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False)
-    theirs = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
-    assert ours.module.panels
-    assert not theirs.module.panels
+    # The same compiled glue, F.linear's products (oneDNN's in bfloat16): only the
+    # projections differ.
+    theirs = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, pack_weights=False)
+    assert ours.module.kernels.projection.layers == "panels"
+    assert theirs.module.kernels.projection.layers == "dense"
+    assert theirs.module.kernels.glue is not None
     sequences = random_sequences([1, 6, 29], seed=12)
     got = ours.module.forward_logits(sequences, chunk_size=5)
-    theirs.module.fuse_glue()  # the same glue, so only the projections differ
     expected = theirs.module.forward_logits(sequences, chunk_size=5)
     for mine, reference in zip(got, expected, strict=True):
         torch.testing.assert_close(mine, reference, rtol=5e-2, atol=5e-2)

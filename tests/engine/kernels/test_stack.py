@@ -120,7 +120,7 @@ def test_steps_of_another_attention_kernel_run_layer_by_layer(
 def step_of(
     model: LlamaForCausalLM, kernel: AttentionKernel
 ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """One prefill of three tokens: its metadata and rotary tables."""
+    """One prefill of three tokens, in blocks of 4: its metadata and rotary tables."""
     metadata = AttentionMetadata.build(
         [ChunkSpec(0, 3, (0,))],
         block_size=4,
@@ -130,7 +130,7 @@ def step_of(
         device=CPU,
         num_heads=model.config.num_heads,
         head_dim=model.config.head_dim,
-        kernel=kernel,
+        kernel=model.attention_for(4, kernel),
     )
     return metadata, torch.zeros(3, 1, model.config.head_dim, dtype=model.dtype)
 
@@ -174,7 +174,7 @@ def test_layers_that_do_not_fit_are_refused(
     model = models["llama"]
     config = model.config
     layers = layers_of(model)
-    glue = model.glue
+    glue = model.kernels.glue
     assert glue is not None
     function = load_stack()
     shape = {
@@ -229,8 +229,9 @@ def test_where_the_library_does_not_build_the_layers_run_one_by_one_with_one_war
             second = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False).module
     finally:
         stack._library.cache_clear()
-    assert first.panels
-    assert first.glue is not None
+    assert first.kernels.projection.layers == "panels"
+    assert first.kernels.glue is not None
+    assert first.kernels.stack is None
     assert first.stack is None
     assert second.stack is None
     said = [r for r in caplog.records if r.name == stack.__name__]
@@ -248,6 +249,6 @@ def test_a_model_with_quantized_projections_has_no_stack(tmp_path: Path) -> None
     loaded = load_model(
         tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, quantization="fp16"
     )
-    assert loaded.module.quantization == "fp16"
-    assert loaded.module.glue is not None
+    assert loaded.module.kernels.projection.quantization == "fp16"
+    assert loaded.module.kernels.glue is not None
     assert loaded.module.stack is None

@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from twostroke.engine.attention import metadata as attention_metadata
 from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.kernels.selection import Projections, select_kernels
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.linear import Linear, can_pack
 from twostroke.engine.models.llama import (
@@ -110,17 +111,16 @@ def test_llama_logits_match_transformers(
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kernel", ["matmul", "sdpa", "native"])
-def test_other_kernels_match_transformers_through_the_model(
-    tiny_llama: tuple[Any, LoadedModel], kernel: AttentionKernel, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kernel", ["bag", "matmul", "sdpa", "native"])
+def test_every_attention_kernel_matches_transformers_through_the_model(
+    tiny_llama: tuple[Any, LoadedModel], kernel: AttentionKernel
 ) -> None:
-    """``forward_logits`` runs the bag kernel; the others (the runners' native one on the
-    CPU, CUDA's SDPA) take the model's strided queries and its cache writes too: mixed
-    chunks, fp32 logits within 1e-4."""
-    monkeypatch.setattr(attention_metadata, "default_kernel", lambda device: kernel)
+    """``forward_logits`` runs the chosen kernel (the compiled one where it runs); each
+    (the CPU's compiled and bag kernels, CUDA's SDPA) takes the model's strided queries and
+    its cache writes: mixed chunks, fp32 logits within 1e-4."""
     reference, loaded = tiny_llama
     sequences = random_sequences(LENGTHS)
-    ours = loaded.module.forward_logits(sequences, chunk_size=3)
+    ours = loaded.module.forward_logits(sequences, chunk_size=3, kernel=kernel)
     for tokens, logits in zip(sequences, ours, strict=True):
         torch.testing.assert_close(logits, reference_logits(reference, tokens), atol=1e-4, rtol=0)
 
@@ -249,8 +249,9 @@ def test_packed_weights_compute_what_dense_weights_do(tied: bool, tmp_path: Path
     make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=tied)
     dense = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, pack_weights=False)
     packed = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
-    assert not dense.module.packed
-    assert packed.module.packed == can_pack(torch.bfloat16, CPU)
+    assert dense.module.kernels.projection == Projections("dense", "dense")
+    form = "onednn" if can_pack(torch.bfloat16, CPU) else "dense"
+    assert packed.module.kernels.projection == Projections(form, form)
     sequences = random_sequences([3, 17], seed=6)
     expected = dense.module.forward_logits(sequences, chunk_size=4)
     for ours, theirs in zip(
@@ -259,14 +260,21 @@ def test_packed_weights_compute_what_dense_weights_do(tied: bool, tmp_path: Path
         assert torch.equal(ours, theirs)
 
 
-def test_packed_weights_take_no_more_loading(tmp_path: Path) -> None:
+def test_a_model_takes_its_kernels_once_and_no_more_weights_after(tmp_path: Path) -> None:
     make_tiny_model("llama", tmp_path, seed=5)
     loaded = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
-    if not loaded.module.packed:
-        pytest.skip("oneDNN cannot pack bfloat16 weights on this machine")
-    assert loaded.module.pack_weights()  # idempotent
-    with pytest.raises(RuntimeError, match=r"cannot load 'model.norm.weight': .* packed already"):
-        loaded.module.load_weight("model.norm.weight", torch.ones(64))
+    module = loaded.module
+    chosen = module.kernels
+    module.use_kernels(chosen)  # the same choice again: nothing to do
+    assert module.kernels is chosen
+    other = attrs.evolve(chosen, attention="matmul")
+    with pytest.raises(RuntimeError, match=r"kernels are chosen once: it computes with '.*'"):
+        module.use_kernels(other)
+    assert module.kernels is chosen
+    with pytest.raises(
+        RuntimeError, match=r"cannot load 'model.norm.weight': the kernels are chosen"
+    ):
+        module.load_weight("model.norm.weight", torch.ones(64))
 
 
 def test_float32_weights_are_packed_only_when_transformers_arithmetic_is_not_asked() -> None:
@@ -278,9 +286,8 @@ def test_float32_weights_are_packed_only_when_transformers_arithmetic_is_not_ask
     assert not can_pack(torch.bfloat16, torch.device("cuda", 0))
     assert not can_pack(torch.float32, torch.device("cuda", 0), exact=False)
     assert not can_pack(torch.bfloat16, torch.device("meta"))
-    float32 = LlamaForCausalLM(_config(), dtype=torch.float32, device=CPU)
-    assert not float32.pack_weights()
-    assert not float32.packed
+    exact = select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True)
+    assert exact.projection == Projections("dense", "dense")
 
 
 @settings(max_examples=25, deadline=None)
@@ -326,8 +333,8 @@ def test_packed_float32_weights_compute_what_dense_weights_do_to_rounding(
     make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=tied)
     dense = load_model(tmp_path, dtype=torch.float32, device=CPU)
     packed = load_model(tmp_path, dtype=torch.float32, device=CPU, exact=False)
-    assert not dense.module.packed
-    assert packed.module.packed
+    assert dense.module.kernels.projection == Projections("dense", "dense")
+    assert packed.module.kernels.projection == Projections("onednn", "onednn")
     sequences = random_sequences([3, 17], seed=6)
     expected = dense.module.forward_logits(sequences, chunk_size=4)
     for ours, theirs in zip(
@@ -349,7 +356,7 @@ def test_quantized_projections_stay_quantized_when_the_rest_is_packed(tmp_path: 
         )
     if loaded.quantization is None:
         pytest.skip("fbgemm's fp16 kernel does not run here")
-    assert loaded.module.packed
+    assert loaded.module.kernels.projection == Projections("fp16", "onednn")
     layer = loaded.module.layers[0]
     assert layer.self_attn.qkv_proj.quantized is not None
     assert not layer.self_attn.qkv_proj.packed

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
 from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.config import EngineConfig
+from twostroke.engine.kernels.selection import Projections, select_kernels, torch_kernels
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.quantization import (
     QUANTIZATIONS,
@@ -102,10 +104,12 @@ def test_quantized_model_tracks_float32(tiny: Path, kind: Any) -> None:
         loaded.module.forward_logits(sequences, chunk_size=4), expected, strict=True
     ):
         assert (ours - theirs).abs().max() <= 10 * TOLERANCE[kind] * theirs.abs().max()
-    assert loaded.module.quantize_weights(kind)  # idempotent
+    chosen = loaded.module.kernels
+    assert chosen.projection.layers == kind
+    loaded.module.use_kernels(chosen)  # idempotent
     other = "int8" if kind == "fp16" else "fp16"
-    with pytest.raises(RuntimeError, match=f"cannot quantize to '{other}'"):
-        loaded.module.quantize_weights(other)
+    with pytest.raises(RuntimeError, match="kernels are chosen once"):
+        loaded.module.use_kernels(attrs.evolve(chosen, projection=Projections(other, "dense")))
     with pytest.raises(RuntimeError, match=r"cannot load 'model.norm.weight': .* quantized"):
         loaded.module.load_weight("model.norm.weight", torch.ones(64))
 
@@ -133,17 +137,22 @@ def test_packing_on_several_threads_gives_the_same_model(
 @pytest.mark.parametrize("threads", [0, 1.5])
 def test_packing_threads_must_be_a_positive_int(threads: Any) -> None:
     model = LlamaForCausalLM(_config(), dtype=torch.float32, device=CPU)
+    kernels = attrs.evolve(torch_kernels(CPU), projection=Projections("fp16", "dense"))
     error = ValueError if isinstance(threads, int) else TypeError
     with pytest.raises(error, match=r"^threads must be"):
-        model.quantize_weights("fp16", threads=threads)
-    assert model.quantization is None
+        model.use_kernels(kernels, threads=threads)
+    assert model.kernels.projection.quantization is None
 
 
 def test_quantization_off_the_cpu_warns_and_keeps_the_weights() -> None:
-    model = LlamaForCausalLM(_config(), dtype=torch.float32, device=torch.device("meta"))
+    meta = torch.device("meta")
     with pytest.warns(QuantizationUnavailable, match=r"'fp16' is not available on meta"):
-        assert not model.quantize_weights("fp16")
-    assert model.quantization is None
+        kernels = select_kernels(
+            _config(), dtype=torch.float32, device=meta, exact=False, quantization="fp16"
+        )
+    assert kernels.projection == Projections("dense", "dense")
+    model = LlamaForCausalLM(_config(), dtype=torch.float32, device=meta)
+    model.use_kernels(kernels)
     assert model.layers[0].mlp.down_proj.quantized is None
 
 
@@ -175,5 +184,6 @@ def test_smollm2_fp16_weights_keep_perplexity() -> None:
         return math.exp(F.cross_entropy(logits[:-1], targets).item())
 
     base = perplexity()
-    assert loaded.module.quantize_weights("fp16")
+    loaded = load_model("smollm2", dtype=torch.float32, device=CPU, quantization="fp16")
+    assert loaded.quantization == "fp16"
     assert abs(perplexity() / base - 1) < 0.01

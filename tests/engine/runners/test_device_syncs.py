@@ -20,10 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_torch import generate
-from twostroke.engine.attention import kernels as attention_kernels
 from twostroke.engine.attention import metadata as attention_metadata
 from twostroke.engine.checkpoints.loader import LoadedModel, load_model
-from twostroke.engine.kernels.build import NATIVE_ENV
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 
@@ -133,9 +131,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     the same sync-free arithmetic as SDPA's, which the ``"sdpa"`` runs cover. The CPU's
     compiled kernel runs only on the CPU, where nothing can wait for a device.
     """
-    monkeypatch.setenv(NATIVE_ENV, "0")
     if request.param == "sdpa":
-        monkeypatch.setattr(attention_kernels, "default_kernel", lambda device: "sdpa")
         monkeypatch.setattr(attention_metadata, "default_group_overhead", lambda device: None)
     return str(request.param)
 
@@ -179,7 +175,12 @@ def test_launches_never_synchronize_the_host(
     prompts = random_sequences([5 + 7 * i for i in range(len(params))], seed=len(params))
     # Arrivals spread over steps: prefills with history land in batches with decodes.
     run = generate(
-        loaded, prompts, params, arrivals=list(range(len(params))), max_num_batched_tokens=12
+        loaded,
+        prompts,
+        params,
+        arrivals=list(range(len(params))),
+        max_num_batched_tokens=12,
+        attention_kernel=kernel,
     )
     assert all(len(run.tokens[i]) == 6 for i in range(len(params)))
     assert recorder.syncs == []

@@ -6,6 +6,7 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,21 +77,34 @@ def test_auto_quantization_is_fp16_weights_only_with_auto_float32_on_a_cpu(
     native_bf16: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The measured policy (docs/models.md): dtype='auto' on a CPU that computes in float32
-    takes fp16 weights where the kernel runs (its self-test passes, and the CPU's personality
-    runs fbgemm: AVX2 and up); an explicit dtype keeps its weights."""
+    (``exact=False``) takes fp16 weights where the kernel runs (its self-test passes, and
+    the CPU's personality runs fbgemm: AVX2 and up); an explicit dtype keeps its weights."""
+    from tests.engine.models.test_llama import _config
+    from twostroke.engine.kernels.selection import select_kernels
     from twostroke.engine.models import quantization
+
+    def layers(dtype: torch.dtype, exact: bool, device: str = "cpu", name: Any = "auto") -> str:
+        kernels = select_kernels(
+            _config(),
+            dtype=dtype,
+            device=torch.device(device),
+            exact=exact,
+            quantization=name,
+            attention="bag",
+        )
+        return kernels.projection.layers
 
     fbgemm = cpu_personality().fbgemm
     for kernel in (True, False):
         monkeypatch.setattr(quantization, "_self_test", lambda kind, ok=kernel: ok)
-        cpu = CpuDevice()
-        auto = resolve_dtype("auto", cpu)
-        expected = "fp16" if kernel and fbgemm and not native_bf16 else None
-        assert loading.resolve_quantization("auto", "auto", auto, cpu) == expected
-        assert loading.resolve_quantization("auto", "float32", torch.float32, cpu) is None
-        assert loading.resolve_quantization("auto", "auto", torch.float32, FakeDevice()) is None
-        assert loading.resolve_quantization(None, "auto", auto, cpu) is None
-        assert loading.resolve_quantization("int8", "float32", torch.float32, cpu) == "int8"
+        auto = resolve_dtype("auto", CpuDevice())
+        fp16 = kernel and fbgemm and not native_bf16
+        assert (layers(auto, exact=False) == "fp16") == fp16
+        assert layers(torch.float32, exact=True) != "fp16"
+        assert layers(torch.float32, exact=False, device="meta") != "fp16"
+        assert layers(auto, exact=False, name=None) != "fp16"
+        if kernel and fbgemm:
+            assert layers(torch.float32, exact=True, name="int8") == "int8"
 
 
 @pytest.mark.parametrize(("dtype", "packs"), [("auto", True), ("float32", False)])
@@ -116,6 +130,5 @@ def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transforme
     runner, _ = loading.load_runner(str(tmp_path), device=CpuDevice(), config=config)
     assert isinstance(runner, TorchModelRunner)
     assert runner.model.dtype == torch.float32
-    assert runner.model.packed == (
-        packs and can_pack(torch.float32, CpuDevice().torch_device, exact=False)
-    )
+    packed = runner.model.kernels.projection.head == "onednn"
+    assert packed == (packs and can_pack(torch.float32, CpuDevice().torch_device, exact=False))

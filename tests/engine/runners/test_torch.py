@@ -149,6 +149,7 @@ def test_greedy_continuous_batch_matches_transformers(
     the CPU's compiled decode attention and with its fallback (``TWOSTROKE_NATIVE=0``)."""
     _, loaded, prompts, expected = tiny
     monkeypatch.setenv(NATIVE_ENV, "0" if kernel == "bag" else "1")
+    loaded = load_model(loaded.source, dtype=torch.float32, device=CPU)  # chosen at load
     runner = TorchModelRunner.from_loaded(loaded)
     runner.allocate_kv_cache(8, 4)
     assert runner.attention_kernel == kernel
@@ -304,7 +305,6 @@ def test_decode_groups_gather_within_decode_gather_bytes(
     one history alone is larger), and the tokens are those of an unbounded run. The
     native kernel reads no padding: its decodes stay one group whatever the budget."""
     _, loaded = tiny_llama
-    monkeypatch.setenv(NATIVE_ENV, "0")  # the bag kernel: the CPU's that cuts groups
     built: list[AttentionMetadata] = []
     build = AttentionMetadata.build.__func__  # type: ignore[attr-defined]
 
@@ -319,7 +319,15 @@ def test_decode_groups_gather_within_decode_gather_bytes(
     budget = 40 * per_position  # 40 padded key positions per group
     prompts = random_sequences([3, 60, 5, 7, 90, 4], seed=3)
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * len(prompts)
-    bounded = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=budget)
+    # The bag kernel: the CPU's that cuts groups.
+    bounded = generate(
+        loaded,
+        prompts,
+        params,
+        block_size=block_size,
+        decode_gather_bytes=budget,
+        attention_kernel="bag",
+    )
     groups = [group for metadata in built for group in metadata.decode_groups]
     assert any(len(metadata.decode_groups) > 2 for metadata in built)
     assert any(group.num_decodes > 1 for group in groups)
@@ -329,11 +337,18 @@ def test_decode_groups_gather_within_decode_gather_bytes(
         gathered = group.num_decodes * group.mask.shape[-1] * per_position
         assert gathered <= budget or group.num_decodes == 1, (group.num_decodes, gathered)
     built.clear()
-    unbounded = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=None)
+    unbounded = generate(
+        loaded,
+        prompts,
+        params,
+        block_size=block_size,
+        decode_gather_bytes=None,
+        attention_kernel="bag",
+    )
     assert max(len(metadata.decode_groups) for metadata in built) == 1  # CPU: no padding cut
     assert bounded.tokens == unbounded.tokens
-    monkeypatch.setenv(NATIVE_ENV, "1")
     built.clear()
+    # The kernel chosen at load: the compiled one.
     native = generate(loaded, prompts, params, block_size=block_size, decode_gather_bytes=budget)
     assert {metadata.kernel for metadata in built} == {"native"}
     assert max(len(metadata.decode_groups) for metadata in built) == 1

@@ -1,0 +1,341 @@
+"""What runs the decoder here, chosen once when a model loads: :class:`CpuKernels`.
+
+Four parts of a step can run as twostroke's compiled kernels or as torch's operators: the
+element-wise glue between the matrix products (:mod:`.glue`), the projections (oneDNN's
+packed weights, fbgemm's reduced-precision ones, or the compiled bfloat16 panels of
+:mod:`.projection`), the attention over the paged cache (:mod:`.paged_attention`, or the
+``"bag"`` kernel) and the whole stack of layers in one call (:mod:`.stack`). Which one runs
+follows from the CPU (its personality, :mod:`twostroke.gpu.isa`, and what builds on it),
+the dtype, whether transformers' exact arithmetic is asked for, and the weight form asked
+for. :func:`select_kernels` decides all four at once, when the model loads; the model and
+its runner then read the one frozen value it returns, and nothing decides again (not per
+step: a step's attention layout receives the kernel chosen here). One INFO line says what
+runs, and why where a compiled kernel does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Literal, get_args
+
+import attrs
+import torch
+
+from twostroke.engine.attention.kernels import AttentionKernel, default_kernel, native_kernel
+from twostroke.engine.kernels.build import ELEMENTS, native_wanted
+from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
+from twostroke.engine.kernels.projection import ProjectionKernel, projection_kernel
+from twostroke.engine.kernels.stack import stack_library
+from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.linear import WeightForm, can_pack
+from twostroke.engine.models.quantization import (
+    QUANTIZATIONS,
+    Quantization,
+    QuantizationUnavailable,
+    kernel_available,
+    unavailable_message,
+)
+from twostroke.gpu.isa import cpu_personality
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "CpuKernels", "Projections", "select_kernels", "torch_kernels"]
+
+#: The KV cache's block size the compiled attention is built and checked for at load unless
+#: another is given: the engine's default (``EngineConfig.block_size``).
+DEFAULT_BLOCK_SIZE = 16
+
+_log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Projections:
+    """How a model's projections hold their weights, and so which kernel multiplies by them.
+
+    Attributes:
+        layers: The decoder layers' projections (q/k/v, output, gate/up, down).
+        head: The output projection: never quantized, as vLLM leaves ``lm_head`` at full
+            precision (a tied one keeps the embedding dense for lookups besides).
+        kernel: The compiled bfloat16 projection the ``"panels"`` forms are laid out for.
+    """
+
+    layers: WeightForm
+    head: WeightForm
+    kernel: ProjectionKernel | None = None
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """The layers' reduced weight precision, if any."""
+        layers = self.layers
+        return layers if layers == "fp16" or layers == "int8" else None
+
+
+@attrs.frozen
+class CpuKernels:
+    """What runs a model's decoder on this machine (see the module).
+
+    On any device but the CPU every part is torch's (the attention its device's default).
+
+    Attributes:
+        glue: The compiled element-wise glue, or ``None`` for torch's operators.
+        projection: The projections' weight forms.
+        attention: How decodes and prefill chunks attend over the cache. ``"native"`` is
+            compiled per block size: :meth:`LlamaForCausalLM.attention_for
+            <twostroke.engine.models.llama.LlamaForCausalLM.attention_for>` builds it for a
+            cache.
+        stack: The compiled driver of every layer in one call (its library's entry point;
+            the model binds it to its packed weights), where the glue, the projections and
+            the attention all run compiled; else ``None``.
+        reasons: Why each part that does not run compiled does not, as ``(part, reason)``.
+    """
+
+    glue: DecoderGlue | None
+    projection: Projections
+    attention: AttentionKernel
+    stack: Callable[..., int] | None = attrs.field(default=None, repr=False)
+    reasons: tuple[tuple[str, str], ...] = ()
+
+    def with_attention(self, attention: AttentionKernel) -> CpuKernels:
+        """The same kernels, attending with ``attention`` (a runner's ``attention_kernel``).
+
+        Raises:
+            ValueError: ``attention`` is not one of :data:`AttentionKernel`.
+        """
+        _check_attention(attention)
+        if attention == self.attention:
+            return self
+        reasons = tuple(item for item in self.reasons if item[0] != "attention")
+        return attrs.evolve(self, attention=attention, reasons=(*reasons, ("attention", "asked")))
+
+    def describe(self) -> str:
+        """One line: what runs each part, and why where a compiled kernel does not."""
+        reasons = dict(self.reasons)
+
+        def why(part: str) -> str:
+            return f" ({reasons[part]})" if part in reasons else ""
+
+        projection = self.projection
+        head = "" if projection.head == projection.layers else f", output {projection.head}"
+        parts = [
+            f"glue {'compiled' if self.glue is not None else 'torch'}{why('glue')}",
+            f"projections {projection.layers}{head}{why('projections')}",
+            f"attention {self.attention}{why('attention')}",
+            f"stack {'compiled' if self.stack is not None else 'off'}{why('stack')}",
+        ]
+        return "; ".join(parts)
+
+
+def torch_kernels(device: torch.device) -> CpuKernels:
+    """torch's operators everywhere, dense weights, the device's default attention: what a
+    model computes with before :func:`select_kernels` chose for it."""
+    return CpuKernels(None, Projections("dense", "dense"), default_kernel(device))
+
+
+def select_kernels(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    exact: bool,
+    quantization: Quantization | Literal["auto"] | None = None,
+    pack: bool = True,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    attention: AttentionKernel | None = None,
+) -> CpuKernels:
+    """Choose every kernel of a model once, building (or loading from the cache) the
+    compiled ones that run here, and log the choice in one INFO line.
+
+    Args:
+        config: The model's shape.
+        dtype: Its weights' and activations' dtype.
+        device: Where it runs.
+        exact: Keep transformers' arithmetic exactly: no compiled glue, no compiled
+            bfloat16 projections, float32 products MKL's (unpacked).
+        quantization: The decoder projections' weights in ``"fp16"`` or ``"int8"`` (fbgemm;
+            where its kernel does not run, a :class:`QuantizationUnavailable` warning and
+            full precision); ``"auto"``: fp16 where ``exact`` is false, the dtype float32
+            and fp16's kernel runs on this CPU (the engine's ``quantization="auto"``, see
+            :class:`~twostroke.engine.config.EngineConfig`), else full precision without a
+            word; ``None``: full precision.
+        pack: Lay full-precision weights out for a faster kernel where one runs (oneDNN's
+            packing, the compiled bfloat16 panels); ``False`` keeps ``F.linear``'s.
+        block_size: The KV cache's block size, for which the compiled attention is built
+            and checked.
+        attention: The attention asked for (``None``: the fastest that runs here).
+
+    Raises:
+        ValueError: ``quantization`` or ``attention`` is not one of its values.
+    """
+    if attention is not None:
+        _check_attention(attention)
+    if quantization is not None and quantization != "auto" and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be 'auto', one of {QUANTIZATIONS} or None, got {quantization!r}"
+        )
+    reasons: list[tuple[str, str]] = []
+
+    def because(part: str, reason: str | None) -> None:
+        if reason is not None:
+            reasons.append((part, reason))
+
+    glue, why = _glue(config, dtype, device, exact)
+    because("glue", why)
+    projection, why = _projections(config, dtype, device, exact, quantization, pack)
+    because("projections", why)
+    chosen, why = _attention(config, dtype, device, block_size, attention)
+    because("attention", why)
+    stack, why = _stack(glue, projection)
+    because("stack", why)
+    kernels = CpuKernels(glue, projection, chosen, stack, tuple(reasons))
+    where = cpu_personality().describe() if device.type == "cpu" else device.type
+    _log.info("twostroke: kernels on %s: %s", where, kernels.describe())
+    return kernels
+
+
+def _check_attention(attention: str) -> None:
+    if attention not in get_args(AttentionKernel):
+        raise ValueError(
+            f"attention_kernel must be one of {get_args(AttentionKernel)} or None, got "
+            f"{attention!r}"
+        )
+
+
+def _compiled_unwanted(device: torch.device) -> str | None:
+    """Why no compiled kernel runs on ``device`` at all, if none does."""
+    if device.type != "cpu":
+        return f"compiled kernels run on the CPU, not {device.type}"
+    if not native_wanted():
+        return "TWOSTROKE_NATIVE=0"
+    return None
+
+
+def _glue(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, exact: bool
+) -> tuple[DecoderGlue | None, str | None]:
+    """The compiled glue where transformers' exact arithmetic is not asked for (its norms
+    and SiLU agree with torch's to float32 rounding, not bit for bit)."""
+    if exact:
+        return None, "exact arithmetic asked for"
+    unwanted = _compiled_unwanted(device)
+    if unwanted is not None:
+        return None, unwanted
+    glue = decoder_glue(hidden=config.hidden_size, head_dim=config.head_dim, dtype=dtype)
+    if glue is None:
+        if dtype not in ELEMENTS:
+            return None, f"none is built for {dtype}"
+        return None, "it did not build or check here: see the warning"
+    return glue, None
+
+
+def _projections(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    exact: bool,
+    quantization: Quantization | Literal["auto"] | None,
+    pack: bool,
+) -> tuple[Projections, str | None]:
+    """The layers' and the output projection's weight forms.
+
+    Full-precision weights go to the compiled bfloat16 kernel where it runs, they are
+    bfloat16 and ``exact`` is false (1.36x oneDNN's speed at 32 rows, 1.9x at one, on
+    SmolLM2's projections, AVX512-BF16; summed in another order, so not ``F.linear``'s bits),
+    else to oneDNN's packing where :func:`~twostroke.engine.models.linear.can_pack` says
+    it works, else they stay ``F.linear``'s.
+    """
+    reduced: Quantization | None = None
+    if quantization == "auto":
+        automatic = not exact and dtype == torch.float32 and device.type == "cpu"
+        if automatic and kernel_available("fp16", device):
+            reduced = "fp16"
+    elif quantization is not None:
+        if kernel_available(quantization, device):
+            reduced = quantization
+        else:
+            warnings.warn(
+                unavailable_message(quantization, device), QuantizationUnavailable, stacklevel=3
+            )
+    # Inputs of each projection the full-precision form takes (the compiled kernel reads
+    # them in pairs: a model with an odd width stays on oneDNN).
+    inputs = [config.hidden_size]
+    if reduced is None:
+        inputs += [config.num_heads * config.head_dim, config.intermediate_size]
+    full, kernel, why = _full_precision(dtype, device, exact, pack, inputs)
+    return Projections(reduced or full, full, kernel), why
+
+
+def _full_precision(
+    dtype: torch.dtype, device: torch.device, exact: bool, pack: bool, inputs: list[int]
+) -> tuple[WeightForm, ProjectionKernel | None, str | None]:
+    if not pack:
+        return "dense", None, "packing not asked for"
+    why = _panels_unwanted(dtype, device, exact, inputs)
+    if why is None:
+        kernel = projection_kernel()
+        if kernel is not None:
+            return "panels", kernel, None
+        why = "no compiled bfloat16 projection runs here: the log says why"
+    if can_pack(dtype, device, exact=exact):
+        return "onednn", None, why
+    return "dense", None, why
+
+
+def _panels_unwanted(
+    dtype: torch.dtype, device: torch.device, exact: bool, inputs: list[int]
+) -> str | None:
+    """Why the compiled bfloat16 projection is not for these weights, if it is not."""
+    if exact:
+        return "exact arithmetic asked for"
+    if dtype != torch.bfloat16:
+        return f"the compiled projection takes bfloat16, not {str(dtype).removeprefix('torch.')}"
+    unwanted = _compiled_unwanted(device)
+    if unwanted is not None:
+        return unwanted
+    if any(width % 2 for width in inputs):
+        return "an odd input width"
+    return None
+
+
+def _attention(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    asked: AttentionKernel | None,
+) -> tuple[AttentionKernel, str | None]:
+    """The compiled attention where it runs (1.7-1.9x the ``"bag"`` kernel's speed on
+    SmolLM2's batch-32 attention), else the device's default."""
+    if asked is not None:
+        return asked, "asked"
+    kernel = default_kernel(device)
+    if kernel != "bag":
+        return kernel, None
+    unwanted = _compiled_unwanted(device)
+    if unwanted is not None:
+        return kernel, unwanted
+    try:
+        native_kernel(
+            device,
+            block_size=block_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+        )
+    except ValueError:  # logged where the build failed
+        return kernel, "the compiled kernel does not run for this shape or dtype here"
+    return "native", None
+
+
+def _stack(
+    glue: DecoderGlue | None, projection: Projections
+) -> tuple[Callable[..., int] | None, str | None]:
+    """The whole stack in one call where every kernel a layer calls is compiled: the glue
+    and every projection's panels (the attention is checked step by step: a step whose
+    attention is another kernel's runs layer by layer)."""
+    if glue is None or projection.layers != "panels":
+        return None, "it needs the compiled glue and bfloat16 projections"
+    function = stack_library()
+    if function is None:
+        return None, "its library did not build: see the warning"
+    return function, None

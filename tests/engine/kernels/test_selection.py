@@ -1,0 +1,190 @@
+"""The kernels a model computes with: chosen once per engine, said in one line, and each
+choice, forced by the environment or by configuration, is the path that runs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
+from tests.engine.runners.test_torch import entry
+from tests.gpu.test_isa import run_child
+from twostroke.engine.attention import kernels as attention_kernels
+from twostroke.engine.attention.metadata import AttentionMetadata
+from twostroke.engine.checkpoints import loader
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.config import EngineConfig
+from twostroke.engine.kernels import build, selection
+from twostroke.engine.kernels.build import NATIVE_ENV
+from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
+from twostroke.engine.kernels.selection import CpuKernels, Projections, select_kernels
+from twostroke.engine.runners import loading
+from twostroke.engine.runners.torch import TorchModelRunner
+from twostroke.engine.text.tokenizer import HFTokenizer
+from twostroke.gpu.device import CpuDevice
+from twostroke.gpu.isa import ISA_ENV
+from twostroke.states.plan import StepPlan
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_model("llama", path, seed=5)
+    return path
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
+    """Replace ``module.name`` by a wrapper that records its results; the list of them."""
+    original = getattr(module, name)
+    results: list[Any] = []
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        results.append(original(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(module, name, wrapper)
+    return results
+
+
+def test_an_engines_kernels_are_chosen_once_and_no_step_chooses_again(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_runner`` (what an engine calls, once) chooses; allocating the cache builds
+    the chosen attention for its blocks; the steps only receive it."""
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    choices = counted(monkeypatch, loader, "select_kernels")
+    lookups = counted(monkeypatch, attention_kernels, "paged_decode_kernel")
+    given: list[Any] = []
+    build_step = AttentionMetadata.build.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: type, *args: Any, **kwargs: Any) -> AttentionMetadata:
+        given.append(kwargs["kernel"])
+        return build_step(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(AttentionMetadata, "build", classmethod(spy))
+    config = EngineConfig(dtype="float32", block_size=4, torch_threads=1)
+    runner, _ = loading.load_runner(str(tiny), device=CpuDevice(), config=config)
+    assert isinstance(runner, TorchModelRunner)
+    assert len(choices) == 1
+    assert runner.kernels is choices[0]
+    assert runner.model.kernels is choices[0]
+    assert runner.kernels.attention == "native"
+    assert len(lookups) == 1  # checked for the engine's blocks at load
+    runner.allocate_kv_cache(8, 4)
+    assert len(lookups) == 2  # built (from the process's cache) for the cache, once
+    prompt = (9, 8, 7, 6, 5)
+    runner.execute(StepPlan(0, (entry(1, 0, prompt, block_table=(3, 1, 2)),))).readback()
+    for step in range(1, 5):
+        plan = StepPlan(
+            step,
+            (entry(1, 4 + step, (), pending_input=True, sample_index=step, block_table=(3, 1, 2)),),
+        )
+        runner.execute(plan).readback()
+    assert len(choices) == 1
+    assert len(lookups) == 2  # no step looked a kernel up
+    assert len(given) == 5
+    assert all(isinstance(kernel, PagedDecodeKernel) for kernel in given)
+    assert len({id(kernel) for kernel in given}) == 1  # the one built at allocation
+
+
+def test_the_choice_is_one_info_line(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=selection.__name__):
+        load_model(tiny, dtype=torch.float32, device=CPU)
+    said = [record.getMessage() for record in caplog.records if record.name == selection.__name__]
+    assert len(said) == 1
+    assert said[0].startswith("twostroke: kernels on ")
+    assert "glue torch (exact arithmetic asked for)" in said[0]
+    assert "projections dense (exact arithmetic asked for)" in said[0]
+    assert "attention native" in said[0]
+    assert "stack off (it needs the compiled glue and bfloat16 projections)" in said[0]
+
+
+def compiled_calls(loaded: LoadedModel, **forward: Any) -> int:
+    """Calls into compiled kernels while ``forward_logits`` runs two steps of two sequences."""
+    with build.timed() as timer:
+        loaded.module.forward_logits(random_sequences([5, 3], seed=2), chunk_size=4, **forward)
+    return timer.calls
+
+
+def test_each_forced_choice_is_the_path_that_runs(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layers = 3  # the tiny model's
+    steps = 2
+    # Speed asked for (exact=False): the compiled glue (norms, rotary writes, SiLU) and the
+    # compiled attention, every layer of every step.
+    fast = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
+    assert fast.module.kernels.glue is not None
+    assert fast.module.kernels.attention == "native"
+    assert compiled_calls(fast) > steps * layers * 4
+    # transformers' arithmetic (exact=True): torch's glue, the compiled attention only.
+    exact = load_model(tiny, dtype=torch.float32, device=CPU)
+    assert exact.module.kernels.glue is None
+    assert compiled_calls(exact) == steps * layers
+    # Configuration: another attention, asked for (a runner's attention_kernel= does this).
+    assert compiled_calls(exact, kernel="bag") == 0
+    forced = TorchModelRunner.from_loaded(exact, attention_kernel="matmul")
+    assert forced.attention_kernel == "matmul"
+    assert forced.kernels.glue is None
+    assert exact.module.kernels.attention == "native"  # the model's own choice stays
+    # The environment: TWOSTROKE_NATIVE=0 at load, torch's operators for everything.
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    plain = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
+    kernels = plain.module.kernels
+    assert kernels.glue is None
+    assert kernels.attention == "bag"
+    assert kernels.stack is None
+    assert dict(kernels.reasons) == {
+        "glue": "TWOSTROKE_NATIVE=0",
+        "projections": "the compiled projection takes bfloat16, not float32",
+        "attention": "TWOSTROKE_NATIVE=0",
+        "stack": "it needs the compiled glue and bfloat16 projections",
+    }
+    assert compiled_calls(plain) == 0
+
+
+CAPPED = """
+import warnings
+import torch
+from tests.engine.models.test_llama import _config
+from twostroke.engine.kernels.selection import select_kernels
+from twostroke.engine.attention.kernels import native_kernel
+warnings.simplefilter("error")
+kernels = select_kernels(
+    _config(), dtype=torch.float32, device=torch.device("cpu"), exact=False,
+    quantization="auto", block_size=4,
+)
+print(kernels.projection.layers)
+print(kernels.attention)
+shape = dict(block_size=4, num_heads=4, num_kv_heads=2, head_dim=16)
+print(native_kernel(torch.device("cpu"), dtype=torch.float32, **shape).vector_bits)
+"""
+
+
+def test_a_capped_personality_is_what_the_choice_is_made_for() -> None:
+    """``TWOSTROKE_CPU_ISA=portable``: no fbgemm (float32 weights, without a warning for
+    ``"auto"``), and the attention compiled for SSE's 128-bit vectors."""
+    layers, attention, bits = run_child(CAPPED, **{ISA_ENV: "portable"}).split()
+    assert layers in ("onednn", "dense")  # float32, oneDNN's where it packs
+    assert attention == "native"
+    assert bits == "128"
+
+
+def test_what_a_choice_refuses() -> None:
+    with pytest.raises(ValueError, match=r"^attention_kernel must be one of .* got 'fast'$"):
+        select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True, attention="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^quantization must be 'auto', one of .* got 'int4'$"):
+        select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True, quantization="int4")  # type: ignore[arg-type]
+    kernels = CpuKernels(None, Projections("dense", "dense"), "bag")
+    with pytest.raises(ValueError, match=r"^attention_kernel must be one of"):
+        kernels.with_attention("fast")  # type: ignore[arg-type]
+    assert kernels.with_attention("bag") is kernels
+    assert kernels.with_attention("sdpa").reasons == (("attention", "asked"),)
