@@ -1,27 +1,48 @@
-"""The decoder's projection layer: dense, packed for oneDNN or twostroke's own kernel, or
-holding reduced-precision weights.
+"""The decoder's projection layer, and the forms its weight takes: one callable each.
 
-:class:`Linear` is ``y = x W^T + b`` with uninitialized parameters (the loader fills them).
-Once loaded, its weight may be replaced for speed, never back: packed into oneDNN's blocked
-layout (:meth:`Linear.pack`, where :func:`can_pack` says it works), laid out in panels for
-the compiled bfloat16 kernel (:meth:`Linear.pack_panels`, see
-:mod:`~twostroke.engine.kernels.projection`) or held in float16 / int8 for fbgemm
-(:meth:`Linear.quantize`, see :mod:`~twostroke.engine.models.quantization`).
+:class:`Linear` is ``y = x W^T + b`` computed by one :class:`LinearMethod`, an object that
+holds the weight in the form its kernel reads and multiplies by it when called, as vLLM
+gives each layer one ``quant_method``. A projection starts in full precision
+(:class:`FullPrecision`, ``F.linear`` on uninitialized parameters the loader fills); once
+loaded, the model's chosen form (:class:`~twostroke.engine.kernels.selection.Projections`)
+replaces it, once, never back:
+
+* :class:`OneDNNWeight`: packed into oneDNN's blocked layout (where :func:`can_pack` says
+  it works);
+* :class:`~twostroke.engine.models.quantization.QuantizedWeight`: float16 or int8 for
+  fbgemm (:mod:`~twostroke.engine.models.quantization`);
+* :class:`~twostroke.engine.kernels.projection.PanelWeight`: laid out in panels for the
+  compiled bfloat16 kernel (:mod:`~twostroke.engine.kernels.projection`).
+
+A method for weights that come in another form from the file (llama.cpp's quantized blocks)
+is one more class with a ``__call__``, handed to :meth:`Linear.use`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, Protocol
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
-from twostroke.engine.models.quantization import Quantization, QuantizedWeight
+from twostroke.engine.kernels.projection import ProjectionKernel
+from twostroke.engine.models.quantization import QuantizedWeight
 
-__all__ = ["Linear", "WeightForm", "can_pack", "empty_parameter", "pack", "packed_linear"]
+__all__ = [
+    "FullPrecision",
+    "Linear",
+    "LinearMethod",
+    "OneDNNWeight",
+    "WeightForm",
+    "can_pack",
+    "empty_parameter",
+    "pack",
+    "packed_linear",
+    "weight_method",
+]
 
 #: How a projection holds its weight, each form with its kernel: ``"dense"`` (``F.linear``:
 #: MKL in float32, oneDNN in bfloat16), ``"onednn"`` (packed once for oneDNN),
@@ -31,17 +52,109 @@ __all__ = ["Linear", "WeightForm", "can_pack", "empty_parameter", "pack", "packe
 WeightForm = Literal["dense", "onednn", "fp16", "int8", "panels"]
 
 
+class LinearMethod(Protocol):
+    """One projection's weight (and bias) in the form a kernel reads: ``method(x)`` is
+    ``x W^T + b`` for ``x`` ``[..., in_features]``."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@attrs.frozen
+class FullPrecision:
+    """The weight as it was loaded: ``F.linear`` (MKL's products in float32, oneDNN's plain
+    ones in bfloat16: transformers' own).
+
+    Attributes:
+        weight: ``[out_features, in_features]``.
+        bias: ``[out_features]`` or ``None``.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@attrs.frozen
+class OneDNNWeight:
+    """The weight packed once in oneDNN's blocked layout (:func:`pack`): a product skips
+    the per-call reorder (see :func:`can_pack` for where it is made, and what it costs).
+
+    Attributes:
+        weight: The packed weight.
+        bias: ``[out_features]`` or ``None``.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> OneDNNWeight:
+        """Pack ``weight`` (its dtype's batch hint); ``bias`` is kept as it is."""
+        return cls(pack(weight), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.weight, self.bias)
+
+
+def weight_method(
+    form: WeightForm,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    kernel: ProjectionKernel | None = None,
+    into: torch.Tensor | None = None,
+) -> LinearMethod:
+    """``weight`` and ``bias`` (full precision) in ``form``; the originals are not kept
+    unless ``form`` is ``"dense"``.
+
+    Args:
+        form: The form.
+        weight: ``[out_features, in_features]``.
+        bias: ``[out_features]`` or ``None``.
+        kernel: The compiled projection, for ``"panels"``.
+        into: Where the panels go (see
+            :meth:`~twostroke.engine.kernels.projection.ProjectionKernel.pack`).
+
+    Raises:
+        ValueError: ``"panels"`` without a kernel.
+    """
+    if form == "dense":
+        return FullPrecision(weight, bias)
+    if form == "onednn":
+        return OneDNNWeight.pack(weight, bias)
+    if form == "panels":
+        if kernel is None:
+            raise ValueError("the 'panels' form needs the compiled projection kernel")
+        return kernel.pack(weight, bias, into=into)
+    return QuantizedWeight(weight, bias, form)
+
+
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     """An uninitialized, frozen parameter: the loader fills it."""
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with uninitialized parameters (the loader fills them).
+    """``y = x W^T + b``, computed by :attr:`method` (see the module).
 
-    On the CPU, :meth:`pack` turns the weight into oneDNN's blocked layout once loaded (see
-    :func:`can_pack` for when): a product with a packed weight skips the per-call reorder.
+    Its parameters are uninitialized (the loader fills them) and exist while the weight is
+    in full precision: a method that holds the weight in another form replaces them, so the
+    module holds one copy. A projection that shares another module's weight (the tied output
+    projection and the embedding, :meth:`tied`) registers no parameter of its own.
+
+    Attributes:
+        in_features: Input width.
+        out_features: Output width.
+        weight: The full-precision weight while the module computes with it (an empty
+            tensor after, ``None`` where the weight is shared).
+        bias: The bias while it does, or ``None``.
+        method: What computes the product.
     """
+
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -53,54 +166,73 @@ class Linear(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
-        self.packed = False
-        self.quantized: QuantizedWeight | None = None
-        self.panels: PanelWeight | None = None
+        self.method: LinearMethod = FullPrecision(self.weight, self.bias)
+
+    @classmethod
+    def tied(cls, weight: nn.Parameter) -> Linear:
+        """A projection by ``weight``, another module's ``[out_features, in_features]``
+        parameter (the embedding, for a tied output projection): it is not registered here,
+        so the state dict holds it once, under its owner's name, and stays dense when this
+        projection takes another form (a copy in that form)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = int(weight.shape[1]), int(weight.shape[0])
+        linear.register_parameter("weight", None)
+        linear.register_parameter("bias", None)
+        linear.method = FullPrecision(weight, None)
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            return self.panels(x)
-        if self.quantized is not None:
-            return self.quantized(x)
-        if self.packed:
-            return packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.method(x)
 
-    def pack(self) -> None:
-        """Replace the weight by its oneDNN-packed copy (see :func:`can_pack`); no way back."""
-        if not self.packed and self.quantized is None and self.panels is None:
-            self.weight = nn.Parameter(pack(self.weight), requires_grad=False)
-            self.packed = True
+    def use(self, method: LinearMethod) -> None:
+        """Compute with ``method`` from now on, in place of full precision; no way back.
 
-    def quantize(self, kind: Quantization) -> None:
-        """Replace weight and bias by a :class:`QuantizedWeight`; no way back.
+        The full-precision parameters are dropped (an empty weight stays in their place), so
+        the module holds one copy of its weights.
 
-        The dense weight is dropped (an empty tensor stays in its place), so the module
-        holds one copy of its weights.
+        Raises:
+            RuntimeError: the projection computes with another form already (a form is
+                chosen once).
         """
-        if self.quantized is None and not self.packed and self.panels is None:
-            self.quantized = QuantizedWeight(self.weight, self.bias, kind)
-            self._drop_weight()
+        self._full_precision()
+        self.method = method
+        if self.weight is not None:
+            self.weight = empty_parameter(0, dtype=self.weight.dtype, device=self.weight.device)
+            self.bias = None
 
-    def pack_panels(self, kernel: ProjectionKernel, into: torch.Tensor | None = None) -> None:
-        """Replace weight and bias by ``kernel``'s panels (a bfloat16 weight); no way back.
+    def convert(
+        self,
+        form: WeightForm,
+        *,
+        kernel: ProjectionKernel | None = None,
+        into: torch.Tensor | None = None,
+    ) -> None:
+        """Take ``form`` (:func:`weight_method`) of the full-precision weight; ``"dense"``
+        keeps it.
 
-        Like :meth:`quantize`, the dense weight is dropped, so the module holds one copy.
-        ``into`` is where the panels go (see :meth:`ProjectionKernel.pack`).
+        Raises:
+            RuntimeError: the weight is in another form already.
         """
-        if self.panels is None and self.quantized is None and not self.packed:
-            self.panels = kernel.pack(self.weight, self.bias, into=into)
-            self._drop_weight()
+        dense = self._full_precision()
+        if form != "dense":
+            self.use(weight_method(form, dense.weight, dense.bias, kernel=kernel, into=into))
 
-    def _drop_weight(self) -> None:
-        self.weight = empty_parameter(0, dtype=self.weight.dtype, device=self.weight.device)
-        self.bias = None
+    def _full_precision(self) -> FullPrecision:
+        method = self.method
+        if isinstance(method, FullPrecision):
+            return method
+        raise RuntimeError(
+            f"the projection computes with {type(method).__name__} already: its weight form "
+            "is chosen once"
+        )
 
 
 def can_pack(dtype: torch.dtype, device: torch.device, *, exact: bool = True) -> bool:
-    """Whether :meth:`Linear.pack` works here: bfloat16, or float32 unless ``exact``, on a CPU.
+    """Whether :class:`OneDNNWeight` works here: bfloat16, or float32 unless ``exact``, on a CPU.
 
     * bfloat16: its plain products already run in oneDNN, so packed ones give the same
       results bit for bit (about 2x faster for one row and 1.3x for 32, measured on an

@@ -36,8 +36,8 @@ from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.attention.ops import paged_attention, write_kv
 from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
-from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
-from twostroke.engine.kernels.selection import CpuKernels, torch_kernels
+from twostroke.engine.kernels.projection import PanelWeight
+from twostroke.engine.kernels.selection import CpuKernels, Projections, torch_kernels
 from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.layers import (
@@ -47,8 +47,8 @@ from twostroke.engine.models.layers import (
     rotate_,
     silu_mul,
 )
-from twostroke.engine.models.linear import Linear, empty_parameter, pack, packed_linear
-from twostroke.engine.models.quantization import Quantization
+from twostroke.engine.models.linear import Linear, empty_parameter
+from twostroke.engine.models.quantization import QUANTIZATIONS
 from twostroke.gpu.huge_pages import huge_page_buffer
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
@@ -227,18 +227,15 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        # A tied output projection multiplies by the embedding (which stays dense for the
+        # lookups: the projection's other forms are copies).
         self.lm_head = (
-            None
+            Linear.tied(self.embed_tokens)
             if config.tie_word_embeddings
             else Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
             )
         )
-        # The packed copy of the tied embedding for the output projection (the embedding
-        # itself stays dense: lookups index it), where the chosen kernels pack it.
-        self._packed_embedding: torch.Tensor | None = None
-        # Or its panels for the compiled bfloat16 kernel.
-        self._embedding_panels: PanelWeight | None = None
         self._kernels: CpuKernels | None = None  # chosen once: use_kernels()
         self._stack: DecoderStack | None = None  # the chosen driver, bound to the weights
         self.inv_freq = inverse_frequencies(config).to(device)
@@ -281,14 +278,7 @@ class LlamaForCausalLM(nn.Module):
             x = glue.add_rms_norm(
                 x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps
             )
-        if self.lm_head is not None:
-            logits: torch.Tensor = self.lm_head(x)
-        elif self._embedding_panels is not None:
-            logits = self._embedding_panels(x)
-        elif self._packed_embedding is not None:
-            logits = packed_linear(x, self._packed_embedding, None)
-        else:
-            logits = F.linear(x, self.embed_tokens)
+        logits: torch.Tensor = self.lm_head(x)
         return logits.float()
 
     @property
@@ -331,54 +321,42 @@ class LlamaForCausalLM(nn.Module):
                 "the model's kernels are chosen once: it computes with "
                 f"{self._kernels.describe()!r} already"
             )
-        projection = kernels.projection
-        if projection.quantization is not None:
-            self._quantize(projection.quantization, threads)
-        if projection.head == "panels":
-            assert projection.kernel is not None
-            self._lay_out_panels(projection.kernel)
-        elif projection.head == "onednn":
-            self._pack()
+        self._convert(kernels.projection, threads)
         self._kernels = kernels
         if kernels.stack is not None:
             self._stack = self._bind_stack(kernels)
 
-    def _lay_out_panels(self, kernel: ProjectionKernel) -> None:
-        """Every full-precision projection's weight in panels for the compiled kernel."""
-        dense = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
-        # All the panels in one allocation, in huge pages: each weight is read in full
-        # every step (1.28x the speed at one row, measured; see huge_pages).
-        tied = [] if self.lm_head is not None else [self.embed_tokens.shape]
-        shapes = [m.weight.shape for m in dense] + tied
-        rooms = huge_page_buffer([kernel.packed_size(*s) for s in shapes], torch.bfloat16)
-        with torch_threads(1):
-            for linear, room in zip(dense, rooms[: len(dense)], strict=True):
-                linear.pack_panels(kernel, room)
-            if tied:
-                self._embedding_panels = kernel.pack(self.embed_tokens, into=rooms[-1])
-
-    def _pack(self) -> None:
-        """Every full-precision projection's weight packed for oneDNN."""
+    def _convert(self, projection: Projections, threads: int) -> None:
+        """Every projection's weight in its chosen form (:class:`.linear.LinearMethod`)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]  # the head last
+        forms = [projection.head if m is self.lm_head else projection.layers for m in linears]
+        quantized = [m for m, form in zip(linears, forms, strict=True) if form in QUANTIZATIONS]
+        if quantized:
+            # fbgemm packs each matrix in one serial loop that reads the weight with a
+            # stride (about 25 ns an element on the AVX2 EPYC, 2.5 s for SmolLM2) and
+            # releases the GIL, so ``threads`` Python threads pack different matrices at
+            # once (fp16 only: int8's per-channel quantization sets warning filters, which
+            # are process-wide); torch's own team stays at one thread.
+            kind = projection.layers
+            workers = threads if kind == "fp16" else 1
+            with torch_threads(1), ThreadPoolExecutor(workers, "twostroke-pack") as pool:
+                for _ in pool.map(lambda linear: linear.convert(kind), quantized):
+                    pass
+        panels = [m for m, form in zip(linears, forms, strict=True) if form == "panels"]
+        kernel = projection.kernel
+        room: dict[int, torch.Tensor] = {}  # by id of the projection
+        if panels:
+            assert kernel is not None
+            # All the panels in one allocation, in huge pages: each weight is read in full
+            # every step (1.28x the speed at one row, measured; see huge_pages).
+            sizes = [kernel.packed_size(m.out_features, m.in_features) for m in panels]
+            room = dict(zip(map(id, panels), huge_page_buffer(sizes, torch.bfloat16), strict=True))
         # One thread: the reorders are memory-bound, and with two threads on a busy machine
         # each call waits for a descheduled thread (5x slower, measured: 0.9 s for SmolLM2).
         with torch_threads(1):
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.pack()
-            if self.lm_head is None:
-                self._packed_embedding = pack(self.embed_tokens)
-
-    def _quantize(self, kind: Quantization, threads: int) -> None:
-        """Every decoder projection's weight in ``kind`` (see :mod:`.quantization`)."""
-        linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
-        # fbgemm packs each matrix in one serial loop that reads the weight with a stride
-        # (about 25 ns an element on the AVX2 EPYC, 2.5 s for SmolLM2) and releases the GIL,
-        # so ``threads`` Python threads pack different matrices at once; torch's own team
-        # stays at one thread, as in _pack.
-        workers = threads if kind == "fp16" else 1
-        with torch_threads(1), ThreadPoolExecutor(workers, "twostroke-pack") as pool:
-            for _ in pool.map(lambda linear: linear.quantize(kind), linears):
-                pass
+            for linear, form in zip(linears, forms, strict=True):
+                if form not in QUANTIZATIONS:
+                    linear.convert(form, kernel=kernel, into=room.get(id(linear)))
 
     def _bind_stack(self, kernels: CpuKernels) -> DecoderStack:
         """The chosen stack driver, given every decoder projection's panels."""
@@ -390,12 +368,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             decoder = cast(DecoderLayer, layer)
             attention, mlp = decoder.self_attn, decoder.mlp
-            qkv, o = attention.qkv_proj.panels, attention.o_proj.panels
-            gate_up, down = mlp.gate_up_proj.panels, mlp.down_proj.panels
-            assert qkv is not None
-            assert o is not None
-            assert gate_up is not None
-            assert down is not None
+            qkv, o = _panels(attention.qkv_proj), _panels(attention.o_proj)
+            gate_up, down = _panels(mlp.gate_up_proj), _panels(mlp.down_proj)
             first, second = decoder.input_layernorm, decoder.post_attention_layernorm
             norms = (first.weight, first.eps, second.weight, second.eps)
             layers.append(StackLayer(*norms, qkv, o, gate_up, down))
@@ -548,7 +522,7 @@ class LlamaForCausalLM(nn.Module):
             return
         target = self._target(name)
         if target is None:
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 return  # tied: the embedding is the output projection
             raise WeightError(f"unexpected tensor {name!r}: the model has no such weight")
         if tuple(tensor.shape) != tuple(target.shape):
@@ -577,7 +551,7 @@ class LlamaForCausalLM(nn.Module):
                 if bias:
                     names.append(f"{prefix}{block}.{proj}.bias")
         names.append("model.norm.weight")
-        if self.lm_head is not None:
+        if not config.tie_word_embeddings:
             names.append("lm_head.weight")
         return names
 
@@ -591,7 +565,7 @@ class LlamaForCausalLM(nn.Module):
         if name == "model.norm.weight":
             return self.norm.weight
         if name == "lm_head.weight":
-            return None if self.lm_head is None else self.lm_head.weight
+            return self.lm_head.weight  # None where tied
         match = _LAYER_TENSOR.fullmatch(name)
         if match is None:
             return None
@@ -624,3 +598,10 @@ class LlamaForCausalLM(nn.Module):
             size = config.intermediate_size
             start = part * size
         return param.narrow(0, start, size)
+
+
+def _panels(linear: Linear) -> PanelWeight:
+    """A projection's weight laid out for the compiled kernel (what the stack reads)."""
+    method = linear.method
+    assert isinstance(method, PanelWeight), method
+    return method

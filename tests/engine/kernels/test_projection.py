@@ -19,6 +19,7 @@ from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import projection
 from twostroke.engine.kernels.build import NATIVE_ENV, NativeBuildError
 from twostroke.engine.kernels.projection import (
+    PanelWeight,
     ProjectionKernel,
     ProjectionUnsupported,
     build_projection,
@@ -227,7 +228,11 @@ def test_which_decoders_take_the_kernel(
     model.use_kernels(taken)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears
-    assert all(m.panels is not None and m.weight.numel() == 0 for m in linears)
+    assert all(isinstance(m.method, PanelWeight) for m in linears)
+    # One copy of each weight: the dense ones are dropped (the tied projection's is the
+    # embedding's, which lookups read).
+    assert all(m.weight is None or m.weight.numel() == 0 for m in linears)
+    assert isinstance(model.lm_head.method, PanelWeight)
     # oneDNN's (F.linear's bits) where exact, for float32, for an odd input width (the
     # kernel reads inputs in pairs: down_proj's here) and with TWOSTROKE_NATIVE=0.
     assert chosen(exact=True).projection.layers != "panels"

@@ -19,13 +19,13 @@ from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.kernels.selection import Projections, select_kernels
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.linear import Linear, can_pack
+from twostroke.engine.models.linear import FullPrecision, Linear, OneDNNWeight, can_pack
 from twostroke.engine.models.llama import (
     LlamaForCausalLM,
     WeightError,
     inverse_frequencies,
 )
-from twostroke.engine.models.quantization import QuantizationUnavailable
+from twostroke.engine.models.quantization import QuantizationUnavailable, QuantizedWeight
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -240,7 +240,11 @@ def test_tied_model_accepts_and_ignores_an_output_tensor() -> None:
     model.load_weight("lm_head.weight", torch.zeros(256, 64))
     model.load_weight("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))
     assert "lm_head.weight" not in model.expected_weights()
-    assert model.lm_head is None  # the output projection is the embedding
+    # The output projection is the embedding, shared, not a parameter of its own.
+    assert model.lm_head.weight is None
+    assert isinstance(model.lm_head.method, FullPrecision)
+    assert model.lm_head.method.weight is model.embed_tokens
+    assert "lm_head.weight" not in model.state_dict()
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -313,10 +317,10 @@ def test_a_packed_float32_projection_is_f_linear_to_rounding(
         linear.weight.copy_(weight)
         if linear.bias is not None and b is not None:
             linear.bias.copy_(b)
-        linear.pack()
+        linear.convert("onednn")
         out = linear(x)
     expected = F.linear(x, weight, b)
-    assert linear.packed
+    assert isinstance(linear.method, OneDNNWeight)
     assert out.shape == expected.shape
     # Rounding errors add up term by term: they scale with the sum of the terms' sizes.
     terms = x.abs() @ weight.abs().T + (0 if b is None else b.abs())
@@ -358,7 +362,5 @@ def test_quantized_projections_stay_quantized_when_the_rest_is_packed(tmp_path: 
         pytest.skip("fbgemm's fp16 kernel does not run here")
     assert loaded.module.kernels.projection == Projections("fp16", "onednn")
     layer = loaded.module.layers[0]
-    assert layer.self_attn.qkv_proj.quantized is not None
-    assert not layer.self_attn.qkv_proj.packed
-    assert loaded.module.lm_head is not None
-    assert loaded.module.lm_head.packed
+    assert isinstance(layer.self_attn.qkv_proj.method, QuantizedWeight)
+    assert isinstance(loaded.module.lm_head.method, OneDNNWeight)

@@ -19,6 +19,7 @@ from tests.engine.models.test_llama import _config, make_tiny_model, random_sequ
 from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.kernels.selection import Projections, select_kernels, torch_kernels
+from twostroke.engine.models.linear import FullPrecision
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.quantization import (
     QUANTIZATIONS,
@@ -96,7 +97,7 @@ def test_quantized_model_tracks_float32(tiny: Path, kind: Any) -> None:
     loaded = load_model(tiny, dtype=torch.float32, device=CPU, quantization=kind)
     assert loaded.quantization == kind
     layer = loaded.module.layers[0]
-    assert layer.self_attn.qkv_proj.quantized is not None
+    assert isinstance(layer.self_attn.qkv_proj.method, QuantizedWeight)
     assert layer.mlp.gate_up_proj.weight.numel() == 0  # the dense copy is gone
     sequences = random_sequences([6, 21])
     expected = exact.module.forward_logits(sequences)
@@ -153,7 +154,7 @@ def test_quantization_off_the_cpu_warns_and_keeps_the_weights() -> None:
     assert kernels.projection == Projections("dense", "dense")
     model = LlamaForCausalLM(_config(), dtype=torch.float32, device=meta)
     model.use_kernels(kernels)
-    assert model.layers[0].mlp.down_proj.quantized is None
+    assert isinstance(model.layers[0].mlp.down_proj.method, FullPrecision)
 
 
 def test_engine_config_takes_vllm_names_only() -> None:
