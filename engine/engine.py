@@ -63,7 +63,7 @@ from twostroke.states.errors import ConstraintRejected, EngineOverloaded
 from twostroke.states.params import SamplingParams, check_params
 from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, TokenLogprobs
 from twostroke.states.prompts import Prompt
-from twostroke.states.request import Request
+from twostroke.states.request import ConstraintCompiled, Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
 
@@ -389,7 +389,7 @@ class Engine:
             return
         if error is None:
             assert matcher is not None  # only a cancelled request's compile gives none
-            request.matcher = matcher
+            request.apply(ConstraintCompiled(matcher))
             try:
                 self._scheduler.add_request(request)
             except (RequestRejected, EngineOverloaded) as exc:  # the queue filled meanwhile

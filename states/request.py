@@ -15,6 +15,14 @@ knows, and *placeholders*: tokens a step in flight will sample but whose ids the
 read yet. ``num_computed_tokens`` counts the positions whose KV is written (or will be, by a
 step already planned). The scheduler plans a step for every request with
 ``num_tokens > num_computed_tokens``.
+
+A constrained request owns its :class:`~twostroke.states.constraints.Matcher` the same way:
+:class:`ConstraintCompiled` attaches it while the request waits, and each
+:class:`TokenSampled` advances it. A token the matcher refuses, one that leads it to a dead
+end, or a matcher that raises, fails the request through the table's row for
+:class:`Failed`: the token never reaches the output. A sample that is discarded (a finished
+request's lookahead token, :class:`SampleDiscarded`) is never applied, so it never reaches
+the matcher either, and there is nothing to roll back.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ __all__ = [
     "BlocksAllocated",
     "Cancelled",
     "ChunkScheduled",
+    "ConstraintCompiled",
     "Failed",
     "FinishReason",
     "Finished",
@@ -79,6 +88,19 @@ TERMINAL = frozenset({RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestSt
 
 
 # --- events ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ConstraintCompiled:
+    """The request's constraint was compiled: ``matcher`` follows its output from now on.
+
+    A constrained request takes it once, while it waits and before its first admission (the
+    engine compiles the constraint off the event loop, then queues the request), with the
+    matcher at its start. From then on the request owns it: each :class:`TokenSampled`
+    advances it.
+    """
+
+    matcher: Matcher
 
 
 @attrs.frozen
@@ -129,7 +151,12 @@ class SampleScheduled:
 
 @attrs.frozen
 class TokenSampled:
-    """A step's outcome delivered the token for the oldest placeholder."""
+    """A step's outcome delivered the token for the oldest placeholder.
+
+    A constrained request advances its matcher by the token. If the matcher refuses it,
+    reaches a dead end with it (terminated, not accepting) or raises, the request takes
+    :class:`Failed` instead, with the reason as its message, and the token is not output.
+    """
 
     token_id: int
     time: float
@@ -180,7 +207,8 @@ class Failed:
 
 
 RequestEvent = (
-    Admitted
+    ConstraintCompiled
+    | Admitted
     | PrefixCacheHit
     | BlocksAllocated
     | ChunkScheduled
@@ -206,7 +234,7 @@ _ENDINGS: dict[type[RequestEvent], RequestStatus] = {
 
 #: Every legal transition: ``TRANSITIONS[status][type(event)]`` is the next status.
 TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] = {
-    _W: {Admitted: _P, **_ENDINGS},
+    _W: {ConstraintCompiled: _W, Admitted: _P, **_ENDINGS},
     _P: {
         PrefixCacheHit: _P,
         BlocksAllocated: _P,
@@ -264,6 +292,26 @@ def mermaid_diagram() -> str:
 # --- the request ----------------------------------------------------------------------------
 
 
+def _advance(matcher: Matcher, token_id: int) -> str | None:
+    """Advance a constrained request's matcher past its new token; why the request fails, if
+    it does.
+
+    The sampler picked the token under the mask of allowed tokens, so a refusal means the
+    mask was not applied (a runner that ignores constraints) and a dead end means the
+    vocabulary cannot spell what the constraint needs: either way the request fails rather
+    than deliver output that does not satisfy its constraint. A matcher that raises (its
+    backend gave up, a limit) fails the request with the backend's message.
+    """
+    try:
+        if not matcher.advance(token_id):
+            return f"the constraint does not allow token {token_id} here"
+    except Exception as exc:  # the backend's own error: this request fails, not the engine
+        return f"the constraint failed: {exc}"
+    if matcher.terminated and not matcher.accepting:
+        return "the constraint reached a dead end: no token of the vocabulary continues it"
+    return None
+
+
 def _token_tuple(value: Sequence[int]) -> tuple[int, ...]:
     return tuple(value)
 
@@ -294,7 +342,8 @@ class Request:
     parameters before that. ``eos_token_ids`` are the model's end-of-sequence ids; they stop
     the request unless ``params.ignore_eos``. ``max_tokens`` is the most output tokens as a
     number: ``params.max_tokens`` by default; the engine passes it when the parameters leave
-    it to the context (``None``).
+    it to the context (``None``). A request with a constraint (``params.constraint``) takes
+    its matcher through :class:`ConstraintCompiled` before it can be admitted.
     """
 
     request_id: int
@@ -305,10 +354,8 @@ class Request:
     max_tokens: int = attrs.field(
         kw_only=True, default=attrs.Factory(_max_tokens_of_params, takes_self=True)
     )
-    #: The request's position in its constraint's language (``params.constraint``), or
-    #: ``None`` for an unconstrained request. The scheduler advances it with each token.
-    matcher: Matcher | None = attrs.field(kw_only=True, default=None)
 
+    _matcher: Matcher | None = attrs.field(default=None, init=False)
     _status: RequestStatus = attrs.field(default=RequestStatus.WAITING, init=False)
     _output_token_ids: list[int] = attrs.field(factory=list, init=False)
     _block_table: list[int] = attrs.field(factory=list, init=False)
@@ -333,6 +380,15 @@ class Request:
     @property
     def is_terminal(self) -> bool:
         return self._status in TERMINAL
+
+    @property
+    def matcher(self) -> Matcher | None:
+        """The request's position in its constraint's language, or ``None``: no constraint,
+        or not compiled yet (:class:`ConstraintCompiled`).
+
+        Read it to fill a mask; only :meth:`apply` advances it (:class:`TokenSampled`).
+        """
+        return self._matcher
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -441,7 +497,7 @@ class Request:
         """
         output = self._output_token_ids
         params = self.params
-        matcher = self.matcher
+        matcher = self._matcher
         if matcher is not None and matcher.terminated and matcher.accepting:
             return FinishReason.STOP
         if len(output) > params.min_tokens:
@@ -462,6 +518,10 @@ class Request:
     def apply(self, event: RequestEvent) -> RequestStatus:
         """Apply one event and return the new status.
 
+        A :class:`TokenSampled` that the request's constraint does not take (see there) is
+        applied as :class:`Failed`, through the table's row for it: the request is then
+        ``FAILED``, and :attr:`failure` says why.
+
         Raises:
             InvalidTransition: the current status does not accept this event, or the event
                 does not fit the request's counts; the request is unchanged.
@@ -470,6 +530,10 @@ class Request:
         if next_status is None:
             raise InvalidTransition(self.request_id, self._status, event)
         self._check(event)
+        if isinstance(event, TokenSampled) and self._matcher is not None:
+            refusal = _advance(self._matcher, event.token_id)
+            if refusal is not None:
+                return self.apply(Failed(refusal, event.time))
         self._update(event)
         self._status = next_status
         return next_status
@@ -478,6 +542,18 @@ class Request:
         """Reject an event that the table allows but the counts do not; change nothing."""
         rule: str | None = None
         match event:
+            case ConstraintCompiled(matcher=matcher):
+                if self.params.constraint is None:
+                    rule = "ConstraintCompiled needs a constraint, and params.constraint is None"
+                elif self._matcher is not None:
+                    rule = "ConstraintCompiled came before: the request has its matcher"
+                elif matcher.num_tokens:
+                    rule = (
+                        "ConstraintCompiled must bring a matcher at its start, got one "
+                        f"{matcher.num_tokens} tokens in"
+                    )
+            case Admitted() if self.params.constraint is not None and self._matcher is None:
+                rule = "Admitted before ConstraintCompiled: a constrained request needs its matcher"
             case ChunkScheduled(num_tokens=n) | SampleScheduled(num_tokens=n):
                 name = f"{type(event).__name__}(num_tokens={n})"
                 left = self.num_tokens - self._num_computed_tokens
@@ -516,6 +592,8 @@ class Request:
 
     def _update(self, event: RequestEvent) -> None:
         match event:
+            case ConstraintCompiled(matcher=matcher):
+                self._matcher = matcher
             case Admitted(time=time):
                 if self._first_scheduled_time is None:
                     self._first_scheduled_time = time

@@ -61,28 +61,6 @@ from twostroke.states.scheduler_config import (
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
 
 
-def _constrain(request: Request, token_id: int) -> str | None:
-    """Advance a constrained request's matcher by its new token; why it fails, if it does.
-
-    The sampler picked the token under the mask of allowed tokens, so a refusal means the
-    mask was not applied (a runner that ignores constraints) and a dead end means the
-    vocabulary cannot spell what the constraint needs: either way the request fails rather
-    than deliver output that does not satisfy its constraint. A matcher that raises (its
-    backend gave up, a limit) fails the request with the backend's message.
-    """
-    matcher = request.matcher
-    if matcher is None:
-        return None
-    try:
-        if not matcher.advance(token_id):
-            return f"the constraint does not allow token {token_id} here"
-    except Exception as exc:  # the backend's own error: this request fails, not the engine
-        return f"the constraint failed: {exc}"
-    if matcher.terminated and not matcher.accepting:
-        return "the constraint reached a dead end: no token of the vocabulary continues it"
-    return None
-
-
 class Scheduler:
     """Plans steps over a :class:`BlockPool` and applies their outcomes.
 
@@ -161,9 +139,15 @@ class Scheduler:
                 or for the whole KV pool); nothing is queued.
             EngineOverloaded: the waiting queue is full (``max_waiting_requests``); nothing
                 is queued.
-            SchedulerError: the id is in use or the request is not new.
+            SchedulerError: the id is in use, the request is not new, or it has a constraint
+                but not its matcher yet (:class:`~twostroke.states.request.ConstraintCompiled`).
         """
         self.check_request(request)
+        if request.params.constraint is not None and request.matcher is None:
+            raise SchedulerError(
+                f"request {request.request_id} has a constraint but no matcher: "
+                "apply ConstraintCompiled before queueing it"
+            )
         self._requests[request.request_id] = request
         self._arrival[request.request_id] = next(self._arrivals)
         # The newest arrival of all: its place is the back, found without a search.
@@ -173,11 +157,12 @@ class Scheduler:
         """Return if :meth:`add_request` would take ``request`` now; change nothing.
 
         The engine asks it before the work that comes ahead of queueing a constrained
-        request (compiling its constraint), so a request it can never serve is refused at
-        once.
+        request (compiling its constraint, which gives the request its matcher), so a
+        request it can never serve is refused at once.
 
         Raises:
-            RequestRejected, EngineOverloaded, SchedulerError: as :meth:`add_request`.
+            RequestRejected, EngineOverloaded, SchedulerError: as :meth:`add_request`, but
+                for the matcher, which a constrained request may not have yet.
         """
         config = self.config
         if request.request_id in self._requests:
@@ -454,12 +439,11 @@ class Scheduler:
             if not entry.sample:
                 continue
             token_id = outcome.sampled[entry.request_id]
-            refusal = _constrain(request, token_id)
-            if refusal is not None:
-                self._end(request, Failed(refusal, now))
+            block_ids = request.block_table
+            if request.apply(TokenSampled(token_id, now)) is RequestStatus.FAILED:
+                self._retire(request, block_ids)  # its constraint refused the token
                 failed.append(request.request_id)
                 continue
-            request.apply(TokenSampled(token_id, now))
             self._num_tokens_generated += 1
             new_tokens.append((request.request_id, token_id))
             reason = request.finish_reached()
@@ -544,6 +528,10 @@ class Scheduler:
     def _end(self, request: Request, event: Cancelled | Finished | Failed) -> None:
         block_ids = request.block_table
         request.apply(event)
+        self._retire(request, block_ids)
+
+    def _retire(self, request: Request, block_ids: tuple[int, ...]) -> None:
+        """Take a request that just ended out of its queue; ``block_ids`` were its table."""
         if request in self._running:
             self._running.remove(request)
         else:  # a live request is running or waiting (check_invariants)

@@ -13,6 +13,7 @@ constrain their output with it. Pure (the standard library).
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterable, Sequence
 
@@ -374,6 +375,17 @@ class ReferenceMatcher:
         if not 0 <= num_tokens <= self.num_tokens:
             raise ValueError(f"can roll back 0 to {self.num_tokens} tokens, got {num_tokens}")
         del self._history[len(self._history) - num_tokens :]
+
+    def copy(self) -> ReferenceMatcher:
+        """An independent matcher at the same place, to look ahead without moving this one.
+
+        The simulated engine asks what a request's matcher would allow after the tokens its
+        steps in flight sampled (the request's own matcher advances only as tokens are
+        applied). What one has worked out per text, both keep: it holds for either.
+        """
+        twin = copy.copy(self)
+        twin._history = list(self._history)
+        return twin
 
     def fill_bitmask(self, row: memoryview) -> None:
         expected = 4 * bitmask_words(self._vocab_size)

@@ -34,6 +34,7 @@ from twostroke.states.simulation import (
     reference_output,
     toy_next_token,
 )
+from twostroke.states.testing.constraints import ReferenceMatcher
 from twostroke.states.testing.queues import running_ids, waiting_ids
 from twostroke.states.testing.workload import Workload, reference_matcher
 
@@ -136,27 +137,32 @@ class SimulatedEngine:
     def _allowed(self, plan: StepPlan) -> dict[int, frozenset[int]]:
         """The masks of the plan's constrained rows, as the engine computes them.
 
-        The engine fills a step's masks once every earlier step is applied; here the step
-        executes at planning time, so each matcher is advanced by the tokens the steps in
-        flight sampled for its request (the device knows them), asked, and rolled back.
+        The engine fills a step's masks once every earlier step is applied, from each
+        request's matcher. Here the step executes at planning time, so the question goes to
+        a copy of the request's matcher advanced by the tokens the steps in flight sampled
+        for it (the device knows them): the request's own matcher moves only when its
+        tokens are applied.
+
+        Raises:
+            TypeError: a constrained request's matcher is not a :class:`ReferenceMatcher`
+                (the only kind this simulation can look ahead with).
         """
         allowed: dict[int, frozenset[int]] = {}
         for entry in plan.requests:
             matcher = self.requests[entry.request_id].matcher
             if not entry.sample or matcher is None:
                 continue
-            pending = [
-                outcome.sampled[entry.request_id]
-                for outcome in self._outcomes
-                if entry.request_id in outcome.sampled
-            ]
-            advanced = 0
-            for token_id in pending:
-                if not matcher.advance(token_id):
+            if not isinstance(matcher, ReferenceMatcher):
+                raise TypeError(
+                    f"the simulated engine looks ahead with a ReferenceMatcher, got "
+                    f"{type(matcher).__name__} for request {entry.request_id}"
+                )
+            ahead = matcher.copy()
+            for outcome in self._outcomes:
+                token_id = outcome.sampled.get(entry.request_id)
+                if token_id is not None and not ahead.advance(token_id):
                     break
-                advanced += 1
-            allowed[entry.request_id] = matcher.allowed_token_ids()
-            matcher.rollback(advanced)
+            allowed[entry.request_id] = ahead.allowed_token_ids()
         return allowed
 
     def complete(self, failure: str | None = None) -> StepReport:

@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 )
 
 from twostroke.states.blocks import BlockPool
+from twostroke.states.constraints import Choice
 from twostroke.states.errors import InvalidTransition, RequestRejected, SchedulerError
 from twostroke.states.params import SamplingParams
 from twostroke.states.request import (
@@ -34,6 +35,7 @@ from twostroke.states.request import (
     BlocksAllocated,
     Cancelled,
     ChunkScheduled,
+    ConstraintCompiled,
     Failed,
     Finished,
     FinishReason,
@@ -51,6 +53,7 @@ from twostroke.states.simulation import (
     SimulationError,
     toy_next_token,
 )
+from twostroke.states.testing.constraints import ReferenceMatcher
 from twostroke.states.testing.harness import SimulatedEngine
 from twostroke.states.testing.reference import (
     PoolModel,
@@ -63,7 +66,7 @@ from twostroke.states.testing.strategies import (
     request_specs,
     scheduler_configs,
 )
-from twostroke.states.testing.workload import RequestSpec
+from twostroke.states.testing.workload import SIMULATED_VOCABULARY, RequestSpec
 
 __all__ = ["BlockPoolMachine", "RequestMachine", "SchedulerMachine"]
 
@@ -71,7 +74,9 @@ __all__ = ["BlockPoolMachine", "RequestMachine", "SchedulerMachine"]
 
 
 _ABORTS = (Cancelled, Failed)
+_RUNNING = (RequestStatus.PREFILLING, RequestStatus.DECODING)
 _EVENT_TYPES: tuple[type[RequestEvent], ...] = (
+    ConstraintCompiled,
     Admitted,
     PrefixCacheHit,
     BlocksAllocated,
@@ -91,8 +96,10 @@ class RequestMachine(RuleBasedStateMachine):
 
     An event the reference rejects must raise ``InvalidTransition`` naming the status and
     the event (a table miss) or the event's counts and the rule they break, and leave every
-    observable field of the request unchanged; an event it accepts must change the request
-    exactly as it changes the model.
+    observable field of the request unchanged (its matcher too); an event it accepts must
+    change the request exactly as it changes the model. Some requests are constrained: the
+    request's matcher, which only ``apply`` moves, and the model's own must agree on every
+    token (taken, refused, or a dead end that fails the request).
 
     Class attributes to override in a subclass:
         reference_transitions: The table the model follows; by default a plain copy of
@@ -104,7 +111,7 @@ class RequestMachine(RuleBasedStateMachine):
     reference_transitions: ClassVar[Transitions] = {
         status: dict(row) for status, row in TRANSITIONS.items()
     }
-    specs: ClassVar[st.SearchStrategy[RequestSpec]] = request_specs()
+    specs: ClassVar[st.SearchStrategy[RequestSpec]] = request_specs(constrained=True)
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,8 +122,23 @@ class RequestMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def create(self, data: st.DataObject) -> None:
         spec = data.draw(self.specs, label="spec")
-        self.request = spec.build(request_id=data.draw(st.integers(0, 9), label="id"))
-        self.model = RequestModel(self.reference_transitions, spec.prompt_token_ids)
+        compiled = data.draw(st.booleans(), label="compiled")
+        request_id = data.draw(st.integers(0, 9), label="id")
+        self.request = spec.build(request_id, compiled=compiled)
+        self.model = RequestModel(
+            self.reference_transitions,
+            spec.prompt_token_ids,
+            spec.params.constraint,
+            spec.eos_token_ids,
+        )
+        if self.request.matcher is not None:
+            self.model.matcher = self._fresh_matcher()
+
+    def _fresh_matcher(self) -> ReferenceMatcher:
+        """A matcher of the request's constraint (of some constraint, if it has none)."""
+        model = self._state()[1]
+        constraint = model.constraint or Choice(["a"])
+        return ReferenceMatcher(constraint, SIMULATED_VOCABULARY, model.eos_token_ids)
 
     def _state(self) -> tuple[Request, RequestModel]:
         assert self.request is not None
@@ -142,7 +164,14 @@ class RequestMachine(RuleBasedStateMachine):
             block_ids = tuple(data.draw(st.lists(st.integers(0, 99), max_size=3)))
             return PrefixCacheHit(block_ids, data.draw(st.integers(-1, model.num_tokens + 1)))
         if kind is TokenSampled:
-            return TokenSampled(data.draw(st.integers(0, VOCAB_SIZE - 1)), self.now)
+            return self._token(data)
+        if kind is ConstraintCompiled:
+            matcher = self._fresh_matcher()
+            used = data.draw(st.booleans(), label="not at its start")
+            allowed = sorted(matcher.allowed_token_ids())
+            if used and allowed:
+                matcher.advance(allowed[0])
+            return ConstraintCompiled(matcher)
         if kind is SampleDiscarded:
             return SampleDiscarded(data.draw(st.integers(0, 9)))
         if kind is Finished:
@@ -160,6 +189,27 @@ class RequestMachine(RuleBasedStateMachine):
         """An event the status accepts (its counts may still be refused)."""
         self._apply(self._event(data, progress=True))
 
+    @precondition(lambda self: self.model is not None and self.model.status in _RUNNING)
+    @rule(data=st.data())
+    def sample(self, data: st.DataObject) -> None:
+        """Schedule what is left to compute and deliver its token: the path that moves a
+        constrained request's matcher (``progress`` alone reaches it seldom)."""
+        model = self._state()[1]
+        left = model.num_tokens - model.computed
+        if left:
+            self._apply(SampleScheduled(step_id=data.draw(st.integers(0, 9)), num_tokens=left))
+        self._apply(self._token(data))
+
+    def _token(self, data: st.DataObject) -> TokenSampled:
+        """A token event: one the model's matcher takes, or any."""
+        model = self._state()[1]
+        self.now += 1.0
+        tokens = st.integers(0, VOCAB_SIZE - 1)
+        allowed = sorted(model.matcher.allowed_token_ids()) if model.matcher else []
+        if allowed:
+            tokens = st.sampled_from(allowed) | tokens
+        return TokenSampled(data.draw(tokens, label="token_id"), self.now)
+
     @rule(data=st.data())
     def anything(self, data: st.DataObject) -> None:
         """Any event with any counts: most must be refused, with nothing changed."""
@@ -168,7 +218,8 @@ class RequestMachine(RuleBasedStateMachine):
     def _apply(self, event: RequestEvent) -> None:
         request, model = self._state()
         before = request_snapshot(request)
-        target = model.next_status(event)
+        taken, matcher = model.resolve(event)
+        target = model.next_status(taken)
         try:
             result = request.apply(event)
         except InvalidTransition as error:
@@ -177,8 +228,8 @@ class RequestMachine(RuleBasedStateMachine):
             message = str(error)
             name = type(event).__name__
             if type(event) in model.table[model.status]:
-                # The table takes the event: a count rule refused it, and the message says so.
-                expected = f"request {request.request_id}: {name}("
+                # The table takes the event: a rule refused it, and the message says so.
+                expected = f"request {request.request_id}: {name}"
                 valid = error.rule is not None and message.startswith(expected)
             else:
                 expected = f"request {request.request_id}: status {model.status} does not accept"
@@ -192,7 +243,7 @@ class RequestMachine(RuleBasedStateMachine):
             return
         if target is None:
             raise SimulationError(f"{request!r} accepted {event}; the reference rejects it")
-        model.apply(event, target)
+        model.apply(taken, target, matcher)
         if result is not target:
             raise SimulationError(f"apply({event}) returned {result}, reference {target}")
 
@@ -214,6 +265,8 @@ class RequestMachine(RuleBasedStateMachine):
             or (not params.ignore_eos and model.output[-1] in request.eos_token_ids)
         ):
             expected = FinishReason.STOP
+        if model.matcher is not None and model.matcher.terminated and model.matcher.accepting:
+            expected = FinishReason.STOP  # the constraint's output is complete
         if request.finish_reached() is not expected:
             raise SimulationError(f"finish_reached() of {request!r} should be {expected}")
 

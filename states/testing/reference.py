@@ -14,10 +14,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
+from twostroke.states.constraints import Constraint
 from twostroke.states.request import (
     Admitted,
     BlocksAllocated,
     ChunkScheduled,
+    ConstraintCompiled,
     Failed,
     Finished,
     FinishReason,
@@ -30,6 +32,8 @@ from twostroke.states.request import (
     SampleScheduled,
     TokenSampled,
 )
+from twostroke.states.testing.constraints import ReferenceMatcher
+from twostroke.states.testing.workload import SIMULATED_VOCABULARY
 
 __all__ = ["PoolModel", "RequestModel", "Transitions", "request_snapshot"]
 
@@ -46,8 +50,8 @@ def request_snapshot(request: Request) -> dict[str, object]:
         request: The request.
 
     Returns:
-        Its status, output, block table, counts, last step, finish reason, failure and
-        timestamps.
+        Its status, output, block table, counts, last step, finish reason, failure,
+        timestamps, and how many tokens its matcher has taken (``None`` without one).
     """
     times = (
         request.first_scheduled_time,
@@ -67,6 +71,7 @@ def request_snapshot(request: Request) -> dict[str, object]:
         "failure": request.failure,
         "preemptions": request.num_preemptions,
         "times": dict(zip(_TIMES, times, strict=True)),
+        "matcher": None if request.matcher is None else request.matcher.num_tokens,
     }
 
 
@@ -74,13 +79,23 @@ def request_snapshot(request: Request) -> dict[str, object]:
 class RequestModel:
     """A request as plain counts, changed by the transition table it was given.
 
+    A constrained request's model follows the constraint with a :class:`ReferenceMatcher` of
+    its own (over :data:`~twostroke.states.testing.workload.SIMULATED_VOCABULARY`), made when
+    it takes :class:`ConstraintCompiled` and moved only by the tokens it takes.
+
     Attributes:
         table: The lifecycle the model follows.
         prompt: The prompt ids.
+        constraint: The request's constraint (a choice or a regex), or ``None``.
+        eos_token_ids: The request's EOS ids, which its matcher knows.
+        matcher: The model's matcher, once compiled.
     """
 
     table: Transitions
     prompt: tuple[int, ...]
+    constraint: Constraint | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    matcher: ReferenceMatcher | None = None
     status: RequestStatus = RequestStatus.WAITING
     output: list[int] = attrs.Factory(list)
     blocks: list[int] = attrs.Factory(list)
@@ -97,8 +112,41 @@ class RequestModel:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output) + self.placeholders
 
+    def resolve(self, event: RequestEvent) -> tuple[RequestEvent, ReferenceMatcher | None]:
+        """The event the request takes for ``event``, and the model's matcher after it.
+
+        A :class:`TokenSampled` the request accepts but its constraint does not take is a
+        :class:`Failed` that says why: a token the matcher refuses (which leaves it where it
+        was) or one that leads it to a dead end (which it took). :class:`ConstraintCompiled`
+        gives the model a matcher of its own at its start. Any other event is itself.
+        """
+        matcher = self.matcher
+        if self.next_status(event) is None:
+            return event, matcher
+        if isinstance(event, ConstraintCompiled):
+            assert self.constraint is not None  # next_status refuses it otherwise
+            fresh = ReferenceMatcher(self.constraint, SIMULATED_VOCABULARY, self.eos_token_ids)
+            return event, fresh
+        if not isinstance(event, TokenSampled) or matcher is None:
+            return event, matcher
+        after = matcher.copy()
+        if not after.advance(event.token_id):
+            reason = f"the constraint does not allow token {event.token_id} here"
+            return Failed(reason, event.time), matcher
+        if after.terminated and not after.accepting:
+            reason = "the constraint reached a dead end: no token of the vocabulary continues it"
+            return Failed(reason, event.time), after
+        return event, after
+
     def next_status(self, event: RequestEvent) -> RequestStatus | None:
-        """The status after ``event``, or ``None`` if the request must refuse it."""
+        """The status after ``event`` (as :meth:`resolve` gives it), or ``None`` if the
+        request must refuse it."""
+        if isinstance(event, ConstraintCompiled) and (
+            self.constraint is None or self.matcher is not None or event.matcher.num_tokens
+        ):
+            return None
+        if isinstance(event, Admitted) and self.constraint is not None and self.matcher is None:
+            return None
         if isinstance(event, ChunkScheduled | SampleScheduled):
             end = self.computed + event.num_tokens
             if event.num_tokens < 1 or end > self.num_tokens:
@@ -116,9 +164,16 @@ class RequestModel:
             return None
         return self.table[self.status].get(type(event))
 
-    def apply(self, event: RequestEvent, target: RequestStatus) -> None:
-        """Change the model as ``event`` must change the request (``target`` is the status)."""
-        if isinstance(event, Admitted):
+    def apply(
+        self, event: RequestEvent, target: RequestStatus, matcher: ReferenceMatcher | None
+    ) -> None:
+        """Change the model as ``event`` must change the request (``target`` is the status,
+        ``matcher`` the model's matcher after it: both as :meth:`resolve` and
+        :meth:`next_status` said)."""
+        self.matcher = matcher
+        if isinstance(event, ConstraintCompiled):
+            pass
+        elif isinstance(event, Admitted):
             self.times.setdefault("first_scheduled", event.time)
         elif isinstance(event, PrefixCacheHit):
             self.blocks += event.block_ids
@@ -168,6 +223,7 @@ class RequestModel:
             "failure": self.failure,
             "preemptions": self.preemptions,
             "times": {key: self.times.get(key) for key in _TIMES},
+            "matcher": None if self.matcher is None else self.matcher.num_tokens,
         }
 
 

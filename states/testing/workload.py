@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import attrs
 
 from twostroke.states.params import SamplingParams
-from twostroke.states.request import Request
+from twostroke.states.request import ConstraintCompiled, Request
 from twostroke.states.scheduler import SchedulerConfig
 from twostroke.states.testing.constraints import ReferenceMatcher
 
@@ -67,24 +67,32 @@ class RequestSpec:
     params: SamplingParams = attrs.field(factory=SamplingParams)
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
 
-    def build(self, request_id: int, arrival_time: float = 0.0) -> Request:
+    def build(
+        self, request_id: int, arrival_time: float = 0.0, *, compiled: bool = True
+    ) -> Request:
         """A new request in status WAITING.
 
         Args:
             request_id: Its id.
             arrival_time: Its arrival timestamp.
+            compiled: Give a constrained request its :func:`reference_matcher` (the event
+                :class:`~twostroke.states.request.ConstraintCompiled`), as the engine does
+                before it queues one; ``False`` leaves it to the caller.
 
         Returns:
             The request.
         """
-        return Request(
+        request = Request(
             request_id=request_id,
             prompt_token_ids=self.prompt_token_ids,
             params=self.params,
             arrival_time=arrival_time,
             eos_token_ids=self.eos_token_ids,
-            matcher=reference_matcher(self.params, self.eos_token_ids),
         )
+        matcher = reference_matcher(self.params, self.eos_token_ids)
+        if compiled and matcher is not None:
+            request.apply(ConstraintCompiled(matcher))
+        return request
 
     def fits(self, config: SchedulerConfig) -> bool:
         """Whether a scheduler with ``config`` accepts this request (rather than reject it)."""

@@ -18,6 +18,7 @@ from twostroke.states.request import (
     BlocksAllocated,
     Cancelled,
     ChunkScheduled,
+    ConstraintCompiled,
     Failed,
     Finished,
     FinishReason,
@@ -39,7 +40,12 @@ DOCS = pathlib.Path(__file__).parents[2] / "docs" / "states.md"
 # checks ``Request.apply`` against this copy, so a change to ``TRANSITIONS`` must be made
 # here too, on purpose.
 LIFECYCLE = {
-    "WAITING": {"Admitted": "PREFILLING", "Cancelled": "CANCELLED", "Failed": "FAILED"},
+    "WAITING": {
+        "ConstraintCompiled": "WAITING",
+        "Admitted": "PREFILLING",
+        "Cancelled": "CANCELLED",
+        "Failed": "FAILED",
+    },
     "PREFILLING": {
         "PrefixCacheHit": "PREFILLING",
         "BlocksAllocated": "PREFILLING",
@@ -74,6 +80,7 @@ Table = Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]]
 EVENTS: dict[str, type[RequestEvent]] = {
     kind.__name__: kind
     for kind in (
+        ConstraintCompiled,
         Admitted,
         PrefixCacheHit,
         BlocksAllocated,

@@ -1,11 +1,18 @@
-"""The scheduler with constrained requests: it advances their matchers and stops or fails them."""
+"""The scheduler with constrained requests: their tokens advance their matchers (inside
+``Request.apply``), and a request its constraint stops or fails ends as any other."""
 
 from __future__ import annotations
 
-from twostroke.states.constraints import Choice, Regex
+import re
+from typing import cast
+
+import pytest
+
+from twostroke.states.constraints import Choice, Matcher, Regex
+from twostroke.states.errors import SchedulerError
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import RunnerOutput
-from twostroke.states.request import FinishReason, Request, RequestStatus
+from twostroke.states.request import ConstraintCompiled, FinishReason, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.testing import ReferenceMatcher
 
@@ -20,14 +27,15 @@ def _scheduler() -> Scheduler:
 
 def _request(matcher: ReferenceMatcher | object, request_id: int = 0) -> Request:
     constraint = getattr(matcher, "constraint", Choice(["ab"]))
-    return Request(
+    request = Request(
         request_id,
         (0, 1),
         SamplingParams(max_tokens=8, constraint=constraint),
         0.0,
         frozenset({EOS}),
-        matcher=matcher,  # type: ignore[arg-type]
     )
+    request.apply(ConstraintCompiled(cast(Matcher, matcher)))
+    return request
 
 
 def _step(scheduler: Scheduler, token_id: int) -> tuple[list[int], list[tuple[int, FinishReason]]]:
@@ -55,8 +63,8 @@ def test_eos_finishes_a_constrained_request_even_with_ignore_eos() -> None:
         SamplingParams(max_tokens=8, ignore_eos=True, constraint=Regex("a+")),
         0.0,
         frozenset({EOS}),
-        matcher=matcher,
     )
+    request.apply(ConstraintCompiled(matcher))
     scheduler.add_request(request)
     assert _step(scheduler, 0) == ([], [])
     assert _step(scheduler, EOS) == ([], [(0, FinishReason.STOP)])
@@ -71,6 +79,22 @@ def test_a_token_the_constraint_refuses_fails_the_request_and_is_not_delivered()
     assert request.failure == "the constraint does not allow token 2 here"
     assert request.output_token_ids == ()
     scheduler.check_invariants()
+
+
+def test_a_constrained_request_is_queued_only_with_its_matcher() -> None:
+    scheduler = _scheduler()
+    params = SamplingParams(max_tokens=8, constraint=Choice(["ab"]))
+    request = Request(0, (0, 1), params, 0.0, frozenset({EOS}))
+    scheduler.check_request(request)  # the engine asks before it compiles the constraint
+    message = (
+        "request 0 has a constraint but no matcher: apply ConstraintCompiled before queueing it"
+    )
+    with pytest.raises(SchedulerError, match=f"^{re.escape(message)}$"):
+        scheduler.add_request(request)
+    assert scheduler.is_idle()
+    request.apply(ConstraintCompiled(ReferenceMatcher(Choice(["ab"]), VOCABULARY, [EOS])))
+    scheduler.add_request(request)
+    assert scheduler.get(0) is request
 
 
 class _DeadEnd:

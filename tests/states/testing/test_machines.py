@@ -11,15 +11,19 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
+from twostroke.states import request as request_module
+from twostroke.states.constraints import Choice
 from twostroke.states.errors import RequestRejected
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import RunnerOutput, StepPlan, StepReport
-from twostroke.states.request import Request, RequestStatus
+from twostroke.states.request import ConstraintCompiled, Request, RequestStatus
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.testing import (
+    ReferenceMatcher,
     RequestMachine,
     RequestSpec,
     SchedulerMachine,
+    SimulatedEngine,
     SimulatedKV,
     SimulationError,
     Workload,
@@ -231,6 +235,48 @@ def test_the_request_machine_finds_a_table_that_disagrees() -> None:
 
     with pytest.raises(SimulationError):
         run_state_machine_as_test(Wrong, settings=FIND)
+
+
+def test_the_request_machine_finds_a_request_that_ignores_its_constraint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request whose ``apply`` does not consult its matcher: every token is output."""
+    monkeypatch.setattr(request_module, "_advance", lambda matcher, token_id: None)
+    with pytest.raises(SimulationError):
+        run_state_machine_as_test(RequestMachine, settings=FIND)
+
+
+def test_the_simulated_engine_looks_ahead_only_with_a_reference_matcher() -> None:
+    spec = RequestSpec([1, 2], SamplingParams(max_tokens=4, constraint=Choice(["ab"])))
+    request = spec.build(0, compiled=False)
+    reference = spec.build(1)
+    assert isinstance(reference.matcher, ReferenceMatcher)
+    request.apply(ConstraintCompiled(_Wrapped(reference.matcher)))
+    engine = SimulatedEngine(Scheduler(CONFIG))
+    engine.submit(request)
+    message = "the simulated engine looks ahead with a ReferenceMatcher, got _Wrapped for request 0"
+    with pytest.raises(TypeError, match=f"^{message}$"):
+        engine.plan()
+
+
+class _Wrapped:
+    """Another kind of matcher, which the simulation cannot copy to look ahead."""
+
+    def __init__(self, inner: ReferenceMatcher) -> None:
+        self._inner = inner
+        self.vocab_size = inner.vocab_size
+        self.num_tokens = inner.num_tokens
+        self.accepting = inner.accepting
+        self.terminated = inner.terminated
+
+    def advance(self, token_id: int) -> bool:
+        return self._inner.advance(token_id)
+
+    def allowed_token_ids(self) -> frozenset[int]:
+        return self._inner.allowed_token_ids()
+
+    def fill_bitmask(self, row: memoryview) -> None:
+        self._inner.fill_bitmask(row)
 
 
 def test_for_config_accepts_a_fixed_config() -> None:
