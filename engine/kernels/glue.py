@@ -12,8 +12,10 @@ the fused norms alone took the step 1.04x (float32) and 1.10x (bfloat16) faster
 
 It is built and cached as the paged decode kernel is (:func:`~.build.compile_library`),
 once per model shape and element type, and checked against torch's arithmetic before use;
-where it cannot be, one warning is logged and the model keeps torch's operators.
-``TWOSTROKE_NATIVE=0`` keeps them too. The model uses it only where transformers' exact
+where it cannot be, one warning is logged and the model keeps torch's operators
+(:class:`~twostroke.engine.models.layers.TorchGlue`, which has the same methods: the decoder
+layer is written once, against either). ``TWOSTROKE_NATIVE=0`` keeps them too. The kernels'
+choice (:mod:`.selection`) takes it only where transformers' exact
 arithmetic is not asked for (``exact=False``, the engine's ``dtype="auto"``): the rotary
 embeddings and the cache writes are torch's bit for bit, but the norm's mean is summed in
 another order and SiLU's exp is a polynomial, so those agree to float32 rounding.
@@ -32,6 +34,8 @@ from typing import Any
 import attrs
 import torch
 
+from twostroke.engine.attention.kv_cache import LayerCache
+from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.kernels.build import (
     ELEMENTS,
     NativeBuildError,
@@ -40,7 +44,7 @@ from twostroke.engine.kernels.build import (
     compile_library,
     relative_difference,
 )
-from twostroke.engine.models.layers import rms_norm, rotate_, silu_mul
+from twostroke.engine.models.layers import rms_norm, rotate_, rotate_write, silu_mul
 
 __all__ = [
     "GLUE_SOURCE",
@@ -152,6 +156,30 @@ class DecoderGlue:
         return out
 
     def rotate_write(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: LayerCache,
+    ) -> None:
+        """Rotate queries and keys in place and write keys and values into the step's slots:
+        :func:`~twostroke.engine.models.layers.rotate_write`, bit for bit.
+
+        In one call (:meth:`rotate_write_slots`) where the cache holds its keys transposed
+        (the CPU's in-place attention kernels' layout, the one the kernel writes); into a
+        cache of the gathering kernels' layout, as torch's operators.
+        """
+        if not metadata.keys_transposed:
+            rotate_write(qkv, num_heads, num_kv_heads, cos, signed_sin, metadata, layer)
+            return
+        self.rotate_write_slots(
+            qkv, num_heads, num_kv_heads, cos, signed_sin, metadata.slot_mapping, layer.data
+        )
+
+    def rotate_write_slots(
         self,
         qkv: torch.Tensor,
         num_heads: int,
@@ -287,9 +315,9 @@ def rotary_inputs_fit(
     head_dim: int,
     dtype: torch.dtype,
 ) -> bool:
-    """Whether the rotary tables and slots are what :meth:`DecoderGlue.rotate_write` takes
-    for ``tokens`` tokens: contiguous ``dtype`` tables ``[tokens, 1, head_dim]`` and int64
-    slots ``[tokens]``."""
+    """Whether the rotary tables and slots are what :meth:`DecoderGlue.rotate_write_slots`
+    takes for ``tokens`` tokens: contiguous ``dtype`` tables ``[tokens, 1, head_dim]`` and
+    int64 slots ``[tokens]``."""
     table = (tokens, 1, head_dim)
     return (
         cos.dtype == dtype
@@ -425,7 +453,7 @@ def _check(glue: DecoderGlue) -> None:
     for h in range(kv_heads):
         key_tiles[block, h, :, within] = kv[:, 0, h]
         expected_cache[1][block, h, within] = kv[:, 1, h]
-    glue.rotate_write(qkv, heads, kv_heads, cos, sin, slots, cache)
+    glue.rotate_write_slots(qkv, heads, kv_heads, cos, sin, slots, cache)
     if not (torch.equal(qkv, expected_qkv) and torch.equal(cache, expected_cache)):
         differences.append(float("inf"))  # the rotary write is torch's bit for bit
     logits = torch.randn(5, 3 * hidden + 1, generator=generator)

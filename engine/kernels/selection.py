@@ -29,6 +29,7 @@ from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import ProjectionKernel, projection_kernel
 from twostroke.engine.kernels.stack import stack_library
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.layers import Glue, TorchGlue
 from twostroke.engine.models.linear import WeightForm, can_pack
 from twostroke.engine.models.quantization import (
     QUANTIZATIONS,
@@ -77,7 +78,9 @@ class CpuKernels:
     On any device but the CPU every part is torch's (the attention its device's default).
 
     Attributes:
-        glue: The compiled element-wise glue, or ``None`` for torch's operators.
+        glue: The element-wise glue: the compiled one
+            (:class:`~twostroke.engine.kernels.glue.DecoderGlue`) or torch's operators
+            (:class:`~twostroke.engine.models.layers.TorchGlue`).
         projection: The projections' weight forms.
         attention: How decodes and prefill chunks attend over the cache. ``"native"`` is
             compiled per block size: :meth:`LlamaForCausalLM.attention_for
@@ -89,7 +92,7 @@ class CpuKernels:
         reasons: Why each part that does not run compiled does not, as ``(part, reason)``.
     """
 
-    glue: DecoderGlue | None
+    glue: Glue
     projection: Projections
     attention: AttentionKernel
     stack: Callable[..., int] | None = attrs.field(default=None, repr=False)
@@ -116,8 +119,9 @@ class CpuKernels:
 
         projection = self.projection
         head = "" if projection.head == projection.layers else f", output {projection.head}"
+        compiled = isinstance(self.glue, DecoderGlue)
         parts = [
-            f"glue {'compiled' if self.glue is not None else 'torch'}{why('glue')}",
+            f"glue {'compiled' if compiled else 'torch'}{why('glue')}",
             f"projections {projection.layers}{head}{why('projections')}",
             f"attention {self.attention}{why('attention')}",
             f"stack {'compiled' if self.stack is not None else 'off'}{why('stack')}",
@@ -128,7 +132,7 @@ class CpuKernels:
 def torch_kernels(device: torch.device) -> CpuKernels:
     """torch's operators everywhere, dense weights, the device's default attention: what a
     model computes with before :func:`select_kernels` chose for it."""
-    return CpuKernels(None, Projections("dense", "dense"), default_kernel(device))
+    return CpuKernels(TorchGlue(), Projections("dense", "dense"), default_kernel(device))
 
 
 def select_kernels(
@@ -211,19 +215,19 @@ def _compiled_unwanted(device: torch.device) -> str | None:
 
 def _glue(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, exact: bool
-) -> tuple[DecoderGlue | None, str | None]:
+) -> tuple[Glue, str | None]:
     """The compiled glue where transformers' exact arithmetic is not asked for (its norms
-    and SiLU agree with torch's to float32 rounding, not bit for bit)."""
+    and SiLU agree with torch's to float32 rounding, not bit for bit), else torch's."""
     if exact:
-        return None, "exact arithmetic asked for"
+        return TorchGlue(), "exact arithmetic asked for"
     unwanted = _compiled_unwanted(device)
     if unwanted is not None:
-        return None, unwanted
+        return TorchGlue(), unwanted
     glue = decoder_glue(hidden=config.hidden_size, head_dim=config.head_dim, dtype=dtype)
     if glue is None:
         if dtype not in ELEMENTS:
-            return None, f"none is built for {dtype}"
-        return None, "it did not build or check here: see the warning"
+            return TorchGlue(), f"none is built for {dtype}"
+        return TorchGlue(), "it did not build or check here: see the warning"
     return glue, None
 
 
@@ -327,13 +331,11 @@ def _attention(
     return "native", None
 
 
-def _stack(
-    glue: DecoderGlue | None, projection: Projections
-) -> tuple[Callable[..., int] | None, str | None]:
+def _stack(glue: Glue, projection: Projections) -> tuple[Callable[..., int] | None, str | None]:
     """The whole stack in one call where every kernel a layer calls is compiled: the glue
     and every projection's panels (the attention is checked step by step: a step whose
     attention is another kernel's runs layer by layer)."""
-    if glue is None or projection.layers != "panels":
+    if not isinstance(glue, DecoderGlue) or projection.layers != "panels":
         return None, "it needs the compiled glue and bfloat16 projections"
     function = stack_library()
     if function is None:

@@ -186,7 +186,9 @@ class DecoderStack:
         metadata: AttentionMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        """Run every layer over the step's rows: what ``forward_fused`` does layer by layer.
+        """Run every layer over the step's rows: what
+        :meth:`~twostroke.engine.models.llama.DecoderLayer.forward` does layer by layer, with
+        the compiled glue.
 
         Args:
             residual: ``[tokens, hidden]`` contiguous, the embeddings; holds the residual

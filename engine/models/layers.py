@@ -1,22 +1,45 @@
-"""The decoder's element-wise layers: RMSNorm and rotary position embeddings.
+"""The decoder's element-wise layers: RMSNorm, rotary position embeddings, SwiGLU's middle,
+and the glue that runs them between the matrix products.
 
-Both follow transformers' arithmetic to the bit in float32 (``modeling_llama`` and
+All follow transformers' arithmetic to the bit in float32 (``modeling_llama`` and
 ``modeling_rope_utils``), in as few torch calls as that allows: each call from Python hands
 the GIL back and forth with the engine's bookkeeping stroke (docs/performance.md, "Fewer
 torch calls per step").
+
+A decoder layer calls its element-wise work through a :class:`Glue`: each residual add with
+the norm after it, the rotary embeddings with the cache write, SiLU times up, and the
+greedy rows' ``argmax``. :class:`TorchGlue` is these layers' torch operators; the compiled
+glue (:class:`~twostroke.engine.kernels.glue.DecoderGlue`) has the same methods, so the
+decoder is written once and the chosen kernels (:mod:`~twostroke.engine.kernels.selection`)
+decide which runs.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twostroke.engine.attention.kv_cache import LayerCache
+from twostroke.engine.attention.metadata import AttentionMetadata
+from twostroke.engine.attention.ops import write_kv
 from twostroke.engine.models.config import ModelConfig
 
-__all__ = ["RMSNorm", "inverse_frequencies", "rms_norm", "rotary_tables", "rotate_", "silu_mul"]
+__all__ = [
+    "Glue",
+    "RMSNorm",
+    "TorchGlue",
+    "inverse_frequencies",
+    "rms_norm",
+    "rotary_tables",
+    "rotate_",
+    "rotate_write",
+    "silu_mul",
+]
 
 
 class RMSNorm(nn.Module):
@@ -112,3 +135,97 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> Non
     rolled = x.roll(x.shape[-1] // 2, -1)
     rolled.mul_(signed_sin)
     x.mul_(cos).add_(rolled)
+
+
+def rotate_write(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    metadata: AttentionMetadata,
+    layer: LayerCache,
+) -> None:
+    """Rotate the queries and keys of ``qkv`` in place and write its keys and values into
+    the step's cache slots (:func:`rotate_`, then
+    :func:`~twostroke.engine.attention.ops.write_kv`).
+
+    Queries and keys rotate together, in the projection's output, which holds them and the
+    values side by side: no split, no copy.
+    """
+    tokens, dim = qkv.shape[0], cos.shape[-1]
+    query_key = qkv[:, : (num_heads + num_kv_heads) * dim].view(tokens, -1, dim)
+    key_value = qkv[:, num_heads * dim :].view(tokens, 2, num_kv_heads, dim)
+    rotate_(query_key, cos, signed_sin)
+    write_kv(layer, key_value, metadata)
+
+
+class Glue(Protocol):
+    """The decoder's element-wise work between its matrix products (see the module)."""
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Add ``delta`` to ``residual`` in place (if given); return the sum, normalized."""
+        ...
+
+    def rotate_write(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: LayerCache,
+    ) -> None:
+        """Rotate queries and keys in place; write keys and values into the cache."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused gate/up projection's output."""
+        ...
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's ``argmax``, as ``torch.argmax(logits, dim=-1)`` gives it."""
+        ...
+
+
+@attrs.frozen
+class TorchGlue:
+    """:class:`Glue` as torch's operators: transformers' arithmetic, bit for bit in float32,
+    on any device (the decoder's glue wherever the compiled one is not chosen, and always
+    where ``exact`` arithmetic is asked for)."""
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Add ``delta`` to ``residual`` in place (if given); :func:`rms_norm` of the sum.
+
+        The in-place add is ``residual + delta`` (one rounding), as transformers' residual
+        stream adds.
+        """
+        if delta is not None:
+            residual.add_(delta)
+        return rms_norm(residual, weight, eps)
+
+    def rotate_write(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: LayerCache,
+    ) -> None:
+        """:func:`rotate_write`."""
+        rotate_write(qkv, num_heads, num_kv_heads, cos, signed_sin, metadata, layer)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """:func:`silu_mul`."""
+        return silu_mul(gate_up)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``torch.argmax(logits, dim=-1)``."""
+        return logits.argmax(dim=-1)

@@ -33,20 +33,14 @@ from torch import nn
 from twostroke.engine.attention.kernels import AttentionKernel, native_kernel
 from twostroke.engine.attention.kv_cache import KVCache, LayerCache
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
-from twostroke.engine.attention.ops import paged_attention, write_kv
+from twostroke.engine.attention.ops import paged_attention
 from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.projection import PanelWeight
 from twostroke.engine.kernels.selection import CpuKernels, Projections, torch_kernels
 from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.layers import (
-    RMSNorm,
-    inverse_frequencies,
-    rotary_tables,
-    rotate_,
-    silu_mul,
-)
+from twostroke.engine.models.layers import Glue, RMSNorm, inverse_frequencies, rotary_tables
 from twostroke.engine.models.linear import Linear, empty_parameter
 from twostroke.engine.models.quantization import QUANTIZATIONS
 from twostroke.gpu.huge_pages import huge_page_buffer
@@ -93,22 +87,17 @@ class Attention(nn.Module):
         signed_sin: torch.Tensor,
         metadata: AttentionMetadata,
         layer: LayerCache,
-        glue: DecoderGlue | None = None,
+        glue: Glue,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        # Queries and keys rotate together, in place in the projection's output, which
-        # then holds them and the values side by side: no split, no copy.
-        query_key = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim)
+        # Queries and keys rotate in place in the projection's output, which then holds
+        # them and the values side by side: the attention reads views of it, no copy.
+        glue.rotate_write(qkv, heads, kv_heads, cos, signed_sin, metadata, layer)
+        query = qkv[:, : heads * dim].view(num_tokens, heads, dim)
         key_value = qkv[:, heads * dim :].view(num_tokens, 2, kv_heads, dim)
-        if glue is not None and metadata.keys_transposed:
-            slots = metadata.slot_mapping
-            glue.rotate_write(qkv, heads, kv_heads, cos, signed_sin, slots, layer.data)
-        else:
-            rotate_(query_key, cos, signed_sin)
-            write_kv(layer, key_value, metadata)
-        out = paged_attention(query_key[:, :heads], key_value, layer, metadata, scale=self.scale)
+        out = paged_attention(query, key_value, layer, metadata, scale=self.scale)
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
@@ -134,9 +123,8 @@ class MLP(nn.Module):
             device=device,
         )
 
-    def forward(self, x: torch.Tensor, glue: DecoderGlue | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        mixed = silu_mul(gate_up) if glue is None else glue.silu_mul(gate_up)
+    def forward(self, x: torch.Tensor, glue: Glue) -> torch.Tensor:
+        mixed = glue.silu_mul(self.gate_up_proj(x))
         down: torch.Tensor = self.down_proj(mixed)
         return down
 
@@ -154,35 +142,31 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        metadata: AttentionMetadata,
-        layer: LayerCache,
-    ) -> torch.Tensor:
-        attended: torch.Tensor = self.self_attn(
-            self.input_layernorm(x), cos, signed_sin, metadata, layer
-        )
-        x = x + attended
-        mixed: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
-        return x + mixed
-
-    def forward_fused(
-        self,
         residual: torch.Tensor,
         delta: torch.Tensor | None,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
         metadata: AttentionMetadata,
         layer: LayerCache,
-        glue: DecoderGlue,
+        glue: Glue,
     ) -> torch.Tensor:
-        """:meth:`forward` with its glue compiled: each residual add and the norm after it,
-        the rotary embeddings and the cache write, and SiLU times up, one call each.
+        """One layer, its element-wise work through ``glue``: each residual add with the
+        norm after it, the rotary embeddings with the cache write, and SiLU times up.
 
-        ``residual`` is the stream before the previous layer's MLP output ``delta`` (``None``
-        for the first layer) is added; both adds happen in place in ``residual``. Returns this
-        layer's MLP output, which the next layer (or the final norm) adds.
+        Args:
+            residual: ``[tokens, hidden]`` contiguous: the stream before the previous
+                layer's MLP output is added (the embeddings, for the first layer); both of
+                this layer's adds happen in place in it.
+            delta: The previous layer's MLP output (``None`` for the first layer).
+            cos: ``[tokens, 1, head_dim]``, from
+                :func:`~twostroke.engine.models.layers.rotary_tables`.
+            signed_sin: The same shape, ``sin`` with its first half negated.
+            metadata: The step's layout.
+            layer: This layer's cache.
+            glue: The chosen glue.
+
+        Returns:
+            This layer's MLP output, which the next layer (or the final norm) adds.
         """
         first, second = self.input_layernorm, self.post_attention_layernorm
         normed = glue.add_rms_norm(residual, delta, first.weight, first.eps)
@@ -259,25 +243,19 @@ class LlamaForCausalLM(nn.Module):
             logits_indices: Rows whose logits are wanted (the output projection is the
                 largest matrix, so it runs only for them).
         """
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = F.embedding(input_ids, self.embed_tokens)  # the residual stream, added to in place
         cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
         glue, stack = self.kernels.glue, self._stack
-        if glue is None:
-            for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
-                x = layer(x, cos, sin, metadata, layer_cache)
-            x = self.norm(x.index_select(0, logits_indices))
+        delta: torch.Tensor | None = None
+        if stack is not None and stack.runs(metadata):
+            delta = stack(x, cos, sin, metadata, kv_cache)  # the loop below, in C
         else:
-            delta: torch.Tensor | None = None  # x is the residual stream, added to in place
-            if stack is not None and stack.runs(metadata):
-                delta = stack(x, cos, sin, metadata, kv_cache)  # the loop below, in C
-            else:
-                for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
-                    decoder = cast(DecoderLayer, layer)  # ModuleList items are Modules to mypy
-                    delta = decoder.forward_fused(x, delta, cos, sin, metadata, layer_cache, glue)
-            last = None if delta is None else delta.index_select(0, logits_indices)
-            x = glue.add_rms_norm(
-                x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps
-            )
+            for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
+                delta = layer(x, delta, cos, sin, metadata, layer_cache, glue)
+        last = None if delta is None else delta.index_select(0, logits_indices)
+        x = glue.add_rms_norm(
+            x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps
+        )
         logits: torch.Tensor = self.lm_head(x)
         return logits.float()
 
@@ -361,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
     def _bind_stack(self, kernels: CpuKernels) -> DecoderStack:
         """The chosen stack driver, given every decoder projection's panels."""
         glue, projection = kernels.glue, kernels.projection.kernel
-        assert glue is not None
+        assert isinstance(glue, DecoderGlue)
         assert projection is not None
         assert kernels.stack is not None
         layers = []

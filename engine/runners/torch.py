@@ -116,12 +116,8 @@ class TorchModelRunner:
         limit = model.config.max_position_embeddings
         self._max_model_len = limit if max_model_len is None else min(limit, max_model_len)
         self._history_capacity = min(max_num_seqs or 8, 64)
-        glue = kernels.glue
         self._sampler = Sampler(
-            model.config.vocab_size,
-            model.device,
-            seed=seed,
-            argmax=None if glue is None else glue.argmax,
+            model.config.vocab_size, model.device, seed=seed, argmax=kernels.glue.argmax
         )
         self._history: TokenHistory | None = None
         self._cache: KVCache | None = None

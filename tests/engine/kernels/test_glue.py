@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
 from twostroke.engine.artifacts.cache import CACHE_DIR_ENV
+from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.attention.kv_cache import KVCache
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.attention.ops import write_kv
@@ -29,7 +30,14 @@ from twostroke.engine.kernels.glue import (
     reference_add_rms_norm,
 )
 from twostroke.engine.kernels.selection import select_kernels
-from twostroke.engine.models.layers import rotary_tables, rotate_, silu_mul
+from twostroke.engine.models.layers import (
+    Glue,
+    TorchGlue,
+    rms_norm,
+    rotary_tables,
+    rotate_,
+    silu_mul,
+)
 from twostroke.engine.runners.sampler import Sampler
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
@@ -109,15 +117,16 @@ def test_silu_times_up_is_torchs_to_rounding(
 
 
 def written(
-    glue: DecoderGlue | None,
+    glue: Glue | None,
     dtype: torch.dtype,
     chunks: list[ChunkSpec],
     heads: int,
     kv_heads: int,
     seed: int,
+    kernel: AttentionKernel = "bag",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's q/k/v rows after rotation and the layer's cache after the write, through
-    ``glue`` or, with ``None``, the model's torch operators."""
+    """The step's q/k/v rows after rotation and the layer's cache (laid out for ``kernel``)
+    after the write, through ``glue`` or, with ``None``, torch's operators."""
     dim, block_size, num_blocks = 8, 4, 24
     metadata = AttentionMetadata.build(
         chunks,
@@ -126,7 +135,7 @@ def written(
         num_kv_heads=kv_heads,
         dtype=dtype,
         device=CPU,
-        kernel="bag",
+        kernel=kernel,
         num_heads=heads,
         head_dim=dim,
     )
@@ -142,7 +151,7 @@ def written(
         rotate_(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
         write_kv(cache, qkv[:, heads * dim :].view(tokens, 2, kv_heads, dim), metadata)
     else:
-        glue.rotate_write(qkv, heads, kv_heads, cos, sin, metadata.slot_mapping, cache.data)
+        glue.rotate_write(qkv, heads, kv_heads, cos, sin, metadata, cache)
     return qkv, cache.data
 
 
@@ -153,6 +162,7 @@ def written(
     kv_heads=st.integers(1, 2),
     lengths=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 70)), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
+    kernel=st.sampled_from(["bag", "matmul"]),
 )
 def test_the_rotary_write_is_the_models_bit_for_bit(
     dtype: torch.dtype,
@@ -160,10 +170,13 @@ def test_the_rotary_write_is_the_models_bit_for_bit(
     kv_heads: int,
     lengths: list[tuple[int, int]],
     seed: int,
+    kernel: AttentionKernel,
 ) -> None:
     """Decodes and chunks at any positions (64 tokens and more run on the thread team),
     shuffled blocks: the rotated queries and keys and every slot of the cache, written or
-    not, equal the operators' (``rotate_``, then ``write_kv`` into keys held transposed)."""
+    not, equal the operators' (``rotate_``, then ``write_kv``), through the compiled glue
+    and through torch's, into keys held transposed (the compiled write) or not (the
+    gathering kernels' layout, which the compiled glue leaves to torch's operators)."""
     glue = build_glue(hidden=8, head_dim=8, dtype=dtype)
     order = torch.randperm(24, generator=torch.Generator().manual_seed(seed)).tolist()
     chunks: list[ChunkSpec] = []
@@ -176,10 +189,11 @@ def test_the_rotary_write_is_the_models_bit_for_bit(
     if not chunks:
         chunks = [ChunkSpec(0, 1, (order[0],))]
     heads = heads_per_kv * kv_heads
-    ours = written(glue, dtype, chunks, heads, kv_heads, seed)
-    theirs = written(None, dtype, chunks, heads, kv_heads, seed)
-    assert torch.equal(ours[0], theirs[0])
-    assert torch.equal(ours[1], theirs[1])
+    theirs = written(None, dtype, chunks, heads, kv_heads, seed, kernel)
+    for each in (glue, TorchGlue()):
+        ours = written(each, dtype, chunks, heads, kv_heads, seed, kernel)
+        assert torch.equal(ours[0], theirs[0])
+        assert torch.equal(ours[1], theirs[1])
 
 
 def test_tensors_the_glue_was_not_built_for_are_refused() -> None:
@@ -204,13 +218,13 @@ def test_tensors_the_glue_was_not_built_for_are_refused() -> None:
     with pytest.raises(
         ValueError, match=r"qkv \[tokens, 16\] .* int64 slots .* slots torch\.int32"
     ):
-        glue.rotate_write(qkv, 2, 1, cos, sin, slots.int(), cache)
+        glue.rotate_write_slots(qkv, 2, 1, cos, sin, slots.int(), cache)
     with pytest.raises(
         ValueError, match=r"cache \[2, blocks, 1, block_size, 4\]; .* \(2, 3, 2, 4, 2\)"
     ):
-        glue.rotate_write(qkv, 2, 1, cos, sin, slots, torch.zeros(2, 3, 2, 4, 2))
+        glue.rotate_write_slots(qkv, 2, 1, cos, sin, slots, torch.zeros(2, 3, 2, 4, 2))
     with pytest.raises(ValueError, match=r"got qkv torch\.float32 \(2, 12\)"):
-        glue.rotate_write(qkv[:, :12], 2, 1, cos, sin, slots, cache)
+        glue.rotate_write_slots(qkv[:, :12], 2, 1, cos, sin, slots, cache)
     assert not cache.any()
 
 
@@ -242,9 +256,13 @@ def test_a_glue_that_disagrees_with_torch_is_refused(monkeypatch: pytest.MonkeyP
 
 
 def chosen_glue(dtype: torch.dtype, *, exact: bool = False) -> DecoderGlue | None:
-    """The glue chosen for the tiny model's shape (the attention is not built: it is given)."""
+    """The compiled glue chosen for the tiny model's shape, or ``None`` where torch's is
+    (the attention is not built: it is given)."""
     kernels = select_kernels(_config(), dtype=dtype, device=CPU, exact=exact, attention="bag")
-    return kernels.glue
+    if isinstance(kernels.glue, DecoderGlue):
+        return kernels.glue
+    assert isinstance(kernels.glue, TorchGlue)
+    return None
 
 
 @pytest.mark.usefixtures("fresh_kernels")
@@ -279,12 +297,12 @@ def test_the_compiled_glue_computes_what_torchs_operators_do_to_rounding(
     make_tiny_model("llama", tmp_path, seed=7)
     exact = load_model(tmp_path, dtype=dtype, device=CPU)
     fused = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
-    assert exact.module.kernels.glue is None
-    assert fused.module.kernels.glue is not None
+    assert isinstance(exact.module.kernels.glue, TorchGlue)
+    assert isinstance(fused.module.kernels.glue, DecoderGlue)
     sequences = random_sequences([1, 5, 30], seed=8)
     operators = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
     # The same packed weights, torch's operators.
-    operators.module._kernels = attrs.evolve(operators.module.kernels, glue=None, stack=None)
+    operators.module._kernels = attrs.evolve(operators.module.kernels, glue=TorchGlue(), stack=None)
     expected = operators.module.forward_logits(sequences, chunk_size=4)
     got = fused.module.forward_logits(sequences, chunk_size=4)
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
@@ -332,12 +350,35 @@ def test_the_cpu_runners_sampler_takes_the_compiled_argmax(tmp_path: Path) -> No
     fused = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU, exact=False))
     exact = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU))
     glue = fused.kernels.glue
-    assert glue is not None
+    assert isinstance(glue, DecoderGlue)
     assert fused._sampler._argmax == glue.argmax
-    assert exact._sampler._argmax is None
+    assert isinstance(exact.kernels.glue, TorchGlue)
+    assert exact._sampler._argmax == exact.kernels.glue.argmax  # torch's
     logits = torch.randint(-2, 3, (6, 40)).float()
     greedy = [SamplingParams(temperature=0.0)] * 6
     compiled = Sampler(40, CPU, argmax=glue.argmax)
     plain = Sampler(40, CPU)
     ours = compiled.sample(logits, compiled.prepare(greedy, [0] * 6)).sampled
     assert torch.equal(ours, plain.sample(logits, plain.prepare(greedy, [0] * 6)).sampled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchs_glue_is_the_operators_bit_for_bit(dtype: torch.dtype) -> None:
+    """The glue a decoder runs where the compiled one is not chosen (``exact=True`` among
+    them): the residual added in place, the norm, SiLU times up and the argmax are
+    transformers' arithmetic, to the bit."""
+    glue = TorchGlue()
+    residual, delta, weight = rows(7, 24, dtype, seed=5)
+    total, expected = reference_add_rms_norm(residual, delta, weight, 1e-5)
+    normed = glue.add_rms_norm(residual, delta, weight, 1e-5)
+    assert torch.equal(normed, expected)
+    assert torch.equal(residual, total)  # the sum, in place
+    assert torch.equal(
+        glue.add_rms_norm(residual, None, weight, 1e-5), rms_norm(total, weight, 1e-5)
+    )
+    assert torch.equal(residual, total)  # nothing added
+    gate_up = rows(5, 48, dtype, seed=6)[0]
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(glue.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    logits = torch.randint(-2, 3, (4, 9)).float()
+    assert torch.equal(glue.argmax(logits), logits.argmax(dim=-1))

@@ -18,6 +18,7 @@ from tests.engine.models.test_llama import _config, make_tiny_model, random_sequ
 from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import projection
 from twostroke.engine.kernels.build import NATIVE_ENV, NativeBuildError
+from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.projection import (
     PanelWeight,
     ProjectionKernel,
@@ -257,7 +258,7 @@ def test_a_decoder_on_the_kernel_computes_what_oneDNNs_does_to_rounding(
     theirs = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, pack_weights=False)
     assert ours.module.kernels.projection.layers == "panels"
     assert theirs.module.kernels.projection.layers == "dense"
-    assert theirs.module.kernels.glue is not None
+    assert isinstance(theirs.module.kernels.glue, DecoderGlue)
     sequences = random_sequences([1, 6, 29], seed=12)
     got = ours.module.forward_logits(sequences, chunk_size=5)
     expected = theirs.module.forward_logits(sequences, chunk_size=5)

@@ -20,8 +20,10 @@ from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.kernels import build, selection
 from twostroke.engine.kernels.build import NATIVE_ENV
+from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.selection import CpuKernels, Projections, select_kernels
+from twostroke.engine.models.layers import TorchGlue
 from twostroke.engine.runners import loading
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
@@ -122,24 +124,24 @@ def test_each_forced_choice_is_the_path_that_runs(
     # Speed asked for (exact=False): the compiled glue (norms, rotary writes, SiLU) and the
     # compiled attention, every layer of every step.
     fast = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
-    assert fast.module.kernels.glue is not None
+    assert isinstance(fast.module.kernels.glue, DecoderGlue)
     assert fast.module.kernels.attention == "native"
     assert compiled_calls(fast) > steps * layers * 4
     # transformers' arithmetic (exact=True): torch's glue, the compiled attention only.
     exact = load_model(tiny, dtype=torch.float32, device=CPU)
-    assert exact.module.kernels.glue is None
+    assert isinstance(exact.module.kernels.glue, TorchGlue)
     assert compiled_calls(exact) == steps * layers
     # Configuration: another attention, asked for (a runner's attention_kernel= does this).
     assert compiled_calls(exact, kernel="bag") == 0
     forced = TorchModelRunner.from_loaded(exact, attention_kernel="matmul")
     assert forced.attention_kernel == "matmul"
-    assert forced.kernels.glue is None
+    assert isinstance(forced.kernels.glue, TorchGlue)
     assert exact.module.kernels.attention == "native"  # the model's own choice stays
     # The environment: TWOSTROKE_NATIVE=0 at load, torch's operators for everything.
     monkeypatch.setenv(NATIVE_ENV, "0")
     plain = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
     kernels = plain.module.kernels
-    assert kernels.glue is None
+    assert isinstance(kernels.glue, TorchGlue)
     assert kernels.attention == "bag"
     assert kernels.stack is None
     assert dict(kernels.reasons) == {
@@ -183,7 +185,7 @@ def test_what_a_choice_refuses() -> None:
         select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True, attention="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^quantization must be 'auto', one of .* got 'int4'$"):
         select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True, quantization="int4")  # type: ignore[arg-type]
-    kernels = CpuKernels(None, Projections("dense", "dense"), "bag")
+    kernels = CpuKernels(TorchGlue(), Projections("dense", "dense"), "bag")
     with pytest.raises(ValueError, match=r"^attention_kernel must be one of"):
         kernels.with_attention("fast")  # type: ignore[arg-type]
     assert kernels.with_attention("bag") is kernels

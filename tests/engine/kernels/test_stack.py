@@ -18,7 +18,7 @@ from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import build, stack
 from twostroke.engine.kernels.build import NativeBuildError
-from twostroke.engine.kernels.glue import decoder_glue
+from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import (
     ProjectionKernel,
     ProjectionUnsupported,
@@ -175,7 +175,7 @@ def test_layers_that_do_not_fit_are_refused(
     config = model.config
     layers = layers_of(model)
     glue = model.kernels.glue
-    assert glue is not None
+    assert isinstance(glue, DecoderGlue)
     function = load_stack()
     shape = {
         "num_heads": config.num_heads,
@@ -230,7 +230,7 @@ def test_where_the_library_does_not_build_the_layers_run_one_by_one_with_one_war
     finally:
         stack._library.cache_clear()
     assert first.kernels.projection.layers == "panels"
-    assert first.kernels.glue is not None
+    assert isinstance(first.kernels.glue, DecoderGlue)
     assert first.kernels.stack is None
     assert first.stack is None
     assert second.stack is None
@@ -250,5 +250,5 @@ def test_a_model_with_quantized_projections_has_no_stack(tmp_path: Path) -> None
         tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, quantization="fp16"
     )
     assert loaded.module.kernels.projection.quantization == "fp16"
-    assert loaded.module.kernels.glue is not None
+    assert isinstance(loaded.module.kernels.glue, DecoderGlue)
     assert loaded.module.stack is None
