@@ -15,8 +15,10 @@ syntax or a grammar can be enforced is the backend's business (llguidance, in
 :class:`~twostroke.states.errors.ConstraintRejected` naming the field and the reason.
 
 The core knows a constraint only through :class:`Matcher`, one request's position in the
-constraint's language: advance it by a token, roll it back, ask which tokens may come next
-(as a set, or as a packed bitmask row), and whether the output so far is complete. The
+constraint's language: advance it by a token, ask which tokens may come next (as a set, or
+as a packed bitmask row), and whether the output so far is complete. It never goes back: a
+matcher advances only by tokens that are applied to its request
+(:class:`~twostroke.states.request.TokenSampled`), and a sample that is discarded never is. The
 bitmask layout is the one llguidance, xgrammar and vLLM share: bit ``t % 32`` of 32-bit word
 ``t // 32`` is token ``t``, which on a little-endian host is bit ``t % 8`` of byte ``t // 8``;
 :func:`write_bitmask` and :func:`read_bitmask` convert between it and a set of ids. A plain
@@ -488,10 +490,11 @@ def read_bitmask(row: memoryview | bytes) -> frozenset[int]:
 class Matcher(Protocol):
     """One request's position in its constraint's language, token by token.
 
-    The scheduling core drives it: it advances the matcher with each sampled token, rolls it
-    back when a sample is discarded, and asks which tokens may come next. EOS is one of the
-    model's EOS ids, which the matcher was made with: it is allowed exactly when the output
-    so far is complete (:attr:`accepting`). Once :attr:`terminated`, only EOS is allowed.
+    The scheduling core drives it: the request advances its matcher with each token applied
+    to it (a discarded sample never is: there is nothing to undo), and the engine asks which
+    tokens may come next. EOS is one of the model's EOS ids, which the matcher was made
+    with: it is allowed exactly when the output so far is complete (:attr:`accepting`).
+    Once :attr:`terminated`, only EOS is allowed.
 
     A matcher is not thread-safe: one thread at a time (the bookkeeping stroke advances it,
     the forward stroke may fill its bitmask row, never both at once).
@@ -503,7 +506,7 @@ class Matcher(Protocol):
 
     @property
     def num_tokens(self) -> int:
-        """How many tokens it has advanced by, net of rollbacks (the most it can roll back)."""
+        """How many tokens it has advanced by."""
 
     @property
     def accepting(self) -> bool:
@@ -525,13 +528,6 @@ class Matcher(Protocol):
         spelling of a text the grammar forces) and still take them here. A token that is
         refused (or not an id of the vocabulary) leaves the matcher unchanged and returns
         ``False``; EOS is refused unless :attr:`accepting`.
-        """
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` advances (0 does nothing).
-
-        Raises:
-            ValueError: ``num_tokens`` is negative or more than :attr:`num_tokens`.
         """
 
     def allowed_token_ids(self) -> frozenset[int]:

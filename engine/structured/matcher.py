@@ -11,11 +11,9 @@ What llguidance does differently from the protocol, and how this adapter keeps t
   what the grammar needs), llguidance allows EOS, or enters its error state; the protocol
   allows EOS only where the output is complete, so the adapter clears the EOS bits there,
   refuses EOS, and reports the dead end as the protocol does (nothing allowed, terminated,
-  not accepting). llguidance cannot roll back out of it: :meth:`GuidanceMatcher.rollback`
-  raises :class:`~twostroke.engine.errors.MatcherError` there (the request fails anyway).
+  not accepting): the request fails.
 * Once the output cannot be extended (llguidance "stops"), llguidance allows EOS in the mask
-  but does not take it; the adapter takes it as a token that changes nothing (counted, so
-  that a rollback of the lookahead's discarded samples undoes the right number).
+  but does not take it; the adapter takes it as a token that changes nothing but the count.
 * Limits the backend hits mid-output (lexer or parser fuel) leave it in its error state;
   the adapter raises :class:`~twostroke.engine.errors.MatcherError` with its reason.
 
@@ -62,7 +60,7 @@ class GuidanceMatcher:
         eos_token_ids: The ids that end the output.
     """
 
-    __slots__ = ("_eos", "_matcher", "_num_tokens", "_row_bytes", "_trailing_eos", "_vocab_size")
+    __slots__ = ("_eos", "_matcher", "_num_tokens", "_row_bytes", "_vocab_size")
 
     def __init__(
         self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]
@@ -72,8 +70,6 @@ class GuidanceMatcher:
         self._eos = eos_token_ids
         self._row_bytes = 4 * bitmask_words(vocab_size)
         self._num_tokens = 0
-        # EOS tokens taken after llguidance stopped; it never saw them (always the last ones).
-        self._trailing_eos = 0
 
     @property
     def vocab_size(self) -> int:
@@ -122,8 +118,7 @@ class GuidanceMatcher:
         if token_id in self._eos:
             if not self.accepting:
                 return False
-            if self._trailing_eos or self._matcher.is_stopped():
-                self._trailing_eos += 1
+            if self._matcher.is_stopped():  # llguidance takes no token once stopped
                 self._num_tokens += 1
                 return True
         if self._matcher.try_consume_tokens([token_id]) == 1:
@@ -131,22 +126,6 @@ class GuidanceMatcher:
             return True
         self._check()
         return False
-
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._num_tokens:
-            raise ValueError(f"can roll back 0 to {self._num_tokens} tokens, got {num_tokens}")
-        trailing = min(num_tokens, self._trailing_eos)
-        self._trailing_eos -= trailing
-        self._num_tokens -= trailing
-        backend = num_tokens - trailing
-        if backend and not self._matcher.rollback(backend):
-            self._check()
-            raise MatcherError(
-                "cannot roll back out of a dead end (llguidance keeps its error state)"
-                if self._dead_end()
-                else f"the backend could not roll back {backend} tokens"
-            )
-        self._num_tokens -= backend
 
     def _clear_eos(self, row: memoryview) -> None:
         """Clear the EOS bits of a row llguidance filled, unless the output is complete."""

@@ -371,11 +371,6 @@ class ReferenceMatcher:
             self._history.append((text + piece, False))
         return True
 
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.num_tokens:
-            raise ValueError(f"can roll back 0 to {self.num_tokens} tokens, got {num_tokens}")
-        del self._history[len(self._history) - num_tokens :]
-
     def copy(self) -> ReferenceMatcher:
         """An independent matcher at the same place, to look ahead without moving this one.
 

@@ -472,3 +472,18 @@ def test_the_reference_matcher_is_a_matcher() -> None:
     matcher = ReferenceMatcher(Choice(["a"]), ["a", "<eos>"], eos_token_ids=[1])
     assert isinstance(matcher, Matcher)
     assert not isinstance(object(), Matcher)
+
+
+def test_a_matcher_only_goes_forward() -> None:
+    """No rollback: a matcher advances only by tokens applied to its request, and a discarded
+    sample never is (tests/states/test_scheduler_constraints.py shows it for the lookahead)."""
+    members = {name for name in vars(Matcher) if not name.startswith("_")}
+    assert members == {
+        "vocab_size",
+        "num_tokens",
+        "accepting",
+        "terminated",
+        "advance",
+        "allowed_token_ids",
+        "fill_bitmask",
+    }

@@ -70,6 +70,31 @@ def test_eos_finishes_a_constrained_request_even_with_ignore_eos() -> None:
     assert _step(scheduler, EOS) == ([], [(0, FinishReason.STOP)])
 
 
+def test_a_discarded_lookahead_sample_never_reaches_the_matcher() -> None:
+    """The request that finishes at step N was given a sample in step N+1 already: that token
+    is dropped, so the matcher has nothing to undo."""
+    config = SchedulerConfig(num_blocks=8, block_size=4, max_model_len=32, pipeline_depth=2)
+    scheduler = Scheduler(config, clock=lambda: 0.0)
+    matcher = ReferenceMatcher(Choice(["ab"]), VOCABULARY, [EOS])
+    request = _request(matcher)
+    scheduler.add_request(request)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert first is not None
+    assert second is not None
+    scheduler.apply(RunnerOutput(first.step_id, {0: 0}))
+    third = scheduler.schedule()
+    assert third is not None
+    assert third.request_ids == (0,)  # "b" is in flight: the lookahead samples once more
+    report = scheduler.apply(RunnerOutput(second.step_id, {0: 1}))
+    assert report.finished == ((0, FinishReason.STOP),)
+    report = scheduler.apply(RunnerOutput(third.step_id, {0: EOS}))
+    assert report.new_tokens == ()
+    assert request.output_token_ids == (0, 1)
+    assert matcher.num_tokens == 2
+    assert matcher.text == "ab"
+    assert scheduler.is_idle()
+
+
 def test_a_token_the_constraint_refuses_fails_the_request_and_is_not_delivered() -> None:
     scheduler = _scheduler()
     request = _request(ReferenceMatcher(Choice(["ab"]), VOCABULARY, [EOS]))

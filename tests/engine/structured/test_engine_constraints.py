@@ -383,9 +383,6 @@ class LoopWatchedMatcher:
     def advance(self, token_id: int) -> bool:
         return self._inner.advance(token_id)
 
-    def rollback(self, num_tokens: int) -> None:
-        self._inner.rollback(num_tokens)
-
     def allowed_token_ids(self) -> frozenset[int]:
         return self._inner.allowed_token_ids()
 

@@ -186,10 +186,10 @@ def test_any_json_object_takes_nested_json(byte_compiler: GrammarCompiler) -> No
     assert not byte_compiler.compile_now(AnyJsonObject()).matcher().advance(ord("["))
 
 
-# --- EOS, dead ends, rollback ---------------------------------------------------------------
+# --- EOS and dead ends -------------------------------------------------------------------------
 
 
-def test_eos_after_the_end_is_taken_and_rolled_back(byte_compiler: GrammarCompiler) -> None:
+def test_eos_after_the_end_is_taken_and_changes_nothing(byte_compiler: GrammarCompiler) -> None:
     matcher = byte_compiler.compile_now(Choice(["ab"])).matcher()
     assert matcher.advance(ord("a"))
     assert not matcher.advance(EOS_TOKEN_ID)  # "a" is no choice
@@ -198,14 +198,11 @@ def test_eos_after_the_end_is_taken_and_rolled_back(byte_compiler: GrammarCompil
     assert (matcher.accepting, matcher.terminated) == (True, True)
     assert matcher.allowed_token_ids() == EOS
     assert matcher.advance(EOS_TOKEN_ID)
-    assert matcher.advance(EOS_TOKEN_ID)  # a discarded lookahead sample after the end
+    assert matcher.advance(EOS_TOKEN_ID)  # EOS again, after the end, is counted and nothing else
     assert matcher.num_tokens == 4
+    assert (matcher.accepting, matcher.terminated) == (True, True)
+    assert matcher.allowed_token_ids() == EOS
     assert repr(matcher) == "<GuidanceMatcher 4 tokens, terminated>"
-    matcher.rollback(3)
-    assert matcher.num_tokens == 1
-    assert (matcher.accepting, matcher.terminated) == (False, False)
-    assert matcher.allowed_token_ids() == {ord("b")}
-    assert repr(matcher) == "<GuidanceMatcher 1 tokens, open>"
 
 
 def test_eos_ends_an_output_that_could_go_on(byte_compiler: GrammarCompiler) -> None:
@@ -218,9 +215,8 @@ def test_eos_ends_an_output_that_could_go_on(byte_compiler: GrammarCompiler) -> 
     assert matcher.terminated
     assert matcher.allowed_token_ids() == EOS
     assert matcher.advance(EOS_TOKEN_ID)
-    matcher.rollback(2)
-    assert (matcher.num_tokens, matcher.terminated) == (1, False)
-    assert matcher.advance(ord("a"))
+    assert (matcher.num_tokens, matcher.terminated) == (3, True)
+    assert not matcher.advance(ord("a"))
 
 
 def test_a_dead_end_allows_nothing_not_even_eos() -> None:
@@ -237,11 +233,6 @@ def test_a_dead_end_allows_nothing_not_even_eos() -> None:
     assert not matcher.accepting
     assert matcher.terminated
     assert repr(matcher) == "<GuidanceMatcher 1 tokens, dead end>"
-    with pytest.raises(
-        MatcherError,
-        match=r"^cannot roll back out of a dead end \(llguidance keeps its error state\)$",
-    ):
-        matcher.rollback(1)
     # a constraint that is a dead end from the start is refused when compiled
     with pytest.raises(
         ConstraintRejected,
@@ -258,20 +249,6 @@ def test_refused_tokens_change_nothing(byte_compiler: GrammarCompiler) -> None:
     assert matcher.num_tokens == 0
     assert matcher.allowed_token_ids() == {ord("a")}
     assert matcher.advance(ord("a"))
-
-
-def test_rollback_checks_its_count(byte_compiler: GrammarCompiler) -> None:
-    matcher = byte_compiler.compile_now(Regex("a*")).matcher()
-    for _ in range(300):
-        assert matcher.advance(ord("a"))
-    with pytest.raises(ValueError, match=r"^can roll back 0 to 300 tokens, got 301$"):
-        matcher.rollback(301)
-    with pytest.raises(ValueError, match=r"^can roll back 0 to 300 tokens, got -1$"):
-        matcher.rollback(-1)
-    matcher.rollback(0)
-    matcher.rollback(300)
-    assert matcher.num_tokens == 0
-    assert matcher.allowed_token_ids() == {ord("a"), EOS_TOKEN_ID}
 
 
 def test_a_limit_hit_mid_output_is_a_matcher_error(byte_vocabulary: Vocabulary) -> None:

@@ -1,4 +1,4 @@
-"""The reference matcher: its regex engine against Python's ``re``, its walks, its rollback.
+"""The reference matcher: its regex engine against Python's ``re``, its walks, its copies.
 
 ``walk_and_check`` is the property every :class:`~twostroke.states.constraints.Matcher` must
 have, written once: the engine's tests run it on the real backend too.
@@ -66,51 +66,40 @@ def walk_and_check(
     At every step: ``accepting`` says whether the text so far satisfies the constraint; EOS
     is allowed exactly then; a drawn token that is not allowed is refused and changes
     nothing, or (a backend that masks all but the tokenizer's own spelling of a forced text)
-    is taken, and rolling it back restores the matcher. The walk ends at EOS (the text must
-    satisfy the constraint), at a dead end, or after ``max_tokens``. Then it rolls back a
-    drawn number of tokens, checks that the matcher is as it was at that length, and walks
-    on from there.
+    is taken, and the walk goes on from it. The walk ends at EOS (the text must satisfy the
+    constraint), at a dead end, or after ``max_tokens``.
     """
     tokens: list[int] = []
-    states = [snapshot(matcher)]
-    for rolled_back in (False, True):
-        while len(tokens) < max_tokens:
-            allowed = matcher.allowed_token_ids()
-            text = decode(tokens)
-            complete = text is not None and satisfied(text)
-            assert matcher.accepting == complete, (text, matcher)
-            assert (eos_token_ids <= allowed) == matcher.accepting, (text, sorted(allowed))
-            if not allowed:  # a dead end: the vocabulary cannot spell a continuation
-                assert matcher.terminated
-                assert not matcher.accepting
-                break
-            other = data.draw(st.integers(-1, matcher.vocab_size + 2), label="other")
-            if other not in allowed:
-                before = snapshot(matcher)
-                # refused, and nothing changed; or taken (another spelling of a valid text)
-                if matcher.advance(other):
-                    assert other not in eos_token_ids
-                    assert 0 <= other < matcher.vocab_size
-                    matcher.rollback(1)
-                assert snapshot(matcher) == before
-            token = data.draw(st.sampled_from(sorted(allowed)), label="token")
-            assert matcher.advance(token)
-            tokens.append(token)
-            states.append(snapshot(matcher))
-            if token in eos_token_ids:
-                text = decode(tokens)
-                assert text is not None
-                assert satisfied(text), text
-                assert matcher.terminated
-                assert matcher.allowed_token_ids() == eos_token_ids
-                break
-        if rolled_back:
+    while len(tokens) < max_tokens:
+        allowed = matcher.allowed_token_ids()
+        text = decode(tokens)
+        complete = text is not None and satisfied(text)
+        assert matcher.accepting == complete, (text, matcher)
+        assert (eos_token_ids <= allowed) == matcher.accepting, (text, sorted(allowed))
+        assert matcher.num_tokens == len(tokens)
+        if not allowed:  # a dead end: the vocabulary cannot spell a continuation
+            assert matcher.terminated
+            assert not matcher.accepting
             break
-        back = data.draw(st.integers(0, len(tokens)), label="rollback")
-        matcher.rollback(back)
-        del tokens[len(tokens) - back :]
-        del states[len(tokens) + 1 :]
-        assert snapshot(matcher) == states[-1]
+        other = data.draw(st.integers(-1, matcher.vocab_size + 2), label="other")
+        if other not in allowed:
+            before = snapshot(matcher)
+            if matcher.advance(other):  # taken: another spelling of a valid text
+                assert other not in eos_token_ids
+                assert 0 <= other < matcher.vocab_size
+                tokens.append(other)
+                continue
+            assert snapshot(matcher) == before  # refused, and nothing changed
+        token = data.draw(st.sampled_from(sorted(allowed)), label="token")
+        assert matcher.advance(token)
+        tokens.append(token)
+        if token in eos_token_ids:
+            text = decode(tokens)
+            assert text is not None
+            assert satisfied(text), text
+            assert matcher.terminated
+            assert matcher.allowed_token_ids() == eos_token_ids
+            break
     return tokens
 
 
@@ -154,14 +143,11 @@ def test_a_walk_through_a_choice() -> None:
     assert matcher.advance(2)
     assert matcher.terminated  # "yes" is complete and nothing extends it
     assert matcher.allowed_token_ids() == {7}
+    choice = "Choice(choices=('no', 'ye', 'yes'))"
+    assert repr(matcher) == f"<ReferenceMatcher {choice} 'yes' terminated>"
     assert matcher.advance(7)
-    assert matcher.advance(7)  # EOS again, after the end, is one more (discardable) token
+    assert matcher.advance(7)  # EOS again, after the end, changes nothing but the count
     assert (matcher.num_tokens, matcher.text, matcher.terminated) == (4, "yes", True)
-    matcher.rollback(3)
-    assert (matcher.num_tokens, matcher.text, matcher.terminated) == (1, "ye", False)
-    matcher.rollback(0)
-    assert matcher.num_tokens == 1
-    assert repr(matcher) == "<ReferenceMatcher Choice(choices=('no', 'ye', 'yes')) 'ye' accepting>"
 
 
 def test_a_dead_end_is_terminated_but_not_accepting() -> None:
@@ -171,8 +157,9 @@ def test_a_dead_end_is_terminated_but_not_accepting() -> None:
     assert matcher.terminated
     assert not matcher.accepting
     assert repr(matcher) == "<ReferenceMatcher Regex('ax') 'a' terminated>"
-    matcher.rollback(1)
-    assert repr(matcher) == "<ReferenceMatcher Regex('ax') '' open>"
+    assert repr(ReferenceMatcher(Regex("ax"), ["a", "b", EOS_TEXT])) == (
+        "<ReferenceMatcher Regex('ax') '' open>"
+    )
 
 
 def test_fill_bitmask_writes_the_allowed_set() -> None:
@@ -188,14 +175,16 @@ def test_fill_bitmask_writes_the_allowed_set() -> None:
         matcher.fill_bitmask(memoryview(bytearray(8)))
 
 
-def test_rollback_checks_its_count() -> None:
-    matcher = ReferenceMatcher(Regex("a*"), ["a", EOS_TEXT], eos_token_ids=[1])
-    matcher.advance(0)
-    with pytest.raises(ValueError, match=r"^can roll back 0 to 1 tokens, got 2$"):
-        matcher.rollback(2)
-    with pytest.raises(ValueError, match=r"^can roll back 0 to 1 tokens, got -1$"):
-        matcher.rollback(-1)
-    assert matcher.num_tokens == 1
+def test_a_copy_goes_on_alone_from_where_its_original_is() -> None:
+    matcher = ReferenceMatcher(Choice(["ab", "ac"]), ["a", "b", "c", EOS_TEXT], eos_token_ids=[3])
+    assert matcher.advance(0)
+    ahead = matcher.copy()
+    assert ahead.advance(1)
+    assert (ahead.text, ahead.num_tokens, ahead.terminated) == ("ab", 2, True)
+    assert (matcher.text, matcher.num_tokens) == ("a", 1)
+    assert matcher.allowed_token_ids() == {1, 2}
+    assert matcher.advance(2)
+    assert (ahead.text, matcher.text) == ("ab", "ac")
 
 
 def test_the_matcher_checks_what_it_is_given() -> None:
