@@ -5,7 +5,11 @@ A request may carry one constraint (``SamplingParams.constraint``): a JSON schem
 (:class:`Regex`), a choice among strings (:class:`Choice`) or a context-free grammar
 (:class:`Grammar`). Each is a frozen, hashable value validated at construction, in canonical
 form, so that equal constraints are equal values with one hash: the engine's cache of compiled
-grammars is keyed by them. A JSON schema is kept as its compact JSON text, whether it was
+grammars is keyed by them. Each says what it is in two words: its ``kind`` (``"json"``,
+``"json_object"``, ``"regex"``, ``"choice"``, ``"grammar"``: vLLM's names) and its argument's
+``value`` (the schema's text, the pattern, the choices, the grammar's source; none for any
+JSON object); :func:`constraint_from` makes it again from them, which is how it crosses a
+process boundary. A JSON schema is kept as its compact JSON text, whether it was
 given as a dict or as text (its keys keep their order: the order of ``properties`` is the
 order the output's keys take); a choice's strings are sorted and deduplicated.
 
@@ -31,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
 import attrs
@@ -50,12 +54,14 @@ __all__ = [
     "AnyJsonObject",
     "Choice",
     "Constraint",
+    "ConstraintValue",
     "Grammar",
     "JsonSchema",
     "Matcher",
     "Regex",
     "bitmask_words",
     "check_constraint",
+    "constraint_from",
     "read_bitmask",
     "write_bitmask",
 ]
@@ -265,6 +271,11 @@ class JsonSchema:
 
     schema: str = attrs.field(converter=canonical_schema)
 
+    @property
+    def value(self) -> str:
+        """The argument's value: the schema's compact JSON text."""
+        return self.schema
+
     def parsed(self) -> dict[str, Any]:
         """The schema as a fresh dict (the caller may change it)."""
         value: dict[str, Any] = json.loads(self.schema)
@@ -280,6 +291,11 @@ class AnyJsonObject:
 
     kind: ClassVar[str] = "json_object"
     argument: ClassVar[str] = "json_object"
+
+    @property
+    def value(self) -> None:
+        """The argument's value: none (any object will do)."""
+        return None
 
 
 # --- text -------------------------------------------------------------------------------------
@@ -319,6 +335,11 @@ class Regex:
     argument: ClassVar[str] = "pattern"
 
     pattern: str = attrs.field(validator=_text("pattern", MAX_PATTERN_LENGTH))
+
+    @property
+    def value(self) -> str:
+        """The argument's value: the pattern."""
+        return self.pattern
 
     def __repr__(self) -> str:
         return f"Regex({_short(self.pattern)})"
@@ -389,6 +410,11 @@ class Choice:
 
     choices: tuple[str, ...] = attrs.field(converter=_choices)
 
+    @property
+    def value(self) -> tuple[str, ...]:
+        """The argument's value: the strings, sorted."""
+        return self.choices
+
 
 @attrs.frozen(repr=False)
 class Grammar:
@@ -413,6 +439,11 @@ class Grammar:
 
     source: str = attrs.field(validator=[_text("grammar", MAX_GRAMMAR_LENGTH), _rules()])
 
+    @property
+    def value(self) -> str:
+        """The argument's value: the grammar's source."""
+        return self.source
+
     def __repr__(self) -> str:
         return f"Grammar({_short(self.source)})"
 
@@ -421,6 +452,44 @@ class Grammar:
 Constraint: TypeAlias = JsonSchema | AnyJsonObject | Regex | Choice | Grammar
 #: The classes of :data:`Constraint`, for ``isinstance``.
 CONSTRAINT_TYPES: tuple[type[Constraint], ...] = (JsonSchema, AnyJsonObject, Regex, Choice, Grammar)
+#: What a constraint's argument is (its ``value``): text, strings, or nothing.
+ConstraintValue: TypeAlias = str | tuple[str, ...] | None
+
+
+def _any_json_object(value: object) -> AnyJsonObject:
+    if value is not None:
+        raise TypeError(f"a json_object constraint takes no argument, got {_kind(value)}")
+    return AnyJsonObject()
+
+
+#: How each kind of constraint is made from its argument's value.
+_MAKERS: Mapping[str, Callable[[Any], Constraint]] = {
+    JsonSchema.kind: JsonSchema,
+    AnyJsonObject.kind: _any_json_object,
+    Regex.kind: Regex,
+    Choice.kind: Choice,
+    Grammar.kind: Grammar,
+}
+
+
+def constraint_from(kind: str, value: object) -> Constraint:
+    """The constraint of ``kind`` whose argument is ``value`` (the inverse of reading a
+    constraint's ``kind`` and ``value``), checked as its class checks it.
+
+    Args:
+        kind: ``"json"``, ``"json_object"``, ``"regex"``, ``"choice"`` or ``"grammar"``.
+        value: The argument: the schema (a dict or its JSON text), the pattern, the choices,
+            the grammar's source; ``None`` for ``"json_object"``.
+
+    Raises:
+        ValueError: an unknown kind (``"constraint kind must be one of json, json_object,
+            regex, choice, grammar, got str 'lark'"``), or what the class refuses.
+        TypeError: an argument to ``"json_object"``, or what the class refuses.
+    """
+    make = _MAKERS.get(kind)
+    if make is None:
+        raise ValueError(f"constraint kind must be one of {', '.join(_MAKERS)}, got {_kind(kind)}")
+    return make(value)
 
 
 def check_constraint(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -7,9 +7,10 @@ Modules, one concept each, named by the side of the wire they run on (vLLM's ``c
 :mod:`.replica_client` (the coordinator's side of a replica: what it asks, what it is told,
 and the client of a remote one), :mod:`.frames` (the wire: msgspec frames with a length
 prefix), :mod:`.wire_constraints` (a request's sampling parameters on the wire, its
-constraint as a tagged value), :mod:`.wire_outputs` (a request's outputs and errors on the
-wire, each conversion beside its inverse), :mod:`.replica_server` (a replica's side of the
-wire: ``python -m twostroke.engine.coordinator.replica_server``), and the three placements:
+constraint apart, as its kind and its argument), :mod:`.wire_outputs` (a request's outputs
+and errors on the wire, each conversion beside its inverse), :mod:`.replica_server` (a
+replica's side of the wire: ``python -m twostroke.engine.coordinator.replica_server``), and
+the three placements:
 :mod:`.local` (engines in this process), :mod:`.process` and :mod:`.ray`. See
 ``docs/scaling.md``.
 """

@@ -12,8 +12,9 @@ range such as a negative id or an unknown finish reason, a length over
 what was wrong: the coordinator treats it as a replica failure, never a hang.
 
 What the frames carry is converted to and from the engine's values beside them: a request's
-parameters in :mod:`~twostroke.engine.coordinator.wire_constraints`, its outputs and errors in
-:mod:`~twostroke.engine.coordinator.wire_outputs`, its prompt here (:func:`wire_prompt`).
+parameters and its constraint in :mod:`~twostroke.engine.coordinator.wire_constraints`, its
+outputs and errors in :mod:`~twostroke.engine.coordinator.wire_outputs`, its prompt here
+(:func:`wire_prompt`). Those modules import this one, never the other way.
 """
 
 from __future__ import annotations
@@ -28,8 +29,19 @@ import anyio
 import anyio.abc
 import msgspec
 
-from twostroke.engine.coordinator.wire_constraints import WireConstraint, WireConstraintRef
 from twostroke.engine.errors import EngineError
+from twostroke.states.constraints import (
+    MAX_CHOICE_LENGTH,
+    MAX_CHOICES,
+    MAX_GRAMMAR_LENGTH,
+    MAX_PATTERN_LENGTH,
+    MAX_SCHEMA_LENGTH,
+    AnyJsonObject,
+    Choice,
+    Grammar,
+    JsonSchema,
+    Regex,
+)
 from twostroke.states.prompts import prompt_kind
 from twostroke.states.validators import is_int
 
@@ -59,6 +71,8 @@ __all__ = [
     "StartFailed",
     "Stats",
     "ToReplica",
+    "WireArgument",
+    "WireConstraint",
     "WireFinishReason",
     "WirePrompt",
     "encode_frame",
@@ -119,20 +133,62 @@ class Start(msgspec.Struct, tag="start", array_like=True):
     options: dict[str, Any]
 
 
+#: A constraint's argument on the wire: text, a choice's strings, or nothing.
+WireArgument: TypeAlias = str | tuple[str, ...] | None
+
+#: What each kind of constraint's argument must be on the wire: the limits its class holds
+#: it to (:mod:`twostroke.states.constraints`), checked as a frame is decoded.
+_ARGUMENTS: dict[str, Any] = {
+    JsonSchema.kind: Annotated[str, msgspec.Meta(max_length=MAX_SCHEMA_LENGTH)],
+    AnyJsonObject.kind: None,
+    Regex.kind: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATTERN_LENGTH)],
+    Choice.kind: Annotated[
+        tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CHOICE_LENGTH)], ...],
+        msgspec.Meta(min_length=1, max_length=MAX_CHOICES),
+    ],
+    Grammar.kind: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_LENGTH)],
+}
+
+
+class WireConstraint(msgspec.Struct, array_like=True):
+    """A request's constraint: its ``kind`` and its argument, the constraint's ``value``
+    (:func:`~twostroke.engine.coordinator.wire_constraints.wire_constraint` makes it,
+    :func:`~twostroke.engine.coordinator.wire_constraints.constraint_from_wire` reads it).
+
+    Decoding refuses an unknown kind and an argument of the wrong type or past its kind's
+    limit (``MAX_SCHEMA_LENGTH``, ``MAX_PATTERN_LENGTH``, ``MAX_CHOICES``,
+    ``MAX_CHOICE_LENGTH``, ``MAX_GRAMMAR_LENGTH``): the frame is malformed. The constraint's
+    other rules (a schema's JSON, its depth) are the refusal of each request that names it.
+    """
+
+    kind: str
+    argument: WireArgument = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _ARGUMENTS:
+            raise ValueError(
+                f"a constraint's kind must be one of {', '.join(_ARGUMENTS)}, got {self.kind!r:.40}"
+            )
+        try:
+            msgspec.convert(self.argument, _ARGUMENTS[self.kind])
+        except msgspec.ValidationError as exc:  # where in the argument, not in the frame
+            where = str(exc).replace("`$", "`argument")
+            raise ValueError(f"the argument of a {self.kind} constraint: {where}") from None
+
+
 class Add(msgspec.Struct, tag="add", array_like=True):
-    """A request: its parameters but the constraint by name, and the constraint apart
-    (:func:`~twostroke.engine.coordinator.wire_constraints.wire_params` splits them,
-    :func:`~twostroke.engine.coordinator.wire_constraints.params_from_wire` joins them)."""
+    """A request: its parameters by name but the constraint
+    (:func:`~twostroke.engine.coordinator.wire_constraints.wire_params`), and the id of its
+    constraint, which a :class:`DefineConstraint` sent before (``None``: it has none)."""
 
     request_id: WireId
     prompt: WirePrompt
     params: dict[str, Any]
-    constraint: WireConstraint | WireConstraintRef | None = None
+    constraint_id: WireId | None = None
 
 
 class DefineConstraint(msgspec.Struct, tag="define", array_like=True):
-    """A constraint that ``Add`` frames name by ``constraint_id`` from now on
-    (:class:`~twostroke.engine.coordinator.wire_constraints.WireConstraintRef`): sent once,
+    """A constraint that ``Add`` frames name by ``constraint_id`` from now on: sent once,
     however many requests carry it, until a :class:`ForgetConstraint`."""
 
     constraint_id: WireId

@@ -46,11 +46,7 @@ from twostroke.engine.coordinator.frames import (
     encode_frame,
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
-from twostroke.engine.coordinator.wire_constraints import (
-    WireConstraintRef,
-    wire_constraint,
-    wire_params,
-)
+from twostroke.engine.coordinator.wire_constraints import wire_constraint, wire_params
 from twostroke.engine.coordinator.wire_outputs import (
     Ending,
     call_error,
@@ -228,11 +224,11 @@ class RemoteReplica(BaseReplica):
     def add(
         self, request_id: int, prompt: WirePrompt, params: SamplingParams
     ) -> tuple[int, ...] | None:
-        fields, _ = wire_params(params)
+        fields = wire_params(params)
         constraint = params.constraint
-        reference = None if constraint is None else self._hold(request_id, constraint)
+        constraint_id = None if constraint is None else self._hold(request_id, constraint)
         try:
-            data = encode_frame(Add(request_id, prompt, fields, reference), limit=self._limit)
+            data = encode_frame(Add(request_id, prompt, fields, constraint_id), limit=self._limit)
         except FrameTooLarge as exc:
             self._release(request_id)
             raise RequestRejected(f"the request is too large to send to a replica: {exc}") from None
@@ -241,9 +237,9 @@ class RemoteReplica(BaseReplica):
         self._wake.set()
         return None
 
-    def _hold(self, request_id: int, constraint: Constraint) -> WireConstraintRef:
-        """The reference ``request_id``'s frame carries; the constraint is defined first if
-        the replica does not hold it yet."""
+    def _hold(self, request_id: int, constraint: Constraint) -> int:
+        """The constraint id ``request_id``'s frame carries; the constraint is defined first
+        if the replica does not hold it yet."""
         entry = self._constraints.get(constraint)
         if entry is None:
             constraint_id = next(self._constraint_ids)
@@ -258,7 +254,7 @@ class RemoteReplica(BaseReplica):
             entry = self._constraints[constraint] = [constraint_id, 0]
         entry[1] += 1
         self._constraint_of[request_id] = constraint
-        return WireConstraintRef(entry[0])
+        return entry[0]
 
     def _release(self, request_id: int) -> None:
         """``request_id`` has ended: its constraint is forgotten once no open request names

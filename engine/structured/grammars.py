@@ -61,15 +61,12 @@ def size_of(constraint: Constraint) -> int:
     What compiling it costs grows with it, and what the compiled grammar holds: the
     compiler's queue and its cache are ordered and bounded by it.
     """
-    if isinstance(constraint, JsonSchema):
-        return len(constraint.schema)
-    if isinstance(constraint, Regex):
-        return len(constraint.pattern)
-    if isinstance(constraint, Choice):
-        return sum(len(choice) for choice in constraint.choices)
-    if isinstance(constraint, Grammar):
-        return len(constraint.source)
-    return 0  # AnyJsonObject
+    value = constraint.value
+    if value is None:  # any JSON object
+        return 0
+    if isinstance(value, str):
+        return len(value)
+    return sum(map(len, value))  # a choice's strings
 
 
 def grammar_of(constraint: Constraint) -> str:

@@ -25,12 +25,14 @@ from twostroke.states.constraints import (
     MAX_SCHEMA_REFS,
     AnyJsonObject,
     Choice,
+    Constraint,
     Grammar,
     JsonSchema,
     Matcher,
     Regex,
     bitmask_words,
     canonical_schema,
+    constraint_from,
     read_bitmask,
     write_bitmask,
 )
@@ -281,6 +283,42 @@ def test_regex_and_grammar_keep_their_text() -> None:
     grammar = Grammar('root ::= "yes" | "no"')
     assert grammar.source == 'root ::= "yes" | "no"'
     assert (Grammar.kind, Grammar.argument) == ("grammar", "grammar")
+
+
+# --- kind and value -----------------------------------------------------------------------------
+
+EVERY_KIND = [
+    (JsonSchema({"type": "object"}), "json", '{"type":"object"}'),
+    (AnyJsonObject(), "json_object", None),
+    (Regex("a+"), "regex", "a+"),
+    (Choice(["yes", "no"]), "choice", ("no", "yes")),
+    (Grammar('start: "a"'), "grammar", 'start: "a"'),
+]
+
+
+@pytest.mark.parametrize(("constraint", "kind", "value"), EVERY_KIND, ids=lambda c: repr(c)[:12])
+def test_a_constraint_is_its_kind_and_its_value(
+    constraint: Constraint, kind: str, value: object
+) -> None:
+    assert (constraint.kind, constraint.value) == (kind, value)
+    assert constraint_from(kind, value) == constraint
+    assert {type(c) for c, _, _ in EVERY_KIND} == set(CONSTRAINT_TYPES)
+
+
+def test_constraint_from_checks_the_kind_and_the_value_as_the_class_does() -> None:
+    message = (
+        "constraint kind must be one of json, json_object, regex, choice, grammar, got str 'lark'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        constraint_from("lark", "start: x")
+    message = "a json_object constraint takes no argument, got str 'x'"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        constraint_from("json_object", "x")
+    with pytest.raises(ValueError, match=r"^pattern must be non-empty, got ''$"):
+        constraint_from("regex", "")
+    with pytest.raises(TypeError, match=r"^schema must be a JSON object, got list"):
+        constraint_from("json", "[1]")
+    assert constraint_from("choice", ["b", "a", "b"]) == Choice(["a", "b"])
 
 
 def test_texts_at_their_limit_are_taken() -> None:

@@ -31,6 +31,7 @@ from twostroke.engine.coordinator.frames import (
     Reply,
     Stats,
     ToReplica,
+    WireConstraint,
     WireFinishReason,
     encode_frame,
     estimate_prompt_tokens,
@@ -39,13 +40,9 @@ from twostroke.engine.coordinator.frames import (
 )
 from twostroke.engine.coordinator.statistics import engine_statistics
 from twostroke.engine.coordinator.wire_constraints import (
-    WireChoice,
-    WireConstraintRef,
-    WireGrammar,
-    WireJsonSchema,
-    WireRegex,
     constraint_from_wire,
     params_from_wire,
+    wire_constraint,
     wire_params,
 )
 from twostroke.engine.coordinator.wire_outputs import (
@@ -76,7 +73,9 @@ from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.text.prompt_ids import tokenize_prompt
 from twostroke.states.constraints import (
+    MAX_CHOICE_LENGTH,
     MAX_CHOICES,
+    MAX_GRAMMAR_LENGTH,
     MAX_PATTERN_LENGTH,
     MAX_SCHEMA_LENGTH,
     AnyJsonObject,
@@ -123,10 +122,10 @@ def test_a_coordinator_frame_round_trips() -> None:
     assert decoder.feed(encode_frame(frame)) == [frame]
 
 
-def test_a_constraint_defined_once_is_named_by_reference() -> None:
+def test_a_constraint_defined_once_is_named_by_its_id() -> None:
     frames = [
-        DefineConstraint(4, WireChoice(["yes", "no"])),
-        Add(9, "hi", {"max_tokens": 4}, WireConstraintRef(4)),
+        DefineConstraint(4, WireConstraint("choice", ("no", "yes"))),
+        Add(9, "hi", {"max_tokens": 4}, 4),
         ForgetConstraint(4),
     ]
     decoder: FrameDecoder[Any] = FrameDecoder(ToReplica, "the coordinator")
@@ -138,7 +137,12 @@ def test_a_constraint_defined_once_is_named_by_reference() -> None:
     )
     with pytest.raises(ValueError, match=r"^constraint 4 was never defined \(or forgotten\)$"):
         params_from_wire(received[1])
-    for bad in (DefineConstraint(-1, WireRegex("a")), ForgetConstraint(-1)):
+    bad_frames = (
+        DefineConstraint(-1, WireConstraint("regex", "a")),
+        ForgetConstraint(-1),
+        Add(9, "hi", {}, -1),
+    )
+    for bad in bad_frames:
         with pytest.raises(FrameError, match=r"Expected `int` >= 0"):
             decoder.feed(encode_frame(bad))
 
@@ -390,57 +394,118 @@ CONSTRAINTS = [
 ]
 
 
+def _raw(*frame: object) -> bytes:
+    """A frame as a hostile peer may write it: any msgpack, with its length."""
+    body = msgspec.msgpack.encode(list(frame))
+    return len(body).to_bytes(4, "big") + body
+
+
 @pytest.mark.parametrize("constraint", CONSTRAINTS)
-def test_a_constraint_crosses_the_wire_as_its_own_tagged_field(constraint: Any) -> None:
+def test_the_params_cross_the_wire_with_the_constraint_apart(constraint: Any) -> None:
     params = SamplingParams(max_tokens=5, stop=["x"], constraint=constraint)
-    frame = Add(3, "hi", *wire_params(params))
-    assert "constraint" not in frame.params
+    fields = wire_params(params)
+    assert "constraint" not in fields
+    constraint_id = None if constraint is None else 2
+    frame = Add(3, "hi", fields, constraint_id)
     (received,) = FrameDecoder(ToReplica, "the coordinator").feed(encode_frame(frame))
-    assert params_from_wire(received) == params
+    assert params_from_wire(received, {2: constraint}) == params
+
+
+@pytest.mark.parametrize(
+    ("constraint", "wire"),
+    [
+        (JsonSchema({"type": "object"}), ["json", '{"type":"object"}']),
+        (AnyJsonObject(), ["json_object", None]),
+        (Regex("[0-9]{3}"), ["regex", "[0-9]{3}"]),
+        (Choice(["yes", "no"]), ["choice", ["no", "yes"]]),
+        (Grammar('start: "a"+'), ["grammar", 'start: "a"+']),
+    ],
+    ids=lambda value: repr(value)[:12],
+)
+def test_a_constraint_crosses_the_wire_as_its_kind_and_its_argument(
+    constraint: Any, wire: list[Any]
+) -> None:
+    data = encode_frame(DefineConstraint(2, wire_constraint(constraint)))
+    assert msgspec.msgpack.decode(data[4:]) == ["define", 2, wire]
+    (received,) = FrameDecoder(ToReplica, "the coordinator").feed(data)
+    assert received.constraint == WireConstraint(constraint.kind, constraint.value)
+    assert constraint_from_wire(received.constraint) == constraint
 
 
 @pytest.mark.parametrize(
     ("constraint", "fault"),
     [
-        (WireRegex(""), r"Expected `str` of length >= 1 - at `\$\[4\]\[1\]`"),
-        (WireRegex("a" * (MAX_PATTERN_LENGTH + 1)), f"length <= {MAX_PATTERN_LENGTH}"),
-        (WireChoice(["x"] * (MAX_CHOICES + 1)), f"length <= {MAX_CHOICES}"),
-        (WireChoice([]), r"Expected `array` of length >= 1"),
-        (WireJsonSchema("x" * (MAX_SCHEMA_LENGTH + 1)), f"length <= {MAX_SCHEMA_LENGTH}"),
-        (WireGrammar(""), r"Expected `str` of length >= 1"),
+        (["regex", ""], r"the argument of a regex constraint: Expected `str` of length >= 1"),
+        (["regex", "a" * (MAX_PATTERN_LENGTH + 1)], f"length <= {MAX_PATTERN_LENGTH}"),
+        (["regex", ["a"]], r"regex constraint: Expected `str`, got `array`"),
+        (["choice", ["x"] * (MAX_CHOICES + 1)], f"length <= {MAX_CHOICES}"),
+        (["choice", []], r"Expected `array` of length >= 1"),
+        (
+            ["choice", ["x", "x" * (MAX_CHOICE_LENGTH + 1)]],
+            rf"length <= {MAX_CHOICE_LENGTH} - at `argument\[1\]` - at `\$\[2\]`",
+        ),
+        (["choice", "yes"], r"choice constraint: Expected `array`, got `str`"),
+        (["json", "x" * (MAX_SCHEMA_LENGTH + 1)], f"length <= {MAX_SCHEMA_LENGTH}"),
+        (["json_object", "x"], r"json_object constraint: Expected `null`, got `str`"),
+        (["grammar", ""], r"Expected `str` of length >= 1"),
+        (["grammar", "x" * (MAX_GRAMMAR_LENGTH + 1)], f"length <= {MAX_GRAMMAR_LENGTH}"),
+        (["grammar", 7], r"Expected `str \| array \| null`, got `int`"),
+        (
+            ["lark", "start: x"],
+            "a constraint's kind must be one of json, json_object, regex, choice, grammar, "
+            "got 'lark'",
+        ),
     ],
-    ids=["empty-regex", "long-regex", "many-choices", "no-choices", "long-schema", "no-grammar"],
+    ids=[
+        "empty-regex",
+        "long-regex",
+        "regex-of-strings",
+        "many-choices",
+        "no-choices",
+        "long-choice",
+        "choice-of-text",
+        "long-schema",
+        "json-object-with-argument",
+        "no-grammar",
+        "long-grammar",
+        "grammar-of-int",
+        "unknown-kind",
+    ],
 )
 def test_a_constraint_past_its_limits_is_a_malformed_frame(constraint: Any, fault: str) -> None:
-    frame = encode_frame(Add(1, "x", {}, constraint))
     with pytest.raises(FrameError, match=r"^malformed frame 0 from the coordinator .*" + fault):
-        FrameDecoder(ToReplica, "the coordinator").feed(frame)
+        FrameDecoder(ToReplica, "the coordinator").feed(_raw("define", 1, constraint))
 
 
-def test_a_constraint_of_an_unknown_kind_is_a_malformed_frame() -> None:
-    body = msgspec.msgpack.encode(["add", 1, "x", {}, ["other", "x"]])
-    unknown = len(body).to_bytes(4, "big") + body
-    with pytest.raises(FrameError, match=r"Invalid value 'other' - at `\$\[4\]\[0\]`"):
-        FrameDecoder(ToReplica, "the coordinator").feed(unknown)
+def test_no_constraint_past_its_limits_is_made_to_be_sent() -> None:
+    with pytest.raises(ValueError, match=r"^the argument of a regex constraint: Expected `str`"):
+        WireConstraint("regex", "")
+
+
+def test_an_add_frame_carries_no_constraint_of_its_own() -> None:
+    with pytest.raises(FrameError, match=r"Expected `int \| null`, got `array` - at `\$\[4\]`"):
+        FrameDecoder(ToReplica, "the coordinator").feed(_raw("add", 1, "x", {}, ["regex", "a"]))
 
 
 @pytest.mark.parametrize(
-    ("frame", "error", "message"),
+    ("constraint", "error", "message"),
     [
-        (Add(1, "x", {}, WireJsonSchema("{nope")), ValueError, "^schema is not valid JSON: "),
-        (Add(1, "x", {}, WireJsonSchema("[1]")), TypeError, "^schema must be a JSON object"),
-        (
-            Add(1, "x", {"constraint": {"pattern": "a"}}),
-            TypeError,
-            "^params must not name a constraint: it travels as its own field$",
-        ),
+        (WireConstraint("json", "{nope"), ValueError, "^schema is not valid JSON: "),
+        (WireConstraint("json", "[1]"), TypeError, "^schema must be a JSON object"),
+        (WireConstraint("regex", "a\ud800"), ValueError, "^pattern must be valid Unicode"),
     ],
 )
 def test_a_constraint_its_own_rules_refuse_is_the_requests_refusal(
-    frame: Add, error: type[Exception], message: str
+    constraint: WireConstraint, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        params_from_wire(frame)
+        constraint_from_wire(constraint)
+
+
+def test_params_that_name_a_constraint_are_refused() -> None:
+    message = "^params must not name a constraint: it travels as its own field$"
+    with pytest.raises(TypeError, match=message):
+        params_from_wire(Add(1, "x", {"constraint": {"pattern": "a"}}))
 
 
 def test_an_older_coordinators_params_with_constraint_none_are_taken() -> None:

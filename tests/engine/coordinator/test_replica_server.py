@@ -37,6 +37,7 @@ from twostroke.engine.coordinator.frames import (
     Start,
     StartFailed,
     Stats,
+    WireConstraint,
     encode_frame,
 )
 from twostroke.engine.coordinator.replica_server import (
@@ -46,12 +47,7 @@ from twostroke.engine.coordinator.replica_server import (
     finished_frames,
     serve,
 )
-from twostroke.engine.coordinator.wire_constraints import (
-    WireConstraintRef,
-    WireJsonSchema,
-    WireRegex,
-    wire_params,
-)
+from twostroke.engine.coordinator.wire_constraints import wire_constraint
 from twostroke.states.constraints import Regex
 from twostroke.states.params import SamplingParams
 
@@ -170,14 +166,17 @@ async def test_a_replica_serves_requests_in_frames_and_stops_when_told() -> None
     assert errors == []
 
 
-async def test_a_replica_compiles_the_constraint_a_frame_carries() -> None:
+async def test_a_replica_compiles_the_constraint_a_request_names() -> None:
     async with replica() as (peer, errors):
         await peer.send(TOY)
         await peer.until(Ready)
         await peer.send(
-            Add(1, "hi", *wire_params(SamplingParams(constraint=Regex("[0-9]{3}-[a-z]")))),
-            Add(2, "hi", *wire_params(SamplingParams(constraint=Regex("(?<=a)b")))),
-            Add(3, "hi", params(), WireJsonSchema("[1]")),
+            DefineConstraint(0, wire_constraint(Regex("[0-9]{3}-[a-z]"))),
+            DefineConstraint(1, wire_constraint(Regex("(?<=a)b"))),
+            DefineConstraint(2, WireConstraint("json", "[1]")),
+            Add(1, "hi", params(), 0),
+            Add(2, "hi", params(), 1),
+            Add(3, "hi", params(), 2),
         )
         ends: dict[int, Any] = {}
         async for frame in peer.frames:  # the three end in any order
@@ -311,12 +310,12 @@ async def test_requests_name_a_constraint_defined_once_until_it_is_forgotten() -
         await peer.send(TOY)
         await peer.until(Ready)
         await peer.send(
-            DefineConstraint(0, WireRegex("[0-9]{3}")),
-            DefineConstraint(1, WireJsonSchema("[1]")),  # refused: each request naming it is
-            Add(1, "hi", fields, WireConstraintRef(0)),
-            Add(2, "ho", fields, WireConstraintRef(0)),
-            Add(3, "hi", fields, WireConstraintRef(1)),
-            Add(4, "hi", fields, WireConstraintRef(7)),
+            DefineConstraint(0, WireConstraint("regex", "[0-9]{3}")),
+            DefineConstraint(1, WireConstraint("json", "[1]")),  # each request naming it: refused
+            Add(1, "hi", fields, 0),
+            Add(2, "ho", fields, 0),
+            Add(3, "hi", fields, 1),
+            Add(4, "hi", fields, 7),
         )
         ends: dict[int, Any] = {}
         async for frame in peer.frames:
@@ -328,7 +327,7 @@ async def test_requests_name_a_constraint_defined_once_until_it_is_forgotten() -
         assert re.fullmatch("[0-9]{3}", ends[2].text)
         assert ends[3] == Rejected(3, "TypeError", "schema must be a JSON object, got list [1]")
         assert ends[4] == Rejected(4, "ValueError", "constraint 7 was never defined (or forgotten)")
-        await peer.send(ForgetConstraint(0), Add(5, "hi", fields, WireConstraintRef(0)))
+        await peer.send(ForgetConstraint(0), Add(5, "hi", fields, 0))
         (*_, rejected) = await peer.until(Rejected, 5)
         assert rejected.message == "constraint 0 was never defined (or forgotten)"
         await peer.send(Shutdown(cancel=False))
