@@ -21,6 +21,11 @@ model and flags, so a later start loads it in milliseconds and a changed machine
 compiler builds its own. It links OpenMP by the soname torch's own libgomp has, so it runs
 on torch's thread team.
 
+**Declared once.** Every function a library exports, and the structures the stack takes,
+are declared in ``kernels.h``, which each source includes (so a definition that differs does
+not compile) and :mod:`.header` reads (so each binding's argument types are the header's:
+:func:`bind`).
+
 **Loaded only when it is ours.** A library runs code in the engine the moment it is loaded
 (its constructors), so a cached one is loaded only after the cache has checked it
 (:meth:`~twostroke.engine.artifacts.cache.ArtifactCache.open`): every folder from the cache
@@ -67,6 +72,7 @@ from twostroke.engine.artifacts.records import (
     UnsafeCachePath,
     digest_file,
 )
+from twostroke.engine.kernels.header import KERNELS_HEADER, HeaderError, declarations
 from twostroke.gpu.isa import cpu_personality
 
 __all__ = [
@@ -76,6 +82,7 @@ __all__ = [
     "KernelTime",
     "NativeBuildError",
     "address",
+    "bind",
     "call",
     "compile_flags",
     "compile_library",
@@ -86,7 +93,7 @@ __all__ = [
     "vector_bits",
 ]
 
-#: The element type's header, which every kernel's source includes.
+#: The element type's header, which every kernel's source includes (through kernels.h).
 HEADER = Path(__file__).with_name("native_element.h")
 
 #: Environment variable that keeps models and runners off the compiled kernels when set to
@@ -202,8 +209,7 @@ def compile_flags(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
 def vector_bits(library: ctypes.CDLL) -> int:
     """The widest vectors a compiled library's code uses: 512 (AVX-512), 256 (AVX) or 128
     (SSE and anything else), as its compile flags made it (``native_element.h``)."""
-    function = library.twostroke_vector_bits
-    function.restype = ctypes.c_int
+    function = bind(library, Path(library._name), "twostroke_vector_bits")
     return int(function())
 
 
@@ -230,7 +236,7 @@ def compile_library(
     user's alone, in a temporary folder that is gone once it is loaded.
 
     Args:
-        source: A C file next to this module (it includes ``native_element.h``).
+        source: A C file next to this module (it includes ``kernels.h``).
         defines: ``-D`` flags, and any other compile flag (after the common ones, so
             they override them).
         what: Names the kernel in the log lines ("the paged decode kernel").
@@ -363,11 +369,13 @@ def _identity(
     compiler: Sequence[str], flags: Sequence[str], source: Path, defines: Sequence[str]
 ) -> str:
     """A hash of everything that makes the library (the instruction-set flags included, so
-    each personality has libraries of its own)."""
+    each personality has libraries of its own, and the headers beside the source, which it
+    includes)."""
+    headers = [source.with_name(header.name) for header in (HEADER, KERNELS_HEADER)]
     identity = b"\0".join(
         [
             source.read_bytes(),
-            HEADER.read_bytes(),
+            *(header.read_bytes() for header in headers if header.is_file()),
             " ".join([*flags, *defines, "|", *_LDFLAGS]).encode(),
             _compiler_identity(tuple(compiler)).encode(),
             _cpu_identity().encode(),
@@ -425,6 +433,26 @@ def lookup(library: ctypes.CDLL, path: Path, names: Sequence[str]) -> list[Any]:
     if missing:
         raise NativeBuildError(f"{path} lacks {', '.join(missing)}")
     return [getattr(library, name) for name in names]
+
+
+def bind(library: ctypes.CDLL, path: Path, name: str) -> Any:
+    """The function ``name`` of a loaded library, its result and argument types set from
+    its declaration in ``kernels.h`` (:func:`.header.declarations`).
+
+    Raises:
+        NativeBuildError: the library lacks it, or the header does not declare it (or
+            holds C its reader does not read).
+    """
+    try:
+        declaration = declarations().get(name)
+    except HeaderError as error:
+        raise NativeBuildError(f"{KERNELS_HEADER.name}: {error}") from error
+    if declaration is None:
+        raise NativeBuildError(f"{KERNELS_HEADER.name} does not declare {name}")
+    [function] = lookup(library, path, [name])
+    function.restype = declaration.restype
+    function.argtypes = declaration.argtypes
+    return function
 
 
 def _load(path: Path, names: Sequence[str]) -> ctypes.CDLL:

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "native_element.h"
+#include "kernels.h"
 
 #if !defined(HIDDEN) || !defined(HEAD_DIM)
 #error "compile with -DHIDDEN= and -DHEAD_DIM="

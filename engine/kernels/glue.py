@@ -27,9 +27,8 @@ import ctypes
 import functools
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -40,6 +39,7 @@ from twostroke.engine.kernels.build import (
     ELEMENTS,
     NativeBuildError,
     address,
+    bind,
     call,
     compile_library,
     relative_difference,
@@ -74,8 +74,6 @@ SYMBOLS = (
 _TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 
 _log = logging.getLogger(__name__)
-
-_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_ssize_t
 
 
 @attrs.frozen
@@ -387,22 +385,11 @@ def build_glue(
     library, path = compile_library(
         GLUE_SOURCE, defines, "the decoder glue", env, symbols=SYMBOLS, dtype=dtype
     )
-    _declare(library.twostroke_add_rms_norm, [_POINTER] * 3 + [ctypes.c_float, _SIZE, _POINTER])
-    _declare(
-        library.twostroke_rotate_write,
-        [_POINTER, _SIZE, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE]
-        + [_POINTER] * 2,
-    )
-    _declare(library.twostroke_silu_mul, [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER])
-    _declare(library.twostroke_argmax, [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER])
+    for name in SYMBOLS:
+        bind(library, path, name)
     glue = DecoderGlue(hidden, head_dim, dtype, path, library=library)
     _check(glue)
     return glue
-
-
-def _declare(function: Callable[..., None], argtypes: Sequence[Any]) -> None:
-    function.restype = None  # type: ignore[attr-defined]
-    function.argtypes = argtypes  # type: ignore[attr-defined]
 
 
 def reference_add_rms_norm(

@@ -21,7 +21,6 @@ the runner keeps the ``"bag"`` kernel, which reads the same cache layout.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -35,6 +34,7 @@ from twostroke.engine.kernels.build import (
     ELEMENTS,
     NativeBuildError,
     address,
+    bind,
     call,
     compile_library,
     vector_bits,
@@ -323,19 +323,8 @@ def build_kernel(
     library, path = compile_library(
         SOURCE, defines, "the paged decode kernel", env, symbols=SYMBOLS, dtype=dtype
     )
-    function = library.twostroke_paged_decode
-    function.restype = ctypes.c_int
-    pointer, size = ctypes.c_void_p, ctypes.c_ssize_t
-    function.argtypes = [
-        pointer, size, pointer, pointer, pointer, size, pointer, size, size, ctypes.c_float,
-        pointer,
-    ]  # fmt: skip
-    prefill = library.twostroke_paged_prefill
-    prefill.restype = ctypes.c_int
-    prefill.argtypes = [
-        pointer, size, pointer, pointer, pointer, size, pointer, pointer, pointer, size, size,
-        ctypes.c_float, pointer, size,
-    ]  # fmt: skip
+    function = bind(library, path, "twostroke_paged_decode")
+    prefill = bind(library, path, "twostroke_paged_prefill")
     kernel = PagedDecodeKernel(
         block_size,
         head_dim,

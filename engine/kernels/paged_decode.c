@@ -43,7 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_element.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

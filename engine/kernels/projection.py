@@ -25,7 +25,6 @@ is logged and they stay oneDNN's too. ``TWOSTROKE_NATIVE=0`` keeps them without 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -38,9 +37,9 @@ import torch
 from twostroke.engine.kernels.build import (
     NativeBuildError,
     address,
+    bind,
     call,
     compile_library,
-    lookup,
     relative_difference,
 )
 
@@ -70,8 +69,6 @@ SUPPORTED_SYMBOLS = ("twostroke_projection",)
 _TOLERANCE = 8e-3
 
 _log = logging.getLogger(__name__)
-
-_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_ssize_t
 
 
 class ProjectionUnsupported(NativeBuildError):
@@ -277,16 +274,14 @@ def build_projection(*, environ: Mapping[str, str] | None = None) -> ProjectionK
         symbols=SYMBOLS,
         dtype=torch.bfloat16,
     )
-    library.twostroke_projection_supported.restype = ctypes.c_int
-    library.twostroke_projection_panel.restype = ctypes.c_int
-    if not library.twostroke_projection_supported():
+    if not bind(library, path, "twostroke_projection_supported")():
         raise ProjectionUnsupported(
             "this CPU has no AVX512-BF16 (with AVX512-BW and -VL), which the kernel needs"
         )
-    [function] = lookup(library, path, SUPPORTED_SYMBOLS)
-    function.restype = None
-    function.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER, _POINTER, _SIZE]
-    kernel = ProjectionKernel(int(library.twostroke_projection_panel()), path, function=function)
+    [name] = SUPPORTED_SYMBOLS
+    function = bind(library, path, name)
+    panel = int(bind(library, path, "twostroke_projection_panel")())
+    kernel = ProjectionKernel(panel, path, function=function)
     _check(kernel)
     return kernel
 

@@ -3,7 +3,7 @@
  * AVX512-BF16 (its VDPBF16PS multiplies pairs of bfloat16 and adds them into float32).
  *
  * twostroke.engine.kernels.projection compiles this file at run time with the
- * machine's C compiler and caches the library (see native.py); that module's docstring
+ * machine's C compiler and caches the library (see build.py); that module's docstring
  * says why and what was measured. Built for a CPU without AVX512-BF16, the library says so
  * (twostroke_projection_supported() returns 0) and has no kernel: the model keeps oneDNN's.
  *
@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "native_element.h"
+#include "kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PROJECTION_SUPPORTED 1

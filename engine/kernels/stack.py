@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
+import tempfile
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,8 +34,9 @@ import torch
 
 from twostroke.engine.attention.kv_cache import KVCache
 from twostroke.engine.attention.metadata import AttentionMetadata
-from twostroke.engine.kernels.build import NativeBuildError, call, compile_library
+from twostroke.engine.kernels.build import NativeBuildError, bind, call, compile_library
 from twostroke.engine.kernels.glue import DecoderGlue, rotary_inputs_fit
+from twostroke.engine.kernels.header import KERNELS_HEADER, HeaderError, structures
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
 
@@ -43,6 +46,7 @@ __all__ = [
     "DecoderStack",
     "StackLayer",
     "build_stack",
+    "check_layout",
     "load_stack",
     "stack_library",
 ]
@@ -56,48 +60,20 @@ SYMBOLS = ("twostroke_decoder_stack",)
 
 _log = logging.getLogger(__name__)
 
-_POINTER, _SIZE, _FLOAT = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_float
+#: The C structures the driver takes (``kernels.h``), by their part.
+_STRUCTURES = {"layer": "twostroke_layer", "model": "twostroke_model", "step": "twostroke_step"}
 
 
-# The structures of decoder_stack.c, field for field.
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _POINTER),
-        ("post_norm", _POINTER),
-        ("input_eps", _FLOAT),
-        ("post_eps", _FLOAT),
-        *((name, _POINTER) for name in ("qkv", "o", "gate_up", "down")),
-        *((name, _POINTER) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")),
-    ]
+def _structure(part: str) -> type[ctypes.Structure]:
+    """``kernels.h``'s structure of ``part`` as ctypes lays it out (:func:`.header.structures`).
 
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        *((name, _SIZE) for name in ("layers", "hidden", "intermediate", "heads")),
-        ("kv_heads", _SIZE),
-        ("head_dim", _SIZE),
-        ("scale", _FLOAT),
-        *((name, _POINTER) for name in ("norm", "projection", "rotate", "silu")),
-        ("layer", ctypes.POINTER(_Layer)),
-    ]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("tokens", _SIZE),
-        *((name, _POINTER) for name in ("residual", "cos", "sin", "slots")),
-        ("block_size", _SIZE),
-        ("keys", ctypes.POINTER(_POINTER)),
-        ("values", ctypes.POINTER(_POINTER)),
-        *((name, _POINTER) for name in ("decode", "prefill", "tables")),
-        ("table_stride", _SIZE),
-        *((name, _POINTER) for name in ("lengths", "starts", "counts", "offsets")),
-        ("chunks", _SIZE),
-        *(
-            (name, _POINTER)
-            for name in ("normed", "qkv", "attended", "projected", "gate_up", "mixed", "delta")
-        ),
-    ]
+    Raises:
+        NativeBuildError: the header holds C its reader does not read.
+    """
+    try:
+        return structures()[_STRUCTURES[part]]
+    except HeaderError as error:
+        raise NativeBuildError(f"{KERNELS_HEADER.name}: {error}") from error
 
 
 @attrs.frozen
@@ -148,7 +124,7 @@ class DecoderStack:
     intermediate: int
     dtype: torch.dtype
     _function: Callable[..., int] = attrs.field(repr=False)
-    _model: _Model = attrs.field(repr=False)
+    _model: ctypes.Structure = attrs.field(repr=False)
     # What the model structure points into, kept alive with it.
     _kept: tuple[object, ...] = attrs.field(repr=False)
     # The last cache's per-layer key and value addresses.
@@ -251,7 +227,7 @@ class DecoderStack:
             rows(self.intermediate),
             rows(hidden),
         )
-        step = _Step(
+        step = _structure("step")(
             tokens,
             residual.data_ptr(),
             cos.data_ptr(),
@@ -299,8 +275,9 @@ class DecoderStack:
         if self._cache is not None and self._cache[0]() is kv_cache:
             return self._cache[1], self._cache[2]
         count = len(kv_cache.layers)
-        keys = (_POINTER * count)(*(layer.key_rows.data_ptr() for layer in kv_cache.layers))
-        values = (_POINTER * count)(*(layer.value_rows.data_ptr() for layer in kv_cache.layers))
+        pointers = ctypes.c_void_p * count
+        keys = pointers(*(layer.key_rows.data_ptr() for layer in kv_cache.layers))
+        values = pointers(*(layer.value_rows.data_ptr() for layer in kv_cache.layers))
         self._cache = (weakref.ref(kv_cache), keys, values)
         return keys, values
 
@@ -368,9 +345,10 @@ def build_stack(
                     f"layer {index}'s norm weights must be contiguous {glue.dtype} [{hidden}]; "
                     f"got {scale.dtype} {tuple(scale.shape)}"
                 )
-    structures = (_Layer * len(layers))(
+    layer_type = _structure("layer")
+    weights = (layer_type * len(layers))(
         *(
-            _Layer(
+            layer_type(
                 layer.input_norm.data_ptr(),
                 layer.post_norm.data_ptr(),
                 layer.input_eps,
@@ -382,7 +360,7 @@ def build_stack(
         )
     )
     norm, rotate, silu = glue.addresses
-    model = _Model(
+    model = _structure("model")(
         len(layers),
         hidden,
         intermediate,
@@ -394,7 +372,7 @@ def build_stack(
         projection.address,
         rotate,
         silu,
-        structures,
+        weights,
     )
     return DecoderStack(
         num_heads,
@@ -405,7 +383,7 @@ def build_stack(
         glue.dtype,
         function=function,
         model=model,
-        kept=(structures, tuple(layers), glue, projection),
+        kept=(weights, tuple(layers), glue, projection),
     )
 
 
@@ -423,17 +401,81 @@ def _library() -> Callable[..., int] | None:
 
 
 def load_stack(*, environ: Mapping[str, str] | None = None) -> Callable[..., int]:
-    """Compile (or load from the cache) the driver and return its entry point.
+    """Compile (or load from the cache) the driver and return its entry point, once the
+    ctypes structures it takes are checked against the compiler's (:func:`check_layout`).
 
     Args:
         environ: Where ``$CC`` and the cache folder are read (``os.environ`` if ``None``).
 
     Raises:
-        NativeBuildError: no compiler, or a failed compile or load.
+        NativeBuildError: no compiler, a failed compile or load, or structures that ctypes
+            lays out otherwise than the compiler.
     """
     env = os.environ if environ is None else environ
-    library, _ = compile_library(SOURCE, [], "the decoder stack", env, symbols=SYMBOLS)
-    function: Callable[..., int] = library.twostroke_decoder_stack
-    function.restype = ctypes.c_int  # type: ignore[attr-defined]
-    function.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]  # type: ignore[attr-defined]
+    # The element type of the kernels it drives (bfloat16), for kernels.h's function types.
+    library, path = compile_library(
+        SOURCE, ["-DELEMENT_BF16"], "the decoder stack", env, symbols=SYMBOLS
+    )
+    check_layout(environ=env)
+    function: Callable[..., int] = bind(library, path, "twostroke_decoder_stack")
     return function
+
+
+def check_layout(
+    *,
+    environ: Mapping[str, str] | None = None,
+    layouts: Mapping[str, type[ctypes.Structure]] | None = None,
+) -> None:
+    """Compare the ctypes layout of ``kernels.h``'s structures with the compiler's.
+
+    A probe (generated from the structures' fields, built and cached like a kernel) reports
+    each structure's size and each field's offset as the compiler lays them out; ctypes
+    must agree on every one, or a call would hand the driver misplaced fields.
+
+    Args:
+        environ: Where ``$CC`` and the cache folder are read (``os.environ`` if ``None``).
+        layouts: The ctypes structures to check, by C name (``None``: the header's,
+            :func:`.header.structures`).
+
+    Raises:
+        NativeBuildError: a size or an offset differs (the message names the first), the
+            probe does not build, or the header holds C its reader does not read.
+    """
+    env = os.environ if environ is None else environ
+    if layouts is None:
+        try:
+            layouts = structures()
+        except HeaderError as error:
+            raise NativeBuildError(f"{KERNELS_HEADER.name}: {error}") from error
+    names: list[str] = []
+    statements: list[str] = []
+    expected: list[int] = []
+    for name, layout in layouts.items():
+        names.append(f"the size of struct {name}")
+        statements.append(f"sizeof(struct {name})")
+        expected.append(ctypes.sizeof(layout))
+        for field, *_ in layout._fields_:
+            names.append(f"the offset of struct {name}'s {field}")
+            statements.append(f"offsetof(struct {name}, {field})")
+            expected.append(getattr(layout, field).offset)
+    digest = hashlib.sha256(KERNELS_HEADER.read_bytes()).hexdigest()
+    body = "".join(f"    out[{i}] = {value};\n" for i, value in enumerate(statements))
+    source = (
+        f"/* The layout of kernels.h's structures (sha256 {digest}). */\n"
+        '#include "kernels.h"\n'
+        f"void twostroke_layout(ptrdiff_t *out) {{\n{body}}}\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="twostroke-layout-") as folder:
+        probe = Path(folder) / "stack_layout.c"
+        probe.write_text(source, encoding="utf-8")
+        defines = ["-DELEMENT_BF16", f"-I{KERNELS_HEADER.parent}"]
+        what = "the probe of the stack's structures"
+        library, path = compile_library(probe, defines, what, env, symbols=("twostroke_layout",))
+    found = (ctypes.c_ssize_t * len(expected))()
+    bind(library, path, "twostroke_layout")(found)
+    for name, ours, theirs in zip(names, expected, found, strict=True):
+        if ours != theirs:
+            raise NativeBuildError(
+                f"kernels.h's structures are not laid out as ctypes lays them out: {name} is "
+                f"{theirs} for the compiler, {ours} for ctypes"
+            )
