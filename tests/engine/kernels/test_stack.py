@@ -4,6 +4,7 @@ which models get it, and its refusals."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,13 @@ from attrs import evolve as attrs_evolve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.engine.kernels.emulated_projection import emulated_projection
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import build, stack
+from twostroke.engine.kernels import projection as projection_module
 from twostroke.engine.kernels.build import NativeBuildError
 from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import (
@@ -36,15 +39,20 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def projection() -> ProjectionKernel:
-    """The process's kernel, which models pack for."""
+def projection() -> Iterator[ProjectionKernel]:
+    """The process's kernel, which models pack for: the compiled one, or where the CPU has no
+    AVX512-BF16 its emulation (tests/engine/kernels/emulated_projection.py), so that the
+    stack's paths run on every CPU."""
     try:
         build_projection()  # (raises why there is none)
-    except ProjectionUnsupported as error:
-        pytest.skip(str(error))
+    except ProjectionUnsupported:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(projection_module, "_kernel", emulated_projection)
+            yield emulated_projection()
+        return
     kernel = projection_kernel()
     assert kernel is not None
-    return kernel
+    yield kernel
 
 
 @pytest.fixture(scope="module")
