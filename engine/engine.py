@@ -211,7 +211,7 @@ class Engine:
         # The device holds what runs steps (on the CPU, one long-lived forward thread that
         # keeps torch's OpenMP team) for exactly the engine's life. The model loads and its
         # cache is made there too: the event loop serves its other tasks meanwhile, and the
-        # process keeps one OpenMP team (docs/performance.md, "Spinning waits inside the
+        # process keeps one OpenMP team (docs/performance-log.md, "Spinning waits inside the
         # engine").
         async with device:
             if runner is None:

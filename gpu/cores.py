@@ -7,7 +7,7 @@ team has to itself, every core pays, and more so when the waiting threads spin f
 before they sleep (OpenMP's default, :mod:`twostroke.gpu.openmp`). On a machine shared with
 other work, a team thread that loses its core holds up its partners at every barrier, and
 spinning partners burn the time slices the descheduled thread needs. Measured inside the
-engine (docs/performance.md, "Spinning waits inside the engine"; AVX2 EPYC, 2 cores,
+engine (docs/performance-log.md, "Spinning waits inside the engine"; AVX2 EPYC, 2 cores,
 SmolLM2-135M, 32 requests): on an idle machine two spinning threads ran at 43.7 output tok/s
 against 39.1 for two sleeping ones; with one other process busy on one core, two spinning
 threads ran at 11.7, two sleeping ones at 25.9, and one thread at 27.7 either way.
@@ -28,7 +28,7 @@ the forward thread's own run-queue wait, which is there whatever took the core: 
 process, another engine in this process, the event loop's thread.
 
 The thresholds sit well apart from what the engine's windows show (32 requests, 2 cores,
-docs/performance.md, "Fewer threads while other work wants the cores"): on a quiet machine
+docs/performance-log.md, "Fewer threads while other work wants the cores"): on a quiet machine
 the forward thread waited 0-3 % of each window with 0.08-0.17 cores idle (10-14 % with one
 request, whose short steps leave the event loop's bookkeeping a larger share); with one
 other core busy, 40 % at two threads, then 0-2 % with no idle core at one. There the governed

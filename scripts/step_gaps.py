@@ -6,7 +6,7 @@ the engine on SmolLM2 several times in one process, and prints for each run the 
 tokens per second, the gaps between two steps on the forward thread (the device idle,
 waiting on Python), the forward thread's CPU seconds, the event loop thread's CPU seconds and
 the engine's own ``forward_seconds`` / ``forward_idle_seconds`` / ``bookkeeping_seconds``.
-Runs alternate so that a drift of the machine shows as such. docs/performance.md, "The
+Runs alternate so that a drift of the machine shows as such. docs/performance-log.md, "The
 forward thread queues the next step", quotes it.
 """
 

@@ -10,7 +10,7 @@ engine's bookkeeping stroke wants meanwhile.
 
 Measured on SmolLM2-135M in bfloat16 (AMD EPYC Zen 4, AVX512-BF16, 2 threads), both paths
 alternating in one process: a step of one decode 14.13 ms layer by layer, 11.08 with the
-stack; of 32 decodes 41.24 and 37.02 (docs/performance.md, "The decoder stack in one call").
+stack; of 32 decodes 41.24 and 37.02 (docs/performance-log.md, "The decoder stack in one call").
 
 The library has no shape constants and does no arithmetic, so it is built once a machine
 and has no check of its own: the kernels it calls passed theirs. Where it does not build,

@@ -3,7 +3,7 @@ and the glue that runs them between the matrix products.
 
 All follow transformers' arithmetic to the bit in float32 (``modeling_llama`` and
 ``modeling_rope_utils``), in as few torch calls as that allows: each call from Python hands
-the GIL back and forth with the engine's bookkeeping stroke (docs/performance.md, "Fewer
+the GIL back and forth with the engine's bookkeeping stroke (docs/performance-log.md, "Fewer
 torch calls per step").
 
 A decoder layer calls its element-wise work through a :class:`Glue`: each residual add with

@@ -99,7 +99,7 @@ def default_torch_threads(cores: int | None = None) -> int:
     the bare forward loop goes from 347 to 597 output tok/s on a quiet machine from 1 to 2
     threads. While other processes want the cores, fewer threads run faster, and the
     engine's :class:`~twostroke.gpu.cores.ThreadGovernor` drops to them between steps
-    (docs/performance.md, "Fewer threads while other work wants the cores").
+    (docs/performance-log.md, "Fewer threads while other work wants the cores").
 
     Args:
         cores: The cores the engine may use; ``None`` takes the ones this process may run
