@@ -37,6 +37,9 @@ NOT_EXPORTED = {
     # The native kernel's own signal: a runner that meets it logs it once and attends with
     # the bag kernel instead; only build_kernel's own callers (the tests) see it.
     "twostroke.engine.kernels.build.NativeBuildError",
+    # The header reader's refusal of C it does not read: build.bind and the stack turn it
+    # into NativeBuildError at once; only header's own callers (the tests) see it.
+    "twostroke.engine.kernels.header.HeaderError",
     # Its kind for a CPU the bfloat16 projection does not run on: the model logs it and
     # keeps oneDNN's products; only build_projection's own callers (the tests) see it.
     "twostroke.engine.kernels.projection.ProjectionUnsupported",
