@@ -1,0 +1,224 @@
+"""A model's output as text and tool calls, read as it streams or all at once.
+
+:class:`ToolCallParser` takes the output's text in pieces (the deltas of a stream) and turns
+it into events: :class:`TextDelta` for text before the first call, :class:`CallStarted` once
+a call's function name is known, :class:`ArgumentsDelta` for each piece of its arguments. No
+piece of the trigger reaches a text delta: text that could be the start of the opening tag
+is held back until the next piece shows whether it is. :func:`parse_output` feeds the whole
+text through the same parser, so a complete answer and the concatenation of a stream's
+deltas agree by construction.
+
+The parser relies on the output following the format exactly, as the constraint of
+:func:`~twostroke.engine.tools.grammar.tool_constraint` makes it: after the opening tag and
+a newline, ``{"name": "<name>", "arguments": `` then the arguments' JSON, ``}``, a newline
+and the closing tag. It tracks JSON strings and nesting to find where the arguments end.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable
+from typing import TypeAlias
+
+import attrs
+
+from twostroke.engine.tools.formats import ToolCall, ToolFormat
+
+__all__ = [
+    "ArgumentsDelta",
+    "CallStarted",
+    "ParsedOutput",
+    "TextDelta",
+    "ToolCallParser",
+    "ToolEvent",
+    "parse_output",
+]
+
+_HEADER = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+
+
+@attrs.frozen
+class TextDelta:
+    """Text the model wrote before its first call."""
+
+    text: str
+
+
+@attrs.frozen
+class CallStarted:
+    """A call's function is known: its index among the calls, its id and the name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@attrs.frozen
+class ArgumentsDelta:
+    """A piece of the arguments (JSON text) of call ``index``."""
+
+    index: int
+    text: str
+
+
+#: What the parser reports.
+ToolEvent: TypeAlias = TextDelta | CallStarted | ArgumentsDelta
+
+
+@attrs.frozen
+class ParsedOutput:
+    """A whole output, read.
+
+    Attributes:
+        content: The text before the first call (all of it when there is no call).
+        calls: The calls, in order (the last may be incomplete, see ``complete``).
+        complete: Every call that was started was closed: false when the output was cut
+            inside a call (by ``max_tokens``), which is then no call at all but text.
+    """
+
+    content: str
+    calls: tuple[ToolCall, ...]
+    complete: bool
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCallParser:
+    """Reads one output's text, piece by piece, as text and calls (see the module docstring).
+
+    Args:
+        fmt: The format the model writes calls in.
+        make_id: Makes each call's id (default: ``call_`` and 24 random hex digits).
+    """
+
+    def __init__(self, fmt: ToolFormat, make_id: Callable[[], str] = _call_id) -> None:
+        self._fmt = fmt
+        self._make_id = make_id
+        self._state = "text"
+        self._pending = ""
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._arguments: list[str] = []  # the call being read
+        self._current = ("", "")  # its id and name
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._closed = 0  # calls whose closing tag was read
+
+    @property
+    def num_calls(self) -> int:
+        """Calls started so far."""
+        return len(self._calls) + (self._state == "arguments")
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        """The events that ``text``, the next piece of the output, completes."""
+        self._pending += text
+        events: list[ToolEvent] = []
+        while True:
+            before = (self._state, len(self._pending))
+            getattr(self, f"_read_{self._state}")(events)
+            if (self._state, len(self._pending)) == before:
+                return events
+
+    def finish(self) -> list[ToolEvent]:
+        """The events of the output's end: text held back because it could have been the
+        start of a trigger is text after all."""
+        if self._state == "text" and self._pending:
+            text, self._pending = self._pending, ""
+            self._content.append(text)
+            return [TextDelta(text)]
+        return []
+
+    def result(self) -> ParsedOutput:
+        """The output read so far (call after :meth:`finish` for a whole output)."""
+        complete = self._state == "text" or (
+            self._state == "between" and self._closed == len(self._calls)
+        )
+        return ParsedOutput("".join(self._content), tuple(self._calls), complete)
+
+    def _read_text(self, events: list[ToolEvent]) -> None:
+        trigger = self._fmt.open
+        found = self._pending.find(trigger)
+        if found >= 0:
+            text, self._pending = self._pending[:found], self._pending[found + len(trigger) :]
+            self._state = "header"
+        else:
+            keep = _partial_suffix(self._pending, trigger)
+            cut = len(self._pending) - keep
+            text, self._pending = self._pending[:cut], self._pending[cut:]
+        if text:
+            self._content.append(text)
+            events.append(TextDelta(text))
+
+    def _read_header(self, events: list[ToolEvent]) -> None:
+        match = _HEADER.match(self._pending)
+        if match is None:
+            return  # wait for more (the constraint makes it come)
+        self._pending = self._pending[match.end() :]
+        self._state = "arguments"
+        self._arguments = []
+        self._depth, self._in_string, self._escaped = 1, False, False
+        call_id = self._make_id()
+        self._current = (call_id, match[1])
+        events.append(CallStarted(len(self._calls), call_id, match[1]))
+
+    def _read_arguments(self, events: list[ToolEvent]) -> None:
+        end = None
+        for position, char in enumerate(self._pending):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:  # the call's own closing brace
+                    end = position
+                    break
+        piece = self._pending if end is None else self._pending[:end]
+        self._pending = "" if end is None else self._pending[end + 1 :]
+        index = len(self._calls)
+        if piece:
+            self._arguments.append(piece)
+            events.append(ArgumentsDelta(index, piece))
+        if end is not None:
+            call_id, name = self._current
+            self._calls.append(ToolCall(call_id, name, "".join(self._arguments)))
+            self._state = "between"
+
+    def _read_between(self, events: list[ToolEvent]) -> None:
+        close = "\n" + self._fmt.close
+        if self._closed < len(self._calls):
+            if not self._pending.startswith(close):
+                return
+            self._pending = self._pending[len(close) :]
+            self._closed += 1
+        opening = "\n" + self._fmt.open
+        if self._pending.startswith(opening):
+            self._pending = self._pending[len(opening) :]
+            self._state = "header"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a beginning of ``tag``."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def parse_output(fmt: ToolFormat, text: str, make_id: Callable[[], str] = _call_id) -> ParsedOutput:
+    """A whole output read as text and calls (the same reading as a stream's)."""
+    parser = ToolCallParser(fmt, make_id)
+    parser.feed(text)
+    parser.finish()
+    return parser.result()

@@ -1,0 +1,210 @@
+"""Tool calling's pure parts: formats, the prompt, the lazy grammar, the parser."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from twostroke.engine.runners.toy import EOS_TOKEN_ID, ByteTokenizer
+from twostroke.engine.structured import GrammarCompiler, Vocabulary
+from twostroke.engine.tools import (
+    GENERIC,
+    HERMES,
+    ArgumentsDelta,
+    CallStarted,
+    TextDelta,
+    ToolCall,
+    ToolCallParser,
+    ToolSpec,
+    Turn,
+    choose_tool_format,
+    parse_output,
+    render_prompt,
+    tool_constraint,
+    tool_format,
+)
+from twostroke.states.constraints import JsonSchema
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    ToolSpec("get_weather", "The weather in a city", WEATHER),
+    ToolSpec("now", None, {"type": "object", "properties": {}, "additionalProperties": False}),
+]
+SCHEMAS = {tool.name: tool.parameters for tool in TOOLS}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(Vocabulary.from_tokenizer(ByteTokenizer()))
+
+
+def _accepts(compiler: GrammarCompiler, grammar: Any, text: str) -> bool:
+    matcher = compiler.compile_now(grammar).matcher()
+    for byte in text.encode():
+        if byte not in matcher.allowed_token_ids():
+            return False
+        matcher.advance(byte)
+    return EOS_TOKEN_ID in matcher.allowed_token_ids()
+
+
+def test_formats_are_chosen_from_the_template_or_by_name() -> None:
+    assert choose_tool_format("{% for m in messages %}<tool_call>{% endfor %}") is HERMES
+    assert choose_tool_format("<|im_start|>{{ m.role }}") is GENERIC
+    assert choose_tool_format(None) is GENERIC
+    assert tool_format("hermes") is HERMES
+    with pytest.raises(ValueError, match="tool_format must be one of generic, hermes, got 'x'"):
+        tool_format("x")
+    with pytest.raises(ValueError, match="1 to 64 letters, digits, underscores or dashes"):
+        ToolSpec("a b")
+
+
+def test_the_prompt_shows_tools_calls_and_results_in_the_formats_syntax() -> None:
+    turns = [
+        Turn("system", "Be brief."),
+        Turn("user", "Weather in Oslo?"),
+        Turn("assistant", "", (ToolCall("c1", "get_weather", '{"city": "Oslo"}'),)),
+        Turn("tool", "sunny", tool_call_id="c1", name="get_weather"),
+        Turn("tool", "12 C", tool_call_id="c2"),
+    ]
+    system, user, assistant, results = render_prompt(GENERIC, turns, TOOLS)
+    assert system["role"] == "system"
+    assert system["content"].startswith("Be brief.\n\n# Tools")
+    assert '"name": "get_weather", "description": "The weather in a city"' in system["content"]
+    assert user == {"role": "user", "content": "Weather in Oslo?"}
+    assert assistant == {"role": "assistant", "content": CALL}
+    assert results == {
+        "role": "user",
+        "content": "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n12 C\n"
+        "</tool_response>",
+    }
+    hermes = render_prompt(HERMES, turns[1:])  # no tools: no block; results as tool turns
+    assert [m["role"] for m in hermes] == ["user", "assistant", "tool", "tool"]
+    assert render_prompt(GENERIC, turns[:2]) == [{"role": t.role, "content": t.content}
+                                                 for t in turns[:2]]  # fmt: skip
+
+
+def test_auto_is_free_text_until_the_trigger_then_a_call(compiler: GrammarCompiler) -> None:
+    auto = tool_constraint(GENERIC, TOOLS)
+    assert _accepts(compiler, auto, "Just text, even <tool_ca and </tool_call>.")
+    assert _accepts(compiler, auto, "Let me look. " + CALL)
+    assert _accepts(compiler, auto, CALL + "\n" + CALL)
+    assert not _accepts(compiler, auto, CALL + " and more text")
+    assert not _accepts(compiler, auto, '<tool_call>\n{"name": "nope"')
+    assert not _accepts(compiler, auto, CALL.replace('"Oslo"', "7"))
+    single = tool_constraint(GENERIC, TOOLS, parallel=False)
+    assert not _accepts(compiler, single, CALL + "\n" + CALL)
+    required = tool_constraint(GENERIC, TOOLS, "required")
+    assert not _accepts(compiler, required, "text")
+    assert _accepts(compiler, required, CALL)
+    named = tool_constraint(GENERIC, TOOLS, function="now")
+    assert not _accepts(compiler, named, CALL)
+    assert _accepts(compiler, named, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    with pytest.raises(ValueError, match="function 'x' is not one of the tools"):
+        tool_constraint(GENERIC, TOOLS, function="x")
+
+
+def test_a_format_constrains_the_text_branch_of_auto_only(compiler: GrammarCompiler) -> None:
+    answer = JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}},
+                         "required": ["a"], "additionalProperties": False})  # fmt: skip
+    auto = tool_constraint(GENERIC, TOOLS, text=answer)
+    assert _accepts(compiler, auto, '{"a": 1}')
+    assert _accepts(compiler, auto, CALL)
+    assert not _accepts(compiler, auto, "free text")
+    assert _accepts(compiler, tool_constraint(GENERIC, TOOLS, "required", text=answer), CALL)
+
+
+def test_the_parser_holds_back_a_possible_trigger_and_reads_calls() -> None:
+    parser = ToolCallParser(GENERIC, make_id=lambda: "call_1")
+    assert parser.feed("Hi <tool") == [TextDelta("Hi ")]
+    assert parser.feed("_ca") == []
+    events = parser.feed('ll>\n{"name": "get_weather", "arguments": {"city": "}{\\""}}\n')
+    assert events == [CallStarted(0, "call_1", "get_weather"),
+                      ArgumentsDelta(0, '{"city": "}{\\""}')]  # fmt: skip
+    assert not parser.result().complete  # the closing tag is still to come
+    assert parser.feed("</tool_call>") == []
+    assert parser.finish() == []
+    result = parser.result()
+    assert result.complete
+    assert result.content == "Hi "
+    assert result.calls == (ToolCall("call_1", "get_weather", '{"city": "}{\\""}'),)
+    text = parse_output(GENERIC, "a <tool_c b")
+    assert (text.content, text.calls, text.complete) == ("a <tool_c b", (), True)
+    cut = parse_output(GENERIC, 'x <tool_call>\n{"name": "now", "arguments": {"a')
+    assert not cut.complete
+    assert cut.calls == ()
+
+
+def _events_text(events: list[Any]) -> tuple[str, dict[int, str], dict[int, str]]:
+    content, names, arguments = "", {}, {}
+    for item in events:
+        if isinstance(item, TextDelta):
+            content += item.text
+        elif isinstance(item, CallStarted):
+            names[item.index] = item.name
+            arguments[item.index] = ""
+        else:
+            arguments[item.index] += item.text
+    return content, names, arguments
+
+
+#: The bytes a walk prefers where they are allowed: JSON's, the tags' and a few letters.
+_STEER = frozenset(b'{}",: \n<>/_acdeghilmnorstuwy0123456789')
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), parallel=st.booleans())
+def test_any_output_the_lazy_constraint_allows_parses_to_valid_calls(
+    compiler: GrammarCompiler, data: st.DataObject, parallel: bool
+) -> None:
+    """Walk the constraint with bytes drawn among the allowed ones (a drawn lead, then the
+    trigger more often than not, so that most walks call); whatever comes out, its calls
+    validate against their tools' schemas, and reading it in any pieces gives the same."""
+    matcher = compiler.compile_now(tool_constraint(GENERIC, TOOLS, parallel=parallel)).matcher()
+    lead = data.draw(st.text(alphabet="ab <", max_size=4), label="lead")
+    if data.draw(st.booleans(), label="call"):
+        lead += GENERIC.open + "\n"
+    out = bytearray()
+    for byte in lead.encode():
+        if byte not in matcher.allowed_token_ids():
+            break
+        matcher.advance(byte)
+        out.append(byte)
+    for _ in range(100):
+        allowed = matcher.allowed_token_ids()
+        pool = sorted(allowed & _STEER) or sorted(allowed)
+        if EOS_TOKEN_ID in allowed:
+            pool.append(EOS_TOKEN_ID)
+        token = data.draw(st.sampled_from(pool), label="token")
+        if token == EOS_TOKEN_ID:
+            break
+        matcher.advance(token)
+        out.append(token)
+    text = out.decode("utf-8", errors="replace")
+    whole = parse_output(GENERIC, text)
+    event(f"{len(whole.calls)} calls, {'complete' if whole.complete else 'cut'}")
+    if whole.complete:
+        for call in whole.calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert GENERIC.open not in whole.content
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=8), label="cuts"))
+    parser = ToolCallParser(GENERIC)
+    events = []
+    for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        events += parser.feed(text[start:end])
+    events += parser.finish()
+    content, names, arguments = _events_text(events)
+    assert content == whole.content
+    assert [names[i] for i in sorted(names)][: len(whole.calls)] == [c.name for c in whole.calls]
+    for index, call in enumerate(whole.calls):
+        assert arguments[index] == call.arguments
