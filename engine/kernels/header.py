@@ -40,7 +40,9 @@ _SCALARS: Mapping[str, Any] = {
     "int": ctypes.c_int,
 }
 #: What a pointer may point to, besides a function type (``*_fn``) or a structure.
-_POINTEES = frozenset({"void", "element", "float", "int32_t", "int64_t", "uint16_t", "ptrdiff_t"})
+_POINTEES = frozenset(
+    {"void", "element", "float", "int8_t", "int32_t", "int64_t", "uint16_t", "ptrdiff_t"}
+)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
 _PREPROCESSOR = re.compile(r"^\s*#[^\n]*$", re.MULTILINE)

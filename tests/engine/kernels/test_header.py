@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from twostroke.engine.artifacts.cache import CACHE_DIR_ENV
-from twostroke.engine.kernels import build, glue, paged_attention, projection, stack
+from twostroke.engine.kernels import build, gguf_blocks, glue, paged_attention, projection, stack
 from twostroke.engine.kernels.build import NativeBuildError, bind
 from twostroke.engine.kernels.header import KERNELS_HEADER, HeaderError, declarations, structures
 
@@ -27,6 +27,7 @@ SOURCES = [
     glue.GLUE_SOURCE,
     projection.PROJECTION_SOURCE,
     stack.SOURCE,
+    gguf_blocks.BLOCK_SOURCE,
 ]
 
 

@@ -1,0 +1,270 @@
+/*
+ * Products by GGUF weights computed as stored: y = x W^T where W is in llama.cpp's Q8_0, Q4_0
+ * or Q4_1 blocks of 32 weights, read in place from the file's memory map.
+ *
+ * twostroke.engine.kernels.gguf_blocks compiles this file at run time (build.py) and says
+ * why and what was measured. The formats (gguf's constants and quants.py; written here from
+ * them):
+ *
+ *   Q8_0  34 bytes: d (float16), q[32] (int8)                     w[i] = d q[i]
+ *   Q4_0  18 bytes: d (float16), n[16] (two 4-bit values a byte)  w[i] = d (nib(i) - 8)
+ *   Q4_1  20 bytes: d, m (float16), n[16]                         w[i] = d nib(i) + m
+ *
+ * where nib(i) is the low half of n[i] for i < 16 and the high half of n[i - 16] after.
+ *
+ * The activations are quantized first, per row and per block of 32, as llama.cpp does
+ * (twostroke_quantize_rows): a scale s = max|x| / 127 and q = x / s rounded to the nearest
+ * integer (ties to even), and the block's sum s * sum(q) for the terms that do not depend on
+ * the weight's index (Q4_0's -8, Q4_1's m). A block's product is then an integer dot product
+ * of 32 8-bit pairs times two scales:
+ *
+ *   Q8_0: d s sum(q_w q_x)     Q4_0: d s sum(nib q_x) - 8 d (s sum q_x)
+ *   Q4_1: d s sum(nib q_x) + m (s sum q_x)
+ *
+ * AVX2 multiplies the unsigned nibbles (or |q_w|) by the signed activations pairwise into
+ * 16 bits (VPMADDUBSW: 15 * 127 * 2 or 128 * 127 * 2 fit) and adds pairs into 32 bits
+ * (VPMADDWD); without AVX2 the same sums are computed in portable C. Which one a library has
+ * is decided by its compile flags, which the CPU's personality sets (twostroke.gpu.isa), so
+ * it is chosen once, when the library is built or loaded.
+ *
+ * Shapes: the thread team (torch's OpenMP team) splits the output columns, each thread a
+ * contiguous range of weight rows, read from memory once a call; each weight block is
+ * unpacked once per tile of TILE activation rows (one row for a decode step, TILE for a
+ * batch or a prefill), while the row's weights stay in the first-level cache for the next
+ * tile.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define BLOCKS_AVX2 1
+#else
+#define BLOCKS_AVX2 0
+#endif
+
+/* GGML's type numbers (gguf.GGMLQuantizationType). */
+#define TYPE_Q4_0 2
+#define TYPE_Q4_1 3
+#define TYPE_Q8_0 8
+
+#define BLOCK 32 /* weights a block */
+#define TILE 4   /* activation rows a weight block is unpacked for */
+
+/* Multiply-adds below which one thread does the whole call (projection_bf16.c's rule). */
+#define PARALLEL_WORK (1 << 18)
+
+int twostroke_blocks_avx2(void) { return BLOCKS_AVX2; }
+
+static ptrdiff_t block_bytes(int type) {
+    switch (type) {
+    case TYPE_Q8_0: return 2 + BLOCK;
+    case TYPE_Q4_0: return 2 + BLOCK / 2;
+    case TYPE_Q4_1: return 4 + BLOCK / 2;
+    default: return 0;
+    }
+}
+
+/* IEEE half to float, exact (subnormals included), in portable C. */
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu,
+             mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa) { /* subnormal: normalize */
+        exponent = 113u;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/*
+ * q[rows][in_features], scales and sums [rows][in_features / 32]: each row of x (row stride
+ * x_stride) quantized per block (see above). in_features is a multiple of 32.
+ */
+void twostroke_quantize_rows(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                             ptrdiff_t in_features, int8_t *q, float *scales, float *sums) {
+    ptrdiff_t blocks = in_features / BLOCK;
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        for (ptrdiff_t b = 0; b < blocks; b++) {
+            const float *v = x + r * x_stride + b * BLOCK;
+            int8_t *out = q + r * in_features + b * BLOCK;
+            float largest = 0.0f;
+            for (int i = 0; i < BLOCK; i++) {
+                float a = __builtin_fabsf(v[i]);
+                largest = a > largest ? a : largest;
+            }
+            float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+            int total = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                int value = (int)__builtin_rintf(v[i] * inverse);
+                out[i] = (int8_t)value;
+                total += value;
+            }
+            scales[r * blocks + b] = scale;
+            sums[r * blocks + b] = scale * (float)total;
+        }
+    }
+}
+
+/* One weight row (its blocks at w) by `count` (1..TILE) quantized rows: results into dot[]. */
+static void row_tile(int type, const uint8_t *w, ptrdiff_t blocks, const int8_t *q,
+                     ptrdiff_t in_features, const float *scales, const float *sums, int count,
+                     float *dot) {
+    ptrdiff_t size = block_bytes(type);
+    float extra[TILE] = {0};
+#if BLOCKS_AVX2
+    __m256 acc[TILE];
+    for (int r = 0; r < TILE; r++)
+        acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + b * size;
+        float d = half_to_float(block), coefficient = 0.0f;
+        __m256i weights, signs = _mm256_setzero_si256();
+        if (type == TYPE_Q8_0) {
+            signs = _mm256_loadu_si256((const __m256i *)(block + 2));
+            weights = _mm256_sign_epi8(signs, signs); /* |q_w|, unsigned */
+        } else {
+            const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
+            __m128i packed = _mm_loadu_si128((const __m128i *)nibbles);
+            weights = _mm256_and_si256(
+                _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+            coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+        }
+        for (int r = 0; r < TILE; r++) {
+            if (r < count) {
+                __m256i x = _mm256_loadu_si256(
+                    (const __m256i *)(q + r * in_features + b * BLOCK));
+                if (type == TYPE_Q8_0)
+                    x = _mm256_sign_epi8(x, signs);
+                __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(weights, x), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * scales[r * blocks + b]),
+                                         _mm256_cvtepi32_ps(pairs), acc[r]);
+                extra[r] += coefficient * sums[r * blocks + b];
+            }
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_add_ss(half, _mm_movehdup_ps(half));
+        dot[r] = _mm_cvtss_f32(half) + extra[r];
+    }
+#else
+    float acc[TILE] = {0};
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + b * size;
+        float d = half_to_float(block), coefficient = 0.0f;
+        int8_t weights[BLOCK];
+        if (type == TYPE_Q8_0) {
+            memcpy(weights, block + 2, BLOCK);
+        } else {
+            const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
+            for (int i = 0; i < BLOCK / 2; i++) {
+                weights[i] = (int8_t)(nibbles[i] & 0x0f);
+                weights[i + BLOCK / 2] = (int8_t)(nibbles[i] >> 4);
+            }
+            coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+        }
+        for (int r = 0; r < count; r++) {
+            const int8_t *x = q + r * in_features + b * BLOCK;
+            int32_t total = 0;
+            for (int i = 0; i < BLOCK; i++)
+                total += (int32_t)weights[i] * (int32_t)x[i];
+            acc[r] += d * scales[r * blocks + b] * (float)total;
+            extra[r] += coefficient * sums[r * blocks + b];
+        }
+    }
+    for (int r = 0; r < count; r++)
+        dot[r] = acc[r] + extra[r];
+#endif
+}
+
+/*
+ * out[r][columns[o]] (row stride out_stride) = the product of quantized row r (q, scales and
+ * sums from twostroke_quantize_rows) by weight row o, for o < out_features, whose blocks of
+ * `type` are contiguous from `blocks` (in_features / 32 blocks a row). columns NULL is o
+ * itself (a permutation of the output columns: GGUF's rotary order of q/k rows undone
+ * without touching the blocks). Returns 0, or 1 for a type it does not compute.
+ */
+int twostroke_block_matmul(int type, const int8_t *q, const float *scales, const float *sums,
+                           ptrdiff_t rows, ptrdiff_t in_features, const void *blocks,
+                           ptrdiff_t out_features, const int32_t *columns, float *out,
+                           ptrdiff_t out_stride) {
+    ptrdiff_t size = block_bytes(type);
+    if (!size)
+        return 1;
+    ptrdiff_t count = in_features / BLOCK, row_bytes = count * size;
+    const uint8_t *weights = (const uint8_t *)blocks;
+    int parallel = out_features > 1 && rows * in_features * out_features >= PARALLEL_WORK;
+#pragma omp parallel for if (parallel) schedule(static)
+    for (ptrdiff_t o = 0; o < out_features; o++) {
+        const uint8_t *w = weights + o * row_bytes;
+        ptrdiff_t column = columns ? columns[o] : o;
+        for (ptrdiff_t r0 = 0; r0 < rows; r0 += TILE) {
+            int n = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+            float dot[TILE];
+            row_tile(type, w, count, q + r0 * in_features, in_features, scales + r0 * count,
+                     sums + r0 * count, n, dot);
+            for (int r = 0; r < n; r++)
+                out[(r0 + r) * out_stride + column] = dot[r];
+        }
+    }
+    return 0;
+}
+
+/*
+ * out[i][in_features] = weight row ids[i] dequantized (the embedding's lookup: only the rows
+ * a step needs). Returns 0, or 1 for a type it does not read.
+ */
+int twostroke_block_rows(int type, const void *blocks, ptrdiff_t in_features,
+                         const int64_t *ids, ptrdiff_t count, float *out) {
+    ptrdiff_t size = block_bytes(type);
+    if (!size)
+        return 1;
+    ptrdiff_t per_row = in_features / BLOCK;
+    for (ptrdiff_t i = 0; i < count; i++) {
+        const uint8_t *row = (const uint8_t *)blocks + ids[i] * per_row * size;
+        float *values = out + i * in_features;
+        for (ptrdiff_t b = 0; b < per_row; b++) {
+            const uint8_t *block = row + b * size;
+            float d = half_to_float(block);
+            float *v = values + b * BLOCK;
+            if (type == TYPE_Q8_0) {
+                for (int j = 0; j < BLOCK; j++)
+                    v[j] = d * (float)(int8_t)block[2 + j];
+            } else {
+                const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
+                float m = type == TYPE_Q4_1 ? half_to_float(block + 2) : 0.0f;
+                int offset = type == TYPE_Q4_1 ? 0 : 8;
+                for (int j = 0; j < BLOCK / 2; j++) {
+                    v[j] = d * (float)((nibbles[j] & 0x0f) - offset) + m;
+                    v[j + BLOCK / 2] = d * (float)((nibbles[j] >> 4) - offset) + m;
+                }
+            }
+        }
+    }
+    return 0;
+}
