@@ -1,10 +1,12 @@
 """The OpenAI-compatible ASGI application over any engine surface.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Each endpoint is
-a plain ASGI callable (not a Starlette request/response function) because it must own the
-``receive`` channel once the body is read: that is where a client's disconnect arrives. A body
-is read under a size limit (:mod:`~twostroke.engine.server.body`): a larger one is a 413.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(:mod:`~twostroke.engine.server.responses`), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``; any other path is a 404 that lists
+them. Each endpoint is a plain ASGI callable (not a Starlette request/response function)
+because it must own the ``receive`` channel once the body is read: that is where a client's
+disconnect arrives. A body is read under a size limit (:mod:`~twostroke.engine.server.body`):
+a larger one is a 413.
 
 What one request may ask of the engine is checked from its body alone, before any prompt is
 tokenized (the limits are a :class:`~twostroke.engine.config.ServerConfig`): at most
@@ -50,6 +52,7 @@ from twostroke.engine.server.generation import (
 )
 from twostroke.engine.server.guards import Guards, ServerShutdown
 from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.responses import Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint
 from twostroke.engine.surface import EngineSurface
@@ -274,8 +277,14 @@ class _OpenAI:
 async def _not_found(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 404
     detail = exc.detail if isinstance(exc, HTTPException) else "Not Found"
-    error = ApiError(status, f"{detail}: {request.method} {request.url.path}",
-                     type="invalid_request_error")  # fmt: skip
+    routes = ", ".join(  # the routes that exist, so a wrong path or method says which are right
+        f"{method} {route.path}"
+        for route in request.app.routes
+        if isinstance(route, Route)
+        for method in sorted((route.methods or set()) - {"HEAD"})
+    )
+    error = ApiError(status, f"{detail}: {request.method} {request.url.path}; this server's "
+                     f"routes are {routes}", type="invalid_request_error")  # fmt: skip
     return JSONResponse(error.body(), status_code=status)
 
 
@@ -337,6 +346,14 @@ def build_app(
         max_waiting_requests=config.max_waiting_requests,
     )
 
+    responses = Responses(
+        engine,
+        handlers.metrics,
+        keepalive=config.keepalive,
+        max_body_bytes=config.max_body_bytes,
+        check_room=handlers._check_room,
+    )
+
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
         endpoint = _Endpoint(handler, api_key=api_key if secured else None)
         return Route(path, endpoint, methods=[method])
@@ -345,6 +362,7 @@ def build_app(
         routes=[
             route("/v1/completions", handlers.completions, "POST"),
             route("/v1/chat/completions", handlers.chat, "POST"),
+            route("/v1/responses", responses.create, "POST"),
             route("/v1/models", handlers.models, "GET"),
             route("/tokenize", handlers.tokenize, "POST"),
             route("/detokenize", handlers.detokenize, "POST"),

@@ -196,7 +196,10 @@ async def test_request_level_errors() -> None:
 
         nowhere = await server.http.get("/v1/nowhere")
         assert nowhere.status_code == 404
-        assert nowhere.json()["error"]["message"] == "Not Found: GET /v1/nowhere"
+        assert nowhere.json()["error"]["message"].startswith(
+            "Not Found: GET /v1/nowhere; this server's routes are POST /v1/completions, "
+            "POST /v1/chat/completions, POST /v1/responses, GET /v1/models,"
+        )
         wrong_method = await server.http.get("/v1/completions")
         assert wrong_method.status_code == 405
         await still_serving(server)

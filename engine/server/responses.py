@@ -1,0 +1,719 @@
+"""``POST /v1/responses``: OpenAI's Responses API, stateless, on top of the chat path.
+
+A Responses request is translated into the chat completion it asks for (its ``input`` items
+into chat messages, ``instructions`` into a first system message, ``text.format`` into
+``response_format``, its flat function ``tools`` and ``tool_choice`` into chat's), and that
+request runs through the chat machinery unchanged: the same messages, sampling parameters,
+constraint and tool calls as ``/v1/chat/completions`` computes for it. The chat answer, whole
+or as chunks, is then written back as Responses output items (``message`` with
+``output_text``, ``function_call`` with ``call_id``, ``name`` and ``arguments``) and, when
+streamed, as the Responses event sequence with sequence numbers.
+
+The server keeps no state between requests, as Ollama's: anything that needs it
+(``previous_response_id``, ``store: true``, ``background: true``, ``conversation``, a stored
+``prompt``, an ``item_reference``) is a 400 that says so. Unknown fields are ignored, as on the
+chat endpoint; known ones this server cannot honour are a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.types import Receive, Send
+
+from twostroke.engine.server import protocol
+from twostroke.engine.server.body import read_body
+from twostroke.engine.server.errors import ApiError, invalid_request
+from twostroke.engine.server.generation import ChatFormat, Generation
+from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
+from twostroke.engine.server.structured import output_constraint
+from twostroke.engine.surface import EngineSurface
+
+__all__ = [
+    "MAX_CALL_ID_LENGTH",
+    "MAX_INPUT_ITEMS",
+    "MAX_TEMPERATURE",
+    "ResponseDraft",
+    "Responses",
+    "ResponsesRequest",
+    "chat_request",
+]
+
+#: The highest ``temperature``, as the Responses API documents it.
+MAX_TEMPERATURE = 2.0
+#: The most items ``input`` may hold.
+MAX_INPUT_ITEMS = 2048
+#: The longest ``call_id`` a ``function_call`` or ``function_call_output`` item may carry.
+MAX_CALL_ID_LENGTH = 128
+#: ``text.format.name``, as OpenAI allows it.
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_STATELESS = "this server is stateless: it stores no responses or conversations"
+
+
+class _Part(msgspec.Struct, kw_only=True):
+    """A content part of an input item (only text parts are accepted)."""
+
+    type: str
+    text: str | None = None
+
+
+class _Item(msgspec.Struct, kw_only=True):
+    """One item of ``input``: a message, a ``function_call`` or a ``function_call_output``.
+
+    One loose shape for all of them, so that a field missing from its kind is a 400 naming
+    the item and the field rather than a decoder's message.
+    """
+
+    type: str = "message"
+    role: str | None = None
+    content: str | list[_Part] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[_Part] | None = None
+
+
+class _Tool(msgspec.Struct, kw_only=True):
+    """One of ``tools``, flat as the Responses API has them: only ``function`` is served."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _NamedChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` as an object: ``{"type": "function", "name": ...}`` is served."""
+
+    type: str
+    name: str | None = None
+
+
+class _TextFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class _Text(msgspec.Struct, kw_only=True):
+    format: _TextFormat | None = None
+    verbosity: str | None = None  # for reasoning models; accepted and ignored
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/responses``: the fields this server reads (others are ignored)."""
+
+    input: str | list[_Item]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: _Text | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    # Stateful: a 400 that says the server is stateless.
+    previous_response_id: str | None = None
+    store: bool | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    # Would change the answer, and this server cannot honour them: a 400 naming them.
+    reasoning: Any = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+    max_tool_calls: int | None = None
+
+
+def _refuse_unsupported(body: ResponsesRequest) -> None:
+    """The 400s for stateful fields and for fields this server cannot honour."""
+    stateful = [
+        ("previous_response_id", body.previous_response_id is not None),
+        ("store", body.store is True),
+        ("background", body.background is True),
+        ("conversation", body.conversation is not None),
+        ("prompt", body.prompt is not None),
+    ]
+    for field, given in stateful:
+        if given:
+            shown = "true" if field in ("store", "background") else "given"
+            raise invalid_request(
+                f"{field} ({shown}) is not supported: {_STATELESS}; send the whole "
+                "conversation as input",
+                param=field,
+                code="stateless_server",
+            )
+    unsupported = [
+        ("reasoning", body.reasoning is not None, "this server runs no reasoning models"),
+        ("include", bool(body.include), f"got {body.include!r}"),
+        ("top_logprobs", bool(body.top_logprobs), f"got {body.top_logprobs}"),
+        (
+            "truncation",
+            body.truncation not in (None, "disabled"),
+            f"only 'disabled' is, got {body.truncation!r}",
+        ),
+        ("max_tool_calls", body.max_tool_calls is not None, f"got {body.max_tool_calls}"),
+    ]
+    for field, given, detail in unsupported:
+        if given:
+            raise invalid_request(
+                f"{field} is not supported by this server ({detail})", param=field
+            )
+
+
+def _text(content: str | list[_Part] | None, where: str) -> str:
+    """The text of an item's content or output: a string, or text parts joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for index, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise invalid_request(
+                f"{where}[{index}]: only text parts (input_text, output_text) are supported, "
+                f"got type {part.type!r}",
+                param="input",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _call_id(item: _Item, where: str) -> str:
+    call_id = item.call_id
+    if not call_id or len(call_id) > MAX_CALL_ID_LENGTH:
+        shown = "none" if call_id is None else f"{len(call_id)} characters"
+        raise invalid_request(
+            f"{where}.call_id must be a string of 1 to {MAX_CALL_ID_LENGTH} characters, "
+            f"got {shown}",
+            param="input",
+        )
+    return call_id
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """``instructions`` and ``input`` as chat messages (OpenAI's chat shape).
+
+    A ``function_call`` item becomes an assistant message's ``tool_calls`` (consecutive
+    calls share one message), a ``function_call_output`` a ``tool`` message with its
+    ``tool_call_id`` and the function's ``name``.
+    """
+    messages: list[dict[str, Any]] = []
+    if body.instructions is not None:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    if not body.input:
+        raise invalid_request("input must not be empty", param="input")
+    if len(body.input) > MAX_INPUT_ITEMS:
+        raise invalid_request(
+            f"input must hold <= {MAX_INPUT_ITEMS} items, got {len(body.input)}", param="input"
+        )
+    calls: dict[str, str] = {}  # call_id -> the function's name
+    for index, item in enumerate(body.input):
+        where = f"input[{index}]"
+        if item.type == "message":
+            role = _ROLES.get(item.role or "")
+            if role is None:
+                raise invalid_request(
+                    f"{where}.role must be one of {', '.join(_ROLES)}, got {item.role!r}",
+                    param="input",
+                )
+            messages.append({"role": role, "content": _text(item.content, f"{where}.content")})
+        elif item.type == "function_call":
+            call_id = _call_id(item, where)
+            if item.name is None or item.arguments is None:
+                raise invalid_request(
+                    f"{where}: a function_call item needs name and arguments", param="input"
+                )
+            if call_id in calls:
+                raise invalid_request(f"{where}.call_id {call_id!r} is not unique",
+                                      param="input")  # fmt: skip
+            calls[call_id] = item.name
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            call_id = _call_id(item, where)
+            if call_id not in calls:
+                raise invalid_request(
+                    f"{where}: no function_call with call_id {call_id!r} comes before this "
+                    "function_call_output in input",
+                    param="input",
+                )
+            output = _text(item.output, f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": call_id, "name": calls[call_id],
+                             "content": output})  # fmt: skip
+        elif item.type == "item_reference":
+            raise invalid_request(
+                f"{where}: item_reference is not supported: {_STATELESS}; send the items "
+                "themselves",
+                param="input",
+                code="stateless_server",
+            )
+        else:
+            raise invalid_request(
+                f"{where}.type must be message, function_call or function_call_output, "
+                f"got {item.type!r}",
+                param="input",
+            )
+    return messages
+
+
+def _tools(body: ResponsesRequest) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` in chat's shape (the chat path checks the rest)."""
+    fields: dict[str, Any] = {}
+    if body.tools is not None:
+        tools = []
+        for index, tool in enumerate(body.tools):
+            if tool.type != "function":
+                raise invalid_request(
+                    f"tools[{index}].type must be 'function' (the only tools this server "
+                    f"runs), got {tool.type!r}",
+                    param=f"tools[{index}].type",
+                )
+            if tool.name is None:
+                raise invalid_request(f"tools[{index}].name is required",
+                                      param=f"tools[{index}].name")  # fmt: skip
+            function: dict[str, Any] = {"name": tool.name}
+            for field in ("description", "parameters", "strict"):
+                value = getattr(tool, field)
+                if value is not None:
+                    function[field] = value
+            tools.append({"type": "function", "function": function})
+        fields["tools"] = tools
+    choice = body.tool_choice
+    if isinstance(choice, _NamedChoice):
+        if choice.type != "function" or choice.name is None:
+            raise invalid_request(
+                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                f"'name': ...}}, got type {choice.type!r}",
+                param="tool_choice",
+            )
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        fields["tool_choice"] = choice
+    if body.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = body.parallel_tool_calls
+    return fields
+
+
+def _response_format(body: ResponsesRequest) -> dict[str, Any]:
+    fmt = None if body.text is None else body.text.format
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if fmt.name is None or not _FORMAT_NAME.fullmatch(fmt.name):
+        shown = "none" if fmt.name is None else repr(fmt.name[:80])
+        raise invalid_request(
+            f"text.format.name must be 1 to 64 letters, digits, underscores or dashes, got {shown}",
+            param="text.format.name",
+        )
+    schema = {"name": fmt.name, "schema": fmt.schema, "strict": fmt.strict,
+              "description": fmt.description}  # fmt: skip
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+
+
+def chat_request(body: ResponsesRequest) -> protocol.ChatCompletionRequest:
+    """The chat completion a Responses request asks for.
+
+    Raises:
+        ApiError: 400 naming the field: a stateful field, one this server cannot honour, or
+            an input item, tool or format that is malformed.
+    """
+    _refuse_unsupported(body)
+    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body),
+                              "stream": body.stream}  # fmt: skip
+    if body.max_output_tokens is not None:
+        fields["max_completion_tokens"] = body.max_output_tokens
+    if body.temperature is not None:
+        if not 0 <= body.temperature <= MAX_TEMPERATURE:  # NaN too
+            raise invalid_request(
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {body.temperature}",
+                param="temperature",
+            )
+        fields["temperature"] = body.temperature
+    if body.top_p is not None:
+        fields["top_p"] = body.top_p
+    fields |= _response_format(body) | _tools(body)
+    try:
+        return msgspec.convert(fields, protocol.ChatCompletionRequest)
+    except msgspec.ValidationError as exc:  # a shape the chat path refuses
+        raise _renamed(invalid_request(str(exc), param="input")) from None
+
+
+#: The chat path's names of fields, and the Responses API's names of the same fields.
+_RENAMES = [
+    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
+    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
+    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bmessages\b"), "input"),
+    (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
+]
+
+
+def _rename(text: str) -> str:
+    for pattern, replacement in _RENAMES:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _renamed(error: ApiError) -> ApiError:
+    """A chat-path error, with the fields it names as the Responses API names them."""
+    param = None if error.param is None else _rename(error.param)
+    return ApiError(error.status, _rename(error.message), type=error.type, param=param,
+                    code=error.code, headers=error.headers)  # fmt: skip
+
+
+def _hex_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseDraft:
+    """A Response being written from a chat completion's chunks, and its stream's events.
+
+    Pure bookkeeping, no I/O: :meth:`begin` gives the opening events, :meth:`chunk` the
+    events for one chat completion chunk (text deltas open and extend a ``message`` item,
+    ``delta.tool_calls`` open and extend ``function_call`` items, an ``error`` fails the
+    response), :meth:`end` closes the open items and completes the response, and
+    :meth:`response` is the Response object at any point. Every event carries the next
+    ``sequence_number``. A complete (not streamed) answer is one chunk that holds all of it.
+
+    Args:
+        model: The served model's name.
+        echo: The request's fields a Response repeats (``instructions``, ``tools`` ...).
+    """
+
+    def __init__(self, model: str, echo: dict[str, Any]) -> None:
+        self.id = _hex_id("resp")
+        self._created = int(time.time())
+        self._model = model
+        self._echo = echo
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item that is being written
+        self._calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index -> its item
+        self._finish_reason: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self._error: dict[str, Any] | None = None
+        self.status = "in_progress"
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def response(self) -> dict[str, Any]:
+        """The Response object as it stands."""
+        incomplete = None
+        if self.status == "incomplete":
+            incomplete = {"reason": "max_output_tokens"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self._created,
+            "model": self._model,
+            "status": self.status,
+            "error": self._error,
+            "incomplete_details": incomplete,
+            "output": list(self._output),
+            "usage": self._usage,
+            "previous_response_id": None,
+            "store": False,
+            "background": False,
+            "metadata": {},
+            **self._echo,
+        }
+
+    def begin(self) -> list[dict[str, Any]]:
+        """``response.created`` and ``response.in_progress``."""
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+        ]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events for one chat completion chunk (or a whole answer as one)."""
+        error = chunk.get("error")
+        if isinstance(error, dict):
+            return self._fail(error)
+        events: list[dict[str, Any]] = []
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]
+            self._usage = {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {
+                    "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                },
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"],
+            }
+        for choice in chunk.get("choices", ()):
+            delta = choice.get("delta") or choice.get("message") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for position, call in enumerate(delta.get("tool_calls") or ()):
+                events += self._call(call.get("index", position), call)
+            if choice.get("finish_reason") is not None:
+                self._finish_reason = choice["finish_reason"]
+        return events
+
+    def end(self) -> list[dict[str, Any]]:
+        """Close what is open and finish: ``response.completed`` (``response.incomplete``
+        when the output ran into its token limit); nothing more after a failure."""
+        if self.status == "failed":
+            return []
+        events = self._close()
+        if not self._output:  # an empty answer is still one message
+            events += self._text("")
+            events += self._close()
+        if self._finish_reason == "length":
+            self.status = "incomplete"
+            return [*events, self._event("response.incomplete", response=self.response())]
+        self.status = "completed"
+        return [*events, self._event("response.completed", response=self.response())]
+
+    def _fail(self, error: dict[str, Any]) -> list[dict[str, Any]]:
+        code, message = error.get("code"), str(error.get("message"))
+        self.status = "failed"
+        self._error = {"code": code or "server_error", "message": message}
+        self._open = None
+        return [
+            self._event("error", code=code, message=message, param=error.get("param")),
+            self._event("response.failed", response=self.response()),
+        ]
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        item = self._open
+        if item is None or item["type"] != "message":
+            events += self._close()
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"id": _hex_id("msg"), "type": "message", "status": "in_progress",
+                    "role": "assistant", "content": []}  # fmt: skip
+            events.append(self._added(item))
+            item["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=len(self._output) - 1, content_index=0,
+                                      part=dict(part)))  # fmt: skip
+        if text:
+            item["content"][0]["text"] += text
+            events.append(self._event("response.output_text.delta", item_id=item["id"],
+                                      output_index=len(self._output) - 1, content_index=0,
+                                      delta=text, logprobs=[]))  # fmt: skip
+        return events
+
+    def _call(self, position: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        function = call.get("function") or {}
+        item = self._calls.get(position)
+        if item is None:  # a new call: its first chunk has its id and name
+            events += self._close()
+            item = {"id": _hex_id("fc"), "type": "function_call", "status": "in_progress",
+                    "call_id": call.get("id") or _hex_id("call"),
+                    "name": function.get("name", ""), "arguments": ""}  # fmt: skip
+            self._calls[position] = item
+            events.append(self._added(item))
+        fragment = function.get("arguments") or ""
+        if fragment:
+            item["arguments"] += fragment
+            index = self._output.index(item)
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=item["id"], output_index=index,
+                                      delta=fragment))  # fmt: skip
+        return events
+
+    def _added(self, item: dict[str, Any]) -> dict[str, Any]:
+        self._output.append(item)
+        self._open = item
+        return self._event("response.output_item.added", output_index=len(self._output) - 1,
+                           item=_copy(item))  # fmt: skip
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The events that finish the item being written, if one is."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self._output.index(item)
+        item["status"] = "incomplete" if self._finish_reason == "length" else "completed"
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events += [
+                self._event("response.output_text.done", item_id=item["id"],
+                            output_index=index, content_index=0, text=part["text"],
+                            logprobs=[]),
+                self._event("response.content_part.done", item_id=item["id"],
+                            output_index=index, content_index=0, part=dict(part)),
+            ]  # fmt: skip
+        else:
+            events.append(self._event("response.function_call_arguments.done",
+                                      item_id=item["id"], output_index=index,
+                                      arguments=item["arguments"]))  # fmt: skip
+        events.append(self._event("response.output_item.done", output_index=index,
+                                  item=_copy(item)))  # fmt: skip
+        return events
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as it stands now (events must not change when the item grows later)."""
+    copied = dict(item)
+    if "content" in copied:
+        copied["content"] = [dict(part) for part in copied["content"]]
+    return copied
+
+
+class _EventStream(EventSender):
+    """Takes the chat path's chunks (as :class:`Generation` streams them) and sends the
+    Responses API's events instead: ``event:`` and ``data:`` lines, no ``[DONE]``."""
+
+    def __init__(self, send: Send, draft: ResponseDraft) -> None:
+        super().__init__(send)
+        self._draft = draft
+
+    async def start(self) -> None:
+        await super().start()
+        await self._events(self._draft.begin())
+
+    async def data(self, payload: object) -> None:
+        assert isinstance(payload, dict)  # the chat path's chunks and errors
+        await self._events(self._draft.chunk(payload))
+
+    async def done(self) -> None:
+        await self._events(self._draft.end())
+        await self._write({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _events(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            payload = msgspec.json.encode(event)
+            await self._body(b"event: " + event["type"].encode() + b"\ndata: " + payload + b"\n\n")
+
+
+def _echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's fields that a Response repeats."""
+    fmt: dict[str, Any] = {"type": "text"}
+    if body.text is not None and body.text.format is not None:
+        fmt = msgspec.to_builtins(body.text.format)
+    choice = body.tool_choice
+    return {
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "text": {"format": fmt},
+        "tool_choice": (
+            msgspec.to_builtins(choice) if isinstance(choice, _NamedChoice) else choice or "auto"
+        ),
+        "tools": [msgspec.to_builtins(tool) for tool in body.tools or ()],
+        "truncation": "disabled",
+    }
+
+
+class Responses:
+    """The ``/v1/responses`` endpoint over one engine.
+
+    Args:
+        engine: The engine surface.
+        metrics: Where outcomes are counted (the chat path's counters).
+        keepalive: Seconds of silence on a stream before a keep-alive comment goes out.
+        max_body_bytes: The largest body read.
+        check_room: Refuses ``count`` more engine requests when the waiting queue cannot
+            take them (an ``EngineOverloaded``, the application's 503).
+    """
+
+    def __init__(
+        self,
+        engine: EngineSurface,
+        metrics: ServerMetrics,
+        *,
+        keepalive: float,
+        max_body_bytes: int,
+        check_room: Callable[[int], None],
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._keepalive = keepalive
+        self._max_body_bytes = max_body_bytes
+        self._check_room = check_room
+
+    async def create(self, request: Request, receive: Receive, send: Send) -> None:
+        """Answer one ``POST /v1/responses``: a Response object, or its event stream."""
+        body = protocol.decode_body(
+            await read_body(request, self._max_body_bytes), ResponsesRequest
+        )
+        protocol.check_model(body.model, self._engine.model_name)
+        chat = chat_request(body)
+        try:
+            messages = protocol.chat_messages(chat.messages)
+            try:
+                shape = output_constraint(chat)
+            except ApiError as exc:
+                if not (chat.stream and exc.param == "stream"):
+                    raise
+                # The chat path streams no tool calls yet: answer whole, then send it as
+                # events (each call's arguments in one delta).
+                chat.stream = False
+                shape = output_constraint(chat)
+            params = protocol.choice_params(chat, shape.constraint)
+        except ApiError as exc:
+            raise _renamed(exc) from None
+        fmt = ChatFormat(self._engine, 0, shape.tool_calls)
+        self._check_room(1)  # nothing runs from here to the submit
+        generation = Generation(
+            self._engine,
+            self._metrics,
+            fmt,
+            keepalive=self._keepalive,
+            prompt_field="input",
+            max_tokens_field="max_output_tokens",
+            constraint_field=None if shape.param is None else _rename(shape.param),
+        )
+        draft = ResponseDraft(self._engine.model_name, _echo(body))
+        try:
+            generation.submit([messages], params)
+            if chat.stream:
+                sender = _EventStream(send, draft)
+                await until_disconnect(
+                    receive, lambda: generation.stream(sender, include_usage=True)
+                )
+                return
+            disconnected, outputs = await until_disconnect(receive, generation.collect)
+            if disconnected or outputs is None:
+                return
+            answer = await generation.response(outputs)
+            if body.stream:  # the whole answer, sent as the events of its stream
+                sender = _EventStream(send, draft)
+                await sender.start()
+                await sender.data(answer)
+                await sender.done()
+                return
+            draft.chunk(answer)
+            draft.end()
+            try:
+                await send_json(send, 200, draft.response())
+            except OSError as exc:  # the client left between the answer and its sending
+                raise Disconnected from exc
+        finally:
+            await generation.settle()

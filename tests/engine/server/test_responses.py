@@ -1,0 +1,463 @@
+"""``POST /v1/responses`` through the official client: text, formats, function tools, streams,
+the stateless refusals and the 404 that names the routes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from openai.lib.streaming.responses._responses import ResponseStreamState
+
+from twostroke.engine.runners.toy import ToyRunner
+from twostroke.engine.server.responses import (
+    MAX_CALL_ID_LENGTH,
+    MAX_INPUT_ITEMS,
+    ResponseDraft,
+)
+
+from .conftest import OPENAI_STREAMS_ON_TRIO, served
+
+pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
+
+#: Short, closed arguments, so that every call of the toy completes within its tokens.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Oslo", "Bergen"]},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "name": "get_weather", "description": "The weather",
+     "parameters": WEATHER},
+    {"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}},
+]  # fmt: skip
+SCHEMAS = {tool["name"]: tool["parameters"] for tool in TOOLS}
+ORDER = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
+
+
+def _check_calls(output: list[Any]) -> list[Any]:
+    """Every output item is a complete function call whose arguments validate."""
+    assert output
+    for item in output:
+        assert item.type == "function_call", output
+        assert item.call_id.startswith("call_")
+        assert item.id.startswith("fc_")
+        assert item.status == "completed"
+        jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+    return output
+
+
+async def test_text_is_the_chat_answer_as_output_items_with_usage() -> None:
+    async with served(runner=ToyRunner(eos_rate=0.1)) as server:
+        response = await server.client.responses.create(
+            model="toy", input="Tell me about engines.", instructions="Answer briefly.",
+            max_output_tokens=200, temperature=0.5, top_p=0.9,
+        )  # fmt: skip
+        chat = await server.client.chat.completions.create(
+            model="toy", max_tokens=200, temperature=0.5, top_p=0.9,
+            messages=[{"role": "system", "content": "Answer briefly."},
+                      {"role": "user", "content": "Tell me about engines."}],
+        )  # fmt: skip
+        cut = await server.client.responses.create(model="toy", input="Hi", max_output_tokens=1)
+        (submitted, params), *_ = server.engine.submitted
+    assert submitted == [{"role": "system", "content": "Answer briefly."},
+                         {"role": "user", "content": "Tell me about engines."}]  # fmt: skip
+    assert (params.max_tokens, params.temperature, params.top_p) == (200, 0.5, 0.9)
+    assert response.object == "response"
+    assert response.id.startswith("resp_")
+    assert response.model == "toy"
+    assert response.status == "completed"
+    assert response.instructions == "Answer briefly."
+    (message,) = response.output
+    assert message.type == "message"
+    assert message.role == "assistant"
+    assert message.status == "completed"
+    assert message.id.startswith("msg_")
+    assert response.output_text == chat.choices[0].message.content
+    assert response.output_text  # the toy says something
+    assert response.usage is not None
+    assert chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    assert cut.status == "incomplete"
+    assert cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output[0].status == "incomplete"
+    assert cut.usage is not None
+    assert cut.usage.output_tokens == 1
+
+
+async def test_a_stream_is_the_answer_in_events_with_sequence_numbers() -> None:
+    async with served(runner=ToyRunner(eos_rate=0.1)) as server:
+        whole = await server.client.responses.create(
+            model="toy", input="Hello", max_output_tokens=200
+        )
+        stream = await server.client.responses.create(
+            model="toy", input="Hello", max_output_tokens=200, stream=True
+        )
+        events = [event async for event in stream]
+        async with server.client.responses.stream(
+            model="toy", input="Hello", max_output_tokens=200
+        ) as accumulated:
+            final = await accumulated.get_final_response()
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    kinds = [event.type for event in events]
+    assert kinds == sorted(kinds, key=ORDER.index)  # the order, each delta in its place
+    assert set(kinds) == set(ORDER)
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    assert "".join(event.delta for event in deltas) == whole.output_text
+    created, completed = events[0], events[-1]
+    assert created.type == "response.created"
+    assert completed.type == "response.completed"
+    assert created.response.status == "in_progress"
+    assert created.response.output == []
+    assert completed.response.id == created.response.id
+    assert completed.response.output_text == whole.output_text
+    usage, whole_usage = completed.response.usage, whole.usage
+    assert usage is not None
+    assert whole_usage is not None
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (
+        whole_usage.input_tokens,
+        whole_usage.output_tokens,
+        whole_usage.total_tokens,
+    )  # (cached_tokens: the first request left the prompt in the prefix cache)
+    assert final.output_text == whole.output_text
+    assert final.status == "completed"
+
+
+async def test_text_format_json_schema_constrains_the_output() -> None:
+    fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
+    async with served() as server:
+        whole = await server.client.responses.create(
+            model="toy", input="Weather in Oslo?", text={"format": fmt},  # type: ignore[typeddict-item]
+            max_output_tokens=64,
+        )  # fmt: skip
+        async with server.client.responses.stream(
+            model="toy",
+            input="Weather in Oslo?",
+            text={"format": fmt},  # type: ignore[typeddict-item]
+            max_output_tokens=64,
+        ) as stream:
+            final = await stream.get_final_response()
+        anything = await server.client.responses.create(
+            model="toy", input="Weather in Oslo?", text={"format": {"type": "json_object"}},
+            max_output_tokens=64,
+        )  # fmt: skip
+    jsonschema.validate(json.loads(whole.output_text), WEATHER)
+    assert final.output_text == whole.output_text
+    assert whole.text is not None
+    assert whole.text.format is not None
+    assert whole.text.format.type == "json_schema"
+    assert anything.status == "incomplete" or isinstance(json.loads(anything.output_text), dict)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_time"}])
+async def test_function_tools_answer_function_call_items(tool_choice: Any) -> None:
+    async with served() as server:
+        whole = await server.client.responses.create(
+            model="toy", input="Weather in Oslo?", tools=TOOLS, tool_choice=tool_choice,
+            max_output_tokens=128,
+        )  # fmt: skip
+        stream = await server.client.responses.create(
+            model="toy", input="Weather in Oslo?", tools=TOOLS, tool_choice=tool_choice,
+            max_output_tokens=128, stream=True,
+        )  # fmt: skip
+        events = [event async for event in stream]
+        async with server.client.responses.stream(
+            model="toy",
+            input="Weather in Oslo?",
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_output_tokens=128,
+        ) as accumulated:
+            final = await accumulated.get_final_response()
+    (call,) = _check_calls(whole.output)
+    if isinstance(tool_choice, dict):
+        assert call.name == "get_time"
+    assert whole.status == "completed"
+    (streamed,) = _check_calls(final.output)
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-4:] == ["response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]  # fmt: skip
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+async def test_a_tool_loop_round_trip_reaches_the_chat_path_as_history() -> None:
+    arguments = json.dumps({"city": "Oslo", "unit": "celsius"})
+    history: list[Any] = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": arguments, "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12 degrees"},
+        {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "It is mild.", "annotations": []}]},
+        {"role": "developer", "content": "Be brief."},
+    ]  # fmt: skip
+    async with served() as server:
+        response = await server.client.responses.create(
+            model="toy", input=history, tools=TOOLS, tool_choice="none", max_output_tokens=8,
+            store=False, metadata={"run": "1"}, extra_body={"unknown_field": 1},
+        )  # fmt: skip
+        ((prompt, _),) = server.engine.submitted
+    assert response.output[0].type == "message"
+    roles = [message["role"] for message in prompt]
+    assert roles == ["user", "assistant", "tool", "assistant", "system"]
+    assert prompt[0]["content"] == "Weather in Oslo?"
+    assert prompt[2]["content"] == "12 degrees"
+    assert prompt[3]["content"] == "It is mild."
+
+
+async def test_tool_choice_auto_is_answered_as_the_chat_path_answers_it() -> None:
+    """Whatever ``/v1/chat/completions`` does with tools and "auto", so does this."""
+    chat_tools = [
+        {
+            "type": "function",
+            "function": {key: value for key, value in tool.items() if key != "type"},
+        }
+        for tool in TOOLS
+    ]
+    async with served() as server:
+        chat = await server.http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Weather?"}], "tools": chat_tools,
+            "max_tokens": 128})  # fmt: skip
+        reply = await server.http.post(
+            "/v1/responses", json={"input": "Weather?", "tools": TOOLS, "max_output_tokens": 128}
+        )
+    assert reply.status_code == chat.status_code, (reply.text, chat.text)
+    if chat.status_code != 200:
+        error, chat_error = reply.json()["error"], chat.json()["error"]
+        assert (error["param"], error["message"]) == (chat_error["param"], chat_error["message"])
+        return
+    message = chat.json()["choices"][0]["message"]
+    calls = [item for item in reply.json()["output"] if item["type"] == "function_call"]
+    assert len(calls) == len(message.get("tool_calls") or [])
+
+
+#: (body fields, param, message, code)
+REFUSALS: list[tuple[dict[str, Any], str, str, str | None]] = [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "previous_response_id (given) "
+     "is not supported: this server is stateless", "stateless_server"),
+    ({"store": True}, "store", "store (true) is not supported: this server is stateless",
+     "stateless_server"),
+    ({"background": True}, "background", "this server is stateless", "stateless_server"),
+    ({"conversation": "conv_1"}, "conversation", "this server is stateless", "stateless_server"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "this server is stateless", "stateless_server"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input",
+     "input[0]: item_reference is not supported: this server is stateless", "stateless_server"),
+    ({"input": []}, "input", "input must not be empty", None),
+    ({"input": [{"role": "user", "content": "x"}] * (MAX_INPUT_ITEMS + 1)}, "input",
+     f"input must hold <= {MAX_INPUT_ITEMS} items, got {MAX_INPUT_ITEMS + 1}", None),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input",
+     "input[0].role must be one of user, assistant, system, developer, got 'tool'", None),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input", "input[0].content[0]: only text parts (input_text, output_text) are supported, "
+     "got type 'input_image'", None),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input[0].type must be "
+     "message, function_call or function_call_output, got 'reasoning'", None),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, "input",
+     "input[0]: no function_call with call_id 'call_9' comes before this function_call_output",
+     None),
+    ({"input": [{"type": "function_call", "call_id": "c" * (MAX_CALL_ID_LENGTH + 1),
+                 "name": "f", "arguments": "{}"}]}, "input",
+     f"input[0].call_id must be a string of 1 to {MAX_CALL_ID_LENGTH} characters, got "
+     f"{MAX_CALL_ID_LENGTH + 1} characters", None),
+    ({"input": [{"type": "function_call", "call_id": "c"}]}, "input",
+     "input[0]: a function_call item needs name and arguments", None),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be >= 1, got 0", None),
+    ({"temperature": 3.0}, "temperature", "temperature must be in [0, 2.0], got 3.0", None),
+    ({"top_p": 0}, "top_p", "top_p must be in (0, 1]", None),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tools[0].type",
+     "tools[0].type must be 'function' (the only tools this server runs), got 'web_search'",
+     None),
+    ({"tools": TOOLS, "tool_choice": {"type": "file_search"}}, "tool_choice",
+     "got type 'file_search'", None),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "tool_choice names function 'nope', which is not one of tools", None),
+    ({"tools": [{"type": "function", "name": "a b"}], "tool_choice": "required"},
+     "tools[0].name", "tools[0].name must be 1 to 64", None),
+    ({"text": {"format": {"type": "json_schema", "name": "bad name", "schema": WEATHER}}},
+     "text.format.name", "text.format.name must be 1 to 64 letters, digits, underscores or "
+     "dashes, got 'bad name'", None),
+    ({"text": {"format": {"type": "json_schema", "name": "w"}}}, "text.format",
+     "text.format of type json_schema needs json_schema.schema", None),
+    ({"text": {"format": {"type": "json_schema", "name": "w", "schema": {
+        "type": "object", "x-guidance": {}}}}}, "text.format.schema",
+     "text.format.schema: schema must not hold x-guidance", "constraint_rejected"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning is not supported", None),
+    ({"include": ["message.output_text.logprobs"]}, "include", "include is not supported",
+     None),
+    ({"truncation": "auto"}, "truncation", "only 'disabled' is, got 'auto'", None),
+    ({"max_tool_calls": 2}, "max_tool_calls", "max_tool_calls is not supported", None),
+    ({"model": "gpt-5"}, "model", "The model `gpt-5` does not exist", "model_not_found"),
+    ({"input": 7}, "input", "Expected `str | array`, got `int`", None),
+]  # fmt: skip
+
+
+async def test_refusals_are_400s_naming_the_field_and_the_rule() -> None:
+    async with served() as server:
+        for fields, param, message, code in REFUSALS:
+            body = {"model": "toy", "input": "Hi", "max_output_tokens": 4} | fields
+            reply = await server.http.post("/v1/responses", json=body)
+            assert reply.status_code == (404 if param == "model" else 400), (fields, reply.text)
+            error = reply.json()["error"]
+            assert error["param"] == param, (fields, error)
+            assert message in error["message"], (fields, error)
+            assert error["code"] == code, (fields, error)
+            assert error["type"] == "invalid_request_error"
+        assert server.engine.submitted == []  # all refused from the body alone
+        with pytest.raises(openai.BadRequestError, match="this server is stateless"):
+            await server.client.responses.create(
+                model="toy", input="Hi", previous_response_id="resp_1"
+            )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_schema_the_backend_refuses_is_a_400_naming_the_responses_field(
+    stream: bool,
+) -> None:
+    unsatisfiable = {"type": "integer", "minimum": 5, "maximum": 1}
+    async with served() as server:
+        reply = await server.http.post(
+            "/v1/responses",
+            json={
+                "input": "Hi",
+                "stream": stream,
+                "text": {"format": {"type": "json_schema", "name": "n", "schema": unsatisfiable}},
+            },
+        )
+        called = await server.http.post(
+            "/v1/responses",
+            json={
+                "input": "Hi",
+                "stream": stream,
+                "tool_choice": {"type": "function", "name": "f"},
+                "tools": [{"type": "function", "name": "f", "parameters": unsatisfiable}],
+            },
+        )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "text.format.schema"
+    assert reply.json()["error"]["message"].startswith("text.format.schema: ")
+    assert called.status_code == 400, called.text
+    assert called.json()["error"]["param"] == "tools[0].parameters"
+    assert called.json()["error"]["message"].startswith("tools[0].parameters: ")
+
+
+async def test_an_unknown_route_is_a_json_404_that_names_the_routes() -> None:
+    async with served() as server:
+        reply = await server.http.post("/v1/conversations", json={})
+        wrong_method = await server.http.get("/v1/responses")
+    assert reply.status_code == 404
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("Not Found: POST /v1/conversations; this server's routes")
+    for route in ["POST /v1/responses", "POST /v1/chat/completions", "GET /v1/models",
+                  "GET /health", "POST /tokenize"]:  # fmt: skip
+        assert route in error["message"]
+    assert "HEAD" not in error["message"]
+    assert wrong_method.status_code == 405
+    assert "POST /v1/responses" in wrong_method.json()["error"]["message"]
+
+
+def _chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+
+def test_streamed_tool_call_deltas_become_events_the_sdk_reassembles() -> None:
+    """Chat's streamed shape (text, then ``delta.tool_calls``: id and name first, then
+    argument fragments) gives the items a whole answer gives, as the SDK accumulates them."""
+    first = '{"city": "Oslo", "unit": "celsius"}'
+    chunks = [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": "Let me "}),
+        _chunk({"content": "check."}),
+        _chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                "function": {"name": "get_weather", "arguments": ""}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": first[:9]}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": first[9:]}}]}),
+        _chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                "function": {"name": "get_time", "arguments": '{"zone": '}}]}),
+        _chunk({"tool_calls": [{"index": 1, "function": {"arguments": '"UTC"}'}}]}),
+        _chunk({}, "tool_calls"),
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9,
+                                  "total_tokens": 14}},
+    ]  # fmt: skip
+    draft = ResponseDraft("toy", {"parallel_tool_calls": True, "tool_choice": "auto",
+                                  "tools": []})  # fmt: skip
+    events = draft.begin()
+    for chunk in chunks:
+        events += draft.chunk(chunk)
+    events += draft.end()
+    state: ResponseStreamState[Any] = ResponseStreamState(
+        input_tools=TOOLS, text_format=openai.omit
+    )
+    from openai._models import construct_type_unchecked
+    from openai.types.responses import ResponseStreamEvent
+
+    for event in events:
+        state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))  # type: ignore[arg-type]
+    final = state._completed_response
+    assert final is not None
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    message, weather, time = final.output
+    assert message.type == "message"
+    assert final.output_text == "Let me check."
+    assert weather.type == "function_call"
+    assert time.type == "function_call"
+    assert (weather.call_id, weather.name, weather.arguments) == ("call_a", "get_weather", first)
+    assert (time.call_id, time.name, time.arguments) == ("call_b", "get_time", '{"zone": "UTC"}')
+    assert final.usage is not None
+    assert final.usage.total_tokens == 14
+
+    whole = ResponseDraft("toy", {})
+    whole.chunk(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls",
+                    "message": {
+                        "role": "assistant",
+                        "content": "Let me check.",
+                        "tool_calls": [
+                            {
+                                "id": "call_a",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": first},
+                            },
+                            {
+                                "id": "call_b",
+                                "type": "function",
+                                "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'},
+                            },
+                        ],
+                    },
+                }
+            ]
+        }
+    )
+    whole.end()  # fmt: skip
+    items = whole.response()["output"]
+    assert [item["type"] for item in items] == ["message", "function_call", "function_call"]
+    assert [item.get("arguments") for item in items[1:]] == [first, '{"zone": "UTC"}']
