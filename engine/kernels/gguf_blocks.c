@@ -35,6 +35,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -55,6 +56,7 @@
 
 #define BLOCK 32 /* weights a block */
 #define TILE 4   /* activation rows a weight block is unpacked for */
+#define WROWS 4  /* weight rows a tile takes at most */
 
 /* Multiply-adds below which one thread does the whole call (projection_bf16.c's rule). */
 #define PARALLEL_WORK (1 << 18)
@@ -106,6 +108,7 @@ static inline float half_to_float(const uint8_t *p) {
 void twostroke_quantize_rows(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                              ptrdiff_t in_features, int8_t *q, float *scales, float *sums) {
     ptrdiff_t blocks = in_features / BLOCK;
+#pragma omp parallel for if (rows * in_features >= PARALLEL_WORK / 8) schedule(static)
     for (ptrdiff_t r = 0; r < rows; r++) {
         for (ptrdiff_t b = 0; b < blocks; b++) {
             const float *v = x + r * x_stride + b * BLOCK;
@@ -128,78 +131,120 @@ void twostroke_quantize_rows(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
     }
 }
 
-/* One weight row (its blocks at w) by `count` (1..TILE) quantized rows: results into dot[]. */
-static void row_tile(int type, const uint8_t *w, ptrdiff_t blocks, const int8_t *q,
-                     ptrdiff_t in_features, const float *scales, const float *sums, int count,
-                     float *dot) {
+/*
+ * A tile: `wrows` weight rows (row_bytes apart, from w) by `count` (1..TILE) quantized rows,
+ * results into dot[weight row][row]. Inlined with `type`, `wrows` and `count` constant
+ * (tiles()), so each case is a loop of its own whose sums stay in registers. Several weight
+ * rows at once keep several independent chains of multiply-adds in flight (one row's chain
+ * is bound by the latency of its adds, about 5 cycles a block).
+ */
+static inline __attribute__((always_inline)) void tile(
+    int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes, ptrdiff_t blocks,
+    const int8_t *q, ptrdiff_t in_features, const float *scales, const float *sums,
+    float dot[WROWS][TILE]) {
     ptrdiff_t size = block_bytes(type);
-    float extra[TILE] = {0};
+    float extra[WROWS][TILE] = {{0}};
 #if BLOCKS_AVX2
-    __m256 acc[TILE];
-    for (int r = 0; r < TILE; r++)
-        acc[r] = _mm256_setzero_ps();
+    __m256 acc[WROWS][TILE];
+    for (int k = 0; k < WROWS; k++)
+        for (int r = 0; r < TILE; r++)
+            acc[k][r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (ptrdiff_t b = 0; b < blocks; b++) {
-        const uint8_t *block = w + b * size;
-        float d = half_to_float(block), coefficient = 0.0f;
-        __m256i weights, signs = _mm256_setzero_si256();
-        if (type == TYPE_Q8_0) {
-            signs = _mm256_loadu_si256((const __m256i *)(block + 2));
-            weights = _mm256_sign_epi8(signs, signs); /* |q_w|, unsigned */
-        } else {
-            const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
-            __m128i packed = _mm_loadu_si128((const __m128i *)nibbles);
-            weights = _mm256_and_si256(
-                _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-            coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
-        }
-        for (int r = 0; r < TILE; r++) {
-            if (r < count) {
-                __m256i x = _mm256_loadu_si256(
-                    (const __m256i *)(q + r * in_features + b * BLOCK));
-                if (type == TYPE_Q8_0)
-                    x = _mm256_sign_epi8(x, signs);
-                __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(weights, x), ones);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * scales[r * blocks + b]),
-                                         _mm256_cvtepi32_ps(pairs), acc[r]);
-                extra[r] += coefficient * sums[r * blocks + b];
+        __m256i x[TILE];
+        for (int r = 0; r < count; r++)
+            x[r] = _mm256_loadu_si256((const __m256i *)(q + r * in_features + b * BLOCK));
+        for (int k = 0; k < wrows; k++) {
+            const uint8_t *block = w + k * row_bytes + b * size;
+            float d = half_to_float(block), coefficient = 0.0f;
+            __m256i weights, signs = _mm256_setzero_si256();
+            if (type == TYPE_Q8_0) {
+                signs = _mm256_loadu_si256((const __m256i *)(block + 2));
+                weights = _mm256_sign_epi8(signs, signs); /* |q_w|, unsigned */
+            } else {
+                const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
+                __m128i packed = _mm_loadu_si128((const __m128i *)nibbles);
+                weights =
+                    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+                coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+            }
+            for (int r = 0; r < count; r++) {
+                __m256i xr = type == TYPE_Q8_0 ? _mm256_sign_epi8(x[r], signs) : x[r];
+                __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(weights, xr), ones);
+                acc[k][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * scales[r * blocks + b]),
+                                            _mm256_cvtepi32_ps(pairs), acc[k][r]);
+                if (type != TYPE_Q8_0)
+                    extra[k][r] += coefficient * sums[r * blocks + b];
             }
         }
     }
-    for (int r = 0; r < count; r++) {
-        __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        half = _mm_add_ss(half, _mm_movehdup_ps(half));
-        dot[r] = _mm_cvtss_f32(half) + extra[r];
+    for (int k = 0; k < wrows; k++) {
+        for (int r = 0; r < count; r++) {
+            __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[k][r]),
+                                     _mm256_extractf128_ps(acc[k][r], 1));
+            half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            half = _mm_add_ss(half, _mm_movehdup_ps(half));
+            dot[k][r] = _mm_cvtss_f32(half) + extra[k][r];
+        }
     }
 #else
-    float acc[TILE] = {0};
+    float acc[WROWS][TILE] = {{0}};
     for (ptrdiff_t b = 0; b < blocks; b++) {
-        const uint8_t *block = w + b * size;
-        float d = half_to_float(block), coefficient = 0.0f;
-        int8_t weights[BLOCK];
-        if (type == TYPE_Q8_0) {
-            memcpy(weights, block + 2, BLOCK);
-        } else {
-            const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
-            for (int i = 0; i < BLOCK / 2; i++) {
-                weights[i] = (int8_t)(nibbles[i] & 0x0f);
-                weights[i + BLOCK / 2] = (int8_t)(nibbles[i] >> 4);
+        for (int k = 0; k < wrows; k++) {
+            const uint8_t *block = w + k * row_bytes + b * size;
+            float d = half_to_float(block), coefficient = 0.0f;
+            int8_t weights[BLOCK];
+            if (type == TYPE_Q8_0) {
+                memcpy(weights, block + 2, BLOCK);
+            } else {
+                const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
+                for (int i = 0; i < BLOCK / 2; i++) {
+                    weights[i] = (int8_t)(nibbles[i] & 0x0f);
+                    weights[i + BLOCK / 2] = (int8_t)(nibbles[i] >> 4);
+                }
+                coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
             }
-            coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
-        }
-        for (int r = 0; r < count; r++) {
-            const int8_t *x = q + r * in_features + b * BLOCK;
-            int32_t total = 0;
-            for (int i = 0; i < BLOCK; i++)
-                total += (int32_t)weights[i] * (int32_t)x[i];
-            acc[r] += d * scales[r * blocks + b] * (float)total;
-            extra[r] += coefficient * sums[r * blocks + b];
+            for (int r = 0; r < count; r++) {
+                const int8_t *x = q + r * in_features + b * BLOCK;
+                int32_t total = 0;
+                for (int i = 0; i < BLOCK; i++)
+                    total += (int32_t)weights[i] * (int32_t)x[i];
+                acc[k][r] += d * scales[r * blocks + b] * (float)total;
+                extra[k][r] += coefficient * sums[r * blocks + b];
+            }
         }
     }
-    for (int r = 0; r < count; r++)
-        dot[r] = acc[r] + extra[r];
+    for (int k = 0; k < wrows; k++)
+        for (int r = 0; r < count; r++)
+            dot[k][r] = acc[k][r] + extra[k][r];
 #endif
+}
+
+#define TILE_CASE(t, k, n) tile(t, k, n, w, row_bytes, blocks, q, in_features, scales, sums, dot)
+#define TILE_COUNTS(t, k)                                                                      \
+    switch (count) {                                                                           \
+    case 4: TILE_CASE(t, k, 4); break;                                                         \
+    case 3: TILE_CASE(t, k, 3); break;                                                         \
+    case 2: TILE_CASE(t, k, 2); break;                                                         \
+    default: TILE_CASE(t, k, 1); break;                                                        \
+    }
+#define TILE_SHAPES(t)                                                                         \
+    switch (wrows) {                                                                           \
+    case 4: TILE_COUNTS(t, 4); break;                                                          \
+    case 2: TILE_COUNTS(t, 2); break;                                                          \
+    default: TILE_COUNTS(t, 1); break;                                                         \
+    }
+_Static_assert(TILE == 4 && WROWS == 4, "tiles() takes 1, 2 or 4 weight rows by 1 to 4 rows");
+
+/* tile() with the type and the tile's shape as constants. */
+static void tiles(int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes,
+                  ptrdiff_t blocks, const int8_t *q, ptrdiff_t in_features, const float *scales,
+                  const float *sums, float dot[WROWS][TILE]) {
+    switch (type) {
+    case TYPE_Q8_0: TILE_SHAPES(TYPE_Q8_0); break;
+    case TYPE_Q4_0: TILE_SHAPES(TYPE_Q4_0); break;
+    default: TILE_SHAPES(TYPE_Q4_1); break;
+    }
 }
 
 /*
@@ -207,31 +252,77 @@ static void row_tile(int type, const uint8_t *w, ptrdiff_t blocks, const int8_t 
  * sums from twostroke_quantize_rows) by weight row o, for o < out_features, whose blocks of
  * `type` are contiguous from `blocks` (in_features / 32 blocks a row). columns NULL is o
  * itself (a permutation of the output columns: GGUF's rotary order of q/k rows undone
- * without touching the blocks). Returns 0, or 1 for a type it does not compute.
+ * without touching the blocks).
+ *
+ * The team splits groups of WROWS weight rows; a group takes tiles of up to TILE rows, by
+ * all its weight rows at once for one or two rows (8 sums in registers at most), by two
+ * at a time for more.
  */
-int twostroke_block_matmul(int type, const int8_t *q, const float *scales, const float *sums,
-                           ptrdiff_t rows, ptrdiff_t in_features, const void *blocks,
-                           ptrdiff_t out_features, const int32_t *columns, float *out,
-                           ptrdiff_t out_stride) {
+static void block_matmul(int type, const int8_t *q, const float *scales, const float *sums,
+                         ptrdiff_t rows, ptrdiff_t in_features, const void *blocks,
+                         ptrdiff_t out_features, const int32_t *columns, float *out,
+                         ptrdiff_t out_stride) {
     ptrdiff_t size = block_bytes(type);
-    if (!size)
-        return 1;
-    ptrdiff_t count = in_features / BLOCK, row_bytes = count * size;
+    ptrdiff_t count_blocks = in_features / BLOCK, row_bytes = count_blocks * size;
+    ptrdiff_t groups = (out_features + WROWS - 1) / WROWS;
     const uint8_t *weights = (const uint8_t *)blocks;
-    int parallel = out_features > 1 && rows * in_features * out_features >= PARALLEL_WORK;
+    int parallel = groups > 1 && rows * in_features * out_features >= PARALLEL_WORK;
 #pragma omp parallel for if (parallel) schedule(static)
-    for (ptrdiff_t o = 0; o < out_features; o++) {
-        const uint8_t *w = weights + o * row_bytes;
-        ptrdiff_t column = columns ? columns[o] : o;
+    for (ptrdiff_t g = 0; g < groups; g++) {
+        ptrdiff_t o0 = g * WROWS;
+        int left = out_features - o0 < WROWS ? (int)(out_features - o0) : WROWS;
         for (ptrdiff_t r0 = 0; r0 < rows; r0 += TILE) {
-            int n = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-            float dot[TILE];
-            row_tile(type, w, count, q + r0 * in_features, in_features, scales + r0 * count,
-                     sums + r0 * count, n, dot);
-            for (int r = 0; r < n; r++)
-                out[(r0 + r) * out_stride + column] = dot[r];
+            int count = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+            int step = left == WROWS && count <= 2 ? WROWS : 2;
+            for (int k0 = 0; k0 < left;) {
+                int wrows = left - k0 >= step ? step : 1;
+                float dot[WROWS][TILE];
+                const uint8_t *w = weights + (o0 + k0) * row_bytes;
+                tiles(type, wrows, count, w, row_bytes, count_blocks, q + r0 * in_features,
+                      in_features, scales + r0 * count_blocks, sums + r0 * count_blocks, dot);
+                for (int k = 0; k < wrows; k++) {
+                    ptrdiff_t o = o0 + k0 + k, column = columns ? columns[o] : o;
+                    for (int r = 0; r < count; r++)
+                        out[(r0 + r) * out_stride + column] = dot[k][r];
+                }
+                k0 += wrows;
+            }
         }
     }
+}
+
+/*
+ * out[rows][...] (row stride out_stride) = x W^T for a projection of `count` parts side by
+ * side (q/k/v, gate/up: each part's columns from its offset): x's rows (row stride
+ * x_stride) quantized once, in scratch memory of this call's own, then multiplied by each
+ * part. One call a projection, so a decode step pays one foreign call for each.
+ * Returns 0; 1 for a part of a type it does not compute (nothing is written); 2 if the
+ * scratch memory could not be allocated.
+ */
+int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                           ptrdiff_t in_features, const struct twostroke_block_part *parts,
+                           ptrdiff_t count, float *out, ptrdiff_t out_stride) {
+    for (ptrdiff_t p = 0; p < count; p++)
+        if (!block_bytes(parts[p].type))
+            return 1;
+    if (rows <= 0)
+        return 0;
+    ptrdiff_t blocks = in_features / BLOCK;
+    int8_t *q = malloc((size_t)(rows * in_features));
+    float *scales = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
+    if (!q || !scales) {
+        free(q);
+        free(scales);
+        return 2;
+    }
+    float *sums = scales + rows * blocks;
+    twostroke_quantize_rows(x, x_stride, rows, in_features, q, scales, sums);
+    for (ptrdiff_t p = 0; p < count; p++)
+        block_matmul(parts[p].type, q, scales, sums, rows, in_features, parts[p].blocks,
+                     parts[p].out_features, parts[p].columns, out + parts[p].offset,
+                     out_stride);
+    free(q);
+    free(scales);
     return 0;
 }
 

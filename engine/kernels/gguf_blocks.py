@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from twostroke.engine.kernels.build import NativeBuildError, bind, call, compile_library
+from twostroke.engine.kernels.header import structures
 
 __all__ = [
     "BLOCK",
@@ -71,7 +72,7 @@ BLOCK_BYTES: Mapping[int, int] = {2: 18, 3: 20, 8: 34}
 _SYMBOLS = (
     "twostroke_blocks_avx2",
     "twostroke_quantize_rows",
-    "twostroke_block_matmul",
+    "twostroke_block_linear",
     "twostroke_block_rows",
 )
 
@@ -193,7 +194,7 @@ class BlockKernel:
     avx2: bool
     path: Path
     _quantize: Callable[..., None] = attrs.field(repr=False)
-    _matmul: Callable[..., int] = attrs.field(repr=False)
+    _linear: Callable[..., int] = attrs.field(repr=False)
     _rows: Callable[..., int] = attrs.field(repr=False)
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
@@ -231,43 +232,43 @@ class BlockKernel:
         )
         return QuantizedRows(q, scales, sums)
 
-    def matmul_into(self, rows: QuantizedRows, weight: BlockTensor, out: torch.Tensor) -> None:
-        """``out[:, columns] = rows W^T``: ``out`` a float32 ``[rows, >= out_features]``
-        view whose columns are contiguous.
+    def linear(self, x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+        """``x W^T`` for float32 ``x`` ``[rows, in_features]`` (a row stride allowed): one
+        foreign call, which quantizes the rows once and multiplies them by every part.
 
         Raises:
-            ValueError: widths or rows that do not fit.
+            ValueError: another dtype, device or width.
         """
         if (
-            rows.q.shape[1] != weight.in_features
-            or out.dtype != torch.float32
-            or out.dim() != 2
-            or out.shape[0] != rows.rows
-            or out.shape[1] < weight.out_features
-            or (out.shape[0] and out.stride(1) != 1)
+            x.dtype != torch.float32
+            or x.dim() != 2
+            or x.shape[1] != weight.in_features
+            or x.device.type != "cpu"
         ):
             raise ValueError(
-                f"{weight.name}: [{rows.rows}, {rows.q.shape[1]}] rows by a "
-                f"[{weight.out_features}, {weight.in_features}] weight do not fit "
-                f"{out.dtype} {tuple(out.shape)}"
+                f"block products take float32 rows [rows, {weight.in_features}] on the CPU; "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
-        columns = weight.columns
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows, out_features = int(x.shape[0]), weight.out_features
+        out = torch.empty((rows, out_features), dtype=torch.float32)
         failed = call(
-            self._matmul,
-            weight.block_type,
-            rows.q.data_ptr(),
-            rows.scales.data_ptr(),
-            rows.sums.data_ptr(),
-            rows.rows,
+            self._linear,
+            x.data_ptr(),
+            x.stride(0),
+            rows,
             weight.in_features,
-            weight.address,
-            weight.out_features,
-            None if columns is None else columns.data_ptr(),
+            weight.table,
+            len(weight.parts),
             out.data_ptr(),
-            out.stride(0),
+            out_features,
         )
+        if failed == 2:
+            raise MemoryError(f"the block products could not allocate scratch for {rows} rows")
         if failed:  # BlockTensor holds only types the library computes
-            raise NativeBuildError(f"the block library refused type {weight.block_type}")
+            raise NativeBuildError(f"the block library refused a type of {weight.parts}")
+        return out
 
     def rows(self, weight: BlockTensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``weight`` dequantized: float32 ``[len(ids), in_features]`` (in
@@ -312,6 +313,7 @@ class BlockWeight:
     bias: torch.Tensor | None = None
     in_features: int = attrs.field(init=False)
     out_features: int = attrs.field(init=False)
+    table: Any = attrs.field(init=False, repr=False, eq=False)
 
     @in_features.default
     def _in_features(self) -> int:
@@ -324,6 +326,22 @@ class BlockWeight:
     def _out_features(self) -> int:
         return sum(part.out_features for part in self.parts)
 
+    @table.default
+    def _table(self) -> Any:
+        """The parts as ``kernels.h``'s ``struct twostroke_block_part`` array (made once)."""
+        part_type = structures()["twostroke_block_part"]
+        table = (part_type * len(self.parts))()
+        offset = 0
+        for entry, part in zip(table, self.parts, strict=True):
+            columns = part.columns
+            entry.type = part.block_type
+            entry.out_features = part.out_features
+            entry.blocks = part.address
+            entry.columns = None if columns is None else columns.data_ptr()
+            entry.offset = offset
+            offset += part.out_features
+        return table
+
     @property
     def nbytes(self) -> int:
         """Bytes of blocks a product reads."""
@@ -331,17 +349,11 @@ class BlockWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b`` for float32 ``x`` ``[..., in_features]``."""
-        shape = x.shape
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        rows = self.kernel.quantize(flat)
-        out = torch.empty((rows.rows, self.out_features), dtype=torch.float32)
-        start = 0
-        for part in self.parts:
-            self.kernel.matmul_into(rows, part, out[:, start:])
-            start += part.out_features
+        out = self.kernel.linear(flat, self)
         if self.bias is not None:
             out += self.bias
-        return out if x.dim() == 2 else out.view(*shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 @attrs.frozen
@@ -395,8 +407,8 @@ def build_blocks(*, environ: Mapping[str, str] | None = None) -> BlockKernel:
     library, path = compile_library(
         BLOCK_SOURCE, [], "the GGUF block products", env, symbols=_SYMBOLS
     )
-    avx2, quantize, matmul, rows = (bind(library, path, name) for name in _SYMBOLS)
-    kernel = BlockKernel(bool(avx2()), path, quantize=quantize, matmul=matmul, rows=rows)
+    avx2, quantize, linear, rows = (bind(library, path, name) for name in _SYMBOLS)
+    kernel = BlockKernel(bool(avx2()), path, quantize=quantize, linear=linear, rows=rows)
     _check(kernel)
     return kernel
 
@@ -426,8 +438,7 @@ def _check(kernel: BlockKernel) -> None:
             weight = BlockTensor("check", block_type, data, columns)
             x = torch.from_numpy(generator.normal(0, 1, (rows, in_features)).astype(np.float32))
             quantized = kernel.quantize(x)
-            out = torch.empty((rows, out_features), dtype=torch.float32)
-            kernel.matmul_into(quantized, weight, out)
+            out = BlockWeight(kernel, (weight,))(x)
             dense = kernel.rows(weight, torch.arange(out_features)).double()
             products = quantized.dequantized().double().unsqueeze(1) * dense.unsqueeze(0)
             expected = products.sum(-1)[:, torch.argsort(columns)]

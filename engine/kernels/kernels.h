@@ -72,20 +72,26 @@ twostroke_projection_fn twostroke_projection;
 
 /* gguf_blocks.c: products by GGUF's Q8_0, Q4_0 and Q4_1 blocks as stored (`type` is GGML's
  * type number), of activations quantized per block of 32; and the rows of such a weight. */
+struct twostroke_block_part {
+    int type;               /* GGML's type number */
+    ptrdiff_t out_features; /* its weight rows */
+    const void *blocks;     /* [out_features][in_features / 32] blocks */
+    const int32_t *columns; /* [out_features]: each row's output column, or NULL: its own */
+    ptrdiff_t offset;       /* its first output column */
+};
 typedef int twostroke_blocks_avx2_fn(void);
 typedef void twostroke_quantize_rows_fn(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                                         ptrdiff_t in_features, int8_t *q, float *scales,
                                         float *sums);
-typedef int twostroke_block_matmul_fn(int type, const int8_t *q, const float *scales,
-                                      const float *sums, ptrdiff_t rows,
-                                      ptrdiff_t in_features, const void *blocks,
-                                      ptrdiff_t out_features, const int32_t *columns,
+typedef int twostroke_block_linear_fn(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                                      ptrdiff_t in_features,
+                                      const struct twostroke_block_part *parts, ptrdiff_t count,
                                       float *out, ptrdiff_t out_stride);
 typedef int twostroke_block_rows_fn(int type, const void *blocks, ptrdiff_t in_features,
                                     const int64_t *ids, ptrdiff_t count, float *out);
 twostroke_blocks_avx2_fn twostroke_blocks_avx2;
 twostroke_quantize_rows_fn twostroke_quantize_rows;
-twostroke_block_matmul_fn twostroke_block_matmul;
+twostroke_block_linear_fn twostroke_block_linear;
 twostroke_block_rows_fn twostroke_block_rows;
 
 /* decoder_stack.c: the model, its kernels and each layer's weights (fixed once loaded). */
