@@ -17,6 +17,7 @@ chat endpoint; known ones this server cannot honour are a 400 naming them.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -52,8 +53,8 @@ MAX_TEMPERATURE = 2.0
 MAX_INPUT_ITEMS = 2048
 #: The longest ``call_id`` a ``function_call`` or ``function_call_output`` item may carry.
 MAX_CALL_ID_LENGTH = 128
-#: ``text.format.name``, as OpenAI allows it.
-_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: ``text.format.name`` and a function's name, as OpenAI allows them.
+_FORMAT_NAME = _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _STATELESS = "this server is stateless: it stores no responses or conversations"
@@ -241,6 +242,19 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 raise invalid_request(
                     f"{where}: a function_call item needs name and arguments", param="input"
                 )
+            if not _FUNCTION_NAME.fullmatch(item.name):
+                raise invalid_request(
+                    f"{where}.name must be 1 to 64 letters, digits, underscores or dashes, "
+                    f"got {item.name[:80]!r}",
+                    param="input",
+                )
+            try:
+                json.loads(item.arguments)
+            except (ValueError, RecursionError):
+                raise invalid_request(
+                    f"{where}.arguments must be JSON text, got {item.arguments[:80]!r}",
+                    param="input",
+                ) from None
             if call_id in calls:
                 raise invalid_request(f"{where}.call_id {call_id!r} is not unique",
                                       param="input")  # fmt: skip
