@@ -56,6 +56,15 @@ from twostroke.engine.server.responses import Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint
 from twostroke.engine.surface import EngineSurface
+from twostroke.engine.tools.formats import (
+    GENERIC,
+    ToolFormat,
+    engine_tool_format,
+)
+from twostroke.engine.tools.formats import (
+    tool_format as named_tool_format,
+)
+from twostroke.engine.tools.prompt import render_prompt
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
 
@@ -124,6 +133,7 @@ class _OpenAI:
         *,
         max_choices: int,
         max_waiting_requests: int | None,
+        tool_format: ToolFormat = GENERIC,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -131,6 +141,7 @@ class _OpenAI:
         self.max_body_bytes = max_body_bytes
         self.max_choices = max_choices
         self.max_waiting_requests = max_waiting_requests
+        self.tool_format = tool_format
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.max_body_bytes)
@@ -150,9 +161,10 @@ class _OpenAI:
         body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
         # What the body alone decides is checked before the messages are tokenized.
-        messages = protocol.chat_messages(body.messages)
+        turns = protocol.chat_turns(body.messages)
         protocol.check_choices(1, body.n, self.max_choices)
-        shape = output_constraint(body)
+        shape = output_constraint(body, self.tool_format)
+        messages = render_prompt(self.tool_format, turns, shape.tools)
         # without max_tokens: what the context leaves
         params = protocol.choice_params(body, shape.constraint)
         fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
@@ -234,6 +246,7 @@ class _OpenAI:
             "created": int(time.time()),
             "owned_by": "twostroke",
             "max_model_len": self.engine.max_model_len,
+            "tool_format": self.tool_format.name,
         }
         await send_json(send, 200, {"object": "list", "data": [model]})
 
@@ -257,7 +270,8 @@ class _OpenAI:
         if (body.prompt is None) == (body.messages is None):
             raise invalid_request("pass exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            tokens = await self._tokenize(protocol.chat_messages(body.messages), "messages")
+            messages = protocol.chat_messages(body.messages, self.tool_format)
+            tokens = await self._tokenize(messages, "messages")
         else:
             tokens = await self._tokenize(body.prompt, "prompt")
         reply = {"count": len(tokens), "max_model_len": self.engine.max_model_len,
@@ -294,6 +308,7 @@ def build_app(
     api_key: str | None = None,
     config: ServerConfig | None = None,
     shutdown: ServerShutdown | None = None,
+    tool_format: ToolFormat | str | None = None,
     **limits: Any,
 ) -> Starlette:
     """The ASGI application serving ``engine`` with OpenAI's API.
@@ -315,6 +330,10 @@ def build_app(
             :func:`~twostroke.engine.server.serve.serve` runs.
         shutdown: Lets the server that runs the application end open responses gracefully
             (:func:`~twostroke.engine.server.serve.serve` passes one).
+        tool_format: The format the model writes tool calls in
+            (:mod:`twostroke.engine.tools`), or its name; ``None``: the one the engine's chat
+            template implies (:func:`~twostroke.engine.tools.formats.engine_tool_format`).
+            Logged once, and ``/v1/models`` names it.
         **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
             (``max_choices=4``), instead of ``config``.
 
@@ -337,6 +356,13 @@ def build_app(
     if config.max_waiting_requests is not None:  # more could never be queued
         max_choices = min(max_choices, config.max_waiting_requests)
     hosts = config.hosts_answered()
+    if isinstance(tool_format, str):
+        tool_format = named_tool_format(tool_format)
+    chosen = "as named" if tool_format is not None else "from the chat template"
+    tool_format = tool_format if tool_format is not None else engine_tool_format(engine)
+    if not isinstance(tool_format, ToolFormat):
+        raise TypeError(f"tool_format must be a ToolFormat, a str or None, got {tool_format!r}")
+    logger.info("tool calls in the %s format (%s)", tool_format.name, chosen)
     handlers = _OpenAI(
         engine,
         ServerMetrics(engine),
@@ -344,6 +370,7 @@ def build_app(
         config.max_body_bytes,
         max_choices=max_choices,
         max_waiting_requests=config.max_waiting_requests,
+        tool_format=tool_format,
     )
 
     responses = Responses(

@@ -37,6 +37,7 @@ from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender
 from twostroke.engine.server.structured import ToolCalls, constraint_error, constraint_failure
 from twostroke.engine.surface import EngineSurface
+from twostroke.engine.tools.parser import CallStarted, TextDelta, ToolCallParser, ToolEvent
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
 from twostroke.states.prompts import Prompt
@@ -68,6 +69,10 @@ class Format(Protocol):
     def choice(
         self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, chunk: bool
     ) -> dict[str, Any]: ...
+
+    def chunks(
+        self, index: int, text: str, logprobs: Any, finish_reason: str | None
+    ) -> list[dict[str, Any]]: ...
 
     async def logprobs(
         self, choice: Choice, entries: Sequence[TokenLogprobs], text: str
@@ -314,7 +319,8 @@ class Generation:
                     if last is not None:
                         self._metrics.streamed(now - last, len(delta.token_ids))
                     last = now
-                    await events.send(await self._chunk(choice, delta))
+                    for payload in await self._chunks(choice, delta):
+                        await events.send(payload)
             except anyio.BrokenResourceError:
                 return  # the relay stopped: the stream is over
             except Exception as exc:
@@ -324,15 +330,17 @@ class Generation:
                 with contextlib.suppress(anyio.BrokenResourceError):
                     await events.send(error)
 
-    async def _chunk(self, choice: Choice, delta: Delta) -> dict[str, Any]:
+    async def _chunks(self, choice: Choice, delta: Delta) -> list[dict[str, Any]]:
+        """A delta's chunk payloads: one, or with tools as many as its pieces (none while
+        text that could start a call is held back)."""
         choice.num_tokens += len(delta.token_ids)
         logprobs = None
         if delta.logprobs is not None:
             logprobs = await self._fmt.logprobs(choice, delta.logprobs, delta.text)
         reason = None if delta.finish_reason is None else str(delta.finish_reason)
-        payload = self._fmt.choice(choice.index, delta.text, logprobs, reason, chunk=True)
+        payloads = self._fmt.chunks(choice.index, delta.text, logprobs, reason)
         choice.text_offset += len(delta.text)
-        return payload
+        return payloads
 
 
 class _TokenTexts:
@@ -368,6 +376,11 @@ class CompletionFormat:
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}  # fmt: skip
 
+    def chunks(
+        self, index: int, text: str, logprobs: Any, finish_reason: str | None
+    ) -> list[dict[str, Any]]:
+        return [self.choice(index, text, logprobs, finish_reason, chunk=True)]
+
     async def logprobs(
         self, choice: Choice, entries: Sequence[TokenLogprobs], text: str
     ) -> dict[str, Any]:
@@ -385,7 +398,18 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """``/v1/chat/completions``: ``message`` / ``delta`` choices, logprobs per token."""
+    """``/v1/chat/completions``: ``message`` / ``delta`` choices, logprobs per token.
+
+    With tools, an output is read as text and calls (:class:`ToolCalls`): a complete answer
+    carries complete calls as ``message.tool_calls`` (``content`` the text before them, or
+    ``null``) with ``finish_reason`` ``"tool_calls"``, and an output cut inside a call as
+    text. A stream sends text as ``content`` deltas until the trigger (none of which reaches
+    them), then each call as OpenAI streams one: a delta with its ``index``, ``id``,
+    ``type`` and ``function.name`` (``arguments`` ``""``), then deltas of ``arguments``
+    pieces; the last chunk's ``finish_reason`` is ``"tool_calls"`` when the calls are
+    complete. A stream cut inside a call has sent its pieces already and ends with
+    ``"length"``.
+    """
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -396,6 +420,7 @@ class ChatFormat:
         self._texts = _TokenTexts(engine)
         self._top = top_logprobs
         self._tool_calls = tool_calls
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""},
@@ -409,11 +434,38 @@ class ChatFormat:
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             calls = None if self._tool_calls is None else self._tool_calls.calls(text)
-            if calls is not None:  # a complete call: as OpenAI answers it
-                message = {"role": "assistant", "content": None, "tool_calls": calls}
+            if calls is not None:  # complete calls: as OpenAI answers them
+                before = self._tool_calls.read(text).content if self._tool_calls else ""
+                message = {"role": "assistant", "content": before or None, "tool_calls": calls}
                 finish_reason = "tool_calls"
             content = {"message": message}
         return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chunks(
+        self, index: int, text: str, logprobs: Any, finish_reason: str | None
+    ) -> list[dict[str, Any]]:
+        if self._tool_calls is None:
+            return [self.choice(index, text, logprobs, finish_reason, chunk=True)]
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = ToolCallParser(self._tool_calls.format)
+        events = parser.feed(text)
+        if finish_reason is not None:
+            events += parser.finish()
+            result = parser.result()
+            if result.calls and result.complete:
+                finish_reason = "tool_calls"
+        deltas = _deltas(events)
+        if finish_reason is not None or logprobs is not None:
+            deltas = deltas or [{}]
+        payloads: list[dict[str, Any]] = [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in deltas
+        ]
+        if payloads:
+            payloads[0]["logprobs"] = logprobs
+            payloads[-1]["finish_reason"] = finish_reason
+        return payloads
 
     async def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = await self._texts(token_id)
@@ -428,3 +480,28 @@ class ChatFormat:
             token["top_logprobs"] = [await self._token(t, lp) for t, lp in entry.top[: self._top]]
             content.append(token)
         return {"content": content, "refusal": None}
+
+
+def _deltas(events: Sequence[ToolEvent]) -> list[dict[str, Any]]:
+    """Parser events as chat deltas: text pieces joined, a call's start a delta of its own,
+    then its arguments' pieces joined."""
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        last = deltas[-1] if deltas else None
+        if isinstance(event, TextDelta):
+            if last is not None and "content" in last:
+                last["content"] += event.text
+            else:
+                deltas.append({"content": event.text})
+        elif isinstance(event, CallStarted):
+            function = {"name": event.name, "arguments": ""}
+            call = {"index": event.index, "id": event.id, "type": "function", "function": function}
+            deltas.append({"tool_calls": [call]})
+        else:
+            previous = last.get("tool_calls", [{}])[0] if last is not None else {}
+            if previous.get("index") == event.index and "id" not in previous:
+                previous["function"]["arguments"] += event.text
+            else:
+                piece = {"index": event.index, "function": {"arguments": event.text}}
+                deltas.append({"tool_calls": [piece]})
+    return deltas

@@ -9,6 +9,7 @@ them rather than silently ignored.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
@@ -16,12 +17,22 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from twostroke.engine.server.errors import ApiError, invalid_request
+from twostroke.engine.tools.formats import (
+    FUNCTION_NAME,
+    GENERIC,
+    ToolCall,
+    ToolFormat,
+    ToolSpec,
+)
+from twostroke.engine.tools.prompt import Turn, render_prompt
 from twostroke.states.constraints import Constraint
 from twostroke.states.params import MAX_LOGPROBS, SamplingParams
 from twostroke.states.validators import is_int
 
 __all__ = [
     "MAX_N",
+    "MAX_TOOLS",
+    "MAX_TOOL_CALL_ID_LENGTH",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -34,6 +45,7 @@ __all__ = [
     "TokenizeRequest",
     "Tool",
     "chat_messages",
+    "chat_turns",
     "check_choices",
     "check_model",
     "choice_params",
@@ -42,8 +54,13 @@ __all__ = [
     "max_tokens_field",
 ]
 
+#: The most tools one chat request may offer, and the most calls one message may hold
+#: (OpenAI's own limit is 128).
+MAX_TOOLS = 128
 #: The most choices (``n``) one request may ask for.
 MAX_N = 128
+#: The longest id of a tool call in a message (OpenAI's are 29 to 40 characters).
+MAX_TOOL_CALL_ID_LENGTH = 256
 _SEED_MODULUS = 2**63
 _T = TypeVar("_T")
 _SEED_STRIDE = 0x9E37_79B9_7F4A_7C15  # the golden-ratio increment of splitmix64
@@ -154,10 +171,25 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """One of an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -170,7 +202,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # one call is made either way; ignored
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI's default
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -261,34 +293,119 @@ def _is_token_ids(item: object) -> bool:
     return isinstance(item, list) and bool(item) and all(is_int(i) for i in item)
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as the engine's chat template takes them (text parts joined).
+def _text(index: int, content: str | list[ContentPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise invalid_request(
+                f"messages[{index}]: only text content parts are supported, got type {part.type!r}",
+                param="messages",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _tool_calls(index: int, message: ChatMessage) -> tuple[ToolCall, ...]:
+    """An assistant message's calls, each checked: an id, a function's name, JSON arguments."""
+    calls = message.tool_calls or []
+    where = f"messages[{index}].tool_calls"
+    if calls and message.role != "assistant":
+        raise invalid_request(
+            f"{where} is only for assistant messages, got role {message.role[:40]!r}",
+            param="messages",
+        )
+    if len(calls) > MAX_TOOLS:
+        raise invalid_request(f"{where} must hold <= {MAX_TOOLS} calls, got {len(calls)}",
+                              param="messages")  # fmt: skip
+    checked = []
+    for number, call in enumerate(calls):
+        if not 1 <= len(call.id) <= MAX_TOOL_CALL_ID_LENGTH:
+            raise invalid_request(
+                f"{where}[{number}].id must be 1 to {MAX_TOOL_CALL_ID_LENGTH} characters, "
+                f"got {len(call.id)}",
+                param="messages",
+            )
+        name = call.function.name
+        if not FUNCTION_NAME.fullmatch(name):
+            raise invalid_request(
+                f"{where}[{number}].function.name must be 1 to 64 letters, digits, "
+                f"underscores or dashes, got {name[:80]!r}",
+                param="messages",
+            )
+        try:
+            json.loads(call.function.arguments)
+        except (ValueError, RecursionError):
+            raise invalid_request(
+                f"{where}[{number}].function.arguments must be JSON text, got "
+                f"{call.function.arguments[:80]!r}",
+                param="messages",
+            ) from None
+        checked.append(ToolCall(call.id, name, call.function.arguments))
+    return tuple(checked)
+
+
+def chat_turns(messages: Sequence[ChatMessage]) -> list[Turn]:
+    """Chat messages as turns: text parts joined, tool calls and tool results checked.
 
     Raises:
-        ApiError: 400 naming ``messages`` for an empty list or a part that is not text.
+        ApiError: 400 naming ``messages`` for an empty list, a part that is not text, a
+            ``tool_calls`` on a message that is not an assistant's (or past
+            :data:`~twostroke.engine.server.structured.MAX_TOOLS` calls, an id that is empty
+            or longer than :data:`MAX_TOOL_CALL_ID_LENGTH`, a name that is not a function's,
+            arguments that are not JSON text), a ``tool`` message without ``tool_call_id``
+            or a ``tool_call_id`` on another.
     """
     if not messages:
         raise invalid_request("messages must not be empty", param="messages")
-    converted = []
+    turns = []
     for index, message in enumerate(messages):
-        content = message.content
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        else:
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise invalid_request(
-                        f"messages[{index}]: only text content parts are supported, "
-                        f"got type {part.type!r}",
-                        param="messages",
-                    )
-                texts.append(part.text)
-            text = "".join(texts)
-        converted.append({"role": message.role, "content": text})
-    return converted
+        call_id = message.tool_call_id
+        if message.role == "tool" and not call_id:
+            raise invalid_request(
+                f"messages[{index}] of role 'tool' needs tool_call_id (the call it answers)",
+                param="messages",
+            )
+        if call_id is not None and message.role != "tool":
+            raise invalid_request(
+                f"messages[{index}].tool_call_id is only for tool messages, got role "
+                f"{message.role[:40]!r}",
+                param="messages",
+            )
+        if call_id is not None and len(call_id) > MAX_TOOL_CALL_ID_LENGTH:
+            raise invalid_request(
+                f"messages[{index}].tool_call_id must be <= {MAX_TOOL_CALL_ID_LENGTH} "
+                f"characters, got {len(call_id)}",
+                param="messages",
+            )
+        turns.append(
+            Turn(
+                message.role,
+                _text(index, message.content),
+                _tool_calls(index, message),
+                call_id,
+                message.name,
+            )
+        )
+    return turns
+
+
+def chat_messages(
+    messages: Sequence[ChatMessage],
+    fmt: ToolFormat = GENERIC,
+    tools: Sequence[ToolSpec] = (),
+) -> list[dict[str, str]]:
+    """Chat messages as the engine's chat template takes them: :func:`chat_turns` rendered
+    in the tool format ``fmt`` with ``tools`` shown
+    (:func:`~twostroke.engine.tools.prompt.render_prompt`); plain messages stay as they are.
+
+    Raises:
+        ApiError: 400 naming ``messages`` (see :func:`chat_turns`).
+    """
+    return render_prompt(fmt, chat_turns(messages), tools)
 
 
 def max_tokens_field(request: CompletionRequest | ChatCompletionRequest) -> str:

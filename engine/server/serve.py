@@ -26,6 +26,7 @@ from twostroke.engine.server.app import build_app
 from twostroke.engine.server.guards import ServerShutdown
 from twostroke.engine.server.transport import Transport, busy_app
 from twostroke.engine.surface import EngineSurface
+from twostroke.engine.tools.formats import ToolFormat
 from twostroke.states.validators import check_int
 
 __all__ = ["serve"]
@@ -41,6 +42,7 @@ async def serve(
     api_key: str | None = None,
     config: ServerConfig | None = None,
     access_log: bool = False,
+    tool_format: ToolFormat | str | None = None,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     **limits: Any,
 ) -> None:
@@ -61,6 +63,8 @@ async def serve(
             names and ``host``), connections, headers, bodies, the shutdown's grace period and
             keep-alive comments; see :class:`~twostroke.engine.config.ServerConfig`.
         access_log: Log one line per request to the ``twostroke.server`` logger.
+        tool_format: The format the model writes tool calls in, or its name (``None``: the
+            one the engine's chat template implies; see :func:`build_app`).
         task_status: Receives the bound port once the server accepts connections.
         **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
             (``max_connections=100``), instead of ``config``.
@@ -93,6 +97,7 @@ async def serve(
         api_key=api_key,
         config=attrs.evolve(config, allowed_hosts=config.hosts_answered(host)),
         shutdown=shutdown,
+        tool_format=tool_format,
     )
     if api_key is None and not _is_loopback(host):
         logger.warning(

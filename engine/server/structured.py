@@ -9,18 +9,20 @@ set it, so that a refusal (the constraint's own size checks here, the backend's
 :class:`~twostroke.states.errors.ConstraintRejected` when the engine compiles it, however
 late it arrives) is a 400 naming that field.
 
-A tool call is answered as OpenAI does: the output is constrained to the function's
-arguments (a named function) or to ``{"name", "arguments"}`` of one of the tools
-(``"required"``), and the answer carries it as ``message.tool_calls`` with
-``finish_reason`` ``"tool_calls"``. ``tool_choice="auto"`` would need the model to choose
-between text and a call in its own format (a parser per model family): it is refused.
+Tools are answered as OpenAI does, in the server's tool format
+(:mod:`twostroke.engine.tools`): with ``tool_choice`` ``"auto"`` (the default when tools are
+given) the output is free text under a lazy constraint that, once the model writes the
+format's trigger, allows only calls of the tools; ``"required"`` allows calls only, a named
+function one call of it; ``"none"`` neither shows the tools nor constrains anything. Calls
+are answered as ``message.tool_calls`` with ``finish_reason`` ``"tool_calls"``
+(:class:`ToolCalls`). ``response_format`` with tools constrains the text branch of
+``"auto"`` and is ignored with ``"required"`` or a named function (no text answer is
+possible); ``structured_outputs`` with tools is refused.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from typing import Any
 
 import attrs
@@ -28,11 +30,15 @@ import attrs
 from twostroke.engine.errors import ConstraintFailed
 from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.engine.server.protocol import (
+    MAX_TOOLS,
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
     Tool,
 )
+from twostroke.engine.tools.formats import FUNCTION_NAME, GENERIC, ToolFormat, ToolSpec
+from twostroke.engine.tools.grammar import tool_constraint
+from twostroke.engine.tools.parser import ParsedOutput, parse_output
 from twostroke.states.constraints import (
     AnyJsonObject,
     Choice,
@@ -52,10 +58,6 @@ __all__ = [
     "output_constraint",
 ]
 
-#: The most tools one chat request may offer (OpenAI's own limit is 128).
-MAX_TOOLS = 128
-#: A function's name, as OpenAI allows it.
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: The parameters of a function that declares none: an object of any content.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object"}
 _CODE = "constraint_rejected"
@@ -63,38 +65,25 @@ _CODE = "constraint_rejected"
 
 @attrs.frozen
 class ToolCalls:
-    """How a constrained output becomes OpenAI's ``tool_calls``.
+    """How an output with tools becomes OpenAI's answer.
 
     Attributes:
-        name: The function's name when ``tool_choice`` named it (the output is its
-            arguments); ``None`` for ``"required"`` (the output is ``{"name", "arguments"}``).
+        format: The format the model writes calls in.
     """
 
-    name: str | None
+    format: ToolFormat
+
+    def read(self, text: str) -> ParsedOutput:
+        """The output as text and calls (:func:`~twostroke.engine.tools.parser.parse_output`)."""
+        return parse_output(self.format, text)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The output as a list of one tool call, or ``None`` if it is not complete JSON.
-
-        An output cut short by ``max_tokens`` is not: the answer then carries it as text.
-        """
-        try:
-            value = json.loads(text)
-        except ValueError:
+        """The output's calls as OpenAI's ``tool_calls``, or ``None`` if it has none or its
+        last call is incomplete (cut by ``max_tokens``: the answer then carries it as text)."""
+        parsed = self.read(text)
+        if not parsed.calls or not parsed.complete:
             return None
-        if self.name is None:
-            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-                return None
-            name = value["name"]
-            arguments = json.dumps(value.get("arguments", {}), ensure_ascii=False)
-        else:
-            name, arguments = self.name, text  # the arguments as the model wrote them
-        return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-        ]
+        return [call.openai() for call in parsed.calls]
 
 
 @attrs.frozen
@@ -104,12 +93,14 @@ class OutputConstraint:
     Attributes:
         constraint: The constraint every choice carries, if any.
         param: The body's field that set it (errors name it).
-        tool_calls: How the output is answered, when it is a tool call.
+        tool_calls: How the output is answered, when it may hold tool calls.
+        tools: The tools the model is shown (none for ``tool_choice`` ``"none"``).
     """
 
     constraint: Constraint | None = None
     param: str | None = None
     tool_calls: ToolCalls | None = None
+    tools: tuple[ToolSpec, ...] = ()
 
 
 def constraint_error(param: str | None, exc: BaseException) -> ApiError:
@@ -135,14 +126,24 @@ def _make(param: str, make: Any, *args: Any) -> Constraint:
     return constraint
 
 
-def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> OutputConstraint:
-    """The constraint a body asks for through any of its fields (at most one of them).
+def output_constraint(
+    request: CompletionRequest | ChatCompletionRequest, tool_format: ToolFormat = GENERIC
+) -> OutputConstraint:
+    """The constraint a body asks for through any of its fields.
+
+    ``response_format`` and ``structured_outputs`` exclude each other, and so do
+    ``structured_outputs`` and tools; ``response_format`` with tools constrains the text
+    branch of ``"auto"`` and is ignored otherwise (see the module docstring).
+
+    Args:
+        request: The body.
+        tool_format: The format the model writes tool calls in.
 
     Raises:
         ApiError: 400 naming the field: more than one field constrains the output, a field
             is malformed or past its size limit, vLLM's older ``guided_*`` fields, or a tool
-            choice this server cannot honour (``tool_choice`` ``"auto"``, or ``tools``
-            without a ``tool_choice``).
+            choice that cannot be honoured (``"required"`` or a named function without
+            tools, a name that is none of them).
     """
     for old in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if getattr(request, old) is not None:
@@ -157,17 +158,18 @@ def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> Out
         found.append(_response_format(request))
     if request.structured_outputs is not None:
         found.append(_structured_outputs(request))
-    if isinstance(request, ChatCompletionRequest):
-        tools = _tools(request)
-        if tools is not None:
-            found.append(tools)
     if len(found) > 1:
         fields = [_top_field(str(each.param)) for each in found]
         raise invalid_request(
             f"the output may be constrained by one field only, got {' and '.join(fields)}",
             param=fields[1],
         )
-    return found[0] if found else OutputConstraint()
+    text = found[0] if found else None
+    if isinstance(request, ChatCompletionRequest):
+        tools = _tools(request, tool_format, text)
+        if tools is not None:
+            return tools
+    return text or OutputConstraint()
 
 
 def _response_format(request: CompletionRequest | ChatCompletionRequest) -> OutputConstraint:
@@ -216,62 +218,66 @@ def _structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> O
     return OutputConstraint(_make(param, makers[name], getattr(given, name)), param)
 
 
-def _tools(request: ChatCompletionRequest) -> OutputConstraint | None:
+def _tools(
+    request: ChatCompletionRequest, tool_format: ToolFormat, text: OutputConstraint | None
+) -> OutputConstraint | None:
     tools, choice = request.tools or [], request.tool_choice
-    if choice == "none" or (choice is None and not tools):
-        return None  # tools, if any, are not called (OpenAI's "none")
-    if choice is None or choice == "auto":
-        raise invalid_request(
-            "tool_choice 'auto' (the default with tools) is not supported by this server: "
-            "pass 'required', a named function ({'type': 'function', 'function': {'name': "
-            "...}}) or 'none'",
-            param="tool_choice",
-        )
     if not tools:
-        raise invalid_request(f"tool_choice {_describe(choice)} needs tools", param="tools")
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            raise invalid_request(f"tool_choice {_describe(choice)} needs tools", param="tools")
+        return None  # "auto" or "none" without tools: nothing to call
     if len(tools) > MAX_TOOLS:
         raise invalid_request(f"tools must hold <= {MAX_TOOLS}, got {len(tools)}", param="tools")
     names = _check_names(tools)
-    if request.stream:
+    if choice == "none":
+        return None  # the tools are neither shown nor called (OpenAI's "none")
+    if text is not None and text.param is not None and text.param.startswith("structured_"):
         raise invalid_request(
-            "stream is not supported with tool_choice 'required' or a named function: "
-            "ask without stream",
-            param="stream",
+            "the output may be constrained by one field only, got structured_outputs and "
+            "tools: use response_format with tools",
+            param="tools",
         )
+    specs = []
+    for index, tool in enumerate(tools):
+        parameters = tool.function.parameters
+        if parameters is not None:  # checked here, so that a refusal names the tool
+            _make(f"tools[{index}].function.parameters", JsonSchema, parameters)
+        specs.append(ToolSpec(tool.function.name, tool.function.description, parameters))
+    parallel = request.parallel_tool_calls is not False
+    param, function = "tools", None
     if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        if name not in names:
+        function = choice.function.name
+        if function not in names:
             raise invalid_request(
-                f"tool_choice names function {name!r}, which is not one of tools "
+                f"tool_choice names function {function!r}, which is not one of tools "
                 f"({', '.join(names)})",
                 param="tool_choice",
             )
-        index = names.index(name)
-        param = f"tools[{index}].function.parameters"
-        schema = tools[index].function.parameters or _NO_PARAMETERS
-        return OutputConstraint(_make(param, JsonSchema, schema), param, ToolCalls(name))
-    # "required": one call of any of the tools, as {"name": ..., "arguments": ...}
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.function.name},
-                "arguments": tool.function.parameters or _NO_PARAMETERS,
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return OutputConstraint(_make("tools", JsonSchema, schema), "tools", ToolCalls(None))
+        param = f"tools[{names.index(function)}].function.parameters"
+        parallel = False  # one call of the function named
+    answer = None
+    if choice in (None, "auto") and text is not None:
+        assert isinstance(text.constraint, JsonSchema | AnyJsonObject)  # response_format's
+        answer = text.constraint
+    try:
+        grammar = tool_constraint(
+            tool_format,
+            specs,
+            "required" if choice == "required" else "auto",
+            function=function,
+            parallel=parallel,
+            text=answer,
+        )
+    except (TypeError, ValueError) as exc:  # past the grammar's limits (size, rules)
+        raise constraint_error("tools", exc) from None
+    return OutputConstraint(grammar, param, ToolCalls(tool_format), tuple(specs))
 
 
 def _check_names(tools: list[Tool]) -> list[str]:
     names = []
     for index, tool in enumerate(tools):
         name = tool.function.name
-        if not _FUNCTION_NAME.fullmatch(name):
+        if not FUNCTION_NAME.fullmatch(name):
             raise invalid_request(
                 f"tools[{index}].function.name must be 1 to 64 letters, digits, underscores "
                 f"or dashes, got {name[:80]!r}",

@@ -290,6 +290,11 @@ class HFTokenizer:
         return [int(token_id) for token_id in cast("list[int]", ids)]
 
     @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (Jinja text), if it has one."""
+        return self._chat_template
+
+    @property
     def _chat_template(self) -> str | None:
         if self._saved is not None:
             return self._saved.chat_template

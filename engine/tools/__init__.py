@@ -26,6 +26,7 @@ from twostroke.engine.tools.formats import (
     ToolFormat,
     ToolSpec,
     choose_tool_format,
+    engine_tool_format,
     tool_format,
 )
 from twostroke.engine.tools.grammar import ToolChoice, tool_constraint
@@ -56,6 +57,7 @@ __all__ = [
     "ToolSpec",
     "Turn",
     "choose_tool_format",
+    "engine_tool_format",
     "parse_output",
     "render_prompt",
     "tool_constraint",

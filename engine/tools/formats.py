@@ -30,6 +30,7 @@ __all__ = [
     "ToolFormat",
     "ToolSpec",
     "choose_tool_format",
+    "engine_tool_format",
     "tool_format",
 ]
 
@@ -98,6 +99,18 @@ def choose_tool_format(chat_template: str | None) -> ToolFormat:
     if chat_template is not None and HERMES.open in chat_template:
         return HERMES
     return GENERIC
+
+
+def engine_tool_format(engine: object) -> ToolFormat:
+    """The format an engine's chat template implies (:func:`choose_tool_format`).
+
+    Reads the template of the engine's tokenizer where the engine holds one (an ``Engine``
+    does); a coordinator's front holds none (its replicas do), so it gets the generic
+    format unless one is named (``twostroke serve --tool-format``).
+    """
+    tokenizer = getattr(engine, "tokenizer", None)
+    template = getattr(tokenizer, "chat_template", None)
+    return choose_tool_format(template if isinstance(template, str) else None)
 
 
 def _function_name(_: object, attribute: attrs.Attribute[Any], value: object) -> None:

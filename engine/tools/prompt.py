@@ -8,7 +8,7 @@ back in the syntax it is asked to write:
 
 * the tools, as a system block listing each as JSON between ``<tools>`` tags, with the call
   syntax (Hermes' and Qwen2.5's wording). It opens the first system message, or is one;
-* an assistant's calls, after its text, each as the model writes one
+* an assistant's calls, right after its text, each as the model writes one
   (:meth:`~twostroke.engine.tools.formats.ToolFormat.call_text`);
 * a tool's result, as a message of the format's ``result_role``: ``tool`` (the template
   wraps it), or ``user`` holding a ``<tool_response>`` block; consecutive results of the
@@ -97,7 +97,7 @@ def render_prompt(
         content = turn.content
         if turn.tool_calls:
             calls = "\n".join(fmt.call_text(c.name, _arguments(c)) for c in turn.tool_calls)
-            content = f"{content}\n{calls}" if content else calls
+            content += calls  # as the model wrote them: its text, then the trigger
         messages.append({"role": turn.role, "content": content})
     rendered = [{"role": m["role"], "content": m["content"]} for m in messages]
     if tools:

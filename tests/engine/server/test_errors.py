@@ -68,7 +68,7 @@ BAD_CHATS: list[tuple[dict[str, Any], str, str]] = [
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs=true"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "top_logprobs must be in [0, 20]"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "not supported"),
+    ({"tool_choice": "required"}, "tools", "tool_choice 'required' needs tools"),
     ({"response_format": {"type": "xml"}}, "response_format", "Invalid enum value 'xml'"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

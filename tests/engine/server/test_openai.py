@@ -363,7 +363,7 @@ async def test_the_clients_parse_helpers_read_a_schema_answer_and_a_tool_call() 
             called = await server.client.chat.completions.parse(
                 model="toy",
                 messages=CHAT,
-                max_tokens=64,
+                max_tokens=160,  # the call's tags, name and arguments
                 tools=[openai.pydantic_function_tool(Weather, name="get_weather")],
                 tool_choice={"type": "function", "function": {"name": "get_weather"}},
             )

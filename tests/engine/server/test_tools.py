@@ -1,0 +1,258 @@
+"""Agents over HTTP: tools shown to the model, tool_choice "auto", streamed tool calls,
+response_format with tools (issue 36), driven by the OpenAI SDK against a scripted toy."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import anyio
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twostroke.engine.server.generation import ChatFormat
+from twostroke.engine.server.structured import ToolCalls
+from twostroke.engine.tools import GENERIC
+
+from .conftest import OPENAI_STREAMS_ON_TRIO, served
+from .scripted import ScriptedRunner
+
+pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather now",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}},
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+CALLING = f"Let me check. <tool_call>\n{CALL}\n</tool_call>"
+ANSWER = "It is sunny in Oslo."
+
+
+def agent(prompt: str) -> str:
+    """The scripted model: calls the weather tool, then answers from its result."""
+    if "<tool_response>" in prompt:
+        return ANSWER
+    return CALLING
+
+
+async def test_an_agent_loop_finishes_a_call_then_a_text_answer() -> None:
+    """The OpenAI SDK's default tool loop: tools without tool_choice ("auto"), the call, the
+    tool's result sent back, then the model's text answer."""
+    async with served(runner=ScriptedRunner(agent)) as server:
+        first = await server.client.chat.completions.create(
+            model="toy",
+            messages=ASK,
+            tools=TOOLS,  # type: ignore[arg-type]
+        )
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me check. "
+        (call,) = choice.message.tool_calls or []
+        assert call.type == "function"
+        assert call.function.name == "get_weather"  # type: ignore[union-attr]
+        arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+        assert arguments == {"city": "Oslo", "unit": "celsius"}
+        history = [*ASK, choice.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
+        second = await server.client.chat.completions.create(
+            model="toy",
+            messages=history,
+            tools=TOOLS,
+            tool_choice="auto",  # type: ignore[arg-type]
+        )
+        assert second.choices[0].finish_reason == "stop"
+        assert second.choices[0].message.content == ANSWER
+        assert not second.choices[0].message.tool_calls
+        # The model saw the tools, its own call and the result, in the format's syntax.
+        (first_prompt, params), (second_prompt, _) = server.engine.submitted
+        assert params.constraint is not None
+        assert first_prompt[0]["role"] == "system"
+        assert '"name": "get_weather", "description": "The weather now"' in first_prompt[0][
+            "content"]  # fmt: skip
+        assert second_prompt[2] == {"role": "assistant", "content": CALLING}
+        assert second_prompt[3] == {
+            "role": "user",
+            "content": "<tool_response>\nsunny, 21 C\n</tool_response>",
+        }
+        models = await server.client.models.list()
+        assert models.data[0].model_extra == {"max_model_len": 4096, "tool_format": "generic"}
+
+
+async def test_a_streamed_call_reassembles_to_the_complete_answer() -> None:
+    """OpenAI's delta sequence (index/id/type/name first, then arguments pieces), no piece of
+    the trigger in content deltas, and the SDK's accumulator gives the non-streamed answer."""
+    async with served(runner=ScriptedRunner(agent)) as server:
+        whole = await server.client.chat.completions.create(
+            model="toy",
+            messages=ASK,
+            tools=TOOLS,  # type: ignore[arg-type]
+        )
+        async with server.client.chat.completions.stream(
+            model="toy",
+            messages=ASK,
+            tools=TOOLS,  # type: ignore[arg-type]
+        ) as stream:
+            chunks = [event.chunk async for event in stream if event.type == "chunk"]
+            final = await stream.get_final_completion()
+        raw = await server.http.post("/v1/chat/completions", json={
+            "messages": ASK, "tools": TOOLS, "stream": True})  # fmt: skip
+    content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert content == "Let me check. "
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert calls[0].id is not None
+    assert calls[0].type == "function"
+    assert calls[0].function is not None
+    assert (calls[0].function.name, calls[0].function.arguments) == ("get_weather", "")
+    assert all(c.id is None and c.function and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments or "" for c in calls if c.function) == CALL[37:-1]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    expected, got = whole.choices[0], final.choices[0]
+    assert got.finish_reason == expected.finish_reason == "tool_calls"
+    assert got.message.content == expected.message.content
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []] == [
+        (c.function.name, c.function.arguments)
+        for c in expected.message.tool_calls or []  # type: ignore[union-attr]
+    ]
+    assert "<tool" not in raw.text.split("tool_calls")[0]  # nothing of the trigger as content
+
+
+async def test_tool_choice_none_required_named_and_a_format() -> None:
+    """ "none" shows no tools and constrains nothing; "required" after a tool result still
+    calls; a named function calls it; response_format constrains the text branch of "auto"
+    and is ignored with "required"."""
+    answer = {"type": "object", "properties": {"sky": {"enum": ["clear", "cloudy"]}},
+              "required": ["sky"], "additionalProperties": False}  # fmt: skip
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}
+
+    def script(prompt: str) -> str:
+        if "FORMAT" in prompt:
+            return '{"sky": "clear"}'
+        if "CALL NOW" in prompt:  # with a format, a call starts at once (no text before it)
+            return CALLING.removeprefix("Let me check. ")
+        return "plain words" if "NONE" in prompt else CALLING
+
+    async with served(runner=ScriptedRunner(script)) as server:
+        body: dict[str, Any] = {"model": "toy", "tools": TOOLS, "max_tokens": 200}
+        none = await server.http.post("/v1/chat/completions", json=body | {
+            "messages": [{"role": "user", "content": "NONE"}], "tool_choice": "none"})  # fmt: skip
+        assert none.json()["choices"][0]["message"] == {"role": "assistant",
+                                                         "content": "plain words"}  # fmt: skip
+        prompt, params = server.engine.submitted[-1]
+        assert params.constraint is None
+        assert "# Tools" not in json.dumps(prompt)
+        history = [
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+             "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+        ]  # fmt: skip
+        required = await server.http.post("/v1/chat/completions", json=body | {
+            "messages": history, "tool_choice": "required"})  # fmt: skip
+        choice = required.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        for call in choice["message"]["tool_calls"]:
+            schema = {"get_weather": WEATHER, "get_time": TOOLS[1]["function"]["parameters"]}
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                schema[call["function"]["name"]])  # fmt: skip
+        only_time = {"type": "function", "function": {"name": "get_time"}}
+        named = await server.http.post("/v1/chat/completions", json=body | {
+            "messages": ASK, "tool_choice": only_time})  # fmt: skip
+        (call,) = named.json()["choices"][0]["message"]["tool_calls"]
+        assert (call["function"]["name"], call["function"]["arguments"]) == ("get_time", "{}")
+        formatted = await server.http.post("/v1/chat/completions", json=body | {
+            "messages": [{"role": "user", "content": "FORMAT"}],
+            "response_format": response_format})  # fmt: skip
+        assert formatted.json()["choices"][0]["message"]["content"] == '{"sky": "clear"}'
+        called = await server.http.post("/v1/chat/completions", json=body | {
+            "messages": [{"role": "user", "content": "CALL NOW"}],
+            "response_format": response_format})  # fmt: skip
+        assert called.json()["choices"][0]["finish_reason"] == "tool_calls"  # a call, not JSON
+        ignored = await server.http.post("/v1/chat/completions", json=body | {
+            "messages": [{"role": "user", "content": "FORMAT"}], "tool_choice": "required",
+            "response_format": response_format})  # fmt: skip
+        assert ignored.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_a_call_cut_by_max_tokens_is_text_and_a_cancel_mid_call_loses_nothing() -> None:
+    async with served(runner=ScriptedRunner(agent)) as server:
+        cut = await server.client.chat.completions.create(
+            model="toy",
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=40,  # type: ignore[arg-type]
+        )
+        assert cut.choices[0].finish_reason == "length"
+        assert cut.choices[0].message.content == CALLING.encode()[:40].decode()
+        assert not cut.choices[0].message.tool_calls
+        async with server.client.chat.completions.stream(
+            model="toy",
+            messages=ASK,
+            tools=TOOLS,  # type: ignore[arg-type]
+        ) as stream:
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    break  # leaving the block closes the stream mid-call: a disconnect
+        with anyio.fail_after(20):
+            await server.engine.wait_idle()
+        before = server.engine.statistics().num_masked_rows
+        plain = await server.client.chat.completions.create(model="toy", messages=ASK)
+        assert plain.choices[0].message.content == CALLING  # unconstrained, unchanged
+        assert server.engine.statistics().num_masked_rows == before  # nothing constrained
+    # served() checked on leaving: every request ended, every KV block free, books agree
+
+
+_TEXT = st.text(alphabet='ab <_>{}"\\:,\n', max_size=12)
+_ARGS = st.dictionaries(st.sampled_from(["city", "x"]), st.text(alphabet='a"}{\\<', max_size=6),
+                        max_size=2)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=_TEXT,
+    calls=st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]), _ARGS), max_size=3),
+    cuts=st.lists(st.integers(0, 400), max_size=10),
+)
+def test_streamed_deltas_concatenate_to_the_complete_answer(
+    text: str, calls: list[tuple[str, dict[str, str]]], cuts: list[int]
+) -> None:
+    """Whatever the text and calls, cut into any deltas: the chunks, accumulated as the SDK
+    does, are the complete answer (content, each call's name and arguments, finish)."""
+    if "<tool_call>" in text:
+        return  # the lazy constraint never lets text hold the trigger
+    output = text + "\n".join(GENERIC.call_text(name, args) for name, args in calls)
+    fmt = ChatFormat(None, 0, ToolCalls(GENERIC))  # type: ignore[arg-type]
+    whole = fmt.choice(0, output, None, "stop", chunk=False)
+    bounds = sorted({0, len(output), *(cut % (len(output) + 1) for cut in cuts)})
+    chunks = []
+    for start, end in itertools.pairwise(bounds):
+        last = end == len(output)
+        chunks += fmt.chunks(0, output[start:end], None, "stop" if last else None)
+    if len(bounds) == 1:
+        chunks += fmt.chunks(0, "", None, "stop")
+    content, streamed = "", {}
+    for chunk in chunks:
+        delta = chunk["delta"]
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            entry = streamed.setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] += call["function"].get("name", "")
+            entry["arguments"] += call["function"]["arguments"]
+    message = whole["message"]
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+    assert content == (message["content"] or "")
+    expected = [call["function"] for call in message.get("tool_calls", [])]
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in expected] == [
+        streamed[index] for index in sorted(streamed)
+    ]
