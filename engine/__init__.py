@@ -1,7 +1,7 @@
 """twostroke's engine: the two strokes, the public async API, models, server and CLI."""
 
 from twostroke.engine.artifacts.cache import InvalidCacheLimit
-from twostroke.engine.checkpoints.loader import ModelLoadError
+from twostroke.engine.checkpoints.loader import BlockTypeUnsupported, ModelLoadError
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorConfig, CoordinatorStatistics
 from twostroke.engine.coordinator.auth import HandshakeFailed
@@ -45,6 +45,7 @@ from twostroke.states.request import FinishReason
 __all__ = [
     "LLM",
     "AnyJsonObject",
+    "BlockTypeUnsupported",
     "ChatTemplateError",
     "Choice",
     "CompletionAlreadySet",

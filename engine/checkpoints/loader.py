@@ -8,8 +8,13 @@ Three sources, one result (:class:`LoadedModel`):
 * a **Hugging Face directory**: ``config.json`` plus ``*.safetensors``, read tensor by tensor
   through ``safe_open``'s memory map, so the weights exist once in RAM (in the parameters);
 * a **GGUF file**, read by :func:`~twostroke.engine.checkpoints.gguf.read_gguf` (memory
-  mapped, the vocabulary skipped), each tensor dequantized to float32 by the ``gguf``
-  package and converted to the chosen dtype on its way into its parameter.
+  mapped, the vocabulary skipped). With ``quantization="gguf"`` its Q8_0, Q4_0 and Q4_1
+  weights stay as stored: the projections, the embedding and the tied output projection
+  compute from the blocks in the file's memory map
+  (:mod:`~twostroke.engine.kernels.gguf_blocks`; no float32 copy, no cache entry), and the
+  other tensors (the norms) are read as below. Otherwise each tensor is dequantized to
+  float32 by the ``gguf`` package and converted to the chosen dtype on its way into its
+  parameter.
   That conversion takes seconds, so its result (the weights in the chosen dtype, and the
   configuration) is kept in the artifact cache (:mod:`~twostroke.engine.artifacts.cache`)
   and read back from there by the next load of the same file, once its CRC-32 (summed as
@@ -47,6 +52,8 @@ from twostroke.engine.artifacts.records import (
 )
 from twostroke.engine.checkpoints.gguf import read_gguf
 from twostroke.engine.checkpoints.safetensors import read_into
+from twostroke.engine.kernels.build import native_wanted
+from twostroke.engine.kernels.gguf_blocks import BLOCK_TYPES, BlockKernel, BlockTensor, block_kernel
 from twostroke.engine.kernels.selection import DEFAULT_BLOCK_SIZE, select_kernels
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.llama import LlamaForCausalLM, WeightError
@@ -58,6 +65,7 @@ from twostroke.states.errors import EngineError
 
 __all__ = [
     "KNOWN_MODELS",
+    "BlockTypeUnsupported",
     "LoadedModel",
     "ModelLoadError",
     "PackagedModel",
@@ -86,6 +94,26 @@ class ModelLoadError(EngineError):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class BlockTypeUnsupported(ModelLoadError):
+    """``quantization="gguf"`` asked for a GGUF file's weights as stored, and one of them is
+    in a type twostroke does not compute as stored (it is never dequantized silently).
+
+    Attributes:
+        tensor: The file's name for the tensor.
+        block_type: Its type's name (``"Q4_K"``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], tensor: str, block_type: str) -> None:
+        self.tensor = tensor
+        self.block_type = block_type
+        super().__init__(
+            path,
+            f"tensor {tensor!r} is {block_type}, which quantization='gguf' does not compute "
+            f"as stored (it computes {', '.join(BLOCK_TYPES)}); quantization=None "
+            "dequantizes the file",
+        )
 
 
 @attrs.frozen
@@ -119,7 +147,8 @@ class LoadedModel:
         device: Where the weights live.
         load_seconds: Wall time the load took.
         quantization: The projections' weight precision, if reduced (see
-            :mod:`~twostroke.engine.models.quantization`); ``None``: ``dtype``.
+            :mod:`~twostroke.engine.models.quantization`; ``"gguf"``: the file's blocks as
+            stored); ``None``: ``dtype``.
     """
 
     config: ModelConfig
@@ -128,7 +157,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float = 0.0
-    quantization: Quantization | None = None
+    quantization: Quantization | Literal["gguf"] | None = None
 
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
@@ -176,7 +205,7 @@ def load_model(
     device: torch.device,
     pack_weights: bool = True,
     exact: bool = True,
-    quantization: Quantization | Literal["auto"] | None = None,
+    quantization: Quantization | Literal["auto", "gguf"] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
@@ -199,8 +228,12 @@ def load_model(
             here, warns with
             :class:`~twostroke.engine.models.quantization.QuantizationUnavailable` and
             keeps full precision (``LoadedModel.quantization`` is then ``None``).
-            ``"auto"``: the engine's policy (see
-            :func:`~twostroke.engine.kernels.selection.select_kernels`).
+            ``"gguf"``: a GGUF file's Q8_0, Q4_0 and Q4_1 weights computed as stored
+            (:mod:`~twostroke.engine.kernels.gguf_blocks`), activations in float32 (``dtype``
+            must be float32, the device a CPU); a weight of another quantized type is a
+            :class:`BlockTypeUnsupported`. ``"auto"``: the engine's policy (see
+            :func:`~twostroke.engine.kernels.selection.select_kernels`; for a GGUF file,
+            :data:`AUTO_BLOCKS`).
         block_size: The KV cache's block size, for which the compiled attention is built
             and checked.
 
@@ -224,6 +257,13 @@ def load_model(
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     started = time.perf_counter()
     path = resolve_model(model)
+    gguf = not path.is_dir() and _is_gguf(path)
+    blocks = _block_kernel(path, quantization, dtype, device, exact) if gguf else None
+    if quantization == "gguf" and not gguf:
+        raise ModelLoadError(
+            path, "quantization='gguf' computes a GGUF file's blocks as stored: not a GGUF file"
+        )
+    asked = None if quantization == "gguf" else quantization
     # Packing runs a Python thread per intra-op thread the caller allowed (see
     # LlamaForCausalLM.use_kernels); everything else here runs on one.
     threads = torch.get_num_threads()
@@ -233,7 +273,9 @@ def load_model(
     with torch_threads(1):
         if path.is_dir():
             config, module = _load_hf_directory(path, dtype, device)
-        elif _is_gguf(path):
+        elif blocks is not None:
+            config, module = _load_gguf_blocks(path, dtype, device, blocks)
+        elif gguf:
             config, module = _load_gguf(path, dtype, device)
         else:
             raise ModelLoadError(
@@ -245,9 +287,10 @@ def load_model(
             dtype=dtype,
             device=device,
             exact=exact,
-            quantization=quantization,
+            quantization=asked,
             pack=pack_weights,
             block_size=block_size,
+            blocks=blocks,
         )
         reduced = kernels.projection.quantization
         if reduced is not None:
@@ -257,7 +300,10 @@ def load_model(
                 reduced,
                 threads,
             )
-        module.use_kernels(kernels, threads=threads)
+        try:
+            module.use_kernels(kernels, threads=threads)
+        except WeightError as error:
+            raise ModelLoadError(path, str(error)) from error
     return LoadedModel(
         config=config,
         module=module,
@@ -265,7 +311,7 @@ def load_model(
         dtype=dtype,
         device=device,
         load_seconds=time.perf_counter() - started,
-        quantization=reduced,
+        quantization="gguf" if blocks is not None else reduced,
     )
 
 
@@ -418,6 +464,113 @@ def _load_gguf(
             cache.prepare(path)  # records the source, removes stale folders
         _write_cached(cache, artifact, path, config, module)
     return config, module
+
+
+#: Whether ``quantization="auto"`` computes a GGUF file's blocks as stored, where they run
+#: (float32 activations on a CPU, transformers' exact arithmetic not asked for, every
+#: projection in a type :data:`~twostroke.engine.kernels.gguf_blocks.BLOCK_TYPES` holds).
+AUTO_BLOCKS = False
+
+#: Tensor types a GGUF file stores as plain numbers (loaded dequantized, as before).
+_PLAIN_TYPES = frozenset({"F32", "F16", "F64"})
+
+
+def _block_kernel(
+    path: Path,
+    quantization: Quantization | Literal["auto", "gguf"] | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    exact: bool,
+) -> BlockKernel | None:
+    """The block products if the GGUF file ``path`` loads with its blocks as stored."""
+    if quantization == "gguf":
+        if dtype != torch.float32 or device.type != "cpu":
+            raise ValueError(
+                "quantization='gguf' computes on the CPU with float32 activations; got dtype "
+                f"{_dtype_name(dtype)} on {device.type}"
+            )
+        kernel = block_kernel()
+        if kernel is None:
+            raise ModelLoadError(
+                path, "quantization='gguf': the block products do not build here (see the warning)"
+            )
+        return kernel
+    if quantization != "auto" or not AUTO_BLOCKS:
+        return None
+    if exact or dtype != torch.float32 or device.type != "cpu" or not native_wanted():
+        return None
+    _, _, tensors = _gguf_config(path)
+    for name, tensor in tensors.items():
+        kind = tensor.tensor_type.name
+        if kind not in BLOCK_TYPES and kind not in _PLAIN_TYPES and _in_blocks(name):
+            _log.info(
+                "twostroke: %s loads dequantized: tensor %r is %s, which is not computed as stored",
+                path.name,
+                name,
+                kind,
+            )
+            return None
+    return block_kernel()
+
+
+def _in_blocks(gguf_name: str) -> bool:
+    """Whether a tensor is one the blocks form holds (a matrix: projection, embedding or
+    output projection), by its file name."""
+    name = hf_tensor_name(gguf_name)
+    return (
+        name is not None
+        and not name.endswith("layernorm.weight")
+        and name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+    )
+
+
+def _load_gguf_blocks(
+    path: Path, dtype: torch.dtype, device: torch.device, kernel: BlockKernel
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """The model with its Q8_0/Q4_0/Q4_1 matrices as the file stores them (the memory map's
+    blocks, not copied), the rest dequantized; never cached (the file is the weights).
+
+    GGUF's q/k rows are in llama.cpp's rotary order: the product's columns are permuted
+    back (:attr:`BlockTensor.columns`), the blocks untouched.
+    """
+    from gguf.quants import dequantize
+
+    del kernel  # the model takes it with the kernels (select_kernels' blocks=)
+    config, metadata, tensors = _gguf_config(path)
+    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    permute = metadata.get("general.architecture") == "llama"
+    for gguf_name, tensor in tensors.items():
+        name = hf_tensor_name(gguf_name)
+        if name is None:
+            raise ModelLoadError(
+                path, f"unexpected tensor {gguf_name!r}: the model has no such weight"
+            )
+        kind = tensor.tensor_type.name
+        try:
+            if kind in BLOCK_TYPES and _in_blocks(gguf_name):
+                columns = None
+                if permute and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+                    heads = config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads
+                    columns = _rotary_columns(int(tensor.data.shape[0]), heads)
+                module.load_blocks(
+                    name, BlockTensor(gguf_name, BLOCK_TYPES[kind], tensor.data, columns)
+                )
+                continue
+            if kind not in _PLAIN_TYPES and _in_blocks(gguf_name):
+                raise BlockTypeUnsupported(path, gguf_name, kind)
+            [(_, weights)] = _dequantized(path, {gguf_name: tensor}, dequantize)
+            module.load_weight(name, torch.from_numpy(weights))
+        except (WeightError, ValueError) as error:  # BlockTypeUnsupported is neither
+            raise ModelLoadError(path, f"tensor {gguf_name!r}: {error}") from error
+    _check_complete(module, path)
+    return config, module
+
+
+def _rotary_columns(rows: int, num_heads: int) -> torch.Tensor:
+    """Where each stored q/k row's product goes: the inverse of the permutation
+    :func:`_unpermute_rotary` applies to the rows."""
+    source = _unpermute_rotary(np.arange(rows, dtype=np.int64)[:, None], num_heads)[:, 0]
+    return torch.from_numpy(np.argsort(source).astype(np.int32))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from twostroke.engine.attention.kernels import AttentionKernel, default_kernel, native_kernel
 from twostroke.engine.kernels.build import ELEMENTS, native_wanted
+from twostroke.engine.kernels.gguf_blocks import BlockKernel
 from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import ProjectionKernel, projection_kernel
 from twostroke.engine.kernels.stack import stack_library
@@ -58,11 +59,13 @@ class Projections:
         head: The output projection: never quantized, as vLLM leaves ``lm_head`` at full
             precision (a tied one keeps the embedding dense for lookups besides).
         kernel: The compiled bfloat16 projection the ``"panels"`` forms are laid out for.
+        blocks: The compiled GGUF block products the ``"blocks"`` forms compute with.
     """
 
     layers: WeightForm
     head: WeightForm
     kernel: ProjectionKernel | None = None
+    blocks: BlockKernel | None = None
 
     @property
     def quantization(self) -> Quantization | None:
@@ -145,6 +148,7 @@ def select_kernels(
     pack: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
     attention: AttentionKernel | None = None,
+    blocks: BlockKernel | None = None,
 ) -> CpuKernels:
     """Choose every kernel of a model once, building (or loading from the cache) the
     compiled ones that run here, and log the choice in one INFO line.
@@ -166,6 +170,11 @@ def select_kernels(
         block_size: The KV cache's block size, for which the compiled attention is built
             and checked.
         attention: The attention asked for (``None``: the fastest that runs here).
+        blocks: The GGUF block products, where the loader keeps a GGUF file's blocks as
+            stored (its decision: :func:`~twostroke.engine.checkpoints.loader.load_model`):
+            every projection, the output one included, computes in the ``"blocks"`` form
+            (those whose file tensor is not in blocks stay dense), and ``quantization`` is
+            not consulted.
 
     Raises:
         ValueError: ``quantization`` or ``attention`` is not one of its values.
@@ -184,7 +193,10 @@ def select_kernels(
 
     glue, why = _glue(config, dtype, device, exact)
     because("glue", why)
-    projection, why = _projections(config, dtype, device, exact, quantization, pack)
+    if blocks is not None:
+        projection, why = Projections("blocks", "blocks", blocks=blocks), None
+    else:
+        projection, why = _projections(config, dtype, device, exact, quantization, pack)
     because("projections", why)
     chosen, why = _attention(config, dtype, device, block_size, attention)
     because("attention", why)

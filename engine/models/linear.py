@@ -14,8 +14,10 @@ replaces it, once, never back:
 * :class:`~twostroke.engine.kernels.projection.PanelWeight`: laid out in panels for the
   compiled bfloat16 kernel (:mod:`~twostroke.engine.kernels.projection`).
 
-A method for weights that come in another form from the file (llama.cpp's quantized blocks)
-is one more class with a ``__call__``, handed to :meth:`Linear.use`.
+* :class:`~twostroke.engine.kernels.gguf_blocks.BlockWeight`: a GGUF file's Q8_0, Q4_0 or
+  Q4_1 blocks as stored, read in place from its memory map (the ``"blocks"`` form: the
+  model builds it from the blocks the loader handed it, never from a full-precision
+  weight).
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ __all__ = [
 #: MKL in float32, oneDNN in bfloat16), ``"onednn"`` (packed once for oneDNN),
 #: ``"fp16"`` and ``"int8"`` (reduced precision for fbgemm,
 #: :mod:`~twostroke.engine.models.quantization`), ``"panels"`` (laid out for the compiled
-#: bfloat16 projection, :mod:`~twostroke.engine.kernels.projection`).
-WeightForm = Literal["dense", "onednn", "fp16", "int8", "panels"]
+#: bfloat16 projection, :mod:`~twostroke.engine.kernels.projection`), ``"blocks"`` (a GGUF
+#: file's blocks as stored, :mod:`~twostroke.engine.kernels.gguf_blocks`).
+WeightForm = Literal["dense", "onednn", "fp16", "int8", "panels", "blocks"]
 
 
 class LinearMethod(Protocol):
@@ -118,8 +121,14 @@ def weight_method(
             :meth:`~twostroke.engine.kernels.projection.ProjectionKernel.pack`).
 
     Raises:
-        ValueError: ``"panels"`` without a kernel.
+        ValueError: ``"panels"`` without a kernel, or ``"blocks"`` (blocks come from a
+            GGUF file, not from a full-precision weight).
     """
+    if form == "blocks":
+        raise ValueError(
+            "the 'blocks' form is a GGUF file's blocks as stored: it is not made from a "
+            "full-precision weight"
+        )
     if form == "dense":
         return FullPrecision(weight, bias)
     if form == "onednn":

@@ -34,6 +34,7 @@ from twostroke.engine.attention.kernels import AttentionKernel, native_kernel
 from twostroke.engine.attention.kv_cache import KVCache, LayerCache
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.attention.ops import paged_attention
+from twostroke.engine.kernels.gguf_blocks import BlockEmbedding, BlockTensor, BlockWeight
 from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.projection import PanelWeight
@@ -188,6 +189,13 @@ _FUSED = {
     ("mlp", "down_proj"): ("mlp.down_proj", None),
 }
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+#: Each projection of a layer and its parts' names (transformers'), in output order.
+_BLOCK_PARTS = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.o_proj", ("self_attn.o_proj",)),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.down_proj", ("mlp.down_proj",)),
+)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -224,6 +232,10 @@ class LlamaForCausalLM(nn.Module):
         self._stack: DecoderStack | None = None  # the chosen driver, bound to the weights
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
+        # Weights a GGUF file holds in blocks, kept as stored (load_blocks), and the
+        # embedding's lookup from them once the kernels are chosen.
+        self._blocks: dict[str, BlockTensor] = {}
+        self._embedding: BlockEmbedding | None = None
 
     # --- computing ------------------------------------------------------------------------
 
@@ -243,7 +255,9 @@ class LlamaForCausalLM(nn.Module):
             logits_indices: Rows whose logits are wanted (the output projection is the
                 largest matrix, so it runs only for them).
         """
-        x = F.embedding(input_ids, self.embed_tokens)  # the residual stream, added to in place
+        # The residual stream, added to in place.
+        embedding = self._embedding
+        x = F.embedding(input_ids, self.embed_tokens) if embedding is None else embedding(input_ids)
         cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
         glue, stack = self.kernels.glue, self._stack
         delta: torch.Tensor | None = None
@@ -306,6 +320,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _convert(self, projection: Projections, threads: int) -> None:
         """Every projection's weight in its chosen form (:class:`.linear.LinearMethod`)."""
+        if projection.layers == "blocks":
+            self._use_blocks(projection)
+            return
         linears = [m for m in self.modules() if isinstance(m, Linear)]  # the head last
         forms = [projection.head if m is self.lm_head else projection.layers for m in linears]
         quantized = [m for m, form in zip(linears, forms, strict=True) if form in QUANTIZATIONS]
@@ -335,6 +352,37 @@ class LlamaForCausalLM(nn.Module):
             for linear, form in zip(linears, forms, strict=True):
                 if form not in QUANTIZATIONS:
                     linear.convert(form, kernel=kernel, into=room.get(id(linear)))
+
+    def _use_blocks(self, projection: Projections) -> None:
+        """Each projection whose weights the file holds in blocks computes from them as
+        stored (:class:`~twostroke.engine.kernels.gguf_blocks.BlockWeight`, a fused one from
+        its parts side by side); the others stay as loaded. An embedding in blocks is looked
+        up row by row from them, and the tied output projection multiplies by them."""
+        kernel = projection.blocks
+        assert kernel is not None, "the 'blocks' form comes with its kernel"
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            for module_name, names in _BLOCK_PARTS:
+                linear = cast(Linear, layer.get_submodule(module_name))
+                parts = [self._blocks.get(f"{prefix}{name}.weight") for name in names]
+                found = [part for part in parts if part is not None]
+                if not found:
+                    continue  # loaded in full precision
+                if len(found) != len(parts):
+                    raise WeightError(
+                        f"{prefix}{module_name}: {len(found)} of its {len(parts)} parts are "
+                        "GGUF blocks and the others are not; a fused projection computes in "
+                        "one form"
+                    )
+                bias = None if linear.bias is None else linear.bias.detach().float().clone()
+                linear.use(BlockWeight(kernel, tuple(found), bias))
+        embedding = self._blocks.get("model.embed_tokens.weight")
+        if embedding is not None:
+            self._embedding = BlockEmbedding(kernel, embedding)
+            self.embed_tokens = empty_parameter(0, dtype=self.dtype, device=self.device)
+        head = embedding if self.config.tie_word_embeddings else self._blocks.get("lm_head.weight")
+        if head is not None:
+            self.lm_head.use(BlockWeight(kernel, (head,)))
 
     def _bind_stack(self, kernels: CpuKernels) -> DecoderStack:
         """The chosen stack driver, given every decoder projection's panels."""
@@ -509,6 +557,33 @@ class LlamaForCausalLM(nn.Module):
             )
         with torch.no_grad():
             target.copy_(tensor)
+        self._loaded.add(name)
+
+    def load_blocks(self, name: str, tensor: BlockTensor) -> None:
+        """Take one weight matrix, named as transformers names it, in a GGUF file's blocks as
+        stored (not copied, not dequantized): the projection (or embedding, or output
+        projection) computes from them once the kernels choose the ``"blocks"`` form
+        (:meth:`use_kernels`).
+
+        Raises:
+            WeightError: the name is not a projection's, the embedding's or the output
+                projection's weight, or the shape does not fit.
+            RuntimeError: the kernels are chosen already.
+        """
+        if self._kernels is not None:
+            raise RuntimeError(f"cannot load {name!r}: the kernels are chosen")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return  # tied: the embedding is the output projection
+        target = self._target(name)
+        if target is None or target.dim() != 2:
+            raise WeightError(
+                f"tensor {name!r} cannot be held in GGUF blocks: blocks hold the projections', "
+                "the embedding's and the output projection's weights"
+            )
+        shape = (tensor.out_features, tensor.in_features)
+        if shape != tuple(target.shape):
+            raise WeightError(f"tensor {name!r} has shape {shape}, expected {tuple(target.shape)}")
+        self._blocks[name] = tensor
         self._loaded.add(name)
 
     def expected_weights(self) -> list[str]:

@@ -92,8 +92,11 @@ def write_gguf(
     replace: dict[str, np.ndarray] | None = None,
     name: str = "tiny",
     with_vocabulary: bool = False,
+    matrices: Any = None,
+    embedding: Any = None,
 ) -> None:
-    """Write a transformers model as llama.cpp would, quantizing its matrices to Q8_0.
+    """Write a transformers model as llama.cpp would, quantizing its matrices to Q8_0 (or
+    ``matrices``) and its embedding to F16 (or ``embedding``).
 
     The model's weights are replaced in place by what the file holds after quantization, so
     that it stays the exact reference for the file.
@@ -119,18 +122,23 @@ def write_gguf(
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         weights = parameter.detach().float().numpy()
-        if hf_name == "model.embed_tokens.weight":
-            stored: Any = weights.astype(np.float16)
+        kind = Q8_0 if matrices is None else matrices
+        if hf_name == "model.embed_tokens.weight" and embedding is not None:
+            stored: Any = quantize(weights, embedding)
+            raw_dtype = embedding
+            parameter.copy_(torch.from_numpy(dequantize(stored, embedding)))
+        elif hf_name == "model.embed_tokens.weight":
+            stored = weights.astype(np.float16)
             raw_dtype = F16
             parameter.copy_(torch.from_numpy(stored.astype(np.float32)))
         elif weights.ndim == 2:
-            raw_dtype = Q8_0
-            parameter.copy_(torch.from_numpy(dequantize(quantize(weights, Q8_0), Q8_0)))
+            raw_dtype = kind
+            parameter.copy_(torch.from_numpy(dequantize(quantize(weights, kind), kind)))
             if arch == "llama" and ".q_proj." in hf_name:
                 weights = llama_cpp_permute(weights, config.num_attention_heads)
             elif arch == "llama" and ".k_proj." in hf_name:
                 weights = llama_cpp_permute(weights, config.num_key_value_heads)
-            stored = quantize(weights, Q8_0)
+            stored = quantize(weights, kind)
         else:
             stored, raw_dtype = weights, None
         target = gguf_name(hf_name)
