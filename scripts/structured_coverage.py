@@ -19,7 +19,9 @@ README says where each comes from), in the engine's own path (``JsonSchema`` the
 * **outputs**: ``--samples`` random walks per compiled schema, each byte picked at random
   among those the mask allows (structural bytes favoured, so that walks end), validated with
   ``jsonschema`` against the schema as it was given; walks that reach ``--max-bytes`` are
-  counted as unfinished, not judged.
+  counted as unfinished, not judged; walks the matcher's check after generation refused
+  (``oneOf``, ``uniqueItems``: a request's ``ConstraintFailed``) and walks where the backend
+  gave up (a limit) are counted apart.
 
 The vocabulary is the toy runner's bytes (257 tokens): what the constraint allows does not
 depend on it, and it needs no model. ``--tokenizer smollm2`` compiles against SmolLM2's 49,152
@@ -94,22 +96,26 @@ def _resolve(schema: Any, root: Any) -> Any:
     return schema
 
 
-def _key_order(schema: Any, root: Any, value: dict[str, Any], order: list[str]) -> None:
-    """The keys the backend writes first at this place, in its order (properties, then the
-    required ones, then those of the branches that apply)."""
+def _key_order(
+    schema: Any, root: Any, value: dict[str, Any], order: list[str], keyword: str
+) -> None:
+    """The keys of ``keyword`` (``properties``, then ``required``) in the order the backend
+    writes them: it reads the schema's keywords in order, the branches of ``allOf`` and, of
+    ``anyOf``/``oneOf``, the first that the value validates against, where they stand."""
     schema = _resolve(schema, root)
     if not isinstance(schema, dict):
         return
-    for key in (*schema.get("properties", {}), *schema.get("required", [])):
-        if key in value and key not in order:
-            order.append(key)
-    for branch in schema.get("allOf", []):
-        _key_order(branch, root, value, order)
-    for keyword in ("anyOf", "oneOf"):
-        for branch in schema.get(keyword, []):
-            if _valid(value, branch, root):
-                _key_order(branch, root, value, order)
-                break
+    for name, part in schema.items():
+        if name == keyword:
+            order.extend(key for key in part if key in value and key not in order)
+        elif name == "allOf":
+            for branch in part:
+                _key_order(branch, root, value, order, keyword)
+        elif name in ("anyOf", "oneOf"):
+            for branch in part:
+                if _valid(value, branch, root):
+                    _key_order(branch, root, value, order, keyword)
+                    break
 
 
 def _valid(value: Any, schema: Any, root: Any) -> bool:
@@ -150,7 +156,8 @@ def in_schema_order(value: Any, schema: Any, root: Any) -> Any:
     schema = _resolve(schema, root)
     if isinstance(value, dict):
         order: list[str] = []
-        _key_order(schema, root, value, order)
+        _key_order(schema, root, value, order, "properties")
+        _key_order(schema, root, value, order, "required")
         keys = order + [key for key in value if key not in order]
         return {
             key: in_schema_order(value[key], _subschema(schema, root, key), root) for key in keys
@@ -186,7 +193,7 @@ def random_output(compiled: Any, rng: random.Random, max_bytes: int) -> bytes | 
         return str(exc)
 
 
-def _walk(compiled: Any, rng: random.Random, max_bytes: int) -> bytes | None:
+def _walk(compiled: Any, rng: random.Random, max_bytes: int) -> bytes | str | None:
     matcher = compiled.matcher()
     eos = min(compiled.vocabulary.eos_token_ids)
     out: list[int] = []
@@ -195,15 +202,17 @@ def _walk(compiled: Any, rng: random.Random, max_bytes: int) -> bytes | None:
         if eos in allowed and rng.random() < 0.7:
             return _bytes(compiled, out)
         if not allowed or allowed == {eos}:
-            return _bytes(compiled, out) if matcher.accepting else None
+            if matcher.accepting:
+                return _bytes(compiled, out)
+            return matcher.failure  # a dead end: the check refused the complete output
         choices = sorted(allowed - {eos})
         structural = [token for token in STRUCTURAL if token in allowed]
         token = rng.choice(structural if structural and rng.random() < 0.4 else choices)
         if not matcher.advance(token):
             raise AssertionError(f"the matcher refused byte {token} that its mask allowed")
         out.append(token)
-        if matcher.terminated:
-            return _bytes(compiled, out)
+        if matcher.terminated:  # as a request: ends with stop, or fails (a dead end)
+            return _bytes(compiled, out) if matcher.accepting else matcher.failure
     return None
 
 
@@ -257,7 +266,9 @@ def measure(
         done = [out for out in outputs if isinstance(out, bytes)]
         row["outputs"] = len(done)
         row["unfinished"] = sum(out is None for out in outputs)
-        row["gave_up"] = sum(isinstance(out, str) for out in outputs)
+        failed = [out for out in outputs if isinstance(out, str)]
+        row["check_failed"] = sum(out.startswith("the output does not validate") for out in failed)
+        row["gave_up"] = len(failed) - row["check_failed"]
         bad = [out for out in done if not validator.is_valid(json.loads(out))]
         row["outputs_invalid"] = len(bad)
         if bad:
@@ -289,6 +300,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "outputs": total("outputs"),
         "outputs_unfinished": total("unfinished"),
         "outputs_gave_up": total("gave_up"),
+        "outputs_check_failed": total("check_failed"),
         "outputs_invalid": total("outputs_invalid"),
         "by_subset": {name: f"{done}/{count}" for name, (done, count) in sorted(by_subset.items())},
         "refusals": refusals.most_common(),

@@ -35,11 +35,18 @@ import anyio.lowlevel
 import attrs
 
 from twostroke.engine.structured.backend import llguidance
-from twostroke.engine.structured.grammars import field_of, grammar_of, reason_of, size_of
+from twostroke.engine.structured.grammars import (
+    field_of,
+    grammar_of,
+    json_grammar,
+    reason_of,
+    size_of,
+)
 from twostroke.engine.structured.matcher import GuidanceMatcher
+from twostroke.engine.structured.schemas import SchemaCheck
 from twostroke.engine.structured.vocabulary import Vocabulary
 from twostroke.engine.structured.workers import CompilePool
-from twostroke.states.constraints import Constraint, bitmask_words
+from twostroke.states.constraints import Constraint, JsonSchema, bitmask_words
 from twostroke.states.errors import ConstraintRejected
 from twostroke.states.validators import int_at_least, number_in
 
@@ -147,17 +154,24 @@ class CompiledConstraint:
         constraint: What was compiled.
         vocabulary: Against which vocabulary.
         seconds: How long compiling took (the first mask included).
+        check: What validates a complete output, where the backend leaves keywords of a
+            JSON schema to it (:mod:`~twostroke.engine.structured.schemas`); each matcher
+            lets an output end only once it passes.
     """
 
     constraint: Constraint
     vocabulary: Vocabulary
     _template: llguidance.LLMatcher = attrs.field(alias="template", repr=False)
     seconds: float
+    check: SchemaCheck | None = attrs.field(default=None, repr=False)
 
     def matcher(self) -> GuidanceMatcher:
         """A new matcher at the start of the output, for one request."""
         return GuidanceMatcher(
-            self._template.deep_copy(), self.vocabulary.vocab_size, self.vocabulary.eos_token_ids
+            self._template.deep_copy(),
+            self.vocabulary.vocab_size,
+            self.vocabulary.eos_token_ids,
+            check=None if self.check is None else (self.check, self.vocabulary.backend),
         )
 
 
@@ -171,8 +185,12 @@ def _compile(
     """
     start = time.perf_counter()
     field = field_of(constraint)
+    check = None
     try:
-        grammar = grammar_of(constraint)
+        if isinstance(constraint, JsonSchema):
+            grammar, check = json_grammar(constraint)
+        else:
+            grammar = grammar_of(constraint)
         # The constructor validates the grammar: a bad one leaves the matcher in its error
         # state.
         template = llguidance.LLMatcher(vocabulary.backend, grammar, log_level=0, limits=limits)
@@ -189,7 +207,8 @@ def _compile(
         return ConstraintRejected(field, reason)
     if template.is_error():
         return ConstraintRejected(field, reason_of(template.get_error()))
-    return CompiledConstraint(constraint, vocabulary, template, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return CompiledConstraint(constraint, vocabulary, template, seconds, check)
 
 
 def _estimated_bytes(

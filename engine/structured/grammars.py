@@ -17,6 +17,7 @@ import re
 from typing import TYPE_CHECKING
 
 from twostroke.engine.structured.backend import llguidance
+from twostroke.engine.structured.schemas import SchemaCheck, for_backend
 from twostroke.states.constraints import (
     AnyJsonObject,
     Choice,
@@ -35,6 +36,7 @@ __all__ = [
     "MAX_REASON_LENGTH",
     "field_of",
     "grammar_of",
+    "json_grammar",
     "reason_of",
     "size_of",
 ]
@@ -79,9 +81,7 @@ def grammar_of(constraint: Constraint) -> str:
         ConstraintRejected: a grammar that is neither Lark nor valid GBNF.
     """
     if isinstance(constraint, JsonSchema):
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            constraint.schema, overrides=JSON_FORMAT
-        )
+        return json_grammar(constraint)[0]
     if isinstance(constraint, AnyJsonObject):
         return llguidance.LLMatcher.grammar_from_json_schema(
             {"type": "object"}, overrides=JSON_FORMAT
@@ -99,6 +99,36 @@ def grammar_of(constraint: Constraint) -> str:
         return llguidance.grammar_from("grammar", constraint.source)
     except ValueError as exc:  # GBNF that does not convert; the message says where
         raise ConstraintRejected(field_of(constraint), reason_of(str(exc))) from None
+
+
+def json_grammar(constraint: JsonSchema) -> tuple[str, SchemaCheck | None]:
+    """The grammar of a JSON schema (:func:`~.schemas.for_backend`: rewritten where the
+    backend cannot enforce a keyword as given), and the check of its complete outputs
+    where it has keywords the backend leaves to it.
+
+    Raises:
+        ConstraintRejected: a checked keyword in a schema the checker cannot read.
+    """
+    given = constraint.parsed()
+    backend = for_backend(given)
+    overrides = dict(JSON_FORMAT)
+    if "oneOf" in backend.checked:
+        overrides["coerce_one_of"] = True  # as anyOf; the check holds each output to one
+    text = constraint.schema  # as given where nothing was rewritten: the backend's messages
+    if backend.schema != given:  # quote its columns
+        text = json.dumps(backend.schema, separators=(",", ":"), ensure_ascii=False)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=overrides)  # type: ignore[arg-type]
+    if not backend.checked:
+        return grammar, None
+    try:
+        return grammar, SchemaCheck(given, backend.checked)
+    except Exception as exc:  # jsonschema's SchemaError, an unknown $schema ...
+        keywords = " and ".join(sorted(backend.checked))
+        raise ConstraintRejected(
+            field_of(constraint),
+            f"{keywords} must be checked after generation, and the checker cannot read the "
+            f"schema: {reason_of(str(exc))}",
+        ) from None
 
 
 #: The backend's words for the limits of its parser, and the names they have in

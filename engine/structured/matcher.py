@@ -14,6 +14,12 @@ What llguidance does differently from the protocol, and how this adapter keeps t
   not accepting): the request fails.
 * Once the output cannot be extended (llguidance "stops"), llguidance allows EOS in the mask
   but does not take it; the adapter takes it as a token that changes nothing but the count.
+* Where the backend leaves keywords of a JSON schema to a check of the complete output
+  (:mod:`~twostroke.engine.structured.schemas`: ``oneOf`` enforced as ``anyOf``,
+  ``uniqueItems``), the matcher is accepting only where the backend accepts *and* the output
+  so far validates; an output that is complete for the backend but does not validate cannot
+  end: where it cannot be extended either, it is a dead end whose :attr:`failure` says what
+  did not validate.
 * Limits the backend hits mid-output (lexer or parser fuel) leave it in its error state;
   the adapter raises :class:`~twostroke.engine.errors.MatcherError` with its reason.
 
@@ -24,7 +30,7 @@ pool (the GIL released), which is how a step's constrained rows should be filled
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from twostroke.engine.errors import MatcherError
 from twostroke.engine.structured.backend import llguidance
@@ -58,18 +64,39 @@ class GuidanceMatcher:
         matcher: llguidance's matcher, in its initial state, this object's alone.
         vocab_size: How many token ids a mask covers.
         eos_token_ids: The ids that end the output.
+        check: A check of the complete output (the reason it fails, or ``None``) and the
+            tokenizer that spells the tokens for it, where the backend leaves part of the
+            constraint to it.
     """
 
-    __slots__ = ("_eos", "_matcher", "_num_tokens", "_row_bytes", "_vocab_size")
+    __slots__ = (
+        "_check_output",
+        "_eos",
+        "_matcher",
+        "_num_tokens",
+        "_row_bytes",
+        "_tokens",
+        "_verdict",
+        "_vocab_size",
+    )
 
     def __init__(
-        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        *,
+        check: tuple[Callable[[bytes], str | None], llguidance.LLTokenizer] | None = None,
     ) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._eos = eos_token_ids
         self._row_bytes = 4 * bitmask_words(vocab_size)
         self._num_tokens = 0
+        self._check_output = check
+        self._tokens: list[int] = []  # kept only where there is a check
+        #: The check's verdict on the output of ``_num_tokens`` tokens, once asked.
+        self._verdict: tuple[int, str | None] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -81,7 +108,17 @@ class GuidanceMatcher:
 
     @property
     def accepting(self) -> bool:
-        return bool(self._matcher.is_accepting())
+        return bool(self._matcher.is_accepting()) and self._invalid() is None
+
+    def _invalid(self) -> str | None:
+        """Why the output so far, complete for the backend, does not pass the check."""
+        if self._check_output is None or not self._matcher.is_accepting():
+            return None
+        if self._verdict is None or self._verdict[0] != self._num_tokens:
+            check, tokenizer = self._check_output
+            output = bytes(tokenizer.decode_bytes([t for t in self._tokens if t not in self._eos]))
+            self._verdict = (self._num_tokens, check(output))
+        return self._verdict[1]
 
     @property
     def terminated(self) -> bool:
@@ -94,7 +131,7 @@ class GuidanceMatcher:
         if self._matcher.is_error() and not self._dead_end():
             return reason_of(self._matcher.get_error())
         if self.terminated and not self.accepting:
-            return reason_of(_DEAD_END)
+            return self._invalid() or reason_of(_DEAD_END)
         return None
 
     def _dead_end(self) -> bool:
@@ -119,13 +156,18 @@ class GuidanceMatcher:
             if not self.accepting:
                 return False
             if self._matcher.is_stopped():  # llguidance takes no token once stopped
-                self._num_tokens += 1
+                self._took(token_id)
                 return True
         if self._matcher.try_consume_tokens([token_id]) == 1:
-            self._num_tokens += 1
+            self._took(token_id)
             return True
         self._check()
         return False
+
+    def _took(self, token_id: int) -> None:
+        self._num_tokens += 1
+        if self._check_output is not None:
+            self._tokens.append(token_id)
 
     def _clear_eos(self, row: memoryview) -> None:
         """Clear the EOS bits of a row llguidance filled, unless the output is complete."""

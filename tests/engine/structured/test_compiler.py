@@ -152,8 +152,8 @@ REFUSALS = [
         "is not supported",
     ),
     (
-        JsonSchema({"type": "string", "format": "colour"}),
-        "constraint.schema: Unknown format: colour",
+        JsonSchema({"type": "array", "contains": {"type": "integer"}}),
+        'constraint.schema: Unimplemented keys: ["contains"]',
     ),
     (JsonSchema({"not": {"type": "string"}}), 'constraint.schema: Unimplemented keys: ["not"]'),
     (Grammar("start: foo"), 'constraint.grammar: at 1(8): unknown name: "foo"'),

@@ -1,0 +1,339 @@
+"""JSON schemas as the backend takes them: keywords it cannot enforce rewritten, or checked.
+
+llguidance enforces most of JSON Schema and refuses the rest. Some of what it refuses can
+be written in what it enforces, with the same valid instances, or be checked on the whole
+output once it is complete. :func:`for_backend` does both, and only where every output the
+engine lets finish still validates against the schema as it was given:
+
+* **Rewritten, exactly** (the rewritten schema has the same valid instances):
+  ``uniqueItems: false`` (it constrains nothing) and ``uniqueItems: true`` on an array of at
+  most one item are dropped; ``dependentRequired`` and ``dependencies``' lists
+  (``{"a": ["b"]}``: if ``a`` is there, so is ``b``) become ``anyOf: [{a absent}, {a and b
+  required}]``, and ``dependentSchemas`` and ``dependencies``' schemas the same with the
+  schema joined to the second branch (``allOf``); where the parent requires ``a`` already,
+  only the second branch is kept.
+* **Dropped, as JSON Schema says**: a ``format`` llguidance does not implement
+  (``uri-reference``, ``int32`` on a string ...). JSON Schema makes ``format`` an annotation
+  unless a validator is told to assert it, so any string validates; llguidance enforces the
+  formats it knows (:data:`ENFORCED_FORMATS`: a narrower language, so still valid).
+* **Checked after generation**: ``uniqueItems: true`` (no grammar can say "no two items
+  equal") and ``oneOf`` whose branches llguidance cannot prove disjoint (it enforces
+  ``anyOf`` of them, which also lets an output match two branches). The backend gets the
+  schema without them; the matcher validates the complete output against the schema as it
+  was given (:class:`SchemaCheck`) before it lets the output end, and an output that does
+  not validate cannot end: the request fails with a ``ConstraintFailed`` naming the keyword
+  and the place, never with output that does not validate.
+* Everything else llguidance refuses (``if``/``then``/``else``, ``not``, ``contains``, ...)
+  stays refused, with its reason naming the keyword.
+
+:func:`strict` is the server's rule for schemas that arrive over HTTP: an object subschema
+with ``properties`` and no ``additionalProperties`` is compiled as if it said ``false``.
+
+Pure: the standard library, and ``jsonschema`` for the check, imported when first needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "CHECKED_KEYWORDS",
+    "ENFORCED_FORMATS",
+    "BackendSchema",
+    "SchemaCheck",
+    "for_backend",
+    "strict",
+]
+
+#: The ``format`` s llguidance 1.9 enforces (its docs/json_schema.md); any other is dropped.
+ENFORCED_FORMATS = frozenset(
+    {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+)
+#: The keywords a schema may hold that the backend does not enforce and the matcher checks on
+#: the complete output.
+CHECKED_KEYWORDS = ("oneOf", "uniqueItems")
+
+#: Keywords whose value is one subschema.
+_ONE = (
+    "additionalProperties",
+    "additionalItems",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+#: Keywords whose value maps names to subschemas.
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: Keywords whose value is a list of subschemas.
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
+
+
+def subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The subschemas of one schema that are objects, each with the keyword it is under
+    (``items`` and ``dependencies`` in each of their forms)."""
+    for keyword in _ONE:
+        value = schema.get(keyword)
+        if isinstance(value, dict):
+            yield keyword, value
+    for keyword in _MAP:
+        value = schema.get(keyword)
+        if isinstance(value, dict):
+            yield from ((keyword, sub) for sub in value.values() if isinstance(sub, dict))
+    for keyword in _LIST:
+        value = schema.get(keyword)
+        if isinstance(value, list):
+            yield from ((keyword, sub) for sub in value if isinstance(sub, dict))
+    items = schema.get("items")
+    if isinstance(items, dict):
+        yield "items", items
+    elif isinstance(items, list):
+        yield from (("items", sub) for sub in items if isinstance(sub, dict))
+    dependencies = schema.get("dependencies")
+    if isinstance(dependencies, dict):
+        yield from (("dependencies", sub) for sub in dependencies.values() if isinstance(sub, dict))
+
+
+def _walk(schema: dict[str, Any], visit: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``visit`` on every subschema that is an object, children first (iterative)."""
+    stack: list[tuple[dict[str, Any], bool]] = [(schema, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if children_done:
+            visit(node)
+            continue
+        stack.append((node, True))
+        stack.extend((sub, False) for _, sub in subschemas(node))
+
+
+def _absent(name: str) -> dict[str, Any]:
+    return {"properties": {name: False}}
+
+
+def _dependency(
+    node: dict[str, Any], name: str, then: list[str] | dict[str, Any]
+) -> dict[str, Any] | None:
+    """One dependency of ``node`` as a schema to join to it (``None``: nothing to join)."""
+    given = node.get("required")
+    required: list[Any] = given if isinstance(given, list) else []
+    if isinstance(then, list):
+        if all(item in required for item in then):
+            return None  # already required, whether or not ``name`` is there
+        present: dict[str, Any] = {"required": [name, *then]}
+    else:
+        present = {"required": [name], "allOf": [then]}
+    if name in required:
+        return present
+    return {"anyOf": [_absent(name), present]}
+
+
+def _rewrite_dependencies(node: dict[str, Any]) -> None:
+    """``dependentRequired``, ``dependentSchemas`` and ``dependencies`` as ``allOf`` members."""
+    joined: list[dict[str, Any]] = []
+    for keyword in ("dependentRequired", "dependentSchemas", "dependencies"):
+        value = node.get(keyword)
+        if not isinstance(value, dict):
+            continue
+        if not all(isinstance(then, list | dict | bool) for then in value.values()):
+            continue  # malformed: the backend refuses it in its words
+        del node[keyword]
+        for name, then in value.items():
+            if then is True or then == {}:
+                continue
+            if then is False:
+                joined.append(_absent(name))
+                continue
+            schema = _dependency(node, name, then)
+            if schema is not None:
+                joined.append(schema)
+    if joined:
+        existing = node.get("allOf")
+        node["allOf"] = [*(existing if isinstance(existing, list) else []), *joined]
+
+
+def _relax(node: dict[str, Any], checked: set[str]) -> None:
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
+        del node["format"]
+    unique = node.get("uniqueItems")
+    if unique is False:
+        del node["uniqueItems"]
+    elif unique is True:
+        del node["uniqueItems"]
+        at_most = node.get("maxItems")
+        if not (isinstance(at_most, int) and not isinstance(at_most, bool) and at_most <= 1):
+            checked.add("uniqueItems")
+    if isinstance(node.get("oneOf"), list):
+        checked.add("oneOf")
+    _rewrite_dependencies(node)
+
+
+@attrs.frozen
+class BackendSchema:
+    """What the backend compiles for a schema, and what the matcher checks after it.
+
+    Attributes:
+        schema: The schema the backend compiles (the given one, rewritten).
+        checked: The keywords of :data:`CHECKED_KEYWORDS` the schema holds: the backend
+            does not enforce them (``oneOf`` as ``anyOf``), the complete output is validated.
+    """
+
+    schema: dict[str, Any]
+    checked: frozenset[str]
+
+
+def for_backend(schema: dict[str, Any]) -> BackendSchema:
+    """The schema the backend compiles, rewritten as the module docstring says.
+
+    Args:
+        schema: The schema as given (not changed).
+
+    Returns:
+        The rewritten schema and the keywords checked after generation.
+    """
+    rewritten = copy.deepcopy(schema)
+    checked: set[str] = set()
+    _walk(rewritten, lambda node: _relax(node, checked))
+    return BackendSchema(rewritten, frozenset(checked))
+
+
+class SchemaCheck:
+    """Validates a complete output against the schema as it was given (``jsonschema``).
+
+    ``format`` is an annotation, as JSON Schema's default says (the backend enforces the
+    formats it knows all the same).
+
+    Args:
+        schema: The schema as given.
+        checked: Which keywords the backend left to this check (named in its reasons).
+    """
+
+    def __init__(self, schema: dict[str, Any], checked: frozenset[str]) -> None:
+        import jsonschema  # type: ignore[import-untyped]
+
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls.check_schema(schema)  # a schema it cannot read is refused, not checked wrongly
+        self._validator = cls(schema)
+        self.checked = checked
+
+    def __call__(self, output: bytes) -> str | None:
+        """Why ``output`` does not validate (``None`` if it does)."""
+        try:
+            value = json.loads(output)
+        except ValueError as exc:  # the grammar writes JSON: this is the backend's fault
+            return f"the output is not JSON ({exc})"
+        error = next(iter(self._validator.iter_errors(value)), None)
+        if error is None:
+            return None
+        where = "/" + "/".join(str(part) for part in error.absolute_path)
+        keyword = str(error.validator)
+        return (
+            f"the output does not validate at {where}: {keyword} "
+            f"({error.message[:120]}); {keyword if keyword in self.checked else 'it'} is "
+            f"checked after generation, not enforced while sampling"
+        )
+
+
+def _is_object_schema(node: dict[str, Any]) -> bool:
+    return isinstance(node.get("properties"), dict)
+
+
+#: Where a subschema may gain ``additionalProperties: false`` (:func:`strict`): positions
+#: where a narrower subschema makes a narrower schema, and that are not joined with a
+#: sibling's properties.
+_STRICT_INTO = (
+    *("properties", "patternProperties", "additionalProperties", "items"),
+    *("prefixItems", "additionalItems", "anyOf", "$defs", "definitions"),
+)
+#: Keywords beside ``properties`` that make a subschema join others (or name other keys).
+_JOINS = ("allOf", "anyOf", "oneOf", "$ref", "patternProperties", "unevaluatedProperties")
+
+
+def strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with ``additionalProperties: false`` where an object subschema has
+    ``properties`` and says nothing of other keys (xgrammar's and OpenAI's strict mode).
+
+    Only where it narrows the schema without emptying it: not under ``not``, ``if``,
+    ``oneOf`` (a narrower branch can make an instance match one branch where it matched two),
+    ``allOf``, ``then``/``else`` or ``dependentSchemas`` (joined with their parent, whose
+    properties the ``false`` would forbid), nor in a subschema that joins others (``allOf``,
+    ``anyOf``, ``oneOf``, ``$ref``, ``patternProperties``, ``unevaluatedProperties`` beside
+    its ``properties``), nor in ``$defs`` that such a place refers to. So every output it
+    allows validates against the schema as given.
+
+    Args:
+        schema: The schema as given (not changed).
+
+    Returns:
+        A new schema.
+    """
+    result = copy.deepcopy(schema)
+    unsafe = _refs_in_unsafe_places(result)
+    stack: list[tuple[dict[str, Any], str]] = [(result, "")]
+    while stack:
+        node, path = stack.pop()
+        joins = any(key in node for key in _JOINS)
+        if _is_object_schema(node) and "additionalProperties" not in node and not joins:
+            node["additionalProperties"] = False
+        for keyword in _STRICT_INTO:
+            value = node.get(keyword)
+            if keyword in ("$defs", "definitions") and path:
+                continue  # only the root's: the ones a local $ref names
+            if keyword in ("properties", "patternProperties", "$defs", "definitions"):
+                if isinstance(value, dict):
+                    for name, sub in value.items():
+                        sub_path = f"{path}/{keyword}/{name}"
+                        if isinstance(sub, dict) and not (
+                            keyword in ("$defs", "definitions") and f"#{sub_path}" in unsafe
+                        ):
+                            stack.append((sub, sub_path))
+            elif isinstance(value, dict):
+                stack.append((value, f"{path}/{keyword}"))
+            elif isinstance(value, list):
+                stack.extend(
+                    (sub, f"{path}/{keyword}/{index}")
+                    for index, sub in enumerate(value)
+                    if isinstance(sub, dict)
+                )
+    return result
+
+
+def _refs_in_unsafe_places(schema: dict[str, Any]) -> frozenset[str]:
+    """The local ``$ref`` s (``#/$defs/...``) of definitions that :func:`strict` must not
+    narrow: ones referred to from a place it leaves alone, or from a subschema that joins."""
+    refs: set[str] = set()
+    definitions = {
+        f"#/{keyword}/{name}": sub
+        for keyword in ("$defs", "definitions")
+        if isinstance(schema.get(keyword), dict)
+        for name, sub in schema[keyword].items()
+        if isinstance(sub, dict)
+    }
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    seen: set[tuple[int, bool]] = set()
+    while stack:
+        node, unsafe = stack.pop()
+        if not isinstance(node, dict) or (id(node), unsafe) in seen:
+            continue
+        seen.add((id(node), unsafe))
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if unsafe or len(node) > 1:
+                if ref not in refs:
+                    refs.add(ref)
+                    stack.append((definitions.get(ref), True))
+            else:
+                stack.append((definitions.get(ref), False))
+        for keyword, sub in subschemas(node):
+            if keyword in ("$defs", "definitions"):
+                continue  # reached through their references
+            stack.append((sub, unsafe or keyword not in _STRICT_INTO))
+    return frozenset(refs)

@@ -1,0 +1,267 @@
+"""Schemas as the backend takes them: exact rewrites, dropped annotations, checked keywords,
+and the server's strict rule; every output the engine lets finish validates against the
+schema as it was given."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+import pytest
+
+from twostroke.engine.errors import MatcherError
+from twostroke.engine.structured import GrammarCompiler
+from twostroke.engine.structured.schemas import for_backend, strict
+from twostroke.states.constraints import JsonSchema
+from twostroke.states.errors import ConstraintRejected
+
+
+def test_unique_items_false_and_unknown_formats_are_dropped() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": False},
+            "link": {"type": "string", "format": "uri-reference"},
+            "when": {"type": "string", "format": "date-time"},
+            "format": {"type": "string"},  # a property called format, not the keyword
+        },
+    }
+    backend = for_backend(schema)
+    properties = backend.schema["properties"]
+    assert properties["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert properties["link"] == {"type": "string"}
+    assert properties["when"]["format"] == "date-time"  # enforced by the backend
+    assert properties["format"] == {"type": "string"}
+    assert backend.checked == frozenset()
+    assert schema["properties"]["link"]["format"] == "uri-reference"  # the given one unchanged
+
+
+def test_dependencies_become_any_of() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "dependentRequired": {"a": ["b"]},
+        "dependencies": {"b": {"properties": {"a": {"minimum": 3}}}},
+    }
+    rewritten = for_backend(schema).schema
+    assert "dependentRequired" not in rewritten
+    assert "dependencies" not in rewritten
+    assert rewritten["allOf"] == [
+        {"anyOf": [{"properties": {"a": False}}, {"required": ["a", "b"]}]},
+        {
+            "anyOf": [
+                {"properties": {"b": False}},
+                {"required": ["b"], "allOf": [{"properties": {"a": {"minimum": 3}}}]},
+            ]
+        },
+    ]
+    required = {**schema, "required": ["a"], "dependencies": {"a": ["b"]}}
+    del required["dependentRequired"]
+    assert for_backend(required).schema["allOf"] == [{"required": ["a", "b"]}]
+
+
+def test_checked_keywords() -> None:
+    assert for_backend({"oneOf": [{"type": "integer"}, {"minimum": 0}]}).checked == {"oneOf"}
+    unique = {"type": "array", "uniqueItems": True}
+    assert for_backend(unique).checked == {"uniqueItems"}
+    assert for_backend({**unique, "maxItems": 1}) == for_backend({"type": "array", "maxItems": 1})
+
+
+#: Schemas the backend refused as given, each with what it takes now.
+RELAXED: dict[str, dict[str, Any]] = {
+    "dependentRequired": {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 2]}, "b": {"enum": [3]}, "c": {"enum": [4]}},
+        "dependentRequired": {"a": ["b"], "c": ["a"]},
+        "additionalProperties": False,
+    },
+    "dependencies (schema)": {
+        "type": "object",
+        "properties": {"kind": {"enum": ["x", "y"]}, "size": {"type": "integer"}},
+        "dependencies": {"size": {"properties": {"kind": {"const": "x"}}, "required": ["kind"]}},
+        "additionalProperties": False,
+    },
+    "uniqueItems": {
+        "type": "array",
+        "items": {"enum": [1, 2, 3]},
+        "uniqueItems": True,
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    "oneOf, overlapping": {
+        "oneOf": [
+            {"type": "integer", "minimum": 0, "maximum": 9},
+            {"type": "integer", "minimum": 5, "maximum": 20},
+        ]
+    },
+    "unknown format": {"type": "string", "format": "uri-reference", "maxLength": 6},
+}
+
+
+def _walk(compiled: Any, rng: random.Random) -> bytes | str | None:
+    """A random output as a request would end: bytes (stop), its failure, or None (length)."""
+    matcher = compiled.matcher()
+    out: list[int] = []
+    for _ in range(200):
+        allowed = matcher.allowed_token_ids()
+        if 256 in allowed and rng.random() < 0.5:
+            return bytes(out)
+        choices = sorted(allowed - {256})
+        if not choices:
+            return bytes(out) if matcher.accepting else matcher.failure
+        token = rng.choice(choices)
+        assert matcher.advance(token)
+        out.append(token)
+        if matcher.terminated:
+            return bytes(out) if matcher.accepting else matcher.failure
+    return None
+
+
+@pytest.mark.parametrize("name", list(RELAXED))
+def test_every_output_of_a_relaxed_schema_validates(
+    byte_compiler: GrammarCompiler, name: str
+) -> None:
+    schema = RELAXED[name]
+    compiled = byte_compiler.compile_now(JsonSchema(schema))
+    validator = jsonschema.Draft202012Validator(schema)
+    rng = random.Random(name)
+    finished, refused = [], []
+    for _ in range(150):
+        outcome = _walk(compiled, rng)
+        if isinstance(outcome, bytes):
+            finished.append(json.loads(outcome))
+        elif isinstance(outcome, str):
+            refused.append(outcome)
+    assert finished, "no output finished"
+    invalid = [value for value in finished if not validator.is_valid(value)]
+    assert invalid == []
+    if compiled.check is None:  # exact: the backend alone decides
+        assert refused == []
+    for reason in refused:
+        assert reason.startswith("the output does not validate at ")
+        assert "checked after generation" in reason
+
+
+def test_a_checked_output_that_does_not_validate_cannot_end(
+    byte_compiler: GrammarCompiler,
+) -> None:
+    compiled = byte_compiler.compile_now(JsonSchema(RELAXED["uniqueItems"]))
+    matcher = compiled.matcher()
+    assert all(matcher.advance(byte) for byte in b"[1, 2, 1]")
+    assert matcher.terminated
+    assert not matcher.accepting
+    assert matcher.allowed_token_ids() == frozenset()
+    assert not matcher.advance(256)
+    assert matcher.failure == (
+        "the output does not validate at /: uniqueItems ([1, 2, 1] has non-unique elements); "
+        "uniqueItems is checked after generation, not enforced while sampling"
+    )
+    fine = compiled.matcher()
+    assert all(fine.advance(byte) for byte in b"[3, 1]")
+    assert fine.accepting
+    assert fine.advance(256)
+
+
+def test_one_of_matching_two_branches_cannot_end(byte_compiler: GrammarCompiler) -> None:
+    compiled = byte_compiler.compile_now(JsonSchema(RELAXED["oneOf, overlapping"]))
+    both = compiled.matcher()
+    assert all(both.advance(byte) for byte in b"7")
+    assert not both.accepting
+    assert 256 not in both.allowed_token_ids()
+    one = compiled.matcher()
+    assert all(one.advance(byte) for byte in b"3")
+    assert one.accepting
+
+
+@pytest.mark.parametrize(
+    ("schema", "reason"),
+    [
+        ({"not": {"type": "string"}}, 'Unimplemented keys: ["not"]'),
+        ({"if": {}, "then": {}}, 'Unimplemented keys: ["if", "then"]'),
+    ],
+)
+def test_what_cannot_be_rewritten_nor_checked_is_still_refused(
+    byte_compiler: GrammarCompiler, schema: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(ConstraintRejected) as refused:
+        byte_compiler.compile_now(JsonSchema(schema))
+    assert refused.value.reason == reason
+
+
+def test_a_checked_keyword_in_a_schema_the_checker_cannot_read_is_refused(
+    byte_compiler: GrammarCompiler,
+) -> None:
+    schema = {"type": "array", "uniqueItems": True, "minItems": "two"}
+    with pytest.raises(ConstraintRejected) as refused:
+        byte_compiler.compile_now(JsonSchema(schema))
+    assert refused.value.reason.startswith(
+        "uniqueItems must be checked after generation, and the checker cannot read the "
+        "schema: 'two' is not of type 'integer'"
+    )
+
+
+# --- strict -----------------------------------------------------------------------------------
+
+
+def test_strict_closes_objects_that_say_nothing_of_other_keys() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "list": {"type": "array", "items": {"properties": {"x": {}}}},
+            "either": {"anyOf": [{"properties": {"y": {}}}, {"type": "null"}]},
+            "one": {"oneOf": [{"properties": {"y": {}}}, {"type": "null"}]},
+            "neg": {"not": {"properties": {"z": {}}}},
+            "joined": {"allOf": [{"properties": {"z": {}}}], "properties": {"w": {}}},
+            "ref": {"$ref": "#/$defs/point"},
+            "based": {"allOf": [{"$ref": "#/$defs/base"}]},
+        },
+        "$defs": {
+            "point": {"properties": {"x": {}}},
+            "base": {"properties": {"x": {}}},
+        },
+    }
+    closed = strict(schema)
+    properties = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert properties["where"]["additionalProperties"] is False
+    assert properties["open"]["additionalProperties"] is True
+    assert properties["list"]["items"]["additionalProperties"] is False
+    assert properties["either"]["anyOf"][0]["additionalProperties"] is False
+    # oneOf, not, allOf (and a subschema beside it), and $defs an allOf refers to: untouched
+    assert properties["one"] == schema["properties"]["one"]  # type: ignore[index]
+    assert properties["neg"] == schema["properties"]["neg"]  # type: ignore[index]
+    assert properties["joined"] == schema["properties"]["joined"]  # type: ignore[index]
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+    assert closed["$defs"]["base"] == {"properties": {"x": {}}}
+    assert "additionalProperties" not in schema  # the given one unchanged
+
+
+def test_every_strict_output_validates_against_the_schema_as_sent(
+    byte_compiler: GrammarCompiler,
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 2]}, "b": {"type": "object", "properties": {}}},
+        "required": ["a"],
+    }
+    compiled = byte_compiler.compile_now(JsonSchema(strict(schema)))
+    validator = jsonschema.Draft202012Validator(schema)
+    rng = random.Random(7)
+    outputs = []
+    for _ in range(60):
+        try:
+            outcome = _walk(compiled, rng)
+        except MatcherError:  # a limit: the request would fail, not deliver
+            continue
+        if isinstance(outcome, bytes):
+            value = json.loads(outcome)
+            assert validator.is_valid(value), value
+            assert set(value) <= {"a", "b"}
+            assert set(value.get("b", {})) == set()
+            outputs.append(value)
+    assert outputs
