@@ -52,7 +52,7 @@ from twostroke.engine.server.generation import (
 )
 from twostroke.engine.server.guards import Guards, ServerShutdown
 from twostroke.engine.server.metrics import ServerMetrics
-from twostroke.engine.server.responses import Responses
+from twostroke.engine.server.responses import PreparedChat, Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint
 from twostroke.engine.surface import EngineSurface
@@ -160,6 +160,13 @@ class _OpenAI:
     async def chat(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
+        chat = self.prepare_chat(body)
+        await self._generate(chat.format, [chat.messages], chat.params, body, "messages",
+                             chat.shape, receive, send)  # fmt: skip
+
+    def prepare_chat(self, body: protocol.ChatCompletionRequest) -> PreparedChat:
+        """What a chat completion body asks of the engine: ``/v1/chat/completions`` and
+        ``/v1/responses`` (which translates its body into one) both run through it."""
         # What the body alone decides is checked before the messages are tokenized.
         turns = protocol.chat_turns(body.messages)
         protocol.check_choices(1, body.n, self.max_choices)
@@ -168,7 +175,7 @@ class _OpenAI:
         # without max_tokens: what the context leaves
         params = protocol.choice_params(body, shape.constraint)
         fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
-        await self._generate(fmt, [messages], params, body, "messages", shape, receive, send)
+        return PreparedChat(messages, params, fmt, shape)
 
     def _check_room(self, count: int) -> None:
         """Refuse ``count`` engine requests if the waiting queue cannot take them all.
@@ -379,6 +386,7 @@ def build_app(
         keepalive=config.keepalive,
         max_body_bytes=config.max_body_bytes,
         check_room=handlers._check_room,
+        prepare_chat=handlers.prepare_chat,
     )
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:

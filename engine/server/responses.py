@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
+import attrs
 import msgspec
 from starlette.requests import Request
 from starlette.types import Receive, Send
@@ -34,13 +35,15 @@ from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.engine.server.generation import ChatFormat, Generation
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
-from twostroke.engine.server.structured import output_constraint
+from twostroke.engine.server.structured import OutputConstraint
 from twostroke.engine.surface import EngineSurface
+from twostroke.states.params import SamplingParams
 
 __all__ = [
     "MAX_CALL_ID_LENGTH",
     "MAX_INPUT_ITEMS",
     "MAX_TEMPERATURE",
+    "PreparedChat",
     "ResponseDraft",
     "Responses",
     "ResponsesRequest",
@@ -399,6 +402,23 @@ def _renamed(error: ApiError) -> ApiError:
                     code=error.code, headers=error.headers)  # fmt: skip
 
 
+@attrs.frozen
+class PreparedChat:
+    """What a chat completion body asks of the engine, as the chat path computes it.
+
+    Attributes:
+        messages: The conversation as the engine takes it (tools rendered in).
+        params: One sampling parameters per choice.
+        format: How the answer is written (its tool calls read back).
+        shape: The output's constraint and the field that set it.
+    """
+
+    messages: list[dict[str, str]]
+    params: list[SamplingParams]
+    format: ChatFormat
+    shape: OutputConstraint
+
+
 def _hex_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -655,6 +675,9 @@ class Responses:
         max_body_bytes: The largest body read.
         check_room: Refuses ``count`` more engine requests when the waiting queue cannot
             take them (an ``EngineOverloaded``, the application's 503).
+        prepare_chat: The chat path: what a chat completion body asks of the engine (its
+            messages rendered with the server's tool format, sampling parameters, output
+            format and constraint), or its 400.
     """
 
     def __init__(
@@ -665,12 +688,14 @@ class Responses:
         keepalive: float,
         max_body_bytes: int,
         check_room: Callable[[int], None],
+        prepare_chat: Callable[[protocol.ChatCompletionRequest], PreparedChat],
     ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._keepalive = keepalive
         self._max_body_bytes = max_body_bytes
         self._check_room = check_room
+        self._prepare_chat = prepare_chat
 
     async def create(self, request: Request, receive: Receive, send: Send) -> None:
         """Answer one ``POST /v1/responses``: a Response object, or its event stream."""
@@ -678,27 +703,16 @@ class Responses:
             await read_body(request, self._max_body_bytes), ResponsesRequest
         )
         protocol.check_model(body.model, self._engine.model_name)
-        chat = chat_request(body)
         try:
-            messages = protocol.chat_messages(chat.messages)
-            try:
-                shape = output_constraint(chat)
-            except ApiError as exc:
-                if not (chat.stream and exc.param == "stream"):
-                    raise
-                # The chat path streams no tool calls yet: answer whole, then send it as
-                # events (each call's arguments in one delta).
-                chat.stream = False
-                shape = output_constraint(chat)
-            params = protocol.choice_params(chat, shape.constraint)
+            chat = self._prepare_chat(chat_request(body))
         except ApiError as exc:
             raise _renamed(exc) from None
-        fmt = ChatFormat(self._engine, 0, shape.tool_calls)
         self._check_room(1)  # nothing runs from here to the submit
+        shape = chat.shape
         generation = Generation(
             self._engine,
             self._metrics,
-            fmt,
+            chat.format,
             keepalive=self._keepalive,
             prompt_field="input",
             max_tokens_field="max_output_tokens",
@@ -706,8 +720,8 @@ class Responses:
         )
         draft = ResponseDraft(self._engine.model_name, _echo(body))
         try:
-            generation.submit([messages], params)
-            if chat.stream:
+            generation.submit([chat.messages], chat.params)
+            if body.stream:
                 sender = _EventStream(send, draft)
                 await until_disconnect(
                     receive, lambda: generation.stream(sender, include_usage=True)
@@ -716,14 +730,7 @@ class Responses:
             disconnected, outputs = await until_disconnect(receive, generation.collect)
             if disconnected or outputs is None:
                 return
-            answer = await generation.response(outputs)
-            if body.stream:  # the whole answer, sent as the events of its stream
-                sender = _EventStream(send, draft)
-                await sender.start()
-                await sender.data(answer)
-                await sender.done()
-                return
-            draft.chunk(answer)
+            draft.chunk(await generation.response(outputs))
             draft.end()
             try:
                 await send_json(send, 200, draft.response())

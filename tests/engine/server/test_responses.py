@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 import jsonschema
 import openai
 import pytest
@@ -19,6 +20,8 @@ from twostroke.engine.server.responses import (
 )
 
 from .conftest import OPENAI_STREAMS_ON_TRIO, served
+from .scripted import ScriptedRunner
+from .test_disconnect import wait_for_aborted
 
 pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
 
@@ -175,11 +178,11 @@ async def test_function_tools_answer_function_call_items(tool_choice: Any) -> No
     async with served() as server:
         whole = await server.client.responses.create(
             model="toy", input="Weather in Oslo?", tools=TOOLS, tool_choice=tool_choice,
-            max_output_tokens=128,
+            max_output_tokens=256, parallel_tool_calls=False,
         )  # fmt: skip
         stream = await server.client.responses.create(
             model="toy", input="Weather in Oslo?", tools=TOOLS, tool_choice=tool_choice,
-            max_output_tokens=128, stream=True,
+            max_output_tokens=256, parallel_tool_calls=False, stream=True,
         )  # fmt: skip
         events = [event async for event in stream]
         async with server.client.responses.stream(
@@ -187,7 +190,8 @@ async def test_function_tools_answer_function_call_items(tool_choice: Any) -> No
             input="Weather in Oslo?",
             tools=TOOLS,
             tool_choice=tool_choice,
-            max_output_tokens=128,
+            max_output_tokens=256,
+            parallel_tool_calls=False,
         ) as accumulated:
             final = await accumulated.get_final_response()
     (call,) = _check_calls(whole.output)
@@ -204,55 +208,174 @@ async def test_function_tools_answer_function_call_items(tool_choice: Any) -> No
     assert [event.sequence_number for event in events] == list(range(len(events)))
 
 
-async def test_a_tool_loop_round_trip_reaches_the_chat_path_as_history() -> None:
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+ANSWER = "It is mild in Oslo."
+
+
+def agent(prompt: str) -> str:
+    """The scripted model: a sentence and a call of the weather tool (the generic format),
+    then, once the tool's result is in the prompt, the answer."""
+    if "12 degrees" in prompt:
+        return ANSWER
+    return f"Let me check. <tool_call>\n{CALL}\n</tool_call>"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_agent_loop_finishes_through_the_responses_api(stream: bool) -> None:
+    """openai-agents' loop over the Responses API: tools with the default tool_choice, the
+    call's items and its output sent back as input, then the text answer."""
+
+    async def create(client: Any, items: list[Any]) -> Any:
+        if not stream:
+            return await client.responses.create(model="toy", input=items, tools=TOOLS)
+        async with client.responses.stream(model="toy", input=items, tools=TOOLS) as events:
+            return await events.get_final_response()
+
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    async with served(runner=ScriptedRunner(agent)) as server:
+        first = await create(server.client, ask)
+        message, call = first.output
+        assert first.status == "completed"
+        assert message.type == "message"
+        assert message.content[0].text == "Let me check. "
+        assert call.type == "function_call"
+        assert call.name == "get_weather"
+        assert json.loads(call.arguments) == {"city": "Oslo", "unit": "celsius"}
+        items = [*ask, *(item.model_dump(exclude_none=True) for item in first.output),
+                 {"type": "function_call_output", "call_id": call.call_id,
+                  "output": "12 degrees"}]  # fmt: skip
+        second = await create(server.client, items)
+        (first_prompt, _), (second_prompt, _) = server.engine.submitted
+    assert second.status == "completed"
+    assert second.output_text == ANSWER
+    assert [item.type for item in second.output] == ["message"]
+    assert '"name": "get_weather"' in first_prompt[0]["content"]  # the tools, shown
+    assert "12 degrees" in second_prompt[-1]["content"]  # the result, as the chat path has it
+
+
+def _chat_tools(tools: list[Any]) -> list[Any]:
+    """Responses' flat function tools in chat's shape."""
+    return [{"type": "function", "function": {key: value for key, value in tool.items()
+                                              if key != "type"}} for tool in tools]  # fmt: skip
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "auto"])
+async def test_a_tool_loop_round_trip_is_the_chat_requests_prompt(tool_choice: str) -> None:
+    """The history of a tool loop reaches the engine as the same chat request's does: the
+    call as the assistant's ``tool_calls``, its output as a ``tool`` message."""
     arguments = json.dumps({"city": "Oslo", "unit": "celsius"})
     history: list[Any] = [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
-        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
-         "arguments": arguments, "status": "completed"},
+        {
+            "type": "function_call",
+            "id": "fc_1",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": arguments,
+            "status": "completed",
+        },
         {"type": "function_call_output", "call_id": "call_1", "output": "12 degrees"},
-        {"type": "message", "role": "assistant", "content": [
-            {"type": "output_text", "text": "It is mild.", "annotations": []}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "It is mild.", "annotations": []}],
+        },
         {"role": "developer", "content": "Be brief."},
+    ]
+    messages = [
+        {"role": "system", "content": "You help."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "12 degrees"},
+        {"role": "assistant", "content": "It is mild."},
+        {"role": "system", "content": "Be brief."},
     ]  # fmt: skip
     async with served() as server:
+        chat = await server.http.post("/v1/chat/completions", json={
+            "messages": messages, "tools": _chat_tools(TOOLS), "tool_choice": tool_choice,
+            "max_tokens": 8, "temperature": 0.5})  # fmt: skip
         response = await server.client.responses.create(
-            model="toy", input=history, tools=TOOLS, tool_choice="none", max_output_tokens=8,
-            store=False, metadata={"run": "1"}, extra_body={"unknown_field": 1},
+            model="toy", instructions="You help.", input=history, tools=TOOLS,
+            tool_choice=tool_choice,  # type: ignore[arg-type]
+            max_output_tokens=8, temperature=0.5, store=False, metadata={"run": "1"},
+            extra_body={"unknown_field": 1},
         )  # fmt: skip
-        ((prompt, _),) = server.engine.submitted
-    assert response.output[0].type == "message"
-    roles = [message["role"] for message in prompt]
-    assert roles == ["user", "assistant", "tool", "assistant", "system"]
-    assert prompt[0]["content"] == "Weather in Oslo?"
-    assert prompt[2]["content"] == "12 degrees"
-    assert prompt[3]["content"] == "It is mild."
+        (chat_prompt, chat_params), (prompt, params) = server.engine.submitted
+    assert chat.status_code == 200, chat.text
+    assert response.output
+    assert prompt == chat_prompt
+    assert params == chat_params
 
 
-async def test_tool_choice_auto_is_answered_as_the_chat_path_answers_it() -> None:
+@pytest.mark.parametrize("tool_choice", ["auto", None])
+async def test_tool_choice_auto_is_answered_as_the_chat_path_answers_it(
+    tool_choice: str | None,
+) -> None:
     """Whatever ``/v1/chat/completions`` does with tools and "auto", so does this."""
-    chat_tools = [
-        {
-            "type": "function",
-            "function": {key: value for key, value in tool.items() if key != "type"},
-        }
-        for tool in TOOLS
-    ]
+    choice = {} if tool_choice is None else {"tool_choice": tool_choice}
     async with served() as server:
         chat = await server.http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Weather?"}], "tools": chat_tools,
-            "max_tokens": 128})  # fmt: skip
-        reply = await server.http.post(
-            "/v1/responses", json={"input": "Weather?", "tools": TOOLS, "max_output_tokens": 128}
-        )
+            "messages": [{"role": "user", "content": "Weather?"}], "tools": _chat_tools(TOOLS),
+            "max_tokens": 128} | choice)  # fmt: skip
+        reply = await server.http.post("/v1/responses", json={
+            "input": "Weather?", "tools": TOOLS, "max_output_tokens": 128} | choice)  # fmt: skip
+        submitted = server.engine.submitted
     assert reply.status_code == chat.status_code, (reply.text, chat.text)
     if chat.status_code != 200:
         error, chat_error = reply.json()["error"], chat.json()["error"]
         assert (error["param"], error["message"]) == (chat_error["param"], chat_error["message"])
         return
+    (chat_prompt, chat_params), (prompt, params) = submitted
+    assert (prompt, params) == (chat_prompt, chat_params)
     message = chat.json()["choices"][0]["message"]
     calls = [item for item in reply.json()["output"] if item["type"] == "function_call"]
-    assert len(calls) == len(message.get("tool_calls") or [])
+    assert [(call["name"], call["arguments"]) for call in calls] == [
+        (call["function"]["name"], call["function"]["arguments"])
+        for call in message.get("tool_calls") or []
+    ]
+    texts = [item for item in reply.json()["output"] if item["type"] == "message"]
+    assert [text["content"][0]["text"] for text in texts] == (
+        [message["content"]] if message["content"] or not calls else []
+    )
+
+
+async def test_a_step_that_fails_mid_stream_is_an_error_event_and_response_failed() -> None:
+    failing = [False]
+    async with served(runner=ToyRunner(fail_when=lambda plan: failing[0], eos_rate=0)) as server:
+        stream = await server.client.responses.create(
+            model="toy", input="Hello", max_output_tokens=200, stream=True
+        )
+        events = []
+        async for event in stream:
+            events.append(event)
+            failing[0] = event.type == "response.output_text.delta"
+        failing[0] = False
+        whole = await server.client.responses.create(model="toy", input="Hi", max_output_tokens=2)
+    *_, error, failed = events
+    assert error.type == "error"
+    assert error.message == "a step of this request failed"
+    assert failed.type == "response.failed"
+    assert failed.response.status == "failed"
+    assert failed.response.error is not None
+    assert failed.response.error.message == "a step of this request failed"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert whole.status == "incomplete"  # and it serves on
+
+
+async def test_closing_a_stream_mid_way_cancels_its_request() -> None:
+    async with served(runner=ToyRunner(eos_rate=0)) as server:
+        stream = await server.client.responses.create(
+            model="toy", input="long", max_output_tokens=3000, stream=True
+        )
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+        with anyio.fail_after(10):
+            await server.engine.wait_idle()
+            await wait_for_aborted(server, 1)
+        assert server.engine.statistics().num_tokens_generated < 3000
 
 
 #: (body fields, param, message, code)
@@ -285,6 +408,12 @@ REFUSALS: list[tuple[dict[str, Any], str, str, str | None]] = [
      f"{MAX_CALL_ID_LENGTH + 1} characters", None),
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input",
      "input[0]: a function_call item needs name and arguments", None),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c",
+                 "name": "f", "arguments": "{"}]}, "input",
+     "input[1].arguments must be JSON text, got '{'", None),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f g", "arguments": "{}"}]},
+     "input", "input[0].name must be 1 to 64 letters, digits, underscores or dashes, got 'f g'",
+     None),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be >= 1, got 0", None),
     ({"temperature": 3.0}, "temperature", "temperature must be in [0, 2.0], got 3.0", None),
     ({"top_p": 0}, "top_p", "top_p must be in (0, 1]", None),
