@@ -320,6 +320,9 @@ def _tools(body: ResponsesRequest) -> dict[str, Any]:
         fields["tools"] = tools
     choice = body.tool_choice
     if isinstance(choice, _NamedChoice):
+        if choice.type == "function" and choice.name is None:
+            raise invalid_request("tool_choice of type 'function' needs name",
+                                  param="tool_choice")  # fmt: skip
         if choice.type != "function" or choice.name is None:
             raise invalid_request(
                 "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "

@@ -422,6 +422,8 @@ REFUSALS: list[tuple[dict[str, Any], str, str, str | None]] = [
      None),
     ({"tools": TOOLS, "tool_choice": {"type": "file_search"}}, "tool_choice",
      "got type 'file_search'", None),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice",
+     "tool_choice of type 'function' needs name", None),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "tool_choice names function 'nope', which is not one of tools", None),
     ({"tools": [{"type": "function", "name": "a b"}], "tool_choice": "required"},
