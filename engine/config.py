@@ -25,6 +25,7 @@ from twostroke.states.validators import (
     number_in,
     one_of,
 )
+from twostroke.states.validators import boolean as _boolean
 
 __all__ = [
     "LOOPBACK_HOST_NAMES",
@@ -213,10 +214,18 @@ def _seconds(*, zero: bool) -> Validator:
 
 #: How a limit given as text (a command-line flag) becomes its value, by the field's
 #: ``kind`` (its metadata): the parse, the words for what it wants, the flag's metavar.
+def _switch(text: str) -> bool:
+    """``true`` or ``false`` (any case) as a bool."""
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
 _FROM_TEXT: Mapping[str, tuple[Callable[[str], object], str, str]] = {
     "count": (int, "an int", "N"),
     "seconds": (float, "a number of seconds", "SECONDS"),
     "hosts": (lambda text: text.split(","), "host names", "HOST,..."),
+    "switch": (lambda text: _switch(text), "true or false", "BOOL"),
 }
 
 
@@ -268,6 +277,11 @@ class ServerConfig:
             not yet answered the 503.
         keepalive: Seconds of silence on a stream before a keep-alive comment
             (``: keep-alive``), so that proxies do not time the stream out.
+        strict_schemas: Whether a JSON schema that comes over HTTP (``response_format``, a
+            tool's ``parameters``) is compiled as if each object subschema with
+            ``properties`` and no ``additionalProperties`` said ``false`` (OpenAI's and
+            xgrammar's strict mode; docs/structured-output.md says where, and why every
+            output still validates against the schema as sent). ``false``: as sent.
 
     Raises:
         TypeError: a value of the wrong type (a bool is not a number); the message names the
@@ -324,6 +338,11 @@ class ServerConfig:
     # Under the 30-60 s read timeouts that proxies default to.
     keepalive: float = attrs.field(
         default=15.0, validator=_seconds(zero=False), metadata={"kind": "seconds"}
+    )
+    # LangChain's bind_tools drops additionalProperties even from a model that forbids extra
+    # keys, and a small model then adds keys of its own until max_tokens (issue 36).
+    strict_schemas: bool = attrs.field(
+        default=True, validator=_boolean, metadata={"kind": "switch"}
     )
 
     def hosts_answered(self, host: str | None = None) -> frozenset[str]:

@@ -64,7 +64,7 @@ def test_the_table_has_each_field_its_flag_its_default_and_its_doc() -> None:
 def test_each_flag_in_the_table_sets_its_field() -> None:
     parser = build_parser()
     for field in attrs.fields(ServerConfig):
-        value = "*" if field.name == "allowed_hosts" else "3"
+        value = {"allowed_hosts": "*", "strict_schemas": "false"}.get(field.name, "3")
         given = parser.parse_args(["serve", server_flag(field.name), value])
-        expected = frozenset({"*"}) if field.name == "allowed_hosts" else 3
+        expected = {"allowed_hosts": frozenset({"*"}), "strict_schemas": False}.get(field.name, 3)
         assert getattr(given, field.name) == expected, field.name

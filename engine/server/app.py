@@ -54,7 +54,7 @@ from twostroke.engine.server.guards import Guards, ServerShutdown
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.responses import PreparedChat, Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
-from twostroke.engine.server.structured import OutputConstraint, output_constraint
+from twostroke.engine.server.structured import OutputConstraint, output_constraint, strict_body
 from twostroke.engine.surface import EngineSurface
 from twostroke.engine.tools.formats import (
     GENERIC,
@@ -134,6 +134,7 @@ class _OpenAI:
         max_choices: int,
         max_waiting_requests: int | None,
         tool_format: ToolFormat = GENERIC,
+        strict_schemas: bool = True,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -142,6 +143,7 @@ class _OpenAI:
         self.max_choices = max_choices
         self.max_waiting_requests = max_waiting_requests
         self.tool_format = tool_format
+        self.strict_schemas = strict_schemas
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.max_body_bytes)
@@ -152,7 +154,7 @@ class _OpenAI:
         # What the body alone decides is checked before any prompt is tokenized.
         prompts = protocol.completion_prompts(body)
         protocol.check_choices(len(prompts), body.n, self.max_choices)
-        shape = output_constraint(body)
+        shape = output_constraint(strict_body(body) if self.strict_schemas else body)
         params = protocol.choice_params(body, shape.constraint)
         fmt = CompletionFormat(self.engine, body.logprobs or 0)
         await self._generate(fmt, list(prompts), params, body, "prompt", shape, receive, send)
@@ -170,7 +172,8 @@ class _OpenAI:
         # What the body alone decides is checked before the messages are tokenized.
         turns = protocol.chat_turns(body.messages)
         protocol.check_choices(1, body.n, self.max_choices)
-        shape = output_constraint(body, self.tool_format)
+        schemas = strict_body(body) if self.strict_schemas else body
+        shape = output_constraint(schemas, self.tool_format)
         messages = render_prompt(self.tool_format, turns, shape.tools)
         # without max_tokens: what the context leaves
         params = protocol.choice_params(body, shape.constraint)
@@ -378,6 +381,7 @@ def build_app(
         max_choices=max_choices,
         max_waiting_requests=config.max_waiting_requests,
         tool_format=tool_format,
+        strict_schemas=config.strict_schemas,
     )
 
     responses = Responses(

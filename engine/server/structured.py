@@ -23,9 +23,10 @@ possible); ``structured_outputs`` with tools is refused.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import msgspec
 
 from twostroke.engine.errors import ConstraintFailed
 from twostroke.engine.server.errors import ApiError, invalid_request
@@ -36,6 +37,7 @@ from twostroke.engine.server.protocol import (
     NamedToolChoice,
     Tool,
 )
+from twostroke.engine.structured.schemas import strict
 from twostroke.engine.tools.formats import FUNCTION_NAME, GENERIC, ToolFormat, ToolSpec
 from twostroke.engine.tools.grammar import tool_constraint
 from twostroke.engine.tools.parser import ParsedOutput, parse_output
@@ -56,6 +58,7 @@ __all__ = [
     "constraint_error",
     "constraint_failure",
     "output_constraint",
+    "strict_body",
 ]
 
 #: The parameters of a function that declares none: an object of any content.
@@ -301,3 +304,41 @@ def _describe(choice: object) -> str:
     if isinstance(choice, NamedToolChoice):
         return f"naming {choice.function.name!r}"
     return repr(choice)
+
+
+_Body = TypeVar("_Body", CompletionRequest, ChatCompletionRequest)
+
+
+def strict_body(body: _Body) -> _Body:
+    """``body`` with its ``response_format`` schema and its tools' ``parameters`` strict
+    (:func:`~twostroke.engine.structured.schemas.strict`: an object subschema with
+    ``properties`` and no ``additionalProperties`` closed), the server's default
+    (``ServerConfig.strict_schemas``); ``structured_outputs.json`` is vLLM's field, taken as
+    sent. Every output the strict schema allows validates against the schema as sent."""
+    fmt = body.response_format
+    if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema is not None:
+        schema = msgspec.structs.replace(fmt.json_schema, schema=_strict(fmt.json_schema.schema))
+        body = msgspec.structs.replace(
+            body, response_format=msgspec.structs.replace(fmt, json_schema=schema)
+        )
+    if isinstance(body, ChatCompletionRequest) and body.tools:
+        tools = [
+            tool
+            if tool.function.parameters is None
+            else msgspec.structs.replace(
+                tool,
+                function=msgspec.structs.replace(
+                    tool.function, parameters=_strict(tool.function.parameters)
+                ),
+            )
+            for tool in body.tools
+        ]
+        body = msgspec.structs.replace(body, tools=tools)
+    return body
+
+
+def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return strict(schema)
+    except RecursionError:  # nested past any limit: JsonSchema refuses it, naming the rule
+        return schema
