@@ -5,9 +5,10 @@ generic format, for templates that know no tools) write
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call, blocks
 separated by a newline. The opening tag is the *trigger*: before it the model writes free
 text, after it a call. The two formats differ in how a tool's result is shown to the model:
-as a ``tool`` message, which a Hermes-style template wraps in ``<tool_response>`` itself, or
-(generic) as a ``user`` message holding the ``<tool_response>`` block, which any template
-renders.
+a ``tool`` message, which a Hermes-style template wraps in ``<tool_response>`` itself, or
+(generic) a ``tool`` message wrapped here, for templates that print any role as given
+(ChatML). SmolLM2-135M answered from a result shown as a ``tool`` message, and echoed the
+block back when it was shown as a ``user`` message.
 
 The format is chosen once, from the chat template's text (:func:`choose_tool_format`), or by
 name (:func:`tool_format`, ``twostroke serve --tool-format``).
@@ -49,14 +50,18 @@ class ToolFormat:
         name: The format's name (``--tool-format``).
         open: The tag that opens a call: the trigger of ``tool_choice`` ``"auto"``.
         close: The tag that closes a call.
-        result_role: The role a tool's result is given to the chat template: ``"tool"``
-            (the template wraps it) or ``"user"`` (wrapped here in ``<tool_response>``).
+        result_role: The role a tool's result is given to the chat template: ``"tool"``, or
+            ``"user"`` for a template that takes no other roles (consecutive results then
+            share one user message).
+        wrap_results: Whether a result is wrapped here in ``<tool_response>`` tags (a
+            Hermes-style template wraps it itself).
     """
 
     name: str
     open: str
     close: str
     result_role: Literal["tool", "user"]
+    wrap_results: bool
 
     def call_text(self, name: str, arguments: Any) -> str:
         """One call as the model writes it (and as the constraint spells it)."""
@@ -68,10 +73,10 @@ class ToolFormat:
 
 
 #: Hermes 2 Pro, Qwen2.5 and the templates that write ``<tool_call>`` themselves.
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "tool")
-#: Any other template (SmolLM2's ChatML, the toy's): the same call syntax, results as user
-#: messages.
-GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", "user")
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "tool", wrap_results=False)
+#: Any other template (SmolLM2's ChatML, the toy's): the same call syntax, each result a
+#: ``tool`` message wrapped in ``<tool_response>``.
+GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", "tool", wrap_results=True)
 #: Every format by name.
 TOOL_FORMATS: dict[str, ToolFormat] = {each.name: each for each in (HERMES, GENERIC)}
 

@@ -10,9 +10,9 @@ back in the syntax it is asked to write:
   syntax (Hermes' and Qwen2.5's wording). It opens the first system message, or is one;
 * an assistant's calls, right after its text, each as the model writes one
   (:meth:`~twostroke.engine.tools.formats.ToolFormat.call_text`);
-* a tool's result, as a message of the format's ``result_role``: ``tool`` (the template
-  wraps it), or ``user`` holding a ``<tool_response>`` block; consecutive results of the
-  generic format share one user message, so roles still alternate.
+* a tool's result, as a message of the format's ``result_role`` (``tool``; ``user`` for a
+  format whose templates take no other role, where consecutive results share one message so
+  roles still alternate), wrapped in ``<tool_response>`` tags unless the template wraps it.
 """
 
 from __future__ import annotations
@@ -84,15 +84,13 @@ def render_prompt(
     for turn in turns:
         if turn.role == "tool":
             result = turn.content
-            if fmt.result_role == "tool":
-                messages.append({"role": "tool", "content": result})
-                continue
-            block = f"<tool_response>\n{result}\n</tool_response>"
+            if fmt.wrap_results:
+                result = f"<tool_response>\n{result}\n</tool_response>"
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "user" and last.get("_results") == "1":
-                last["content"] += "\n" + block
+            if fmt.result_role == "user" and last is not None and last.get("_results") == "1":
+                last["content"] += "\n" + result  # one user turn for consecutive results
             else:
-                messages.append({"role": "user", "content": block, "_results": "1"})
+                messages.append({"role": fmt.result_role, "content": result, "_results": "1"})
             continue
         content = turn.content
         if turn.tool_calls:

@@ -83,7 +83,7 @@ async def test_an_agent_loop_finishes_a_call_then_a_text_answer() -> None:
             "content"]  # fmt: skip
         assert second_prompt[2] == {"role": "assistant", "content": CALLING}
         assert second_prompt[3] == {
-            "role": "user",
+            "role": "tool",
             "content": "<tool_response>\nsunny, 21 C\n</tool_response>",
         }
         models = await server.client.models.list()
@@ -256,3 +256,54 @@ def test_streamed_deltas_concatenate_to_the_complete_answer(
     assert [{"name": c["name"], "arguments": c["arguments"]} for c in expected] == [
         streamed[index] for index in sorted(streamed)
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the model's path; both run the toy's
+async def test_smollm2_calls_a_tool_then_answers_from_its_result() -> None:
+    """SmolLM2-135M (generic format: its ChatML template knows no tools) through the SDK: a
+    call (required, one), the tool's result, then a text answer under "auto"."""
+    from functools import partial
+
+    from twostroke.engine import Engine
+    from twostroke.engine.server import serve
+
+    from .conftest import openai_client
+
+    tools: list[Any] = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                       "maxLength": 40}}, "required": ["city"], "additionalProperties": False},
+    }}]  # fmt: skip
+    messages: list[Any] = [
+        {"role": "system", "content": "Answer the user from the tool's result, in one sentence."},
+        {"role": "user", "content": "What is the weather in Oslo?"},
+    ]
+    async with Engine.open(model="smollm2", device="cpu") as engine:
+        async with anyio.create_task_group() as task_group:
+            port = await task_group.start(partial(serve, engine, port=0))
+            async with openai_client(f"http://127.0.0.1:{port}/v1", api_key="-") as client:
+                models = await client.models.list()
+                called = await client.chat.completions.create(
+                    model="smollm2", messages=messages, tools=tools, tool_choice="required",
+                    parallel_tool_calls=False, max_tokens=60, temperature=0,
+                )  # fmt: skip
+                message = called.choices[0].message
+                (call,) = message.tool_calls or []
+                messages += [message.model_dump(exclude_none=True), {
+                    "role": "tool", "tool_call_id": call.id,
+                    "content": "Sunny, 21 degrees Celsius"}]  # fmt: skip
+                answered = await client.chat.completions.create(
+                    model="smollm2", messages=messages, tools=tools, max_tokens=40,
+                    temperature=0,
+                )  # fmt: skip
+            task_group.cancel_scope.cancel()
+    assert models.data[0].model_extra is not None
+    assert models.data[0].model_extra["tool_format"] == "generic"
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments)["city"] == "Oslo"  # type: ignore[union-attr]
+    answer = answered.choices[0]
+    assert answer.finish_reason == "stop"
+    assert not answer.message.tool_calls
+    assert "sunny" in (answer.message.content or "").lower()

@@ -20,6 +20,7 @@ from twostroke.engine.tools import (
     TextDelta,
     ToolCall,
     ToolCallParser,
+    ToolFormat,
     ToolSpec,
     Turn,
     choose_tool_format,
@@ -77,19 +78,25 @@ def test_the_prompt_shows_tools_calls_and_results_in_the_formats_syntax() -> Non
         Turn("tool", "sunny", tool_call_id="c1", name="get_weather"),
         Turn("tool", "12 C", tool_call_id="c2"),
     ]
-    system, user, assistant, results = render_prompt(GENERIC, turns, TOOLS)
+    system, user, assistant, sunny, warm = render_prompt(GENERIC, turns, TOOLS)
     assert system["role"] == "system"
     assert system["content"].startswith("Be brief.\n\n# Tools")
     assert '"name": "get_weather", "description": "The weather in a city"' in system["content"]
     assert user == {"role": "user", "content": "Weather in Oslo?"}
     assert assistant == {"role": "assistant", "content": CALL}
+    assert sunny == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}
+    assert warm == {"role": "tool", "content": "<tool_response>\n12 C\n</tool_response>"}
+    # A format for templates that take no other roles: results in one user turn.
+    as_user = ToolFormat("as_user", "<tool_call>", "</tool_call>", "user", wrap_results=True)
+    *_, results = render_prompt(as_user, turns)
     assert results == {
         "role": "user",
         "content": "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n12 C\n"
         "</tool_response>",
     }
-    hermes = render_prompt(HERMES, turns[1:])  # no tools: no block; results as tool turns
+    hermes = render_prompt(HERMES, turns[1:])  # no tools: no block; results as they are
     assert [m["role"] for m in hermes] == ["user", "assistant", "tool", "tool"]
+    assert hermes[2]["content"] == "sunny"
     assert render_prompt(GENERIC, turns[:2]) == [{"role": t.role, "content": t.content}
                                                  for t in turns[:2]]  # fmt: skip
 
