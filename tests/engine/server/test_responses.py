@@ -173,6 +173,37 @@ async def test_text_format_json_schema_constrains_the_output() -> None:
     assert anything.status == "incomplete" or isinstance(json.loads(anything.output_text), dict)
 
 
+async def test_a_format_and_tools_constrain_as_the_chat_requests_do() -> None:
+    """The same constraint as chat's (strict schemas included): a schema without
+    ``additionalProperties``, and tools with it."""
+    loose = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}}
+    fmt = {"type": "json_schema", "name": "w", "schema": loose}
+    chat_fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": loose}}
+    ask = [{"role": "user", "content": "Weather?"}]
+    async with served() as server:
+        for chat_fields, fields in [
+            ({"response_format": chat_fmt}, {"text": {"format": fmt}}),
+            ({"response_format": chat_fmt, "tools": _chat_tools(TOOLS)},
+             {"text": {"format": fmt}, "tools": TOOLS}),
+            ({"tools": _chat_tools(TOOLS), "tool_choice": "required"},
+             {"tools": TOOLS, "tool_choice": "required"}),
+        ]:  # fmt: skip
+            chat = await server.http.post(
+                "/v1/chat/completions", json={"messages": ask, "max_tokens": 64} | chat_fields
+            )
+            reply = await server.http.post(
+                "/v1/responses", json={"input": ask, "max_output_tokens": 64} | fields
+            )
+            assert (chat.status_code, reply.status_code) == (200, 200), (chat.text, reply.text)
+        submitted = server.engine.submitted
+    assert len(submitted) == 6
+    for (chat_prompt, chat_params), (prompt, params) in zip(
+        submitted[::2], submitted[1::2], strict=True
+    ):
+        assert params.constraint is not None
+        assert (prompt, params) == (chat_prompt, chat_params)
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_time"}])
 async def test_function_tools_answer_function_call_items(tool_choice: Any) -> None:
     async with served() as server:
