@@ -220,7 +220,9 @@ class SchemaCheck:
         import jsonschema  # type: ignore[import-untyped]
 
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        cls.check_schema(schema)  # a schema it cannot read is refused, not checked wrongly
+        # Not cls.check_schema(schema): validating a schema against its metaschema took
+        # 25 ms (p50) to 0.8 s on the shared sample's checked schemas, in every compile. A
+        # schema the checker cannot read fails each output's check instead, never passes it.
         self._validator = cls(schema)
         self.checked = checked
 
@@ -230,7 +232,12 @@ class SchemaCheck:
             value = json.loads(output)
         except ValueError as exc:  # the grammar writes JSON: this is the backend's fault
             return f"the output is not JSON ({exc})"
-        error = next(iter(self._validator.iter_errors(value)), None)
+        try:
+            error = next(iter(self._validator.iter_errors(value)), None)
+        except Exception as exc:  # a schema jsonschema cannot read (a bad $ref, a bad value)
+            return f"the output cannot be checked against the schema ({type(exc).__name__}: {exc})"[
+                :300
+            ]
         if error is None:
             return None
         where = "/" + "/".join(str(part) for part in error.absolute_path)
