@@ -213,8 +213,9 @@ def _call_id(item: _Item, where: str) -> str:
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """``instructions`` and ``input`` as chat messages (OpenAI's chat shape).
 
-    A ``function_call`` item becomes an assistant message's ``tool_calls`` (consecutive
-    calls share one message), a ``function_call_output`` a ``tool`` message with its
+    A ``function_call`` item becomes one of an assistant message's ``tool_calls``: the
+    assistant message right before it (a response's text and calls are one turn, as chat has
+    them), or a new one; a ``function_call_output`` becomes a ``tool`` message with its
     ``tool_call_id`` and the function's ``name``.
     """
     messages: list[dict[str, Any]] = []
@@ -265,8 +266,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             call = {"id": call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the same turn's
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif item.type == "function_call_output":

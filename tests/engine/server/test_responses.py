@@ -211,11 +211,6 @@ async def test_function_tools_answer_function_call_items(tool_choice: Any) -> No
             model="toy", input="Weather in Oslo?", tools=TOOLS, tool_choice=tool_choice,
             max_output_tokens=256, parallel_tool_calls=False,
         )  # fmt: skip
-        stream = await server.client.responses.create(
-            model="toy", input="Weather in Oslo?", tools=TOOLS, tool_choice=tool_choice,
-            max_output_tokens=256, parallel_tool_calls=False, stream=True,
-        )  # fmt: skip
-        events = [event async for event in stream]
         async with server.client.responses.stream(
             model="toy",
             input="Weather in Oslo?",
@@ -224,6 +219,7 @@ async def test_function_tools_answer_function_call_items(tool_choice: Any) -> No
             max_output_tokens=256,
             parallel_tool_calls=False,
         ) as accumulated:
+            events = [event async for event in accumulated]
             final = await accumulated.get_final_response()
     (call,) = _check_calls(whole.output)
     if isinstance(tool_choice, dict):
@@ -282,6 +278,37 @@ async def test_an_agent_loop_finishes_through_the_responses_api(stream: bool) ->
     assert [item.type for item in second.output] == ["message"]
     assert '"name": "get_weather"' in first_prompt[0]["content"]  # the tools, shown
     assert "12 degrees" in second_prompt[-1]["content"]  # the result, as the chat path has it
+    # The answer's text and its call are one assistant turn, as the chat loop sends them.
+    assert [message["role"] for message in second_prompt].count("assistant") == 1
+
+
+# openai-agents runs on asyncio only (its runner makes asyncio tasks): this one is about it.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_openai_agents_runner_finishes_its_default_loop() -> None:
+    """openai-agents' ``Runner.run`` (and ``run_streamed``) with a function tool and default
+    settings, which speak the Responses API: the call, the tool's result, the answer."""
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    ran: list[tuple[str, str]] = []
+
+    @function_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The weather in a city."""
+        ran.append((city, unit))
+        return "12 degrees"
+
+    set_tracing_disabled(True)  # it would post traces to OpenAI otherwise
+    async with served(runner=ScriptedRunner(agent)) as server:
+        model = OpenAIResponsesModel(model="toy", openai_client=server.client)
+        weather = Agent(name="weather", instructions="You help.", tools=[get_weather],
+                        model=model)  # fmt: skip
+        result = await Runner.run(weather, "Weather in Oslo?")
+        assert result.final_output == ANSWER
+        streamed = Runner.run_streamed(weather, "Weather in Oslo?")
+        kinds = {event.type async for event in streamed.stream_events()}
+        assert "raw_response_event" in kinds
+        assert streamed.final_output == ANSWER
+    assert ran == [("Oslo", "celsius")] * 2
 
 
 def _chat_tools(tools: list[Any]) -> list[Any]:
