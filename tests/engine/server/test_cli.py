@@ -25,6 +25,16 @@ def test_max_body_bytes_is_parsed() -> None:
     assert parser.parse_args(["serve"]).max_body_bytes == ServerConfig().max_body_bytes
 
 
+def test_tool_format_is_one_of_the_formats(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).tool_format is None  # the chat template decides
+    assert parser.parse_args(["serve", "--tool-format", "hermes"]).tool_format == "hermes"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["serve", "--tool-format", "mistral"])
+    assert exited.value.code == 2
+    assert "argument --tool-format: invalid choice: 'mistral'" in capsys.readouterr().err
+
+
 def test_quantization_is_passed_only_when_given() -> None:
     from twostroke.engine.cli import _quantization
 

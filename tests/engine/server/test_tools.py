@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from twostroke.engine.server import build_app
 from twostroke.engine.server.generation import ChatFormat
 from twostroke.engine.server.structured import ToolCalls
-from twostroke.engine.tools import GENERIC
+from twostroke.engine.tools import GENERIC, HERMES, engine_tool_format
 
 from .conftest import OPENAI_STREAMS_ON_TRIO, served
 from .scripted import ScriptedRunner
@@ -88,6 +89,29 @@ async def test_an_agent_loop_finishes_a_call_then_a_text_answer() -> None:
         }
         models = await server.client.models.list()
         assert models.data[0].model_extra == {"max_model_len": 4096, "tool_format": "generic"}
+
+
+async def test_the_tool_format_is_chosen_by_name_or_from_the_template() -> None:
+    async with served(runner=ScriptedRunner(agent), serve_options={"tool_format": "hermes"}) as (
+        server
+    ):
+        models = await server.client.models.list()
+        assert models.data[0].model_extra == {"max_model_len": 4096, "tool_format": "hermes"}
+        history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1",
+                   "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]  # fmt: skip
+        await server.client.chat.completions.create(
+            model="toy",
+            messages=history,
+            tools=TOOLS,  # type: ignore[arg-type]
+        )
+        prompt, _ = server.engine.submitted[-1]
+        assert prompt[-1] == {"role": "tool", "content": "12:00"}  # the template wraps it
+        with pytest.raises(ValueError, match="tool_format must be one of generic, hermes"):
+            build_app(server.engine, tool_format="llama3_json")
+    tokenizer = type("T", (), {"chat_template": "{{ '<tool_call>' }}"})()
+    assert engine_tool_format(type("E", (), {"tokenizer": tokenizer})()) is HERMES
+    assert engine_tool_format(object()) is GENERIC  # a coordinator's front holds no tokenizer
 
 
 async def test_a_streamed_call_reassembles_to_the_complete_answer() -> None:
