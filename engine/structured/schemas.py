@@ -11,7 +11,9 @@ engine lets finish still validates against the schema as it was given:
   (``{"a": ["b"]}``: if ``a`` is there, so is ``b``) become ``anyOf: [{a absent}, {a and b
   required}]``, and ``dependentSchemas`` and ``dependencies``' schemas the same with the
   schema joined to the second branch (``allOf``); where the parent requires ``a`` already,
-  only the second branch is kept.
+  only the second branch is kept. ``not: {"required": [a, ...]}`` (alone in its ``not``)
+  becomes an object without ``a`` or without another of them (``required`` holds for
+  anything but an object, so its negation holds only for objects).
 * **Dropped, as JSON Schema says**: a ``format`` llguidance does not implement
   (``uri-reference``, ``int32`` on a string ...). JSON Schema makes ``format`` an annotation
   unless a validator is told to assert it, so any string validates; llguidance enforces the
@@ -23,8 +25,9 @@ engine lets finish still validates against the schema as it was given:
   was given (:class:`SchemaCheck`) before it lets the output end, and an output that does
   not validate cannot end: the request fails with a ``ConstraintFailed`` naming the keyword
   and the place, never with output that does not validate.
-* Everything else llguidance refuses (``if``/``then``/``else``, ``not``, ``contains``, ...)
-  stays refused, with its reason naming the keyword.
+* Everything else llguidance refuses (``if``/``then``/``else``, any other ``not``,
+  ``contains``, ...) stays refused, with its reason naming the keyword: dropped and checked,
+  a keyword that picks whole branches of the output would fail many requests at their end.
 
 :func:`strict` is the server's rule for schemas that arrive over HTTP: an object subschema
 with ``properties`` and no ``additionalProperties`` is compiled as if it said ``false``.
@@ -174,6 +177,25 @@ def _relax(node: dict[str, Any], checked: set[str]) -> None:
     if isinstance(node.get("oneOf"), list):
         checked.add("oneOf")
     _rewrite_dependencies(node)
+    _rewrite_not_required(node)
+
+
+def _rewrite_not_required(node: dict[str, Any]) -> None:
+    """``not: {"required": [a, ...]}``: an object that lacks ``a`` or another of them."""
+    negated = node.get("not")
+    if not isinstance(negated, dict) or set(negated) != {"required"}:
+        return
+    names = negated["required"]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return
+    del node["not"]
+    absent = [_absent(name) for name in dict.fromkeys(names)]
+    lacking = absent[0] if len(absent) == 1 else {"anyOf": absent}
+    existing = node.get("allOf")
+    node["allOf"] = [
+        *(existing if isinstance(existing, list) else []),
+        {"type": "object", **lacking},
+    ]
 
 
 @attrs.frozen

@@ -62,6 +62,22 @@ def test_dependencies_become_any_of() -> None:
     assert for_backend(required).schema["allOf"] == [{"required": ["a", "b"]}]
 
 
+def test_not_required_becomes_absent_properties() -> None:
+    one = for_backend({"allOf": [{"not": {"required": ["a"]}}]}).schema
+    assert one == {"allOf": [{"allOf": [{"type": "object", "properties": {"a": False}}]}]}
+    two = for_backend({"not": {"required": ["a", "b"]}}).schema
+    assert two == {
+        "allOf": [
+            {
+                "type": "object",
+                "anyOf": [{"properties": {"a": False}}, {"properties": {"b": False}}],
+            }
+        ]
+    }
+    other = {"not": {"required": ["a"], "type": "object"}}
+    assert for_backend(other).schema == other  # refused by the backend, naming not
+
+
 def test_checked_keywords() -> None:
     assert for_backend({"oneOf": [{"type": "integer"}, {"minimum": 0}]}).checked == {"oneOf"}
     unique = {"type": "array", "uniqueItems": True}
@@ -97,6 +113,12 @@ RELAXED: dict[str, dict[str, Any]] = {
         ]
     },
     "unknown format": {"type": "string", "format": "uri-reference", "maxLength": 6},
+    "not required": {
+        "type": "object",
+        "properties": {"a": {"const": 1}, "b": {"const": 2}},
+        "not": {"required": ["a", "b"]},
+        "additionalProperties": False,
+    },
 }
 
 
