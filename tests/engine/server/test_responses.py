@@ -516,6 +516,14 @@ async def test_refusals_are_400s_naming_the_field_and_the_rule() -> None:
             assert error["code"] == code, (fields, error)
             assert error["type"] == "invalid_request_error"
         assert server.engine.submitted == []  # all refused from the body alone
+        for stream in (False, True):  # refused by the engine, once it tokenized the input
+            too_long = await server.http.post("/v1/responses", json={
+                "input": "Hi", "max_output_tokens": 10**6, "stream": stream})  # fmt: skip
+            assert too_long.status_code == 400
+            error = too_long.json()["error"]
+            assert (error["param"], error["code"]) == ("max_output_tokens",
+                                                       "context_length_exceeded")  # fmt: skip
+            assert error["message"].endswith("Please reduce the prompt or max_output_tokens.")
         with pytest.raises(openai.BadRequestError, match="this server is stateless"):
             await server.client.responses.create(
                 model="toy", input="Hi", previous_response_id="resp_1"
