@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import jsonschema
 import pytest
 
-from twostroke.engine.errors import MatcherError
+from twostroke.engine import Engine, SamplingParams
+from twostroke.engine.errors import ConstraintFailed, MatcherError
+from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.structured import GrammarCompiler
 from twostroke.engine.structured.schemas import for_backend, strict
 from twostroke.states.constraints import JsonSchema
@@ -290,3 +293,35 @@ def test_every_strict_output_validates_against_the_schema_as_sent(
             assert set(value.get("b", {})) == set()
             outputs.append(value)
     assert outputs
+
+
+def _writing(prompt: str, text: bytes) -> Any:
+    """A toy model that writes ``text`` where its mask lets it (else the first allowed)."""
+
+    def choose(token_ids: Sequence[int], allowed: frozenset[int]) -> int:
+        written = len(token_ids) - len(prompt.encode())
+        target = text[written] if written < len(text) else 256
+        return target if target in allowed else min(allowed)
+
+    return choose
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("text", "fails"), [(b'["a", "a"]', True), (b'["a", "b"]', False)])
+async def test_a_request_whose_output_fails_the_check_fails_naming_the_keyword(
+    text: bytes, fails: bool
+) -> None:
+    schema = {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}
+    params = SamplingParams(max_tokens=32, constraint=JsonSchema(schema))
+    runner = ToyRunner(choose=_writing("Tags:", text))
+    async with Engine.open(
+        runner=runner, tokenizer=ByteTokenizer(), device="cpu", num_blocks=32, block_size=4
+    ) as engine:
+        if fails:
+            with pytest.raises(ConstraintFailed) as failed:
+                await engine.generate("Tags:", params)
+            assert "uniqueItems is checked after generation" in failed.value.reason
+        else:
+            output = await engine.generate("Tags:", params)
+            assert str(output.finish_reason) == "stop"
+            assert json.loads(output.text) == ["a", "b"]
