@@ -17,6 +17,13 @@ constraint's. With a constraint on the text branch (``response_format``), the br
 JSON instead of free text, and a call starts at the first byte. ``"required"`` and a named
 function drop the text branch (and the named function drops the other tools).
 
+A tool's parameters are rewritten as a JSON schema constraint's are where the rewrite keeps
+the same valid instances (:func:`~twostroke.engine.structured.schemas.for_backend`:
+``dependentRequired``, ``uniqueItems: false``, formats llguidance does not implement); a
+keyword that a constraint leaves to a check of the complete output (``oneOf`` that the backend
+cannot prove disjoint, ``uniqueItems: true``) has no such check inside a grammar, so the
+backend refuses it there (a 400 naming the tool).
+
 JSON inside the grammar has the fixed format every constrained JSON output has
 (:data:`~twostroke.engine.structured.grammars.JSON_FORMAT`'s: ``", "`` and ``": "``, no free
 whitespace), so :class:`~twostroke.engine.tools.parser.ToolCallParser` reads the name and
@@ -30,6 +37,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias
 
+from twostroke.engine.structured.schemas import for_backend
 from twostroke.engine.tools.formats import ToolFormat, ToolSpec
 from twostroke.states.constraints import AnyJsonObject, Grammar, JsonSchema
 
@@ -59,6 +67,9 @@ def _json_rule(schema: dict[str, Any]) -> str:
 
 def _call_schema(tool: ToolSpec) -> dict[str, Any]:
     parameters = JsonSchema(tool.parameters or _NO_PARAMETERS).parsed()
+    backend = for_backend(parameters)
+    if not backend.checked:  # rewritten with the same valid instances: the backend's form
+        parameters = backend.schema
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, "arguments": parameters},

@@ -30,6 +30,7 @@ from twostroke.engine.tools import (
     tool_format,
 )
 from twostroke.states.constraints import JsonSchema
+from twostroke.states.errors import ConstraintRejected
 
 WEATHER = {
     "type": "object",
@@ -215,3 +216,21 @@ def test_any_output_the_lazy_constraint_allows_parses_to_valid_calls(
     assert [names[i] for i in sorted(names)][: len(whole.calls)] == [c.name for c in whole.calls]
     for index, call in enumerate(whole.calls):
         assert arguments[index] == call.arguments
+
+
+def test_a_tools_parameters_are_rewritten_as_a_schemas_are(compiler: GrammarCompiler) -> None:
+    """What a JSON schema constraint rewrites with the same valid instances compiles inside
+    the tools' grammar too; what it leaves to a check of the output is refused there."""
+    rewritten = ToolSpec("tag", None, {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "array", "uniqueItems": False}},
+        "dependentRequired": {"a": ["b"]},
+    })  # fmt: skip
+    grammar = tool_constraint(GENERIC, [rewritten], "required")
+    assert _accepts(compiler, grammar, '<tool_call>\n{"name": "tag", "arguments": '
+                    '{"a": 1, "b": [1, 1]}}\n</tool_call>')  # fmt: skip
+    assert not _accepts(compiler, grammar, '<tool_call>\n{"name": "tag", "arguments": {"a": 1}}')
+    unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+    checked = ToolSpec("pick", None, unique)
+    with pytest.raises(ConstraintRejected, match="uniqueItems"):
+        compiler.compile_now(tool_constraint(GENERIC, [checked]))
