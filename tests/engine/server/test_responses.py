@@ -13,11 +13,8 @@ import pytest
 from openai.lib.streaming.responses._responses import ResponseStreamState
 
 from twostroke.engine.runners.toy import ToyRunner
-from twostroke.engine.server.responses import (
-    MAX_CALL_ID_LENGTH,
-    MAX_INPUT_ITEMS,
-    ResponseDraft,
-)
+from twostroke.engine.server.response_events import ResponseDraft
+from twostroke.engine.server.responses import MAX_CALL_ID_LENGTH, MAX_INPUT_ITEMS
 
 from .conftest import OPENAI_STREAMS_ON_TRIO, served
 from .scripted import ScriptedRunner
