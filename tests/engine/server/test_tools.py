@@ -237,6 +237,40 @@ async def test_a_call_cut_by_max_tokens_is_text_and_a_cancel_mid_call_loses_noth
     # served() checked on leaving: every request ended, every KV block free, books agree
 
 
+# openai-agents runs on asyncio only (its runner makes asyncio tasks): this one is about it.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_openai_agents_chat_completions_model_finishes_its_loop() -> None:
+    """openai-agents' ``Runner.run`` on its chat completions model, default settings (tools
+    offered, ``tool_choice`` left to the default "auto"): the call, the result, the answer."""
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    ran: list[tuple[str, str]] = []
+
+    @function_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The weather in a city."""
+        ran.append((city, unit))
+        return "sunny"
+
+    set_tracing_disabled(True)  # it would post traces to OpenAI otherwise
+    async with served(runner=ScriptedRunner(agent)) as server:
+        model = OpenAIChatCompletionsModel(model="toy", openai_client=server.client)
+        weather = Agent(name="weather", instructions="You help.", tools=[get_weather],
+                        model=model)  # fmt: skip
+        result = await Runner.run(weather, "Weather in Oslo?")
+        assert len(server.engine.submitted) == 2  # the call, then the answer
+        second, _ = server.engine.submitted[1]
+    assert result.final_output == ANSWER
+    assert ran == [("Oslo", "celsius")]
+    assert "<tool_response>" in second[-1]["content"]
+
+
 _TEXT = st.text(alphabet='ab <_>{}"\\:,\n', max_size=12)
 _ARGS = st.dictionaries(st.sampled_from(["city", "x"]), st.text(alphabet='a"}{\\<', max_size=6),
                         max_size=2)  # fmt: skip
