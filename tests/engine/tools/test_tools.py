@@ -234,3 +234,43 @@ def test_a_tools_parameters_are_rewritten_as_a_schemas_are(compiler: GrammarComp
     checked = ToolSpec("pick", None, unique)
     with pytest.raises(ConstraintRejected, match="uniqueItems"):
         compiler.compile_now(tool_constraint(GENERIC, [checked]))
+
+
+class _StraddlingTokenizer:
+    """Bytes, plus tokens that cross the trigger's edges (as a BPE vocabulary may)."""
+
+    EXTRA = (b"Hi <tool", b"_call>\n{", b"ll>", b"\n</tool_call>", b"}}\n</tool")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({256})
+
+    def token_bytes(self) -> list[bytes]:
+        return [bytes([i]) for i in range(256)] + [b"<eos>", *self.EXTRA]
+
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset({256})
+
+
+def test_a_trigger_split_across_tokens_or_inside_one_is_seen() -> None:
+    """The lexer reads bytes: a token that ends inside the trigger, one that spans its end
+    and the call's start, and one that closes the call are allowed exactly where the text
+    they spell is."""
+    compiler = GrammarCompiler(Vocabulary.from_tokenizer(_StraddlingTokenizer()))
+    matcher = compiler.compile_now(tool_constraint(GENERIC, TOOLS)).matcher()
+    ids = {text: 257 + index for index, text in enumerate(_StraddlingTokenizer.EXTRA)}
+    assert ids[b"Hi <tool"] in matcher.allowed_token_ids()
+    matcher.advance(ids[b"Hi <tool"])
+    assert ids[b"_call>\n{"] in matcher.allowed_token_ids()
+    assert ids[b"\n</tool_call>"] in matcher.allowed_token_ids()  # still text: no call yet
+    matcher.advance(ids[b"_call>\n{"])
+    assert ids[b"\n</tool_call>"] not in matcher.allowed_token_ids()  # a call has begun
+    for byte in b'"name": "now", "arguments": {':
+        matcher.advance(byte)
+    assert ids[b"}}\n</tool"] in matcher.allowed_token_ids()
+    matcher.advance(ids[b"}}\n</tool"])
+    for byte in b"_call>":
+        matcher.advance(byte)
+    assert 256 in matcher.allowed_token_ids()  # the call is complete: the output may end
+    parsed = parse_output(GENERIC, 'Hi <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    assert (parsed.content, [call.name for call in parsed.calls]) == ("Hi ", ["now"])
