@@ -3,6 +3,7 @@ the stateless refusals and the 404 that names the routes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -10,7 +11,11 @@ import anyio
 import jsonschema
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from openai._models import construct_type_unchecked
 from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
 
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.engine.server.response_events import ResponseDraft
@@ -606,9 +611,6 @@ def test_streamed_tool_call_deltas_become_events_the_sdk_reassembles() -> None:
     state: ResponseStreamState[Any] = ResponseStreamState(
         input_tools=TOOLS, text_format=openai.omit
     )
-    from openai._models import construct_type_unchecked
-    from openai.types.responses import ResponseStreamEvent
-
     for event in events:
         state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))  # type: ignore[arg-type]
     final = state._completed_response
@@ -655,3 +657,67 @@ def test_streamed_tool_call_deltas_become_events_the_sdk_reassembles() -> None:
     items = whole.response()["output"]
     assert [item["type"] for item in items] == ["message", "function_call", "function_call"]
     assert [item.get("arguments") for item in items[1:]] == [first, '{"zone": "UTC"}']
+
+
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    """``text`` cut at ``cuts`` (positions, any order, repeats allowed)."""
+    bounds = sorted({0, len(text), *(cut % (len(text) + 1) for cut in cuts)})
+    return [text[start:end] for start, end in itertools.pairwise(bounds)]
+
+
+def _without_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: value for key, value in item.items() if key != "id"} for item in output]
+
+
+@given(
+    content=st.text(max_size=20),
+    calls=st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]),
+                             st.text(max_size=20)), max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+    reason=st.sampled_from(["stop", "tool_calls", "length"]),
+)  # fmt: skip
+def test_any_chunking_of_an_answer_gives_the_whole_answers_response(
+    content: str, calls: list[tuple[str, str]], cuts: list[int], reason: str
+) -> None:
+    """The property behind streaming: however the chat path cuts an answer into chunks, the
+    streamed Response (and what the SDK accumulates from its events) is the whole one's."""
+    ids = [f"call_{index}" for index in range(len(calls))]
+    chunks = [_chunk({"content": piece}) for piece in _pieces(content, cuts)]
+    for index, ((name, arguments), call_id) in enumerate(zip(calls, ids, strict=True)):
+        chunks.append(
+            _chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": index,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": name, "arguments": ""},
+                        }
+                    ]
+                }
+            )
+        )
+        chunks += [_chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+                   for piece in _pieces(arguments, cuts)]  # fmt: skip
+    chunks.append(_chunk({}, reason))
+    streamed = ResponseDraft("toy", {})
+    events = streamed.begin()
+    for chunk in chunks:
+        events += streamed.chunk(chunk)
+    events += streamed.end()
+    tool_calls = [{"id": call_id, "type": "function",
+                   "function": {"name": name, "arguments": arguments}}
+                  for (name, arguments), call_id in zip(calls, ids, strict=True)]  # fmt: skip
+    whole = ResponseDraft("toy", {})
+    whole.chunk({"choices": [{"index": 0, "finish_reason": reason, "message": {
+        "role": "assistant", "content": content or None, "tool_calls": tool_calls}}]})  # fmt: skip
+    whole.end()
+    assert _without_ids(streamed.response()["output"]) == _without_ids(whole.response()["output"])
+    assert streamed.status == whole.status == ("incomplete" if reason == "length" else "completed")
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    state: ResponseStreamState[Any] = ResponseStreamState(input_tools=[], text_format=openai.omit)
+    for event in events:
+        state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))  # type: ignore[arg-type]
+    done = state._completed_output  # the items of the output_item.done events, as parsed
+    assert [done[index].to_dict() for index in sorted(done)] == streamed.response()["output"]
