@@ -60,10 +60,10 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["auto", "none", "fp16", "int8"],
+        choices=["auto", "none", "fp16", "int8", "gguf"],
         help="the projection weights in float16 or int8, activations at full precision (CPU; "
-        "quality per mode in docs/models.md); none: weights in the dtype; default auto: fp16 "
-        "where the CPU computes in float32, else none",
+        "quality per mode in docs/models.md); gguf: a GGUF file's blocks as stored; none: "
+        "weights in the dtype; default auto: fp16 where the CPU computes in float32, else none",
     )
 
 

@@ -106,6 +106,8 @@ class EngineConfig(SchedulingPolicy):
             of float32's, measured (docs/models.md): ``"fp16"`` where ``dtype="auto"``
             resolves to float32 on a CPU with the kernel, else ``None``. An explicit
             ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
+            ``"gguf"``: a GGUF file's Q8_0, Q4_0 and Q4_1 weights computed as stored, with
+            activations quantized per block (float32 on a CPU; docs/models.md).
         torch_threads: torch's intra-op threads for the forward pass, fixed. ``None`` (the
             default) lets the engine choose on the CPU: every core
             (:func:`~twostroke.engine.runners.loading.default_torch_threads`) while they
@@ -137,8 +139,9 @@ class EngineConfig(SchedulingPolicy):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
-    quantization: Literal["auto", "fp16", "int8"] | None = attrs.field(
-        default="auto", validator=attrs.validators.optional(one_of("auto", "fp16", "int8"))
+    quantization: Literal["auto", "fp16", "int8", "gguf"] | None = attrs.field(
+        default="auto",
+        validator=attrs.validators.optional(one_of("auto", "fp16", "int8", "gguf")),
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     step_timeout: float | None = attrs.field(

@@ -4,8 +4,9 @@ docs/models.md.
 For each weight mode, with float32 activations: ``none`` (float32 weights, MKL's products:
 transformers' arithmetic, the reference), ``packed`` (float32 weights packed for oneDNN:
 ``dtype="auto"`` with ``quantization=None`` where auto is float32), ``fp16`` and ``int8``
-(``quantization=``, the output projection in MKL's float32), and ``auto`` (the engine's defaults
-where ``dtype="auto"`` is float32: fp16 projections, the output projection packed). With
+(``quantization=``, the output projection in MKL's float32), ``auto`` (the engine's defaults
+where ``dtype="auto"`` is float32: fp16 projections, the output projection packed), and
+``gguf`` (the file's blocks computed as stored, activations quantized per block of 32). With
 bfloat16 weights and activations: ``bfloat16`` (``dtype="bfloat16"``: oneDNN's products,
 torch's operators) and ``bfloat16-auto`` (the engine's defaults where ``dtype="auto"`` is
 bfloat16: the compiled projections and glue):
@@ -75,6 +76,7 @@ LABELS = {
     "fp16": '`quantization="fp16"`',
     "int8": '`quantization="int8"`',
     "auto": "the defaults (fp16 projections, packed output projection)",
+    "gguf": 'the file\'s Q4_1/Q8_0 blocks as stored (`quantization="gguf"`)',
     "bfloat16": 'bfloat16 (`dtype="bfloat16"`: oneDNN, torch\'s operators)',
     "bfloat16-auto": "the defaults where bfloat16 is native (compiled projections and glue)",
 }
@@ -89,6 +91,7 @@ MODES: dict[str, tuple[Any, Any, torch.dtype, bool, Any]] = {
     "fp16": ("float32", "fp16", F32, True, "fp16"),
     "int8": ("float32", "int8", F32, True, "int8"),
     "auto": ("auto", "auto", F32, False, "fp16"),
+    "gguf": ("auto", "gguf", F32, False, "gguf"),
     "bfloat16": ("bfloat16", None, BF16, True, None),
     "bfloat16-auto": ("auto", "auto", BF16, False, None),
 }
@@ -139,8 +142,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     native = default_dtype(CpuDevice())
-    if native != torch.float32 and {"packed", "auto"} & set(args.modes):
-        parser.error("the packed and auto modes need a CPU where dtype='auto' is float32")
+    if native != torch.float32 and {"packed", "auto", "gguf"} & set(args.modes):
+        parser.error("the packed, auto and gguf modes need a CPU where dtype='auto' is float32")
     if native != torch.bfloat16 and "bfloat16-auto" in args.modes:
         parser.error("the bfloat16-auto mode needs a CPU where dtype='auto' is bfloat16")
     loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))

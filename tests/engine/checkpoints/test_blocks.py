@@ -3,6 +3,7 @@ what it computes, and what it refuses."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -14,6 +15,7 @@ from gguf import GGMLQuantizationType
 from tests.engine.checkpoints.test_loader import write_gguf
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.artifacts.cache import NATIVE_FOLDER
+from twostroke.engine.checkpoints import loader
 from twostroke.engine.checkpoints.loader import BlockTypeUnsupported, ModelLoadError, load_model
 from twostroke.engine.kernels.gguf_blocks import BlockEmbedding, BlockWeight
 from twostroke.engine.models.linear import FullPrecision, Linear
@@ -145,3 +147,31 @@ def test_gguf_quantization_needs_a_gguf_file_and_float32_on_the_cpu(tmp_path: Pa
     file = write(tmp_path, Q.Q4_1, Q.Q8_0)
     with pytest.raises(ValueError, match="float32 activations; got dtype bfloat16 on cpu"):
         load_model(file, dtype=torch.bfloat16, device=CPU, quantization="gguf")
+
+
+@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf"), (Q.Q5_0, "fp16")])
+def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    matrices: Any,
+    expected: str,
+) -> None:
+    """With AUTO_BLOCKS on (off until the defaults are measured to gain: docs/models.md), a
+    file whose matrices are all in computed types loads as stored; another loads as before,
+    and the log names the tensor that kept it from the blocks."""
+    monkeypatch.setattr(loader, "AUTO_BLOCKS", True)
+    file = write(tmp_path, matrices, Q.Q8_0)
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        loaded = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="auto")
+    if expected == "gguf":
+        assert loaded.quantization == "gguf"
+        assert isinstance(loaded.module.lm_head.method, BlockWeight)
+    else:
+        assert loaded.quantization != "gguf"
+        assert "tensor 'blk.0.attn_q.weight' is Q5_0, which is not computed as stored" in (
+            caplog.text
+        )
+    # transformers' exact arithmetic asked for: never the blocks.
+    exact = load_model(file, dtype=torch.float32, device=CPU, exact=True, quantization="auto")
+    assert exact.quantization != "gguf"
