@@ -11,6 +11,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from twostroke.engine import Engine, SamplingParams
 from twostroke.engine.errors import ConstraintFailed, MatcherError
@@ -325,3 +327,77 @@ async def test_a_request_whose_output_fails_the_check_fails_naming_the_keyword(
             output = await engine.generate("Tags:", params)
             assert str(output.finish_reason) == "stop"
             assert json.loads(output.text) == ["a", "b"]
+
+
+# --- properties: the rewrites keep the valid instances, strict narrows them -------------------
+
+_NAMES = ("a", "b", "c")
+_VALUES = st.sampled_from([0, 1, "x", None])
+
+
+@st.composite
+def _object_schemas(draw: st.DrawFn, depth: int = 2) -> dict[str, Any]:
+    """Small object schemas with the keywords the rewrites and strict touch."""
+    schema: dict[str, Any] = {}
+    if draw(st.booleans()):
+        schema["type"] = "object"
+    names = draw(st.lists(st.sampled_from(_NAMES), unique=True, max_size=3))
+    if names:
+        schema["properties"] = {
+            name: {"enum": draw(st.lists(_VALUES, min_size=1, max_size=2, unique=True))}
+            for name in names
+        }
+    if draw(st.booleans()):
+        schema["required"] = draw(st.lists(st.sampled_from(_NAMES), unique=True, max_size=2))
+    if draw(st.booleans()):
+        schema["additionalProperties"] = draw(st.booleans())
+    lists = st.lists(st.sampled_from(_NAMES), unique=True, max_size=2)
+    if draw(st.booleans()):
+        schema["dependentRequired"] = draw(
+            st.dictionaries(st.sampled_from(_NAMES), lists, max_size=2)
+        )
+    if depth and draw(st.booleans()):
+        sub = _object_schemas(depth=depth - 1)
+        schema["dependencies"] = draw(
+            st.dictionaries(st.sampled_from(_NAMES), lists | sub, max_size=2)
+        )
+    if draw(st.booleans()):
+        schema["not"] = {
+            "required": draw(st.lists(st.sampled_from(_NAMES), min_size=1, max_size=2))
+        }
+    if depth and draw(st.booleans()):
+        keyword = draw(st.sampled_from(["anyOf", "allOf", "oneOf"]))
+        schema[keyword] = draw(st.lists(_object_schemas(depth=depth - 1), min_size=1, max_size=2))
+    if draw(st.booleans()):
+        schema["format"] = draw(st.sampled_from(["uri-reference", "date"]))
+    return schema
+
+
+_INSTANCES = st.one_of(
+    st.dictionaries(st.sampled_from((*_NAMES, "d")), _VALUES, max_size=4), _VALUES
+)
+
+
+@given(schema=_object_schemas(), instances=st.lists(_INSTANCES, min_size=1, max_size=8))
+def test_the_rewrites_keep_the_valid_instances(
+    schema: dict[str, Any], instances: list[Any]
+) -> None:
+    """With every keyword applied: ``dependencies`` is draft 7's (2020-12 ignores it) and
+    ``dependentRequired`` 2020-12's (draft 7 ignores it), so the schema as given means both
+    dialects' checks at once; the rewrite is at least as narrow as either alone. (``format``
+    is not asserted: an annotation.)"""
+    draft7 = jsonschema.Draft7Validator(schema)
+    draft2020 = jsonschema.Draft202012Validator(schema)
+    rewritten = jsonschema.Draft202012Validator(for_backend(schema).schema)
+    for instance in instances:
+        both = draft7.is_valid(instance) and draft2020.is_valid(instance)
+        assert rewritten.is_valid(instance) == both, instance
+
+
+@given(schema=_object_schemas(), instances=st.lists(_INSTANCES, min_size=1, max_size=8))
+def test_strict_only_narrows(schema: dict[str, Any], instances: list[Any]) -> None:
+    given_ = jsonschema.Draft202012Validator(schema)
+    narrowed = jsonschema.Draft202012Validator(strict(schema))
+    for instance in instances:
+        if narrowed.is_valid(instance):
+            assert given_.is_valid(instance), instance
