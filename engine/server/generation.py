@@ -433,10 +433,11 @@ class ChatFormat:
             content: dict[str, Any] = {"delta": {"content": text} if text else {}}
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            calls = None if self._tool_calls is None else self._tool_calls.calls(text)
-            if calls is not None:  # complete calls: as OpenAI answers them
-                before = self._tool_calls.read(text).content if self._tool_calls else ""
-                message = {"role": "assistant", "content": before or None, "tool_calls": calls}
+            parsed = None if self._tool_calls is None else self._tool_calls.read(text)
+            if parsed is not None and parsed.calls and parsed.complete:  # as OpenAI answers
+                calls = [call.openai() for call in parsed.calls]
+                message = {"role": "assistant", "content": parsed.content or None,
+                           "tool_calls": calls}  # fmt: skip
                 finish_reason = "tool_calls"
             content = {"message": message}
         return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}

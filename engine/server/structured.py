@@ -80,14 +80,6 @@ class ToolCalls:
         """The output as text and calls (:func:`~twostroke.engine.tools.parser.parse_output`)."""
         return parse_output(self.format, text)
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The output's calls as OpenAI's ``tool_calls``, or ``None`` if it has none or its
-        last call is incomplete (cut by ``max_tokens``: the answer then carries it as text)."""
-        parsed = self.read(text)
-        if not parsed.calls or not parsed.complete:
-            return None
-        return [call.openai() for call in parsed.calls]
-
 
 @attrs.frozen
 class OutputConstraint:
