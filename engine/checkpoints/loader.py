@@ -487,7 +487,7 @@ def _block_kernel(
         if dtype != torch.float32 or device.type != "cpu":
             raise ValueError(
                 "quantization='gguf' computes on the CPU with float32 activations; got dtype "
-                f"{_dtype_name(dtype)} on {device.type}"
+                f"{_dtype_name(dtype)} on {device.type} (ask for dtype='float32' on the CPU)"
             )
         kernel = block_kernel()
         if kernel is None:
