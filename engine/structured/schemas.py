@@ -10,8 +10,8 @@ engine lets finish still validates against the schema as it was given:
   most one item are dropped; ``dependentRequired`` and ``dependencies``' lists
   (``{"a": ["b"]}``: if ``a`` is there, so is ``b``) become ``anyOf: [{a absent}, {a and b
   required}]``, and ``dependentSchemas`` and ``dependencies``' schemas the same with the
-  schema joined to the second branch (``allOf``); where the parent requires ``a`` already,
-  only the second branch is kept. ``not: {"required": [a, ...]}`` (alone in its ``not``)
+  schema joined to the second branch (``allOf``); a list whose ``a`` the parent requires
+  already is added to its ``required``. ``not: {"required": [a, ...]}`` (alone in its ``not``)
   becomes an object without ``a`` or without another of them (``required`` holds for
   anything but an object, so its negation holds only for objects).
 * **Dropped, as JSON Schema says**: a ``format`` llguidance does not implement
@@ -130,12 +130,12 @@ def _dependency(
     if isinstance(then, list):
         if all(item in required for item in then):
             return None  # already required, whether or not ``name`` is there
-        present: dict[str, Any] = {"required": [name, *then]}
-    else:
-        present = {"required": [name], "allOf": [then]}
-    if name in required:
-        return present
-    return {"anyOf": [_absent(name), present]}
+        if name in required:
+            return {"required": then}  # (a non-object satisfies it, as the dependency)
+        return {"anyOf": [_absent(name), {"required": [name, *then]}]}
+    # A schema applies to an object that has ``name``, never to a non-object: keep the
+    # first branch even where ``name`` is required (a non-object takes it).
+    return {"anyOf": [_absent(name), {"required": [name], "allOf": [then]}]}
 
 
 def _rewrite_dependencies(node: dict[str, Any]) -> None:
