@@ -336,7 +336,7 @@ _VALUES = st.sampled_from([0, 1, "x", None])
 
 
 @st.composite
-def _object_schemas(draw: st.DrawFn, depth: int = 2) -> dict[str, Any]:
+def _object_schemas(draw: st.DrawFn, depth: int = 2, refs: bool = True) -> dict[str, Any]:
     """Small object schemas with the keywords the rewrites and strict touch."""
     schema: dict[str, Any] = {}
     if draw(st.booleans()):
@@ -357,7 +357,7 @@ def _object_schemas(draw: st.DrawFn, depth: int = 2) -> dict[str, Any]:
             st.dictionaries(st.sampled_from(_NAMES), lists, max_size=2)
         )
     if depth and draw(st.booleans()):
-        sub = _object_schemas(depth=depth - 1)
+        sub = _object_schemas(depth=depth - 1, refs=refs)
         schema["dependencies"] = draw(
             st.dictionaries(st.sampled_from(_NAMES), lists | sub, max_size=2)
         )
@@ -367,18 +367,38 @@ def _object_schemas(draw: st.DrawFn, depth: int = 2) -> dict[str, Any]:
         }
     if depth and draw(st.booleans()):
         keyword = draw(st.sampled_from(["anyOf", "allOf", "oneOf"]))
-        schema[keyword] = draw(st.lists(_object_schemas(depth=depth - 1), min_size=1, max_size=2))
+        member = _object_schemas(depth=depth - 1, refs=refs)
+        if refs:
+            member |= st.just({"$ref": "#/$defs/d"})
+        schema[keyword] = draw(st.lists(member, min_size=1, max_size=2))
+    if refs and draw(st.booleans()):
+        schema[draw(st.sampled_from(["not", "if", "then"]))] = {"$ref": "#/$defs/d"}
     if draw(st.booleans()):
         schema["format"] = draw(st.sampled_from(["uri-reference", "date"]))
     return schema
 
 
+@st.composite
+def _schemas_with_defs(draw: st.DrawFn) -> dict[str, Any]:
+    """An object schema whose subschemas may refer to ``#/$defs/d`` (from anywhere)."""
+    schema = draw(_object_schemas())
+    schema["$defs"] = {"d": draw(_object_schemas(depth=1, refs=False))}
+    if draw(st.booleans()):
+        schema.setdefault("properties", {})["e"] = {"$ref": "#/$defs/d"}
+    return schema
+
+
 _INSTANCES = st.one_of(
-    st.dictionaries(st.sampled_from((*_NAMES, "d")), _VALUES, max_size=4), _VALUES
+    st.dictionaries(
+        st.sampled_from((*_NAMES, "d", "e")),
+        _VALUES | st.dictionaries(st.sampled_from(_NAMES), _VALUES, max_size=2),
+        max_size=4,
+    ),
+    _VALUES,
 )
 
 
-@given(schema=_object_schemas(), instances=st.lists(_INSTANCES, min_size=1, max_size=8))
+@given(schema=_schemas_with_defs(), instances=st.lists(_INSTANCES, min_size=1, max_size=8))
 def test_the_rewrites_keep_the_valid_instances(
     schema: dict[str, Any], instances: list[Any]
 ) -> None:
@@ -405,7 +425,7 @@ def _as_2020(schema: Any) -> Any:
     return result
 
 
-@given(schema=_object_schemas(), instances=st.lists(_INSTANCES, min_size=1, max_size=8))
+@given(schema=_schemas_with_defs(), instances=st.lists(_INSTANCES, min_size=1, max_size=8))
 def test_strict_only_narrows(schema: dict[str, Any], instances: list[Any]) -> None:
     given_ = jsonschema.Draft202012Validator(schema)
     narrowed = jsonschema.Draft202012Validator(strict(schema))
