@@ -22,7 +22,8 @@ the same valid instances (:func:`~twostroke.engine.structured.schemas.for_backen
 ``dependentRequired``, ``uniqueItems: false``, formats llguidance does not implement); a
 keyword that a constraint leaves to a check of the complete output (``oneOf`` that the backend
 cannot prove disjoint, ``uniqueItems: true``) has no such check inside a grammar, so the
-backend refuses it there (a 400 naming the tool).
+backend refuses it there (over HTTP a 400 naming ``tools``, or the named function's
+``parameters``).
 
 JSON inside the grammar has the fixed format every constrained JSON output has
 (:data:`~twostroke.engine.structured.grammars.JSON_FORMAT`'s: ``", "`` and ``": "``, no free
