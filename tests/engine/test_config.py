@@ -19,6 +19,9 @@ from twostroke.engine.config import (
     without_port,
 )
 
+#: ServerConfig's fields in their order: what an unknown keyword's error lists.
+SERVER_FIELDS = tuple(attrs.fields_dict(ServerConfig))
+
 
 @pytest.mark.parametrize(
     ("options", "error", "message"),
@@ -269,10 +272,9 @@ def test_a_call_takes_a_server_config_or_its_fields_never_both() -> None:
         server_config(None, {"max_conections": 4}, caller="build_app")
     assert str(unknown.value) == (
         "build_app() got an unexpected keyword argument 'max_conections': the server's "
-        "limits are ServerConfig's fields (max_body_bytes, max_choices, max_waiting_requests, "
-        "allowed_hosts, max_connections, header_timeout, body_timeout, shutdown_timeout, "
-        "keepalive)"
+        f"limits are ServerConfig's fields ({', '.join(SERVER_FIELDS)})"
     )
+    assert {"max_connections", "keepalive", "strict_schemas"} <= set(SERVER_FIELDS)
     with pytest.raises(TypeError, match=r"^config must be a ServerConfig or None, got dict$"):
         server_config({"max_choices": 4}, {}, caller="serve")
 
