@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import sys
 from pathlib import Path
 
@@ -16,7 +17,13 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 def test_views_are_carved_on_cache_lines_apart_and_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     advised: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda *a: advised.append(a) or 0)
+
+    def madvise(mapping: mmap.mmap, advice: int, offset: int, length: int) -> None:
+        advised.append((torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() + offset,
+                        length, advice))  # fmt: skip
+
+    monkeypatch.setattr(huge_pages, "_MADV_HUGEPAGE", 14)
+    monkeypatch.setattr(huge_pages, "_madvise", madvise)
     counts = [3, 0, HUGE_PAGE // 8, 1000]  # float32: the third is half a huge page
     views = huge_page_buffer(counts, torch.float32)
     assert [v.numel() for v in views] == counts
@@ -47,15 +54,16 @@ def test_linux_takes_the_advice_where_transparent_huge_pages_are_on() -> None:
     mode = THP.read_text() if THP.exists() else "[never]"
     if "[never]" in mode:
         pytest.skip(f"transparent huge pages are off here: {mode.strip()}")
-    buffer = torch.empty(3 * HUGE_PAGE, dtype=torch.uint8)
-    start = buffer.data_ptr() + (-buffer.data_ptr() % HUGE_PAGE)
-    assert huge_pages._advise(start, HUGE_PAGE)
-    assert not huge_pages._advise(start, HUGE_PAGE - 1)  # less than one: nothing to ask
+    mapping = mmap.mmap(-1, 3 * HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    offset = -torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() % HUGE_PAGE
+    assert huge_pages._advise(mapping, offset, HUGE_PAGE)
+    assert not huge_pages._advise(mapping, offset, HUGE_PAGE - 1)  # less than one: no ask
 
 
 def test_without_madvise_the_buffer_is_an_ordinary_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(huge_pages, "_madvise", lambda: None)
+    monkeypatch.setattr(huge_pages, "_MADV_HUGEPAGE", None)
     (view,) = huge_page_buffer([3 * HUGE_PAGE], torch.uint8)
-    assert not huge_pages._advise(view.data_ptr(), view.numel())
+    mapping = mmap.mmap(-1, 3 * HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    assert not huge_pages._advise(mapping, 0, 3 * HUGE_PAGE)
     view.fill_(1)
     assert int(view.sum()) == 3 * HUGE_PAGE

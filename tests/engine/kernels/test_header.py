@@ -172,11 +172,13 @@ FOREIGN = re.compile(r"\b(argtypes|restype|CDLL|cdll|LoadLibrary|PyDLL|CFUNCTYPE
 
 
 def test_only_the_kernels_room_declares_a_c_signature_or_opens_a_library() -> None:
-    """Outside engine/kernels (and gpu/huge_pages.py's libc madvise, the one host call of
-    the device boundary, which gpu/ cannot take from engine/), no module names ctypes'
-    foreign-function machinery."""
+    """Outside engine/kernels no module of the three packages names ctypes' foreign-function
+    machinery (gpu/huge_pages.py advises through Python's mmap)."""
     offenders = []
-    for path in sorted((ROOT / "engine").rglob("*.py")):
+    paths = [
+        path for folder in ("engine", "gpu", "states") for path in (ROOT / folder).rglob("*.py")
+    ]
+    for path in sorted(paths):
         if KERNELS in path.parents:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
