@@ -9,7 +9,7 @@ All values are frozen, so a plan in flight cannot change under the step that exe
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
@@ -24,6 +24,7 @@ __all__ = [
     "StepPlan",
     "StepReport",
     "TokenLogprobs",
+    "verify_draft",
 ]
 
 
@@ -34,7 +35,13 @@ class ScheduledRequest:
     The step computes positions ``[start, start + num_tokens)``. Their input ids are
     ``token_ids``, followed, when ``pending_input`` is true, by one more id that the host
     does not know yet: the token the *previous step* sampled for this request, which the
-    runner takes from that step's output on the device (the one-step lookahead).
+    runner takes from that step's output on the device (the one-step lookahead), and then by
+    the ``draft_token_ids`` (speculative decoding: :mod:`twostroke.states.speculation`).
+
+    A row with drafts samples at its last ``1 + len(draft_token_ids)`` positions, each as a
+    row without drafts would sample there (sample index ``sample_index + i``), and the
+    runner reports the tokens sampled up to the first one that differs from the draft at
+    its position (:meth:`RunnerOutput.tokens`).
 
     Attributes:
         request_id: The request.
@@ -48,6 +55,7 @@ class ScheduledRequest:
             output; penalties need to tell them apart).
         block_table: KV blocks covering at least positions ``[0, start + num_tokens)``.
         params: The request's sampling parameters.
+        draft_token_ids: Drafted tokens verified in this step (only on a row that samples).
     """
 
     request_id: int
@@ -59,10 +67,16 @@ class ScheduledRequest:
     num_prompt_tokens: int
     block_table: tuple[int, ...]
     params: SamplingParams
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids) + self.pending_input
+        return len(self.token_ids) + self.pending_input + len(self.draft_token_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Positions the runner samples at: 0, 1, or 1 + the drafts."""
+        return (1 + len(self.draft_token_ids)) if self.sample else 0
 
     @property
     def end(self) -> int:
@@ -97,6 +111,7 @@ class StepPlan:
 
     @property
     def num_samples(self) -> int:
+        """Rows that sample a token (a row with drafts counts once)."""
         return sum(entry.sample for entry in self.requests)
 
     @property
@@ -160,13 +175,44 @@ class RunnerOutput:
         sampled: The sampled token id for every request of the plan that sampled.
         logprobs: For requests that asked for logprobs, the chosen token's and the top
             alternatives' log-probabilities.
+        speculated: For a row with drafts, the tokens after ``sampled``'s: the token sampled
+            at each position while the token before it equalled its draft (so at most as
+            many as the drafts; a row whose first draft was rejected has none here).
+        speculated_logprobs: Their log-probabilities, for requests that asked for them.
 
-    Both mappings are read-only copies of those given (assigning raises ``TypeError``).
+    The mappings are read-only copies of those given (assigning raises ``TypeError``).
     """
 
     step_id: int
     sampled: Mapping[int, int] = attrs.field(converter=frozen_mapping)
     logprobs: Mapping[int, TokenLogprobs] = attrs.field(factory=dict, converter=frozen_mapping)
+    speculated: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict, converter=frozen_mapping)
+    speculated_logprobs: Mapping[int, tuple[TokenLogprobs, ...]] = attrs.field(
+        factory=dict, converter=frozen_mapping
+    )
+
+    def tokens(self, request_id: int) -> tuple[int, ...]:
+        """Every token the step produced for a request that sampled, in order."""
+        return (self.sampled[request_id], *self.speculated.get(request_id, ()))
+
+    def token_logprobs(self, request_id: int) -> tuple[TokenLogprobs, ...]:
+        """The log-probabilities of :meth:`tokens`, for a request that asked for them."""
+        first = self.logprobs.get(request_id)
+        if first is None:
+            return ()
+        return (first, *self.speculated_logprobs.get(request_id, ()))
+
+
+def verify_draft(draft_token_ids: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many drafts a row accepts: the drafts that equal the token sampled at their
+    position, up to the first that does not (``sampled`` has one more token than the draft).
+    """
+    accepted = 0
+    for draft_id, token_id in zip(draft_token_ids, sampled, strict=False):
+        if draft_id != token_id:
+            break
+        accepted += 1
+    return accepted
 
 
 @attrs.frozen

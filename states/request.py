@@ -44,6 +44,7 @@ __all__ = [
     "Cancelled",
     "ChunkScheduled",
     "ConstraintCompiled",
+    "DraftVerified",
     "Failed",
     "FinishReason",
     "Finished",
@@ -142,11 +143,28 @@ class ChunkScheduled:
 class SampleScheduled:
     """Step ``step_id`` will compute ``num_tokens`` positions, reaching the end, and sample.
 
-    Until the step's outcome is applied, the sampled token is a placeholder.
+    Until the step's outcome is applied, the sampled token is a placeholder. With
+    ``num_drafts`` drafted tokens (speculative decoding), the step also computes their
+    positions and samples after each: the request holds ``1 + num_drafts`` placeholders and
+    counts their positions computed, until :class:`DraftVerified` settles how many held.
     """
 
     step_id: int
     num_tokens: int
+    num_drafts: int = 0
+
+
+@attrs.frozen
+class DraftVerified:
+    """The step that verified the request's drafts delivered its tokens (one
+    :class:`TokenSampled` each, the accepted drafts and the token after them): the
+    ``num_drafts - num_accepted`` placeholders left are dropped, and so are their positions
+    from the computed count (their KV holds rejected drafts, written over when those
+    positions are computed again).
+    """
+
+    step_id: int
+    num_accepted: int
 
 
 @attrs.frozen
@@ -215,6 +233,7 @@ RequestEvent = (
     | SampleScheduled
     | TokenSampled
     | SampleDiscarded
+    | DraftVerified
     | Preempted
     | Finished
     | Cancelled
@@ -247,6 +266,7 @@ TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] 
         BlocksAllocated: _D,
         SampleScheduled: _D,
         TokenSampled: _D,
+        DraftVerified: _D,
         Preempted: _X,
         Finished: RequestStatus.FINISHED,
         **_ENDINGS,
@@ -258,6 +278,7 @@ TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] 
         Admitted: _P,
         TokenSampled: _X,
         SampleDiscarded: _X,
+        DraftVerified: _X,
         Finished: RequestStatus.FINISHED,
         **_ENDINGS,
     },
@@ -362,6 +383,7 @@ class Request:
     _num_computed_tokens: int = attrs.field(default=0, init=False)
     _num_cached_tokens: int = attrs.field(default=0, init=False)
     _num_placeholders: int = attrs.field(default=0, init=False)
+    _num_drafts: int = attrs.field(default=0, init=False)
     _last_step_id: int | None = attrs.field(default=None, init=False)
     _finish_reason: FinishReason | None = attrs.field(default=None, init=False)
     _failure: str | None = attrs.field(default=None, init=False)
@@ -411,6 +433,15 @@ class Request:
     def num_placeholders(self) -> int:
         """Tokens that steps in flight will sample for this request."""
         return self._num_placeholders
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafted tokens that a step in flight verifies (their positions count computed).
+
+        While there are any, the request's next positions are unknown: no step may be
+        planned for it until :class:`DraftVerified`.
+        """
+        return self._num_drafts
 
     @property
     def num_known_tokens(self) -> int:
@@ -557,7 +588,23 @@ class Request:
             case ChunkScheduled(num_tokens=n) | SampleScheduled(num_tokens=n):
                 name = f"{type(event).__name__}(num_tokens={n})"
                 left = self.num_tokens - self._num_computed_tokens
-                if n < 1:
+                if self._num_drafts:
+                    rule = (
+                        f"{name} comes while a step verifies {self._num_drafts} drafts: the "
+                        "request's next positions are not known"
+                    )
+                elif isinstance(event, SampleScheduled) and event.num_drafts < 0:
+                    rule = f"{name} may not have {event.num_drafts} drafts"
+                elif (
+                    isinstance(event, SampleScheduled)
+                    and event.num_drafts
+                    and self.num_generated_tokens + 1 + event.num_drafts > self.max_tokens
+                ):
+                    rule = (
+                        f"{name} with {event.num_drafts} drafts would pass max_tokens "
+                        f"({self.max_tokens}) with {self.num_generated_tokens} generated"
+                    )
+                elif n < 1:
                     rule = f"{name} must compute at least 1 token"
                 elif n > left:
                     rule = f"{name} exceeds the {left} tokens left to compute"
@@ -585,6 +632,18 @@ class Request:
                     f"SampleDiscarded(step_id={step_id}) has no placeholder to drop: "
                     "no step in flight samples for this request"
                 )
+            case DraftVerified(num_accepted=accepted):
+                name = f"DraftVerified(num_accepted={accepted})"
+                if not self._num_drafts:
+                    rule = f"{name} has no drafts to settle: no step verifies any"
+                elif not 0 <= accepted <= self._num_drafts:
+                    rule = f"{name} must be in [0, {self._num_drafts}] (the drafts)"
+                elif self._num_placeholders != self._num_drafts - accepted:
+                    rule = (
+                        f"{name} must follow one TokenSampled per token delivered: "
+                        f"{self._num_placeholders} placeholders are left, not "
+                        f"{self._num_drafts - accepted}"
+                    )
             case _:
                 pass
         if rule is not None:
@@ -607,9 +666,10 @@ class Request:
             case ChunkScheduled(step_id=step_id, num_tokens=n):
                 self._num_computed_tokens += n
                 self._last_step_id = step_id
-            case SampleScheduled(step_id=step_id, num_tokens=n):
-                self._num_computed_tokens += n
-                self._num_placeholders += 1
+            case SampleScheduled(step_id=step_id, num_tokens=n, num_drafts=drafts):
+                self._num_computed_tokens += n + drafts
+                self._num_placeholders += 1 + drafts
+                self._num_drafts = drafts
                 self._last_step_id = step_id
             case TokenSampled(token_id=token_id, time=time):
                 self._num_placeholders -= 1
@@ -617,8 +677,19 @@ class Request:
                 if self._first_token_time is None:
                     self._first_token_time = time
                 self._last_token_time = time
-            case SampleDiscarded():
-                self._num_placeholders -= 1
+            case SampleDiscarded(step_id=step_id):
+                if self._num_drafts and step_id == self._last_step_id:
+                    # The row with drafts is discarded whole: its token and its drafts.
+                    self._num_placeholders -= 1 + self._num_drafts
+                    self._num_drafts = 0
+                else:
+                    self._num_placeholders -= 1
+            case DraftVerified(num_accepted=accepted):
+                rejected = self._num_drafts - accepted
+                self._num_placeholders -= rejected
+                self._num_drafts = 0
+                if self._status is not RequestStatus.PREEMPTED:  # else nothing is computed
+                    self._num_computed_tokens -= rejected
             case Preempted():
                 self._block_table.clear()
                 self._num_computed_tokens = 0

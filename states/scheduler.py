@@ -19,6 +19,15 @@ the newest running request is preempted (recomputed later), so the oldest always
 With ``max_waiting_requests`` set, a new request that would pass it is refused
 (:class:`~twostroke.states.errors.EngineOverloaded`) and nothing changes.
 
+With ``speculative_config``, a running request whose row reaches its end may carry drafted
+tokens (:mod:`twostroke.states.speculation`), proposed here, while the step before runs. The
+drafts count against the step's token budget, never make a request wait or preempt another
+(a draft that does not fit is dropped), and never pass ``max_tokens``. A request that
+verifies drafts in a step in flight is not planned again until that step's outcome says how
+many held: its next positions depend on it. Requests with a constraint or penalties do not
+draft (their mask and their penalties at a drafted position would depend on the drafts
+before it): they decode as without speculation.
+
 Both queues are kept in arrival order. A new request arrived after every request there is, so
 it is appended to the waiting queue at O(1) cost; only a preempted request goes back into the
 middle (before the new ones), found by binary search.
@@ -31,6 +40,7 @@ import collections
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from twostroke.states.blocks import BlockPool, blocks_for
 from twostroke.states.errors import EngineOverloaded, RequestRejected, SchedulerError
@@ -41,6 +51,7 @@ from twostroke.states.request import (
     BlocksAllocated,
     Cancelled,
     ChunkScheduled,
+    DraftVerified,
     Failed,
     Finished,
     FinishReason,
@@ -57,6 +68,7 @@ from twostroke.states.scheduler_config import (
     SchedulerStatistics,
     SchedulingPolicy,
 )
+from twostroke.states.speculation import MAX_SPECULATIVE_TOKENS, Speculator
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
 
@@ -68,14 +80,25 @@ class Scheduler:
         config: Sizes and limits.
         clock: Source of timestamps for the requests' timings (monotonic seconds). Tests
             pass a fake one; nothing in this module reads the time otherwise.
+        speculator: Drafts for running requests; by default one for
+            ``config.speculative_config`` (none without it). Tests give one with drafts of
+            their own choosing.
     """
 
     def __init__(
-        self, config: SchedulerConfig, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: SchedulerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self._prefix = PrefixCache(self.pool, enabled=config.enable_prefix_caching)
+        spec = config.speculative_config
+        if speculator is None and spec is not None:
+            speculator = Speculator(spec)
+        self._speculator = speculator
         self._clock = clock
         self._requests: dict[int, Request] = {}
         self._arrival: dict[int, int] = {}
@@ -111,6 +134,11 @@ class Scheduler:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(list(self._requests.values()))
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """What drafts for the running requests, or ``None``."""
+        return self._speculator
 
     @property
     def num_inflight_steps(self) -> int:
@@ -281,7 +309,11 @@ class Scheduler:
             if num_tokens == 0:
                 index += 1
                 continue
-            needed = self._blocks_needed(request, num_tokens)
+            drafts = self._draft(request, num_tokens, budget)
+            needed = self._blocks_needed(request, num_tokens + len(drafts))
+            if drafts and needed > self.pool.num_free:  # drafts never wait or preempt
+                drafts = ()
+                needed = self._blocks_needed(request, num_tokens)
             # (The second test only when the first fails: it counts the deferred releases.)
             while needed > self.pool.num_free and (
                 needed > self.pool.num_free + self._num_returning_blocks()
@@ -296,8 +328,8 @@ class Scheduler:
             index += 1
             if needed > self.pool.num_free:
                 continue  # blocks come back when the step in flight completes
-            entries.append(self._schedule(request, step_id, num_tokens, needed))
-            budget -= num_tokens
+            entries.append(self._schedule(request, step_id, num_tokens, needed, drafts))
+            budget -= num_tokens + len(drafts)
 
         while (
             not preempted
@@ -340,18 +372,46 @@ class Scheduler:
         return plan
 
     def _tokens_to_compute(self, request: Request, budget: int, computed: int | None = None) -> int:
+        if request.num_drafts:
+            return 0  # where its next positions are depends on the step verifying its drafts
         if request.num_generated_tokens >= request.max_tokens:
             return 0  # its last token is in flight; computing its KV would be waste
         if computed is None:
             computed = request.num_computed_tokens
         return min(request.num_tokens - computed, budget)
 
+    def _draft(self, request: Request, num_tokens: int, budget: int) -> tuple[int, ...]:
+        """Drafted tokens to verify after the ``num_tokens`` a row of ``request`` computes."""
+        speculator = self._speculator
+        if (
+            speculator is None
+            or request.num_tokens - request.num_computed_tokens != num_tokens  # not the end
+            or request.params.constraint is not None
+            or request.params.uses_penalties
+            or not speculator.enabled_for(len(self._running))
+        ):
+            return ()
+        most = min(
+            budget - num_tokens,
+            request.max_tokens - request.num_generated_tokens - 1,
+            MAX_SPECULATIVE_TOKENS,
+        )
+        if most < 1:
+            return ()
+        known = request.token_ids(0, request.num_known_tokens)
+        return speculator.draft(request.request_id, known, request.num_placeholders, most)
+
     def _blocks_needed(self, request: Request, num_tokens: int) -> int:
         end = request.num_computed_tokens + num_tokens
         return max(blocks_for(end, self.config.block_size) - len(request.block_table), 0)
 
     def _schedule(
-        self, request: Request, step_id: int, num_tokens: int, num_blocks: int
+        self,
+        request: Request,
+        step_id: int,
+        num_tokens: int,
+        num_blocks: int,
+        drafts: tuple[int, ...] = (),
     ) -> ScheduledRequest:
         if num_blocks:
             request.apply(BlocksAllocated(self.pool.allocate(num_blocks)))
@@ -363,14 +423,15 @@ class Scheduler:
             # The placeholder comes from the step planned just before this one.
             assert request.last_step_id == step_id - 1, request
         sample = end == request.num_tokens
+        assert sample or not drafts, (request, drafts)
         event: RequestEvent
         if sample:
-            event = SampleScheduled(step_id, num_tokens)
+            event = SampleScheduled(step_id, num_tokens, len(drafts))
         else:
             event = ChunkScheduled(step_id, num_tokens)
         sample_index = request.num_generated_tokens
         request.apply(event)
-        self._num_tokens_scheduled += num_tokens
+        self._num_tokens_scheduled += num_tokens + len(drafts)
         return ScheduledRequest(
             request_id=request.request_id,
             start=start,
@@ -381,6 +442,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             block_table=request.block_table,
             params=request.params,
+            draft_token_ids=drafts,
         )
 
     # --- outcomes -----------------------------------------------------------------------
@@ -415,6 +477,9 @@ class Scheduler:
             ]
             if missing:
                 raise SchedulerError(f"step {plan.step_id} outcome lacks tokens for {missing}")
+            for entry in plan.requests:
+                if entry.draft_token_ids and entry.request_id in outcome.sampled:
+                    _check_verified(plan.step_id, entry.draft_token_ids, outcome, entry.request_id)
         self._inflight.popleft()
         self._num_completed += 1
         now = self._clock()
@@ -438,18 +503,26 @@ class Scheduler:
                 continue
             if not entry.sample:
                 continue
-            token_id = outcome.sampled[entry.request_id]
-            block_ids = request.block_table
-            if request.apply(TokenSampled(token_id, now)) is RequestStatus.FAILED:
-                self._retire(request, block_ids)  # its constraint refused the token
-                failed.append(request.request_id)
-                continue
-            self._num_tokens_generated += 1
-            new_tokens.append((request.request_id, token_id))
-            reason = request.finish_reached()
-            if reason is not None:
-                self._end(request, Finished(reason, now))
-                finished.append((request.request_id, reason))
+            tokens = outcome.tokens(entry.request_id)
+            for token_id in tokens:
+                block_ids = request.block_table
+                if request.apply(TokenSampled(token_id, now)) is RequestStatus.FAILED:
+                    self._retire(request, block_ids)  # its constraint refused the token
+                    failed.append(request.request_id)
+                    break
+                self._num_tokens_generated += 1
+                new_tokens.append((request.request_id, token_id))
+                reason = request.finish_reached()
+                if reason is not None:
+                    self._end(request, Finished(reason, now))
+                    finished.append((request.request_id, reason))
+                    break
+            if entry.draft_token_ids:
+                assert self._speculator is not None
+                accepted = len(tokens) - 1
+                self._speculator.verified(entry.request_id, len(entry.draft_token_ids), accepted)
+                if not request.is_terminal:
+                    request.apply(DraftVerified(plan.step_id, accepted))
         # Requests that read KV the failed step was writing did nothing wrong: they are
         # recomputed (preempted), and what their steps in flight sample is discarded.
         for request_id in sorted(readers):
@@ -545,6 +618,9 @@ class Scheduler:
     def _remove(self, request_id: int) -> None:
         self._prefix.drop(request_id)
         request = self._requests.pop(request_id)
+        if self._speculator is not None:
+            finished = request.status is RequestStatus.FINISHED
+            self._speculator.finished(request_id, request.output_token_ids if finished else ())
         del self._arrival[request_id]
         if request.last_step_id is not None:  # a runner has seen it: it may drop its state
             self._gone.append(request_id)
@@ -568,7 +644,23 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_prefix_cache_queries=pool.num_prefix_cache_queries,
             num_prefix_cache_hits=pool.num_prefix_cache_hits,
+            **self._speculation_statistics(),
         )
+
+    def _speculation_statistics(self) -> dict[str, Any]:
+        speculator = self._speculator
+        if speculator is None:
+            return {
+                "num_spec_decode_drafts": 0,
+                "num_spec_decode_draft_tokens": 0,
+                "num_spec_decode_accepted_tokens": 0,
+            }
+        return {
+            "num_spec_decode_drafts": speculator.num_drafts,
+            "num_spec_decode_draft_tokens": speculator.num_draft_tokens,
+            "num_spec_decode_accepted_tokens": speculator.num_accepted_tokens,
+            "spec_decode_accepted_tokens_per_pos": tuple(speculator.accepted_per_position),
+        }
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any guarantee of the scheduler does not hold.
@@ -627,11 +719,19 @@ class Scheduler:
             else:
                 assert request.is_terminal, request
                 assert request.request_id in self._ending, request
-            inflight_samples = sum(
-                entry.sample and entry.request_id == request.request_id
+            mine = [
+                entry
                 for plan in self._inflight
                 for entry in plan.requests
-            )
+                if entry.request_id == request.request_id
+            ]
+            inflight_samples = sum(entry.num_samples for entry in mine)
+            if not request.is_terminal and request.num_drafts:
+                carried = len(mine[-1].draft_token_ids) if mine else 0
+                assert carried == request.num_drafts, (
+                    f"{request!r} verifies {request.num_drafts} drafts, but its last step in "
+                    f"flight carries {carried}"
+                )
             if not request.is_terminal:
                 assert request.num_placeholders == inflight_samples, (
                     f"{request!r} has {request.num_placeholders} placeholders but "
@@ -643,4 +743,17 @@ class Scheduler:
             f"<Scheduler {len(self._waiting)} waiting, {len(self._running)} running, "
             f"{len(self._inflight)} in flight, {self.pool.num_free}/{self.pool.num_blocks} "
             f"blocks free>"
+        )
+
+
+def _check_verified(
+    step_id: int, drafts: tuple[int, ...], outcome: RunnerOutput, request_id: int
+) -> None:
+    """Raise :class:`SchedulerError` unless a row's tokens are a verification of ``drafts``:
+    at most one more than them, each but the last equal to the draft at its place."""
+    tokens = outcome.tokens(request_id)
+    if len(tokens) > len(drafts) + 1 or tuple(tokens[:-1]) != drafts[: len(tokens) - 1]:
+        raise SchedulerError(
+            f"step {step_id} outcome for request {request_id}: tokens {list(tokens)} do not "
+            f"verify the drafts {list(drafts)} (each token before the last must equal its draft)"
         )

@@ -6,7 +6,12 @@ from typing import Any
 
 import attrs
 
-from twostroke.states.statistics import count
+from twostroke.states.speculation import (
+    MAX_SPECULATIVE_TOKENS,
+    SpeculativeConfig,
+    speculative_config,
+)
+from twostroke.states.statistics import count, per_position
 from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least
 
 __all__ = ["SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
@@ -38,6 +43,10 @@ class SchedulingPolicy:
             that would pass it with :class:`~twostroke.states.errors.EngineOverloaded`.
             Preempted requests always go back into the queue, so it may hold more of them.
             ``None`` (the default) sets no limit: an in-process caller decides what it queues.
+        speculative_config: Speculative decoding from the requests' own tokens
+            (:class:`~twostroke.states.speculation.SpeculativeConfig`, or a mapping of its
+            fields such as ``{"method": "ngram", "num_speculative_tokens": 4}``); ``None``
+            (the default) drafts nothing. Outputs are the same either way.
     """
 
     block_size: int = attrs.field(default=16, validator=int_at_least(1))
@@ -47,6 +56,9 @@ class SchedulingPolicy:
     enable_prefix_caching: bool = attrs.field(default=True, validator=boolean)
     max_waiting_requests: int | None = attrs.field(
         default=None, validator=int_at_least(1, optional=True, note=" (or None for no limit)")
+    )
+    speculative_config: SpeculativeConfig | None = attrs.field(
+        default=None, converter=speculative_config
     )
 
 
@@ -117,6 +129,20 @@ class SchedulerStatistics:
     num_prefix_cache_queries: int = count()
     #: Of those, tokens whose KV was found in the cache and not computed.
     num_prefix_cache_hits: int = count()
+    #: Drafts verified (speculative decoding): rows that carried drafted tokens.
+    num_spec_decode_drafts: int = count()
+    #: Drafted tokens verified.
+    num_spec_decode_draft_tokens: int = count()
+    #: Drafted tokens accepted (each one a token a step gave beyond its one).
+    num_spec_decode_accepted_tokens: int = count()
+    #: Accepted drafted tokens by their position in the draft (0 is the first).
+    spec_decode_accepted_tokens_per_pos: tuple[int, ...] = per_position(MAX_SPECULATIVE_TOKENS)
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts: tokens per verifying row (vLLM's; 1 before any draft)."""
+        drafts = self.num_spec_decode_drafts
+        return 1 + self.num_spec_decode_accepted_tokens / drafts if drafts else 1.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from twostroke.states.constraints import Matcher
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import RunnerOutput, StepPlan
+from twostroke.states.plan import RunnerOutput, StepPlan, verify_draft
 
 __all__ = [
     "ChooseToken",
@@ -147,12 +147,14 @@ class SimulatedKV:
                         "input but the previous step sampled nothing for it"
                     )
                 inputs.append(self._previous[entry.request_id])
+            inputs.extend(entry.draft_token_ids)
             written = self._written.setdefault(entry.request_id, {})
             for offset, token_id in enumerate(inputs):
                 block, slot = self._locate(entry.block_table, entry.start + offset, plan)
                 self._slots[block][slot] = (entry.request_id, token_id)
                 fresh[block, slot] = entry.request_id
                 written[entry.start + offset] = token_id
+        speculated: dict[int, tuple[int, ...]] = {}
         for entry in plan.requests:
             if not entry.sample:
                 continue
@@ -162,11 +164,25 @@ class SimulatedKV:
             ]
             if allowed is not None and entry.request_id in allowed:
                 sampled[entry.request_id] = self.choose(context, allowed[entry.request_id])
-            else:
-                sampled[entry.request_id] = self.next_token(context)
-        self._previous = sampled
+                continue
+            drafts = entry.draft_token_ids
+            # One token after each of the last 1 + len(drafts) positions, as a step without
+            # drafts would sample it; the drafts hold while each equals the token before it.
+            tokens = [
+                self.next_token(context[: entry.end - len(drafts) + offset])
+                for offset in range(len(drafts) + 1)
+            ]
+            kept = tokens[: verify_draft(drafts, tokens) + 1]
+            sampled[entry.request_id] = kept[0]
+            if drafts:
+                speculated[entry.request_id] = tuple(kept[1:])
+        self._previous = {
+            request_id: token_id
+            for request_id, token_id in sampled.items()
+            if request_id not in speculated  # no row follows one with drafts on its sample
+        }
         self.num_steps += 1
-        return RunnerOutput(step_id=plan.step_id, sampled=sampled)
+        return RunnerOutput(step_id=plan.step_id, sampled=sampled, speculated=speculated)
 
     def _locate(self, block_table: Sequence[int], position: int, plan: StepPlan) -> tuple[int, int]:
         index, slot = divmod(position, self.block_size)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-__all__ = ["count", "seconds", "total", "zero"]
+__all__ = ["count", "per_position", "seconds", "total", "zero"]
 
 R = TypeVar("R", bound=attrs.AttrsInstance)
 
@@ -34,19 +34,33 @@ def seconds() -> Any:
     return attrs.field(metadata={_ZERO: 0.0})
 
 
-def zero(field: attrs.Attribute[Any]) -> int | float:
-    """What a declared field starts from: ``0`` for a count, ``0.0`` for seconds.
+def per_position(length: int) -> Any:
+    """Declare a field of ``length`` counts, one per position (accepted drafts by their
+    place in the draft): a tuple of ints that adds up position by position."""
+    return attrs.field(default=(0,) * length, metadata={_ZERO: (0,) * length})
+
+
+def zero(field: attrs.Attribute[Any]) -> int | float | tuple[int, ...]:
+    """What a declared field starts from: ``0`` for a count, ``0.0`` for seconds, a tuple
+    of zeros for counts per position.
 
     Raises:
-        TypeError: the field was declared neither with :func:`count` nor :func:`seconds`.
+        TypeError: the field was declared neither with :func:`count`, :func:`seconds` nor
+            :func:`per_position`.
     """
     try:
-        value: int | float = field.metadata[_ZERO]
+        value: int | float | tuple[int, ...] = field.metadata[_ZERO]
     except KeyError:
         raise TypeError(
-            f"statistics field {field.name} is neither a count() nor seconds()"
+            f"statistics field {field.name} is neither a count(), seconds() nor per_position()"
         ) from None
     return value
+
+
+def _add(a: Any, b: Any) -> Any:
+    if isinstance(a, tuple):
+        return tuple(x + y for x, y in zip(a, b, strict=True))
+    return a + b
 
 
 def total(cls: type[R], records: Iterable[R]) -> R:
@@ -61,9 +75,10 @@ def total(cls: type[R], records: Iterable[R]) -> R:
         TypeError: a field of ``cls`` is declared neither way.
     """
     records = tuple(records)
-    return cls(
-        **{
-            field.name: sum((getattr(record, field.name) for record in records), zero(field))
-            for field in attrs.fields(cls)
-        }
-    )
+    fields: dict[str, Any] = {}
+    for field in attrs.fields(cls):
+        value = zero(field)
+        for record in records:
+            value = _add(value, getattr(record, field.name))
+        fields[field.name] = value
+    return cls(**fields)

@@ -82,8 +82,21 @@ def engine_statistics(values: object) -> EngineStatistics:
         raise TypeError(f"statistics must be a mapping, got {type(values).__name__}")
     known: dict[str, Any] = {}
     for field in attrs.fields(EngineStatistics):
-        counts = isinstance(zero(field), int)  # as declared: a count, or seconds
-        value: object = values.get(field.name, 0)
+        start = zero(field)
+        if isinstance(start, tuple):  # counts per position: a list of ints off the wire
+            value = values.get(field.name, start)
+            if not (
+                isinstance(value, list | tuple)
+                and len(value) == len(start)
+                and all(is_int(item) for item in value)
+            ):
+                raise TypeError(
+                    f"statistics field {field.name} must be {len(start)} ints, got {value!r}"
+                )
+            known[field.name] = tuple(value)
+            continue
+        counts = isinstance(start, int)  # as declared: a count, or seconds
+        value = values.get(field.name, 0)
         if is_int(value):
             known[field.name] = value if counts else float(value)
         elif isinstance(value, float) and not counts:

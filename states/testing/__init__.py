@@ -32,7 +32,12 @@ from twostroke.states.simulation import (
 )
 from twostroke.states.testing.constraints import ReferenceMatcher, parse_regex, regex_matches
 from twostroke.states.testing.harness import DriveResult, SimulatedEngine, drive, step_bound
-from twostroke.states.testing.machines import BlockPoolMachine, RequestMachine, SchedulerMachine
+from twostroke.states.testing.machines import (
+    BlockPoolMachine,
+    DraftingSchedulerMachine,
+    RequestMachine,
+    SchedulerMachine,
+)
 from twostroke.states.testing.prefix import PrefixCacheMachine, PrefixModel
 from twostroke.states.testing.queues import running_ids, waiting_ids
 from twostroke.states.testing.strategies import (
@@ -53,6 +58,7 @@ __all__ = [
     "CONSTRAINT_ALPHABET",
     "EOS_TEXT",
     "BlockPoolMachine",
+    "DraftingSchedulerMachine",
     "DriveResult",
     "NextToken",
     "PrefixCacheMachine",

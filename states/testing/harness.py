@@ -178,6 +178,8 @@ class SimulatedEngine:
             if rid in self._truncated:
                 raise SimulationError(f"request {rid} got token {token_id} after it finished")
             self.streams[rid].append(token_id)
+        # A row that verified drafts delivers several tokens at once: check after them all.
+        for rid in dict.fromkeys(rid for rid, _ in report.new_tokens):
             self._check_output(self.requests[rid])
         for rid, reason in report.finished:
             if self.requests[rid].finish_reason is not reason:

@@ -7,6 +7,7 @@ rule. Test support: imports hypothesis (the ``test`` extra). Use it through
 
 from __future__ import annotations
 
+import random
 import sys
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -36,6 +37,7 @@ from twostroke.states.request import (
     Cancelled,
     ChunkScheduled,
     ConstraintCompiled,
+    DraftVerified,
     Failed,
     Finished,
     FinishReason,
@@ -53,6 +55,7 @@ from twostroke.states.simulation import (
     SimulationError,
     toy_next_token,
 )
+from twostroke.states.speculation import SpeculativeConfig, Speculator
 from twostroke.states.testing.constraints import ReferenceMatcher
 from twostroke.states.testing.harness import SimulatedEngine
 from twostroke.states.testing.reference import (
@@ -68,7 +71,7 @@ from twostroke.states.testing.strategies import (
 )
 from twostroke.states.testing.workload import SIMULATED_VOCABULARY, RequestSpec
 
-__all__ = ["BlockPoolMachine", "RequestMachine", "SchedulerMachine"]
+__all__ = ["BlockPoolMachine", "DraftingSchedulerMachine", "RequestMachine", "SchedulerMachine"]
 
 # --- the request machine --------------------------------------------------------------------
 
@@ -84,6 +87,7 @@ _EVENT_TYPES: tuple[type[RequestEvent], ...] = (
     SampleScheduled,
     TokenSampled,
     SampleDiscarded,
+    DraftVerified,
     Preempted,
     Finished,
     Cancelled,
@@ -130,6 +134,7 @@ class RequestMachine(RuleBasedStateMachine):
             spec.prompt_token_ids,
             spec.params.constraint,
             spec.eos_token_ids,
+            max_tokens=self.request.max_tokens,
         )
         if self.request.matcher is not None:
             self.model.matcher = self._fresh_matcher()
@@ -156,8 +161,21 @@ class RequestMachine(RuleBasedStateMachine):
             kinds = [kind for kind in model.table[model.status] if kind not in _ABORTS]
             sizes = st.just(left) | st.integers(1, max(left - 1, 1))
         kind = data.draw(st.sampled_from(kinds or [Admitted]), label="kind")
-        if kind is ChunkScheduled or kind is SampleScheduled:
+        if kind is ChunkScheduled:
             return kind(step_id=data.draw(st.integers(0, 9)), num_tokens=data.draw(sizes))
+        if kind is SampleScheduled:
+            drafts = st.integers(0, 3) if progress else st.integers(-1, 4)
+            return SampleScheduled(
+                step_id=data.draw(st.integers(0, 9)),
+                num_tokens=data.draw(sizes),
+                num_drafts=data.draw(drafts, label="num_drafts"),
+            )
+        if kind is DraftVerified:
+            settles = model.drafts - model.placeholders
+            accepted = st.integers(-1, model.drafts + 1)
+            if progress and settles >= 0:
+                accepted = st.just(settles) | accepted
+            return DraftVerified(data.draw(st.integers(0, 9)), data.draw(accepted))
         if kind is BlocksAllocated:
             return BlocksAllocated(tuple(data.draw(st.lists(st.integers(0, 99), max_size=3))))
         if kind is PrefixCacheHit:
@@ -474,8 +492,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def create(self, data: st.DataObject) -> None:
         config = data.draw(self.configs, label="config")
-        scheduler = self.scheduler_class(config, clock=self._clock)
+        scheduler = self.scheduler_class(
+            config, clock=self._clock, speculator=self.speculator(config, data)
+        )
         self.simulation = SimulatedEngine(scheduler, next_token=self.next_token)
+
+    def speculator(self, config: SchedulerConfig, data: st.DataObject) -> Speculator | None:
+        """What drafts for the scheduler: by default what ``config`` says."""
+        return None
 
     @property
     def engine(self) -> SimulatedEngine:
@@ -649,3 +673,52 @@ class SchedulerMachine(RuleBasedStateMachine):
         # failure found by a rule is reported as it is, not hidden behind a drain error.
         if self.simulation is not None and sys.exc_info()[0] is None:
             self.simulation.run_until_idle()
+
+
+#: How :class:`DraftingSchedulerMachine` drafts: the model's own continuation, random ids,
+#: the continuation with one token wrong, a mix, or the configured method itself.
+DRAFTS = ("perfect", "random", "adversarial", "mixed", "method")
+
+
+class DraftingSchedulerMachine(SchedulerMachine):
+    """:class:`SchedulerMachine` whose running requests draft tokens (speculative decoding).
+
+    The drafts are the test's: the model's own greedy continuation (every draft holds until
+    the request ends), random ids, that continuation with one token changed, a mix of these,
+    or the configured method's (``ngram`` or ``suffix``). Whatever they are, every guarantee
+    of the base machine holds: no block leaks, a step never passes its budget (drafts count),
+    every output equals the reference computed without drafts (so preempting a request
+    whose drafts are in flight resumes identically), and no block is cached whose KV holds a
+    rejected draft (the simulated device's reads would return it, and the output would
+    differ).
+    """
+
+    def speculator(self, config: SchedulerConfig, data: st.DataObject) -> Speculator | None:
+        drafts = data.draw(st.sampled_from(DRAFTS), label="drafts")
+        spec = SpeculativeConfig(
+            method=data.draw(st.sampled_from(["ngram", "suffix"]), label="method"),
+            num_speculative_tokens=data.draw(st.integers(1, 5), label="num_speculative_tokens"),
+            prompt_lookup_min=1,
+            suffix_max_depth=8,
+            suffix_cache_tokens=data.draw(st.sampled_from([0, 16, 64])),
+            disable_by_batch_size=data.draw(st.none() | st.integers(1, 4)),
+            adaptive=data.draw(st.booleans(), label="adaptive"),
+        )
+        if drafts == "method":
+            return Speculator(spec)
+        rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="draft seed"))
+
+        def propose(request_id: int, known: Sequence[int], wanted: int) -> list[int]:
+            kind = rng.choice(DRAFTS[:3]) if drafts == "mixed" else drafts
+            if kind == "random":
+                return [rng.randrange(VOCAB_SIZE) for _ in range(wanted)]
+            sequence = list(known)
+            for _ in range(wanted):
+                sequence.append(self.next_token(sequence))
+            draft = sequence[len(known) :]
+            if kind == "adversarial" and draft:
+                place = rng.randrange(len(draft))
+                draft[place] = (draft[place] + 1) % VOCAB_SIZE
+            return draft
+
+        return Speculator(spec, propose=propose)

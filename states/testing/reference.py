@@ -20,6 +20,7 @@ from twostroke.states.request import (
     BlocksAllocated,
     ChunkScheduled,
     ConstraintCompiled,
+    DraftVerified,
     Failed,
     Finished,
     FinishReason,
@@ -66,6 +67,7 @@ def request_snapshot(request: Request) -> dict[str, object]:
         "computed": request.num_computed_tokens,
         "cached": request.num_cached_tokens,
         "placeholders": request.num_placeholders,
+        "drafts": request.num_drafts,
         "last_step": request.last_step_id,
         "reason": request.finish_reason,
         "failure": request.failure,
@@ -86,6 +88,7 @@ class RequestModel:
     Attributes:
         table: The lifecycle the model follows.
         prompt: The prompt ids.
+        max_tokens: The request's ``max_tokens`` (drafts may not pass it).
         constraint: The request's constraint (a choice or a regex), or ``None``.
         eos_token_ids: The request's EOS ids, which its matcher knows.
         matcher: The model's matcher, once compiled.
@@ -102,11 +105,13 @@ class RequestModel:
     computed: int = 0
     cached: int = 0
     placeholders: int = 0
+    drafts: int = 0
     last_step: int | None = None
     reason: FinishReason | None = None
     failure: str | None = None
     preemptions: int = 0
     times: dict[str, float] = attrs.Factory(dict)
+    max_tokens: int = 1 << 30
 
     @property
     def num_tokens(self) -> int:
@@ -149,10 +154,20 @@ class RequestModel:
             return None
         if isinstance(event, ChunkScheduled | SampleScheduled):
             end = self.computed + event.num_tokens
-            if event.num_tokens < 1 or end > self.num_tokens:
+            if self.drafts or event.num_tokens < 1 or end > self.num_tokens:
                 return None
             if isinstance(event, SampleScheduled) != (end == self.num_tokens):
                 return None
+            if isinstance(event, SampleScheduled) and event.num_drafts:
+                generated = len(self.output) + self.placeholders
+                if event.num_drafts < 0 or generated + 1 + event.num_drafts > self.max_tokens:
+                    return None
+        if isinstance(event, DraftVerified) and not (
+            self.drafts
+            and 0 <= event.num_accepted <= self.drafts
+            and self.placeholders == self.drafts - event.num_accepted
+        ):
+            return None
         if isinstance(event, TokenSampled | SampleDiscarded) and self.placeholders == 0:
             return None
         if isinstance(event, PrefixCacheHit) and (
@@ -186,16 +201,26 @@ class RequestModel:
             self.computed += event.num_tokens
             self.last_step = event.step_id
         elif isinstance(event, SampleScheduled):
-            self.computed += event.num_tokens
-            self.placeholders += 1
+            self.computed += event.num_tokens + event.num_drafts
+            self.placeholders += 1 + event.num_drafts
+            self.drafts = event.num_drafts
             self.last_step = event.step_id
+        elif isinstance(event, DraftVerified):
+            rejected = self.drafts - event.num_accepted
+            self.placeholders -= rejected
+            if self.status is not RequestStatus.PREEMPTED:
+                self.computed -= rejected
+            self.drafts = 0
         elif isinstance(event, TokenSampled):
             self.placeholders -= 1
             self.output.append(event.token_id)
             self.times.setdefault("first_token", event.time)
             self.times["last_token"] = event.time
         elif isinstance(event, SampleDiscarded):
-            self.placeholders -= 1
+            whole = self.drafts and event.step_id == self.last_step
+            self.placeholders -= 1 + self.drafts if whole else 1
+            if whole:
+                self.drafts = 0
         elif isinstance(event, Preempted):
             self.blocks = []
             self.computed = 0
@@ -218,6 +243,7 @@ class RequestModel:
             "computed": self.computed,
             "cached": self.cached,
             "placeholders": self.placeholders,
+            "drafts": self.drafts,
             "last_step": self.last_step,
             "reason": self.reason,
             "failure": self.failure,

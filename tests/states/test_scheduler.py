@@ -708,6 +708,9 @@ def test_statistics_count_the_queues_the_pipeline_and_the_work() -> None:
         num_preemptions=0,
         num_prefix_cache_queries=0,
         num_prefix_cache_hits=0,
+        num_spec_decode_drafts=0,
+        num_spec_decode_draft_tokens=0,
+        num_spec_decode_accepted_tokens=0,
     )
     assert not scheduler.is_idle()  # nothing in flight, but a queued request will need blocks
     first = scheduler.schedule()  # admits 1 and 2 (max_num_seqs=2): 4 positions, 1 block each

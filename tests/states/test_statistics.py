@@ -28,7 +28,7 @@ def test_a_field_starts_from_the_zero_of_its_kind() -> None:
 
 
 def test_a_field_declared_neither_way_has_no_zero() -> None:
-    with pytest.raises(TypeError, match=r"^statistics field note is neither a count\(\) nor "):
+    with pytest.raises(TypeError, match=r"^statistics field note is neither a count\(\), seconds"):
         zero(attrs.fields(Extended).note)
 
 
