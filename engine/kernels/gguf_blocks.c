@@ -1,6 +1,7 @@
 /*
  * Products by GGUF weights computed as stored: y = x W^T where W is in llama.cpp's Q8_0, Q4_0
- * or Q4_1 blocks of 32 weights, read in place from the file's memory map.
+ * or Q4_1 blocks of 32 weights, or Q4_K, Q5_K or Q6_K super-blocks of 256, read in place
+ * from the file's memory map.
  *
  * twostroke.engine.kernels.gguf_blocks compiles this file at run time (build.py) and says
  * why and what was measured. The formats (gguf's constants and quants.py; written here from
@@ -11,6 +12,21 @@
  *   Q4_1  20 bytes: d, m (float16), n[16]                         w[i] = d nib(i) + m
  *
  * where nib(i) is the low half of n[i] for i < 16 and the high half of n[i - 16] after.
+ *
+ * And the "K" super-blocks of 256 weights, eight sub-blocks of 32 (Q6_K: sixteen of 16):
+ *
+ *   Q4_K  144 bytes: d, dmin (float16), s[12] (eight 6-bit scales sc_j and mins m_j
+ *         packed), n[128]                            w = d sc_j nib - dmin m_j
+ *   Q5_K  176 bytes: d, dmin, s[12], h[32] (the fifth bits), n[128]
+ *                                                    w = d sc_j (nib + 16 bit) - dmin m_j
+ *   Q6_K  210 bytes: l[128] (low 4 bits), h[64] (high 2 bits), sc[16] (int8), d (float16)
+ *                                                    w = d sc_{i/16} (low + 16 high - 32)
+ *
+ * Sub-block j of Q4_K/Q5_K takes the low (j even) or high (j odd) halves of n[32 (j/2) ..],
+ * Q5_K's bit j of h[0..31]; sc_j, m_j are the low 6 bits of s[j], s[j + 4] for j < 4, else
+ * s[j + 4]'s low (sc) and high (m) halves with the top two bits of s[j - 4] (sc) and s[j]
+ * (m) above them. Q6_K's weight 128 h + 32 c + t (h < 2, c < 4, t < 32) takes the low
+ * (c < 2) or high half of l[64 h + 32 (c % 2) + t] and bits 2c, 2c + 1 of h[32 h + t].
  *
  * The activations are quantized first, per row and per block of 32, as llama.cpp does
  * (twostroke_quantize_rows): a scale s = max|x| / 127 and q = x / s rounded to the nearest
@@ -23,7 +39,18 @@
  *
  * AVX2 multiplies the unsigned nibbles (or |q_w|) by the signed activations pairwise into
  * 16 bits (VPMADDUBSW: 15 * 127 * 2 or 128 * 127 * 2 fit) and adds pairs into 32 bits
- * (VPMADDWD); without AVX2 the same sums are computed in portable C. Which one a library has
+ * (VPMADDWD); without AVX2 the same sums are computed in portable C.
+ *
+ * The K types use the same activations, quantized per 32, not per 256 as llama.cpp's Q8_K:
+ * a K sub-block is 32 weights (or two halves of 16), so each sub-block's product is one
+ * integer dot product times d s and its integer scale, as for the 32-blocks; one quantized
+ * row serves the parts of a fused projection whatever their types (a Q4_K_M file mixes
+ * Q4_K and Q6_K in one q/k/v), and a scale per 32 rounds the activations no worse than one
+ * per 256. The price is a float multiply-add per 32 weights where Q8_K pays one per 256.
+ * VPMADDWD multiplies the pair sums by the sub-block's scale instead of 1: Q5_K's 31 * 127
+ * * 2 by 63 (Q6_K: |q| <= 32 by |sc| <= 128, times two) stays far inside 32 bits, and a
+ * block's eight lanes sum to under 2^24, exact in float32. The mins enter as dmin m_j (d
+ * s sum q_x) per sub-block, eight at once from the activation blocks' sums. Which one a library has
  * is decided by its compile flags, which the CPU's personality sets (twostroke.gpu.isa), so
  * it is chosen once, when the library is built or loaded.
  *
@@ -53,8 +80,12 @@
 #define TYPE_Q4_0 2
 #define TYPE_Q4_1 3
 #define TYPE_Q8_0 8
+#define TYPE_Q4_K 12
+#define TYPE_Q5_K 13
+#define TYPE_Q6_K 14
 
-#define BLOCK 32 /* weights a block */
+#define BLOCK 32 /* weights a block (an activation block, a sub-block of the K types) */
+#define SUPER 256 /* weights a K super-block */
 #define TILE 4   /* activation rows a weight block is unpacked for */
 #define WROWS 4  /* weight rows a tile takes at most */
 
@@ -68,9 +99,17 @@ static ptrdiff_t block_bytes(int type) {
     case TYPE_Q8_0: return 2 + BLOCK;
     case TYPE_Q4_0: return 2 + BLOCK / 2;
     case TYPE_Q4_1: return 4 + BLOCK / 2;
+    case TYPE_Q4_K: return 4 + 12 + SUPER / 2;
+    case TYPE_Q5_K: return 4 + 12 + SUPER / 8 + SUPER / 2;
+    case TYPE_Q6_K: return SUPER / 2 + SUPER / 4 + SUPER / 16 + 2;
     default: return 0;
     }
 }
+
+static int is_super(int type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
+
+/* Weights a block of `type` holds. */
+static ptrdiff_t block_weights(int type) { return is_super(type) ? SUPER : BLOCK; }
 
 /* IEEE half to float, exact (subnormals included), in portable C. */
 static inline float half_to_float(const uint8_t *p) {
@@ -99,6 +138,47 @@ static inline float half_to_float(const uint8_t *p) {
     memcpy(&f, &bits, sizeof f);
     return f;
 #endif
+}
+
+/* Q4_K/Q5_K's 6-bit scale and min of sub-block j (< 8), from the 12 packed bytes `s`. */
+static inline void scale_min(const uint8_t *s, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/*
+ * Sub-block j (< 8) of a K super-block: its 32 integer weights (Q4_K 0..15, Q5_K 0..31,
+ * Q6_K -32..31), the integer scales of its two halves of 16 (equal but for Q6_K's) and its
+ * min (0 for Q6_K): w[t] = d scale[t / 16] out[t] - dmin min.
+ */
+static inline void sub_block(int type, const uint8_t *block, int j, int8_t out[BLOCK],
+                             int scale[2], int *min) {
+    if (type == TYPE_Q6_K) {
+        int c = j % 4, shift = 4 * (c / 2);
+        const uint8_t *low = block + 64 * (j / 4) + 32 * (c % 2), *high = block + 128 + 32 * (j / 4);
+        for (int t = 0; t < BLOCK; t++)
+            out[t] = (int8_t)((((low[t] >> shift) & 15) | (((high[t] >> (2 * c)) & 3) << 4)) - 32);
+        const int8_t *scales = (const int8_t *)(block + 192);
+        scale[0] = scales[2 * j];
+        scale[1] = scales[2 * j + 1];
+        *min = 0;
+        return;
+    }
+    const uint8_t *nibbles = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
+    int shift = 4 * (j % 2);
+    for (int t = 0; t < BLOCK; t++) {
+        int value = (nibbles[t] >> shift) & 15;
+        if (type == TYPE_Q5_K)
+            value |= ((block[16 + t] >> j) & 1) << 4;
+        out[t] = (int8_t)value;
+    }
+    scale_min(block + 4, j, &scale[0], min);
+    scale[1] = scale[0];
 }
 
 /*
@@ -220,30 +300,162 @@ static inline __attribute__((always_inline)) void tile(
 #endif
 }
 
-#define TILE_CASE(t, k, n) tile(t, k, n, w, row_bytes, blocks, q, in_features, scales, sums, dot)
-#define TILE_COUNTS(t, k)                                                                      \
-    switch (count) {                                                                           \
-    case 4: TILE_CASE(t, k, 4); break;                                                         \
-    case 3: TILE_CASE(t, k, 3); break;                                                         \
-    case 2: TILE_CASE(t, k, 2); break;                                                         \
-    default: TILE_CASE(t, k, 1); break;                                                        \
+/*
+ * tile() for the K types: `supers` super-blocks a weight row, each eight sub-blocks of 32
+ * weights against eight activation blocks. Each weight row's d (and the mins' share) is
+ * read once a super-block; each sub-block is unpacked once per tile, as tile() does.
+ */
+static inline __attribute__((always_inline)) void super_tile(
+    int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes, ptrdiff_t supers,
+    const int8_t *q, ptrdiff_t in_features, const float *scales, const float *sums,
+    float dot[WROWS][TILE]) {
+    ptrdiff_t size = block_bytes(type), blocks = supers * (SUPER / BLOCK);
+#if BLOCKS_AVX2
+    __m256 acc[WROWS][TILE];
+    for (int k = 0; k < WROWS; k++)
+        for (int r = 0; r < TILE; r++)
+            acc[k][r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3),
+                  one = _mm256_set1_epi8(1), offset = _mm256_set1_epi8(32);
+    for (ptrdiff_t s = 0; s < supers; s++) {
+        float d[WROWS];
+        int16_t sc[WROWS][SUPER / BLOCK];
+        for (int k = 0; k < wrows; k++) {
+            const uint8_t *block = w + k * row_bytes + s * size;
+            if (type == TYPE_Q6_K) {
+                d[k] = half_to_float(block + 208);
+                continue;
+            }
+            d[k] = half_to_float(block);
+            int32_t mins[SUPER / BLOCK];
+            for (int j = 0; j < SUPER / BLOCK; j++) {
+                int scale, min;
+                scale_min(block + 4, j, &scale, &min);
+                sc[k][j] = (int16_t)scale;
+                mins[j] = min;
+            }
+            /* - dmin m_j (d_x sum q_x) for the eight sub-blocks at once. */
+            __m256 m = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(block + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)mins)));
+            for (int r = 0; r < count; r++)
+                acc[k][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums + r * blocks + s * 8),
+                                            acc[k][r]);
+        }
+        for (int j = 0; j < SUPER / BLOCK; j++) {
+            ptrdiff_t b = s * (SUPER / BLOCK) + j;
+            __m256i x[TILE];
+            for (int r = 0; r < count; r++)
+                x[r] = _mm256_loadu_si256((const __m256i *)(q + r * in_features + b * BLOCK));
+            for (int k = 0; k < wrows; k++) {
+                const uint8_t *block = w + k * row_bytes + s * size;
+                __m256i weights, scale, signs = _mm256_setzero_si256();
+                if (type == TYPE_Q6_K) {
+                    int c = j % 4;
+                    __m256i l = _mm256_loadu_si256(
+                        (const __m256i *)(block + 64 * (j / 4) + 32 * (c % 2)));
+                    __m256i h = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * (j / 4)));
+                    if (c >= 2)
+                        l = _mm256_srli_epi16(l, 4);
+                    h = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), three);
+                    signs = _mm256_sub_epi8(
+                        _mm256_or_si256(_mm256_and_si256(l, low), _mm256_slli_epi16(h, 4)), offset);
+                    weights = _mm256_sign_epi8(signs, signs); /* |q_w|, unsigned */
+                    const int8_t *half_scales = (const int8_t *)(block + 192) + 2 * j;
+                    scale = _mm256_set_m128i(_mm_set1_epi16(half_scales[1]),
+                                             _mm_set1_epi16(half_scales[0]));
+                } else {
+                    const uint8_t *nibbles = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
+                    __m256i n = _mm256_loadu_si256((const __m256i *)nibbles);
+                    if (j % 2)
+                        n = _mm256_srli_epi16(n, 4);
+                    weights = _mm256_and_si256(n, low);
+                    if (type == TYPE_Q5_K) {
+                        __m256i h = _mm256_loadu_si256((const __m256i *)(block + 16));
+                        h = _mm256_and_si256(_mm256_srli_epi16(h, j), one);
+                        weights = _mm256_or_si256(weights, _mm256_slli_epi16(h, 4));
+                    }
+                    scale = _mm256_set1_epi16(sc[k][j]);
+                }
+                for (int r = 0; r < count; r++) {
+                    __m256i xr = type == TYPE_Q6_K ? _mm256_sign_epi8(x[r], signs) : x[r];
+                    __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(weights, xr), scale);
+                    acc[k][r] = _mm256_fmadd_ps(_mm256_set1_ps(d[k] * scales[r * blocks + b]),
+                                                _mm256_cvtepi32_ps(pairs), acc[k][r]);
+                }
+            }
+        }
     }
-#define TILE_SHAPES(t)                                                                         \
-    switch (wrows) {                                                                           \
-    case 4: TILE_COUNTS(t, 4); break;                                                          \
-    case 2: TILE_COUNTS(t, 2); break;                                                          \
-    default: TILE_COUNTS(t, 1); break;                                                         \
+    for (int k = 0; k < wrows; k++) {
+        for (int r = 0; r < count; r++) {
+            __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[k][r]),
+                                     _mm256_extractf128_ps(acc[k][r], 1));
+            half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            half = _mm_add_ss(half, _mm_movehdup_ps(half));
+            dot[k][r] = _mm_cvtss_f32(half);
+        }
     }
-_Static_assert(TILE == 4 && WROWS == 4, "tiles() takes 1, 2 or 4 weight rows by 1 to 4 rows");
+#else
+    float acc[WROWS][TILE] = {{0}};
+    for (ptrdiff_t s = 0; s < supers; s++) {
+        for (int k = 0; k < wrows; k++) {
+            const uint8_t *block = w + k * row_bytes + s * size;
+            float d = half_to_float(type == TYPE_Q6_K ? block + 208 : block);
+            float dmin = type == TYPE_Q6_K ? 0.0f : half_to_float(block + 2);
+            for (int j = 0; j < SUPER / BLOCK; j++) {
+                ptrdiff_t b = s * (SUPER / BLOCK) + j;
+                int8_t weights[BLOCK];
+                int scale[2], min;
+                sub_block(type, block, j, weights, scale, &min);
+                for (int r = 0; r < count; r++) {
+                    const int8_t *x = q + r * in_features + b * BLOCK;
+                    int32_t first = 0, second = 0;
+                    for (int i = 0; i < BLOCK / 2; i++) {
+                        first += (int32_t)weights[i] * (int32_t)x[i];
+                        second += (int32_t)weights[i + BLOCK / 2] * (int32_t)x[i + BLOCK / 2];
+                    }
+                    float total = (float)(scale[0] * first + scale[1] * second); /* < 2^24 */
+                    acc[k][r] += d * scales[r * blocks + b] * total;
+                    acc[k][r] -= dmin * (float)min * sums[r * blocks + b];
+                }
+            }
+        }
+    }
+    for (int k = 0; k < wrows; k++)
+        for (int r = 0; r < count; r++)
+            dot[k][r] = acc[k][r];
+#endif
+}
 
-/* tile() with the type and the tile's shape as constants. */
+#define TILE_CASE(f, t, k, n)                                                                  \
+    f(t, k, n, w, row_bytes, blocks, q, in_features, scales, sums, dot)
+/* The tiles block_matmul() takes: 4 weight rows by 1 or 2 rows, 2 by 3 or 4 (8 sums in
+ * registers at most), and 1 by 1 for the last 1-3 weight rows of a product. Five shapes a
+ * type, each a loop of its own: more would only lengthen the compile (first start). */
+#define TILE_SHAPES(f, t)                                                                      \
+    if (wrows == 4 && count == 1)                                                              \
+        TILE_CASE(f, t, 4, 1);                                                                 \
+    else if (wrows == 4)                                                                       \
+        TILE_CASE(f, t, 4, 2);                                                                 \
+    else if (wrows == 2 && count == 3)                                                         \
+        TILE_CASE(f, t, 2, 3);                                                                 \
+    else if (wrows == 2)                                                                       \
+        TILE_CASE(f, t, 2, 4);                                                                 \
+    else                                                                                       \
+        TILE_CASE(f, t, 1, 1)
+_Static_assert(TILE == 4 && WROWS == 4, "TILE_SHAPES takes 4 weight rows by 1-2 rows, 2 by 3-4");
+
+/* tile() or super_tile() with the type and the tile's shape as constants; `blocks` is the
+ * weight blocks a row (super-blocks for the K types). */
 static void tiles(int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes,
                   ptrdiff_t blocks, const int8_t *q, ptrdiff_t in_features, const float *scales,
                   const float *sums, float dot[WROWS][TILE]) {
     switch (type) {
-    case TYPE_Q8_0: TILE_SHAPES(TYPE_Q8_0); break;
-    case TYPE_Q4_0: TILE_SHAPES(TYPE_Q4_0); break;
-    default: TILE_SHAPES(TYPE_Q4_1); break;
+    case TYPE_Q8_0: TILE_SHAPES(tile, TYPE_Q8_0); break;
+    case TYPE_Q4_0: TILE_SHAPES(tile, TYPE_Q4_0); break;
+    case TYPE_Q4_1: TILE_SHAPES(tile, TYPE_Q4_1); break;
+    case TYPE_Q4_K: TILE_SHAPES(super_tile, TYPE_Q4_K); break;
+    case TYPE_Q5_K: TILE_SHAPES(super_tile, TYPE_Q5_K); break;
+    default: TILE_SHAPES(super_tile, TYPE_Q6_K); break;
     }
 }
 
@@ -256,14 +468,14 @@ static void tiles(int type, int wrows, int count, const uint8_t *w, ptrdiff_t ro
  *
  * The team splits groups of WROWS weight rows; a group takes tiles of up to TILE rows, by
  * all its weight rows at once for one or two rows (8 sums in registers at most), by two
- * at a time for more.
+ * at a time for more; the last group, of fewer weight rows, takes one by one.
  */
 static void block_matmul(int type, const int8_t *q, const float *scales, const float *sums,
                          ptrdiff_t rows, ptrdiff_t in_features, const void *blocks,
                          ptrdiff_t out_features, const int32_t *columns, float *out,
                          ptrdiff_t out_stride) {
-    ptrdiff_t size = block_bytes(type);
-    ptrdiff_t count_blocks = in_features / BLOCK, row_bytes = count_blocks * size;
+    ptrdiff_t size = block_bytes(type), count_blocks = in_features / BLOCK;
+    ptrdiff_t weight_blocks = in_features / block_weights(type), row_bytes = weight_blocks * size;
     ptrdiff_t groups = (out_features + WROWS - 1) / WROWS;
     const uint8_t *weights = (const uint8_t *)blocks;
     int parallel = groups > 1 && rows * in_features * out_features >= PARALLEL_WORK;
@@ -272,20 +484,23 @@ static void block_matmul(int type, const int8_t *q, const float *scales, const f
         ptrdiff_t o0 = g * WROWS;
         int left = out_features - o0 < WROWS ? (int)(out_features - o0) : WROWS;
         for (ptrdiff_t r0 = 0; r0 < rows; r0 += TILE) {
-            int count = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-            int step = left == WROWS && count <= 2 ? WROWS : 2;
-            for (int k0 = 0; k0 < left;) {
-                int wrows = left - k0 >= step ? step : 1;
-                float dot[WROWS][TILE];
-                const uint8_t *w = weights + (o0 + k0) * row_bytes;
-                tiles(type, wrows, count, w, row_bytes, count_blocks, q + r0 * in_features,
-                      in_features, scales + r0 * count_blocks, sums + r0 * count_blocks, dot);
-                for (int k = 0; k < wrows; k++) {
-                    ptrdiff_t o = o0 + k0 + k, column = columns ? columns[o] : o;
-                    for (int r = 0; r < count; r++)
-                        out[(r0 + r) * out_stride + column] = dot[k][r];
+            int rest = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+            /* A whole group by the tile; the last group's weight rows one by one, row by row. */
+            int wrows = left < WROWS ? 1 : rest <= 2 ? WROWS : 2, count = left < WROWS ? 1 : rest;
+            for (int r1 = 0; r1 < rest; r1 += count) {
+                ptrdiff_t row = r0 + r1;
+                for (int k0 = 0; k0 < left; k0 += wrows) {
+                    float dot[WROWS][TILE] = {{0}};
+                    const uint8_t *w = weights + (o0 + k0) * row_bytes;
+                    tiles(type, wrows, count, w, row_bytes, weight_blocks, q + row * in_features,
+                          in_features, scales + row * count_blocks, sums + row * count_blocks,
+                          dot);
+                    for (int k = 0; k < wrows; k++) {
+                        ptrdiff_t o = o0 + k0 + k, column = columns ? columns[o] : o;
+                        for (int r = 0; r < count; r++)
+                            out[(row + r) * out_stride + column] = dot[k][r];
+                    }
                 }
-                k0 += wrows;
             }
         }
     }
@@ -296,14 +511,15 @@ static void block_matmul(int type, const int8_t *q, const float *scales, const f
  * side (q/k/v, gate/up: each part's columns from its offset): x's rows (row stride
  * x_stride) quantized once, in scratch memory of this call's own, then multiplied by each
  * part. One call a projection, so a decode step pays one foreign call for each.
- * Returns 0; 1 for a part of a type it does not compute (nothing is written); 2 if the
+ * Returns 0; 1 for a part of a type it does not compute, or whose blocks do not tile a row
+ * of in_features (nothing is written); 2 if the
  * scratch memory could not be allocated.
  */
 int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                            ptrdiff_t in_features, const struct twostroke_block_part *parts,
                            ptrdiff_t count, float *out, ptrdiff_t out_stride) {
     for (ptrdiff_t p = 0; p < count; p++)
-        if (!block_bytes(parts[p].type))
+        if (!block_bytes(parts[p].type) || in_features % block_weights(parts[p].type))
             return 1;
     if (rows <= 0)
         return 0;
@@ -328,19 +544,33 @@ int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
 
 /*
  * out[i][in_features] = weight row ids[i] dequantized (the embedding's lookup: only the rows
- * a step needs). Returns 0, or 1 for a type it does not read.
+ * a step needs). Returns 0, or 1 for a type it does not read (or in_features not a whole
+ * number of its blocks).
  */
 int twostroke_block_rows(int type, const void *blocks, ptrdiff_t in_features,
                          const int64_t *ids, ptrdiff_t count, float *out) {
     ptrdiff_t size = block_bytes(type);
-    if (!size)
+    if (!size || in_features % block_weights(type))
         return 1;
-    ptrdiff_t per_row = in_features / BLOCK;
+    ptrdiff_t per_row = in_features / block_weights(type);
     for (ptrdiff_t i = 0; i < count; i++) {
         const uint8_t *row = (const uint8_t *)blocks + ids[i] * per_row * size;
         float *values = out + i * in_features;
         for (ptrdiff_t b = 0; b < per_row; b++) {
             const uint8_t *block = row + b * size;
+            if (is_super(type)) { /* as gguf computes it: (d sc) q - (dmin m) */
+                float d = half_to_float(type == TYPE_Q6_K ? block + 208 : block);
+                float dmin = type == TYPE_Q6_K ? 0.0f : half_to_float(block + 2);
+                for (int j = 0; j < SUPER / BLOCK; j++) {
+                    int8_t weights[BLOCK];
+                    int scale[2], min;
+                    sub_block(type, block, j, weights, scale, &min);
+                    float *v = values + b * SUPER + j * BLOCK;
+                    for (int t = 0; t < BLOCK; t++)
+                        v[t] = (d * (float)scale[t / 16]) * (float)weights[t] - dmin * (float)min;
+                }
+                continue;
+            }
             float d = half_to_float(block);
             float *v = values + b * BLOCK;
             if (type == TYPE_Q8_0) {

@@ -70,12 +70,13 @@ twostroke_projection_supported_fn twostroke_projection_supported;
 twostroke_projection_panel_fn twostroke_projection_panel;
 twostroke_projection_fn twostroke_projection;
 
-/* gguf_blocks.c: products by GGUF's Q8_0, Q4_0 and Q4_1 blocks as stored (`type` is GGML's
- * type number), of activations quantized per block of 32; and the rows of such a weight. */
+/* gguf_blocks.c: products by GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks as stored
+ * (`type` is GGML's type number), of activations quantized per block of 32; and the rows of
+ * such a weight. */
 struct twostroke_block_part {
     int type;               /* GGML's type number */
     ptrdiff_t out_features; /* its weight rows */
-    const void *blocks;     /* [out_features][in_features / 32] blocks */
+    const void *blocks;     /* [out_features][in_features / 32 (K types: 256)] blocks */
     const int32_t *columns; /* [out_features]: each row's output column, or NULL: its own */
     ptrdiff_t offset;       /* its first output column */
 };

@@ -14,10 +14,10 @@ replaces it, once, never back:
 * :class:`~twostroke.engine.kernels.projection.PanelWeight`: laid out in panels for the
   compiled bfloat16 kernel (:mod:`~twostroke.engine.kernels.projection`).
 
-* :class:`~twostroke.engine.kernels.gguf_blocks.BlockWeight`: a GGUF file's Q8_0, Q4_0 or
-  Q4_1 blocks as stored, read in place from its memory map (the ``"blocks"`` form: the
-  model builds it from the blocks the loader handed it, never from a full-precision
-  weight).
+* :class:`~twostroke.engine.kernels.gguf_blocks.BlockWeight`: a GGUF file's Q8_0, Q4_0,
+  Q4_1, Q4_K, Q5_K or Q6_K blocks as stored, read in place from its memory map (the
+  ``"blocks"`` form: the model builds it from the blocks the loader handed it, never from a
+  full-precision weight).
 """
 
 from __future__ import annotations

@@ -10,17 +10,21 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twostroke.engine.kernels.gguf_blocks import (
+    BLOCK_BYTES,
     BLOCK_TYPES,
     BlockKernel,
     BlockTensor,
     BlockWeight,
+    block_weights,
     build_blocks,
+    offset_magnitudes,
     random_blocks,
+    rounding_bound,
 )
 from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality
 
@@ -30,10 +34,8 @@ pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
 #: The rungs this run may build for: each one up to the personality's own.
 ALLOWED = [rung.name for rung in RUNGS if rung.rank <= cpu_personality().rung.rank]
 
-#: Largest difference from the float64 product of the dequantized operands, relative to the
-#: sum of the products' magnitudes: float32 rounding of per-block sums (and of gguf's own
-#: float32 dequantization of Q4_1's d q + m).
-TOLERANCE = 1e-5
+#: The K super-block types.
+SUPER_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +69,23 @@ def reference_quantize(x: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], .
 def expected_product(
     kernel: BlockKernel, x: torch.Tensor, tensor: BlockTensor
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """gguf's dequantized weights times the dequantized activations, in float64, and the
-    sum of the products' magnitudes."""
+    """gguf's dequantized weights times the dequantized activations, in float64, and how far
+    the kernel's product may be from it (:func:`rounding_bound` times the magnitudes of the
+    terms it sums, a weight's scaled and offset terms apart)."""
     weights = dequantize(tensor.data, GGMLQuantizationType(tensor.block_type)).astype(np.float64)
     activations = kernel.quantize(x).dequantized().double().numpy()
-    products = activations[:, None, :] * weights[None, :, :]
-    return products.sum(-1), np.abs(products).sum(-1)
+    terms = np.abs(weights) + 2 * offset_magnitudes(tensor.data, tensor.block_type)
+    bound = rounding_bound(tensor.block_type, tensor.in_features)
+    return activations @ weights.T, bound * (np.abs(activations) @ terms.T)
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("rung", ALLOWED)
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))  # every type on every path
+@settings(max_examples=15, deadline=None)
 @given(
-    rung=st.sampled_from(ALLOWED),
-    type_name=st.sampled_from(sorted(BLOCK_TYPES)),
     rows=st.integers(0, 37),  # one row, a few, several tiles of 4 and the last partial one
-    out_features=st.integers(1, 45),
-    blocks=st.integers(1, 9),
+    out_features=st.integers(1, 45),  # groups of 4 weight rows and the last partial one
+    blocks=st.integers(1, 9),  # the K types take 1 to 3 super-blocks of 256
     row_gap=st.integers(0, 3),  # rows of x further apart than its width
     permuted=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
@@ -99,7 +103,8 @@ def test_products_equal_the_dequantized_reference(
 ) -> None:
     kernel = kernels[rung]
     generator = np.random.default_rng(seed)
-    in_features = 32 * blocks
+    width = block_weights(BLOCK_TYPES[type_name])
+    in_features = width * (blocks if width == 32 else 1 + blocks % 3)
     data = random_blocks(generator, BLOCK_TYPES[type_name], out_features, in_features)
     order = generator.permutation(out_features) if permuted else np.arange(out_features)
     columns = torch.from_numpy(order.astype(np.int32)) if permuted else None
@@ -107,22 +112,55 @@ def test_products_equal_the_dequantized_reference(
     wide = generator.normal(0, 1, (rows, in_features + row_gap)).astype(np.float32)
     x = torch.from_numpy(wide)[:, :in_features]
     got = BlockWeight(kernel, (tensor,))(x).double().numpy()
-    expected, magnitude = expected_product(kernel, x, tensor)
+    expected, allowed = expected_product(kernel, x, tensor)
     inverse = np.argsort(order)
-    expected, magnitude = expected[:, inverse], magnitude[:, inverse]
+    expected, allowed = expected[:, inverse], allowed[:, inverse]
     assert got.shape == (rows, out_features)
-    assert np.all(np.abs(got - expected) <= TOLERANCE * magnitude + 1e-30)
+    assert np.all(np.abs(got - expected) <= allowed + 1e-30)
+
+
+def test_the_bound_is_the_rounding_and_a_wrong_weight_exceeds_it(
+    kernels: dict[str, BlockKernel],
+) -> None:
+    """The bound is tight enough to see one weight's worth of difference: the products of
+    blocks with one sub-block's scale changed fail it."""
+    generator = np.random.default_rng(11)
+    x = torch.from_numpy(generator.normal(0, 1, (3, 512)).astype(np.float32))
+    for type_name in SUPER_TYPES:
+        block_type = BLOCK_TYPES[type_name]
+        data = random_blocks(generator, block_type, 8, 512)
+        changed = data.copy()
+        changed[:, 4 if type_name != "Q6_K" else 192] ^= 1  # a sub-block scale's lowest bit
+        for kernel in kernels.values():
+            got = BlockWeight(kernel, (BlockTensor("w", block_type, changed),))(x).double()
+            expected, allowed = expected_product(kernel, x, BlockTensor("w", block_type, data))
+            assert np.any(np.abs(got.numpy() - expected) > allowed), type_name
+
+
+def test_offset_magnitudes_read_the_mins_as_gguf_does() -> None:
+    generator = np.random.default_rng(4)
+    for type_name in ("Q4_K", "Q5_K"):
+        data = random_blocks(generator, BLOCK_TYPES[type_name], 3, 512)
+        blocks = data.reshape(-1, BLOCK_BYTES[BLOCK_TYPES[type_name]])
+        _, mins = Q4_K.get_scale_min(blocks[:, 4:16])
+        dmin = np.abs(blocks[:, 2:4].copy().view(np.float16).astype(np.float64))
+        expected = (dmin * mins).repeat(32, axis=1).reshape(3, 512)
+        np.testing.assert_array_equal(offset_magnitudes(data, BLOCK_TYPES[type_name]), expected)
+    q6 = random_blocks(generator, BLOCK_TYPES["Q6_K"], 2, 256)
+    assert not offset_magnitudes(q6, BLOCK_TYPES["Q6_K"]).any()
 
 
 @pytest.mark.parametrize("rung", ALLOWED)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K"])
 def test_many_rows_by_a_model_shaped_weight_split_across_threads(
-    kernels: dict[str, BlockKernel], rung: str
+    kernels: dict[str, BlockKernel], rung: str, type_name: str
 ) -> None:
     """SmolLM2's down projection's shape at batch 33, two threads splitting the columns:
     the same products as one thread, bit for bit, and as the reference."""
     kernel = kernels[rung]
     generator = np.random.default_rng(3)
-    tensor = BlockTensor("down", BLOCK_TYPES["Q4_1"], random_blocks(generator, 3, 576, 1536))
+    block_type = BLOCK_TYPES[type_name]
+    tensor = BlockTensor("down", block_type, random_blocks(generator, block_type, 576, 1536))
     x = torch.from_numpy(generator.normal(0, 1, (33, 1536)).astype(np.float32))
     weight = BlockWeight(kernel, (tensor,))
     alone = weight(x)
@@ -131,8 +169,8 @@ def test_many_rows_by_a_model_shaped_weight_split_across_threads(
     with torch_threads(2):
         split = weight(x)
     assert torch.equal(split, alone)
-    expected, magnitude = expected_product(kernel, x, tensor)
-    assert np.all(np.abs(alone.double().numpy() - expected) <= TOLERANCE * magnitude)
+    expected, allowed = expected_product(kernel, x, tensor)
+    assert np.all(np.abs(alone.double().numpy() - expected) <= allowed)
 
 
 @given(
@@ -160,13 +198,14 @@ def test_activations_quantize_as_llama_cpp_rounds_them(
 @pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
 def test_rows_are_dequantized_as_gguf_does(kernels: dict[str, BlockKernel], type_name: str) -> None:
     generator = np.random.default_rng(5)
-    data = random_blocks(generator, BLOCK_TYPES[type_name], 50, 96)
+    width = 3 * block_weights(BLOCK_TYPES[type_name])
+    data = random_blocks(generator, BLOCK_TYPES[type_name], 50, width)
     tensor = BlockTensor("token_embd.weight", BLOCK_TYPES[type_name], data)
     ids = torch.tensor([[3, 49], [0, 3]])
     expected = dequantize(data, GGMLQuantizationType(BLOCK_TYPES[type_name]))[ids.numpy()]
     for kernel in kernels.values():
         got = kernel.rows(tensor, ids)
-        assert got.shape == (2, 2, 96)
+        assert got.shape == (2, 2, width)
         np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-7)
 
 
@@ -177,32 +216,42 @@ def test_rows_out_of_range_are_refused(kernels: dict[str, BlockKernel]) -> None:
         kernel.rows(tensor, torch.tensor([4]))
 
 
-def test_fused_parts_bias_and_leading_dimensions(kernels: dict[str, BlockKernel]) -> None:
+@pytest.mark.parametrize(
+    ("types", "width"), [(("Q4_1", "Q8_0"), 64), (("Q4_K", "Q5_K", "Q6_K", "Q8_0"), 256)]
+)
+def test_fused_parts_bias_and_leading_dimensions(
+    kernels: dict[str, BlockKernel], types: tuple[str, ...], width: int
+) -> None:
+    """Parts of several types side by side (a Q4_K_M file's q/k/v mixes Q4_K and Q6_K)."""
     generator = np.random.default_rng(7)
     kernel = next(iter(kernels.values()))
-    parts = (
-        BlockTensor("q", 3, random_blocks(generator, 3, 10, 64)),
-        BlockTensor("k", 8, random_blocks(generator, 8, 6, 64)),
+    sizes = (10, 6, 3, 5)[: len(types)]
+    parts = tuple(
+        BlockTensor(
+            f"part{i}", BLOCK_TYPES[name], random_blocks(generator, BLOCK_TYPES[name], n, width)
+        )
+        for i, (name, n) in enumerate(zip(types, sizes, strict=True))
     )
-    bias = torch.randn(16)
+    bias = torch.randn(sum(sizes))
     weight = BlockWeight(kernel, parts, bias)
-    x = torch.randn(2, 3, 64)
+    x = torch.randn(2, 3, width)
     got = weight(x)
-    assert got.shape == (2, 3, 16)
-    flat = x.reshape(6, 64)
-    for part, start in zip(parts, (0, 10), strict=True):
+    assert got.shape == (2, 3, sum(sizes))
+    flat = x.reshape(6, width)
+    starts = np.cumsum((0, *sizes[:-1]))
+    for part, start in zip(parts, starts, strict=True):
         alone = BlockWeight(kernel, (part,))(flat)
         # The same products, the bias added once (bit for bit: one call computes each part
         # as a call of its own would).
         expected = alone + bias[start : start + part.out_features]
-        assert torch.equal(got.reshape(6, 16)[:, start : start + part.out_features], expected)
+        assert torch.equal(got.reshape(6, -1)[:, start : start + part.out_features], expected)
 
 
 def test_bad_blocks_and_inputs_are_refused(kernels: dict[str, BlockKernel]) -> None:
     kernel = next(iter(kernels.values()))
     data = random_blocks(np.random.default_rng(0), 3, 4, 64)
-    with pytest.raises(ValueError, match=r"w: block type 12 is not one of"):
-        BlockTensor("w", 12, data)
+    with pytest.raises(ValueError, match=r"w: block type 6 is not one of"):
+        BlockTensor("w", 6, data)
     with pytest.raises(ValueError, match=r"w: blocks must be uint8 \[rows, a multiple of 34"):
         BlockTensor("w", 8, data)
     with pytest.raises(ValueError, match=r"w: columns must be int32 \[4\]"):
