@@ -30,6 +30,7 @@ from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.engine.surface import open_surface
 from twostroke.engine.tools.formats import TOOL_FORMATS, engine_tool_format, tool_format
+from twostroke.engine.tools.template import native_template
 from twostroke.states.constraints import MAX_SCHEMA_LENGTH, Constraint, JsonSchema, Regex
 from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
@@ -202,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_FORMATS),
         help="the syntax the model writes tool calls in (default: the one its chat template "
-        "implies: hermes where it writes <tool_call>, else generic)",
+        "implies: mistral where it writes [TOOL_CALLS], hermes where it writes <tool_call>, "
+        "llama3_json for a Llama 3 template that writes a call's parameters, else generic)",
     )
     _quantization_argument(serve)
     _server_arguments(serve)
@@ -385,10 +387,11 @@ async def _serve(args: argparse.Namespace) -> None:
                         tool_format=tools,
                     )
                 )
+                shown = " through the chat template" if native_template(tools, engine) else ""
                 print(
                     f"serving {engine.model_name!r} at http://{args.host}:{port}/v1 "
-                    f"(backend {args.backend}; tool calls: {tools.name}; Ctrl-C or SIGTERM "
-                    "stops)",
+                    f"(backend {args.backend}; tool calls: {tools.name}{shown}; Ctrl-C or "
+                    "SIGTERM stops)",
                     flush=True,
                 )
                 async for _ in signals:

@@ -28,7 +28,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -56,15 +56,18 @@ from twostroke.engine.server.responses import PreparedChat, Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint, strict_body
 from twostroke.engine.surface import EngineSurface
+from twostroke.engine.text.tokenizer import ChatTemplateError
 from twostroke.engine.tools.formats import (
     GENERIC,
     ToolFormat,
+    ToolSpec,
     engine_tool_format,
 )
 from twostroke.engine.tools.formats import (
     tool_format as named_tool_format,
 )
-from twostroke.engine.tools.prompt import render_prompt
+from twostroke.engine.tools.prompt import Turn
+from twostroke.engine.tools.template import ToolTemplate, native_template, tool_prompt
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
 
@@ -134,6 +137,7 @@ class _OpenAI:
         max_choices: int,
         max_waiting_requests: int | None,
         tool_format: ToolFormat = GENERIC,
+        tool_template: ToolTemplate | None = None,
         strict_schemas: bool = True,
     ) -> None:
         self.engine = engine
@@ -143,6 +147,7 @@ class _OpenAI:
         self.max_choices = max_choices
         self.max_waiting_requests = max_waiting_requests
         self.tool_format = tool_format
+        self.tool_template = tool_template
         self.strict_schemas = strict_schemas
 
     async def _body(self, request: Request) -> bytes:
@@ -174,11 +179,24 @@ class _OpenAI:
         protocol.check_choices(1, body.n, self.max_choices)
         schemas = strict_body(body) if self.strict_schemas else body
         shape = output_constraint(schemas, self.tool_format)
-        messages = render_prompt(self.tool_format, turns, shape.tools)
+        messages = self._tool_prompt(turns, shape.tools)
         # without max_tokens: what the context leaves
         params = protocol.choice_params(body, shape.constraint)
         fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
         return PreparedChat(messages, params, fmt, shape)
+
+    def _tool_prompt(self, turns: list[Turn], tools: Sequence[ToolSpec]) -> Prompt:
+        """The conversation as the engine takes it: token ids rendered by the chat
+        template's own ``tools`` where the format's template is at hand, else plain
+        messages (:func:`~twostroke.engine.tools.template.tool_prompt`).
+
+        Raises:
+            ApiError: 400 naming ``messages`` when the template refuses the conversation.
+        """
+        try:
+            return tool_prompt(self.tool_format, turns, tools, self.tool_template)
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), param="messages") from None
 
     def _check_room(self, count: int) -> None:
         """Refuse ``count`` engine requests if the waiting queue cannot take them all.
@@ -280,7 +298,7 @@ class _OpenAI:
         if (body.prompt is None) == (body.messages is None):
             raise invalid_request("pass exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            messages = protocol.chat_messages(body.messages, self.tool_format)
+            messages = self._tool_prompt(protocol.chat_turns(body.messages), ())
             tokens = await self._tokenize(messages, "messages")
         else:
             tokens = await self._tokenize(body.prompt, "prompt")
@@ -372,7 +390,9 @@ def build_app(
     tool_format = tool_format if tool_format is not None else engine_tool_format(engine)
     if not isinstance(tool_format, ToolFormat):
         raise TypeError(f"tool_format must be a ToolFormat, a str or None, got {tool_format!r}")
-    logger.info("tool calls in the %s format (%s)", tool_format.name, chosen)
+    template = native_template(tool_format, engine)
+    shown = "through the chat template's tools" if template is not None else "in plain messages"
+    logger.info("tool calls in the %s format (%s), tools shown %s", tool_format.name, chosen, shown)
     handlers = _OpenAI(
         engine,
         ServerMetrics(engine),
@@ -381,6 +401,7 @@ def build_app(
         max_choices=max_choices,
         max_waiting_requests=config.max_waiting_requests,
         tool_format=tool_format,
+        tool_template=template,
         strict_schemas=config.strict_schemas,
     )
 

@@ -423,7 +423,10 @@ class ChatFormat:
         self._parsers: dict[int, ToolCallParser] = {}
 
     def opening(self, index: int) -> dict[str, Any] | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""},
+        # With tools, an answer may have no text at all (``content`` null, as the complete
+        # answer says): the opening delta must not make the SDK's accumulator hold "".
+        content = None if self._tool_calls is not None else ""
+        return {"index": index, "delta": {"role": "assistant", "content": content},
                 "logprobs": None, "finish_reason": None}  # fmt: skip
 
     def choice(

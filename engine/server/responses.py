@@ -37,6 +37,7 @@ from twostroke.engine.server.sse import Disconnected, send_json, until_disconnec
 from twostroke.engine.server.structured import OutputConstraint
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
+from twostroke.states.prompts import Prompt
 
 __all__ = [
     "MAX_CALL_ID_LENGTH",
@@ -415,7 +416,7 @@ class PreparedChat:
         shape: The output's constraint and the field that set it.
     """
 
-    messages: list[dict[str, str]]
+    messages: Prompt
     params: list[SamplingParams]
     format: ChatFormat
     shape: OutputConstraint

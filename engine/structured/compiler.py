@@ -46,7 +46,7 @@ from twostroke.engine.structured.matcher import GuidanceMatcher
 from twostroke.engine.structured.schemas import SchemaCheck
 from twostroke.engine.structured.vocabulary import Vocabulary
 from twostroke.engine.structured.workers import CompilePool
-from twostroke.states.constraints import Constraint, JsonSchema, bitmask_words
+from twostroke.states.constraints import Constraint, Grammar, JsonSchema, Regex, bitmask_words
 from twostroke.states.errors import ConstraintRejected
 from twostroke.states.validators import int_at_least, number_in
 
@@ -185,6 +185,8 @@ def _compile(
     """
     start = time.perf_counter()
     field = field_of(constraint)
+    lark = constraint.source if isinstance(constraint, Grammar) else None  # its positions'
+    quote = not isinstance(constraint, Regex)  # a regex constraint's field is its pattern
     check = None
     try:
         if isinstance(constraint, JsonSchema):
@@ -201,12 +203,12 @@ def _compile(
     except ConstraintRejected as refusal:
         return refusal
     except Exception as exc:
-        reason = reason_of(str(exc))
+        reason = reason_of(str(exc), lark, pattern=quote)
         if not isinstance(exc, ValueError):
             reason = f"{type(exc).__name__}: {reason}"
         return ConstraintRejected(field, reason)
     if template.is_error():
-        return ConstraintRejected(field, reason_of(template.get_error()))
+        return ConstraintRejected(field, reason_of(template.get_error(), lark, pattern=quote))
     seconds = time.perf_counter() - start
     return CompiledConstraint(constraint, vocabulary, template, seconds, check)
 

@@ -98,7 +98,8 @@ def grammar_of(constraint: Constraint) -> str:
     try:
         return llguidance.grammar_from("grammar", constraint.source)
     except ValueError as exc:  # GBNF that does not convert; the message says where
-        raise ConstraintRejected(field_of(constraint), reason_of(str(exc))) from None
+        reason = reason_of(str(exc), constraint.source, pattern=False)
+        raise ConstraintRejected(field_of(constraint), reason) from None
 
 
 def json_grammar(constraint: JsonSchema) -> tuple[str, SchemaCheck | None]:
@@ -135,20 +136,84 @@ def json_grammar(constraint: JsonSchema) -> tuple[str, SchemaCheck | None]:
 #: :class:`~twostroke.engine.structured.compiler.CompilerConfig`.
 _ROW_LIMIT = re.compile(r"Current row has (\d+) items; max is (\d+)")
 _STEP_ITEMS = re.compile(r"Too many items \(limit (\d+)")
+#: Where in a Lark grammar the backend found the problem: ``at <line>(<column>): ``.
+_POSITION = re.compile(r"^at (\d+)\((\d+)\): ")
+#: A rule of the tools' grammar that holds one tool's parameters
+#: (:func:`~twostroke.engine.tools.grammar.tool_constraint`), and the rule that names it.
+_TOOL_ARGUMENTS = re.compile(r"args_(\d+): %json ")
+_JSON_PARSE = re.compile(r'^failed to parse "%json": (.*) at line 1 column (\d+)$')
+_TOOL_CALL = r'call_{}: "\{{\\"name\\": \\"([A-Za-z0-9_-]{{1,64}})\\"'
 
 
-def reason_of(message: str) -> str:
-    """The backend's refusal as one line: why, without its dump of the generated grammar.
+def _place(grammar: str | None, line: int, column: int) -> str:
+    """What a backend position names: a tool's parameters, in the tools' grammar (its
+    positions are the engine's, not the caller's), a line and column of the grammar a
+    caller wrote, or nothing (a grammar the engine generated from a regex or a schema)."""
+    if grammar is None:
+        return ""
+    lines = grammar.splitlines()
+    text = lines[line - 1] if 0 < line <= len(lines) else ""
+    arguments = _TOOL_ARGUMENTS.match(text)
+    if arguments is not None:
+        call = re.compile(_TOOL_CALL.format(arguments[1]), re.MULTILINE)
+        name = call.search(grammar)
+        if name is not None:
+            return f"the parameters of function {name[1]!r}"
+    return f"line {line}, column {column}"
 
-    A regex syntax error becomes ``"invalid regex: unclosed group"`` (its position in the
-    grammar llguidance generated would mean nothing to the caller), a dead end says so, a
-    parser limit names the rule and its value as ``CompilerConfig`` does
-    (``max_items_in_row``, ``step_max_items``); anything else keeps its first line, cut at
-    :data:`MAX_REASON_LENGTH` characters.
+
+def _json_place(grammar: str | None, column: int) -> str:
+    """The tool whose parameters' JSON text the backend could not read at ``column`` (the
+    tools' grammar writes each tool's on one %json line), if exactly one can be."""
+    found = []
+    lines = (grammar or "").splitlines()
+    for number, text in enumerate(lines, start=1):
+        arguments = _TOOL_ARGUMENTS.match(text)
+        value = text[arguments.end() :] if arguments is not None else ""
+        # serde reports a column at or a few bytes past the number it could not read.
+        if any(char.isdigit() for char in value[max(column - 4, 0) : column]):
+            found.append(_place(grammar, number, column))
+    return found[0] if len(found) == 1 else ""
+
+
+def reason_of(message: str, grammar: str | None = None, *, pattern: bool = True) -> str:
+    """The backend's refusal as one line: why, and where in what the caller wrote, without
+    the backend's dump of the grammar it generated.
+
+    A regex syntax error becomes ``"invalid regex '(a': unclosed group"`` (the pattern as
+    written, since a schema or a grammar may hold many; its position in the grammar
+    llguidance generated would mean nothing to the caller), a dead end says so, a parser
+    limit names the rule and its value as ``CompilerConfig`` does (``max_items_in_row``,
+    ``step_max_items``); anything else keeps its first line, cut at
+    :data:`MAX_REASON_LENGTH` characters. A position in a Lark grammar (``at 3(9): ...``)
+    becomes what it points at: in the tools' grammar, the function whose parameters failed
+    (``the parameters of function 'pick': ...``); in a caller's grammar, its line and column.
+
+    Args:
+        message: The backend's message.
+        grammar: The Lark text the message's positions refer to (a ``Grammar``'s source).
+        pattern: Quote a regex that does not compile (not for a regex constraint, whose
+            field is the pattern itself).
     """
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     if not lines:
         return "the backend refused it without a reason"
+    where = ""
+    position = _POSITION.match(lines[0])
+    if position is not None:
+        lines[0] = lines[0][position.end() :]
+        place = _place(grammar, int(position[1]), int(position[2]))
+        where = f"{place}: " if place else ""
+    unread = _JSON_PARSE.match(lines[0])
+    if unread is not None:  # a column of the engine's %json text: the tool it belongs to
+        place = _json_place(grammar, int(unread[2]))
+        if place:
+            where += f"{place}: "
+            lines[0] = 'failed to parse "%json": ' + unread[1]
+    return (where + _reason(lines, pattern))[:MAX_REASON_LENGTH]
+
+
+def _reason(lines: list[str], quote: bool) -> str:
     if lines[0].startswith("NoExtension"):
         return "no token of the vocabulary can continue the output (a dead end)"
     row = _ROW_LIMIT.search(lines[0])
@@ -159,9 +224,14 @@ def reason_of(message: str) -> str:
         return (
             f"one step of the parse added too many Earley items, past step_max_items ({items[1]})"
         )
-    if any("regex parse error" in line for line in lines[:2]):
+    parse = next((n for n, line in enumerate(lines[:2]) if "regex parse error" in line), None)
+    if parse is not None:
         cause = next((line for line in lines if line.startswith("error: ")), None)
         if cause is not None:
-            return f"invalid regex: {cause.removeprefix('error: ')}"[:MAX_REASON_LENGTH]
+            # The line after the backend's words is the pattern as written (one line of it).
+            pattern = lines[parse + 1] if parse + 1 < len(lines) else ""
+            shown = f" {pattern[:80]!r}" if quote and pattern and pattern[0] != "^" else ""
+            prefix = "failed to compile JSON schema: " if "JSON schema" in lines[0] else ""
+            return f"{prefix}invalid regex{shown}: {cause.removeprefix('error: ')}"
     first = lines[0]
     return first if len(first) <= MAX_REASON_LENGTH else first[: MAX_REASON_LENGTH - 3] + "..."

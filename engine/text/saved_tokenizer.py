@@ -16,9 +16,11 @@ holds for a GGUF model (:mod:`twostroke.engine.artifacts.cache`), needs none of 
   ``strftime_now`` and a ``tojson`` that keeps non-ASCII text, the named special tokens as
   variables, and the result tokenized without added special tokens.
 
-Our messages are plain ``{"role": str, "content": str}`` dicts
-(:func:`~twostroke.engine.text.chat.validate_messages`), so none of ``transformers``'
-conversions of message objects, tools or documents apply. The tests compare ids, text and
+Our messages are plain dicts (``{"role": str, "content": str}``, checked by
+:func:`~twostroke.engine.text.chat.validate_messages`; with tools, the OpenAI-shaped
+``tool_calls`` and tool messages :mod:`twostroke.engine.tools.template` builds) and tools
+arrive as JSON schemas, so none of ``transformers``' conversions of message objects, Python
+functions as tools, or documents apply. The tests compare ids, text and
 chat renderings with ``transformers`` on SmolLM2's tokenizer and on a small BPE.
 """
 
@@ -138,8 +140,13 @@ class SavedTokenizer:
         """Text of ``token_ids``, special tokens skipped, spaces not cleaned up."""
         return str(self._raw.decode(list(token_ids), skip_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """``messages`` through the chat template, ending with the generation prompt.
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """``messages`` (and ``tools``, the template's ``tools`` variable) through the chat
+        template, ending with the generation prompt.
 
         Raises:
             ValueError: the tokenizer has no chat template.
@@ -151,7 +158,7 @@ class SavedTokenizer:
             self._template = _environment().from_string(self.chat_template)
         rendered = self._template.render(
             messages=messages,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=True,
             **self._special_tokens,

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
@@ -265,7 +265,34 @@ class HFTokenizer:
             ChatTemplateError: the model has no chat template, or the template rejected the
                 conversation (for example roles that do not alternate).
         """
-        conversation = validate_messages(messages)
+        return self._render(validate_messages(messages), None)
+
+    def apply_tool_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> list[int]:
+        """Token ids of a conversation with tools, rendered by the template's own ``tools``
+        variable and its tool-call and tool messages, as ``transformers`` renders them.
+
+        Args:
+            messages: The conversation as
+                :func:`~twostroke.engine.tools.template.template_messages` writes it: each
+                ``role`` and ``content``, an assistant's ``tool_calls``, a tool message's
+                ``tool_call_id`` and ``name``.
+            tools: The tools shown (OpenAI's ``{"type": "function", "function": ...}``), or
+                ``None``.
+
+        Raises:
+            ChatTemplateError: the model has no chat template, or it refused the
+                conversation.
+        """
+        conversation = [dict(message) for message in messages]
+        return self._render(conversation, None if tools is None else list(tools))
+
+    def _render(
+        self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
+    ) -> list[int]:
         if not self._chat_template:
             raise ChatTemplateError(
                 f"the tokenizer from {self._source} has no chat template; "
@@ -275,11 +302,15 @@ class HFTokenizer:
 
         try:
             if self._saved is not None:
-                rendered = self._saved.render_chat(conversation)
+                rendered = self._saved.render_chat(conversation, tools)
                 return self._saved.encode(rendered, add_special_tokens=False)
             assert self._tokenizer is not None
             ids = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+                conversation,
+                tools=cast("list[dict[Any, Any] | Callable[..., Any]] | None", tools),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
             )
         except TemplateError as exc:
             raise ChatTemplateError(

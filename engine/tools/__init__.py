@@ -4,8 +4,10 @@ A model family writes its tool calls in a syntax of its own; a :class:`ToolForma
 such syntax, chosen once from the chat template (:func:`choose_tool_format`) and passed down
 as a value. With it:
 
-* :func:`render_prompt`: a conversation with tools, assistant calls and tool results as the
-  plain ``{"role", "content"}`` messages every chat template (and the engine) takes;
+* :func:`tool_prompt`: a conversation with tools, assistant calls and tool results through
+  the chat template's own ``tools`` variable where it has one (:func:`native_template`),
+  else as the plain ``{"role", "content"}`` messages every chat template (and the engine)
+  takes (:func:`render_prompt`);
 * :func:`tool_constraint`: the constraint a request carries so that its output is text or
   calls of the offered tools (``tool_choice`` ``"auto"``: a lazy grammar, free until the
   format's trigger), calls only (``"required"``, a named function), with an optional
@@ -21,6 +23,8 @@ agent loop).
 from twostroke.engine.tools.formats import (
     GENERIC,
     HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
     TOOL_FORMATS,
     ToolCall,
     ToolFormat,
@@ -40,10 +44,18 @@ from twostroke.engine.tools.parser import (
     parse_output,
 )
 from twostroke.engine.tools.prompt import Turn, render_prompt
+from twostroke.engine.tools.template import (
+    ToolTemplate,
+    native_template,
+    template_messages,
+    tool_prompt,
+)
 
 __all__ = [
     "GENERIC",
     "HERMES",
+    "LLAMA3_JSON",
+    "MISTRAL",
     "TOOL_FORMATS",
     "ArgumentsDelta",
     "CallStarted",
@@ -55,11 +67,15 @@ __all__ = [
     "ToolEvent",
     "ToolFormat",
     "ToolSpec",
+    "ToolTemplate",
     "Turn",
     "choose_tool_format",
     "engine_tool_format",
+    "native_template",
     "parse_output",
     "render_prompt",
+    "template_messages",
     "tool_constraint",
     "tool_format",
+    "tool_prompt",
 ]

@@ -1,21 +1,27 @@
 """The constraint of a request that offers tools: text or calls, in the format's syntax.
 
-``tool_choice`` ``"auto"`` is a *lazy* constraint written as one llguidance (Lark) grammar::
+``tool_choice`` ``"auto"`` is a *lazy* constraint written as one llguidance (Lark) grammar;
+for the Hermes format::
 
-    start: TEXT | TEXT_OPEN call (SEP OPEN call)*
+    start: TEXT | TEXT_FIRST calls
     TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/          # any text without the trigger
-    TEXT_OPEN: ... any such text, then the trigger and a newline
-    call: (call_0 | call_1 | ...) CLOSE                # one %json rule per tool
+    TEXT_FIRST: ... any such text, then what comes before the first call
+    calls: call (SEP call)* END                        # each format's joints (formats.py)
+    call: (call_0 | call_1 | ...) CLOSE
+    call_0: "{\"name\": \"get_weather\", \"arguments\": " args_0 "}"
+    args_0: %json {...the tool's parameters...}
 
 Before the trigger the mask allows every token that keeps the text free of it (so the model
 writes what it likes, and a trigger split across tokens is still seen: the lexer reads
-bytes, not tokens); once the text contains the trigger, the rest must be a call of one of
-the tools, ``{"name": <its name>, "arguments": <its schema>}``, closed by the closing tag,
-then another call (unless calls may not be parallel) or the end. Malformed output after a
-trigger cannot happen. The mask is computed on the bookkeeping stroke like any other
-constraint's. With a constraint on the text branch (``response_format``), the branch is that
-JSON instead of free text, and a call starts at the first byte. ``"required"`` and a named
-function drop the text branch (and the named function drops the other tools).
+bytes, not tokens); once the text contains the trigger, the rest must be calls of the tools
+in the format's syntax, then the end. A format whose trigger counts only at the start of the
+output (Llama 3's) has ``TEXT`` be any text that does not *start* with the trigger, and its
+calls begin at the first byte. Malformed output after a trigger cannot happen. The mask is
+computed on the bookkeeping stroke like any other constraint's. With a constraint on the
+text branch (``response_format``), the branch is that JSON instead of free text, and calls
+start at the first byte. ``"required"`` and a named function drop the text branch (and the
+named function drops the other tools); a format with one call an answer, or
+``parallel_tool_calls`` false, allows one call.
 
 A tool's parameters are rewritten as a JSON schema constraint's are where the rewrite keeps
 the same valid instances (:func:`~twostroke.engine.structured.schemas.for_backend`:
@@ -66,17 +72,17 @@ def _json_rule(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps(schema | {"x-guidance": _JSON_OPTIONS}, ensure_ascii=False)
 
 
-def _call_schema(tool: ToolSpec) -> dict[str, Any]:
+def _arguments_schema(tool: ToolSpec) -> dict[str, Any]:
     parameters = JsonSchema(tool.parameters or _NO_PARAMETERS).parsed()
     backend = for_backend(parameters)
     if not backend.checked:  # rewritten with the same valid instances: the backend's form
         parameters = backend.schema
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
+    return parameters
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Lark string literal (JSON's escapes)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def tool_constraint(
@@ -96,7 +102,8 @@ def tool_constraint(
         choice: ``"auto"``: text or calls; ``"required"``: one call or more.
         function: Only this tool may be called (``tool_choice`` naming it): implies
             ``"required"``.
-        parallel: Several calls may follow each other (else exactly one).
+        parallel: Several calls may follow each other (else exactly one; a format whose
+            answers hold one call allows one whatever this says).
         text: A constraint on the text branch of ``"auto"`` (``response_format``); ignored
             otherwise, since no text answer is possible.
 
@@ -117,29 +124,37 @@ def tool_constraint(
             names = ", ".join(tool.name for tool in tools)
             raise ValueError(f"function {function!r} is not one of the tools ({names})")
         choice = "required"
-    rules = [f"call_{index}: {_json_rule(_call_schema(tool))}" for index, tool in enumerate(chosen)]
+    lines = []
+    for index, tool in enumerate(chosen):
+        head = fmt.call_json(tool.name, 0)[: -len("0}")]  # {"name": "<name>", "<key>":
+        lines += [
+            f"call_{index}: {_literal(head)} args_{index} {_literal('}')}",
+            f"args_{index}: {_json_rule(_arguments_schema(tool))}",
+        ]
     calls = " | ".join(f"call_{index}" for index in range(len(chosen)))
-    opening = json.dumps(fmt.open + "\n")
-    more = " (SEP OPEN call)*" if parallel else ""
-    lines = [
-        f"call: ({calls}) CLOSE",
-        f"OPEN: {opening}",
-        f"CLOSE: {json.dumps(chr(10) + fmt.close)}",
-        'SEP: "\\n"',
-        *rules,
-    ]
+    lines.append(f"call: ({calls})" + (f" {_literal(fmt.close)}" if fmt.close else ""))
+    more = ""
+    if parallel and fmt.separator is not None:
+        more = f" ({_literal(fmt.separator)} call)*"
+    end = f" {_literal(fmt.end)}" if fmt.end else ""
+    lines.append(f"calls: call{more}{end}")
+    first = f"{_literal(fmt.first)} " if fmt.first else ""
     if choice == "required":
-        start = f"start: OPEN call{more}"
+        start = f"start: {first}calls"
     elif text is not None:
         schema = _NO_PARAMETERS if isinstance(text, AnyJsonObject) else text.parsed()
-        start = f"start: answer | OPEN call{more}"
+        start = f"start: answer | {first}calls"
         lines.append(f"answer: {_json_rule(schema)}")
+    elif fmt.at_start:
+        trigger = _regex(fmt.trigger)
+        start = f"start: TEXT | {first}calls"
+        lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:{trigger}.*)/")  # not starting with it
     else:
-        trigger = _regex(fmt.open)
-        start = f"start: TEXT | TEXT_OPEN call{more}"
+        trigger = _regex(fmt.trigger)
+        start = "start: TEXT | TEXT_FIRST calls"
         lines += [
             f"TEXT: /(?s:.*)/ & ~/(?s:.*{trigger}.*)/",
-            # The first trigger ends the text: text without it, the trigger, a newline.
-            f"TEXT_OPEN: /(?s:.*){trigger}\\n/ & ~/(?s:.*{trigger}.*{trigger}.*)/",
+            # The first trigger ends the text: text without it, then what opens the calls.
+            f"TEXT_FIRST: /(?s:.*){_regex(fmt.first)}/ & ~/(?s:.*{trigger}.*{trigger}.*)/",
         ]
     return Grammar("\n".join([start, *lines]))

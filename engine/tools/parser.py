@@ -9,15 +9,15 @@ text through the same parser, so a complete answer and the concatenation of a st
 deltas agree by construction.
 
 The parser relies on the output following the format exactly, as the constraint of
-:func:`~twostroke.engine.tools.grammar.tool_constraint` makes it: after the opening tag and
-a newline, ``{"name": "<name>", "arguments": `` then the arguments' JSON, ``}``, a newline
-and the closing tag. It tracks JSON strings and nesting to find where the arguments end.
+:func:`~twostroke.engine.tools.grammar.tool_constraint` makes it: after the trigger, what the
+format writes before the first call, then for each call ``{"name": "<name>", "<key>": `` and
+the arguments' JSON, ``}``, the format's closing text and its separator or its end. It tracks
+JSON strings and nesting to find where the arguments end.
 """
 
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable
 from typing import TypeAlias
 
@@ -35,7 +35,11 @@ __all__ = [
     "parse_output",
 ]
 
-_HEADER = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+
+def _header(fmt: ToolFormat) -> re.Pattern[str]:
+    """A call's opening, up to its arguments: ``{"name": "<name>", "<key>": ``."""
+    key = re.escape(f'"{fmt.arguments_key}": ')
+    return re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", ' + key)
 
 
 @attrs.frozen
@@ -82,21 +86,18 @@ class ParsedOutput:
     complete: bool
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 class ToolCallParser:
     """Reads one output's text, piece by piece, as text and calls (see the module docstring).
 
     Args:
         fmt: The format the model writes calls in.
-        make_id: Makes each call's id (default: ``call_`` and 24 random hex digits).
+        make_id: Makes each call's id (default: the format's :meth:`~ToolFormat.new_call_id`).
     """
 
-    def __init__(self, fmt: ToolFormat, make_id: Callable[[], str] = _call_id) -> None:
+    def __init__(self, fmt: ToolFormat, make_id: Callable[[], str] | None = None) -> None:
         self._fmt = fmt
-        self._make_id = make_id
+        self._make_id = make_id if make_id is not None else fmt.new_call_id
+        self._header = _header(fmt)
         self._state = "text"
         self._pending = ""
         self._content: list[str] = []
@@ -106,7 +107,8 @@ class ToolCallParser:
         self._depth = 0
         self._in_string = False
         self._escaped = False
-        self._closed = 0  # calls whose closing tag was read
+        self._closed = 0  # calls whose closing text was read
+        self._ended = False  # the format's end was read
 
     @property
     def num_calls(self) -> int:
@@ -126,7 +128,7 @@ class ToolCallParser:
     def finish(self) -> list[ToolEvent]:
         """The events of the output's end: text held back because it could have been the
         start of a trigger is text after all."""
-        if self._state == "text" and self._pending:
+        if self._state in ("text", "free") and self._pending:
             text, self._pending = self._pending, ""
             self._content.append(text)
             return [TextDelta(text)]
@@ -134,27 +136,47 @@ class ToolCallParser:
 
     def result(self) -> ParsedOutput:
         """The output read so far (call after :meth:`finish` for a whole output)."""
-        complete = self._state == "text" or (
-            self._state == "between" and self._closed == len(self._calls)
+        complete = self._state in ("text", "free") or (
+            self._state == "between"
+            and self._closed == len(self._calls)
+            and (self._ended or not self._fmt.end)
         )
         return ParsedOutput("".join(self._content), tuple(self._calls), complete)
 
-    def _read_text(self, events: list[ToolEvent]) -> None:
-        trigger = self._fmt.open
-        found = self._pending.find(trigger)
-        if found >= 0:
-            text, self._pending = self._pending[:found], self._pending[found + len(trigger) :]
-            self._state = "header"
-        else:
-            keep = _partial_suffix(self._pending, trigger)
-            cut = len(self._pending) - keep
-            text, self._pending = self._pending[:cut], self._pending[cut:]
+    def _text(self, events: list[ToolEvent], text: str) -> None:
         if text:
             self._content.append(text)
             events.append(TextDelta(text))
 
+    def _read_text(self, events: list[ToolEvent]) -> None:
+        trigger = self._fmt.trigger
+        if self._fmt.at_start:  # calls only where the output starts with the trigger
+            if self._pending.startswith(trigger):
+                self._state = "first"
+            elif not trigger.startswith(self._pending):
+                self._state = "free"  # text to the end
+            return
+        found = self._pending.find(trigger)
+        if found >= 0:
+            text, self._pending = self._pending[:found], self._pending[found:]
+            self._state = "first"
+        else:
+            keep = _partial_suffix(self._pending, trigger)
+            cut = len(self._pending) - keep
+            text, self._pending = self._pending[:cut], self._pending[cut:]
+        self._text(events, text)
+
+    def _read_free(self, events: list[ToolEvent]) -> None:
+        text, self._pending = self._pending, ""
+        self._text(events, text)
+
+    def _read_first(self, events: list[ToolEvent]) -> None:
+        if self._pending.startswith(self._fmt.first):
+            self._pending = self._pending[len(self._fmt.first) :]
+            self._state = "header"
+
     def _read_header(self, events: list[ToolEvent]) -> None:
-        match = _HEADER.match(self._pending)
+        match = self._header.match(self._pending)
         if match is None:
             return  # wait for more (the constraint makes it come)
         self._pending = self._pending[match.end() :]
@@ -196,16 +218,19 @@ class ToolCallParser:
             self._state = "between"
 
     def _read_between(self, events: list[ToolEvent]) -> None:
-        close = "\n" + self._fmt.close
+        close = self._fmt.close
         if self._closed < len(self._calls):
             if not self._pending.startswith(close):
                 return
             self._pending = self._pending[len(close) :]
             self._closed += 1
-        opening = "\n" + self._fmt.open
-        if self._pending.startswith(opening):
-            self._pending = self._pending[len(opening) :]
+        separator = self._fmt.separator
+        if separator is not None and self._pending.startswith(separator):
+            self._pending = self._pending[len(separator) :]
             self._state = "header"
+        elif self._fmt.end and self._pending.startswith(self._fmt.end):
+            self._pending = self._pending[len(self._fmt.end) :]
+            self._ended = True
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -216,7 +241,9 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse_output(fmt: ToolFormat, text: str, make_id: Callable[[], str] = _call_id) -> ParsedOutput:
+def parse_output(
+    fmt: ToolFormat, text: str, make_id: Callable[[], str] | None = None
+) -> ParsedOutput:
     """A whole output read as text and calls (the same reading as a stream's)."""
     parser = ToolCallParser(fmt, make_id)
     parser.feed(text)

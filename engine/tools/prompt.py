@@ -2,9 +2,10 @@
 
 The engine renders chat messages of ``{"role", "content"}`` through the model's template. A
 conversation with tools holds more: the tools offered, the calls an assistant made, the
-results tools gave. :func:`render_prompt` writes them in the format's own syntax, inside
-those plain messages, so that any template renders them and the model reads its own calls
-back in the syntax it is asked to write:
+results tools gave. A template that knows tools renders them itself
+(:mod:`twostroke.engine.tools.template`); for any other, :func:`render_prompt` writes them in
+the format's own syntax, inside those plain messages, so that any template renders them and
+the model reads its own calls back in the syntax it is asked to write:
 
 * the tools, as a system block listing each as JSON between ``<tools>`` tags, with the call
   syntax (Hermes' and Qwen2.5's wording). It opens the first system message, or is one;
@@ -50,13 +51,17 @@ class Turn:
 def tools_block(fmt: ToolFormat, tools: Sequence[ToolSpec]) -> str:
     """The system block that shows ``tools`` and how to call them."""
     listed = "\n".join(json.dumps(tool.shown(), ensure_ascii=False) for tool in tools)
-    example = f'{fmt.open}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+    example = (
+        fmt.call_text("<function-name>", "<args-json-object>")
+        .replace('"<function-name>"', "<function-name>")
+        .replace('"<args-json-object>"', "<args-json-object>")
+    )
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n"
         f"<tools>\n{listed}\n</tools>\n\n"
         "For each function call, return a json object with function name and arguments "
-        f"within {fmt.open}{fmt.close} XML tags:\n{example}{fmt.close}"
+        f"as follows:\n{example}"
     )
 
 
@@ -94,8 +99,8 @@ def render_prompt(
             continue
         content = turn.content
         if turn.tool_calls:
-            calls = "\n".join(fmt.call_text(c.name, _arguments(c)) for c in turn.tool_calls)
-            content += calls  # as the model wrote them: its text, then the trigger
+            calls = [(call.name, _arguments(call)) for call in turn.tool_calls]
+            content += fmt.calls_text(calls)  # as the model wrote them: its text, then calls
         messages.append({"role": turn.role, "content": content})
     rendered = [{"role": m["role"], "content": m["content"]} for m in messages]
     if tools:

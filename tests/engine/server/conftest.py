@@ -87,6 +87,11 @@ class ObservedEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (the server reads its chat template's tool format)."""
+        return self.engine.tokenizer
+
     def submit(self, prompt: Any, params: SamplingParams | None = None) -> RequestHandle:
         self._check()
         try:
@@ -172,19 +177,25 @@ async def served(
     max_body_bytes: int | None = None,
     check_clean: bool = True,
     serve_options: dict[str, Any] | None = None,
+    tokenizer: Any = None,
     **config: Any,
 ) -> AsyncIterator[Served]:
     """A toy engine served on 127.0.0.1 (a free port), with an ``openai`` client for it.
 
     ``keepalive``, ``max_body_bytes`` and ``serve_options`` go to :func:`serve` as keywords
-    (the server's defaults where absent). When the block ends normally the engine must be
+    (the server's defaults where absent); ``tokenizer`` replaces the toy runner's byte
+    tokenizer. When the block ends normally the engine must be
     idle with every KV block free.
     """
     given = {"keepalive": keepalive, "max_body_bytes": max_body_bytes}
     limits = {name: value for name, value in given.items() if value is not None}
     engine_context = (
         Engine.open(
-            runner=runner, tokenizer=ByteTokenizer(), device="cpu", model_name="toy", **config
+            runner=runner,
+            tokenizer=tokenizer if tokenizer is not None else ByteTokenizer(),
+            device="cpu",
+            model_name="toy",
+            **config,
         )
         if runner is not None
         else Engine.open(model="toy", device="cpu", **config)

@@ -28,11 +28,12 @@ def test_max_body_bytes_is_parsed() -> None:
 def test_tool_format_is_one_of_the_formats(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     assert parser.parse_args(["serve"]).tool_format is None  # the chat template decides
-    assert parser.parse_args(["serve", "--tool-format", "hermes"]).tool_format == "hermes"
+    for name in ("hermes", "generic", "llama3_json", "mistral"):
+        assert parser.parse_args(["serve", "--tool-format", name]).tool_format == name
     with pytest.raises(SystemExit) as exited:
-        parser.parse_args(["serve", "--tool-format", "mistral"])
+        parser.parse_args(["serve", "--tool-format", "xml"])
     assert exited.value.code == 2
-    assert "argument --tool-format: invalid choice: 'mistral'" in capsys.readouterr().err
+    assert "argument --tool-format: invalid choice: 'xml'" in capsys.readouterr().err
 
 
 def test_quantization_is_passed_only_when_given() -> None:

@@ -205,22 +205,23 @@ BACKEND_REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
      'response_format.json_schema.schema: Unimplemented keys: ["if", "then"]'),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "integer", "minimum": 5, "maximum": 1}}}], "tool_choice": "required"}, "tools",
-     "tools: at 6(9): failed to compile JSON schema: Unsatisfiable schema: required property "
-     "'arguments' is unsatisfiable"),
+     "tools: the parameters of function 'f': failed to compile JSON schema: Unsatisfiable "
+     "schema: minimum (5) is greater than maximum (1)"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "integer", "minimum": 5, "maximum": 1}}}], "tool_choice": NAMED | {
         "function": {"name": "f"}}}, "tools[0].function.parameters",
-     "tools[0].function.parameters: at 6(9): failed to compile JSON schema: Unsatisfiable "
-     "schema: required property 'arguments' is unsatisfiable"),
+     "tools[0].function.parameters: the parameters of function 'f': failed to compile JSON "
+     "schema: Unsatisfiable schema: minimum (5) is greater than maximum (1)"),
     ("completions", {"structured_outputs": {"grammar": "start: value"}},
-     "structured_outputs.grammar", 'structured_outputs.grammar: at 1(8): unknown name: "value"'),
+     "structured_outputs.grammar",
+     'structured_outputs.grammar: line 1, column 8: unknown name: "value"'),
     # llguidance raised ValueError on a 401-digit bound (a 515-byte body), which ended the
     # engine: every request after it failed
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "integer", "minimum": int("9" * 401)}}}], "tool_choice": NAMED | {
         "function": {"name": "f"}}}, "tools[0].function.parameters",
-     'tools[0].function.parameters: failed to parse "%json": number out of range at line 1 '
-     "column 505"),
+     "tools[0].function.parameters: the parameters of function 'f': failed to parse \"%json\": "
+     "number out of range"),
     ("completions", {"structured_outputs": {"json": {"type": "integer",
                                                      "minimum": int("9" * 401)}}},
      "structured_outputs.json", "structured_outputs.json: number out of range at line 1 "

@@ -13,11 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.server import build_app
 from twostroke.engine.server.generation import ChatFormat
 from twostroke.engine.server.structured import ToolCalls
-from twostroke.engine.tools import GENERIC, HERMES, engine_tool_format
+from twostroke.engine.text.saved_tokenizer import _environment
+from twostroke.engine.tools import (
+    GENERIC,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    ToolFormat,
+    engine_tool_format,
+)
 
+from ..tools.templates import LLAMA31_LIKE, MISTRAL_LIKE, QWEN_LIKE
 from .conftest import OPENAI_STREAMS_ON_TRIO, served
 from .scripted import ScriptedRunner
 
@@ -107,11 +117,98 @@ async def test_the_tool_format_is_chosen_by_name_or_from_the_template() -> None:
         )
         prompt, _ = server.engine.submitted[-1]
         assert prompt[-1] == {"role": "tool", "content": "12:00"}  # the template wraps it
-        with pytest.raises(ValueError, match="tool_format must be one of generic, hermes"):
-            build_app(server.engine, tool_format="llama3_json")
+        with pytest.raises(ValueError, match="tool_format must be one of generic, hermes, llama"):
+            build_app(server.engine, tool_format="xml")
     tokenizer = type("T", (), {"chat_template": "{{ '<tool_call>' }}"})()
     assert engine_tool_format(type("E", (), {"tokenizer": tokenizer})()) is HERMES
     assert engine_tool_format(object()) is GENERIC  # a coordinator's front holds no tokenizer
+
+
+class TemplateByteTokenizer(ByteTokenizer):
+    """The toy's bytes with a chat template that reads ``tools``, rendered as the saved
+    tokenizer renders one (its generation prompt made the toy's ``<assistant>``, where the
+    scripted model answers)."""
+
+    def __init__(self, template: str) -> None:
+        self._template = template + "{% if add_generation_prompt %}<assistant>{% endif %}"
+
+    @property
+    def chat_template(self) -> str:
+        return self._template
+
+    def apply_tool_template(self, messages: Any, tools: Any) -> list[int]:
+        rendered = _environment().from_string(self._template).render(
+            messages=list(messages), tools=tools, add_generation_prompt=True, bos_token="",
+            eos_token="")  # fmt: skip
+        return self.encode(rendered)
+
+
+#: The templates, their generation prompts cut (the tokenizer above adds the toy's).
+NATIVE = [
+    (QWEN_LIKE.removesuffix("{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+     HERMES, "Let me check. "),
+    (LLAMA31_LIKE.removesuffix(
+        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{% endif %}"), LLAMA3_JSON, ""),
+    (MISTRAL_LIKE, MISTRAL, "Let me check. "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("template", "fmt", "lead"), NATIVE, ids=[f.name for _, f, _ in NATIVE])
+async def test_a_template_that_knows_tools_shows_them_and_the_history(
+    template: str, fmt: ToolFormat, lead: str
+) -> None:
+    """The format comes from the template; "auto" reads a call in the family's syntax,
+    streamed and whole alike; the next request's prompt is the template's rendering of the
+    tools, the call and the result (its tools variable, tool_calls and tool messages)."""
+    assert "<assistant>" not in template  # the cut generation prompt was there to cut
+    calling = lead + fmt.call_text("get_weather", {"city": "Oslo", "unit": "celsius"})
+
+    def script(prompt: str) -> str:
+        return ANSWER if "sunny, 21 C" in prompt else calling
+
+    tokenizer = TemplateByteTokenizer(template)
+    async with served(runner=ScriptedRunner(script), tokenizer=tokenizer) as server:
+        models = await server.client.models.list()
+        assert models.data[0].model_extra == {"max_model_len": 4096, "tool_format": fmt.name}
+        whole = await server.client.chat.completions.create(
+            model="toy",
+            messages=ASK,
+            tools=TOOLS,  # type: ignore[arg-type]
+        )
+        async with server.client.chat.completions.stream(
+            model="toy",
+            messages=ASK,
+            tools=TOOLS,  # type: ignore[arg-type]
+        ) as stream:
+            final = await stream.get_final_completion()
+        for choice in (whole.choices[0], final.choices[0]):
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.content == (lead or None)
+            (call,) = choice.message.tool_calls or []
+            assert call.function.name == "get_weather"  # type: ignore[union-attr]
+            assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}  # type: ignore[union-attr]
+        call = (whole.choices[0].message.tool_calls or [])[0]
+        if fmt is MISTRAL:
+            assert len(call.id) == 9
+            assert call.id.isalnum()
+        history = [*ASK, whole.choices[0].message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
+        second = await server.client.chat.completions.create(
+            model="toy",
+            messages=history,
+            tools=TOOLS,  # type: ignore[arg-type]
+        )
+        assert (second.choices[0].message.content, second.choices[0].finish_reason) == (
+            ANSWER, "stop")  # fmt: skip
+        prompt, _ = server.engine.submitted[-1]
+        shown = tokenizer.decode(prompt)  # ids: the template rendered the conversation
+        assert '"name": "get_weather", "description": "The weather now"' in shown.replace(
+            '",\n        "', '", "')  # fmt: skip
+        assert fmt.first + '{"name": "get_weather", ' in shown  # the call, as the model wrote it
+        assert "sunny, 21 C" in shown
+        if fmt is MISTRAL:  # the result names the call by the id the template takes
+            assert f'"call_id": "{call.id}"' in shown
 
 
 async def test_a_streamed_call_reassembles_to_the_complete_answer() -> None:

@@ -21,6 +21,7 @@ from twostroke.engine.structured import (
     Vocabulary,
     compiler,
 )
+from twostroke.engine.tools import GENERIC, MISTRAL, ToolSpec, tool_constraint
 from twostroke.states.constraints import (
     AnyJsonObject,
     Choice,
@@ -130,6 +131,8 @@ async def test_refusals_are_cached_and_raised_afresh(byte_vocabulary: Vocabulary
     )
 
 
+UNIQUE = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+BAD_RANGE = {"type": "object", "properties": {"s": {"type": "string", "pattern": "[z-a]"}}}
 REFUSALS = [
     (Regex("(a"), "constraint.pattern: invalid regex: unclosed group"),
     (
@@ -148,7 +151,8 @@ REFUSALS = [
     ),
     (
         JsonSchema({"type": "string", "pattern": "(?=x)"}),
-        "constraint.schema: invalid regex: look-around, including look-ahead and look-behind, "
+        "constraint.schema: invalid regex '(?=x)': look-around, including look-ahead and "
+        "look-behind, "
         "is not supported",
     ),
     (
@@ -156,7 +160,23 @@ REFUSALS = [
         'constraint.schema: Unimplemented keys: ["contains"]',
     ),
     (JsonSchema({"not": {"type": "string"}}), 'constraint.schema: Unimplemented keys: ["not"]'),
-    (Grammar("start: foo"), 'constraint.grammar: at 1(8): unknown name: "foo"'),
+    (Grammar("start: foo"), 'constraint.grammar: line 1, column 8: unknown name: "foo"'),
+    # A regex as written, not its place in the grammar generated from it.
+    (
+        JsonSchema({"type": "string", "pattern": "a(b"}),
+        "constraint.schema: invalid regex 'a(b': unclosed group",
+    ),
+    # In the tools' grammar, the function whose parameters fail, not the engine's lines.
+    (
+        tool_constraint(GENERIC, [ToolSpec("ok"), ToolSpec("pick", None, UNIQUE)]),
+        "constraint.grammar: the parameters of function 'pick': failed to compile JSON schema: "
+        'Unimplemented keys: ["uniqueItems"]',
+    ),
+    (
+        tool_constraint(MISTRAL, [ToolSpec("pick", None, BAD_RANGE)]),
+        "constraint.grammar: the parameters of function 'pick': failed to compile JSON schema: "
+        "invalid regex '[z-a]': invalid character class range, the start must be <= the end",
+    ),
     (
         Grammar('root ::= ("a"'),
         "constraint.grammar: Failed to convert the grammar from GBNF to Lark: Expected ')' at "

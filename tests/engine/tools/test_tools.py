@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -15,6 +16,8 @@ from twostroke.engine.structured import GrammarCompiler, Vocabulary
 from twostroke.engine.tools import (
     GENERIC,
     HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
     ArgumentsDelta,
     CallStarted,
     TextDelta,
@@ -65,7 +68,10 @@ def test_formats_are_chosen_from_the_template_or_by_name() -> None:
     assert choose_tool_format("<|im_start|>{{ m.role }}") is GENERIC
     assert choose_tool_format(None) is GENERIC
     assert tool_format("hermes") is HERMES
-    with pytest.raises(ValueError, match="tool_format must be one of generic, hermes, got 'x'"):
+    with pytest.raises(
+        ValueError,
+        match="tool_format must be one of generic, hermes, llama3_json, mistral, got 'x'",
+    ):
         tool_format("x")
     with pytest.raises(ValueError, match="1 to 64 letters, digits, underscores or dashes"):
         ToolSpec("a b")
@@ -88,7 +94,7 @@ def test_the_prompt_shows_tools_calls_and_results_in_the_formats_syntax() -> Non
     assert sunny == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}
     assert warm == {"role": "tool", "content": "<tool_response>\n12 C\n</tool_response>"}
     # A format for templates that take no other roles: results in one user turn.
-    as_user = ToolFormat("as_user", "<tool_call>", "</tool_call>", "user", wrap_results=True)
+    as_user = attrs.evolve(GENERIC, name="as_user", result_role="user")
     *_, results = render_prompt(as_user, turns)
     assert results == {
         "role": "user",
@@ -167,21 +173,22 @@ def _events_text(events: list[Any]) -> tuple[str, dict[int, str], dict[int, str]
 
 
 #: The bytes a walk prefers where they are allowed: JSON's, the tags' and a few letters.
-_STEER = frozenset(b'{}",: \n<>/_acdeghilmnorstuwy0123456789')
+_STEER = frozenset(b'{}[]",: \n<>/_acdeghilmnorstuwyACLOST0123456789')
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), parallel=st.booleans())
+@settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), parallel=st.booleans(), fmt=st.sampled_from([GENERIC, LLAMA3_JSON, MISTRAL]))
 def test_any_output_the_lazy_constraint_allows_parses_to_valid_calls(
-    compiler: GrammarCompiler, data: st.DataObject, parallel: bool
+    compiler: GrammarCompiler, data: st.DataObject, parallel: bool, fmt: ToolFormat
 ) -> None:
     """Walk the constraint with bytes drawn among the allowed ones (a drawn lead, then the
     trigger more often than not, so that most walks call); whatever comes out, its calls
-    validate against their tools' schemas, and reading it in any pieces gives the same."""
-    matcher = compiler.compile_now(tool_constraint(GENERIC, TOOLS, parallel=parallel)).matcher()
-    lead = data.draw(st.text(alphabet="ab <", max_size=4), label="lead")
+    validate against their tools' schemas, and reading it in any pieces gives the same. In
+    each format: Hermes' tags, Llama 3's bare JSON at the start, Mistral's list."""
+    matcher = compiler.compile_now(tool_constraint(fmt, TOOLS, parallel=parallel)).matcher()
+    lead = data.draw(st.text(alphabet="ab <[{", max_size=4), label="lead")
     if data.draw(st.booleans(), label="call"):
-        lead += GENERIC.open + "\n"
+        lead = ("" if fmt.at_start else lead) + fmt.first + ('{"name": "' if fmt.at_start else "")
     out = bytearray()
     for byte in lead.encode():
         if byte not in matcher.allowed_token_ids():
@@ -199,14 +206,28 @@ def test_any_output_the_lazy_constraint_allows_parses_to_valid_calls(
         matcher.advance(token)
         out.append(token)
     text = out.decode("utf-8", errors="replace")
-    whole = parse_output(GENERIC, text)
-    event(f"{len(whole.calls)} calls, {'complete' if whole.complete else 'cut'}")
+    whole = parse_output(fmt, text)
+    event(f"{fmt.name}: {len(whole.calls)} calls, {'complete' if whole.complete else 'cut'}")
     if whole.complete:
         for call in whole.calls:
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-    assert GENERIC.open not in whole.content
+        if whole.calls:  # the calls read back are the text: nothing lost, nothing added
+            # (as the model wrote them: the arguments' text, escapes and all)
+            calls = [(call.name, 0) for call in whole.calls]
+            written = fmt.calls_text(calls)
+            key = fmt.arguments_key
+            for call in whole.calls:
+                head = f'"{call.name}", "{key}": '
+                written = written.replace(f"{head}0}}", f"{head}\x00}}", 1)
+            for call in whole.calls:
+                written = written.replace("\x00", call.arguments, 1)
+            assert whole.content + written == text
+    if fmt.at_start:
+        assert not whole.content.startswith(fmt.trigger)
+    else:
+        assert fmt.trigger not in whole.content
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=8), label="cuts"))
-    parser = ToolCallParser(GENERIC)
+    parser = ToolCallParser(fmt)
     events = []
     for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
         events += parser.feed(text[start:end])
