@@ -18,7 +18,9 @@ A refusal asks the HTTP server to close the connection, since the body behind it
 
 When the server shuts down (:class:`ServerShutdown`), requests still open at the end of the grace
 period are cancelled, which cancels their engine requests; a stream that had started gets one
-OpenAI-shaped ``error`` event and ``data: [DONE]``, a response that had not gets a 503.
+OpenAI-shaped ``error`` event and ``data: [DONE]`` (a ``/v1/responses`` stream ends itself with
+the Responses API's ``error`` and ``response.failed`` events instead), a response that had not
+gets a 503.
 """
 
 from __future__ import annotations

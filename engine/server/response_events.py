@@ -235,10 +235,24 @@ class ResponseEventSender(EventSender):
     def __init__(self, send: Send, draft: ResponseDraft) -> None:
         super().__init__(send)
         self._draft = draft
+        self.started = False
+        self.ended = False
 
     async def start(self) -> None:
         await super().start()
+        self.started = True
         await self._events(self._draft.begin())
+
+    async def fail(self, error: dict[str, Any]) -> None:
+        """End the stream with ``error`` (an API error's body): the ``error`` and
+        ``response.failed`` events, then the end of the body. For a stream cut short from
+        outside (the server's shutdown), which would otherwise end chat-style.
+
+        Raises:
+            Disconnected: a send to the client failed.
+        """
+        await self._events(self._draft.chunk(error))
+        await self.done()
 
     async def data(self, payload: object) -> None:
         assert isinstance(payload, dict)  # the chat path's chunks and errors
@@ -246,6 +260,7 @@ class ResponseEventSender(EventSender):
 
     async def done(self) -> None:
         await self._events(self._draft.end())
+        self.ended = True
         await self._write({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _events(self, events: list[dict[str, Any]]) -> None:

@@ -17,11 +17,13 @@ chat endpoint; known ones this server cannot honour are a 400 naming them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable
 from typing import Any, Literal
 
+import anyio
 import attrs
 import msgspec
 from starlette.requests import Request
@@ -31,10 +33,12 @@ from twostroke.engine.server import protocol
 from twostroke.engine.server.body import read_body
 from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.engine.server.generation import ChatFormat, Generation
+from twostroke.engine.server.guards import shutting_down
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.response_events import ResponseDraft, ResponseEventSender
 from twostroke.engine.server.sse import Disconnected, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint
+from twostroke.engine.server.transport import CLOSING_SECONDS
 from twostroke.engine.surface import EngineSurface
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
@@ -209,8 +213,48 @@ def _call_id(item: _Item, where: str) -> str:
     return call_id
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """``instructions`` and ``input`` as chat messages (OpenAI's chat shape).
+@attrs.frozen
+class _Origins:
+    """Where each chat message of a translated request came from, so that an error the
+    chat path words about ``messages[k]`` (or ``messages[k].tool_calls[m]``) names the
+    Responses request's own field: ``instructions``, ``input``, or the item ``input[j]``.
+
+    Attributes:
+        messages: Each chat message's origin.
+        calls: Each chat message's calls' items (empty for a message without calls).
+    """
+
+    messages: tuple[str, ...]
+    calls: tuple[tuple[str, ...], ...]
+
+    def rename(self, text: str) -> str:
+        """``text`` with the chat path's names as the Responses request has them."""
+
+        def call(match: re.Match[str]) -> str:
+            message, number = int(match[1]), int(match[2])
+            items = self.calls[message] if message < len(self.calls) else ()
+            return items[number] if number < len(items) else match[0]
+
+        def calls(match: re.Match[str]) -> str:
+            message = int(match[1])
+            items = self.calls[message] if message < len(self.calls) else ()
+            if not items:
+                return match[0]
+            return f"{items[0]} to {items[-1]} (the function_call items of one turn)"
+
+        def message(match: re.Match[str]) -> str:
+            index = int(match[1])
+            return self.messages[index] if index < len(self.messages) else match[0]
+
+        text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\[(\d+)\](?:\.function)?", call, text)
+        text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\b", calls, text)
+        text = re.sub(r"\bmessages\[(\d+)\]", message, text)
+        return _rename(text)
+
+
+def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], _Origins]:
+    """``instructions`` and ``input`` as chat messages (OpenAI's chat shape), and where each
+    came from.
 
     A ``function_call`` item becomes one of an assistant message's ``tool_calls``: the
     assistant message right before it (a response's text and calls are one turn, as chat has
@@ -218,10 +262,17 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     ``tool_call_id`` and the function's ``name``.
     """
     messages: list[dict[str, Any]] = []
+    origins: list[str] = []
+    calls_of: list[list[str]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
+        origins.append("instructions")
+        calls_of.append([])
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+        messages.append({"role": "user", "content": body.input})
+        origins.append("input")
+        calls_of.append([])
+        return messages, _Origins(tuple(origins), tuple(map(tuple, calls_of)))
     if not body.input:
         raise invalid_request("input must not be empty", param="input")
     if len(body.input) > MAX_INPUT_ITEMS:
@@ -239,6 +290,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                     param="input",
                 )
             messages.append({"role": role, "content": _text(item.content, f"{where}.content")})
+            origins.append(where)
+            calls_of.append([])
         elif item.type == "function_call":
             call_id = _call_id(item, where)
             if item.name is None or item.arguments is None:
@@ -267,8 +320,11 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # the same turn's
                 last.setdefault("tool_calls", []).append(call)
+                calls_of[-1].append(where)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(where)
+                calls_of.append([where])
         elif item.type == "function_call_output":
             call_id = _call_id(item, where)
             if call_id not in calls:
@@ -280,6 +336,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             output = _text(item.output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "name": calls[call_id],
                              "content": output})  # fmt: skip
+            origins.append(where)
+            calls_of.append([])
         elif item.type == "item_reference":
             raise invalid_request(
                 f"{where}: item_reference is not supported: {_STATELESS}; send the items "
@@ -293,7 +351,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 f"got {item.type!r}",
                 param="input",
             )
-    return messages
+    return messages, _Origins(tuple(origins), tuple(map(tuple, calls_of)))
 
 
 def _tools(body: ResponsesRequest) -> dict[str, Any]:
@@ -361,8 +419,14 @@ def chat_request(body: ResponsesRequest) -> protocol.ChatCompletionRequest:
         ApiError: 400 naming the field: a stateful field, one this server cannot honour, or
             an input item, tool or format that is malformed.
     """
+    return _translate(body)[0]
+
+
+def _translate(body: ResponsesRequest) -> tuple[protocol.ChatCompletionRequest, _Origins]:
+    """:func:`chat_request`, and where each of its messages came from."""
     _refuse_unsupported(body)
-    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body),
+    messages, origins = _messages(body)
+    fields: dict[str, Any] = {"model": body.model, "messages": messages,
                               "stream": body.stream}  # fmt: skip
     if body.max_output_tokens is not None:
         fields["max_completion_tokens"] = body.max_output_tokens
@@ -377,9 +441,9 @@ def chat_request(body: ResponsesRequest) -> protocol.ChatCompletionRequest:
         fields["top_p"] = body.top_p
     fields |= _response_format(body) | _tools(body)
     try:
-        return msgspec.convert(fields, protocol.ChatCompletionRequest)
+        return msgspec.convert(fields, protocol.ChatCompletionRequest), origins
     except msgspec.ValidationError as exc:  # a shape the chat path refuses
-        raise _renamed(invalid_request(str(exc), param="input")) from None
+        raise _renamed(invalid_request(str(exc), param="input"), origins) from None
 
 
 #: The chat path's names of fields, and the Responses API's names of the same fields.
@@ -398,10 +462,11 @@ def _rename(text: str) -> str:
     return text
 
 
-def _renamed(error: ApiError) -> ApiError:
-    """A chat-path error, with the fields it names as the Responses API names them."""
+def _renamed(error: ApiError, origins: _Origins) -> ApiError:
+    """A chat-path error, with the fields it names as the Responses API names them (an
+    input item by its own index in ``input``, not by the chat message it became)."""
     param = None if error.param is None else _rename(error.param)
-    return ApiError(error.status, _rename(error.message), type=error.type, param=param,
+    return ApiError(error.status, origins.rename(error.message), type=error.type, param=param,
                     code=error.code, headers=error.headers)  # fmt: skip
 
 
@@ -420,6 +485,24 @@ class PreparedChat:
     params: list[SamplingParams]
     format: ChatFormat
     shape: OutputConstraint
+
+
+async def _end_cut_stream(sender: ResponseEventSender) -> None:
+    """End a started Responses stream that was cancelled from outside as a Responses stream.
+
+    Only the server's shutdown cancels a handler (at the end of its grace period; a client
+    that leaves makes the stream return instead), and it would end an event stream with
+    chat's ``error`` event and ``[DONE]``: here the stream gets the Responses API's ``error``
+    and ``response.failed`` instead, under a shield and within the time the server gives
+    open responses to end (a client that does not read is not waited for). One that has not
+    started is left to the server's 503.
+    """
+    if not sender.started or sender.ended:
+        return
+    error = shutting_down("the request did not finish within the grace period")
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSING_SECONDS):
+        with contextlib.suppress(Disconnected):
+            await sender.fail(error.body())
 
 
 def _echo(body: ResponsesRequest) -> dict[str, Any]:
@@ -481,10 +564,11 @@ class Responses:
             await read_body(request, self._max_body_bytes), ResponsesRequest
         )
         protocol.check_model(body.model, self._engine.model_name)
+        translated, origins = _translate(body)
         try:
-            chat = self._prepare_chat(chat_request(body))
+            chat = self._prepare_chat(translated)
         except ApiError as exc:
-            raise _renamed(exc) from None
+            raise _renamed(exc, origins) from None
         self._check_room(1)  # nothing runs from here to the submit
         shape = chat.shape
         generation = Generation(
@@ -501,9 +585,13 @@ class Responses:
             generation.submit([chat.messages], chat.params)
             if body.stream:
                 sender = ResponseEventSender(send, draft)
-                await until_disconnect(
-                    receive, lambda: generation.stream(sender, include_usage=True)
-                )
+                try:
+                    await until_disconnect(
+                        receive, lambda: generation.stream(sender, include_usage=True)
+                    )
+                except anyio.get_cancelled_exc_class():
+                    await _end_cut_stream(sender)
+                    raise
                 return
             disconnected, outputs = await until_disconnect(receive, generation.collect)
             if disconnected or outputs is None:

@@ -474,6 +474,12 @@ REFUSALS: list[tuple[dict[str, Any], str, str, str | None]] = [
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f g", "arguments": "{}"}]},
      "input", "input[0].name must be 1 to 64 letters, digits, underscores or dashes, got 'f g'",
      None),
+    # The chat path's error about its messages[2].tool_calls names the Responses items: the
+    # instructions are chat message 0, input[0] is message 1, input[1..129] are message 2.
+    ({"instructions": "Be brief.", "input": [{"role": "user", "content": "x"}, *[
+        {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+        for i in range(129)]]}, "input", "input[1] to input[129] (the function_call items of "
+     "one turn) must hold <= 128 calls, got 129", None),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be >= 1, got 0", None),
     ({"temperature": 3.0}, "temperature", "temperature must be in [0, 2.0], got 3.0", None),
     ({"top_p": 0}, "top_p", "top_p must be in (0, 1]", None),

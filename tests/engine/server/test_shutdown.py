@@ -151,6 +151,31 @@ async def test_responses_open_at_the_end_of_the_grace_period_are_ended() -> None
         assert stats.num_free_blocks == stats.num_blocks
 
 
+async def test_a_responses_stream_open_at_the_end_of_the_grace_period_ends_as_one() -> None:
+    """A ``/v1/responses`` stream is ended with the Responses API's ``error`` and
+    ``response.failed`` events (its sequence numbers continuing), never chat's ``[DONE]``."""
+    body = {"model": "toy", "input": "hi", "max_output_tokens": 3000, "stream": True}
+    async with stoppable(latency=0.02, shutdown_timeout=0.2) as server:
+        with anyio.fail_after(20):
+            async with server.http.stream("POST", "/v1/responses", json=body) as response:
+                events = events_of(response)
+                received = [await events.__anext__()]
+                await server.engine.wait_submitted(1)
+                server.scope.cancel()
+                received += [event async for event in events]
+            await server.stopped.wait()
+            await server.engine.wait_idle()
+    assert "[DONE]" not in received
+    *_, error, failed = received
+    message = "The server is shutting down: the request did not finish within the grace period."
+    assert (error["type"], error["code"], error["message"]) == (
+        "error", "server_shutting_down", message)  # fmt: skip
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "server_shutting_down", "message": message}
+    assert [event["sequence_number"] for event in received] == list(range(len(received)))
+
+
 async def test_a_client_that_stops_reading_is_cut_off_after_the_grace_period() -> None:
     """Ending its stream needs a write the client never takes: the connection is closed
     ``CLOSING_SECONDS`` after the grace period instead, and the server's call returns."""
