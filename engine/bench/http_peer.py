@@ -88,6 +88,11 @@ class EndpointDriver:
         return anyio.run(self._run, workload)
 
     async def _run(self, workload: Workload) -> SystemResult:
+        if workload.num_with_tools:  # tools want the chat endpoint; this sends token ids
+            return SystemResult.unavailable(
+                self.name, "requests that offer tools need /v1/chat/completions, which takes "
+                "messages, not the workload's token ids",
+            )  # fmt: skip
         async with self._client() as client:
             models = (await client.get("/models")).raise_for_status().json()
             served = models["data"][0]["id"]

@@ -211,7 +211,8 @@ class LlamaCppDriver:
             )
         if workload.num_constrained:
             return SystemResult.unavailable(
-                self.name, "JSON schemas are not run through llama.cpp's grammar sampler here"
+                self.name,
+                "JSON schemas and tools are not run through llama.cpp's grammar sampler here",
             )
         python = self._child_python()
         if python is None:

@@ -29,7 +29,8 @@ __all__ = ["HFContinuousDriver", "HFStaticDriver"]
 
 #: Why transformers' generation runs no structured workload.
 NO_SCHEMAS = (
-    "transformers' generate has no JSON-schema constraint (it needs an outside logits processor)"
+    "transformers' generate has no JSON-schema or tool-call constraint (it needs an outside "
+    "logits processor)"
 )
 
 

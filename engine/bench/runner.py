@@ -43,6 +43,7 @@ from twostroke.engine.bench.workload import (
     offline_workload,
     serving_workload,
     with_json_schemas,
+    with_tools,
 )
 from twostroke.states.scheduler_config import SchedulingPolicy
 
@@ -264,9 +265,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "(structured output; 0.25: a quarter)",
     )
     parser.add_argument(
+        "--tools-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="the fraction of requests that offer the bench's tools with tool_choice auto "
+        "(a lazy constraint: text until the tool-call trigger; 1: every request)",
+    )
+    parser.add_argument(
         "--compare-unconstrained",
         action="store_true",
-        help="also run twostroke at depth 2 and 1 with the JSON schemas taken off",
+        help="also run twostroke at depth 2 and 1 with the JSON schemas and tools taken off",
     )
     parser.add_argument(
         "--compare-governed",
@@ -407,6 +416,7 @@ def bench_command(
     else:
         workload = serving_workload(encode, rate=args.rate, burstiness=args.burstiness, **shape)
     workload = with_json_schemas(workload, args.structured_fraction)
+    workload = with_tools(workload, getattr(args, "tools_fraction", 0.0))
     console.print(workload.description)
     device = getattr(args, "device", "cpu")  # `twostroke bench` has it; the peers alone do not
     roof = None if args.no_roof else _measure_roof(model, device, measure_roof, console)

@@ -4,7 +4,8 @@
 calls with nested objects, enums, arrays, patterns, ``$defs``/``$ref`` and ``anyOf``. It is
 the schema of scripts/structured_backends.py, which chose the backend by it
 (docs/structured-output.md), and of the tests on SmolLM2's vocabulary.
-:func:`bench_schema` is the schema of ``twostroke bench --structured-fraction``'s requests.
+:func:`bench_schema` is the schema of ``twostroke bench --structured-fraction``'s requests;
+:data:`BENCH_TOOLS` are the tools ``twostroke bench --tools-fraction``'s requests offer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,46 @@ from typing import Any
 
 from twostroke.states.validators import check_int_at_least
 
-__all__ = ["TOOL_CALL_SAMPLE", "TOOL_CALL_SCHEMA", "bench_schema"]
+__all__ = ["BENCH_TOOLS", "TOOL_CALL_SAMPLE", "TOOL_CALL_SCHEMA", "bench_schema"]
+
+#: The tools of ``twostroke bench --tools-fraction``'s requests (OpenAI's function objects):
+#: two functions an assistant is typically given, with enums, a pattern and nested objects.
+BENCH_TOOLS: tuple[dict[str, Any], ...] = (
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 40},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_flights",
+            "description": "Flights between two airports on a day",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "from": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                    "to": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                    "date": {"type": "string", "pattern": "^2[0-9]{3}-[01][0-9]-[0-3][0-9]$"},
+                    "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["from", "to", "date"],
+                "additionalProperties": False,
+            },
+        },
+    },
+)
 
 #: An OpenAI-style tool call: nested objects, enums, arrays, a pattern, $defs and anyOf.
 TOOL_CALL_SCHEMA: dict[str, Any] = {

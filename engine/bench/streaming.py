@@ -3,7 +3,8 @@
 twostroke's own systems (the engine at each depth, the coordinator over N replicas) are
 measured the same way: each request is submitted at its arrival time, streamed through
 :meth:`~twostroke.engine.surface.EngineSurface.stream` greedily to its ``max_tokens``
-(``ignore_eos``; under its JSON schema where it has one), and the delivery time of every
+(``ignore_eos``; under its JSON schema where it has one, under the lazy constraint of the
+bench's tools with ``tool_choice`` ``"auto"`` where it offers them), and the delivery time of every
 chunk with tokens is recorded. One function
 does it for all of them, so their figures differ only in the system.
 """
@@ -16,12 +17,49 @@ import anyio
 import attrs
 
 from twostroke.engine.bench.metrics import RequestTiming
-from twostroke.engine.bench.workload import Workload
+from twostroke.engine.bench.schemas import BENCH_TOOLS
+from twostroke.engine.bench.workload import BenchRequest, Workload
 from twostroke.engine.surface import EngineSurface
-from twostroke.states.constraints import JsonSchema
+from twostroke.engine.tools import GENERIC, ToolSpec, tool_constraint
+from twostroke.states.constraints import Constraint, Grammar, JsonSchema
 from twostroke.states.params import SamplingParams
 
-__all__ = ["StreamedRun", "stream_workload"]
+__all__ = ["StreamedRun", "request_constraint", "stream_workload"]
+
+#: The bench's tools as the engine takes them.
+_TOOLS = tuple(
+    ToolSpec(tool["function"]["name"], tool["function"]["description"],
+             tool["function"]["parameters"])
+    for tool in BENCH_TOOLS
+)  # fmt: skip
+
+
+#: The lazy grammar's text branch, and the bench's: the same text, then a NUL byte.
+_TEXT_BRANCH = "start: TEXT | TEXT_FIRST calls"
+_ENDLESS_TEXT_BRANCH = 'start: TEXT "\\u0000" | TEXT_FIRST calls'
+
+
+def request_constraint(request: BenchRequest) -> Constraint | None:
+    """The constraint a bench request samples under: its JSON schema, or with tools the
+    lazy grammar of ``tool_choice`` ``"auto"`` in the generic format (the schema, if any,
+    on its text branch), as the server builds it for a chat request offering them.
+
+    With one change: the free text branch must end with a NUL byte, which no model writes.
+    A text answer under the server's grammar ends at the model's EOS (the constraint
+    accepts it at any point, and a constraint that accepted its output ends the request,
+    ``ignore_eos`` or not), so a bench request would stop early where the same request
+    without tools generates past EOS to its ``max_tokens``; with the NUL the mask is the
+    lazy grammar's but for EOS, and the work is the same. A call still ends the request
+    (the report counts the tokens each request got).
+    """
+    schema = None if request.json_schema is None else JsonSchema(request.json_schema)
+    if not request.tools:
+        return schema
+    grammar = tool_constraint(GENERIC, _TOOLS, "auto", text=schema)
+    if schema is not None:  # the text branch is the schema's JSON, which the bench's
+        return grammar  # schema does not let complete before max_tokens
+    assert grammar.source.startswith(_TEXT_BRANCH), grammar.source[:80]
+    return Grammar(_ENDLESS_TEXT_BRANCH + grammar.source[len(_TEXT_BRANCH) :])
 
 
 @attrs.frozen
@@ -75,7 +113,7 @@ async def stream_workload(surface: EngineSurface, workload: Workload) -> Streame
             max_tokens=request.max_tokens,
             temperature=0,
             ignore_eos=True,
-            constraint=None if request.json_schema is None else JsonSchema(request.json_schema),
+            constraint=request_constraint(request),
         )
         chunks: list[float] = []
         num_tokens = 0

@@ -28,7 +28,7 @@ from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.streaming import stream_workload
-from twostroke.engine.bench.workload import Workload, without_json_schemas
+from twostroke.engine.bench.workload import Workload, without_json_schemas, without_tools
 from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DTYPES, default_torch_threads
@@ -99,8 +99,9 @@ class TwostrokeDriver:
         depth: The pipeline depth (2: lookahead, 1: serial).
         device: Where the engine runs: a kind :func:`~twostroke.gpu.selection.select_device`
             takes (``"cpu"``, ``"cuda"``, ``"auto"``).
-        unconstrained: Run the workload with its JSON schemas taken off (the same prompts and
-            lengths): what the cost of structured output is measured against.
+        unconstrained: Run the workload with its JSON schemas and tools taken off (the same
+            prompts and lengths): what the cost of structured output, or of offering tools
+            with ``tool_choice`` ``"auto"``, is measured against.
         attention_kernel: The runner's decode attention (``None``: the one it picks).
         engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields.
     """
@@ -145,7 +146,7 @@ class TwostrokeDriver:
 
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
         if self.unconstrained:
-            workload = without_json_schemas(workload)
+            workload = without_tools(without_json_schemas(workload))
         with torch_threads(_intra_op_threads(model)):
             return self._run(workload, model)
 
@@ -420,7 +421,8 @@ def engine_drivers(
 ) -> list[Any]:
     """twostroke's systems in the order they must run: depth 2, the bare loop, depth 1,
     with ``compare_prefix_caching`` depth 2 without prefix caching, with
-    ``compare_unconstrained`` depth 2 and depth 1 with the workload's JSON schemas taken off,
+    ``compare_unconstrained`` depth 2 and depth 1 with the workload's JSON schemas and tools
+    taken off,
     with ``compare_governed`` depth 2 with its thread count left to the engine (its
     :class:`~twostroke.gpu.cores.ThreadGovernor`, up to every core), with
     ``compare_attention`` depth 2 with the ``"bag"`` decode attention (the compiled kernel's

@@ -40,6 +40,8 @@ CHILD_SCRIPT = Path(__file__).with_name("_vllm_child.py")
 #: The version of the JSON job and result documents (the child's ``PROTOCOL``).
 PROTOCOL = 2
 
+#: Why a peer does not run a workload whose requests offer tools.
+NO_TOOLS = "requests that offer tools are not run here (vLLM's tool choice is its chat server's)"
 _SETUP_HINT = "set it up with `make bench-peers`, then pass --vllm-python .venv-vllm/bin/python"
 
 
@@ -132,6 +134,8 @@ class VLLMDriver:
         """
         if self.python is None:
             return SystemResult.unavailable(self.name, f"no --vllm-python given; {_SETUP_HINT}")
+        if workload.num_with_tools:  # vLLM's tool choice is its chat server's, not its engine's
+            return SystemResult.unavailable(self.name, NO_TOOLS)
         folder = model.work_dir / "vllm"
         model_dir, _ = ensure_hf_dir(model)
         try:

@@ -11,7 +11,9 @@ is throughput) and **serving** (requests arrive over time, gaps drawn from a gam
 distribution; the figures are latencies at a given load). Either may carry **structured
 output**: :func:`with_json_schemas` gives a fraction of its requests a JSON schema their
 output must follow (:func:`~twostroke.engine.bench.schemas.bench_schema`), for the cost of
-the token masks.
+the token masks; :func:`with_tools` has a fraction of them offer tools with ``tool_choice``
+``"auto"`` (:data:`~twostroke.engine.bench.schemas.BENCH_TOOLS`: text until the format's
+trigger, then calls), for the cost of the lazy constraint on answers that are mostly text.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from twostroke.engine.bench.schemas import bench_schema
-from twostroke.states.validators import check_int_at_least, int_at_least, is_int
+from twostroke.states.validators import boolean, check_int_at_least, int_at_least, is_int
 
 __all__ = [
     "CORPUS",
@@ -33,7 +35,9 @@ __all__ = [
     "offline_workload",
     "serving_workload",
     "with_json_schemas",
+    "with_tools",
     "without_json_schemas",
+    "without_tools",
 ]
 
 #: English prose the prompt windows are cut from (written for this project, no licence).
@@ -107,11 +111,17 @@ class BenchRequest:
         json_schema: A JSON schema (its JSON text) the output must follow, or ``None``. The
             bench's schema (:func:`~twostroke.engine.bench.schemas.bench_schema`) cannot
             complete in fewer than ``max_tokens`` tokens, so the work stays fixed under it.
+        tools: The request offers the bench's tools with ``tool_choice`` ``"auto"`` (with
+            a JSON schema too, the schema constrains the text branch, as ``response_format``
+            does). The output is text unless the model writes the format's trigger, which
+            prose prompts hardly lead to; a call that completes ends the request early, and
+            the report counts the tokens it got.
     """
 
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=_ids)
     max_tokens: int = attrs.field(validator=int_at_least(1))
     json_schema: str | None = attrs.field(default=None, kw_only=True)
+    tools: bool = attrs.field(default=False, kw_only=True, validator=boolean)
 
     @json_schema.validator
     def _check_schema(self, attribute: object, value: str | None) -> None:
@@ -201,8 +211,13 @@ class Workload:
 
     @property
     def num_constrained(self) -> int:
-        """Requests whose output must follow a JSON schema."""
-        return sum(request.json_schema is not None for request in self.requests)
+        """Requests whose output is constrained: by a JSON schema, or by tools."""
+        return sum(request.json_schema is not None or request.tools for request in self.requests)
+
+    @property
+    def num_with_tools(self) -> int:
+        """Requests that offer tools."""
+        return sum(request.tools for request in self.requests)
 
 
 def with_json_schemas(workload: Workload, fraction: float) -> Workload:
@@ -245,6 +260,48 @@ def without_json_schemas(workload: Workload) -> Workload:
         workload,
         requests=[attrs.evolve(request, json_schema=None) for request in workload.requests],
         description=f"{workload.description}, the schemas taken off",
+    )
+
+
+def with_tools(workload: Workload, fraction: float) -> Workload:
+    """``workload`` with ``round(fraction * n)`` of its requests offering the bench's tools
+    with ``tool_choice`` ``"auto"`` (:attr:`BenchRequest.tools`).
+
+    Which requests is drawn from the workload's seed (a stream of its own, so the choice does
+    not depend on :func:`with_json_schemas`'); prompts, lengths and arrivals are unchanged:
+    :func:`without_tools` of the result has the workload's requests again.
+
+    Raises:
+        ValueError: ``fraction`` is not a number in [0, 1].
+    """
+    if isinstance(fraction, bool) or not (isinstance(fraction, int | float) and 0 <= fraction <= 1):
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+    count = round(fraction * len(workload.requests))
+    if not count:
+        return workload
+    chosen = set(
+        random.Random(f"tools-{workload.seed}").sample(range(len(workload.requests)), count)
+    )
+    requests = [
+        attrs.evolve(request, tools=index in chosen or request.tools)
+        for index, request in enumerate(workload.requests)
+    ]
+    description = (
+        f"{workload.description}; {count} of {len(requests)} offer tools, tool_choice auto "
+        f"({fraction:.0%})"
+    )
+    return attrs.evolve(workload, requests=requests, description=description)
+
+
+def without_tools(workload: Workload) -> Workload:
+    """``workload`` with every request's tools taken off: the same prompts, unconstrained
+    (but for JSON schemas)."""
+    if not workload.num_with_tools:
+        return workload
+    return attrs.evolve(
+        workload,
+        requests=[attrs.evolve(request, tools=False) for request in workload.requests],
+        description=f"{workload.description}, the tools taken off",
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 from tests.engine.server.conftest import served
 from twostroke.engine.bench.http_peer import EndpointDriver, parse_endpoint
 from twostroke.engine.bench.metrics import metrics
-from twostroke.engine.bench.workload import offline_workload
+from twostroke.engine.bench.workload import offline_workload, with_tools
 
 
 def test_parse_endpoint() -> None:
@@ -37,3 +37,11 @@ async def test_a_workload_over_http_gives_a_clients_timings() -> None:
     figures = metrics(result)
     assert figures.output_throughput > 0
     assert figures.ttft.mean > 0
+
+
+@pytest.mark.anyio
+async def test_requests_that_offer_tools_are_not_sent_to_completions() -> None:
+    workload = with_tools(offline_workload(lambda text: list(text.encode()), n=2), 1)
+    result = await EndpointDriver(name="x", base_url="http://127.0.0.1:9/v1")._run(workload)
+    assert not result.available
+    assert result.reason.startswith("requests that offer tools need /v1/chat/completions")

@@ -22,7 +22,7 @@ from twostroke.engine.bench.runner import (
     bench_command,
     run_systems,
 )
-from twostroke.engine.bench.workload import BenchRequest, Workload, with_json_schemas
+from twostroke.engine.bench.workload import BenchRequest, Workload, with_json_schemas, with_tools
 
 WORKLOAD = Workload(
     requests=(BenchRequest((1, 2), 2),), arrival_times=None, seed=0, description="one"
@@ -432,8 +432,11 @@ def test_the_peers_without_a_json_schema_sampler_say_so(tmp_path: Path) -> None:
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     gguf = ModelSpec(name="tiny", source=tmp_path / "model.gguf", work_dir=tmp_path)
     assert LlamaCppDriver().run(structured, model=gguf).reason == (
-        "JSON schemas are not run through llama.cpp's grammar sampler here"
+        "JSON schemas and tools are not run through llama.cpp's grammar sampler here"
     )
+    offering = with_tools(WORKLOAD, 1)  # tools: a constraint these peers cannot run either
+    assert HFStaticDriver().run(offering, model=_model(tmp_path)).reason == peers.NO_SCHEMAS
+    assert LlamaCppDriver().run(offering, model=gguf).reason.startswith("JSON schemas and tools")
 
 
 def test_engine_drivers_compare_unconstrained_on_request(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from twostroke.engine.bench.streaming import stream_workload
+from twostroke.engine.bench.streaming import request_constraint, stream_workload
 from twostroke.engine.bench.workload import (
     BenchRequest,
     Workload,
     offline_workload,
     with_json_schemas,
+    with_tools,
 )
 from twostroke.engine.errors import RequestRejected
 from twostroke.engine.runners.toy import ByteTokenizer
+from twostroke.states.constraints import Grammar, JsonSchema
 
 from ..conftest import toy_engine
 
@@ -65,3 +67,30 @@ async def test_a_request_with_a_json_schema_streams_its_max_tokens_under_it() ->
     constrained = [r.max_tokens for r in workload.requests if r.json_schema is not None]
     assert len(constrained) == 3
     assert stats.num_masked_rows == sum(constrained)
+
+
+async def test_a_request_that_offers_tools_streams_text_under_the_lazy_constraint() -> None:
+    """tool_choice "auto": every token of such a request is masked, the toy writes text (it
+    never spells the trigger) and its EOS does not end the text branch, so it gets its
+    max_tokens as the same request without tools."""
+    plain = offline_workload(ByteTokenizer().encode, n=6, prompt_len=(3, 10), output_len=(2, 30))
+    workload = with_tools(plain, 0.5)
+    async with toy_engine() as engine:
+        run = await stream_workload(engine, workload)
+        stats = engine.statistics()
+    for timing, request in zip(run.timings, workload.requests, strict=True):
+        assert timing.output_tokens == request.max_tokens
+    offered = [r.max_tokens for r in workload.requests if r.tools]
+    assert len(offered) == 3
+    assert stats.num_masked_rows == sum(offered)
+    tools = request_constraint(workload.requests[[r.tools for r in workload.requests].index(True)])
+    assert isinstance(tools, Grammar)
+    assert tools.source.startswith('start: TEXT "\\u0000" | TEXT_FIRST calls\n')
+    assert "get_weather" in tools.source
+    assert "search_flights" in tools.source
+    assert request_constraint(plain.requests[0]) is None
+    both = request_constraint(BenchRequest((1,), 4, json_schema='{"type": "object"}', tools=True))
+    assert isinstance(both, Grammar)
+    assert "answer: %json" in both.source  # the schema on the text branch
+    schema = request_constraint(BenchRequest((1,), 4, json_schema='{"type": "object"}'))
+    assert schema == JsonSchema('{"type": "object"}')

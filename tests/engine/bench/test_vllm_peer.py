@@ -13,13 +13,14 @@ import pytest
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.schemas import bench_schema
 from twostroke.engine.bench.vllm_peer import (
+    NO_TOOLS,
     PROTOCOL,
     ChildError,
     VLLMDriver,
     job_document,
     read_result,
 )
-from twostroke.engine.bench.workload import BenchRequest, Workload
+from twostroke.engine.bench.workload import BenchRequest, Workload, with_tools
 from twostroke.gpu.dtype import CPU_BF16_ENV
 
 # A stand-in for vLLM's offline engine: every step gives each running request up to two new
@@ -263,6 +264,8 @@ def test_unavailable_without_a_usable_python(tmp_path: Path, model: ModelSpec) -
     assert reason is not None
     assert reason.startswith(f"{sys.executable} cannot import vllm")
     assert not VLLMDriver(None).run(WORKLOAD, model=model).available
+    offering = VLLMDriver(sys.executable).run(with_tools(WORKLOAD, 1), model=model)
+    assert offering.reason == NO_TOOLS
 
 
 def test_job_document(model: ModelSpec) -> None:

@@ -19,7 +19,9 @@ from twostroke.engine.bench.workload import (
     offline_workload,
     serving_workload,
     with_json_schemas,
+    with_tools,
     without_json_schemas,
+    without_tools,
 )
 
 
@@ -229,10 +231,33 @@ def test_a_quarter_of_the_requests_carry_the_bench_schema() -> None:
     assert with_json_schemas(plain, 1).num_constrained == 32
 
 
+def test_a_fraction_of_the_requests_offer_tools_on_the_same_prompts() -> None:
+    plain = offline_workload(encode, n=32, output_len=(16, 64), seed=3)
+    offered = with_tools(plain, 0.5)
+    assert (offered.num_with_tools, offered.num_constrained, plain.num_with_tools) == (16, 16, 0)
+    assert offered.description == (
+        f"{plain.description}; 16 of 32 offer tools, tool_choice auto (50%)"
+    )
+    assert [(r.prompt_token_ids, r.max_tokens) for r in offered.requests] == [
+        (r.prompt_token_ids, r.max_tokens) for r in plain.requests
+    ]
+    assert with_tools(plain, 0.5) == offered  # the seed picks them
+    assert without_tools(offered).requests == plain.requests
+    assert without_tools(plain) is plain
+    assert with_tools(plain, 0) is plain
+    both = with_tools(with_json_schemas(plain, 0.25), 1)  # a schema and tools on one request
+    assert (both.num_constrained, both.num_with_tools) == (32, 32)
+    assert without_tools(both).requests == with_json_schemas(plain, 0.25).requests
+    with pytest.raises(TypeError, match=r"^tools must be a bool, got int 1$"):
+        BenchRequest((1,), 1, tools=1)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("fraction", [-0.1, 1.5, math.nan, "0.25", True])
 def test_a_fraction_outside_zero_to_one_is_refused(fraction: object) -> None:
     with pytest.raises(ValueError, match="fraction must be a number in"):
         with_json_schemas(offline_workload(encode, n=4), fraction)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fraction must be a number in"):
+        with_tools(offline_workload(encode, n=4), fraction)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
