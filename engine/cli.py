@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import gc
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from twostroke.engine.tools.template import native_template
 from twostroke.states.constraints import MAX_SCHEMA_LENGTH, Constraint, JsonSchema, Regex
 from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
+from twostroke.states.speculation import SpeculativeConfig, speculative_config
 
 __all__ = ["main"]
 
@@ -54,6 +56,7 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     _quantization_argument(parser)
+    add_speculative_argument(parser)
 
 
 def _quantization_argument(parser: argparse.ArgumentParser) -> None:
@@ -69,10 +72,43 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _quantization(args: argparse.Namespace) -> dict[str, Any]:
-    """``quantization=`` for the engine when ``--quantization`` was given ("none": None)."""
-    if args.quantization is None:
-        return {}
-    return {"quantization": None if args.quantization == "none" else args.quantization}
+    """The engine's options from ``--quantization`` ("none": None) and
+    ``--speculative-config``, each where it was given."""
+    options: dict[str, Any] = {}
+    if args.quantization is not None:
+        options["quantization"] = None if args.quantization == "none" else args.quantization
+    if getattr(args, "speculative_config", None) is not None:
+        options["speculative_config"] = args.speculative_config
+    return options
+
+
+def speculative_config_argument(text: str) -> SpeculativeConfig:
+    """``--speculative-config JSON``: a JSON object of
+    :class:`~twostroke.states.speculation.SpeculativeConfig`'s fields, checked as it parses."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f'must be a JSON object such as \'{{"method": "ngram"}}\': {error}'
+        ) from None
+    try:
+        config = speculative_config(value)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    assert config is not None  # JSON null would be None: refused as not an object
+    return config
+
+
+def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
+    """``--speculative-config JSON`` (vLLM's flag): speculative decoding without a draft model."""
+    parser.add_argument(
+        "--speculative-config",
+        type=speculative_config_argument,
+        default=None,
+        metavar="JSON",
+        help='drafts from the request\'s own tokens, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' or \'{"method": "suffix"}\' (docs/speculative.md)',
+    )
 
 
 def _replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "llama3_json for a Llama 3 template that writes a call's parameters, else generic)",
     )
     _quantization_argument(serve)
+    add_speculative_argument(serve)
     _server_arguments(serve)
     _replica_arguments(serve)
 

@@ -345,16 +345,20 @@ class Scheduler:
             hits = self._prefix.match(request)
             computed = len(hits) * config.block_size
             num_tokens = self._tokens_to_compute(request, budget, computed)
-            needed = blocks_for(computed + num_tokens, config.block_size) - len(hits)
             reclaimed = sum(1 for block_id in hits if not self.pool.ref_count(block_id))
+            drafts = self._draft(request, num_tokens, budget, computed)
+            needed = blocks_for(computed + num_tokens + len(drafts), config.block_size) - len(hits)
+            if drafts and needed + reclaimed > self.pool.num_free:  # drafts never wait
+                drafts = ()
+                needed = blocks_for(computed + num_tokens, config.block_size) - len(hits)
             if num_tokens == 0 or needed + reclaimed > self.pool.num_free:
                 break
             self._waiting.popleft()
             request.apply(Admitted(self._clock()))
             self._prefix.claim(request, hits)  # before anything is allocated
             self._insert(self._running, request)
-            entries.append(self._schedule(request, step_id, num_tokens, needed))
-            budget -= num_tokens
+            entries.append(self._schedule(request, step_id, num_tokens, needed, drafts))
+            budget -= num_tokens + len(drafts)
 
         if not entries:
             return None
@@ -380,12 +384,18 @@ class Scheduler:
             computed = request.num_computed_tokens
         return min(request.num_tokens - computed, budget)
 
-    def _draft(self, request: Request, num_tokens: int, budget: int) -> tuple[int, ...]:
-        """Drafted tokens to verify after the ``num_tokens`` a row of ``request`` computes."""
+    def _draft(
+        self, request: Request, num_tokens: int, budget: int, computed: int | None = None
+    ) -> tuple[int, ...]:
+        """Drafted tokens to verify after the ``num_tokens`` a row of ``request`` computes
+        from ``computed`` (default: its computed count; at admission, its prefix hit's)."""
         speculator = self._speculator
+        if computed is None:
+            computed = request.num_computed_tokens
         if (
             speculator is None
-            or request.num_tokens - request.num_computed_tokens != num_tokens  # not the end
+            or num_tokens < 1
+            or request.num_tokens - computed != num_tokens  # the row does not reach the end
             or request.params.constraint is not None
             or request.params.uses_penalties
             or not speculator.enabled_for(len(self._running))

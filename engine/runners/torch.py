@@ -35,7 +35,14 @@ from twostroke.engine.structured.masks import StepMasks
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
 from twostroke.gpu.staging import to_device
 from twostroke.states.errors import EngineError
-from twostroke.states.plan import RunnerOutput, ScheduledRequest, StepPlan, TokenLogprobs
+from twostroke.states.params import SamplingParams
+from twostroke.states.plan import (
+    RunnerOutput,
+    ScheduledRequest,
+    StepPlan,
+    TokenLogprobs,
+    verify_draft,
+)
 
 __all__ = ["DEFAULT_DECODE_GATHER_BYTES", "RunnerError", "TorchModelRunner"]
 
@@ -298,12 +305,20 @@ class TorchModelRunner:
         logits = self.model(ids, metadata, cache, to_device(logit_rows, device=device))
 
         sampling = [entry for entry in entries if entry.sample]
+        # A row with drafts samples at each of its last 1 + k positions, as a row without
+        # drafts would there: the same parameters, the sample index of that output token.
+        first_rows: list[int] = []
+        row_params: list[SamplingParams] = []
+        row_indices: list[int] = []
+        for entry in sampling:
+            first_rows.append(len(row_params))
+            for offset in range(entry.num_samples):
+                row_params.append(entry.params)
+                row_indices.append(entry.sample_index + offset)
         bitmask = None
         if masks is not None:
-            bitmask = self._apply_masks(logits, sampling, masks)
-        batch = self._sampler.prepare(
-            [entry.params for entry in sampling], [entry.sample_index for entry in sampling]
-        )
+            bitmask = self._apply_masks(logits, sampling, first_rows, masks)
+        batch = self._sampler.prepare(row_params, row_indices)
         slots = self._record_prompts(entries, sampling)
         token_history = None
         if slots is not None:
@@ -316,10 +331,18 @@ class TorchModelRunner:
             self._history.count(slots, output.sampled.index_select(0, batch.penalty_rows))
 
         self._previous_sampled = output.sampled
-        self._previous_rows = {entry.request_id: row for row, entry in enumerate(sampling)}
+        # No step takes a pending input from a row with drafts: the scheduler plans none
+        # until its drafts are verified, and a plan that did would find no row here.
+        self._previous_rows = {
+            entry.request_id: row
+            for row, entry in zip(first_rows, sampling, strict=True)
+            if not entry.draft_token_ids
+        }
         self._num_steps += 1
         staged = _stage(output, device)
-        readback = _readback(plan.step_id, sampling, batch.logprob_rows, batch.num_logprobs, staged)
+        readback = _readback(
+            plan.step_id, sampling, first_rows, batch.logprob_rows, batch.num_logprobs, staged
+        )
         keepalive = (ids, metadata, logits, output, staged, token_history, bitmask)
         event: SupportsQuery = ReadyEvent()
         if device.type == "cuda":
@@ -329,17 +352,30 @@ class TorchModelRunner:
         return Launched(event, readback, keepalive)
 
     def _apply_masks(
-        self, logits: torch.Tensor, sampling: list[ScheduledRequest], masks: StepMasks
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledRequest],
+        first_rows: list[int],
+        masks: StepMasks,
     ) -> torch.Tensor | None:
-        """Wait for the constrained rows' masks and apply them to their logits, in place."""
-        rows = [row for row, entry in enumerate(sampling) if entry.request_id in masks.rows]
-        if not rows:
+        """Wait for the constrained rows' masks and apply them to their logits, in place.
+
+        A constrained request never drafts (its mask at a drafted position would depend on
+        the drafts), so each has one row of logits: ``first_rows`` says which.
+        """
+        constrained = [
+            (row, entry)
+            for row, entry in zip(first_rows, sampling, strict=True)
+            if entry.request_id in masks.rows
+        ]
+        if not constrained:
             return None
         from twostroke.engine.structured.bitmask import apply_bitmask
 
+        rows = [row for row, _ in constrained]
         host = masks.wait()
         picked = host.index_select(
-            0, torch.tensor([masks.rows[sampling[r].request_id] for r in rows])
+            0, torch.tensor([masks.rows[entry.request_id] for _, entry in constrained])
         )
         if self.device.type == "cuda":
             picked = picked.pin_memory()
@@ -375,8 +411,10 @@ class TorchModelRunner:
                 pending_rows.append(len(input_ids))
                 pending_sources.append(row)
                 input_ids.append(0)
+            input_ids.extend(entry.draft_token_ids)
             if entry.sample:
-                logit_rows.append(len(input_ids) - 1)
+                end = len(input_ids)
+                logit_rows.extend(range(end - entry.num_samples, end))
         vocab = self.config.vocab_size
         if input_ids and not 0 <= min(input_ids) <= max(input_ids) < vocab:
             bad = sorted({i for i in input_ids if not 0 <= i < vocab})
@@ -436,16 +474,14 @@ def _stage(output: SamplerOutput, device: torch.device) -> _Staged:
 def _readback(
     step_id: int,
     sampling: list[ScheduledRequest],
+    first_rows: list[int],
     logprob_rows: tuple[int, ...],
     num_logprobs: tuple[int, ...],
     staged: _Staged,
 ) -> Callable[[], RunnerOutput]:
-    request_ids = [entry.request_id for entry in sampling]
-
     def readback() -> RunnerOutput:
         tokens = staged.sampled.tolist()
-        sampled = dict(zip(request_ids, tokens, strict=True))
-        logprobs: dict[int, TokenLogprobs] = {}
+        by_row: dict[int, TokenLogprobs] = {}
         if logprob_rows:
             assert staged.logprobs is not None
             chosen = staged.logprobs.tolist()
@@ -455,9 +491,31 @@ def _readback(
                 top: tuple[tuple[int, float], ...] = ()
                 if count and top_ids is not None and top_values is not None:
                     top = tuple(zip(top_ids[index][:count], top_values[index][:count], strict=True))
-                logprobs[request_ids[row]] = TokenLogprobs(
-                    token_id=tokens[row], logprob=chosen[index], top=top
-                )
-        return RunnerOutput(step_id=step_id, sampled=sampled, logprobs=logprobs)
+                by_row[row] = TokenLogprobs(token_id=tokens[row], logprob=chosen[index], top=top)
+        sampled: dict[int, int] = {}
+        speculated: dict[int, tuple[int, ...]] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
+        speculated_logprobs: dict[int, tuple[TokenLogprobs, ...]] = {}
+        for first, entry in zip(first_rows, sampling, strict=True):
+            request_id = entry.request_id
+            drafts = entry.draft_token_ids
+            rows = range(first, first + entry.num_samples)
+            # The tokens up to the first that differs from its draft: what the request would
+            # have sampled one step at a time.
+            kept = rows[: verify_draft(drafts, tokens[first : rows.stop]) + 1]
+            sampled[request_id] = tokens[first]
+            if first in by_row:
+                logprobs[request_id] = by_row[first]
+            if drafts:
+                speculated[request_id] = tuple(tokens[row] for row in kept[1:])
+                if first in by_row:
+                    speculated_logprobs[request_id] = tuple(by_row[row] for row in kept[1:])
+        return RunnerOutput(
+            step_id=step_id,
+            sampled=sampled,
+            logprobs=logprobs,
+            speculated=speculated,
+            speculated_logprobs=speculated_logprobs,
+        )
 
     return readback

@@ -209,13 +209,20 @@ class ToyRunner:
                 if entry.sample and entry.request_id in masks.rows
             }
         outcome = kv.execute(plan, allowed)
-        logprobs = {
-            entry.request_id: TokenLogprobs(
-                token_id=outcome.sampled[entry.request_id],
-                logprob=0.0,
-                top=((outcome.sampled[entry.request_id], 0.0),),
-            )
-            for entry in plan.requests
-            if entry.sample and entry.params.logprobs is not None
-        }
-        return RunnerOutput(step_id=plan.step_id, sampled=outcome.sampled, logprobs=logprobs)
+        # The toy is certain of every token it picks: log-probability 0.
+        logprobs: dict[int, TokenLogprobs] = {}
+        speculated_logprobs: dict[int, tuple[TokenLogprobs, ...]] = {}
+        for entry in plan.requests:
+            if not entry.sample or entry.params.logprobs is None:
+                continue
+            certain = [TokenLogprobs(t, 0.0, ((t, 0.0),)) for t in outcome.tokens(entry.request_id)]
+            logprobs[entry.request_id] = certain[0]
+            if entry.draft_token_ids:
+                speculated_logprobs[entry.request_id] = tuple(certain[1:])
+        return RunnerOutput(
+            step_id=plan.step_id,
+            sampled=outcome.sampled,
+            logprobs=logprobs,
+            speculated=outcome.speculated,
+            speculated_logprobs=speculated_logprobs,
+        )

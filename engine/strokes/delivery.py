@@ -12,7 +12,7 @@ bookkeeping stroke, so a handle never sees a half-applied step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -34,6 +34,9 @@ class Tracked:
     writer: HandleWriter
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprobs] | None
+    #: Output tokens delivered: a stop string may end the request before the last token a
+    #: step with drafts brought, and those after it are not its output.
+    num_delivered: int = 0
 
     def __repr__(self) -> str:
         return f"<Tracked {self.request!r}>"
@@ -87,13 +90,22 @@ class Deliveries:
             output: The runner's output for the step (``None`` if it failed).
             cause: The step's exception if it failed (each request's error is chained to it).
         """
-        logprobs: Mapping[int, TokenLogprobs] = output.logprobs if output is not None else {}
+        # A row that verified drafts brings several tokens of one request, in order: each
+        # is delivered (and matched against stop strings) as if it came in a step of its own.
+        place: dict[int, int] = {}
         for request_id, token_id in report.new_tokens:
-            tracked = self._open[request_id]
-            entry = logprobs.get(request_id) if tracked.logprobs is not None else None
+            tracked = self._open.get(request_id)
+            if tracked is None:
+                continue  # a stop string ended it at an earlier token of this step
+            index = place[request_id] = place.get(request_id, -1) + 1
+            entry: TokenLogprobs | None = None
+            if tracked.logprobs is not None and output is not None:
+                entries = output.token_logprobs(request_id)
+                entry = entries[index] if index < len(entries) else None
             if entry is not None:
                 assert tracked.logprobs is not None
                 tracked.logprobs.append(entry)
+            tracked.num_delivered += 1
             update = tracked.detokenizer.push([token_id])
             tracked.writer.deliver(
                 Delta(request_id, update.text, (token_id,), None if entry is None else (entry,))
@@ -123,24 +135,24 @@ class Deliveries:
     def _finish(self, tracked: Tracked, reason: FinishReason) -> None:
         request = tracked.request
         tracked.writer.deliver(Delta(request.request_id, finish_reason=reason))
+        token_ids = request.output_token_ids[: tracked.num_delivered]
         output = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
+            token_ids=token_ids,
             text=tracked.detokenizer.text,
             finish_reason=reason,
-            usage=Usage(
-                request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens
-            ),
-            metrics=request_metrics(request),
+            usage=Usage(request.num_prompt_tokens, len(token_ids), request.num_cached_tokens),
+            metrics=request_metrics(request, len(token_ids)),
             logprobs=tuple(tracked.logprobs) if tracked.logprobs is not None else None,
         )
         del self._open[request.request_id]
         tracked.writer.finish(output)
 
 
-def request_metrics(request: Request) -> RequestMetrics:
-    """vLLM's per-request timings of a request that has ended (its ``end_time`` is set)."""
+def request_metrics(request: Request, num_output_tokens: int | None = None) -> RequestMetrics:
+    """vLLM's per-request timings of a request that has ended (its ``end_time`` is set),
+    over ``num_output_tokens`` (default: all it holds)."""
     assert request.end_time is not None, request
     queue_time = None
     if request.first_scheduled_time is not None:
@@ -150,6 +162,8 @@ def request_metrics(request: Request) -> RequestMetrics:
         first_token=request.first_token_time,
         queue_time=queue_time,
         now=request.end_time,
-        num_output_tokens=request.num_output_tokens,
+        num_output_tokens=(
+            request.num_output_tokens if num_output_tokens is None else num_output_tokens
+        ),
         num_preemptions=request.num_preemptions,
     )

@@ -162,12 +162,12 @@ def test_perfect_drafts_take_fewer_steps_and_count_every_position() -> None:
     expected, _ = reference_output(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     assert outputs == expected
     stats = speculating.statistics()
-    # 1 token from the prompt's step, then 4 a step (3 drafts and the token after them).
-    assert stats.num_steps == 4
+    # 4 tokens a step: 3 drafts (the prompt's row drafts too) and the token after them.
+    assert stats.num_steps == 3
     assert stats.num_spec_decode_drafts == 3
-    assert stats.num_spec_decode_accepted_tokens == 8  # the last draft stops at max_tokens
-    assert stats.spec_decode_accepted_tokens_per_pos[:3] == (3, 3, 2)
-    assert stats.spec_decode_mean_acceptance_length == pytest.approx(1 + 8 / 3)
+    assert stats.num_spec_decode_accepted_tokens == 9
+    assert stats.spec_decode_accepted_tokens_per_pos[:4] == (3, 3, 3, 0)
+    assert stats.spec_decode_mean_acceptance_length == pytest.approx(1 + 9 / 3)
     assert stats.num_tokens_generated == 12
 
 
@@ -175,22 +175,23 @@ def test_perfect_drafts_take_fewer_steps_and_count_every_position() -> None:
 
 
 def test_drafts_count_against_the_budget_and_stop_at_max_tokens() -> None:
-    sched = scheduler(perfect, max_num_batched_tokens=4)
-    sched.add_request(request(max_tokens=3))
+    sched = scheduler(perfect, max_num_batched_tokens=5)
+    sched.add_request(request(max_tokens=4))
     kv = SimulatedKV(32, 4)
     first = sched.schedule()
     assert first is not None
-    assert first.requests[0].draft_token_ids == ()  # an admission row does not draft
+    # The prompt's 3 positions leave 2 of the budget: the admission row drafts 2.
+    assert len(first.requests[0].draft_token_ids) == 2
+    assert first.num_tokens == 5
     sched.apply(kv.execute(first))
     second = sched.schedule()
     assert second is not None
     (row,) = second.requests
-    # max_tokens 3, one generated: one token and one draft at most.
-    assert len(row.draft_token_ids) == 1
-    assert second.num_tokens == row.num_tokens == 2
-    assert row.num_samples == 2
+    # max_tokens 4, three generated: one token and no draft.
+    assert row.draft_token_ids == ()
+    assert row.num_samples == 1
     sched.apply(kv.execute(second))
-    assert sched.get(0) is None  # finished: 3 tokens
+    assert sched.get(0) is None  # finished: 4 tokens
     assert sched.is_idle()
 
 
@@ -206,7 +207,7 @@ def test_a_budget_left_for_no_draft_drafts_nothing() -> None:
 
 def test_a_request_verifying_drafts_is_not_planned_until_they_settle() -> None:
     sched = scheduler(perfect, pipeline_depth=2)
-    sched.add_request(request())
+    sched.add_request(request(max_tokens=30))
     kv = SimulatedKV(32, 4)
     step(sched, kv)
     plan = sched.schedule()
@@ -297,7 +298,7 @@ def test_disable_by_batch_size_switches_drafting_off_for_the_step() -> None:
 
 def test_an_output_that_does_not_verify_its_drafts_is_refused() -> None:
     sched = scheduler(perfect)
-    sched.add_request(request())
+    sched.add_request(request(max_tokens=30))
     kv = SimulatedKV(32, 4)
     step(sched, kv)
     plan = sched.schedule()

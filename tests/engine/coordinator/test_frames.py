@@ -88,6 +88,7 @@ from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
 from twostroke.states.request import FinishReason
+from twostroke.states.statistics import zero
 
 FROM_REPLICA: list[Any] = [
     Ready(pid=12, model_name="toy", max_model_len=4096),
@@ -233,7 +234,10 @@ def test_the_wire_knows_every_finish_reason() -> None:
 
 
 def test_statistics_from_another_version_keep_the_fields_both_know() -> None:
-    known = {field.name: 1 for field in attrs.fields(EngineStatistics)}
+    known: dict[str, Any] = {
+        field.name: (1,) * len(start) if isinstance(start := zero(field), tuple) else 1
+        for field in attrs.fields(EngineStatistics)
+    }
     newer = {**known, "num_warp_drives": 9, "warp_drives": {"by_deck": [1, 2]}}
     assert engine_statistics(newer) == EngineStatistics(**known)
     (stats,) = FrameDecoder(FromReplica, "replica 0").feed(encode_frame(Stats(newer)))
@@ -243,6 +247,10 @@ def test_statistics_from_another_version_keep_the_fields_both_know() -> None:
     assert isinstance(older.forward_seconds, float)
     with pytest.raises(TypeError, match=r"^statistics field num_steps must be an int, got 1.5$"):
         engine_statistics({"num_steps": 1.5})
+    per_position = "spec_decode_accepted_tokens_per_pos"
+    assert engine_statistics({per_position: [2] * 16}).spec_decode_accepted_tokens_per_pos[0] == 2
+    with pytest.raises(TypeError, match=rf"^statistics field {per_position} must be 16 ints"):
+        engine_statistics({per_position: [1, 2]})
     with pytest.raises(TypeError, match=r"^statistics field forward_seconds must be a number"):
         engine_statistics({"forward_seconds": "fast"})
     with pytest.raises(TypeError, match=r"^statistics must be a mapping, got str$"):

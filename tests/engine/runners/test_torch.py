@@ -30,6 +30,7 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
+from twostroke.states.speculation import Speculator
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -61,6 +62,7 @@ def generate(
     pipeline_depth: int = 2,
     seed: int = 0,
     enable_prefix_caching: bool = True,
+    speculator: Speculator | None = None,
     **runner_options: Any,
 ) -> Run:
     """Serve every prompt as one continuous batch; request ``i`` arrives at step ``arrivals[i]``."""
@@ -75,7 +77,8 @@ def generate(
             max_model_len=runner.max_model_len,
             pipeline_depth=pipeline_depth,
             enable_prefix_caching=enable_prefix_caching,
-        )
+        ),
+        speculator=speculator,
     )
     arrivals = arrivals or [0] * len(prompts)
     pending = sorted(range(len(prompts)), key=arrivals.__getitem__)
@@ -100,11 +103,15 @@ def generate(
         output = launched.readback()
         assert output.step_id == plan.step_id
         report = scheduler.apply(output)
+        place: dict[int, int] = collections.Counter()
         for request_id, token in report.new_tokens:
             tokens[request_id].append(token)
-            if request_id in output.logprobs:
-                assert output.logprobs[request_id].token_id == token
-                logprobs[request_id].append(output.logprobs[request_id])
+            entries = output.token_logprobs(request_id)
+            if entries:
+                entry = entries[place[request_id]]
+                place[request_id] += 1
+                assert entry.token_id == token
+                logprobs[request_id].append(entry)
         scheduler.check_invariants()
     assert scheduler.is_idle()
     return Run(dict(tokens), dict(logprobs), scheduler.statistics(), mixed)
