@@ -10,9 +10,13 @@ that a machine shared with other work slows them alike:
 * **kernels**: one layer's four projections (q/k/v 960x576, o 576x576, gate/up 3072x576,
   down 576x1536) and the tied output projection (49152x576) at 1, 4 and 32 rows: the
   file's blocks (Q4_1 layers, Q8_0 head) against torch's float32 ``F.linear`` and fbgemm's
-  float16 weights (``quantization="fp16"``, the defaults' form), best of 5 runs each.
+  float16 weights (``quantization="fp16"``, the defaults' form), best of 5 runs each;
+* **types** (``--types``): each block type's products at 1, 4 and 32 rows by a 3072x1536
+  and a 1536x3072 weight (widths the K types' 256 divide), against Q4_1's, each type's
+  blocks and Q4_1's timed alternately, best of 7 runs each.
 
     .venv/bin/python scripts/gguf_blocks_speed.py [--forms auto gguf none] [--rounds 3]
+    .venv/bin/python scripts/gguf_blocks_speed.py --skip-decode --skip-kernels --types
 """
 
 from __future__ import annotations
@@ -131,6 +135,43 @@ def kernels(threads: int) -> list[tuple[int, str, float, float, float]]:
     return rows_out
 
 
+def types(threads: int) -> list[tuple[int, str, float, float]]:
+    """Per row count and block type: its products' time and Q4_1's, in s (the sum over the
+    two shapes), the two timed alternately."""
+    kernel = block_kernel()
+    assert kernel is not None
+    generator = np.random.default_rng(0)
+    shapes = ((3072, 1536), (1536, 3072))
+    found = []
+    with torch_threads(threads):
+        weights = {
+            name: [
+                BlockWeight(
+                    kernel, (BlockTensor("w", number, random_blocks(generator, number, *shape)),)
+                )
+                for shape in shapes
+            ]
+            for name, number in BLOCK_TYPES.items()
+        }
+        for rows in (1, 4, 32):
+            inputs = [torch.randn(rows, shape[1]) for shape in shapes]
+            calls = max(2, 200 // rows)
+            for name in BLOCK_TYPES:
+                if name == "Q4_1":
+                    continue
+                mine = theirs = 0.0
+                for index, x in enumerate(inputs):
+                    pair = (weights[name][index], weights["Q4_1"][index])
+                    times: dict[int, list[float]] = {0: [], 1: []}
+                    for _ in range(7):
+                        for which, weight in enumerate(pair):
+                            times[which].append(best(lambda w=weight, x=x: w(x), calls))
+                    mine += min(times[0])
+                    theirs += min(times[1])
+                found.append((rows, name, mine, theirs))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--forms", nargs="+", default=["auto", "gguf"], choices=list(LABELS))
@@ -139,10 +180,11 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--batch", type=int, default=0, help="also N requests at once (0: not)")
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--types", action="store_true", help="also each block type vs Q4_1")
     args = parser.parse_args()
     print(
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}\n"
+        f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}\n"
     )
     if not args.skip_decode:
         found = decode(args.forms, args.rounds, args.tokens)
@@ -179,6 +221,16 @@ def main() -> None:
                 f"{1e6 * half:.0f} | {dense / blocks:.2f}x | {half / blocks:.2f}x |"
             )
         print()
+    if args.types:
+        print("block types, 1 thread: time per call (us), 3072x1536 + 1536x3072")
+        print("| rows | type | its blocks | Q4_1's | vs Q4_1 (time) |")
+        print("|---|---|---|---|---|")
+        for rows, name, mine, theirs in types(1):
+            print(
+                f"| {rows} | {name} | {1e6 * mine:.0f} | {1e6 * theirs:.0f} | "
+                f"{mine / theirs:.2f}x |"
+            )
+        print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
