@@ -63,12 +63,26 @@ async def test_a_finished_request_wastes_at_most_one_token() -> None:
             assert wasted == 0  # the scheduler knows a length limit in advance
 
 
+@pytest.fixture(scope="module")
+def depth_one_tokens() -> list[list[tuple[int, ...]]]:
+    """Depth 1's tokens on SmolLM2, kept by the first backend's run for the second's.
+
+    Depth 1 is the reference, and it does not depend on the event loop: the engine's
+    outputs do not depend on the order requests arrive in (trio reverses its run queue at
+    random, so the two runs of one trio test already see different orders). So the second
+    backend runs depth 2 alone against the first's depth 1: three engine runs, not four.
+    """
+    return []
+
+
 @pytest.mark.slow
-# Two engines on SmolLM2, 12 requests of 16 tokens (24 took 32 s on each backend in make
+# Engines on SmolLM2, 12 requests of 16 tokens (24 took 32 s on each backend in make
 # test on a 2-core AVX2 machine with another job busy, the suite's fourth-longest): the
 # timeout keeps four times that.
 @pytest.mark.timeout(160)
-async def test_depth_one_and_two_give_identical_tokens_on_the_real_model() -> None:
+async def test_depth_one_and_two_give_identical_tokens_on_the_real_model(
+    depth_one_tokens: list[list[tuple[int, ...]]],
+) -> None:
     prompts = [
         [{"role": "user", "content": "Name three colours."}],
         [{"role": "user", "content": "What is 2 + 2?"}],
@@ -81,7 +95,7 @@ async def test_depth_one_and_two_give_identical_tokens_on_the_real_model() -> No
         SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=11, presence_penalty=0.5),
     ]
     results: dict[int, list[tuple[int, ...]]] = {}
-    for depth in (1, 2):
+    for depth in (2,) if depth_one_tokens else (1, 2):
         async with Engine.open(
             "smollm2",
             device="cpu",
@@ -103,7 +117,9 @@ async def test_depth_one_and_two_give_identical_tokens_on_the_real_model() -> No
                     for k in range(len(kinds)):
                         task_group.start_soon(run, p, k)
         results[depth] = [outputs[key] for key in sorted(outputs)]
-    assert results[1] == results[2]
+    if not depth_one_tokens:
+        depth_one_tokens.append(results[1])
+    assert results[2] == depth_one_tokens[0]
     assert all(len(tokens) > 0 for tokens in results[2])
 
 
