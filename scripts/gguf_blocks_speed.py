@@ -13,7 +13,7 @@ that a machine shared with other work slows them alike:
   float16 weights (``quantization="fp16"``, the defaults' form), best of 5 runs each;
 * **types** (``--types``): each block type's products at 1, 4 and 32 rows by a 3072x1536
   and a 1536x3072 weight (widths the K types' 256 divide), against Q4_1's, each type's
-  blocks and Q4_1's timed alternately, best of 7 runs each.
+  blocks and Q4_1's timed alternately, the best of 5 x 5 runs each.
 
     .venv/bin/python scripts/gguf_blocks_speed.py [--forms auto gguf none] [--rounds 3]
     .venv/bin/python scripts/gguf_blocks_speed.py --skip-decode --skip-kernels --types
@@ -155,7 +155,7 @@ def types(threads: int) -> list[tuple[int, str, float, float]]:
         }
         for rows in (1, 4, 32):
             inputs = [torch.randn(rows, shape[1]) for shape in shapes]
-            calls = max(2, 200 // rows)
+            calls = max(2, 40 // rows)
             for name in BLOCK_TYPES:
                 if name == "Q4_1":
                     continue
@@ -163,7 +163,7 @@ def types(threads: int) -> list[tuple[int, str, float, float]]:
                 for index, x in enumerate(inputs):
                     pair = (weights[name][index], weights["Q4_1"][index])
                     times: dict[int, list[float]] = {0: [], 1: []}
-                    for _ in range(7):
+                    for _ in range(5):
                         for which, weight in enumerate(pair):
                             times[which].append(best(lambda w=weight, x=x: w(x), calls))
                     mine += min(times[0])
