@@ -25,7 +25,7 @@ from twostroke.engine.text.chat import validate_messages
 from twostroke.gpu.completion import Launched, ReadyEvent
 from twostroke.states.constraints import read_bitmask
 from twostroke.states.plan import RunnerOutput, StepPlan, TokenLogprobs
-from twostroke.states.simulation import ChooseToken, SimulatedKV, toy_next_token
+from twostroke.states.simulation import ChooseToken, NextToken, SimulatedKV, toy_next_token
 
 __all__ = ["ByteTokenizer", "ToyRunner", "toy_text_choose", "toy_text_next_token"]
 
@@ -113,6 +113,9 @@ class ToyRunner:
             ``RuntimeError`` (to test failure handling).
         choose: The model under a constraint: the sequence and the allowed ids to the next
             id (default :func:`toy_text_choose`).
+        next_token: The model: the whole sequence to the next id (default
+            :func:`toy_text_next_token` at ``eos_rate``), e.g. one that repeats its input,
+            to see speculative decoding's drafts accepted.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class ToyRunner:
         latency: float = 0.0,
         fail_when: Callable[[StepPlan], bool] | None = None,
         choose: ChooseToken = toy_text_choose,
+        next_token: NextToken | None = None,
     ) -> None:
         if not 0 <= eos_rate <= 1:
             raise ValueError(f"eos_rate must be in [0, 1], got {eos_rate}")
@@ -133,6 +137,7 @@ class ToyRunner:
         self._latency = latency
         self._fail_when = fail_when
         self._choose = choose
+        self._model = next_token
         self._kv: SimulatedKV | None = None
         # A launched step whose masks were not filled yet, and outputs not read back yet.
         self._lock = threading.Lock()
@@ -152,6 +157,8 @@ class ToyRunner:
         self._kv = SimulatedKV(num_blocks, block_size, self._next_token, self._choose)
 
     def _next_token(self, token_ids: Sequence[int]) -> int:
+        if self._model is not None:
+            return self._model(token_ids)
         return toy_text_next_token(token_ids, eos_rate=self._eos_rate)
 
     def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:

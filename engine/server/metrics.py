@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from twostroke.engine.outputs import RequestOutput
+from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.surface import EngineSurface
 
 __all__ = ["PREFIX", "ServerMetrics"]
@@ -67,6 +68,31 @@ class _EngineCollector(Collector):
             metric = family(PREFIX + name, documentation, labels=["model_name"])
             metric.add_metric(labels, value)
             yield metric
+        yield from _speculation_metrics(stats, labels)
+
+
+def _speculation_metrics(stats: EngineStatistics, labels: list[str]) -> Iterator[Metric]:
+    """Speculative decoding's counters, as vLLM names them (docs/speculative.md)."""
+    counts = (
+        ("spec_decode_num_drafts", "Rows that verified drafted tokens.",
+         stats.num_spec_decode_drafts),
+        ("spec_decode_num_draft_tokens", "Drafted tokens verified.",
+         stats.num_spec_decode_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+         stats.num_spec_decode_accepted_tokens),
+    )  # fmt: skip
+    for name, documentation, value in counts:
+        metric = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+        metric.add_metric(labels, value)
+        yield metric
+    per_position = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Drafted tokens accepted, by their position in the draft (0 is the first).",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(stats.spec_decode_accepted_tokens_per_pos):
+        per_position.add_metric([*labels, str(position)], value)
+    yield per_position
 
 
 class ServerMetrics:
