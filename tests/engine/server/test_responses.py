@@ -727,3 +727,21 @@ def test_any_chunking_of_an_answer_gives_the_whole_answers_response(
         state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))  # type: ignore[arg-type]
     done = state._completed_output  # the items of the output_item.done events, as parsed
     assert [done[index].to_dict() for index in sorted(done)] == streamed.response()["output"]
+
+
+def test_a_chat_error_names_the_responses_items_it_came_from() -> None:
+    """The chat path's messages[k] (and its k-th message's calls) become the items they were
+    translated from: instructions take chat message 0, merged calls keep their own items."""
+    from twostroke.engine.server.responses import _Origins
+
+    origins = _Origins(("instructions", "input[0]", "input[1]", "input[4]"),
+                       ((), (), ("input[1]", "input[2]", "input[3]"), ()))  # fmt: skip
+    assert origins.rename("messages[2].tool_calls[1].function.arguments must be JSON text") == (
+        "input[2].arguments must be JSON text"
+    )
+    assert origins.rename("messages[3] of role 'tool'; $.messages[1].content") == (
+        "input[4] of role 'tool'; $.input[0].content"
+    )
+    assert origins.rename("messages[2].tool_calls must hold <= 128 calls") == (
+        "input[1] to input[3] (the function_call items of one turn) must hold <= 128 calls"
+    )
