@@ -106,8 +106,8 @@ class EngineConfig(SchedulingPolicy):
             of float32's, measured (docs/models.md): ``"fp16"`` where ``dtype="auto"``
             resolves to float32 on a CPU with the kernel, else ``None``. An explicit
             ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
-            ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K weights computed
-            as stored, with activations quantized per block (float32 on a CPU;
+            ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
+            weights computed as stored, with activations quantized per block (float32 on a CPU;
             docs/models.md).
         torch_threads: torch's intra-op threads for the forward pass, fixed. ``None`` (the
             default) lets the engine choose on the CPU: every core

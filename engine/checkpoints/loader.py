@@ -8,9 +8,9 @@ Three sources, one result (:class:`LoadedModel`):
 * a **Hugging Face directory**: ``config.json`` plus ``*.safetensors``, read tensor by tensor
   through ``safe_open``'s memory map, so the weights exist once in RAM (in the parameters);
 * a **GGUF file**, read by :func:`~twostroke.engine.checkpoints.gguf.read_gguf` (memory
-  mapped, the vocabulary skipped). With ``quantization="gguf"`` its Q8_0, Q4_0, Q4_1, Q4_K,
-  Q5_K and Q6_K weights stay as stored: the projections, the embedding and the tied output
-  projection compute from the blocks in the file's memory map
+  mapped, the vocabulary skipped). With ``quantization="gguf"`` its Q8_0, Q4_0, Q4_1, Q5_0,
+  Q5_1, Q4_K, Q5_K and Q6_K weights stay as stored: the projections, the embedding and the
+  tied output projection compute from the blocks in the file's memory map
   (:mod:`~twostroke.engine.kernels.gguf_blocks`; no float32 copy, no cache entry), and the
   other tensors (the norms) are read as below. Otherwise each tensor is dequantized to
   float32 by the ``gguf`` package and converted to the chosen dtype on its way into its
@@ -228,8 +228,8 @@ def load_model(
             here, warns with
             :class:`~twostroke.engine.models.quantization.QuantizationUnavailable` and
             keeps full precision (``LoadedModel.quantization`` is then ``None``).
-            ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K weights
-            computed as stored (:mod:`~twostroke.engine.kernels.gguf_blocks`), activations
+            ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
+            weights computed as stored (:mod:`~twostroke.engine.kernels.gguf_blocks`), activations
             in float32 (``dtype`` must be float32, the device a CPU); a weight of another
             quantized type is a :class:`BlockTypeUnsupported`. ``"auto"``: the engine's policy (see
             :func:`~twostroke.engine.kernels.selection.select_kernels`; for a GGUF file,

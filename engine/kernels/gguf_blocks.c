@@ -10,8 +10,11 @@
  *   Q8_0  34 bytes: d (float16), q[32] (int8)                     w[i] = d q[i]
  *   Q4_0  18 bytes: d (float16), n[16] (two 4-bit values a byte)  w[i] = d (nib(i) - 8)
  *   Q4_1  20 bytes: d, m (float16), n[16]                         w[i] = d nib(i) + m
+ *   Q5_0  22 bytes: d, h (32 bits, little-endian), n[16]     w[i] = d (nib(i) + 16 h_i - 16)
+ *   Q5_1  24 bytes: d, m, h, n[16]                           w[i] = d (nib(i) + 16 h_i) + m
  *
- * where nib(i) is the low half of n[i] for i < 16 and the high half of n[i - 16] after.
+ * where nib(i) is the low half of n[i] for i < 16 and the high half of n[i - 16] after, and
+ * h_i bit i of h.
  *
  * And the "K" super-blocks of 256 weights, eight sub-blocks of 32 (Q6_K: sixteen of 16):
  *
@@ -35,7 +38,7 @@
  * of 32 8-bit pairs times two scales:
  *
  *   Q8_0: d s sum(q_w q_x)     Q4_0: d s sum(nib q_x) - 8 d (s sum q_x)
- *   Q4_1: d s sum(nib q_x) + m (s sum q_x)
+ *   Q4_1: d s sum(nib q_x) + m (s sum q_x)   (Q5_0, Q5_1 likewise, nib + 16 h_i, -16 d)
  *
  * AVX2 multiplies the unsigned nibbles (or |q_w|) by the signed activations pairwise into
  * 16 bits (VPMADDUBSW: 15 * 127 * 2 or 128 * 127 * 2 fit) and adds pairs into 32 bits
@@ -79,6 +82,8 @@
 /* GGML's type numbers (gguf.GGMLQuantizationType). */
 #define TYPE_Q4_0 2
 #define TYPE_Q4_1 3
+#define TYPE_Q5_0 6
+#define TYPE_Q5_1 7
 #define TYPE_Q8_0 8
 #define TYPE_Q4_K 12
 #define TYPE_Q5_K 13
@@ -99,6 +104,8 @@ static ptrdiff_t block_bytes(int type) {
     case TYPE_Q8_0: return 2 + BLOCK;
     case TYPE_Q4_0: return 2 + BLOCK / 2;
     case TYPE_Q4_1: return 4 + BLOCK / 2;
+    case TYPE_Q5_0: return 6 + BLOCK / 2;
+    case TYPE_Q5_1: return 8 + BLOCK / 2;
     case TYPE_Q4_K: return 4 + 12 + SUPER / 2;
     case TYPE_Q5_K: return 4 + 12 + SUPER / 8 + SUPER / 2;
     case TYPE_Q6_K: return SUPER / 2 + SUPER / 4 + SUPER / 16 + 2;
@@ -107,6 +114,13 @@ static ptrdiff_t block_bytes(int type) {
 }
 
 static int is_super(int type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
+
+/* A 32-block with a min (Q4_1, Q5_1), with fifth bits (Q5_0, Q5_1); where its nibbles start;
+ * the offset (times d) of one without a min: Q4_0's -8, Q5_0's -16. */
+static int has_min(int type) { return type == TYPE_Q4_1 || type == TYPE_Q5_1; }
+static int has_fifth(int type) { return type == TYPE_Q5_0 || type == TYPE_Q5_1; }
+static ptrdiff_t nibbles_at(int type) { return 2 + 2 * has_min(type) + 4 * has_fifth(type); }
+static float offset_of(int type) { return type == TYPE_Q5_0 ? -16.0f : -8.0f; }
 
 /* Weights a block of `type` holds. */
 static ptrdiff_t block_weights(int type) { return is_super(type) ? SUPER : BLOCK; }
@@ -242,11 +256,22 @@ static inline __attribute__((always_inline)) void tile(
                 signs = _mm256_loadu_si256((const __m256i *)(block + 2));
                 weights = _mm256_sign_epi8(signs, signs); /* |q_w|, unsigned */
             } else {
-                const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
-                __m128i packed = _mm_loadu_si128((const __m128i *)nibbles);
+                __m128i packed = _mm_loadu_si128((const __m128i *)(block + nibbles_at(type)));
                 weights =
                     _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
-                coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+                if (has_fifth(type)) { /* byte i of 32 takes bit i of h: 16 where it is set */
+                    uint32_t h;
+                    memcpy(&h, block + nibbles_at(type) - 4, sizeof h);
+                    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+                    __m256i spread = _mm256_shuffle_epi8(
+                        _mm256_set1_epi32((int)h),
+                        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                          0x0101010101010101LL, 0));
+                    spread = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                    weights = _mm256_or_si256(weights,
+                                              _mm256_and_si256(spread, _mm256_set1_epi8(16)));
+                }
+                coefficient = has_min(type) ? half_to_float(block + 2) : offset_of(type) * d;
             }
             for (int r = 0; r < count; r++) {
                 __m256i xr = type == TYPE_Q8_0 ? _mm256_sign_epi8(x[r], signs) : x[r];
@@ -277,12 +302,16 @@ static inline __attribute__((always_inline)) void tile(
             if (type == TYPE_Q8_0) {
                 memcpy(weights, block + 2, BLOCK);
             } else {
-                const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
+                const uint8_t *nibbles = block + nibbles_at(type);
+                uint32_t h = 0;
+                if (has_fifth(type))
+                    memcpy(&h, nibbles - 4, sizeof h);
                 for (int i = 0; i < BLOCK / 2; i++) {
-                    weights[i] = (int8_t)(nibbles[i] & 0x0f);
-                    weights[i + BLOCK / 2] = (int8_t)(nibbles[i] >> 4);
+                    weights[i] = (int8_t)((nibbles[i] & 0x0f) | ((h >> i) & 1) << 4);
+                    weights[i + BLOCK / 2] =
+                        (int8_t)((nibbles[i] >> 4) | ((h >> (i + BLOCK / 2)) & 1) << 4);
                 }
-                coefficient = type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+                coefficient = has_min(type) ? half_to_float(block + 2) : offset_of(type) * d;
             }
             for (int r = 0; r < count; r++) {
                 const int8_t *x = q + r * in_features + b * BLOCK;
@@ -478,6 +507,8 @@ static void tiles(int type, int wrows, int count, const uint8_t *w, ptrdiff_t ro
     case TYPE_Q8_0: TILE_SHAPES(tile, TYPE_Q8_0); break;
     case TYPE_Q4_0: TILE_SHAPES(tile, TYPE_Q4_0); break;
     case TYPE_Q4_1: TILE_SHAPES(tile, TYPE_Q4_1); break;
+    case TYPE_Q5_0: TILE_SHAPES(tile, TYPE_Q5_0); break;
+    case TYPE_Q5_1: TILE_SHAPES(tile, TYPE_Q5_1); break;
     case TYPE_Q4_K: TILE_SHAPES(super_tile, TYPE_Q4_K); break;
     case TYPE_Q5_K: TILE_SHAPES(super_tile, TYPE_Q5_K); break;
     default: TILE_SHAPES(super_tile, TYPE_Q6_K); break;
@@ -602,12 +633,17 @@ int twostroke_block_rows(int type, const void *blocks, ptrdiff_t in_features,
                 for (int j = 0; j < BLOCK; j++)
                     v[j] = d * (float)(int8_t)block[2 + j];
             } else {
-                const uint8_t *nibbles = block + (type == TYPE_Q4_1 ? 4 : 2);
-                float m = type == TYPE_Q4_1 ? half_to_float(block + 2) : 0.0f;
-                int offset = type == TYPE_Q4_1 ? 0 : 8;
+                const uint8_t *nibbles = block + nibbles_at(type);
+                float m = has_min(type) ? half_to_float(block + 2) : 0.0f;
+                int offset = has_min(type) ? 0 : -(int)offset_of(type);
+                uint32_t h = 0;
+                if (has_fifth(type))
+                    memcpy(&h, nibbles - 4, sizeof h);
                 for (int j = 0; j < BLOCK / 2; j++) {
-                    v[j] = d * (float)((nibbles[j] & 0x0f) - offset) + m;
-                    v[j + BLOCK / 2] = d * (float)((nibbles[j] >> 4) - offset) + m;
+                    int low = (nibbles[j] & 0x0f) | (int)((h >> j) & 1) << 4;
+                    int high = (nibbles[j] >> 4) | (int)((h >> (j + BLOCK / 2)) & 1) << 4;
+                    v[j] = d * (float)(low - offset) + m;
+                    v[j + BLOCK / 2] = d * (float)(high - offset) + m;
                 }
             }
         }

@@ -1,5 +1,5 @@
-"""Products by GGUF weights as the file stores them: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K
-blocks, in place.
+"""Products by GGUF weights as the file stores them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K and Q6_K blocks, in place.
 
 A GGUF file holds most of a model's weights in llama.cpp's blocks of 32 (SmolLM2's
 default file: every projection in Q4_1, the embedding and tied output head in Q8_0), or in
@@ -84,6 +84,8 @@ SUPER = 256
 BLOCK_TYPES: Mapping[str, int] = {
     "Q4_0": 2,
     "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
     "Q8_0": 8,
     "Q4_K": 12,
     "Q5_K": 13,
@@ -91,7 +93,16 @@ BLOCK_TYPES: Mapping[str, int] = {
 }
 
 #: Bytes a block of each type takes, by GGML's type number.
-BLOCK_BYTES: Mapping[int, int] = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
+BLOCK_BYTES: Mapping[int, int] = {
+    2: 18,
+    3: 20,
+    6: 22,
+    7: 24,
+    8: 34,
+    12: 144,
+    13: 176,
+    14: 210,
+}
 
 _SUPER_TYPES = frozenset({12, 13, 14})
 
@@ -136,7 +147,8 @@ def rounding_bound(block_type: int, in_features: int) -> float:
 
 def offset_magnitudes(data: np.ndarray[Any, Any], block_type: int) -> np.ndarray[Any, Any]:
     """Each weight's offset term in magnitude, float64 ``[out_features, in_features]``: Q4_0's
-    ``8 |d|``, Q4_1's ``|m|``, Q4_K's and Q5_K's ``|dmin m_j|``, 0 for Q8_0 and Q6_K.
+    ``8 |d|``, Q5_0's ``16 |d|``, Q4_1's and Q5_1's ``|m|``, Q4_K's and Q5_K's
+    ``|dmin m_j|``, 0 for Q8_0 and Q6_K.
 
     The kernel sums a weight's scaled term and its offset term apart, so its rounding is
     bounded by ``|x| (|w| + 2 offset)`` summed over a row (``|d q| <= |w| + offset``), not by
@@ -148,7 +160,9 @@ def offset_magnitudes(data: np.ndarray[Any, Any], block_type: int) -> np.ndarray
     offset: np.ndarray[Any, Any]
     if block_type == BLOCK_TYPES["Q4_0"]:
         offset = 8 * np.abs(_halves(blocks, 0)).repeat(BLOCK, axis=1)
-    elif block_type == BLOCK_TYPES["Q4_1"]:
+    elif block_type == BLOCK_TYPES["Q5_0"]:
+        offset = 16 * np.abs(_halves(blocks, 0)).repeat(BLOCK, axis=1)
+    elif block_type in (BLOCK_TYPES["Q4_1"], BLOCK_TYPES["Q5_1"]):
         offset = np.abs(_halves(blocks, 2)).repeat(BLOCK, axis=1)
     elif block_type in (BLOCK_TYPES["Q4_K"], BLOCK_TYPES["Q5_K"]):
         packed = blocks[:, 4:16].astype(np.int64)
@@ -504,7 +518,12 @@ def random_blocks(
     count = out_features * (in_features // block_weights(block_type))
     data = generator.integers(0, 256, (count, size), dtype=np.uint8)
     halves, at, spread = 1, 0, 0.02
-    if block_type in (BLOCK_TYPES["Q4_1"], BLOCK_TYPES["Q4_K"], BLOCK_TYPES["Q5_K"]):
+    if block_type in (
+        BLOCK_TYPES["Q4_1"],
+        BLOCK_TYPES["Q5_1"],
+        BLOCK_TYPES["Q4_K"],
+        BLOCK_TYPES["Q5_K"],
+    ):
         halves = 2
     if block_type in (BLOCK_TYPES["Q4_K"], BLOCK_TYPES["Q5_K"]):
         spread = 0.02 / 32

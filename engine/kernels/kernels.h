@@ -70,8 +70,8 @@ twostroke_projection_supported_fn twostroke_projection_supported;
 twostroke_projection_panel_fn twostroke_projection_panel;
 twostroke_projection_fn twostroke_projection;
 
-/* gguf_blocks.c: products by GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks as stored
- * (`type` is GGML's type number), of activations quantized per block of 32; and the rows of
+/* gguf_blocks.c: products by GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks
+ * as stored (`type` is GGML's type number), of activations quantized per block of 32; and the rows of
  * such a weight. */
 struct twostroke_block_part {
     int type;               /* GGML's type number */

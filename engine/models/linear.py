@@ -15,7 +15,7 @@ replaces it, once, never back:
   compiled bfloat16 kernel (:mod:`~twostroke.engine.kernels.projection`).
 
 * :class:`~twostroke.engine.kernels.gguf_blocks.BlockWeight`: a GGUF file's Q8_0, Q4_0,
-  Q4_1, Q4_K, Q5_K or Q6_K blocks as stored, read in place from its memory map (the
+  Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks as stored, read in place from its memory map (the
   ``"blocks"`` form: the model builds it from the blocks the loader handed it, never from a
   full-precision weight).
 """

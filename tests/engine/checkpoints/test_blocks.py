@@ -62,6 +62,8 @@ def quantized(x: torch.Tensor) -> torch.Tensor:
     [
         pytest.param(Q.Q4_1, Q.Q8_0, True, id="q4_1-q8_0-tied"),
         pytest.param(Q.Q4_0, Q.Q8_0, False, id="q4_0-q8_0"),
+        pytest.param(Q.Q5_0, Q.Q8_0, False, id="q5_0-q8_0"),
+        pytest.param(Q.Q5_1, Q.Q5_1, True, id="q5_1-q5_1-tied"),
         pytest.param(Q.Q8_0, Q.F16, True, id="q8_0-f16-tied"),
     ],
 )
@@ -90,7 +92,7 @@ def test_each_projection_computes_from_the_files_blocks_as_the_dequantized_weigh
         scale = float((quantized(x).double().abs() @ method.weight.double().abs().T).max())
         assert float((mine(x).double() - expected).abs().max()) <= 1e-5 * scale
     ids = torch.tensor([[0, 255, 3]])
-    if embedding == Q.Q8_0:
+    if embedding != Q.F16:
         assert isinstance(model._embedding, BlockEmbedding)
         assert model.embed_tokens.numel() == 0  # no float copy of the embedding
     torch.testing.assert_close(
@@ -137,12 +139,12 @@ def weight_entries(cache: Path) -> list[Path]:
 
 
 def test_a_type_not_computed_as_stored_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
-    file = write(tmp_path, Q.Q5_0, Q.Q8_0)
+    file = write(tmp_path, Q.BF16, Q.Q8_0)
     with pytest.raises(BlockTypeUnsupported) as caught:
         load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
-    assert caught.value.block_type == "Q5_0"
+    assert caught.value.block_type == "BF16"
     assert caught.value.tensor.startswith("blk.0.")
-    assert "is Q5_0, which quantization='gguf' does not compute as stored" in str(caught.value)
+    assert "is BF16, which quantization='gguf' does not compute as stored" in str(caught.value)
     # Without quantization='gguf' the file loads dequantized, as before.
     load_model(file, dtype=torch.float32, device=CPU, quantization=None)
 
@@ -157,7 +159,7 @@ def test_gguf_quantization_needs_a_gguf_file_and_float32_on_the_cpu(tmp_path: Pa
         load_model(file, dtype=torch.bfloat16, device=CPU, quantization="gguf")
 
 
-@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf"), (Q.Q5_0, "fp16")])
+@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf"), (Q.BF16, "fp16")])
 def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -177,7 +179,7 @@ def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
         assert isinstance(loaded.module.lm_head.method, BlockWeight)
     else:
         assert loaded.quantization != "gguf"
-        assert "tensor 'blk.0.attn_q.weight' is Q5_0, which is not computed as stored" in (
+        assert "tensor 'blk.0.attn_q.weight' is BF16, which is not computed as stored" in (
             caplog.text
         )
     # transformers' exact arithmetic asked for: never the blocks.
