@@ -19,6 +19,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from tests.engine.text.test_chat import MALFORMED
+from twostroke.engine.artifacts.cache import CACHE_DIR_ENV
+from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.text.detokenizer import IncrementalDetokenizer
 from twostroke.engine.text.saved_tokenizer import SavedTokenizer
 from twostroke.engine.text.tokenizer import (
@@ -285,26 +287,45 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An artifact cache of this module's own: its tests remove and damage the SmolLM2
+    tokenizer's entry, which the other tests of the run (other workers' included) read from
+    the run's shared cache meanwhile."""
+    folder = tmp_path_factory.mktemp("tokenizer-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="module")
-def transformers_smollm2() -> Any:
-    """transformers' own tokenizer of the GGUF file: read once (a few seconds), for both of ours."""
+def transformers_smollm2(smollm2_hf_fp32: ModelSpec) -> Any:
+    """transformers' own tokenizer of the GGUF file, for both of ours: as transformers saved
+    it, beside the model, in the session's Hugging Face copy of SmolLM2
+    (``AutoTokenizer.from_pretrained(gguf_file=...).save_pretrained``).
+
+    Reading the GGUF's tokenizer parses the file's metadata with ``gguf.GGUFReader``: 12-14 s
+    of CPU on 2 AVX2 cores (load 4-5). The copy, which the tests comparing models with
+    transformers need in any case and the workers of a run share, parses it once for its
+    model and tokenizer together; its saved tokenizer reads back in about a second.
+    """
     from transformers import AutoTokenizer
 
-    path = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    assert smollm2_hf_fp32.source == smollm2_gguf()
+    return AutoTokenizer.from_pretrained(smollm2_hf_fp32.hf_dir, local_files_only=True)
 
 
 @pytest.fixture(scope="module", params=["converted", "cached"])
 def smollm2(
-    request: pytest.FixtureRequest, artifact_cache_in_tmp: Path, transformers_smollm2: Any
+    request: pytest.FixtureRequest, tokenizer_cache: Path, transformers_smollm2: Any
 ) -> Iterator[tuple[HFTokenizer, Any]]:
     """Ours converted from the GGUF file, then ours read back from the artifact cache."""
     path = smollm2_gguf()
-    if request.param == "converted":  # an earlier test of the session may have cached it
-        for entry in artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer"):
+    if request.param == "converted":  # an earlier test of the module may have cached it
+        for entry in tokenizer_cache.glob(f"{path.name}-*/tokenizer"):
             shutil.rmtree(entry)
     ours = HFTokenizer.from_pretrained(path)
-    (cached,) = artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer/tokenizer.json")
+    (cached,) = tokenizer_cache.glob(f"{path.name}-*/tokenizer/tokenizer.json")
     if request.param == "cached":
         mtime = cached.stat().st_mtime_ns
         ours = HFTokenizer.from_pretrained(path)
@@ -339,11 +360,11 @@ def test_smollm2_is_read_from_the_cache_without_transformers(
 
 @pytest.mark.slow
 def test_a_damaged_cached_tokenizer_is_converted_again(
-    artifact_cache_in_tmp: Path, transformers_smollm2: Any, caplog: pytest.LogCaptureFixture
+    tokenizer_cache: Path, transformers_smollm2: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = smollm2_gguf()
     HFTokenizer.from_pretrained(path)  # converted and cached, unless an earlier test did
-    (cached,) = artifact_cache_in_tmp.glob(f"{path.name}-*/tokenizer/chat_template.jinja")
+    (cached,) = tokenizer_cache.glob(f"{path.name}-*/tokenizer/chat_template.jinja")
     template = cached.read_text()
     # One letter of the chat template: it rendered the changed prompt without a word before
     # the cache recorded each file's SHA-256.
