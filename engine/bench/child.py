@@ -10,7 +10,8 @@ JSON result, versioned by ``"protocol"``::
     {"protocol": N, "startup_seconds": float, "wall_seconds": float,
      "timings": [{"prompt_tokens", "output_tokens", "start", "first_token", "end",
                   "chunk_times": [float, ...]}, ...],
-     "extra": {str: value}}
+     "extra": {str: value},
+     "output_token_ids": [[int, ...], ...]}  # optional: each request's tokens
 
 or, when anything fails, ``{"protocol": N, "error": "Type: message"}``. Each peer's script
 documents its job.
@@ -109,11 +110,19 @@ def read_result(
         timings = tuple(RequestTiming.from_json(t) for t in document["timings"])
         startup = float(document["startup_seconds"])
         wall = float(document["wall_seconds"])
+        outputs = tuple(
+            tuple(int(token) for token in tokens)
+            for tokens in document.get("output_token_ids") or ()
+        )
     except (KeyError, TypeError, ValueError) as error:
         raise ChildError(f"the child's result is malformed: {error}") from None
     if len(timings) != len(workload.requests):
         raise ChildError(
             f"the child returned {len(timings)} timings for {len(workload.requests)} requests"
+        )
+    if outputs and len(outputs) != len(timings):
+        raise ChildError(
+            f"the child returned {len(outputs)} outputs for {len(workload.requests)} requests"
         )
     for index, (timing, request) in enumerate(zip(timings, workload.requests, strict=True)):
         if timing.output_tokens != request.max_tokens:
@@ -128,6 +137,7 @@ def read_result(
         wall_seconds=wall,
         timings=timings,
         extra=dict(document.get("extra", {})),
+        output_token_ids=outputs,
     )
 
 

@@ -13,6 +13,13 @@ Python as ``--llamacpp-python``; without that option, the bench's own Python is 
 can import ``llama_cpp``. Either way llama.cpp runs in a child process
 (:mod:`~twostroke.engine.bench.child`, script ``_llamacpp_child.py``), apart from the torch
 thread pools and OpenMP runtime of the systems that ran before it.
+
+With a :class:`PromptLookup`, the binding's own speculative n-gram mode runs: prompt lookup
+decoding (``llama_cpp.llama_speculative.LlamaPromptLookupDecoding`` passed as
+``draft_model``, which drafts the tokens that followed the latest n-gram's earliest match in
+the request's tokens and verifies them in one batch). ``twostroke bench
+--speculative-config`` adds that row (``llama.cpp-prompt-lookup``) beside plain llama.cpp,
+and the bench's greedy check compares their outputs.
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from twostroke.engine.bench.child import ChildError
 from twostroke.engine.bench.metrics import SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.workload import Workload
+from twostroke.states.validators import int_at_least
 
 __all__ = [
     "CHILD_SCRIPT",
     "PROTOCOL",
     "GGUFWeights",
     "LlamaCppDriver",
+    "PromptLookup",
     "gguf_weights",
     "job_document",
 ]
@@ -120,11 +129,34 @@ def gguf_weights(path: Path) -> GGUFWeights:
     return GGUFWeights(file_type=file_type, weights=weights)
 
 
-def job_document(workload: Workload, *, model: ModelSpec, batch: int) -> dict[str, Any]:
+@attrs.frozen
+class PromptLookup:
+    """llama-cpp-python's prompt lookup decoding, with its own parameter names.
+
+    Attributes:
+        num_pred_tokens: Tokens drafted at a match (``num_speculative_tokens``).
+        max_ngram_size: The longest n-gram matched; it tries every size down to 1
+            (``prompt_lookup_max``; the binding has no minimum).
+    """
+
+    num_pred_tokens: int = attrs.field(default=10, validator=int_at_least(1))
+    max_ngram_size: int = attrs.field(default=2, validator=int_at_least(1))
+
+    def describe(self) -> str:
+        """``"LlamaPromptLookupDecoding(max_ngram_size=5, num_pred_tokens=5)"``."""
+        return (
+            f"LlamaPromptLookupDecoding(max_ngram_size={self.max_ngram_size}, "
+            f"num_pred_tokens={self.num_pred_tokens})"
+        )
+
+
+def job_document(
+    workload: Workload, *, model: ModelSpec, batch: int, prompt_lookup: PromptLookup | None = None
+) -> dict[str, Any]:
     """The JSON job the child runs: the workload's token ids, lengths and arrivals.
 
     The context holds the longest request whole, and a prompt is evaluated ``batch`` tokens at
-    a time (no more than the context).
+    a time (no more than the context). With ``prompt_lookup``, the job says how to draft.
     """
     requests = workload.requests
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
@@ -140,7 +172,7 @@ def job_document(workload: Workload, *, model: ModelSpec, batch: int) -> dict[st
             for r in requests
         ],
         "arrival_times": None if workload.arrival_times is None else list(workload.arrival_times),
-    }
+    } | ({} if prompt_lookup is None else {"prompt_lookup": attrs.asdict(prompt_lookup)})
 
 
 class LlamaCppDriver:
@@ -150,7 +182,8 @@ class LlamaCppDriver:
         self,
         python: str | os.PathLike[str] | None = None,
         *,
-        name: str = "llama.cpp",
+        name: str | None = None,
+        prompt_lookup: PromptLookup | None = None,
         batch: int = 512,
         timeout: float = 1800.0,
         child_script: Path = CHILD_SCRIPT,
@@ -159,13 +192,17 @@ class LlamaCppDriver:
         """Args:
         python: The Python of a venv with ``llama-cpp-python`` (``--llamacpp-python``);
             ``None``: this one, if it can import ``llama_cpp``.
-        name: The system's name in reports.
+        name: The system's name in reports (default ``llama.cpp``, or with
+            ``prompt_lookup`` ``llama.cpp-prompt-lookup``).
+        prompt_lookup: Decode with the binding's prompt lookup decoding (``None``: plain
+            decoding).
         batch: Prompt tokens per llama.cpp batch (``n_batch``).
         timeout: Seconds the child may take in all, start-up included.
         child_script: The script to run (tests substitute a fake).
         env: Extra environment for the child (tests point ``PYTHONPATH`` at a fake llama_cpp).
         """
-        self.name = name
+        self.name = name or ("llama.cpp" if prompt_lookup is None else "llama.cpp-prompt-lookup")
+        self.prompt_lookup = prompt_lookup
         self.python = None if python is None else Path(python)
         self.batch = batch
         self.timeout = timeout
@@ -222,8 +259,11 @@ class LlamaCppDriver:
             result, elapsed = child.run_child(
                 python,
                 self.child_script,
-                job_document(workload, model=model, batch=self.batch),
-                folder=model.work_dir / "llamacpp",
+                job_document(
+                    workload, model=model, batch=self.batch, prompt_lookup=self.prompt_lookup
+                ),
+                folder=model.work_dir
+                / ("llamacpp" if self.prompt_lookup is None else "llamacpp-prompt-lookup"),
                 env=self._environment(),
                 timeout=self.timeout,
                 name=self.name,
@@ -245,8 +285,17 @@ class LlamaCppDriver:
                 "weight_format": weights.file_type,
                 "weights": f"{weights.describe()}, computed as stored",
                 "batching": "none: one request at a time",
+                **self._speculation(),
             },
+            output_token_ids=result.output_token_ids,
         )
+
+    def _speculation(self) -> dict[str, Any]:
+        """For prompt lookup: how it drafts, and the row its greedy outputs must equal (the
+        binding counts no drafts, so the row has no acceptance length)."""
+        if self.prompt_lookup is None:
+            return {}
+        return {"speculation_off": "llama.cpp", "prompt_lookup": self.prompt_lookup.describe()}
 
     def _environment(self) -> dict[str, str]:
         return child.child_environment(self.env)

@@ -141,6 +141,10 @@ def _timings(values: Iterable[RequestTiming]) -> tuple[RequestTiming, ...]:
     return tuple(values)
 
 
+def _token_ids(values: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(token) for token in tokens) for tokens in values)
+
+
 @attrs.frozen
 class SystemResult:
     """Everything one system reported for one workload.
@@ -154,6 +158,9 @@ class SystemResult:
         timings: One per request, in workload order.
         extra: What a reader needs to interpret the figures: versions, dtype, threads,
             weight format, batch size.
+        output_token_ids: The tokens each request generated, in workload order, where the
+            system reports them (empty where it does not): what the bench's greedy check
+            compares (:mod:`~twostroke.engine.bench.speculation`). Not in :meth:`to_json`.
     """
 
     name: str
@@ -163,6 +170,9 @@ class SystemResult:
     wall_seconds: float = 0.0
     timings: tuple[RequestTiming, ...] = attrs.field(default=(), converter=_timings)
     extra: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
+    output_token_ids: tuple[tuple[int, ...], ...] = attrs.field(
+        default=(), converter=_token_ids, eq=False, kw_only=True
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.available and self.reason is not None:
@@ -173,6 +183,11 @@ class SystemResult:
             raise ValueError(f"an available result must hold timings ({self.name})")
         if self.available and not self.wall_seconds > 0:
             raise ValueError(f"wall_seconds must be > 0, got {self.wall_seconds}")
+        if self.output_token_ids and len(self.output_token_ids) != len(self.timings):
+            raise ValueError(
+                f"output_token_ids must hold one sequence per request ({len(self.timings)}), "
+                f"got {len(self.output_token_ids)}"
+            )
 
     @classmethod
     def unavailable(

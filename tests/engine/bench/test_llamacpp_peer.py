@@ -17,6 +17,7 @@ from twostroke.engine.bench.llamacpp_peer import (
     PROTOCOL,
     GGUFWeights,
     LlamaCppDriver,
+    PromptLookup,
     gguf_weights,
     job_document,
 )
@@ -27,7 +28,8 @@ Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 # A stand-in for llama-cpp-python: `generate` yields token 7 forever (as the real one does
-# until its caller stops), and the fake logs what it was asked to $FAKE_LLAMA_LOG on close.
+# until its caller stops), and the fake logs what it was asked to $FAKE_LLAMA_LOG on close
+# (a draft model as its class name and attributes).
 FAKE_LLAMA_CPP = """
 import json, os, time
 
@@ -42,7 +44,10 @@ class Llama:
     def __init__(self, **kwargs):
         if os.environ.get("FAKE_LLAMA_FAIL"):
             raise ValueError("Failed to load model from file")
+        draft = kwargs.pop("draft_model", None)
         self.log = {"kwargs": kwargs, "generate": [], "resets": 0}
+        if draft is not None:
+            self.log["draft_model"] = [type(draft).__name__, vars(draft)]
 
     def reset(self):
         self.log["resets"] += 1
@@ -55,6 +60,15 @@ class Llama:
     def close(self):
         with open(os.environ["FAKE_LLAMA_LOG"], "w") as file:
             json.dump(self.log, file)
+"""
+
+
+# The binding's prompt lookup decoding, as far as the child uses it: its constructor.
+FAKE_LLAMA_SPECULATIVE = """
+class LlamaPromptLookupDecoding:
+    def __init__(self, max_ngram_size=2, num_pred_tokens=10):
+        self.max_ngram_size = max_ngram_size
+        self.num_pred_tokens = num_pred_tokens
 """
 
 
@@ -88,6 +102,7 @@ def fake_llama_cpp(tmp_path: Path) -> dict[str, str]:
     package = tmp_path / "fake" / "llama_cpp"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(textwrap.dedent(FAKE_LLAMA_CPP))
+    (package / "llama_speculative.py").write_text(textwrap.dedent(FAKE_LLAMA_SPECULATIVE))
     return {"PYTHONPATH": str(tmp_path / "fake"), "FAKE_LLAMA_LOG": str(tmp_path / "fake.json")}
 
 
@@ -190,6 +205,41 @@ def test_offline_run_through_the_real_child(
     assert all(
         (g["temp"], g["repeat_penalty"], g["reset"]) == (0.0, 1.0, True) for g in log["generate"]
     )
+
+
+def test_prompt_lookup_runs_through_the_real_child(
+    fake_llama_cpp: dict[str, str], model: ModelSpec, tmp_path: Path
+) -> None:
+    lookup = PromptLookup(num_pred_tokens=4, max_ngram_size=3)
+    assert job_document(WORKLOAD, model=model, batch=4, prompt_lookup=lookup)["prompt_lookup"] == {
+        "num_pred_tokens": 4,
+        "max_ngram_size": 3,
+    }
+    assert "prompt_lookup" not in job_document(WORKLOAD, model=model, batch=4)
+    driver = LlamaCppDriver(sys.executable, prompt_lookup=lookup, env=fake_llama_cpp)
+    assert driver.name == "llama.cpp-prompt-lookup"
+    result = driver.run(WORKLOAD, model=model)
+    assert result.available, result.reason
+    assert [t.output_tokens for t in result.timings] == [5, 1, 4]
+    # The tokens each request generated, for the greedy check against plain llama.cpp.
+    assert result.output_token_ids == ((7,) * 5, (7,), (7,) * 4)
+    assert result.extra["speculation_off"] == "llama.cpp"
+    assert result.extra["prompt_lookup"] == (
+        "LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=4)"
+    )
+    log = json.loads((tmp_path / "fake.json").read_text())
+    assert log["draft_model"] == [
+        "LlamaPromptLookupDecoding",
+        {"max_ngram_size": 3, "num_pred_tokens": 4},
+    ]
+    assert (model.work_dir / "llamacpp-prompt-lookup" / "child.log").exists()
+    # Plain decoding has no draft model, and its outputs are reported as well.
+    plain = LlamaCppDriver(sys.executable, env=fake_llama_cpp).run(WORKLOAD, model=model)
+    assert "draft_model" not in json.loads((tmp_path / "fake.json").read_text())
+    assert plain.output_token_ids == result.output_token_ids
+    assert "speculation_off" not in plain.extra
+    with pytest.raises(ValueError, match=r"^num_pred_tokens must be >= 1, got 0$"):
+        PromptLookup(num_pred_tokens=0)
 
 
 def test_serving_requests_start_at_their_arrival_times(
