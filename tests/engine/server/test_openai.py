@@ -297,6 +297,7 @@ async def test_an_idle_stream_gets_keep_alive_comments() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the model's path; both run the toy's
 async def test_smollm2_names_the_capital_of_france() -> None:
     from twostroke.engine import Engine
     from twostroke.engine.server import serve
