@@ -214,9 +214,11 @@ def test_a_second_build_loads_the_cached_library(caplog: pytest.LogCaptureFixtur
 
 
 def test_each_shape_and_element_type_has_its_own_library() -> None:
+    # Blocks of 5 are test_the_kernel_matches_torch's (built once in the run: two compiles
+    # of about 2 s of CPU each fewer); blocks of 2 differ from them in the block size alone.
     paths = {
         build_kernel(block_size=size, head_dim=8, group=1, dtype=dtype).path
-        for size in (2, 4)
+        for size in (2, 5)
         for dtype in (torch.float32, torch.bfloat16)
     }
     assert len(paths) == 4
