@@ -611,3 +611,9 @@ class Matcher(Protocol):
         Raises:
             ValueError: the row is read-only, not contiguous or of the wrong size.
         """
+
+    def fork(self) -> Matcher:
+        """An independent matcher at the same place: advancing it leaves this one where it
+        is (speculative decoding follows a request's drafts with one, to cut a draft at
+        the first token the constraint refuses and to fill the masks of drafted positions).
+        """

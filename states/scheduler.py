@@ -24,8 +24,11 @@ tokens (:mod:`twostroke.states.speculation`), proposed here, while the step befo
 drafts count against the step's token budget, never make a request wait or preempt another
 (a draft that does not fit is dropped), and never pass ``max_tokens``. A request that
 verifies drafts in a step in flight is not planned again until that step's outcome says how
-many held: its next positions depend on it. Requests with a constraint or penalties do not
-draft (their mask and their penalties at a drafted position would depend on the drafts
+many held: its next positions depend on it. A constrained request's draft ends at the first
+token its constraint refuses: cut here, on a fork of its matcher, when no token of it is in
+flight, and otherwise by the masks of the drafted positions (filled on forks followed through
+the drafts once the token in flight is applied: a refused draft is never sampled). Requests
+with penalties do not draft (their penalties at a drafted position would depend on the drafts
 before it): they decode as without speculation.
 
 Both queues are kept in arrival order. A new request arrived after every request there is, so
@@ -43,6 +46,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from twostroke.states.blocks import BlockPool, blocks_for
+from twostroke.states.constraints import Matcher
 from twostroke.states.errors import EngineOverloaded, RequestRejected, SchedulerError
 from twostroke.states.plan import RunnerOutput, ScheduledRequest, StepFailure, StepPlan, StepReport
 from twostroke.states.prefix_cache import PrefixCache
@@ -396,11 +400,15 @@ class Scheduler:
             speculator is None
             or num_tokens < 1
             or request.num_tokens - computed != num_tokens  # the row does not reach the end
-            or request.params.constraint is not None
             or request.params.uses_penalties
             or not speculator.enabled_for(len(self._running))
         ):
             return ()
+        # A constrained request's drafts are cut here where its constraint refuses one, if
+        # its matcher is where they start; with a token in flight it is behind, and the
+        # masks of the drafted positions, filled once that token is applied, end the draft
+        # at the first one the constraint refuses (a refused draft is never sampled).
+        matcher = request.matcher if not request.num_placeholders else None
         most = min(
             budget - num_tokens,
             request.max_tokens - request.num_generated_tokens - 1,
@@ -409,7 +417,10 @@ class Scheduler:
         if most < 1:
             return ()
         known = request.token_ids(0, request.num_known_tokens)
-        return speculator.draft(request.request_id, known, request.num_placeholders, most)
+        drafts = speculator.draft(request.request_id, known, request.num_placeholders, most)
+        if matcher is not None and drafts:
+            drafts = _allowed_prefix(matcher, drafts)
+        return drafts
 
     def _blocks_needed(self, request: Request, num_tokens: int) -> int:
         end = request.num_computed_tokens + num_tokens
@@ -754,6 +765,21 @@ class Scheduler:
             f"{len(self._inflight)} in flight, {self.pool.num_free}/{self.pool.num_blocks} "
             f"blocks free>"
         )
+
+
+def _allowed_prefix(matcher: Matcher, drafts: tuple[int, ...]) -> tuple[int, ...]:
+    """The drafts up to the first one the request's constraint refuses (none after one that
+    ends its output), followed on a fork of its matcher: the request's own does not move."""
+    try:
+        follower = matcher.fork()
+        kept = 0
+        for token_id in drafts:
+            if follower.terminated or not follower.advance(token_id):
+                break
+            kept += 1
+    except Exception:  # the backend's trouble is the request's, met when its mask is filled
+        return ()
+    return drafts[:kept]
 
 
 def _check_verified(

@@ -115,7 +115,9 @@ class SimulatedKV:
         self.num_steps = 0
 
     def execute(
-        self, plan: StepPlan, allowed: Mapping[int, frozenset[int]] | None = None
+        self,
+        plan: StepPlan,
+        allowed: Mapping[int, frozenset[int] | Sequence[frozenset[int]]] | None = None,
     ) -> RunnerOutput:
         """Run one step: write every computed position, then sample from what is stored.
 
@@ -123,7 +125,8 @@ class SimulatedKV:
 
         Args:
             plan: The step to run.
-            allowed: For constrained requests, the ids their masks allow in this step.
+            allowed: For constrained requests, the ids their masks allow in this step: one
+                set, or one per position a row with drafts samples at.
 
         Returns:
             The token sampled for every request of the plan that samples.
@@ -162,14 +165,15 @@ class SimulatedKV:
                 self._read(entry.request_id, entry.block_table, position, plan, fresh)
                 for position in range(entry.end)
             ]
-            if allowed is not None and entry.request_id in allowed:
-                sampled[entry.request_id] = self.choose(context, allowed[entry.request_id])
-                continue
             drafts = entry.draft_token_ids
+            masks = None if allowed is None else allowed.get(entry.request_id)
+            sets = (masks,) if isinstance(masks, frozenset) else masks
             # One token after each of the last 1 + len(drafts) positions, as a step without
             # drafts would sample it; the drafts hold while each equals the token before it.
             tokens = [
                 self.next_token(context[: entry.end - len(drafts) + offset])
+                if sets is None
+                else self.choose(context[: entry.end - len(drafts) + offset], sets[offset])
                 for offset in range(len(drafts) + 1)
             ]
             kept = tokens[: verify_draft(drafts, tokens) + 1]

@@ -360,23 +360,23 @@ class TorchModelRunner:
     ) -> torch.Tensor | None:
         """Wait for the constrained rows' masks and apply them to their logits, in place.
 
-        A constrained request never drafts (its mask at a drafted position would depend on
-        the drafts), so each has one row of logits: ``first_rows`` says which.
+        A request's logits rows start at its ``first_rows`` entry, one per position it
+        samples at (more than one with drafts), as its mask rows do.
         """
-        constrained = [
-            (row, entry)
-            for row, entry in zip(first_rows, sampling, strict=True)
-            if entry.request_id in masks.rows
-        ]
-        if not constrained:
+        rows: list[int] = []
+        mask_rows: list[int] = []
+        for first, entry in zip(first_rows, sampling, strict=True):
+            start = masks.rows.get(entry.request_id)
+            if start is None:
+                continue
+            rows.extend(range(first, first + entry.num_samples))
+            mask_rows.extend(range(start, start + entry.num_samples))
+        if not rows:
             return None
         from twostroke.engine.structured.bitmask import apply_bitmask
 
-        rows = [row for row, _ in constrained]
         host = masks.wait()
-        picked = host.index_select(
-            0, torch.tensor([masks.rows[entry.request_id] for _, entry in constrained])
-        )
+        picked = host.index_select(0, torch.tensor(mask_rows))
         if self.device.type == "cuda":
             picked = picked.pin_memory()
         bitmask = picked.to(self.device, non_blocking=True)

@@ -207,11 +207,14 @@ class ToyRunner:
             return self._outputs.pop(step_id)
 
     def _run(self, kv: SimulatedKV, plan: StepPlan, masks: StepMasks | None) -> RunnerOutput:
-        allowed: dict[int, frozenset[int]] | None = None
+        allowed: dict[int, tuple[frozenset[int], ...]] | None = None
         if masks is not None:
             bitmask = masks.wait()
             allowed = {
-                entry.request_id: read_bitmask(bitmask[masks.rows[entry.request_id]].numpy().data)
+                entry.request_id: tuple(
+                    read_bitmask(bitmask[masks.rows[entry.request_id] + offset].numpy().data)
+                    for offset in range(entry.num_samples)
+                )
                 for entry in plan.requests
                 if entry.sample and entry.request_id in masks.rows
             }

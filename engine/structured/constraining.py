@@ -70,8 +70,10 @@ class Constraining:
         self.compiling: set[int] = set()
         # What each compiling request awaits, so that cancelling it drops its compile.
         self._compiles: dict[int, anyio.CancelScope] = {}
-        # Masks of steps in flight that wait for the steps before them to be applied.
+        # Masks of steps in flight that wait for the steps before them to be applied, and
+        # the drafts of their constrained rows that verify any.
         self._pending: dict[int, StepMasks] = {}
+        self._drafts: dict[int, dict[int, tuple[int, ...]]] = {}
         # Filled masks whose step may still be sampling (the runner's wait is not final).
         self._filled: deque[StepMasks] = deque()
         #: Masks filled, one per constrained row sampled (a finished request's row is not).
@@ -146,20 +148,25 @@ class Constraining:
     def masks_for(self, plan: StepPlan) -> StepMasks | None:
         """The masks of a new plan's constrained rows (``None``: it has none), pending until
         :meth:`fill_oldest` fills them."""
-        constrained = tuple(
-            entry.request_id
-            for entry in plan.requests
-            if entry.sample and entry.params.constraint is not None
-        )
+        constrained = [
+            entry for entry in plan.requests if entry.sample and entry.params.constraint is not None
+        ]
         if not constrained:
             return None
         assert self._compiler is not None  # a constrained request was compiled
         masks = StepMasks(
             plan.step_id,
-            constrained,
+            tuple(entry.request_id for entry in constrained),
             self._compiler.vocabulary.vocab_size,
             pin_memory=self._pin_memory,
+            num_samples=tuple(entry.num_samples for entry in constrained),
         )
+        # A drafted row's masks after each draft: the matcher followed through them.
+        self._drafts[plan.step_id] = {
+            entry.request_id: entry.draft_token_ids
+            for entry in constrained
+            if entry.draft_token_ids
+        }
         self._pending[plan.step_id] = masks
         return masks
 
@@ -199,15 +206,16 @@ class Constraining:
         if not inflight:
             return
         masks = self._pending.pop(inflight[0].step_id, None)
+        drafts = self._drafts.pop(inflight[0].step_id, {})
         if masks is None:
             return
         began = time.perf_counter()
-        rows: list[tuple[Request, int]] = []
+        rows: list[tuple[Request, int, tuple[int, ...]]] = []
         for request_id, row in masks.rows.items():
             request = scheduler.get(request_id)
             if request is None or request.is_terminal or request.matcher is None:
                 continue  # its sample is dropped: the row may stay empty
-            rows.append((request, row))
+            rows.append((request, row, drafts.get(request_id, ())))
         failures: list[tuple[Request, Exception]] = []
         if rows:
             with anyio.CancelScope(shield=True):
@@ -225,29 +233,38 @@ class Constraining:
         self._filled.append(masks)
 
     def _fill(
-        self, rows: list[tuple[Request, int]], masks: StepMasks
+        self, rows: list[tuple[Request, int, tuple[int, ...]]], masks: StepMasks
     ) -> list[tuple[Request, Exception]]:
         """Fill ``rows`` of ``masks`` (in a worker thread); the requests whose matcher failed.
 
-        llguidance's matchers all at once on its thread pool; any other :class:`Matcher` (a
-        test's) row by row.
+        A request with drafts has a row after each draft too, filled from a fork of its
+        matcher followed through the drafts (see :func:`_followed`). llguidance's matchers
+        all at once on its thread pool; any other :class:`Matcher` (a test's) row by row.
         """
         from twostroke.engine.structured import GuidanceMatcher, bitmask_row, bitmask_rows
         from twostroke.engine.structured import matcher as guidance
 
         failures: list[tuple[Request, Exception]] = []
-        by_row = {row: request for request, row in rows}
+        by_row: dict[int, Request] = {}
         together: list[tuple[GuidanceMatcher, int]] = []
-        for request, row in rows:
-            matcher = request.matcher
-            if isinstance(matcher, GuidanceMatcher):
-                together.append((matcher, row))
-                continue
-            assert matcher is not None
+        for request, first, drafts in rows:
+            assert request.matcher is not None
             try:
-                matcher.fill_bitmask(bitmask_row(masks.bitmask, row))
+                matchers = [request.matcher, *_followed(request.matcher, drafts)]
             except Exception as exc:  # the backend gave up: this request fails
                 failures.append((request, exc))
+                continue
+            for offset, matcher in enumerate(matchers):
+                row = first + offset
+                by_row[row] = request
+                if isinstance(matcher, GuidanceMatcher):
+                    together.append((matcher, row))
+                    continue
+                try:
+                    matcher.fill_bitmask(bitmask_row(masks.bitmask, row))
+                except Exception as exc:  # the backend gave up: this request fails
+                    failures.append((request, exc))
+                    break
         if together:
             assert self._executor is not None  # made with the compiler
             failed: list[tuple[int, Exception]] = []
@@ -255,7 +272,8 @@ class Constraining:
                 together, bitmask_rows(masks.bitmask), self._executor, failures=failed
             )
             failures += [(by_row[row], exc) for row, exc in failed]
-        return failures
+        once = {request.request_id: (request, exc) for request, exc in reversed(failures)}
+        return list(once.values())
 
     def mask_wait_seconds(self, scheduler: Scheduler) -> float:
         """Seconds the runner waited for masks, over the steps the scheduler has applied.
@@ -274,4 +292,24 @@ class Constraining:
         for masks in self._pending.values():
             masks.abandon()
         self._pending.clear()
+        self._drafts.clear()
         self._filled.clear()
+
+
+def _followed(matcher: Matcher, drafts: tuple[int, ...]) -> list[Matcher]:
+    """The matchers of the positions after each of ``drafts``: forks of ``matcher`` followed
+    through them (none without drafts).
+
+    Past a draft the constraint refuses (or one after the output ended), the mask before it
+    forbids it, so the draft ends there and what the positions after it sample is dropped:
+    they take that last mask again, a valid one.
+    """
+    followed: list[Matcher] = []
+    follower = matcher
+    for token_id in drafts:
+        if not follower.terminated:
+            fork = follower.fork()
+            if fork.advance(token_id):
+                follower = fork
+        followed.append(follower)
+    return followed

@@ -29,13 +29,17 @@ class MasksAbandoned(EngineError, RuntimeError):
 
 
 class StepMasks:
-    """One bitmask row per constrained request that samples in a step.
+    """The bitmask rows of the constrained requests that sample in a step.
+
+    A request has one row per position it samples at: one, or with drafts (speculative
+    decoding) one more per draft, consecutive from :attr:`rows`' entry.
 
     Args:
         step_id: The step.
-        request_ids: The constrained requests that sample in it, one row each, in order.
+        request_ids: The constrained requests that sample in it, in order.
         vocab_size: How many token ids a row covers (the tokenizer's vocabulary).
         pin_memory: Page-locked rows, for an asynchronous copy to a CUDA device.
+        num_samples: Each request's positions (default: one each).
     """
 
     def __init__(
@@ -45,12 +49,18 @@ class StepMasks:
         vocab_size: int,
         *,
         pin_memory: bool = False,
+        num_samples: tuple[int, ...] | None = None,
     ) -> None:
         self.step_id = step_id
-        self.rows = {request_id: row for row, request_id in enumerate(request_ids)}
+        counts = num_samples if num_samples is not None else (1,) * len(request_ids)
+        starts = [sum(counts[:index]) for index in range(len(counts))]
+        #: Each request's first row.
+        self.rows = dict(zip(request_ids, starts, strict=True))
+        #: Each request's rows: its positions in the step.
+        self.num_samples = dict(zip(request_ids, counts, strict=True))
         self.vocab_size = vocab_size
         self.bitmask = torch.zeros(
-            (len(request_ids), bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pin_memory
+            (sum(counts), bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pin_memory
         )
         self._ready = threading.Event()
         self._abandoned = False

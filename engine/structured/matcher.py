@@ -197,6 +197,16 @@ class GuidanceMatcher:
         self._check()
         self._clear_eos(row)
 
+    def fork(self) -> GuidanceMatcher:
+        """An independent matcher at the same place (llguidance's ``deep_copy``)."""
+        twin = GuidanceMatcher(
+            self._matcher.deep_copy(), self._vocab_size, self._eos, check=self._check_output
+        )
+        twin._num_tokens = self._num_tokens
+        twin._tokens = list(self._tokens)
+        twin._verdict = self._verdict
+        return twin
+
     def __repr__(self) -> str:
         state = (
             "dead end"

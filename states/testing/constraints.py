@@ -382,6 +382,10 @@ class ReferenceMatcher:
         twin._history = list(self._history)
         return twin
 
+    def fork(self) -> ReferenceMatcher:
+        """:meth:`copy`, under the protocol's name."""
+        return self.copy()
+
     def fill_bitmask(self, row: memoryview) -> None:
         expected = 4 * bitmask_words(self._vocab_size)
         if row.nbytes != expected:

@@ -134,7 +134,7 @@ class SimulatedEngine:
         self._after()
         return plan
 
-    def _allowed(self, plan: StepPlan) -> dict[int, frozenset[int]]:
+    def _allowed(self, plan: StepPlan) -> dict[int, tuple[frozenset[int], ...]]:
         """The masks of the plan's constrained rows, as the engine computes them.
 
         The engine fills a step's masks once every earlier step is applied, from each
@@ -147,7 +147,7 @@ class SimulatedEngine:
             TypeError: a constrained request's matcher is not a :class:`ReferenceMatcher`
                 (the only kind this simulation can look ahead with).
         """
-        allowed: dict[int, frozenset[int]] = {}
+        allowed: dict[int, tuple[frozenset[int], ...]] = {}
         for entry in plan.requests:
             matcher = self.requests[entry.request_id].matcher
             if not entry.sample or matcher is None:
@@ -159,10 +159,19 @@ class SimulatedEngine:
                 )
             ahead = matcher.copy()
             for outcome in self._outcomes:
-                token_id = outcome.sampled.get(entry.request_id)
-                if token_id is not None and not ahead.advance(token_id):
+                if entry.request_id not in outcome.sampled:
+                    continue
+                if not all(ahead.advance(t) for t in outcome.tokens(entry.request_id)):
                     break
-            allowed[entry.request_id] = ahead.allowed_token_ids()
+            # One set per position the row samples at: after each of its drafts too, as the
+            # engine fills them (past a draft the constraint refuses, the set before it).
+            sets = [ahead.allowed_token_ids()]
+            for token_id in entry.draft_token_ids:
+                if not ahead.terminated and ahead.advance(token_id):
+                    sets.append(ahead.allowed_token_ids())
+                else:
+                    sets.append(sets[-1])
+            allowed[entry.request_id] = tuple(sets)
         return allowed
 
     def complete(self, failure: str | None = None) -> StepReport:

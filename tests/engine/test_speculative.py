@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.engine.server.conftest import served
-from twostroke.engine import Engine
+from twostroke.engine import Engine, JsonSchema
 from twostroke.engine.runners.toy import EOS_TOKEN_ID, ByteTokenizer, ToyRunner
 from twostroke.states.params import SamplingParams
 
@@ -86,6 +86,38 @@ async def test_what_a_caller_sees_does_not_change(method: str, depth: int) -> No
     assert stats.num_steps < sum(len(result[1]) for result in plain[:-1])
 
 
+def repeating_within(token_ids: Sequence[int], allowed: frozenset[int]) -> int:
+    """The repeating model under a constraint: its token where allowed."""
+    token = repeating(token_ids)
+    return token if token in allowed else min(allowed)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_a_constrained_request_drafts_within_its_constraint(depth: int) -> None:
+    """A regex the model's repetition follows for a while, then leaves: drafts are cut where
+    the constraint refuses them, drafted positions sample under their own masks, and the
+    output is the one without speculation."""
+    from twostroke.engine import Regex
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, constraint=Regex("(abcde){3}[0-9]{4}"))
+    results = []
+    for spec in (None, {"method": "ngram", "prompt_lookup_min": 1}):
+        runner = ToyRunner(next_token=repeating, choose=repeating_within)
+        async with Engine.open(
+            runner=runner,
+            tokenizer=ByteTokenizer(),
+            device="cpu",
+            speculative_config=spec,
+            pipeline_depth=depth,
+        ) as engine:
+            output = await engine.generate("abcde", params)
+            results.append((output.text, output.token_ids, output.finish_reason))
+            stats = engine.statistics()
+    assert results[1] == results[0]
+    assert results[0][0].startswith("abcdeabcdeabcde")
+    assert stats.num_spec_decode_accepted_tokens > 0
+
+
 async def test_a_bad_speculative_config_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="method must be one of 'ngram', 'suffix', got 'eagle'"):
         async with Engine.open(model="toy", speculative_config={"method": "eagle"}):
@@ -116,7 +148,17 @@ QUOTING = [
     "Here is a list: apples, pears, plums, cherries, grapes. Write the list again in the same "
     "order.",
     "Fix the typo and give the whole line back: def add(a, b): retrun a + b",
+    'Answer in JSON as {"sentence": ...} with this sentence: Seven swans swim slowly across '
+    "the silver lake.",
 ]
+SENTENCE_SCHEMA = JsonSchema(
+    {
+        "type": "object",
+        "properties": {"sentence": {"type": "string"}},
+        "required": ["sentence"],
+        "additionalProperties": False,
+    }
+)
 
 
 # One backend: what the backends differ in is covered on both by the toy tests above, and
@@ -136,7 +178,9 @@ async def test_smollm2_greedy_tokens_are_the_same_with_drafts() -> None:
 
             async def ask(index: int, engine: Engine = engine, tokens: Any = tokens) -> None:
                 messages = [{"role": "user", "content": QUOTING[index]}]
-                params = SamplingParams(max_tokens=32, temperature=0.0)
+                # The last answers in JSON: drafted positions sample under their own masks.
+                constraint = SENTENCE_SCHEMA if index == len(QUOTING) - 1 else None
+                params = SamplingParams(max_tokens=32, temperature=0.0, constraint=constraint)
                 tokens[index] = (await engine.generate(messages, params)).token_ids
 
             async with anyio.create_task_group() as group:

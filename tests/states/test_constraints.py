@@ -514,7 +514,8 @@ def test_the_reference_matcher_is_a_matcher() -> None:
 
 def test_a_matcher_only_goes_forward() -> None:
     """No rollback: a matcher advances only by tokens applied to its request, and a discarded
-    sample never is (tests/states/test_scheduler_constraints.py shows it for the lookahead)."""
+    sample never is (tests/states/test_scheduler_constraints.py shows it for the lookahead).
+    Drafts are followed on a fork, which leaves the request's own matcher where it is."""
     members = {name for name in vars(Matcher) if not name.startswith("_")}
     assert members == {
         "vocab_size",
@@ -524,4 +525,5 @@ def test_a_matcher_only_goes_forward() -> None:
         "advance",
         "allowed_token_ids",
         "fill_bitmask",
+        "fork",
     }

@@ -155,6 +155,9 @@ class _DeadEnd:
     def fill_bitmask(self, row: memoryview) -> None:
         raise NotImplementedError
 
+    def fork(self) -> _DeadEnd:
+        raise NotImplementedError
+
 
 class _Broken(_DeadEnd):
     def advance(self, token_id: int) -> bool:

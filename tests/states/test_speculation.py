@@ -18,6 +18,7 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import RunnerOutput, TokenLogprobs, verify_draft
 from twostroke.states.request import (
     Admitted,
+    ConstraintCompiled,
     DraftVerified,
     Preempted,
     Request,
@@ -42,6 +43,7 @@ from twostroke.states.speculation import (
 from twostroke.states.statistics import total
 from twostroke.states.testing import (
     DraftingSchedulerMachine,
+    ReferenceMatcher,
     SimulatedEngine,
     drive,
     reference_output,
@@ -49,6 +51,7 @@ from twostroke.states.testing import (
     workloads,
 )
 from twostroke.states.testing.strategies import VOCAB_SIZE
+from twostroke.states.testing.workload import SIMULATED_VOCABULARY
 
 # --- stateful -------------------------------------------------------------------------------
 
@@ -256,29 +259,100 @@ def test_drafts_never_preempt_or_wait_for_blocks() -> None:
     assert sched.statistics().num_preemptions == 0
 
 
-def test_constrained_and_penalized_requests_do_not_draft() -> None:
+def test_penalized_requests_do_not_draft() -> None:
     sched = scheduler(perfect)
     sched.add_request(request(0, repetition_penalty=1.2))
-    constrained = request(1, constraint=Choice(["abcdef"]))
-    constrained.apply(_compiled(constrained))
-    sched.add_request(constrained)
-    kv = SimulatedKV(32, 4)
     plan = sched.schedule()
     assert plan is not None
-    assert constrained.matcher is not None
-    sched.apply(kv.execute(plan, {1: constrained.matcher.allowed_token_ids()}))
-    plan = sched.schedule()
-    assert plan is not None
-    assert [entry.draft_token_ids for entry in plan.requests] == [(), ()]
+    assert plan.requests[0].draft_token_ids == ()
 
 
-def _compiled(target: Request) -> object:
-    from twostroke.states.request import ConstraintCompiled
-    from twostroke.states.testing import ReferenceMatcher
-
+def _constrained(
+    choice: str, request_id: int = 0, matcher: type[ReferenceMatcher] | None = None
+) -> Request:
+    target = request(request_id, constraint=Choice([choice]), max_tokens=12)
     assert target.params.constraint is not None
-    vocabulary = [chr(97 + i % 26) for i in range(VOCAB_SIZE)]
-    return ConstraintCompiled(ReferenceMatcher(target.params.constraint, vocabulary, frozenset()))
+    kind = matcher or ReferenceMatcher
+    matcher = kind(target.params.constraint, SIMULATED_VOCABULARY, frozenset())
+    target.apply(ConstraintCompiled(matcher))
+    return target
+
+
+def _spelling(text: str) -> list[int]:
+    return [SIMULATED_VOCABULARY.index(letter) for letter in text]
+
+
+def test_a_constrained_draft_ends_before_the_first_token_its_constraint_refuses() -> None:
+    """Drafts "abx...": the constraint wants "abcdef", so the draft is "ab"; the masks of
+    the drafted positions are the constraint's after each draft (the simulated device
+    samples under them), and the output is the reference's."""
+
+    def propose(request_id: int, known: Sequence[int], wanted: int) -> list[int]:
+        return _spelling("abxyz")[:wanted]
+
+    engine = SimulatedEngine(scheduler(propose))
+    target = _constrained("abcdef")
+    engine.submit(target)
+    plan = engine.plan()
+    assert plan is not None
+    assert plan.requests[0].draft_token_ids == tuple(_spelling("ab"))
+    engine.complete()
+    assert target.matcher is not None
+    assert target.matcher.num_tokens >= 1
+    engine.run_until_idle()
+
+
+def test_a_constrained_draft_the_constraint_takes_whole_is_kept_whole() -> None:
+    engine = SimulatedEngine(scheduler(lambda rid, known, wanted: _spelling("abc")))
+    target = _constrained("abcdef")
+    engine.submit(target)
+    plan = engine.plan()
+    assert plan is not None
+    assert plan.requests[0].draft_token_ids == tuple(_spelling("abc"))
+    assert target.matcher is not None
+    assert target.matcher.num_tokens == 0
+    engine.run_until_idle()
+
+
+def test_a_constrained_draft_stops_at_the_end_of_its_language() -> None:
+    engine = SimulatedEngine(scheduler(lambda rid, known, wanted: _spelling("abcd")))
+    engine.submit(_constrained("ab"))
+    plan = engine.plan()
+    assert plan is not None
+    assert plan.requests[0].draft_token_ids == tuple(_spelling("ab"))  # nothing after "ab"
+    engine.run_until_idle()
+
+
+def test_a_constrained_request_with_a_token_in_flight_drafts_and_its_masks_end_the_draft() -> None:
+    """Its matcher is behind the token in flight, so the draft is not cut when planned: the
+    masks of the drafted positions, filled once that token is applied, forbid "x", so the
+    draft ends there and the output is the reference's."""
+    engine = SimulatedEngine(scheduler(lambda rid, known, wanted: [], pipeline_depth=2))
+    engine.submit(_constrained("abcdef"))
+    engine.plan()
+    sched = engine.scheduler
+    proposals = Speculator(NGRAM, propose=lambda rid, known, wanted: _spelling("abxz"))
+    sched._speculator = proposals
+    plan = engine.plan()
+    assert plan is not None
+    assert plan.requests[0].draft_token_ids == tuple(_spelling("bxz"))
+    engine.complete()
+    report = engine.complete()
+    assert [token for _, token in report.new_tokens] == _spelling("bc")  # "x" refused
+    engine.run_until_idle()
+
+
+class _Unforkable(ReferenceMatcher):
+    def fork(self) -> ReferenceMatcher:
+        raise RuntimeError("the backend gave up")
+
+
+def test_a_matcher_that_cannot_follow_drafts_drafts_nothing() -> None:
+    sched = scheduler(lambda rid, known, wanted: _spelling("abc"))
+    sched.add_request(_constrained("abcdef", matcher=_Unforkable))
+    plan = sched.schedule()
+    assert plan is not None
+    assert plan.requests[0].draft_token_ids == ()
 
 
 def test_disable_by_batch_size_switches_drafting_off_for_the_step() -> None:

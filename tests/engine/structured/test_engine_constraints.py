@@ -393,6 +393,9 @@ class LoopWatchedMatcher:
                 raise RuntimeError("the event loop did not run while the mask was filled")
         self._inner.fill_bitmask(row)
 
+    def fork(self) -> Matcher:
+        return self._inner.fork()
+
 
 async def test_masks_are_filled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows filled one at a time on the loop: a 60-row constrained request slowed a plain

@@ -278,6 +278,9 @@ class _Wrapped:
     def fill_bitmask(self, row: memoryview) -> None:
         self._inner.fill_bitmask(row)
 
+    def fork(self) -> ReferenceMatcher:
+        return self._inner.fork()
+
 
 def test_for_config_accepts_a_fixed_config() -> None:
     machine = SchedulerMachine.for_config(CONFIG)
