@@ -135,7 +135,7 @@ def kernels(threads: int) -> list[tuple[int, str, float, float, float]]:
     return rows_out
 
 
-def types(threads: int) -> list[tuple[int, str, float, float]]:
+def types(threads: int, row_counts: list[int]) -> list[tuple[int, str, float, float]]:
     """Per row count and block type: its products' time and Q4_1's, in s (the sum over the
     two shapes), the two timed alternately."""
     kernel = block_kernel()
@@ -153,7 +153,7 @@ def types(threads: int) -> list[tuple[int, str, float, float]]:
             ]
             for name, number in BLOCK_TYPES.items()
         }
-        for rows in (1, 4, 32):
+        for rows in row_counts:
             inputs = [torch.randn(rows, shape[1]) for shape in shapes]
             calls = max(2, 40 // rows)
             for name in BLOCK_TYPES:
@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="also N requests at once (0: not)")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--types", action="store_true", help="also each block type vs Q4_1")
+    parser.add_argument("--type-rows", type=int, nargs="+", default=[1, 4, 32])
     args = parser.parse_args()
     print(
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, "
@@ -225,7 +226,7 @@ def main() -> None:
         print("block types, 1 thread: time per call (us), 3072x1536 + 1536x3072")
         print("| rows | type | its blocks | Q4_1's | vs Q4_1 (time) |")
         print("|---|---|---|---|---|")
-        for rows, name, mine, theirs in types(1):
+        for rows, name, mine, theirs in types(1, args.type_rows):
             print(
                 f"| {rows} | {name} | {1e6 * mine:.0f} | {1e6 * theirs:.0f} | "
                 f"{mine / theirs:.2f}x |"
