@@ -8,7 +8,11 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 HYPOTHESIS_PROFILE ?= ci
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --dist loadscope
+# --no-loadscope-reorder: xdist (3.6 on) hands out the modules with the most tests first,
+# which undid tests/conftest.py's order (the modules with slow tests first): SmolLM2's
+# process replicas, the Ray cluster and the depth 1 = depth 2 run, few tests each, came last
+# and ran while the other worker idled.
+XDIST := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 STAMP := $(VENV)/.installed
 
 # Python caches the bytecode of what it imports (and pytest its rewritten tests) only where

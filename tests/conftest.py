@@ -50,8 +50,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _slow_modules_first(items: list[pytest.Item]) -> None:
     """Run the modules that hold ``slow`` (real-model, Ray) tests before the rest.
 
-    xdist's ``--dist loadscope`` hands modules to its workers in collection order, each
-    worker taking the next when it is done. A long module collected late ran alone at the
+    xdist's ``--dist loadscope --no-loadscope-reorder`` (the Makefile's) hands modules to
+    its workers in collection order, each worker taking the next when it is done (without
+    ``--no-loadscope-reorder``, xdist 3.6 and later hand out the modules with the most tests
+    first, whatever this order). A long module collected late ran alone at the
     end while the other worker sat idle; handed out first, the long modules are spread over
     both workers and the many short ones fill the gaps. A stable sort: the order of the
     modules within each group and of the tests within each module is kept.
