@@ -29,6 +29,7 @@ from twostroke.engine.outputs import Delta
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.states.constraints import Choice
 from twostroke.states.routing import Router
+from twostroke.states.statistics import zero
 
 from ..conftest import toy_engine
 
@@ -84,7 +85,10 @@ def fake_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def newer_statistics() -> dict[str, Any]:
     """What a replica of a later version reports: every field of today, and one more."""
-    values: dict[str, Any] = {field.name: 0 for field in attrs.fields(EngineStatistics)}
+    values: dict[str, Any] = {
+        field.name: list(start) if isinstance(start := zero(field), tuple) else 0
+        for field in attrs.fields(EngineStatistics)
+    }
     values.update(num_steps=3, num_blocks=64, forward_seconds=0.25, num_warp_drives=2)
     values["warp_drives"] = {"by_deck": [1, 2], "state": "engaged"}  # of another kind too
     return values
@@ -158,8 +162,9 @@ async def test_statistics_of_a_newer_replica_ignore_the_fields_this_version_lack
         assert not hasattr(engine, "num_warp_drives")
 
 
-#: A frame limit small enough that a few tokens with logprobs overflow it.
-LIMIT = 512
+#: A frame limit small enough that a few tokens with logprobs overflow it, and above the
+#: replica's statistics (a Stats frame: about 640 bytes).
+LIMIT = 1024
 
 
 class CountingSendStream(FdSendStream):
@@ -214,7 +219,7 @@ async def wired(
 
 
 async def test_output_longer_than_a_frame_arrives_whole_in_frames_within_the_limit() -> None:
-    sampling = SamplingParams(max_tokens=120, ignore_eos=True, logprobs=5, temperature=0)
+    sampling = SamplingParams(max_tokens=240, ignore_eos=True, logprobs=5, temperature=0)
     prompts = [f"p{i}" for i in range(24)]
     async with toy_engine(num_blocks=1024) as engine:
         expected = [await engine.generate(prompt, sampling) for prompt in prompts]
@@ -252,9 +257,9 @@ async def test_a_request_or_call_too_large_for_a_frame_is_refused_before_it_is_s
         assert not relay.open
         with pytest.raises(ValueError, match=r"^the tokenize argument is too large to send"):
             await replica.call("tokenize", "x" * LIMIT)
-        # The replica refuses a reply over the limit (300 ids of 2 bytes each) in its stead.
+        # The replica refuses a reply over the limit (600 ids of 2 bytes each) in its stead.
         with pytest.raises(ValueError, match=r"^the reply does not fit: a Reply frame of \d+"):
-            await replica.call("tokenize", "é" * 150)
+            await replica.call("tokenize", "é" * 300)
         assert await replica.call("tokenize", "ab") == [97, 98]
         output = await relay.submit("hello", SamplingParams(max_tokens=3)).result()
         assert len(output.token_ids) == 3
