@@ -350,6 +350,12 @@ def write_report(
             )
     for line in notes(run):
         console.print(line, highlight=False)
+    if run.roof is not None and any(_ACCEPTANCE in result.extra for result in run.results):
+        console.print(
+            "(a speculating row verifies several tokens a step: the roof is the floor of a "
+            "schedule without drafts, which it can pass)",
+            highlight=False,
+        )
     comparisons = compare_speculation(run, figures)
     for comparison in comparisons:
         style = "bold red" if comparison.outputs_differ else None

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import anyio
+import attrs
 import pytest
 from rich.console import Console
 
@@ -19,6 +20,7 @@ from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.record import BenchRun
 from twostroke.engine.bench.report import compute_metrics, report_document, write_report
+from twostroke.engine.bench.roof import MachineRoof, WorkloadRoof
 from twostroke.engine.bench.runner import add_bench_arguments, bench_command, peer_drivers
 from twostroke.engine.bench.speculation import compare_speculation, greedy_check, mismatched
 from twostroke.engine.bench.twostroke_driver import (
@@ -151,6 +153,31 @@ def test_each_spec_system_against_itself_without_speculation(tmp_path: Path) -> 
     }
     by_name = {entry["name"]: entry for entry in document["systems"]}
     assert by_name["twostroke-depth2-spec"]["extra"]["spec_decode_drafts"] == 4
+
+
+def test_a_speculating_row_may_pass_the_roof_and_the_report_says_why(tmp_path: Path) -> None:
+    machine = MachineRoof(bandwidth=16e9, flops=157e9, dtype="float32", threads=2)
+    roof = WorkloadRoof(
+        machine=machine,
+        schedule="the schedule twostroke-depth2 ran",
+        steps=4,
+        floor_seconds=1.5,
+        memory_bound_steps=4,
+        bytes=10,
+        flops=20,
+        output_tokens=6,
+    )
+    note = (
+        "(a speculating row verifies several tokens a step: the roof is the floor of a "
+        "schedule without drafts, which it can pass)"
+    )
+    plain = _result("twostroke-depth2", 2.0, SAME)
+    speculating = _result("twostroke-depth2-spec", 1.0, SAME, **_spec_extra("twostroke-depth2"))
+    for results, said in (((plain, speculating), True), ((plain,), False)):
+        run = attrs.evolve(_run(tmp_path, *results), roof=roof)
+        console = Console(file=(out := io.StringIO()), width=250, color_system=None)
+        write_report(run, tmp_path / "out", console=console)
+        assert (note in " ".join(out.getvalue().split())) == said
 
 
 def test_without_speculation_the_table_has_no_acceptance_column(tmp_path: Path) -> None:
