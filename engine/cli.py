@@ -7,7 +7,6 @@ import atexit
 import contextlib
 import gc
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from twostroke.engine.config import (
     server_flag,
     server_flag_help,
     server_flag_metavar,
+    speculative_config_argument,
 )
 from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DEFAULT_MODEL
@@ -35,7 +35,6 @@ from twostroke.engine.tools.template import native_template
 from twostroke.states.constraints import MAX_SCHEMA_LENGTH, Constraint, JsonSchema, Regex
 from twostroke.states.errors import ConstraintRejected
 from twostroke.states.params import SamplingParams
-from twostroke.states.speculation import SpeculativeConfig, speculative_config
 
 __all__ = ["main"]
 
@@ -80,23 +79,6 @@ def _quantization(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "speculative_config", None) is not None:
         options["speculative_config"] = args.speculative_config
     return options
-
-
-def speculative_config_argument(text: str) -> SpeculativeConfig:
-    """``--speculative-config JSON``: a JSON object of
-    :class:`~twostroke.states.speculation.SpeculativeConfig`'s fields, checked as it parses."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(
-            f'must be a JSON object such as \'{{"method": "ngram"}}\': {error}'
-        ) from None
-    try:
-        config = speculative_config(value)
-    except (TypeError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    assert config is not None  # JSON null would be None: refused as not an object
-    return config
 
 
 def add_speculative_argument(parser: argparse.ArgumentParser) -> None:

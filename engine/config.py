@@ -9,7 +9,9 @@ needs starlette, which ``twostroke generate`` does not.
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -18,6 +20,7 @@ from typing import Any, Literal
 import attrs
 
 from twostroke.states.scheduler_config import SchedulingPolicy
+from twostroke.states.speculation import SpeculativeConfig, speculative_config
 from twostroke.states.validators import (
     Validator,
     int_at_least,
@@ -39,6 +42,7 @@ __all__ = [
     "server_flag_help",
     "server_flag_metavar",
     "server_limits_table",
+    "speculative_config_argument",
     "without_port",
 ]
 
@@ -501,3 +505,27 @@ def server_limits_table() -> str:
             f"| `{field.name}` | `{server_flag(field.name)}` | `{field.default!r}` | {doc} |"
         )
     return "\n".join(lines)
+
+
+def speculative_config_argument(text: str) -> SpeculativeConfig:
+    """``--speculative-config JSON`` (``twostroke serve``, ``generate``, ``bench`` and the
+    rest): a JSON object of :class:`~twostroke.states.speculation.SpeculativeConfig`'s
+    fields, checked as it parses.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, not an object, or not a valid configuration
+            (the message is the configuration's own, naming the field).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f'must be a JSON object such as \'{{"method": "ngram"}}\': {error}'
+        ) from None
+    try:
+        config = speculative_config(value)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if config is None:
+        raise argparse.ArgumentTypeError("must be a JSON object, got null")
+    return config

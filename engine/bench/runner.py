@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -48,8 +47,9 @@ from twostroke.engine.bench.workload import (
     with_json_schemas,
     with_tools,
 )
+from twostroke.engine.config import speculative_config_argument
 from twostroke.states.scheduler_config import SchedulingPolicy
-from twostroke.states.speculation import SpeculativeConfig, speculative_config
+from twostroke.states.speculation import SpeculativeConfig
 
 __all__ = [
     "SystemDriver",
@@ -354,7 +354,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculative-config",
-        type=_speculative_config_argument,
+        type=speculative_config_argument,
         default=None,
         metavar="JSON",
         help='also run twostroke at depth 2 and 1 with speculative decoding (e.g. \'{"method": '
@@ -362,24 +362,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "report gives each one's ratios to itself without it, its mean acceptance length and "
         "whether its greedy outputs are the same (exit status 1 where they are not)",
     )
-
-
-def _speculative_config_argument(text: str) -> SpeculativeConfig:
-    """``--speculative-config JSON``: a JSON object of
-    :class:`~twostroke.states.speculation.SpeculativeConfig`'s fields, checked as it parses."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(
-            f'must be a JSON object such as \'{{"method": "ngram"}}\': {error}'
-        ) from None
-    try:
-        config = speculative_config(value)
-    except (TypeError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if config is None:
-        raise argparse.ArgumentTypeError("must be a JSON object, got null")
-    return config
 
 
 def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:

@@ -56,6 +56,14 @@ def test_generate_follows_a_json_schema_file_and_a_regex(
         (["--regex", ""], "argument --regex: pattern must be non-empty, got ''"),
         (["--regex", "a", "--json-schema", "{good}"], "argument --json-schema: not allowed "
          "with argument --regex"),
+        (["--speculative-config", "ngram"], "argument --speculative-config: must be a JSON "
+         "object such as '{{\"method\": \"ngram\"}}': Expecting value"),
+        (["--speculative-config", "null"], "argument --speculative-config: must be a JSON "
+         "object, got null"),
+        (["--speculative-config", '{{"method": "eagle"}}'], "argument --speculative-config: "
+         "method must be one of 'ngram', 'suffix', got 'eagle'"),
+        (["--speculative-config", '{{"method": "ngram", "k": 2}}'], "argument "
+         "--speculative-config: speculative_config has no field 'k'; its fields are method, "),
     ],
 )  # fmt: skip
 def test_an_unreadable_or_malformed_constraint_is_refused_before_anything_loads(
