@@ -17,10 +17,12 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import TINY, random_sequences
 from tests.engine.runners.test_torch import generate, tiny_llama
-from twostroke.engine.checkpoints.loader import LoadedModel
+from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.states.params import SamplingParams
 from twostroke.states.speculation import Proposer, SpeculativeConfig, Speculator
 
@@ -39,10 +41,16 @@ def prompts() -> list[list[int]]:
     return [*random_sequences([5, 12, 30, 3], seed=4), [7, 8, 9, 10, 11] * 5]
 
 
-def drafts(kind: str, outputs: dict[int, list[int]], prompt_list: list[list[int]]) -> Proposer:
+def drafts(
+    kind: str,
+    outputs: dict[int, list[int]],
+    prompt_list: list[list[int]],
+    seed: int = 5,
+    vocab: int = VOCAB,
+) -> Proposer:
     """Drafts of one kind: the run's own outputs (all hold), those changed (none holds),
     random ids, or the outputs with one token in three changed."""
-    rng = random.Random(5)
+    rng = random.Random(seed)
 
     def propose(request_id: int, known: Sequence[int], wanted: int) -> list[int]:
         done = len(known) - len(prompt_list[request_id])
@@ -50,10 +58,10 @@ def drafts(kind: str, outputs: dict[int, list[int]], prompt_list: list[list[int]
         if kind == "perfect":
             return right
         if kind == "wrong":
-            return [(token + 1) % VOCAB for token in right]
+            return [(token + 1) % vocab for token in right]
         if kind == "random":
-            return [rng.randrange(VOCAB) for _ in range(wanted)]
-        return [token if rng.random() < 2 / 3 else (token + 1) % VOCAB for token in right]
+            return [rng.randrange(vocab) for _ in range(wanted)]
+        return [token if rng.random() < 2 / 3 else (token + 1) % vocab for token in right]
 
     return propose
 
@@ -194,3 +202,36 @@ def test_unseeded_sampling_keeps_the_model_distribution(
         for observed, expected in ((firsts, first), (pairs, joint)):
             statistic, df = chi_square(observed, expected)  # type: ignore[arg-type]
             assert statistic < chi_square_critical(df), (name, statistic, df, observed)
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain() -> tuple[LoadedModel, list[list[int]], dict[int, list[int]]]:
+    """SmolLM2 as the engine loads it by default, two prompts, and their greedy tokens."""
+    from twostroke.engine.text.tokenizer import HFTokenizer
+
+    loaded = load_model("smollm2", device=torch.device("cpu"))
+    tokenizer = HFTokenizer.from_pretrained(loaded.source)
+    prompt_list = [
+        tokenizer.encode("The river flows past the mill, and the mill turns. The river"),
+        tokenizer.encode("def square(x):\n    return x * x\n\ndef cube(x):\n"),
+    ]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    return loaded, prompt_list, generate(loaded, prompt_list, params).tokens
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None)
+@given(kind=st.sampled_from(["perfect", "wrong", "random", "mixed"]), seed=st.integers(0, 999))
+def test_smollm2_greedy_tokens_do_not_depend_on_the_drafts(
+    smollm2_plain: tuple[LoadedModel, list[list[int]], dict[int, list[int]]],
+    kind: str,
+    seed: int,
+) -> None:
+    """The default model with drafts the test chooses: the same greedy tokens."""
+    loaded, prompt_list, plain = smollm2_plain
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    vocab = loaded.module.config.vocab_size
+    propose = drafts(kind, plain, prompt_list, seed=seed, vocab=vocab)
+    run = generate(loaded, prompt_list, params, speculator=Speculator(SPEC, propose=propose))
+    assert run.tokens == plain
+    assert run.statistics.num_spec_decode_drafts > 0
