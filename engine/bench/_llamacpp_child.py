@@ -57,9 +57,17 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         options["draft_model"] = LlamaPromptLookupDecoding(
             max_ngram_size=lookup["max_ngram_size"], num_pred_tokens=lookup["num_pred_tokens"]
         )
+    # The binding evaluates a step's drafts into a context-sized buffer of ids before it
+    # checks them: drafts near the end of the longest request overflowed it ("could not
+    # broadcast input array from shape (6,) into shape (5,)"), so the context has room for a
+    # draft more; and it verifies them against the logits of every position, which it keeps
+    # only with logits_all.
+    headroom = 0 if lookup is None else lookup["num_pred_tokens"] + 1
+    if lookup is not None:
+        options["logits_all"] = True
     llm = llama_cpp.Llama(
         model_path=job["model_path"],
-        n_ctx=job["n_ctx"],
+        n_ctx=job["n_ctx"] + headroom,
         n_batch=job["n_batch"],
         n_threads=job["threads"],
         n_threads_batch=job["threads"],
