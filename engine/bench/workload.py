@@ -232,14 +232,10 @@ def with_json_schemas(workload: Workload, fraction: float) -> Workload:
     Raises:
         ValueError: ``fraction`` is not a number in [0, 1].
     """
-    if isinstance(fraction, bool) or not (isinstance(fraction, int | float) and 0 <= fraction <= 1):
-        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-    count = round(fraction * len(workload.requests))
-    if not count:
+    chosen = _chosen(workload, fraction, "schemas")
+    if not chosen:
         return workload
-    chosen = set(
-        random.Random(f"schemas-{workload.seed}").sample(range(len(workload.requests)), count)
-    )
+    count = len(chosen)
     requests = [
         attrs.evolve(request, json_schema=json.dumps(bench_schema(request.max_tokens)))
         if index in chosen
@@ -250,6 +246,20 @@ def with_json_schemas(workload: Workload, fraction: float) -> Workload:
         f"{workload.description}; {count} of {len(requests)} with a JSON schema ({fraction:.0%})"
     )
     return attrs.evolve(workload, requests=requests, description=description)
+
+
+def _chosen(workload: Workload, fraction: float, stream: str) -> set[int]:
+    """``round(fraction * n)`` request indices drawn from the workload's seed, in a stream of
+    their own (``stream``), so that each kind's choice is independent of the others.
+
+    Raises:
+        ValueError: ``fraction`` is not a number in [0, 1].
+    """
+    if isinstance(fraction, bool) or not (isinstance(fraction, int | float) and 0 <= fraction <= 1):
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+    count = round(fraction * len(workload.requests))
+    draw = random.Random(f"{stream}-{workload.seed}")
+    return set(draw.sample(range(len(workload.requests)), count)) if count else set()
 
 
 def without_json_schemas(workload: Workload) -> Workload:
@@ -274,14 +284,10 @@ def with_tools(workload: Workload, fraction: float) -> Workload:
     Raises:
         ValueError: ``fraction`` is not a number in [0, 1].
     """
-    if isinstance(fraction, bool) or not (isinstance(fraction, int | float) and 0 <= fraction <= 1):
-        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-    count = round(fraction * len(workload.requests))
-    if not count:
+    chosen = _chosen(workload, fraction, "tools")
+    if not chosen:
         return workload
-    chosen = set(
-        random.Random(f"tools-{workload.seed}").sample(range(len(workload.requests)), count)
-    )
+    count = len(chosen)
     requests = [
         attrs.evolve(request, tools=index in chosen or request.tools)
         for index, request in enumerate(workload.requests)
