@@ -40,15 +40,19 @@ PARAMS = [
 ]
 
 
-async def outputs(spec: dict[str, Any] | None, depth: int) -> tuple[list[Any], Any]:
-    runner = ToyRunner(next_token=repeating)
-    async with Engine.open(
-        runner=runner,
+def repeating_engine(spec: dict[str, Any] | None, depth: int, **runner: Any) -> Any:
+    """An engine over the repeating toy model (``runner``: more of ``ToyRunner``'s options)."""
+    return Engine.open(
+        runner=ToyRunner(next_token=repeating, **runner),
         tokenizer=ByteTokenizer(),
         device="cpu",
         speculative_config=spec,
         pipeline_depth=depth,
-    ) as engine:
+    )
+
+
+async def outputs(spec: dict[str, Any] | None, depth: int) -> tuple[list[Any], Any]:
+    async with repeating_engine(spec, depth) as engine:
         results = []
         for index, params in enumerate(PARAMS):
             output = await engine.generate(f"{index}abcde", params)
@@ -102,14 +106,7 @@ async def test_a_constrained_request_drafts_within_its_constraint(depth: int) ->
     params = SamplingParams(max_tokens=40, temperature=0.0, constraint=Regex("(abcde){3}[0-9]{4}"))
     results = []
     for spec in (None, {"method": "ngram", "prompt_lookup_min": 1}):
-        runner = ToyRunner(next_token=repeating, choose=repeating_within)
-        async with Engine.open(
-            runner=runner,
-            tokenizer=ByteTokenizer(),
-            device="cpu",
-            speculative_config=spec,
-            pipeline_depth=depth,
-        ) as engine:
+        async with repeating_engine(spec, depth, choose=repeating_within) as engine:
             output = await engine.generate("abcde", params)
             results.append((output.text, output.token_ids, output.finish_reason))
             stats = engine.statistics()
