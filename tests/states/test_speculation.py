@@ -259,6 +259,27 @@ def test_drafts_never_preempt_or_wait_for_blocks() -> None:
     assert sched.statistics().num_preemptions == 0
 
 
+def test_a_decoding_request_whose_drafts_need_a_block_none_has_decodes_without_them() -> None:
+    """A running request whose next token fits its last block but whose drafts would need a
+    new one, with the pool empty: it decodes that token alone, and no one is preempted."""
+
+    def late(request_id: int, known: Sequence[int], wanted: int) -> list[int]:
+        return perfect(request_id, known, wanted) if len(known) > 3 else []
+
+    sched = scheduler(late, num_blocks=3, block_size=2, max_model_len=6)
+    sched.add_request(request(0, prompt=[1, 2, 3], max_tokens=3))  # two blocks
+    sched.add_request(request(1, prompt=[7], max_tokens=3))  # the third
+    kv = SimulatedKV(3, 2)
+    step(sched, kv)
+    assert sched.pool.num_free == 0
+    plan = sched.schedule()
+    assert plan is not None
+    [first] = [entry for entry in plan.requests if entry.request_id == 0]
+    assert first.num_tokens == 1
+    assert not first.draft_token_ids
+    assert sched.statistics().num_preemptions == 0
+
+
 def test_penalized_requests_do_not_draft() -> None:
     sched = scheduler(perfect)
     sched.add_request(request(0, repetition_penalty=1.2))
