@@ -471,8 +471,10 @@ def _load_gguf(
 #: projection in a type :data:`~twostroke.engine.kernels.gguf_blocks.BLOCK_TYPES` holds).
 AUTO_BLOCKS = False
 
-#: Tensor types a GGUF file stores as plain numbers (loaded dequantized, as before).
-_PLAIN_TYPES = frozenset({"F32", "F16", "F64"})
+#: Tensor types a GGUF file stores as plain numbers: loaded as float32 (exact), where a
+#: decoder projection of 16 bits then takes the 16-bit form (:class:`~twostroke.engine.
+#: kernels.selection.Projections`' ``sixteen``).
+_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def _block_kernel(
@@ -559,6 +561,9 @@ def _load_gguf_blocks(
             if kind not in _PLAIN_TYPES and _in_blocks(gguf_name):
                 raise BlockTypeUnsupported(path, gguf_name, kind)
             [(_, weights)] = _dequantized(path, {gguf_name: tensor}, dequantize)
+            if permute and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+                heads = config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads
+                weights = _unpermute_rotary(weights, heads)
             module.load_weight(name, torch.from_numpy(weights))
         except (WeightError, ValueError) as error:  # BlockTypeUnsupported is neither
             raise ModelLoadError(path, f"tensor {gguf_name!r}: {error}") from error

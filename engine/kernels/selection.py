@@ -60,12 +60,16 @@ class Projections:
             precision (a tied one keeps the embedding dense for lookups besides).
         kernel: The compiled bfloat16 projection the ``"panels"`` forms are laid out for.
         blocks: The compiled GGUF block products the ``"blocks"`` forms compute with.
+        sixteen: With ``"blocks"``, the form of a decoder projection the file holds in 16
+            bits (F16, or BF16 values float16 holds): ``"fp16"`` where fbgemm's kernel runs
+            (the values exact, half float32's bytes), else ``"dense"``.
     """
 
     layers: WeightForm
     head: WeightForm
     kernel: ProjectionKernel | None = None
     blocks: BlockKernel | None = None
+    sixteen: WeightForm = "dense"
 
     @property
     def quantization(self) -> Quantization | None:
@@ -173,8 +177,8 @@ def select_kernels(
         blocks: The GGUF block products, where the loader keeps a GGUF file's blocks as
             stored (its decision: :func:`~twostroke.engine.checkpoints.loader.load_model`):
             every projection, the output one included, computes in the ``"blocks"`` form
-            (those whose file tensor is not in blocks stay dense), and ``quantization`` is
-            not consulted.
+            (those whose file tensor is in 16 bits take fp16 where fbgemm runs, the others
+            stay dense), and ``quantization`` is not consulted.
 
     Raises:
         ValueError: ``quantization`` or ``attention`` is not one of its values.
@@ -194,7 +198,8 @@ def select_kernels(
     glue, why = _glue(config, dtype, device, exact)
     because("glue", why)
     if blocks is not None:
-        projection, why = Projections("blocks", "blocks", blocks=blocks), None
+        sixteen: WeightForm = "fp16" if kernel_available("fp16", device) else "dense"
+        projection, why = Projections("blocks", "blocks", blocks=blocks, sixteen=sixteen), None
     else:
         projection, why = _projections(config, dtype, device, exact, quantization, pack)
     because("projections", why)

@@ -42,7 +42,7 @@ from twostroke.engine.kernels.selection import CpuKernels, Projections, torch_ke
 from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.layers import Glue, RMSNorm, inverse_frequencies, rotary_tables
-from twostroke.engine.models.linear import Linear, empty_parameter
+from twostroke.engine.models.linear import FullPrecision, Linear, empty_parameter
 from twostroke.engine.models.quantization import QUANTIZATIONS
 from twostroke.gpu.huge_pages import huge_page_buffer
 from twostroke.gpu.threads import torch_threads
@@ -356,7 +356,10 @@ class LlamaForCausalLM(nn.Module):
     def _use_blocks(self, projection: Projections) -> None:
         """Each projection whose weights the file holds in blocks computes from them as
         stored (:class:`~twostroke.engine.kernels.gguf_blocks.BlockWeight`, a fused one from
-        its parts side by side); the others stay as loaded. An embedding in blocks is looked
+        its parts side by side). A decoder projection the file holds in 16 bits (F16, or BF16
+        whose values float16 holds) takes the chosen 16-bit form (``projection.sixteen``:
+        fbgemm's float16, every value exact in half float32's bytes); the others stay as
+        loaded. An embedding in blocks is looked
         up row by row from them, and the tied output projection multiplies by them."""
         kernel = projection.blocks
         assert kernel is not None, "the 'blocks' form comes with its kernel"
@@ -367,7 +370,10 @@ class LlamaForCausalLM(nn.Module):
                 parts = [self._blocks.get(f"{prefix}{name}.weight") for name in names]
                 found = [part for part in parts if part is not None]
                 if not found:
-                    continue  # loaded in full precision
+                    if projection.sixteen != "dense" and _exact_in_float16(linear):
+                        with torch_threads(1):  # fbgemm's packing: see _convert
+                            linear.convert(projection.sixteen)
+                    continue
                 if len(found) != len(parts):
                     raise WeightError(
                         f"{prefix}{module_name}: {len(found)} of its {len(parts)} parts are "
@@ -651,6 +657,19 @@ class LlamaForCausalLM(nn.Module):
             size = config.intermediate_size
             start = part * size
         return param.narrow(0, start, size)
+
+
+def _exact_in_float16(linear: Linear) -> bool:
+    """Whether a full-precision projection's weight (and bias) are float16 values: a GGUF
+    file's F16 matrix, or a BF16 one whose values float16 holds (its exponents in float16's
+    normal range: then its 8 significant bits fit float16's 11)."""
+    method = linear.method
+    if not isinstance(method, FullPrecision) or method.weight.dtype != torch.float32:
+        return False
+    tensors = [method.weight] if method.bias is None else [method.weight, method.bias]
+    return all(
+        bool(torch.equal(tensor.to(torch.float16).to(torch.float32), tensor)) for tensor in tensors
+    )
 
 
 def _panels(linear: Linear) -> PanelWeight:

@@ -27,6 +27,7 @@ from twostroke.engine.kernels.gguf_blocks import (
     rounding_bound,
 )
 from twostroke.engine.models.linear import FullPrecision, Linear
+from twostroke.engine.models.quantization import QuantizedWeight
 
 # isa: the block products take the personality's path (AVX2 or portable C).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -111,6 +112,65 @@ def test_each_projection_computes_from_the_files_blocks_as_the_dequantized_weigh
         assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
 
 
+def sixteen_bits(kind: Any) -> Any:
+    """q/k/v and down in ``kind`` (16 bits), o and gate/up in Q4_1 blocks."""
+
+    def chosen(hf_name: str) -> Any:
+        return (
+            kind
+            if hf_name.endswith(
+                ("q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight")
+            )
+            else Q.Q4_1
+        )
+
+    return chosen
+
+
+@pytest.mark.parametrize("kind", [Q.F16, Q.BF16])
+def test_a_sixteen_bit_matrix_beside_the_blocks_computes_from_its_exact_float16_values(
+    tmp_path: Path, kind: Any
+) -> None:
+    """F16 and BF16 projections load (BF16 is no longer refused), q/k with their rotary
+    rows permuted back, and compute in the chosen 16-bit form where every value is a float16
+    (fbgemm's fp16 where it runs: TWOSTROKE_CPU_ISA=portable keeps them dense), from the
+    unquantized activations: each equals the dequantized file's projection to float32
+    rounding; the blocks beside them as before."""
+    file = write(tmp_path, sixteen_bits(kind), Q.Q8_0)
+    blocks, reference = blocks_and_reference(file)
+    assert blocks.quantization == "gguf"
+    sixteen = blocks.module.kernels.projection.sixteen
+    model, dense = blocks.module, reference.module
+    generator = torch.Generator().manual_seed(0)
+    held = 0
+    for name, mine in model.named_modules():
+        if not isinstance(mine, Linear) or mine is model.lm_head:
+            continue
+        theirs = cast(FullPrecision, cast(Linear, dense.get_submodule(name)).method)
+        x = torch.randn(5, mine.in_features, generator=generator)
+        if name.endswith(("o_proj", "gate_up_proj")):
+            assert isinstance(mine.method, BlockWeight)
+            continue
+        exact = bool(torch.equal(theirs.weight.half().float(), theirs.weight))
+        if sixteen == "dense" or not exact:
+            assert isinstance(mine.method, FullPrecision)
+        else:
+            assert isinstance(mine.method, QuantizedWeight)
+            held += 1
+        expected = F_linear(x.double(), theirs.weight.double())
+        scale = float((x.double().abs() @ theirs.weight.double().abs().T).max())
+        assert float((mine(x).double() - expected).abs().max()) <= 1e-5 * scale
+    if sixteen != "dense" and kind == Q.F16:
+        assert held == 2 * model.config.num_layers  # the fused q/k/v and down, each layer
+    sequences = random_sequences([3, 20])
+    for got, want in zip(
+        model.forward_logits(sequences, chunk_size=6),
+        dense.forward_logits(sequences, chunk_size=6),
+        strict=True,
+    ):
+        assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
+
+
 def F_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.T
 
@@ -139,12 +199,12 @@ def weight_entries(cache: Path) -> list[Path]:
 
 
 def test_a_type_not_computed_as_stored_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
-    file = write(tmp_path, Q.BF16, Q.Q8_0)
+    file = write(tmp_path, Q.MXFP4, Q.Q8_0)
     with pytest.raises(BlockTypeUnsupported) as caught:
         load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
-    assert caught.value.block_type == "BF16"
+    assert caught.value.block_type == "MXFP4"
     assert caught.value.tensor.startswith("blk.0.")
-    assert "is BF16, which quantization='gguf' does not compute as stored" in str(caught.value)
+    assert "is MXFP4, which quantization='gguf' does not compute as stored" in str(caught.value)
     # Without quantization='gguf' the file loads dequantized, as before.
     load_model(file, dtype=torch.float32, device=CPU, quantization=None)
 
@@ -159,7 +219,7 @@ def test_gguf_quantization_needs_a_gguf_file_and_float32_on_the_cpu(tmp_path: Pa
         load_model(file, dtype=torch.bfloat16, device=CPU, quantization="gguf")
 
 
-@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf"), (Q.BF16, "fp16")])
+@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf"), (Q.MXFP4, "fp16")])
 def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -179,7 +239,7 @@ def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
         assert isinstance(loaded.module.lm_head.method, BlockWeight)
     else:
         assert loaded.quantization != "gguf"
-        assert "tensor 'blk.0.attn_q.weight' is BF16, which is not computed as stored" in (
+        assert "tensor 'blk.0.attn_q.weight' is MXFP4, which is not computed as stored" in (
             caplog.text
         )
     # transformers' exact arithmetic asked for: never the blocks.

@@ -96,7 +96,8 @@ def write_gguf(
     embedding: Any = None,
 ) -> None:
     """Write a transformers model as llama.cpp would, quantizing its matrices to Q8_0 (or
-    ``matrices``) and its embedding to F16 (or ``embedding``).
+    ``matrices``: a type, or a function of the transformers name that gives one) and its
+    embedding to F16 (or ``embedding``).
 
     The model's weights are replaced in place by what the file holds after quantization, so
     that it stays the exact reference for the file.
@@ -122,7 +123,7 @@ def write_gguf(
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         weights = parameter.detach().float().numpy()
-        kind = Q8_0 if matrices is None else matrices
+        kind = Q8_0 if matrices is None else matrices(hf_name) if callable(matrices) else matrices
         if hf_name == "model.embed_tokens.weight" and embedding is not None:
             stored: Any = quantize(weights, embedding)
             raw_dtype = embedding
