@@ -108,11 +108,14 @@ class EngineConfig(SchedulingPolicy):
             keeps full precision. ``None``: weights in ``dtype``. ``"auto"`` (the default)
             goes with ``dtype="auto"``: the fastest weights whose perplexity is within 1 %
             of float32's, measured (docs/models.md): ``"fp16"`` where ``dtype="auto"``
-            resolves to float32 on a CPU with the kernel, else ``None``. An explicit
+            resolves to float32 on a CPU with the kernel (for a GGUF file whose matrices
+            are all in types computed as stored: ``"gguf"``), else ``None``. An explicit
             ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
             ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
             weights computed as stored, with activations quantized per block (float32 on a CPU;
-            docs/models.md).
+            docs/models.md). ``"q8_0"``, ``"q4_0"``: any checkpoint's projection weights
+            quantized into those GGUF blocks at load and computed as ``"gguf"`` computes a
+            file's (float32 on a CPU).
         torch_threads: torch's intra-op threads for the forward pass, fixed. ``None`` (the
             default) lets the engine choose on the CPU: every core
             (:func:`~twostroke.engine.runners.loading.default_torch_threads`) while they
@@ -144,9 +147,9 @@ class EngineConfig(SchedulingPolicy):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
-    quantization: Literal["auto", "fp16", "int8", "gguf"] | None = attrs.field(
+    quantization: Literal["auto", "fp16", "int8", "gguf", "q8_0", "q4_0"] | None = attrs.field(
         default="auto",
-        validator=attrs.validators.optional(one_of("auto", "fp16", "int8", "gguf")),
+        validator=attrs.validators.optional(one_of("auto", "fp16", "int8", "gguf", "q8_0", "q4_0")),
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     step_timeout: float | None = attrs.field(

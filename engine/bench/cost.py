@@ -11,9 +11,10 @@ What is counted, per step of rows ``(start, num_tokens, sample)``:
 
 * **bytes** = the weights streamed once (every decoder layer's projections, biases and norms,
   the final norm and the output projection; the embedding only for the rows it looks up,
-  ``num_tokens * hidden`` elements) + each row's KV history, ``start`` positions of keys and
-  values in every layer, read once + the ``num_tokens`` positions of keys and values the
-  step writes;
+  ``num_tokens * hidden`` elements), in their dtype or reduced precision, or as a GGUF file
+  stores them where the model computes its blocks as stored + each row's KV history,
+  ``start`` positions of keys and values in every layer, read once + the ``num_tokens``
+  positions of keys and values the step writes;
 * **FLOPs** = ``2 * layer_params`` per token (the projections) + the attention products,
   ``4 * num_heads * head_dim * num_layers`` per key a query attends to (QKᵀ and PV; a token
   at position ``p`` attends to ``p + 1`` keys, so a row attends to ``num_tokens * start +
@@ -26,7 +27,7 @@ rotary FLOPs, softmax, the sampler. The floor is a lower bound: leaving work out
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -100,7 +101,12 @@ class ModelCost:
 
     @classmethod
     def of(
-        cls, config: ModelConfig, *, dtype: str = "float32", quantization: str | None = None
+        cls,
+        config: ModelConfig,
+        *,
+        dtype: str = "float32",
+        quantization: str | None = None,
+        stored: Mapping[str, int] | None = None,
     ) -> ModelCost:
         """The costs of a model of shape ``config``.
 
@@ -111,9 +117,16 @@ class ModelCost:
             quantization: The decoder projections' weight precision (a key of
                 :data:`WEIGHT_BYTES`), or ``None`` for ``dtype``. The embedding, the output
                 projection, norms and biases stay in ``dtype``.
+            stored: The weights as a file stores them and the model reads them (a GGUF
+                file's blocks computed as stored): bytes by transformers' tensor name
+                (:func:`~twostroke.engine.checkpoints.loader.stored_bytes`). Then each
+                weight costs its stored bytes, an embedding row its share of the stored
+                embedding, the tied output projection the embedding's bytes, and
+                ``quantization`` is not consulted.
 
         Raises:
-            ValueError: an unknown ``dtype`` or ``quantization``.
+            ValueError: an unknown ``dtype`` or ``quantization``, or ``stored`` without a
+                weight the model has.
         """
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -147,11 +160,43 @@ class ModelCost:
         norms = 2 * hidden
         layer_bytes = projection_bytes + (biases + norms) * element
         output_params = config.vocab_size * hidden
+        if stored is not None:
+            return cls._stored(config, stored, params, output_params, element, q_width, kv_width)
         return cls(
             weight_bytes=config.num_layers * layer_bytes + (hidden + output_params) * element,
             layer_params=config.num_layers * params,
             output_params=output_params,
             embedding_row_bytes=hidden * element,
+            kv_bytes_per_token=2 * config.num_layers * kv_width * element,
+            attention_flops_per_key=4 * config.num_layers * q_width,
+        )
+
+    @classmethod
+    def _stored(
+        cls,
+        config: ModelConfig,
+        stored: Mapping[str, int],
+        layer_params: int,
+        output_params: int,
+        element: int,
+        q_width: int,
+        kv_width: int,
+    ) -> ModelCost:
+        embedding = "model.embed_tokens.weight"
+        head = embedding if config.tie_word_embeddings else "lm_head.weight"
+        missing = [name for name in (embedding, head) if name not in stored]
+        if missing:
+            raise ValueError(f"the stored weights have no {missing[0]!r}")
+        # Every weight but the embedding is streamed once a step (a tied head: the
+        # embedding's blocks, as the output projection).
+        streamed = sum(size for name, size in stored.items() if name != embedding)
+        if config.tie_word_embeddings:
+            streamed += stored[embedding]
+        return cls(
+            weight_bytes=streamed,
+            layer_params=config.num_layers * layer_params,
+            output_params=output_params,
+            embedding_row_bytes=max(1, stored[embedding] // config.vocab_size),
             kv_bytes_per_token=2 * config.num_layers * kv_width * element,
             attention_flops_per_key=4 * config.num_layers * q_width,
         )

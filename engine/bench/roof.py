@@ -433,6 +433,10 @@ def prepare_roof(
 ) -> tuple[MachineRoof, ModelCost]:
     """Read the model's shape and measure the machine, at the bench's dtype and threads.
 
+    The weights cost what the engine's defaults read: a GGUF file whose blocks they compute
+    as stored (:func:`~twostroke.engine.checkpoints.loader.auto_blocks`) costs its stored
+    bytes, another model its bytes in the dtype.
+
     Args:
         model: The bench's model: its source gives the shape, its dtype and threads the
             measurement's.
@@ -443,10 +447,18 @@ def prepare_roof(
         ModelLoadError: the model's configuration cannot be read (before anything is
             measured).
     """
-    from twostroke.engine.checkpoints.loader import read_config
+    import torch
+
+    from twostroke.engine.checkpoints.loader import auto_blocks, read_config, stored_bytes
     from twostroke.engine.runners.loading import default_torch_threads
 
-    cost = ModelCost.of(read_config(model.source), dtype=model.dtype)
+    stored = None
+    dtype = getattr(torch, model.dtype)
+    if model.source.suffix == ".gguf" and auto_blocks(
+        model.source, dtype=dtype, device=torch.device("cpu"), exact=model.exact
+    ):
+        stored = stored_bytes(model.source)  # the engine's defaults read the blocks as stored
+    cost = ModelCost.of(read_config(model.source), dtype=model.dtype, stored=stored)
     # The torch threads twostroke's systems run on, given the bench's cores.
     return measure(dtype=model.dtype, threads=default_torch_threads(model.threads)), cost
 

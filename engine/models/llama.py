@@ -565,6 +565,18 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
         self._loaded.add(name)
 
+    def weight(self, name: str) -> torch.Tensor:
+        """The loaded weight of that transformers name (a view: a part of a fused
+        projection is its rows).
+
+        Raises:
+            WeightError: the model has no such weight, or holds it in blocks.
+        """
+        target = self._target(name)
+        if target is None or target.numel() == 0:
+            raise WeightError(f"the model holds no weight {name!r} in full precision")
+        return target
+
     def load_blocks(self, name: str, tensor: BlockTensor) -> None:
         """Take one weight matrix, named as transformers names it, in a GGUF file's blocks as
         stored (not copied, not dequantized): the projection (or embedding, or output

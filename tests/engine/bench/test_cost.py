@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from twostroke.engine.bench.cost import ModelCost, RowShape, StepCost
@@ -76,6 +77,29 @@ def test_reduced_precision_weights_and_dtypes() -> None:
     assert int8.weight_bytes == 2 * (LAYER_PARAMS + 4 * outputs + 4 * 2 * 4) + 4 * (4 + 40)
     fp16 = ModelCost.of(TINY, quantization="fp16")
     assert fp16.weight_bytes == 2 * (2 * LAYER_PARAMS + 4 * 2 * 4) + 4 * (4 + 40)
+
+
+def test_weights_as_a_file_stores_them() -> None:
+    """A model computing a GGUF file's blocks as stored reads their stored bytes: every
+    weight once a step, the tied head from the embedding's blocks, and an embedding row its
+    share of them; the FLOPs and the KV cache are the dtype's as before."""
+    stored = {"model.embed_tokens.weight": 10 * 136, "model.norm.weight": 16}
+    for layer in range(2):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            stored[f"model.layers.{layer}.self_attn.{name}.weight"] = 20
+        stored[f"model.layers.{layer}.input_layernorm.weight"] = 16
+    cost = ModelCost.of(TINY, stored=stored)
+    assert cost.weight_bytes == 2 * (7 * 20 + 16) + 16 + 10 * 136  # the head: the embedding
+    assert cost.embedding_row_bytes == 136
+    plain = ModelCost.of(TINY)
+    assert (cost.layer_params, cost.output_params) == (plain.layer_params, plain.output_params)
+    assert cost.kv_bytes_per_token == plain.kv_bytes_per_token
+    untied = ModelCost.of(
+        attrs.evolve(TINY, tie_word_embeddings=False), stored={**stored, "lm_head.weight": 99}
+    )
+    assert untied.weight_bytes == cost.weight_bytes - 10 * 136 + 99
+    with pytest.raises(ValueError, match=r"^the stored weights have no 'lm_head\.weight'$"):
+        ModelCost.of(attrs.evolve(TINY, tie_word_embeddings=False), stored=stored)
 
 
 def test_biases_are_weights_too() -> None:

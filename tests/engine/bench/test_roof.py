@@ -186,6 +186,32 @@ def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(tmp_path: Pa
     assert len(asked) == 1  # nothing measured when the shape is unknown
 
 
+def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
+    tmp_path: Path,
+) -> None:
+    """The engine's defaults compute a Q4_1 file's blocks as stored (float32 activations, not
+    exact): the roof's weights are the file's bytes; transformers' exact arithmetic reads
+    the dequantized float32 weights, and the roof says so."""
+    from gguf import GGMLQuantizationType
+
+    from tests.engine.checkpoints.test_blocks import write
+    from twostroke.engine.checkpoints.loader import read_config, stored_bytes
+
+    file = write(tmp_path, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+    def measure(**options: object) -> MachineRoof:
+        return MachineRoof(bandwidth=1e9, flops=1e9, dtype="float32", threads=1)
+
+    config = read_config(file)
+    spec = ModelSpec(name="tiny", source=file, dtype="float32", threads=1)
+    _, cost = prepare_roof(spec, measure=measure)
+    assert cost == ModelCost.of(config, dtype="float32", stored=stored_bytes(file))
+    dense = ModelCost.of(config, dtype="float32")
+    assert cost.weight_bytes < dense.weight_bytes / 4  # Q4_1's 0.625 bytes a weight
+    _, exact = prepare_roof(attrs.evolve(spec, exact=True), measure=measure)
+    assert exact == dense
+
+
 def test_machine_rates_are_checked() -> None:
     with pytest.raises(ValueError, match="bandwidth"):
         MachineRoof(bandwidth=0.0, flops=1.0, dtype="float32", threads=1)

@@ -171,6 +171,59 @@ def test_a_sixteen_bit_matrix_beside_the_blocks_computes_from_its_exact_float16_
         assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("asked", ["q8_0", "q4_0"])
+def test_q8_0_and_q4_0_quantize_a_checkpoints_projections_into_blocks_at_load(
+    tmp_path: Path, asked: str
+) -> None:
+    """A safetensors checkpoint's decoder projections become the blocks llama.cpp's
+    quantizer writes (the gguf package's), computed as a GGUF file's are: each equals the
+    product of the quantized activations by those blocks dequantized, and the logits stay
+    close to those of the model with those weights; the embedding and the output projection
+    stay float32; a GGUF file loads the same way (its dequantized weights
+    quantized again); another dtype or a width that is not whole blocks is refused."""
+    from gguf.quants import dequantize, quantize
+
+    kind = Q.Q8_0 if asked == "q8_0" else Q.Q4_0
+    directory = tmp_path / "hf"
+    make_tiny_model("llama", directory)
+    loaded = load_model(directory, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
+    reference = load_model(directory, dtype=torch.float32, device=CPU, quantization=None)
+    assert loaded.quantization == asked
+    model, dense = loaded.module, reference.module
+    assert isinstance(model.lm_head.method, FullPrecision)
+    assert model._embedding is None
+    generator = torch.Generator().manual_seed(0)
+    for name, mine in model.named_modules():
+        if not isinstance(mine, Linear) or mine is model.lm_head:
+            continue
+        assert isinstance(mine.method, BlockWeight)
+        theirs = cast(FullPrecision, cast(Linear, dense.get_submodule(name)).method).weight
+        weight = torch.from_numpy(dequantize(quantize(theirs.numpy(), kind), kind)).double()
+        x = torch.randn(5, mine.in_features, generator=generator)
+        expected = F_linear(quantized(x).double(), weight)
+        scale = float((quantized(x).double().abs() @ weight.abs().T).max())
+        assert float((mine(x).double() - expected).abs().max()) <= 1e-5 * scale
+        with torch.no_grad():
+            theirs.copy_(weight.float())  # the reference: the blocks' own weights
+    sequences = random_sequences([3, 20])
+    for got, want in zip(
+        model.forward_logits(sequences, chunk_size=6),
+        dense.forward_logits(sequences, chunk_size=6),
+        strict=True,
+    ):
+        assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
+    file = write(tmp_path, Q.Q4_1, Q.Q8_0)
+    again = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
+    assert again.quantization == asked
+    assert isinstance(again.module.layers[0].mlp.down_proj.method, BlockWeight)
+    with pytest.raises(ValueError, match=f"quantization='{asked}' computes on the CPU"):
+        load_model(directory, dtype=torch.bfloat16, device=CPU, quantization=asked)
+    narrow = tmp_path / "narrow"
+    make_tiny_model("llama", narrow, hidden_size=48, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ModelLoadError, match=r"quantizes projections in blocks of 32 weights: "):
+        load_model(narrow, dtype=torch.float32, device=CPU, quantization=asked)
+
+
 def F_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.T
 
