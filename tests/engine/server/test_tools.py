@@ -368,6 +368,114 @@ async def test_openai_agents_chat_completions_model_finishes_its_loop() -> None:
     assert "<tool_response>" in second[-1]["content"]
 
 
+#: The bodies that each library's default loop sent in scripts/agent_loops.py's run against
+#: SmolLM2 (docs/structured-output.md, "Agent libraries"), the model's name and the call ids
+#: shortened: the first turn (the call forced) and the turn that carries the tool's result.
+_CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+_STRICT = {"properties": {"city": {"description": "The city.", "title": "City", "type": "string"}},
+           "required": ["city"], "title": "get_weather_args", "type": "object",
+           "additionalProperties": False}  # fmt: skip
+_ASKED = {"role": "user", "content": "Use the get_weather tool for Oslo."}
+_SYSTEM = {"role": "system", "content": "You answer questions about the weather."}
+_RESULT = "Sunny, 21 degrees Celsius in Oslo."
+
+
+def _weather(parameters: dict[str, Any], strict: bool | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": "get_weather", "parameters": parameters,
+                                "description": "The current weather in a city."}  # fmt: skip
+    if strict is not None:
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
+def _called(arguments: str = '{"city": "Oslo"}', **extra: Any) -> dict[str, Any]:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    return {"role": "assistant", "tool_calls": [call | extra]}
+
+
+_NAMED = {"type": "function", "function": {"name": "get_weather"}}
+LIBRARY_TURNS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "openai-sdk-stream-accumulator": (
+        {"stream": True, "messages": [_ASKED], "tools": [_weather(_CITY)], "tool_choice": _NAMED,
+         "max_tokens": 96, "temperature": 0},
+        {"stream": True, "messages": [_ASKED, _called(index=0),
+         {"role": "tool", "tool_call_id": "call_1", "content": _RESULT}],
+         "tools": [_weather(_CITY)], "max_tokens": 96, "temperature": 0}),
+    "langchain-openai": (
+        {"stream": False, "messages": [_ASKED], "max_completion_tokens": 96, "temperature": 0.0,
+         "tool_choice": _NAMED, "tools": [_weather(_CITY)]},
+        {"stream": False, "messages": [_ASKED, {"content": None} | _called(),
+         {"content": _RESULT, "role": "tool", "tool_call_id": "call_1"}],
+         "max_completion_tokens": 96, "temperature": 0.0, "tools": [_weather(_CITY)]}),
+    "litellm": (
+        {"messages": [_ASKED], "temperature": 0, "max_tokens": 96, "tools": [_weather(_CITY)],
+         "tool_choice": _NAMED},
+        {"messages": [_ASKED, _called(), {"role": "tool", "tool_call_id": "call_1",
+         "name": "get_weather", "content": _RESULT}], "temperature": 0, "max_tokens": 96,
+         "tools": [_weather(_CITY)]}),
+    "pydantic-ai": (
+        {"messages": [_SYSTEM, _ASKED], "stream": False, "max_completion_tokens": 96,
+         "temperature": 0, "tool_choice": "required",
+         "tools": [_weather(_STRICT, strict=True)]},
+        {"messages": [_SYSTEM, _ASKED, {"content": None} | _called('{"city":"Oslo"}'),
+         {"role": "tool", "tool_call_id": "call_1", "content": _RESULT}], "stream": False,
+         "max_completion_tokens": 96, "temperature": 0, "tool_choice": "auto",
+         "tools": [_weather(_STRICT, strict=True)]}),
+    "openai-agents-chat": (
+        {"messages": [_SYSTEM, _ASKED], "max_tokens": 96, "temperature": 0.0,
+         "tool_choice": _NAMED, "tools": [_weather(_STRICT, strict=True)]},
+        {"messages": [_SYSTEM, _ASKED, {"content": None} | _called(),
+         {"role": "tool", "tool_call_id": "call_1", "content": _RESULT}], "max_tokens": 96,
+         "temperature": 0.0, "tools": [_weather(_STRICT, strict=True)]}),
+}  # fmt: skip
+
+
+def _answer(reply: Any, stream: bool) -> tuple[str | None, list[Any], str]:
+    """A chat answer's content, calls and finish reason, from its JSON or its SSE events."""
+    assert reply.status_code == 200, reply.text
+    if not stream:
+        choice = reply.json()["choices"][0]
+        message = choice["message"]
+        return message["content"], message.get("tool_calls", []), choice["finish_reason"]
+    content, calls, finish = None, [], ""
+    for line in reply.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        choice = json.loads(line.removeprefix("data: "))["choices"][0]
+        if choice["delta"].get("content"):
+            content = (content or "") + choice["delta"]["content"]
+        calls += choice["delta"].get("tool_calls", [])
+        finish = choice["finish_reason"] or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("library", list(LIBRARY_TURNS))
+async def test_the_bodies_agent_libraries_send_are_answered(library: str) -> None:
+    """Each library's two turns as it sent them (null or absent content beside calls, a
+    stream accumulator's ``index``, a result's ``name``, strict tools, ``tool_choice``
+    "required" or named, ``max_completion_tokens``): the call, then the text answer."""
+    first, second = LIBRARY_TURNS[library]
+    calling = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+    def script(prompt: str) -> str:
+        return ANSWER if _RESULT in prompt else calling
+
+    async with served(runner=ScriptedRunner(script)) as server:
+        stream = bool(first.get("stream"))
+        reply = await server.http.post("/v1/chat/completions", json={"model": "toy"} | first)
+        _, calls, finish = _answer(reply, stream)
+        assert finish == "tool_calls"
+        assert calls[0]["function"]["name"] == "get_weather"
+        reply = await server.http.post("/v1/chat/completions", json={"model": "toy"} | second)
+        assert _answer(reply, stream) == (ANSWER, [], "stop")
+        prompt, _ = server.engine.submitted[-1]
+        assert prompt[-1] == {
+            "role": "tool",
+            "content": f"<tool_response>\n{_RESULT}\n</tool_response>",
+        }
+
+
 _TEXT = st.text(alphabet='ab <_>{}"\\:,\n', max_size=12)
 _ARGS = st.dictionaries(st.sampled_from(["city", "x"]), st.text(alphabet='a"}{\\<', max_size=6),
                         max_size=2)  # fmt: skip
