@@ -13,6 +13,7 @@ import attrs
 
 from twostroke.engine.bench.metrics import SystemResult
 from twostroke.engine.bench.model import ModelSpec
+from twostroke.engine.bench.quality import QualityReference
 from twostroke.engine.bench.roof import WorkloadRoof
 from twostroke.engine.bench.workload import Workload
 
@@ -34,6 +35,8 @@ class BenchRun:
         started_at: ISO 8601 time the run began.
         machine: CPU, cores, OS, Python, torch.
         roof: The workload's floor on this machine (``None``: not computed).
+        quality: The reference the systems' greedy outputs are compared with (``None``:
+            not computed; :mod:`~twostroke.engine.bench.quality`).
     """
 
     workload: Workload
@@ -42,3 +45,4 @@ class BenchRun:
     started_at: str
     machine: Mapping[str, Any] = attrs.field(eq=False)
     roof: WorkloadRoof | None = None
+    quality: QualityReference | None = None

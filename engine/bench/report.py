@@ -133,6 +133,8 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
     headers += ["TTFT ms", "TPOT ms", "ITL ms p50", "E2E s"]
     speculating = any(_ACCEPTANCE in result.extra for result in run.results)
     headers += ["accept len (drafts)"] * speculating
+    quality = run.quality is not None
+    headers += ["greedy = ref"] * quality
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
     if slos:
@@ -156,6 +158,7 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
             _ms(figure.itl, "p50", "p99"),
             _s(figure.e2e, "mean", "p99"),
             *[_acceptance_cell(result.extra)] * speculating,
+            *([_quality_cell(run, result)] if quality else []),
         ]
         if slos:
             cells.append("-" if figure.goodput is None else f"{figure.goodput:.2f}")
@@ -173,6 +176,14 @@ def _acceptance_cell(extra: Mapping[str, Any]) -> str:
     if _ACCEPTANCE not in extra:
         return "-"
     return f"{extra[_ACCEPTANCE]:.2f} ({extra['spec_decode_drafts']})"
+
+
+def _quality_cell(run: BenchRun, result: SystemResult) -> str:
+    """Requests whose greedy outputs equal the reference's, and the share of its tokens
+    agreed on before the first differences; "-" where the system reports no tokens."""
+    assert run.quality is not None
+    found = run.quality.of(result.output_token_ids)
+    return "-" if found is None else found.cell()
 
 
 def _system_cell(result: SystemResult) -> str:
@@ -219,6 +230,8 @@ def report_document(
             if figure is not None and run.roof is not None
             else None
         )
+        found = None if run.quality is None else run.quality.of(result.output_token_ids)
+        entry["quality"] = None if found is None else found.to_json()
         systems.append(entry)
     return {
         "format": JSON_FORMAT,
@@ -244,6 +257,7 @@ def report_document(
         },
         "reference": reference,
         "roof": None if run.roof is None else run.roof.to_json(),
+        "quality_reference": None if run.quality is None else run.quality.to_json(),
         "systems": systems,
         "speculation": [c.to_json() for c in compare_speculation(run, figures)],
     }

