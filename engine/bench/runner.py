@@ -322,10 +322,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         action="append",
-        choices=("fp16", "int8"),
+        choices=("fp16", "int8", "gguf", "q8_0", "q4_0"),
         default=None,
-        help="also run twostroke at depth 2 with the projection weights in this precision "
-        "(a row per mode; repeat for both)",
+        help="also run twostroke at depth 2 with the projection weights in this form (a row "
+        "per mode; repeatable); the plain rows take the engine's defaults ('auto')",
     )
     parser.add_argument("--rate", type=float, default=4.0, help="serving: requests per second")
     parser.add_argument(
@@ -509,8 +509,14 @@ def bench_command(
             f"quality: generating {len(indices)} requests with the float32 reference",
             highlight=False,
         )
-        outputs = compute_reference(model, [workload.requests[i] for i in indices])
-        run = attrs.evolve(run, quality=QualityReference(indices, outputs))
+        from twostroke.engine.checkpoints.loader import ModelLoadError
+
+        try:
+            outputs = compute_reference(model, [workload.requests[i] for i in indices])
+        except ModelLoadError as error:
+            console.print(f"quality: not computed: {error}", highlight=False)
+        else:
+            run = attrs.evolve(run, quality=QualityReference(indices, outputs))
     if roof is not None:
         limits = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         chosen = {name: value for name in limits if (value := getattr(args, name, None))}

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -181,7 +182,7 @@ class TwostrokeDriver:
             dtype=DTYPES[model.dtype],
             device=torch_device,
             exact=model.exact,
-            quantization=self.engine_options.get("quantization"),
+            quantization=self.engine_options.get("quantization", "auto"),
         )
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
         warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)
@@ -224,7 +225,7 @@ class TwostrokeDriver:
                 "forward_s": round(stats.forward_seconds, 3),
                 "forward_idle_s": round(stats.forward_idle_seconds, 3),
                 "warmup_s": round(warmup, 1),
-                "weights": "GGUF dequantized" if loaded.source.suffix == ".gguf" else "HF",
+                "weights": _weights(loaded.source, loaded.quantization),
                 "quantization": loaded.quantization,
                 "projections": loaded.module.kernels.projection.layers,
                 "output_projection": loaded.module.kernels.projection.head,
@@ -387,7 +388,7 @@ def _warm_up(
     whichever twostroke system ran first (twostroke-depth2). The peers get no such pass: vLLM
     warms up in its own start-up, and HF static batching has one prefill and one decode shape.
     """
-    quantization = engine_options.get("quantization")
+    quantization = engine_options.get("quantization", "auto")
     key = (
         model.name,
         model.dtype,
@@ -558,6 +559,18 @@ def engine_drivers(
         options = engine_options | {"quantization": quantization}
         drivers.append(TwostrokeDriver(2, device=device, **options))
     return drivers
+
+
+def _weights(source: Path, quantization: str | None) -> str:
+    """The report's word on the weights a system computed with."""
+    kind = "GGUF" if source.suffix == ".gguf" else "HF"
+    if quantization == "gguf":
+        return "GGUF blocks as stored"
+    if quantization in ("q8_0", "q4_0"):
+        return f"{kind}, projections quantized to {quantization.upper()} at load"
+    if quantization is not None:
+        return f"{kind} dequantized, {quantization} projections"
+    return "GGUF dequantized" if kind == "GGUF" else "HF"
 
 
 def speculative_drivers(drivers: Sequence[Any], config: SpeculativeConfig) -> list[Any]:

@@ -118,6 +118,20 @@ def test_the_bench_puts_each_systems_agreement_beside_its_speed(
     assert "greedy = ref" not in out.getvalue()
 
 
+def test_a_model_the_reference_cannot_load_leaves_the_column_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the roof does: the run reports, and says why there is no quality column."""
+    _use_fake_tokenizer(monkeypatch)
+    args = _args(tmp_path, "--num-requests", "2", "--systems", "echo", "--no-roof")
+    out = io.StringIO()
+    console = Console(file=out, width=250)
+    assert bench_command(args, engine_drivers=[Echo("echo")], console=console) == 0
+    assert "quality: not computed: " in out.getvalue()
+    assert "config.json: missing" in out.getvalue()
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["quality_reference"] is None
+
+
 def test_quality_requests_is_a_count() -> None:
     with pytest.raises(SystemExit):
         _args(Path("."), "--quality-requests", "-1")
