@@ -342,15 +342,22 @@ def profile_command(args: argparse.Namespace) -> int:
     check_int_at_least("threads", args.threads, 1)
     dtype = resolve_dtype(args.dtype, CpuDevice())
     with torch_threads(args.threads):
+        exact = args.dtype != "auto"
         loaded = load_model(
-            args.model, dtype=dtype, device=torch.device("cpu"), exact=args.dtype != "auto"
+            args.model,
+            dtype=dtype,
+            device=torch.device("cpu"),
+            exact=exact,
+            # The engine's weights for that dtype (EngineConfig's default).
+            quantization=None if exact else "auto",
         )
         step = DecodeStep.prefill(
             loaded, batch=args.batch, history=tuple(args.history), max_steps=args.repeats + 8
         )
         profile = profile_decode_step(step, repeats=args.repeats)
     print(
-        f"{loaded.source.name}, {dtype}, {args.threads} torch thread(s), CPU capability "
+        f"{loaded.source.name}, {dtype}, weights {loaded.quantization or 'in the dtype'}, "
+        f"{args.threads} torch thread(s), CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.2f}"
     )
     print(profile.report())
