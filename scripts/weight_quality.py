@@ -5,8 +5,10 @@ For each weight mode, with float32 activations: ``none`` (float32 weights, MKL's
 transformers' arithmetic, the reference), ``packed`` (float32 weights packed for oneDNN:
 ``dtype="auto"`` with ``quantization=None`` where auto is float32), ``fp16`` and ``int8``
 (``quantization=``, the output projection in MKL's float32), ``auto`` (the engine's defaults
-where ``dtype="auto"`` is float32: fp16 projections, the output projection packed), and
-``gguf`` (the file's blocks computed as stored, activations quantized per block of 32). With
+where ``dtype="auto"`` is float32: the file's blocks as stored since 2026-12-05, fp16
+projections before), ``gguf`` (the file's blocks computed as stored, activations quantized
+per block of 32), and ``q8_0``/``q4_0`` (the projections quantized into those blocks at
+load, computed as ``gguf`` computes a file's). With
 bfloat16 weights and activations: ``bfloat16`` (``dtype="bfloat16"``: oneDNN's products,
 torch's operators) and ``bfloat16-auto`` (the engine's defaults where ``dtype="auto"`` is
 bfloat16: the compiled projections and glue):
@@ -75,8 +77,10 @@ LABELS = {
     "packed": 'float32 packed (`dtype="auto", quantization=None`)',
     "fp16": '`quantization="fp16"`',
     "int8": '`quantization="int8"`',
-    "auto": "the defaults (fp16 projections, packed output projection)",
+    "auto": "the defaults (a GGUF file's blocks as stored, since 2026-12-05)",
     "gguf": 'the file\'s Q4_1/Q8_0 blocks as stored (`quantization="gguf"`)',
+    "q8_0": 'the projections quantized to Q8_0 at load (`quantization="q8_0"`)',
+    "q4_0": 'the projections quantized to Q4_0 at load (`quantization="q4_0"`)',
     "bfloat16": 'bfloat16 (`dtype="bfloat16"`: oneDNN, torch\'s operators)',
     "bfloat16-auto": "the defaults where bfloat16 is native (compiled projections and glue)",
 }
@@ -90,8 +94,10 @@ MODES: dict[str, tuple[Any, Any, torch.dtype, bool, Any]] = {
     "packed": ("auto", None, F32, False, None),
     "fp16": ("float32", "fp16", F32, True, "fp16"),
     "int8": ("float32", "int8", F32, True, "int8"),
-    "auto": ("auto", "auto", F32, False, "fp16"),
+    "auto": ("auto", "auto", F32, False, "gguf"),
     "gguf": ("auto", "gguf", F32, False, "gguf"),
+    "q8_0": ("auto", "q8_0", F32, False, "q8_0"),
+    "q4_0": ("auto", "q4_0", F32, False, "q4_0"),
     "bfloat16": ("bfloat16", None, BF16, True, None),
     "bfloat16-auto": ("auto", "auto", BF16, False, None),
 }
@@ -142,8 +148,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     native = default_dtype(CpuDevice())
-    if native != torch.float32 and {"packed", "auto", "gguf"} & set(args.modes):
-        parser.error("the packed, auto and gguf modes need a CPU where dtype='auto' is float32")
+    if native != torch.float32 and {"packed", "auto", "gguf", "q8_0", "q4_0"} & set(args.modes):
+        parser.error(
+            "the packed, auto, gguf, q8_0 and q4_0 modes need a CPU where dtype='auto' is float32"
+        )
     if native != torch.bfloat16 and "bfloat16-auto" in args.modes:
         parser.error("the bfloat16-auto mode needs a CPU where dtype='auto' is bfloat16")
     loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
