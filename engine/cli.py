@@ -67,8 +67,7 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
         help="the projection weights in float16 or int8, activations at full precision (CPU; "
         "quality per mode in docs/models.md); gguf: a GGUF file's blocks as stored; q8_0, "
         "q4_0: any checkpoint's projections quantized into those blocks at load; none: "
-        "weights in the dtype; default auto: where the CPU computes in float32, a GGUF file's "
-        "blocks as stored, else fp16; elsewhere none",
+        "weights in the dtype; default auto: fp16 where the CPU computes in float32, else none",
     )
 
 

@@ -108,8 +108,7 @@ class EngineConfig(SchedulingPolicy):
             keeps full precision. ``None``: weights in ``dtype``. ``"auto"`` (the default)
             goes with ``dtype="auto"``: the fastest weights whose perplexity is within 1 %
             of float32's, measured (docs/models.md): ``"fp16"`` where ``dtype="auto"``
-            resolves to float32 on a CPU with the kernel (for a GGUF file whose matrices
-            are all in types computed as stored: ``"gguf"``), else ``None``. An explicit
+            resolves to float32 on a CPU with the kernel, else ``None``. An explicit
             ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
             ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
             weights computed as stored, with activations quantized per block (float32 on a CPU;

@@ -5,8 +5,8 @@ For each weight mode, with float32 activations: ``none`` (float32 weights, MKL's
 transformers' arithmetic, the reference), ``packed`` (float32 weights packed for oneDNN:
 ``dtype="auto"`` with ``quantization=None`` where auto is float32), ``fp16`` and ``int8``
 (``quantization=``, the output projection in MKL's float32), ``auto`` (the engine's defaults
-where ``dtype="auto"`` is float32: the file's blocks as stored since 2026-12-05, fp16
-projections before), ``gguf`` (the file's blocks computed as stored, activations quantized
+where ``dtype="auto"`` is float32: fp16 projections, the output projection packed),
+``gguf`` (the file's blocks computed as stored, activations quantized
 per block of 32), and ``q8_0``/``q4_0`` (the projections quantized into those blocks at
 load, computed as ``gguf`` computes a file's). With
 bfloat16 weights and activations: ``bfloat16`` (``dtype="bfloat16"``: oneDNN's products,
@@ -77,7 +77,7 @@ LABELS = {
     "packed": 'float32 packed (`dtype="auto", quantization=None`)',
     "fp16": '`quantization="fp16"`',
     "int8": '`quantization="int8"`',
-    "auto": "the defaults (a GGUF file's blocks as stored, since 2026-12-05)",
+    "auto": "the defaults (fp16 projections, packed output projection)",
     "gguf": 'the file\'s Q4_1/Q8_0 blocks as stored (`quantization="gguf"`)',
     "q8_0": 'the projections quantized to Q8_0 at load (`quantization="q8_0"`)',
     "q4_0": 'the projections quantized to Q4_0 at load (`quantization="q4_0"`)',
@@ -94,7 +94,7 @@ MODES: dict[str, tuple[Any, Any, torch.dtype, bool, Any]] = {
     "packed": ("auto", None, F32, False, None),
     "fp16": ("float32", "fp16", F32, True, "fp16"),
     "int8": ("float32", "int8", F32, True, "int8"),
-    "auto": ("auto", "auto", F32, False, "gguf"),
+    "auto": ("auto", "auto", F32, False, "fp16"),
     "gguf": ("auto", "gguf", F32, False, "gguf"),
     "q8_0": ("auto", "q8_0", F32, False, "q8_0"),
     "q4_0": ("auto", "q4_0", F32, False, "q4_0"),

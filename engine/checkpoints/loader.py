@@ -485,10 +485,10 @@ def _load_gguf(
 #: Whether ``quantization="auto"`` computes a GGUF file's blocks as stored, where they run
 #: (float32 activations on a CPU, transformers' exact arithmetic not asked for, every
 #: projection in a type :data:`~twostroke.engine.kernels.gguf_blocks.BLOCK_TYPES` holds, or
-#: in 16 or 32 bits). Measured side by side against the fp16 weights "auto" took before
-#: (docs/models.md, "GGUF blocks as stored"): SmolLM2's single stream 1.40x faster, 32
-#: requests at once 0.92x, a third of the memory and a faster start; perplexity +0.37 %.
-AUTO_BLOCKS = True
+#: in 16 or 32 bits). Off, measured (docs/models.md, "GGUF blocks as stored"): against the
+#: fp16 weights, one stream 1.1x faster through the engine, 32 requests 0.92x, 40 % of the
+#: memory; but the 8-bit activations change SmolLM2's greedy answers (as llama.cpp's do).
+AUTO_BLOCKS = False
 
 #: Tensor types a GGUF file stores as plain numbers: loaded as float32 (exact), where a
 #: decoder projection of 16 bits then takes the 16-bit form (:class:`~twostroke.engine.

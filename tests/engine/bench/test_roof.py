@@ -187,15 +187,18 @@ def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(tmp_path: Pa
 
 
 def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine's defaults compute a Q4_1 file's blocks as stored (float32 activations, not
-    exact): the roof's weights are the file's bytes; transformers' exact arithmetic reads
-    the dequantized float32 weights, and the roof says so."""
+    """Where the engine's defaults compute a Q4_1 file's blocks as stored (AUTO_BLOCKS on,
+    float32 activations, not exact), the roof's weights are the file's bytes; transformers'
+    exact arithmetic reads the dequantized float32 weights, and the roof says so."""
     from gguf import GGMLQuantizationType
 
     from tests.engine.checkpoints.test_blocks import write
+    from twostroke.engine.checkpoints import loader
     from twostroke.engine.checkpoints.loader import read_config, stored_bytes
+
+    monkeypatch.setattr(loader, "AUTO_BLOCKS", True)
 
     file = write(tmp_path, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 
