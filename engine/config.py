@@ -509,6 +509,22 @@ def server_limits_table() -> str:
     return "\n".join(lines)
 
 
+def count_argument(option: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an option that counts something: an integer >= 0, or an
+    error that names ``option`` and the value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} must be an int, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{option} must be >= 0, got {value}")
+        return value
+
+    return parse
+
+
 def speculative_config_argument(text: str) -> SpeculativeConfig:
     """``--speculative-config JSON`` (``twostroke serve``, ``generate``, ``bench`` and the
     rest): a JSON object of :class:`~twostroke.states.speculation.SpeculativeConfig`'s

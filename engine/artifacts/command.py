@@ -29,6 +29,7 @@ from twostroke.engine.artifacts.cache import (
     parse_size,
 )
 from twostroke.engine.artifacts.records import Record
+from twostroke.engine.config import count_argument
 
 __all__ = ["add_cache_arguments", "cache_command", "entry_rows"]
 
@@ -44,7 +45,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     )
     prune.add_argument(
         "--keep",
-        type=_keep,
+        type=count_argument("--keep"),
         default=None,
         metavar="N",
         help="also remove all but the N most recently used entries",
@@ -58,16 +59,6 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "else 8GiB)",
     )
     actions.add_parser("clear", help="remove every entry")
-
-
-def _keep(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--keep must be an int, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--keep must be >= 0, got {value}")
-    return value
 
 
 def _max_size(text: str) -> int | str:

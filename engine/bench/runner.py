@@ -54,7 +54,7 @@ from twostroke.engine.bench.workload import (
     with_json_schemas,
     with_tools,
 )
-from twostroke.engine.config import speculative_config_argument
+from twostroke.engine.config import count_argument, speculative_config_argument
 from twostroke.states.scheduler_config import SchedulingPolicy
 from twostroke.states.speculation import SpeculativeConfig
 
@@ -241,17 +241,6 @@ def _summary(result: SystemResult) -> str:
 PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp")
 
 
-def _count(text: str) -> int:
-    """An argument that counts something: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``twostroke bench``'s options to ``parser``."""
     parser.add_argument("--model", default="smollm2", help="name, model directory or GGUF")
@@ -372,7 +361,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quality-requests",
-        type=_count,
+        type=count_argument("--quality-requests"),
         default=QUALITY_REQUESTS,
         metavar="N",
         help="compare each system's greedy outputs for the first N plain requests with the "

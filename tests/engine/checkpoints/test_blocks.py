@@ -102,14 +102,7 @@ def test_each_projection_computes_from_the_files_blocks_as_the_dequantized_weigh
         rtol=1e-6,
         atol=1e-7,
     )
-    sequences = random_sequences([3, 20])
-    for got, want in zip(
-        model.forward_logits(sequences, chunk_size=6),
-        dense.forward_logits(sequences, chunk_size=6),
-        strict=True,
-    ):
-        # 8-bit activations: the tiny random model's logits move by a few percent.
-        assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
+    assert_logits_close(model, dense)
 
 
 def sixteen_bits(kind: Any) -> Any:
@@ -162,13 +155,7 @@ def test_a_sixteen_bit_matrix_beside_the_blocks_computes_from_its_exact_float16_
         assert float((mine(x).double() - expected).abs().max()) <= 1e-5 * scale
     if sixteen != "dense" and kind == Q.F16:
         assert held == 2 * model.config.num_layers  # the fused q/k/v and down, each layer
-    sequences = random_sequences([3, 20])
-    for got, want in zip(
-        model.forward_logits(sequences, chunk_size=6),
-        dense.forward_logits(sequences, chunk_size=6),
-        strict=True,
-    ):
-        assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
+    assert_logits_close(model, dense)
 
 
 @pytest.mark.parametrize("asked", ["q8_0", "q4_0"])
@@ -205,13 +192,7 @@ def test_q8_0_and_q4_0_quantize_a_checkpoints_projections_into_blocks_at_load(
         assert float((mine(x).double() - expected).abs().max()) <= 1e-5 * scale
         with torch.no_grad():
             theirs.copy_(weight.float())  # the reference: the blocks' own weights
-    sequences = random_sequences([3, 20])
-    for got, want in zip(
-        model.forward_logits(sequences, chunk_size=6),
-        dense.forward_logits(sequences, chunk_size=6),
-        strict=True,
-    ):
-        assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
+    assert_logits_close(model, dense)
     file = write(tmp_path, Q.Q4_1, Q.Q8_0)
     again = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
     assert again.quantization == asked
@@ -222,6 +203,18 @@ def test_q8_0_and_q4_0_quantize_a_checkpoints_projections_into_blocks_at_load(
     make_tiny_model("llama", narrow, hidden_size=48, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ModelLoadError, match=r"quantizes projections in blocks of 32 weights: "):
         load_model(narrow, dtype=torch.float32, device=CPU, quantization=asked)
+
+
+def assert_logits_close(model: Any, dense: Any) -> None:
+    """Two sequences' logits through both models, chunked: with 8-bit activations the tiny
+    random model's logits move by a few percent of the largest."""
+    sequences = random_sequences([3, 20])
+    for got, want in zip(
+        model.forward_logits(sequences, chunk_size=6),
+        dense.forward_logits(sequences, chunk_size=6),
+        strict=True,
+    ):
+        assert float((got - want).abs().max()) <= 0.08 * float(want.abs().max())
 
 
 def F_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
