@@ -435,7 +435,9 @@ def prepare_roof(
 
     The weights cost what the engine's defaults read: a GGUF file whose blocks they compute
     as stored (:func:`~twostroke.engine.checkpoints.loader.auto_blocks`) costs its stored
-    bytes, another model its bytes in the dtype.
+    bytes, another model its projections in the precision ``quantization="auto"`` holds them
+    in (:func:`~twostroke.engine.kernels.selection.auto_quantization`: fp16 where the
+    activations are float32, not exact) and the rest in the dtype.
 
     Args:
         model: The bench's model: its source gives the shape, its dtype and threads the
@@ -450,15 +452,19 @@ def prepare_roof(
     import torch
 
     from twostroke.engine.checkpoints.loader import auto_blocks, read_config, stored_bytes
+    from twostroke.engine.kernels.selection import auto_quantization
     from twostroke.engine.runners.loading import default_torch_threads
 
     stored = None
-    dtype = getattr(torch, model.dtype)
+    dtype, cpu = getattr(torch, model.dtype), torch.device("cpu")
     if model.source.suffix == ".gguf" and auto_blocks(
-        model.source, dtype=dtype, device=torch.device("cpu"), exact=model.exact
+        model.source, dtype=dtype, device=cpu, exact=model.exact
     ):
         stored = stored_bytes(model.source)  # the engine's defaults read the blocks as stored
-    cost = ModelCost.of(read_config(model.source), dtype=model.dtype, stored=stored)
+    reduced = auto_quantization(dtype=dtype, device=cpu, exact=model.exact)
+    cost = ModelCost.of(
+        read_config(model.source), dtype=model.dtype, quantization=reduced, stored=stored
+    )
     # The torch threads twostroke's systems run on, given the bench's cores.
     return measure(dtype=model.dtype, threads=default_torch_threads(model.threads)), cost
 

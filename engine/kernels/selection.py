@@ -41,7 +41,14 @@ from twostroke.engine.models.quantization import (
 )
 from twostroke.gpu.isa import cpu_personality
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "CpuKernels", "Projections", "select_kernels", "torch_kernels"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "CpuKernels",
+    "Projections",
+    "auto_quantization",
+    "select_kernels",
+    "torch_kernels",
+]
 
 #: The KV cache's block size the compiled attention is built and checked for at load unless
 #: another is given: the engine's default (``EngineConfig.block_size``).
@@ -248,6 +255,17 @@ def _glue(
     return glue, None
 
 
+def auto_quantization(
+    *, dtype: torch.dtype, device: torch.device, exact: bool
+) -> Quantization | None:
+    """What ``quantization="auto"`` holds the decoder projections in (for a model whose
+    blocks are not computed as stored): fp16 where the activations are float32 on a CPU,
+    transformers' exact arithmetic is not asked for and fbgemm's fp16 kernel runs here (the
+    measured policy, docs/models.md); else ``None``, the dtype."""
+    automatic = not exact and dtype == torch.float32 and device.type == "cpu"
+    return "fp16" if automatic and kernel_available("fp16", device) else None
+
+
 def _projections(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -266,9 +284,7 @@ def _projections(
     """
     reduced: Quantization | None = None
     if quantization == "auto":
-        automatic = not exact and dtype == torch.float32 and device.type == "cpu"
-        if automatic and kernel_available("fp16", device):
-            reduced = "fp16"
+        reduced = auto_quantization(dtype=dtype, device=device, exact=exact)
     elif quantization is not None:
         if kernel_available(quantization, device):
             reduced = quantization

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
 from tests.engine.bench.test_cost import TINY
 from twostroke.engine.bench.cost import ModelCost, RowShape
@@ -180,10 +181,20 @@ def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(tmp_path: Pa
     assert asked == [{"dtype": "bfloat16", "threads": 3}]
     assert cost == ModelCost.of(TINY, dtype="bfloat16")
     assert machine.threads == 3
+    # float32, not exact: the projections in what quantization="auto" holds them in (fp16
+    # where fbgemm runs here, the policy says; the dtype where not); exact: the dtype.
+    from twostroke.engine.kernels.selection import auto_quantization
+
+    reduced = auto_quantization(dtype=torch.float32, device=torch.device("cpu"), exact=False)
+    float32 = attrs.evolve(spec, dtype="float32")
+    _, cost = prepare_roof(float32, measure=measure)
+    assert cost == ModelCost.of(TINY, dtype="float32", quantization=reduced)
+    _, cost = prepare_roof(attrs.evolve(float32, exact=True), measure=measure)
+    assert cost == ModelCost.of(TINY, dtype="float32")
     (tmp_path / "config.json").unlink()
     with pytest.raises(ModelLoadError, match=r"missing: a model directory needs config\.json"):
         prepare_roof(spec, measure=measure)
-    assert len(asked) == 1  # nothing measured when the shape is unknown
+    assert len(asked) == 3  # nothing measured when the shape is unknown
 
 
 def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
