@@ -34,7 +34,9 @@
  * The activations are quantized first, per row and per block of 32, as llama.cpp does
  * (twostroke_quantize_rows): a scale s = max|x| / 127 and q = x / s rounded to the nearest
  * integer (ties to even), and the block's sum s * sum(q) for the terms that do not depend on
- * the weight's index (Q4_0's -8, Q4_1's m). A block's product is then an integer dot product
+ * the weight's index (Q4_0's -8, Q4_1's m). A block so small that 1 / s overflows (max|x|
+ * under 127 / FLT_MAX, about 3.7e-37) quantizes to zeros with s = 0: llama.cpp converts the
+ * infinite quotients to integers there, which C leaves undefined. A block's product is then an integer dot product
  * of 32 8-bit pairs times two scales:
  *
  *   Q8_0: d s sum(q_w q_x)     Q4_0: d s sum(nib q_x) - 8 d (s sum q_x)
@@ -63,6 +65,7 @@
  * batch or a prefill), while the row's weights stay in the first-level cache for the next
  * tile.
  */
+#include <float.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -213,6 +216,7 @@ void twostroke_quantize_rows(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                 largest = a > largest ? a : largest;
             }
             float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+            if (!(inverse <= FLT_MAX)) scale = inverse = 0.0f; /* see the top of the file */
             int total = 0;
             for (int i = 0; i < BLOCK; i++) {
                 int value = (int)__builtin_rintf(v[i] * inverse);

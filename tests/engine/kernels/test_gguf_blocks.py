@@ -58,10 +58,15 @@ def test_each_rung_builds_the_path_of_its_instruction_set(
 
 
 def reference_quantize(x: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:
-    """llama.cpp's Q8_0 rule for activations, in float32: scale max|x| / 127, ties to even."""
+    """llama.cpp's Q8_0 rule for activations, in float32: scale max|x| / 127, ties to even;
+    a block whose scale's inverse overflows float32 is zeros, its scale 0 (the kernel's
+    rule where llama.cpp's conversion of the infinite quotients is undefined)."""
     blocks = x.reshape(x.shape[0], -1, 32)
     scale = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
-    inverse = np.where(scale != 0, np.float32(1) / np.where(scale != 0, scale, 1), 0)
+    with np.errstate(over="ignore"):
+        inverse = np.where(scale != 0, np.float32(1) / np.where(scale != 0, scale, 1), 0)
+    scale = np.where(np.isfinite(inverse), scale, 0).astype(np.float32)
+    inverse = np.where(np.isfinite(inverse), inverse, 0)
     q = np.rint(blocks * inverse.astype(np.float32)[..., None]).astype(np.int8)
     return q.reshape(x.shape), scale
 
@@ -176,7 +181,7 @@ def test_many_rows_by_a_model_shaped_weight_split_across_threads(
 @given(
     x=st.lists(
         st.floats(-1e4, 1e4, allow_nan=False, width=32)
-        | st.sampled_from([0.0, 0.5, -0.5, 1.5, 2.5, 1e-30]),
+        | st.sampled_from([0.0, 0.5, -0.5, 1.5, 2.5, 1e-30, 1e-40, -1e-45]),
         min_size=64,
         max_size=64,
     ),
