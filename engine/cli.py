@@ -69,14 +69,24 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
         "q4_0: any checkpoint's projections quantized into those blocks at load; none: "
         "weights in the dtype; default auto: fp16 where the CPU computes in float32, else none",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="the KV cache's element type (vLLM's flag; quality in docs/models.md); default "
+        "auto: float16 where the CPU computes in float32 with the compiled kernels, else the "
+        "dtype",
+    )
 
 
 def _quantization(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's options from ``--quantization`` ("none": None) and
-    ``--speculative-config``, each where it was given."""
+    """The engine's options from ``--quantization`` ("none": None), ``--kv-cache-dtype``
+    and ``--speculative-config``, each where it was given."""
     options: dict[str, Any] = {}
     if args.quantization is not None:
         options["quantization"] = None if args.quantization == "none" else args.quantization
+    if getattr(args, "kv_cache_dtype", None) is not None:
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "speculative_config", None) is not None:
         options["speculative_config"] = args.speculative_config
     return options

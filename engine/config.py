@@ -115,6 +115,14 @@ class EngineConfig(SchedulingPolicy):
             docs/models.md). ``"q8_0"``, ``"q4_0"``: any checkpoint's projection weights
             quantized into those GGUF blocks at load and computed as ``"gguf"`` computes a
             file's (float32 on a CPU).
+        kv_cache_dtype: The KV cache's element type, vLLM's option of the same name:
+            ``"float32"``, ``"bfloat16"`` or ``"float16"``, read and written in place by the
+            CPU's compiled attention (the other kernels widen what they gather).
+            ``"auto"`` (the default) goes with ``dtype="auto"``: float16 where the
+            activations are float32 on a CPU whose compiled kernels run with F16C (half the
+            bytes a decode reads from the cache; its quality, measured, in
+            docs/models.md), else the activations' dtype. An explicit ``dtype`` keeps its
+            cache in that dtype unless this asks for another.
         torch_threads: torch's intra-op threads for the forward pass, fixed. ``None`` (the
             default) lets the engine choose on the CPU: every core
             (:func:`~twostroke.engine.runners.loading.default_torch_threads`) while they
@@ -149,6 +157,9 @@ class EngineConfig(SchedulingPolicy):
     quantization: Literal["auto", "fp16", "int8", "gguf", "q8_0", "q4_0"] | None = attrs.field(
         default="auto",
         validator=attrs.validators.optional(one_of("auto", "fp16", "int8", "gguf", "q8_0", "q4_0")),
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
+        default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     step_timeout: float | None = attrs.field(

@@ -11,7 +11,10 @@ per block of 32), and ``q8_0``/``q4_0`` (the projections quantized into those bl
 load, computed as ``gguf`` computes a file's). With
 bfloat16 weights and activations: ``bfloat16`` (``dtype="bfloat16"``: oneDNN's products,
 torch's operators) and ``bfloat16-auto`` (the engine's defaults where ``dtype="auto"`` is
-bfloat16: the compiled projections and glue):
+bfloat16: the compiled projections and glue). The KV cache (``kv_cache_dtype``) is the
+activations' dtype in every mode but ``kv-float16`` and ``kv-bfloat16``: float32 weights and
+activations as ``none``, the cache in 16 bits (read by the compiled attention, written by
+torch's glue):
 
 * greedy agreement: 20 prompts that no test uses, 128 greedy tokens each (EOS ignored, 2,560
   tokens in all) through ``LLM``, the whole engine; per prompt, the tokens that equal
@@ -26,6 +29,7 @@ with it: fbgemm's kernels differ between AVX2 and AVX-512 machines.
     .venv/bin/python scripts/weight_quality.py [--modes none packed fp16 int8 auto]
         [--max-tokens 128]
     .venv/bin/python scripts/weight_quality.py --modes none bfloat16 bfloat16-auto
+    .venv/bin/python scripts/weight_quality.py --modes none kv-float16 kv-bfloat16
 """
 
 from __future__ import annotations
@@ -83,42 +87,48 @@ LABELS = {
     "q4_0": 'the projections quantized to Q4_0 at load (`quantization="q4_0"`)',
     "bfloat16": 'bfloat16 (`dtype="bfloat16"`: oneDNN, torch\'s operators)',
     "bfloat16-auto": "the defaults where bfloat16 is native (compiled projections and glue)",
+    "kv-float16": 'float32, the KV cache in float16 (`kv_cache_dtype="float16"`)',
+    "kv-bfloat16": 'float32, the KV cache in bfloat16 (`kv_cache_dtype="bfloat16"`)',
 }
 
 F32, BF16 = torch.float32, torch.bfloat16
 
-#: Per mode: the engine's ``dtype`` and ``quantization``, and the loader's ``dtype``,
-#: ``exact`` and ``quantization`` that load the same weights for the held-out text.
-MODES: dict[str, tuple[Any, Any, torch.dtype, bool, Any]] = {
-    "none": ("float32", None, F32, True, None),
-    "packed": ("auto", None, F32, False, None),
-    "fp16": ("float32", "fp16", F32, True, "fp16"),
-    "int8": ("float32", "int8", F32, True, "int8"),
-    "auto": ("auto", "auto", F32, False, "fp16"),
-    "gguf": ("auto", "gguf", F32, False, "gguf"),
-    "q8_0": ("auto", "q8_0", F32, False, "q8_0"),
-    "q4_0": ("auto", "q4_0", F32, False, "q4_0"),
-    "bfloat16": ("bfloat16", None, BF16, True, None),
-    "bfloat16-auto": ("auto", "auto", BF16, False, None),
+#: Per mode: the engine's ``dtype`` and ``quantization``, the loader's ``dtype``, ``exact``
+#: and ``quantization`` that load the same weights for the held-out text, and the KV cache's
+#: dtype for both (``"auto"`` with an explicit ``dtype`` is that dtype).
+MODES: dict[str, tuple[Any, Any, torch.dtype, bool, Any, str]] = {
+    "none": ("float32", None, F32, True, None, "auto"),
+    "packed": ("auto", None, F32, False, None, "float32"),
+    "fp16": ("float32", "fp16", F32, True, "fp16", "auto"),
+    "int8": ("float32", "int8", F32, True, "int8", "auto"),
+    "auto": ("auto", "auto", F32, False, "fp16", "float32"),
+    "gguf": ("auto", "gguf", F32, False, "gguf", "float32"),
+    "q8_0": ("auto", "q8_0", F32, False, "q8_0", "float32"),
+    "q4_0": ("auto", "q4_0", F32, False, "q4_0", "float32"),
+    "bfloat16": ("bfloat16", None, BF16, True, None, "auto"),
+    "bfloat16-auto": ("auto", "auto", BF16, False, None, "auto"),
+    "kv-float16": ("float32", None, F32, True, None, "float16"),
+    "kv-bfloat16": ("float32", None, F32, True, None, "bfloat16"),
 }
 
 
 def greedy(mode: str, max_tokens: int) -> list[list[int]]:
-    dtype, quantization, _, _, _ = MODES[mode]
+    dtype, quantization, _, _, _, cache = MODES[mode]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM("smollm2", dtype=dtype, quantization=quantization) as llm:
+    with LLM("smollm2", dtype=dtype, quantization=quantization, kv_cache_dtype=cache) as llm:
         outputs = llm.generate(list(PROMPTS), params, progress=False)
     return [list(output.token_ids) for output in outputs]
 
 
 def heldout_logits(mode: str, ids: list[int]) -> torch.Tensor:
-    _, _, dtype, exact, quantization = MODES[mode]
+    _, _, dtype, exact, quantization, cache = MODES[mode]
     loaded = load_model(
         "smollm2",
         dtype=dtype,
         device=torch.device("cpu"),
         exact=exact,
         quantization=quantization,
+        kv_cache_dtype=None if cache == "auto" else getattr(torch, cache),
     )
     return loaded.module.forward_logits([ids], chunk_size=256, block_size=16)[0].float()
 

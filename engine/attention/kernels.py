@@ -46,8 +46,10 @@ def native_kernel(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedDecodeKernel:
-    """The compiled decode attention for this cache on ``device`` (built on first use).
+    """The compiled decode attention for this cache on ``device`` (built on first use):
+    queries and output in ``dtype``, the cache in ``cache_dtype`` (``None``: ``dtype``).
 
     Raises:
         ValueError: it does not run here: not the CPU, an element type it is not built
@@ -62,10 +64,12 @@ def native_kernel(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             dtype=dtype,
+            cache_dtype=cache_dtype,
         )
     if kernel is None:
+        cache = "" if cache_dtype in (None, dtype) else f" over a {cache_dtype} cache"
         raise ValueError(
-            f"the 'native' kernel does not run for {dtype} on {device.type} here "
+            f"the 'native' kernel does not run for {dtype}{cache} on {device.type} here "
             "(see twostroke.engine.kernels.paged_attention)"
         )
     return kernel

@@ -81,6 +81,8 @@ def write_kv(layer: LayerCache, key_value: torch.Tensor, metadata: AttentionMeta
         metadata: The step's layout.
     """
     target = layer.flat if metadata.keys_transposed else layer.rows
+    if key_value.dtype != target.dtype:  # a cache in another dtype (kv_cache_dtype)
+        key_value = key_value.to(target.dtype)
     target.index_put_((metadata.write_index,), key_value)
 
 
@@ -139,7 +141,7 @@ def paged_attention(
             out[rows] = attended.view(decodes, num_heads, head_dim)
             continue
         assert group.gather is not None
-        history = layer.blocks.index_select(0, group.gather)
+        history = _gathered(layer, group.gather, query.dtype)
         history = history.view(2, decodes * num_kv_heads, -1, head_dim)
         if metadata.kernel == "matmul":
             out[rows] = _decode_matmul(query[rows], history, group.mask, scale)
@@ -161,7 +163,8 @@ def paged_attention(
             own = key_value[rows].transpose(0, 2)  # [kv_heads, 2, n, dim]
             keys, values = own[:, 0], own[:, 1]
         else:
-            history = layer.blocks.index_select(0, chunk.gather).view(2, num_kv_heads, -1, head_dim)
+            history = _gathered(layer, chunk.gather, query.dtype)
+            history = history.view(2, num_kv_heads, -1, head_dim)
             keys, values = history[0, :, : chunk.num_keys], history[1, :, : chunk.num_keys]
             if metadata.keys_transposed:  # each block's keys are [head_dim, block_size]
                 tiles = history[0].view(num_kv_heads, -1, head_dim, block_size)
@@ -184,6 +187,13 @@ def paged_attention(
         else:
             out[rows] = _prefill_sdpa_folded(query[rows], keys, values, chunk.mask, scale)
     return out.view(num_tokens, -1)
+
+
+def _gathered(layer: LayerCache, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's ``(block, head)`` rows ``index`` in ``dtype``: a cache held in another
+    dtype than the activations (``kv_cache_dtype``) is widened as it is gathered."""
+    history = layer.blocks.index_select(0, index)
+    return history if history.dtype == dtype else history.to(dtype)
 
 
 def _prefill_sdpa_folded(

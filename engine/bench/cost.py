@@ -107,13 +107,14 @@ class ModelCost:
         dtype: str = "float32",
         quantization: str | None = None,
         stored: Mapping[str, int] | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> ModelCost:
         """The costs of a model of shape ``config``.
 
         Args:
             config: The model's shape.
-            dtype: The weights', activations' and KV cache's dtype (a key of
-                :data:`DTYPE_BYTES`).
+            dtype: The weights' and activations' dtype (a key of :data:`DTYPE_BYTES`), and
+                the KV cache's unless ``kv_cache_dtype`` is given.
             quantization: The decoder projections' weight precision (a key of
                 :data:`WEIGHT_BYTES`), or ``None`` for ``dtype``. The embedding, the output
                 projection, norms and biases stay in ``dtype``.
@@ -123,13 +124,18 @@ class ModelCost:
                 weight costs its stored bytes, an embedding row its share of the stored
                 embedding, the tied output projection the embedding's bytes, and
                 ``quantization`` is not consulted.
+            kv_cache_dtype: The KV cache's dtype (a key of :data:`DTYPE_BYTES`), or
+                ``None`` for ``dtype``.
 
         Raises:
-            ValueError: an unknown ``dtype`` or ``quantization``, or ``stored`` without a
-                weight the model has.
+            ValueError: an unknown ``dtype``, ``kv_cache_dtype`` or ``quantization``, or
+                ``stored`` without a weight the model has.
         """
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype or dtype)):
+            if value not in DTYPE_BYTES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, got {value!r}")
+        kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        kv_bytes_per_token *= DTYPE_BYTES[kv_cache_dtype or dtype]
         if quantization is not None and quantization not in WEIGHT_BYTES:
             raise ValueError(
                 f"quantization must be None or one of {', '.join(WEIGHT_BYTES)}, "
@@ -161,13 +167,13 @@ class ModelCost:
         layer_bytes = projection_bytes + (biases + norms) * element
         output_params = config.vocab_size * hidden
         if stored is not None:
-            return cls._stored(config, stored, params, output_params, element, q_width, kv_width)
+            return cls._stored(config, stored, params, output_params, kv_bytes_per_token, q_width)
         return cls(
             weight_bytes=config.num_layers * layer_bytes + (hidden + output_params) * element,
             layer_params=config.num_layers * params,
             output_params=output_params,
             embedding_row_bytes=hidden * element,
-            kv_bytes_per_token=2 * config.num_layers * kv_width * element,
+            kv_bytes_per_token=kv_bytes_per_token,
             attention_flops_per_key=4 * config.num_layers * q_width,
         )
 
@@ -178,9 +184,8 @@ class ModelCost:
         stored: Mapping[str, int],
         layer_params: int,
         output_params: int,
-        element: int,
+        kv_bytes_per_token: int,
         q_width: int,
-        kv_width: int,
     ) -> ModelCost:
         embedding = "model.embed_tokens.weight"
         head = embedding if config.tie_word_embeddings else "lm_head.weight"
@@ -197,7 +202,7 @@ class ModelCost:
             layer_params=config.num_layers * layer_params,
             output_params=output_params,
             embedding_row_bytes=max(1, stored[embedding] // config.vocab_size),
-            kv_bytes_per_token=2 * config.num_layers * kv_width * element,
+            kv_bytes_per_token=kv_bytes_per_token,
             attention_flops_per_key=4 * config.num_layers * q_width,
         )
 

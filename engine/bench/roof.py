@@ -437,7 +437,9 @@ def prepare_roof(
     as stored (:func:`~twostroke.engine.checkpoints.loader.auto_blocks`) costs its stored
     bytes, another model its projections in the precision ``quantization="auto"`` holds them
     in (:func:`~twostroke.engine.kernels.selection.auto_quantization`: fp16 where the
-    activations are float32, not exact) and the rest in the dtype.
+    activations are float32, not exact) and the rest in the dtype; the KV cache costs its
+    positions in the dtype ``kv_cache_dtype="auto"`` holds them in
+    (:func:`~twostroke.engine.kernels.selection.auto_kv_cache_dtype`).
 
     Args:
         model: The bench's model: its source gives the shape, its dtype and threads the
@@ -452,7 +454,7 @@ def prepare_roof(
     import torch
 
     from twostroke.engine.checkpoints.loader import auto_blocks, read_config, stored_bytes
-    from twostroke.engine.kernels.selection import auto_quantization
+    from twostroke.engine.kernels.selection import auto_kv_cache_dtype, auto_quantization
     from twostroke.engine.runners.loading import default_torch_threads
 
     stored = None
@@ -462,8 +464,13 @@ def prepare_roof(
     ):
         stored = stored_bytes(model.source)  # the engine's defaults read the blocks as stored
     reduced = auto_quantization(dtype=dtype, device=cpu, exact=model.exact)
+    cache = auto_kv_cache_dtype(dtype=dtype, device=cpu, exact=model.exact)
     cost = ModelCost.of(
-        read_config(model.source), dtype=model.dtype, quantization=reduced, stored=stored
+        read_config(model.source),
+        dtype=model.dtype,
+        quantization=reduced,
+        stored=stored,
+        kv_cache_dtype=str(cache).removeprefix("torch."),
     )
     # The torch threads twostroke's systems run on, given the bench's cores.
     return measure(dtype=model.dtype, threads=default_torch_threads(model.threads)), cost

@@ -211,6 +211,7 @@ def load_model(
     exact: bool = True,
     quantization: Quantization | Literal["auto", "gguf", "q8_0", "q4_0"] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_cache_dtype: torch.dtype | Literal["auto"] | None = None,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
 
@@ -244,6 +245,8 @@ def load_model(
             :data:`AUTO_BLOCKS`).
         block_size: The KV cache's block size, for which the compiled attention is built
             and checked.
+        kv_cache_dtype: The KV cache's element type (float32, float16, bfloat16; ``None``:
+            ``dtype``; ``"auto"``: :func:`~twostroke.engine.kernels.selection.auto_kv_cache_dtype`).
 
     Every kernel the model computes with is chosen here, once
     (:func:`~twostroke.engine.kernels.selection.select_kernels`, logged at INFO), and the
@@ -307,6 +310,7 @@ def load_model(
             pack=pack_weights,
             block_size=block_size,
             blocks=blocks,
+            kv_cache_dtype=kv_cache_dtype,
         )
         reduced = kernels.projection.quantization
         if reduced is not None:

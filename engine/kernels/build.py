@@ -76,6 +76,7 @@ from twostroke.engine.kernels.header import KERNELS_HEADER, HeaderError, declara
 from twostroke.gpu.isa import cpu_personality
 
 __all__ = [
+    "CACHE_ELEMENTS",
     "ELEMENTS",
     "HEADER",
     "NATIVE_ENV",
@@ -86,6 +87,7 @@ __all__ = [
     "call",
     "compile_flags",
     "compile_library",
+    "element_defines",
     "lookup",
     "native_wanted",
     "relative_difference",
@@ -102,6 +104,35 @@ NATIVE_ENV = "TWOSTROKE_NATIVE"
 
 #: Element types the kernels are built for, and the define that selects each.
 ELEMENTS: Mapping[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "ELEMENT_BF16"}
+
+#: The KV cache's element types the kernels that read or write it are built for, and the
+#: define that selects each where it is not the activations' (``native_element.h``).
+CACHE_ELEMENTS: Mapping[torch.dtype, str] = {
+    torch.float32: "CACHE_F32",
+    torch.float16: "CACHE_F16",
+    torch.bfloat16: "CACHE_BF16",
+}
+
+
+def element_defines(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> list[str]:
+    """The ``-D`` flags of a kernel whose tensors are ``dtype`` and whose KV cache is
+    ``cache_dtype`` (``None``: ``dtype``).
+
+    Raises:
+        ValueError: either is not a type the kernels are built for (:data:`ELEMENTS`,
+            :data:`CACHE_ELEMENTS`).
+    """
+    if dtype not in ELEMENTS:
+        raise ValueError(f"a native kernel takes float32 or bfloat16, got {dtype}")
+    defines = [] if ELEMENTS[dtype] is None else [f"-D{ELEMENTS[dtype]}"]
+    if cache_dtype is None or cache_dtype == dtype:
+        return defines
+    if cache_dtype not in CACHE_ELEMENTS:
+        raise ValueError(
+            f"a native kernel holds the KV cache in float32, float16 or bfloat16, got {cache_dtype}"
+        )
+    return [*defines, f"-D{CACHE_ELEMENTS[cache_dtype]}"]
+
 
 #: Compile flags, besides the instruction set's (:func:`compile_flags`). The math flags let
 #: the compiler vectorize the softmax's max and sum reductions and contract products into

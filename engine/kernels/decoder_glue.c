@@ -91,13 +91,15 @@ static inline void rotate_head(element *restrict x, const element *restrict cos,
  *           keys, values
  * cos, sin: [tokens, HEAD_DIM] each, contiguous (sin with its first half negated)
  * slots:    [tokens], each token's slot, block * block_size + offset
- * keys, values: the layer's key and value tiles, [num_blocks, kv_heads, ...] each
+ * keys, values: the layer's key and value tiles, [num_blocks, kv_heads, ...] each, in the
+ *           cache's element type (native_element.h's `cached`; rounded once, from the
+ *           rotated element, where it differs)
  */
 void twostroke_rotate_write(element *restrict qkv, ptrdiff_t qkv_stride, ptrdiff_t tokens,
                             ptrdiff_t heads, ptrdiff_t kv_heads, const element *restrict cos,
                             const element *restrict sin, const int64_t *restrict slots,
-                            ptrdiff_t block_size, element *restrict keys,
-                            element *restrict values) {
+                            ptrdiff_t block_size, cached *restrict keys,
+                            cached *restrict values) {
 #pragma omp parallel for if (tokens * (heads + 2 * kv_heads) * HEAD_DIM >= PARALLEL_ELEMENTS) \
     schedule(static)
     for (ptrdiff_t t = 0; t < tokens; t++) {
@@ -110,8 +112,14 @@ void twostroke_rotate_write(element *restrict qkv, ptrdiff_t qkv_stride, ptrdiff
             const element *restrict k = row + (heads + h) * HEAD_DIM;
             const element *restrict v = row + (heads + kv_heads + h) * HEAD_DIM;
             const ptrdiff_t tile = (block * kv_heads + h) * HEAD_DIM * block_size;
+#if CACHE_DIFFERS
+            for (int d = 0; d < HEAD_DIM; d++) keys[tile + d * block_size + within] = store_cached(load(k[d]));
+            cached *restrict to = values + tile + within * HEAD_DIM;
+            for (int d = 0; d < HEAD_DIM; d++) to[d] = store_cached(load(v[d]));
+#else
             for (int d = 0; d < HEAD_DIM; d++) keys[tile + d * block_size + within] = k[d];
             memcpy(values + tile + within * HEAD_DIM, v, sizeof(element) * HEAD_DIM);
+#endif
         }
     }
 }

@@ -36,12 +36,14 @@ import torch
 from twostroke.engine.attention.kv_cache import LayerCache
 from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.kernels.build import (
+    CACHE_ELEMENTS,
     ELEMENTS,
     NativeBuildError,
     address,
     bind,
     call,
     compile_library,
+    element_defines,
     relative_difference,
 )
 from twostroke.engine.models.layers import rms_norm, rotate_, rotate_write, silu_mul
@@ -83,8 +85,11 @@ class DecoderGlue:
     Attributes:
         hidden: The width of the residual stream.
         head_dim: The width of a head.
-        dtype: Element type of every tensor it takes.
+        dtype: Element type of every tensor it takes but the cache.
         path: The shared library.
+        cache_dtype: Element type of the KV cache its rotary write writes (the engine's
+            ``kv_cache_dtype``): each key and value rounded to it once, from ``dtype``, as
+            torch's ``.to`` rounds.
     """
 
     hidden: int
@@ -92,6 +97,11 @@ class DecoderGlue:
     dtype: torch.dtype
     path: Path
     _library: ctypes.CDLL = attrs.field(repr=False)
+    cache_dtype: torch.dtype = attrs.field(kw_only=True)
+
+    @cache_dtype.default
+    def _same_as_dtype(self) -> torch.dtype:
+        return self.dtype
 
     @property
     def addresses(self) -> tuple[int, int, int]:
@@ -219,7 +229,7 @@ class DecoderGlue:
             or qkv.shape[1] != width
             or qkv.stride(1) != 1
             or not rotary_inputs_fit(cos, signed_sin, slots, tokens, dim, dtype)
-            or cache.dtype != dtype
+            or cache.dtype != self.cache_dtype
             or cache.dim() != 5
             or cache.shape[0] != 2
             or cache.shape[2] != num_kv_heads
@@ -229,7 +239,8 @@ class DecoderGlue:
             raise ValueError(
                 f"the kernel takes {dtype} qkv [tokens, {width}] with unit stride along a row, "
                 f"contiguous cos and sin [tokens, 1, {dim}], int64 slots [tokens] and a "
-                f"contiguous cache [2, blocks, {num_kv_heads}, block_size, {dim}]; got qkv "
+                f"contiguous {self.cache_dtype} cache [2, blocks, {num_kv_heads}, block_size, "
+                f"{dim}]; got qkv "
                 f"{qkv.dtype} {tuple(qkv.shape)}, cos {cos.dtype} {tuple(cos.shape)}, sin "
                 f"{tuple(signed_sin.shape)}, slots {slots.dtype} {tuple(slots.shape)}, cache "
                 f"{cache.dtype} {tuple(cache.shape)}"
@@ -329,23 +340,28 @@ def rotary_inputs_fit(
     )
 
 
-def decoder_glue(*, hidden: int, head_dim: int, dtype: torch.dtype) -> DecoderGlue | None:
-    """The glue for this shape and element type, or ``None`` where it does not run.
+def decoder_glue(
+    *, hidden: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+) -> DecoderGlue | None:
+    """The glue for this shape and element types, or ``None`` where it does not run.
 
     Built (or loaded from the cache) and checked the first time it is asked for in a
     process; later calls return the same one. ``None`` for element types other than float32
-    and bfloat16, and where the build or its check fails (logged once as a warning, with the
-    reason).
+    and bfloat16 (the KV cache: float32, float16 and bfloat16; ``None``: ``dtype``), and
+    where the build or its check fails (logged once as a warning, with the reason).
     """
-    if dtype not in ELEMENTS:
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    if dtype not in ELEMENTS or cache_dtype not in CACHE_ELEMENTS:
         return None
-    return _glue(hidden, head_dim, dtype)
+    return _glue(hidden, head_dim, dtype, cache_dtype)
 
 
 @functools.cache
-def _glue(hidden: int, head_dim: int, dtype: torch.dtype) -> DecoderGlue | None:
+def _glue(
+    hidden: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> DecoderGlue | None:
     try:
-        return build_glue(hidden=hidden, head_dim=head_dim, dtype=dtype)
+        return build_glue(hidden=hidden, head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype)
     except NativeBuildError as error:
         _log.warning(
             "twostroke: the native decoder glue is unavailable (%s); norms, rotary "
@@ -356,7 +372,12 @@ def _glue(hidden: int, head_dim: int, dtype: torch.dtype) -> DecoderGlue | None:
 
 
 def build_glue(
-    *, hidden: int, head_dim: int, dtype: torch.dtype, environ: Mapping[str, str] | None = None
+    *,
+    hidden: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> DecoderGlue:
     """Compile (or load from the cache), load and check the glue for one shape.
 
@@ -364,6 +385,7 @@ def build_glue(
         hidden: The width of the residual stream.
         head_dim: The width of a head (even).
         dtype: float32 or bfloat16.
+        cache_dtype: The KV cache's: float32, float16 or bfloat16 (``None``: ``dtype``).
         environ: Where ``$CC`` and the cache folder are read (``os.environ`` if ``None``).
 
     Raises:
@@ -375,19 +397,16 @@ def build_glue(
         raise ValueError(f"hidden must be >= 1, got {hidden}")
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim must be even and >= 2 (rotary halves), got {head_dim}")
-    if dtype not in ELEMENTS:
-        raise ValueError(f"the native kernel takes float32 or bfloat16, got {dtype}")
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     env = os.environ if environ is None else environ
     defines = [f"-DHIDDEN={hidden}", f"-DHEAD_DIM={head_dim}", "-ffp-contract=off"]
-    element = ELEMENTS[dtype]
-    if element is not None:
-        defines.append(f"-D{element}")
+    defines += element_defines(dtype, cache_dtype)
     library, path = compile_library(
         GLUE_SOURCE, defines, "the decoder glue", env, symbols=SYMBOLS, dtype=dtype
     )
     for name in SYMBOLS:
         bind(library, path, name)
-    glue = DecoderGlue(hidden, head_dim, dtype, path, library=library)
+    glue = DecoderGlue(hidden, head_dim, dtype, path, library=library, cache_dtype=cache_dtype)
     _check(glue)
     return glue
 
@@ -430,10 +449,10 @@ def _check(glue: DecoderGlue) -> None:
     angles = torch.rand(tokens, 1, dim, generator=generator) * 6
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     slots = torch.randperm(block_size * 20, generator=generator)[:tokens]
-    cache = torch.zeros(2, 20, kv_heads, block_size, dim, dtype=dtype)
+    cache = torch.zeros(2, 20, kv_heads, block_size, dim, dtype=glue.cache_dtype)
     expected_qkv = qkv.clone()
     rotate_(expected_qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
-    kv = expected_qkv[:, heads * dim :].view(tokens, 2, kv_heads, dim)
+    kv = expected_qkv[:, heads * dim :].view(tokens, 2, kv_heads, dim).to(glue.cache_dtype)
     expected_cache = torch.zeros_like(cache)
     key_tiles = expected_cache[0].view(20, kv_heads, dim, block_size)
     block, within = slots // block_size, slots % block_size

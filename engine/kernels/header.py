@@ -41,7 +41,7 @@ _SCALARS: Mapping[str, Any] = {
 }
 #: What a pointer may point to, besides a function type (``*_fn``) or a structure.
 _POINTEES = frozenset(
-    {"void", "element", "float", "int8_t", "int32_t", "int64_t", "uint16_t", "ptrdiff_t"}
+    {"void", "element", "cached", "float", "int8_t", "int32_t", "int64_t", "uint16_t", "ptrdiff_t"}
 )
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)

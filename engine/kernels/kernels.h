@@ -10,7 +10,8 @@
  * the library where ctypes lays them out otherwise. A mismatch fails the build, which the
  * fallback to torch's operators covers, never a call.
  *
- * Tensors are `element` (native_element.h: float, or bfloat16 bits with -DELEMENT_BF16);
+ * Tensors are `element` (native_element.h: float, or bfloat16 bits with -DELEMENT_BF16),
+ * the KV cache `cached` (the same type unless -DCACHE_F32, -DCACHE_F16 or -DCACHE_BF16);
  * the bfloat16 projection takes bfloat16 bits whatever the build, and the stack, which
  * drives the bfloat16 kernels, is built with -DELEMENT_BF16.
  */
@@ -33,7 +34,7 @@ typedef void twostroke_add_rms_norm_fn(element *residual, const element *delta,
 typedef void twostroke_rotate_write_fn(element *qkv, ptrdiff_t qkv_stride, ptrdiff_t tokens,
                                        ptrdiff_t heads, ptrdiff_t kv_heads, const element *cos,
                                        const element *sin, const int64_t *slots,
-                                       ptrdiff_t block_size, element *keys, element *values);
+                                       ptrdiff_t block_size, cached *keys, cached *values);
 typedef void twostroke_silu_mul_fn(const element *gate_up, ptrdiff_t stride, ptrdiff_t rows,
                                    ptrdiff_t width, element *out);
 typedef void twostroke_argmax_fn(const float *logits, ptrdiff_t rows, ptrdiff_t cols,
@@ -45,12 +46,12 @@ twostroke_argmax_fn twostroke_argmax;
 
 /* paged_decode.c: attention over the paged cache, read in place. */
 typedef int twostroke_paged_decode_fn(const element *query, ptrdiff_t query_stride,
-                                      const element *keys, const element *values,
+                                      const cached *keys, const cached *values,
                                       const int32_t *tables, ptrdiff_t table_stride,
                                       const int32_t *lengths, ptrdiff_t decodes,
                                       ptrdiff_t kv_heads, float scale, element *out);
 typedef int twostroke_paged_prefill_fn(const element *query, ptrdiff_t query_stride,
-                                       const element *keys, const element *values,
+                                       const cached *keys, const cached *values,
                                        const int32_t *tables, ptrdiff_t table_stride,
                                        const int32_t *starts, const int32_t *counts,
                                        const int32_t *offsets, ptrdiff_t chunks,

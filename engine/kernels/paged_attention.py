@@ -31,12 +31,14 @@ import attrs
 import torch
 
 from twostroke.engine.kernels.build import (
+    CACHE_ELEMENTS,
     ELEMENTS,
     NativeBuildError,
     address,
     bind,
     call,
     compile_library,
+    element_defines,
     vector_bits,
 )
 
@@ -77,10 +79,12 @@ class PagedDecodeKernel:
         block_size: Positions per cache block.
         head_dim: Width of a head.
         group: Query heads per key/value head.
-        dtype: Element type of the queries, the cache and the output.
+        dtype: Element type of the queries and the output.
         path: The shared library.
         vector_bits: The widest vectors its code uses (512, 256 or 128: which of its
             paths the instruction set it was built for took; :func:`.build.vector_bits`).
+        cache_dtype: Element type of the cache it reads (the engine's ``kv_cache_dtype``):
+            widened to float32 as it is read, where it is not ``dtype``.
     """
 
     block_size: int
@@ -91,6 +95,11 @@ class PagedDecodeKernel:
     vector_bits: int
     _function: Callable[..., int] = attrs.field(repr=False)
     _prefill: Callable[..., int] = attrs.field(repr=False)
+    cache_dtype: torch.dtype = attrs.field(kw_only=True)
+
+    @cache_dtype.default
+    def _same_as_dtype(self) -> torch.dtype:
+        return self.dtype
 
     @property
     def addresses(self) -> tuple[int, int]:
@@ -130,11 +139,11 @@ class PagedDecodeKernel:
                 kernel was built for (it would read the wrong bytes).
             RuntimeError: the kernel could not allocate its scratch memory.
         """
-        dtype = self.dtype
+        dtype, cached = self.dtype, self.cache_dtype
         if (
             query.dtype != dtype
-            or keys.dtype != dtype
-            or values.dtype != dtype
+            or keys.dtype != cached
+            or values.dtype != cached
             or tables.dtype != torch.int32
             or lengths.dtype != torch.int32
             or keys.shape[-1] != self.block_size
@@ -142,8 +151,9 @@ class PagedDecodeKernel:
             or query.shape[-1] != self.head_dim
         ):
             raise ValueError(
-                f"the kernel takes {dtype} queries and cache with blocks of {self.block_size} "
-                f"and heads of {self.head_dim}, and int32 tables and lengths; got query "
+                f"the kernel takes {dtype} queries, a {cached} cache with blocks of "
+                f"{self.block_size} and heads of {self.head_dim}, and int32 tables and "
+                f"lengths; got query "
                 f"{query.dtype} {tuple(query.shape)}, keys {keys.dtype} {tuple(keys.shape)}, "
                 f"values {values.dtype} {tuple(values.shape)}, tables {tables.dtype}, "
                 f"lengths {lengths.dtype}"
@@ -206,12 +216,12 @@ class PagedDecodeKernel:
             ValueError: a tensor of another dtype or shape than the kernel was built for.
             RuntimeError: the kernel could not allocate its scratch memory.
         """
-        dtype = self.dtype
+        dtype, cached = self.dtype, self.cache_dtype
         int32 = torch.int32
         if (
             query.dtype != dtype
-            or keys.dtype != dtype
-            or values.dtype != dtype
+            or keys.dtype != cached
+            or values.dtype != cached
             or out.dtype != dtype
             or tables.dtype != int32
             or starts.dtype != int32
@@ -224,8 +234,8 @@ class PagedDecodeKernel:
             or out.shape[-1] != query.shape[1] * self.head_dim
         ):
             raise ValueError(
-                f"the kernel takes {dtype} queries, cache and output with blocks of "
-                f"{self.block_size} and heads of {self.head_dim}, and int32 tables, starts, "
+                f"the kernel takes {dtype} queries and output, a {cached} cache with blocks "
+                f"of {self.block_size} and heads of {self.head_dim}, and int32 tables, starts, "
                 f"counts and offsets; got query {query.dtype} {tuple(query.shape)}, keys "
                 f"{keys.dtype} {tuple(keys.shape)}, values {values.dtype} "
                 f"{tuple(values.shape)}, out {out.dtype} {tuple(out.shape)}, tables "
@@ -256,28 +266,42 @@ class PagedDecodeKernel:
 
 
 def paged_decode_kernel(
-    *, block_size: int, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    *,
+    block_size: int,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedDecodeKernel | None:
-    """The native kernel for this cache shape and element type, or ``None`` where none runs.
+    """The native kernel for this cache shape and element types, or ``None`` where none runs.
 
     Built (or loaded from the cache) and checked the first time a shape is asked for in a
     process; later calls return the same kernel. ``None`` for element types other than
-    float32 and bfloat16, and where the build or its check fails (logged once as a warning,
-    with the reason).
+    float32 and bfloat16 (queries) and float32, float16 and bfloat16 (the cache, ``None``:
+    ``dtype``), and where the build or its check fails (logged once as a warning, with the
+    reason).
     """
-    if dtype not in ELEMENTS:
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    if dtype not in ELEMENTS or cache_dtype not in CACHE_ELEMENTS:
         return None
     if num_heads % num_kv_heads:
         return None
-    return _kernel(block_size, head_dim, num_heads // num_kv_heads, dtype)
+    return _kernel(block_size, head_dim, num_heads // num_kv_heads, dtype, cache_dtype)
 
 
 @functools.cache
 def _kernel(
-    block_size: int, head_dim: int, group: int, dtype: torch.dtype
+    block_size: int, head_dim: int, group: int, dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> PagedDecodeKernel | None:
     try:
-        kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+        kernel = build_kernel(
+            block_size=block_size,
+            head_dim=head_dim,
+            group=group,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
+        )
     except NativeBuildError as error:
         _log.warning(
             "twostroke: the native paged decode kernel is unavailable (%s); decodes attend "
@@ -294,6 +318,7 @@ def build_kernel(
     head_dim: int,
     group: int,
     dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> PagedDecodeKernel:
     """Compile (or load from the cache), load and check the kernel for one shape.
@@ -302,7 +327,8 @@ def build_kernel(
         block_size: Positions per cache block.
         head_dim: Width of a head.
         group: Query heads per key/value head.
-        dtype: float32 or bfloat16.
+        dtype: The queries' and the output's: float32 or bfloat16.
+        cache_dtype: The cache's: float32, float16 or bfloat16 (``None``: ``dtype``).
         environ: Where ``$CC`` and the cache folder are read (``os.environ`` if ``None``).
 
     Raises:
@@ -313,13 +339,10 @@ def build_kernel(
     for name, value in (("block_size", block_size), ("head_dim", head_dim), ("group", group)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if dtype not in ELEMENTS:
-        raise ValueError(f"the native kernel takes float32 or bfloat16, got {dtype}")
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     env = os.environ if environ is None else environ
     defines = [f"-DBLOCK_SIZE={block_size}", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
-    element = ELEMENTS[dtype]
-    if element is not None:
-        defines.append(f"-D{element}")
+    defines += element_defines(dtype, cache_dtype)
     library, path = compile_library(
         SOURCE, defines, "the paged decode kernel", env, symbols=SYMBOLS, dtype=dtype
     )
@@ -334,6 +357,7 @@ def build_kernel(
         vector_bits(library),
         function=function,
         prefill=prefill,
+        cache_dtype=cache_dtype,
     )
     _check(kernel)
     return kernel
@@ -409,8 +433,9 @@ def _check(kernel: PagedDecodeKernel) -> None:
     size, dim, group, dtype = kernel.block_size, kernel.head_dim, kernel.group, kernel.dtype
     generator = torch.Generator().manual_seed(0)
     kv_heads, num_blocks = 2, 7
-    keys = torch.randn(num_blocks, kv_heads, dim, size, generator=generator).to(dtype)
-    values = torch.randn(num_blocks, kv_heads, size, dim, generator=generator).to(dtype)
+    cached = kernel.cache_dtype
+    keys = torch.randn(num_blocks, kv_heads, dim, size, generator=generator).to(cached)
+    values = torch.randn(num_blocks, kv_heads, size, dim, generator=generator).to(cached)
     tables = torch.tensor([[5, 2, 0], [5, 3, 6], [1, 0, 0]], dtype=torch.int32)
     lengths = torch.tensor([2 * size + 1, 3 * size, 1], dtype=torch.int32)
     for last in (0, 1):  # the last blocks of rows 0 and 2, one position written

@@ -10,6 +10,8 @@
  *                                             query heads per key/value head
  *   -DELEMENT_BF16                            bfloat16 queries, cache and output (else float;
  *                                             see native_element.h)
+ *   -DCACHE_F16, -DCACHE_BF16, -DCACHE_F32    the cache in another type than the queries
+ *                                             (kv_cache_dtype): read and widened in place
  *
  * Compile-time sizes let the compiler keep a block's scores and a head's output in vector
  * registers and unroll the inner loops; with run-time sizes the same loops ran 3x slower.
@@ -111,14 +113,40 @@ static inline vec load_vec(const element *p) {
     return v;
 }
 
+/* LANES cache elements from p as floats: load_vec where the cache is `element`; half
+ * precision widens in one F16C instruction a vector where the instruction set has it. */
+static inline vec load_cached_vec(const cached *p) {
+#if !CACHE_DIFFERS
+    return load_vec(p);
+#else
+    vec v;
+#if defined(CACHE_F16) && LANES == 16 && defined(__AVX512F__)
+    const __m512 widened = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &widened, sizeof v);
+#elif defined(CACHE_F16) && LANES == 8 && defined(__F16C__)
+    const __m256 widened = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&v, &widened, sizeof v);
+#elif defined(CACHE_BF16) && LANES == 16 && defined(__AVX512F__)
+    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    memcpy(&v, &widened, sizeof v);
+#elif defined(CACHE_BF16) && LANES == 8 && defined(__AVX2__)
+    const __m256i widened = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    memcpy(&v, &widened, sizeof v);
+#else
+    for (int l = 0; l < LANES; l++) v[l] = load_cached(p[l]);
+#endif
+    return v;
+#endif
+}
+
 /* Into L2 (prefetcht1), not L1: on a Zen 4 EPYC the 30 layers' decode attention of a batch of
  * 32 (histories 90-312, blocks in random order, 147 MB from memory) took 12.7 ms prefetching
  * into L1 and 8.4 ms into L2 (8.1-8.4 ms fetching 1 to 6 blocks ahead; blocks in order 12.0 ->
  * 10.1 ms; from L3, 3.8 -> 3.7 ms), and 10.2 -> 9.7 ms inside SmolLM2's decode step; on
  * Zen 5 the two were alike. */
-static inline void prefetch_tile(const element *tile) {
+static inline void prefetch_tile(const cached *tile) {
     const char *bytes = (const char *)tile;
-    for (size_t at = 0; at < sizeof(element) * TILE; at += LINE) __builtin_prefetch(bytes + at, 0, 2);
+    for (size_t at = 0; at < sizeof(cached) * TILE; at += LINE) __builtin_prefetch(bytes + at, 0, 2);
 }
 
 /* Query tokens of one chunk attended together: each key tile is read once for all their
@@ -135,8 +163,8 @@ static inline void prefetch_tile(const element *tile) {
  * and are never stored. */
 static inline __attribute__((always_inline)) void attend_tile(
     const element *restrict query, ptrdiff_t query_stride, int tokens, const int T, float scale,
-    int32_t length, const int32_t *restrict table, const element *restrict keys,
-    const element *restrict values, ptrdiff_t kv_heads, ptrdiff_t g0, ptrdiff_t g1,
+    int32_t length, const int32_t *restrict table, const cached *restrict keys,
+    const cached *restrict values, ptrdiff_t kv_heads, ptrdiff_t g0, ptrdiff_t g1,
     float *restrict q, float *restrict scores, ptrdiff_t padded, element *restrict out,
     ptrdiff_t out_stride) {
     const int32_t last = length + tokens - 1; /* the last token's length */
@@ -154,17 +182,17 @@ static inline __attribute__((always_inline)) void attend_tile(
      * fetched while this block's are summed. Positions past a token's length are summed
      * too (they are few) but never read after. */
     for (ptrdiff_t j = 0; j < blocks; j++) {
-        const element *next = j + 1 < blocks ? keys + (ptrdiff_t)table[j + 1] * span
+        const cached *next = j + 1 < blocks ? keys + (ptrdiff_t)table[j + 1] * span
                                              : values + (ptrdiff_t)table[0] * span;
         for (ptrdiff_t g = g0; g < g1; g++) {
             prefetch_tile(next + g * TILE);
-            const element *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
+            const cached *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
             vec block[SPLIT][TILE_TOKENS * GROUP][KEY_CHUNKS] = {0};
             for (int first = 0; first < HEAD_DIM; first += split)
                 for (int part = 0; part < split; part++) {
                     const int d = first + part;
                     for (int c = 0; c < KEY_CHUNKS; c++) {
-                        const vec k = load_vec(tile + d * BLOCK_SIZE + c * LANES);
+                        const vec k = load_cached_vec(tile + d * BLOCK_SIZE + c * LANES);
                         for (int t = 0; t < T; t++)
                             for (int h = 0; h < GROUP; h++)
                                 block[part][t * GROUP + h][c] +=
@@ -211,13 +239,13 @@ static inline __attribute__((always_inline)) void attend_tile(
                     if (t == 0 && g == g0 && first == 0 && j + 1 < used)
                         for (ptrdiff_t u = g0; u < g1; u++)
                             prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + u * TILE);
-                    const element *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
+                    const cached *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
                     const ptrdiff_t left = seen - j * BLOCK_SIZE;
                     const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
                     for (int i = 0; i < count; i++) {
                         const ptrdiff_t at = j * BLOCK_SIZE + i;
                         for (int c = 0; c < VALUE_CHUNKS; c++) {
-                            const vec v = load_vec(tile + i * HEAD_DIM + c * LANES);
+                            const vec v = load_cached_vec(tile + i * HEAD_DIM + c * LANES);
                             for (int h = 0; h < OUTPUT_HEADS; h++) sum[h][c] += p[h * padded + at] * v;
                         }
                     }
@@ -242,7 +270,7 @@ static inline __attribute__((always_inline)) void attend_tile(
  * Returns 0, or 1 if a thread could not allocate its scratch memory (out is then incomplete).
  */
 int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride,
-                           const element *restrict keys, const element *restrict values,
+                           const cached *restrict keys, const cached *restrict values,
                            const int32_t *restrict tables, ptrdiff_t table_stride,
                            const int32_t *restrict lengths, ptrdiff_t decodes,
                            ptrdiff_t kv_heads, float scale, element *restrict out) {
@@ -291,7 +319,7 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
  * list or a thread's scratch could not be allocated (out is then incomplete).
  */
 int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_stride,
-                            const element *restrict keys, const element *restrict values,
+                            const cached *restrict keys, const cached *restrict values,
                             const int32_t *restrict tables, ptrdiff_t table_stride,
                             const int32_t *restrict starts, const int32_t *restrict counts,
                             const int32_t *restrict offsets, ptrdiff_t chunks, ptrdiff_t kv_heads,

@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from twostroke.engine.attention.kernels import AttentionKernel, default_kernel, native_kernel
-from twostroke.engine.kernels.build import ELEMENTS, native_wanted
+from twostroke.engine.kernels.build import CACHE_ELEMENTS, ELEMENTS, native_wanted
 from twostroke.engine.kernels.gguf_blocks import BlockKernel
 from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import ProjectionKernel, projection_kernel
@@ -45,6 +45,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "CpuKernels",
     "Projections",
+    "auto_kv_cache_dtype",
     "auto_quantization",
     "select_kernels",
     "torch_kernels",
@@ -104,6 +105,8 @@ class CpuKernels:
             the model binds it to its packed weights), where the glue, the projections and
             the attention all run compiled; else ``None``.
         reasons: Why each part that does not run compiled does not, as ``(part, reason)``.
+        cache_dtype: The KV cache's element type (``kv_cache_dtype``); ``None``: the
+            model's dtype.
     """
 
     glue: Glue
@@ -111,16 +114,20 @@ class CpuKernels:
     attention: AttentionKernel
     stack: Callable[..., int] | None = attrs.field(default=None, repr=False)
     reasons: tuple[tuple[str, str], ...] = ()
+    cache_dtype: torch.dtype | None = None
 
     def with_attention(self, attention: AttentionKernel) -> CpuKernels:
         """The same kernels, attending with ``attention`` (a runner's ``attention_kernel``).
 
         Raises:
-            ValueError: ``attention`` is not one of :data:`AttentionKernel`.
+            ValueError: ``attention`` is not one of :data:`AttentionKernel`, or is
+                ``"bag"`` over a cache held in another dtype than the activations.
         """
         _check_attention(attention)
         if attention == self.attention:
             return self
+        if attention == "bag" and self.cache_dtype is not None:
+            raise ValueError(_BAG_CACHE.format(_name(self.cache_dtype)))
         reasons = tuple(item for item in self.reasons if item[0] != "attention")
         return attrs.evolve(self, attention=attention, reasons=(*reasons, ("attention", "asked")))
 
@@ -134,10 +141,11 @@ class CpuKernels:
         projection = self.projection
         head = "" if projection.head == projection.layers else f", output {projection.head}"
         compiled = isinstance(self.glue, DecoderGlue)
+        cache = "" if self.cache_dtype is None else f" over a {_name(self.cache_dtype)} cache"
         parts = [
             f"glue {'compiled' if compiled else 'torch'}{why('glue')}",
             f"projections {projection.layers}{head}{why('projections')}",
-            f"attention {self.attention}{why('attention')}",
+            f"attention {self.attention}{cache}{why('attention')}",
             f"stack {'compiled' if self.stack is not None else 'off'}{why('stack')}",
         ]
         return "; ".join(parts)
@@ -160,6 +168,7 @@ def select_kernels(
     block_size: int = DEFAULT_BLOCK_SIZE,
     attention: AttentionKernel | None = None,
     blocks: BlockKernel | None = None,
+    kv_cache_dtype: torch.dtype | Literal["auto"] | None = None,
 ) -> CpuKernels:
     """Choose every kernel of a model once, building (or loading from the cache) the
     compiled ones that run here, and log the choice in one INFO line.
@@ -186,12 +195,21 @@ def select_kernels(
             every projection, the output one included, computes in the ``"blocks"`` form
             (those whose file tensor is in 16 bits take fp16 where fbgemm runs, the others
             stay dense), and ``quantization`` is not consulted.
+        kv_cache_dtype: The KV cache's element type: float32, float16 or bfloat16, read
+            and written in place by the compiled attention and glue (the other attention
+            kernels cast what they gather; ``"bag"`` cannot, so a cache in another dtype
+            than the activations attends with ``"matmul"`` where the compiled kernel does
+            not run); ``"auto"``: :func:`auto_kv_cache_dtype`; ``None``: ``dtype``.
 
     Raises:
-        ValueError: ``quantization`` or ``attention`` is not one of its values.
+        ValueError: ``quantization``, ``attention`` or ``kv_cache_dtype`` is not one of its
+            values, or ``"bag"`` is asked for over a cache in another dtype.
     """
     if attention is not None:
         _check_attention(attention)
+    cache = _cache_dtype(kv_cache_dtype, dtype=dtype, device=device, exact=exact)
+    if attention == "bag" and cache != dtype:
+        raise ValueError(_BAG_CACHE.format(_name(cache)))
     if quantization is not None and quantization != "auto" and quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be 'auto', one of {QUANTIZATIONS} or None, got {quantization!r}"
@@ -202,7 +220,12 @@ def select_kernels(
         if reason is not None:
             reasons.append((part, reason))
 
-    glue, why = _glue(config, dtype, device, exact)
+    chosen, why = _attention(config, dtype, device, block_size, attention, cache)
+    if chosen != "native" and cache != dtype and kv_cache_dtype == "auto":
+        cache = dtype  # the 16-bit cache is for the compiled kernel, which does not run
+        chosen, why = _attention(config, dtype, device, block_size, attention, cache)
+    because("attention", why)
+    glue, why = _glue(config, dtype, device, exact, cache)
     because("glue", why)
     if blocks is not None:
         sixteen: WeightForm = "fp16" if kernel_available("fp16", device) else "dense"
@@ -210,11 +233,11 @@ def select_kernels(
     else:
         projection, why = _projections(config, dtype, device, exact, quantization, pack)
     because("projections", why)
-    chosen, why = _attention(config, dtype, device, block_size, attention)
-    because("attention", why)
-    stack, why = _stack(glue, projection)
+    stack, why = _stack(glue, projection, cache == dtype)
     because("stack", why)
-    kernels = CpuKernels(glue, projection, chosen, stack, tuple(reasons))
+    kernels = CpuKernels(
+        glue, projection, chosen, stack, tuple(reasons), None if cache == dtype else cache
+    )
     where = cpu_personality().describe() if device.type == "cpu" else device.type
     _log.info("twostroke: kernels on %s: %s", where, kernels.describe())
     return kernels
@@ -228,6 +251,56 @@ def _check_attention(attention: str) -> None:
         )
 
 
+_BAG_CACHE = (
+    "the 'bag' attention reads the KV cache in the activations' dtype; a {} cache "
+    "(kv_cache_dtype) attends with 'native', 'matmul' or 'sdpa'"
+)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def auto_kv_cache_dtype(*, dtype: torch.dtype, device: torch.device, exact: bool) -> torch.dtype:
+    """What ``kv_cache_dtype="auto"`` holds the KV cache in: float16 where the activations
+    are float32 on a CPU, transformers' exact arithmetic is not asked for, the compiled
+    kernels run and the instruction set converts half precision in one instruction (F16C,
+    in every rung from ``avx2`` up: :mod:`twostroke.gpu.isa`); else ``dtype``.
+
+    Half the bytes a decode reads from the cache, at a measured cost to quality
+    (docs/models.md). Float16 rather than bfloat16 even where bfloat16 is native: it keeps
+    three more bits of each key and value, and converts as fast; activations already in
+    16 bits keep their own dtype. Where the compiled attention turns out not to run,
+    :func:`select_kernels` keeps ``dtype`` after all (the ``"bag"`` kernel reads the cache
+    in the activations' dtype only).
+    """
+    wanted = (
+        not exact
+        and dtype == torch.float32
+        and _compiled_unwanted(device) is None
+        and cpu_personality().rung.vector_bits >= 256
+    )
+    return torch.float16 if wanted else dtype
+
+
+def _cache_dtype(
+    asked: torch.dtype | Literal["auto"] | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    exact: bool,
+) -> torch.dtype:
+    if asked is None:
+        return dtype
+    if asked == "auto":
+        return auto_kv_cache_dtype(dtype=dtype, device=device, exact=exact)
+    if asked not in CACHE_ELEMENTS:
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto', one of {tuple(CACHE_ELEMENTS)} or None, got {asked!r}"
+        )
+    return asked
+
+
 def _compiled_unwanted(device: torch.device) -> str | None:
     """Why no compiled kernel runs on ``device`` at all, if none does."""
     if device.type != "cpu":
@@ -238,7 +311,7 @@ def _compiled_unwanted(device: torch.device) -> str | None:
 
 
 def _glue(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, exact: bool
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, exact: bool, cache: torch.dtype
 ) -> tuple[Glue, str | None]:
     """The compiled glue where transformers' exact arithmetic is not asked for (its norms
     and SiLU agree with torch's to float32 rounding, not bit for bit), else torch's."""
@@ -247,7 +320,9 @@ def _glue(
     unwanted = _compiled_unwanted(device)
     if unwanted is not None:
         return TorchGlue(), unwanted
-    glue = decoder_glue(hidden=config.hidden_size, head_dim=config.head_dim, dtype=dtype)
+    glue = decoder_glue(
+        hidden=config.hidden_size, head_dim=config.head_dim, dtype=dtype, cache_dtype=cache
+    )
     if glue is None:
         if dtype not in ELEMENTS:
             return TorchGlue(), f"none is built for {dtype}"
@@ -339,17 +414,20 @@ def _attention(
     device: torch.device,
     block_size: int,
     asked: AttentionKernel | None,
+    cache: torch.dtype,
 ) -> tuple[AttentionKernel, str | None]:
     """The compiled attention where it runs (1.7-1.9x the ``"bag"`` kernel's speed on
-    SmolLM2's batch-32 attention), else the device's default."""
+    SmolLM2's batch-32 attention), else the device's default (``"matmul"`` for a cache in
+    another dtype than the activations, which ``"bag"`` does not read)."""
     if asked is not None:
         return asked, "asked"
     kernel = default_kernel(device)
     if kernel != "bag":
         return kernel, None
+    fallback: AttentionKernel = "bag" if cache == dtype else "matmul"
     unwanted = _compiled_unwanted(device)
     if unwanted is not None:
-        return kernel, unwanted
+        return fallback, unwanted
     try:
         native_kernel(
             device,
@@ -358,18 +436,24 @@ def _attention(
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             dtype=dtype,
+            cache_dtype=cache,
         )
     except ValueError:  # logged where the build failed
-        return kernel, "the compiled kernel does not run for this shape or dtype here"
+        return fallback, "the compiled kernel does not run for this shape or dtype here"
     return "native", None
 
 
-def _stack(glue: Glue, projection: Projections) -> tuple[Callable[..., int] | None, str | None]:
+def _stack(
+    glue: Glue, projection: Projections, cache_in_dtype: bool
+) -> tuple[Callable[..., int] | None, str | None]:
     """The whole stack in one call where every kernel a layer calls is compiled: the glue
     and every projection's panels (the attention is checked step by step: a step whose
-    attention is another kernel's runs layer by layer)."""
+    attention is another kernel's runs layer by layer), over a cache in the activations'
+    dtype (the stack's own build)."""
     if not isinstance(glue, DecoderGlue) or projection.layers != "panels":
         return None, "it needs the compiled glue and bfloat16 projections"
+    if not cache_in_dtype:
+        return None, "it takes a KV cache in the activations' dtype"
     function = stack_library()
     if function is None:
         return None, "its library did not build: see the warning"

@@ -280,6 +280,13 @@ class LlamaForCausalLM(nn.Module):
         return self._kernels or torch_kernels(self.device)
 
     @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the chosen kernels' (``kv_cache_dtype``), else the
+        model's dtype."""
+        cache = self.kernels.cache_dtype
+        return self.dtype if cache is None else cache
+
+    @property
     def stack(self) -> DecoderStack | None:
         """The compiled driver that runs a step's layers in one call
         (:mod:`~twostroke.engine.kernels.stack`), where the chosen kernels have one."""
@@ -442,12 +449,14 @@ class LlamaForCausalLM(nn.Module):
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             dtype=self.dtype,
+            cache_dtype=self.cache_dtype,
         )
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, *, zeroed: bool = True
     ) -> KVCache:
-        """A paged cache for this model, zeroed unless ``zeroed`` is false (see KVCache)."""
+        """A paged cache for this model in :attr:`cache_dtype`, zeroed unless ``zeroed`` is
+        false (see KVCache)."""
         config = self.config
         return KVCache.allocate(
             num_layers=config.num_layers,
@@ -455,7 +464,7 @@ class LlamaForCausalLM(nn.Module):
             block_size=block_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=self.dtype,
+            dtype=self.cache_dtype,
             device=self.device,
             zeroed=zeroed,
         )

@@ -6,6 +6,7 @@ import logging
 import types
 import warnings
 from collections.abc import Mapping
+from typing import Literal
 
 import torch
 
@@ -26,6 +27,7 @@ __all__ = [
     "intra_op_threads",
     "load_runner",
     "resolve_dtype",
+    "resolve_kv_cache_dtype",
     "set_intra_op_threads",
 ]
 
@@ -53,6 +55,23 @@ EMULATED_BF16_MESSAGE = (
     "32 requests on an AVX2 EPYC: 13.6 against 60 output tok/s); dtype='auto' picks float32 "
     "here. Running in bfloat16 as asked."
 )
+
+
+def resolve_kv_cache_dtype(name: str) -> torch.dtype | Literal["auto"]:
+    """The KV cache's element type a ``kv_cache_dtype`` name stands for (``"auto"`` stays:
+    the kernels' choice decides it,
+    :func:`~twostroke.engine.kernels.selection.auto_kv_cache_dtype`).
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    if name == "auto":
+        return "auto"
+    if name not in DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' or one of {', '.join(map(repr, DTYPES))}, got {name!r}"
+        )
+    return DTYPES[name]
 
 
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
@@ -189,6 +208,7 @@ def load_runner(
         exact=config.dtype != "auto",
         quantization=config.quantization,
         block_size=config.block_size,
+        kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
     )
     runner = TorchModelRunner.from_loaded(
         loaded, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs

@@ -135,7 +135,7 @@ class TorchModelRunner:
         self._previous_rows: dict[int, int] = {}
         self._num_steps = 0
         config = model.config
-        per_position = 2 * config.num_kv_heads * config.head_dim * model.dtype.itemsize
+        per_position = 2 * config.num_kv_heads * config.head_dim * model.cache_dtype.itemsize
         self._max_decode_positions = (
             None if decode_gather_bytes is None else max(1, decode_gather_bytes // per_position)
         )
@@ -200,7 +200,7 @@ class TorchModelRunner:
             block_size=block_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=self.model.dtype,
+            dtype=self.model.cache_dtype,
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:

@@ -87,6 +87,11 @@ SERVER_FIELDS = tuple(attrs.fields_dict(ServerConfig))
             "dtype must be a str: one of 'auto', 'float32', 'bfloat16', 'float16', "
             "got NoneType None",
         ),
+        (
+            {"kv_cache_dtype": "fp8"},
+            ValueError,
+            "kv_cache_dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got 'fp8'",
+        ),
         ({"torch_threads": 0}, ValueError, "torch_threads must be >= 1, got 0"),
         ({"torch_threads": "2"}, TypeError, "torch_threads must be an int, got str '2'"),
         (

@@ -24,6 +24,7 @@ from twostroke.engine.bench.roof import (
 )
 from twostroke.engine.bench.workload import BenchRequest, Workload
 from twostroke.engine.checkpoints.loader import ModelLoadError
+from twostroke.engine.kernels.selection import auto_kv_cache_dtype, auto_quantization
 from twostroke.states.scheduler_config import SchedulingPolicy
 
 WORKLOAD = Workload(
@@ -182,13 +183,19 @@ def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(tmp_path: Pa
     assert cost == ModelCost.of(TINY, dtype="bfloat16")
     assert machine.threads == 3
     # float32, not exact: the projections in what quantization="auto" holds them in (fp16
-    # where fbgemm runs here, the policy says; the dtype where not); exact: the dtype.
-    from twostroke.engine.kernels.selection import auto_quantization
-
-    reduced = auto_quantization(dtype=torch.float32, device=torch.device("cpu"), exact=False)
+    # where fbgemm runs here, the policy says; the dtype where not), the cache in what
+    # kv_cache_dtype="auto" holds it in (float16 where F16C runs); exact: the dtype.
+    cpu = torch.device("cpu")
+    reduced = auto_quantization(dtype=torch.float32, device=cpu, exact=False)
+    cache = auto_kv_cache_dtype(dtype=torch.float32, device=cpu, exact=False)
     float32 = attrs.evolve(spec, dtype="float32")
     _, cost = prepare_roof(float32, measure=measure)
-    assert cost == ModelCost.of(TINY, dtype="float32", quantization=reduced)
+    assert cost == ModelCost.of(
+        TINY,
+        dtype="float32",
+        quantization=reduced,
+        kv_cache_dtype=str(cache).removeprefix("torch."),
+    )
     _, cost = prepare_roof(attrs.evolve(float32, exact=True), measure=measure)
     assert cost == ModelCost.of(TINY, dtype="float32")
     (tmp_path / "config.json").unlink()
@@ -219,11 +226,29 @@ def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
     config = read_config(file)
     spec = ModelSpec(name="tiny", source=file, dtype="float32", threads=1)
     _, cost = prepare_roof(spec, measure=measure)
-    assert cost == ModelCost.of(config, dtype="float32", stored=stored_bytes(file))
+    cache = auto_kv_cache_dtype(dtype=torch.float32, device=torch.device("cpu"), exact=False)
+    assert cost == ModelCost.of(
+        config,
+        dtype="float32",
+        stored=stored_bytes(file),
+        kv_cache_dtype=str(cache).removeprefix("torch."),
+    )
     dense = ModelCost.of(config, dtype="float32")
     assert cost.weight_bytes < dense.weight_bytes / 4  # Q4_1's 0.625 bytes a weight
     _, exact = prepare_roof(attrs.evolve(spec, exact=True), measure=measure)
     assert exact == dense
+
+
+def test_the_kv_cache_costs_its_positions_at_its_dtype() -> None:
+    full = ModelCost.of(TINY, dtype="float32")
+    half = ModelCost.of(TINY, dtype="float32", kv_cache_dtype="float16")
+    assert half.kv_bytes_per_token * 2 == full.kv_bytes_per_token
+    assert attrs.evolve(half, kv_bytes_per_token=full.kv_bytes_per_token) == full
+    assert ModelCost.of(TINY, dtype="bfloat16") == ModelCost.of(
+        TINY, dtype="bfloat16", kv_cache_dtype="bfloat16"
+    )
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*, got 'int8'"):
+        ModelCost.of(TINY, kv_cache_dtype="int8")
 
 
 def test_machine_rates_are_checked() -> None:

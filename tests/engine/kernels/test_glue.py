@@ -124,9 +124,11 @@ def written(
     kv_heads: int,
     seed: int,
     kernel: AttentionKernel = "bag",
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's q/k/v rows after rotation and the layer's cache (laid out for ``kernel``)
-    after the write, through ``glue`` or, with ``None``, torch's operators."""
+    """The step's q/k/v rows after rotation and the layer's cache (laid out for ``kernel``,
+    in ``cache_dtype``, ``None``: ``dtype``) after the write, through ``glue`` or, with
+    ``None``, torch's operators."""
     dim, block_size, num_blocks = 8, 4, 24
     metadata = AttentionMetadata.build(
         chunks,
@@ -145,7 +147,8 @@ def written(
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
     cos, sin = rotary_tables(metadata.positions, inv_freq, dtype)
     shape = {"num_blocks": num_blocks, "block_size": block_size, "num_kv_heads": kv_heads}
-    layer = KVCache.allocate(num_layers=1, head_dim=dim, dtype=dtype, device=CPU, **shape)
+    cached = dtype if cache_dtype is None else cache_dtype
+    layer = KVCache.allocate(num_layers=1, head_dim=dim, dtype=cached, device=CPU, **shape)
     cache = layer.layers[0]
     if glue is None:
         rotate_(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
@@ -163,6 +166,7 @@ def written(
     lengths=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 70)), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
     kernel=st.sampled_from(["bag", "matmul"]),
+    cache_dtype=st.sampled_from([None, torch.float32, torch.float16, torch.bfloat16]),
 )
 def test_the_rotary_write_is_the_models_bit_for_bit(
     dtype: torch.dtype,
@@ -171,13 +175,16 @@ def test_the_rotary_write_is_the_models_bit_for_bit(
     lengths: list[tuple[int, int]],
     seed: int,
     kernel: AttentionKernel,
+    cache_dtype: torch.dtype | None,
 ) -> None:
     """Decodes and chunks at any positions (64 tokens and more run on the thread team),
     shuffled blocks: the rotated queries and keys and every slot of the cache, written or
     not, equal the operators' (``rotate_``, then ``write_kv``), through the compiled glue
     and through torch's, into keys held transposed (the compiled write) or not (the
-    gathering kernels' layout, which the compiled glue leaves to torch's operators)."""
-    glue = build_glue(hidden=8, head_dim=8, dtype=dtype)
+    gathering kernels' layout, which the compiled glue leaves to torch's operators), and
+    into a cache of any dtype (``kv_cache_dtype``: each key and value rounded once, as
+    ``.to`` rounds)."""
+    glue = build_glue(hidden=8, head_dim=8, dtype=dtype, cache_dtype=cache_dtype)
     order = torch.randperm(24, generator=torch.Generator().manual_seed(seed)).tolist()
     chunks: list[ChunkSpec] = []
     used = 0
@@ -189,9 +196,9 @@ def test_the_rotary_write_is_the_models_bit_for_bit(
     if not chunks:
         chunks = [ChunkSpec(0, 1, (order[0],))]
     heads = heads_per_kv * kv_heads
-    theirs = written(None, dtype, chunks, heads, kv_heads, seed, kernel)
+    theirs = written(None, dtype, chunks, heads, kv_heads, seed, kernel, cache_dtype)
     for each in (glue, TorchGlue()):
-        ours = written(each, dtype, chunks, heads, kv_heads, seed, kernel)
+        ours = written(each, dtype, chunks, heads, kv_heads, seed, kernel, cache_dtype)
         assert torch.equal(ours[0], theirs[0])
         assert torch.equal(ours[1], theirs[1])
 
@@ -238,6 +245,11 @@ def test_bad_sizes_and_element_types_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"takes float32 or bfloat16, got torch\.float16"):
         build_glue(hidden=8, head_dim=8, dtype=torch.float16)
     assert decoder_glue(hidden=8, head_dim=8, dtype=torch.float16) is None
+    with pytest.raises(
+        ValueError, match=r"KV cache in float32, float16 or bfloat16, got torch\.int8"
+    ):
+        build_glue(hidden=8, head_dim=8, dtype=torch.float32, cache_dtype=torch.int8)
+    assert decoder_glue(hidden=8, head_dim=8, dtype=torch.float32, cache_dtype=torch.int8) is None
 
 
 def test_its_library_is_cached_beside_the_attention_kernels() -> None:

@@ -62,8 +62,9 @@ def batch(
     tables = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
     for row, width in enumerate(widths):
         tables[row, :width] = torch.tensor([order.pop() for _ in range(width)])
-    keys = torch.randn(num_blocks, kv_heads, dim, size, generator=generator).to(kernel.dtype)
-    values = torch.randn(num_blocks, kv_heads, size, dim, generator=generator).to(kernel.dtype)
+    cached = kernel.cache_dtype
+    keys = torch.randn(num_blocks, kv_heads, dim, size, generator=generator).to(cached)
+    values = torch.randn(num_blocks, kv_heads, size, dim, generator=generator).to(cached)
     query = torch.randn(len(lengths), kv_heads * kernel.group, dim, generator=generator)
     lengths_tensor = torch.tensor(lengths, dtype=torch.int32)
     return query.to(kernel.dtype), keys, values, tables, lengths_tensor
@@ -121,6 +122,65 @@ def test_the_kernel_built_for_each_instruction_set_matches_torch(
         expected = reference_paged_decode(query, keys, values, tables, lengths_tensor, 0.3)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("rung", [rung.name for rung in RUNGS])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_a_cache_in_another_dtype_is_read_in_place_on_each_instruction_set(
+    rung: str, dtype: torch.dtype, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_cache_dtype: the cache's elements are widened as they are read (F16C's one
+    instruction a vector from avx2 up, the compiler's _Float16 on the portable rung), and
+    the result is the reference's over the same stored values: the cache's rounding is the
+    only difference from a cache in the queries' dtype."""
+    if rung_named(rung).rank > cpu_personality().rung.rank:
+        pytest.skip(f"this run's CPU personality is below {rung}")
+    monkeypatch.setenv(ISA_ENV, rung)
+    for block_size, head_dim, group in [(16, 64, 3), (5, 8, 1)]:
+        kernel = build_kernel(
+            block_size=block_size,
+            head_dim=head_dim,
+            group=group,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
+        )
+        assert (kernel.dtype, kernel.cache_dtype) == (dtype, cache_dtype)
+        lengths = [1, block_size + 1, 3 * block_size + 2, 40]
+        query, keys, values, tables, lengths_tensor = batch(kernel, lengths)
+        assert keys.dtype == cache_dtype
+        got = kernel(query, keys, values, tables, lengths_tensor, 0.3)
+        assert got.dtype == dtype
+        expected = reference_paged_decode(query, keys, values, tables, lengths_tensor, 0.3)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0)
+        with pytest.raises(ValueError, match=f"a {cache_dtype} cache"):
+            kernel(query, keys.to(dtype), values.to(dtype), tables, lengths_tensor, 0.3)
+
+
+def test_an_element_type_the_cache_cannot_hold_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"float32, float16 or bfloat16, got torch\.float64"):
+        build_kernel(
+            block_size=4, head_dim=8, group=1, dtype=torch.float32, cache_dtype=torch.float64
+        )
+    assert (
+        paged_decode_kernel(
+            block_size=4,
+            head_dim=8,
+            num_heads=2,
+            num_kv_heads=1,
+            dtype=torch.float32,
+            cache_dtype=torch.int8,
+        )
+        is None
+    )
 
 
 @settings(max_examples=40, deadline=None)

@@ -29,7 +29,7 @@ from twostroke.engine.runners import loading
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.device import CpuDevice
-from twostroke.gpu.isa import ISA_ENV
+from twostroke.gpu.isa import ISA_ENV, cpu_personality
 from twostroke.states.plan import StepPlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -198,3 +198,101 @@ def test_what_a_choice_refuses() -> None:
         kernels.with_attention("fast")  # type: ignore[arg-type]
     assert kernels.with_attention("bag") is kernels
     assert kernels.with_attention("sdpa").reasons == (("attention", "asked"),)
+
+
+def test_the_kv_cache_dtype_is_chosen_once_and_the_cache_is_held_in_it(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kv_cache_dtype="auto"``: float16 where float32 activations run the compiled kernels
+    on a rung with F16C (avx2 and up), else the activations' dtype; the cache, its bytes,
+    the compiled attention and the glue's write all follow the one choice, and the logits
+    differ from a float32 cache's by the cache's rounding only."""
+    half = cpu_personality().rung.vector_bits >= 256  # F16C: x86-64-v3 and up
+    fast = load_model(tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype="auto")
+    kernels = fast.module.kernels
+    assert fast.module.cache_dtype == (torch.float16 if half else torch.float32)
+    assert kernels.attention == "native"
+    runner = TorchModelRunner.from_loaded(fast)
+    per_block = runner.kv_cache_bytes_per_block(4)
+    full = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
+    assert full.module.cache_dtype == torch.float32  # None: the dtype
+    assert TorchModelRunner.from_loaded(full).kv_cache_bytes_per_block(4) == per_block * (
+        2 if half else 1
+    )
+    # transformers' arithmetic asked for, or activations already in 16 bits: their dtype.
+    exact = load_model(tiny, dtype=torch.float32, device=CPU, kv_cache_dtype="auto")
+    assert exact.module.cache_dtype == torch.float32
+    bf16 = load_model(tiny, dtype=torch.bfloat16, device=CPU, exact=False, kv_cache_dtype="auto")
+    assert bf16.module.cache_dtype == torch.bfloat16
+    # Asked for: float16 through the compiled kernels, read and written in place.
+    asked = load_model(
+        tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype=torch.float16
+    )
+    native = asked.module.attention_for(4)
+    assert isinstance(native, PagedDecodeKernel)
+    assert (native.dtype, native.cache_dtype) == (torch.float32, torch.float16)
+    glue = asked.module.kernels.glue
+    assert isinstance(glue, DecoderGlue)
+    assert glue.cache_dtype == torch.float16
+    assert "attention native over a float16 cache" in asked.module.kernels.describe()
+    assert asked.module.allocate_kv_cache(3, 4).data.dtype == torch.float16
+    sequences = random_sequences([9, 6], seed=4)
+    reference = full.module.forward_logits(sequences, chunk_size=4, block_size=4)
+    halved = asked.module.forward_logits(sequences, chunk_size=4, block_size=4)
+    for got, expected in zip(halved, reference, strict=True):
+        assert not torch.equal(got, expected)  # the cache's rounding reaches the logits
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=0)
+    # Without the compiled kernels: "auto" keeps the dtype (the bag kernel reads only
+    # that); float16 asked for attends by gathering ("matmul"), widening what it gathers
+    # (a chunk from position 0 attends over its own keys, not yet rounded to the cache's).
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    plain = load_model(tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype="auto")
+    assert (plain.module.cache_dtype, plain.module.kernels.attention) == (torch.float32, "bag")
+    gathered = load_model(
+        tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype=torch.float16
+    )
+    assert gathered.module.kernels.attention == "matmul"
+    assert dict(gathered.module.kernels.reasons)["attention"] == "TWOSTROKE_NATIVE=0"
+    again = gathered.module.forward_logits(sequences, chunk_size=4, block_size=4)
+    for got, expected in zip(again, reference, strict=True):
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=0)
+
+
+def test_what_the_kv_cache_dtype_refuses() -> None:
+    with pytest.raises(
+        ValueError, match=r"^kv_cache_dtype must be 'auto', one of .* got torch.int8$"
+    ):
+        select_kernels(
+            _config(), dtype=torch.float32, device=CPU, exact=True, kv_cache_dtype=torch.int8
+        )
+    with pytest.raises(ValueError, match=r"'bag' attention reads the KV cache in the activations"):
+        select_kernels(
+            _config(),
+            dtype=torch.float32,
+            device=CPU,
+            exact=True,
+            attention="bag",
+            kv_cache_dtype=torch.float16,
+        )
+    kernels = CpuKernels(
+        TorchGlue(), Projections("dense", "dense"), "matmul", cache_dtype=torch.float16
+    )
+    with pytest.raises(ValueError, match=r"a float16 cache \(kv_cache_dtype\) attends with"):
+        kernels.with_attention("bag")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype must be 'auto' or one of"):
+        loading.resolve_kv_cache_dtype("half")
+    assert loading.resolve_kv_cache_dtype("bfloat16") == torch.bfloat16
+
+
+def test_the_engines_kv_cache_dtype_reaches_the_runners_cache(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    config = EngineConfig(dtype="float32", kv_cache_dtype="bfloat16", block_size=4)
+    runner, _ = loading.load_runner(str(tiny), device=CpuDevice(), config=config)
+    assert isinstance(runner, TorchModelRunner)
+    assert runner.model.cache_dtype == torch.bfloat16
+    runner.allocate_kv_cache(8, 4)
+    prompt = (9, 8, 7, 6, 5)
+    tokens = runner.execute(StepPlan(0, (entry(1, 0, prompt, block_table=(3, 1)),))).readback()
+    assert tokens is not None
