@@ -348,8 +348,9 @@ def profile_command(args: argparse.Namespace) -> int:
             dtype=dtype,
             device=torch.device("cpu"),
             exact=exact,
-            # The engine's weights for that dtype (EngineConfig's default).
+            # The engine's weights and KV cache for that dtype (EngineConfig's defaults).
             quantization=None if exact else "auto",
+            kv_cache_dtype="auto",
         )
         step = DecodeStep.prefill(
             loaded, batch=args.batch, history=tuple(args.history), max_steps=args.repeats + 8
@@ -357,6 +358,7 @@ def profile_command(args: argparse.Namespace) -> int:
         profile = profile_decode_step(step, repeats=args.repeats)
     print(
         f"{loaded.source.name}, {dtype}, weights {loaded.quantization or 'in the dtype'}, "
+        f"KV cache {str(loaded.module.cache_dtype).removeprefix('torch.')}, "
         f"{args.threads} torch thread(s), CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, load average {os.getloadavg()[0]:.2f}"
     )

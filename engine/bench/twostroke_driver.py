@@ -34,7 +34,7 @@ from twostroke.engine.bench.streaming import request_constraint, stream_workload
 from twostroke.engine.bench.workload import Workload, without_json_schemas, without_tools
 from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.engine import Engine
-from twostroke.engine.runners.loading import DTYPES, default_torch_threads
+from twostroke.engine.runners.loading import DTYPES, default_torch_threads, resolve_kv_cache_dtype
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.structured.masks import StepMasks
@@ -183,6 +183,9 @@ class TwostrokeDriver:
             device=torch_device,
             exact=model.exact,
             quantization=self.engine_options.get("quantization", "auto"),
+            kv_cache_dtype=resolve_kv_cache_dtype(
+                self.engine_options.get("kv_cache_dtype", "auto")
+            ),
         )
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
         warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)

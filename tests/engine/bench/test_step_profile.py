@@ -120,7 +120,8 @@ def test_the_command_prints_the_profile(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["profile-step", *arguments, "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(
-        f"{tmp_path.name}, torch.float32, weights in the dtype, 1 torch thread(s), CPU capability "
+        f"{tmp_path.name}, torch.float32, weights in the dtype, KV cache float32, "
+        "1 torch thread(s), CPU capability "
     )
     assert lines[1] == "decode step, batch 2"
     assert lines[2].startswith("  torch calls from Python  ")
