@@ -89,28 +89,35 @@
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
-/* LANES elements from p (any alignment) as floats. bfloat16 widens in one instruction
- * where the vector is a register of AVX-512 or AVX2 (GCC 12 made three of the generic
- * conversion, and the AVX2 kernel ran slower than before vectors). */
-static inline vec load_vec(const element *p) {
+/* LANES bfloat16 values from p (any alignment) as floats: one instruction where the vector
+ * is a register of AVX-512 or AVX2 (GCC 12 made three of the generic conversion, and the
+ * AVX2 kernel ran slower than before vectors). The queries' or the cache's elements. */
+static inline vec widen_bf16(const uint16_t *p) {
     vec v;
-#if defined(ELEMENT_BF16) && LANES == 16 && defined(__AVX512F__)
+#if LANES == 16 && defined(__AVX512F__)
     const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-    memcpy(&v, &widened, sizeof v);
-#elif defined(ELEMENT_BF16) && LANES == 8 && defined(__AVX2__)
+#elif LANES == 8 && defined(__AVX2__)
     const __m256i widened = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-    memcpy(&v, &widened, sizeof v);
-#elif defined(ELEMENT_BF16)
+#else
     typedef uint16_t narrow __attribute__((vector_size(LANES * sizeof(uint16_t))));
     typedef uint32_t wide __attribute__((vector_size(LANES * sizeof(uint32_t))));
     narrow bits;
     memcpy(&bits, p, sizeof bits);
     const wide widened = __builtin_convertvector(bits, wide) << 16;
-    memcpy(&v, &widened, sizeof v);
-#else
-    memcpy(&v, p, sizeof v);
 #endif
+    memcpy(&v, &widened, sizeof v);
     return v;
+}
+
+/* LANES elements from p (any alignment) as floats. */
+static inline vec load_vec(const element *p) {
+#if defined(ELEMENT_BF16)
+    return widen_bf16(p);
+#else
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#endif
 }
 
 /* LANES cache elements from p as floats: load_vec where the cache is `element`; half
@@ -118,19 +125,19 @@ static inline vec load_vec(const element *p) {
 static inline vec load_cached_vec(const cached *p) {
 #if !CACHE_DIFFERS
     return load_vec(p);
+#elif defined(CACHE_BF16)
+    return widen_bf16(p);
+#elif defined(CACHE_F32)
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
 #else
     vec v;
-#if defined(CACHE_F16) && LANES == 16 && defined(__AVX512F__)
+#if LANES == 16 && defined(__AVX512F__)
     const __m512 widened = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     memcpy(&v, &widened, sizeof v);
-#elif defined(CACHE_F16) && LANES == 8 && defined(__F16C__)
+#elif LANES == 8 && defined(__F16C__)
     const __m256 widened = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    memcpy(&v, &widened, sizeof v);
-#elif defined(CACHE_BF16) && LANES == 16 && defined(__AVX512F__)
-    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-    memcpy(&v, &widened, sizeof v);
-#elif defined(CACHE_BF16) && LANES == 8 && defined(__AVX2__)
-    const __m256i widened = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
     memcpy(&v, &widened, sizeof v);
 #else
     for (int l = 0; l < LANES; l++) v[l] = load_cached(p[l]);
