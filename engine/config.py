@@ -114,7 +114,8 @@ class EngineConfig(SchedulingPolicy):
             weights computed as stored, with activations quantized per block (float32 on a CPU;
             docs/models.md). ``"q8_0"``, ``"q4_0"``: any checkpoint's projection weights
             quantized into those GGUF blocks at load and computed as ``"gguf"`` computes a
-            file's (float32 on a CPU).
+            file's (float32 on a CPU). With these three ``dtype="auto"`` is float32, the
+            blocks' activations, on every CPU.
         kv_cache_dtype: The KV cache's element type, vLLM's option of the same name:
             ``"float32"``, ``"bfloat16"`` or ``"float16"``, read and written in place by the
             CPU's compiled attention (the other kernels widen what they gather).

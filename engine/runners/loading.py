@@ -20,6 +20,7 @@ from twostroke.gpu.isa import cpu_personality
 from twostroke.states.validators import check_int_at_least
 
 __all__ = [
+    "BLOCK_QUANTIZATIONS",
     "DEFAULT_MODEL",
     "DTYPES",
     "EmulatedBFloat16Warning",
@@ -39,6 +40,9 @@ DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 )
 
+#: The quantizations whose products take float32 activations, which ``dtype="auto"`` then
+#: resolves to (GGUF blocks: :mod:`~twostroke.engine.kernels.gguf_blocks`).
+BLOCK_QUANTIZATIONS = frozenset({"gguf", "q8_0", "q4_0"})
 
 _log = logging.getLogger(__name__)
 
@@ -197,6 +201,10 @@ def load_runner(
     from twostroke.engine.text.tokenizer import HFTokenizer
 
     dtype = resolve_dtype(config.dtype, device)
+    if config.dtype == "auto" and config.quantization in BLOCK_QUANTIZATIONS:
+        # The block products take float32 activations (their only form): "auto" picks it,
+        # also where bfloat16 would be the CPU's default; an explicit dtype is checked.
+        dtype = torch.float32
     if device.kind == "cpu":
         _log_unapplied()
     loaded = load_model(

@@ -132,3 +132,35 @@ def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transforme
     assert runner.model.dtype == torch.float32
     packed = runner.model.kernels.projection.head == "onednn"
     assert packed == (packs and can_pack(torch.float32, CpuDevice().torch_device, exact=False))
+
+
+@pytest.mark.parametrize("quantization", sorted(loading.BLOCK_QUANTIZATIONS - {"gguf"}))
+def test_auto_dtype_with_blocks_is_float32_also_where_bfloat16_is_native(
+    quantization: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block products take float32 activations only: ``dtype="auto"`` resolves to it
+    with a block quantization even on a CPU whose default is bfloat16, where an explicit
+    ``"bfloat16"`` is refused with the rule."""
+    from tests.engine.models.test_llama import make_tiny_model
+    from twostroke.engine.config import EngineConfig
+    from twostroke.engine.kernels.gguf_blocks import block_kernel
+    from twostroke.engine.runners.torch import TorchModelRunner
+    from twostroke.engine.text.tokenizer import HFTokenizer
+
+    if block_kernel() is None:
+        pytest.skip("the block products do not build here")
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    make_tiny_model("llama", tmp_path, seed=5)
+    threads = torch.get_num_threads()
+    config = EngineConfig(quantization=quantization, torch_threads=threads)  # type: ignore[arg-type]
+    runner, _ = loading.load_runner(str(tmp_path), device=CpuDevice(), config=config)
+    assert isinstance(runner, TorchModelRunner)
+    assert runner.model.dtype == torch.float32
+    explicit = EngineConfig(
+        dtype="bfloat16",
+        quantization=quantization,  # type: ignore[arg-type]
+        torch_threads=threads,
+    )
+    with pytest.raises(ValueError, match="float32 activations; got dtype bfloat16"):
+        loading.load_runner(str(tmp_path), device=CpuDevice(), config=explicit)
