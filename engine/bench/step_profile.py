@@ -46,7 +46,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from twostroke.engine.checkpoints.loader import LoadedModel
 from twostroke.engine.kernels import build
-from twostroke.engine.runners.loading import DEFAULT_MODEL, DTYPES, resolve_dtype
+from twostroke.engine.runners.loading import (
+    BLOCK_QUANTIZATIONS,
+    DEFAULT_MODEL,
+    DTYPES,
+    resolve_dtype,
+)
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.gpu.completion import Launched
 from twostroke.gpu.threads import torch_threads
@@ -326,6 +331,13 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("LOW", "HIGH"),
         help="shortest and longest history of the decodes (default: the bench's prompts + 64)",
     )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "fp16", "int8", "gguf", "q8_0", "q4_0"],
+        help="the projections' weights (auto: the engine's for the dtype; none: the dtype's; "
+        "gguf, q8_0, q4_0 take float32 activations, which --dtype auto then is)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5, help="uninstrumented steps timed")
 
@@ -341,15 +353,21 @@ def profile_command(args: argparse.Namespace) -> int:
 
     check_int_at_least("threads", args.threads, 1)
     dtype = resolve_dtype(args.dtype, CpuDevice())
+    if args.dtype == "auto" and args.quantization in BLOCK_QUANTIZATIONS:
+        dtype = torch.float32  # as the engine resolves it (load_runner)
     with torch_threads(args.threads):
         exact = args.dtype != "auto"
+        # The engine's weights and KV cache for that dtype (EngineConfig's defaults), or the
+        # weights asked for.
+        quantization = args.quantization if args.quantization != "none" else None
+        if quantization == "auto" and exact:
+            quantization = None
         loaded = load_model(
             args.model,
             dtype=dtype,
             device=torch.device("cpu"),
             exact=exact,
-            # The engine's weights and KV cache for that dtype (EngineConfig's defaults).
-            quantization=None if exact else "auto",
+            quantization=quantization,
             kv_cache_dtype="auto",
         )
         step = DecodeStep.prefill(

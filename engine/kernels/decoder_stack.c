@@ -13,7 +13,8 @@
  * stack runs without the GIL, which the engine's bookkeeping stroke wants meanwhile.
  *
  * The kernels' types and the model and step structures are kernels.h's, the ones their
- * definitions are compiled against; built with -DELEMENT_BF16, as the kernels it drives.
+ * definitions are compiled against; built once for each element type of the kernels it
+ * drives (-DELEMENT_BF16 for the bfloat16 projections, float for the GGUF blocks').
  */
 #include "kernels.h"
 
@@ -25,7 +26,8 @@ int twostroke_decoder_stack(const struct twostroke_model *m, const struct twostr
     for (ptrdiff_t l = 0; l < m->layers; l++) {
         const struct twostroke_layer *w = &m->layer[l];
         m->norm(s->residual, l ? s->delta : NULL, w->input_norm, w->input_eps, t, s->normed);
-        m->projection(s->normed, hidden, t, hidden, w->qkv, qkv, w->qkv_bias, s->qkv, qkv);
+        if (m->projection(s->normed, hidden, t, hidden, w->qkv, qkv, w->qkv_bias, s->qkv, qkv))
+            return 1;
         m->rotate(s->qkv, qkv, t, m->heads, m->kv_heads, s->cos, s->sin, s->slots,
                   s->block_size, s->keys[l], s->values[l]);
         int failed;
@@ -39,14 +41,15 @@ int twostroke_decoder_stack(const struct twostroke_model *m, const struct twostr
                                 m->kv_heads, m->scale, s->attended, attended);
         }
         if (failed) return 1;
-        m->projection(s->attended, attended, t, attended, w->o, hidden, w->o_bias,
-                      s->projected, hidden);
+        failed |= m->projection(s->attended, attended, t, attended, w->o, hidden, w->o_bias,
+                                s->projected, hidden);
         m->norm(s->residual, s->projected, w->post_norm, w->post_eps, t, s->normed);
-        m->projection(s->normed, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias,
-                      s->gate_up, 2 * inter);
+        failed |= m->projection(s->normed, hidden, t, hidden, w->gate_up, 2 * inter,
+                                w->gate_up_bias, s->gate_up, 2 * inter);
         m->silu(s->gate_up, 2 * inter, t, inter, s->mixed);
-        m->projection(s->mixed, inter, t, inter, w->down, hidden, w->down_bias, s->delta,
-                      hidden);
+        failed |= m->projection(s->mixed, inter, t, inter, w->down, hidden, w->down_bias,
+                                s->delta, hidden);
+        if (failed) return 1;
     }
     return 0;
 }

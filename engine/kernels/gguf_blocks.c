@@ -81,6 +81,16 @@
 #else
 #define BLOCKS_AVX2 0
 #endif
+#if BLOCKS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BLOCKS_AVX512 1
+#else
+#define BLOCKS_AVX512 0
+#endif
+#if BLOCKS_AVX512 && defined(__AVX512VNNI__)
+#define BLOCKS_VNNI 1
+#else
+#define BLOCKS_VNNI 0
+#endif
 
 /* GGML's type numbers (gguf.GGMLQuantizationType). */
 #define TYPE_Q4_0 2
@@ -100,7 +110,8 @@
 /* Multiply-adds below which one thread does the whole call (projection_bf16.c's rule). */
 #define PARALLEL_WORK (1 << 18)
 
-int twostroke_blocks_avx2(void) { return BLOCKS_AVX2; }
+/* The path this library computes with: 0 portable C, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI. */
+int twostroke_blocks_path(void) { return BLOCKS_AVX2 + BLOCKS_AVX512 + BLOCKS_VNNI; }
 
 static ptrdiff_t block_bytes(int type) {
     switch (type) {
@@ -198,36 +209,145 @@ static inline void sub_block(int type, const uint8_t *block, int j, int8_t out[B
     scale[1] = scale[0];
 }
 
+/* Row r of x quantized per block (see the top of the file) into q, scales and sums. */
+static void quantize_row(const float *x, ptrdiff_t x_stride, ptrdiff_t r, ptrdiff_t in_features,
+                         int8_t *q, float *scales, float *sums) {
+    ptrdiff_t blocks = in_features / BLOCK;
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        const float *v = x + r * x_stride + b * BLOCK;
+        int8_t *out = q + r * in_features + b * BLOCK;
+        float largest = 0.0f;
+        for (int i = 0; i < BLOCK; i++) {
+            float a = __builtin_fabsf(v[i]);
+            largest = a > largest ? a : largest;
+        }
+        float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        if (!(inverse <= FLT_MAX)) scale = inverse = 0.0f; /* see the top of the file */
+        int total = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            int value = (int)__builtin_rintf(v[i] * inverse);
+            out[i] = (int8_t)value;
+            total += value;
+        }
+        scales[r * blocks + b] = scale;
+        sums[r * blocks + b] = scale * (float)total;
+    }
+}
+
 /*
  * q[rows][in_features], scales and sums [rows][in_features / 32]: each row of x (row stride
  * x_stride) quantized per block (see above). in_features is a multiple of 32.
  */
 void twostroke_quantize_rows(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                              ptrdiff_t in_features, int8_t *q, float *scales, float *sums) {
-    ptrdiff_t blocks = in_features / BLOCK;
 #pragma omp parallel for if (rows * in_features >= PARALLEL_WORK / 8) schedule(static)
-    for (ptrdiff_t r = 0; r < rows; r++) {
-        for (ptrdiff_t b = 0; b < blocks; b++) {
-            const float *v = x + r * x_stride + b * BLOCK;
-            int8_t *out = q + r * in_features + b * BLOCK;
-            float largest = 0.0f;
-            for (int i = 0; i < BLOCK; i++) {
-                float a = __builtin_fabsf(v[i]);
-                largest = a > largest ? a : largest;
+    for (ptrdiff_t r = 0; r < rows; r++)
+        quantize_row(x, x_stride, r, in_features, q, scales, sums);
+}
+
+#if BLOCKS_AVX512
+/*
+ * tile()'s blocks two at a time, in 512-bit vectors, for the 32-block types: blocks b and
+ * b + 1 of a weight row side by side against 64 activation bytes, from block 0 while a pair
+ * is left; adds each pair's sums into acc (8 lanes a row, as tile()'s AVX2 loop sums them)
+ * and the offset terms into extra, and returns the first block it left (tile() takes the
+ * last odd one). With VNNI one VPDPBUSD makes the sums of 4 products that VPMADDUBSW then
+ * VPMADDWD by 1 make without it. Q8_0's signed weights are made unsigned by moving their
+ * signs onto the activations (AVX-512 has no VPSIGNB: a masked subtraction from 0, where
+ * |q_x| <= 127 cannot overflow).
+ */
+static inline __attribute__((always_inline)) ptrdiff_t pairs(
+    int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes, ptrdiff_t blocks,
+    const int8_t *q, ptrdiff_t in_features, const float *scales, const float *sums,
+    __m256 acc[WROWS][TILE], float extra[WROWS][TILE]) {
+    ptrdiff_t size = block_bytes(type), b = 0;
+    __m512 wide[WROWS][TILE];
+    __m128 offsets[WROWS][TILE]; /* lanes 0 and 1: the pair's offset terms */
+    for (int k = 0; k < WROWS; k++)
+        for (int r = 0; r < TILE; r++) {
+            wide[k][r] = _mm512_setzero_ps();
+            offsets[k][r] = _mm_setzero_ps();
+        }
+    /* Lanes 0-7 take element 0 of a pair's scales, 8-15 element 1. */
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+#if !BLOCKS_VNNI
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    for (; b + 1 < blocks; b += 2) {
+        __m512i x[TILE];
+        __m128 activation[TILE], total[TILE]; /* the two blocks' scales and sums */
+        for (int r = 0; r < count; r++) {
+            x[r] = _mm512_loadu_si512((const void *)(q + r * in_features + b * BLOCK));
+            activation[r] = _mm_castpd_ps(_mm_load_sd((const double *)(scales + r * blocks + b)));
+            total[r] = _mm_castpd_ps(_mm_load_sd((const double *)(sums + r * blocks + b)));
+        }
+        for (int k = 0; k < wrows; k++) {
+            const uint8_t *first = w + k * row_bytes + b * size, *second = first + size;
+            uint16_t h[2];
+            memcpy(&h[0], first, 2);
+            memcpy(&h[1], second, 2);
+            __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(h[0] | (uint32_t)h[1] << 16)));
+            __m128 coefficient = _mm_setzero_ps();
+            __m512i weights;
+            __mmask64 negative = 0;
+            if (type == TYPE_Q8_0) {
+                __m512i signs = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + 2))),
+                    _mm256_loadu_si256((const __m256i *)(second + 2)), 1);
+                weights = _mm512_abs_epi8(signs);
+                negative = _mm512_movepi8_mask(signs);
+            } else {
+                __m128i one = _mm_loadu_si128((const __m128i *)(first + nibbles_at(type)));
+                __m128i two = _mm_loadu_si128((const __m128i *)(second + nibbles_at(type)));
+                weights = _mm512_and_si512(
+                    _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(one, 4), one)),
+                        _mm256_set_m128i(_mm_srli_epi16(two, 4), two), 1),
+                    low);
+                if (has_fifth(type)) { /* byte i of 64 takes bit i of the two h: 16 if set */
+                    uint32_t fifth[2];
+                    memcpy(&fifth[0], first + nibbles_at(type) - 4, 4);
+                    memcpy(&fifth[1], second + nibbles_at(type) - 4, 4);
+                    __mmask64 set = (__mmask64)fifth[0] | (__mmask64)fifth[1] << 32;
+                    weights = _mm512_mask_add_epi8(weights, set, weights, _mm512_set1_epi8(16));
+                }
+                if (has_min(type)) {
+                    memcpy(&h[0], first + 2, 2);
+                    memcpy(&h[1], second + 2, 2);
+                    coefficient =
+                        _mm_cvtph_ps(_mm_cvtsi32_si128((int)(h[0] | (uint32_t)h[1] << 16)));
+                } else {
+                    coefficient = _mm_mul_ps(_mm_set1_ps(offset_of(type)), d);
+                }
             }
-            float scale = largest / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-            if (!(inverse <= FLT_MAX)) scale = inverse = 0.0f; /* see the top of the file */
-            int total = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                int value = (int)__builtin_rintf(v[i] * inverse);
-                out[i] = (int8_t)value;
-                total += value;
+            for (int r = 0; r < count; r++) {
+                __m512i xr = x[r];
+                if (type == TYPE_Q8_0)
+                    xr = _mm512_mask_sub_epi8(xr, negative, zero, xr);
+#if BLOCKS_VNNI
+                __m512i sums4 = _mm512_dpbusd_epi32(zero, weights, xr);
+#else
+                __m512i sums4 = _mm512_madd_epi16(_mm512_maddubs_epi16(weights, xr), ones);
+#endif
+                __m512 scale = _mm512_permutexvar_ps(
+                    halves, _mm512_castps128_ps512(_mm_mul_ps(d, activation[r])));
+                wide[k][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums4), wide[k][r]);
+                if (type != TYPE_Q8_0)
+                    offsets[k][r] = _mm_fmadd_ps(coefficient, total[r], offsets[k][r]);
             }
-            scales[r * blocks + b] = scale;
-            sums[r * blocks + b] = scale * (float)total;
         }
     }
+    for (int k = 0; k < wrows; k++)
+        for (int r = 0; r < count; r++) {
+            __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[k][r]), 1));
+            acc[k][r] = _mm256_add_ps(acc[k][r], _mm256_add_ps(_mm512_castps512_ps256(wide[k][r]), upper));
+            extra[k][r] += _mm_cvtss_f32(offsets[k][r]) +
+                           _mm_cvtss_f32(_mm_movehdup_ps(offsets[k][r]));
+        }
+    return b;
 }
+#endif
 
 /*
  * A tile: `wrows` weight rows (row_bytes apart, from w) by `count` (1..TILE) quantized rows,
@@ -248,7 +368,11 @@ static inline __attribute__((always_inline)) void tile(
         for (int r = 0; r < TILE; r++)
             acc[k][r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (ptrdiff_t b = 0; b < blocks; b++) {
+    ptrdiff_t b = 0;
+#if BLOCKS_AVX512
+    b = pairs(type, wrows, count, w, row_bytes, blocks, q, in_features, scales, sums, acc, extra);
+#endif
+    for (; b < blocks; b++) {
         __m256i x[TILE];
         for (int r = 0; r < count; r++)
             x[r] = _mm256_loadu_si256((const __m256i *)(q + r * in_features + b * BLOCK));
@@ -521,69 +645,69 @@ static void tiles(int type, int wrows, int count, const uint8_t *w, ptrdiff_t ro
 
 /*
  * out[r][columns[o]] (row stride out_stride) = the product of quantized row r (q, scales and
- * sums from twostroke_quantize_rows) by weight row o, for o < out_features, whose blocks of
- * `type` are contiguous from `blocks` (in_features / 32 blocks a row). columns NULL is o
- * itself (a permutation of the output columns: GGUF's rotary order of q/k rows undone
- * without touching the blocks).
- *
- * The team splits groups of WROWS weight rows; a group takes tiles of up to TILE rows, by
- * all its weight rows at once for one or two rows (8 sums in registers at most), by two
- * at a time for more; the last group, of fewer weight rows, takes one by one.
+ * sums as quantize_row() writes them) by weight row o, for r < rows and o0 <= o < o0 + left
+ * (left <= WROWS), the rows of a part of `type` row_bytes apart from `weights`: one group of
+ * weight rows, tile by tile of up to TILE rows, by all its weight rows at once for one or two
+ * rows (8 sums in registers at most), by two at a time for more; a last group of fewer weight
+ * rows takes them one by one. columns NULL is o itself (a permutation of the output columns:
+ * GGUF's rotary order of q/k rows undone without touching the blocks).
  */
-static void block_matmul(int type, const int8_t *q, const float *scales, const float *sums,
-                         ptrdiff_t rows, ptrdiff_t in_features, const void *blocks,
-                         ptrdiff_t out_features, const int32_t *columns, float *out,
-                         ptrdiff_t out_stride) {
-    ptrdiff_t size = block_bytes(type), count_blocks = in_features / BLOCK;
-    ptrdiff_t weight_blocks = in_features / block_weights(type), row_bytes = weight_blocks * size;
-    ptrdiff_t groups = (out_features + WROWS - 1) / WROWS;
-    const uint8_t *weights = (const uint8_t *)blocks;
-    int parallel = groups > 1 && rows * in_features * out_features >= PARALLEL_WORK;
-#pragma omp parallel for if (parallel) schedule(static)
-    for (ptrdiff_t g = 0; g < groups; g++) {
-        ptrdiff_t o0 = g * WROWS;
-        int left = out_features - o0 < WROWS ? (int)(out_features - o0) : WROWS;
-        for (ptrdiff_t r0 = 0; r0 < rows; r0 += TILE) {
-            int rest = rows - r0 < TILE ? (int)(rows - r0) : TILE;
-            /* A whole group by the tile; the last group's weight rows one by one, row by row. */
-            int wrows = left < WROWS ? 1 : rest <= 2 ? WROWS : 2, count = left < WROWS ? 1 : rest;
-            for (int r1 = 0; r1 < rest; r1 += count) {
-                ptrdiff_t row = r0 + r1;
-                for (int k0 = 0; k0 < left; k0 += wrows) {
-                    float dot[WROWS][TILE] = {{0}};
-                    const uint8_t *w = weights + (o0 + k0) * row_bytes;
-                    tiles(type, wrows, count, w, row_bytes, weight_blocks, q + row * in_features,
-                          in_features, scales + row * count_blocks, sums + row * count_blocks,
-                          dot);
-                    for (int k = 0; k < wrows; k++) {
-                        ptrdiff_t o = o0 + k0 + k, column = columns ? columns[o] : o;
-                        for (int r = 0; r < count; r++)
-                            out[(row + r) * out_stride + column] = dot[k][r];
-                    }
+static void block_group(int type, const int8_t *q, const float *scales, const float *sums,
+                        ptrdiff_t rows, ptrdiff_t in_features, const uint8_t *weights,
+                        ptrdiff_t row_bytes, ptrdiff_t o0, int left, const int32_t *columns,
+                        float *out, ptrdiff_t out_stride) {
+    ptrdiff_t count_blocks = in_features / BLOCK, weight_blocks = in_features / block_weights(type);
+    for (ptrdiff_t r0 = 0; r0 < rows; r0 += TILE) {
+        int rest = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+        /* A whole group by the tile; the last group's weight rows one by one, row by row. */
+        int wrows = left < WROWS ? 1 : rest <= 2 ? WROWS : 2, count = left < WROWS ? 1 : rest;
+        for (int r1 = 0; r1 < rest; r1 += count) {
+            ptrdiff_t row = r0 + r1;
+            for (int k0 = 0; k0 < left; k0 += wrows) {
+                float dot[WROWS][TILE] = {{0}};
+                const uint8_t *w = weights + (o0 + k0) * row_bytes;
+                tiles(type, wrows, count, w, row_bytes, weight_blocks, q + row * in_features,
+                      in_features, scales + row * count_blocks, sums + row * count_blocks, dot);
+                for (int k = 0; k < wrows; k++) {
+                    ptrdiff_t o = o0 + k0 + k, column = columns ? columns[o] : o;
+                    for (int r = 0; r < count; r++)
+                        out[(row + r) * out_stride + column] = dot[k][r];
                 }
             }
         }
     }
 }
 
+/* The most parts a projection may have (q/k/v: 3). */
+#define MAX_PARTS 8
+
 /*
  * out[rows][...] (row stride out_stride) = x W^T for a projection of `count` parts side by
- * side (q/k/v, gate/up: each part's columns from its offset): x's rows (row stride
- * x_stride) quantized once, in scratch memory of this call's own, then multiplied by each
- * part. One call a projection, so a decode step pays one foreign call for each.
- * Returns 0; 1 for a part of a type it does not compute, or whose blocks do not tile a row
- * of in_features (nothing is written); 2 if the
- * scratch memory could not be allocated.
+ * side (q/k/v, gate/up: each part's columns from its offset), whose blocks of each part's
+ * type are contiguous from its `blocks` (in_features / 32 blocks a row, K types / 256):
+ * x's rows (row stride x_stride) quantized once, in scratch memory of this call's own, then
+ * multiplied by each part. One call a projection, and one parallel region a call: the team
+ * quantizes the rows, then splits the groups of WROWS weight rows of every part (so a decode
+ * step wakes the team once a projection, not once a part and once more for the rows).
+ * Returns 0; 1 for a part of a type it does not compute, whose blocks do not tile a row of
+ * in_features, or more than MAX_PARTS parts (nothing is written); 2 if the scratch memory
+ * could not be allocated.
  */
 int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                            ptrdiff_t in_features, const struct twostroke_block_part *parts,
                            ptrdiff_t count, float *out, ptrdiff_t out_stride) {
-    for (ptrdiff_t p = 0; p < count; p++)
+    if (count > MAX_PARTS)
+        return 1;
+    ptrdiff_t first[MAX_PARTS + 1] = {0}, out_features = 0; /* each part's first group */
+    for (ptrdiff_t p = 0; p < count; p++) {
         if (!block_bytes(parts[p].type) || in_features % block_weights(parts[p].type))
             return 1;
+        first[p + 1] = first[p] + (parts[p].out_features + WROWS - 1) / WROWS;
+        out_features += parts[p].out_features;
+    }
     if (rows <= 0)
         return 0;
-    ptrdiff_t blocks = in_features / BLOCK;
+    ptrdiff_t blocks = in_features / BLOCK, groups = first[count];
     int8_t *q = malloc((size_t)(rows * in_features));
     float *scales = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
     if (!q || !scales) {
@@ -592,13 +716,49 @@ int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
         return 2;
     }
     float *sums = scales + rows * blocks;
-    twostroke_quantize_rows(x, x_stride, rows, in_features, q, scales, sums);
-    for (ptrdiff_t p = 0; p < count; p++)
-        block_matmul(parts[p].type, q, scales, sums, rows, in_features, parts[p].blocks,
-                     parts[p].out_features, parts[p].columns, out + parts[p].offset,
-                     out_stride);
+    int parallel = groups > 1 && rows * in_features * out_features >= PARALLEL_WORK;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (ptrdiff_t r = 0; r < rows; r++)
+            quantize_row(x, x_stride, r, in_features, q, scales, sums);
+#pragma omp for schedule(static)
+        for (ptrdiff_t g = 0; g < groups; g++) {
+            ptrdiff_t p = 0;
+            while (g >= first[p + 1])
+                p++;
+            const struct twostroke_block_part *part = &parts[p];
+            ptrdiff_t o0 = (g - first[p]) * WROWS;
+            int left = part->out_features - o0 < WROWS ? (int)(part->out_features - o0) : WROWS;
+            ptrdiff_t row_bytes = in_features / block_weights(part->type) * block_bytes(part->type);
+            block_group(part->type, q, scales, sums, rows, in_features,
+                        (const uint8_t *)part->blocks, row_bytes, o0, left, part->columns,
+                        out + part->offset, out_stride);
+        }
+    }
     free(q);
     free(scales);
+    return 0;
+}
+
+/*
+ * The decoder stack's projection (kernels.h's twostroke_stack_projection_fn where element is
+ * float): twostroke_block_linear() by the parts `weight` (a struct twostroke_block_weight)
+ * holds, plus bias where it is not NULL. out_features is the parts' together (the stack's
+ * builder checks it). Returns block_linear()'s result.
+ */
+int twostroke_block_projection(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                               ptrdiff_t in_features, const void *weight, ptrdiff_t out_features,
+                               const float *bias, float *out, ptrdiff_t out_stride) {
+    const struct twostroke_block_weight *parts = weight;
+    int failed =
+        twostroke_block_linear(x, x_stride, rows, in_features, parts->parts, parts->count, out,
+                               out_stride);
+    if (failed || bias == NULL)
+        return failed;
+    for (ptrdiff_t r = 0; r < rows; r++)
+        for (ptrdiff_t o = 0; o < out_features; o++)
+            out[r * out_stride + o] += bias[o];
     return 0;
 }
 

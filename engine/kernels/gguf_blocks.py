@@ -9,12 +9,13 @@ are 0.56 (Q4_1) to 1.06 (Q8_0) bytes a weight, against 4 for the float32 the fil
 be dequantized to. ``gguf_blocks.c``, next to this module, multiplies by the blocks as they
 lie in the file's memory map: the activations are quantized per block of 32 to 8 bits (a
 scale, and the block's sum for the terms that do not depend on the weight), and each block's
-(or K sub-block's) product is an integer dot product (AVX2's ``VPMADDUBSW`` /
-``VPMADDWD``, or portable C on a CPU or personality without AVX2), as llama.cpp computes
-them. The library says which path it
-was built with (:attr:`BlockKernel.avx2`); the CPU's personality
-(:mod:`twostroke.gpu.isa`) decides, once, when it is built or loaded. No AVX-512 or VNNI
-path: this development machine (AVX2) cannot run one, and the suite cannot test it.
+(or K sub-block's) product is an integer dot product, as llama.cpp computes them: AVX2's
+``VPMADDUBSW`` / ``VPMADDWD``; with AVX-512, the 32-block types two blocks to a 512-bit
+vector (``VPDPBUSD`` in one instruction where the CPU has VNNI), the K types as with AVX2;
+portable C on a CPU or personality without AVX2. The library says which path it was built
+with (:attr:`BlockKernel.isa`, one of :data:`PATHS`); the CPU's personality
+(:mod:`twostroke.gpu.isa`) decides, once, when it is built or loaded, and the suite runs
+every path the machine can (its tests build one library per rung up to the machine's).
 
 The K types take the same activations, quantized per 32 rather than per 256 as llama.cpp's
 Q8_K does: a K sub-block is 32 weights, so its product is one integer dot product as a
@@ -37,18 +38,25 @@ loads the file dequantized, as before (one warning says why).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
 import torch
 
-from twostroke.engine.kernels.build import NativeBuildError, bind, call, compile_library
+from twostroke.engine.kernels.build import (
+    NativeBuildError,
+    address,
+    bind,
+    call,
+    compile_library,
+)
 from twostroke.engine.kernels.header import structures
 
 __all__ = [
@@ -56,6 +64,7 @@ __all__ = [
     "BLOCK_BYTES",
     "BLOCK_SOURCE",
     "BLOCK_TYPES",
+    "PATHS",
     "BlockEmbedding",
     "BlockKernel",
     "BlockTensor",
@@ -106,11 +115,17 @@ BLOCK_BYTES: Mapping[int, int] = {
 
 _SUPER_TYPES = frozenset({12, 13, 14})
 
+#: The block products' paths, by the number their library reports: portable C, AVX2,
+#: AVX-512 (the 32-blocks two at a time in 512 bits) and AVX-512 with VNNI (``VPDPBUSD``).
+#: The compile flags choose, which the CPU's personality sets (:mod:`twostroke.gpu.isa`).
+PATHS = ("portable", "avx2", "avx512", "avx512_vnni")
+
 _SYMBOLS = (
-    "twostroke_blocks_avx2",
+    "twostroke_blocks_path",
     "twostroke_quantize_rows",
     "twostroke_block_linear",
     "twostroke_block_rows",
+    "twostroke_block_projection",
 )
 
 _log = logging.getLogger(__name__)
@@ -280,15 +295,26 @@ class BlockKernel:
     Calls release the GIL (``ctypes`` drops it around foreign calls).
 
     Attributes:
-        avx2: Whether the library computes with AVX2 (else portable C).
+        isa: The path the library computes with (one of :data:`PATHS`).
         path: The shared library.
     """
 
-    avx2: bool
+    isa: str
     path: Path
     _quantize: Callable[..., None] = attrs.field(repr=False)
     _linear: Callable[..., int] = attrs.field(repr=False)
     _rows: Callable[..., int] = attrs.field(repr=False)
+    _projection: Callable[..., int] = attrs.field(repr=False)
+
+    #: The activations' dtype (the decoder stack's element type for these projections).
+    element: ClassVar[torch.dtype] = torch.float32
+
+    @property
+    def address(self) -> int:
+        """Where the decoder stack's projection by a :class:`BlockWeight` is
+        (``twostroke_block_projection``: its ``weight`` is :attr:`BlockWeight.addresses`'
+        first)."""
+        return address(self._projection)
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
         """Quantize float32 ``x`` ``[rows, in_features]`` (a row stride allowed) per block.
@@ -407,6 +433,10 @@ class BlockWeight:
     in_features: int = attrs.field(init=False)
     out_features: int = attrs.field(init=False)
     table: Any = attrs.field(init=False, repr=False, eq=False)
+    _weight: Any = attrs.field(init=False, repr=False, eq=False)
+    #: The parts as ``kernels.h``'s ``struct twostroke_block_weight`` (what the decoder
+    #: stack passes to :attr:`BlockKernel.address`'s projection), and the bias's address.
+    addresses: tuple[int, int | None] = attrs.field(init=False, repr=False, eq=False)
 
     @in_features.default
     def _in_features(self) -> int:
@@ -434,6 +464,24 @@ class BlockWeight:
             entry.offset = offset
             offset += part.out_features
         return table
+
+    @_weight.default
+    def _weight_structure(self) -> Any:
+        return structures()["twostroke_block_weight"](self.table, len(self.parts))
+
+    @addresses.default
+    def _addresses(self) -> tuple[int, int | None]:
+        bias = self.bias
+        if bias is not None and (
+            bias.dtype != torch.float32
+            or tuple(bias.shape) != (self.out_features,)
+            or not bias.is_contiguous()
+        ):
+            raise ValueError(
+                f"a block projection's bias must be contiguous float32 [{self.out_features}], "
+                f"got {bias.dtype} {tuple(bias.shape)}"
+            )
+        return ctypes.addressof(self._weight), None if bias is None else bias.data_ptr()
 
     @property
     def nbytes(self) -> int:
@@ -500,8 +548,10 @@ def build_blocks(*, environ: Mapping[str, str] | None = None) -> BlockKernel:
     library, path = compile_library(
         BLOCK_SOURCE, [], "the GGUF block products", env, symbols=_SYMBOLS
     )
-    avx2, quantize, linear, rows = (bind(library, path, name) for name in _SYMBOLS)
-    kernel = BlockKernel(bool(avx2()), path, quantize=quantize, linear=linear, rows=rows)
+    which, quantize, linear, rows, projection = (bind(library, path, name) for name in _SYMBOLS)
+    kernel = BlockKernel(
+        PATHS[which()], path, quantize=quantize, linear=linear, rows=rows, projection=projection
+    )
     _check(kernel)
     return kernel
 

@@ -12,8 +12,10 @@
  *
  * Tensors are `element` (native_element.h: float, or bfloat16 bits with -DELEMENT_BF16),
  * the KV cache `cached` (the same type unless -DCACHE_F32, -DCACHE_F16 or -DCACHE_BF16);
- * the bfloat16 projection takes bfloat16 bits whatever the build, and the stack, which
- * drives the bfloat16 kernels, is built with -DELEMENT_BF16.
+ * the bfloat16 projection takes bfloat16 bits and the block products float32 whatever the
+ * build, and the stack is built for the element type of the kernels it drives: with
+ * -DELEMENT_BF16 for the bfloat16 projections, without for the GGUF blocks' (it never
+ * touches the cache's elements, so one build serves every cache type).
  */
 #ifndef TWOSTROKE_KERNELS_H
 #define TWOSTROKE_KERNELS_H
@@ -60,13 +62,23 @@ typedef int twostroke_paged_prefill_fn(const element *query, ptrdiff_t query_str
 twostroke_paged_decode_fn twostroke_paged_decode;
 twostroke_paged_prefill_fn twostroke_paged_prefill;
 
-/* projection_bf16.c: the bfloat16 projections (defined where the CPU has AVX512-BF16). */
+/* The projections the decoder stack calls: out = x W^T + bias (bias float32 or NULL), where
+ * `weight` is W in the kernel's own form. Returns 0, or nonzero where it could not allocate
+ * its scratch memory (nothing meaningful is written then). The bfloat16 projection below is
+ * one where element is bfloat16, the GGUF blocks' one where it is float. */
+typedef int twostroke_stack_projection_fn(const element *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                                          ptrdiff_t in_features, const void *weight,
+                                          ptrdiff_t out_features, const float *bias,
+                                          element *out, ptrdiff_t out_stride);
+
+/* projection_bf16.c: the bfloat16 projections (defined where the CPU has AVX512-BF16);
+ * `weight` is the panels. */
 typedef int twostroke_projection_supported_fn(void);
 typedef int twostroke_projection_panel_fn(void);
-typedef void twostroke_projection_fn(const uint16_t *x, ptrdiff_t x_stride, ptrdiff_t rows,
-                                     ptrdiff_t in_features, const uint16_t *panels,
-                                     ptrdiff_t out_features, const float *bias, uint16_t *out,
-                                     ptrdiff_t out_stride);
+typedef int twostroke_projection_fn(const uint16_t *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                                    ptrdiff_t in_features, const void *weight,
+                                    ptrdiff_t out_features, const float *bias, uint16_t *out,
+                                    ptrdiff_t out_stride);
 twostroke_projection_supported_fn twostroke_projection_supported;
 twostroke_projection_panel_fn twostroke_projection_panel;
 twostroke_projection_fn twostroke_projection;
@@ -81,7 +93,7 @@ struct twostroke_block_part {
     const int32_t *columns; /* [out_features]: each row's output column, or NULL: its own */
     ptrdiff_t offset;       /* its first output column */
 };
-typedef int twostroke_blocks_avx2_fn(void);
+typedef int twostroke_blocks_path_fn(void);
 typedef void twostroke_quantize_rows_fn(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                                         ptrdiff_t in_features, int8_t *q, float *scales,
                                         float *sums);
@@ -91,16 +103,28 @@ typedef int twostroke_block_linear_fn(const float *x, ptrdiff_t x_stride, ptrdif
                                       float *out, ptrdiff_t out_stride);
 typedef int twostroke_block_rows_fn(int type, const void *blocks, ptrdiff_t in_features,
                                     const int64_t *ids, ptrdiff_t count, float *out);
-twostroke_blocks_avx2_fn twostroke_blocks_avx2;
+/* A projection's parts, as the decoder stack passes one (`weight`) to
+ * twostroke_block_projection, a twostroke_stack_projection_fn where element is float. */
+struct twostroke_block_weight {
+    const struct twostroke_block_part *parts; /* [count] */
+    ptrdiff_t count;
+};
+typedef int twostroke_block_projection_fn(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                                          ptrdiff_t in_features, const void *weight,
+                                          ptrdiff_t out_features, const float *bias,
+                                          float *out, ptrdiff_t out_stride);
+twostroke_blocks_path_fn twostroke_blocks_path;
 twostroke_quantize_rows_fn twostroke_quantize_rows;
 twostroke_block_linear_fn twostroke_block_linear;
 twostroke_block_rows_fn twostroke_block_rows;
+twostroke_block_projection_fn twostroke_block_projection;
 
 /* decoder_stack.c: the model, its kernels and each layer's weights (fixed once loaded). */
 struct twostroke_layer {
     const void *input_norm, *post_norm; /* [hidden] */
     float input_eps, post_eps;
-    /* Panels and float32 biases (or NULL) of the four projections. */
+    /* The four projections' weights in the stack's projection's form, and their float32
+     * biases (or NULL). */
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 };
@@ -109,7 +133,7 @@ struct twostroke_model {
     ptrdiff_t layers, hidden, intermediate, heads, kv_heads, head_dim;
     float scale;
     twostroke_add_rms_norm_fn *norm;
-    twostroke_projection_fn *projection;
+    twostroke_stack_projection_fn *projection;
     twostroke_rotate_write_fn *rotate;
     twostroke_silu_mul_fn *silu;
     const struct twostroke_layer *layer; /* [layers] */
@@ -138,8 +162,8 @@ struct twostroke_step {
     void *normed, *qkv, *attended, *projected, *gate_up, *mixed, *delta;
 };
 
-/* Run every layer. Returns 0, or 1 if an attention kernel could not allocate its scratch
- * memory (the step's results are then garbage, and the caller raises). */
+/* Run every layer. Returns 0, or 1 if an attention kernel or a projection could not
+ * allocate its scratch memory (the step's results are then garbage, and the caller raises). */
 typedef int twostroke_decoder_stack_fn(const struct twostroke_model *m,
                                        const struct twostroke_step *s);
 twostroke_decoder_stack_fn twostroke_decoder_stack;

@@ -30,6 +30,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import ClassVar
 
 import attrs
 import torch
@@ -88,7 +89,10 @@ class ProjectionKernel:
 
     panel: int
     path: Path
-    _function: Callable[..., None] = attrs.field(repr=False)
+    _function: Callable[..., int] = attrs.field(repr=False)
+
+    #: The activations' dtype (the decoder stack's element type for these projections).
+    element: ClassVar[torch.dtype] = torch.bfloat16
 
     @property
     def address(self) -> int:

@@ -86,14 +86,16 @@ static inline __attribute__((always_inline)) void tile(
  * out[rows][out_features] (row stride out_stride) = x W^T + bias.
  *
  * x: bfloat16 [rows][in_features], row stride x_stride, in_features even.
- * panels: the weight in the layout above, ceil(out_features / PANEL) panels.
+ * weight: the panels, the weight in the layout above, ceil(out_features / PANEL) of them.
  * bias: float32, ceil(out_features / PANEL) * PANEL of them (zero past out_features), or NULL.
+ * Returns 0 (the stack's projections return whether they failed: this one cannot).
  */
-void twostroke_projection(
+int twostroke_projection(
     const uint16_t *x, ptrdiff_t x_stride, ptrdiff_t rows, ptrdiff_t in_features,
-    const uint16_t *panels, ptrdiff_t out_features, const float *bias, uint16_t *out,
+    const void *weight, ptrdiff_t out_features, const float *bias, uint16_t *out,
     ptrdiff_t out_stride)
 {
+    const uint16_t *panels = (const uint16_t *)weight;
     ptrdiff_t count = (out_features + PANEL - 1) / PANEL, pairs = in_features / 2;
     int parallel = count > 1 && rows * in_features * out_features >= PARALLEL_WORK;
 #pragma omp parallel for if (parallel) schedule(static)
@@ -122,5 +124,6 @@ void twostroke_projection(
             }
         }
     }
+    return 0;
 }
 #endif

@@ -233,7 +233,7 @@ def select_kernels(
     else:
         projection, why = _projections(config, dtype, device, exact, quantization, pack)
     because("projections", why)
-    stack, why = _stack(glue, projection, cache == dtype)
+    stack, why = _stack(glue, projection)
     because("stack", why)
     kernels = CpuKernels(
         glue, projection, chosen, stack, tuple(reasons), None if cache == dtype else cache
@@ -443,18 +443,16 @@ def _attention(
     return "native", None
 
 
-def _stack(
-    glue: Glue, projection: Projections, cache_in_dtype: bool
-) -> tuple[Callable[..., int] | None, str | None]:
+def _stack(glue: Glue, projection: Projections) -> tuple[Callable[..., int] | None, str | None]:
     """The whole stack in one call where every kernel a layer calls is compiled: the glue
-    and every projection's panels (the attention is checked step by step: a step whose
-    attention is another kernel's runs layer by layer), over a cache in the activations'
-    dtype (the stack's own build)."""
-    if not isinstance(glue, DecoderGlue) or projection.layers != "panels":
-        return None, "it needs the compiled glue and bfloat16 projections"
-    if not cache_in_dtype:
-        return None, "it takes a KV cache in the activations' dtype"
-    function = stack_library()
+    and every projection's (the bfloat16 panels, or a GGUF file's blocks; the attention is
+    checked step by step: a step whose attention is another kernel's runs layer by layer).
+    A model whose decoder projections are not all in that form (a GGUF file with a matrix
+    in 16 bits) runs layer by layer too (:meth:`~twostroke.engine.models.llama.
+    LlamaForCausalLM.use_kernels` finds it)."""
+    if not isinstance(glue, DecoderGlue) or projection.layers not in ("panels", "blocks"):
+        return None, "it needs the compiled glue and projections (bfloat16 panels or blocks)"
+    function = stack_library(glue.dtype)
     if function is None:
         return None, "its library did not build: see the warning"
     return function, None

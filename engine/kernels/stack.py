@@ -1,20 +1,25 @@
 """A step's decoder layers in one compiled call, where every kernel they need is compiled.
 
-With the bfloat16 projections (:mod:`.projection`), the glue (:mod:`.glue`)
-and the paged attention (:mod:`.paged_attention`) all compiled, a decoder layer is nine
-calls into C, and Python only walks between them: checks, output tensors, ``ctypes``
-argument conversion, 30 layers a step. ``decoder_stack.c`` makes the same calls in the same
-order from C, so a step's layers are one foreign call: its results are the per-layer path's
-bit for bit (a test holds it to that), and the whole stack runs without the GIL, which the
+With the projections (the bfloat16 panels of :mod:`.projection`, or a GGUF file's blocks
+as stored, :mod:`.gguf_blocks`, with float32 activations), the glue (:mod:`.glue`) and the
+paged attention (:mod:`.paged_attention`) all compiled, a decoder layer is nine calls into
+C, and Python only walks between them: checks, output tensors, ``ctypes`` argument
+conversion, 30 layers a step. ``decoder_stack.c`` makes the same calls in the same order
+from C, so a step's layers are one foreign call: its results are the per-layer path's bit
+for bit (a test holds it to that), and the whole stack runs without the GIL, which the
 engine's bookkeeping stroke wants meanwhile.
 
 Measured on SmolLM2-135M in bfloat16 (AMD EPYC Zen 4, AVX512-BF16, 2 threads), both paths
 alternating in one process: a step of one decode 14.13 ms layer by layer, 11.08 with the
 stack; of 32 decodes 41.24 and 37.02 (docs/performance-log.md, "The decoder stack in one call").
+With the GGUF blocks, docs/models.md ("GGUF blocks as stored") has the figures.
 
 The library has no shape constants and does no arithmetic, so it is built once a machine
-and has no check of its own: the kernels it calls passed theirs. Where it does not build,
-one warning is logged and the model keeps calling the kernels layer by layer.
+for each element type of the projections it drives, and has no check of its own: the
+kernels it calls passed theirs. It never reads the KV cache's elements (the glue and the
+attention it calls are built for the cache's type), so one build serves every
+``kv_cache_dtype``. Where it does not build, one warning is logged and the model keeps
+calling the kernels layer by layer.
 """
 
 from __future__ import annotations
@@ -28,23 +33,31 @@ import tempfile
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import torch
 
 from twostroke.engine.attention.kv_cache import KVCache
 from twostroke.engine.attention.metadata import AttentionMetadata
-from twostroke.engine.kernels.build import NativeBuildError, bind, call, compile_library
+from twostroke.engine.kernels.build import (
+    NativeBuildError,
+    bind,
+    call,
+    compile_library,
+    element_defines,
+)
 from twostroke.engine.kernels.glue import DecoderGlue, rotary_inputs_fit
 from twostroke.engine.kernels.header import KERNELS_HEADER, HeaderError, structures
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
-from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
 
 __all__ = [
     "SOURCE",
     "SYMBOLS",
     "DecoderStack",
     "StackLayer",
+    "StackProjection",
+    "StackWeight",
     "build_stack",
     "check_layout",
     "load_stack",
@@ -76,6 +89,43 @@ def _structure(part: str) -> type[ctypes.Structure]:
         raise NativeBuildError(f"{KERNELS_HEADER.name}: {error}") from error
 
 
+class StackProjection(Protocol):
+    """A compiled projection the stack calls (``kernels.h``'s
+    ``twostroke_stack_projection_fn``): :class:`~.projection.ProjectionKernel` (bfloat16)
+    or :class:`~.gguf_blocks.BlockKernel` (float32)."""
+
+    @property
+    def address(self) -> int:
+        """Where its entry point is."""
+        ...
+
+    @property
+    def element(self) -> torch.dtype:
+        """The dtype of the activations it takes and returns."""
+        ...
+
+
+class StackWeight(Protocol):
+    """A projection's weight in a :class:`StackProjection`'s form:
+    :class:`~.projection.PanelWeight` or :class:`~.gguf_blocks.BlockWeight`."""
+
+    @property
+    def kernel(self) -> object:
+        """The projection it is laid out for."""
+        ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def addresses(self) -> tuple[int, int | None]:
+        """What the projection's ``weight`` and ``bias`` parameters take."""
+        ...
+
+
 @attrs.frozen
 class StackLayer:
     """What the stack reads of one decoder layer.
@@ -95,10 +145,10 @@ class StackLayer:
     input_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    qkv: PanelWeight
-    o: PanelWeight
-    gate_up: PanelWeight
-    down: PanelWeight
+    qkv: StackWeight
+    o: StackWeight
+    gate_up: StackWeight
+    down: StackWeight
 
 
 @attrs.define(eq=False)
@@ -114,7 +164,8 @@ class DecoderStack:
         head_dim: Width of a head.
         hidden: Width of the residual stream.
         intermediate: Width of the MLP.
-        dtype: Element type of the activations and the cache (bfloat16).
+        dtype: Element type of the activations (bfloat16 or float32: the projections').
+        cache_dtype: Element type of the KV cache (the glue's and the attention's).
     """
 
     num_heads: int
@@ -123,6 +174,7 @@ class DecoderStack:
     hidden: int
     intermediate: int
     dtype: torch.dtype
+    cache_dtype: torch.dtype
     _function: Callable[..., int] = attrs.field(repr=False)
     _model: ctypes.Structure = attrs.field(repr=False)
     # What the model structure points into, kept alive with it.
@@ -142,6 +194,7 @@ class DecoderStack:
         return (
             kernel is not None
             and kernel.dtype == self.dtype
+            and kernel.cache_dtype == self.cache_dtype
             and kernel.head_dim == self.head_dim
             and kernel.group * self.num_kv_heads == self.num_heads
         )
@@ -193,13 +246,14 @@ class DecoderStack:
             or not residual.is_contiguous()
             or not rotary_inputs_fit(cos, signed_sin, slots, tokens, self.head_dim, dtype)
             or len(kv_cache.layers) != self._model.layers
-            or kv_cache.data.dtype != dtype
+            or kv_cache.data.dtype != self.cache_dtype
             or kv_cache.data.shape[3] != self.num_kv_heads
             or kv_cache.data.shape[5] != self.head_dim
         ):
             raise ValueError(
                 f"the stack takes a contiguous {dtype} residual [tokens, {hidden}], contiguous "
-                f"cos and sin {list(table)}, int64 slots [tokens] and a {dtype} cache of "
+                f"cos and sin {list(table)}, int64 slots [tokens] and a {self.cache_dtype} "
+                "cache of "
                 f"{self._model.layers} layers of {self.num_kv_heads} heads of {self.head_dim}; "
                 f"got residual {residual.dtype} {tuple(residual.shape)}, cos {cos.dtype} "
                 f"{tuple(cos.shape)}, sin {tuple(signed_sin.shape)}, slots {slots.dtype} "
@@ -240,7 +294,9 @@ class DecoderStack:
             *(tensor.data_ptr() for tensor in scratch),
         )
         if call(self._function, ctypes.byref(self._model), ctypes.byref(step)):
-            raise RuntimeError("the paged attention kernel could not allocate its scratch memory")
+            raise RuntimeError(
+                "an attention kernel or a projection could not allocate its scratch memory"
+            )
         return scratch[-1]
 
     def _attention(self, metadata: AttentionMetadata) -> tuple[int | None, ...]:
@@ -282,14 +338,19 @@ class DecoderStack:
         return keys, values
 
 
-def stack_library() -> Callable[..., int] | None:
-    """The driver's entry point, or ``None`` where its library does not build (logged once
-    as a warning, with the reason).
+def stack_library(dtype: torch.dtype = torch.bfloat16) -> Callable[..., int] | None:
+    """The entry point of the driver of projections whose activations are ``dtype``
+    (bfloat16 or float32), or ``None`` where its library does not build (logged once as a
+    warning, with the reason).
 
     Built (or loaded from the cache) the first time it is asked for in a process; it has no
     shape constants, so one library serves every model (:func:`build_stack` binds it to one).
+
+    Raises:
+        ValueError: a dtype the kernels are not built for.
     """
-    return _library()
+    element_defines(dtype)  # refuses another dtype
+    return _library(dtype)
 
 
 def build_stack(
@@ -297,30 +358,34 @@ def build_stack(
     *,
     function: Callable[..., int],
     glue: DecoderGlue,
-    projection: ProjectionKernel,
+    projection: StackProjection,
     num_heads: int,
     num_kv_heads: int,
     intermediate: int,
 ) -> DecoderStack:
-    """The stack for these layers, calling the driver ``function`` (:func:`stack_library`).
+    """The stack for these layers, calling the driver ``function`` (:func:`stack_library`
+    of ``glue.dtype``).
 
     Args:
-        layers: Every decoder layer, in order, its projections packed for ``projection``.
-        function: The driver's entry point.
-        glue: The glue built for the model (bfloat16).
-        projection: The kernel the layers' projections are packed for.
+        layers: Every decoder layer, in order, its projections laid out for ``projection``.
+        function: The driver's entry point, built for ``glue.dtype``.
+        glue: The glue built for the model (its dtype the projection's activations').
+        projection: The kernel the layers' projections are laid out for.
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
         intermediate: Width of the MLP.
 
     Raises:
-        ValueError: no layers, glue of another dtype than bfloat16, or layers whose shapes
-            disagree with the arguments.
+        ValueError: no layers, glue of another dtype than the projection's activations, or
+            layers whose shapes or kernels disagree with the arguments.
     """
     if not layers:
         raise ValueError("the stack needs at least one layer")
-    if glue.dtype != torch.bfloat16:
-        raise ValueError(f"the stack runs the bfloat16 projections; the glue is {glue.dtype}")
+    if glue.dtype != projection.element:
+        raise ValueError(
+            f"the stack's projections take {projection.element} activations; the glue is "
+            f"{glue.dtype}"
+        )
     hidden, dim = glue.hidden, glue.head_dim
     attended = num_heads * dim
     shapes = {
@@ -331,14 +396,16 @@ def build_stack(
     }
     for index, layer in enumerate(layers):
         for name, (inputs, outputs) in shapes.items():
-            weight: PanelWeight = getattr(layer, name)
+            weight: StackWeight = getattr(layer, name)
             if (weight.in_features, weight.out_features) != (inputs, outputs):
                 raise ValueError(
                     f"layer {index}'s {name} projection maps {weight.in_features} -> "
                     f"{weight.out_features}; the model's shape says {inputs} -> {outputs}"
                 )
             if weight.kernel is not projection:
-                raise ValueError(f"layer {index}'s {name} projection is packed for another kernel")
+                raise ValueError(
+                    f"layer {index}'s {name} projection is laid out for another kernel"
+                )
         for scale in (layer.input_norm, layer.post_norm):
             if scale.dtype != glue.dtype or scale.shape != (hidden,) or not scale.is_contiguous():
                 raise ValueError(
@@ -381,6 +448,7 @@ def build_stack(
         hidden,
         intermediate,
         glue.dtype,
+        glue.cache_dtype,
         function=function,
         model=model,
         kept=(weights, tuple(layers), glue, projection),
@@ -388,9 +456,9 @@ def build_stack(
 
 
 @functools.cache
-def _library() -> Callable[..., int] | None:
+def _library(dtype: torch.dtype) -> Callable[..., int] | None:
     try:
-        return load_stack()
+        return load_stack(dtype)
     except NativeBuildError as error:
         _log.warning(
             "twostroke: the compiled decoder stack is unavailable (%s); the layers' kernels "
@@ -400,21 +468,26 @@ def _library() -> Callable[..., int] | None:
         return None
 
 
-def load_stack(*, environ: Mapping[str, str] | None = None) -> Callable[..., int]:
-    """Compile (or load from the cache) the driver and return its entry point, once the
-    ctypes structures it takes are checked against the compiler's (:func:`check_layout`).
+def load_stack(
+    dtype: torch.dtype = torch.bfloat16, *, environ: Mapping[str, str] | None = None
+) -> Callable[..., int]:
+    """Compile (or load from the cache) the driver of projections whose activations are
+    ``dtype`` and return its entry point, once the ctypes structures it takes are checked
+    against the compiler's (:func:`check_layout`).
 
     Args:
+        dtype: bfloat16 (the panels' projections) or float32 (the GGUF blocks').
         environ: Where ``$CC`` and the cache folder are read (``os.environ`` if ``None``).
 
     Raises:
         NativeBuildError: no compiler, a failed compile or load, or structures that ctypes
             lays out otherwise than the compiler.
+        ValueError: a dtype the kernels are not built for.
     """
     env = os.environ if environ is None else environ
-    # The element type of the kernels it drives (bfloat16), for kernels.h's function types.
+    # The element type of the kernels it drives, for kernels.h's function types.
     library, path = compile_library(
-        SOURCE, ["-DELEMENT_BF16"], "the decoder stack", env, symbols=SYMBOLS
+        SOURCE, element_defines(dtype), "the decoder stack", env, symbols=SYMBOLS
     )
     check_layout(environ=env)
     function: Callable[..., int] = bind(library, path, "twostroke_decoder_stack")

@@ -21,6 +21,7 @@ initialization and holds one copy of the weights.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,13 @@ from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.projection import PanelWeight
 from twostroke.engine.kernels.selection import CpuKernels, Projections, torch_kernels
-from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack
+from twostroke.engine.kernels.stack import (
+    DecoderStack,
+    StackLayer,
+    StackProjection,
+    StackWeight,
+    build_stack,
+)
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.layers import Glue, RMSNorm, inverse_frequencies, rotary_tables
 from twostroke.engine.models.linear import FullPrecision, Linear, empty_parameter
@@ -50,6 +57,8 @@ from twostroke.states.errors import EngineError
 from twostroke.states.validators import check_int_at_least
 
 __all__ = ["LlamaForCausalLM", "WeightError", "inverse_frequencies"]
+
+_log = logging.getLogger(__name__)
 
 
 class WeightError(EngineError, ValueError):
@@ -324,6 +333,12 @@ class LlamaForCausalLM(nn.Module):
         self._kernels = kernels
         if kernels.stack is not None:
             self._stack = self._bind_stack(kernels)
+            if self._stack is None:
+                _log.info(
+                    "twostroke: the compiled stack is not used: a decoder projection is not "
+                    "in the %s form (a GGUF matrix in 16 bits); the layers run one by one",
+                    kernels.projection.layers,
+                )
 
     def _convert(self, projection: Projections, threads: int) -> None:
         """Every projection's weight in its chosen form (:class:`.linear.LinearMethod`)."""
@@ -397,9 +412,16 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             self.lm_head.use(BlockWeight(kernel, (head,)))
 
-    def _bind_stack(self, kernels: CpuKernels) -> DecoderStack:
-        """The chosen stack driver, given every decoder projection's panels."""
-        glue, projection = kernels.glue, kernels.projection.kernel
+    def _bind_stack(self, kernels: CpuKernels) -> DecoderStack | None:
+        """The chosen stack driver, given every decoder projection's weight in the form of
+        the chosen projection kernel (the bfloat16 panels or the GGUF blocks); ``None``
+        where one is in another form."""
+        glue = kernels.glue
+        projection: StackProjection | None = (
+            kernels.projection.blocks
+            if kernels.projection.layers == "blocks"
+            else kernels.projection.kernel
+        )
         assert isinstance(glue, DecoderGlue)
         assert projection is not None
         assert kernels.stack is not None
@@ -407,10 +429,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             decoder = cast(DecoderLayer, layer)
             attention, mlp = decoder.self_attn, decoder.mlp
-            qkv, o = _panels(attention.qkv_proj), _panels(attention.o_proj)
-            gate_up, down = _panels(mlp.gate_up_proj), _panels(mlp.down_proj)
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            weights = [_stack_weight(linear, projection) for linear in linears]
             first, second = decoder.input_layernorm, decoder.post_attention_layernorm
             norms = (first.weight, first.eps, second.weight, second.eps)
+            qkv, o, gate_up, down = weights
+            if qkv is None or o is None or gate_up is None or down is None:
+                return None
             layers.append(StackLayer(*norms, qkv, o, gate_up, down))
         config = self.config
         return build_stack(
@@ -693,8 +718,10 @@ def _exact_in_float16(linear: Linear) -> bool:
     )
 
 
-def _panels(linear: Linear) -> PanelWeight:
-    """A projection's weight laid out for the compiled kernel (what the stack reads)."""
+def _stack_weight(linear: Linear, projection: StackProjection) -> StackWeight | None:
+    """A projection's weight laid out for the stack's ``projection`` (the bfloat16 panels,
+    or GGUF blocks), or ``None`` where it is in another form."""
     method = linear.method
-    assert isinstance(method, PanelWeight), method
-    return method
+    if isinstance(method, PanelWeight | BlockWeight) and method.kernel is projection:
+        return method
+    return None

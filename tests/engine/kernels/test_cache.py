@@ -256,7 +256,7 @@ BINDINGS: dict[str, tuple[Any, str, Callable[[], object], Callable[[], object], 
         stack,
         "SOURCE",
         stack.load_stack,
-        stack._library,
+        stack.stack_library,
         "twostroke_decoder_stack",
     ),
 }

@@ -107,7 +107,10 @@ def test_the_choice_is_one_info_line(tiny: Path, caplog: pytest.LogCaptureFixtur
     assert "glue torch (exact arithmetic asked for)" in said[0]
     assert "projections dense (exact arithmetic asked for)" in said[0]
     assert "attention native" in said[0]
-    assert "stack off (it needs the compiled glue and bfloat16 projections)" in said[0]
+    assert (
+        "stack off (it needs the compiled glue and projections (bfloat16 panels or blocks))"
+        in said[0]
+    )
 
 
 def compiled_calls(loaded: LoadedModel, **forward: Any) -> int:
@@ -149,7 +152,7 @@ def test_each_forced_choice_is_the_path_that_runs(
         "glue": "TWOSTROKE_NATIVE=0",
         "projections": "the compiled projection takes bfloat16, not float32",
         "attention": "TWOSTROKE_NATIVE=0",
-        "stack": "it needs the compiled glue and bfloat16 projections",
+        "stack": "it needs the compiled glue and projections (bfloat16 panels or blocks)",
     }
     assert compiled_calls(plain) == 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -21,14 +22,17 @@ from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import build, stack
 from twostroke.engine.kernels import projection as projection_module
 from twostroke.engine.kernels.build import NativeBuildError
+from twostroke.engine.kernels.gguf_blocks import BlockWeight
 from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import (
+    PanelWeight,
     ProjectionKernel,
     ProjectionUnsupported,
     build_projection,
     projection_kernel,
 )
 from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack, load_stack
+from twostroke.engine.models.linear import FullPrecision, Linear
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.quantization import kernel_available
 
@@ -60,7 +64,9 @@ def models(
     projection: ProjectionKernel, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, LlamaForCausalLM]:
     """Tiny decoders on the compiled kernels, by kind: llama (tied output projection) and
-    qwen2 (q/k/v biases, untied)."""
+    qwen2 (q/k/v biases, untied) in bfloat16 with the bfloat16 projections; and in float32
+    with their projections in GGUF blocks, over the engine's KV cache ("auto": float16
+    where the personality converts it in one instruction) and a float32 one."""
     found = {}
     for kind, tied in (("llama", True), ("qwen2", False)):
         folder = tmp_path_factory.mktemp(kind)
@@ -68,6 +74,19 @@ def models(
         module = load_model(folder, dtype=torch.bfloat16, device=CPU, exact=False).module
         assert module.stack is not None
         found[kind] = module
+        for blocks, cache in (("q8_0", "auto"), ("q4_0", torch.float32)):
+            module = load_model(
+                folder,
+                dtype=torch.float32,
+                device=CPU,
+                exact=False,
+                quantization=blocks,
+                kv_cache_dtype=cache,
+            ).module
+            assert module.kernels.projection.layers == "blocks"
+            assert module.stack is not None
+            assert module.stack.cache_dtype == module.cache_dtype
+            found[f"{kind}-{blocks}"] = module
     return found
 
 
@@ -81,7 +100,9 @@ def layer_by_layer(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(["llama", "qwen2"]),
+    kind=st.sampled_from(
+        ["llama", "qwen2", "llama-q8_0", "qwen2-q8_0", "llama-q4_0", "qwen2-q4_0"]
+    ),
     lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
     chunk=st.sampled_from([None, 1, 3, 8]),
     block_size=st.sampled_from([4, 16]),
@@ -107,7 +128,10 @@ def test_logits_are_the_per_layer_paths_bit_for_bit(
     for mine, reference in zip(got, expected, strict=True):
         assert torch.equal(mine, reference)
     steps = -(-max(lengths) // (chunk or max(lengths)))
-    assert timer.calls == 3 * steps  # the stack, the final norm and the output projection
+    # The stack, the final norm and the output projection where it is compiled (the blocks
+    # quantized at load leave it in float32, torch's).
+    head = isinstance(model.lm_head.method, PanelWeight | BlockWeight)
+    assert timer.calls == (2 + head) * steps
 
 
 def test_steps_of_another_attention_kernel_run_layer_by_layer(
@@ -206,13 +230,69 @@ def test_layers_that_do_not_fit_are_refused(
     ):
         build_stack(layers, function=function, glue=glue, projection=projection, **wider)
     other = ProjectionKernel(projection.panel, projection.path, function=projection._function)
-    with pytest.raises(ValueError, match="layer 0's qkv projection is packed for another kernel"):
+    with pytest.raises(ValueError, match="layer 0's qkv projection is laid out for another kernel"):
         build_stack(layers, function=function, glue=glue, projection=other, **shape)
     loose = [attrs_evolve(layers[0], post_norm=layers[0].post_norm.float()), *layers[1:]]
     with pytest.raises(
         ValueError, match=r"layer 0's norm weights must be contiguous torch\.bfloat16 \[64\]"
     ):
         build_stack(loose, function=function, glue=glue, projection=projection, **shape)
+
+
+def test_a_block_models_stack_is_built_for_float32_and_refuses_what_does_not_fit(
+    models: dict[str, LlamaForCausalLM],
+) -> None:
+    """The blocks' stack takes float32 activations over the model's cache, and its builder
+    holds the blocks to their kernel and the glue to their dtype."""
+    model = models["qwen2-q8_0"]
+    compiled = model.stack
+    assert compiled is not None
+    assert compiled.dtype == torch.float32
+    blocks = model.kernels.projection.blocks
+    assert blocks is not None
+    layers = layers_of(model)
+    glue = model.kernels.glue
+    assert isinstance(glue, DecoderGlue)
+    config = model.config
+    shape = {
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "intermediate": config.intermediate_size,
+    }
+    function = stack.stack_library(torch.float32)
+    assert function is not None
+    bfloat16 = decoder_glue(hidden=glue.hidden, head_dim=glue.head_dim, dtype=torch.bfloat16)
+    assert bfloat16 is not None
+    with pytest.raises(ValueError, match=r"take torch\.float32 activations; the glue is"):
+        build_stack(layers, function=function, glue=bfloat16, projection=blocks, **shape)
+    bf16_layers = layers_of(models["qwen2"])
+    with pytest.raises(ValueError, match="layer 0's qkv projection is laid out for another"):
+        build_stack(bf16_layers, function=function, glue=glue, projection=blocks, **shape)
+    cache = model.allocate_kv_cache(2, 4)
+    metadata, table = step_of(model, "native")
+    assert compiled.runs(metadata)
+    residual = torch.zeros(3, config.hidden_size)
+    other = torch.float32 if model.cache_dtype != torch.float32 else torch.float16
+    with pytest.raises(ValueError, match=f"a {model.cache_dtype} cache of"):
+        compiled(residual, table, table, metadata, cache.__class__(cache.data.to(other)))
+    with pytest.raises(ValueError, match="a native kernel takes float32 or bfloat16"):
+        stack.stack_library(torch.float64)
+
+
+def test_a_block_model_with_a_projection_in_another_form_has_no_stack(
+    models: dict[str, LlamaForCausalLM],
+) -> None:
+    """A GGUF file may hold a matrix in 16 bits among its blocks: that projection keeps its
+    own form, and the model runs its layers one by one (no stack is bound)."""
+    model = models["llama-q8_0"]
+    down = cast(Linear, model.layers[0].get_submodule("mlp.down_proj"))
+    original = down.method
+    assert model._bind_stack(model.kernels) is not None
+    try:
+        down.method = FullPrecision(torch.zeros(down.out_features, down.in_features), None)
+        assert model._bind_stack(model.kernels) is None
+    finally:
+        down.method = original
 
 
 def test_where_the_library_does_not_build_the_layers_run_one_by_one_with_one_warning(
