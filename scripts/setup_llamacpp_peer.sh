@@ -66,10 +66,42 @@ for tool in cmake cc c++; do
 done
 
 test -x "$VENV_DIR/bin/python" || "$PYTHON" -m venv "$VENV_DIR"
-echo "setup_llamacpp_peer: building llama-cpp-python $LLAMACPP_VERSION on $CMAKE_BUILD_PARALLEL_LEVEL cores (CMAKE_ARGS=$CMAKE_ARGS)"
-started=$(date +%s)
-"${install[@]}"
-echo "setup_llamacpp_peer: built in $(($(date +%s) - started)) s"
+build() {
+    echo "setup_llamacpp_peer: building llama-cpp-python $LLAMACPP_VERSION on $CMAKE_BUILD_PARALLEL_LEVEL cores (CMAKE_ARGS=$CMAKE_ARGS)"
+    started=$(date +%s)
+    "${install[@]}" "$@"
+    echo "setup_llamacpp_peer: built in $(($(date +%s) - started)) s"
+}
+build
+
+# A prompt of 64 tokens through the default GGUF model, where .venv has it: on a CPU that
+# reports AMX, -march=native compiles llama.cpp's AMX tile kernels, which a virtual machine
+# may not run (an Intel Xeon guest, 2026-12-05: SIGILL at TILELOADD on the first prompt of
+# more than a few tokens, while one token decoded). Then it is built again without AMX.
+smoke() {
+    local model
+    model=$(.venv/bin/python -c "from twostroke.engine.checkpoints.loader import resolve_model; print(resolve_model('smollm2'))" 2>/dev/null) || return 0
+    "$VENV_DIR/bin/python" - "$model" <<'EOF' >/dev/null 2>&1
+import sys
+
+import llama_cpp
+
+model = llama_cpp.Llama(sys.argv[1], n_threads=2, verbose=False)
+model("The quick brown fox jumps over the lazy dog. " * 6, max_tokens=2)
+EOF
+}
+if ! smoke; then
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+        echo "setup_llamacpp_peer: the build fails a 64-token prompt on this CPU; building it again without AMX ($no_amx)"
+        export CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+        build --force-reinstall --no-deps
+        smoke || { echo "setup_llamacpp_peer: the build still fails a 64-token prompt" >&2; exit 1; }
+    else
+        echo "setup_llamacpp_peer: the build fails a 64-token prompt on this CPU" >&2
+        exit 1
+    fi
+fi
 
 "$VENV_DIR/bin/python" - <<'EOF'
 import llama_cpp

@@ -34,7 +34,12 @@ from twostroke.engine.bench.streaming import request_constraint, stream_workload
 from twostroke.engine.bench.workload import Workload, without_json_schemas, without_tools
 from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.engine import Engine
-from twostroke.engine.runners.loading import DTYPES, default_torch_threads, resolve_kv_cache_dtype
+from twostroke.engine.runners.loading import (
+    BLOCK_QUANTIZATIONS,
+    DTYPES,
+    default_torch_threads,
+    resolve_kv_cache_dtype,
+)
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.structured.masks import StepMasks
@@ -171,6 +176,10 @@ class TwostrokeDriver:
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
         if self.unconstrained:
             workload = without_tools(without_json_schemas(workload))
+        if not model.exact and self.engine_options.get("quantization") in BLOCK_QUANTIZATIONS:
+            # As the engine resolves dtype="auto" with blocks (their activations' float32),
+            # also where the run's dtype is bfloat16.
+            model = attrs.evolve(model, dtype="float32")
         with torch_threads(_intra_op_threads(model)):
             return self._run(workload, model)
 

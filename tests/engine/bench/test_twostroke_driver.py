@@ -109,6 +109,29 @@ def test_each_weight_precision_is_a_depth_2_row_of_its_own() -> None:
     assert drivers[0].engine_options == {"max_num_seqs": 8}  # as given: no quantization
 
 
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "computed"),
+    [
+        ("auto", "gguf", "float32"),
+        ("auto", "q8_0", "float32"),
+        ("auto", "fp16", "bfloat16"),
+        ("bfloat16", "gguf", "bfloat16"),
+    ],
+)
+def test_a_block_row_computes_in_float32_where_the_dtype_is_auto(
+    dtype: str, quantization: str, computed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the engine resolves dtype="auto" with blocks: float32, their activations', also
+    where the run's dtype is bfloat16; an explicit dtype is passed on (and refused there)."""
+    model = ModelSpec(name="toy", source=tmp_path, dtype="bfloat16", exact=dtype != "auto")
+    [driver] = engine_drivers(quantizations=(quantization,))[3:]
+    seen: list[str] = []
+    monkeypatch.setattr(driver, "_run", lambda workload, model: seen.append(model.dtype))
+    workload = Workload((BenchRequest(range(100, 104), 2),), None, 0, "one request")
+    driver.run(workload, model=model)
+    assert seen == [computed]
+
+
 def test_a_structured_workload_runs_through_the_recording_runner() -> None:
     """The depth-2 system records its plans through a wrapper: it must apply masks too
     (without, the engine refused every constrained request)."""
