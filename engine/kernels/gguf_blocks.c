@@ -763,9 +763,10 @@ int twostroke_block_projection(const float *x, ptrdiff_t x_stride, ptrdiff_t row
 }
 
 /*
- * out[i][in_features] = weight row ids[i] dequantized (the embedding's lookup: only the rows
- * a step needs). Returns 0, or 1 for a type it does not read (or in_features not a whole
- * number of its blocks).
+ * out[i][in_features] = weight row ids[i] dequantized: the embedding's lookup (only the rows
+ * a step needs), and a whole weight for the products by many rows (gguf_blocks.py's dense
+ * path), which the team splits. Returns 0, or 1 for a type it does not read (or in_features
+ * not a whole number of its blocks).
  */
 int twostroke_block_rows(int type, const void *blocks, ptrdiff_t in_features,
                          const int64_t *ids, ptrdiff_t count, float *out) {
@@ -773,6 +774,7 @@ int twostroke_block_rows(int type, const void *blocks, ptrdiff_t in_features,
     if (!size || in_features % block_weights(type))
         return 1;
     ptrdiff_t per_row = in_features / block_weights(type);
+#pragma omp parallel for if (count * in_features >= PARALLEL_WORK) schedule(static)
     for (ptrdiff_t i = 0; i < count; i++) {
         const uint8_t *row = (const uint8_t *)blocks + ids[i] * per_row * size;
         float *values = out + i * in_features;

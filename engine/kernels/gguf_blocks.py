@@ -42,6 +42,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -64,6 +65,8 @@ __all__ = [
     "BLOCK_BYTES",
     "BLOCK_SOURCE",
     "BLOCK_TYPES",
+    "DENSE_ELEMENTS",
+    "DENSE_ROWS",
     "PATHS",
     "BlockEmbedding",
     "BlockKernel",
@@ -114,6 +117,18 @@ BLOCK_BYTES: Mapping[int, int] = {
 }
 
 _SUPER_TYPES = frozenset({12, 13, 14})
+
+#: Rows of activations from which a product stops computing block by block: the parts'
+#: blocks are dequantized into a float32 weight (the kernel's own rows, the team splitting
+#: them) and torch multiplies (its float32 GEMM), the activations unrounded. Prefill chunks
+#: take it. Measured on SmolLM2's Q4_1 layer (Intel Xeon, AVX-512 VNNI, 2 threads): by 32
+#: rows the blocks and the two steps cost about the same, by 128 the two steps 1.4x less, by
+#: 512 2.5x less (docs/models.md).
+DENSE_ROWS = 64
+
+#: The largest weight (elements) the dense path dequantizes for one call (32 MB of float32,
+#: in a buffer each thread keeps): a larger one (a model's output projection) stays in blocks.
+DENSE_ELEMENTS = 1 << 23
 
 #: The block products' paths, by the number their library reports: portable C, AVX2,
 #: AVX-512 (the 32-blocks two at a time in 512 bits) and AVX-512 with VNNI (``VPDPBUSD``).
@@ -212,6 +227,16 @@ class BlockTensor:
     block_type: int
     data: np.ndarray[Any, Any] = attrs.field(repr=False)
     columns: torch.Tensor | None = attrs.field(default=None, repr=False)
+    #: The stored rows in output order (``int64``, the inverse of ``columns``): the rows the
+    #: dense path dequantizes, so that its weight is in the output's order.
+    order: torch.Tensor = attrs.field(init=False, repr=False, eq=False)
+
+    @order.default
+    def _order(self) -> torch.Tensor:
+        rows = int(self.data.shape[0])
+        if self.columns is None:
+            return torch.arange(rows, dtype=torch.int64)
+        return torch.argsort(self.columns.to(torch.int64))
 
     def __attrs_post_init__(self) -> None:
         size = BLOCK_BYTES.get(self.block_type)
@@ -308,6 +333,9 @@ class BlockKernel:
 
     #: The activations' dtype (the decoder stack's element type for these projections).
     element: ClassVar[torch.dtype] = torch.float32
+    #: The most rows the decoder stack may hand these projections: from
+    #: :data:`DENSE_ROWS` on a product is torch's GEMM, which the stack does not call.
+    most_rows: ClassVar[int | None] = DENSE_ROWS - 1
 
     @property
     def address(self) -> int:
@@ -371,6 +399,8 @@ class BlockKernel:
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, out_features = int(x.shape[0]), weight.out_features
+        if rows >= DENSE_ROWS and out_features * weight.in_features <= DENSE_ELEMENTS:
+            return self.dense(x, weight)
         out = torch.empty((rows, out_features), dtype=torch.float32)
         failed = call(
             self._linear,
@@ -388,6 +418,25 @@ class BlockKernel:
         if failed:  # BlockTensor holds only types the library computes
             raise NativeBuildError(f"the block library refused a type of {weight.parts}")
         return out
+
+    def dense(self, x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+        """``x W^T`` by the dense path: the parts dequantized (as :meth:`rows` does, into a
+        buffer this thread keeps) and multiplied by torch's float32 GEMM. What
+        :meth:`linear` does from :data:`DENSE_ROWS` rows on; x float32 ``[rows,
+        in_features]`` with unit stride along a row."""
+        width, out_features = weight.in_features, weight.out_features
+        dense = _buffer(out_features * width).view(out_features, width)
+        for part, offset in zip(weight.parts, weight.offsets, strict=True):
+            call(
+                self._rows,
+                part.block_type,
+                part.address,
+                width,
+                part.order.data_ptr(),
+                part.out_features,
+                dense[offset].data_ptr(),
+            )
+        return torch.mm(x, dense.t())
 
     def rows(self, weight: BlockTensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``weight`` dequantized: float32 ``[len(ids), in_features]`` (in
@@ -484,6 +533,14 @@ class BlockWeight:
         return ctypes.addressof(self._weight), None if bias is None else bias.data_ptr()
 
     @property
+    def offsets(self) -> tuple[int, ...]:
+        """Each part's first output column."""
+        starts = [0]
+        for part in self.parts[:-1]:
+            starts.append(starts[-1] + part.out_features)
+        return tuple(starts)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of blocks a product reads."""
         return sum(part.nbytes for part in self.parts)
@@ -511,6 +568,19 @@ class BlockEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernel.rows(self.weight, ids)
+
+
+_buffers = threading.local()
+
+
+def _buffer(elements: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least ``elements`` (kept for its later calls: a
+    fresh one a call would fault its pages in each time)."""
+    held: torch.Tensor | None = getattr(_buffers, "dense", None)
+    if held is None or held.numel() < elements:
+        held = torch.empty(elements, dtype=torch.float32)
+        _buffers.dense = held
+    return held[:elements]
 
 
 def block_kernel() -> BlockKernel | None:

@@ -104,6 +104,12 @@ class StackProjection(Protocol):
         """The dtype of the activations it takes and returns."""
         ...
 
+    @property
+    def most_rows(self) -> int | None:
+        """The most rows a step may have for the stack to run it (``None``: any number;
+        larger steps run layer by layer, where the projection takes another path)."""
+        ...
+
 
 class StackWeight(Protocol):
     """A projection's weight in a :class:`StackProjection`'s form:
@@ -166,6 +172,8 @@ class DecoderStack:
         intermediate: Width of the MLP.
         dtype: Element type of the activations (bfloat16 or float32: the projections').
         cache_dtype: Element type of the KV cache (the glue's and the attention's).
+        most_tokens: The most tokens a step it runs may have (``None``: any number), the
+            projection's :attr:`StackProjection.most_rows`.
     """
 
     num_heads: int
@@ -175,6 +183,7 @@ class DecoderStack:
     intermediate: int
     dtype: torch.dtype
     cache_dtype: torch.dtype
+    most_tokens: int | None
     _function: Callable[..., int] = attrs.field(repr=False)
     _model: ctypes.Structure = attrs.field(repr=False)
     # What the model structure points into, kept alive with it.
@@ -187,8 +196,11 @@ class DecoderStack:
 
     def runs(self, metadata: AttentionMetadata) -> bool:
         """Whether the step's attention is the compiled kernel's, which the stack calls:
-        decodes only, read in place, or every chunk through the compiled prefill."""
+        decodes only, read in place, or every chunk through the compiled prefill; and its
+        tokens no more than :attr:`most_tokens`."""
         if not metadata.keys_transposed:
+            return False
+        if self.most_tokens is not None and metadata.positions.shape[0] > self.most_tokens:
             return False
         kernel = self._attention_kernel(metadata)
         return (
@@ -449,6 +461,7 @@ def build_stack(
         intermediate,
         glue.dtype,
         glue.cache_dtype,
+        projection.most_rows,
         function=function,
         model=model,
         kept=(weights, tuple(layers), glue, projection),

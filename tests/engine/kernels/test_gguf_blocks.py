@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from twostroke.engine.kernels.gguf_blocks import (
     BLOCK_BYTES,
     BLOCK_TYPES,
+    DENSE_ROWS,
     BlockKernel,
     BlockTensor,
     BlockWeight,
@@ -177,6 +178,53 @@ def test_many_rows_by_a_model_shaped_weight_split_across_threads(
     assert torch.equal(split, alone)
     expected, allowed = expected_product(kernel, x, tensor)
     assert np.all(np.abs(alone.double().numpy() - expected) <= allowed)
+
+
+@pytest.mark.parametrize("rung", ALLOWED)
+@settings(max_examples=10, deadline=None)
+@given(
+    types=st.lists(st.sampled_from(sorted(BLOCK_TYPES)), min_size=1, max_size=3),
+    rows=st.integers(DENSE_ROWS, DENSE_ROWS + 70),
+    out_features=st.integers(1, 40),
+    permuted=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_many_rows_multiply_the_dequantized_weight_in_float32(
+    kernels: dict[str, BlockKernel],
+    rung: str,
+    types: list[str],
+    rows: int,
+    out_features: int,
+    permuted: bool,
+    seed: int,
+) -> None:
+    """From DENSE_ROWS rows on, a product is the file's weights (gguf's dequantization) times
+    the activations themselves, not their 8-bit rounding: float32 GEMM rounding of the
+    float64 product, for fused parts of mixed types, permuted columns and a bias."""
+    kernel = kernels[rung]
+    generator = np.random.default_rng(seed)
+    in_features = 512  # every type's blocks tile it
+    tensors, dense = [], []
+    for name in types:
+        block_type = BLOCK_TYPES[name]
+        data = random_blocks(generator, block_type, out_features, in_features)
+        order = generator.permutation(out_features) if permuted else np.arange(out_features)
+        columns = torch.from_numpy(order.astype(np.int32)) if permuted else None
+        tensors.append(BlockTensor(name, block_type, data, columns))
+        weights = dequantize(data, GGMLQuantizationType(block_type)).astype(np.float64)
+        dense.append(weights[np.argsort(order)])
+    bias = torch.from_numpy(generator.normal(0, 1, out_features * len(types)).astype(np.float32))
+    x = torch.from_numpy(generator.normal(0, 1, (rows, in_features)).astype(np.float32))
+    got = BlockWeight(kernel, tuple(tensors), bias)(x).double().numpy()
+    w = np.concatenate(dense)
+    xs = x.double().numpy()
+    expected = xs @ w.T + bias.double().numpy()
+    # Float32 sums of in_features products (and gguf's float32 weights, to 1e-6).
+    allowed = (in_features * 2.0**-23 + 2e-6) * (np.abs(xs) @ np.abs(w).T) + 1e-6
+    assert np.all(np.abs(got - expected) <= allowed)
+    # Below DENSE_ROWS the same weight's products take the 8-bit activations: another sum.
+    fewer = BlockWeight(kernel, tuple(tensors))(x[: DENSE_ROWS - 1]).double().numpy()
+    assert not np.allclose(fewer, got[: DENSE_ROWS - 1] - bias.double().numpy(), rtol=1e-6)
 
 
 @given(

@@ -22,7 +22,7 @@ from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import build, stack
 from twostroke.engine.kernels import projection as projection_module
 from twostroke.engine.kernels.build import NativeBuildError
-from twostroke.engine.kernels.gguf_blocks import BlockWeight
+from twostroke.engine.kernels.gguf_blocks import DENSE_ROWS, BlockWeight
 from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import (
     PanelWeight,
@@ -131,7 +131,28 @@ def test_logits_are_the_per_layer_paths_bit_for_bit(
     # The stack, the final norm and the output projection where it is compiled (the blocks
     # quantized at load leave it in float32, torch's).
     head = isinstance(model.lm_head.method, PanelWeight | BlockWeight)
-    assert timer.calls == (2 + head) * steps
+    most = model.stack.most_tokens if model.stack is not None else None
+    if most is None or sum(lengths) <= most:  # (a larger step runs layer by layer)
+        assert timer.calls == (2 + head) * steps
+
+
+def test_a_block_models_steps_of_many_tokens_run_layer_by_layer(
+    models: dict[str, LlamaForCausalLM],
+) -> None:
+    """From DENSE_ROWS tokens on, the blocks' products are torch's GEMM of the dequantized
+    weights, which the stack does not call: such a step runs layer by layer, and a smaller
+    one through the stack."""
+    model = models["qwen2-q8_0"]
+    compiled = model.stack
+    assert compiled is not None
+    assert compiled.most_tokens == DENSE_ROWS - 1
+    for length, stacked in ((DENSE_ROWS - 1, True), (DENSE_ROWS + 5, False)):
+        sequences = random_sequences([length], seed=length)
+        expected = layer_by_layer(model).forward_logits(sequences, kernel="native")
+        with build.timed() as timer:
+            got = model.forward_logits(sequences, kernel="native")
+        assert torch.equal(got[0], expected[0])
+        assert (timer.calls == 2) == stacked  # the stack and the final norm, or each layer's
 
 
 def test_steps_of_another_attention_kernel_run_layer_by_layer(
