@@ -110,3 +110,50 @@ def test_anything_else_installs_vllm(
         f"setup_vllm_peer: would install: {tmp_path / 'venv' / 'bin' / 'python'} -m pip install "
         f"{spec}, then uninstall torchvision torchaudio torchcodec\n"
     )
+
+
+# --- OpenVINO GenAI -------------------------------------------------------------------------
+
+
+def _openvino(
+    tmp_path: Path, *, distributions: dict[str, str], spec: str
+) -> subprocess.CompletedProcess[str]:
+    site = tmp_path / "site"
+    site.mkdir()
+    for name, version in distributions.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return _dry_run(tmp_path, "setup_openvino_peer.sh", site, OPENVINO_SPEC=spec)
+
+
+@pytest.mark.parametrize("installed", ["2026.4.1", "2026.4.1.0"])  # the wheel says the second
+def test_the_pinned_openvino_installed_already_is_not_installed_again(
+    tmp_path: Path, installed: str
+) -> None:
+    spec = "openvino-genai==2026.4.1"
+    done = _openvino(tmp_path, distributions={"openvino-genai": installed}, spec=spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == (
+        f"setup_openvino_peer: {spec} is installed in {tmp_path / 'venv'}; nothing to do\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("distributions", "spec"),
+    [
+        ({"openvino-genai": "2026.3.0"}, "openvino-genai==2026.4.1"),  # another version
+        ({"openvino-genai": "2026.4.1.1"}, "openvino-genai==2026.4.1"),  # a later patch
+        ({}, "openvino-genai==2026.4.1"),  # none
+        ({"openvino-genai": "2026.4.1"}, "openvino-genai>=2026.4"),  # not a pin: pip decides
+    ],
+)
+def test_anything_else_installs_openvino(
+    tmp_path: Path, distributions: dict[str, str], spec: str
+) -> None:
+    done = _openvino(tmp_path, distributions=distributions, spec=spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == (
+        f"setup_openvino_peer: would install: {tmp_path / 'venv' / 'bin' / 'python'} -m pip "
+        f"install {spec}\n"
+    )

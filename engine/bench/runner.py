@@ -29,6 +29,7 @@ from twostroke.engine.bench.http_peer import parse_endpoint
 from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver, PromptLookup
 from twostroke.engine.bench.metrics import SystemResult, metrics
 from twostroke.engine.bench.model import DTYPES, ModelSpec
+from twostroke.engine.bench.openvino_peer import OpenVinoDriver
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
 from twostroke.engine.bench.quality import (
     QUALITY_REQUESTS,
@@ -238,7 +239,7 @@ def _summary(result: SystemResult) -> str:
 # The `twostroke bench` command.
 
 #: Peer systems by name, in the order they run.
-PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp")
+PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp", "openvino-genai")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -341,6 +342,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="the python of a venv with llama-cpp-python (make bench-peers: "
         ".venv-llamacpp/bin/python; default: this one, if it has llama-cpp-python)",
     )
+    parser.add_argument(
+        "--openvino-python",
+        default=None,
+        help="the python of a venv with openvino-genai (make bench-peers: "
+        ".venv-openvino/bin/python; default: this one, if it has openvino-genai)",
+    )
     parser.add_argument("--ttft-slo", type=float, default=None, help="goodput TTFT target, ms")
     parser.add_argument("--tpot-slo", type=float, default=None, help="goodput TPOT target, ms")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<time>)")
@@ -384,12 +391,17 @@ def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
     """The peer systems, configured from ``twostroke bench``'s arguments: with
     ``--speculative-config``, llama.cpp also with its prompt lookup decoding
     (``llama.cpp-prompt-lookup``: as many drafted tokens, n-grams up to
-    ``prompt_lookup_max``)."""
+    ``prompt_lookup_max``), last. OpenVINO GenAI runs at most ``--max-num-seqs`` requests
+    at once, as twostroke does (the engine's default where it is not given)."""
     drivers: list[SystemDriver] = [
         HFStaticDriver(batch_size=args.hf_batch),
         HFContinuousDriver(),
         VLLMDriver(args.vllm_python),
         LlamaCppDriver(args.llamacpp_python),
+        OpenVinoDriver(
+            getattr(args, "openvino_python", None),
+            max_num_seqs=getattr(args, "max_num_seqs", None) or SchedulingPolicy().max_num_seqs,
+        ),
     ]
     config: SpeculativeConfig | None = getattr(args, "speculative_config", None)
     if config is not None:

@@ -21,7 +21,12 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.record import BenchRun
 from twostroke.engine.bench.report import compute_metrics, report_document, write_report
 from twostroke.engine.bench.roof import MachineRoof, WorkloadRoof
-from twostroke.engine.bench.runner import add_bench_arguments, bench_command, peer_drivers
+from twostroke.engine.bench.runner import (
+    PEER_NAMES,
+    add_bench_arguments,
+    bench_command,
+    peer_drivers,
+)
 from twostroke.engine.bench.speculation import compare_speculation, greedy_check, mismatched
 from twostroke.engine.bench.twostroke_driver import (
     TwostrokeDriver,
@@ -288,11 +293,11 @@ def test_llama_cpp_runs_its_prompt_lookup_beside_plain_decoding(tmp_path: Path) 
         "--speculative-config",
         '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3}',
     )
-    plain, lookup = peer_drivers(args)[3:]
+    plain, _, lookup = peer_drivers(args)[3:]
     assert isinstance(lookup, LlamaCppDriver)
     assert (plain.name, lookup.name) == ("llama.cpp", "llama.cpp-prompt-lookup")
     assert lookup.prompt_lookup == PromptLookup(num_pred_tokens=7, max_ngram_size=3)
-    assert len(peer_drivers(_args(tmp_path))) == 4
+    assert [driver.name for driver in peer_drivers(_args(tmp_path))] == list(PEER_NAMES)
 
 
 class _Tokenizer:
