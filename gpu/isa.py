@@ -226,12 +226,22 @@ class Personality:
         machine: The machine's own rung.
         capped: Whether :data:`ISA_ENV` asked for it (else: ``native``).
         x86: Whether the CPU is x86 (elsewhere, only the compile flags and ATen are capped).
+        amx_tiles: Whether the CPU has AMX's bfloat16 tiles (``amx_tile``, ``amx_bf16``),
+            which oneDNN's bfloat16 matrix products use where nothing caps it (:attr:`amx`).
     """
 
     rung: Rung
     machine: Rung
     capped: bool
     x86: bool = True
+    amx_tiles: bool = False
+
+    @property
+    def amx(self) -> bool:
+        """Whether oneDNN's bfloat16 products run on AMX tiles: the CPU has them and the
+        personality caps nothing (every rung caps oneDNN below AMX, ``AVX512_CORE_BF16`` at
+        the top)."""
+        return self.amx_tiles and self.x86 and not self.capped
 
     @property
     def name(self) -> str:
@@ -321,8 +331,9 @@ def _requested(environ: Mapping[str, str]) -> str:
 def _personality(requested: str) -> Personality:
     x86 = _is_x86()
     machine = machine_rung(x86=x86)
+    amx = x86 and {"amx_tile", "amx_bf16"} <= cpu_flags()
     if requested == NATIVE:
-        return Personality(machine, machine, capped=False, x86=x86)
+        return Personality(machine, machine, capped=False, x86=x86, amx_tiles=amx)
     rung = rung_named(requested)
     if rung.rank > machine.rank:
         below = ", ".join(repr(r.name) for r in RUNGS[: machine.rank + 1])
@@ -330,7 +341,7 @@ def _personality(requested: str) -> Personality:
             f"{ISA_ENV}={requested!r} is above this CPU's instruction set ({machine.name!r}): "
             f"a personality can only lower it; this CPU runs {below}"
         )
-    return Personality(rung, machine, capped=True, x86=x86)
+    return Personality(rung, machine, capped=True, x86=x86, amx_tiles=amx)
 
 
 def apply(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

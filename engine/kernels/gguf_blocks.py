@@ -333,9 +333,9 @@ class BlockKernel:
 
     #: The activations' dtype (the decoder stack's element type for these projections).
     element: ClassVar[torch.dtype] = torch.float32
-    #: The most rows the decoder stack may hand these projections: from
-    #: :data:`DENSE_ROWS` on a product is torch's GEMM, which the stack does not call.
-    most_rows: ClassVar[int | None] = DENSE_ROWS - 1
+    #: The most rows a product takes block by block, which the decoder stack may hand it:
+    #: from :data:`DENSE_ROWS` on a product is torch's GEMM, which the stack does not call.
+    most_rows: ClassVar[int] = DENSE_ROWS - 1
 
     @property
     def address(self) -> int:

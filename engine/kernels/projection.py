@@ -93,8 +93,6 @@ class ProjectionKernel:
 
     #: The activations' dtype (the decoder stack's element type for these projections).
     element: ClassVar[torch.dtype] = torch.bfloat16
-    #: The most rows the decoder stack may hand these projections (``None``: any number).
-    most_rows: ClassVar[int | None] = None
 
     @property
     def address(self) -> int:

@@ -71,6 +71,9 @@ class Projections:
         sixteen: With ``"blocks"``, the form of a decoder projection the file holds in 16
             bits (F16, or BF16 values float16 holds): ``"fp16"`` where fbgemm's kernel runs
             (the values exact, half float32's bytes), else ``"dense"``.
+        panel_rows: With ``"panels"``, the most rows the panels multiply; more go to a
+            oneDNN-packed copy of each weight (``None``: the panels take every row count).
+            Where oneDNN's bfloat16 products run on AMX tiles (:data:`AMX_PANEL_ROWS`).
     """
 
     layers: WeightForm
@@ -78,6 +81,16 @@ class Projections:
     kernel: ProjectionKernel | None = None
     blocks: BlockKernel | None = None
     sixteen: WeightForm = "dense"
+    panel_rows: int | None = None
+
+    @property
+    def stack_rows(self) -> int | None:
+        """The most tokens a step the compiled stack runs may have (``None``: any): beyond
+        them a projection takes a path the stack does not call (the blocks' dense one,
+        oneDNN's AMX products), and the step runs layer by layer."""
+        if self.layers == "blocks" and self.blocks is not None:
+            return self.blocks.most_rows
+        return self.panel_rows if self.layers == "panels" else None
 
     @property
     def quantization(self) -> Quantization | None:
@@ -149,6 +162,14 @@ class CpuKernels:
             f"stack {'compiled' if self.stack is not None else 'off'}{why('stack')}",
         ]
         return "; ".join(parts)
+
+
+#: Where oneDNN's bfloat16 products run on AMX tiles, the most rows the compiled panels
+#: multiply: from 9 rows on oneDNN's packed products are faster. SmolLM2's four projections
+#: of a layer, 2 threads, Intel Xeon with AMX (2026-12-05), panels against oneDNN packed:
+#: 0.49x the time at 1 row, 0.64 at 4, 1.02 at 8, 1.48 at 12, 1.92 at 16, 3.18 at 32, 3.73
+#: at 256 (docs/performance.md).
+AMX_PANEL_ROWS = 8
 
 
 def torch_kernels(device: torch.device) -> CpuKernels:
@@ -373,7 +394,10 @@ def _projections(
     if reduced is None:
         inputs += [config.num_heads * config.head_dim, config.intermediate_size]
     full, kernel, why = _full_precision(dtype, device, exact, pack, inputs)
-    return Projections(reduced or full, full, kernel), why
+    rows = None
+    if full == "panels" and cpu_personality().amx and can_pack(dtype, device, exact=exact):
+        rows = AMX_PANEL_ROWS
+    return Projections(reduced or full, full, kernel, panel_rows=rows), why
 
 
 def _full_precision(

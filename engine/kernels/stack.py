@@ -104,12 +104,6 @@ class StackProjection(Protocol):
         """The dtype of the activations it takes and returns."""
         ...
 
-    @property
-    def most_rows(self) -> int | None:
-        """The most rows a step may have for the stack to run it (``None``: any number;
-        larger steps run layer by layer, where the projection takes another path)."""
-        ...
-
 
 class StackWeight(Protocol):
     """A projection's weight in a :class:`StackProjection`'s form:
@@ -172,8 +166,9 @@ class DecoderStack:
         intermediate: Width of the MLP.
         dtype: Element type of the activations (bfloat16 or float32: the projections').
         cache_dtype: Element type of the KV cache (the glue's and the attention's).
-        most_tokens: The most tokens a step it runs may have (``None``: any number), the
-            projection's :attr:`StackProjection.most_rows`.
+        most_tokens: The most tokens a step it runs may have (``None``: any number): beyond
+            them a projection takes a path the stack does not call
+            (:attr:`~.selection.Projections.stack_rows`).
     """
 
     num_heads: int
@@ -374,6 +369,7 @@ def build_stack(
     num_heads: int,
     num_kv_heads: int,
     intermediate: int,
+    most_tokens: int | None = None,
 ) -> DecoderStack:
     """The stack for these layers, calling the driver ``function`` (:func:`stack_library`
     of ``glue.dtype``).
@@ -386,6 +382,7 @@ def build_stack(
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
         intermediate: Width of the MLP.
+        most_tokens: The most tokens a step it runs may have (``None``: any number).
 
     Raises:
         ValueError: no layers, glue of another dtype than the projection's activations, or
@@ -461,7 +458,7 @@ def build_stack(
         intermediate,
         glue.dtype,
         glue.cache_dtype,
-        projection.most_rows,
+        most_tokens,
         function=function,
         model=model,
         kept=(weights, tuple(layers), glue, projection),

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twostroke.engine.kernels.projection import ProjectionKernel
+from twostroke.engine.kernels.projection import PanelWeight, ProjectionKernel
 from twostroke.engine.models.quantization import QuantizedWeight
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Linear",
     "LinearMethod",
     "OneDNNWeight",
+    "SplitByRows",
     "WeightForm",
     "can_pack",
     "empty_parameter",
@@ -101,6 +102,29 @@ class OneDNNWeight:
         return packed_linear(x, self.weight, self.bias)
 
 
+@attrs.frozen
+class SplitByRows:
+    """Two forms of one weight, chosen by the rows of each product: the compiled panels up
+    to ``most_rows`` rows, oneDNN's packed weight beyond (where its bfloat16 products run on
+    AMX tiles: :data:`~twostroke.engine.kernels.selection.AMX_PANEL_ROWS`). The two round
+    the same float32 sums to bfloat16 in another order, so a row's result can depend on the
+    rows beside it, to bfloat16 rounding.
+
+    Attributes:
+        few: The panels (what the compiled stack reads).
+        many: The oneDNN-packed weight.
+        most_rows: The most rows ``few`` takes.
+    """
+
+    few: PanelWeight
+    many: OneDNNWeight
+    most_rows: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.few(x) if rows <= self.most_rows else self.many(x)
+
+
 def weight_method(
     form: WeightForm,
     weight: torch.Tensor,
@@ -108,6 +132,7 @@ def weight_method(
     *,
     kernel: ProjectionKernel | None = None,
     into: torch.Tensor | None = None,
+    panel_rows: int | None = None,
 ) -> LinearMethod:
     """``weight`` and ``bias`` (full precision) in ``form``; the originals are not kept
     unless ``form`` is ``"dense"``.
@@ -119,6 +144,8 @@ def weight_method(
         kernel: The compiled projection, for ``"panels"``.
         into: Where the panels go (see
             :meth:`~twostroke.engine.kernels.projection.ProjectionKernel.pack`).
+        panel_rows: For ``"panels"``, the most rows the panels take: a :class:`SplitByRows`
+            keeps a oneDNN-packed copy for more (``None``: the panels take all).
 
     Raises:
         ValueError: ``"panels"`` without a kernel, or ``"blocks"`` (blocks come from a
@@ -136,7 +163,10 @@ def weight_method(
     if form == "panels":
         if kernel is None:
             raise ValueError("the 'panels' form needs the compiled projection kernel")
-        return kernel.pack(weight, bias, into=into)
+        panels = kernel.pack(weight, bias, into=into)
+        if panel_rows is None:
+            return panels
+        return SplitByRows(panels, OneDNNWeight.pack(weight, bias), panel_rows)
     return QuantizedWeight(weight, bias, form)
 
 
@@ -219,6 +249,7 @@ class Linear(nn.Module):
         *,
         kernel: ProjectionKernel | None = None,
         into: torch.Tensor | None = None,
+        panel_rows: int | None = None,
     ) -> None:
         """Take ``form`` (:func:`weight_method`) of the full-precision weight; ``"dense"``
         keeps it.
@@ -228,7 +259,10 @@ class Linear(nn.Module):
         """
         dense = self._full_precision()
         if form != "dense":
-            self.use(weight_method(form, dense.weight, dense.bias, kernel=kernel, into=into))
+            method = weight_method(
+                form, dense.weight, dense.bias, kernel=kernel, into=into, panel_rows=panel_rows
+            )
+            self.use(method)
 
     def _full_precision(self) -> FullPrecision:
         method = self.method

@@ -49,7 +49,7 @@ from twostroke.engine.kernels.stack import (
 )
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.layers import Glue, RMSNorm, inverse_frequencies, rotary_tables
-from twostroke.engine.models.linear import FullPrecision, Linear, empty_parameter
+from twostroke.engine.models.linear import FullPrecision, Linear, SplitByRows, empty_parameter
 from twostroke.engine.models.quantization import QUANTIZATIONS
 from twostroke.gpu.huge_pages import huge_page_buffer
 from twostroke.gpu.threads import torch_threads
@@ -373,7 +373,8 @@ class LlamaForCausalLM(nn.Module):
         with torch_threads(1):
             for linear, form in zip(linears, forms, strict=True):
                 if form not in QUANTIZATIONS:
-                    linear.convert(form, kernel=kernel, into=room.get(id(linear)))
+                    into, rows = room.get(id(linear)), projection.panel_rows
+                    linear.convert(form, kernel=kernel, into=into, panel_rows=rows)
 
     def _use_blocks(self, projection: Projections) -> None:
         """Each projection whose weights the file holds in blocks computes from them as
@@ -440,6 +441,7 @@ class LlamaForCausalLM(nn.Module):
         config = self.config
         return build_stack(
             layers,
+            most_tokens=kernels.projection.stack_rows,
             function=kernels.stack,
             glue=glue,
             projection=projection,
@@ -722,6 +724,8 @@ def _stack_weight(linear: Linear, projection: StackProjection) -> StackWeight | 
     """A projection's weight laid out for the stack's ``projection`` (the bfloat16 panels,
     or GGUF blocks), or ``None`` where it is in another form."""
     method = linear.method
+    if isinstance(method, SplitByRows):
+        method = method.few  # (the stack runs steps of no more rows than it takes)
     if isinstance(method, PanelWeight | BlockWeight) and method.kernel is projection:
         return method
     return None

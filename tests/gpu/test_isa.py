@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from twostroke.gpu import isa
+from twostroke.gpu.host import cpu_flags
 from twostroke.gpu.isa import (
     ISA_ENV,
     LIBRARY_VARIABLES,
@@ -222,3 +223,16 @@ def test_torch_that_ran_before_twostroke_keeps_its_choice_and_it_is_said() -> No
     said = run_child(TORCH_FIRST_CHILD, **{ISA_ENV: "portable"})
     assert "ATen dispatches on" in said
     assert "not DEFAULT" in said
+
+
+def test_amx_counts_only_where_nothing_caps_onednn() -> None:
+    """oneDNN's bfloat16 products use AMX tiles where the CPU has them and no rung caps it
+    (every rung's oneDNN cap is below AMX); off x86 there are none."""
+    top = rung_named("avx512_bf16")
+    assert Personality(top, top, capped=False, amx_tiles=True).amx
+    assert not Personality(top, top, capped=False, amx_tiles=False).amx
+    assert not Personality(top, top, capped=True, amx_tiles=True).amx
+    assert not Personality(top, top, capped=False, x86=False, amx_tiles=True).amx
+    assert cpu_personality().amx == (
+        not cpu_personality().capped and {"amx_tile", "amx_bf16"} <= cpu_flags()
+    )

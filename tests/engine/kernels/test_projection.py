@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
 from twostroke.engine.checkpoints.loader import load_model
-from twostroke.engine.kernels import projection
+from twostroke.engine.kernels import projection, selection
 from twostroke.engine.kernels.build import NATIVE_ENV, NativeBuildError
 from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.projection import (
@@ -26,10 +27,15 @@ from twostroke.engine.kernels.projection import (
     build_projection,
     projection_kernel,
 )
-from twostroke.engine.kernels.selection import CpuKernels, Projections, select_kernels
-from twostroke.engine.models.linear import Linear, can_pack
+from twostroke.engine.kernels.selection import (
+    AMX_PANEL_ROWS,
+    CpuKernels,
+    Projections,
+    select_kernels,
+)
+from twostroke.engine.models.linear import Linear, SplitByRows, can_pack
 from twostroke.engine.models.llama import LlamaForCausalLM
-from twostroke.gpu.isa import ISA_ENV, RUNGS, machine_rung
+from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality, machine_rung
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -217,23 +223,46 @@ def chosen(dtype: torch.dtype = torch.bfloat16, *, exact: bool, **overrides: Any
     return select_kernels(config, dtype=dtype, device=CPU, exact=exact, attention="bag")
 
 
+@pytest.fixture(params=[False, True], ids=["no-amx", "amx"])
+def amx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether oneDNN's bfloat16 products run on AMX tiles, as the selection sees it."""
+    has: bool = request.param
+    personality = attrs.evolve(cpu_personality(), capped=False, x86=True, amx_tiles=has)
+    monkeypatch.setattr(selection, "cpu_personality", lambda: personality)
+    return has
+
+
 def test_which_decoders_take_the_kernel(
-    kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch
+    kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch, amx: bool
 ) -> None:
     projection._kernel.cache_clear()
     taken = chosen(exact=False)
-    assert taken.projection == Projections("panels", "panels", projection_kernel())
+    # Where oneDNN runs on AMX tiles, its packed products take more than AMX_PANEL_ROWS.
+    split = amx and can_pack(torch.bfloat16, CPU, exact=False)
+    rows = AMX_PANEL_ROWS if split else None
+    assert taken.projection == Projections("panels", "panels", projection_kernel(), panel_rows=rows)
     model = LlamaForCausalLM(_config(), dtype=torch.bfloat16, device=CPU)
     for parameter in model.parameters():
-        parameter.data.zero_()
+        parameter.data.normal_()
     model.use_kernels(taken)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears
-    assert all(isinstance(m.method, PanelWeight) for m in linears)
+    methods = [m.method for m in linears]
+    if split:
+        assert all(isinstance(m, SplitByRows) and m.most_rows == rows for m in methods)
+        method = methods[0]
+        assert isinstance(method, SplitByRows)
+        width = method.few.in_features
+        for count in (1, AMX_PANEL_ROWS, AMX_PANEL_ROWS + 1, 40):
+            x = torch.randn(count, width).bfloat16()
+            used = method.few if count <= AMX_PANEL_ROWS else method.many
+            assert torch.equal(method(x), used(x))
+        methods = [m.few for m in methods if isinstance(m, SplitByRows)]
+    assert all(isinstance(m, PanelWeight) for m in methods)
     # One copy of each weight: the dense ones are dropped (the tied projection's is the
     # embedding's, which lookups read).
     assert all(m.weight is None or m.weight.numel() == 0 for m in linears)
-    assert isinstance(model.lm_head.method, PanelWeight)
+    assert isinstance(model.lm_head.method, SplitByRows if split else PanelWeight)
     # oneDNN's (F.linear's bits) where exact, for float32, for an odd input width (the
     # kernel reads inputs in pairs: down_proj's here) and with TWOSTROKE_NATIVE=0.
     assert chosen(exact=True).projection.layers != "panels"

@@ -32,7 +32,7 @@ from twostroke.engine.kernels.projection import (
     projection_kernel,
 )
 from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack, load_stack
-from twostroke.engine.models.linear import FullPrecision, Linear
+from twostroke.engine.models.linear import FullPrecision, Linear, SplitByRows
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.quantization import kernel_available
 
@@ -130,7 +130,7 @@ def test_logits_are_the_per_layer_paths_bit_for_bit(
     steps = -(-max(lengths) // (chunk or max(lengths)))
     # The stack, the final norm and the output projection where it is compiled (the blocks
     # quantized at load leave it in float32, torch's).
-    head = isinstance(model.lm_head.method, PanelWeight | BlockWeight)
+    head = isinstance(model.lm_head.method, PanelWeight | BlockWeight | SplitByRows)
     most = model.stack.most_tokens if model.stack is not None else None
     if most is None or sum(lengths) <= most:  # (a larger step runs layer by layer)
         assert timer.calls == (2 + head) * steps
