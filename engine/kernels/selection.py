@@ -472,8 +472,7 @@ def _stack(glue: Glue, projection: Projections) -> tuple[Callable[..., int] | No
     and every projection's (the bfloat16 panels, or a GGUF file's blocks; the attention is
     checked step by step: a step whose attention is another kernel's runs layer by layer).
     A model whose decoder projections are not all in that form (a GGUF file with a matrix
-    in 16 bits) runs layer by layer too (:meth:`~twostroke.engine.models.llama.
-    LlamaForCausalLM.use_kernels` finds it)."""
+    in 16 bits) runs layer by layer too (the model finds it when it binds the stack)."""
     if not isinstance(glue, DecoderGlue) or projection.layers not in ("panels", "blocks"):
         return None, "it needs the compiled glue and projections (bfloat16 panels or blocks)"
     function = stack_library(glue.dtype)
