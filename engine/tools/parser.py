@@ -140,6 +140,7 @@ class ToolCallParser:
             self._state == "between"
             and self._closed == len(self._calls)
             and (self._ended or not self._fmt.end)
+            and not self._pending  # (a separator or end begun and cut: a call begun)
         )
         return ParsedOutput("".join(self._content), tuple(self._calls), complete)
 

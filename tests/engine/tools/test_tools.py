@@ -157,6 +157,12 @@ def test_the_parser_holds_back_a_possible_trigger_and_reads_calls() -> None:
     cut = parse_output(GENERIC, 'x <tool_call>\n{"name": "now", "arguments": {"a')
     assert not cut.complete
     assert cut.calls == ()
+    # Cut inside the separator of a next call (hypothesis found it, the walk's 100 tokens
+    # ending there): a call was begun, so the output is not complete.
+    one = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert parse_output(GENERIC, one).complete
+    for begun in ("\n", "\n<tool", "\n<tool_call>", "\n<tool_call>\n"):
+        assert not parse_output(GENERIC, one + begun).complete, begun
 
 
 def _events_text(events: list[Any]) -> tuple[str, dict[int, str], dict[int, str]]:
