@@ -391,12 +391,13 @@ def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
     """The peer systems, configured from ``twostroke bench``'s arguments: with
     ``--speculative-config``, llama.cpp also with its prompt lookup decoding
     (``llama.cpp-prompt-lookup``: as many drafted tokens, n-grams up to
-    ``prompt_lookup_max``), last. OpenVINO GenAI runs at most ``--max-num-seqs`` requests
-    at once, as twostroke does (the engine's default where it is not given)."""
+    ``prompt_lookup_max``), last. vLLM and OpenVINO GenAI run at most ``--max-num-seqs``
+    requests at once, as twostroke does (where it is not given: vLLM's default, and the
+    engine's for OpenVINO GenAI, whose own does not bound them)."""
     drivers: list[SystemDriver] = [
         HFStaticDriver(batch_size=args.hf_batch),
         HFContinuousDriver(),
-        VLLMDriver(args.vllm_python),
+        VLLMDriver(args.vllm_python, max_num_seqs=getattr(args, "max_num_seqs", None)),
         LlamaCppDriver(args.llamacpp_python),
         OpenVinoDriver(
             getattr(args, "openvino_python", None),

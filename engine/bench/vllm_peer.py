@@ -45,12 +45,18 @@ NO_TOOLS = "requests that offer tools are not run here (vLLM's tool choice is it
 _SETUP_HINT = "set it up with `make bench-peers`, then pass --vllm-python .venv-vllm/bin/python"
 
 
-def job_document(workload: Workload, *, model_dir: Path, model: ModelSpec) -> dict[str, Any]:
+def job_document(
+    workload: Workload, *, model_dir: Path, model: ModelSpec, max_num_seqs: int | None = None
+) -> dict[str, Any]:
     """The JSON job the child runs: the workload's token ids, lengths, schemas and arrivals.
 
     Prefix caching is on only when the workload's prompts share prefixes: otherwise they
-    are distinct, and a cache only adds bookkeeping.
+    are distinct, and a cache only adds bookkeeping. ``max_num_seqs`` (the bench's
+    ``--max-num-seqs``) bounds the requests vLLM runs at once; ``None`` leaves vLLM's default.
     """
+    engine_args: dict[str, Any] = {"enable_prefix_caching": workload.shared_prefix_len > 0}
+    if max_num_seqs is not None:
+        engine_args["max_num_seqs"] = max_num_seqs
     requests = workload.requests
     return {
         "protocol": PROTOCOL,
@@ -67,7 +73,7 @@ def job_document(workload: Workload, *, model_dir: Path, model: ModelSpec) -> di
             for r in requests
         ],
         "arrival_times": None if workload.arrival_times is None else list(workload.arrival_times),
-        "engine_args": {"enable_prefix_caching": workload.shared_prefix_len > 0},
+        "engine_args": engine_args,
     }
 
 
@@ -97,6 +103,7 @@ class VLLMDriver:
         *,
         name: str = "vllm-cpu",
         kv_cache_gib: float = 1.0,
+        max_num_seqs: int | None = None,
         timeout: float = 1800.0,
         child_script: Path = CHILD_SCRIPT,
         env: Mapping[str, str] | None = None,
@@ -105,6 +112,8 @@ class VLLMDriver:
         python: The vLLM venv's Python (``--vllm-python``), or ``None`` if not given.
         name: The system's name in reports.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, GiB.
+        max_num_seqs: The most requests vLLM runs at once (the bench's ``--max-num-seqs``,
+            as twostroke's; ``None``: vLLM's default).
         timeout: Seconds the child may take in all, start-up included.
         child_script: The script to run (tests substitute a fake).
         env: Extra environment for the child (tests point ``PYTHONPATH`` at a fake vLLM).
@@ -112,6 +121,7 @@ class VLLMDriver:
         self.name = name
         self.python = None if python is None else Path(python)
         self.kv_cache_gib = kv_cache_gib
+        self.max_num_seqs = max_num_seqs
         self.timeout = timeout
         self.child_script = child_script
         self.env = dict(env or {})
@@ -142,7 +152,9 @@ class VLLMDriver:
             result, elapsed = child.run_child(
                 self.python,
                 self.child_script,
-                job_document(workload, model_dir=model_dir, model=model),
+                job_document(
+                    workload, model_dir=model_dir, model=model, max_num_seqs=self.max_num_seqs
+                ),
                 folder=folder,
                 env=self._environment(model, folder),
                 timeout=self.timeout,

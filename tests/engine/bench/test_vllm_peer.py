@@ -290,6 +290,12 @@ def test_vllm_caches_prefixes_only_when_the_workload_shares_them(model: ModelSpe
     assert document["engine_args"] == {"enable_prefix_caching": True}
 
 
+def test_vllm_runs_at_most_max_num_seqs_requests_when_it_is_given(model: ModelSpec) -> None:
+    bounded = job_document(WORKLOAD, model_dir=Path("/m"), model=model, max_num_seqs=1)
+    assert bounded["engine_args"] == {"enable_prefix_caching": False, "max_num_seqs": 1}
+    assert VLLMDriver(None, max_num_seqs=1).max_num_seqs == 1
+
+
 def _timing(tokens: int) -> dict[str, object]:
     return {
         "prompt_tokens": 1,
