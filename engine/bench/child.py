@@ -19,9 +19,11 @@ documents its job.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +32,14 @@ from typing import Any
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.workload import Workload
 
-__all__ = ["ChildError", "check_python", "child_environment", "read_result", "run_child"]
+__all__ = [
+    "ChildError",
+    "check_python",
+    "child_environment",
+    "child_python",
+    "read_result",
+    "run_child",
+]
 
 
 class ChildError(Exception):
@@ -45,6 +54,16 @@ def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
         env.pop(name, None)
     env.update(extra)
     return env
+
+
+def child_python(given: Path | None, module: str) -> Path | None:
+    """The Python a peer's child runs with: ``given`` (its ``--...-python`` option), else
+    this one where it can import ``module``, else ``None``."""
+    if given is not None:
+        return given
+    if importlib.util.find_spec(module) is not None:
+        return Path(sys.executable)
+    return None
 
 
 def check_python(

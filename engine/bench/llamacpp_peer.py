@@ -24,9 +24,7 @@ and the bench's greedy check compares their outputs.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -209,16 +207,9 @@ class LlamaCppDriver:
         self.child_script = child_script
         self.env = dict(env or {})
 
-    def _child_python(self) -> Path | None:
-        if self.python is not None:
-            return self.python
-        if importlib.util.find_spec("llama_cpp") is not None:
-            return Path(sys.executable)
-        return None
-
     def check(self) -> str | None:
         """``None`` if the child's Python can import ``llama_cpp``, else why not."""
-        python = self._child_python()
+        python = child.child_python(self.python, "llama_cpp")
         if python is None:
             return (
                 "llama-cpp-python is not installed here and no --llamacpp-python given; "
@@ -251,7 +242,7 @@ class LlamaCppDriver:
                 self.name,
                 "JSON schemas and tools are not run through llama.cpp's grammar sampler here",
             )
-        python = self._child_python()
+        python = child.child_python(self.python, "llama_cpp")
         if python is None:
             return SystemResult.unavailable(self.name, f"no --llamacpp-python given; {_SETUP_HINT}")
         weights = gguf_weights(model.source)
@@ -272,12 +263,8 @@ class LlamaCppDriver:
             )
         except ChildError as error:
             return SystemResult.unavailable(self.name, str(error))
-        return SystemResult(
-            name=result.name,
-            available=True,
-            startup_seconds=result.startup_seconds,
-            wall_seconds=result.wall_seconds,
-            timings=result.timings,
+        return attrs.evolve(
+            result,
             extra={
                 **result.extra,
                 "threads": model.threads,
@@ -287,7 +274,6 @@ class LlamaCppDriver:
                 "batching": "none: one request at a time",
                 **self._speculation(),
             },
-            output_token_ids=result.output_token_ids,
         )
 
     def _speculation(self) -> dict[str, Any]:

@@ -18,12 +18,12 @@ pools and OpenMP runtime (OpenVINO brings its own, TBB).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from twostroke.engine.bench import child
 from twostroke.engine.bench.child import ChildError
@@ -101,16 +101,9 @@ class OpenVinoDriver:
         self.child_script = child_script
         self.env = dict(env or {})
 
-    def _child_python(self) -> Path | None:
-        if self.python is not None:
-            return self.python
-        if importlib.util.find_spec("openvino_genai") is not None:
-            return Path(sys.executable)
-        return None
-
     def check(self) -> str | None:
         """``None`` if the child's Python can import ``openvino_genai``, else why not."""
-        python = self._child_python()
+        python = child.child_python(self.python, "openvino_genai")
         if python is None:
             return (
                 "openvino-genai is not installed here and no --openvino-python given; "
@@ -142,7 +135,7 @@ class OpenVinoDriver:
             return SystemResult.unavailable(
                 self.name, "JSON schemas and tools are not run through OpenVINO GenAI here"
             )
-        python = self._child_python()
+        python = child.child_python(self.python, "openvino_genai")
         if python is None:
             return SystemResult.unavailable(self.name, f"no --openvino-python given; {_SETUP_HINT}")
         weights = gguf_weights(model.source)
@@ -160,12 +153,8 @@ class OpenVinoDriver:
             )
         except ChildError as error:
             return SystemResult.unavailable(self.name, str(error))
-        return SystemResult(
-            name=result.name,
-            available=True,
-            startup_seconds=result.startup_seconds,
-            wall_seconds=result.wall_seconds,
-            timings=result.timings,
+        return attrs.evolve(
+            result,
             extra={
                 **result.extra,
                 "threads": model.threads,
@@ -174,7 +163,6 @@ class OpenVinoDriver:
                 "weights": f"{weights.describe()}, converted by OpenVINO GenAI at load",
                 "batching": f"continuous, up to {self.max_num_seqs} requests",
             },
-            output_token_ids=result.output_token_ids,
         )
 
     def _environment(self) -> dict[str, str]:
