@@ -63,9 +63,11 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["auto", "none", "fp16", "int8", "gguf", "q8_0", "q4_0"],
+        choices=["auto", "none", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"],
         help="the projection weights in float16 or int8, activations at full precision (CPU; "
-        "quality per mode in docs/models.md); gguf: a GGUF file's blocks as stored; q8_0, "
+        "quality per mode in docs/models.md); gguf: a GGUF file's blocks as stored, "
+        "activations rounded to 8 bits as llama.cpp does; gguf_f32: the same blocks by float32 "
+        "activations (the file's own model); q8_0, "
         "q4_0: any checkpoint's projections quantized into those blocks at load; none: "
         "weights in the dtype; default auto: fp16 where the CPU computes in float32, else none",
     )

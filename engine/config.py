@@ -112,9 +112,11 @@ class EngineConfig(SchedulingPolicy):
             ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
             ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
             weights computed as stored, with activations quantized per block (float32 on a CPU;
-            docs/models.md). ``"q8_0"``, ``"q4_0"``: any checkpoint's projection weights
+            docs/models.md), as llama.cpp computes them. ``"gguf_f32"``: the same blocks
+            multiplied by the float32 activations themselves, so the file's own model to
+            float32 rounding. ``"q8_0"``, ``"q4_0"``: any checkpoint's projection weights
             quantized into those GGUF blocks at load and computed as ``"gguf"`` computes a
-            file's (float32 on a CPU). With these three ``dtype="auto"`` is float32, the
+            file's (float32 on a CPU). With these four ``dtype="auto"`` is float32, the
             blocks' activations, on every CPU.
         kv_cache_dtype: The KV cache's element type, vLLM's option of the same name:
             ``"float32"``, ``"bfloat16"`` or ``"float16"``, read and written in place by the
@@ -155,9 +157,13 @@ class EngineConfig(SchedulingPolicy):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
     )
-    quantization: Literal["auto", "fp16", "int8", "gguf", "q8_0", "q4_0"] | None = attrs.field(
-        default="auto",
-        validator=attrs.validators.optional(one_of("auto", "fp16", "int8", "gguf", "q8_0", "q4_0")),
+    quantization: Literal["auto", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"] | None = (
+        attrs.field(
+            default="auto",
+            validator=attrs.validators.optional(
+                one_of("auto", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0")
+            ),
+        )
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")

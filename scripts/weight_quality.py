@@ -7,12 +7,15 @@ transformers' arithmetic, the reference), ``packed`` (float32 weights packed for
 (``quantization=``, the output projection in MKL's float32), ``auto`` (the engine's defaults
 where ``dtype="auto"`` is float32: fp16 projections, the output projection packed),
 ``gguf`` (the file's blocks computed as stored, activations quantized
-per block of 32), and ``q8_0``/``q4_0`` (the projections quantized into those blocks at
+per block of 32), ``gguf_f32`` (the same blocks by the activations themselves) and
+``gguf_f32-kv-float16`` (that, the KV cache in float16, as ``kv_cache_dtype="auto"`` takes it
+for float32 activations), and ``q8_0``/``q4_0`` (the projections quantized into those blocks at
 load, computed as ``gguf`` computes a file's). With
 bfloat16 weights and activations: ``bfloat16`` (``dtype="bfloat16"``: oneDNN's products,
 torch's operators) and ``bfloat16-auto`` (the engine's defaults where ``dtype="auto"`` is
 bfloat16: the compiled projections and glue). The KV cache (``kv_cache_dtype``) is the
-activations' dtype in every mode but ``kv-float16`` and ``kv-bfloat16``: float32 weights and
+activations' dtype in every mode but ``gguf_f32-kv-float16``, ``kv-float16`` and
+``kv-bfloat16``: the last two float32 weights and
 activations as ``none``, the cache in 16 bits (read by the compiled attention, written by
 torch's glue):
 
@@ -30,6 +33,7 @@ with it: fbgemm's kernels differ between AVX2 and AVX-512 machines.
         [--max-tokens 128]
     .venv/bin/python scripts/weight_quality.py --modes none bfloat16 bfloat16-auto
     .venv/bin/python scripts/weight_quality.py --modes none kv-float16 kv-bfloat16
+    .venv/bin/python scripts/weight_quality.py --modes none gguf gguf_f32 gguf_f32-kv-float16
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ LABELS = {
     "int8": '`quantization="int8"`',
     "auto": "the defaults (fp16 projections, packed output projection)",
     "gguf": 'the file\'s Q4_1/Q8_0 blocks as stored (`quantization="gguf"`)',
+    "gguf_f32": 'the same blocks by float32 activations (`quantization="gguf_f32"`)',
+    "gguf_f32-kv-float16": 'the same, the KV cache in float16 (`kv_cache_dtype="auto"`)',
     "q8_0": 'the projections quantized to Q8_0 at load (`quantization="q8_0"`)',
     "q4_0": 'the projections quantized to Q4_0 at load (`quantization="q4_0"`)',
     "bfloat16": 'bfloat16 (`dtype="bfloat16"`: oneDNN, torch\'s operators)',
@@ -103,6 +109,8 @@ MODES: dict[str, tuple[Any, Any, torch.dtype, bool, Any, str]] = {
     "int8": ("float32", "int8", F32, True, "int8", "auto"),
     "auto": ("auto", "auto", F32, False, "fp16", "float32"),
     "gguf": ("auto", "gguf", F32, False, "gguf", "float32"),
+    "gguf_f32": ("auto", "gguf_f32", F32, False, "gguf_f32", "float32"),
+    "gguf_f32-kv-float16": ("auto", "gguf_f32", F32, False, "gguf_f32", "float16"),
     "q8_0": ("auto", "q8_0", F32, False, "q8_0", "float32"),
     "q4_0": ("auto", "q4_0", F32, False, "q4_0", "float32"),
     "bfloat16": ("bfloat16", None, BF16, True, None, "auto"),
@@ -158,10 +166,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     native = default_dtype(CpuDevice())
-    if native != torch.float32 and {"packed", "auto", "gguf", "q8_0", "q4_0"} & set(args.modes):
-        parser.error(
-            "the packed, auto, gguf, q8_0 and q4_0 modes need a CPU where dtype='auto' is float32"
-        )
+    if native != torch.float32 and {"packed", "auto"} & set(args.modes):
+        # (The block modes' dtype="auto" is float32 on every CPU.)
+        parser.error("the packed and auto modes need a CPU where dtype='auto' is float32")
     if native != torch.bfloat16 and "bfloat16-auto" in args.modes:
         parser.error("the bfloat16-auto mode needs a CPU where dtype='auto' is bfloat16")
     loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))

@@ -312,7 +312,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         action="append",
-        choices=("fp16", "int8", "gguf", "q8_0", "q4_0"),
+        choices=("fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"),
         default=None,
         help="also run twostroke at depth 2 with the projection weights in this form (a row "
         "per mode; repeatable); the plain rows take the engine's defaults ('auto')",

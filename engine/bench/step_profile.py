@@ -334,7 +334,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "fp16", "int8", "gguf", "q8_0", "q4_0"],
+        choices=["auto", "none", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"],
         help="the projections' weights (auto: the engine's for the dtype; none: the dtype's; "
         "gguf, q8_0, q4_0 take float32 activations, which --dtype auto then is)",
     )

@@ -578,6 +578,8 @@ def _weights(source: Path, quantization: str | None) -> str:
     kind = "GGUF" if source.suffix == ".gguf" else "HF"
     if quantization == "gguf":
         return "GGUF blocks as stored"
+    if quantization == "gguf_f32":
+        return "GGUF blocks as stored, float32 activations"
     if quantization in ("q8_0", "q4_0"):
         return f"{kind}, projections quantized to {quantization.upper()} at load"
     if quantization is not None:

@@ -64,6 +64,7 @@ from twostroke.gpu.threads import torch_threads
 from twostroke.states.errors import EngineError
 
 __all__ = [
+    "BLOCK_ACTIVATIONS",
     "KNOWN_MODELS",
     "QUANTIZE_TO_BLOCKS",
     "BlockTypeUnsupported",
@@ -100,7 +101,8 @@ class ModelLoadError(EngineError):
 
 
 class BlockTypeUnsupported(ModelLoadError):
-    """``quantization="gguf"`` asked for a GGUF file's weights as stored, and one of them is
+    """``quantization="gguf"`` (or ``"gguf_f32"``, named as ``asked``) asked for a GGUF
+    file's weights as stored, and one of them is
     in a type twostroke does not compute as stored (it is never dequantized silently).
 
     Attributes:
@@ -108,12 +110,14 @@ class BlockTypeUnsupported(ModelLoadError):
         block_type: Its type's name (``"Q4_K"``).
     """
 
-    def __init__(self, path: str | os.PathLike[str], tensor: str, block_type: str) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], tensor: str, block_type: str, asked: str = "gguf"
+    ) -> None:
         self.tensor = tensor
         self.block_type = block_type
         super().__init__(
             path,
-            f"tensor {tensor!r} is {block_type}, which quantization='gguf' does not compute "
+            f"tensor {tensor!r} is {block_type}, which quantization={asked!r} does not compute "
             f"as stored (it computes {', '.join(BLOCK_TYPES)}); quantization=None "
             "dequantizes the file",
         )
@@ -151,8 +155,9 @@ class LoadedModel:
         load_seconds: Wall time the load took.
         quantization: The projections' weight precision, if reduced (see
             :mod:`~twostroke.engine.models.quantization`; ``"gguf"``: the file's blocks as
-            stored; ``"q8_0"``, ``"q4_0"``: the projections quantized into those blocks at
-            load); ``None``: ``dtype``.
+            stored, activations quantized to 8 bits per block; ``"gguf_f32"``: the same
+            blocks, activations as they are; ``"q8_0"``, ``"q4_0"``: the projections
+            quantized into those blocks at load); ``None``: ``dtype``.
     """
 
     config: ModelConfig
@@ -161,7 +166,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float = 0.0
-    quantization: Quantization | Literal["gguf", "q8_0", "q4_0"] | None = None
+    quantization: Quantization | Literal["gguf", "gguf_f32", "q8_0", "q4_0"] | None = None
 
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
@@ -209,7 +214,7 @@ def load_model(
     device: torch.device,
     pack_weights: bool = True,
     exact: bool = True,
-    quantization: Quantization | Literal["auto", "gguf", "q8_0", "q4_0"] | None = None,
+    quantization: Quantization | Literal["auto", "gguf", "gguf_f32", "q8_0", "q4_0"] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_cache_dtype: torch.dtype | Literal["auto"] | None = None,
 ) -> LoadedModel:
@@ -235,8 +240,12 @@ def load_model(
             keeps full precision (``LoadedModel.quantization`` is then ``None``).
             ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
             weights computed as stored (:mod:`~twostroke.engine.kernels.gguf_blocks`), activations
-            in float32 (``dtype`` must be float32, the device a CPU); a weight of another
-            quantized type is a :class:`BlockTypeUnsupported`. ``"q8_0"``, ``"q4_0"``: any
+            in float32 (``dtype`` must be float32, the device a CPU), each row quantized to 8
+            bits per block of 32 as llama.cpp computes; a weight of another quantized type is
+            a :class:`BlockTypeUnsupported`. ``"gguf_f32"``: the same blocks, multiplied by
+            the float32 activations themselves (:data:`~twostroke.engine.kernels.gguf_blocks.
+            ACTIVATIONS`): the file's model as its float32 dequantization computes it, to
+            the order of the additions. ``"q8_0"``, ``"q4_0"``: any
             model's decoder projections quantized into those blocks at load (as llama.cpp's
             quantizer writes them: :data:`QUANTIZE_TO_BLOCKS`) and computed as ``"gguf"``
             computes a file's; the embedding and the output projection stay float32.
@@ -270,17 +279,21 @@ def load_model(
     path = resolve_model(model)
     gguf = not path.is_dir() and _is_gguf(path)
     blocks = _block_kernel(path, quantization, dtype, device, exact) if gguf else None
-    if quantization == "gguf" and not gguf:
+    if quantization in BLOCK_ACTIVATIONS and not gguf:
         raise ModelLoadError(
-            path, "quantization='gguf' computes a GGUF file's blocks as stored: not a GGUF file"
+            path,
+            f"quantization={quantization!r} computes a GGUF file's blocks as stored: "
+            "not a GGUF file",
         )
     requantize: Literal["q8_0", "q4_0"] | None = None
     if quantization == "q8_0" or quantization == "q4_0":
         requantize = quantization
         blocks = _checked_kernel(path, f"quantization={requantize!r}", dtype, device)
         asked = None
+    elif quantization == "gguf" or quantization == "gguf_f32":
+        asked = None
     else:
-        asked = None if quantization == "gguf" else quantization
+        asked = quantization
     # Packing runs a Python thread per intra-op thread the caller allowed (see
     # LlamaForCausalLM.use_kernels); everything else here runs on one.
     threads = torch.get_num_threads()
@@ -331,7 +344,7 @@ def load_model(
         dtype=dtype,
         device=device,
         load_seconds=time.perf_counter() - started,
-        quantization=requantize or ("gguf" if blocks is not None else reduced),
+        quantization=requantize or (_stored_as(blocks) if blocks is not None else reduced),
     )
 
 
@@ -486,6 +499,11 @@ def _load_gguf(
     return config, module
 
 
+#: How each quantization that computes a GGUF file's blocks as stored takes its activations
+#: (:attr:`~twostroke.engine.kernels.gguf_blocks.BlockKernel.activations`): ``"gguf"`` as
+#: llama.cpp does, quantized to 8 bits per block; ``"gguf_f32"`` as they are.
+BLOCK_ACTIVATIONS: dict[str, str] = {"gguf": "int8", "gguf_f32": "float32"}
+
 #: Whether ``quantization="auto"`` computes a GGUF file's blocks as stored, where they run
 #: (float32 activations on a CPU, transformers' exact arithmetic not asked for, every
 #: projection in a type :data:`~twostroke.engine.kernels.gguf_blocks.BLOCK_TYPES` holds, or
@@ -502,17 +520,26 @@ _PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 def _block_kernel(
     path: Path,
-    quantization: Quantization | Literal["auto", "gguf", "q8_0", "q4_0"] | None,
+    quantization: Quantization | Literal["auto", "gguf", "gguf_f32", "q8_0", "q4_0"] | None,
     dtype: torch.dtype,
     device: torch.device,
     exact: bool,
 ) -> BlockKernel | None:
-    """The block products if the GGUF file ``path`` loads with its blocks as stored."""
-    if quantization == "gguf":
-        return _checked_kernel(path, "quantization='gguf'", dtype, device)
+    """The block products if the GGUF file ``path`` loads with its blocks as stored, taking
+    their activations as the quantization says (:data:`BLOCK_ACTIVATIONS`; ``"auto"``: as
+    ``"gguf_f32"`` does)."""
+    if quantization == "gguf" or quantization == "gguf_f32":
+        checked = _checked_kernel(path, f"quantization={quantization!r}", dtype, device)
+        return checked.taking(BLOCK_ACTIVATIONS[quantization])
     if quantization != "auto" or not auto_blocks(path, dtype=dtype, device=device, exact=exact):
         return None
-    return block_kernel()
+    kernel = block_kernel()
+    return None if kernel is None else kernel.taking(BLOCK_ACTIVATIONS["gguf_f32"])
+
+
+def _stored_as(kernel: BlockKernel) -> Literal["gguf", "gguf_f32"]:
+    """The quantization that names a file loaded as stored with ``kernel``'s activations."""
+    return "gguf_f32" if kernel.activations == "float32" else "gguf"
 
 
 def _checked_kernel(
@@ -628,7 +655,9 @@ def _load_gguf_blocks(
     """
     from gguf.quants import dequantize
 
-    del kernel  # the model takes it with the kernels (select_kernels' blocks=)
+    # The model takes the kernel with the others (select_kernels' blocks=); here it only
+    # names the quantization asked for in an error.
+    asked = _stored_as(kernel)
     config, metadata, tensors = _gguf_config(path)
     module = LlamaForCausalLM(config, dtype=dtype, device=device)
     permute = metadata.get("general.architecture") == "llama"
@@ -650,7 +679,7 @@ def _load_gguf_blocks(
                 )
                 continue
             if kind not in _PLAIN_TYPES and _in_blocks(gguf_name):
-                raise BlockTypeUnsupported(path, gguf_name, kind)
+                raise BlockTypeUnsupported(path, gguf_name, kind, asked)
             [(_, weights)] = _dequantized(path, {gguf_name: tensor}, dequantize)
             if permute and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
                 heads = config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads

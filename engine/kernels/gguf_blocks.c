@@ -59,6 +59,10 @@
  * is decided by its compile flags, which the CPU's personality sets (twostroke.gpu.isa), so
  * it is chosen once, when the library is built or loaded.
  *
+ * twostroke_block_linear_float() multiplies by the activations themselves instead, each
+ * weight block dequantized in registers (float_tile(), below): the file's own model, as its
+ * float32 dequantization computes it.
+ *
  * Shapes: the thread team (torch's OpenMP team) splits the output columns, each thread a
  * contiguous range of weight rows, read from memory once a call; each weight block is
  * unpacked once per tile of TILE activation rows (one row for a decode step, TILE for a
@@ -608,22 +612,201 @@ static inline __attribute__((always_inline)) void super_tile(
 #endif
 }
 
+/*
+ * Float activations (twostroke_block_linear_float): the products of the file's weights by
+ * the activations themselves, as the float32 reference (the file dequantized) computes them
+ * up to the order of the additions. A weight block (a K sub-block) is dequantized in
+ * registers once per tile, into sixteen-lane float vectors (GCC's vector types, which each
+ * path's flags compile to 512-, 256- or 128-bit instructions), as twostroke_block_rows()
+ * computes its values (d q + m, (d sc) q - dmin m); then each row of the tile takes two
+ * multiply-adds a block into a sixteen-lane sum.
+ */
+/* (Their functions are all inlined: no 64-byte vector crosses a call, so the warning that
+ * such a vector's passing differs without AVX-512 does not apply.) */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+/* 16 bytes widened to 32 bits (zero- or sign-extended): one instruction with AVX-512, two
+ * with AVX2 (GCC widens a vector type's lanes one by one). */
+static inline __attribute__((always_inline)) i32x16 widen(const uint8_t *p, int is_signed) {
+    i32x16 out;
+#if BLOCKS_AVX512
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m512i wide = is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+    memcpy(&out, &wide, sizeof out);
+#elif BLOCKS_AVX2
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i halves[2] = {is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v),
+                         is_signed ? _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))
+                                   : _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
+    memcpy(&out, halves, sizeof out);
+#else
+    for (int i = 0; i < 16; i++)
+        out[i] = is_signed ? (int32_t)(int8_t)p[i] : (int32_t)p[i];
+#endif
+    return out;
+}
+
+static inline __attribute__((always_inline)) i32x16 load_u8(const uint8_t *p) {
+    return widen(p, 0);
+}
+
+static inline __attribute__((always_inline)) i32x16 load_i8(const uint8_t *p) {
+    return widen(p, 1);
+}
+
+/* Bit (i + first) of h in lane i, times 16. */
+static inline __attribute__((always_inline)) i32x16 fifth_bits(uint32_t h, int first) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    i32x16 bits = (i32x16){0} + (int32_t)(h >> first);
+    return ((bits >> lane) & 1) << 4;
+}
+
+/*
+ * The 32 float weights of 32-weight unit u of a weight row (`row`: a 32-block; K types: a
+ * sub-block u % 8 of super-block u / 8): weights 0-15 into lo, 16-31 into hi.
+ */
+static inline __attribute__((always_inline)) void unpack_float(int type, const uint8_t *row,
+                                                               ptrdiff_t u, f32x16 *lo,
+                                                               f32x16 *hi) {
+    if (!is_super(type)) {
+        const uint8_t *block = row + u * block_bytes(type);
+        float d = half_to_float(block);
+        if (type == TYPE_Q8_0) {
+            *lo = __builtin_convertvector(load_i8(block + 2), f32x16) * d;
+            *hi = __builtin_convertvector(load_i8(block + 2 + BLOCK / 2), f32x16) * d;
+            return;
+        }
+#if BLOCKS_AVX512
+        /* The block's 16 (Q5: 32) possible weights, d v + m, a table that VPERMPS (Q5:
+         * VPERMT2PS) reads by each lane's value: the same float per value as the vector
+         * code below computes, for fewer instructions (no conversions; the low nibble
+         * needs no mask, VPERMPS reading the index's low 4 bits). */
+        const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        __m512 scale = _mm512_set1_ps(d);
+        __m512 offset = has_min(type) ? _mm512_set1_ps(half_to_float(block + 2))
+                                      : _mm512_setzero_ps();
+        __m512 shift = _mm512_set1_ps(has_min(type) ? 0.0f : offset_of(type));
+        __m512 table = _mm512_fmadd_ps(_mm512_add_ps(values, shift), scale, offset);
+        __m512i nibbles = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)(block + nibbles_at(type))));
+        __m512i high = _mm512_srli_epi32(nibbles, 4);
+        if (!has_fifth(type)) {
+            *lo = _mm512_permutexvar_ps(nibbles, table);
+            *hi = _mm512_permutexvar_ps(high, table);
+            return;
+        }
+        __m512 upper = _mm512_fmadd_ps(
+            _mm512_add_ps(values, _mm512_add_ps(shift, _mm512_set1_ps(16.0f))), scale, offset);
+        uint32_t h;
+        memcpy(&h, block + nibbles_at(type) - 4, sizeof h);
+        __m512i sixteen = _mm512_set1_epi32(16);
+        __m512i low = _mm512_and_si512(nibbles, _mm512_set1_epi32(15));
+        low = _mm512_mask_or_epi32(low, (__mmask16)(h & 0xffff), low, sixteen);
+        high = _mm512_mask_or_epi32(high, (__mmask16)(h >> 16), high, sixteen);
+        *lo = _mm512_permutex2var_ps(table, low, upper);
+        *hi = _mm512_permutex2var_ps(table, high, upper);
+#else
+        i32x16 nibbles = load_u8(block + nibbles_at(type));
+        i32x16 low = nibbles & 15, high = nibbles >> 4;
+        if (has_fifth(type)) {
+            uint32_t h;
+            memcpy(&h, block + nibbles_at(type) - 4, sizeof h);
+            low |= fifth_bits(h, 0);
+            high |= fifth_bits(h, BLOCK / 2);
+        }
+        if (has_min(type)) {
+            float m = half_to_float(block + 2);
+            *lo = __builtin_convertvector(low, f32x16) * d + m;
+            *hi = __builtin_convertvector(high, f32x16) * d + m;
+        } else {
+            int offset = (int)offset_of(type);
+            *lo = __builtin_convertvector(low + offset, f32x16) * d;
+            *hi = __builtin_convertvector(high + offset, f32x16) * d;
+        }
+#endif
+        return;
+    }
+    const uint8_t *block = row + (u / (SUPER / BLOCK)) * block_bytes(type);
+    int j = (int)(u % (SUPER / BLOCK));
+    if (type == TYPE_Q6_K) { /* see sub_block() */
+        int c = j % 4, shift = 4 * (c / 2);
+        const uint8_t *low = block + 64 * (j / 4) + 32 * (c % 2), *high = block + 128 + 32 * (j / 4);
+        const int8_t *scales = (const int8_t *)(block + 192);
+        float d = half_to_float(block + 208);
+        i32x16 a = ((load_u8(low) >> shift) & 15) | (((load_u8(high) >> (2 * c)) & 3) << 4);
+        i32x16 b = ((load_u8(low + 16) >> shift) & 15) |
+                   (((load_u8(high + 16) >> (2 * c)) & 3) << 4);
+        *lo = __builtin_convertvector(a - 32, f32x16) * (d * (float)scales[2 * j]);
+        *hi = __builtin_convertvector(b - 32, f32x16) * (d * (float)scales[2 * j + 1]);
+        return;
+    }
+    const uint8_t *nibbles = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
+    int shift = 4 * (j % 2), scale, min;
+    i32x16 a = (load_u8(nibbles) >> shift) & 15, b = (load_u8(nibbles + 16) >> shift) & 15;
+    if (type == TYPE_Q5_K) {
+        a |= ((load_u8(block + 16) >> j) & 1) << 4;
+        b |= ((load_u8(block + 32) >> j) & 1) << 4;
+    }
+    scale_min(block + 4, j, &scale, &min);
+    float ds = half_to_float(block) * (float)scale, dm = half_to_float(block + 2) * (float)min;
+    *lo = __builtin_convertvector(a, f32x16) * ds - dm;
+    *hi = __builtin_convertvector(b, f32x16) * ds - dm;
+}
+
+/*
+ * A tile of float activations: `wrows` weight rows (row_bytes apart, from w) by `count`
+ * rows of x (x_stride apart), `units` 32-weight units a row, into dot[weight row][row].
+ * Inlined with its shape constant, as tile() is.
+ */
+static inline __attribute__((always_inline)) void float_tile(
+    int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes, ptrdiff_t units,
+    const float *x, ptrdiff_t x_stride, float dot[WROWS][TILE]) {
+    f32x16 acc[WROWS][TILE];
+    for (int k = 0; k < WROWS; k++)
+        for (int r = 0; r < TILE; r++)
+            acc[k][r] = (f32x16){0};
+    for (ptrdiff_t u = 0; u < units; u++) {
+        f32x16 xl[TILE], xh[TILE];
+        for (int r = 0; r < count; r++) {
+            memcpy(&xl[r], x + r * x_stride + u * BLOCK, sizeof xl[r]);
+            memcpy(&xh[r], x + r * x_stride + u * BLOCK + BLOCK / 2, sizeof xh[r]);
+        }
+        for (int k = 0; k < wrows; k++) {
+            f32x16 lo, hi;
+            unpack_float(type, w + k * row_bytes, u, &lo, &hi);
+            for (int r = 0; r < count; r++) { /* two multiply-adds, one sum a row */
+                acc[k][r] += lo * xl[r];
+                acc[k][r] += hi * xh[r];
+            }
+        }
+    }
+    for (int k = 0; k < wrows; k++)
+        for (int r = 0; r < count; r++) {
+            float total = 0.0f;
+            for (int i = 0; i < 16; i++)
+                total += acc[k][r][i];
+            dot[k][r] = total;
+        }
+}
+
 #define TILE_CASE(f, t, k, n)                                                                  \
     f(t, k, n, w, row_bytes, blocks, q, in_features, scales, sums, dot)
 /* The tiles block_matmul() takes: 4 weight rows by 1 or 2 rows, 2 by 3 or 4 (8 sums in
  * registers at most), and 1 by 1 for the last 1-3 weight rows of a product. Five shapes a
  * type, each a loop of its own: more would only lengthen the compile (first start). */
-#define TILE_SHAPES(f, t)                                                                      \
+#define TILE_SHAPES(CASE, f, t)                                                                      \
     if (wrows == 4 && count == 1)                                                              \
-        TILE_CASE(f, t, 4, 1);                                                                 \
+        CASE(f, t, 4, 1);                                                                 \
     else if (wrows == 4)                                                                       \
-        TILE_CASE(f, t, 4, 2);                                                                 \
+        CASE(f, t, 4, 2);                                                                 \
     else if (wrows == 2 && count == 3)                                                         \
-        TILE_CASE(f, t, 2, 3);                                                                 \
+        CASE(f, t, 2, 3);                                                                 \
     else if (wrows == 2)                                                                       \
-        TILE_CASE(f, t, 2, 4);                                                                 \
+        CASE(f, t, 2, 4);                                                                 \
     else                                                                                       \
-        TILE_CASE(f, t, 1, 1)
+        CASE(f, t, 1, 1)
 _Static_assert(TILE == 4 && WROWS == 4, "TILE_SHAPES takes 4 weight rows by 1-2 rows, 2 by 3-4");
 
 /* tile() or super_tile() with the type and the tile's shape as constants; `blocks` is the
@@ -632,30 +815,58 @@ static void tiles(int type, int wrows, int count, const uint8_t *w, ptrdiff_t ro
                   ptrdiff_t blocks, const int8_t *q, ptrdiff_t in_features, const float *scales,
                   const float *sums, float dot[WROWS][TILE]) {
     switch (type) {
-    case TYPE_Q8_0: TILE_SHAPES(tile, TYPE_Q8_0); break;
-    case TYPE_Q4_0: TILE_SHAPES(tile, TYPE_Q4_0); break;
-    case TYPE_Q4_1: TILE_SHAPES(tile, TYPE_Q4_1); break;
-    case TYPE_Q5_0: TILE_SHAPES(tile, TYPE_Q5_0); break;
-    case TYPE_Q5_1: TILE_SHAPES(tile, TYPE_Q5_1); break;
-    case TYPE_Q4_K: TILE_SHAPES(super_tile, TYPE_Q4_K); break;
-    case TYPE_Q5_K: TILE_SHAPES(super_tile, TYPE_Q5_K); break;
-    default: TILE_SHAPES(super_tile, TYPE_Q6_K); break;
+    case TYPE_Q8_0: TILE_SHAPES(TILE_CASE, tile, TYPE_Q8_0); break;
+    case TYPE_Q4_0: TILE_SHAPES(TILE_CASE, tile, TYPE_Q4_0); break;
+    case TYPE_Q4_1: TILE_SHAPES(TILE_CASE, tile, TYPE_Q4_1); break;
+    case TYPE_Q5_0: TILE_SHAPES(TILE_CASE, tile, TYPE_Q5_0); break;
+    case TYPE_Q5_1: TILE_SHAPES(TILE_CASE, tile, TYPE_Q5_1); break;
+    case TYPE_Q4_K: TILE_SHAPES(TILE_CASE, super_tile, TYPE_Q4_K); break;
+    case TYPE_Q5_K: TILE_SHAPES(TILE_CASE, super_tile, TYPE_Q5_K); break;
+    default: TILE_SHAPES(TILE_CASE, super_tile, TYPE_Q6_K); break;
     }
 }
 
+#define FLOAT_CASE(f, t, k, n) f(t, k, n, w, row_bytes, units, x, x_stride, dot)
+
+/* float_tile() with the type and the tile's shape as constants (the shapes tiles() takes). */
+static void float_tiles(int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes,
+                        ptrdiff_t units, const float *x, ptrdiff_t x_stride,
+                        float dot[WROWS][TILE]) {
+    switch (type) {
+    case TYPE_Q8_0: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q8_0); break;
+    case TYPE_Q4_0: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q4_0); break;
+    case TYPE_Q4_1: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q4_1); break;
+    case TYPE_Q5_0: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q5_0); break;
+    case TYPE_Q5_1: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q5_1); break;
+    case TYPE_Q4_K: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q4_K); break;
+    case TYPE_Q5_K: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q5_K); break;
+    default: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q6_K); break;
+    }
+}
+
+/* A call's activations: float32 rows (x, x_stride), and where the products take them
+ * quantized (x_float 0), the rows as quantize_row() writes them. */
+struct activations {
+    const float *x;
+    ptrdiff_t x_stride;
+    int x_float;
+    const int8_t *q;
+    const float *scales, *sums;
+};
+
 /*
- * out[r][columns[o]] (row stride out_stride) = the product of quantized row r (q, scales and
- * sums as quantize_row() writes them) by weight row o, for r < rows and o0 <= o < o0 + left
- * (left <= WROWS), the rows of a part of `type` row_bytes apart from `weights`: one group of
- * weight rows, tile by tile of up to TILE rows, by all its weight rows at once for one or two
- * rows (8 sums in registers at most), by two at a time for more; a last group of fewer weight
- * rows takes them one by one. columns NULL is o itself (a permutation of the output columns:
- * GGUF's rotary order of q/k rows undone without touching the blocks).
+ * out[r][columns[o]] (row stride out_stride) = the product of activation row r by weight row
+ * o, for r < rows and o0 <= o < o0 + left (left <= WROWS), the rows of a part of `type`
+ * row_bytes apart from `weights`: one group of weight rows, tile by tile of up to TILE rows,
+ * by all its weight rows at once for one or two rows (8 sums in registers at most), by two
+ * at a time for more; a last group of fewer weight rows takes them one by one. columns NULL
+ * is o itself (a permutation of the output columns: GGUF's rotary order of q/k rows undone
+ * without touching the blocks).
  */
-static void block_group(int type, const int8_t *q, const float *scales, const float *sums,
-                        ptrdiff_t rows, ptrdiff_t in_features, const uint8_t *weights,
-                        ptrdiff_t row_bytes, ptrdiff_t o0, int left, const int32_t *columns,
-                        float *out, ptrdiff_t out_stride) {
+static void block_group(int type, const struct activations *in, ptrdiff_t rows,
+                        ptrdiff_t in_features, const uint8_t *weights, ptrdiff_t row_bytes,
+                        ptrdiff_t o0, int left, const int32_t *columns, float *out,
+                        ptrdiff_t out_stride) {
     ptrdiff_t count_blocks = in_features / BLOCK, weight_blocks = in_features / block_weights(type);
     for (ptrdiff_t r0 = 0; r0 < rows; r0 += TILE) {
         int rest = rows - r0 < TILE ? (int)(rows - r0) : TILE;
@@ -666,8 +877,13 @@ static void block_group(int type, const int8_t *q, const float *scales, const fl
             for (int k0 = 0; k0 < left; k0 += wrows) {
                 float dot[WROWS][TILE] = {{0}};
                 const uint8_t *w = weights + (o0 + k0) * row_bytes;
-                tiles(type, wrows, count, w, row_bytes, weight_blocks, q + row * in_features,
-                      in_features, scales + row * count_blocks, sums + row * count_blocks, dot);
+                if (in->x_float)
+                    float_tiles(type, wrows, count, w, row_bytes, count_blocks,
+                                in->x + row * in->x_stride, in->x_stride, dot);
+                else
+                    tiles(type, wrows, count, w, row_bytes, weight_blocks,
+                          in->q + row * in_features, in_features,
+                          in->scales + row * count_blocks, in->sums + row * count_blocks, dot);
                 for (int k = 0; k < wrows; k++) {
                     ptrdiff_t o = o0 + k0 + k, column = columns ? columns[o] : o;
                     for (int r = 0; r < count; r++)
@@ -684,18 +900,18 @@ static void block_group(int type, const int8_t *q, const float *scales, const fl
 /*
  * out[rows][...] (row stride out_stride) = x W^T for a projection of `count` parts side by
  * side (q/k/v, gate/up: each part's columns from its offset), whose blocks of each part's
- * type are contiguous from its `blocks` (in_features / 32 blocks a row, K types / 256):
- * x's rows (row stride x_stride) quantized once, in scratch memory of this call's own, then
- * multiplied by each part. One call a projection, and one parallel region a call: the team
- * quantizes the rows, then splits the groups of WROWS weight rows of every part (so a decode
- * step wakes the team once a projection, not once a part and once more for the rows).
- * Returns 0; 1 for a part of a type it does not compute, whose blocks do not tile a row of
- * in_features, or more than MAX_PARTS parts (nothing is written); 2 if the scratch memory
- * could not be allocated.
+ * type are contiguous from its `blocks` (in_features / 32 blocks a row, K types / 256).
+ * x_float 0: x's rows (row stride x_stride) quantized once, in scratch memory of this call's
+ * own, then multiplied by each part; 1: multiplied as they are (float_tile()). One call a
+ * projection, and one parallel region a call: the team quantizes the rows, then splits the
+ * groups of WROWS weight rows of every part (so a decode step wakes the team once a
+ * projection, not once a part and once more for the rows). Returns 0; 1 for a part of a
+ * type it does not compute, whose blocks do not tile a row of in_features, or more than
+ * MAX_PARTS parts (nothing is written); 2 if the scratch memory could not be allocated.
  */
-int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
-                           ptrdiff_t in_features, const struct twostroke_block_part *parts,
-                           ptrdiff_t count, float *out, ptrdiff_t out_stride) {
+static int block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                        ptrdiff_t in_features, const struct twostroke_block_part *parts,
+                        ptrdiff_t count, float *out, ptrdiff_t out_stride, int x_float) {
     if (count > MAX_PARTS)
         return 1;
     ptrdiff_t first[MAX_PARTS + 1] = {0}, out_features = 0; /* each part's first group */
@@ -708,20 +924,29 @@ int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
     if (rows <= 0)
         return 0;
     ptrdiff_t blocks = in_features / BLOCK, groups = first[count];
-    int8_t *q = malloc((size_t)(rows * in_features));
-    float *scales = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
-    if (!q || !scales) {
-        free(q);
-        free(scales);
-        return 2;
+    struct activations in = {x, x_stride, x_float, NULL, NULL, NULL};
+    int8_t *q = NULL;
+    float *scales = NULL;
+    if (!x_float) {
+        q = malloc((size_t)(rows * in_features));
+        scales = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
+        if (!q || !scales) {
+            free(q);
+            free(scales);
+            return 2;
+        }
+        in.q = q;
+        in.scales = scales;
+        in.sums = scales + rows * blocks;
     }
-    float *sums = scales + rows * blocks;
     int parallel = groups > 1 && rows * in_features * out_features >= PARALLEL_WORK;
 #pragma omp parallel if (parallel)
     {
+        if (!x_float) {
 #pragma omp for schedule(static)
-        for (ptrdiff_t r = 0; r < rows; r++)
-            quantize_row(x, x_stride, r, in_features, q, scales, sums);
+            for (ptrdiff_t r = 0; r < rows; r++)
+                quantize_row(x, x_stride, r, in_features, q, scales, scales + rows * blocks);
+        }
 #pragma omp for schedule(static)
         for (ptrdiff_t g = 0; g < groups; g++) {
             ptrdiff_t p = 0;
@@ -731,9 +956,8 @@ int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
             ptrdiff_t o0 = (g - first[p]) * WROWS;
             int left = part->out_features - o0 < WROWS ? (int)(part->out_features - o0) : WROWS;
             ptrdiff_t row_bytes = in_features / block_weights(part->type) * block_bytes(part->type);
-            block_group(part->type, q, scales, sums, rows, in_features,
-                        (const uint8_t *)part->blocks, row_bytes, o0, left, part->columns,
-                        out + part->offset, out_stride);
+            block_group(part->type, &in, rows, in_features, (const uint8_t *)part->blocks,
+                        row_bytes, o0, left, part->columns, out + part->offset, out_stride);
         }
     }
     free(q);
@@ -741,19 +965,33 @@ int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
     return 0;
 }
 
+/* block_linear() of activations quantized per block (as llama.cpp computes). */
+int twostroke_block_linear(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                           ptrdiff_t in_features, const struct twostroke_block_part *parts,
+                           ptrdiff_t count, float *out, ptrdiff_t out_stride) {
+    return block_linear(x, x_stride, rows, in_features, parts, count, out, out_stride, 0);
+}
+
+/* block_linear() of the float32 activations themselves. */
+int twostroke_block_linear_float(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                                 ptrdiff_t in_features, const struct twostroke_block_part *parts,
+                                 ptrdiff_t count, float *out, ptrdiff_t out_stride) {
+    return block_linear(x, x_stride, rows, in_features, parts, count, out, out_stride, 1);
+}
+
 /*
  * The decoder stack's projection (kernels.h's twostroke_stack_projection_fn where element is
- * float): twostroke_block_linear() by the parts `weight` (a struct twostroke_block_weight)
- * holds, plus bias where it is not NULL. out_features is the parts' together (the stack's
+ * float): twostroke_block_linear() or twostroke_block_linear_float(), as its
+ * float_activations says, by the parts `weight` (a struct twostroke_block_weight) holds, plus
+ * bias where it is not NULL. out_features is the parts' together (the stack's
  * builder checks it). Returns block_linear()'s result.
  */
 int twostroke_block_projection(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                                ptrdiff_t in_features, const void *weight, ptrdiff_t out_features,
                                const float *bias, float *out, ptrdiff_t out_stride) {
     const struct twostroke_block_weight *parts = weight;
-    int failed =
-        twostroke_block_linear(x, x_stride, rows, in_features, parts->parts, parts->count, out,
-                               out_stride);
+    int failed = block_linear(x, x_stride, rows, in_features, parts->parts, parts->count, out,
+                              out_stride, parts->float_activations);
     if (failed || bias == NULL)
         return failed;
     for (ptrdiff_t r = 0; r < rows; r++)

@@ -31,6 +31,15 @@ sums (:func:`rounding_bound`); against the activations themselves it is off by t
 rounding to 8 bits per block (about 0.4 % of a block's largest magnitude, at most). The
 model-level effect is measured (docs/models.md).
 
+So the products come in two forms (:data:`ACTIVATIONS`, a :class:`BlockKernel`'s
+``activations``, chosen once at load and carried by each :class:`BlockWeight`): ``"int8"``,
+llama.cpp's arithmetic above (``quantization="gguf"``), and ``"float32"``
+(``quantization="gguf_f32"``, and ``"auto"`` where it takes the blocks): each weight block is
+dequantized in registers as :meth:`BlockKernel.rows` dequantizes it and multiplied by the
+activations themselves in float32, so a product is the file's float32 dequantization times
+the activations, to float32 rounding of the sums (:func:`rounding_bound`), for about 1.3-1.6
+times the int8 form's time a product (docs/models.md) and the same bytes read.
+
 It is built and cached as the other kernels are (:func:`~.build.compile_library`) and
 checked at start against its own dequantized rows. Where it does not build, the model
 loads the file dequantized, as before (one warning says why).
@@ -61,6 +70,7 @@ from twostroke.engine.kernels.build import (
 from twostroke.engine.kernels.header import structures
 
 __all__ = [
+    "ACTIVATIONS",
     "BLOCK",
     "BLOCK_BYTES",
     "BLOCK_SOURCE",
@@ -130,6 +140,13 @@ DENSE_ROWS = 64
 #: in a buffer each thread keeps): a larger one (a model's output projection) stays in blocks.
 DENSE_ELEMENTS = 1 << 23
 
+#: How the products take their activations (:attr:`BlockKernel.activations`): ``"int8"``,
+#: each row quantized per block of 32 to 8 bits and multiplied by integer dot products, as
+#: llama.cpp computes (``quantization="gguf"``); ``"float32"``, the rows as they are, each
+#: weight block dequantized in registers (``quantization="gguf_f32"``): the file's own model,
+#: as its float32 dequantization computes it up to the order of the additions.
+ACTIVATIONS = ("int8", "float32")
+
 #: The block products' paths, by the number their library reports: portable C, AVX2,
 #: AVX-512 (the 32-blocks two at a time in 512 bits) and AVX-512 with VNNI (``VPDPBUSD``).
 #: The compile flags choose, which the CPU's personality sets (:mod:`twostroke.gpu.isa`).
@@ -139,6 +156,7 @@ _SYMBOLS = (
     "twostroke_blocks_path",
     "twostroke_quantize_rows",
     "twostroke_block_linear",
+    "twostroke_block_linear_float",
     "twostroke_block_rows",
     "twostroke_block_projection",
 )
@@ -155,21 +173,29 @@ def block_weights(block_type: int) -> int:
     return SUPER if block_type in _SUPER_TYPES else BLOCK
 
 
-def rounding_bound(block_type: int, in_features: int) -> float:
+def rounding_bound(block_type: int, in_features: int, activations: str = "int8") -> float:
     """How far a product may be from the float64 product of the same dequantized operands,
     as a multiple of :func:`offset_magnitudes`' bound on the summed terms.
 
-    A product sums, per activation block of 32, an exact integer dot product (under 2^24)
-    times the float32 product of two scales (one rounding), added into a float32 lane (one
-    more; a fused multiply-add in the AVX2 path, a multiply and an add in portable C: two),
-    and per block (or K super-block) its offset term (one rounding for the product, one for
-    the addition); then the lanes' horizontal sum (three additions) and the offsets' (one).
-    gguf's own float32 dequantization rounds each weight up to three times more. So at most
-    (3 blocks + 2 offset terms + 7) roundings of 2^-24, each relative to the terms' summed
-    magnitudes (the first-order bound of recursive summation), doubled for the second-order
-    terms that bound leaves out. The products measured stay under 1 % of it (random blocks,
-    both paths); a single sub-block scale off by one exceeds it (the tests).
+    ``"int8"`` activations: a product sums, per activation block of 32, an exact integer dot
+    product (under 2^24) times the float32 product of two scales (one rounding), added into a
+    float32 lane (one more; a fused multiply-add in the AVX2 path, a multiply and an add in
+    portable C: two), and per block (or K super-block) its offset term (one rounding for the
+    product, one for the addition); then the lanes' horizontal sum (three additions) and the
+    offsets' (one). gguf's own float32 dequantization rounds each weight up to three times
+    more. So at most (3 blocks + 2 offset terms + 7) roundings of 2^-24, each relative to the
+    terms' summed magnitudes (the first-order bound of recursive summation), doubled for the
+    second-order terms that bound leaves out. The products measured stay under 1 % of it
+    (random blocks, both paths); a single sub-block scale off by one exceeds it (the tests).
+
+    ``"float32"`` activations: each weight is dequantized in float32 (up to three roundings,
+    as the reference's own: a K sub-block's two scale products and a multiply-add), then
+    multiplied and added into one of sixteen lanes (a rounding a weight, ``in_features / 16``
+    in a lane's chain), and the lanes summed (fifteen additions): at most (6 +
+    in_features / 16 + 15) roundings, doubled as above.
     """
+    if activations == "float32":
+        return 2.0 * (6 + in_features // 16 + 15) * 2.0**-24
     blocks = in_features // BLOCK
     offsets = in_features // block_weights(block_type)
     return 2.0 * (3 * blocks + 2 * offsets + 7) * 2.0**-24
@@ -315,27 +341,36 @@ class QuantizedRows:
 
 @attrs.frozen
 class BlockKernel:
-    """The compiled block products (see the module).
+    """The compiled block products (see the module), in one of :data:`ACTIVATIONS`.
 
     Calls release the GIL (``ctypes`` drops it around foreign calls).
 
     Attributes:
         isa: The path the library computes with (one of :data:`PATHS`).
         path: The shared library.
+        activations: How the products take their activations (one of :data:`ACTIVATIONS`),
+            decided once at load (:meth:`taking`) and passed down with every
+            :class:`BlockWeight` made of this kernel.
     """
 
     isa: str
     path: Path
     _quantize: Callable[..., None] = attrs.field(repr=False)
     _linear: Callable[..., int] = attrs.field(repr=False)
+    _linear_float: Callable[..., int] = attrs.field(repr=False)
     _rows: Callable[..., int] = attrs.field(repr=False)
     _projection: Callable[..., int] = attrs.field(repr=False)
+    activations: str = attrs.field(default="int8", validator=attrs.validators.in_(ACTIVATIONS))
 
     #: The activations' dtype (the decoder stack's element type for these projections).
     element: ClassVar[torch.dtype] = torch.float32
     #: The most rows a product takes block by block, which the decoder stack may hand it:
     #: from :data:`DENSE_ROWS` on a product is torch's GEMM, which the stack does not call.
     most_rows: ClassVar[int] = DENSE_ROWS - 1
+
+    def taking(self, activations: str) -> BlockKernel:
+        """This kernel, its products taking ``activations`` (one of :data:`ACTIVATIONS`)."""
+        return attrs.evolve(self, activations=activations)
 
     @property
     def address(self) -> int:
@@ -381,7 +416,8 @@ class BlockKernel:
 
     def linear(self, x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
         """``x W^T`` for float32 ``x`` ``[rows, in_features]`` (a row stride allowed): one
-        foreign call, which quantizes the rows once and multiplies them by every part.
+        foreign call, which quantizes the rows once (``"int8"`` activations) and multiplies
+        them by every part.
 
         Raises:
             ValueError: another dtype, device or width.
@@ -403,7 +439,7 @@ class BlockKernel:
             return self.dense(x, weight)
         out = torch.empty((rows, out_features), dtype=torch.float32)
         failed = call(
-            self._linear,
+            self._linear_float if self.activations == "float32" else self._linear,
             x.data_ptr(),
             x.stride(0),
             rows,
@@ -516,7 +552,10 @@ class BlockWeight:
 
     @_weight.default
     def _weight_structure(self) -> Any:
-        return structures()["twostroke_block_weight"](self.table, len(self.parts))
+        float_activations = int(self.kernel.activations == "float32")
+        return structures()["twostroke_block_weight"](
+            self.table, len(self.parts), float_activations
+        )
 
     @addresses.default
     def _addresses(self) -> tuple[int, int | None]:
@@ -615,11 +654,20 @@ def build_blocks(*, environ: Mapping[str, str] | None = None) -> BlockKernel:
     library, path = compile_library(
         BLOCK_SOURCE, [], "the GGUF block products", env, symbols=_SYMBOLS
     )
-    which, quantize, linear, rows, projection = (bind(library, path, name) for name in _SYMBOLS)
+    which, quantize, linear, linear_float, rows, projection = (
+        bind(library, path, name) for name in _SYMBOLS
+    )
     kernel = BlockKernel(
-        PATHS[which()], path, quantize=quantize, linear=linear, rows=rows, projection=projection
+        PATHS[which()],
+        path,
+        quantize=quantize,
+        linear=linear,
+        linear_float=linear_float,
+        rows=rows,
+        projection=projection,
     )
     _check(kernel)
+    _check(kernel.taking("float32"))
     return kernel
 
 
@@ -666,17 +714,19 @@ def _check(kernel: BlockKernel) -> None:
             columns = torch.from_numpy(generator.permutation(out_features).astype(np.int32))
             weight = BlockTensor("check", block_type, data, columns)
             x = torch.from_numpy(generator.normal(0, 1, (rows, in_features)).astype(np.float32))
-            quantized = kernel.quantize(x)
             out = BlockWeight(kernel, (weight,))(x)
             dense = kernel.rows(weight, torch.arange(out_features)).double()
-            activations = quantized.dequantized().double()
+            activations = x.double()
+            if kernel.activations == "int8":
+                activations = kernel.quantize(x).dequantized().double()
             expected = (activations @ dense.T)[:, torch.argsort(columns)]
             terms = dense.abs() + 2 * torch.from_numpy(offset_magnitudes(data, block_type))
             bound = (activations.abs() @ terms.T)[:, torch.argsort(columns)]
             worst = float(((out.double() - expected).abs() / bound.clamp_min(1e-30)).max())
-            allowed = rounding_bound(block_type, in_features)
+            allowed = rounding_bound(block_type, in_features, kernel.activations)
             if not worst <= allowed:
                 raise NativeBuildError(
-                    f"its {_type_name(block_type)} check differs from float64 by {worst:.3g} "
-                    f"of the terms' magnitude (at most {allowed:.3g} allowed)"
+                    f"its {_type_name(block_type)} check ({kernel.activations} activations) "
+                    f"differs from float64 by {worst:.3g} of the terms' magnitude (at most "
+                    f"{allowed:.3g} allowed)"
                 )

@@ -84,7 +84,8 @@ twostroke_projection_panel_fn twostroke_projection_panel;
 twostroke_projection_fn twostroke_projection;
 
 /* gguf_blocks.c: products by GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks
- * as stored (`type` is GGML's type number), of activations quantized per block of 32; and the rows of
+ * as stored (`type` is GGML's type number), of activations quantized per block of 32 or as they
+ * are (twostroke_block_linear_float); and the rows of
  * such a weight. */
 struct twostroke_block_part {
     int type;               /* GGML's type number */
@@ -101,6 +102,10 @@ typedef int twostroke_block_linear_fn(const float *x, ptrdiff_t x_stride, ptrdif
                                       ptrdiff_t in_features,
                                       const struct twostroke_block_part *parts, ptrdiff_t count,
                                       float *out, ptrdiff_t out_stride);
+typedef int twostroke_block_linear_float_fn(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                                            ptrdiff_t in_features,
+                                            const struct twostroke_block_part *parts,
+                                            ptrdiff_t count, float *out, ptrdiff_t out_stride);
 typedef int twostroke_block_rows_fn(int type, const void *blocks, ptrdiff_t in_features,
                                     const int64_t *ids, ptrdiff_t count, float *out);
 /* A projection's parts, as the decoder stack passes one (`weight`) to
@@ -108,6 +113,7 @@ typedef int twostroke_block_rows_fn(int type, const void *blocks, ptrdiff_t in_f
 struct twostroke_block_weight {
     const struct twostroke_block_part *parts; /* [count] */
     ptrdiff_t count;
+    int float_activations; /* 0: quantized per block (twostroke_block_linear); 1: as they are */
 };
 typedef int twostroke_block_projection_fn(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
                                           ptrdiff_t in_features, const void *weight,
@@ -116,6 +122,7 @@ typedef int twostroke_block_projection_fn(const float *x, ptrdiff_t x_stride, pt
 twostroke_blocks_path_fn twostroke_blocks_path;
 twostroke_quantize_rows_fn twostroke_quantize_rows;
 twostroke_block_linear_fn twostroke_block_linear;
+twostroke_block_linear_float_fn twostroke_block_linear_float;
 twostroke_block_rows_fn twostroke_block_rows;
 twostroke_block_projection_fn twostroke_block_projection;
 

@@ -42,7 +42,7 @@ DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType(
 
 #: The quantizations whose products take float32 activations, which ``dtype="auto"`` then
 #: resolves to (GGUF blocks: :mod:`~twostroke.engine.kernels.gguf_blocks`).
-BLOCK_QUANTIZATIONS = frozenset({"gguf", "q8_0", "q4_0"})
+BLOCK_QUANTIZATIONS = frozenset({"gguf", "gguf_f32", "q8_0", "q4_0"})
 
 _log = logging.getLogger(__name__)
 

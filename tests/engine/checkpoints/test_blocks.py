@@ -44,8 +44,8 @@ def write(tmp_path: Path, matrices: Any, embedding: Any, **overrides: Any) -> Pa
     return file
 
 
-def blocks_and_reference(file: Path) -> tuple[Any, Any]:
-    blocks = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
+def blocks_and_reference(file: Path, asked: str = "gguf") -> tuple[Any, Any]:
+    blocks = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
     reference = load_model(file, dtype=torch.float32, device=CPU, quantization=None)
     return blocks, reference
 
@@ -103,6 +103,43 @@ def test_each_projection_computes_from_the_files_blocks_as_the_dequantized_weigh
         atol=1e-7,
     )
     assert_logits_close(model, dense)
+
+
+@pytest.mark.parametrize(
+    ("matrices", "embedding", "tied"),
+    [
+        pytest.param(Q.Q4_1, Q.Q8_0, True, id="q4_1-q8_0-tied"),
+        pytest.param(Q.Q5_0, Q.Q4_0, False, id="q5_0-q4_0"),
+        pytest.param(Q.Q5_1, Q.Q5_1, True, id="q5_1-q5_1-tied"),
+    ],
+)
+def test_gguf_f32_computes_the_files_blocks_by_the_activations_themselves(
+    tmp_path: Path, matrices: Any, embedding: Any, tied: bool
+) -> None:
+    """``quantization="gguf_f32"``: each projection is the dequantized file's projection of
+    the activations themselves, to float32 rounding (the 8-bit rounding of ``"gguf"`` would
+    be 1e3 times the tolerance); so the logits are the dequantized model's to 1e-4."""
+    file = write(tmp_path, matrices, embedding, tie_word_embeddings=tied)
+    blocks, reference = blocks_and_reference(file, "gguf_f32")
+    assert blocks.quantization == "gguf_f32"
+    model, dense = blocks.module, reference.module
+    generator = torch.Generator().manual_seed(0)
+    checked = 0
+    for mine, theirs in zip(model.modules(), dense.modules(), strict=True):
+        if not isinstance(mine, Linear):
+            continue
+        assert isinstance(mine.method, BlockWeight)
+        assert mine.method.kernel.activations == "float32"
+        weight = cast(FullPrecision, theirs.method).weight.double()
+        x = torch.randn(5, mine.in_features, generator=generator)
+        expected = F_linear(x.double(), weight)
+        scale = float((x.double().abs() @ weight.abs().T).max())
+        assert float((mine(x).double() - expected).abs().max()) <= 1e-6 * scale
+        checked += 1
+    assert checked
+    ids = random_sequences([9, 4], seed=2)
+    for mine, theirs in zip(model.forward_logits(ids), dense.forward_logits(ids), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
 def sixteen_bits(kind: Any) -> Any:
@@ -251,6 +288,8 @@ def test_a_type_not_computed_as_stored_is_an_error_naming_the_tensor(tmp_path: P
     assert caught.value.block_type == "MXFP4"
     assert caught.value.tensor.startswith("blk.0.")
     assert "is MXFP4, which quantization='gguf' does not compute as stored" in str(caught.value)
+    with pytest.raises(BlockTypeUnsupported, match="which quantization='gguf_f32' does not"):
+        load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf_f32")
     # Without quantization='gguf' the file loads dequantized, as before.
     load_model(file, dtype=torch.float32, device=CPU, quantization=None)
 
@@ -258,14 +297,15 @@ def test_a_type_not_computed_as_stored_is_an_error_naming_the_tensor(tmp_path: P
 def test_gguf_quantization_needs_a_gguf_file_and_float32_on_the_cpu(tmp_path: Path) -> None:
     directory = tmp_path / "hf"
     make_tiny_model("llama", directory)
-    with pytest.raises(ModelLoadError, match=r"quantization='gguf' .*: not a GGUF file"):
-        load_model(directory, dtype=torch.float32, device=CPU, quantization="gguf")
+    for asked in ("gguf", "gguf_f32"):
+        with pytest.raises(ModelLoadError, match=rf"quantization='{asked}' .*: not a GGUF file"):
+            load_model(directory, dtype=torch.float32, device=CPU, quantization=asked)
     file = write(tmp_path, Q.Q4_1, Q.Q8_0)
     with pytest.raises(ValueError, match="float32 activations; got dtype bfloat16 on cpu"):
         load_model(file, dtype=torch.bfloat16, device=CPU, quantization="gguf")
 
 
-@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf"), (Q.MXFP4, "fp16")])
+@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf_f32"), (Q.MXFP4, "fp16")])
 def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -275,22 +315,25 @@ def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
 ) -> None:
     """With AUTO_BLOCKS on (off until the defaults are measured to gain: docs/models.md), a
     file whose matrices are all in computed types loads as stored; another loads as before,
-    and the log names the tensor that kept it from the blocks."""
+    and the log names the tensor that kept it from the blocks. The blocks take the
+    activations themselves (``"gguf_f32"``)."""
     monkeypatch.setattr(loader, "AUTO_BLOCKS", True)
     file = write(tmp_path, matrices, Q.Q8_0)
     with caplog.at_level(logging.INFO, logger=loader.__name__):
         loaded = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="auto")
-    if expected == "gguf":
-        assert loaded.quantization == "gguf"
-        assert isinstance(loaded.module.lm_head.method, BlockWeight)
+    if expected == "gguf_f32":
+        assert loaded.quantization == "gguf_f32"
+        head = loaded.module.lm_head.method
+        assert isinstance(head, BlockWeight)
+        assert head.kernel.activations == "float32"
     else:
-        assert loaded.quantization != "gguf"
+        assert loaded.quantization not in ("gguf", "gguf_f32")
         assert "tensor 'blk.0.attn_q.weight' is MXFP4, which is not computed as stored" in (
             caplog.text
         )
     # transformers' exact arithmetic asked for: never the blocks.
     exact = load_model(file, dtype=torch.float32, device=CPU, exact=True, quantization="auto")
-    assert exact.quantization != "gguf"
+    assert exact.quantization not in ("gguf", "gguf_f32")
 
 
 def k_type(gguf_tensor: str, *, embedding: Any) -> Any:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twostroke.engine.kernels.gguf_blocks import (
+    ACTIVATIONS,
     BLOCK_BYTES,
     BLOCK_TYPES,
     DENSE_ROWS,
@@ -76,16 +77,20 @@ def reference_quantize(x: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], .
 def expected_product(
     kernel: BlockKernel, x: torch.Tensor, tensor: BlockTensor
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """gguf's dequantized weights times the dequantized activations, in float64, and how far
-    the kernel's product may be from it (:func:`rounding_bound` times the magnitudes of the
-    terms it sums, a weight's scaled and offset terms apart)."""
+    """gguf's dequantized weights times the activations the kernel takes (dequantized from
+    their 8 bits, or themselves), in float64, and how far the kernel's product may be from it
+    (:func:`rounding_bound` times the magnitudes of the terms it sums, a weight's scaled and
+    offset terms apart)."""
     weights = dequantize(tensor.data, GGMLQuantizationType(tensor.block_type)).astype(np.float64)
-    activations = kernel.quantize(x).dequantized().double().numpy()
+    activations = x.double().numpy()
+    if kernel.activations == "int8":
+        activations = kernel.quantize(x).dequantized().double().numpy()
     terms = np.abs(weights) + 2 * offset_magnitudes(tensor.data, tensor.block_type)
-    bound = rounding_bound(tensor.block_type, tensor.in_features)
+    bound = rounding_bound(tensor.block_type, tensor.in_features, kernel.activations)
     return activations @ weights.T, bound * (np.abs(activations) @ terms.T)
 
 
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("rung", ALLOWED)
 @pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))  # every type on every path
 @settings(max_examples=15, deadline=None)
@@ -99,6 +104,7 @@ def expected_product(
 )
 def test_products_equal_the_dequantized_reference(
     kernels: dict[str, BlockKernel],
+    activations: str,
     rung: str,
     type_name: str,
     rows: int,
@@ -108,7 +114,7 @@ def test_products_equal_the_dequantized_reference(
     permuted: bool,
     seed: int,
 ) -> None:
-    kernel = kernels[rung]
+    kernel = kernels[rung].taking(activations)
     generator = np.random.default_rng(seed)
     width = block_weights(BLOCK_TYPES[type_name])
     in_features = width * (blocks if width == 32 else 1 + blocks % 3)
@@ -138,7 +144,7 @@ def test_the_bound_is_the_rounding_and_a_wrong_weight_exceeds_it(
         data = random_blocks(generator, block_type, 8, 512)
         changed = data.copy()
         changed[:, 4 if type_name != "Q6_K" else 192] ^= 1  # a sub-block scale's lowest bit
-        for kernel in kernels.values():
+        for kernel in (k.taking(a) for k in kernels.values() for a in ACTIVATIONS):
             got = BlockWeight(kernel, (BlockTensor("w", block_type, changed),))(x).double()
             expected, allowed = expected_product(kernel, x, BlockTensor("w", block_type, data))
             assert np.any(np.abs(got.numpy() - expected) > allowed), type_name
@@ -157,14 +163,15 @@ def test_offset_magnitudes_read_the_mins_as_gguf_does() -> None:
     assert not offset_magnitudes(q6, BLOCK_TYPES["Q6_K"]).any()
 
 
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("rung", ALLOWED)
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K"])
 def test_many_rows_by_a_model_shaped_weight_split_across_threads(
-    kernels: dict[str, BlockKernel], rung: str, type_name: str
+    kernels: dict[str, BlockKernel], activations: str, rung: str, type_name: str
 ) -> None:
     """SmolLM2's down projection's shape at batch 33, two threads splitting the columns:
     the same products as one thread, bit for bit, and as the reference."""
-    kernel = kernels[rung]
+    kernel = kernels[rung].taking(activations)
     generator = np.random.default_rng(3)
     block_type = BLOCK_TYPES[type_name]
     tensor = BlockTensor("down", block_type, random_blocks(generator, block_type, 576, 1536))
@@ -225,6 +232,10 @@ def test_many_rows_multiply_the_dequantized_weight_in_float32(
     # Below DENSE_ROWS the same weight's products take the 8-bit activations: another sum.
     fewer = BlockWeight(kernel, tuple(tensors))(x[: DENSE_ROWS - 1]).double().numpy()
     assert not np.allclose(fewer, got[: DENSE_ROWS - 1] - bias.double().numpy(), rtol=1e-6)
+    # With float32 activations they are the same products, to float32 rounding.
+    exact = BlockWeight(kernel.taking("float32"), tuple(tensors))(x[: DENSE_ROWS - 1])
+    expected = expected[: DENSE_ROWS - 1] - bias.double().numpy()
+    assert np.all(np.abs(exact.double().numpy() - expected) <= allowed[: DENSE_ROWS - 1])
 
 
 @given(

@@ -11,9 +11,11 @@ from typing import cast
 import pytest
 import torch
 from attrs import evolve as attrs_evolve
+from gguf import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.engine.checkpoints.test_loader import write_gguf
 from tests.engine.kernels.emulated_projection import emulated_projection
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.attention.kernels import AttentionKernel
@@ -87,6 +89,15 @@ def models(
             assert module.stack is not None
             assert module.stack.cache_dtype == module.cache_dtype
             found[f"{kind}-{blocks}"] = module
+    # A GGUF file's Q4_1 blocks as stored, by the float32 activations themselves.
+    folder = tmp_path_factory.mktemp("gguf")
+    reference = make_tiny_model("llama", folder / "hf", seed=5, tie_word_embeddings=True)
+    file = folder / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama", matrices=Q.Q4_1, embedding=Q.Q8_0)
+    loaded = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf_f32")
+    assert loaded.module.stack is not None
+    found["llama-gguf_f32"] = loaded.module
     return found
 
 
@@ -101,7 +112,15 @@ def layer_by_layer(model: LlamaForCausalLM) -> LlamaForCausalLM:
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(
-        ["llama", "qwen2", "llama-q8_0", "qwen2-q8_0", "llama-q4_0", "qwen2-q4_0"]
+        [
+            "llama",
+            "qwen2",
+            "llama-q8_0",
+            "qwen2-q8_0",
+            "llama-q4_0",
+            "qwen2-q4_0",
+            "llama-gguf_f32",
+        ]
     ),
     lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
     chunk=st.sampled_from([None, 1, 3, 8]),
@@ -129,11 +148,13 @@ def test_logits_are_the_per_layer_paths_bit_for_bit(
         assert torch.equal(mine, reference)
     steps = -(-max(lengths) // (chunk or max(lengths)))
     # The stack, the final norm and the output projection where it is compiled (the blocks
-    # quantized at load leave it in float32, torch's).
+    # quantized at load leave it in float32, torch's), and the embedding's lookup where it
+    # reads a file's blocks.
     head = isinstance(model.lm_head.method, PanelWeight | BlockWeight | SplitByRows)
+    embedding = model._embedding is not None
     most = model.stack.most_tokens if model.stack is not None else None
     if most is None or sum(lengths) <= most:  # (a larger step runs layer by layer)
-        assert timer.calls == (2 + head) * steps
+        assert timer.calls == (2 + head + embedding) * steps
 
 
 def test_a_block_models_steps_of_many_tokens_run_layer_by_layer(

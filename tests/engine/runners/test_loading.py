@@ -134,7 +134,8 @@ def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transforme
     assert packed == (packs and can_pack(torch.float32, CpuDevice().torch_device, exact=False))
 
 
-@pytest.mark.parametrize("quantization", sorted(loading.BLOCK_QUANTIZATIONS - {"gguf"}))
+# (gguf and gguf_f32 need a GGUF file: the same rule, tests/engine/checkpoints/test_blocks.py.)
+@pytest.mark.parametrize("quantization", sorted(loading.BLOCK_QUANTIZATIONS - {"gguf", "gguf_f32"}))
 def test_auto_dtype_with_blocks_is_float32_also_where_bfloat16_is_native(
     quantization: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
