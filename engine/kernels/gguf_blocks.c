@@ -616,68 +616,65 @@ static inline __attribute__((always_inline)) void super_tile(
  * Float activations (twostroke_block_linear_float): the products of the file's weights by
  * the activations themselves, as the float32 reference (the file dequantized) computes them
  * up to the order of the additions. A weight block (a K sub-block) is dequantized in
- * registers once per tile, into sixteen-lane float vectors (GCC's vector types, which each
- * path's flags compile to 512-, 256- or 128-bit instructions), as twostroke_block_rows()
- * computes its values (d q + m, (d sc) q - dmin m); then each row of the tile takes two
- * multiply-adds a block into a sixteen-lane sum.
+ * registers once per tile, into VECTORS float vectors of LANES lanes (GCC's vector types:
+ * one 512-bit register a vector with AVX-512, 256 bits with AVX2, 128 in portable C), as
+ * twostroke_block_rows() computes its values (d q + m, (d sc) q - dmin m); then each row of
+ * the tile takes VECTORS multiply-adds a block into a sum of LANES lanes.
  */
-/* (Their functions are all inlined: no 64-byte vector crosses a call, so the warning that
- * such a vector's passing differs without AVX-512 does not apply.) */
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+#if BLOCKS_AVX512
+#define LANES 16
+#elif BLOCKS_AVX2
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#define VECTORS (BLOCK / LANES)
+typedef float vfloat __attribute__((vector_size(4 * LANES)));
+typedef int32_t vint __attribute__((vector_size(4 * LANES)));
 
-/* 16 bytes widened to 32 bits (zero- or sign-extended): one instruction with AVX-512, two
- * with AVX2 (GCC widens a vector type's lanes one by one). */
-static inline __attribute__((always_inline)) i32x16 widen(const uint8_t *p, int is_signed) {
-    i32x16 out;
+/* LANES bytes widened to 32 bits (zero- or sign-extended): one instruction with AVX2 or
+ * AVX-512 (GCC widens a vector type's lanes one by one). */
+static inline __attribute__((always_inline)) vint widen(const uint8_t *p, int is_signed) {
+    vint out;
 #if BLOCKS_AVX512
     __m128i v = _mm_loadu_si128((const __m128i *)p);
     __m512i wide = is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
     memcpy(&out, &wide, sizeof out);
 #elif BLOCKS_AVX2
-    __m128i v = _mm_loadu_si128((const __m128i *)p);
-    __m256i halves[2] = {is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v),
-                         is_signed ? _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))
-                                   : _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
-    memcpy(&out, halves, sizeof out);
+    __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    __m256i wide = is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+    memcpy(&out, &wide, sizeof out);
 #else
-    for (int i = 0; i < 16; i++)
+    for (int i = 0; i < LANES; i++)
         out[i] = is_signed ? (int32_t)(int8_t)p[i] : (int32_t)p[i];
 #endif
     return out;
 }
 
-static inline __attribute__((always_inline)) i32x16 load_u8(const uint8_t *p) {
-    return widen(p, 0);
-}
-
-static inline __attribute__((always_inline)) i32x16 load_i8(const uint8_t *p) {
-    return widen(p, 1);
-}
-
-/* Bit (i + first) of h in lane i, times 16. */
-static inline __attribute__((always_inline)) i32x16 fifth_bits(uint32_t h, int first) {
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i32x16 bits = (i32x16){0} + (int32_t)(h >> first);
+/* Bits first .. first + LANES - 1 of h, one a lane, times 16. */
+static inline __attribute__((always_inline)) vint fifth_bits(uint32_t h, int first) {
+    vint lane;
+    for (int i = 0; i < LANES; i++)
+        lane[i] = i;
+    vint bits = (vint){0} + (int32_t)(h >> first);
     return ((bits >> lane) & 1) << 4;
 }
 
 /*
  * The 32 float weights of 32-weight unit u of a weight row (`row`: a 32-block; K types: a
- * sub-block u % 8 of super-block u / 8): weights 0-15 into lo, 16-31 into hi.
+ * sub-block u % 8 of super-block u / 8), in order, LANES a vector, into w.
  */
 static inline __attribute__((always_inline)) void unpack_float(int type, const uint8_t *row,
-                                                               ptrdiff_t u, f32x16 *lo,
-                                                               f32x16 *hi) {
+                                                               ptrdiff_t u, vfloat w[VECTORS]) {
     if (!is_super(type)) {
         const uint8_t *block = row + u * block_bytes(type);
         float d = half_to_float(block);
         if (type == TYPE_Q8_0) {
-            *lo = __builtin_convertvector(load_i8(block + 2), f32x16) * d;
-            *hi = __builtin_convertvector(load_i8(block + 2 + BLOCK / 2), f32x16) * d;
+            for (int v = 0; v < VECTORS; v++)
+                w[v] = __builtin_convertvector(widen(block + 2 + v * LANES, 1), vfloat) * d;
             return;
         }
+        const uint8_t *nibbles = block + nibbles_at(type);
 #if BLOCKS_AVX512
         /* The block's 16 (Q5: 32) possible weights, d v + m, a table that VPERMPS (Q5:
          * VPERMT2PS) reads by each lane's value: the same float per value as the vector
@@ -689,41 +686,39 @@ static inline __attribute__((always_inline)) void unpack_float(int type, const u
                                       : _mm512_setzero_ps();
         __m512 shift = _mm512_set1_ps(has_min(type) ? 0.0f : offset_of(type));
         __m512 table = _mm512_fmadd_ps(_mm512_add_ps(values, shift), scale, offset);
-        __m512i nibbles = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128((const __m128i *)(block + nibbles_at(type))));
-        __m512i high = _mm512_srli_epi32(nibbles, 4);
+        __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)nibbles));
+        __m512i high = _mm512_srli_epi32(packed, 4);
+        __m512 out[2];
         if (!has_fifth(type)) {
-            *lo = _mm512_permutexvar_ps(nibbles, table);
-            *hi = _mm512_permutexvar_ps(high, table);
-            return;
-        }
-        __m512 upper = _mm512_fmadd_ps(
-            _mm512_add_ps(values, _mm512_add_ps(shift, _mm512_set1_ps(16.0f))), scale, offset);
-        uint32_t h;
-        memcpy(&h, block + nibbles_at(type) - 4, sizeof h);
-        __m512i sixteen = _mm512_set1_epi32(16);
-        __m512i low = _mm512_and_si512(nibbles, _mm512_set1_epi32(15));
-        low = _mm512_mask_or_epi32(low, (__mmask16)(h & 0xffff), low, sixteen);
-        high = _mm512_mask_or_epi32(high, (__mmask16)(h >> 16), high, sixteen);
-        *lo = _mm512_permutex2var_ps(table, low, upper);
-        *hi = _mm512_permutex2var_ps(table, high, upper);
-#else
-        i32x16 nibbles = load_u8(block + nibbles_at(type));
-        i32x16 low = nibbles & 15, high = nibbles >> 4;
-        if (has_fifth(type)) {
-            uint32_t h;
-            memcpy(&h, block + nibbles_at(type) - 4, sizeof h);
-            low |= fifth_bits(h, 0);
-            high |= fifth_bits(h, BLOCK / 2);
-        }
-        if (has_min(type)) {
-            float m = half_to_float(block + 2);
-            *lo = __builtin_convertvector(low, f32x16) * d + m;
-            *hi = __builtin_convertvector(high, f32x16) * d + m;
+            out[0] = _mm512_permutexvar_ps(packed, table);
+            out[1] = _mm512_permutexvar_ps(high, table);
         } else {
-            int offset = (int)offset_of(type);
-            *lo = __builtin_convertvector(low + offset, f32x16) * d;
-            *hi = __builtin_convertvector(high + offset, f32x16) * d;
+            __m512 upper = _mm512_fmadd_ps(
+                _mm512_add_ps(values, _mm512_add_ps(shift, _mm512_set1_ps(16.0f))), scale,
+                offset);
+            uint32_t h;
+            memcpy(&h, nibbles - 4, sizeof h);
+            __m512i sixteen = _mm512_set1_epi32(16);
+            __m512i low = _mm512_and_si512(packed, _mm512_set1_epi32(15));
+            low = _mm512_mask_or_epi32(low, (__mmask16)(h & 0xffff), low, sixteen);
+            high = _mm512_mask_or_epi32(high, (__mmask16)(h >> 16), high, sixteen);
+            out[0] = _mm512_permutex2var_ps(table, low, upper);
+            out[1] = _mm512_permutex2var_ps(table, high, upper);
+        }
+        memcpy(w, out, sizeof out);
+#else
+        float m = has_min(type) ? half_to_float(block + 2) : 0.0f;
+        int offset = has_min(type) ? 0 : (int)offset_of(type);
+        uint32_t h = 0;
+        if (has_fifth(type))
+            memcpy(&h, nibbles - 4, sizeof h);
+        for (int v = 0; v < VECTORS; v++) {
+            int first = v * LANES % (BLOCK / 2); /* the byte of the vector's first value */
+            vint value = widen(nibbles + first, 0);
+            value = v < VECTORS / 2 ? value & 15 : value >> 4;
+            if (has_fifth(type))
+                value |= fifth_bits(h, v * LANES);
+            w[v] = __builtin_convertvector(value + offset, vfloat) * d + m;
         }
 #endif
         return;
@@ -735,24 +730,24 @@ static inline __attribute__((always_inline)) void unpack_float(int type, const u
         const uint8_t *low = block + 64 * (j / 4) + 32 * (c % 2), *high = block + 128 + 32 * (j / 4);
         const int8_t *scales = (const int8_t *)(block + 192);
         float d = half_to_float(block + 208);
-        i32x16 a = ((load_u8(low) >> shift) & 15) | (((load_u8(high) >> (2 * c)) & 3) << 4);
-        i32x16 b = ((load_u8(low + 16) >> shift) & 15) |
-                   (((load_u8(high + 16) >> (2 * c)) & 3) << 4);
-        *lo = __builtin_convertvector(a - 32, f32x16) * (d * (float)scales[2 * j]);
-        *hi = __builtin_convertvector(b - 32, f32x16) * (d * (float)scales[2 * j + 1]);
+        for (int v = 0; v < VECTORS; v++) {
+            vint value = ((widen(low + v * LANES, 0) >> shift) & 15) |
+                         (((widen(high + v * LANES, 0) >> (2 * c)) & 3) << 4);
+            float scale = d * (float)scales[2 * j + v * LANES / 16];
+            w[v] = __builtin_convertvector(value - 32, vfloat) * scale;
+        }
         return;
     }
     const uint8_t *nibbles = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
     int shift = 4 * (j % 2), scale, min;
-    i32x16 a = (load_u8(nibbles) >> shift) & 15, b = (load_u8(nibbles + 16) >> shift) & 15;
-    if (type == TYPE_Q5_K) {
-        a |= ((load_u8(block + 16) >> j) & 1) << 4;
-        b |= ((load_u8(block + 32) >> j) & 1) << 4;
-    }
     scale_min(block + 4, j, &scale, &min);
     float ds = half_to_float(block) * (float)scale, dm = half_to_float(block + 2) * (float)min;
-    *lo = __builtin_convertvector(a, f32x16) * ds - dm;
-    *hi = __builtin_convertvector(b, f32x16) * ds - dm;
+    for (int v = 0; v < VECTORS; v++) {
+        vint value = (widen(nibbles + v * LANES, 0) >> shift) & 15;
+        if (type == TYPE_Q5_K)
+            value |= ((widen(block + 16 + v * LANES, 0) >> j) & 1) << 4;
+        w[v] = __builtin_convertvector(value, vfloat) * ds - dm;
+    }
 }
 
 /*
@@ -763,29 +758,26 @@ static inline __attribute__((always_inline)) void unpack_float(int type, const u
 static inline __attribute__((always_inline)) void float_tile(
     int type, int wrows, int count, const uint8_t *w, ptrdiff_t row_bytes, ptrdiff_t units,
     const float *x, ptrdiff_t x_stride, float dot[WROWS][TILE]) {
-    f32x16 acc[WROWS][TILE];
+    vfloat acc[WROWS][TILE];
     for (int k = 0; k < WROWS; k++)
         for (int r = 0; r < TILE; r++)
-            acc[k][r] = (f32x16){0};
+            acc[k][r] = (vfloat){0};
     for (ptrdiff_t u = 0; u < units; u++) {
-        f32x16 xl[TILE], xh[TILE];
-        for (int r = 0; r < count; r++) {
-            memcpy(&xl[r], x + r * x_stride + u * BLOCK, sizeof xl[r]);
-            memcpy(&xh[r], x + r * x_stride + u * BLOCK + BLOCK / 2, sizeof xh[r]);
-        }
+        vfloat xs[TILE][VECTORS];
+        for (int r = 0; r < count; r++)
+            memcpy(xs[r], x + r * x_stride + u * BLOCK, sizeof xs[r]);
         for (int k = 0; k < wrows; k++) {
-            f32x16 lo, hi;
-            unpack_float(type, w + k * row_bytes, u, &lo, &hi);
-            for (int r = 0; r < count; r++) { /* two multiply-adds, one sum a row */
-                acc[k][r] += lo * xl[r];
-                acc[k][r] += hi * xh[r];
-            }
+            vfloat weights[VECTORS];
+            unpack_float(type, w + k * row_bytes, u, weights);
+            for (int r = 0; r < count; r++) /* VECTORS multiply-adds, one sum a row */
+                for (int v = 0; v < VECTORS; v++)
+                    acc[k][r] += weights[v] * xs[r][v];
         }
     }
     for (int k = 0; k < wrows; k++)
         for (int r = 0; r < count; r++) {
             float total = 0.0f;
-            for (int i = 0; i < 16; i++)
+            for (int i = 0; i < LANES; i++)
                 total += acc[k][r][i];
             dot[k][r] = total;
         }

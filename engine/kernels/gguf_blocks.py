@@ -37,8 +37,9 @@ llama.cpp's arithmetic above (``quantization="gguf"``), and ``"float32"``
 (``quantization="gguf_f32"``, and ``"auto"`` where it takes the blocks): each weight block is
 dequantized in registers as :meth:`BlockKernel.rows` dequantizes it and multiplied by the
 activations themselves in float32, so a product is the file's float32 dequantization times
-the activations, to float32 rounding of the sums (:func:`rounding_bound`), for about 1.3-1.6
-times the int8 form's time a product (docs/models.md) and the same bytes read.
+the activations, to float32 rounding of the sums (:func:`rounding_bound`), for 1.2-1.7 times
+the int8 form's time a product with AVX-512 and 1.5-1.8 times with AVX2 (docs/models.md),
+the same bytes read.
 
 It is built and cached as the other kernels are (:func:`~.build.compile_library`) and
 checked at start against its own dequantized rows. Where it does not build, the model
