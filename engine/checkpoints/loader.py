@@ -278,7 +278,16 @@ def load_model(
     started = time.perf_counter()
     path = resolve_model(model)
     gguf = not path.is_dir() and _is_gguf(path)
-    blocks = _block_kernel(path, quantization, dtype, device, exact) if gguf else None
+    # Packing runs a Python thread per intra-op thread the caller allowed (see
+    # LlamaForCausalLM.use_kernels); everything else here runs on one: the kernels' checks
+    # included, so that the caller's thread is left without an OpenMP team of the loader's
+    # making. With a second team alive in the process (the caller's, beside the engine's
+    # forward thread's), GNU OpenMP counts more threads than cores and stops spinning at
+    # barriers: one stream's decode took 17-35 ms a token against 9-14 (SmolLM2's blocks, 2
+    # cores, docs/performance.md).
+    threads = torch.get_num_threads()
+    with torch_threads(1):
+        blocks = _block_kernel(path, quantization, dtype, device, exact) if gguf else None
     if quantization in BLOCK_ACTIVATIONS and not gguf:
         raise ModelLoadError(
             path,
@@ -288,15 +297,13 @@ def load_model(
     requantize: Literal["q8_0", "q4_0"] | None = None
     if quantization == "q8_0" or quantization == "q4_0":
         requantize = quantization
-        blocks = _checked_kernel(path, f"quantization={requantize!r}", dtype, device)
+        with torch_threads(1):
+            blocks = _checked_kernel(path, f"quantization={requantize!r}", dtype, device)
         asked = None
     elif quantization == "gguf" or quantization == "gguf_f32":
         asked = None
     else:
         asked = quantization
-    # Packing runs a Python thread per intra-op thread the caller allowed (see
-    # LlamaForCausalLM.use_kernels); everything else here runs on one.
-    threads = torch.get_num_threads()
     # One thread: loading is conversions and copies, bound by memory; a second thread gains
     # little, and on a machine whose other core is busy every parallel region waits for it
     # (SmolLM2's load took 4.5 s on two threads against 2.9 s on one, measured).

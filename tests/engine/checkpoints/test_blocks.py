@@ -3,6 +3,7 @@ what it computes, and what it refuses."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any, cast
@@ -256,6 +257,43 @@ def assert_logits_close(model: Any, dense: Any) -> None:
 
 def F_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.T
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_loading_leaves_the_calling_thread_without_an_openmp_team(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block products' check (run the first time a process loads blocks) multiplies on
+    the loading thread; a team of two there would outlive the load, and with the engine's
+    forward thread's team beside it GNU OpenMP stops spinning at barriers (one stream's
+    decode took 17-35 ms a token against 9-14). A fresh thread with two torch threads loads
+    a file's blocks, the check made to run again: the process has no more threads after."""
+    import os
+    import threading
+
+    from twostroke.engine.kernels import gguf_blocks
+    from twostroke.gpu.threads import torch_threads
+
+    file = write(tmp_path, Q.Q4_1, Q.Q8_0)
+    monkeypatch.setattr(gguf_blocks, "_kernel", functools.cache(gguf_blocks._kernel.__wrapped__))
+    counts: list[int] = []
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            with torch_threads(2):
+                counts.append(len(os.listdir("/proc/self/task")))
+                load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
+                counts.append(len(os.listdir("/proc/self/task")))
+        except BaseException as error:  # (raised again on the test's thread)
+            failures.append(error)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
+    assert counts[1] == counts[0]
 
 
 def test_the_blocks_are_the_files_memory_and_nothing_is_cached(
