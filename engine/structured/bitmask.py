@@ -11,6 +11,7 @@ for the device in it (``tests/engine/structured/test_bitmask.py`` checks this th
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from twostroke.states.constraints import bitmask_words
@@ -28,10 +29,20 @@ def allocate_bitmask(num_rows: int, vocab_size: int, *, pin_memory: bool = False
 
     Returns:
         A contiguous ``int32`` tensor of shape ``(num_rows, bitmask_words(vocab_size))``.
+
+    Zeroed by numpy, not by a torch fill: the bookkeeping stroke allocates masks on the
+    event loop's thread, where ATen would split a fill of more than 32768 words (22 rows of
+    SmolLM2's vocabulary) among an OpenMP team of that thread's own, a second team beside
+    the forward thread's for the rest of the thread's life, and with more OpenMP threads
+    than cores GNU OpenMP stops spinning at the forward pass's barriers
+    (:mod:`twostroke.gpu.openmp`).
     """
-    return torch.zeros(
-        (num_rows, bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pin_memory
-    )
+    shape = (num_rows, bitmask_words(vocab_size))
+    if pin_memory:
+        pinned = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+        pinned.numpy().fill(0)
+        return pinned
+    return torch.from_numpy(np.zeros(shape, dtype=np.int32))
 
 
 def _check_host(bitmask: torch.Tensor) -> None:

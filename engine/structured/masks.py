@@ -19,7 +19,7 @@ import time
 import torch
 
 from twostroke.engine.errors import EngineError
-from twostroke.states.constraints import bitmask_words
+from twostroke.engine.structured.bitmask import allocate_bitmask
 
 __all__ = ["MasksAbandoned", "StepMasks"]
 
@@ -59,9 +59,7 @@ class StepMasks:
         #: Each request's rows: its positions in the step.
         self.num_samples = dict(zip(request_ids, counts, strict=True))
         self.vocab_size = vocab_size
-        self.bitmask = torch.zeros(
-            (sum(counts), bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pin_memory
-        )
+        self.bitmask = allocate_bitmask(sum(counts), vocab_size, pin_memory=pin_memory)
         self._ready = threading.Event()
         self._abandoned = False
         self._owner = threading.get_ident()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 
 import pytest
 import torch
@@ -121,6 +123,33 @@ def test_bitmask_rows_are_views_of_the_tensor() -> None:
     assert bitmask.tolist() == [[0, 0], [1, 1]]
     assert read_bitmask(bitmask_rows(bitmask)) == {64, 96}
     assert bitmask_rows(bitmask).nbytes == 16
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_large_bitmask_is_allocated_without_an_openmp_team() -> None:
+    """The bookkeeping stroke allocates masks on the event loop's thread: a torch fill of
+    64 rows of SmolLM2's vocabulary there would start an OpenMP team of that thread's own
+    (a second one beside the forward thread's, which makes GNU OpenMP stop spinning). On
+    a fresh thread with two torch threads, the allocation leaves the process's threads as
+    they were, and the mask zeroed."""
+    from twostroke.gpu.threads import torch_threads
+
+    counts: list[int] = []
+    masks: list[torch.Tensor] = []
+
+    def allocate() -> None:
+        with torch_threads(2):
+            counts.append(len(os.listdir("/proc/self/task")))
+            masks.append(allocate_bitmask(64, 49152))
+            counts.append(len(os.listdir("/proc/self/task")))
+
+    thread = threading.Thread(target=allocate)
+    thread.start()
+    thread.join()
+    assert counts[1] == counts[0]
+    [mask] = masks
+    assert mask.shape == (64, bitmask_words(49152))
+    assert not mask.any()
 
 
 BAD_HOST_BITMASKS = [
