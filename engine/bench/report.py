@@ -106,6 +106,9 @@ def _note(extra: Mapping[str, Any]) -> str:
         parts.append(f"batch {extra['batch_size']}")
     if extra.get("load_average") is not None:
         parts.append(f"load average {extra['load_average']:.2f}")
+    if extra.get("machine_gflops"):
+        probes = " -> ".join(f"{probe:.0f}" for probe in extra["machine_gflops"])
+        parts.append(f"machine {probes} GFLOPS before -> after")
     if "masked_tokens" in extra:
         parts.append(
             f"{extra['masked_tokens']} tokens under a JSON schema: masks "

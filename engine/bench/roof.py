@@ -44,6 +44,7 @@ __all__ = [
     "MachineRoof",
     "WorkloadRoof",
     "last_level_cache_bytes",
+    "machine_speed",
     "measure_machine",
     "prepare_roof",
     "recorded_schedule",
@@ -331,6 +332,52 @@ def measure_machine(
         return pool.submit(
             _measure, dtype, threads, seconds, buffer_bytes, tuple(matmul_sizes), cache, clock
         ).result()
+
+
+#: The product :func:`machine_speed` times: float32, square, small enough to stay in the
+#: cores' caches (its rate is the cores', not the memory's) and large enough that two
+#: threads split it.
+SPEED_PROBE_SIZE = 256
+
+
+def machine_speed(
+    *, threads: int = 2, seconds: float = 0.25, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """How fast the cores compute right now: the best rate (GFLOPS) of a float32 product of
+    :data:`SPEED_PROBE_SIZE` squares on ``threads`` torch threads, over about ``seconds``.
+
+    The bench takes it before and after each system, because a shared machine's speed moves
+    while it runs: on a 2-core guest measured 2026-12-05 the same product ran at 110-120 or at
+    170-180 µs for minutes at a time (its two cores, by the look of it, sometimes one
+    physical core's two hyperthreads), and one system's throughput halved between two runs
+    ten minutes apart. A ratio between two systems is only as good as their probes agree.
+
+    It runs on a thread of its own that ends with it, so it leaves no OpenMP team behind
+    (:mod:`twostroke.gpu.openmp`: a second team beside an engine's makes its barriers sleep).
+
+    Raises:
+        ValueError: ``threads`` < 1 or ``seconds`` not > 0.
+    """
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="twostroke-probe") as pool:
+        return pool.submit(_speed, threads, seconds, clock).result()
+
+
+def _speed(threads: int, seconds: float, clock: Callable[[], float]) -> float:
+    import torch
+
+    from twostroke.gpu.threads import torch_threads
+
+    size = SPEED_PROBE_SIZE
+    with torch_threads(threads), torch.inference_mode():
+        generator = torch.Generator().manual_seed(0)
+        a = torch.rand(size, size, generator=generator)
+        b = torch.rand(size, size, generator=generator)
+        times = _repeat(functools.partial(torch.mm, a, b), clock, seconds)
+    return 2 * size**3 / min(times) / 1e9
 
 
 def _measure(

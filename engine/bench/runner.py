@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
@@ -41,6 +42,7 @@ from twostroke.engine.bench.record import BenchRun
 from twostroke.engine.bench.report import DEFAULT_REFERENCE, write_report
 from twostroke.engine.bench.roof import (
     MachineRoof,
+    machine_speed,
     measure_machine,
     prepare_roof,
     roof_of_run,
@@ -60,12 +62,14 @@ from twostroke.states.scheduler_config import SchedulingPolicy
 from twostroke.states.speculation import SpeculativeConfig
 
 __all__ = [
+    "SPEED_SPREAD",
     "SystemDriver",
     "add_bench_arguments",
     "bench_command",
     "machine_info",
     "peer_drivers",
     "run_systems",
+    "speed_warning",
 ]
 
 
@@ -123,11 +127,16 @@ def run_systems(
     model: ModelSpec,
     console: Console | None = None,
     progress: bool = True,
+    speed: Callable[[], float] | None = None,
 ) -> BenchRun:
     """Run ``workload`` through each driver in turn.
 
     A driver whose ``check`` gives a reason is skipped with that reason; one whose ``run``
     raises is recorded as not run, with the exception as the reason, and the next one runs.
+    Around each system that runs, ``speed`` (default: :func:`~.roof.machine_speed` on the
+    model's threads) probes the machine, before and after (``extra["machine_gflops"]``); a
+    warning says where a system's probes and the first one's differ by more than
+    :data:`SPEED_SPREAD`: their ratio is then the machine's as much as theirs.
 
     Args:
         drivers: The systems, in the order to run them; names must be distinct.
@@ -142,6 +151,8 @@ def run_systems(
     Raises:
         ValueError: two drivers share a name, or there are none.
     """
+    if speed is None:
+        speed = functools.partial(machine_speed, threads=model.threads)
     names = [driver.name for driver in drivers]
     if not names:
         raise ValueError("run_systems needs at least one driver, got none")
@@ -171,12 +182,15 @@ def run_systems(
         for driver in drivers:
             bar.update(task, description=f"{driver.name}: checking")
             result = _run_one(
-                driver, workload, model, lambda text: bar.update(task, description=text)
+                driver, workload, model, lambda text: bar.update(task, description=text), speed
             )
             results.append(result)
             console.print(_summary(result))
             bar.advance(task)
         bar.update(task, description="done")
+    warning = speed_warning(results)
+    if warning is not None:
+        console.print(f"warning: {warning}", style="yellow")
     return BenchRun(
         workload=workload,
         model=model,
@@ -187,7 +201,11 @@ def run_systems(
 
 
 def _run_one(
-    driver: SystemDriver, workload: Workload, model: ModelSpec, describe: Callable[[str], None]
+    driver: SystemDriver,
+    workload: Workload,
+    model: ModelSpec,
+    describe: Callable[[str], None],
+    speed: Callable[[], float],
 ) -> SystemResult:
     try:
         reason = driver.check()
@@ -196,13 +214,53 @@ def _run_one(
     if reason is not None:
         return SystemResult.unavailable(driver.name, reason)
     describe(f"{driver.name}: running")
+    before = speed()
     try:
         result = driver.run(workload, model=model)
     except Exception as error:
         return SystemResult.unavailable(driver.name, f"failed: {_describe(error)}")
-    # Other processes on the cores distort every figure (spinning thread pools suffer most):
-    # record the load the system ran under, for whoever reads the numbers.
-    return attrs.evolve(result, extra={**result.extra, "load_average": _load_average()})
+    after = speed()
+    # Other processes on the cores distort every figure (spinning thread pools suffer most),
+    # and a shared machine's own speed moves: record the load the system ran under and the
+    # machine's speed around it, for whoever reads the numbers.
+    extra = {
+        **result.extra,
+        "load_average": _load_average(),
+        "machine_gflops": [round(before, 1), round(after, 1)],
+    }
+    return attrs.evolve(result, extra=extra)
+
+
+#: How far apart (as a fraction of the first system's) the machine-speed probes around two
+#: systems may be before :func:`speed_warning` speaks.
+SPEED_SPREAD = 0.15
+
+
+def speed_warning(results: Sequence[SystemResult]) -> str | None:
+    """Which systems ran on a machine of another speed than the first system that ran (a
+    probe around them more than :data:`SPEED_SPREAD` from the first one's mean), or
+    ``None``."""
+    probed = [
+        (result.name, result.extra["machine_gflops"])
+        for result in results
+        if result.available and result.extra.get("machine_gflops")
+    ]
+    if len(probed) < 2:
+        return None
+    first_name, first = probed[0]
+    reference = sum(first) / len(first)
+    off = [
+        name
+        for name, probes in probed[1:]
+        if any(abs(probe - reference) > SPEED_SPREAD * reference for probe in probes)
+    ]
+    if not off:
+        return None
+    return (
+        f"the machine's speed moved during the run: around {', '.join(off)} it was more than "
+        f"{SPEED_SPREAD:.0%} from its {reference:.0f} GFLOPS around {first_name}, so ratios "
+        "to those systems are partly the machine's"
+    )
 
 
 def _describe(error: BaseException) -> str:
@@ -228,10 +286,14 @@ def _summary(result: SystemResult) -> str:
         return f"{result.name}: not run: {result.reason}"
     figure = metrics(result)
     load = result.extra.get("load_average")
+    probes = result.extra.get("machine_gflops")
+    notes = [] if load is None else [f"load average {load:.2f}"]
+    if probes:
+        notes.append("machine " + " -> ".join(f"{probe:.0f}" for probe in probes) + " GFLOPS")
     return (
         f"{result.name}: {figure.output_throughput:.1f} output tok/s, "
         f"startup {result.startup_seconds:.1f} s, wall {result.wall_seconds:.1f} s"
-        + ("" if load is None else f" (load average {load:.2f})")
+        + (f" ({'; '.join(notes)})" if notes else "")
     )
 
 

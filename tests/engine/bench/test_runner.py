@@ -21,6 +21,7 @@ from twostroke.engine.bench.runner import (
     add_bench_arguments,
     bench_command,
     run_systems,
+    speed_warning,
 )
 from twostroke.engine.bench.workload import BenchRequest, Workload, with_json_schemas, with_tools
 
@@ -106,6 +107,57 @@ def test_the_load_average_at_the_start_is_taken_before_the_systems_run(
     run = run_systems([Busy("busy")], WORKLOAD, model=_model(tmp_path), progress=False)
     assert run.machine["load_average_at_start"] == 0.25
     assert run.results[0].extra["load_average"] == 1.75
+
+
+def test_the_machine_is_probed_around_each_system_and_a_moved_speed_is_said(
+    tmp_path: Path,
+) -> None:
+    """Each system that runs gets the probe before and after it (a skipped one none); where
+    a later system's probes are more than SPEED_SPREAD from the first one's mean, a warning
+    names it."""
+    speeds = iter([100.0, 104.0, 110.0, 96.0, 100.0, 130.0])
+    out = io.StringIO()
+    run = run_systems(
+        [
+            FakeDriver("a"),
+            FakeDriver("missing", reason="not installed"),
+            FakeDriver("b"),
+            FakeDriver("c"),
+        ],
+        WORKLOAD,
+        model=_model(tmp_path),
+        console=Console(file=out, width=300),
+        progress=False,
+        speed=lambda: next(speeds),
+    )
+    probes = [result.extra.get("machine_gflops") for result in run.results]
+    assert probes == [[100.0, 104.0], None, [110.0, 96.0], [100.0, 130.0]]
+    text = out.getvalue()
+    assert "machine 100 -> 104 GFLOPS" in text
+    assert "the machine's speed moved during the run: around c it was more than 15%" in text
+    steady = run_systems(
+        [FakeDriver("a"), FakeDriver("b")],
+        WORKLOAD,
+        model=_model(tmp_path),
+        progress=False,
+        speed=lambda: 100.0,
+    )
+    assert speed_warning(steady.results) is None
+
+
+def test_the_machine_speed_probe_measures_a_product_on_a_thread_that_ends() -> None:
+    import threading
+
+    from twostroke.engine.bench.roof import machine_speed
+
+    before = threading.active_count()
+    rate = machine_speed(threads=1, seconds=0.01)
+    assert rate > 0.0
+    assert threading.active_count() == before
+    with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
+        machine_speed(threads=0)
+    with pytest.raises(ValueError, match="seconds must be a finite number > 0, got 0"):
+        machine_speed(seconds=0)
 
 
 def test_the_run_records_how_openmp_threads_wait(tmp_path: Path) -> None:
