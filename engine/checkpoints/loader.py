@@ -514,9 +514,11 @@ BLOCK_ACTIVATIONS: dict[str, str] = {"gguf": "int8", "gguf_f32": "float32"}
 #: Whether ``quantization="auto"`` computes a GGUF file's blocks as stored, where they run
 #: (float32 activations on a CPU, transformers' exact arithmetic not asked for, every
 #: projection in a type :data:`~twostroke.engine.kernels.gguf_blocks.BLOCK_TYPES` holds, or
-#: in 16 or 32 bits). Off, measured (docs/models.md, "GGUF blocks as stored"): against the
-#: fp16 weights, one stream 1.1x faster through the engine, 32 requests 0.92x, 40 % of the
-#: memory; but the 8-bit activations change SmolLM2's greedy answers (as llama.cpp's do).
+#: in 16 or 32 bits), by float32 activations (``"gguf_f32"``: the file's own answers). Off,
+#: measured (docs/models.md, "GGUF blocks as stored" and "The blocks by float32
+#: activations"): the 8-bit activations change SmolLM2's greedy answers (as llama.cpp's do),
+#: and the float32 ones, which keep every one of them, take 1.6x fbgemm's fp16 time a
+#: layer at one row with AVX2 and 4.9x oneDNN's AMX bfloat16 time at 32 rows.
 AUTO_BLOCKS = False
 
 #: Tensor types a GGUF file stores as plain numbers: loaded as float32 (exact), where a
