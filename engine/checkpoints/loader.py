@@ -243,12 +243,13 @@ def load_model(
             in float32 (``dtype`` must be float32, the device a CPU), each row quantized to 8
             bits per block of 32 as llama.cpp computes; a weight of another quantized type is
             a :class:`BlockTypeUnsupported`. ``"gguf_f32"``: the same blocks, multiplied by
-            the float32 activations themselves (:data:`~twostroke.engine.kernels.gguf_blocks.
-            ACTIVATIONS`): the file's model as its float32 dequantization computes it, to
-            the order of the additions. ``"q8_0"``, ``"q4_0"``: any
-            model's decoder projections quantized into those blocks at load (as llama.cpp's
-            quantizer writes them: :data:`QUANTIZE_TO_BLOCKS`) and computed as ``"gguf"``
-            computes a file's; the embedding and the output projection stay float32.
+            the float32 activations themselves (``"float32"`` of
+            :data:`~twostroke.engine.kernels.gguf_blocks.ACTIVATIONS`): the file's model as
+            its float32 dequantization computes it, to the order of the additions.
+            ``"q8_0"``, ``"q4_0"``: any model's decoder projections quantized into those
+            blocks at load (as llama.cpp's quantizer writes them: :data:`QUANTIZE_TO_BLOCKS`)
+            and computed as ``"gguf"`` computes a file's; the embedding and the output
+            projection stay float32.
             ``"auto"``: the engine's policy (see
             :func:`~twostroke.engine.kernels.selection.select_kernels`; for a GGUF file,
             :data:`AUTO_BLOCKS`).
