@@ -703,8 +703,10 @@ def random_blocks(
 def _check(kernel: BlockKernel) -> None:
     """Products of each type, several row counts and a permutation, against float64
     products of the kernel's own dequantized rows and activations (the last large enough
-    for the thread team: 9 x 68 x 448 multiply-adds; 9 x 68 x 512 for the K types), within
-    :func:`rounding_bound`."""
+    for a thread team where the caller has more than one thread: 9 x 68 x 448 multiply-adds;
+    9 x 68 x 512 for the K types), within :func:`rounding_bound`. The model loader calls it
+    on one thread (a team would outlive the load on the caller's thread); the tests split
+    the products across threads."""
     generator = np.random.default_rng(0)
     for block_type in BLOCK_TYPES.values():
         shapes = ((1, 7, 64), (6, 33, 96), (9, 68, 448))
