@@ -191,12 +191,13 @@ def rounding_bound(block_type: int, in_features: int, activations: str = "int8")
 
     ``"float32"`` activations: each weight is dequantized in float32 (up to three roundings,
     as the reference's own: a K sub-block's two scale products and a multiply-add), then
-    multiplied and added into one of sixteen lanes (a rounding a weight, ``in_features / 16``
-    in a lane's chain), and the lanes summed (fifteen additions): at most (6 +
-    in_features / 16 + 15) roundings, doubled as above.
+    multiplied and added into one of the path's lanes (a rounding a weight; a lane's chain
+    holds ``in_features`` over the lanes: 16 with AVX-512, 8 with AVX2, 4 in portable C, the
+    bound takes 4), and the lanes summed (at most fifteen additions): at most (6 +
+    in_features / 4 + 15) roundings, doubled as above.
     """
     if activations == "float32":
-        return 2.0 * (6 + in_features // 16 + 15) * 2.0**-24
+        return 2.0 * (6 + in_features // 4 + 15) * 2.0**-24
     blocks = in_features // BLOCK
     offsets = in_features // block_weights(block_type)
     return 2.0 * (3 * blocks + 2 * offsets + 7) * 2.0**-24
