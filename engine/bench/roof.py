@@ -317,10 +317,7 @@ def measure_machine(
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    if not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-    if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
+    _check_budget(threads, seconds)
     if buffer_bytes is not None and buffer_bytes < 2**20:
         raise ValueError(f"buffer_bytes must be >= 1 MiB ({2**20}), got {buffer_bytes}")
     if not matmul_sizes or any(size < 1 for size in matmul_sizes):
@@ -332,6 +329,14 @@ def measure_machine(
         return pool.submit(
             _measure, dtype, threads, seconds, buffer_bytes, tuple(matmul_sizes), cache, clock
         ).result()
+
+
+def _check_budget(threads: int, seconds: float) -> None:
+    """A measurement's thread count (an int >= 1) and time (finite, > 0), or why not."""
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
 
 
 #: The product :func:`machine_speed` times: float32, square, small enough to stay in the
@@ -358,10 +363,7 @@ def machine_speed(
     Raises:
         ValueError: ``threads`` < 1 or ``seconds`` not > 0.
     """
-    if not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-    if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"seconds must be a finite number > 0, got {seconds!r}")
+    _check_budget(threads, seconds)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="twostroke-probe") as pool:
         return pool.submit(_speed, threads, seconds, clock).result()
 

@@ -510,7 +510,7 @@ def _load_gguf(
 #: How each quantization that computes a GGUF file's blocks as stored takes its activations
 #: (:attr:`~twostroke.engine.kernels.gguf_blocks.BlockKernel.activations`): ``"gguf"`` as
 #: llama.cpp does, quantized to 8 bits per block; ``"gguf_f32"`` as they are.
-BLOCK_ACTIVATIONS: dict[str, str] = {"gguf": "int8", "gguf_f32": "float32"}
+BLOCK_ACTIVATIONS: dict[Literal["gguf", "gguf_f32"], str] = {"gguf": "int8", "gguf_f32": "float32"}
 
 #: Whether ``quantization="auto"`` computes a GGUF file's blocks as stored, where they run
 #: (float32 activations on a CPU, transformers' exact arithmetic not asked for, every
@@ -548,8 +548,10 @@ def _block_kernel(
 
 
 def _stored_as(kernel: BlockKernel) -> Literal["gguf", "gguf_f32"]:
-    """The quantization that names a file loaded as stored with ``kernel``'s activations."""
-    return "gguf_f32" if kernel.activations == "float32" else "gguf"
+    """The quantization that names a file loaded as stored with ``kernel``'s activations
+    (:data:`BLOCK_ACTIVATIONS` read backwards)."""
+    [name] = [name for name, form in BLOCK_ACTIVATIONS.items() if form == kernel.activations]
+    return name
 
 
 def _checked_kernel(

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.engine.checkpoints.test_loader import write_gguf
+from tests.engine.checkpoints.test_blocks import write
 from tests.engine.kernels.emulated_projection import emulated_projection
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.attention.kernels import AttentionKernel
@@ -91,10 +91,7 @@ def models(
             found[f"{kind}-{blocks}"] = module
     # A GGUF file's Q4_1 blocks as stored, by the float32 activations themselves.
     folder = tmp_path_factory.mktemp("gguf")
-    reference = make_tiny_model("llama", folder / "hf", seed=5, tie_word_embeddings=True)
-    file = folder / "tiny.gguf"
-    with torch.no_grad():
-        write_gguf(file, reference, "llama", matrices=Q.Q4_1, embedding=Q.Q8_0)
+    file = write(folder, Q.Q4_1, Q.Q8_0, seed=5, tie_word_embeddings=True)
     loaded = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf_f32")
     assert loaded.module.stack is not None
     found["llama-gguf_f32"] = loaded.module
