@@ -72,16 +72,24 @@ typedef int twostroke_stack_projection_fn(const element *x, ptrdiff_t x_stride, 
                                           element *out, ptrdiff_t out_stride);
 
 /* projection_bf16.c: the bfloat16 projections (defined where the CPU has AVX512-BF16);
- * `weight` is the panels. */
+ * `weight` is the panels. twostroke_projection_tiled takes many rows on AMX tiles, where
+ * twostroke_projection_tiles() has said they may be used. */
 typedef int twostroke_projection_supported_fn(void);
 typedef int twostroke_projection_panel_fn(void);
+typedef int twostroke_projection_tiles_fn(void);
 typedef int twostroke_projection_fn(const uint16_t *x, ptrdiff_t x_stride, ptrdiff_t rows,
                                     ptrdiff_t in_features, const void *weight,
                                     ptrdiff_t out_features, const float *bias, uint16_t *out,
                                     ptrdiff_t out_stride);
 twostroke_projection_supported_fn twostroke_projection_supported;
 twostroke_projection_panel_fn twostroke_projection_panel;
+twostroke_projection_tiles_fn twostroke_projection_tiles;
+typedef int twostroke_projection_tiled_fn(const uint16_t *x, ptrdiff_t x_stride, ptrdiff_t rows,
+                                          ptrdiff_t in_features, const void *weight,
+                                          ptrdiff_t out_features, const float *bias,
+                                          uint16_t *out, ptrdiff_t out_stride);
 twostroke_projection_fn twostroke_projection;
+twostroke_projection_tiled_fn twostroke_projection_tiled;
 
 /* gguf_blocks.c: products by GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks
  * as stored (`type` is GGML's type number), of activations quantized per block of 32 or as they

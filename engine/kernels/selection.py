@@ -73,7 +73,8 @@ class Projections:
             (the values exact, half float32's bytes), else ``"dense"``.
         panel_rows: With ``"panels"``, the most rows the panels multiply; more go to a
             oneDNN-packed copy of each weight (``None``: the panels take every row count).
-            Where oneDNN's bfloat16 products run on AMX tiles (:data:`AMX_PANEL_ROWS`).
+            Where oneDNN's bfloat16 products run on AMX tiles and the panels' own do not
+            (:data:`AMX_PANEL_ROWS`).
     """
 
     layers: WeightForm
@@ -164,11 +165,13 @@ class CpuKernels:
         return "; ".join(parts)
 
 
-#: Where oneDNN's bfloat16 products run on AMX tiles, the most rows the compiled panels
+#: Where oneDNN's bfloat16 products run on AMX tiles and the compiled panels do not (their
+#: library built by a compiler without AMX: :attr:`ProjectionKernel.tiles
+#: <twostroke.engine.kernels.projection.ProjectionKernel.tiles>`), the most rows the panels
 #: multiply: from 9 rows on oneDNN's packed products are faster. SmolLM2's four projections
-#: of a layer, 2 threads, Intel Xeon with AMX (2026-12-05), panels against oneDNN packed:
-#: 0.49x the time at 1 row, 0.64 at 4, 1.02 at 8, 1.48 at 12, 1.92 at 16, 3.18 at 32, 3.73
-#: at 256 (docs/performance.md).
+#: of a layer, 2 threads, Intel Xeon with AMX (2026-12-05), the vector panels against oneDNN
+#: packed: 0.49x the time at 1 row, 0.64 at 4, 1.02 at 8, 1.48 at 12, 1.92 at 16, 3.18 at
+#: 32, 3.73 at 256 (docs/performance.md).
 AMX_PANEL_ROWS = 8
 
 
@@ -395,7 +398,13 @@ def _projections(
         inputs += [config.num_heads * config.head_dim, config.intermediate_size]
     full, kernel, why = _full_precision(dtype, device, exact, pack, inputs)
     rows = None
-    if full == "panels" and cpu_personality().amx and can_pack(dtype, device, exact=exact):
+    if (
+        full == "panels"
+        and kernel is not None
+        and not kernel.tiles
+        and cpu_personality().amx
+        and can_pack(dtype, device, exact=exact)
+    ):
         rows = AMX_PANEL_ROWS
     return Projections(reduced or full, full, kernel, panel_rows=rows), why
 

@@ -250,7 +250,7 @@ BINDINGS: dict[str, tuple[Any, str, Callable[[], object], Callable[[], object], 
         "PROJECTION_SOURCE",
         projection.build_projection,
         projection.projection_kernel,
-        "twostroke_projection_supported, twostroke_projection_panel",
+        "twostroke_projection_supported, twostroke_projection_panel, twostroke_projection_tiles",
     ),
     "stack": (
         stack,
@@ -324,6 +324,7 @@ def test_a_projection_build_that_says_it_runs_but_lacks_its_function_is_refused(
         STUB
         + "int twostroke_projection_supported(void) { return 1; }\n"
         + "int twostroke_projection_panel(void) { return 48; }\n"
+        + "int twostroke_projection_tiles(void) { return 0; }\n"
     )
     monkeypatch.setattr(projection, "PROJECTION_SOURCE", stub)
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))

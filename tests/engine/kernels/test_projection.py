@@ -108,20 +108,58 @@ def test_products_are_torchs_to_bfloat16_rounding(
         assert float((got.float() - expected).abs().max()) <= 2 * TOLERANCE * scale
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 41),  # one row tile, a part of one, several and a part
+    out_features=st.integers(1, 160),
+    steps=st.integers(1, 5),  # inputs a whole number of an AMX tile's 32
+    with_bias=st.booleans(),
+    row_gap=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_products_of_whole_tiles_of_inputs_are_torchs_to_bfloat16_rounding(
+    kernel: ProjectionKernel,
+    rows: int,
+    out_features: int,
+    steps: int,
+    with_bias: bool,
+    row_gap: int,
+    seed: int,
+) -> None:
+    """The widths the AMX tiles take (where :attr:`ProjectionKernel.tiles`; the vector tiles
+    elsewhere, and for fewer rows than the tiles start at)."""
+    generator = torch.Generator().manual_seed(seed)
+    in_features = 32 * steps
+    wide = torch.randn(rows, in_features + row_gap, generator=generator).to(torch.bfloat16)
+    x = wide[:, row_gap:]
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16) if with_bias else None
+    assert_close_to_float32_product(kernel.pack(weight, bias)(x), x, weight, bias)
+
+
+def test_amx_tiles_are_taken_where_the_cpu_has_them_and_nothing_caps_it(
+    kernel: ProjectionKernel,
+) -> None:
+    """Every personality's rung compiles without AMX (``-march=x86-64-v4`` and flags below
+    it); uncapped, GCC and clang target it with ``-march=native`` where the CPU has it."""
+    assert kernel.tiles == cpu_personality().amx
+
+
 def test_the_thread_team_splits_the_panels_to_the_same_products(kernel: ProjectionKernel) -> None:
     generator = torch.Generator().manual_seed(3)
-    x = torch.randn(70, 576, generator=generator).to(torch.bfloat16)
     weight = torch.randn(961, 576, generator=generator).to(torch.bfloat16)
     packed = kernel.pack(weight)
-    alone = packed(x)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        together = packed(x)
-    finally:
-        torch.set_num_threads(previous)
-    assert torch.equal(alone, together)  # each output is one tile's sums, whoever sums it
-    assert_close_to_float32_product(together, x, weight, None)
+    for rows in (1, 70):  # the vector tiles; the AMX tiles where they run
+        x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
+        alone = packed(x)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            together = packed(x)
+        finally:
+            torch.set_num_threads(previous)
+        assert torch.equal(alone, together)  # each output is one tile's sums, whoever sums it
+        assert_close_to_float32_product(together, x, weight, None)
 
 
 def test_inputs_with_more_dimensions_keep_them(kernel: ProjectionKernel) -> None:
@@ -232,15 +270,29 @@ def amx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool
     return has
 
 
+@pytest.fixture(params=[False, True], ids=["vector-tiles", "amx-tiles"])
+def tiles(
+    request: pytest.FixtureRequest, kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch
+) -> bool:
+    """Whether the compiled kernel multiplies many rows on AMX tiles, as the selection sees
+    it (its products stay the real kernel's: only the decision is at stake)."""
+    has: bool = request.param
+    monkeypatch.setattr(selection, "projection_kernel", lambda: attrs.evolve(kernel, tiles=has))
+    return has
+
+
 def test_which_decoders_take_the_kernel(
-    kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch, amx: bool
+    kernel: ProjectionKernel, monkeypatch: pytest.MonkeyPatch, amx: bool, tiles: bool
 ) -> None:
     projection._kernel.cache_clear()
     taken = chosen(exact=False)
-    # Where oneDNN runs on AMX tiles, its packed products take more than AMX_PANEL_ROWS.
-    split = amx and can_pack(torch.bfloat16, CPU, exact=False)
+    # Where oneDNN runs on AMX tiles and the kernel does not (a compiler without them), its
+    # packed products take more than AMX_PANEL_ROWS; the kernel's own tiles take them all.
+    split = amx and not tiles and can_pack(torch.bfloat16, CPU, exact=False)
     rows = AMX_PANEL_ROWS if split else None
-    assert taken.projection == Projections("panels", "panels", projection_kernel(), panel_rows=rows)
+    assert taken.projection == Projections(
+        "panels", "panels", attrs.evolve(kernel, tiles=tiles), panel_rows=rows
+    )
     model = LlamaForCausalLM(_config(), dtype=torch.bfloat16, device=CPU)
     for parameter in model.parameters():
         parameter.data.normal_()
