@@ -632,6 +632,16 @@ class Request:
                     f"SampleDiscarded(step_id={step_id}) has no placeholder to drop: "
                     "no step in flight samples for this request"
                 )
+            case SampleDiscarded(step_id=step_id) if (
+                self._num_drafts
+                and step_id == self._last_step_id
+                and self._num_placeholders < 1 + self._num_drafts
+            ):
+                rule = (
+                    f"SampleDiscarded(step_id={step_id}) drops the row verifying "
+                    f"{self._num_drafts} drafts whole, {1 + self._num_drafts} placeholders, "
+                    f"but {self._num_placeholders} are left: its tokens are being delivered"
+                )
             case DraftVerified(num_accepted=accepted):
                 name = f"DraftVerified(num_accepted={accepted})"
                 if not self._num_drafts:

@@ -170,6 +170,13 @@ class RequestModel:
             return None
         if isinstance(event, TokenSampled | SampleDiscarded) and self.placeholders == 0:
             return None
+        if (
+            isinstance(event, SampleDiscarded)
+            and self.drafts
+            and event.step_id == self.last_step
+            and self.placeholders < 1 + self.drafts
+        ):
+            return None  # a row with drafts is discarded whole, never after a delivery
         if isinstance(event, PrefixCacheHit) and (
             self.blocks
             or self.computed

@@ -504,6 +504,26 @@ def test_a_discarded_row_with_drafts_drops_all_its_placeholders() -> None:
     assert (other.num_placeholders, other.num_drafts) == (0, 0)
 
 
+def test_a_row_with_drafts_is_not_discarded_once_its_tokens_arrive() -> None:
+    """The scheduler either delivers a row's tokens or discards the row: a discard after a
+    delivery would drop placeholders the row no longer holds (the request machine found
+    it: three placeholders dropped of two)."""
+    target = _decoding()
+    target.apply(SampleScheduled(1, 1, num_drafts=2))
+    target.apply(Preempted())
+    target.apply(TokenSampled(6, 0.0))
+    message = (
+        "SampleDiscarded(step_id=1) drops the row verifying 2 drafts whole, 3 placeholders, "
+        "but 2 are left: its tokens are being delivered"
+    )
+    with pytest.raises(InvalidTransition, match=re.escape(message)):
+        target.apply(SampleDiscarded(1))
+    assert (target.num_placeholders, target.num_drafts) == (2, 2)
+    target.apply(TokenSampled(7, 0.0))
+    target.apply(DraftVerified(1, 1))
+    assert (target.num_placeholders, target.num_drafts) == (0, 0)
+
+
 # --- the proposers --------------------------------------------------------------------------
 
 
