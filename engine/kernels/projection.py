@@ -162,8 +162,11 @@ class ProjectionKernel:
             raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
         panel = self.panel
         count = -(-out_features // panel)
-        padded = weight.detach().new_zeros(count * panel, in_features)
-        padded[:out_features] = weight.detach()
+        padded = weight.detach()
+        if out_features % panel:  # zero columns to a whole panel (else no copy: the head's
+            # copy was a third tensor of its size at the load's peak, beside it and its panels)
+            padded = padded.new_zeros(count * panel, in_features)
+            padded[:out_features] = weight.detach()
         laid_out = padded.view(count, panel, in_features // 2, 2).permute(0, 2, 1, 3)
         if into is None:
             panels = laid_out.contiguous()
@@ -245,7 +248,7 @@ class PanelWeight:
     """
 
     kernel: ProjectionKernel
-    panels: torch.Tensor
+    panels: torch.Tensor = attrs.field(repr=False)
     bias: torch.Tensor | None
     out_features: int
     in_features: int
@@ -257,6 +260,17 @@ class PanelWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, read back from the panels: bfloat16 ``[*ids.shape,
+        in_features]``, the values it was packed from exactly. A tied embedding looks up
+        its tokens here, so the model holds the matrix once (the ids are the engine's,
+        checked against the vocabulary before they reach a step)."""
+        panel = self.kernel.panel
+        flat = ids.reshape(-1)
+        # [panels, pairs, panel, 2] indexed by (panel, column): [len(ids), pairs, 2].
+        found = self.panels[torch.div(flat, panel, rounding_mode="floor"), :, flat % panel, :]
+        return found.reshape(*ids.shape, self.in_features)
 
 
 def projection_kernel() -> ProjectionKernel | None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
@@ -37,6 +37,7 @@ from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.attention.ops import paged_attention
 from twostroke.engine.kernels.gguf_blocks import BlockEmbedding, BlockTensor, BlockWeight
 from twostroke.engine.kernels.glue import DecoderGlue
+from twostroke.engine.kernels.libc import release_free_memory
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.projection import PanelWeight
 from twostroke.engine.kernels.selection import CpuKernels, Projections, torch_kernels
@@ -59,6 +60,11 @@ from twostroke.states.validators import check_int_at_least
 __all__ = ["LlamaForCausalLM", "WeightError", "inverse_frequencies"]
 
 _log = logging.getLogger(__name__)
+
+#: Bytes of dense weights converted between two hand-backs of the freed memory to the OS
+#: (:func:`~twostroke.engine.kernels.libc.release_free_memory`): about a layer of SmolLM2
+#: in bfloat16, so the peak holds one layer's dense weights beside the converted ones.
+_RELEASE_EVERY = 8 << 20
 
 
 class WeightError(EngineError, ValueError):
@@ -229,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         # A tied output projection multiplies by the embedding (which stays dense for the
-        # lookups: the projection's other forms are copies).
+        # lookups where the projection's other form is a copy; its panels serve both).
         self.lm_head = (
             Linear.tied(self.embed_tokens)
             if config.tie_word_embeddings
@@ -242,9 +248,10 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = inverse_frequencies(config).to(device)
         self._loaded: set[str] = set()
         # Weights a GGUF file holds in blocks, kept as stored (load_blocks), and the
-        # embedding's lookup from them once the kernels are chosen.
+        # embedding's lookup from them (or from a tied head's panels) once the kernels are
+        # chosen.
         self._blocks: dict[str, BlockTensor] = {}
-        self._embedding: BlockEmbedding | None = None
+        self._embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # --- computing ------------------------------------------------------------------------
 
@@ -370,11 +377,25 @@ class LlamaForCausalLM(nn.Module):
             room = dict(zip(map(id, panels), huge_page_buffer(sizes, torch.bfloat16), strict=True))
         # One thread: the reorders are memory-bound, and with two threads on a busy machine
         # each call waits for a descheduled thread (5x slower, measured: 0.9 s for SmolLM2).
+        # The dense weights each conversion drops go back to the OS as the new forms fill,
+        # so the load's peak holds about one copy of the weights, not two (engine.kernels.libc).
+        dropped = 0
         with torch_threads(1):
             for linear, form in zip(linears, forms, strict=True):
                 if form not in QUANTIZATIONS:
                     into, rows = room.get(id(linear)), projection.panel_rows
+                    if form != "dense" and linear.weight is not None:
+                        dropped += linear.weight.nbytes
                     linear.convert(form, kernel=kernel, into=into, panel_rows=rows)
+                    if dropped >= _RELEASE_EVERY:
+                        release_free_memory()
+                        dropped = 0
+        head = self.lm_head.method
+        if self.config.tie_word_embeddings and isinstance(head, PanelWeight):
+            # One copy of the tied matrix: lookups read the head's panels (the same values).
+            self._embedding = head.rows
+            self.embed_tokens = empty_parameter(0, dtype=self.dtype, device=self.device)
+        release_free_memory()
 
     def _use_blocks(self, projection: Projections) -> None:
         """Each projection whose weights the file holds in blocks computes from them as

@@ -33,6 +33,7 @@ from twostroke.engine.kernels.selection import (
     Projections,
     select_kernels,
 )
+from twostroke.engine.models import llama
 from twostroke.engine.models.linear import Linear, SplitByRows, can_pack
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality, machine_rung
@@ -160,6 +161,21 @@ def test_the_thread_team_splits_the_panels_to_the_same_products(kernel: Projecti
             torch.set_num_threads(previous)
         assert torch.equal(alone, together)  # each output is one tile's sums, whoever sums it
         assert_close_to_float32_product(together, x, weight, None)
+
+
+def test_rows_read_back_from_the_panels_are_the_weights_rows(kernel: ProjectionKernel) -> None:
+    """A tied embedding's lookup: every row, a whole panel's and the last partial one's,
+    exactly, in the ids' shape."""
+    generator = torch.Generator().manual_seed(8)
+    for out_features in (2 * kernel.panel, 2 * kernel.panel + 7):  # no padding; padding
+        weight = torch.randn(out_features, 10, generator=generator).to(torch.bfloat16)
+        packed = kernel.pack(weight)
+        every = torch.arange(out_features)
+        assert torch.equal(packed.rows(every), weight)
+        ids = torch.randint(0, out_features, (3, 5), generator=generator)
+        got = packed.rows(ids)
+        assert got.shape == (3, 5, 10)
+        assert torch.equal(got, weight[ids])
 
 
 def test_inputs_with_more_dimensions_keep_them(kernel: ProjectionKernel) -> None:
@@ -296,7 +312,10 @@ def test_which_decoders_take_the_kernel(
     model = LlamaForCausalLM(_config(), dtype=torch.bfloat16, device=CPU)
     for parameter in model.parameters():
         parameter.data.normal_()
+    released: list[int] = []
+    monkeypatch.setattr(llama, "release_free_memory", lambda: released.append(1) or True)
     model.use_kernels(taken)
+    assert released  # the dense weights the conversion dropped go back to the OS
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears
     methods = [m.method for m in linears]
@@ -339,6 +358,9 @@ def test_a_decoder_on_the_kernel_computes_what_oneDNNs_does_to_rounding(
     theirs = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, pack_weights=False)
     assert ours.module.kernels.projection.layers == "panels"
     assert theirs.module.kernels.projection.layers == "dense"
+    if tied and isinstance(ours.module.lm_head.method, PanelWeight):
+        # One copy of the tied matrix: the lookups read the head's panels.
+        assert ours.module.embed_tokens.numel() == 0
     assert isinstance(theirs.module.kernels.glue, DecoderGlue)
     sequences = random_sequences([1, 6, 29], seed=12)
     got = ours.module.forward_logits(sequences, chunk_size=5)

@@ -24,7 +24,7 @@ from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import build, stack
 from twostroke.engine.kernels import projection as projection_module
 from twostroke.engine.kernels.build import NativeBuildError
-from twostroke.engine.kernels.gguf_blocks import DENSE_ROWS, BlockWeight
+from twostroke.engine.kernels.gguf_blocks import DENSE_ROWS, BlockEmbedding, BlockWeight
 from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
 from twostroke.engine.kernels.projection import (
     PanelWeight,
@@ -146,9 +146,9 @@ def test_logits_are_the_per_layer_paths_bit_for_bit(
     steps = -(-max(lengths) // (chunk or max(lengths)))
     # The stack, the final norm and the output projection where it is compiled (the blocks
     # quantized at load leave it in float32, torch's), and the embedding's lookup where it
-    # reads a file's blocks.
+    # reads a file's blocks (a tied head's panels are read by torch's indexing).
     head = isinstance(model.lm_head.method, PanelWeight | BlockWeight | SplitByRows)
-    embedding = model._embedding is not None
+    embedding = isinstance(model._embedding, BlockEmbedding)
     most = model.stack.most_tokens if model.stack is not None else None
     if most is None or sum(lengths) <= most:  # (a larger step runs layer by layer)
         assert timer.calls == (2 + head + embedding) * steps
