@@ -14,15 +14,19 @@ GFLOPS), 1.16x at 512.
 
 Where the CPU has AMX (Intel Xeon from Sapphire Rapids on), oneDNN's bfloat16 products run
 on its tiles, and beyond 8 rows the vector panels lost to them (3.2x oneDNN's time at 32
-rows). So the same library, built there, multiplies 5 rows or more on AMX tiles too
-(``TDPBF16PS``), reading the same panels, whose layout is the tiles' operand layout: 16
-rows of inputs by a panel's 48 columns a group of tiles. Measured on SmolLM2's four
+rows). So the same library, built there, multiplies on AMX tiles too (``TDPBF16PS``),
+reading the same panels, whose layout is the tiles' operand layout: up to 16 rows of inputs
+by a panel's 48 columns a group of tiles. Measured on SmolLM2's four
 projections of a layer, each of 30 layers' weights in turn (so read from memory, as in a
 step), 2 threads, Intel Xeon with AMX: the vector panels' time over the tiles' 0.90-0.93 at
 4 rows, 1.08-1.09 at 5, 3.4-4.0 at 32, 4.8-5.4 at 128; oneDNN's packed products' over the
 tiles' 1.6-1.7 at 32 rows, 1.3-1.4 at 128 (both paths with the prefetch hints the C source
 describes; before them, 1.08-1.16 at 128 and 512). One copy of each weight then serves every
-row count, and the decoder stack runs every step in one call.
+row count, and the decoder stack runs every step in one call. Every row count runs on the
+tiles, one row included, though the vector panels were faster below 5 rows: the two sum in
+different orders, and a row's outputs must not change with the rows beside it, or greedy
+tokens change with the batch (speculative decoding's check failed); one decode step pays
+about 9 % for it (``projection_bf16.c``).
 
 The sums are float32 and each output is rounded to bfloat16 once, as oneDNN does, but in
 another order than oneDNN sums, so the products agree with ``F.linear`` to bfloat16
@@ -102,11 +106,11 @@ class ProjectionKernel:
     Attributes:
         panel: Output columns per panel of a packed weight.
         path: The shared library.
-        tiles: Whether products of 5 rows or more (``TILED_FROM`` in the C source) run
-            on AMX tiles (``TDPBF16PS``): the library is built for them (``-march=native``
-            on a CPU with AMX-BF16) and Linux grants this process their state. Decided
-            once, when the kernel is built: the entry point bound (:attr:`address`, which
-            the decoder stack calls too) is the tiled one.
+        tiles: Whether the products run on AMX tiles (``TDPBF16PS``), every row count:
+            the library is built for them (``-march=native`` on a CPU with AMX-BF16) and
+            Linux grants this process their state. Decided once, when the kernel is
+            built: the entry point bound (:attr:`address`, which the decoder stack calls
+            too) is the tiled one.
     """
 
     panel: int

@@ -182,13 +182,13 @@ int twostroke_projection(
  * the vector tiles do: at 16 and 32 rows on 30 layers' weights the tiles took 0.82-0.90 of
  * their time without the hints (alternated runs; 1, 2 and 4 steps ahead were alike). */
 #define PREFETCH_STEPS 2
-/* Rows from which twostroke_projection_tiled() multiplies on tiles (a tile of 16 rows
- * costs about the same for 1 real row as for 16). SmolLM2's four projections of a layer,
- * each of 30 layers' weights in turn, 2 threads, Intel Xeon with AMX (2026-12-05), both
- * paths with their prefetch hints: the vector tiles' time over the AMX tiles' 0.89-0.94 at
- * 1 row, 0.94-0.96 at 2, 0.87-1.01 at 3, 0.90-0.93 at 4, 1.08-1.09 at 5, 1.01-1.21 at 6,
- * 1.15-1.29 at 8 (two runs). */
-#define TILED_FROM 5
+/* Every row count runs on the tiles, one row included, though the vector tiles were faster
+ * below 5 rows (their time over the AMX tiles' 0.89-0.94 at 1 row, 0.90-0.93 at 4, 1.08 at
+ * 5: SmolLM2's four projections of a layer, 30 layers' weights in turn, 2 threads, Intel
+ * Xeon with AMX): the two sum in different orders, so a row's outputs would change with
+ * the rows beside it, and greedy tokens with the batch (speculative decoding's check that
+ * drafts leave them unchanged failed). A row's sums on the tiles do not depend on the
+ * others; one decode step costs 13.4 -> 14.7 ms for it (medians of three, alternated). */
 _Static_assert(PANEL == 3 * 16, "a panel is three AMX column tiles");
 
 #if TILES_BUILT
@@ -239,14 +239,13 @@ static void amx_tile(const uint16_t *a, ptrdiff_t a_stride, ptrdiff_t rows,
 #endif
 
 /*
- * twostroke_projection() (the same arguments and result), on AMX tiles for TILED_FROM rows
- * or more where in_features is a whole number of tiles' inputs (2 * TILE_PAIRS); else, or
- * built without the tiles, the vector tiles. Bound only where twostroke_projection_tiles()
- * returned 1. The sums are float32, as the vector tiles', in another order (AMX adds a
- * pair's two products, then the sum; subnormal inputs count as zero), and each output is
- * rounded to bfloat16 once, as there. A last row tile of fewer than TILE_ROWS rows is
- * copied into zeroed memory, so every tile has TILE_ROWS rows; returns 2 where that memory
- * could not be allocated.
+ * twostroke_projection() (the same arguments and result), on AMX tiles where in_features is
+ * a whole number of tiles' inputs (2 * TILE_PAIRS); else, or built without the tiles, the
+ * vector tiles (each weight's products by one path: see above). Bound only where
+ * twostroke_projection_tiles() returned 1. The sums are float32, as the vector tiles', in
+ * another order (subnormal inputs count as zero), and each output is rounded to bfloat16
+ * once, as there. Fewer rows than a tile are a tile of that many rows; more, whole tiles,
+ * and a last part is copied into zeroed memory (returns 2 where it could not be allocated).
  */
 int twostroke_projection_tiled(
     const uint16_t *x, ptrdiff_t x_stride, ptrdiff_t rows, ptrdiff_t in_features,
@@ -254,10 +253,12 @@ int twostroke_projection_tiled(
     ptrdiff_t out_stride)
 {
 #if TILES_BUILT
-    if (rows >= TILED_FROM && in_features % (2 * TILE_PAIRS) == 0) {
+    if (rows > 0 && in_features % (2 * TILE_PAIRS) == 0) { /* (a tile of 0 rows is invalid) */
         const uint16_t *panels = (const uint16_t *)weight;
         ptrdiff_t count = (out_features + PANEL - 1) / PANEL, steps = in_features / (2 * TILE_PAIRS);
-        ptrdiff_t whole = rows / TILE_ROWS * TILE_ROWS, left = rows - whole;
+        /* Fewer rows than a tile: the tiles are configured to the rows there are. */
+        int few = rows < TILE_ROWS;
+        ptrdiff_t whole = few ? rows : rows / TILE_ROWS * TILE_ROWS, left = rows - whole;
         uint16_t *last = NULL;
         if (left) {
             last = calloc((size_t)(TILE_ROWS * in_features), sizeof *last);
@@ -272,7 +273,7 @@ int twostroke_projection_tiled(
         {
             struct tile_config config = {.palette = 1};
             for (int t = 0; t < 7; t++) {
-                config.rows[t] = TILE_ROWS;
+                config.rows[t] = (uint8_t)(t < 4 && few ? rows : TILE_ROWS); /* C, A; B */
                 config.columns[t] = 64;
             }
             _tile_loadconfig(&config);
@@ -291,7 +292,7 @@ int twostroke_projection_tiled(
                     int whole_tile = r0 < whole;
                     amx_tile(whole_tile ? x + r0 * x_stride : last,
                              whole_tile ? x_stride : in_features,
-                             whole_tile ? TILE_ROWS : left, panel, steps, panel_bias, masks,
+                             few ? rows : whole_tile ? TILE_ROWS : left, panel, steps, panel_bias, masks,
                              out + r0 * out_stride + q * PANEL, out_stride);
                 }
             }

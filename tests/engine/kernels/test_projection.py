@@ -163,6 +163,23 @@ def test_the_thread_team_splits_the_panels_to_the_same_products(kernel: Projecti
         assert_close_to_float32_product(together, x, weight, None)
 
 
+@pytest.mark.parametrize("width", [64, 70])  # whole AMX tiles of inputs (where they run); not
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(
+    kernel: ProjectionKernel, width: int
+) -> None:
+    """Bit for bit, alone or among any number of rows: greedy tokens must not change with
+    the batch (speculative decoding verifies drafts in rows a plain decode does not have)."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(2 * kernel.panel + 5, width, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(2 * kernel.panel + 5, generator=generator)
+    packed = kernel.pack(weight, bias)
+    x = torch.randn(37, width, generator=generator).to(torch.bfloat16)
+    alone = torch.cat([packed(x[r : r + 1]) for r in range(len(x))])
+    for rows in (2, 4, 5, 8, 9, 16, 17, 37):
+        assert torch.equal(packed(x[:rows]), alone[:rows])
+    assert packed(x[:0]).shape == (0, 2 * kernel.panel + 5)  # no tile of no rows
+
+
 def test_rows_read_back_from_the_panels_are_the_weights_rows(kernel: ProjectionKernel) -> None:
     """A tied embedding's lookup: every row, a whole panel's and the last partial one's,
     exactly, in the ids' shape."""
