@@ -83,6 +83,18 @@ int twostroke_projection_tiles(void) {
 #if PROJECTION_SUPPORTED
 #include <immintrin.h>
 
+/* Which of panel q's columns, COLUMN_VECTORS vectors of LANES, are outputs (the panels are
+ * zero past out_features, and nothing is stored there). */
+static inline void panel_masks(ptrdiff_t q, ptrdiff_t out_features,
+                               __mmask16 masks[COLUMN_VECTORS]) {
+    for (int v = 0; v < COLUMN_VECTORS; v++) {
+        ptrdiff_t left = out_features - q * PANEL - v * LANES;
+        masks[v] = left >= LANES ? (__mmask16)0xFFFF
+                   : left <= 0   ? (__mmask16)0
+                                 : (__mmask16)((1u << left) - 1);
+    }
+}
+
 /* One tile: `rows` (1..ROWS, a constant where this is inlined) rows of x by one panel. */
 static inline __attribute__((always_inline)) void tile(
     int rows, const uint16_t *x, ptrdiff_t x_stride, const uint16_t *panel, ptrdiff_t pairs,
@@ -144,12 +156,7 @@ int twostroke_projection(
         const uint16_t *panel = panels + q * in_features * PANEL;
         const float *panel_bias = bias ? bias + q * PANEL : NULL;
         __mmask16 masks[COLUMN_VECTORS];
-        for (int v = 0; v < COLUMN_VECTORS; v++) {
-            ptrdiff_t left = out_features - q * PANEL - v * LANES;
-            masks[v] = left >= LANES ? (__mmask16)0xFFFF
-                       : left <= 0   ? (__mmask16)0
-                                     : (__mmask16)((1u << left) - 1);
-        }
+        panel_masks(q, out_features, masks);
         for (ptrdiff_t r0 = 0; r0 < rows; r0 += ROWS) {
             const uint16_t *xr = x + r0 * x_stride;
             uint16_t *o = out + r0 * out_stride + q * PANEL;
@@ -200,7 +207,8 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Rows r0 .. r0 + TILE_ROWS - 1 (`rows` of them real, the rest zero in a) by one panel. */
+/* `rows` rows of a (a_stride apart) by one panel: a tile's rows as configured (TILE_ROWS,
+ * or all there are where they are fewer); a last part of more is copied into zeroed rows. */
 static void amx_tile(const uint16_t *a, ptrdiff_t a_stride, ptrdiff_t rows,
                      const uint16_t *panel, ptrdiff_t steps, const float *bias,
                      __mmask16 const *masks, uint16_t *out, ptrdiff_t out_stride) {
@@ -282,18 +290,13 @@ int twostroke_projection_tiled(
                 const uint16_t *panel = panels + q * in_features * PANEL;
                 const float *panel_bias = bias ? bias + q * PANEL : NULL;
                 __mmask16 masks[COLUMN_VECTORS];
-                for (int v = 0; v < COLUMN_VECTORS; v++) {
-                    ptrdiff_t left_columns = out_features - q * PANEL - v * LANES;
-                    masks[v] = left_columns >= LANES ? (__mmask16)0xFFFF
-                               : left_columns <= 0   ? (__mmask16)0
-                                                     : (__mmask16)((1u << left_columns) - 1);
-                }
+                panel_masks(q, out_features, masks);
                 for (ptrdiff_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
                     int whole_tile = r0 < whole;
                     amx_tile(whole_tile ? x + r0 * x_stride : last,
                              whole_tile ? x_stride : in_features,
-                             few ? rows : whole_tile ? TILE_ROWS : left, panel, steps, panel_bias, masks,
-                             out + r0 * out_stride + q * PANEL, out_stride);
+                             rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS, panel, steps,
+                             panel_bias, masks, out + r0 * out_stride + q * PANEL, out_stride);
                 }
             }
             _tile_release();
