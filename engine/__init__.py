@@ -1,6 +1,6 @@
 """twostroke's engine: the two strokes, the public async API, models, server and CLI."""
 
-from twostroke.engine.artifacts.cache import InvalidCacheLimit
+from twostroke.engine.artifacts.cache import InvalidCacheLimit, UnmarkedCache
 from twostroke.engine.checkpoints.loader import BlockTypeUnsupported, ModelLoadError
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorConfig, CoordinatorStatistics
@@ -91,6 +91,7 @@ __all__ = [
     "SchedulerError",
     "StructuredOutputUnavailable",
     "TokenizerLoadError",
+    "UnmarkedCache",
     "Usage",
     "WeightError",
 ]

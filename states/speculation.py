@@ -40,6 +40,7 @@ import attrs
 from twostroke.states.validators import boolean, int_at_least, int_in, number_in, one_of
 
 __all__ = [
+    "MAX_PROMPT_LOOKUP",
     "MAX_SPECULATIVE_TOKENS",
     "NgramIndex",
     "Proposer",
@@ -51,6 +52,15 @@ __all__ = [
 
 #: The most draft tokens one step may verify for a request.
 MAX_SPECULATIVE_TOKENS = 16
+#: The longest n-gram prompt lookup may match (``prompt_lookup_max``). The index keeps one
+#: entry per length per token, an entry of ``n`` tokens, so its memory grows with the square
+#: of this: for an 8,192-token request 3.5 MiB at the default 5, 17 MiB at 16, 165 MiB at
+#: 64 (tracemalloc, CPython 3.11); 100,000 cost 457 MiB on a 700-token prompt. vLLM's
+#: examples match 4 or 5 tokens; 16, the longest draft, leaves three times that.
+MAX_PROMPT_LOOKUP = 16
+_LOOKUP_NOTE = (
+    " (the n-gram index holds every length up to it for each token: memory grows with its square)"
+)
 
 SpeculativeMethod = Literal["ngram", "suffix"]
 
@@ -70,7 +80,8 @@ class SpeculativeConfig:
             (1 to :data:`MAX_SPECULATIVE_TOKENS`). With ``adaptive``, each request drafts
             fewer while its drafts are rejected early.
         prompt_lookup_min: ``ngram``: the shortest n-gram matched.
-        prompt_lookup_max: ``ngram``: the longest n-gram matched (tried first).
+        prompt_lookup_max: ``ngram``: the longest n-gram matched (tried first), at most
+            :data:`MAX_PROMPT_LOOKUP`.
         suffix_max_depth: ``suffix``: the deepest path of either trie, so the longest suffix
             matched plus the draft that follows it. A trie over ``n`` tokens holds at most
             ``n * suffix_max_depth`` nodes (about 200 bytes each in CPython).
@@ -92,8 +103,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = attrs.field(
         default=5, validator=int_in(1, MAX_SPECULATIVE_TOKENS)
     )
-    prompt_lookup_min: int = attrs.field(default=2, validator=int_at_least(1))
-    prompt_lookup_max: int = attrs.field(default=5, validator=int_at_least(1))
+    prompt_lookup_min: int = attrs.field(
+        default=2, validator=int_in(1, MAX_PROMPT_LOOKUP, note=_LOOKUP_NOTE)
+    )
+    prompt_lookup_max: int = attrs.field(
+        default=5, validator=int_in(1, MAX_PROMPT_LOOKUP, note=_LOOKUP_NOTE)
+    )
     suffix_max_depth: int = attrs.field(default=24, validator=int_in(2, 256))
     suffix_cache_tokens: int = attrs.field(default=16_384, validator=int_at_least(0))
     suffix_min_probability: float = attrs.field(default=0.1, validator=number_in(0, 1))

@@ -26,6 +26,20 @@ the entry it stored. Reading an artifact touches its entry's ``last-used`` file 
 ``utime``). ``twostroke cache`` lists the entries, ``twostroke cache prune`` and
 ``twostroke cache clear`` remove them; deleting the cache folder is always safe.
 
+**Removes only what it wrote.** ``$TWOSTROKE_CACHE_DIR`` may name a folder of the user's,
+so the cache removes nothing on a guess. The folder is *marked* (:data:`MARKER`, a Cache
+Directory Tag, which backup tools skip too) when the cache creates it, or when the cache
+finds it empty and stores into it (nothing of anyone's can be lost then). An **entry** is a
+folder whose record names it: a model entry's ``source`` record or one of its artifacts'
+``record.json`` gives the entry's own path, a library's ``record.json`` its own; a folder
+named like an entry, one holding a file called ``source``, a record copied or moved from
+another path, are not entries. Eviction, pruning, clearing and the removal of stale entries
+and of crashed writers' temporary names happen in a marked folder only; elsewhere they
+remove nothing and change no mode, and ``clear`` and ``prune`` raise
+:class:`UnmarkedCache` (the folder holds files, so it is the user's, or an older
+twostroke's cache, which holds no marker: delete that one, and the next load makes it
+afresh, marked). Entries in an unmarked folder are still listed, read and stored, unbounded.
+
 **Written whole.** Every artifact is written to a temporary name beside its final place,
 given its record (:mod:`~twostroke.engine.artifacts.records`: what made it, and each
 file's size and checksum) and renamed into place, so a reader never sees half an artifact,
@@ -47,10 +61,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -78,12 +94,14 @@ __all__ = [
     "CACHE_LIMIT_ENV",
     "DEFAULT_LIMIT",
     "LAST_USED",
+    "MARKER",
     "NATIVE_FOLDER",
     "NO_CACHE_ENV",
     "SOURCE_RECORD",
     "ArtifactCache",
     "CacheEntry",
     "InvalidCacheLimit",
+    "UnmarkedCache",
     "format_size",
     "parse_size",
 ]
@@ -107,11 +125,24 @@ SOURCE_RECORD = "source"
 LAST_USED = "last-used"
 #: The folder in the cache holding one entry per compiled library.
 NATIVE_FOLDER = "native"
+#: The file marking a folder as the cache's own (the Cache Directory Tagging Specification's
+#: name, https://bford.info/cachedir/): only in a marked folder does the cache remove entries.
+MARKER = "CACHEDIR.TAG"
+#: The marker's text: the specification's signature, then a line of our own, so that another
+#: tool's tag (a build folder's) does not make a folder ours.
+_MARKER_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This folder is twostroke's artifact cache, which made it: `twostroke cache clear` "
+    "empties it.\n"
+    "# For information about cache directory tags, see https://bford.info/cachedir/\n"
+)
+#: A record in ``source`` is a few hundred bytes; a longer file is no record of ours.
+_MAX_SOURCE_RECORD = 2**16
 
 #: A temporary name left this long ago is a crashed writer's: eviction removes it.
 _LEFTOVER_SECONDS = 3600.0
-#: A model entry's name: the file's, a dash and 16 hexadecimal digits (:meth:`entry`).
-_ENTRY_NAME = re.compile(r".+-[0-9a-f]{16}")
+#: A temporary name the cache gives (:meth:`ArtifactCache.store`, :meth:`~ArtifactCache.discard`).
+_TEMPORARY_NAME = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
 _EXPONENTS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -120,6 +151,28 @@ _log = logging.getLogger(__name__)
 
 class InvalidCacheLimit(EngineError, ValueError):
     """:data:`CACHE_LIMIT_ENV` (or a ``--max-size``) is not a size."""
+
+
+class UnmarkedCache(EngineError, ValueError):
+    """``clear`` or ``prune`` asked of a cache folder the cache did not make: one that holds
+    files but no :data:`MARKER` of the cache's (a folder of the user's, or an older
+    twostroke's cache). Nothing was removed.
+
+    Attributes:
+        root: The cache folder.
+        action: What was asked (``"clear"``, ``"prune"``).
+    """
+
+    def __init__(self, root: Path, action: str) -> None:
+        self.root = root
+        self.action = action
+        super().__init__(
+            f"twostroke cache {action} removes entries only from a folder the cache made, "
+            f"which holds its {MARKER}; {root} holds none (a folder of yours, or an older "
+            "twostroke's cache), so nothing was removed. If it holds only twostroke's cache, "
+            f"delete it (the next load makes it afresh, marked); else point {CACHE_DIR_ENV} "
+            "at a new folder"
+        )
 
 
 def parse_size(text: str, *, name: str = CACHE_LIMIT_ENV) -> int | None:
@@ -164,7 +217,7 @@ class CacheEntry:
     """One entry of the cache, as :meth:`ArtifactCache.entries` finds it.
 
     Attributes:
-        path: Its folder (or, for a library an older twostroke left, its file).
+        path: Its folder.
         kind: ``"model"`` (a model file's artifacts) or ``"library"``.
         source: The model file it was converted from (a model entry's ``source``).
         size: Bytes of all its files.
@@ -246,7 +299,9 @@ class ArtifactCache:
 
         Call it when ``source`` was converted (a cache miss), before storing what the
         conversion made; never on reads. An entry folder that is not this user's alone is
-        removed first.
+        removed first. The ``source`` record names the model file and the entry, which makes
+        the folder an entry (:meth:`entries`) before any artifact is stored in it. Only in
+        a marked folder (:meth:`marked`) is anything removed.
 
         Args:
             source: The model file the artifacts are converted from; it must exist.
@@ -261,43 +316,34 @@ class ArtifactCache:
         resolved = str(source.resolve())
 
         def record(path: Path) -> None:
-            path.write_text(resolved + "\n")
+            path.write_text(json.dumps({"source": resolved, "key": self._key(entry)}) + "\n")
 
         with contextlib.suppress(UnsafeCachePath):  # store() says so
             try:
                 self._check_levels(entry, include_self=True)
             except DamagedArtifact as error:
-                _log.warning("twostroke: removing the cache folder %s", error)
-                self.discard(entry)
-        if not (entry / SOURCE_RECORD).is_file():
+                if self.marked():  # elsewhere store() refuses to write into it, and says so
+                    _log.warning("twostroke: removing the cache folder %s", error)
+                    self.discard(entry)
+        if self._read_source(entry)[1] != self._key(entry):  # none, or an older twostroke's
             self.store(entry / SOURCE_RECORD, record)
-        for stale in self._stale(entry, resolved):
-            _log.info("twostroke: removing the stale cache folder %s", stale)
-            self.discard(stale)
+        if self.marked():
+            for stale in self._stale(entry, resolved):
+                _log.info("twostroke: removing the stale cache folder %s", stale)
+                self.discard(stale)
         return entry
 
     def _stale(self, entry: Path, resolved: str) -> list[Path]:
-        """The folders besides ``entry`` that the conversion of ``resolved`` makes stale."""
-        try:
-            folders = [folder for folder in self.root.iterdir() if folder.is_dir()]
-        except OSError:
-            return []
-        name = f"{Path(resolved).name}-"
-        stale = []
-        for folder in folders:
-            if folder == entry or folder.name.startswith(".") or folder.name == NATIVE_FOLDER:
-                continue
-            try:
-                recorded = (folder / SOURCE_RECORD).read_text().strip()
-            except FileNotFoundError:
-                if folder.name.startswith(name):  # this file's, from before records
-                    stale.append(folder)
-                continue
-            except OSError:
-                continue
-            if recorded == resolved or not Path(recorded).exists():
-                stale.append(folder)
-        return stale
+        """The entries besides ``entry`` that the conversion of ``resolved`` makes stale:
+        the same file's, and those whose file is gone."""
+        return [
+            found.path
+            for found in self.entries()
+            if found.kind == "model"
+            and found.path != entry
+            and found.source is not None
+            and (found.source == resolved or not Path(found.source).exists())
+        ]
 
     # --- storing and reading artifacts -----------------------------------------------------
 
@@ -409,6 +455,19 @@ class ArtifactCache:
         """An artifact's record as it is, unchecked (for listings); ``None`` if unreadable."""
         return self._read_record(artifact)
 
+    def marked(self) -> bool:
+        """Whether the cache folder is the cache's own: it holds the cache's :data:`MARKER`,
+        a regular file of this user's that no one else may write. Only there are entries
+        removed (see the module)."""
+        marker = self.root / MARKER
+        try:
+            if unsafe_because(marker) is not None or not stat.S_ISREG(marker.lstat().st_mode):
+                return False
+            with marker.open("rb") as file:
+                return file.read(len(_MARKER_TEXT) + 1) == _MARKER_TEXT.encode()
+        except OSError:
+            return False
+
     def unsafe(self) -> UnsafeCachePath | None:
         """Why nothing in this cache may be read (its folder or ``native/`` is another
         user's or writable by others), or ``None``."""
@@ -423,18 +482,20 @@ class ArtifactCache:
     def entries(self) -> list[CacheEntry]:
         """Every entry in the cache, most recently used first.
 
-        Only what this cache writes counts: model entries (a folder named like
-        :meth:`entry` or holding a ``source`` record) and the libraries in ``native/``;
-        anything else in the folder is left alone.
+        Only what this cache writes counts, a folder whose record names it: a model entry's
+        ``source`` record or one of its artifacts' ``record.json`` gives its path, a
+        library's ``record.json`` (in ``native/``) gives its own. A folder named like an
+        entry, one holding a file called ``source``, one whose records name another path,
+        and anything else in the folder are left alone.
         """
         found: list[CacheEntry] = []
         for child in _children(self.root):
+            if child.is_symlink() or not child.is_dir():
+                continue
             if child.name == NATIVE_FOLDER:
-                found.extend(self._library(library) for library in _children(child))
-            elif (
-                child.is_dir()
-                and not child.is_symlink()
-                and ((child / SOURCE_RECORD).is_file() or _ENTRY_NAME.fullmatch(child.name))
+                found.extend(self._library(path) for path in _children(child) if self._named(path))
+            elif self._read_source(child)[1] == self._key(child) or any(
+                self._named(artifact) for artifact in _children(child)
             ):
                 found.append(self._model(child))
         return sorted(found, key=lambda entry: entry.last_used, reverse=True)
@@ -446,8 +507,19 @@ class ArtifactCache:
             protect: Entries never removed (the one just stored).
 
         Returns:
-            The entries removed.
+            The entries removed: none in a folder that is not marked (:meth:`marked`),
+            which is logged.
         """
+        if not self.marked():
+            _log.warning(
+                "twostroke: the cache folder %s holds no %s of the cache's (a folder of yours, "
+                "or an older twostroke's cache): nothing in it is evicted, so %s does not "
+                "bound it (`twostroke cache clear` says what to do)",
+                self.root,
+                MARKER,
+                CACHE_LIMIT_ENV,
+            )
+            return []
         return self.prune(limit=self.limit, protect=protect)
 
     def prune(
@@ -466,13 +538,17 @@ class ArtifactCache:
             protect: Entries never removed.
 
         Returns:
-            The entries removed.
+            The entries removed (none from a missing or empty folder).
 
         Raises:
             ValueError: ``keep_newest`` is below 0.
+            UnmarkedCache: the folder holds files but is not marked (:meth:`marked`);
+                nothing was removed.
         """
         if keep_newest is not None and keep_newest < 0:
             raise ValueError(f"keep_newest must be >= 0, got {keep_newest}")
+        if not self._may_remove("prune"):
+            return []
         for leftover in self._leftovers(older_than=_LEFTOVER_SECONDS):
             _remove(leftover)
         entries = self.entries()
@@ -496,20 +572,29 @@ class ArtifactCache:
         return removed
 
     def clear(self) -> list[CacheEntry]:
-        """Remove every entry and every temporary file; a cache folder of this user's that
-        others could write is made private again (nothing from that time is left in it).
+        """Remove every entry and every temporary name the cache gives; a cache folder of
+        this user's that others could write is made private again (no entry from that time
+        is left in it, and nothing else in it is ever read).
 
         Returns:
-            The entries removed.
+            The entries removed (none from a missing or empty folder, whose mode stays).
+
+        Raises:
+            UnmarkedCache: the folder holds files but is not marked (:meth:`marked`);
+                nothing was removed and no mode changed.
         """
+        if not self._may_remove("clear"):
+            return []
         removed = self.entries()
         for entry in removed:
             self.discard(entry.path)
         for leftover in self._leftovers(older_than=None):
             _remove(leftover)
-        for folder in (self.root, self.root / NATIVE_FOLDER):
+        # The cache folder may be a link (to a disk of more room); native/ never is.
+        for folder, follow in ((self.root, True), (self.root / NATIVE_FOLDER, False)):
             with contextlib.suppress(OSError):
-                if folder.lstat().st_uid == os.geteuid() and folder.is_dir():
+                status = folder.stat() if follow else folder.lstat()
+                if status.st_uid == os.geteuid() and stat.S_ISDIR(status.st_mode):
                     os.chmod(folder, 0o700)
         return removed
 
@@ -555,19 +640,87 @@ class ArtifactCache:
 
     def _make_private(self, folder: Path) -> None:
         """Create ``folder`` and the folders above it that are missing, mode 0700 whatever
-        the umask, and check every level of the cache down to it."""
+        the umask, and check every level of the cache down to it. The cache folder is
+        marked when it is made here, or found empty (:meth:`_adopt`)."""
         missing = []
         level = folder
         while not os.path.lexists(level) and level != level.parent:
             missing.append(level)
             level = level.parent
+        if self.root not in missing:
+            self._adopt()  # before anything is made in it
         for created in reversed(missing):
             try:
                 os.mkdir(created, 0o700)
             except FileExistsError:
                 continue  # another process made it: checked below
             os.chmod(created, 0o700)  # the umask only takes bits away; this is exact
+            if created == self.root:
+                self._adopt()
         self._check_levels(folder, include_self=True)
+
+    def _adopt(self) -> None:
+        """Mark the cache folder as the cache's if nothing at all is in it (it was just
+        made, or was found empty): removing entries from it later can take nothing of
+        anyone's. A folder that holds anything, an older twostroke's cache included, stays
+        unmarked."""
+        if not _empty(self.root):
+            return
+        temporary = self.root / f".{MARKER}.{uuid.uuid4().hex}.tmp"
+        try:
+            write_private(temporary, _MARKER_TEXT)
+            os.replace(temporary, self.root / MARKER)  # whole, for a reader in another process
+        finally:
+            _remove(temporary)
+
+    def _may_remove(self, action: str) -> bool:
+        """Whether ``action`` may remove entries: in a marked folder; not in a missing or
+        empty one, where there is nothing to remove.
+
+        Raises:
+            UnmarkedCache: the folder holds something but no marker.
+        """
+        if self.marked():
+            return True
+        try:
+            with os.scandir(self.root) as children:
+                if next(children, None) is None:
+                    return False
+        except FileNotFoundError:
+            return False
+        except OSError:
+            pass  # a file, or unreadable: not the cache's either
+        raise UnmarkedCache(self.root, action)
+
+    def _named(self, artifact: Path) -> bool:
+        """Whether ``artifact`` is a folder whose record names its path."""
+        if artifact.is_symlink() or not artifact.is_dir():
+            return False
+        record = self._read_record(artifact)
+        return record is not None and record.key == self._key(artifact)
+
+    def _read_source(self, folder: Path) -> tuple[str | None, str | None]:
+        """A model entry's ``source`` record: the model file's path and the entry it names
+        (the key); ``(path, None)`` for an older twostroke's record (the path alone),
+        ``(None, None)`` for none, or a file of someone else's."""
+        path = folder / SOURCE_RECORD
+        try:
+            if unsafe_because(path) is not None or path.lstat().st_size > _MAX_SOURCE_RECORD:
+                return None, None
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None, None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return text.strip() or None, None  # an absolute path is never JSON
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("source"), str)
+            and isinstance(data.get("key"), str)
+        ):
+            return data["source"], data["key"]
+        return None, None
 
     def _read_record(self, artifact: Path) -> Record | None:
         path = artifact / RECORD
@@ -596,10 +749,7 @@ class ArtifactCache:
         return 0.0
 
     def _model(self, folder: Path) -> CacheEntry:
-        try:
-            source: str | None = (folder / SOURCE_RECORD).read_text().strip() or None
-        except (OSError, UnicodeDecodeError):
-            source = None
+        source = self._read_source(folder)[0]
         artifacts = tuple(
             (child.name, self._read_record(child) if child.is_dir() else None)
             for child in _children(folder)
@@ -617,14 +767,18 @@ class ArtifactCache:
         )
 
     def _leftovers(self, *, older_than: float | None) -> list[Path]:
-        """Temporary names (``.name.<hex>.tmp``) in the cache, its entries and ``native/``."""
-        folders = [self.root, self.root / NATIVE_FOLDER]
-        folders += [entry.path for entry in self.entries() if entry.path.is_dir()]
+        """Temporary names the cache gives (``.name.<32 hex digits>.tmp``) in the cache
+        folder, its entries and ``native/``."""
+        folders = [self.root]
+        native = self.root / NATIVE_FOLDER
+        if native.is_dir() and not native.is_symlink():
+            folders.append(native)
+        folders += [entry.path for entry in self.entries()]
         now = time.time()
         found = []
         for folder in folders:
             for child in _children(folder, hidden=True):
-                if not (child.name.startswith(".") and child.name.endswith(".tmp")):
+                if not _TEMPORARY_NAME.fullmatch(child.name):
                     continue
                 with contextlib.suppress(OSError):
                     if older_than is None or now - child.lstat().st_mtime > older_than:
@@ -639,6 +793,15 @@ def _children(folder: Path, *, hidden: bool = False) -> list[Path]:
     except OSError:
         return []
     return [child for child in children if hidden or not child.name.startswith(".")]
+
+
+def _empty(folder: Path) -> bool:
+    """Whether ``folder`` is a folder with nothing in it, hidden names included."""
+    try:
+        with os.scandir(folder) as children:
+            return next(children, None) is None
+    except OSError:
+        return False
 
 
 def _size(path: Path) -> int:

@@ -9,6 +9,10 @@
   the ``N`` most recently used;
 * ``twostroke cache clear`` removes every entry.
 
+``prune`` and ``clear`` remove entries only from a folder the cache made (one holding its
+``CACHEDIR.TAG``); given a folder of the user's, or an older twostroke's cache, they remove
+nothing and exit with status 1, saying why.
+
 The cache itself is :mod:`~twostroke.engine.artifacts.cache`.
 """
 
@@ -21,10 +25,12 @@ from collections.abc import Sequence
 
 from twostroke.engine.artifacts.cache import (
     CACHE_LIMIT_ENV,
+    MARKER,
     NO_CACHE_ENV,
     ArtifactCache,
     CacheEntry,
     InvalidCacheLimit,
+    UnmarkedCache,
     format_size,
     parse_size,
 )
@@ -70,7 +76,8 @@ def _max_size(text: str) -> int | str:
 
 
 def cache_command(args: argparse.Namespace) -> int:
-    """Run ``twostroke cache``; the exit status (2: the environment is wrong)."""
+    """Run ``twostroke cache``; the exit status (2: the environment is wrong; 1: ``prune``
+    or ``clear`` asked of a folder the cache did not make, from which nothing was removed)."""
     try:
         cache = ArtifactCache.from_environment()
     except InvalidCacheLimit as error:
@@ -80,15 +87,19 @@ def cache_command(args: argparse.Namespace) -> int:
         print(f"the artifact cache is off ({NO_CACHE_ENV}=1)")
         return 0
     action = args.cache_action or "list"
-    if action == "clear":
-        _report_removed(cache.clear(), "cleared")
-    elif action == "prune":
-        bound: int | None = cache.limit
-        if args.max_size is not None:
-            bound = None if args.max_size == "unlimited" else int(args.max_size)
-        _report_removed(cache.prune(limit=bound, keep_newest=args.keep), "pruned")
-    else:
-        _list(cache)
+    try:
+        if action == "clear":
+            _report_removed(cache.clear(), "cleared")
+        elif action == "prune":
+            bound: int | None = cache.limit
+            if args.max_size is not None:
+                bound = None if args.max_size == "unlimited" else int(args.max_size)
+            _report_removed(cache.prune(limit=bound, keep_newest=args.keep), "pruned")
+        else:
+            _list(cache)
+    except UnmarkedCache as error:
+        print(f"twostroke cache: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -106,12 +117,21 @@ def _list(cache: ArtifactCache) -> None:
     limit = "no limit" if cache.limit is None else f"limit {format_size(cache.limit)}"
     count = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
     print(f"{cache.root}: {format_size(total)} in {count} ({limit}, ${CACHE_LIMIT_ENV})")
+    marked = cache.marked()
+    if entries and not marked:
+        print(
+            f"note: it holds no {MARKER} of the cache's (a folder of yours, or an older "
+            "twostroke's cache): nothing in it is evicted, pruned or cleared; if it holds "
+            "only twostroke's cache, delete it and the next load makes it afresh"
+        )
     unsafe = cache.unsafe()
     if unsafe is not None:
-        print(
-            f"warning: {unsafe}: nothing in it is loaded (`twostroke cache clear` empties "
-            "a folder of yours and makes it private)"
+        remedy = (
+            "`twostroke cache clear` empties it and makes it private"
+            if marked
+            else "make it private (chmod 700) or point $TWOSTROKE_CACHE_DIR at a folder of yours"
         )
+        print(f"warning: {unsafe}: nothing in it is loaded ({remedy})")
     if not entries:
         return
     rows = [_HEADINGS, *entry_rows(entries)]

@@ -226,7 +226,7 @@ def test_cache_says_when_others_may_write_it(
     assert capsys.readouterr().out.splitlines()[1] == (
         f"warning: {filled_cache.root}: is writable by its group or by others (mode 0777); a "
         "cache folder must belong to this user and be writable by no one else: nothing in it is "
-        "loaded (`twostroke cache clear` empties a folder of yours and makes it private)"
+        "loaded (`twostroke cache clear` empties it and makes it private)"
     )
 
 

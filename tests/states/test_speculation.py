@@ -31,6 +31,7 @@ from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.scheduler_config import SchedulerStatistics
 from twostroke.states.simulation import SimulatedKV, toy_next_token
 from twostroke.states.speculation import (
+    MAX_PROMPT_LOOKUP,
     MAX_SPECULATIVE_TOKENS,
     PROBE_AFTER,
     NgramIndex,
@@ -707,6 +708,18 @@ def test_speculative_config_from_a_mapping_and_its_errors() -> None:
         SpeculativeConfig(method="ngram", num_speculative_tokens=17)
     with pytest.raises(ValueError, match="prompt_lookup_max must be >= prompt_lookup_min"):
         SpeculativeConfig(method="ngram", prompt_lookup_min=4, prompt_lookup_max=3)
+    # The n-gram index holds every length up to the longest for every token: its memory
+    # grows with that length squared (100,000 on a 700-token prompt was +457 MiB).
+    with pytest.raises(
+        ValueError,
+        match=r"prompt_lookup_max must be in \[1, 16\] \(the n-gram index holds every length "
+        r"up to it for each token: memory grows with its square\), got 100000",
+    ):
+        speculative_config({"method": "ngram", "prompt_lookup_max": 100_000})
+    with pytest.raises(ValueError, match=r"prompt_lookup_min must be in \[1, 16\]"):
+        SpeculativeConfig(method="ngram", prompt_lookup_min=17, prompt_lookup_max=16)
+    longest = SpeculativeConfig(method="ngram", prompt_lookup_min=16, prompt_lookup_max=16)
+    assert longest.prompt_lookup_max == MAX_PROMPT_LOOKUP == 16
     config = SchedulerConfig(num_blocks=4, speculative_config={"method": "ngram"})
     assert config.speculative_config == SpeculativeConfig(method="ngram")
     made_here = Scheduler(config).speculator

@@ -4,6 +4,7 @@ records and their checks, private modes, the size cap, eviction, pruning and cle
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import stat
@@ -18,6 +19,7 @@ from twostroke.engine.artifacts.cache import (
     CACHE_LIMIT_ENV,
     DEFAULT_LIMIT,
     LAST_USED,
+    MARKER,
     NATIVE_FOLDER,
     NO_CACHE_ENV,
     SOURCE_RECORD,
@@ -152,9 +154,12 @@ def test_prepare_records_the_source_in_its_folder(tmp_path: Path) -> None:
     model = _model(tmp_path / "models")
     entry = cache.prepare(tmp_path / "models" / "." / "model.gguf")
     assert entry == cache.entry(model)
-    assert (entry / SOURCE_RECORD).read_text() == f"{model.resolve()}\n"
+    assert json.loads((entry / SOURCE_RECORD).read_text()) == {
+        "source": str(model.resolve()),
+        "key": entry.name,
+    }
     assert cache.prepare(model) == entry  # again: nothing changes
-    assert sorted(path.name for path in cache.root.iterdir()) == [entry.name]
+    assert sorted(path.name for path in cache.root.iterdir()) == [MARKER, entry.name]
 
 
 def test_a_changed_file_replaces_its_older_folder(tmp_path: Path) -> None:
@@ -166,7 +171,7 @@ def test_a_changed_file_replaces_its_older_folder(tmp_path: Path) -> None:
     new = cache.prepare(model)
     assert new != old
     assert not old.exists()
-    assert [path.name for path in cache.root.iterdir()] == [new.name]
+    assert sorted(path.name for path in cache.root.iterdir()) == [MARKER, new.name]
 
 
 def test_folders_of_files_that_are_gone_are_removed(tmp_path: Path) -> None:
@@ -180,14 +185,15 @@ def test_folders_of_files_that_are_gone_are_removed(tmp_path: Path) -> None:
     fresh = _model(tmp_path / "venv-c" / "pkg")
     cache.prepare(fresh)
     assert sorted(path.name for path in cache.root.iterdir()) == sorted(
-        cache.entry(source).name for source in (kept, other, fresh)
+        [MARKER, *(cache.entry(source).name for source in (kept, other, fresh))]
     )
 
 
-def test_folders_without_a_record_go_only_when_their_file_name_is_converted(
-    tmp_path: Path,
-) -> None:
+def test_folders_without_a_record_naming_them_are_never_stale(tmp_path: Path) -> None:
+    """Not even those named like an entry of the file converted: a record names an entry."""
     cache = ArtifactCache(tmp_path / "cache")
+    assert cache.store(cache.root / "x.gguf-0123456789abcdef" / "t", files(a="1"))  # marked
+    cache.discard(cache.root / "x.gguf-0123456789abcdef")
     legacy_same = cache.root / "model.gguf-0123456789abcdef"
     legacy_other = cache.root / "other.gguf-0123456789abcdef"
     stranger = cache.root / ".in-progress"
@@ -196,7 +202,7 @@ def test_folders_without_a_record_go_only_when_their_file_name_is_converted(
     (cache.root / "notes.txt").write_text("a user's file")
     entry = cache.prepare(_model(tmp_path / "models"))
     assert sorted(path.name for path in cache.root.iterdir()) == sorted(
-        [entry.name, legacy_other.name, stranger.name, "notes.txt"]
+        [MARKER, entry.name, legacy_same.name, legacy_other.name, stranger.name, "notes.txt"]
     )
 
 
@@ -491,11 +497,14 @@ def test_entries_say_what_they_hold(tmp_path: Path) -> None:
     cache.store(entry / "model-float32", files(w="1234"), provenance=MADE, checksum="crc32")
     os.utime(entry / LAST_USED, (1000, 1000))
     (cache.root / NATIVE_FOLDER).mkdir()
-    legacy = cache.root / NATIVE_FOLDER / "paged_decode-0123456789abcdef.so"
-    legacy.write_bytes(b"\x7fELF older")
-    os.utime(legacy, (500, 500))
-    (cache.root / "notes").mkdir()  # not the cache's: never listed, never removed
-    [found, old] = cache.entries()
+    library = cache.root / NATIVE_FOLDER / "paged_decode-0123456789abcdef"
+    assert cache.store(library, files(lib="\x7fELF"))
+    os.utime(library / LAST_USED, (500, 500))
+    # Neither an older twostroke's library (no record) nor a folder of the user's is an
+    # entry: never listed, never removed.
+    (cache.root / NATIVE_FOLDER / "paged_decode-0123456789abcdef.so").write_bytes(b"\x7fELF")
+    (cache.root / "notes").mkdir()
+    [found, lib] = cache.entries()
     assert (found.path, found.kind, found.source, found.last_used) == (
         entry,
         "model",
@@ -506,12 +515,8 @@ def test_entries_say_what_they_hold(tmp_path: Path) -> None:
         ("model-float32", True)
     ]
     assert found.size == sum(path.lstat().st_size for path in entry.rglob("*") if path.is_file())
-    assert (old.path, old.kind, old.artifacts, old.size) == (
-        legacy,
-        "library",
-        ((legacy.name, None),),
-        len(b"\x7fELF older"),
-    )
+    assert (lib.path, lib.kind, lib.last_used) == (library, "library", 500)
+    assert [(name, record is not None) for name, record in lib.artifacts] == [(library.name, True)]
 
 
 def test_prune_keeps_the_newest_and_fits_the_limit(tmp_path: Path) -> None:
@@ -528,8 +533,8 @@ def test_prune_keeps_the_newest_and_fits_the_limit(tmp_path: Path) -> None:
 def test_leftovers_of_a_crashed_writer_go_after_an_hour(tmp_path: Path) -> None:
     cache = ArtifactCache(tmp_path / "cache", limit=None)
     entry = entry_of(cache, "m", 10, used=100)
-    old = entry / ".model-bfloat16.0123.tmp"
-    fresh = cache.root / ".m.gguf-0123.4567.tmp"
+    old = entry / f".model-bfloat16.{'0123' * 8}.tmp"
+    fresh = cache.root / f".m.gguf-0123.{'4567' * 8}.tmp"
     for leftover in (old, fresh):
         leftover.mkdir()
     os.utime(old, (0, 0))
@@ -545,5 +550,9 @@ def test_clear_removes_every_entry_and_only_those(tmp_path: Path) -> None:
     made = {entry_of(cache, "m", 10, used=100), entry_of(cache, "lib", 10, used=200)}
     (cache.root / "notes.txt").write_text("a user's file")
     assert {entry.path for entry in cache.clear()} == made
-    assert sorted(path.name for path in cache.root.iterdir()) == [NATIVE_FOLDER, "notes.txt"]
+    assert sorted(path.name for path in cache.root.iterdir()) == [
+        MARKER,
+        NATIVE_FOLDER,
+        "notes.txt",
+    ]
     assert cache.entries() == []
