@@ -79,16 +79,27 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
         "auto: float16 where the CPU computes in float32 with the compiled kernels, else the "
         "dtype",
     )
+    parser.add_argument(
+        "--no-mmap",
+        dest="mmap",
+        action="store_false",
+        default=None,
+        help="read a GGUF file computed as stored (-q gguf, gguf_f32) into memory instead of "
+        "mapping it, so that the model survives the file being rewritten in place (llama.cpp's "
+        "flag)",
+    )
 
 
 def _quantization(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's options from ``--quantization`` ("none": None), ``--kv-cache-dtype``
-    and ``--speculative-config``, each where it was given."""
+    """The engine's options from ``--quantization`` ("none": None), ``--kv-cache-dtype``,
+    ``--no-mmap`` and ``--speculative-config``, each where it was given."""
     options: dict[str, Any] = {}
     if args.quantization is not None:
         options["quantization"] = None if args.quantization == "none" else args.quantization
     if getattr(args, "kv_cache_dtype", None) is not None:
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "mmap", None) is not None:
+        options["mmap"] = args.mmap
     if getattr(args, "speculative_config", None) is not None:
         options["speculative_config"] = args.speculative_config
     return options

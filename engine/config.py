@@ -141,6 +141,13 @@ class EngineConfig(SchedulingPolicy):
             waiting forever. ``None`` (the default) waits as long as it takes: a first step
             on a cold GPU, or a long prefill chunk of a large model on a CPU, may take many
             seconds.
+        mmap: Whether a GGUF file whose blocks are computed as stored (``quantization=
+            "gguf"`` or ``"gguf_f32"``) stays memory-mapped (the default: its pages are
+            read as they are used, and shared with other processes mapping it). ``False``
+            (``--no-mmap``, llama.cpp's flag) reads it into memory at load: the file's size
+            in memory, and a model that no longer depends on the file, which a file
+            rewritten or truncated in place would otherwise kill with SIGBUS
+            (docs/serving.md, "Limits and security").
 
     Raises:
         TypeError: a value of the wrong type (``None`` included, for a field that is not
@@ -173,6 +180,7 @@ class EngineConfig(SchedulingPolicy):
         default=None,
         validator=attrs.validators.optional(number_in(0, low_open=True)),
     )
+    mmap: bool = attrs.field(default=True, validator=_boolean)
 
 
 # --- the HTTP server ----------------------------------------------------------------------

@@ -50,7 +50,7 @@ from twostroke.engine.artifacts.records import (
     UnsafeCachePath,
     crc32_digest,
 )
-from twostroke.engine.checkpoints.gguf import read_gguf
+from twostroke.engine.checkpoints.gguf import GGUFTensor, read_gguf
 from twostroke.engine.checkpoints.safetensors import read_into
 from twostroke.engine.kernels.build import native_wanted
 from twostroke.engine.kernels.gguf_blocks import BLOCK_TYPES, BlockKernel, BlockTensor, block_kernel
@@ -217,6 +217,7 @@ def load_model(
     quantization: Quantization | Literal["auto", "gguf", "gguf_f32", "q8_0", "q4_0"] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_cache_dtype: torch.dtype | Literal["auto"] | None = None,
+    mmap: bool = True,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
 
@@ -257,6 +258,12 @@ def load_model(
             and checked.
         kv_cache_dtype: The KV cache's element type (float32, float16, bfloat16; ``None``:
             ``dtype``; ``"auto"``: :func:`~twostroke.engine.kernels.selection.auto_kv_cache_dtype`).
+        mmap: Map a GGUF file whose blocks are computed as stored (they are read from the
+            map as they are used). ``False`` reads the file into memory instead: it costs
+            the file's size in memory, and the model no longer depends on the file, which
+            may then be changed or truncated in place (a mapped file truncated under a
+            running model kills the process with SIGBUS). Other loads copy the weights and
+            keep nothing mapped either way.
 
     Every kernel the model computes with is chosen here, once
     (:func:`~twostroke.engine.kernels.selection.select_kernels`, logged at INFO), and the
@@ -312,7 +319,7 @@ def load_model(
         if path.is_dir():
             config, module = _load_hf_directory(path, dtype, device)
         elif blocks is not None and requantize is None:
-            config, module = _load_gguf_blocks(path, dtype, device, blocks)
+            config, module = _load_gguf_blocks(path, dtype, device, blocks, mmap=mmap)
         elif gguf:
             config, module = _load_gguf(path, dtype, device)
         else:
@@ -395,7 +402,7 @@ def _load_hf_directory(
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(path, "no *.safetensors files (other weight formats are not read)")
-    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    module = _new_model(path, config, dtype, device)
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -423,6 +430,26 @@ def _hf_config(path: Path) -> ModelConfig:
         return ModelConfig.from_hf_config(data)
     except (TypeError, ValueError) as error:
         raise ModelLoadError(config_path, str(error)) from error
+
+
+def _new_model(
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """The model, its weights allocated and not yet read.
+
+    Raises:
+        ModelLoadError: the weights do not fit in memory (torch's allocation error, a
+            ``RuntimeError``, or ``MemoryError``), naming the sizes that asked for them.
+    """
+    try:
+        return LlamaForCausalLM(config, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as error:
+        raise ModelLoadError(
+            path,
+            f"the model's weights cannot be allocated on {device.type} (vocab_size="
+            f"{config.vocab_size}, hidden_size={config.hidden_size}, intermediate_size="
+            f"{config.intermediate_size}, num_layers={config.num_layers}): {error}",
+        ) from error
 
 
 def _check_complete(module: LlamaForCausalLM, path: Path) -> None:
@@ -657,10 +684,11 @@ def _in_blocks(gguf_name: str) -> bool:
 
 
 def _load_gguf_blocks(
-    path: Path, dtype: torch.dtype, device: torch.device, kernel: BlockKernel
+    path: Path, dtype: torch.dtype, device: torch.device, kernel: BlockKernel, *, mmap: bool
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """The model with its matrices of :data:`BLOCK_TYPES` as the file stores them (the memory
-    map's blocks, not copied), the rest dequantized; never cached (the file is the weights).
+    map's blocks, not copied; with ``mmap=False``, the file's bytes read into memory), the
+    rest dequantized; never cached (the file is the weights).
 
     GGUF's q/k rows are in llama.cpp's rotary order: the product's columns are permuted
     back (:attr:`BlockTensor.columns`), the blocks untouched.
@@ -670,8 +698,8 @@ def _load_gguf_blocks(
     # The model takes the kernel with the others (select_kernels' blocks=); here it only
     # names the quantization asked for in an error.
     asked = _stored_as(kernel)
-    config, metadata, tensors = _gguf_config(path)
-    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    config, metadata, tensors = _gguf_config(path, mmap=mmap)
+    module = _new_model(path, config, dtype, device)
     permute = metadata.get("general.architecture") == "llama"
     for gguf_name, tensor in tensors.items():
         name = hf_tensor_name(gguf_name)
@@ -805,7 +833,7 @@ def _convert_gguf(
     from gguf.quants import dequantize
 
     config, metadata, tensors = _gguf_config(path)
-    module = LlamaForCausalLM(config, dtype=dtype, device=device)
+    module = _new_model(path, config, dtype, device)
     permute = metadata.get("general.architecture") == "llama"
     for gguf_name, weights in _dequantized(path, tensors, dequantize):
         name = hf_tensor_name(gguf_name)
@@ -824,27 +852,85 @@ def _convert_gguf(
     return config, module
 
 
-def _gguf_config(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
-    """The file's configuration, its key/values and its tensors (``rope_freqs`` taken out)."""
+def _gguf_config(
+    path: Path, *, mmap: bool = True
+) -> tuple[ModelConfig, dict[str, Any], dict[str, GGUFTensor]]:
+    """The file's configuration, its key/values and its tensors (``rope_freqs`` taken out).
+
+    The configuration is checked against the tensors (:func:`_check_sizes`) before it is
+    returned, so that nothing is allocated from sizes the file's tensors do not bear out.
+    ``mmap=False`` reads the file into memory (:func:`read_gguf`).
+    """
     try:
-        contents = read_gguf(path)
+        contents = read_gguf(path, mmap=mmap)
     except ValueError as error:
         raise ModelLoadError(path, f"is not a valid GGUF file: {error}") from error
     metadata = dict(contents.metadata)
     if "tokenizer.ggml.tokens.count" in metadata:
         metadata["tokenizer.ggml.token_count"] = metadata.pop("tokenizer.ggml.tokens.count")
-    tensors: dict[str, Any] = dict(contents.tensors)
-    factors = None
-    if "rope_freqs.weight" in tensors:
-        freqs = tensors.pop("rope_freqs.weight")
-        factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).ravel())
+    tensors = dict(contents.tensors)
+    freqs = tensors.pop("rope_freqs.weight", None)
     try:
-        config = ModelConfig.from_gguf_metadata(
-            metadata, tuple(tensors), rope_frequency_factors=factors
-        )
+        config = ModelConfig.from_gguf_metadata(metadata, tuple(tensors))
     except (TypeError, ValueError) as error:
         raise ModelLoadError(path, str(error)) from error
+    _check_sizes(path, config, tensors)
+    if freqs is not None:
+        # Its length is checked before a float of it is made: a file's tensor may be huge.
+        if freqs.data.dtype.kind != "f" or freqs.shape != (config.head_dim // 2,):
+            raise ModelLoadError(
+                path,
+                f"tensor 'rope_freqs.weight' is {freqs.tensor_type.name} {list(freqs.shape)}, "
+                f"expected plain numbers [head_dim / 2] = [{config.head_dim // 2}]",
+            )
+        factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32))
+        config = attrs.evolve(config, rope_frequency_factors=factors)
     return config, metadata, tensors
+
+
+def _check_sizes(path: Path, config: ModelConfig, tensors: dict[str, GGUFTensor]) -> None:
+    """Refuse a configuration whose sizes the file's tensors do not have, before the model
+    is allocated from it.
+
+    Each size the model allocates by (layers, vocabulary, widths of the residual stream, the
+    MLP and the attention) is compared with a tensor that has it: the highest ``blk.N``, and
+    the shapes of the embedding, the first layer's q, k and up projections. A file whose
+    ``block_count`` says 200 000 was otherwise allocated for 20 s and 2 GB before "missing
+    tensors" was reported.
+
+    Raises:
+        ModelLoadError: a size differs from its tensor's, or the tensor is missing.
+    """
+    layers = [int(match[1]) for name in tensors if (match := _GGUF_BLOCK.fullmatch(name))]
+    highest = max(layers, default=-1)
+    if highest + 1 != config.num_layers:
+        found = f"blk.{highest} ({highest + 1} layers)" if layers else "no blk.N tensor"
+        raise ModelLoadError(
+            path,
+            f"the metadata's block_count is {config.num_layers}, but the file's highest layer "
+            f"is {found}",
+        )
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden = config.hidden_size
+    expected = {
+        "token_embd.weight": ((config.vocab_size, hidden), "(vocab_size, embedding_length)"),
+        "blk.0.ffn_up.weight": (
+            (config.intermediate_size, hidden),
+            "(feed_forward_length, embedding_length)",
+        ),
+        "blk.0.attn_q.weight": ((q_rows, hidden), "(head_count * head_dim, embedding_length)"),
+        "blk.0.attn_k.weight": ((kv_rows, hidden), "(head_count_kv * head_dim, embedding_length)"),
+    }
+    for name, (shape, meaning) in expected.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(path, f"missing tensor {name!r}, which the model needs")
+        if tensor.shape != shape:
+            raise ModelLoadError(
+                path,
+                f"tensor {name!r} has shape {tensor.shape}, but the metadata says {meaning} "
+                f"= {shape}",
+            )
 
 
 def _dequantized(path: Path, tensors: dict[str, Any], dequantize: Any) -> Iterator[tuple[str, Any]]:

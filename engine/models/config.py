@@ -174,8 +174,9 @@ class ModelConfig:
         activation = data.get("hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {activation!r}")
-        num_heads = _require(data, "num_attention_heads")
-        hidden_size = _require(data, "hidden_size")
+        num_heads = _count(data, "num_attention_heads")
+        hidden_size = _count(data, "hidden_size")
+        head_dim = _head_dim(data, "head_dim", hidden_size, num_heads, "hidden_size")
         rope = dict(data.get("rope_parameters") or {})
         legacy_scaling = data.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
@@ -196,8 +197,8 @@ class ModelConfig:
             intermediate_size=_require(data, "intermediate_size"),
             num_layers=_require(data, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=data.get("num_key_value_heads") or num_heads,
-            head_dim=data.get("head_dim") or hidden_size // num_heads,
+            num_kv_heads=_count(data, "num_key_value_heads", default=num_heads),
+            head_dim=head_dim,
             rms_norm_eps=data.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=_rope_scaling(scaling, max_positions),
@@ -234,7 +235,9 @@ class ModelConfig:
             The model's configuration.
 
         Raises:
-            ValueError: an unsupported architecture or rope scaling, or a missing key.
+            ValueError: an unsupported architecture or rope scaling, a missing key, or a
+                count (head counts, widths) that is not an int >= 1, or an embedding length
+                the heads do not divide where no key length is given.
         """
         arch = metadata.get("general.architecture")
         architecture = _GGUF_ARCHITECTURES.get(str(arch))
@@ -252,8 +255,11 @@ class ModelConfig:
         def key(name: str) -> Any:
             return _require(metadata, f"{arch}.{name}")
 
-        num_heads = key("attention.head_count")
-        hidden_size = key("embedding_length")
+        num_heads = _count(metadata, f"{arch}.attention.head_count")
+        hidden_size = _count(metadata, f"{arch}.embedding_length")
+        head_dim = _head_dim(
+            metadata, f"{arch}.attention.key_length", hidden_size, num_heads, "embedding_length"
+        )
         vocab_size = metadata.get(f"{arch}.vocab_size")
         if vocab_size is None:
             tokens = metadata.get("tokenizer.ggml.tokens")
@@ -279,8 +285,8 @@ class ModelConfig:
             intermediate_size=key("feed_forward_length"),
             num_layers=key("block_count"),
             num_heads=num_heads,
-            num_kv_heads=metadata.get(f"{arch}.attention.head_count_kv") or num_heads,
-            head_dim=metadata.get(f"{arch}.attention.key_length") or hidden_size // num_heads,
+            num_kv_heads=_count(metadata, f"{arch}.attention.head_count_kv", default=num_heads),
+            head_dim=head_dim,
             rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
             rope_theta=metadata.get(f"{arch}.rope.freq_base", 10000.0),
             rope_scaling=scaling,
@@ -299,6 +305,34 @@ def _require(data: Mapping[str, Any], name: str) -> Any:
     if data.get(name) is None:
         raise ValueError(f"the configuration lacks {name!r}")
     return data[name]
+
+
+def _count(data: Mapping[str, Any], name: str, *, default: int | None = None) -> int:
+    """A count the configuration is divided by or allocated from: an int >= 1 (``default``
+    where the key is absent or null), checked before it is used."""
+    value = data.get(name)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ValueError(f"the configuration lacks {name!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _head_dim(
+    data: Mapping[str, Any], name: str, hidden_size: int, num_heads: int, hidden_name: str
+) -> int:
+    """The width of a head: ``name`` where the configuration gives it, else the residual
+    stream's width shared among the heads, which must then divide it."""
+    if data.get(name) is not None:
+        return _count(data, name)
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"{hidden_name} must be a multiple of the head count without {name!r}, got "
+            f"{hidden_size} and {num_heads} heads"
+        )
+    return hidden_size // num_heads
 
 
 def _token_ids(value: object) -> tuple[int, ...]:

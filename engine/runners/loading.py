@@ -6,6 +6,7 @@ import logging
 import types
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "DTYPES",
     "EmulatedBFloat16Warning",
+    "check_vocabulary",
     "default_torch_threads",
     "intra_op_threads",
     "load_runner",
@@ -185,7 +187,9 @@ def load_runner(
     after :func:`set_intra_op_threads`.
 
     Raises:
-        ModelLoadError: the model cannot be found or loaded; the message says why.
+        ModelLoadError: the model cannot be found or loaded, or its tokenizer has more
+            tokens than its embedding has rows (:func:`check_vocabulary`); the message says
+            why.
         TokenizerLoadError: its tokenizer cannot be loaded.
     """
     if model is None:
@@ -217,8 +221,36 @@ def load_runner(
         quantization=config.quantization,
         block_size=config.block_size,
         kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
+        mmap=config.mmap,
     )
+    tokenizer = HFTokenizer.from_pretrained(loaded.source)
+    check_vocabulary(tokenizer, loaded.config.vocab_size, loaded.source)
     runner = TorchModelRunner.from_loaded(
         loaded, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs
     )
-    return runner, HFTokenizer.from_pretrained(loaded.source)
+    return runner, tokenizer
+
+
+def check_vocabulary(tokenizer: Tokenizer, embedding_rows: int, source: Path) -> None:
+    """Refuse a tokenizer that gives ids the model's embedding has no row for.
+
+    Such a pair loads, and then every prompt that holds one of the extra tokens fails its
+    step (the embedding's lookup is out of range): refused at load instead. A tokenizer
+    with fewer ids than rows is usual (embeddings padded to a multiple of 64 or 128).
+
+    Args:
+        tokenizer: The model's tokenizer.
+        embedding_rows: The model's ``vocab_size``, the embedding's rows.
+        source: The model's file or directory, for the message.
+
+    Raises:
+        ModelLoadError: the tokenizer has more ids than the embedding has rows.
+    """
+    from twostroke.engine.checkpoints.loader import ModelLoadError
+
+    if tokenizer.vocab_size > embedding_rows:
+        raise ModelLoadError(
+            source,
+            f"the tokenizer has {tokenizer.vocab_size} tokens, more than the embedding's "
+            f"{embedding_rows} rows: a prompt with a token id >= {embedding_rows} would fail",
+        )

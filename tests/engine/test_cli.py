@@ -270,3 +270,13 @@ def test_cache_says_when_it_is_off(
     monkeypatch.setenv("TWOSTROKE_NO_CACHE", "1")
     assert main(["cache", "clear"]) == 0
     assert capsys.readouterr().out == "the artifact cache is off (TWOSTROKE_NO_CACHE=1)\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_no_mmap_asks_the_engine_for_a_gguf_file_read_into_memory(command: str) -> None:
+    from twostroke.engine.cli import _quantization, build_parser
+
+    positional = ["hi"] if command == "generate" else []
+    parser = build_parser()
+    assert _quantization(parser.parse_args([command, *positional, "--no-mmap"])) == {"mmap": False}
+    assert "mmap" not in _quantization(parser.parse_args([command, *positional]))

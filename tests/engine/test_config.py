@@ -120,6 +120,7 @@ SERVER_FIELDS = tuple(attrs.fields_dict(ServerConfig))
             TypeError,
             "kv_cache_memory must be bytes (int) or a fraction (float), got bool True",
         ),
+        ({"mmap": 0}, TypeError, "mmap must be a bool, got int 0"),
     ],
 )
 def test_bad_config(options: dict[str, Any], error: type[Exception], message: str) -> None:

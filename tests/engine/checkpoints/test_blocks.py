@@ -530,3 +530,26 @@ def test_a_q4_k_m_like_file_loads_as_stored_and_computes_its_dequantized_model(
         # 8-bit activations: the tiny random model's logits move by a few percent.
         assert float((mine - theirs).abs().max()) <= 0.1 * scale
     assert float(torch.cat(closes).float().mean()) >= 0.5
+
+
+def test_mmap_false_computes_the_same_logits_and_survives_the_file_truncated(
+    tmp_path: Path,
+) -> None:
+    """A served GGUF file truncated in place killed the process (SIGBUS: its blocks are
+    read from the map as they are used); ``mmap=False`` reads them into memory at load, and
+    the model computes the mapped model's logits bit for bit after the file is emptied."""
+    file = write(tmp_path, Q.Q4_0, Q.Q8_0)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(file.read_bytes())
+    options: dict[str, Any] = {"dtype": torch.float32, "device": CPU, "quantization": "gguf"}
+    mapped = load_model(file, **options)
+    read = load_model(copy, **options, mmap=False)
+    assert read.quantization == "gguf"
+    sequences = random_sequences([3, 20])
+    expected = mapped.module.forward_logits(sequences, chunk_size=6)
+    with copy.open("r+b") as handle:
+        handle.truncate(0)  # in place: a mapped model would die reading its next block
+    for logits, theirs in zip(
+        read.module.forward_logits(sequences, chunk_size=6), expected, strict=True
+    ):
+        assert torch.equal(logits, theirs)

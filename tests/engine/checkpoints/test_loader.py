@@ -24,6 +24,7 @@ from tests.engine.models.test_llama import (
 from twostroke.engine.artifacts.cache import (
     CACHE_LIMIT_ENV,
     LAST_USED,
+    MARKER,
     NATIVE_FOLDER,
     SOURCE_RECORD,
     ArtifactCache,
@@ -94,10 +95,13 @@ def write_gguf(
     with_vocabulary: bool = False,
     matrices: Any = None,
     embedding: Any = None,
+    metadata: dict[str, tuple[Any, gguf.GGUFValueType]] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> None:
     """Write a transformers model as llama.cpp would, quantizing its matrices to Q8_0 (or
     ``matrices``: a type, or a function of the transformers name that gives one) and its
-    embedding to F16 (or ``embedding``).
+    embedding to F16 (or ``embedding``). ``metadata`` sets (or replaces) key/values,
+    ``extra`` adds tensors after the model's.
 
     The model's weights are replaced in place by what the file holds after quantization, so
     that it stays the exact reference for the file.
@@ -148,6 +152,10 @@ def write_gguf(
         if replace and target in replace:
             stored, raw_dtype = replace[target], None
         writer.add_tensor(target, stored, raw_dtype=raw_dtype)
+    for key, (value, kind) in (metadata or {}).items():
+        writer.kv_data[0][key] = gguf.GGUFValue(value=value, type=kind)
+    for target, stored in (extra or {}).items():
+        writer.add_tensor(target, stored)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -416,6 +424,111 @@ def test_gguf_shape_mismatch(tmp_path: Path, reference: Any) -> None:
     )
 
 
+U32 = gguf.GGUFValueType.UINT32
+
+
+def test_a_gguf_files_own_error_is_a_model_load_error_naming_the_key(tmp_path: Path) -> None:
+    from tests.engine.checkpoints.test_gguf import ARRAY, array, handmade, key_value
+
+    nested = key_value("test.nested", ARRAY, array(ARRAY, 1, array(ARRAY, 0)))
+    file = handmade(tmp_path / "nested.gguf", [nested])
+    expect_error(
+        file,
+        file,
+        r"is not a valid GGUF file: key 'test\.nested' is an array of arrays, which GGUF "
+        r"does not allow",
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        # head_count 0 once raised ZeroDivisionError (embedding_length // head_count).
+        (
+            "llama.attention.head_count",
+            0,
+            r"llama\.attention\.head_count must be an int >= 1, got 0",
+        ),
+        (
+            "llama.attention.head_count_kv",
+            0,
+            r"llama\.attention\.head_count_kv must be an int >= 1, got 0",
+        ),
+        (
+            "llama.embedding_length",
+            66,
+            r"embedding_length must be a multiple of the head count without "
+            r"'llama\.attention\.key_length', got 66 and 4 heads",
+        ),
+        # 200 000 once allocated 20 s and 2 GB of layers before "missing tensors".
+        (
+            "llama.block_count",
+            200_000,
+            r"the metadata's block_count is 200000, but the file's highest layer is blk\.2 "
+            r"\(3 layers\)",
+        ),
+        (
+            "llama.vocab_size",
+            10_000_000,
+            r"tensor 'token_embd\.weight' has shape \(256, 64\), but the metadata says "
+            r"\(vocab_size, embedding_length\) = \(10000000, 64\)",
+        ),
+        (
+            "llama.feed_forward_length",
+            2**30,
+            r"tensor 'blk\.0\.ffn_up\.weight' has shape \(128, 64\), but the metadata says "
+            r"\(feed_forward_length, embedding_length\) = \(1073741824, 64\)",
+        ),
+        (
+            "llama.attention.key_length",
+            2**20,
+            r"tensor 'blk\.0\.attn_q\.weight' has shape \(64, 64\), but the metadata says "
+            r"\(head_count \* head_dim, embedding_length\) = \(4194304, 64\)",
+        ),
+    ],
+)
+def test_gguf_sizes_are_checked_against_the_tensors_before_the_model_is_allocated(
+    tmp_path: Path, reference: Any, key: str, value: int, problem: str
+) -> None:
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama", metadata={key: (value, U32)})
+    expect_error(file, file, problem)
+
+
+def test_gguf_rope_freqs_length_is_checked_before_it_is_read(
+    tmp_path: Path, reference: Any
+) -> None:
+    """A rope_freqs of 2**26 floats was converted (975 MiB of Python floats) before its
+    length was compared with the head's."""
+    file = tmp_path / "tiny.gguf"
+    with torch.no_grad():
+        write_gguf(file, reference, "llama", extra={"rope_freqs.weight": np.ones(1000, np.float32)})
+    expect_error(
+        file,
+        file,
+        r"tensor 'rope_freqs\.weight' is F32 \[1000\], expected plain numbers "
+        r"\[head_dim / 2\] = \[8\]",
+    )
+    factors = np.arange(1, 9, dtype=np.float32)
+    with torch.no_grad():
+        write_gguf(file, reference, "llama", extra={"rope_freqs.weight": factors})
+    loaded = load_model(file, dtype=torch.float32, device=CPU)
+    assert loaded.config.rope_frequency_factors == tuple(factors.tolist())
+
+
+def test_weights_that_cannot_be_allocated_are_a_model_load_error(model_dir: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    config["vocab_size"] = 2**44  # 4 PiB of float32 embedding
+    (model_dir / "config.json").write_text(json.dumps(config))
+    expect_error(
+        model_dir,
+        model_dir,
+        r"the model's weights cannot be allocated on cpu \(vocab_size=17592186044416, "
+        r"hidden_size=64, intermediate_size=128, num_layers=3\): .+",
+    )
+
+
 def test_bad_dtype(model_dir: Path) -> None:
     with pytest.raises(
         ValueError, match=r"dtype must be float32, bfloat16 or float16, got torch\.int8"
@@ -442,7 +555,7 @@ def cached_gguf(
 def weight_entries(cache: Path) -> list[Path]:
     """The cache's entries of converted models (loading also builds the compiled kernels
     it chooses, which the cache keeps in a folder of their own)."""
-    return [path for path in cache.iterdir() if path.name != NATIVE_FOLDER]
+    return [path for path in cache.iterdir() if path.name not in (NATIVE_FOLDER, MARKER)]
 
 
 def forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:

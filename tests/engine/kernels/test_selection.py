@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,6 +34,9 @@ from twostroke.gpu.isa import ISA_ENV, cpu_personality
 from twostroke.states.plan import StepPlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: A stand-in for the tokenizer of a model that has none (load_runner asks its size only).
+NO_TOKENS = SimpleNamespace(vocab_size=0)
 
 CPU = torch.device("cpu")
 
@@ -62,7 +66,7 @@ def test_an_engines_kernels_are_chosen_once_and_no_step_chooses_again(
 ) -> None:
     """``load_runner`` (what an engine calls, once) chooses; allocating the cache builds
     the chosen attention for its blocks; the steps only receive it."""
-    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: NO_TOKENS))
     choices = counted(monkeypatch, loader, "select_kernels")
     lookups = counted(monkeypatch, attention_kernels, "paged_decode_kernel")
     given: list[Any] = []
@@ -290,7 +294,7 @@ def test_what_the_kv_cache_dtype_refuses() -> None:
 def test_the_engines_kv_cache_dtype_reaches_the_runners_cache(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: NO_TOKENS))
     config = EngineConfig(dtype="float32", kv_cache_dtype="bfloat16", block_size=4)
     runner, _ = loading.load_runner(str(tiny), device=CpuDevice(), config=config)
     assert isinstance(runner, TorchModelRunner)

@@ -105,6 +105,15 @@ def test_transformers_4_rope_layout() -> None:
         ),
         ({"vocab_size": 0}, r"vocab_size must be >= 1, got 0"),
         ({"rms_norm_eps": 0.0}, r"rms_norm_eps must be > 0, got 0.0"),
+        # Divided by before the fields are checked: ZeroDivisionError once.
+        ({"num_attention_heads": 0}, r"^num_attention_heads must be an int >= 1, got 0$"),
+        ({"num_key_value_heads": 0}, r"^num_key_value_heads must be an int >= 1, got 0$"),
+        ({"hidden_size": "32"}, r"^hidden_size must be an int >= 1, got '32'$"),
+        (
+            {"hidden_size": 30, "head_dim": None},
+            r"^hidden_size must be a multiple of the head count without 'head_dim', got 30 "
+            r"and 4 heads$",
+        ),
     ],
 )
 def test_hf_config_errors(overrides: dict[str, Any], message: str) -> None:
@@ -172,6 +181,23 @@ def test_gguf_rope_frequency_factors_must_fit_the_head() -> None:
         (
             {"tokenizer.ggml.tokens": None},
             r"GGUF metadata lacks llama\.vocab_size and tokenizer\.ggml\.tokens",
+        ),
+        (
+            {"llama.attention.head_count": 0},
+            r"^llama\.attention\.head_count must be an int >= 1, got 0$",
+        ),
+        (
+            {"llama.attention.head_count": [4, 4]},  # per layer: llama.cpp's, not ours
+            r"^llama\.attention\.head_count must be an int >= 1, got \[4, 4\]$",
+        ),
+        (
+            {"llama.attention.key_length": 0},
+            r"^llama\.attention\.key_length must be an int >= 1, got 0$",
+        ),
+        (
+            {"llama.embedding_length": 30},
+            r"^embedding_length must be a multiple of the head count without "
+            r"'llama\.attention\.key_length', got 30 and 4 heads$",
         ),
     ],
 )

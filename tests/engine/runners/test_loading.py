@@ -6,6 +6,7 @@ import os
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +21,9 @@ from twostroke.gpu.isa import cpu_personality
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
 pytestmark = pytest.mark.isa
+
+#: A stand-in for the tokenizer of a model that has none (load_runner asks its size only).
+NO_TOKENS = SimpleNamespace(vocab_size=0)
 
 
 @pytest.fixture(params=[True, False], ids=["native-bf16", "no-native-bf16"])
@@ -120,7 +124,7 @@ def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transforme
 
     monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
     # The tiny model has no tokenizer; loading is what this test is about.
-    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: NO_TOKENS))
     make_tiny_model("llama", tmp_path, seed=5)
     config = EngineConfig(
         dtype=dtype,  # type: ignore[arg-type]
@@ -151,7 +155,7 @@ def test_auto_dtype_with_blocks_is_float32_also_where_bfloat16_is_native(
     if block_kernel() is None:
         pytest.skip("the block products do not build here")
     monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: True)
-    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: None))
+    monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: NO_TOKENS))
     make_tiny_model("llama", tmp_path, seed=5)
     threads = torch.get_num_threads()
     config = EngineConfig(quantization=quantization, torch_threads=threads)  # type: ignore[arg-type]
@@ -165,3 +169,31 @@ def test_auto_dtype_with_blocks_is_float32_also_where_bfloat16_is_native(
     )
     with pytest.raises(ValueError, match="float32 activations; got dtype bfloat16"):
         loading.load_runner(str(tmp_path), device=CpuDevice(), config=explicit)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path: Path) -> None:
+    """Such a pair loaded, and then every prompt holding one of the extra ids failed its
+    step; both numbers are named at load instead. A tokenizer no larger loads."""
+    from tests.engine.models.test_llama import make_tiny_model
+    from tests.engine.text.test_tokenizer import write_model_directory
+    from twostroke.engine.checkpoints.loader import ModelLoadError
+    from twostroke.engine.config import EngineConfig
+    from twostroke.engine.text.tokenizer import HFTokenizer
+
+    config = EngineConfig(dtype="float32", quantization=None, torch_threads=1)
+    small = tmp_path / "small"
+    make_tiny_model("llama", small, seed=5)  # 256 rows
+    write_model_directory(small, chat_template=None)
+    tokens = HFTokenizer.from_pretrained(small).vocab_size
+    assert tokens > 256
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"^{re.escape(str(small))}: the tokenizer has {tokens} tokens, more than the "
+        r"embedding's 256 rows: a prompt with a token id >= 256 would fail$",
+    ):
+        loading.load_runner(str(small), device=CpuDevice(), config=config)
+    fits = tmp_path / "fits"
+    make_tiny_model("llama", fits, seed=5, vocab_size=tokens)
+    write_model_directory(fits, chat_template=None)
+    _, tokenizer = loading.load_runner(str(fits), device=CpuDevice(), config=config)
+    assert tokenizer.vocab_size == tokens
