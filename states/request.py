@@ -321,14 +321,16 @@ def _advance(matcher: Matcher, token_id: int) -> str | None:
     mask was not applied (a runner that ignores constraints) and a dead end means the
     vocabulary cannot spell what the constraint needs: either way the request fails rather
     than deliver output that does not satisfy its constraint. A matcher that raises (its
-    backend gave up, a limit) fails the request with the backend's message.
+    backend gave up, a limit), advancing or saying where it is after, fails the request with
+    the backend's message.
     """
     try:
         if not matcher.advance(token_id):
             return f"the constraint does not allow token {token_id} here"
+        dead_end = matcher.terminated and not matcher.accepting
     except Exception as exc:  # the backend's own error: this request fails, not the engine
         return f"the constraint failed: {exc}"
-    if matcher.terminated and not matcher.accepting:
+    if dead_end:
         return "the constraint reached a dead end: no token of the vocabulary continues it"
     return None
 

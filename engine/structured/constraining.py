@@ -176,10 +176,14 @@ class Constraining:
         (``None`` if it did not: the request failed for another reason).
 
         The matcher (a :class:`~twostroke.engine.structured.GuidanceMatcher`) knows: the
-        limit it hit, named with its value, or a dead end.
+        limit it hit, named with its value, or a dead end. One that raises asked is ``None``:
+        the request still fails, with the error its caller has.
         """
         matcher, constraint = request.matcher, request.params.constraint
-        reason = getattr(matcher, "failure", None)
+        try:
+            reason = getattr(matcher, "failure", None)
+        except Exception:  # a backend that raised cannot say why either: the caller's error
+            return None
         if matcher is None or constraint is None or not isinstance(reason, str):
             return None
         return ConstraintFailed(
@@ -197,7 +201,8 @@ class Constraining:
         by every token its request sampled before the step. The rows are filled in a worker
         thread, all at once; the loop serves other tasks meanwhile. A matcher that fails to
         compute its mask fails its request (``fail(request_id, error)``, a
-        :class:`ConstraintFailed` where the backend gave up).
+        :class:`ConstraintFailed` where the backend gave up); whatever else raises while
+        filling fails the step's constrained requests. Nothing raised here ends the engine.
 
         Not cancelled while the thread fills (shielded): the matchers are the thread's until
         it returns.
@@ -219,9 +224,14 @@ class Constraining:
         failures: list[tuple[Request, Exception]] = []
         if rows:
             with anyio.CancelScope(shield=True):
-                failures = await anyio.to_thread.run_sync(
-                    self._fill, rows, masks, limiter=self._fill_limiter
-                )
+                try:
+                    failures = await anyio.to_thread.run_sync(
+                        self._fill, rows, masks, limiter=self._fill_limiter
+                    )
+                except Exception as fault:
+                    # The fill's own fault, no one matcher's (their faults it names): the
+                    # step's constrained requests fail, not the engine.
+                    failures = [(request, fault) for request, _, _ in rows]
         for request, exc in failures:
             request_id = request.request_id
             error = self.failure_of(request)
@@ -238,8 +248,13 @@ class Constraining:
         """Fill ``rows`` of ``masks`` (in a worker thread); the requests whose matcher failed.
 
         A request with drafts has a row after each draft too, filled from a fork of its
-        matcher followed through the drafts (see :func:`_followed`). llguidance's matchers
-        all at once on its thread pool; any other :class:`Matcher` (a test's) row by row.
+        matcher followed through the drafts (see :func:`_followed`). Each matcher fills one
+        row: a position that repeats the one before (past a refused draft) gets a copy of
+        its row, since llguidance refuses a matcher twice in one call ("Already borrowed",
+        which killed the engine) and a copy is cheaper than a fork's mask. llguidance's
+        matchers all at once on its thread pool; any other :class:`Matcher` (a test's) row
+        by row. Whatever one raises fails its request only: where the call for all of them
+        raises, each is filled alone to find whose it is.
         """
         from twostroke.engine.structured import GuidanceMatcher, bitmask_row, bitmask_rows
         from twostroke.engine.structured import matcher as guidance
@@ -247,6 +262,7 @@ class Constraining:
         failures: list[tuple[Request, Exception]] = []
         by_row: dict[int, Request] = {}
         together: list[tuple[GuidanceMatcher, int]] = []
+        copies: list[tuple[int, int]] = []  # (a filled row, a row that repeats it), in order
         for request, first, drafts in rows:
             assert request.matcher is not None
             try:
@@ -254,9 +270,14 @@ class Constraining:
             except Exception as exc:  # the backend gave up: this request fails
                 failures.append((request, exc))
                 continue
+            filled: dict[int, int] = {}  # id of a matcher (alive until the loop ends): its row
             for offset, matcher in enumerate(matchers):
                 row = first + offset
                 by_row[row] = request
+                if id(matcher) in filled:
+                    copies.append((filled[id(matcher)], row))
+                    continue
+                filled[id(matcher)] = row
                 if isinstance(matcher, GuidanceMatcher):
                     together.append((matcher, row))
                     continue
@@ -268,10 +289,21 @@ class Constraining:
         if together:
             assert self._executor is not None  # made with the compiler
             failed: list[tuple[int, Exception]] = []
-            guidance.fill_bitmasks(
-                together, bitmask_rows(masks.bitmask), self._executor, failures=failed
-            )
+            try:
+                guidance.fill_bitmasks(
+                    together, bitmask_rows(masks.bitmask), self._executor, failures=failed
+                )
+            except Exception:  # not one matcher's limit: which is at fault, each alone says
+                failed = []
+                for matcher, row in together:
+                    try:
+                        matcher.fill_bitmask(bitmask_row(masks.bitmask, row))
+                    except Exception as exc:
+                        failed.append((row, exc))
             failures += [(by_row[row], exc) for row, exc in failed]
+        bitmask = masks.bitmask.numpy()  # numpy: no ATen (and no OpenMP team) in this thread
+        for source, row in copies:
+            bitmask[row] = bitmask[source]
         once = {request.request_id: (request, exc) for request, exc in reversed(failures)}
         return list(once.values())
 
@@ -302,14 +334,19 @@ def _followed(matcher: Matcher, drafts: tuple[int, ...]) -> list[Matcher]:
 
     Past a draft the constraint refuses (or one after the output ended), the mask before it
     forbids it, so the draft ends there and what the positions after it sample is dropped:
-    they take that last mask again, a valid one.
+    they take that last mask again, a valid one, and are followed no further. Their entries
+    are then the same matcher as the position before (``matcher`` itself where the first
+    draft is refused): a caller fills its row once and copies it.
     """
     followed: list[Matcher] = []
     follower = matcher
+    ended = False
     for token_id in drafts:
-        if not follower.terminated:
+        if not ended and not follower.terminated:
             fork = follower.fork()
             if fork.advance(token_id):
                 follower = fork
+            else:
+                ended = True
         followed.append(follower)
     return followed

@@ -240,8 +240,8 @@ def fill_bitmasks(
             rather than raising the first (the others' rows are filled all the same).
 
     Raises:
-        ValueError: an index outside the rows, matchers of different vocabulary sizes, or a
-            bitmask of the wrong size or layout.
+        ValueError: an index outside the rows, a matcher given twice, matchers of different
+            vocabulary sizes, or a bitmask of the wrong size or layout.
         MatcherError: the backend gave up on one of the matchers (the first one's reason),
             unless ``failures`` takes it.
     """
@@ -253,9 +253,18 @@ def fill_bitmasks(
     if rows.nbytes % row_bytes:
         raise ValueError(f"a bitmask must be whole rows of {row_bytes} bytes, got {rows.nbytes}")
     num_rows = rows.nbytes // row_bytes
-    for _, index in matchers:
+    rows_of: dict[int, int] = {}  # llguidance's matcher (by id): the row it fills
+    for matcher, index in matchers:
         if not 0 <= index < num_rows:
             raise ValueError(f"row {index} is outside a bitmask of {num_rows} rows")
+        # llguidance borrows each matcher for the call: one given twice is its RuntimeError
+        # "Already borrowed", which names neither the rule nor the rows.
+        first = rows_of.setdefault(id(matcher._matcher), index)
+        if first != index:
+            raise ValueError(
+                f"each matcher fills one row of a call, got one matcher for rows {first} and "
+                f"{index} (copy the row instead)"
+            )
     address = _address(rows, rows.nbytes)
     executor.unsafe_compute_mask_ptr(
         [(matcher._matcher, index) for matcher, index in matchers], address, row_bytes, num_rows

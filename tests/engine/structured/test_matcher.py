@@ -314,6 +314,10 @@ def test_fill_bitmasks_checks_its_arguments(
         fill_bitmasks([(matcher, 2)], bitmask_rows(bitmask), executor)
     with pytest.raises(ValueError, match=r"^a bitmask must be whole rows of 36 bytes, got 40$"):
         fill_bitmasks([(matcher, 0)], memoryview(bytearray(40)), executor)
+    # llguidance's own "RuntimeError: Already borrowed" killed the engine (issue 48).
+    message = r"^each matcher fills one row of a call, got one matcher for rows 0 and 1 \("
+    with pytest.raises(ValueError, match=message):
+        fill_bitmasks([(matcher, 0), (matcher, 1)], bitmask_rows(bitmask), executor)
     other = TextVocabulary(("a", "<eos>"))
     small = GrammarCompiler(Vocabulary.from_tokenizer(other)).compile_now(Regex("a")).matcher()
     with pytest.raises(
