@@ -15,8 +15,9 @@ given) the output is free text under a lazy constraint that, once the model writ
 format's trigger, allows only calls of the tools; ``"required"`` allows calls only, a named
 function one call of it; ``"none"`` neither shows the tools nor constrains anything. Calls
 are answered as ``message.tool_calls`` with ``finish_reason`` ``"tool_calls"``
-(:class:`ToolCalls`). ``response_format`` with tools constrains the text branch of
-``"auto"`` and is ignored with ``"required"`` or a named function (no text answer is
+(:class:`ToolCalls`), also when the token limit cut a later call (which is dropped:
+:meth:`ToolCalls.finish_reason`). ``response_format`` with tools constrains the text branch
+of ``"auto"`` and is ignored with ``"required"`` or a named function (no text answer is
 possible); ``structured_outputs`` with tools is refused.
 """
 
@@ -79,6 +80,29 @@ class ToolCalls:
     def read(self, text: str) -> ParsedOutput:
         """The output as text and calls (:func:`~twostroke.engine.tools.parser.parse_output`)."""
         return parse_output(self.format, text)
+
+    @staticmethod
+    def finish_reason(parsed: ParsedOutput, reason: str) -> str:
+        """The answer's ``finish_reason``: ``"tool_calls"`` where at least one call is
+        complete, the engine's ``reason`` (``"length"``, ``"stop"``) where none is.
+
+        Also where the token limit cut a later call (which is dropped): the complete calls
+        are the answer an agent loop acts on, and ``"length"`` would lose them to the
+        clients that treat it as a failed answer (the ``openai`` SDK's ``parse()`` and
+        ``stream()`` helpers raise ``LengthFinishReasonError`` on it; openai-agents raises on
+        the Responses API's ``"incomplete"``, which follows from this reason). That the limit
+        was reached stays visible: ``usage.completion_tokens`` equals it.
+        """
+        return "tool_calls" if parsed.calls else reason
+
+    @staticmethod
+    def content(parsed: ParsedOutput) -> str | None:
+        """The answer's ``content``: the text before the calls, ``None`` where there is none
+        and a call was begun (complete or cut; a stream's opening delta says ``None`` too),
+        never any of the format's text around calls."""
+        if parsed.calls or not parsed.complete:
+            return parsed.content or None
+        return parsed.content
 
 
 @attrs.frozen

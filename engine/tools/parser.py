@@ -1,12 +1,20 @@
 """A model's output as text and tool calls, read as it streams or all at once.
 
 :class:`ToolCallParser` takes the output's text in pieces (the deltas of a stream) and turns
-it into events: :class:`TextDelta` for text before the first call, :class:`CallStarted` once
-a call's function name is known, :class:`ArgumentsDelta` for each piece of its arguments. No
+it into events: :class:`TextDelta` for text before the first call, then for each call
+:class:`CallStarted` (its function's name) and :class:`ArgumentsDelta` (its arguments). No
 piece of the trigger reaches a text delta: text that could be the start of the opening tag
 is held back until the next piece shows whether it is. :func:`parse_output` feeds the whole
 text through the same parser, so a complete answer and the concatenation of a stream's
 deltas agree by construction.
+
+A call is *complete* once its JSON object is closed (its name and arguments are whole; the
+format's closing text may still be cut). A call's events are held back until then, so an
+output cut inside a call (by ``max_tokens``) has reported nothing of that call, streamed or
+whole: the calls before it are kept, the cut one is dropped, and none of its text is
+content. The price is that a call's arguments arrive in one piece, not as the model writes
+them; the alternative, a stream that has sent half a call the whole answer does not hold,
+gives an agent loop arguments it cannot parse (issue 48, finding 6).
 
 The parser relies on the output following the format exactly, as the constraint of
 :func:`~twostroke.engine.tools.grammar.tool_constraint` makes it: after the trigger, what the
@@ -76,9 +84,9 @@ class ParsedOutput:
 
     Attributes:
         content: The text before the first call (all of it when there is no call).
-        calls: The calls, in order (the last may be incomplete, see ``complete``).
-        complete: Every call that was started was closed: false when the output was cut
-            inside a call (by ``max_tokens``), which is then no call at all but text.
+        calls: The complete calls, in order (a call cut by ``max_tokens`` is not one).
+        complete: Nothing was cut: false when the output ended inside a call, or inside
+            the format's text around calls (a call was begun, and is dropped).
     """
 
     content: str
@@ -102,7 +110,7 @@ class ToolCallParser:
         self._pending = ""
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
-        self._arguments: list[str] = []  # the call being read
+        self._arguments: list[str] = []  # the call being read (held until it is complete)
         self._current = ("", "")  # its id and name
         self._depth = 0
         self._in_string = False
@@ -184,9 +192,7 @@ class ToolCallParser:
         self._state = "arguments"
         self._arguments = []
         self._depth, self._in_string, self._escaped = 1, False, False
-        call_id = self._make_id()
-        self._current = (call_id, match[1])
-        events.append(CallStarted(len(self._calls), call_id, match[1]))
+        self._current = (self._make_id(), match[1])
 
     def _read_arguments(self, events: list[ToolEvent]) -> None:
         end = None
@@ -209,13 +215,13 @@ class ToolCallParser:
                     break
         piece = self._pending if end is None else self._pending[:end]
         self._pending = "" if end is None else self._pending[end + 1 :]
-        index = len(self._calls)
-        if piece:
-            self._arguments.append(piece)
-            events.append(ArgumentsDelta(index, piece))
-        if end is not None:
+        self._arguments.append(piece)
+        if end is not None:  # complete: only now is the call reported (module docstring)
             call_id, name = self._current
-            self._calls.append(ToolCall(call_id, name, "".join(self._arguments)))
+            call = ToolCall(call_id, name, "".join(self._arguments))
+            index = len(self._calls)
+            self._calls.append(call)
+            events += [CallStarted(index, call_id, name), ArgumentsDelta(index, call.arguments)]
             self._state = "between"
 
     def _read_between(self, events: list[ToolEvent]) -> None:

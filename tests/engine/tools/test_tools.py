@@ -165,6 +165,35 @@ def test_the_parser_holds_back_a_possible_trigger_and_reads_calls() -> None:
         assert not parse_output(GENERIC, one + begun).complete, begun
 
 
+def test_a_calls_events_wait_for_its_json_to_close() -> None:
+    """A call reaches the events only once its JSON is closed, so a stream cut inside a
+    call (by ``max_tokens``) has sent nothing of it, as the whole answer drops it: the calls
+    before it are kept, none of its markup is content (finding 6 of issue 48)."""
+    parser = ToolCallParser(GENERIC, make_id=lambda: "call_1")
+    assert parser.feed('Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "O') == [
+        TextDelta("Hi ")]  # fmt: skip
+    assert parser.feed('slo"}') == []
+    assert parser.feed("}") == [CallStarted(0, "call_1", "get_weather"),
+                                ArgumentsDelta(0, '{"city": "Oslo"}')]  # fmt: skip
+    assert parser.feed('\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {') == []
+    assert parser.finish() == []
+    cut = parser.result()
+    assert (cut.content, cut.complete) == ("Hi ", False)
+    assert cut.calls == (ToolCall("call_1", "get_weather", '{"city": "Oslo"}'),)
+    for fmt in (GENERIC, MISTRAL, LLAMA3_JSON):  # cut anywhere: the calls complete there
+        written = ["{}", '{"a": 1}'] if fmt.separator is not None else ["{}"]
+        two = fmt.calls_text([("now", json.loads(arguments)) for arguments in written])
+        for end in range(len(two) + 1):
+            parsed = parse_output(fmt, two[:end])
+            assert [call.arguments for call in parsed.calls] == [  # those whose "}" is in
+                arguments
+                for arguments in written
+                if two.index(arguments + "}") + len(arguments) < end
+            ], (fmt, two[:end])
+            # (a beginning of the trigger at the very end may be text, and is read so)
+            assert parsed.content == (two[:end] if end < len(fmt.trigger) else "")
+
+
 def _events_text(events: list[Any]) -> tuple[str, dict[int, str], dict[int, str]]:
     content, names, arguments = "", {}, {}
     for item in events:
@@ -240,7 +269,9 @@ def test_any_output_the_lazy_constraint_allows_parses_to_valid_calls(
     events += parser.finish()
     content, names, arguments = _events_text(events)
     assert content == whole.content
-    assert [names[i] for i in sorted(names)][: len(whole.calls)] == [c.name for c in whole.calls]
+    # Only complete calls reach the events: a stream sends what the whole answer holds.
+    assert [names[i] for i in sorted(names)] == [c.name for c in whole.calls]
+    assert len(arguments) == len(whole.calls)
     for index, call in enumerate(whole.calls):
         assert arguments[index] == call.arguments
 
