@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, NamedTuple
@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import anyio.to_thread
 import attrs
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -67,7 +68,13 @@ from twostroke.states.request import ConstraintCompiled, Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
 
-__all__ = ["Engine"]
+__all__ = ["TOKENIZER_THREADS", "Engine"]
+
+#: Worker threads an engine tokenizes prompts and renders chat templates in, at most, at once
+#: (:meth:`Engine.tokenize`, :meth:`Engine.generate`, :meth:`Engine.stream`). Two: a
+#: tokenizer's Rust code runs beside the event loop, and a burst of huge prompts waits in
+#: line instead of taking every core from the forward pass.
+TOKENIZER_THREADS = 2
 
 
 class _Plan(NamedTuple):
@@ -114,6 +121,10 @@ class Engine:
             SchedulerConfig.sized(config, num_blocks=num_blocks, max_model_len=self._max_model_len),
             clock=anyio.current_time,
         )
+        # Characters no prompt of max_model_len tokens can exceed: longer text is refused
+        # before the tokenizer runs (it would hold a worker thread for seconds a megabyte).
+        self._max_prompt_chars = self._max_model_len * tokenizer.max_token_chars
+        self._tokenizing = anyio.CapacityLimiter(TOKENIZER_THREADS)
         self._ids = itertools.count()
         self._open = Deliveries(self._scheduler.finish_on_stop_string)
         self._cancels: list[int] = []
@@ -290,17 +301,50 @@ class Engine:
         Returns:
             The request's handle: await :meth:`RequestHandle.result` or iterate its deltas.
 
-        The prompt is tokenized (and given ids are checked) once, here; a request whose
-        ``params.max_tokens`` is ``None`` gets as many as the context leaves after it.
+        The prompt is tokenized (and given ids are checked) once, here, on the caller's
+        thread: text or messages too long to fit the context are refused before the
+        tokenizer runs, but what fits still takes the tokenizer's time (milliseconds per
+        100 kB). On an event loop that serves others, tokenize first (:meth:`tokenize`, in
+        a worker thread) and submit the ids, or use :meth:`generate` or :meth:`stream`,
+        which do. A request whose ``params.max_tokens`` is ``None`` gets as many as the
+        context leaves after it.
 
         Raises:
             TypeError, ValueError: a malformed prompt or parameters (nothing is queued).
             RequestRejected: the request can never be served: too long for the context (the
-                error carries the numbers) or the KV pool, or a stop token id outside the
-                vocabulary.
+                error carries the numbers; text or messages longer than the context can
+                hold are refused before tokenizing, naming the rule) or the KV pool, or a
+                stop token id outside the vocabulary.
             EngineOverloaded: ``max_waiting_requests`` requests are waiting (checked before
                 the prompt is tokenized); nothing is queued.
             EngineClosed, EngineDead: the engine no longer takes work.
+        """
+        params = self._check_submit(params)
+        self._check_prompt_size(prompt)
+        return self._queue(tokenize_prompt(prompt, self.tokenizer), params)
+
+    async def _submit_off_loop(
+        self, prompt: Prompt, params: SamplingParams | None
+    ) -> RequestHandle:
+        """:meth:`submit`, with the prompt tokenized in a worker thread (:meth:`_tokenize`).
+
+        Cancelled while the prompt tokenizes, it raises the cancel exception once the thread
+        is done, with nothing queued.
+        """
+        checked = self._check_submit(params)
+        prompt_token_ids = await self._tokenize(prompt)
+        await anyio.lowlevel.checkpoint_if_cancelled()  # the thread ran on, shielded
+        # The engine may have closed, or the queue filled, while the thread ran.
+        self.check_health()
+        self._check_waiting_room()
+        return self._queue(prompt_token_ids, checked)
+
+    def _check_submit(self, params: SamplingParams | None) -> SamplingParams:
+        """What :meth:`submit` checks before the prompt: the engine takes work, the
+        parameters are right, and the waiting queue has room (cheap: before the tokenizer).
+
+        Returns:
+            The parameters (``SamplingParams()`` for ``None``).
         """
         self.check_health()
         params = check_params(params)
@@ -318,7 +362,74 @@ class Engine:
                 f"this engine's runner ({type(self._runner).__name__}) does not apply constraints",
             )
         self._check_waiting_room()  # cheap: before the tokenizer's work
-        prompt_token_ids = tokenize_prompt(prompt, self.tokenizer)
+        return params
+
+    def _check_prompt_size(self, prompt: object) -> bool:
+        """Refuse text or chat messages that cannot fit the context, before tokenizing them.
+
+        A token stands for at most ``tokenizer.max_token_chars`` characters, so a text
+        longer than ``max_model_len`` times that cannot encode to ``max_model_len`` tokens
+        or fewer; nor can more messages than ``max_model_len`` (a template writes at least
+        one token for each), or messages whose contents are longer in all than that text.
+        Cheap: the lengths only.
+
+        Returns:
+            Whether the prompt needs the tokenizer (text or chat messages; given token ids
+            are checked on the event loop, in one pass in C).
+
+        Raises:
+            RequestRejected: the prompt cannot fit.
+        """
+        limit, per_token = self._max_prompt_chars, self.tokenizer.max_token_chars
+        if isinstance(prompt, str):
+            if len(prompt) > limit:
+                raise RequestRejected(
+                    f"prompt must have at most max_model_len x the longest token's characters "
+                    f"= {self._max_model_len} x {per_token} = {limit} characters, "
+                    f"got {len(prompt)}"
+                )
+            return True
+        if not isinstance(prompt, list | tuple) or not prompt or is_int(prompt[0]):
+            return False
+        if len(prompt) > self._max_model_len:
+            raise RequestRejected(
+                f"messages must number at most max_model_len = {self._max_model_len}, "
+                f"got {len(prompt)}"
+            )
+        # Malformed messages are left to validate_messages, which says which and why.
+        chars = sum(
+            len(content)
+            for message in prompt
+            if isinstance(message, Mapping) and isinstance(content := message.get("content"), str)
+        )
+        if chars > limit:
+            raise RequestRejected(
+                f"messages must have at most max_model_len x the longest token's characters "
+                f"= {self._max_model_len} x {per_token} = {limit} characters of content in "
+                f"all, got {chars}"
+            )
+        return True
+
+    async def _tokenize(self, prompt: object) -> tuple[int, ...]:
+        """:func:`tokenize_prompt` for text and chat messages in a worker thread, at most
+        :data:`TOKENIZER_THREADS` of them at once, so the event loop serves everything else
+        meanwhile; given token ids on the loop (checked in C, no thread needed).
+
+        Cancelling the caller waits for the thread to finish (the tokenizer cannot be
+        interrupted); its result is dropped.
+
+        Raises:
+            RequestRejected: the prompt cannot fit (:meth:`_check_prompt_size`).
+            TypeError, ValueError: a malformed prompt.
+        """
+        if not self._check_prompt_size(prompt):
+            return tokenize_prompt(prompt, self.tokenizer)
+        tokenize = partial(tokenize_prompt, prompt, self.tokenizer)
+        return await anyio.to_thread.run_sync(tokenize, limiter=self._tokenizing)
+
+    def _queue(self, prompt_token_ids: tuple[int, ...], params: SamplingParams) -> RequestHandle:
+        """Queue a request for prompt ids that :func:`tokenize_prompt` gave; its handle."""
+        constraint = params.constraint
         max_tokens = params.max_tokens
         if max_tokens is None:  # as many as the context leaves (the scheduler checks it)
             max_tokens = max(self._max_model_len - len(prompt_token_ids), 1)
@@ -410,7 +521,7 @@ class Engine:
             TypeError, ValueError, RequestRejected: bad input (nothing was queued).
         """
         await anyio.lowlevel.checkpoint()
-        handle = self.submit(prompt, params)
+        handle = await self._submit_off_loop(prompt, params)
         try:
             return await handle.result()
         finally:
@@ -429,7 +540,7 @@ class Engine:
             EngineClosed, EngineDead: the engine no longer takes work.
         """
         await anyio.lowlevel.checkpoint()
-        handle = self.submit(prompt, params)
+        handle = await self._submit_off_loop(prompt, params)
         try:
             yield handle
         finally:
@@ -438,11 +549,17 @@ class Engine:
     async def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids a request with this prompt would compute. Always a checkpoint.
 
+        Text and chat messages are tokenized in a worker thread (as :meth:`generate` and
+        :meth:`stream` do): the event loop serves other requests meanwhile. Cancelling the
+        caller waits for that thread.
+
         Raises:
             TypeError, ValueError: a malformed prompt.
+            RequestRejected: text or messages that cannot fit the context (checked before
+                the tokenizer runs).
         """
         await anyio.lowlevel.checkpoint()
-        return list(tokenize_prompt(prompt, self.tokenizer))
+        return list(await self._tokenize(prompt))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids``. Always a checkpoint.

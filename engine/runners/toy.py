@@ -75,6 +75,11 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return EOS_TOKEN_ID + 1
 
+    @property
+    def max_token_chars(self) -> int:
+        """One: a byte is at most one character."""
+        return 1
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 

@@ -401,14 +401,15 @@ class ChatFormat:
     """``/v1/chat/completions``: ``message`` / ``delta`` choices, logprobs per token.
 
     With tools, an output is read as text and calls (:class:`ToolCalls`): a complete answer
-    carries complete calls as ``message.tool_calls`` (``content`` the text before them, or
-    ``null``) with ``finish_reason`` ``"tool_calls"``, and an output cut inside a call as
-    text. A stream sends text as ``content`` deltas until the trigger (none of which reaches
-    them), then each call as OpenAI streams one: a delta with its ``index``, ``id``,
-    ``type`` and ``function.name`` (``arguments`` ``""``), then deltas of ``arguments``
-    pieces; the last chunk's ``finish_reason`` is ``"tool_calls"`` when the calls are
-    complete. A stream cut inside a call has sent its pieces already and ends with
-    ``"length"``.
+    carries its complete calls as ``message.tool_calls`` (``content`` the text before them,
+    or ``null``) with ``finish_reason`` ``"tool_calls"``; a call that ``max_tokens`` cut is
+    dropped, none of its text in ``content``, and the reason is ``"length"`` only where no
+    call is complete (:meth:`ToolCalls.finish_reason` says why). A stream sends text as
+    ``content`` deltas until the trigger (none of which reaches them), then each complete
+    call as OpenAI streams one: a delta with its ``index``, ``id``, ``type`` and
+    ``function.name`` (``arguments`` ``""``), then a delta of its ``arguments``, whole (a
+    call is sent once its JSON is closed, so a stream never sends a call that the complete
+    answer drops); its last chunk's ``finish_reason`` is the complete answer's.
     """
 
     object_name = "chat.completion"
@@ -436,12 +437,14 @@ class ChatFormat:
             content: dict[str, Any] = {"delta": {"content": text} if text else {}}
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            parsed = None if self._tool_calls is None else self._tool_calls.read(text)
-            if parsed is not None and parsed.calls and parsed.complete:  # as OpenAI answers
-                calls = [call.openai() for call in parsed.calls]
-                message = {"role": "assistant", "content": parsed.content or None,
-                           "tool_calls": calls}  # fmt: skip
-                finish_reason = "tool_calls"
+            tools = self._tool_calls
+            if tools is not None:
+                parsed = tools.read(text)
+                message["content"] = tools.content(parsed)
+                if parsed.calls:  # as OpenAI answers
+                    message["tool_calls"] = [call.openai() for call in parsed.calls]
+                assert finish_reason is not None  # a complete answer has ended
+                finish_reason = tools.finish_reason(parsed, finish_reason)
             content = {"message": message}
         return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -456,9 +459,7 @@ class ChatFormat:
         events = parser.feed(text)
         if finish_reason is not None:
             events += parser.finish()
-            result = parser.result()
-            if result.calls and result.complete:
-                finish_reason = "tool_calls"
+            finish_reason = self._tool_calls.finish_reason(parser.result(), finish_reason)
         deltas = _deltas(events)
         if finish_reason is not None or logprobs is not None:
             deltas = deltas or [{}]

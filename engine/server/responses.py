@@ -231,25 +231,32 @@ class _Origins:
         """``text`` with the chat path's names as the Responses request has them."""
 
         def call(match: re.Match[str]) -> str:
-            message, number = int(match[1]), int(match[2])
+            message, number = _index(match[1]), _index(match[2])
             items = self.calls[message] if message < len(self.calls) else ()
             return items[number] if number < len(items) else match[0]
 
         def calls(match: re.Match[str]) -> str:
-            message = int(match[1])
+            message = _index(match[1])
             items = self.calls[message] if message < len(self.calls) else ()
             if not items:
                 return match[0]
             return f"{items[0]} to {items[-1]} (the function_call items of one turn)"
 
         def message(match: re.Match[str]) -> str:
-            index = int(match[1])
+            index = _index(match[1])
             return self.messages[index] if index < len(self.messages) else match[0]
 
         text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\[(\d+)\](?:\.function)?", call, text)
         text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\b", calls, text)
         text = re.sub(r"\bmessages\[(\d+)\]", message, text)
         return _rename(text)
+
+
+def _index(digits: str) -> int:
+    """An index the chat path's message gives, which may be a client's text (a function's
+    name quoted back): past 9 digits it is past any list a request holds, and ``int()``
+    refuses more than 4,300 digits (a ``ValueError``, which was a 500)."""
+    return int(digits) if len(digits) <= 9 else 10**9
 
 
 def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], _Origins]:

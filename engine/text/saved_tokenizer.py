@@ -11,10 +11,9 @@ holds for a GGUF model (:mod:`twostroke.engine.artifacts.cache`), needs none of 
   hundred milliseconds;
 * ``tokenizer_config.json`` names the special tokens (``eos_token``, ``bos_token``, ...);
 * ``chat_template.jinja`` (or ``tokenizer_config.json``'s ``chat_template``) is rendered
-  with Jinja the way ``transformers`` renders it: a sandboxed environment with
-  ``trim_blocks`` and ``lstrip_blocks``, loop controls, ``raise_exception``,
-  ``strftime_now`` and a ``tojson`` that keeps non-ASCII text, the named special tokens as
-  variables, and the result tokenized without added special tokens.
+  with Jinja the way ``transformers`` renders it, within bounds
+  (:mod:`~twostroke.engine.text.chat_template`), the named special tokens as variables,
+  and the result tokenized without added special tokens.
 
 Our messages are plain dicts (``{"role": str, "content": str}``, checked by
 :func:`~twostroke.engine.text.chat.validate_messages`; with tools, the OpenAI-shaped
@@ -28,12 +27,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from twostroke.engine.text.chat_template import (
+    DEFAULT_TEMPLATE_LIMITS,
+    TemplateLimits,
+    render_chat,
+)
+
 if TYPE_CHECKING:
-    import jinja2
     import tokenizers
 
 __all__ = ["SavedTokenizer"]
@@ -77,7 +80,6 @@ class SavedTokenizer:
         self._raw = raw
         self._special_tokens = dict(special_tokens)
         self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
 
     @classmethod
     def read(cls, folder: Path) -> SavedTokenizer:
@@ -126,6 +128,10 @@ class SavedTokenizer:
         """Ids known, added tokens included (``len()`` of the ``transformers`` tokenizer)."""
         return int(self._raw.get_vocab_size(with_added_tokens=True))
 
+    def vocabulary(self) -> list[str]:
+        """Every token's vocabulary entry, added tokens included."""
+        return list(self._raw.get_vocab(with_added_tokens=True))
+
     @property
     def eos_token_id(self) -> int | None:
         """The id of ``eos_token``, if it is named and known."""
@@ -144,26 +150,24 @@ class SavedTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS,
     ) -> str:
         """``messages`` (and ``tools``, the template's ``tools`` variable) through the chat
-        template, ending with the generation prompt.
+        template, ending with the generation prompt, within ``limits``.
 
         Raises:
             ValueError: the tokenizer has no chat template.
+            TemplateBoundExceeded: the rendering crossed one of ``limits``.
             jinja2.TemplateError: the template does not compile or rejects the messages.
         """
         if self.chat_template is None:
             raise ValueError(f"the tokenizer in {self.folder} has no chat template")
-        if self._template is None:
-            self._template = _environment().from_string(self.chat_template)
-        rendered = self._template.render(
-            messages=messages,
-            tools=tools,
-            documents=None,
-            add_generation_prompt=True,
-            **self._special_tokens,
-        )
-        return str(rendered)
+        return render_chat(self.chat_template, messages, tools, self._special_tokens, limits)
+
+    @property
+    def special_tokens(self) -> Mapping[str, str]:
+        """The named special tokens (``"eos_token": "<|im_end|>"``), as a template sees them."""
+        return self._special_tokens
 
     def __repr__(self) -> str:
         return f"<SavedTokenizer {str(self.folder)!r} vocab_size={self.vocab_size}>"
@@ -176,52 +180,3 @@ def _token_text(path: Path, name: str, value: object) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return str(value["content"])
     raise ValueError(f"{path}: {name} must be a string or {{'content': str}}, got {value!r:.80}")
-
-
-def _environment() -> jinja2.Environment:
-    """A Jinja environment as ``transformers`` builds one for chat templates."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        value: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        # Jinja's own tojson escapes HTML characters, which no model saw in training.
-        return json.dumps(
-            value,
-            ensure_ascii=ensure_ascii,
-            indent=indent,
-            separators=separators,
-            sort_keys=sort_keys,
-        )
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    class GenerationTag(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}`` renders its body: transformers marks
-        the assistant's tokens with it, which only training asks for."""
-
-        tags = {"generation"}  # noqa: RUF012 (Jinja reads a set)
-
-        def parse(self, parser: Any) -> Any:
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[GenerationTag, jinja2.ext.loopcontrols],
-    )
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = strftime_now
-    return environment

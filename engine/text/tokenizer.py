@@ -15,15 +15,22 @@ tokenizer is converted once and kept in the artifact cache
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from twostroke.engine.text.chat import validate_messages
+from twostroke.engine.text.chat_template import (
+    DEFAULT_TEMPLATE_LIMITS,
+    TemplateBoundExceeded,
+    TemplateLimits,
+    render_chat,
+)
 from twostroke.engine.text.saved_tokenizer import SavedTokenizer
 from twostroke.states.errors import EngineError
 from twostroke.states.validators import is_int
@@ -42,6 +49,12 @@ _GGUF_MAGIC = b"GGUF"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _GENERATION_CONFIG = "generation_config.json"
 _CACHED_TOKENIZER = "tokenizer"
+#: What :meth:`HFTokenizer.check_chat_template` renders at load.
+_PROBE_CONVERSATION = (
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Say hi."},
+)
 
 _log = logging.getLogger(__name__)
 
@@ -75,6 +88,15 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int:
         """How many ids the tokenizer knows, added and special tokens included."""
+        ...
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (its longest vocabulary entry).
+
+        A text of more than ``max_model_len * max_token_chars`` characters cannot fit the
+        context, so the engine refuses it before the tokenizer runs.
+        """
         ...
 
     def encode(self, text: str) -> list[int]:
@@ -116,6 +138,7 @@ class HFTokenizer:
         extra_eos_token_ids: Ids that end generation besides the tokenizer's EOS token (the
             generation config's ``eos_token_id``).
         source: Where the tokenizer came from, for messages and ``repr``.
+        template_limits: The bounds every rendering of the chat template runs within.
     """
 
     def __init__(
@@ -124,6 +147,7 @@ class HFTokenizer:
         *,
         extra_eos_token_ids: Iterable[int] = (),
         source: str = "<memory>",
+        template_limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS,
     ) -> None:
         eos = set(extra_eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -138,6 +162,7 @@ class HFTokenizer:
             self._vocab_size = len(tokenizer)
         self._eos_token_ids = frozenset(eos)
         self._source = source
+        self._limits = template_limits
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> HFTokenizer:
@@ -157,7 +182,8 @@ class HFTokenizer:
 
         Raises:
             TokenizerLoadError: the path does not exist, is neither a model directory nor a
-                GGUF file, or its files are missing or corrupt.
+                GGUF file, or its files are missing or corrupt, or its chat template runs
+                past its bounds on a short conversation (:meth:`check_chat_template`).
         """
         path = Path(path)
         if path.is_dir():
@@ -175,7 +201,12 @@ class HFTokenizer:
             extra_eos = frozenset()
         else:
             raise TokenizerLoadError(path, "no such file or directory")
-        return cls(tokenizer, extra_eos_token_ids=extra_eos, source=str(path))
+        loaded = cls(tokenizer, extra_eos_token_ids=extra_eos, source=str(path))
+        try:
+            loaded.check_chat_template()
+        except ChatTemplateError as exc:
+            raise TokenizerLoadError(path, str(exc)) from exc
+        return loaded
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -186,6 +217,22 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         """How many ids the tokenizer knows (``len(tokenizer)``: added tokens included)."""
         return self._vocab_size
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry's characters, added tokens included (read once).
+
+        A byte-level BPE writes each byte as one character, so this is the most bytes, and
+        so characters, a token stands for; a SentencePiece entry is as long as its text or
+        longer (``<0x0A>`` for one byte). The bound holds for tokenizers whose normalizer
+        does not shrink text (none of the supported models has one that does).
+        """
+        if self._saved is not None:
+            vocab: Iterable[str] = self._saved.vocabulary()
+        else:
+            assert self._tokenizer is not None
+            vocab = self._tokenizer.get_vocab()
+        return max(map(len, vocab), default=1)
 
     @property
     def backend(self) -> PreTrainedTokenizerBase:
@@ -293,32 +340,54 @@ class HFTokenizer:
     def _render(
         self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
     ) -> list[int]:
-        if not self._chat_template:
+        template = self._chat_template
+        if not template:
             raise ChatTemplateError(
                 f"the tokenizer from {self._source} has no chat template; "
                 "pass the prompt as text or token ids instead of chat messages"
             )
         from jinja2 import TemplateError
 
-        try:
-            if self._saved is not None:
-                rendered = self._saved.render_chat(conversation, tools)
-                return self._saved.encode(rendered, add_special_tokens=False)
+        # Both backends render through the bounded environment, the one transformers builds
+        # plus the bounds (twostroke.engine.text.chat_template): transformers' own has none.
+        if self._saved is not None:
+            special_tokens: Mapping[str, str] = self._saved.special_tokens
+        else:
             assert self._tokenizer is not None
-            ids = self._tokenizer.apply_chat_template(
-                conversation,
-                tools=cast("list[dict[Any, Any] | Callable[..., Any]] | None", tools),
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
+            special_tokens = self._tokenizer.special_tokens_map
+        try:
+            rendered = render_chat(template, conversation, tools, special_tokens, self._limits)
+        except TemplateBoundExceeded as exc:
+            raise ChatTemplateError(
+                f"the chat template of {self._source} was stopped: {exc}"
+            ) from exc
         except TemplateError as exc:
             raise ChatTemplateError(
                 f"the chat template of {self._source} rejected the messages: {exc}"
             ) from exc
-        # One conversation, tokenize=True and return_dict=False: a flat list of ids.
-        assert isinstance(ids, list), type(ids)
-        return [int(token_id) for token_id in cast("list[int]", ids)]
+        # The template writes BOS itself, as transformers' apply_chat_template assumes.
+        if self._saved is not None:
+            return self._saved.encode(rendered, add_special_tokens=False)
+        assert self._tokenizer is not None
+        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+
+    def check_chat_template(self) -> None:
+        """Render a short conversation, to refuse at load a template that runs past its
+        bounds on any conversation (a loop of 10^10 iterations, say).
+
+        A template that refuses the conversation by its own rules (``raise_exception``, a
+        syntax error) is let through: requests get its refusal as before.
+
+        Raises:
+            ChatTemplateError: the rendering crossed one of the template's bounds.
+        """
+        if not self._chat_template:
+            return
+        try:
+            self._render([dict(message) for message in _PROBE_CONVERSATION], None)
+        except ChatTemplateError as exc:
+            if isinstance(exc.__cause__, TemplateBoundExceeded):
+                raise
 
     @property
     def chat_template(self) -> str | None:

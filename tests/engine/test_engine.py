@@ -139,7 +139,12 @@ async def test_stop_string_is_cut_from_the_text() -> None:
         (42, TypeError, "prompt must be text, a sequence of token ids or a list of chat"),
         ([1, "a"], TypeError, "got a sequence of int, str"),
         ([1, 999], ValueError, r"prompt token ids must be in \[0, 257\), got 999 at index 1"),
-        ("x" * 300, RequestRejected, r"must be <= max_model_len \(256\)"),
+        ("x" * 250, RequestRejected, r"must be <= max_model_len \(256\)"),
+        (
+            "x" * 300,
+            RequestRejected,
+            r"at most max_model_len x the longest token's characters = 256 x 1",
+        ),
     ],
 )
 async def test_bad_input_is_rejected_and_changes_nothing(

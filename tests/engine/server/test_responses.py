@@ -745,3 +745,22 @@ def test_a_chat_error_names_the_responses_items_it_came_from() -> None:
     assert origins.rename("messages[2].tool_calls must hold <= 128 calls") == (
         "input[1] to input[3] (the function_call items of one turn) must hold <= 128 calls"
     )
+
+
+@pytest.mark.parametrize("digits", [5_000, 20])
+async def test_a_name_like_a_chat_field_with_a_huge_index_is_a_400(digits: int) -> None:
+    """The chat path's error names the function as given; renaming its ``messages[k]`` for
+    the Responses request must not parse 5,000 digits (``int()`` refuses past 4,300)."""
+    name = "messages[" + "9" * digits + "]"
+    async with served() as server:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await server.client.responses.create(
+                model="toy", input="Hi", max_output_tokens=4, tools=TOOLS,
+                tool_choice={"type": "function", "name": name},
+            )  # fmt: skip
+        assert server.engine.submitted == []
+    assert caught.value.status_code == 400
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "tool_choice"
+    assert "which is not one of tools (get_weather, get_time)" in error["message"]

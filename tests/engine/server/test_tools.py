@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from typing import Any
 
 import anyio
@@ -12,12 +13,13 @@ import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.server import build_app
 from twostroke.engine.server.generation import ChatFormat
 from twostroke.engine.server.structured import ToolCalls
-from twostroke.engine.text.saved_tokenizer import _environment
+from twostroke.engine.text.chat_template import render_chat
 from twostroke.engine.tools import (
     GENERIC,
     HERMES,
@@ -137,9 +139,8 @@ class TemplateByteTokenizer(ByteTokenizer):
         return self._template
 
     def apply_tool_template(self, messages: Any, tools: Any) -> list[int]:
-        rendered = _environment().from_string(self._template).render(
-            messages=list(messages), tools=tools, add_generation_prompt=True, bos_token="",
-            eos_token="")  # fmt: skip
+        special_tokens = {"bos_token": "", "eos_token": ""}
+        rendered = render_chat(self._template, list(messages), tools, special_tokens)
         return self.encode(rendered)
 
 
@@ -306,7 +307,7 @@ async def test_tool_choice_none_required_named_and_a_format() -> None:
         assert ignored.json()["choices"][0]["finish_reason"] == "tool_calls"
 
 
-async def test_a_call_cut_by_max_tokens_is_text_and_a_cancel_mid_call_loses_nothing() -> None:
+async def test_a_call_cut_by_max_tokens_is_dropped_and_a_cancel_mid_call_loses_nothing() -> None:
     async with served(runner=ScriptedRunner(agent)) as server:
         cut = await server.client.chat.completions.create(
             model="toy",
@@ -315,7 +316,7 @@ async def test_a_call_cut_by_max_tokens_is_text_and_a_cancel_mid_call_loses_noth
             max_tokens=40,  # type: ignore[arg-type]
         )
         assert cut.choices[0].finish_reason == "length"
-        assert cut.choices[0].message.content == CALLING.encode()[:40].decode()
+        assert cut.choices[0].message.content == "Let me check. "  # none of the call's text
         assert not cut.choices[0].message.tool_calls
         async with server.client.chat.completions.stream(
             model="toy",
@@ -332,6 +333,101 @@ async def test_a_call_cut_by_max_tokens_is_text_and_a_cancel_mid_call_loses_noth
         assert plain.choices[0].message.content == CALLING  # unconstrained, unchanged
         assert server.engine.statistics().num_masked_rows == before  # nothing constrained
     # served() checked on leaving: every request ended, every KV block free, books agree
+
+
+#: Three calls in a row, as a model under "required" writes them until its token limit.
+_THREE = [("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {}),
+          ("get_weather", {"city": "Bergen", "unit": "celsius"})]  # fmt: skip
+_CALLS = GENERIC.calls_text(_THREE)
+_OPENERS = [found.start() for found in re.finditer("<tool_call>", _CALLS)]
+_SAID = "Let me check. "
+
+
+def _calling(prompt: str) -> str:
+    """The scripted model: text, then the three calls; the calls alone when told to call."""
+    return _CALLS if "Call now." in prompt else _SAID + _CALLS
+
+
+async def _whole_and_streamed(server: Any, **body: Any) -> list[tuple[Any, ...]]:
+    """The answer to ``body``, whole and streamed (the SDK's own accumulator, which does not
+    raise for "length" as its ``stream()`` helper does), each as content, calls, finish."""
+    answers = []
+    whole = await server.client.chat.completions.create(model="toy", **body)
+    chunks = await server.client.chat.completions.create(model="toy", stream=True, **body)
+    state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+    async for chunk in chunks:
+        state.handle_chunk(chunk)
+    for completion in (whole, state.current_completion_snapshot):
+        choice = completion.choices[0]
+        calls = [(c.function.name, c.function.arguments)  # type: ignore[union-attr]
+                 for c in choice.message.tool_calls or []]  # fmt: skip
+        answers.append((choice.message.content, calls, choice.finish_reason))
+    return answers
+
+
+async def test_calls_cut_by_max_tokens_keep_every_complete_call() -> None:
+    """Calls cut by the token limit (finding 6 of issue 48): every complete call is a tool
+    call, the one the limit cut is dropped (none of its markup as content), and the finish
+    reason is "tool_calls" when a call is complete, "length" when none is; a stream's
+    accumulated answer is the complete one. ``parallel_tool_calls`` false ends the output
+    after one call."""
+    complete = [(name, json.dumps(arguments)) for name, arguments in _THREE]
+    async with served(runner=ScriptedRunner(_calling)) as server:
+        for choice in ("auto", "required"):
+            lead = _SAID if choice == "auto" else ""  # "required" allows no text
+            body: dict[str, Any] = {"tools": TOOLS, "messages": [
+                {"role": "user", "content": "Weather?" if lead else "Call now."}]}  # fmt: skip
+            inside_third = len((lead + _CALLS[: _OPENERS[2] + 30]).encode())
+            answers = await _whole_and_streamed(
+                server, **body, tool_choice=choice, max_tokens=inside_third
+            )
+            assert answers == [(lead or None, complete[:2], "tool_calls")] * 2, choice
+            inside_first = len((lead + _CALLS[:30]).encode())
+            answers = await _whole_and_streamed(
+                server, **body, tool_choice=choice, max_tokens=inside_first
+            )
+            assert answers == [(lead or None, [], "length")] * 2, choice
+            answers = await _whole_and_streamed(
+                server, **body, tool_choice=choice, parallel_tool_calls=False, max_tokens=400
+            )
+            assert answers == [(lead or None, complete[:1], "tool_calls")] * 2, choice
+            one = len((lead + GENERIC.calls_text(_THREE[:1])).encode())
+            whole = await server.client.chat.completions.create(
+                model="toy", **body, tool_choice=choice, parallel_tool_calls=False, max_tokens=400
+            )
+            assert whole.usage is not None
+            assert whole.usage.completion_tokens == one, choice  # the call, then EOS at once
+
+
+async def test_responses_cut_by_max_output_tokens_keep_every_complete_call() -> None:
+    """The same rule on /v1/responses: complete calls are function_call items of a
+    "completed" response; with none complete it is "incomplete" (max_output_tokens), and
+    no item holds the format's markup. Streamed and whole agree."""
+    tools = [{"type": "function", "name": each["function"]["name"],
+              "parameters": each["function"]["parameters"]} for each in TOOLS]  # fmt: skip
+    async with served(runner=ScriptedRunner(_calling)) as server:
+        for cut, status, expected in (
+            (_OPENERS[2] + 30, "completed", [(n, json.dumps(a)) for n, a in _THREE[:2]]),
+            (30, "incomplete", []),
+        ):
+            body: dict[str, Any] = {
+                "model": "toy", "input": "Call now.", "tools": tools,
+                "tool_choice": "required", "max_output_tokens": len(_CALLS[:cut].encode()),
+            }  # fmt: skip
+            whole = await server.client.responses.create(**body)
+            # (the SDK's stream() helper gives a final response only for a "completed" one)
+            events = [event async for event in await server.client.responses.create(
+                **body, stream=True)]  # fmt: skip
+            assert events[-1].type == f"response.{status}"
+            streamed = events[-1].response  # type: ignore[union-attr]
+            for response in (whole, streamed):
+                assert response.status == status
+                calls = [(item.name, item.arguments) for item in response.output
+                         if item.type == "function_call"]  # fmt: skip
+                assert calls == expected
+                assert "<tool_call>" not in response.model_dump_json()
+                reason = response.incomplete_details and response.incomplete_details.reason
+                assert reason == (None if status == "completed" else "max_output_tokens")
 
 
 # openai-agents runs on asyncio only (its runner makes asyncio tasks): this one is about it.
@@ -486,24 +582,29 @@ _ARGS = st.dictionaries(st.sampled_from(["city", "x"]), st.text(alphabet='a"}{\\
     text=_TEXT,
     calls=st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]), _ARGS), max_size=3),
     cuts=st.lists(st.integers(0, 400), max_size=10),
+    limit=st.none() | st.integers(0, 400),
 )
 def test_streamed_deltas_concatenate_to_the_complete_answer(
-    text: str, calls: list[tuple[str, dict[str, str]]], cuts: list[int]
+    text: str, calls: list[tuple[str, dict[str, str]]], cuts: list[int], limit: int | None
 ) -> None:
-    """Whatever the text and calls, cut into any deltas: the chunks, accumulated as the SDK
-    does, are the complete answer (content, each call's name and arguments, finish)."""
+    """Whatever the text and calls, cut into any deltas, and cut anywhere by the token limit
+    (``limit``): the chunks, accumulated as the SDK does, are the complete answer (content,
+    each call's name and arguments, finish), and a cut call is in neither."""
     if "<tool_call>" in text:
         return  # the lazy constraint never lets text hold the trigger
     output = text + "\n".join(GENERIC.call_text(name, args) for name, args in calls)
+    reason = "stop"
+    if limit is not None:
+        output, reason = output[: limit % (len(output) + 1)], "length"
     fmt = ChatFormat(None, 0, ToolCalls(GENERIC))  # type: ignore[arg-type]
-    whole = fmt.choice(0, output, None, "stop", chunk=False)
+    whole = fmt.choice(0, output, None, reason, chunk=False)
     bounds = sorted({0, len(output), *(cut % (len(output) + 1) for cut in cuts)})
     chunks = []
     for start, end in itertools.pairwise(bounds):
         last = end == len(output)
-        chunks += fmt.chunks(0, output[start:end], None, "stop" if last else None)
+        chunks += fmt.chunks(0, output[start:end], None, reason if last else None)
     if len(bounds) == 1:
-        chunks += fmt.chunks(0, "", None, "stop")
+        chunks += fmt.chunks(0, "", None, reason)
     content, streamed = "", {}
     for chunk in chunks:
         delta = chunk["delta"]
@@ -514,7 +615,9 @@ def test_streamed_deltas_concatenate_to_the_complete_answer(
             entry["arguments"] += call["function"]["arguments"]
     message = whole["message"]
     assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+    assert whole["finish_reason"] == ("tool_calls" if message.get("tool_calls") else reason)
     assert content == (message["content"] or "")
+    assert "<tool_call>" not in content
     expected = [call["function"] for call in message.get("tool_calls", [])]
     assert [{"name": c["name"], "arguments": c["arguments"]} for c in expected] == [
         streamed[index] for index in sorted(streamed)

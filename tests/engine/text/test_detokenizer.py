@@ -39,6 +39,7 @@ class BytesTokenizer:
 
     eos_token_ids = frozenset({BYTES_EOS})
     vocab_size = 257
+    max_token_chars = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -86,6 +87,7 @@ class BPETokenizer:
         self._raw = raw
         self.eos_token_ids = frozenset({1})
         self.vocab_size = raw.get_vocab_size()
+        self.max_token_chars = max(map(len, raw.get_vocab()))
 
     def encode(self, text: str) -> list[int]:
         return list(self._raw.encode(text, add_special_tokens=False).ids)
