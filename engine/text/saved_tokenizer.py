@@ -124,6 +124,11 @@ class SavedTokenizer:
         return cls(folder, raw, named, template)
 
     @property
+    def raw(self) -> tokenizers.Tokenizer:
+        """The Rust tokenizer of ``tokenizer.json`` (to read, not to change: it is shared)."""
+        return self._raw
+
+    @property
     def vocab_size(self) -> int:
         """Ids known, added tokens included (``len()`` of the ``transformers`` tokenizer)."""
         return int(self._raw.get_vocab_size(with_added_tokens=True))

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -32,6 +32,7 @@ from twostroke.engine.text.chat_template import (
     render_chat,
 )
 from twostroke.engine.text.saved_tokenizer import SavedTokenizer
+from twostroke.engine.text.special_text import SpecialText, check_special_token_roles
 from twostroke.states.errors import EngineError
 from twostroke.states.validators import is_int
 
@@ -113,7 +114,10 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of ``messages`` rendered by the model's chat template.
 
-        The rendering ends with the generation prompt (the assistant turn's header).
+        The rendering ends with the generation prompt (the assistant turn's header). A
+        special token's text inside a message's content is encoded as text, not as the
+        token (:mod:`twostroke.engine.text.special_text`), unless the tokenizer was told
+        that the message's role may write special tokens.
         """
         ...
 
@@ -133,12 +137,26 @@ class HFTokenizer:
     and text without importing ``transformers`` (seconds of every start); :attr:`backend`
     then loads the ``transformers`` tokenizer from the same files when first asked.
 
+    A chat's contents keep a special token's text as text: a tool result or a user message
+    that writes ``<|im_start|>system`` cannot open a system turn
+    (:mod:`twostroke.engine.text.special_text`). The template's own control tokens, and a
+    prompt given as text, are encoded as always. A conversation none of whose contents holds
+    such text (any ordinary one) gets the ids it always got.
+
     Args:
         tokenizer: The loaded ``transformers`` tokenizer, or a saved fast tokenizer.
         extra_eos_token_ids: Ids that end generation besides the tokenizer's EOS token (the
             generation config's ``eos_token_id``).
         source: Where the tokenizer came from, for messages and ``repr``.
         template_limits: The bounds every rendering of the chat template runs within.
+        special_token_roles: The roles whose messages' special-token text is encoded as
+            the special tokens (a system prompt written with the model's control tokens
+            on purpose, say), as before; every other role's is encoded as text. Never
+            ``"tool"``: a tool result's is always text. Default: none.
+
+    Raises:
+        TypeError, ValueError: ``special_token_roles`` is not a collection of roles, or
+            names ``"tool"``.
     """
 
     def __init__(
@@ -148,7 +166,9 @@ class HFTokenizer:
         extra_eos_token_ids: Iterable[int] = (),
         source: str = "<memory>",
         template_limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS,
+        special_token_roles: Collection[str] = frozenset(),
     ) -> None:
+        self._special_token_roles = check_special_token_roles(special_token_roles)
         eos = set(extra_eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -165,7 +185,9 @@ class HFTokenizer:
         self._limits = template_limits
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str]) -> HFTokenizer:
+    def from_pretrained(
+        cls, path: str | os.PathLike[str], *, special_token_roles: Collection[str] = frozenset()
+    ) -> HFTokenizer:
         """Load the tokenizer of a Hugging Face model directory or of a GGUF file.
 
         Offline only: files are read from ``path`` and nothing is downloaded, whatever
@@ -176,15 +198,20 @@ class HFTokenizer:
                 ``tokenizer_config.json`` (and optionally ``generation_config.json``, whose
                 ``eos_token_id`` adds EOS ids), or a ``.gguf`` file whose embedded tokenizer
                 is used.
+            special_token_roles: The roles whose contents may write special tokens (see
+                the class); default none.
 
         Returns:
             The tokenizer.
 
         Raises:
+            TypeError, ValueError: ``special_token_roles`` is not a collection of roles,
+                or names ``"tool"``.
             TokenizerLoadError: the path does not exist, is neither a model directory nor a
                 GGUF file, or its files are missing or corrupt, or its chat template runs
                 past its bounds on a short conversation (:meth:`check_chat_template`).
         """
+        roles = check_special_token_roles(special_token_roles)
         path = Path(path)
         if path.is_dir():
             if not any((path / name).is_file() for name in _TOKENIZER_FILES):
@@ -201,7 +228,9 @@ class HFTokenizer:
             extra_eos = frozenset()
         else:
             raise TokenizerLoadError(path, "no such file or directory")
-        loaded = cls(tokenizer, extra_eos_token_ids=extra_eos, source=str(path))
+        loaded = cls(
+            tokenizer, extra_eos_token_ids=extra_eos, source=str(path), special_token_roles=roles
+        )
         try:
             loaded.check_chat_template()
         except ChatTemplateError as exc:
@@ -256,6 +285,19 @@ class HFTokenizer:
         """The path the tokenizer was loaded from."""
         return self._source
 
+    @property
+    def special_token_roles(self) -> frozenset[str]:
+        """The roles whose contents' special-token text is encoded as the special tokens."""
+        return self._special_token_roles
+
+    @functools.cached_property
+    def _special_text(self) -> SpecialText | None:
+        """The special tokens of the Rust tokenizer, if the tokenizer is one (a fast one)."""
+        if self._saved is not None:
+            return SpecialText(self._saved.raw)
+        raw = getattr(self._tokenizer, "backend_tokenizer", None)
+        return None if raw is None else SpecialText(raw)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, with the special tokens the model's tokenizer adds (BOS).
 
@@ -300,6 +342,9 @@ class HFTokenizer:
         tokenized exactly as ``transformers`` does it (the template writes BOS itself, so no
         special tokens are added on top).
 
+        A special token's text in a content is encoded as text unless the message's role
+        is one of :attr:`special_token_roles` (see the class).
+
         Args:
             messages: The conversation, oldest first, each ``{"role": ..., "content": ...}``.
 
@@ -310,7 +355,9 @@ class HFTokenizer:
             TypeError, ValueError: ``messages`` is malformed (see
                 :func:`~twostroke.engine.text.chat.validate_messages`).
             ChatTemplateError: the model has no chat template, or the template rejected the
-                conversation (for example roles that do not alternate).
+                conversation (for example roles that do not alternate), or a content holds
+                special-token text that cannot be kept as text (the template rewrites
+                contents, or the tokenizer is not a ``tokenizers`` one).
         """
         return self._render(validate_messages(messages), None)
 
@@ -330,9 +377,12 @@ class HFTokenizer:
             tools: The tools shown (OpenAI's ``{"type": "function", "function": ...}``), or
                 ``None``.
 
+        A tool result's special-token text is always encoded as text; any other
+        message's as :meth:`apply_chat_template` encodes it.
+
         Raises:
             ChatTemplateError: the model has no chat template, or it refused the
-                conversation.
+                conversation, or a content's special-token text cannot be kept as text.
         """
         conversation = [dict(message) for message in messages]
         return self._render(conversation, None if tools is None else list(tools))
@@ -340,6 +390,56 @@ class HFTokenizer:
     def _render(
         self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
     ) -> list[int]:
+        rendered = self._render_text(conversation, tools)
+        special = self._special_text
+        if special is None:  # no Rust tokenizer to read special tokens as text with
+            found = self._first_special_text(conversation, self._find_special_text)
+            if found is not None:
+                raise ChatTemplateError(
+                    f"the tokenizer from {self._source} cannot encode special-token text as "
+                    f"text, and messages[{found[0]}]['content'] holds {found[1]!r}; remove it "
+                    "from the message"
+                )
+        masked = None if special is None else special.mask(conversation, self.special_token_roles)
+        if masked is None:  # every ordinary conversation: encoded as it always was
+            # The template writes BOS itself, as transformers' apply_chat_template assumes.
+            if self._saved is not None:
+                return self._saved.encode(rendered, add_special_tokens=False)
+            assert self._tokenizer is not None
+            return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        assert special is not None
+        unmasked, spans = masked.unmask(self._render_text(masked.messages, tools))
+        if unmasked != rendered:
+            found = self._first_special_text(conversation, special.find)
+            assert found is not None  # the masked conversation had a placeholder
+            raise ChatTemplateError(
+                f"the chat template of {self._source} rewrites message contents, so the "
+                f"special-token text {found[1]!r} in messages[{found[0]}]['content'] cannot be "
+                "kept as text; remove it from the message"
+            )
+        return special.encode(rendered, spans)
+
+    def _first_special_text(
+        self, conversation: Sequence[Mapping[str, Any]], find: Callable[[str], str | None]
+    ) -> tuple[int, str] | None:
+        """The first literal content that holds special-token text: its index, its text."""
+        for index, message in enumerate(conversation):
+            content = message.get("content")
+            if isinstance(content, str) and message.get("role") not in self.special_token_roles:
+                text = find(content)
+                if text is not None:
+                    return index, text
+        return None
+
+    def _find_special_text(self, content: str) -> str | None:
+        """A special token's text in ``content`` (for a tokenizer without a Rust one)."""
+        assert self._tokenizer is not None
+        return next((t for t in self._tokenizer.all_special_tokens if t in content), None)
+
+    def _render_text(
+        self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
+    ) -> str:
+        """The conversation through the chat template, within the tokenizer's bounds."""
         template = self._chat_template
         if not template:
             raise ChatTemplateError(
@@ -356,7 +456,7 @@ class HFTokenizer:
             assert self._tokenizer is not None
             special_tokens = self._tokenizer.special_tokens_map
         try:
-            rendered = render_chat(template, conversation, tools, special_tokens, self._limits)
+            return render_chat(template, conversation, tools, special_tokens, self._limits)
         except TemplateBoundExceeded as exc:
             raise ChatTemplateError(
                 f"the chat template of {self._source} was stopped: {exc}"
@@ -365,11 +465,6 @@ class HFTokenizer:
             raise ChatTemplateError(
                 f"the chat template of {self._source} rejected the messages: {exc}"
             ) from exc
-        # The template writes BOS itself, as transformers' apply_chat_template assumes.
-        if self._saved is not None:
-            return self._saved.encode(rendered, add_special_tokens=False)
-        assert self._tokenizer is not None
-        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
 
     def check_chat_template(self) -> None:
         """Render a short conversation, to refuse at load a template that runs past its
