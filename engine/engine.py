@@ -60,6 +60,7 @@ from twostroke.gpu.completion import Completion
 from twostroke.gpu.cores import ThreadGovernor
 from twostroke.gpu.device import Device
 from twostroke.gpu.selection import resolve_device
+from twostroke.states.constraints import Constraint, Matcher
 from twostroke.states.errors import ConstraintRejected, EngineOverloaded
 from twostroke.states.params import SamplingParams, check_params
 from twostroke.states.plan import RunnerOutput, StepFailure, StepPlan, TokenLogprobs
@@ -304,10 +305,11 @@ class Engine:
         The prompt is tokenized (and given ids are checked) once, here, on the caller's
         thread: text or messages too long to fit the context are refused before the
         tokenizer runs, but what fits still takes the tokenizer's time (milliseconds per
-        100 kB). On an event loop that serves others, tokenize first (:meth:`tokenize`, in
-        a worker thread) and submit the ids, or use :meth:`generate` or :meth:`stream`,
-        which do. A request whose ``params.max_tokens`` is ``None`` gets as many as the
-        context leaves after it.
+        100 kB, and a chat template's rendering). On an event loop that serves others,
+        :meth:`prepare` first (in a worker thread) and submit the ids, as the HTTP server
+        does, or use :meth:`generate` or :meth:`stream`, which tokenize off the loop. A
+        request whose ``params.max_tokens`` is ``None`` gets as many as the context leaves
+        after it.
 
         Raises:
             TypeError, ValueError: a malformed prompt or parameters (nothing is queued).
@@ -338,6 +340,28 @@ class Engine:
         self.check_health()
         self._check_waiting_room()
         return self._queue(prompt_token_ids, checked)
+
+    async def prepare(self, prompt: Prompt) -> tuple[int, ...]:
+        """The token ids :meth:`submit` takes for ``prompt`` at once: text and chat messages
+        rendered and tokenized in a worker thread (as :meth:`tokenize` does), given ids
+        checked. Always a checkpoint.
+
+        For a caller on an event loop that serves others (the HTTP server): prepare each
+        prompt, then submit the ids, and :meth:`submit` does no tokenizer work on the loop.
+        Refused first, before the tokenizer runs: an engine that takes no work, a full
+        waiting queue, text or messages that cannot fit the context. Cancelling the caller
+        waits for the thread (the tokenizer cannot be interrupted); nothing is queued.
+
+        Raises:
+            TypeError, ValueError: a malformed prompt (a chat template's refusal too).
+            RequestRejected: text or messages that cannot fit the context.
+            EngineOverloaded: ``max_waiting_requests`` requests are waiting.
+            EngineClosed, EngineDead: the engine no longer takes work.
+        """
+        await anyio.lowlevel.checkpoint()
+        self.check_health()
+        self._check_waiting_room()  # cheap: before the tokenizer's work
+        return await self._tokenize(prompt)
 
     def _check_submit(self, params: SamplingParams | None) -> SamplingParams:
         """What :meth:`submit` checks before the prompt: the engine takes work, the
@@ -481,9 +505,9 @@ class Engine:
     async def _compile_and_queue(self, request: Request) -> None:
         """Compile a request's constraint in a worker thread, then queue the request.
 
-        A refusal (the backend cannot enforce the constraint, or did not compile it in
-        time) ends the request with :class:`ConstraintRejected`; a request cancelled
-        meanwhile is dropped.
+        A refusal (the backend cannot enforce the constraint, did not compile it in time,
+        or its matcher raised as the request took it) ends the request with
+        :class:`ConstraintRejected`; a request cancelled meanwhile is dropped.
         """
         request_id = request.request_id
         constraint = request.params.constraint
@@ -500,7 +524,8 @@ class Engine:
             return
         if error is None:
             assert matcher is not None  # only a cancelled request's compile gives none
-            request.apply(ConstraintCompiled(matcher))
+            error = _attach(request, matcher, constraint)
+        if error is None:
             try:
                 self._scheduler.add_request(request)
             except (RequestRejected, EngineOverloaded) as exc:  # the queue filled meanwhile
@@ -821,3 +846,25 @@ class Engine:
                 error = EngineClosed(f"the engine closed before request {request_id} finished")
             self._open.end(request_id, error)
         self._idle.set()
+
+
+def _attach(
+    request: Request, matcher: Matcher, constraint: Constraint
+) -> ConstraintRejected | None:
+    """Give a request its compiled constraint's matcher (:class:`ConstraintCompiled`); the
+    refusal that ends the request instead, if the matcher raises as it is attached.
+
+    Attaching reads the matcher (the request checks it is at its start), and whatever the
+    backend raises there is this request's failure, as a compile's is
+    (:meth:`Constraining.matcher <twostroke.engine.structured.constraining.Constraining.matcher>`),
+    never the engine's: the request is unchanged by an event it refused.
+    """
+    try:
+        request.apply(ConstraintCompiled(matcher))
+    except Exception as exc:
+        error = ConstraintRejected(
+            f"constraint.{constraint.argument}", f"{type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return error
+    return None

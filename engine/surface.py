@@ -38,6 +38,16 @@ class EngineSurface(Protocol):
         """The longest prompt plus output a request may have."""
         ...
 
+    async def prepare(self, prompt: Prompt) -> Prompt:
+        """``prompt`` as :meth:`submit` takes it without slow work on the caller's thread.
+
+        An ``Engine`` renders and tokenizes text or chat messages in a worker thread and
+        returns the ids; a coordinator returns the prompt checked for shape, for its
+        replica's engine to tokenize (with ``"local"`` replicas, tokenized in one of their
+        engines' worker threads: no round trip either way). See :meth:`Engine.prepare`.
+        """
+        ...
+
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Queue a request and return its handle at once (see :meth:`Engine.submit`)."""
         ...

@@ -313,26 +313,29 @@ def mermaid_diagram() -> str:
 # --- the request ----------------------------------------------------------------------------
 
 
-def _advance(matcher: Matcher, token_id: int) -> str | None:
-    """Advance a constrained request's matcher past its new token; why the request fails, if
-    it does.
+def _advance(matcher: Matcher, token_id: int) -> tuple[str | None, bool]:
+    """Advance a constrained request's matcher past its new token: why the request fails, if
+    it does, and whether the constraint's output is complete (terminated and accepting).
 
     The sampler picked the token under the mask of allowed tokens, so a refusal means the
     mask was not applied (a runner that ignores constraints) and a dead end means the
     vocabulary cannot spell what the constraint needs: either way the request fails rather
     than deliver output that does not satisfy its constraint. A matcher that raises (its
     backend gave up, a limit), advancing or saying where it is after, fails the request with
-    the backend's message.
+    the backend's message. Where it is, is read here once, inside the net, and kept: read
+    again outside it (by :meth:`Request.finish_reached`), a matcher that raised would end
+    the scheduler's step, and the engine with it.
     """
     try:
         if not matcher.advance(token_id):
-            return f"the constraint does not allow token {token_id} here"
-        dead_end = matcher.terminated and not matcher.accepting
+            return f"the constraint does not allow token {token_id} here", False
+        terminated = matcher.terminated
+        complete = terminated and matcher.accepting
     except Exception as exc:  # the backend's own error: this request fails, not the engine
-        return f"the constraint failed: {exc}"
-    if dead_end:
-        return "the constraint reached a dead end: no token of the vocabulary continues it"
-    return None
+        return f"the constraint failed: {exc}", False
+    if terminated and not complete:
+        return "the constraint reached a dead end: no token of the vocabulary continues it", False
+    return None, complete
 
 
 def _token_tuple(value: Sequence[int]) -> tuple[int, ...]:
@@ -379,6 +382,9 @@ class Request:
     )
 
     _matcher: Matcher | None = attrs.field(default=None, init=False)
+    # The matcher's verdict after its last token (terminated and accepting), as read once
+    # under _advance's net.
+    _constraint_complete: bool = attrs.field(default=False, init=False)
     _status: RequestStatus = attrs.field(default=RequestStatus.WAITING, init=False)
     _output_token_ids: list[int] = attrs.field(factory=list, init=False)
     _block_table: list[int] = attrs.field(factory=list, init=False)
@@ -521,17 +527,18 @@ class Request:
 
         The one rule on token ids (vLLM's ``check_stop``): ``STOP`` when the last output
         token is a stop token id, or an EOS id unless ``params.ignore_eos``, and at least
-        ``min_tokens`` tokens precede it; else ``LENGTH`` once the output holds
-        ``max_tokens`` tokens. Stop strings are text: the engine matches them where the
-        text is made, and finishes the request through the scheduler.
+        ``min_tokens`` tokens precede it, or when the constraint's output is complete (as
+        its matcher said when that token was applied: the matcher is not asked here);
+        else ``LENGTH`` once the output holds ``max_tokens`` tokens. Stop strings are text:
+        the engine matches them where the text is made, and finishes the request through
+        the scheduler.
 
         Returns:
             The reason to finish, or ``None`` while the request goes on.
         """
         output = self._output_token_ids
         params = self.params
-        matcher = self._matcher
-        if matcher is not None and matcher.terminated and matcher.accepting:
+        if self._constraint_complete:  # read when the token was applied, not asked again
             return FinishReason.STOP
         if len(output) > params.min_tokens:
             last = output[-1]
@@ -564,9 +571,10 @@ class Request:
             raise InvalidTransition(self.request_id, self._status, event)
         self._check(event)
         if isinstance(event, TokenSampled) and self._matcher is not None:
-            refusal = _advance(self._matcher, event.token_id)
+            refusal, complete = _advance(self._matcher, event.token_id)
             if refusal is not None:
                 return self.apply(Failed(refusal, event.time))
+            self._constraint_complete = complete
         self._update(event)
         self._status = next_status
         return next_status

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -246,6 +246,34 @@ class Coordinator:
             raise EngineDead(f"every replica died; the last: {death}") from death
         if self._relay.closing:
             raise EngineClosed("the coordinator is closed: its async with block was left")
+
+    async def prepare(self, prompt: Prompt) -> Prompt:
+        """``prompt`` as :meth:`submit` takes it without tokenizing on the caller's thread.
+
+        The coordinator holds no tokenizer, so nothing is tokenized here and nothing goes
+        to a replica and back: a ``"process"`` or ``"ray"`` replica tokenizes the prompt as
+        given, in its own process, and ``prompt`` comes back checked for shape. A
+        ``"local"`` replica's engine would tokenize it on this event loop, the
+        coordinator's: it is tokenized in a worker thread of a live local replica's engine
+        (every replica loads the same model) and the ids come back. Always a checkpoint.
+
+        Raises:
+            TypeError, ValueError: a malformed prompt (``"local"``: a chat template's
+                refusal too).
+            RequestRejected: (``"local"``) text or messages that cannot fit the context.
+            EngineClosed, EngineDead: the coordinator no longer takes work.
+        """
+        await anyio.lowlevel.checkpoint()
+        self.check_health()
+        wire = cast(Prompt, wire_prompt(prompt))  # a Prompt, as it travels
+        for state in self._replicas:
+            replica = state.replica
+            if not isinstance(replica, LocalReplica):
+                return wire
+            engine = replica.engine
+            if state.failure is None and engine is not None:
+                return await engine.tokenize(wire)
+        return wire
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Route a request to a replica and return its handle at once.

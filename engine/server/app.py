@@ -16,7 +16,11 @@ the waiting queue for all of its choices (``max_waiting_requests``: a 503 with
 ``Retry-After``). A request's choices are queued whole or not at all. The prompts then go to
 the engine as given: the engine tokenizes each once and checks its length, and a prompt too
 long for the context is a 400 in OpenAI's words, from the numbers of the engine's
-``RequestRejected`` (the server never tokenizes a prompt itself to check it).
+``RequestRejected`` (the server never tokenizes a prompt itself to check it). Nothing slow
+runs on the event loop: a prompt is rendered and tokenized in a worker thread of the engine's
+(``EngineSurface.prepare``), a conversation with tools through the chat template's own
+``tools`` in one of the server's (:data:`RENDER_THREADS`), and the waiting queue is asked
+again for all of a request's choices once they are, right before they are queued.
 
 With an API key, every route wants ``Authorization: Bearer <key>`` except ``/health`` and
 ``/metrics``, which stay open for probes and scrapers.
@@ -29,8 +33,11 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
+import anyio
+import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -71,7 +78,13 @@ from twostroke.engine.tools.template import ToolTemplate, native_template, tool_
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
 
-__all__ = ["build_app"]
+__all__ = ["RENDER_THREADS", "build_app"]
+
+#: Worker threads the server renders conversations with tools in, at most, at once (through
+#: the chat template's own ``tools``, to token ids: a template and a tokenizer's work, bounded
+#: by the template's limits but not by the engine's, whose threads tokenize the rest). As
+#: many as the engine's (``TOKENIZER_THREADS``).
+RENDER_THREADS = 2
 
 logger = logging.getLogger("twostroke.server")
 
@@ -149,6 +162,7 @@ class _OpenAI:
         self.tool_format = tool_format
         self.tool_template = tool_template
         self.strict_schemas = strict_schemas
+        self._rendering = anyio.CapacityLimiter(RENDER_THREADS)
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.max_body_bytes)
@@ -167,42 +181,58 @@ class _OpenAI:
     async def chat(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
-        chat = self.prepare_chat(body)
+        chat = await self.prepare_chat(body)
         await self._generate(chat.format, [chat.messages], chat.params, body, "messages",
                              chat.shape, receive, send)  # fmt: skip
 
-    def prepare_chat(self, body: protocol.ChatCompletionRequest) -> PreparedChat:
+    async def prepare_chat(self, body: protocol.ChatCompletionRequest) -> PreparedChat:
         """What a chat completion body asks of the engine: ``/v1/chat/completions`` and
-        ``/v1/responses`` (which translates its body into one) both run through it."""
+        ``/v1/responses`` (which translates its body into one) both run through it.
+
+        Raises:
+            ApiError: a 400 for what the body asks wrongly, or the template's refusal.
+            EngineOverloaded: no room in the waiting queue for the choices (checked before
+                the conversation is rendered).
+        """
         # What the body alone decides is checked before the messages are tokenized.
         turns = protocol.chat_turns(body.messages)
         protocol.check_choices(1, body.n, self.max_choices)
         schemas = strict_body(body) if self.strict_schemas else body
         shape = output_constraint(schemas, self.tool_format)
-        messages = self._tool_prompt(turns, shape.tools)
         # without max_tokens: what the context leaves
         params = protocol.choice_params(body, shape.constraint)
+        self._check_room(len(params))  # before a template renders the conversation
+        messages = await self._tool_prompt(turns, shape.tools)
         fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
         return PreparedChat(messages, params, fmt, shape)
 
-    def _tool_prompt(self, turns: list[Turn], tools: Sequence[ToolSpec]) -> Prompt:
+    async def _tool_prompt(self, turns: list[Turn], tools: Sequence[ToolSpec]) -> Prompt:
         """The conversation as the engine takes it: token ids rendered by the chat
         template's own ``tools`` where the format's template is at hand, else plain
         messages (:func:`~twostroke.engine.tools.template.tool_prompt`).
 
+        The template renders, and its text is tokenized, in a worker thread (at most
+        :data:`RENDER_THREADS` at once); plain messages are the body's text rearranged, on
+        the loop. Cancelling the caller waits for the thread.
+
         Raises:
             ApiError: 400 naming ``messages`` when the template refuses the conversation.
         """
+        template = self.tool_template
         try:
-            return tool_prompt(self.tool_format, turns, tools, self.tool_template)
+            if template is None:
+                return tool_prompt(self.tool_format, turns, tools)
+            render = partial(tool_prompt, self.tool_format, turns, tools, template)
+            return await anyio.to_thread.run_sync(render, limiter=self._rendering)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param="messages") from None
 
     def _check_room(self, count: int) -> None:
         """Refuse ``count`` engine requests if the waiting queue cannot take them all.
 
-        Asked right before they are submitted: nothing else runs between this check and the
-        last submit, so a request's choices are queued whole or not at all.
+        Asked before any prompt is rendered or tokenized, and again right before the
+        choices are submitted (:meth:`Generation.submit`): nothing else runs between that
+        check and the last submit, so a request's choices are queued whole or not at all.
 
         Raises:
             EngineOverloaded: the answer is a 503 with ``Retry-After``.
@@ -235,7 +265,7 @@ class _OpenAI:
         receive: Receive,
         send: Send,
     ) -> None:
-        self._check_room(len(prompts) * len(params))  # nothing runs from here to the last submit
+        self._check_room(len(prompts) * len(params))  # before any prompt is tokenized
         generation = Generation(
             self.engine,
             self.metrics,
@@ -246,7 +276,9 @@ class _OpenAI:
             constraint_field=shape.param,
         )
         try:
-            generation.submit(prompts, params)
+            submit = partial(generation.submit, prompts, params, self._check_room)
+            if (await until_disconnect(receive, submit))[0]:
+                return  # the client left while its prompts were prepared: nothing queued
             if body.stream:
                 include_usage = body.stream_options is not None and (
                     body.stream_options.include_usage
@@ -298,7 +330,7 @@ class _OpenAI:
         if (body.prompt is None) == (body.messages is None):
             raise invalid_request("pass exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            messages = self._tool_prompt(protocol.chat_turns(body.messages), ())
+            messages = await self._tool_prompt(protocol.chat_turns(body.messages), ())
             tokens = await self._tokenize(messages, "messages")
         else:
             tokens = await self._tokenize(body.prompt, "prompt")

@@ -5,10 +5,12 @@ Every one of them is *settled* when the HTTP request ends, however it ends: canc
 is still open, then awaited (under a shield, it ends within one step) so that its outcome is
 counted exactly once: finished (with its timings), aborted by the server, or failed.
 
-Prompts go to the engine as the body gives them (text, token ids or chat messages): the
-engine tokenizes each once, and its refusals (a prompt too long for the context, token ids
-outside the vocabulary) become 400s here, from ``submit`` or, behind a coordinator's remote
-replicas, from the handle.
+Prompts go to the engine as the body gives them (text, token ids or chat messages), through
+its ``prepare``: an engine renders and tokenizes each once, in a worker thread (never on the
+event loop, which serves every other request), and a coordinator hands it as given to its
+replica, which does. The engine's refusals (a prompt too long for the context, token ids
+outside the vocabulary, a chat template's) become 400s here, from ``prepare`` or ``submit``
+or, behind a coordinator's remote replicas, from the handle.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -118,16 +120,41 @@ class Generation:
         self.id += uuid.uuid4().hex
         self.created = int(time.time())
 
-    def submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> None:
+    async def submit(
+        self,
+        prompts: Sequence[Prompt],
+        params: Sequence[SamplingParams],
+        check_room: Callable[[int], None],
+    ) -> None:
         """Submit every choice: ``len(params)`` per prompt, indexed prompt-major.
+
+        Each prompt is prepared once (:meth:`EngineSurface.prepare`: an engine renders and
+        tokenizes it in a worker thread, a coordinator leaves it to its replica), then
+        ``check_room`` is asked again for all the choices (other requests came in while the
+        prompts were prepared) and every choice is submitted in one synchronous run, so
+        they are queued whole or not at all. Cancelled while preparing, it queues nothing.
+
+        Args:
+            prompts: The body's prompts.
+            params: One sampling parameters per choice of each prompt.
+            check_room: Refuses ``count`` more engine requests when the waiting queue cannot
+                take them (an ``EngineOverloaded``); asked by the caller before this too,
+                before any prompt is prepared.
 
         Raises:
             ApiError: the engine refused a prompt (:meth:`error`).
-            EngineOverloaded, EngineDead, EngineClosed: from the engine.
+            EngineOverloaded, EngineDead, EngineClosed: from the engine, or ``check_room``.
 
         Choices already submitted stay in :attr:`choices` to be settled.
         """
-        for prompt_index, prompt in enumerate(prompts):
+        prepared = []
+        for prompt in prompts:
+            try:
+                prepared.append(await self._engine.prepare(prompt))
+            except (TypeError, ValueError) as exc:
+                raise self.error(exc) from None
+        check_room(len(prompts) * len(params))  # nothing awaits from here to the last submit
+        for prompt_index, prompt in enumerate(prepared):
             for choice_params in params:
                 try:
                     handle = self._engine.submit(prompt, choice_params)

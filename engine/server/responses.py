@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Literal
 
 import anyio
@@ -545,7 +546,7 @@ class Responses:
             take them (an ``EngineOverloaded``, the application's 503).
         prepare_chat: The chat path: what a chat completion body asks of the engine (its
             messages rendered with the server's tool format, sampling parameters, output
-            format and constraint), or its 400.
+            format and constraint, its tools rendered off the event loop), or its 400.
     """
 
     def __init__(
@@ -556,7 +557,7 @@ class Responses:
         keepalive: float,
         max_body_bytes: int,
         check_room: Callable[[int], None],
-        prepare_chat: Callable[[protocol.ChatCompletionRequest], PreparedChat],
+        prepare_chat: Callable[[protocol.ChatCompletionRequest], Awaitable[PreparedChat]],
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -573,10 +574,10 @@ class Responses:
         protocol.check_model(body.model, self._engine.model_name)
         translated, origins = _translate(body)
         try:
-            chat = self._prepare_chat(translated)
+            chat = await self._prepare_chat(translated)
         except ApiError as exc:
             raise _renamed(exc, origins) from None
-        self._check_room(1)  # nothing runs from here to the submit
+        self._check_room(1)  # before the prompt is tokenized
         shape = chat.shape
         generation = Generation(
             self._engine,
@@ -589,7 +590,9 @@ class Responses:
         )
         draft = ResponseDraft(self._engine.model_name, _echo(body))
         try:
-            generation.submit([chat.messages], chat.params)
+            submit = partial(generation.submit, [chat.messages], chat.params, self._check_room)
+            if (await until_disconnect(receive, submit))[0]:
+                return  # the client left while its prompt was prepared: nothing queued
             if body.stream:
                 sender = ResponseEventSender(send, draft)
                 try:

@@ -13,7 +13,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import pytest
 
-from twostroke.engine import Engine, RequestRejected, SamplingParams
+from twostroke.engine import Engine, EngineOverloaded, RequestRejected, SamplingParams
 from twostroke.engine.engine import TOKENIZER_THREADS
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 
@@ -74,7 +74,11 @@ async def _tokenize(engine: Engine, prompt: Any) -> object:
     return await engine.tokenize(prompt)
 
 
-CALLS = {"generate": _generate, "stream": _stream, "tokenize": _tokenize}
+async def _prepare(engine: Engine, prompt: Any) -> object:
+    return engine.submit(await engine.prepare(prompt), PARAMS)  # what the server does
+
+
+CALLS = {"generate": _generate, "stream": _stream, "tokenize": _tokenize, "prepare": _prepare}
 PROMPTS = {"text": "hello", "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -169,3 +173,17 @@ async def test_a_prompt_at_the_bound_is_tokenized() -> None:
         assert len(await engine.tokenize("x" * 64)) == 64
         messages = [{"role": "user", "content": ""}] * 64
         assert await engine.tokenize(messages)
+
+
+async def test_prepare_refuses_a_full_waiting_queue_before_tokenizing() -> None:
+    tokenizer = CountingTokenizer()
+    async with open_engine(tokenizer, max_num_seqs=1, max_waiting_requests=1) as engine:
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        running = engine.submit([1, 2, 3], long)  # the one sequence a step may hold
+        while engine.statistics().num_waiting:  # until it is admitted (no clock involved)
+            await anyio.lowlevel.checkpoint()
+        engine.submit([1, 2, 3], long)  # waiting: the queue is full
+        with pytest.raises(EngineOverloaded, match="the waiting queue is full"):
+            await engine.prepare("hello")
+        assert tokenizer.num_encoded == 0
+        running.cancel()

@@ -12,6 +12,7 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.request import (
     Admitted,
     ConstraintCompiled,
+    FinishReason,
     Preempted,
     Request,
     RequestStatus,
@@ -177,3 +178,38 @@ def test_a_matcher_that_raises_fails_the_request_with_its_message() -> None:
     request = _sampling(_Broken())
     assert request.apply(TokenSampled(0, 2.0)) is RequestStatus.FAILED
     assert request.failure == "the constraint failed: lexer fuel exhausted"
+
+
+class _AnswersOnce(_DeadEnd):
+    """A matcher that completes the output with its first token and says so once: asked
+    again where it is (a backend whose state read fails the second time), it raises."""
+
+    def __init__(self) -> None:
+        self._reads = 0
+
+    def advance(self, token_id: int) -> bool:
+        self.num_tokens += 1
+        return True
+
+    def _read(self) -> bool:
+        self._reads += 1
+        if self._reads > 2:  # terminated, then accepting: once each
+            raise RuntimeError("asked twice")
+        return True
+
+    @property
+    def terminated(self) -> bool:  # type: ignore[override]
+        return self._read()
+
+    @property
+    def accepting(self) -> bool:  # type: ignore[override]
+        return self._read()
+
+
+def test_where_the_matcher_is_is_read_once_a_token_under_the_net() -> None:
+    """``finish_reached`` uses what ``apply`` read from the matcher inside its net, so a
+    matcher is never asked outside it (where its exception would end the engine's step)."""
+    request = _sampling(_AnswersOnce())
+    assert request.apply(TokenSampled(0, 2.0)) is RequestStatus.DECODING
+    assert request.finish_reached() is FinishReason.STOP
+    assert request.finish_reached() is FinishReason.STOP

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -371,3 +372,31 @@ async def test_replicas_answer_constrained_requests_and_refuse_what_the_backend_
             assert output.text in {"yes", "no"}
         else:
             assert re.fullmatch("[a-c]{2}[0-9]", output.text)
+
+
+async def test_prepare_tokenizes_in_a_local_replicas_worker_thread() -> None:
+    """Behind local replicas, ``prepare`` gives the ids a bare engine computes, tokenized in
+    a replica engine's worker thread (a local replica's ``submit`` would tokenize on this
+    event loop); malformed prompts raise as the bare engine's ``prepare`` does."""
+    from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
+
+    threads: list[int] = []
+
+    class Recorded(ByteTokenizer):
+        def encode(self, text: str) -> list[int]:
+            threads.append(threading.get_ident())
+            return super().encode(text)
+
+    options: dict[str, Any] = {"runner": ToyRunner(), "tokenizer": Recorded(), **TOY}
+    async with Engine.open(**options) as engine:
+        expected = [await engine.prepare(prompt) for prompt in PROMPTS]
+    async with Coordinator.open(replicas=2, **options) as coordinator:
+        threads.clear()
+        prepared = [await coordinator.prepare(prompt) for prompt in PROMPTS]
+        assert [tuple(ids) for ids in prepared] == expected
+        assert threads
+        assert threading.get_ident() not in threads
+        with pytest.raises(ValueError, match=r"^prompt must not be empty, got ''$"):
+            await coordinator.prepare("")
+        output = await coordinator.generate(prepared[0], SamplingParams(max_tokens=3))
+        assert output.prompt_token_ids == expected[0]

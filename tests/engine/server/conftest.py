@@ -59,15 +59,20 @@ def openai_client(base_url: str, **options: Any) -> AsyncOpenAI:
 class ObservedEngine:
     """The engine surface of a real engine, with hooks a test can wait on or break.
 
-    ``submitted`` gets every (prompt, params) pair and ``tokenized`` every prompt of a
-    ``tokenize`` call; ``on_submit`` (if set) is called with each submitted pair; ``failure``
-    (if set) is raised by every call, as from a dead engine. With ``refuse_later``, a
+    ``prepared`` gets every prompt of a ``prepare`` call, ``submitted`` every (prompt,
+    params) pair, the prompt as the server asked for it (what it gave ``prepare``, whose
+    ids it then submits), and ``tokenized`` every prompt of a ``tokenize`` call;
+    ``on_submit`` (if set) is called with each submitted pair; ``failure`` (if set) is
+    raised by every call, as from a dead engine. With ``refuse_later``, a
     request the engine refuses (``TypeError``, ``ValueError``, ``RequestRejected``) is
     refused through its handle instead, as a coordinator's process or ray replica reports it.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.prepared: list[Any] = []
+        # What prepare returned (kept alive, so the id stays its), and what it was given.
+        self._asked: dict[int, tuple[Any, Any]] = {}
         self.submitted: list[tuple[Any, SamplingParams]] = []
         self.tokenized: list[Any] = []
         self.refuse_later = False
@@ -92,6 +97,18 @@ class ObservedEngine:
         """The engine's tokenizer (the server reads its chat template's tool format)."""
         return self.engine.tokenizer
 
+    async def prepare(self, prompt: Any) -> Any:
+        self._check()
+        self.prepared.append(prompt)
+        try:
+            ready = await self.engine.prepare(prompt)
+        except (TypeError, ValueError):
+            if not self.refuse_later:
+                raise
+            return prompt  # submit refuses it, through the handle
+        self._asked[id(ready)] = (ready, prompt)
+        return ready
+
     def submit(self, prompt: Any, params: SamplingParams | None = None) -> RequestHandle:
         self._check()
         try:
@@ -102,9 +119,11 @@ class ObservedEngine:
             writer, handle = create_request_handle(-1, (), lambda _: None)
             writer.fail(exc)
             return handle
-        self.submitted.append((prompt, params or SamplingParams()))
+        ready, asked = self._asked.get(id(prompt), (None, prompt))
+        asked = asked if ready is prompt else prompt
+        self.submitted.append((asked, params or SamplingParams()))
         if self.on_submit is not None:
-            self.on_submit(prompt, params or SamplingParams())
+            self.on_submit(asked, params or SamplingParams())
         self._changed.set()
         self._changed = anyio.Event()
         return handle

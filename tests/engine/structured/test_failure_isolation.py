@@ -39,15 +39,22 @@ BESIDE: list[tuple[str, Constraint | None]] = [
 
 
 class Poisoned(GuidanceMatcher):
-    """An llguidance matcher that raises ``RuntimeError`` at one ``place``: ``"fill"``
-    (computing its masks, alone or with others), ``"advance"`` (taking a token, its own and
-    its forks') or ``"terminated"`` (saying whether the output is over, once it has a
-    token). Asked why it failed, it raises too: a backend that broke cannot say."""
+    """An llguidance matcher that raises ``RuntimeError`` at one ``place``: ``"num_tokens"``
+    (saying how many tokens it took, which the engine asks as it attaches the matcher),
+    ``"fill"`` (computing its masks, alone or with others), ``"advance"`` (taking a token,
+    its own and its forks') or ``"terminated"`` (saying whether the output is over, once it
+    has a token). Asked why it failed, it raises too: a backend that broke cannot say."""
 
     def __init__(self, real: GuidanceMatcher, place: str) -> None:
         super().__init__(real._matcher, real.vocab_size, real._eos, check=real._check_output)
         self._num_tokens = real.num_tokens
         self.place = place
+
+    @property
+    def num_tokens(self) -> int:
+        if self.place == "num_tokens":
+            raise RuntimeError("injected at num_tokens")
+        return super().num_tokens
 
     def _check(self) -> None:
         if self.place == "fill":
@@ -135,6 +142,11 @@ async def serve_all(requests: Sequence[tuple[str, Constraint | None]]) -> list[A
     [
         ("compile", ConstraintRejected, "constraint.choices: RuntimeError: injected at compile"),
         ("matcher", ConstraintRejected, "constraint.choices: RuntimeError: injected at matcher"),
+        (
+            "num_tokens",
+            ConstraintRejected,
+            "constraint.choices: RuntimeError: injected at num_tokens",
+        ),
         ("fill", RequestFailed, "the constraint failed: injected at fill"),
         ("advance", RequestFailed, "the constraint failed: injected at advance"),
         ("terminated", RequestFailed, "the constraint failed: injected at terminated"),

@@ -241,7 +241,7 @@ def test_the_request_machine_finds_a_request_that_ignores_its_constraint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A request whose ``apply`` does not consult its matcher: every token is output."""
-    monkeypatch.setattr(request_module, "_advance", lambda matcher, token_id: None)
+    monkeypatch.setattr(request_module, "_advance", lambda matcher, token_id: (None, False))
     with pytest.raises(SimulationError):
         run_state_machine_as_test(RequestMachine, settings=FIND)
 
