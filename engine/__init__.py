@@ -30,6 +30,7 @@ from twostroke.engine.errors import (
     StructuredOutputUnavailable,
 )
 from twostroke.engine.handle import RequestHandle
+from twostroke.engine.kernels.selection import DeterminismUnavailable
 from twostroke.engine.llm import LLM
 from twostroke.engine.models.llama import WeightError
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
@@ -57,6 +58,7 @@ __all__ = [
     "CoordinatorConfig",
     "CoordinatorStatistics",
     "Delta",
+    "DeterminismUnavailable",
     "DetokenizerError",
     "DeviceUnavailable",
     "Engine",

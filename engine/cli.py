@@ -88,11 +88,21 @@ def _quantization_argument(parser: argparse.ArgumentParser) -> None:
         "mapping it, so that the model survives the file being rewritten in place (llama.cpp's "
         "flag)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--deterministic: every request's tokens and logprobs the same whatever runs beside "
+        "it, at the cost of the invariant kernels where the fastest are not (docs/models.md); "
+        "--no-deterministic: the fastest kernels, no promise. Default: the fastest, invariant "
+        "where that costs nothing",
+    )
 
 
 def _quantization(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's options from ``--quantization`` ("none": None), ``--kv-cache-dtype``,
-    ``--no-mmap`` and ``--speculative-config``, each where it was given."""
+    ``--no-mmap``, ``--[no-]deterministic`` and ``--speculative-config``, each where it was
+    given."""
     options: dict[str, Any] = {}
     if args.quantization is not None:
         options["quantization"] = None if args.quantization == "none" else args.quantization
@@ -100,6 +110,8 @@ def _quantization(args: argparse.Namespace) -> dict[str, Any]:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "mmap", None) is not None:
         options["mmap"] = args.mmap
+    if getattr(args, "deterministic", None) is not None:
+        options["deterministic"] = args.deterministic
     if getattr(args, "speculative_config", None) is not None:
         options["speculative_config"] = args.speculative_config
     return options
@@ -454,6 +466,7 @@ def _bench(args: argparse.Namespace) -> int:
         compare_unconstrained=args.compare_unconstrained,
         compare_governed=args.compare_governed,
         compare_attention=args.compare_attention,
+        compare_deterministic=args.compare_deterministic,
         quantizations=tuple(args.quantization or ()),
     )
     if args.replicas is not None:

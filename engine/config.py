@@ -148,6 +148,19 @@ class EngineConfig(SchedulingPolicy):
             in memory, and a model that no longer depends on the file, which a file
             rewritten or truncated in place would otherwise kill with SIGBUS
             (docs/serving.md, "Limits and security").
+        deterministic: Whether a request's tokens and logprobs must be a function of the
+            model, its prompt, its parameters and its seed alone, whatever runs beside it
+            (other requests, chunking, prefix-cache hits, preemption, drafts, the pipeline
+            depth; docs/models.md, "One answer per request"). ``None`` (the default): the
+            fastest arrangement of the kernels, which is batch-invariant where that costs
+            nothing (the compiled bfloat16 panels and AMX tiles, oneDNN's float32 products;
+            ``Engine.statistics().deterministic`` says whether this run is). ``True``
+            (``--deterministic``): the invariant arrangement at its cost (float32 weights
+            instead of fbgemm's fp16 on AVX2, the panels at every row count on AMX, GGUF
+            blocks block by block in long prefills), or
+            :class:`~twostroke.engine.kernels.selection.DeterminismUnavailable` at open where
+            none is (``dtype="float32"``'s MKL products, ``int8`` weights, CUDA). ``False``:
+            the fastest arrangement, no promise asked.
 
     Raises:
         TypeError: a value of the wrong type (``None`` included, for a field that is not
@@ -181,6 +194,9 @@ class EngineConfig(SchedulingPolicy):
         validator=attrs.validators.optional(number_in(0, low_open=True)),
     )
     mmap: bool = attrs.field(default=True, validator=_boolean)
+    deterministic: bool | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_boolean)
+    )
 
 
 # --- the HTTP server ----------------------------------------------------------------------

@@ -47,7 +47,7 @@ from twostroke.engine.errors import (
 from twostroke.engine.handle import RequestHandle, create_request_handle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.runners.pool_size import size_pool
-from twostroke.engine.runners.protocol import ModelRunner
+from twostroke.engine.runners.protocol import InvariantRunner, ModelRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.strokes.delivery import Deliveries, Tracked
 from twostroke.engine.strokes.launcher import Launcher
@@ -279,6 +279,16 @@ class Engine:
     def max_model_len(self) -> int:
         """The longest prompt plus output a request may have."""
         return self._max_model_len
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether a request's tokens and logprobs are a function of the model (its weight
+        form, dtype and CPU path included), its prompt, its parameters and its seed alone:
+        the same whatever the requests beside it, chunking, prefix-cache hits, preemption,
+        drafts and the pipeline depth (``EngineConfig.deterministic``; docs/models.md,
+        "One answer per request"). ``False`` for a runner that does not say."""
+        runner = self._runner
+        return isinstance(runner, InvariantRunner) and runner.deterministic
 
     def check_health(self) -> None:
         """Return if the engine takes work.

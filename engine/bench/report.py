@@ -104,6 +104,8 @@ def _note(extra: Mapping[str, Any]) -> str:
     parts = [str(extra[key]) for key in ("weights", "batching") if key in extra]
     if "batch_size" in extra:
         parts.append(f"batch {extra['batch_size']}")
+    if "batch_invariant" in extra:
+        parts.append("batch-invariant" if extra["batch_invariant"] else "not batch-invariant")
     if extra.get("load_average") is not None:
         parts.append(f"load average {extra['load_average']:.2f}")
     if extra.get("machine_gflops"):

@@ -372,6 +372,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "operators), the fallback of the compiled kernel the CPU runs by default",
     )
     parser.add_argument(
+        "--compare-deterministic",
+        action="store_true",
+        help="also run twostroke at depth 2 with deterministic=True (the batch-invariant "
+        "kernels, at their cost where the fastest are not invariant), and each --quantization "
+        "likewise; every twostroke row says whether it is batch-invariant",
+    )
+    parser.add_argument(
         "--quantization",
         action="append",
         choices=("fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"),

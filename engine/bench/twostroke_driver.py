@@ -76,6 +76,10 @@ class _RecordingRunner:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    @property
+    def deterministic(self) -> bool:
+        return self.runner.deterministic
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_cache_bytes_per_block(block_size)
 
@@ -140,6 +144,8 @@ class TwostrokeDriver:
             self.name += "-nocache"
         if engine_options.get("quantization") is not None:
             self.name += f"-{engine_options['quantization']}"
+        if engine_options.get("deterministic"):
+            self.name += "-deterministic"
         #: The thread count is left to the engine (``torch_threads=None``).
         self.governed = (
             "torch_threads" in engine_options and engine_options["torch_threads"] is None
@@ -195,6 +201,7 @@ class TwostrokeDriver:
             kv_cache_dtype=resolve_kv_cache_dtype(
                 self.engine_options.get("kv_cache_dtype", "auto")
             ),
+            deterministic=self.engine_options.get("deterministic"),
         )
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
         warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)
@@ -242,6 +249,7 @@ class TwostrokeDriver:
                 "projections": loaded.module.kernels.projection.layers,
                 "output_projection": loaded.module.kernels.projection.head,
                 "attention": runner.runner.attention_kernel,
+                "batch_invariant": runner.deterministic,
                 **_mask_figures(stats),
                 **self._speculation_figures(stats),
             },
@@ -535,6 +543,7 @@ def engine_drivers(
     compare_unconstrained: bool = False,
     compare_governed: bool = False,
     compare_attention: bool = False,
+    compare_deterministic: bool = False,
     device: str = "cpu",
     quantizations: tuple[str, ...] = (),
     **engine_options: Any,
@@ -546,8 +555,9 @@ def engine_drivers(
     with ``compare_governed`` depth 2 with its thread count left to the engine (its
     :class:`~twostroke.gpu.cores.ThreadGovernor`, up to every core), with
     ``compare_attention`` depth 2 with the ``"bag"`` decode attention (the compiled kernel's
-    fallback), and depth 2 with each of ``quantizations`` (weight precisions); all on
-    ``device``."""
+    fallback), and depth 2 with each of ``quantizations`` (weight precisions), each of those
+    last again with ``deterministic=True`` where ``compare_deterministic`` asks (the
+    batch-invariant kernels against the fastest); all on ``device``."""
     depth2 = TwostrokeDriver(2, device=device, **engine_options)
     drivers = [
         depth2,
@@ -567,9 +577,15 @@ def engine_drivers(
         drivers.append(TwostrokeDriver(2, device=device, **options))
     if compare_attention:
         drivers.append(TwostrokeDriver(2, device=device, attention_kernel="bag", **engine_options))
+    if compare_deterministic:
+        options = engine_options | {"deterministic": True}
+        drivers.append(TwostrokeDriver(2, device=device, **options))
     for quantization in quantizations:
         options = engine_options | {"quantization": quantization}
         drivers.append(TwostrokeDriver(2, device=device, **options))
+        if compare_deterministic:
+            options |= {"deterministic": True}
+            drivers.append(TwostrokeDriver(2, device=device, **options))
     return drivers
 
 

@@ -218,6 +218,7 @@ def load_model(
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_cache_dtype: torch.dtype | Literal["auto"] | None = None,
     mmap: bool = True,
+    deterministic: bool | None = None,
 ) -> LoadedModel:
     """Load a model by name, Hugging Face directory or GGUF file.
 
@@ -264,6 +265,11 @@ def load_model(
             may then be changed or truncated in place (a mapped file truncated under a
             running model kills the process with SIGBUS). Other loads copy the weights and
             keep nothing mapped either way.
+        deterministic: ``True``: the batch-invariant arrangement of the kernels (GGUF
+            blocks multiplied block by block at every row count among them), or
+            :class:`~twostroke.engine.kernels.selection.DeterminismUnavailable`; ``None``
+            or ``False``: the fastest (see
+            :func:`~twostroke.engine.kernels.selection.select_kernels`).
 
     Every kernel the model computes with is chosen here, once
     (:func:`~twostroke.engine.kernels.selection.select_kernels`, logged at INFO), and the
@@ -312,6 +318,8 @@ def load_model(
         asked = None
     else:
         asked = quantization
+    if deterministic and blocks is not None:
+        blocks = blocks.block_by_block()  # before any weight is made of it
     # One thread: loading is conversions and copies, bound by memory; a second thread gains
     # little, and on a machine whose other core is busy every parallel region waits for it
     # (SmolLM2's load took 4.5 s on two threads against 2.9 s on one, measured).
@@ -339,6 +347,7 @@ def load_model(
             block_size=block_size,
             blocks=blocks,
             kv_cache_dtype=kv_cache_dtype,
+            deterministic=deterministic,
         )
         reduced = kernels.projection.quantization
         if reduced is not None:

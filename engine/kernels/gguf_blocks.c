@@ -143,6 +143,38 @@ static float offset_of(int type) { return type == TYPE_Q5_0 ? -16.0f : -8.0f; }
 /* Weights a block of `type` holds. */
 static ptrdiff_t block_weights(int type) { return is_super(type) ? SUPER : BLOCK; }
 
+/* Where a product's tiles sum (EXACT_SUMS_BEGIN to _END), no reassociation or contraction
+ * (the rest of the library keeps the common fast-math flags): a row's sums must not depend
+ * on the tile of rows it falls in (4 weight rows by 1 or 2 rows, 2 by 3 or 4), each of which
+ * the compiler would vectorize and fuse its own way, so that a row among others summed
+ * otherwise than alone and greedy answers changed with the traffic (docs/models.md, "One
+ * answer per request"). The vector paths' intrinsics are what they say either way; the
+ * portable C's sums and the float activations' (GCC's vector types) are held by this. The
+ * activations' quantization between (quantize_row) keeps the fast flags: its maximum and
+ * its integer sum are exact in any order. */
+#if defined(__clang__)
+#define EXACT_SUMS_BEGIN _Pragma("clang fp reassociate(off)") _Pragma("clang fp contract(off)")
+#define EXACT_SUMS_END _Pragma("clang fp reassociate(on)") _Pragma("clang fp contract(fast)")
+#elif defined(__GNUC__)
+#define EXACT_SUMS_BEGIN                                                                           \
+    _Pragma("GCC push_options") _Pragma("GCC optimize(\"no-associative-math\", \"fp-contract=off\")")
+#define EXACT_SUMS_END _Pragma("GCC pop_options")
+#else
+#define EXACT_SUMS_BEGIN
+#define EXACT_SUMS_END
+#endif
+/* The integer products' tiles: their portable C's float sums need it; AVX2's and
+ * AVX-512's intrinsics sum alike in every tile without it, and keep the fast flags (one
+ * stream of SmolLM2's Q4_1 file: 16.7 ms a token with them, about 5 % more without). */
+#if BLOCKS_AVX2
+#define BLOCK_SUMS_BEGIN
+#define BLOCK_SUMS_END
+#else
+#define BLOCK_SUMS_BEGIN EXACT_SUMS_BEGIN
+#define BLOCK_SUMS_END EXACT_SUMS_END
+#endif
+BLOCK_SUMS_BEGIN
+
 /* IEEE half to float, exact (subnormals included), in portable C. */
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -213,6 +245,8 @@ static inline void sub_block(int type, const uint8_t *block, int j, int8_t out[B
     scale[1] = scale[0];
 }
 
+BLOCK_SUMS_END
+
 /* Row r of x quantized per block (see the top of the file) into q, scales and sums. */
 static void quantize_row(const float *x, ptrdiff_t x_stride, ptrdiff_t r, ptrdiff_t in_features,
                          int8_t *q, float *scales, float *sums) {
@@ -248,6 +282,8 @@ void twostroke_quantize_rows(const float *x, ptrdiff_t x_stride, ptrdiff_t rows,
     for (ptrdiff_t r = 0; r < rows; r++)
         quantize_row(x, x_stride, r, in_features, q, scales, sums);
 }
+
+BLOCK_SUMS_BEGIN
 
 #if BLOCKS_AVX512
 /*
@@ -507,20 +543,18 @@ static inline __attribute__((always_inline)) void super_tile(
                 acc[k][r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums + r * blocks + s * 8),
                                             acc[k][r]);
         }
-        /* One row (decode): the sub-blocks' sums times the activation scale alone, times d
-         * once a super-block (a float multiply less a sub-block; more rows have no registers
-         * for the second set of sums). The sub-block loop unrolled: the shifts and shuffles
-         * that pick sub-block j become constants (Q6_K: 35 to 19 instructions a 32-weight
-         * block by one row, Q4_K 23 to 17 with the word-wise scale_min; Q4_1's tile takes 19)
-         * for 2.6 s more compile (6.2 s CPU, once a machine; callgrind, GCC 12, Zen 3). */
-        __m256 part[WROWS];
-        for (int k = 0; k < WROWS; k++)
-            part[k] = _mm256_setzero_ps();
+        /* Every row count sums alike: each sub-block's sums times d times the activation
+         * scale, into the row's sum (a decode's one row once took d out of its super-block,
+         * a multiply less a sub-block, and so summed another way than the same row among
+         * others: greedy answers changed with the traffic). The sub-block loop unrolled: the
+         * shifts and shuffles that pick sub-block j become constants (Q6_K: 35 to 19
+         * instructions a 32-weight block by one row, Q4_K 23 to 17 with the word-wise
+         * scale_min; Q4_1's tile takes 19) for 2.6 s more compile (6.2 s CPU, once a
+         * machine; callgrind, GCC 12, Zen 3). */
 #pragma GCC unroll 8
         for (int j = 0; j < SUPER / BLOCK; j++) {
             ptrdiff_t b = s * (SUPER / BLOCK) + j;
             __m256i x[TILE];
-            __m256 activation = _mm256_set1_ps(scales[b]);
             for (int r = 0; r < count; r++)
                 x[r] = _mm256_loadu_si256((const __m256i *)(q + r * in_features + b * BLOCK));
             for (int k = 0; k < wrows; k++) {
@@ -558,18 +592,11 @@ static inline __attribute__((always_inline)) void super_tile(
                 for (int r = 0; r < count; r++) {
                     __m256i xr = type == TYPE_Q6_K ? _mm256_sign_epi8(x[r], signs) : x[r];
                     __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(weights, xr), scale);
-                    if (count == 1)
-                        part[k] = _mm256_fmadd_ps(activation, _mm256_cvtepi32_ps(pairs), part[k]);
-                    else
-                        acc[k][r] =
-                            _mm256_fmadd_ps(_mm256_set1_ps(d[k] * scales[r * blocks + b]),
-                                            _mm256_cvtepi32_ps(pairs), acc[k][r]);
+                    acc[k][r] = _mm256_fmadd_ps(_mm256_set1_ps(d[k] * scales[r * blocks + b]),
+                                                _mm256_cvtepi32_ps(pairs), acc[k][r]);
                 }
             }
         }
-        if (count == 1)
-            for (int k = 0; k < wrows; k++)
-                acc[k][0] = _mm256_fmadd_ps(_mm256_set1_ps(d[k]), part[k], acc[k][0]);
     }
     for (int k = 0; k < wrows; k++) {
         for (int r = 0; r < count; r++) {
@@ -612,6 +639,8 @@ static inline __attribute__((always_inline)) void super_tile(
 #endif
 }
 
+BLOCK_SUMS_END
+
 /*
  * Float activations (twostroke_block_linear_float): the products of the file's weights by
  * the activations themselves, as the float32 reference (the file dequantized) computes them
@@ -620,7 +649,13 @@ static inline __attribute__((always_inline)) void super_tile(
  * one 512-bit register a vector with AVX-512, 256 bits with AVX2, 128 in portable C), as
  * twostroke_block_rows() computes its values (d q + m, (d sc) q - dmin m); then each row of
  * the tile takes VECTORS multiply-adds a block into a sum of LANES lanes.
+ *
+ * Compiled without reassociation or contraction (EXACT_SUMS_BEGIN): with them, each tile
+ * shape was vectorized and fused its own way.
+ * Measured on SmolLM2's Q4_1 file, one stream: 15.9-16.7 ms a token with the fast flags,
+ * 14.6-15.4 without.
  */
+EXACT_SUMS_BEGIN
 #if BLOCKS_AVX512
 #define LANES 16
 #elif BLOCKS_AVX2
@@ -835,6 +870,7 @@ static void float_tiles(int type, int wrows, int count, const uint8_t *w, ptrdif
     default: TILE_SHAPES(FLOAT_CASE, float_tile, TYPE_Q6_K); break;
     }
 }
+EXACT_SUMS_END
 
 /* A call's activations: float32 rows (x, x_stride), and where the products take them
  * quantized (x_float 0), the rows as quantize_row() writes them. */

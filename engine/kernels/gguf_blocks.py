@@ -363,16 +363,33 @@ class BlockKernel:
     _rows: Callable[..., int] = attrs.field(repr=False)
     _projection: Callable[..., int] = attrs.field(repr=False)
     activations: str = attrs.field(default="int8", validator=attrs.validators.in_(ACTIVATIONS))
+    #: Rows from which a product is the dense path's (:data:`DENSE_ROWS`), or ``None``: block
+    #: by block at every row count (:meth:`block_by_block`).
+    dense_rows: int | None = DENSE_ROWS
 
     #: The activations' dtype (the decoder stack's element type for these projections).
     element: ClassVar[torch.dtype] = torch.float32
-    #: The most rows a product takes block by block, which the decoder stack may hand it:
-    #: from :data:`DENSE_ROWS` on a product is torch's GEMM, which the stack does not call.
-    most_rows: ClassVar[int] = DENSE_ROWS - 1
+
+    @property
+    def most_rows(self) -> int | None:
+        """The most rows a product takes block by block, which the decoder stack may hand
+        it (``None``: any): from :attr:`dense_rows` on a product is torch's GEMM, which the
+        stack does not call."""
+        return None if self.dense_rows is None else self.dense_rows - 1
 
     def taking(self, activations: str) -> BlockKernel:
         """This kernel, its products taking ``activations`` (one of :data:`ACTIVATIONS`)."""
         return attrs.evolve(self, activations=activations)
+
+    def block_by_block(self) -> BlockKernel:
+        """This kernel, multiplying block by block at every row count: no dense path, whose
+        float32 GEMM sums a row another way than the blocks (and unrounded, where the
+        activations are ``"int8"``), so a prompt's positions prefilled in a long chunk would
+        compute other numbers than the same positions in a short one (a recomputed
+        preempted request, a verified draft). The batch-invariant arrangement
+        (``deterministic=True``); long prefills take 1.2-2.6x the dense path's time
+        (:data:`DENSE_ROWS`)."""
+        return attrs.evolve(self, dense_rows=None)
 
     @property
     def address(self) -> int:
@@ -437,7 +454,12 @@ class BlockKernel:
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, out_features = int(x.shape[0]), weight.out_features
-        if rows >= DENSE_ROWS and out_features * weight.in_features <= DENSE_ELEMENTS:
+        dense_rows = self.dense_rows
+        if (
+            dense_rows is not None
+            and rows >= dense_rows
+            and out_features * weight.in_features <= DENSE_ELEMENTS
+        ):
             return self.dense(x, weight)
         out = torch.empty((rows, out_features), dtype=torch.float32)
         failed = call(

@@ -23,7 +23,7 @@
  * [BLOCK_SIZE, HEAD_DIM]. The GROUP query heads that share a key/value head are computed
  * together, so each tile is read from memory once, not GROUP times.
  *
- * Work is split over decodes (and tiles of a chunk's tokens) with OpenMP. A decode reads its
+ * Work is split over decodes (and a chunk's tokens) with OpenMP. A decode reads its
  * history block by block, every head's tiles of a block together (they are adjacent: one
  * contiguous read per block), and prefetches the next block's while it sums this one, since
  * the block table hides the next address from the hardware's prefetcher. Split over (decode, head) pairs instead, each
@@ -35,8 +35,8 @@
  *
  * Arithmetic: scores, softmax and sums in float32 whatever the element type; exp by a
  * polynomial (relative error about 2e-7) that the compiler vectorizes. No value at or past a
- * token's length is read, and no score there enters a softmax (a tile's tokens share their
- * key reads, so a few such scores are computed and dropped): unwritten slots of a last block
+ * token's length is read, and no score there enters a softmax (a last block's scores are
+ * computed whole, and those past the length dropped): unwritten slots of a last block
  * cannot leak in.
  */
 #include <omp.h>
@@ -81,7 +81,11 @@
 #define KEY_CHUNKS (BLOCK_SIZE / LANES)
 #define VALUE_CHUNKS (HEAD_DIM / LANES)
 /* Two partial sums per score, over even and odd d, where they fit in half the vector
- * registers: twice the independent FMA chains (with 16-lane vectors, 3 chains become 6). */
+ * registers: twice the independent FMA chains (with 16-lane vectors, 3 chains become 6).
+ * A decode and every token of a chunk sum their scores in this one order: a position's
+ * output must not depend on whether it is computed alone or in a chunk (a recomputed
+ * preempted request, a verified draft), and with one chain for chunks and two for decodes
+ * SmolLM2's greedy answers changed under preemption and drafts. */
 #define SPLIT (HEAD_DIM % 2 == 0 && 2 * GROUP * KEY_CHUNKS <= REGISTERS / 2 ? 2 : 1)
 /* Query heads whose outputs are summed together: all GROUP where their sums fit in half
  * the vector registers, else one at a time. */
@@ -156,112 +160,118 @@ static inline void prefetch_tile(const cached *tile) {
     for (size_t at = 0; at < sizeof(cached) * TILE; at += LINE) __builtin_prefetch(bytes + at, 0, 2);
 }
 
-/* Query tokens of one chunk attended together: each key tile is read once for all their
- * heads, so a prefill chunk's scores are a small matrix product per tile rather than one
- * row per token. As many as keep the scores' sums in three quarters of the registers. */
-#define TILE_ROWS ((REGISTERS * 3 / 4) / (GROUP * KEY_CHUNKS))
-#define TILE_TOKENS (TILE_ROWS < 1 ? 1 : TILE_ROWS > 8 ? 8 : TILE_ROWS)
+/* Floats of a head's scores row for a token attending to `length` positions: its blocks,
+ * rounded up to whole cache lines (see attend). */
+static inline ptrdiff_t scores_stride(int32_t length) {
+    const ptrdiff_t floats = ((ptrdiff_t)length + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
+    const ptrdiff_t line = LINE / (ptrdiff_t)sizeof(float);
+    return (floats + line - 1) / line * line;
+}
 
-/* `tokens` consecutive query tokens of one sequence (at most T; the first attends to
- * `length` positions, each next one to one more), key/value heads g0 to g1 - 1 (and their
- * query heads): block by block, those heads' tiles of a block together (they are adjacent
- * in memory), so each block is one contiguous read. T is a constant where this is inlined (1 for decodes, TILE_TOKENS for
- * chunks), so the score sums stay in registers; rows past `tokens` repeat the last query
- * and are never stored. */
-static inline __attribute__((always_inline)) void attend_tile(
-    const element *restrict query, ptrdiff_t query_stride, int tokens, const int T, float scale,
-    int32_t length, const int32_t *restrict table, const cached *restrict keys,
-    const cached *restrict values, ptrdiff_t kv_heads, ptrdiff_t g0, ptrdiff_t g1,
-    float *restrict q, float *restrict scores, ptrdiff_t padded, element *restrict out,
-    ptrdiff_t out_stride) {
-    const int32_t last = length + tokens - 1; /* the last token's length */
-    const ptrdiff_t blocks = (last + BLOCK_SIZE - 1) / BLOCK_SIZE;
-    const ptrdiff_t rows = kv_heads * GROUP;
+/* Floats of the scaled queries at the start of a thread's scratch, in whole cache lines. */
+static inline ptrdiff_t queries_size(ptrdiff_t kv_heads) {
+    const ptrdiff_t line = LINE / (ptrdiff_t)sizeof(float);
+    return (kv_heads * GROUP * HEAD_DIM + line - 1) / line * line;
+}
+
+/* A thread's scratch for tokens attending to at most `longest` positions: the scaled
+ * queries, then every query head's scores row; line-aligned. NULL if it cannot be had. */
+static float *scratch_for(ptrdiff_t kv_heads, int32_t longest) {
+    const size_t floats = (size_t)(queries_size(kv_heads) + kv_heads * GROUP * scores_stride(longest));
+    return aligned_alloc(LINE, floats * sizeof(float));
+}
+
+/* One query token, key/value heads g0 to g1 - 1 (and their query heads), over the `length`
+ * positions it attends to: block by block, those heads' tiles of a block together (they are
+ * adjacent in memory), so each block is one contiguous read.
+ *
+ * Every token goes through this one compiled body, a decode's and each token of a prefill
+ * chunk's alike (noinline: no caller gets a copy of its own to optimize apart), so a
+ * position's output does not depend on whether it is computed alone or in a chunk: a
+ * recomputed preempted request and a verified draft see the numbers a decode saw. Tiles of
+ * a chunk's tokens sharing each key read summed them in another order (with the fast-math
+ * flags the compiler vectorizes each instance its own way): SmolLM2's greedy answers changed
+ * under preemption and drafts, and small shapes differed at 1e-7. Attended one at a time, a
+ * 512-token chunk's attention takes 1.2-1.6x the tiles' time, about 1 % of its prefill. */
+static __attribute__((noinline)) void attend(
+    const element *restrict query, float scale, int32_t length, const int32_t *restrict table,
+    const cached *restrict keys, const cached *restrict values, ptrdiff_t kv_heads,
+    ptrdiff_t g0, ptrdiff_t g1, float *restrict q, float *restrict scores, element *restrict out) {
+    const ptrdiff_t blocks = (length + BLOCK_SIZE - 1) / BLOCK_SIZE;
     const ptrdiff_t span = kv_heads * TILE; /* one block's tiles, every head */
-    const int split = T == 1 ? SPLIT : 1;
-    for (int t = 0; t < T; t++) {
-        const element *restrict from = query + (t < tokens ? t : tokens - 1) * query_stride;
-        for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++)
-            for (int d = 0; d < HEAD_DIM; d++)
-                q[(t * rows + h) * HEAD_DIM + d] = load(from[h * HEAD_DIM + d]) * scale;
-    }
+    /* A head's scores row: its blocks, rounded up to whole cache lines, so each row starts
+     * where its own length alone puts it (the scratch is line-aligned): the compiler's
+     * vectorized softmax sums cannot split a row another way beside a longer request. */
+    const ptrdiff_t stride = scores_stride(length);
+    for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++)
+        for (int d = 0; d < HEAD_DIM; d++) q[h * HEAD_DIM + d] = load(query[h * HEAD_DIM + d]) * scale;
     /* Scores; the next block's key tiles (after the last, the first value tiles) are
-     * fetched while this block's are summed. Positions past a token's length are summed
-     * too (they are few) but never read after. */
+     * fetched while this block's are summed. Positions past the length are summed too
+     * (they are few) but never read after. */
     for (ptrdiff_t j = 0; j < blocks; j++) {
         const cached *next = j + 1 < blocks ? keys + (ptrdiff_t)table[j + 1] * span
                                              : values + (ptrdiff_t)table[0] * span;
         for (ptrdiff_t g = g0; g < g1; g++) {
             prefetch_tile(next + g * TILE);
             const cached *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
-            vec block[SPLIT][TILE_TOKENS * GROUP][KEY_CHUNKS] = {0};
-            for (int first = 0; first < HEAD_DIM; first += split)
-                for (int part = 0; part < split; part++) {
+            vec block[SPLIT][GROUP][KEY_CHUNKS] = {0};
+            for (int first = 0; first < HEAD_DIM; first += SPLIT)
+                for (int part = 0; part < SPLIT; part++) {
                     const int d = first + part;
                     for (int c = 0; c < KEY_CHUNKS; c++) {
                         const vec k = load_cached_vec(tile + d * BLOCK_SIZE + c * LANES);
-                        for (int t = 0; t < T; t++)
-                            for (int h = 0; h < GROUP; h++)
-                                block[part][t * GROUP + h][c] +=
-                                    q[(t * rows + g * GROUP + h) * HEAD_DIM + d] * k;
+                        for (int h = 0; h < GROUP; h++)
+                            block[part][h][c] += q[(g * GROUP + h) * HEAD_DIM + d] * k;
                     }
                 }
-            for (int t = 0; t < T; t++)
-                for (int h = 0; h < GROUP; h++)
-                    for (int c = 0; c < KEY_CHUNKS; c++) {
-                        vec total = block[0][t * GROUP + h][c];
-                        for (int part = 1; part < split; part++) total += block[part][t * GROUP + h][c];
-                        memcpy(scores + (t * rows + g * GROUP + h) * padded + j * BLOCK_SIZE + c * LANES,
-                               &total, sizeof total);
-                    }
+            for (int h = 0; h < GROUP; h++)
+                for (int c = 0; c < KEY_CHUNKS; c++) {
+                    vec total = block[0][h][c];
+                    for (int part = 1; part < SPLIT; part++) total += block[part][h][c];
+                    memcpy(scores + (g * GROUP + h) * stride + j * BLOCK_SIZE + c * LANES, &total,
+                           sizeof total);
+                }
         }
     }
-    for (int t = 0; t < tokens; t++) {
-        const int32_t seen = length + t;
-        for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++) {
-            float *restrict s = scores + (t * rows + h) * padded;
-            float top = s[0];
-            for (int32_t i = 1; i < seen; i++) top = s[i] > top ? s[i] : top;
-            float sum = 0.0f;
-            for (int32_t i = 0; i < seen; i++) {
-                const float e = exp_clamped(s[i] - top);
-                s[i] = e;
-                sum += e;
-            }
-            const float inverse = 1.0f / sum;
-            for (int32_t i = 0; i < seen; i++) s[i] *= inverse;
+    for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++) {
+        float *restrict s = scores + h * stride;
+        float top = s[0];
+        for (int32_t i = 1; i < length; i++) top = s[i] > top ? s[i] : top;
+        float sum = 0.0f;
+        for (int32_t i = 0; i < length; i++) {
+            const float e = exp_clamped(s[i] - top);
+            s[i] = e;
+            sum += e;
         }
+        const float inverse = 1.0f / sum;
+        for (int32_t i = 0; i < length; i++) s[i] *= inverse;
     }
-    /* Outputs, token by token and OUTPUT_HEADS query heads at a time, so their sums stay in
-     * registers and each value row is read once for them. The first pass fetches every
-     * head's value tiles of the next block; later passes find them in cache. */
-    for (int t = 0; t < tokens; t++) {
-        const int32_t seen = length + t;
-        const ptrdiff_t used = (seen + BLOCK_SIZE - 1) / BLOCK_SIZE;
-        for (ptrdiff_t g = g0; g < g1; g++) {
-            for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
-                const float *restrict p = scores + (t * rows + g * GROUP + first) * padded;
-                vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
-                for (ptrdiff_t j = 0; j < used; j++) {
-                    if (t == 0 && g == g0 && first == 0 && j + 1 < used)
-                        for (ptrdiff_t u = g0; u < g1; u++)
-                            prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + u * TILE);
-                    const cached *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
-                    const ptrdiff_t left = seen - j * BLOCK_SIZE;
-                    const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
-                    for (int i = 0; i < count; i++) {
-                        const ptrdiff_t at = j * BLOCK_SIZE + i;
-                        for (int c = 0; c < VALUE_CHUNKS; c++) {
-                            const vec v = load_cached_vec(tile + i * HEAD_DIM + c * LANES);
-                            for (int h = 0; h < OUTPUT_HEADS; h++) sum[h][c] += p[h * padded + at] * v;
-                        }
+    /* Outputs, OUTPUT_HEADS query heads at a time, so their sums stay in registers and each
+     * value row is read once for them. The first pass fetches every head's value tiles of
+     * the next block; later passes find them in cache. */
+    for (ptrdiff_t g = g0; g < g1; g++) {
+        for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
+            const float *restrict p = scores + (g * GROUP + first) * stride;
+            vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
+            for (ptrdiff_t j = 0; j < blocks; j++) {
+                if (g == g0 && first == 0 && j + 1 < blocks)
+                    for (ptrdiff_t u = g0; u < g1; u++)
+                        prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + u * TILE);
+                const cached *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
+                const ptrdiff_t left = length - j * BLOCK_SIZE;
+                const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
+                for (int i = 0; i < count; i++) {
+                    const ptrdiff_t at = j * BLOCK_SIZE + i;
+                    for (int c = 0; c < VALUE_CHUNKS; c++) {
+                        const vec v = load_cached_vec(tile + i * HEAD_DIM + c * LANES);
+                        for (int h = 0; h < OUTPUT_HEADS; h++) sum[h][c] += p[h * stride + at] * v;
                     }
                 }
-                element *restrict to = out + t * out_stride + (g * GROUP + first) * HEAD_DIM;
-                for (int h = 0; h < OUTPUT_HEADS; h++)
-                    for (int c = 0; c < VALUE_CHUNKS; c++)
-                        for (int l = 0; l < LANES; l++) to[h * HEAD_DIM + c * LANES + l] = store(sum[h][c][l]);
             }
+            element *restrict to = out + (g * GROUP + first) * HEAD_DIM;
+            for (int h = 0; h < OUTPUT_HEADS; h++)
+                for (int c = 0; c < VALUE_CHUNKS; c++)
+                    for (int l = 0; l < LANES; l++) to[h * HEAD_DIM + c * LANES + l] = store(sum[h][c][l]);
         }
     }
 }
@@ -283,13 +293,12 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
                            ptrdiff_t kv_heads, float scale, element *restrict out) {
     int32_t longest = 1;
     for (ptrdiff_t r = 0; r < decodes; r++) longest = lengths[r] > longest ? lengths[r] : longest;
-    const ptrdiff_t padded = ((ptrdiff_t)longest + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
     /* Fewer decodes than threads: each decode's heads are split among them instead. */
     const ptrdiff_t parts = decodes < omp_get_max_threads() ? kv_heads : 1;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scratch = malloc(sizeof(float) * (size_t)(kv_heads * GROUP * (padded + HEAD_DIM)));
+        float *scratch = scratch_for(kv_heads, longest);
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -298,11 +307,9 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
         for (ptrdiff_t item = 0; item < decodes * parts; item++) {
             if (scratch == NULL) continue;
             const ptrdiff_t r = item / parts, part = item % parts;
-            attend_tile(query + r * query_stride, 0, 1, 1, scale, lengths[r],
-                        tables + r * table_stride, keys, values, kv_heads,
-                        part * kv_heads / parts, (part + 1) * kv_heads / parts,
-                        scratch + kv_heads * GROUP * padded, scratch, padded,
-                        out + r * kv_heads * GROUP * HEAD_DIM, 0);
+            attend(query + r * query_stride, scale, lengths[r], tables + r * table_stride, keys,
+                   values, kv_heads, part * kv_heads / parts, (part + 1) * kv_heads / parts,
+                   scratch, scratch + queries_size(kv_heads), out + r * kv_heads * GROUP * HEAD_DIM);
         }
         free(scratch);
     }
@@ -322,8 +329,9 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
  * out:          token i of chunk c's output at out + (offsets[c] + i) * out_stride,
  *               [kv_heads * GROUP, HEAD_DIM]
  *
- * Work is split over tiles of TILE_TOKENS tokens. Returns 0, or 1 if memory for the work
- * list or a thread's scratch could not be allocated (out is then incomplete).
+ * Work is split over tokens, each attended by attend() as a decode is. Returns 0, or 1 if
+ * memory for the work list or a thread's scratch could not be allocated (out is then
+ * incomplete).
  */
 int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_stride,
                             const cached *restrict keys, const cached *restrict values,
@@ -331,49 +339,42 @@ int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_strid
                             const int32_t *restrict starts, const int32_t *restrict counts,
                             const int32_t *restrict offsets, ptrdiff_t chunks, ptrdiff_t kv_heads,
                             float scale, element *restrict out, ptrdiff_t out_stride) {
-    ptrdiff_t tiles = 0;
+    ptrdiff_t tokens = 0;
     int32_t longest = 1;
     for (ptrdiff_t c = 0; c < chunks; c++) {
-        tiles += (counts[c] + TILE_TOKENS - 1) / TILE_TOKENS;
+        tokens += counts[c];
         const int32_t end = starts[c] + counts[c];
         longest = end > longest ? end : longest;
     }
-    const ptrdiff_t padded = ((ptrdiff_t)longest + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
-    ptrdiff_t *work = malloc(sizeof(ptrdiff_t) * (size_t)(2 * tiles + 1));
+    /* Each token's chunk and place in it. */
+    int32_t *work = malloc(sizeof(int32_t) * (size_t)(2 * tokens + 1));
     if (work == NULL) return 1;
     ptrdiff_t at = 0;
     for (ptrdiff_t c = 0; c < chunks; c++)
-        for (int32_t first = 0; first < counts[c]; first += TILE_TOKENS) {
-            work[2 * at] = c;
-            work[2 * at + 1] = first;
-            at++;
+        for (int32_t i = 0; i < counts[c]; i++, at++) {
+            work[2 * at] = (int32_t)c;
+            work[2 * at + 1] = i;
         }
-    const ptrdiff_t rows = kv_heads * GROUP;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scratch = malloc(sizeof(float) * (size_t)(TILE_TOKENS * rows * (padded + HEAD_DIM)));
+        float *scratch = scratch_for(kv_heads, longest);
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (ptrdiff_t item = 0; item < tiles; item++) {
+        /* Later tokens attend to more positions: handed out longest first would balance
+         * better, but in order the threads read neighbouring tokens' blocks together. */
+#pragma omp for schedule(dynamic, 4)
+        for (ptrdiff_t item = 0; item < tokens; item++) {
             if (scratch == NULL) continue;
-            const ptrdiff_t c = work[2 * item], first = work[2 * item + 1];
-            const int left = counts[c] - (int)first;
-            const ptrdiff_t row = offsets[c] + first;
-            const int32_t length = starts[c] + (int32_t)first + 1;
-            float *restrict q = scratch + TILE_TOKENS * rows * padded;
-            if (counts[c] == 1) /* a decode: a tile of one */
-                attend_tile(query + row * query_stride, query_stride, 1, 1, scale, length,
-                            tables + c * table_stride, keys, values, kv_heads, 0, kv_heads, q,
-                            scratch, padded, out + row * out_stride, out_stride);
-            else
-                attend_tile(query + row * query_stride, query_stride,
-                            left < TILE_TOKENS ? left : TILE_TOKENS, TILE_TOKENS, scale, length,
-                            tables + c * table_stride, keys, values, kv_heads, 0, kv_heads, q,
-                            scratch, padded, out + row * out_stride, out_stride);
+            const ptrdiff_t c = work[2 * item];
+            const int32_t i = work[2 * item + 1];
+            const ptrdiff_t row = offsets[c] + i;
+            const int32_t length = starts[c] + i + 1;
+            attend(query + row * query_stride, scale, length, tables + c * table_stride, keys,
+                   values, kv_heads, 0, kv_heads, scratch, scratch + queries_size(kv_heads),
+                   out + row * out_stride);
         }
         free(scratch);
     }

@@ -40,10 +40,12 @@ from twostroke.engine.models.quantization import (
     unavailable_message,
 )
 from twostroke.gpu.isa import cpu_personality
+from twostroke.states.errors import EngineError
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "CpuKernels",
+    "DeterminismUnavailable",
     "Projections",
     "auto_kv_cache_dtype",
     "auto_quantization",
@@ -56,6 +58,24 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 16
 
 _log = logging.getLogger(__name__)
+
+
+class DeterminismUnavailable(EngineError, ValueError):
+    """``deterministic=True`` was asked for, and a part of the run this model would take
+    sums a token's numbers in an order that depends on the tokens beside it, with no other
+    arrangement here that does not (transformers' exact float32 arithmetic, ``int8``
+    weights, an attention other than the compiled one).
+
+    Attributes:
+        reason: Which part, and why.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"deterministic=True: {reason}, so a request's tokens could depend on the requests "
+            "beside it (docs/models.md, 'One answer per request')"
+        )
 
 
 @attrs.frozen
@@ -121,6 +141,10 @@ class CpuKernels:
         reasons: Why each part that does not run compiled does not, as ``(part, reason)``.
         cache_dtype: The KV cache's element type (``kv_cache_dtype``); ``None``: the
             model's dtype.
+        row_dependences: Why a token's numbers can depend on the tokens that share its
+            steps, a reason per part that can (:func:`row_dependences`); none: every part
+            sums a token's numbers the same way whatever runs beside it, and the run is
+            batch-invariant (:attr:`deterministic`).
     """
 
     glue: Glue
@@ -129,6 +153,14 @@ class CpuKernels:
     stack: Callable[..., int] | None = attrs.field(default=None, repr=False)
     reasons: tuple[tuple[str, str], ...] = ()
     cache_dtype: torch.dtype | None = None
+    row_dependences: tuple[str, ...] = ()
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether a request's tokens and logprobs are a function of the model, its prompt,
+        its parameters and its seed alone, whatever shares its steps (chunking, prefix-cache
+        hits, preemption, drafts, the pipeline depth included)."""
+        return not self.row_dependences
 
     def with_attention(self, attention: AttentionKernel) -> CpuKernels:
         """The same kernels, attending with ``attention`` (a runner's ``attention_kernel``).
@@ -143,7 +175,15 @@ class CpuKernels:
         if attention == "bag" and self.cache_dtype is not None:
             raise ValueError(_BAG_CACHE.format(_name(self.cache_dtype)))
         reasons = tuple(item for item in self.reasons if item[0] != "attention")
-        return attrs.evolve(self, attention=attention, reasons=(*reasons, ("attention", "asked")))
+        return attrs.evolve(
+            self,
+            attention=attention,
+            reasons=(*reasons, ("attention", "asked")),
+            row_dependences=(
+                *(why for why in self.row_dependences if not why.startswith(_ATTENTION)),
+                *_attention_dependence(attention),
+            ),
+        )
 
     def describe(self) -> str:
         """One line: what runs each part, and why where a compiled kernel does not."""
@@ -161,8 +201,86 @@ class CpuKernels:
             f"projections {projection.layers}{head}{why('projections')}",
             f"attention {self.attention}{cache}{why('attention')}",
             f"stack {'compiled' if self.stack is not None else 'off'}{why('stack')}",
+            "batch-invariant"
+            if self.deterministic
+            else f"not batch-invariant ({'; '.join(self.row_dependences)})",
         ]
         return "; ".join(parts)
+
+
+_ATTENTION = "the attention"
+
+
+def _attention_dependence(attention: AttentionKernel) -> tuple[str, ...]:
+    """Why ``attention`` makes a token's numbers depend on its step, if it does: only the
+    compiled kernel attends every token, a decode's and a chunk's, through one body."""
+    if attention == "native":
+        return ()
+    return (
+        f"{_ATTENTION} is {attention!r}: decodes and prefill chunks are summed by other operators",
+    )
+
+
+def fp16_rows_dependent() -> bool:
+    """Whether fbgemm's fp16 products sum a row in an order that changes with the rows beside
+    it here: its AVX2 kernels do (measured: SmolLM2's 576 x 1536 projection, a row's result
+    among 2 to 300 rows against alone); its AVX-512 kernels and its reference code do not."""
+    return cpu_personality().rung.fbgemm == "AVX2"
+
+
+def _form_dependence(form: WeightForm, projection: Projections, dtype: torch.dtype) -> str | None:
+    """Why products in ``form`` make a row's result depend on the rows beside it, if they
+    do (each measured at 1 to 300 rows, on every rung; the ``isa`` tests hold the policy)."""
+    if form == "dense" and dtype == torch.float32:
+        return (
+            "are MKL's float32 products (transformers' exact arithmetic, dtype='float32'), "
+            "which sum a row another way as the rows change"
+        )
+    if form == "dense" and dtype != torch.bfloat16:
+        return f"are {_name(dtype)} products, not measured to sum a row alike among others"
+    if form == "fp16" and fp16_rows_dependent():
+        return (
+            "are fbgemm's fp16 products, whose AVX2 kernels sum a row another way as the rows "
+            "change"
+        )
+    if form == "int8":
+        return "are fbgemm's int8 products, which quantize a step's rows with one scale"
+    if form == "panels" and projection.panel_rows is not None:
+        return (
+            f"switch from the compiled panels to oneDNN's AMX products above "
+            f"{projection.panel_rows} rows"
+        )
+    if form == "blocks" and projection.blocks is not None:
+        dense_rows = projection.blocks.dense_rows
+        if dense_rows is not None:
+            return f"switch from the GGUF blocks to a dense float32 product from {dense_rows} rows"
+    return None
+
+
+def row_dependences(
+    projection: Projections, attention: AttentionKernel, dtype: torch.dtype
+) -> tuple[str, ...]:
+    """Why a token's numbers can depend on the tokens that share its steps under these
+    kernels: a reason per part that can, none where the run is batch-invariant.
+
+    Every other part sums a row the same way whatever the rows beside it: the compiled glue
+    and torch's (row by row), oneDNN's packed products in float32 (a one-row product
+    computed as two: :class:`~twostroke.engine.models.linear.OneDNNWeight`) and in
+    bfloat16, the compiled panels and tiles, the GGUF blocks block by block, the sampler.
+    """
+    reasons = list(_attention_dependence(attention))
+    parts = [("the decoder's projections", projection.layers)]
+    if projection.head != projection.layers:
+        parts.append(("the output projection", projection.head))
+    for part, form in parts:
+        why = _form_dependence(form, projection, dtype)
+        if why is not None:
+            reasons.append(f"{part} {why}")
+    if projection.layers == "blocks":
+        why = _form_dependence(projection.sixteen, projection, dtype)
+        if why is not None:
+            reasons.append(f"a GGUF file's 16-bit matrices {why}")
+    return tuple(reasons)
 
 
 #: Where oneDNN's bfloat16 products run on AMX tiles and the compiled panels do not (their
@@ -178,7 +296,10 @@ AMX_PANEL_ROWS = 8
 def torch_kernels(device: torch.device) -> CpuKernels:
     """torch's operators everywhere, dense weights, the device's default attention: what a
     model computes with before :func:`select_kernels` chose for it."""
-    return CpuKernels(TorchGlue(), Projections("dense", "dense"), default_kernel(device))
+    projection, attention = Projections("dense", "dense"), default_kernel(device)
+    # Dense float32 products (MKL's) and a torch attention: never batch-invariant.
+    dependences = row_dependences(projection, attention, torch.float32)
+    return CpuKernels(TorchGlue(), projection, attention, row_dependences=dependences)
 
 
 def select_kernels(
@@ -193,6 +314,7 @@ def select_kernels(
     attention: AttentionKernel | None = None,
     blocks: BlockKernel | None = None,
     kv_cache_dtype: torch.dtype | Literal["auto"] | None = None,
+    deterministic: bool | None = None,
 ) -> CpuKernels:
     """Choose every kernel of a model once, building (or loading from the cache) the
     compiled ones that run here, and log the choice in one INFO line.
@@ -224,10 +346,23 @@ def select_kernels(
             kernels cast what they gather; ``"bag"`` cannot, so a cache in another dtype
             than the activations attends with ``"matmul"`` where the compiled kernel does
             not run); ``"auto"``: :func:`auto_kv_cache_dtype`; ``None``: ``dtype``.
+        deterministic: ``True``: the batch-invariant arrangement (:func:`row_dependences`
+            finds nothing), at its cost where the fastest one is not invariant: float32
+            weights packed for oneDNN instead of fbgemm's fp16 on AVX2 (``quantization``
+            ``"auto"``), the compiled panels at every row count where oneDNN's AMX products
+            would take large ones, the GGUF blocks block by block where the dense path
+            would take long prefills (``blocks`` must be :meth:`BlockKernel.block_by_block
+            <twostroke.engine.kernels.gguf_blocks.BlockKernel.block_by_block>` already: the
+            loader made it); where no arrangement is invariant,
+            :class:`DeterminismUnavailable`. ``None`` (the engine's default) or ``False``:
+            the fastest arrangement, invariant or not (:attr:`CpuKernels.deterministic`
+            says which).
 
     Raises:
         ValueError: ``quantization``, ``attention`` or ``kv_cache_dtype`` is not one of its
             values, or ``"bag"`` is asked for over a cache in another dtype.
+        DeterminismUnavailable: ``deterministic=True``, and a part of the run cannot be
+            batch-invariant here.
     """
     if attention is not None:
         _check_attention(attention)
@@ -252,15 +387,31 @@ def select_kernels(
     glue, why = _glue(config, dtype, device, exact, cache)
     because("glue", why)
     if blocks is not None:
-        sixteen: WeightForm = "fp16" if kernel_available("fp16", device) else "dense"
-        projection, why = Projections("blocks", "blocks", blocks=blocks, sixteen=sixteen), None
+        projection = Projections("blocks", "blocks", blocks=blocks, sixteen=_sixteen(device))
+        why = None
     else:
-        projection, why = _projections(config, dtype, device, exact, quantization, pack)
+        projection, why = _projections(
+            config, dtype, device, exact, quantization, pack, deterministic=bool(deterministic)
+        )
     because("projections", why)
     stack, why = _stack(glue, projection)
     because("stack", why)
+    dependences = row_dependences(projection, chosen, dtype) if device.type == "cpu" else ()
+    if device.type != "cpu" and deterministic:
+        raise DeterminismUnavailable(
+            f"on {device.type} the kernels are torch's, whose products and attention change "
+            "their summation order with the batch"
+        )
+    if deterministic and dependences:
+        raise DeterminismUnavailable(dependences[0])
     kernels = CpuKernels(
-        glue, projection, chosen, stack, tuple(reasons), None if cache == dtype else cache
+        glue,
+        projection,
+        chosen,
+        stack,
+        tuple(reasons),
+        None if cache == dtype else cache,
+        dependences if device.type == "cpu" else ("the device's kernels are torch's",),
     )
     where = cpu_personality().describe() if device.type == "cpu" else device.type
     _log.info("twostroke: kernels on %s: %s", where, kernels.describe())
@@ -354,6 +505,16 @@ def _glue(
     return glue, None
 
 
+def _sixteen(device: torch.device) -> WeightForm:
+    """The form of a GGUF file's 16-bit decoder matrices beside its blocks: fbgemm's fp16
+    (the values exact, half float32's bytes) where its kernel runs and sums a row the same
+    way whatever the rows beside it, else float32 packed for oneDNN where that runs, else
+    dense. The rare 16-bit matrix of a block file never decides the run's invariance."""
+    if kernel_available("fp16", device) and not fp16_rows_dependent():
+        return "fp16"
+    return "onednn" if can_pack(torch.float32, device, exact=False) else "dense"
+
+
 def auto_quantization(
     *, dtype: torch.dtype, device: torch.device, exact: bool
 ) -> Quantization | None:
@@ -372,8 +533,11 @@ def _projections(
     exact: bool,
     quantization: Quantization | Literal["auto"] | None,
     pack: bool,
+    *,
+    deterministic: bool,
 ) -> tuple[Projections, str | None]:
-    """The layers' and the output projection's weight forms.
+    """The layers' and the output projection's weight forms (``deterministic``: the
+    batch-invariant ones, see :func:`select_kernels`).
 
     Full-precision weights go to the compiled bfloat16 kernel where it runs, they are
     bfloat16 and ``exact`` is false (1.36x oneDNN's speed at 32 rows, 1.9x at one, on
@@ -384,6 +548,8 @@ def _projections(
     reduced: Quantization | None = None
     if quantization == "auto":
         reduced = auto_quantization(dtype=dtype, device=device, exact=exact)
+        if deterministic and reduced == "fp16" and fp16_rows_dependent():
+            reduced = None  # float32 weights, packed for oneDNN: their products are invariant
     elif quantization is not None:
         if kernel_available(quantization, device):
             reduced = quantization
@@ -398,15 +564,27 @@ def _projections(
         inputs += [config.num_heads * config.head_dim, config.intermediate_size]
     full, kernel, why = _full_precision(dtype, device, exact, pack, inputs)
     rows = None
-    if (
-        full == "panels"
+    if not deterministic and _amx_split_wanted(full, kernel, dtype, device, exact):
+        rows = AMX_PANEL_ROWS
+    return Projections(reduced or full, full, kernel, panel_rows=rows), why
+
+
+def _amx_split_wanted(
+    form: WeightForm,
+    kernel: ProjectionKernel | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    exact: bool,
+) -> bool:
+    """Whether the panels should give products of more than :data:`AMX_PANEL_ROWS` rows to
+    oneDNN: where its bfloat16 products run on AMX tiles and the panels' own do not."""
+    return (
+        form == "panels"
         and kernel is not None
         and not kernel.tiles
         and cpu_personality().amx
         and can_pack(dtype, device, exact=exact)
-    ):
-        rows = AMX_PANEL_ROWS
-    return Projections(reduced or full, full, kernel, panel_rows=rows), why
+    )
 
 
 def _full_precision(

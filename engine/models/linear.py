@@ -85,20 +85,35 @@ class OneDNNWeight:
     """The weight packed once in oneDNN's blocked layout (:func:`pack`): a product skips
     the per-call reorder (see :func:`can_pack` for where it is made, and what it costs).
 
+    In float32 a product of one row is computed as two (the row twice): oneDNN's one-row
+    path can sum a row another way than its path for more, by the instruction set, the
+    weight's shape and the threads that packed it (below AVX2 it did for SmolLM2's every
+    projection packed on one thread, as the loader packs), while from two rows on a row's
+    result was the same among 2 to 300 rows, at one thread or two, on every rung, measured.
+    So a row's result never depends on the rows beside it: greedy answers must not change
+    with the traffic (docs/models.md, "One answer per request"). bfloat16's one-row
+    products agreed with the rest everywhere measured.
+
     Attributes:
         weight: The packed weight.
         bias: ``[out_features]`` or ``None``.
+        one_row_apart: Whether a one-row product is computed as two.
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
+    one_row_apart: bool = False
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> OneDNNWeight:
         """Pack ``weight`` (its dtype's batch hint); ``bias`` is kept as it is."""
-        return cls(pack(weight), bias)
+        return cls(pack(weight), bias, weight.dtype == torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row_apart and x.numel() == x.shape[-1]:
+            row = x.reshape(1, -1)
+            out = packed_linear(torch.cat((row, row)), self.weight, self.bias)[:1]
+            return out.view(*x.shape[:-1], out.shape[-1])
         return packed_linear(x, self.weight, self.bias)
 
 

@@ -222,6 +222,7 @@ def load_runner(
         block_size=config.block_size,
         kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
         mmap=config.mmap,
+        deterministic=config.deterministic,
     )
     tokenizer = HFTokenizer.from_pretrained(loaded.source)
     check_vocabulary(tokenizer, loaded.config.vocab_size, loaded.source)

@@ -20,7 +20,7 @@ from twostroke.engine.structured.masks import StepMasks
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import RunnerOutput, StepPlan
 
-__all__ = ["MaskingRunner", "ModelRunner"]
+__all__ = ["InvariantRunner", "MaskingRunner", "ModelRunner"]
 
 
 class ModelRunner(Protocol):
@@ -64,4 +64,17 @@ class MaskingRunner(Protocol):
         those rows, on the device's thread, or computes them later (a runner that launches
         inline). Token ids a mask leaves out are never sampled for its row.
         """
+        ...
+
+
+@runtime_checkable
+class InvariantRunner(Protocol):
+    """A runner that says whether its numbers are batch-invariant; the engine promises
+    nothing of a runner that does not."""
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether a request's tokens and logprobs are a function of the model, its prompt,
+        its parameters and its seed alone, whatever the requests, chunks and drafts that
+        share its steps."""
         ...

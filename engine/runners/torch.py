@@ -192,6 +192,12 @@ class TorchModelRunner:
         """How decodes attend: chosen when the model loaded, or given."""
         return self.kernels.attention
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether its kernels are batch-invariant (:attr:`CpuKernels.deterministic
+        <twostroke.engine.kernels.selection.CpuKernels.deterministic>`)."""
+        return self.kernels.deterministic
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of KV cache one block of ``block_size`` positions takes (all layers)."""
         config = self.config

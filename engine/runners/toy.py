@@ -154,6 +154,11 @@ class ToyRunner:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def deterministic(self) -> bool:
+        """Always: a sequence's next token is a function of that sequence alone."""
+        return True
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         # One Python slot per position; a notional size so memory budgets mean something.
         return 64 * block_size

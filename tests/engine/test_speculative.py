@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.engine.server.conftest import served
-from twostroke.engine import Engine, JsonSchema
+from twostroke.engine import Engine
 from twostroke.engine.runners.toy import EOS_TOKEN_ID, ByteTokenizer, ToyRunner
 from twostroke.states.params import SamplingParams
 
@@ -137,53 +137,3 @@ async def test_the_server_exports_vllms_speculation_counters() -> None:
             "twostroke:spec_decode_num_accepted_tokens_per_pos_total", position="0"
         )
     assert 0 < drafts <= first <= accepted <= tokens
-
-
-QUOTING = [
-    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the bank "
-    "of the river.",
-    "Here is a list: apples, pears, plums, cherries, grapes. Write the list again in the same "
-    "order.",
-    "Fix the typo and give the whole line back: def add(a, b): retrun a + b",
-    'Answer in JSON as {"sentence": ...} with this sentence: Seven swans swim slowly across '
-    "the silver lake.",
-]
-SENTENCE_SCHEMA = JsonSchema(
-    {
-        "type": "object",
-        "properties": {"sentence": {"type": "string"}},
-        "required": ["sentence"],
-        "additionalProperties": False,
-    }
-)
-
-
-# One backend: what the backends differ in is covered on both by the toy tests above, and
-# two SmolLM2 engines cost 30-40 s a backend on a loaded 2-core machine.
-@pytest.mark.slow
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_smollm2_greedy_tokens_are_the_same_with_drafts() -> None:
-    """The default model, chat prompts that ask it to quote: the same greedy tokens with
-    prompt lookup as without, and drafts accepted."""
-    import anyio
-
-    results: dict[str, list[tuple[int, ...]]] = {}
-    accepted = 0
-    for name, spec in (("plain", None), ("ngram", {"method": "ngram"})):
-        async with Engine.open(model="smollm2", device="cpu", speculative_config=spec) as engine:
-            tokens: list[tuple[int, ...]] = [()] * len(QUOTING)
-
-            async def ask(index: int, engine: Engine = engine, tokens: Any = tokens) -> None:
-                messages = [{"role": "user", "content": QUOTING[index]}]
-                # The last answers in JSON: drafted positions sample under their own masks.
-                constraint = SENTENCE_SCHEMA if index == len(QUOTING) - 1 else None
-                params = SamplingParams(max_tokens=32, temperature=0.0, constraint=constraint)
-                tokens[index] = (await engine.generate(messages, params)).token_ids
-
-            async with anyio.create_task_group() as group:
-                for index in range(len(QUOTING)):
-                    group.start_soon(ask, index)
-            results[name] = tokens
-            accepted = engine.statistics().num_spec_decode_accepted_tokens
-    assert results["ngram"] == results["plain"]
-    assert accepted > 0

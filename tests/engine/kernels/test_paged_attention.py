@@ -240,6 +240,73 @@ def test_prefill_chunks_match_torch(
     assert (out[-1] == 7).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "group"), [(16, 64, 3), (16, 64, 1), (5, 8, 1), (4, 8, 2)]
+)
+def test_a_chunks_tokens_are_their_decodes_bit_for_bit(
+    block_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    """Each token of a prefill chunk, whatever its place in a tile of query tokens, gets
+    exactly what it gets attended alone as a decode: a recomputed preempted request and a
+    verified draft see the numbers a decode saw (SmolLM2's shape, 16-lane vectors, summed
+    its decodes' scores in two chains and its chunks' in one: greedy answers changed)."""
+    kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+    start, count = 3, 21  # a partial first block, several tiles, a partial last one
+    query, keys, values, tables, _ = batch(kernel, [start + count], kv_heads=2)
+    tokens = torch.randn(
+        count, query.shape[1], head_dim, generator=torch.Generator().manual_seed(1)
+    )
+    tokens = tokens.to(dtype)
+    one = torch.ones(1, dtype=torch.int32)
+    out = torch.empty(count, query.shape[1] * head_dim, dtype=dtype)
+    starts, counts = (
+        torch.tensor([start], dtype=torch.int32),
+        torch.tensor([count], dtype=torch.int32),
+    )
+    kernel.prefill(tokens, keys, values, tables, starts, counts, 0 * one, 0.3, out)
+    for index in range(count):
+        length = torch.tensor([start + index + 1], dtype=torch.int32)
+        alone = kernel(tokens[index : index + 1], keys, values, tables, length, 0.3)
+        assert torch.equal(out[index : index + 1], alone), f"token {index} of the chunk"
+        chunk_of_one = torch.empty_like(alone)
+        kernel.prefill(
+            tokens[index : index + 1],
+            keys,
+            values,
+            tables,
+            length - 1,
+            one,
+            0 * one,
+            0.3,
+            chunk_of_one,
+        )
+        assert torch.equal(chunk_of_one, alone), f"token {index} as a chunk of one"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "head_dim", "group"), [(16, 64, 3), (5, 8, 1), (3, 4, 2)])
+def test_a_decode_is_the_same_bits_beside_any_others(
+    block_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    """A decode's output does not depend on the decodes beside it (their number, or a longer
+    history that widens the step's scratch rows)."""
+    kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+    lengths = [7, 1, 2 * block_size + 3, 61, block_size, 13]
+    query, keys, values, tables, lengths_tensor = batch(kernel, lengths)
+    together = kernel(query, keys, values, tables, lengths_tensor, 0.3)
+    for row in range(len(lengths)):
+        alone = kernel(
+            query[row : row + 1],
+            keys,
+            values,
+            tables[row : row + 1],
+            lengths_tensor[row : row + 1],
+            0.3,
+        )
+        assert torch.equal(together[row : row + 1], alone), f"decode {row}"
+
+
 def test_prefill_refuses_tensors_it_was_not_built_for() -> None:
     kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
     query, keys, values, tables, _ = batch(kernel, [3, 9])
