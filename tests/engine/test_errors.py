@@ -49,6 +49,9 @@ NOT_EXPORTED = {
     "twostroke.engine.artifacts.records.UnusableArtifact",
     "twostroke.engine.artifacts.records.DamagedArtifact",
     "twostroke.engine.artifacts.records.UnsafeCachePath",
+    # The chat template renderer's own signal: the tokenizer turns it into ChatTemplateError
+    # (a 400) for a request, and into TokenizerLoadError for the probe rendered at load.
+    "twostroke.engine.text.chat_template.TemplateBoundExceeded",
     # A test oracle (an AssertionError): a scheduling bug the simulated KV cache caught.
     "twostroke.states.simulation.SimulationError",
 }
