@@ -658,6 +658,7 @@ class Scheduler:
             num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_blocks,
             num_blocks=pool.num_blocks,
+            num_kv_cache_tokens=pool.num_blocks * pool.block_size,
             num_steps_planned=self._next_step,
             num_steps=self._num_completed,
             num_tokens_scheduled=self._num_tokens_scheduled,

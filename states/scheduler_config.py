@@ -115,6 +115,10 @@ class SchedulerStatistics:
     num_cached_blocks: int = count()
     #: KV blocks in the pool.
     num_blocks: int = count()
+    #: Token positions the pool holds: ``num_blocks`` × its block size (vLLM's
+    #: ``kv_cache_size_tokens``). A count, so it adds up over engines where a block size
+    #: would not; ``num_kv_cache_tokens / num_blocks`` is the block size.
+    num_kv_cache_tokens: int = count()
     #: Steps planned since the scheduler was made (the next step's id).
     num_steps_planned: int = count()
     #: Steps whose outcome (or failure) has been applied.

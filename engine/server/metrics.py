@@ -1,10 +1,14 @@
 """Prometheus metrics with vLLM's names under a ``twostroke:`` prefix.
 
-A dashboard built for vLLM works after renaming ``vllm:`` to ``twostroke:``. The server keeps
-its own :class:`~prometheus_client.CollectorRegistry` (never the process-wide default), so two
+A dashboard built for vLLM works after renaming ``vllm:`` to ``twostroke:``. The four series
+a router that balances vLLM servers reads (llm-d's inference scheduler, KServe's, the Gateway
+API inference extension's endpoint picker) are exported under ``vllm:`` too, always, with the
+same values: ``num_requests_waiting``, ``num_requests_running``, ``kv_cache_usage_perc`` and
+``cache_config_info`` (:data:`ROUTER_METRICS`; docs/scaling.md). The server keeps its own
+:class:`~prometheus_client.CollectorRegistry` (never the process-wide default), so two
 servers in one process do not collide. Gauges of the engine's state (running and waiting
-requests, KV usage) and its preemption counter are read from ``statistics()`` at scrape time;
-everything per request is recorded by the server as its requests end.
+requests, KV usage and size) and its preemption counter are read from ``statistics()`` at
+scrape time; everything per request is recorded by the server as its requests end.
 """
 
 from __future__ import annotations
@@ -19,9 +23,15 @@ from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.surface import EngineSurface
 
-__all__ = ["PREFIX", "ServerMetrics"]
+__all__ = ["PREFIX", "ROUTER_METRICS", "ROUTER_PREFIX", "ServerMetrics"]
 
 PREFIX = "twostroke:"
+#: The prefix routers built for vLLM look for.
+ROUTER_PREFIX = "vllm:"
+#: The metrics exported under both prefixes: what a router for vLLM reads by default.
+ROUTER_METRICS = (
+    "num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "cache_config_info",
+)  # fmt: skip
 
 # vLLM's buckets, so that histograms compare bucket for bucket.
 _TTFT_BUCKETS = (
@@ -48,15 +58,22 @@ class _EngineCollector(Collector):
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
+        # One snapshot for every family, so the vllm: copies equal the twostroke: ones.
         stats = self._engine.statistics()
         labels = [self._engine.model_name]
-        families = (
-            (GaugeMetricFamily, "num_requests_running", "Requests computing now.",
-             stats.num_running),
-            (GaugeMetricFamily, "num_requests_waiting", "Requests queued for admission.",
-             stats.num_waiting),
-            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+        gauges = (
+            ("num_requests_running", "Requests computing now.", stats.num_running),
+            ("num_requests_waiting", "Requests queued for admission.", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
              1 - stats.num_free_blocks / max(stats.num_blocks, 1)),
+        )  # fmt: skip
+        for prefix in (PREFIX, ROUTER_PREFIX):
+            for name, documentation, value in gauges:
+                gauge = GaugeMetricFamily(prefix + name, documentation, labels=["model_name"])
+                gauge.add_metric(labels, value)
+                yield gauge
+            yield _cache_config_info(prefix, stats, labels)
+        families = (
             (CounterMetricFamily, "num_preemptions", "Times a request's KV was taken back.",
              stats.num_preemptions),
             (CounterMetricFamily, "prefix_cache_queries",
@@ -69,6 +86,28 @@ class _EngineCollector(Collector):
             metric.add_metric(labels, value)
             yield metric
         yield from _speculation_metrics(stats, labels)
+
+
+def _cache_config_info(prefix: str, stats: EngineStatistics, labels: list[str]) -> Metric:
+    """The KV cache's shape as an info metric: a gauge fixed at 1 whose labels carry it.
+
+    vLLM's labels, as strings (vLLM's carry every field of its cache config; routers read
+    ``block_size`` and ``num_gpu_blocks``): behind a coordinator the blocks and tokens of its
+    live replicas' pools added up. The block size is the tokens over the blocks: exactly
+    the replicas' one when they share it (they do unless ``replica_options`` gives them
+    different ones: then the blocks' mean, and ``kv_cache_size_tokens`` stays exact); 0
+    while no pool has reported (a coordinator's remote replicas before their first
+    statistics).
+    """
+    block_size = stats.num_kv_cache_tokens // stats.num_blocks if stats.num_blocks else 0
+    info = GaugeMetricFamily(
+        prefix + "cache_config_info",
+        "The KV cache's configuration, in the labels (the value is always 1).",
+        labels=["model_name", "block_size", "num_gpu_blocks", "kv_cache_size_tokens"],
+    )
+    shape = (block_size, stats.num_blocks, stats.num_kv_cache_tokens)
+    info.add_metric([*labels, *map(str, shape)], 1)
+    return info
 
 
 def _speculation_metrics(stats: EngineStatistics, labels: list[str]) -> Iterator[Metric]:

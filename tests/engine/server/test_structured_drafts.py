@@ -16,6 +16,7 @@ import anyio
 import httpx
 import pytest
 
+from tests.engine.server.test_structured import TOOLS
 from twostroke.engine import Engine
 from twostroke.engine.server import build_app
 
@@ -23,18 +24,7 @@ pytestmark = pytest.mark.anyio
 
 REGEX = "(ab){2,6}c(ba){2,6}"
 CHAT = [{"role": "user", "content": "Say yes or no, then the weather in Oslo as JSON."}]
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
+TOOL = TOOLS[1]  # get_time: a zone from an enum
 
 
 #: Each kind of constraint: the endpoint and the body.
