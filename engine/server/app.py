@@ -1,7 +1,9 @@
 """The OpenAI-compatible ASGI application over any engine surface.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
-(:mod:`~twostroke.engine.server.responses`), ``GET /v1/models``, ``GET /health``,
+(:mod:`~twostroke.engine.server.responses`), ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic's, :mod:`~twostroke.engine.server.messages`,
+whose errors are in Anthropic's shape), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``; any other path is a 404 that lists
 them. Each endpoint is a plain ASGI callable (not a Starlette request/response function)
 because it must own the ``receive`` channel once the body is read: that is where a client's
@@ -22,8 +24,9 @@ runs on the event loop: a prompt is rendered and tokenized in a worker thread of
 ``tools`` in one of the server's (:data:`RENDER_THREADS`), and the waiting queue is asked
 again for all of a request's choices once they are, right before they are queued.
 
-With an API key, every route wants ``Authorization: Bearer <key>`` except ``/health`` and
-``/metrics``, which stay open for probes and scrapers.
+With an API key, every route wants ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``,
+as Anthropic's clients send it) except ``/health`` and ``/metrics``, which stay open for
+probes and scrapers.
 """
 
 from __future__ import annotations
@@ -50,14 +53,20 @@ from twostroke.engine.config import ServerConfig, server_config
 from twostroke.engine.errors import EngineError, EngineOverloaded
 from twostroke.engine.server import protocol
 from twostroke.engine.server.body import read_body
-from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
+from twostroke.engine.server.errors import (
+    ApiError,
+    anthropic_error,
+    api_error_from,
+    invalid_request,
+)
 from twostroke.engine.server.generation import (
     ChatFormat,
     CompletionFormat,
     Format,
     Generation,
 )
-from twostroke.engine.server.guards import Guards, ServerShutdown
+from twostroke.engine.server.guards import ANTHROPIC_PATHS, Guards, ServerShutdown
+from twostroke.engine.server.messages import Messages
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.responses import PreparedChat, Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
@@ -92,11 +101,14 @@ _Handler = Callable[[Request, Receive, Send], Awaitable[None]]
 
 
 class _Endpoint:
-    """An ASGI endpoint: authentication, and any error turned into OpenAI's shape."""
+    """An ASGI endpoint: authentication, and any error turned into OpenAI's shape (or, for
+    Anthropic's routes, Anthropic's: :func:`~twostroke.engine.server.errors.anthropic_error`).
+    """
 
-    def __init__(self, handler: _Handler, *, api_key: str | None) -> None:
+    def __init__(self, handler: _Handler, *, api_key: str | None, anthropic: bool = False) -> None:
         self._handler = handler
         self._api_key = None if api_key is None else api_key.encode()
+        self._anthropic = anthropic
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -117,21 +129,27 @@ class _Endpoint:
             if error.status >= 500 and not isinstance(exc, EngineError):
                 logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
             if not started:
+                status, body = anthropic_error(error) if self._anthropic else (
+                    error.status, error.body())  # fmt: skip
                 with contextlib.suppress(OSError):  # a client that left gets no answer
-                    await send_json(tracked_send, error.status, error.body(), error.headers)
+                    await send_json(tracked_send, status, body, error.headers)
 
     def _authenticate(self, request: Request) -> None:
         if self._api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
+        given = request.headers.get("authorization")
+        if given is None and "x-api-key" in request.headers:  # Anthropic's clients' header
+            scheme, token = "bearer", request.headers["x-api-key"]
+        else:
+            scheme, _, token = (given or "").partition(" ")
         # As bytes: compare_digest refuses str with non-ASCII characters (a 500 it was), and
         # header values arrive as latin-1, so any byte decodes and encodes back as itself.
         token_bytes = token.strip().encode("latin-1")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token_bytes, self._api_key):
             raise ApiError(
                 401,
-                "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.",
+                "Incorrect API key provided: pass it as 'Authorization: Bearer <key>' (or "
+                "'x-api-key: <key>').",
                 type="invalid_request_error",
                 code="invalid_api_key",
             )
@@ -205,6 +223,19 @@ class _OpenAI:
         messages = await self._tool_prompt(turns, shape.tools)
         fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
         return PreparedChat(messages, params, fmt, shape)
+
+    async def chat_prompt(self, body: protocol.ChatCompletionRequest) -> Prompt:
+        """The prompt a chat completion body makes, as the engine takes it (its tools
+        rendered in, off the event loop), without what it asks of the sampler or the queue:
+        ``/v1/messages/count_tokens`` counts its tokens.
+
+        Raises:
+            ApiError: a 400 for what the body asks wrongly, or the template's refusal.
+        """
+        turns = protocol.chat_turns(body.messages)
+        schemas = strict_body(body) if self.strict_schemas else body
+        shape = output_constraint(schemas, self.tool_format)
+        return await self._tool_prompt(turns, shape.tools)
 
     async def _tool_prompt(self, turns: list[Turn], tools: Sequence[ToolSpec]) -> Prompt:
         """The conversation as the engine takes it: token ids rendered by the chat
@@ -359,6 +390,9 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     )
     error = ApiError(status, f"{detail}: {request.method} {request.url.path}; this server's "
                      f"routes are {routes}", type="invalid_request_error")  # fmt: skip
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        status, body = anthropic_error(error)
+        return JSONResponse(body, status_code=status)
     return JSONResponse(error.body(), status_code=status)
 
 
@@ -371,7 +405,7 @@ def build_app(
     tool_format: ToolFormat | str | None = None,
     **limits: Any,
 ) -> Starlette:
-    """The ASGI application serving ``engine`` with OpenAI's API.
+    """The ASGI application serving ``engine`` with OpenAI's API (and Anthropic's Messages).
 
     The application does not own the engine: open it first and keep it open while the
     application serves (:func:`~twostroke.engine.server.serve.serve` does both).
@@ -380,7 +414,7 @@ def build_app(
         engine: An :class:`~twostroke.engine.surface.EngineSurface` (an ``Engine``, or a
             coordinator over replicas).
         api_key: If given, every route but ``/health`` and ``/metrics`` wants
-            ``Authorization: Bearer <api_key>``.
+            ``Authorization: Bearer <api_key>`` or ``x-api-key: <api_key>``.
         config: The server's limits (default: ``ServerConfig()``'s). The application uses
             ``max_body_bytes``, ``max_choices`` (never more than ``max_waiting_requests``),
             ``max_waiting_requests`` (checked against ``statistics().num_waiting``; ``None``:
@@ -445,9 +479,19 @@ def build_app(
         check_room=handlers._check_room,
         prepare_chat=handlers.prepare_chat,
     )
+    messages = Messages(
+        engine,
+        handlers.metrics,
+        keepalive=config.keepalive,
+        max_body_bytes=config.max_body_bytes,
+        check_room=handlers._check_room,
+        prepare_chat=handlers.prepare_chat,
+        chat_prompt=handlers.chat_prompt,
+    )
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
-        endpoint = _Endpoint(handler, api_key=api_key if secured else None)
+        endpoint = _Endpoint(handler, api_key=api_key if secured else None,
+                             anthropic=path.startswith(ANTHROPIC_PATHS))  # fmt: skip
         return Route(path, endpoint, methods=[method])
 
     app = Starlette(
@@ -455,6 +499,8 @@ def build_app(
             route("/v1/completions", handlers.completions, "POST"),
             route("/v1/chat/completions", handlers.chat, "POST"),
             route("/v1/responses", responses.create, "POST"),
+            route("/v1/messages", messages.create, "POST"),
+            route("/v1/messages/count_tokens", messages.count_tokens, "POST"),
             route("/v1/models", handlers.models, "GET"),
             route("/tokenize", handlers.tokenize, "POST"),
             route("/detokenize", handlers.detokenize, "POST"),

@@ -23,11 +23,34 @@ from twostroke.engine.errors import (
     RequestRejected,
 )
 
-__all__ = ["RETRY_AFTER_SECONDS", "ApiError", "api_error_from", "invalid_request"]
+__all__ = [
+    "ANTHROPIC_ERROR_TYPES",
+    "RETRY_AFTER_SECONDS",
+    "ApiError",
+    "anthropic_error",
+    "anthropic_error_type",
+    "api_error_from",
+    "invalid_request",
+]
 
 #: The ``Retry-After`` of a 503 for a full waiting queue: a client may try again this soon.
 #: Requests leave the queue as running ones finish, a batch every few steps.
 RETRY_AFTER_SECONDS = 1
+
+#: Anthropic's error type for each HTTP status it answers with (its API's "Errors" page; the
+#: ``anthropic`` SDK 2.x picks its exception class by the status). A status not listed is
+#: ``invalid_request_error`` below 500 and ``api_error`` from 500.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 #: A rejection whose message begins with a field's name names it (``stop_token_ids must ...``).
 _FIELD = re.compile(r"([a-z_]+) must ")
@@ -133,3 +156,27 @@ def api_error_from(exc: BaseException, *, max_tokens_field: str = "max_tokens") 
     if isinstance(exc, RequestFailed):
         return ApiError(500, "a step of this request failed", type="server_error")
     return ApiError(500, f"internal server error ({type(exc).__name__})", type="server_error")
+
+
+def anthropic_error_type(status: int, code: str | None = None) -> str:
+    """Anthropic's error type for an error of ``status`` (and OpenAI-style ``code``).
+
+    A full waiting queue (``engine_overloaded``) is Anthropic's ``overloaded_error``.
+    """
+    if code == "engine_overloaded":
+        return "overloaded_error"
+    return ANTHROPIC_ERROR_TYPES.get(
+        status, "invalid_request_error" if status < 500 else "api_error"
+    )
+
+
+def anthropic_error(error: ApiError) -> tuple[int, dict[str, Any]]:
+    """The status and body of ``error`` in Anthropic's shape, for ``/v1/messages``:
+    ``{"type": "error", "error": {"type": ..., "message": ...}}``.
+
+    A full waiting queue, a 503 on the OpenAI routes, is Anthropic's 529 ``overloaded_error``
+    (the SDK retries it, as it does a 503); every other status stays as it is.
+    """
+    status = 529 if error.code == "engine_overloaded" else error.status
+    kind = anthropic_error_type(status, error.code)
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}

@@ -19,8 +19,9 @@ A refusal asks the HTTP server to close the connection, since the body behind it
 When the server shuts down (:class:`ServerShutdown`), requests still open at the end of the grace
 period are cancelled, which cancels their engine requests; a stream that had started gets one
 OpenAI-shaped ``error`` event and ``data: [DONE]`` (a ``/v1/responses`` stream ends itself with
-the Responses API's ``error`` and ``response.failed`` events instead), a response that had not
-gets a 503.
+the Responses API's ``error`` and ``response.failed`` events instead, a ``/v1/messages`` one
+with Anthropic's ``error`` event), a response that had not gets a 503. Refusals of
+Anthropic's routes (:data:`ANTHROPIC_PATHS`) are in Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from twostroke.engine.config import without_port
-from twostroke.engine.server.errors import ApiError
+from twostroke.engine.server.errors import ApiError, anthropic_error
 from twostroke.engine.server.sse import encode, send_json
 
-__all__ = ["OPEN_PATHS", "Guards", "ServerShutdown", "shutting_down"]
+__all__ = ["ANTHROPIC_PATHS", "OPEN_PATHS", "Guards", "ServerShutdown", "shutting_down"]
 
 #: Routes answered whatever the ``Host``, as they are without an API key.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: The path prefix of Anthropic's routes, whose refusals are in Anthropic's error shape.
+ANTHROPIC_PATHS = "/v1/messages"
 
 _CLOSE = (b"connection", b"close")
 
@@ -148,8 +151,11 @@ class Guards:
             return
         refusal = self._refusal(scope)
         if refusal is not None:
+            status, body = refusal.status, refusal.body()
+            if scope["path"].startswith(ANTHROPIC_PATHS):
+                status, body = anthropic_error(refusal)
             with contextlib.suppress(OSError):  # a client that left gets no answer
-                await send_json(send, refusal.status, refusal.body(), refusal.headers)
+                await send_json(send, status, body, refusal.headers)
             return
         receive = self._timed(receive, anyio.current_time() + self._body_timeout)
         if self._shutdown is None:
@@ -235,15 +241,16 @@ class Guards:
         if error is not None:
             raise error
         if not finished and not response.ended:  # cut short by the expiry, nothing else
-            await _end(response, send)
+            await _end(response, send, anthropic=scope["path"].startswith(ANTHROPIC_PATHS))
 
 
-async def _end(response: _Response, send: Send) -> None:
+async def _end(response: _Response, send: Send, *, anthropic: bool) -> None:
     """End a response the shutdown cut short, as well as what was sent of it allows."""
     error = shutting_down("the request did not finish within the grace period")
     with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
         if not response.started:
-            await send_json(send, error.status, error.body(), error.headers)
+            status, body = anthropic_error(error) if anthropic else (error.status, error.body())
+            await send_json(send, status, body, error.headers)
         elif response.event_stream:
             chunk = b"data: " + encode(error.body()) + b"\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": chunk, "more_body": False})

@@ -198,7 +198,8 @@ async def test_request_level_errors() -> None:
         assert nowhere.status_code == 404
         assert nowhere.json()["error"]["message"].startswith(
             "Not Found: GET /v1/nowhere; this server's routes are POST /v1/completions, "
-            "POST /v1/chat/completions, POST /v1/responses, GET /v1/models,"
+            "POST /v1/chat/completions, POST /v1/responses, POST /v1/messages, "
+            "POST /v1/messages/count_tokens, GET /v1/models,"
         )
         wrong_method = await server.http.get("/v1/completions")
         assert wrong_method.status_code == 405
