@@ -27,7 +27,7 @@ from twostroke.engine.kernels.gguf_blocks import (
     random_blocks,
     rounding_bound,
 )
-from twostroke.engine.models.linear import FullPrecision, Linear
+from twostroke.engine.models.linear import FullPrecision, Linear, OneDNNWeight
 from twostroke.engine.models.quantization import QuantizedWeight
 
 # isa: the block products take the personality's path (AVX2 or portable C).
@@ -164,7 +164,8 @@ def test_a_sixteen_bit_matrix_beside_the_blocks_computes_from_its_exact_float16_
 ) -> None:
     """F16 and BF16 projections load (BF16 is no longer refused), q/k with their rotary
     rows permuted back, and compute in the chosen 16-bit form where every value is a float16
-    (fbgemm's fp16 where it runs: TWOSTROKE_CPU_ISA=portable keeps them dense), from the
+    (fbgemm's fp16 where it runs and sums a row alike whatever the rows beside it; else the
+    values in float32, packed for oneDNN: TWOSTROKE_CPU_ISA=avx2 and portable), from the
     unquantized activations: each equals the dequantized file's projection to float32
     rounding; the blocks beside them as before."""
     file = write(tmp_path, sixteen_bits(kind), Q.Q8_0)
@@ -186,7 +187,8 @@ def test_a_sixteen_bit_matrix_beside_the_blocks_computes_from_its_exact_float16_
         if sixteen == "dense" or not exact:
             assert isinstance(mine.method, FullPrecision)
         else:
-            assert isinstance(mine.method, QuantizedWeight)
+            form = QuantizedWeight if sixteen == "fp16" else OneDNNWeight
+            assert isinstance(mine.method, form)
             held += 1
         expected = F_linear(x.double(), theirs.weight.double())
         scale = float((x.double().abs() @ theirs.weight.double().abs().T).max())

@@ -79,13 +79,15 @@ async def test_process_replicas_serve_cancel_and_survive_a_sigkill() -> None:
         assert [comparable(o) for o in outputs if o] == [comparable(o) for o in expected]
 
         # The replica rejects a prompt too long for the context: the same error, later.
-        handle = c.submit("x" * 5000, SamplingParams(max_tokens=4))
+        # (A byte a token: max_model_len characters fit the text bound, not the context.)
+        too_long = "x" * c.max_model_len
+        handle = c.submit(too_long, SamplingParams(max_tokens=4))
         with pytest.raises(RequestRejected, match="must be <= max_model_len") as rejected:
             await handle.result()
         numbers = rejected.value.num_prompt_tokens, rejected.value.max_tokens
-        assert (*numbers, rejected.value.max_model_len) == (5000, 4, c.max_model_len)
+        assert (*numbers, rejected.value.max_model_len) == (len(too_long), 4, c.max_model_len)
         with pytest.raises(RequestRejected, match="must be <= max_model_len"):
-            async with c.stream("x" * 5000, SamplingParams(max_tokens=4)):
+            async with c.stream(too_long, SamplingParams(max_tokens=4)):
                 raise AssertionError("a rejected request must not stream")
 
         # A constraint crosses the wire; the replica compiles it, and its refusal comes back.

@@ -141,12 +141,12 @@ async def test_a_replica_serves_requests_in_frames_and_stops_when_told() -> None
         assert (finished.token_ids, finished.text) == (list(expected.token_ids), expected.text)
         assert finished.finish_reason == expected.finish_reason.value
         assert len(finished.logprobs) == len(expected.token_ids)
-        await peer.send(Add(2, "x" * 5000, params(max_tokens=4)))
+        await peer.send(Add(2, "x" * 4095, params(max_tokens=4)))
         (rejected,) = await peer.until(Rejected, 2)
         assert rejected.kind == "RequestRejected"
         assert "max_model_len" in rejected.message
         numbers = (rejected.num_prompt_tokens, rejected.max_tokens, rejected.max_model_len)
-        assert numbers == (5000, 4, 4096)
+        assert numbers == (4095, 4, 4096)
         await peer.send(Add(3, [300], params()))
         (rejected,) = await peer.until(Rejected, 3)
         assert rejected == Rejected(
