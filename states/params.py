@@ -17,9 +17,11 @@ from twostroke.states.validators import boolean, check_int_at_least, int_at_leas
 
 __all__ = [
     "MAX_LOGPROBS",
+    "MAX_PRIORITY",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_LENGTH",
     "MAX_STOP_TOKEN_IDS",
+    "MIN_PRIORITY",
     "SamplingParams",
     "check_params",
 ]
@@ -36,6 +38,12 @@ MAX_STOP_STRING_LENGTH = 256
 #: The most stop token ids one request may have: every sampled token is looked up in them.
 #: Far more than any model's end-of-turn tokens.
 MAX_STOP_TOKEN_IDS = 128
+#: The range of ``priority`` (vLLM's meaning: lower runs first). Bounded so that the
+#: scheduler's aging bound is a number of steps worth stating: a request is passed by newer
+#: ones only while it has waited fewer than ``priority_aging_steps`` steps per level of
+#: priority between them (see :class:`~twostroke.states.scheduler.Scheduler`).
+MIN_PRIORITY = -1000
+MAX_PRIORITY = 1000
 _MAX_SEED = 2**63
 
 
@@ -106,6 +114,11 @@ class SamplingParams:
         constraint: What the output must be (a JSON schema, any JSON object, a regular
             expression, a choice or a grammar; see :mod:`twostroke.states.constraints`), or
             ``None``. Whether the backend can enforce it is checked when it is compiled.
+        priority: When the request runs, against the others waiting: lower runs first (vLLM's
+            ``priority``, default 0), arrival order among equals, with aging: a request
+            that has waited ``priority_aging_steps`` steps counts as one level better, so
+            none waits forever. An int in [:data:`MIN_PRIORITY`, :data:`MAX_PRIORITY`]. It
+            never changes the output, only when it comes.
 
     Raises:
         TypeError: a value of the wrong type.
@@ -136,6 +149,7 @@ class SamplingParams:
     )
     include_stop_str_in_output: bool = attrs.field(default=False, validator=boolean)
     constraint: Constraint | None = attrs.field(default=None, validator=check_constraint)
+    priority: int = attrs.field(default=0, validator=int_in(MIN_PRIORITY, MAX_PRIORITY))
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

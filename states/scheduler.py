@@ -13,9 +13,23 @@ N+1 feeds it as a *pending input* that the runner takes from step N's output on 
   are released only when that step's outcome is applied;
 * a preempted request is not readmitted while a step in flight still owes it a token.
 
-Policy: running requests are served oldest first; admission is FIFO by arrival and stops at
-the first request that does not fit; when a running request needs a block and none is free,
-the newest running request is preempted (recomputed later), so the oldest always progresses.
+Policy: every request has a *rank*, fixed when it arrives: ``(priority * N + s, arrival)``,
+where ``priority`` is its :attr:`~twostroke.states.params.SamplingParams.priority` (lower runs
+first, vLLM's), ``N`` is ``priority_aging_steps``, ``s`` is the number of steps planned
+before it arrived, and ``arrival`` counts submissions (FIFO among equals). Running requests
+are served in rank order; admission takes the waiting requests in rank order and stops at the
+first that does not fit (so none is passed by a lower one while it waits for room); when a
+running request needs a block and none is free, the running request of the largest rank is
+preempted (recomputed later), so the smallest always progresses. With every priority equal,
+the rank is the arrival order: FIFO admission, the newest preempted first.
+
+Aging: ``s`` counts in the rank at a rate of one priority level per ``N`` steps, so a request
+that waited ``k * N`` steps ranks as one ``k`` levels better that arrives now. A fixed rank
+needs no re-sorting as time passes, and it bounds waiting: a request of priority ``p`` is
+passed only by requests that arrive less than ``(p - q) * N`` steps after it (``q`` their
+priority), and from then on it is served as the oldest request of a FIFO queue would be.
+The order of preemption follows the same rank, not the priority alone: otherwise a stream of
+higher-priority arrivals could preempt an admitted request again and again.
 With ``max_waiting_requests`` set, a new request that would pass it is refused
 (:class:`~twostroke.states.errors.EngineOverloaded`) and nothing changes.
 
@@ -31,9 +45,9 @@ the drafts once the token in flight is applied: a refused draft is never sampled
 with penalties do not draft (their penalties at a drafted position would depend on the drafts
 before it): they decode as without speculation.
 
-Both queues are kept in arrival order. A new request arrived after every request there is, so
-it is appended to the waiting queue at O(1) cost; only a preempted request goes back into the
-middle (before the new ones), found by binary search.
+Both queues are kept in rank order. A new request of the same priority as the waiting
+queue's last ranks after it, so it is appended at O(1) cost; a request of a better priority
+and a preempted one go into the middle, found by binary search.
 """
 
 from __future__ import annotations
@@ -105,10 +119,10 @@ class Scheduler:
         self._speculator = speculator
         self._clock = clock
         self._requests: dict[int, Request] = {}
-        self._arrival: dict[int, int] = {}
+        self._rank: dict[int, tuple[int, int]] = {}
         self._arrivals = itertools.count()
-        # Preempted requests (sorted by arrival), then new ones (in arrival order): every new
-        # one arrived after every request ever admitted (admission takes the oldest waiting).
+        # Both in rank order (see the module's docstring): admission takes the first waiting,
+        # preemption the last running.
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
         # Terminal requests whose blocks a step in flight still uses.
@@ -161,10 +175,21 @@ class Scheduler:
         """No request record and no step in flight: every block is free."""
         return not self._requests and not self._inflight
 
+    def rank(self, request_id: int) -> tuple[int, int]:
+        """A live request's rank: admission takes the smallest first, preemption the largest.
+
+        ``(priority * priority_aging_steps + steps planned before it arrived, arrival)``:
+        fixed when it arrives (see the module's docstring).
+
+        Raises:
+            KeyError: the scheduler holds no record of ``request_id``.
+        """
+        return self._rank[request_id]
+
     # --- admission and removal ----------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request at the back of the waiting queue.
+        """Queue a new request in the waiting queue, at its rank (by its priority, then arrival).
 
         Raises:
             RequestRejected: it can never be served (empty prompt, too long for the context
@@ -180,10 +205,17 @@ class Scheduler:
                 f"request {request.request_id} has a constraint but no matcher: "
                 "apply ConstraintCompiled before queueing it"
             )
+        rank = (
+            request.params.priority * self.config.priority_aging_steps + self._next_step,
+            next(self._arrivals),
+        )
         self._requests[request.request_id] = request
-        self._arrival[request.request_id] = next(self._arrivals)
-        # The newest arrival of all: its place is the back, found without a search.
-        self._waiting.append(request)
+        self._rank[request.request_id] = rank
+        waiting = self._waiting
+        if not waiting or rank > self._rank_of(waiting[-1]):
+            waiting.append(request)  # the common case (one priority): no search
+        else:
+            self._insert(waiting, request)
 
     def check_request(self, request: Request) -> None:
         """Return if :meth:`add_request` would take ``request`` now; change nothing.
@@ -328,7 +360,7 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is RequestStatus.PREEMPTED:
-                break  # it was the newest; nothing after it is left to serve
+                break  # it ranked last; nothing after it is left to serve
             index += 1
             if needed > self.pool.num_free:
                 continue  # blocks come back when the step in flight completes
@@ -343,7 +375,7 @@ class Scheduler:
         ):
             request = self._waiting[0]
             if self._step_in_flight(request) is not None:
-                break  # a step in flight still owes it a token; keep FIFO order
+                break  # a step in flight still owes it a token; keep rank order
             # The longest cached prefix is skipped; cached (free) blocks it takes back from
             # the pool are no longer free for the rest.
             hits = self._prefix.match(request)
@@ -573,15 +605,15 @@ class Scheduler:
     # --- internals ----------------------------------------------------------------------
 
     def _insert(self, queue: list[Request] | collections.deque[Request], request: Request) -> None:
-        """Put ``request`` into ``queue`` (sorted by arrival) after every older request.
+        """Put ``request`` into ``queue`` (sorted by rank) after every smaller rank.
 
-        A binary search: O(log n) arrival look-ups, never a pass over the queue in Python.
+        A binary search: O(log n) rank look-ups, never a pass over the queue in Python.
         """
-        arrival = self._arrival[request.request_id]
-        queue.insert(bisect.bisect(queue, arrival, key=self._arrival_of), request)
+        rank = self._rank[request.request_id]
+        queue.insert(bisect.bisect(queue, rank, key=self._rank_of), request)
 
-    def _arrival_of(self, request: Request) -> int:
-        return self._arrival[request.request_id]
+    def _rank_of(self, request: Request) -> tuple[int, int]:
+        return self._rank[request.request_id]
 
     def _step_in_flight(self, request: Request) -> int | None:
         """The last step in flight that computes for ``request``, or ``None`` if none does."""
@@ -642,7 +674,7 @@ class Scheduler:
         if self._speculator is not None:
             finished = request.status is RequestStatus.FINISHED
             self._speculator.finished(request_id, request.output_token_ids if finished else ())
-        del self._arrival[request_id]
+        del self._rank[request_id]
         if request.last_step_id is not None:  # a runner has seen it: it may drop its state
             self._gone.append(request_id)
 
@@ -690,7 +722,7 @@ class Scheduler:
         Blocks are conserved (every reference is held by exactly one live request table or
         one deferred release), every deferred release waits for a step still in flight, no
         block used by a step in flight is free, the queues hold the statuses they should in
-        arrival order, and the limits hold.
+        rank order, and the limits hold.
         """
         self.pool.check_invariants()
         self._prefix.check_invariants(self._requests.values())
@@ -721,8 +753,8 @@ class Scheduler:
         waiting = {RequestStatus.WAITING, RequestStatus.PREEMPTED}
         running = {RequestStatus.PREFILLING, RequestStatus.DECODING}
         for queue, statuses in ((self._waiting, waiting), (self._running, running)):
-            keys = [self._arrival[request.request_id] for request in queue]
-            assert keys == sorted(keys), "a queue is out of arrival order"
+            keys = [self._rank[request.request_id] for request in queue]
+            assert keys == sorted(keys), "a queue is out of rank order"
             for request in queue:
                 assert request.status in statuses, f"{request!r} is in the wrong queue"
                 assert self._requests[request.request_id] is request

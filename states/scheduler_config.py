@@ -14,7 +14,12 @@ from twostroke.states.speculation import (
 from twostroke.states.statistics import count, per_position
 from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least
 
-__all__ = ["SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
+__all__ = ["PRIORITY_AGING_STEPS", "SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
+
+#: Steps a waiting request waits to count as one level of ``priority`` better (the aging
+#: that keeps a low-priority request from waiting forever): about one to a few seconds of
+#: decode steps.
+PRIORITY_AGING_STEPS = 64
 
 
 @attrs.frozen(kw_only=True)
@@ -69,10 +74,14 @@ class SchedulerConfig(SchedulingPolicy):
     Args:
         num_blocks: KV blocks in the pool.
         max_model_len: The model's context: prompt plus output may not exceed it.
+        priority_aging_steps: Steps planned while a request waits that count as one level
+            of its ``priority`` (:data:`PRIORITY_AGING_STEPS` by default; tests set small
+            values to reach the aging in a few steps).
     """
 
     num_blocks: int = attrs.field(validator=int_at_least(1))
     max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
+    priority_aging_steps: int = attrs.field(default=PRIORITY_AGING_STEPS, validator=int_at_least(1))
 
     @classmethod
     def sized(

@@ -145,6 +145,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    priority: int = 0  # vLLM's: lower runs first (SamplingParams.priority)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -468,6 +469,7 @@ def choice_params(
         "frequency_penalty": request.frequency_penalty,
         "logprobs": logprobs,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "priority": request.priority,
         "constraint": constraint,
     }
     seeds = _choice_seeds(request.seed, request.n)

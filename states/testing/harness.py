@@ -3,8 +3,9 @@
 :class:`SimulatedEngine` does what the engine's bookkeeping stroke does with a
 :class:`~twostroke.states.scheduler.Scheduler` (submit, plan, execute, apply outcomes,
 cancel, finish on a stop string), but on :class:`~twostroke.states.simulation.SimulatedKV`
-and with a check after every call of each guarantee that the design promises: budgets, FIFO
-admission, preemption of the newest running requests (and no admission in the same step),
+and with a check after every call of each guarantee that the design promises: budgets,
+admission in rank order (priority with aging, then arrival: FIFO among equal priorities),
+preemption of the running requests of the largest rank (and no admission in the same step),
 block conservation and exclusive ownership, blocks of ended requests freed by the end of the
 last step in flight that used them, and outputs equal to
 :func:`~twostroke.states.simulation.reference_output` whatever preemption and lookahead did.
@@ -44,9 +45,10 @@ __all__ = ["DriveResult", "SimulatedEngine", "drive", "step_bound"]
 def step_bound(config: SchedulerConfig, requests: Iterable[Request]) -> int:
     """An upper bound on the steps that serve ``requests`` to completion once arrivals stop.
 
-    Why it holds: every completed step has an oldest live request R, and R is never
-    preempted (the victim is the newest running request, and R alone always fits, since
-    submission rejects what cannot). While R is the oldest, each step computes at least one
+    Why it holds: every completed step has a live request R of the smallest rank (with
+    every priority equal, the oldest), and R is never preempted (the victim is the running
+    request of the largest rank, and R alone always fits, since submission rejects what
+    cannot). While R is the oldest, each step computes at least one
     of its at most ``prompt + max_tokens`` positions, or (at most twice per position) waits
     for blocks that a step in flight returns, or (at most ``2 * depth`` times) waits for its
     own token in flight or for admission. Steps still in flight add ``depth``.
@@ -97,7 +99,11 @@ class SimulatedEngine:
         #: Request ids in the order they were first admitted.
         self.first_admissions: list[int] = []
         self.num_completed = 0
-        self._arrival: dict[int, int] = {}
+        #: Each request's rank, computed here from its priority, the steps planned before
+        #: it arrived and its arrival, as the scheduler's documentation defines it.
+        self.ranks: dict[int, tuple[int, int]] = {}
+        #: Steps completed when each request was submitted.
+        self.arrival_steps: dict[int, int] = {}
         self._arrivals = itertools.count()
         self._outcomes: collections.deque[RunnerOutput] = collections.deque()
         self._references: dict[int, tuple[list[int], str]] = {}
@@ -109,11 +115,14 @@ class SimulatedEngine:
 
     def submit(self, request: Request) -> None:
         """Submit a request (``Scheduler.add_request``); a rejection propagates unchanged."""
+        planned = self.scheduler.statistics().num_steps_planned
         self.scheduler.add_request(request)
         rid = request.request_id
         self.requests[rid] = request
         self.streams[rid] = []
-        self._arrival[rid] = next(self._arrivals)
+        aging = self.config.priority_aging_steps
+        self.ranks[rid] = (request.params.priority * aging + planned, next(self._arrivals))
+        self.arrival_steps[rid] = self.num_completed
 
     def plan(self) -> StepPlan | None:
         """Plan a step, check it, and execute it on the simulated device at once.
@@ -312,10 +321,12 @@ class SimulatedEngine:
     def _check_preemptions(
         self, plan: StepPlan | None, running_before: Mapping[int, int], admitted: Sequence[int]
     ) -> None:
-        """The victims are the newest running requests, and a step that preempts admits none.
+        """The victims are the running requests of the largest rank (with one priority, the
+        newest), and a step that preempts admits none.
 
-        Both are policy rather than safety: preempting an older request delays the oldest
-        (and so risks starvation), admitting while preempting recomputes for nothing.
+        Both are policy rather than safety: preempting a request of a smaller rank delays
+        the smallest (and so risks starvation), admitting while preempting recomputes for
+        nothing.
         ``running_before`` maps each request running before the plan to its preemption
         count (a victim readmitted at once is no longer PREEMPTED, but its count moved).
         """
@@ -328,11 +339,11 @@ class SimulatedEngine:
             return
         step = "a step that plans nothing" if plan is None else f"step {plan.step_id}"
         kept = [rid for rid in running_before if rid not in preempted]
-        arrival = self._arrival
-        if kept and min(arrival[rid] for rid in preempted) < max(arrival[rid] for rid in kept):
+        rank = self.ranks
+        if kept and min(rank[rid] for rid in preempted) < max(rank[rid] for rid in kept):
             raise SimulationError(
-                f"{step} preempts {preempted} but keeps newer {kept}: the victim must be the "
-                "newest running request"
+                f"{step} preempts {preempted} but keeps {kept}, of a larger rank: the victim "
+                "must be the running request of the largest rank"
             )
         readmitted = [rid for rid in preempted if plan is not None and rid in plan.request_ids]
         if admitted or readmitted:
@@ -356,18 +367,20 @@ class SimulatedEngine:
         for rid in admitted:
             if rid not in self.first_admissions:
                 self.first_admissions.append(rid)
-        arrival = self._arrival
-        keys = [arrival[rid] for rid in self.first_admissions]
+        rank = self.ranks
+        keys = [rank[rid] for rid in admitted]
         if keys != sorted(keys):
-            raise SimulationError(f"first admissions out of arrival order: {self.first_admissions}")
+            raise SimulationError(f"step {plan.step_id} admits {admitted} out of rank order")
         skipped = [
-            (rid, older)
+            (rid, later)
             for rid in waiting_ids(self.scheduler)
-            for older in admitted
-            if arrival[rid] < arrival[older]
+            for later in admitted
+            if rank[rid] < rank[later]
         ]
         if skipped:
-            raise SimulationError(f"step {plan.step_id} admits past older waiting: {skipped}")
+            raise SimulationError(
+                f"step {plan.step_id} admits past waiting requests of a smaller rank: {skipped}"
+            )
         return admitted
 
     def _reference(self, request: Request) -> tuple[list[int], str]:

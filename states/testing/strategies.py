@@ -17,6 +17,7 @@ from twostroke.states.request import (
     Request,
 )
 from twostroke.states.scheduler import SchedulerConfig
+from twostroke.states.scheduler_config import PRIORITY_AGING_STEPS
 from twostroke.states.testing.workload import RequestSpec, Workload
 from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
@@ -77,8 +78,8 @@ def sampling_params(
         max_tokens: The value, or a strategy, for ``max_tokens`` (default 1 to 16).
         vocab_size: Token ids lie in ``range(vocab_size)``.
         scheduling_only: Draw only what the scheduler reads (``max_tokens``,
-            ``min_tokens``, ``stop_token_ids``, ``ignore_eos``) and leave the rest at
-            their defaults: faster, and failing examples shrink to fewer fields.
+            ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``priority``) and leave the
+            rest at their defaults: faster, and failing examples shrink to fewer fields.
     """
     most = draw(_ints(max_tokens, st.integers(1, 16)))
     params = SamplingParams(
@@ -86,6 +87,8 @@ def sampling_params(
         min_tokens=draw(st.integers(0, most) | st.just(0)),
         stop_token_ids=draw(st.lists(st.integers(0, vocab_size - 1), max_size=3)),
         ignore_eos=draw(st.booleans()),
+        # Mostly one priority (FIFO), else a few levels: ranks that cross as requests age.
+        priority=draw(st.just(0) | st.integers(-2, 2), label="priority"),
     )
     if scheduling_only:
         return params
@@ -209,6 +212,7 @@ def scheduler_configs(
     max_num_seqs: Ints | None = None,
     pipeline_depth: Ints | None = None,
     enable_prefix_caching: bool | st.SearchStrategy[bool] | None = None,
+    priority_aging_steps: Ints | None = None,
 ) -> SchedulerConfig:
     """Small configurations, so that memory pressure and preemption happen all the time.
 
@@ -226,6 +230,8 @@ def scheduler_configs(
         pipeline_depth: 1 (serial) to ``MAX_PIPELINE_DEPTH`` (lookahead) (default any).
         enable_prefix_caching: Whether the scheduler shares cached prefix blocks
             (default either).
+        priority_aging_steps: Steps per level of priority a waiting request gains (default
+            1 to 4, so that ranks cross within a run, or the engine's default).
     """
     blocks = draw(_ints(num_blocks, st.integers(2, 12)))
     size = draw(_ints(block_size, st.integers(1, 4)))
@@ -246,6 +252,9 @@ def scheduler_configs(
             else enable_prefix_caching
             if isinstance(enable_prefix_caching, st.SearchStrategy)
             else st.just(enable_prefix_caching)
+        ),
+        priority_aging_steps=draw(
+            _ints(priority_aging_steps, st.integers(1, 4) | st.just(PRIORITY_AGING_STEPS))
         ),
     )
 

@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 
 from twostroke.engine import (
@@ -20,7 +21,7 @@ from twostroke.engine import (
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner, toy_text_next_token
 from twostroke.states.testing import reference_output
 
-from .conftest import toy_engine
+from .conftest import expected_tokens, toy_engine
 
 pytestmark = pytest.mark.anyio
 
@@ -399,3 +400,24 @@ async def test_on_the_cpu_the_engine_governs_its_threads_unless_the_count_is_fix
         await engine.generate("fake", SamplingParams(max_tokens=4))
         assert engine.statistics().torch_threads == 0
     assert not machine.threads
+
+
+async def test_a_low_priority_request_submitted_first_runs_after_a_high_priority_one() -> None:
+    # One seat (max_num_seqs=1) taken by a running request; then a priority-5 request and a
+    # priority-0 one are queued, in that order: the second is admitted first.
+    order: list[str] = []
+    async with toy_engine(max_num_seqs=1) as engine:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        running = engine.submit("busy", params)
+        low = engine.submit("low", attrs.evolve(params, priority=5))
+        high = engine.submit("high", attrs.evolve(params, priority=0))
+
+        async def finish(name: str, handle: Any) -> None:
+            output = await handle.result()
+            order.append(name)
+            assert list(output.token_ids) == expected_tokens(name, params)
+
+        async with anyio.create_task_group() as group:
+            for name, handle in (("busy", running), ("low", low), ("high", high)):
+                group.start_soon(finish, name, handle)
+    assert order == ["busy", "high", "low"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import re
 from typing import Any
@@ -32,6 +33,7 @@ from twostroke.states.testing import (
     reference_output,
     running_ids,
     scheduler_configs,
+    step_bound,
     waiting_ids,
     workloads,
 )
@@ -108,6 +110,56 @@ def test_memory_pressure_never_changes_output(data: st.DataObject) -> None:
     free = drive(Scheduler(roomy), workload)
     assert free.statistics.num_preemptions == 0
     assert pressed.outputs == free.outputs
+
+
+@given(st.data())
+def test_no_request_waits_past_its_aging_bound(data: st.DataObject) -> None:
+    """The bound docs/states.md states: a request R is passed only by requests of a smaller
+    rank, all arrived by step L (the last of them to arrive); R ends within ``step_bound``
+    of what had arrived by then, L + that many completed steps at most, whatever arrives
+    after L. A long stream of short requests of a few priorities, so that ranks cross."""
+    config = data.draw(
+        scheduler_configs(
+            num_blocks=st.integers(2, 8),
+            max_num_seqs=st.integers(1, 3),
+            priority_aging_steps=st.integers(1, 3),
+        ),
+        label="config",
+    )
+    workload = data.draw(
+        workloads(
+            config,
+            max_requests=24,
+            max_gap=2,
+            max_prompt_tokens=4,
+            max_tokens=3,
+            scheduling_only=True,
+        ),
+        label="workload",
+    )
+    engine = SimulatedEngine(Scheduler(config))
+    ended: dict[int, int] = {}
+    pending = collections.deque(workload.build())
+    while True:
+        while pending and pending[0][0] <= engine.num_completed:
+            engine.submit(pending.popleft()[1])
+        if engine.advance():
+            engine.check()
+        elif pending:
+            engine.submit(pending.popleft()[1])
+        else:
+            break
+        for rid, record in engine.requests.items():
+            if record.is_terminal:
+                ended.setdefault(rid, engine.num_completed)
+    # Fresh copies: step_bound counts the requests that are not terminal yet.
+    requests = {r.request_id: r for _, r in workload.build()}
+    for rid, rank in engine.ranks.items():
+        ahead = [other for other, theirs in engine.ranks.items() if theirs <= rank]
+        last = max(engine.arrival_steps[other] for other in ahead)
+        arrived = [requests[o] for o, step in engine.arrival_steps.items() if step <= last]
+        bound = last + step_bound(config, arrived)
+        assert ended[rid] <= bound, (rid, rank, ended[rid], last, bound)
 
 
 def test_a_preempted_request_produces_the_output_of_an_unpressed_run() -> None:
@@ -251,30 +303,31 @@ def test_a_policy_sized_is_a_config_with_every_field_of_the_policy() -> None:
         SchedulerConfig.sized(policy, num_blocks=0, max_model_len=12)
 
 
-class CountingArrivals(dict[int, int]):
-    """The scheduler's arrival numbers, counting every look-up (the queues' sort key)."""
+class CountingArrivals(dict[int, tuple[int, int]]):
+    """The scheduler's ranks, counting every look-up (the queues' sort key)."""
 
     lookups = 0
 
-    def __getitem__(self, request_id: int) -> int:
+    def __getitem__(self, request_id: int) -> tuple[int, int]:
         self.lookups += 1
         return super().__getitem__(request_id)
 
 
 def count_arrival_lookups(scheduler: Scheduler) -> CountingArrivals:
-    arrivals = CountingArrivals(scheduler._arrival)
-    scheduler._arrival = arrivals
+    arrivals = CountingArrivals(scheduler._rank)
+    scheduler._rank = arrivals
     return arrivals
 
 
 def test_a_new_request_joins_the_back_of_the_queue_without_a_search() -> None:
     # Issue 20: each submit rebuilt the list of the waiting queue's keys (16,000 submits
-    # blocked the event loop for 13.6 s). A new request arrived after all the others.
+    # blocked the event loop for 13.6 s). A new request of the queue's last priority ranks
+    # after all the others: one comparison with the back, no search.
     scheduler = Scheduler(config())
     arrivals = count_arrival_lookups(scheduler)
     for request_id in range(1000):
         scheduler.add_request(request(request_id))
-    assert arrivals.lookups == 0
+    assert arrivals.lookups == 999  # the first met an empty queue
     assert waiting_ids(scheduler) == tuple(range(1000))
     scheduler.check_invariants()
 
@@ -301,8 +354,8 @@ def preempt_behind(backlog: int, **overrides: int) -> tuple[Scheduler, CountingA
 
 def test_a_preempted_request_goes_back_before_every_newer_one_by_binary_search() -> None:
     scheduler, arrivals = preempt_behind(1000)
-    assert waiting_ids(scheduler) == (3, *range(4, 1004))
     assert arrivals.lookups <= 2 * (1003).bit_length() + 4  # O(log n), not one per request
+    assert waiting_ids(scheduler) == (3, *range(4, 1004))
     scheduler.check_invariants()
 
 
@@ -408,6 +461,104 @@ def test_preemption_takes_the_newest_running_request() -> None:
     assert waiting_ids(scheduler) == (3,)
     scheduler.check_invariants()  # the queues themselves in that order
     assert scheduler.statistics().num_preemptions == 1
+
+
+# --- priorities -------------------------------------------------------------------------------
+
+
+def test_admission_takes_the_lowest_priority_value_first_and_arrival_order_among_equals() -> None:
+    scheduler = Scheduler(config(max_num_seqs=2))
+    for request_id, priority in ((1, 2), (2, 0), (3, 1), (4, 0), (5, -1)):
+        scheduler.add_request(request(request_id, priority=priority))
+    assert waiting_ids(scheduler) == (5, 2, 4, 3, 1)
+    scheduler.check_invariants()
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert plan.request_ids == (5, 2)
+    assert waiting_ids(scheduler) == (4, 3, 1)
+
+
+def test_a_better_priority_that_does_not_fit_is_not_passed_by_worse_ones() -> None:
+    # Admission stops at the first request that does not fit, in rank order: a stream of
+    # small low-priority requests can't keep a large high-priority one out.
+    scheduler = Scheduler(config(num_blocks=3, max_num_batched_tokens=64, max_model_len=13))
+    scheduler.add_request(request(1, 8, max_tokens=2))  # 2 blocks
+    assert scheduler.schedule() is not None
+    scheduler.add_request(request(2, 1, max_tokens=1, priority=5))  # would fit
+    scheduler.add_request(request(3, 8, max_tokens=1, priority=-5))  # 2 blocks: does not fit
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert plan.request_ids == (1,)
+    assert waiting_ids(scheduler) == (3, 2)
+
+
+def test_preemption_takes_the_lowest_priority_running_request() -> None:
+    scheduler = Scheduler(config(num_blocks=4, block_size=2, max_model_len=7, pipeline_depth=1))
+    kv = SimulatedKV(4, 2)
+    for request_id, priority in ((1, 1), (2, 0), (3, 0)):
+        scheduler.add_request(request(request_id, 2, max_tokens=4, priority=priority))
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert plan.request_ids == (2, 3, 1)  # served in rank order
+    scheduler.apply(kv.execute(plan))
+    # Each now needs a second block and one is free: 2 takes it, 3 takes 1's (the oldest,
+    # but of the worst priority); among equals the newest would go (the test above).
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert plan.request_ids == (2, 3)
+    victim = scheduler.get(1)
+    assert victim is not None
+    assert victim.status is RequestStatus.PREEMPTED
+    assert running_ids(scheduler) == (2, 3)
+    assert waiting_ids(scheduler) == (1,)
+    scheduler.check_invariants()
+
+
+def test_a_waiting_request_gains_one_level_per_priority_aging_steps() -> None:
+    # Request 1 (priority 2, N = 3) holds the only seat for 16 steps; 2 (priority 4) waits.
+    # Its rank is 4 * 3 + 1 = 13: a priority-0 request arriving before step 13 passes it,
+    # one arriving after does not, however many wait.
+    scheduler = Scheduler(config(max_num_seqs=1, pipeline_depth=1, priority_aging_steps=3))
+    kv = SimulatedKV(8, 4)
+    scheduler.add_request(request(1, max_tokens=16, ignore_eos=True, priority=2))
+    assert scheduler.rank(1) == (6, 0)
+    plan = scheduler.schedule()
+    assert plan is not None
+    scheduler.add_request(request(2, priority=4))
+    assert scheduler.rank(2) == (13, 1)
+    for step in range(1, 16):
+        scheduler.apply(kv.execute(plan))
+        if step in (12, 13):
+            scheduler.add_request(request(step + 100, priority=0))
+        plan = scheduler.schedule()
+        assert plan is not None
+    assert scheduler.rank(112) == (12, 2)
+    assert scheduler.rank(113) == (13, 3)  # a tie on steps: arrival decides
+    assert waiting_ids(scheduler) == (112, 2, 113)
+    scheduler.check_invariants()
+
+
+def test_a_low_priority_request_waits_a_bounded_time_behind_a_stream_of_better_ones() -> None:
+    # One seat; a priority-0 request arrives at every step, forever: without aging the
+    # priority-3 request would never run. With N = 2 it ranks (3 * 2 + 0, ...) and is
+    # passed only by requests arriving before step 6.
+    scheduler = Scheduler(config(max_num_seqs=1, pipeline_depth=1, priority_aging_steps=2))
+    engine = SimulatedEngine(scheduler)
+    engine.submit(request(0, max_tokens=1, priority=3))
+    next_id = 1
+    while 0 not in engine.first_admissions:
+        engine.submit(request(next_id, max_tokens=1, priority=0))
+        next_id += 1
+        engine.advance()
+        engine.check()
+        assert engine.num_completed <= 20, engine.first_admissions
+    passed = engine.first_admissions[: engine.first_admissions.index(0)]
+    # Each one arrived before step 6 (its rank is the steps planned before it arrived).
+    assert passed
+    assert max(engine.ranks[rid][0] for rid in passed) < 6 < engine.ranks[next_id - 1][0]
+
+
+# --- planning (continued) ---------------------------------------------------------------------
 
 
 def test_a_full_pipeline_refuses_to_plan() -> None:
@@ -799,13 +950,13 @@ def test_check_invariants_names_a_block_freed_under_a_step_in_flight() -> None:
         scheduler.check_invariants()
 
 
-def test_check_invariants_names_a_queue_out_of_arrival_order() -> None:
+def test_check_invariants_names_a_queue_out_of_rank_order() -> None:
     scheduler = Scheduler(config())
     scheduler.add_request(request(1))
     scheduler.add_request(request(2))
     scheduler.check_invariants()
     scheduler._waiting.reverse()
-    with pytest.raises(AssertionError, match=r"^a queue is out of arrival order$"):
+    with pytest.raises(AssertionError, match=r"^a queue is out of rank order$"):
         scheduler.check_invariants()
 
 

@@ -419,6 +419,19 @@ def test_the_params_cross_the_wire_with_the_constraint_apart(constraint: Any) ->
     assert params_from_wire(received, {2: constraint}) == params
 
 
+def test_the_priority_crosses_the_wire_and_a_bad_one_is_the_requests_refusal() -> None:
+    params = SamplingParams(max_tokens=5, priority=-7)
+    frame = Add(3, "hi", wire_params(params))
+    (received,) = FrameDecoder(ToReplica, "the coordinator").feed(encode_frame(frame))
+    assert received.params["priority"] == -7
+    assert params_from_wire(received) == params
+    # A peer's value out of range is refused as submit refuses it, naming the rule.
+    bad = Add(3, "hi", wire_params(params) | {"priority": 5000})
+    (received,) = FrameDecoder(ToReplica, "the coordinator").feed(encode_frame(bad))
+    with pytest.raises(ValueError, match=r"^priority must be in \[-1000, 1000\], got 5000$"):
+        params_from_wire(received)
+
+
 @pytest.mark.parametrize(
     ("constraint", "wire"),
     [

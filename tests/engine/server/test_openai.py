@@ -229,6 +229,30 @@ async def test_same_seed_same_answer_and_extras_reach_the_engine() -> None:
         assert (params.stop_token_ids, params.ignore_eos, params.seed) == ((7,), True, 5)
 
 
+async def test_priority_reaches_the_engine_from_completions_and_chat() -> None:
+    import openai
+
+    async with served() as server:
+        client = server.client
+        await client.completions.create(
+            model="toy", prompt="p", max_tokens=2, extra_body={"priority": -3}
+        )
+        await client.chat.completions.create(
+            model="toy", messages=CHAT, max_tokens=2, extra_body={"priority": 7}
+        )
+        await client.completions.create(model="toy", prompt="p", max_tokens=2)
+        assert [params.priority for _, params in server.engine.submitted] == [-3, 7, 0]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="toy", messages=CHAT, max_tokens=2, extra_body={"priority": 1001}
+            )
+        error = caught.value.body
+        assert isinstance(error, dict)
+        assert error["param"] == "priority"
+        assert error["message"] == "priority must be in [-1000, 1000], got 1001"
+        assert len(server.engine.submitted) == 3
+
+
 async def test_models_tokenize_detokenize_health() -> None:
     async with served() as server:
         models = await server.client.models.list()
