@@ -278,7 +278,21 @@ _FROM_TEXT: Mapping[str, tuple[Callable[[str], object], str, str]] = {
     "seconds": (float, "a number of seconds", "SECONDS"),
     "hosts": (lambda text: text.split(","), "host names", "HOST,..."),
     "switch": (lambda text: _switch(text), "true or false", "BOOL"),
+    "path": (str, "a file path", "PATH"),
 }
+
+
+def _store_path(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """An attrs validator: ``None``, or a non-empty path (``:memory:`` included)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{attribute.name} must be a file path (str) or None, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if not value.strip() or "\0" in value:
+        raise ValueError(f"{attribute.name} must be a non-empty file path, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -334,6 +348,19 @@ class ServerConfig:
             ``properties`` and no ``additionalProperties`` said ``false`` (OpenAI's and
             xgrammar's strict mode; docs/structured-output.md says where, and why every
             output still validates against the schema as sent). ``false``: as sent.
+        responses_store: The SQLite file ``/v1/responses`` stores responses in (``store``,
+            the default, as OpenAI's) for ``previous_response_id`` and ``GET``/``DELETE
+            /v1/responses/{id}``; it outlives the server. ``None``:
+            ``responses/responses.sqlite3`` in the artifact cache folder
+            (``$TWOSTROKE_CACHE_DIR``, else ``~/.cache/twostroke``); ``:memory:``: gone with
+            the server.
+        responses_max_count: The most responses stored: a new one evicts the oldest.
+        responses_max_bytes: The most bytes of JSON the stored responses (with their input
+            items) hold: a new one evicts the oldest; one larger alone is not stored (its
+            ``store`` reads ``false``).
+        responses_max_age: Seconds a stored response is kept (30 days, as OpenAI's): an
+            older one is gone (``previous_response_id`` naming it is a 400
+            ``previous_response_not_found``, ``GET`` a 404).
 
     Raises:
         TypeError: a value of the wrong type (a bool is not a number); the message names the
@@ -395,6 +422,23 @@ class ServerConfig:
     # keys, and a small model then adds keys of its own until max_tokens (issue 36).
     strict_schemas: bool = attrs.field(
         default=True, validator=_boolean, metadata={"kind": "switch"}
+    )
+    # Under the artifact cache folder, which tests and users already redirect
+    # ($TWOSTROKE_CACHE_DIR), and which a user may delete safely: a response is a convenience
+    # to continue from, not a record.
+    responses_store: str | None = attrs.field(
+        default=None, validator=_store_path, metadata={"kind": "path"}
+    )
+    # An agent's turn stores a response of a few kilobytes to a few hundred (its whole
+    # conversation so far as input items): 10,000 of them fit the 256 MiB below on average.
+    responses_max_count: int = attrs.field(
+        default=10_000, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    responses_max_bytes: int = attrs.field(
+        default=256 * 1024 * 1024, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    responses_max_age: float = attrs.field(
+        default=30 * 24 * 3600.0, validator=_seconds(zero=False), metadata={"kind": "seconds"}
     )
 
     def hosts_answered(self, host: str | None = None) -> frozenset[str]:

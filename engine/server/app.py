@@ -1,6 +1,7 @@
 """The OpenAI-compatible ASGI application over any engine surface.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
 (:mod:`~twostroke.engine.server.responses`), ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (Anthropic's, :mod:`~twostroke.engine.server.messages`,
 whose errors are in Anthropic's shape), ``GET /v1/models``, ``GET /health``,
@@ -68,6 +69,7 @@ from twostroke.engine.server.generation import (
 from twostroke.engine.server.guards import ANTHROPIC_PATHS, Guards, ServerShutdown
 from twostroke.engine.server.messages import Messages
 from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.response_store import ResponseStore, default_store_path, owner_of
 from twostroke.engine.server.responses import PreparedChat, Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint, strict_body
@@ -87,7 +89,7 @@ from twostroke.engine.tools.template import ToolTemplate, native_template, tool_
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
 
-__all__ = ["RENDER_THREADS", "build_app"]
+__all__ = ["RENDER_THREADS", "build_app", "response_store_of"]
 
 #: Worker threads the server renders conversations with tools in, at most, at once (through
 #: the chat template's own ``tools``, to token ids: a template and a tokenizer's work, bounded
@@ -403,6 +405,7 @@ def build_app(
     config: ServerConfig | None = None,
     shutdown: ServerShutdown | None = None,
     tool_format: ToolFormat | str | None = None,
+    response_store: ResponseStore | None = None,
     **limits: Any,
 ) -> Starlette:
     """The ASGI application serving ``engine`` with OpenAI's API (and Anthropic's Messages).
@@ -428,6 +431,10 @@ def build_app(
             (:mod:`twostroke.engine.tools`), or its name; ``None``: the one the engine's chat
             template implies (:func:`~twostroke.engine.tools.formats.engine_tool_format`).
             Logged once, and ``/v1/models`` names it.
+        response_store: Where ``/v1/responses`` stores responses; the caller closes it
+            (:func:`~twostroke.engine.server.serve.serve` does). ``None``: one of
+            :func:`response_store_of` ``config``, opened on first use, which
+            ``app.state.response_store`` holds for the caller to close.
         **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
             (``max_choices=4``), instead of ``config``.
 
@@ -471,6 +478,12 @@ def build_app(
         strict_schemas=config.strict_schemas,
     )
 
+    if response_store is None:
+        response_store = response_store_of(config)
+    elif not isinstance(response_store, ResponseStore):
+        raise TypeError(
+            f"response_store must be a ResponseStore or None, got {type(response_store).__name__}"
+        )
     responses = Responses(
         engine,
         handlers.metrics,
@@ -478,6 +491,8 @@ def build_app(
         max_body_bytes=config.max_body_bytes,
         check_room=handlers._check_room,
         prepare_chat=handlers.prepare_chat,
+        store=response_store,
+        owner=owner_of(api_key),
     )
     messages = Messages(
         engine,
@@ -499,6 +514,9 @@ def build_app(
             route("/v1/completions", handlers.completions, "POST"),
             route("/v1/chat/completions", handlers.chat, "POST"),
             route("/v1/responses", responses.create, "POST"),
+            route("/v1/responses/{response_id}", responses.retrieve, "GET"),
+            route("/v1/responses/{response_id}", responses.delete, "DELETE"),
+            route("/v1/responses/{response_id}/input_items", responses.input_items, "GET"),
             route("/v1/messages", messages.create, "POST"),
             route("/v1/messages/count_tokens", messages.count_tokens, "POST"),
             route("/v1/models", handlers.models, "GET"),
@@ -519,4 +537,21 @@ def build_app(
         ],
     )
     app.state.metrics = handlers.metrics
+    app.state.response_store = response_store
     return app
+
+
+def response_store_of(config: ServerConfig) -> ResponseStore:
+    """The response store ``config`` asks for (``responses_store`` and its bounds); no I/O:
+    the database is opened on first use.
+
+    Raises:
+        ValueError: a bound below 1 (``ServerConfig`` refuses those first).
+    """
+    path = config.responses_store
+    return ResponseStore(
+        default_store_path() if path is None else path,
+        max_count=config.responses_max_count,
+        max_bytes=config.responses_max_bytes,
+        max_age=config.responses_max_age,
+    )

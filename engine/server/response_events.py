@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -40,10 +41,22 @@ class ResponseDraft:
     Args:
         model: The served model's name.
         echo: The request's fields a Response repeats (``instructions``, ``tools`` ...).
+        previous_response_id: The response this one continues, if any.
+        store: Whether the response is stored (the caller stores it, and sets this to
+            ``False`` when the store would not take it).
     """
 
-    def __init__(self, model: str, echo: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model: str,
+        echo: dict[str, Any],
+        *,
+        previous_response_id: str | None = None,
+        store: bool = False,
+    ) -> None:
         self.id = _hex_id("resp")
+        self.previous_response_id = previous_response_id
+        self.store = store
         self._created = int(time.time())
         self._model = model
         self._echo = echo
@@ -76,8 +89,8 @@ class ResponseDraft:
             "incomplete_details": incomplete,
             "output": list(self._output),
             "usage": self._usage,
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": self.previous_response_id,
+            "store": self.store,
             "background": False,
             "metadata": {},
             **self._echo,
@@ -230,11 +243,21 @@ class ResponseEventSender(EventSender):
     Args:
         send: The ASGI ``send``.
         draft: The Response being written.
+        before_end: Awaited once the response is finished, before its last event is sent
+            (where the response is stored, so that a client that reads that event may name
+            it at once); it may change ``draft.store``.
     """
 
-    def __init__(self, send: Send, draft: ResponseDraft) -> None:
+    def __init__(
+        self,
+        send: Send,
+        draft: ResponseDraft,
+        *,
+        before_end: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(send)
         self._draft = draft
+        self._before_end = before_end
         self.started = False
         self.ended = False
 
@@ -259,7 +282,12 @@ class ResponseEventSender(EventSender):
         await self._events(self._draft.chunk(payload))
 
     async def done(self) -> None:
-        await self._events(self._draft.end())
+        events = self._draft.end()
+        if self._before_end is not None:
+            await self._before_end()
+            if events and "response" in events[-1]:  # the final object, as stored
+                events[-1]["response"] = self._draft.response()
+        await self._events(events)
         self.ended = True
         await self._write({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -1,4 +1,4 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless, on top of the chat path.
+"""``/v1/responses``: OpenAI's Responses API on top of the chat path, with stored responses.
 
 A Responses request is translated into the chat completion it asks for (its ``input`` items
 into chat messages, ``instructions`` into a first system message, ``text.format`` into
@@ -9,17 +9,26 @@ or as chunks, is then written back as Responses output items (``message`` with
 ``output_text``, ``function_call`` with ``call_id``, ``name`` and ``arguments``) and, when
 streamed, as the Responses event sequence with sequence numbers.
 
-The server keeps no state between requests, as Ollama's: anything that needs it
-(``previous_response_id``, ``store: true``, ``background: true``, ``conversation``, a stored
-``prompt``, an ``item_reference``) is a 400 that says so. Unknown fields are ignored, as on the
-chat endpoint; known ones this server cannot honour are a 400 naming them.
+A Response is stored (``store``, true by default as OpenAI's) in the server's
+:class:`~twostroke.engine.server.response_store.ResponseStore` with every input item of its
+context, before its answer (or its stream's last event) goes out, so that a client may name
+it at once: ``previous_response_id`` continues from it, as OpenAI defines it (its input
+items, then its output items, then the new ``input``; its ``instructions`` are not carried
+over), ``GET /v1/responses/{id}`` reads it, ``DELETE`` removes it and ``GET
+/v1/responses/{id}/input_items`` lists its input items as OpenAI's paginated list. An id is
+checked for its shape before the database is asked. What needs more state than that
+(``background: true``, ``conversation``, a stored ``prompt``, an ``item_reference``) is a 400
+that says so. Unknown fields are ignored, as on the chat endpoint; known ones this server
+cannot honour are a 400 naming them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
+import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Literal
@@ -37,6 +46,11 @@ from twostroke.engine.server.generation import ChatFormat, Generation
 from twostroke.engine.server.guards import shutting_down
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.response_events import ResponseDraft, ResponseEventSender
+from twostroke.engine.server.response_store import (
+    ResponseStore,
+    ResponseStoreError,
+    StoredResponse,
+)
 from twostroke.engine.server.sse import Disconnected, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint
 from twostroke.engine.server.transport import CLOSING_SECONDS
@@ -47,6 +61,7 @@ from twostroke.states.prompts import Prompt
 __all__ = [
     "MAX_CALL_ID_LENGTH",
     "MAX_INPUT_ITEMS",
+    "MAX_LIST_LIMIT",
     "MAX_TEMPERATURE",
     "PreparedChat",
     "Responses",
@@ -60,11 +75,22 @@ MAX_TEMPERATURE = 2.0
 MAX_INPUT_ITEMS = 2048
 #: The longest ``call_id`` a ``function_call`` or ``function_call_output`` item may carry.
 MAX_CALL_ID_LENGTH = 128
+#: The most items one page of ``GET /v1/responses/{id}/input_items`` holds (OpenAI's).
+MAX_LIST_LIMIT = 100
+#: A response id as this server makes them; checked before the database is asked.
+_RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+#: An item id, as ``after`` names one: this server's are a prefix and 32 hex digits.
+_ITEM_ID = re.compile(r"[a-z]{1,8}_[0-9a-f]{32}")
 #: ``text.format.name`` and a function's name, as OpenAI allows them.
 _FORMAT_NAME = _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_STATELESS = "this server is stateless: it stores no responses or conversations"
+_STATELESS = (
+    "this server stores responses (previous_response_id), not conversations, prompts or "
+    "background runs"
+)
+
+logger = logging.getLogger("twostroke.server")
 
 
 class _Part(msgspec.Struct, kw_only=True):
@@ -134,9 +160,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None
     parallel_tool_calls: bool | None = None
     stream: bool = False
-    # Stateful: a 400 that says the server is stateless.
     previous_response_id: str | None = None
-    store: bool | None = None
+    store: bool | None = None  # None: true, as OpenAI's default
+    # Need more state than stored responses: a 400 that says so.
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
@@ -151,20 +177,18 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 def _refuse_unsupported(body: ResponsesRequest) -> None:
     """The 400s for stateful fields and for fields this server cannot honour."""
     stateful = [
-        ("previous_response_id", body.previous_response_id is not None),
-        ("store", body.store is True),
         ("background", body.background is True),
         ("conversation", body.conversation is not None),
         ("prompt", body.prompt is not None),
     ]
     for field, given in stateful:
         if given:
-            shown = "true" if field in ("store", "background") else "given"
+            shown = "true" if field == "background" else "given"
             raise invalid_request(
-                f"{field} ({shown}) is not supported: {_STATELESS}; send the whole "
-                "conversation as input",
+                f"{field} ({shown}) is not supported: {_STATELESS}; send the conversation "
+                "as input, or continue a stored response with previous_response_id",
                 param=field,
-                code="stateless_server",
+                code="unsupported_parameter",
             )
     unsupported = [
         ("reasoning", body.reasoning is not None, "this server runs no reasoning models"),
@@ -351,7 +375,7 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], _Origins]:
                 f"{where}: item_reference is not supported: {_STATELESS}; send the items "
                 "themselves",
                 param="input",
-                code="stateless_server",
+                code="unsupported_parameter",
             )
         else:
             raise invalid_request(
@@ -534,8 +558,133 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
     }
 
 
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _response_id(value: str, param: str) -> str:
+    """``value`` if it has the shape of this server's response ids (``resp_`` and 32 hex
+    digits), checked before any database is asked about it.
+
+    Raises:
+        ApiError: 400 ``invalid_value`` naming ``param`` and the value.
+    """
+    if not _RESPONSE_ID.fullmatch(value):
+        raise invalid_request(
+            f"{param} must be 'resp_' and 32 lowercase hex digits, as this server's response "
+            f"ids are, got {value[:80]!r}",
+            param=param,
+            code="invalid_value",
+        )
+    return value
+
+
+def _parts(content: str | list[_Part] | None, kind: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": kind, "text": content}]
+    return [{"type": part.type, "text": part.text} for part in content or ()]
+
+
+def _input_items(given: str | list[_Item]) -> list[dict[str, Any]]:
+    """A request's own ``input`` as stored input items: OpenAI's item shapes, each with an
+    id of this server's (a client's ids are not kept: ``after`` pages by them, and two
+    equal ones would make a page ambiguous). Called once ``input`` was checked."""
+    if isinstance(given, str):
+        return [{"id": _item_id("msg"), "type": "message", "role": "user",
+                 "content": _parts(given, "input_text"), "status": "completed"}]  # fmt: skip
+    items: list[dict[str, Any]] = []
+    for item in given:
+        if item.type == "message":
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            items.append({"id": _item_id("msg"), "type": "message", "role": item.role,
+                          "content": _parts(item.content, kind),
+                          "status": "completed"})  # fmt: skip
+        elif item.type == "function_call":
+            items.append({"id": _item_id("fc"), "type": "function_call",
+                          "call_id": item.call_id, "name": item.name,
+                          "arguments": item.arguments, "status": "completed"})  # fmt: skip
+        else:  # function_call_output: the only other kind _messages lets through
+            output = item.output if isinstance(item.output, str) else _parts(item.output, "")
+            items.append({"id": _item_id("fco"), "type": "function_call_output",
+                          "call_id": item.call_id, "output": output,
+                          "status": "completed"})  # fmt: skip
+    return items
+
+
+def _continued(body: ResponsesRequest, previous: StoredResponse | None) -> ResponsesRequest:
+    """``body`` with the conversation it continues as its ``input``: the previous
+    response's input items, its output items, then the body's own ``input``."""
+    if previous is None:
+        return body
+    own = [body.input] if isinstance(body.input, str) else body.input
+    before = msgspec.convert([*previous.input_items, *previous.response["output"]], list[_Item])
+    items = [_Item(role="user", content=item) if isinstance(item, str) else item for item in own]
+    return msgspec.structs.replace(body, input=[*before, *items])
+
+
+def _page(
+    items: list[dict[str, Any]], *, limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """One page of ``items`` as OpenAI's list: ``data``, ``first_id``, ``last_id``,
+    ``has_more``.
+
+    Raises:
+        ApiError: 400 naming ``after`` when it is no item of the list.
+    """
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise invalid_request(f"after names no input item of this response, got {after!r}",
+                                  param="after")  # fmt: skip
+        start = ids.index(after) + 1
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(ordered),
+    }
+
+
+def _list_query(request: Request) -> tuple[int, str, str | None]:
+    """``limit`` (1 to :data:`MAX_LIST_LIMIT`, 20 by default), ``order`` (``asc`` or
+    ``desc``, the default, as OpenAI's) and ``after`` of a list's query string.
+
+    Raises:
+        ApiError: 400 naming the parameter.
+    """
+    query = request.query_params
+    text = query.get("limit", "20")
+    if not (text.isdigit() and len(text) <= 4 and 1 <= int(text) <= MAX_LIST_LIMIT):
+        raise invalid_request(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got "
+                              f"{text[:80]!r}", param="limit")  # fmt: skip
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_request(f"order must be 'asc' or 'desc', got {order[:80]!r}",
+                              param="order")  # fmt: skip
+    after = query.get("after")
+    if after is not None and not _ITEM_ID.fullmatch(after):
+        raise invalid_request(f"after must be an item id such as 'msg_' and 32 hex digits, "
+                              f"got {after[:80]!r}", param="after")  # fmt: skip
+    return int(text), order, after
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"No response found with id '{response_id}'.",
+                    type="invalid_request_error", param="response_id")  # fmt: skip
+
+
+def _store_failed(exc: ResponseStoreError) -> ApiError:
+    logger.error("%s", exc)
+    return ApiError(500, "the response store could not be read or written",
+                    type="server_error", code="response_store_failed")  # fmt: skip
+
+
 class Responses:
-    """The ``/v1/responses`` endpoint over one engine.
+    """The ``/v1/responses`` endpoints over one engine and one response store.
 
     Args:
         engine: The engine surface.
@@ -547,6 +696,9 @@ class Responses:
         prepare_chat: The chat path: what a chat completion body asks of the engine (its
             messages rendered with the server's tool format, sampling parameters, output
             format and constraint, its tools rendered off the event loop), or its 400.
+        store: Where responses are stored.
+        owner: The namespace of this server's responses in ``store``
+            (:func:`~twostroke.engine.server.response_store.owner_of` its API key).
     """
 
     def __init__(
@@ -558,6 +710,8 @@ class Responses:
         max_body_bytes: int,
         check_room: Callable[[int], None],
         prepare_chat: Callable[[protocol.ChatCompletionRequest], Awaitable[PreparedChat]],
+        store: ResponseStore,
+        owner: str,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -565,6 +719,71 @@ class Responses:
         self._max_body_bytes = max_body_bytes
         self._check_room = check_room
         self._prepare_chat = prepare_chat
+        self._store = store
+        self._owner = owner
+
+    async def _stored(self, request: Request) -> tuple[str, StoredResponse]:
+        """The response the path names, or its 400 (a malformed id) or 404."""
+        wanted = _response_id(request.path_params["response_id"], "response_id")
+        try:
+            stored = await self._store.get(self._owner, wanted)
+        except ResponseStoreError as exc:
+            raise _store_failed(exc) from None
+        if stored is None:
+            raise _not_found(wanted)
+        return wanted, stored
+
+    async def retrieve(self, request: Request, receive: Receive, send: Send) -> None:
+        """Answer ``GET /v1/responses/{id}``: the stored Response."""
+        _, stored = await self._stored(request)
+        await send_json(send, 200, stored.response)
+
+    async def input_items(self, request: Request, receive: Receive, send: Send) -> None:
+        """Answer ``GET /v1/responses/{id}/input_items``: a page of its input items."""
+        limit, order, after = _list_query(request)  # before the database is asked
+        _, stored = await self._stored(request)
+        page = _page(stored.input_items, limit=limit, order=order, after=after)
+        await send_json(send, 200, page)
+
+    async def delete(self, request: Request, receive: Receive, send: Send) -> None:
+        """Answer ``DELETE /v1/responses/{id}``: ``{"id", "object", "deleted": true}``."""
+        wanted = _response_id(request.path_params["response_id"], "response_id")
+        try:
+            deleted = await self._store.delete(self._owner, wanted)
+        except ResponseStoreError as exc:
+            raise _store_failed(exc) from None
+        if not deleted:
+            raise _not_found(wanted)
+        await send_json(send, 200, {"id": wanted, "object": "response", "deleted": True})
+
+    async def _previous(self, body: ResponsesRequest) -> StoredResponse | None:
+        """The stored response ``previous_response_id`` names, or its 400."""
+        if body.previous_response_id is None:
+            return None
+        wanted = _response_id(body.previous_response_id, "previous_response_id")
+        try:
+            previous = await self._store.get(self._owner, wanted)
+        except ResponseStoreError as exc:
+            raise _store_failed(exc) from None
+        if previous is None:  # OpenAI's answer: a 400, not a 404
+            raise invalid_request(
+                f"Previous response with id '{wanted}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return previous
+
+    async def _keep(self, draft: ResponseDraft, items: list[dict[str, Any]]) -> None:
+        """Store the finished response, before its answer goes out (a client may name it
+        at once); one the store cannot take is answered with ``store: false``."""
+        if not draft.store:
+            return
+        try:
+            with anyio.CancelScope(shield=True):  # the answer is computed: keep it whole
+                draft.store = await self._store.put(self._owner, draft.response(), items)
+        except ResponseStoreError as exc:
+            logger.error("response %s not stored: %s", draft.id, exc)
+            draft.store = False  # what a client reads back says so
 
     async def create(self, request: Request, receive: Receive, send: Send) -> None:
         """Answer one ``POST /v1/responses``: a Response object, or its event stream."""
@@ -572,7 +791,14 @@ class Responses:
             await read_body(request, self._max_body_bytes), ResponsesRequest
         )
         protocol.check_model(body.model, self._engine.model_name)
-        translated, origins = _translate(body)
+        _refuse_unsupported(body)  # before the store is asked
+        previous = await self._previous(body)
+        translated, origins = _translate(_continued(body, previous))
+        items: list[dict[str, Any]] = []
+        if body.store is not False:  # the context's items, as stored with the response
+            if previous is not None:
+                items = [*previous.input_items, *previous.response["output"]]
+            items += _input_items(body.input)
         try:
             chat = await self._prepare_chat(translated)
         except ApiError as exc:
@@ -588,13 +814,19 @@ class Responses:
             max_tokens_field="max_output_tokens",
             constraint_field=None if shape.param is None else _rename(shape.param),
         )
-        draft = ResponseDraft(self._engine.model_name, _echo(body))
+        draft = ResponseDraft(
+            self._engine.model_name,
+            _echo(body),
+            previous_response_id=body.previous_response_id,
+            store=body.store is not False,
+        )
         try:
             submit = partial(generation.submit, [chat.messages], chat.params, self._check_room)
             if (await until_disconnect(receive, submit))[0]:
                 return  # the client left while its prompt was prepared: nothing queued
             if body.stream:
-                sender = ResponseEventSender(send, draft)
+                sender = ResponseEventSender(send, draft, before_end=partial(self._keep, draft,
+                                                                            items))  # fmt: skip
                 try:
                     await until_disconnect(
                         receive, lambda: generation.stream(sender, include_usage=True)
@@ -608,6 +840,7 @@ class Responses:
                 return
             draft.chunk(await generation.response(outputs))
             draft.end()
+            await self._keep(draft, items)
             try:
                 await send_json(send, 200, draft.response())
             except OSError as exc:  # the client left between the answer and its sending

@@ -24,6 +24,7 @@ import attrs
 from twostroke.engine.config import ServerConfig, server_config
 from twostroke.engine.server.app import build_app
 from twostroke.engine.server.guards import ServerShutdown
+from twostroke.engine.server.response_store import ResponseStore
 from twostroke.engine.server.transport import Transport, busy_app
 from twostroke.engine.surface import EngineSurface
 from twostroke.engine.tools.formats import ToolFormat
@@ -43,6 +44,7 @@ async def serve(
     config: ServerConfig | None = None,
     access_log: bool = False,
     tool_format: ToolFormat | str | None = None,
+    response_store: ResponseStore | None = None,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     **limits: Any,
 ) -> None:
@@ -65,6 +67,9 @@ async def serve(
         access_log: Log one line per request to the ``twostroke.server`` logger.
         tool_format: The format the model writes tool calls in, or its name (``None``: the
             one the engine's chat template implies; see :func:`build_app`).
+        response_store: Where ``/v1/responses`` stores responses, which the caller closes;
+            ``None``: the one ``config`` names (``responses_store`` and its bounds), closed
+            when the server ends.
         task_status: Receives the bound port once the server accepts connections.
         **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
             (``max_connections=100``), instead of ``config``.
@@ -98,6 +103,7 @@ async def serve(
         config=attrs.evolve(config, allowed_hosts=config.hosts_answered(host)),
         shutdown=shutdown,
         tool_format=tool_format,
+        response_store=response_store,
     )
     if api_key is None and not _is_loopback(host):
         logger.warning(
@@ -106,14 +112,18 @@ async def serve(
             host,
         )
     busy = busy_app(transport.max_connections)
-    if _running_on_trio():
-        from twostroke.engine.server.hypercorn_server import serve_hypercorn
+    try:
+        if _running_on_trio():
+            from twostroke.engine.server.hypercorn_server import serve_hypercorn
 
-        await serve_hypercorn(app, busy, transport, shutdown, task_status)
-    else:
-        from twostroke.engine.server.uvicorn_server import serve_uvicorn
+            await serve_hypercorn(app, busy, transport, shutdown, task_status)
+        else:
+            from twostroke.engine.server.uvicorn_server import serve_uvicorn
 
-        await serve_uvicorn(app, busy, transport, shutdown, task_status)
+            await serve_uvicorn(app, busy, transport, shutdown, task_status)
+    finally:
+        if response_store is None:  # the one build_app made for this server
+            await app.state.response_store.aclose()
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,5 +1,5 @@
 """``POST /v1/responses`` through the official client: text, formats, function tools, streams,
-the stateless refusals and the 404 that names the routes."""
+the refusals and the 404 that names the routes (stored responses: test_response_store.py)."""
 
 from __future__ import annotations
 
@@ -440,15 +440,20 @@ async def test_closing_a_stream_mid_way_cancels_its_request() -> None:
 
 #: (body fields, param, message, code)
 REFUSALS: list[tuple[dict[str, Any], str, str, str | None]] = [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "previous_response_id (given) "
-     "is not supported: this server is stateless", "stateless_server"),
-    ({"store": True}, "store", "store (true) is not supported: this server is stateless",
-     "stateless_server"),
-    ({"background": True}, "background", "this server is stateless", "stateless_server"),
-    ({"conversation": "conv_1"}, "conversation", "this server is stateless", "stateless_server"),
-    ({"prompt": {"id": "pmpt_1"}}, "prompt", "this server is stateless", "stateless_server"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "previous_response_id must "
+     "be 'resp_' and 32 lowercase hex digits, as this server's response ids are, got 'resp_1'",
+     "invalid_value"),
+    ({"previous_response_id": "resp_" + "0" * 32}, "previous_response_id",
+     f"Previous response with id 'resp_{'0' * 32}' not found.", "previous_response_not_found"),
+    ({"background": True}, "background", "background (true) is not supported: this server "
+     "stores responses (previous_response_id), not conversations, prompts or background runs",
+     "unsupported_parameter"),
+    ({"conversation": "conv_1"}, "conversation", "not conversations", "unsupported_parameter"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "not conversations, prompts",
+     "unsupported_parameter"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input",
-     "input[0]: item_reference is not supported: this server is stateless", "stateless_server"),
+     "input[0]: item_reference is not supported: this server stores responses",
+     "unsupported_parameter"),
     ({"input": []}, "input", "input must not be empty", None),
     ({"input": [{"role": "user", "content": "x"}] * (MAX_INPUT_ITEMS + 1)}, "input",
      f"input must hold <= {MAX_INPUT_ITEMS} items, got {MAX_INPUT_ITEMS + 1}", None),
@@ -532,9 +537,9 @@ async def test_refusals_are_400s_naming_the_field_and_the_rule() -> None:
             assert (error["param"], error["code"]) == ("max_output_tokens",
                                                        "context_length_exceeded")  # fmt: skip
             assert error["message"].endswith("Please reduce the prompt or max_output_tokens.")
-        with pytest.raises(openai.BadRequestError, match="this server is stateless"):
+        with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_"):
             await server.client.responses.create(
-                model="toy", input="Hi", previous_response_id="resp_1"
+                model="toy", input="Hi", previous_response_id="resp_" + "f" * 32
             )
 
 
