@@ -21,7 +21,11 @@ README says where each comes from), in the engine's own path (``JsonSchema`` the
   ``jsonschema`` against the schema as it was given; walks that reach ``--max-bytes`` are
   counted as unfinished, not judged; walks the matcher's check after generation refused
   (``oneOf``, ``uniqueItems``: a request's ``ConstraintFailed``) and walks where the backend
-  gave up (a limit) are counted apart.
+  gave up (a limit) are counted apart;
+* **per keyword** (``by_keyword``): for each keyword the engine relaxes or leaves to the
+  check (``if``, ``not``, ``oneOf`` ...), the schemas that hold it, their random outputs
+  that finished or that the check refused, and how many refusals named it: how often a
+  relaxation lets the toy's random output through to a check that fails.
 
 The vocabulary is the toy runner's bytes (257 tokens): what the constraint allows does not
 depend on it, and it needs no model. ``--tokenizer smollm2`` compiles against SmolLM2's 49,152
@@ -220,6 +224,26 @@ def _bytes(compiled: Any, tokens: list[int]) -> bytes:
     return bytes(compiled.vocabulary.backend.decode_bytes(tokens))
 
 
+#: The keyword a check's refusal names (``SchemaCheck``'s reason).
+_CHECKED_BY = re.compile(r"; (\S+) is checked after generation")
+
+
+def by_keyword(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per relaxed or checked keyword: the schemas that hold it, their walks that finished
+    or were refused by the check, and the refusals that named it."""
+    table: dict[str, dict[str, int]] = {}
+    for row in rows:
+        for keyword in row.get("checked", []):
+            counts = table.setdefault(
+                keyword, {"schemas": 0, "outputs": 0, "check_failed": 0, "named": 0}
+            )
+            counts["schemas"] += 1
+            counts["outputs"] += row["outputs"]
+            counts["check_failed"] += row["check_failed"]
+            counts["named"] += row["failed_by"].get(keyword, 0)
+    return dict(sorted(table.items()))
+
+
 def _percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
@@ -268,6 +292,10 @@ def measure(
         row["unfinished"] = sum(out is None for out in outputs)
         failed = [out for out in outputs if isinstance(out, str)]
         row["check_failed"] = sum(out.startswith("the output does not validate") for out in failed)
+        row["checked"] = sorted(compiled.check.checked) if compiled.check is not None else []
+        row["failed_by"] = collections.Counter(
+            found[1] for out in failed if (found := _CHECKED_BY.search(out)) is not None
+        )
         row["gave_up"] = len(failed) - row["check_failed"]
         bad = [out for out in done if not validator.is_valid(json.loads(out))]
         row["outputs_invalid"] = len(bad)
@@ -302,6 +330,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "outputs_gave_up": total("gave_up"),
         "outputs_check_failed": total("check_failed"),
         "outputs_invalid": total("outputs_invalid"),
+        "by_keyword": by_keyword(rows),
         "by_subset": {name: f"{done}/{count}" for name, (done, count) in sorted(by_subset.items())},
         "refusals": refusals.most_common(),
         "rows": rows,

@@ -25,9 +25,19 @@ engine lets finish still validates against the schema as it was given:
   was given (:class:`SchemaCheck`) before it lets the output end, and an output that does
   not validate cannot end: the request fails with a ``ConstraintFailed`` naming the keyword
   and the place, never with output that does not validate.
-* Everything else llguidance refuses (``if``/``then``/``else``, any other ``not``,
-  ``contains``, ...) stays refused, with its reason naming the keyword: dropped and checked,
-  a keyword that picks whole branches of the output would fail many requests at their end.
+* **Relaxed, and checked**: what llguidance cannot express is replaced by the closest
+  schema it can that admits every valid instance (a superset), and checked as above.
+  ``if``/``then``/``else`` becomes ``anyOf: [then, else]`` (where both are given; else it
+  is dropped: an instance satisfies ``then`` or ``else`` whichever way ``if`` goes); any
+  other ``not``, ``propertyNames``, ``unevaluatedItems``, ``contains`` (and
+  ``minContains``/``maxContains``) are dropped; ``unevaluatedProperties`` is
+  ``additionalProperties`` where nothing beside it evaluates properties (exactly), dropped
+  elsewhere; ``min``/``maxProperties`` beside optional properties are dropped (llguidance
+  takes them only where every property is required); a ``pattern`` with look-around or a
+  back-reference (Rust's regex has neither) is dropped; a ``$ref`` to a definition that
+  refers back to itself loses the keys beside it (llguidance refuses circular references
+  with sibling keys), annotations apart.
+* Everything else llguidance refuses stays refused, in its words.
 
 :func:`strict` is the server's rule for schemas that arrive over HTTP: an object subschema
 with ``properties`` and no ``additionalProperties`` is compiled as if it said ``false``.
@@ -39,7 +49,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -57,9 +68,28 @@ __all__ = [
 ENFORCED_FORMATS = frozenset(
     {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 )
-#: The keywords a schema may hold that the backend does not enforce and the matcher checks on
-#: the complete output.
-CHECKED_KEYWORDS = ("oneOf", "uniqueItems")
+#: The keywords a schema may hold that the backend does not enforce (or enforces relaxed) and
+#: the matcher checks on the complete output (``if`` stands for ``then`` and ``else`` too,
+#: ``contains`` for ``minContains`` and ``maxContains``; ``$ref`` for the keys beside it).
+CHECKED_KEYWORDS = (
+    *("oneOf", "uniqueItems", "not", "if", "propertyNames", "unevaluatedProperties"),
+    *("unevaluatedItems", "contains", "minProperties", "maxProperties", "pattern", "$ref"),
+)
+#: Keywords checked under another's name (:data:`CHECKED_KEYWORDS`).
+_CHECKED_AS = {"then": "if", "else": "if", "minContains": "contains", "maxContains": "contains"}
+#: Keys beside a ``$ref`` that constrain nothing (llguidance takes them beside a circular one).
+_ANNOTATIONS = frozenset(
+    {"$comment", "$id", "$schema", "$anchor", "title", "description", "default", "examples"}
+    | {"deprecated", "readOnly", "writeOnly", "$defs", "definitions"}
+)
+#: Keywords that evaluate an object's properties in place (``unevaluatedProperties`` sees
+#: what they evaluated, ``additionalProperties`` does not).
+_IN_PLACE = (
+    *("allOf", "anyOf", "oneOf", "not", "$ref", "$dynamicRef", "$recursiveRef"),
+    *("if", "then", "else", "dependentSchemas", "dependencies"),
+)
+#: Look-around and back-references: Python's ``re`` has them, llguidance's regexes do not.
+_LOOK_AROUND = re.compile(r"\\(?:[1-9]|k<)|\(\?(?:<?[=!]|P=)")
 
 #: Keywords whose value is one subschema.
 _ONE = (
@@ -176,26 +206,225 @@ def _relax(node: dict[str, Any], checked: set[str]) -> None:
             checked.add("uniqueItems")
     if isinstance(node.get("oneOf"), list):
         checked.add("oneOf")
+    # Before anything joins ``allOf`` here: it would evaluate properties in place.
+    _relax_unevaluated_properties(node, checked)
     _rewrite_dependencies(node)
     _rewrite_not_required(node)
+    _relax_not_expressible(node, checked)
+
+
+def _join(node: dict[str, Any], schema: dict[str, Any]) -> None:
+    """Add ``schema`` to ``node``'s ``allOf`` (the node then also has to satisfy it)."""
+    existing = node.get("allOf")
+    node["allOf"] = [*(existing if isinstance(existing, list) else []), schema]
+
+
+def _relax_unevaluated_properties(node: dict[str, Any], checked: set[str]) -> None:
+    """``unevaluatedProperties``: ``additionalProperties`` where nothing in place evaluates
+    properties beside it (the same valid instances), else dropped and checked."""
+    if "unevaluatedProperties" not in node:
+        return
+    unevaluated = node.pop("unevaluatedProperties")
+    if any(key in node for key in _IN_PLACE):
+        checked.add("unevaluatedProperties")
+    elif "additionalProperties" not in node:  # (beside it, it leaves nothing unevaluated)
+        node["additionalProperties"] = unevaluated
+
+
+def _relax_not_expressible(node: dict[str, Any], checked: set[str]) -> None:
+    """The keywords llguidance cannot express, as a superset of their valid instances."""
+    if "if" in node or "then" in node or "else" in node:
+        condition, then, otherwise = (node.pop(key, True) for key in ("if", "then", "else"))
+        # An instance satisfies ``then`` or ``else``, whichever way ``if`` goes for it.
+        if condition is not False and then is not True and otherwise is not True:
+            _join(node, {"anyOf": [then, otherwise]})
+        checked.add("if")
+    for keyword in ("not", "propertyNames", "unevaluatedItems"):
+        if keyword in node:
+            del node[keyword]
+            checked.add(keyword)
+    if "contains" in node or "minContains" in node or "maxContains" in node:
+        for keyword in ("contains", "minContains", "maxContains"):
+            node.pop(keyword, None)
+        checked.add("contains")
+    _relax_property_counts(node, checked)
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _LOOK_AROUND.search(pattern):
+        del node["pattern"]
+        checked.add("pattern")
+
+
+def _relax_property_counts(node: dict[str, Any], checked: set[str]) -> None:
+    """``min``/``maxProperties`` beside optional properties (llguidance takes them only
+    where every property is required): dropped, checked unless ``required`` implies them."""
+    properties, required = node.get("properties"), node.get("required")
+    names = set(required) if isinstance(required, list) else set()
+    if not isinstance(properties, dict) or set(properties) <= names:
+        return
+    at_least = node.get("minProperties")
+    if isinstance(at_least, int) and len(names) >= at_least:
+        del node["minProperties"]  # every valid instance has that many properties already
+    for keyword in ("minProperties", "maxProperties"):
+        if keyword in node:
+            del node[keyword]
+            checked.add(keyword)
+
+
+def _lacking(negated: Any) -> dict[str, Any] | None:
+    """``{"required": [a, ...]}`` negated: an object that lacks ``a`` or another of them
+    (``None`` for any other schema)."""
+    if not isinstance(negated, dict) or set(negated) != {"required"}:
+        return None
+    names = negated["required"]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return None
+    absent = [_absent(name) for name in dict.fromkeys(names)]
+    return {"type": "object", **(absent[0] if len(absent) == 1 else {"anyOf": absent})}
 
 
 def _rewrite_not_required(node: dict[str, Any]) -> None:
-    """``not: {"required": [a, ...]}``: an object that lacks ``a`` or another of them."""
+    """``not: {"required": [a, ...]}``: an object that lacks ``a`` or another of them; ``not:
+    {"anyOf": [{"required": ...}, ...]}`` (keys that exclude each other): all of those."""
     negated = node.get("not")
-    if not isinstance(negated, dict) or set(negated) != {"required"}:
+    branches = negated.get("anyOf") if isinstance(negated, dict) and len(negated) == 1 else None
+    if isinstance(branches, list) and branches:
+        lacking = [_lacking(branch) for branch in branches]
+        if all(schema is not None for schema in lacking):
+            del node["not"]
+            for schema in lacking:
+                assert schema is not None
+                _join(node, schema)
         return
-    names = negated["required"]
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+    schema = _lacking(negated)
+    if schema is not None:
+        del node["not"]
+        _join(node, schema)
+
+
+#: Keywords whose subschemas the rewrites move or drop.
+_MOVED = frozenset(
+    {"not", "if", "then", "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties"}
+    | {"contains", "dependentSchemas", "dependencies"}
+)
+#: How many characters (compact JSON) :func:`_rehome_refs` copies at most, twice the longest
+#: schema: a schema past it keeps its other references, which the backend refuses as dangling
+#: (ui5.yaml of the shared sample copies 44 definitions, 19,000 characters).
+_MAX_COPIED = 262_144
+
+
+def _rehome_refs(schema: dict[str, Any]) -> None:
+    """Point each local ``$ref`` into a subschema the rewrites move or drop (under ``then``,
+    ``not`` ...) at a copy of it among the root's ``$defs``, where it stays."""
+    homes: dict[str, str] = {}
+    copied = 0
+    defs_key = "definitions" if "definitions" in schema and "$defs" not in schema else "$defs"
+    stack: list[dict[str, Any]] = [schema]
+    while stack:
+        node = stack.pop()
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/") and _MOVED.intersection(ref.split("/")):
+            if ref not in homes:
+                target = _target(schema, ref)
+                size = len(json.dumps(target)) if isinstance(target, dict | bool) else 0
+                if not size or copied + size > _MAX_COPIED:
+                    stack.extend(sub for _, sub in subschemas(node))
+                    continue  # names nothing already, or past the bound: the backend says so
+                copied += size
+                defs = schema.setdefault(defs_key, {})
+                name = f"twostroke-ref-{len(homes)}"
+                while name in defs:
+                    name += "-"
+                homes[ref] = f"#/{defs_key}/{name}"
+                defs[name] = copy.deepcopy(target)
+                if isinstance(defs[name], dict):
+                    stack.append(defs[name])
+            node["$ref"] = homes[ref]
+        stack.extend(sub for _, sub in subschemas(node))
+
+
+def _circular_refs(schema: dict[str, Any]) -> frozenset[str]:
+    """The local ``$ref`` s whose target refers back to itself (directly or not)."""
+    reached: dict[str, set[str]] = {}
+
+    def refs_in(target: Any) -> set[str]:
+        found: set[str] = set()
+        stack = [target] if isinstance(target, dict) else []
+        while stack:
+            node = stack.pop()
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                found.add(ref)
+            stack.extend(sub for _, sub in subschemas(node))
+        return found
+
+    stack = list(refs_in(schema))
+    while stack:
+        ref = stack.pop()
+        if ref in reached:
+            continue
+        reached[ref] = refs_in(_target(schema, ref))
+        stack.extend(reached[ref])
+    circular = set()
+    for ref in reached:
+        seen, frontier = set(), list(reached[ref])
+        while frontier:
+            other = frontier.pop()
+            if other == ref:
+                circular.add(ref)
+                break
+            if other not in seen:
+                seen.add(other)
+                frontier.extend(reached.get(other, ()))
+    return frozenset(circular)
+
+
+def _target(schema: dict[str, Any], ref: str) -> Any:
+    """What a local ``$ref`` (``#/a/b``) names, or ``None``."""
+    target: Any = schema
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return None
+    return target
+
+
+#: Keywords whose subschemas llguidance intersects with the keys beside them.
+_JOINED = ("allOf", "anyOf", "oneOf")
+
+
+def _relax_circular_siblings(schema: dict[str, Any], checked: set[str]) -> None:
+    """A ``$ref`` to a circular definition, and a subschema that joins one (``allOf``,
+    ``anyOf``, ``oneOf`` of it), keep only annotations beside them: llguidance refuses to
+    intersect a circular reference with sibling keys."""
+    circular = _circular_refs(schema)
+    if not circular:
         return
-    del node["not"]
-    absent = [_absent(name) for name in dict.fromkeys(names)]
-    lacking = absent[0] if len(absent) == 1 else {"anyOf": absent}
-    existing = node.get("allOf")
-    node["allOf"] = [
-        *(existing if isinstance(existing, list) else []),
-        {"type": "object", **lacking},
-    ]
+
+    def joins_circular(node: Any) -> bool:
+        if not isinstance(node, dict):
+            return False
+        if node.get("$ref") in circular:
+            return True
+        return any(
+            isinstance(node.get(keyword), list) and any(map(joins_circular, node[keyword]))
+            for keyword in _JOINED
+        )
+
+    def visit(node: dict[str, Any]) -> None:
+        if not joins_circular(node):
+            return
+        kept = _ANNOTATIONS | {"$ref", *_JOINED}
+        siblings = [key for key in node if key not in kept]
+        for key in siblings:
+            del node[key]
+        if siblings:
+            checked.add("$ref")
+
+    _walk(schema, visit)
 
 
 @attrs.frozen
@@ -223,7 +452,9 @@ def for_backend(schema: dict[str, Any]) -> BackendSchema:
     """
     rewritten = copy.deepcopy(schema)
     checked: set[str] = set()
+    _rehome_refs(rewritten)
     _walk(rewritten, lambda node: _relax(node, checked))
+    _relax_circular_siblings(rewritten, checked)
     return BackendSchema(rewritten, frozenset(checked))
 
 
@@ -266,9 +497,23 @@ class SchemaCheck:
         keyword = str(error.validator)
         return (
             f"the output does not validate at {where}: {keyword} "
-            f"({error.message[:120]}); {keyword if keyword in self.checked else 'it'} is "
+            f"({error.message[:120]}); {self._named(error.absolute_schema_path)} is "
             f"checked after generation, not enforced while sampling"
         )
+
+    def _named(self, schema_path: Iterable[Any]) -> str:
+        """The checked keyword the failed rule is under (``then`` is ``if``'s), else ``$ref``
+        where keys beside circular ones were dropped (a rule under none is one of them), or
+        ``it``."""
+        named = "$ref" if "$ref" in self.checked else "it"
+        under_names = False  # the part is a name (of a property, a definition), not a keyword
+        for part in schema_path:
+            if isinstance(part, str) and not under_names:
+                keyword = _CHECKED_AS.get(part, part)
+                if keyword in self.checked:
+                    named = keyword  # the innermost: the one the rule broke
+            under_names = part in _MAP and not under_names
+        return named
 
 
 def _is_object_schema(node: dict[str, Any]) -> bool:

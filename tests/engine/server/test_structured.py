@@ -200,9 +200,9 @@ BACKEND_REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
      "structured_outputs.regex: invalid regex: look-around, including look-ahead and "
      "look-behind, is not supported"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "w", "schema": {"type": "object", "if": {}, "then": {}}}}},
+        "name": "w", "schema": {"type": "object", "$dynamicRef": "#node"}}}},
      "response_format.json_schema.schema",
-     'response_format.json_schema.schema: Unimplemented keys: ["if", "then"]'),
+     'response_format.json_schema.schema: Unimplemented keys: ["$dynamicRef"]'),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "integer", "minimum": 5, "maximum": 1}}}], "tool_choice": "required"}, "tools",
      "tools: the parameters of function 'f': failed to compile JSON schema: Unsatisfiable "

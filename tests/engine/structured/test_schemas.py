@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,8 +80,17 @@ def test_not_required_becomes_absent_properties() -> None:
             }
         ]
     }
-    other = {"not": {"required": ["a"], "type": "object"}}
-    assert for_backend(other).schema == other  # refused by the backend, naming not
+    exclusive = for_backend({"not": {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}})
+    assert exclusive.schema == {
+        "allOf": [
+            {"type": "object", "properties": {"a": False}},
+            {"type": "object", "properties": {"b": False}},
+        ]
+    }
+    assert exclusive.checked == frozenset()
+    other = for_backend({"not": {"required": ["a"], "type": "object"}})
+    assert other.schema == {}  # dropped, and checked
+    assert other.checked == {"not"}
 
 
 def test_checked_keywords() -> None:
@@ -205,8 +215,12 @@ def test_one_of_matching_two_branches_cannot_end(byte_compiler: GrammarCompiler)
 @pytest.mark.parametrize(
     ("schema", "reason"),
     [
-        ({"not": {"type": "string"}}, 'Unimplemented keys: ["not"]'),
-        ({"if": {}, "then": {}}, 'Unimplemented keys: ["if", "then"]'),
+        # a key's pattern cannot be dropped: other keys would take additionalProperties
+        (
+            {"type": "object", "patternProperties": {"^(?!x)": {}}},
+            "invalid regex: look-around, including look-ahead and look-behind, is not supported",
+        ),
+        ({"$dynamicRef": "#node"}, 'Unimplemented keys: ["$dynamicRef"]'),
     ],
 )
 def test_what_cannot_be_rewritten_nor_checked_is_still_refused(
@@ -375,6 +389,12 @@ def _object_schemas(draw: st.DrawFn, depth: int = 2, refs: bool = True) -> dict[
         schema[draw(st.sampled_from(["not", "if", "then"]))] = {"$ref": "#/$defs/d"}
     if draw(st.booleans()):
         schema["format"] = draw(st.sampled_from(["uri-reference", "date"]))
+    if draw(st.booleans()):
+        schema["unevaluatedProperties"] = draw(st.booleans() | st.just({"enum": [0]}))
+    if draw(st.booleans()):
+        schema[draw(st.sampled_from(["minProperties", "maxProperties"]))] = draw(st.integers(0, 2))
+    if draw(st.booleans()):
+        schema["propertyNames"] = {"enum": draw(st.lists(st.sampled_from(_NAMES), max_size=2))}
     return schema
 
 
@@ -407,9 +427,13 @@ def test_the_rewrites_keep_the_valid_instances(
     ``allOf``) and ``dependentRequired`` as 2020-12 does. (``format`` is not asserted: an
     annotation.)"""
     reference = jsonschema.Draft202012Validator(_as_2020(schema))
-    rewritten = jsonschema.Draft202012Validator(for_backend(schema).schema)
+    backend = for_backend(schema)
+    rewritten = jsonschema.Draft202012Validator(backend.schema)
     for instance in instances:
-        assert rewritten.is_valid(instance) == reference.is_valid(instance), instance
+        if reference.is_valid(instance):  # relaxed or not, every valid instance is admitted
+            assert rewritten.is_valid(instance), instance
+        elif not backend.checked:  # exact: nothing the check would have to refuse
+            assert not rewritten.is_valid(instance), instance
 
 
 def _as_2020(schema: Any) -> Any:
@@ -432,3 +456,76 @@ def test_strict_only_narrows(schema: dict[str, Any], instances: list[Any]) -> No
     for instance in instances:
         if narrowed.is_valid(instance):
             assert given_.is_valid(instance), instance
+
+
+#: Per relaxed keyword: a schema, and an output its relaxation admits that does not validate.
+RELAXED_INVALID: dict[str, tuple[dict[str, Any], bytes]] = {
+    "not": ({"not": {"type": "string"}}, b'"x"'),
+    "if": (
+        {
+            "type": "object",
+            "properties": {"k": {"enum": ["a", "b"]}, "v": {"type": "integer"}},
+            "required": ["k", "v"],
+            "if": {"properties": {"k": {"const": "a"}}},
+            "then": {"properties": {"v": {"minimum": 5}}},
+            "else": {"properties": {"v": {"maximum": 0}}},
+        },
+        b'{"k": "a", "v": -1}',  # else's, where if holds
+    ),
+    "propertyNames": (
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "maxProperties": 1},
+        b'{"A": 1}',
+    ),
+    "unevaluatedProperties": (
+        {"allOf": [{"properties": {"a": {"type": "integer"}}}], "unevaluatedProperties": False},
+        b'{"a": 1, "b": 2}',
+    ),
+    "pattern": ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, b'"xa"'),
+    "minProperties": (
+        {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1},
+        b"{}",
+    ),
+    "maxProperties": (
+        {"type": "object", "properties": {"a": {"enum": [1]}}, "maxProperties": 1},
+        b'{"a": 1, "b": 2}',
+    ),
+    "contains": ({"type": "array", "contains": {"const": 1}, "maxItems": 2}, b"[2]"),
+    "unevaluatedItems": (
+        {"type": "array", "allOf": [{"prefixItems": [{}]}], "unevaluatedItems": False},
+        b"[1, 2]",
+    ),
+    "$ref": (
+        {
+            "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+            "properties": {"head": {"$ref": "#/$defs/node", "required": ["next"]}},
+        },
+        b'{"head": {}}',
+    ),
+}
+
+
+@pytest.mark.parametrize("keyword", list(RELAXED_INVALID))
+def test_each_relaxation_is_checked(byte_compiler: GrammarCompiler, keyword: str) -> None:
+    schema, text = RELAXED_INVALID[keyword]
+    compiled = byte_compiler.compile_now(JsonSchema(schema))
+    assert compiled.check is not None
+    assert compiled.check.checked == {keyword}
+    matcher = compiled.matcher()
+    assert all(matcher.advance(byte) for byte in text)  # the relaxation admits it ...
+    assert not matcher.accepting  # ... but it cannot end
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("keyword", list(RELAXED_INVALID))
+async def test_a_relaxed_output_that_does_not_validate_fails_the_request(keyword: str) -> None:
+    schema, text = RELAXED_INVALID[keyword]
+    params = SamplingParams(max_tokens=64, constraint=JsonSchema(schema))
+    runner = ToyRunner(choose=_writing("Out:", text))
+    async with Engine.open(
+        runner=runner, tokenizer=ByteTokenizer(), device="cpu", num_blocks=64, block_size=4
+    ) as engine:
+        with pytest.raises(
+            ConstraintFailed, match=rf"{re.escape(keyword)} is checked after generation"
+        ):
+            await engine.generate("Out:", params)
