@@ -361,6 +361,20 @@ class ServerConfig:
         responses_max_age: Seconds a stored response is kept (30 days, as OpenAI's): an
             older one is gone (``previous_response_id`` naming it is a 400
             ``previous_response_not_found``, ``GET`` a 404).
+        batches_store: The SQLite file ``/v1/files`` and ``/v1/batches`` keep files, batches
+            and each answered line in; a batch outlives the server and resumes in the next
+            one on the same file. ``None``: ``batches.sqlite3`` beside the response store's
+            default file (``responses/`` in the artifact cache folder); ``:memory:``: gone
+            with the server.
+        batch_max_file_bytes: The largest file ``POST /v1/files`` takes, in bytes (100 MiB,
+            as OpenAI's): a larger one is a 413, or a 400 naming ``file``.
+        batch_max_lines: The most lines a batch's input file may have (50,000, as OpenAI's):
+            more is a 400 naming ``file``.
+        batch_max_in_flight: The most lines of batches submitted to the engine at once (each
+            at most ``max_choices`` engine requests, at priority 1000): what a batch may put
+            ahead of an interactive request (docs/serving.md, "Batches").
+        batch_store_max_bytes: The most bytes the stored files (uploads and batch outputs)
+            hold: an upload past it is a 400 ``storage_full`` until files are deleted.
 
     Raises:
         TypeError: a value of the wrong type (a bool is not a number); the message names the
@@ -439,6 +453,25 @@ class ServerConfig:
     )
     responses_max_age: float = attrs.field(
         default=30 * 24 * 3600.0, validator=_seconds(zero=False), metadata={"kind": "seconds"}
+    )
+    # Beside the responses (same folder, same rules), in a file of its own: its own
+    # connection and writer, and a batch's answers never count against the responses' bounds.
+    batches_store: str | None = attrs.field(
+        default=None, validator=_store_path, metadata={"kind": "path"}
+    )
+    batch_max_file_bytes: int = attrs.field(
+        default=100 * 1024 * 1024, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    batch_max_lines: int = attrs.field(
+        default=50_000, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    # A few lines: enough to fill a step's idle seats on a small server, few enough that an
+    # interactive request finds at most that many batch requests ahead of it.
+    batch_max_in_flight: int = attrs.field(
+        default=8, validator=int_at_least(1), metadata={"kind": "count"}
+    )
+    batch_store_max_bytes: int = attrs.field(
+        default=4 * 1024 * 1024 * 1024, validator=int_at_least(1), metadata={"kind": "count"}
     )
 
     def hosts_answered(self, host: str | None = None) -> frozenset[str]:

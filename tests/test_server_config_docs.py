@@ -67,5 +67,5 @@ def test_each_flag_in_the_table_sets_its_field() -> None:
         value = {"allowed_hosts": "*", "strict_schemas": "false"}.get(field.name, "3")
         given = parser.parse_args(["serve", server_flag(field.name), value])
         expected = {"allowed_hosts": frozenset({"*"}), "strict_schemas": False,
-                    "responses_store": "3"}.get(field.name, 3)  # fmt: skip
+                    "responses_store": "3", "batches_store": "3"}.get(field.name, 3)  # fmt: skip
         assert getattr(given, field.name) == expected, field.name

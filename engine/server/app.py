@@ -2,7 +2,10 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
 ``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
-(:mod:`~twostroke.engine.server.responses`), ``POST /v1/messages`` and
+(:mod:`~twostroke.engine.server.responses`), ``POST /v1/files``, ``GET`` and ``DELETE
+/v1/files/{id}``, ``GET /v1/files/{id}/content``, ``POST`` and ``GET /v1/batches``, ``GET
+/v1/batches/{id}``, ``POST /v1/batches/{id}/cancel`` (:mod:`~twostroke.engine.server.batches`),
+``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (Anthropic's, :mod:`~twostroke.engine.server.messages`,
 whose errors are in Anthropic's shape), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``; any other path is a 404 that lists
@@ -53,6 +56,8 @@ from starlette.types import Message, Receive, Scope, Send
 from twostroke.engine.config import ServerConfig, server_config
 from twostroke.engine.errors import EngineError, EngineOverloaded
 from twostroke.engine.server import protocol
+from twostroke.engine.server.batch_store import BatchStore, default_batches_path
+from twostroke.engine.server.batches import Batches
 from twostroke.engine.server.body import read_body
 from twostroke.engine.server.errors import (
     ApiError,
@@ -89,7 +94,7 @@ from twostroke.engine.tools.template import ToolTemplate, native_template, tool_
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
 
-__all__ = ["RENDER_THREADS", "build_app", "response_store_of"]
+__all__ = ["RENDER_THREADS", "batch_store_of", "build_app", "response_store_of"]
 
 #: Worker threads the server renders conversations with tools in, at most, at once (through
 #: the chat template's own ``tools``, to token ids: a template and a tokenizer's work, bounded
@@ -406,6 +411,7 @@ def build_app(
     shutdown: ServerShutdown | None = None,
     tool_format: ToolFormat | str | None = None,
     response_store: ResponseStore | None = None,
+    batch_store: BatchStore | None = None,
     **limits: Any,
 ) -> Starlette:
     """The ASGI application serving ``engine`` with OpenAI's API (and Anthropic's Messages).
@@ -435,6 +441,11 @@ def build_app(
             (:func:`~twostroke.engine.server.serve.serve` does). ``None``: one of
             :func:`response_store_of` ``config``, opened on first use, which
             ``app.state.response_store`` holds for the caller to close.
+        batch_store: Where ``/v1/files`` and ``/v1/batches`` keep files, batches and
+            answers; the caller closes it. ``None``: one of :func:`batch_store_of`
+            ``config``, which ``app.state.batch_store`` holds for the caller to close.
+            Batches run in ``app.state.batches.run()``, a task the caller starts in its
+            task group (:func:`~twostroke.engine.server.serve.serve` does).
         **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
             (``max_choices=4``), instead of ``config``.
 
@@ -494,6 +505,24 @@ def build_app(
         store=response_store,
         owner=owner_of(api_key),
     )
+    if batch_store is None:
+        batch_store = batch_store_of(config)
+    elif not isinstance(batch_store, BatchStore):
+        raise TypeError(
+            f"batch_store must be a BatchStore or None, got {type(batch_store).__name__}"
+        )
+    batches = Batches(
+        batch_store,
+        owner_of(api_key),
+        # A line is answered as a request is, less the authentication its batch passed.
+        {"/v1/chat/completions": _Endpoint(handlers.chat, api_key=None),
+         "/v1/completions": _Endpoint(handlers.completions, api_key=None)},
+        model=engine.model_name,
+        max_file_bytes=config.batch_max_file_bytes,
+        max_lines=config.batch_max_lines,
+        max_in_flight=config.batch_max_in_flight,
+        max_line_bytes=config.max_body_bytes,
+    )  # fmt: skip
     messages = Messages(
         engine,
         handlers.metrics,
@@ -517,6 +546,14 @@ def build_app(
             route("/v1/responses/{response_id}", responses.retrieve, "GET"),
             route("/v1/responses/{response_id}", responses.delete, "DELETE"),
             route("/v1/responses/{response_id}/input_items", responses.input_items, "GET"),
+            route("/v1/files", batches.upload, "POST"),
+            route("/v1/files/{file_id}", batches.retrieve_file, "GET"),
+            route("/v1/files/{file_id}", batches.delete_file, "DELETE"),
+            route("/v1/files/{file_id}/content", batches.file_content, "GET"),
+            route("/v1/batches", batches.create, "POST"),
+            route("/v1/batches", batches.list_batches, "GET"),
+            route("/v1/batches/{batch_id}", batches.retrieve, "GET"),
+            route("/v1/batches/{batch_id}/cancel", batches.cancel, "POST"),
             route("/v1/messages", messages.create, "POST"),
             route("/v1/messages/count_tokens", messages.count_tokens, "POST"),
             route("/v1/models", handlers.models, "GET"),
@@ -538,6 +575,8 @@ def build_app(
     )
     app.state.metrics = handlers.metrics
     app.state.response_store = response_store
+    app.state.batch_store = batch_store
+    app.state.batches = batches
     return app
 
 
@@ -554,4 +593,13 @@ def response_store_of(config: ServerConfig) -> ResponseStore:
         max_count=config.responses_max_count,
         max_bytes=config.responses_max_bytes,
         max_age=config.responses_max_age,
+    )
+
+
+def batch_store_of(config: ServerConfig) -> BatchStore:
+    """The batch store ``config`` asks for (``batches_store``, ``batch_store_max_bytes``); no
+    I/O: the database is opened on first use."""
+    path = config.batches_store
+    return BatchStore(
+        default_batches_path() if path is None else path, max_bytes=config.batch_store_max_bytes
     )

@@ -9,7 +9,10 @@
   they do with a key: probes and scrapers reach them by whatever name they have;
 * a ``POST`` whose ``Content-Type`` is not ``application/json`` (415 ``unsupported_media_type``):
   a page may send ``text/plain`` cross-origin without asking, but ``application/json`` needs a
-  CORS preflight, which this server never grants;
+  CORS preflight, which this server never grants. ``POST /v1/files`` (:data:`UPLOAD_PATH`)
+  takes ``multipart/form-data`` instead, which a page may send without asking: so it must also
+  carry an ``Authorization`` or ``x-api-key`` header (any, without an API key; OpenAI's
+  clients always send one), which no page sends cross-origin without a preflight;
 * a body still arriving ``body_timeout`` seconds after its headers (408 ``request_timeout``;
   :class:`~twostroke.engine.config.ServerConfig`): a client trickling a byte at a time holds
   its connection no longer.
@@ -36,12 +39,21 @@ from twostroke.engine.config import without_port
 from twostroke.engine.server.errors import ApiError, anthropic_error
 from twostroke.engine.server.sse import encode, send_json
 
-__all__ = ["ANTHROPIC_PATHS", "OPEN_PATHS", "Guards", "ServerShutdown", "shutting_down"]
+__all__ = [
+    "ANTHROPIC_PATHS",
+    "OPEN_PATHS",
+    "UPLOAD_PATH",
+    "Guards",
+    "ServerShutdown",
+    "shutting_down",
+]
 
 #: Routes answered whatever the ``Host``, as they are without an API key.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: The path prefix of Anthropic's routes, whose refusals are in Anthropic's error shape.
 ANTHROPIC_PATHS = "/v1/messages"
+#: The one route that takes ``multipart/form-data`` (a file upload), not JSON.
+UPLOAD_PATH = "/v1/files"
 
 _CLOSE = (b"connection", b"close")
 
@@ -182,6 +194,8 @@ class Guards:
         if scope["method"] == "POST":
             content_type = headers.get("content-type")
             media_type = (content_type or "").partition(";")[0].strip().lower()
+            if scope["path"] == UPLOAD_PATH:
+                return _upload_refusal(media_type, content_type, headers)
             if media_type != "application/json":
                 return ApiError(
                     415,
@@ -256,3 +270,27 @@ async def _end(response: _Response, send: Send, *, anthropic: bool) -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": False})
         # A JSON body cut between its headers and its bytes cannot be completed; the HTTP
         # server closes the connection of a response the application left unfinished.
+
+
+def _upload_refusal(media_type: str, content_type: str | None, headers: Headers) -> ApiError | None:
+    """The refusal of an upload that is not a multipart form, or that a page could have sent
+    cross-origin without a preflight (no ``Authorization`` header)."""
+    if media_type != "multipart/form-data":
+        return ApiError(
+            415,
+            f"Content-Type must be multipart/form-data for {UPLOAD_PATH}, got {content_type!r}.",
+            type="invalid_request_error",
+            code="unsupported_media_type",
+            headers=(_CLOSE,),
+        )
+    if "authorization" not in headers and "x-api-key" not in headers:
+        return ApiError(
+            401,
+            f"{UPLOAD_PATH} wants an Authorization (or x-api-key) header, any value without "
+            "an API key: a web page cannot send one without a CORS preflight, which this "
+            "server never grants.",
+            type="invalid_request_error",
+            code="missing_authorization",
+            headers=(_CLOSE,),
+        )
+    return None

@@ -23,6 +23,7 @@ import attrs
 
 from twostroke.engine.config import ServerConfig, server_config
 from twostroke.engine.server.app import build_app
+from twostroke.engine.server.batch_store import BatchStore
 from twostroke.engine.server.guards import ServerShutdown
 from twostroke.engine.server.response_store import ResponseStore
 from twostroke.engine.server.transport import Transport, busy_app
@@ -45,6 +46,7 @@ async def serve(
     access_log: bool = False,
     tool_format: ToolFormat | str | None = None,
     response_store: ResponseStore | None = None,
+    batch_store: BatchStore | None = None,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     **limits: Any,
 ) -> None:
@@ -70,6 +72,10 @@ async def serve(
         response_store: Where ``/v1/responses`` stores responses, which the caller closes;
             ``None``: the one ``config`` names (``responses_store`` and its bounds), closed
             when the server ends.
+        batch_store: Where ``/v1/files`` and ``/v1/batches`` keep their files and batches,
+            which the caller closes; ``None``: the one ``config`` names (``batches_store``),
+            closed when the server ends. Batches run in a task of the server's, cancelled
+            with it: a batch it leaves unfinished resumes in the next server on the store.
         task_status: Receives the bound port once the server accepts connections.
         **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
             (``max_connections=100``), instead of ``config``.
@@ -104,6 +110,7 @@ async def serve(
         shutdown=shutdown,
         tool_format=tool_format,
         response_store=response_store,
+        batch_store=batch_store,
     )
     if api_key is None and not _is_loopback(host):
         logger.warning(
@@ -113,17 +120,30 @@ async def serve(
         )
     busy = busy_app(transport.max_connections)
     try:
-        if _running_on_trio():
-            from twostroke.engine.server.hypercorn_server import serve_hypercorn
+        # The batch runner is the server's task: it ends (cancelled) before the stores close.
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(app.state.batches.run)
+            if _running_on_trio():
+                from twostroke.engine.server.hypercorn_server import serve_hypercorn
 
-            await serve_hypercorn(app, busy, transport, shutdown, task_status)
-        else:
-            from twostroke.engine.server.uvicorn_server import serve_uvicorn
+                await serve_hypercorn(app, busy, transport, shutdown, task_status)
+            else:
+                from twostroke.engine.server.uvicorn_server import serve_uvicorn
 
-            await serve_uvicorn(app, busy, transport, shutdown, task_status)
+                await serve_uvicorn(app, busy, transport, shutdown, task_status)
+            task_group.cancel_scope.cancel()  # the server ended: so does the runner
+    except BaseExceptionGroup as group:
+        # The runner never raises (it logs a store's failure and waits): one error is the
+        # server's own (an address it cannot bind), raised as such, as before there was a
+        # task group.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     finally:
         if response_store is None:  # the one build_app made for this server
             await app.state.response_store.aclose()
+        if batch_store is None:
+            await app.state.batch_store.aclose()
 
 
 def _is_loopback(host: str) -> bool:
