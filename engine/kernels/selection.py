@@ -387,8 +387,8 @@ def select_kernels(
     glue, why = _glue(config, dtype, device, exact, cache)
     because("glue", why)
     if blocks is not None:
-        projection = Projections("blocks", "blocks", blocks=blocks, sixteen=_sixteen(device))
-        why = None
+        sixteen = _sixteen(device, deterministic=bool(deterministic))
+        projection, why = Projections("blocks", "blocks", blocks=blocks, sixteen=sixteen), None
     else:
         projection, why = _projections(
             config, dtype, device, exact, quantization, pack, deterministic=bool(deterministic)
@@ -396,11 +396,12 @@ def select_kernels(
     because("projections", why)
     stack, why = _stack(glue, projection)
     because("stack", why)
-    dependences = row_dependences(projection, chosen, dtype) if device.type == "cpu" else ()
-    if device.type != "cpu" and deterministic:
-        raise DeterminismUnavailable(
+    if device.type == "cpu":
+        dependences = row_dependences(projection, chosen, dtype)
+    else:
+        dependences = (
             f"on {device.type} the kernels are torch's, whose products and attention change "
-            "their summation order with the batch"
+            "their summation order with the batch",
         )
     if deterministic and dependences:
         raise DeterminismUnavailable(dependences[0])
@@ -411,7 +412,7 @@ def select_kernels(
         stack,
         tuple(reasons),
         None if cache == dtype else cache,
-        dependences if device.type == "cpu" else ("the device's kernels are torch's",),
+        dependences,
     )
     where = cpu_personality().describe() if device.type == "cpu" else device.type
     _log.info("twostroke: kernels on %s: %s", where, kernels.describe())
@@ -505,14 +506,16 @@ def _glue(
     return glue, None
 
 
-def _sixteen(device: torch.device) -> WeightForm:
+def _sixteen(device: torch.device, *, deterministic: bool) -> WeightForm:
     """The form of a GGUF file's 16-bit decoder matrices beside its blocks: fbgemm's fp16
-    (the values exact, half float32's bytes) where its kernel runs and sums a row the same
-    way whatever the rows beside it, else float32 packed for oneDNN where that runs, else
-    dense. The rare 16-bit matrix of a block file never decides the run's invariance."""
-    if kernel_available("fp16", device) and not fp16_rows_dependent():
+    (the values exact, half float32's bytes) where its kernel runs (and, ``deterministic``,
+    sums a row the same way whatever the rows beside it), else dense; ``deterministic``,
+    float32 packed for oneDNN rather than dense (MKL's products are not invariant)."""
+    if kernel_available("fp16", device) and not (deterministic and fp16_rows_dependent()):
         return "fp16"
-    return "onednn" if can_pack(torch.float32, device, exact=False) else "dense"
+    if deterministic and can_pack(torch.float32, device, exact=False):
+        return "onednn"
+    return "dense"
 
 
 def auto_quantization(

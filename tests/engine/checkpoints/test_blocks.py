@@ -164,10 +164,10 @@ def test_a_sixteen_bit_matrix_beside_the_blocks_computes_from_its_exact_float16_
 ) -> None:
     """F16 and BF16 projections load (BF16 is no longer refused), q/k with their rotary
     rows permuted back, and compute in the chosen 16-bit form where every value is a float16
-    (fbgemm's fp16 where it runs and sums a row alike whatever the rows beside it; else the
-    values in float32, packed for oneDNN: TWOSTROKE_CPU_ISA=avx2 and portable), from the
-    unquantized activations: each equals the dequantized file's projection to float32
-    rounding; the blocks beside them as before."""
+    (fbgemm's fp16 where it runs: TWOSTROKE_CPU_ISA=portable keeps them dense; with
+    deterministic=True where fbgemm's kernels are AVX2's, their values in float32 packed for
+    oneDNN), from the unquantized activations: each equals the dequantized file's projection
+    to float32 rounding; the blocks beside them as before."""
     file = write(tmp_path, sixteen_bits(kind), Q.Q8_0)
     blocks, reference = blocks_and_reference(file)
     assert blocks.quantization == "gguf"
