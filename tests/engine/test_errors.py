@@ -52,6 +52,11 @@ NOT_EXPORTED = {
     # The chat template renderer's own signal: the tokenizer turns it into ChatTemplateError
     # (a 400) for a request, and into TokenizerLoadError for the probe rendered at load.
     "twostroke.engine.text.chat_template.TemplateBoundExceeded",
+    # The server's stores' own failures (the SQLite files of stored responses and of
+    # batches): the server logs them and answers a 500 (response_store_failed,
+    # batch_store_failed); no caller of the engine meets them.
+    "twostroke.engine.server.response_store.ResponseStoreError",
+    "twostroke.engine.server.batch_store.BatchStoreError",
     # A test oracle (an AssertionError): a scheduling bug the simulated KV cache caught.
     "twostroke.states.simulation.SimulationError",
 }

@@ -198,7 +198,11 @@ async def test_request_level_errors() -> None:
         assert nowhere.status_code == 404
         assert nowhere.json()["error"]["message"].startswith(
             "Not Found: GET /v1/nowhere; this server's routes are POST /v1/completions, "
-            "POST /v1/chat/completions, POST /v1/responses, POST /v1/messages, "
+            "POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{response_id}, "
+            "DELETE /v1/responses/{response_id}, GET /v1/responses/{response_id}/input_items, "
+            "POST /v1/files, GET /v1/files/{file_id}, DELETE /v1/files/{file_id}, "
+            "GET /v1/files/{file_id}/content, POST /v1/batches, GET /v1/batches, "
+            "GET /v1/batches/{batch_id}, POST /v1/batches/{batch_id}/cancel, POST /v1/messages, "
             "POST /v1/messages/count_tokens, GET /v1/models,"
         )
         wrong_method = await server.http.get("/v1/completions")
