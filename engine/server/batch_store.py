@@ -24,24 +24,20 @@ cancels nor deletes it.
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-import anyio.to_thread
 import msgspec
 
 from twostroke.engine.errors import EngineError
-from twostroke.engine.server.response_store import MEMORY, default_store_path
+from twostroke.engine.server.database import MEMORY, Database
+from twostroke.engine.server.response_store import default_store_path
 
 __all__ = ["BatchStore", "BatchStoreError", "default_batches_path"]
 
 logger = logging.getLogger("twostroke.server")
 
-_T = TypeVar("_T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -106,8 +102,7 @@ class BatchStore:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.path = path
         self.max_bytes = max_bytes
-        self._connection: sqlite3.Connection | None = None
-        self._limiter = anyio.CapacityLimiter(1)
+        self._db = Database(path, _SCHEMA, name="the batch store", error=BatchStoreError)
 
     def __repr__(self) -> str:
         return f"<BatchStore {self.path!r} max_bytes={self.max_bytes}>"
@@ -142,7 +137,7 @@ class BatchStore:
                 )
             return True
 
-        return await self._run("write", put)
+        return await self._db.run("write", put)
 
     async def file(self, owner: str, file_id: str) -> dict[str, Any] | None:
         """The record of ``owner``'s file ``file_id``, or ``None``.
@@ -150,7 +145,7 @@ class BatchStore:
         Raises:
             BatchStoreError: the database could not be read.
         """
-        row = await self._run(
+        row = await self._db.run(
             "read",
             lambda db: db.execute(
                 "SELECT record FROM files WHERE id = ? AND owner = ?", (file_id, owner)
@@ -164,7 +159,7 @@ class BatchStore:
         Raises:
             BatchStoreError: the database could not be read.
         """
-        row = await self._run(
+        row = await self._db.run(
             "read",
             lambda db: db.execute(
                 "SELECT content FROM files WHERE id = ? AND owner = ?", (file_id, owner)
@@ -186,7 +181,7 @@ class BatchStore:
                 )
             return cursor.rowcount > 0
 
-        return await self._run("write", delete)
+        return await self._db.run("write", delete)
 
     # --- batches ----------------------------------------------------------------------------
 
@@ -206,7 +201,7 @@ class BatchStore:
                     (record["id"], owner, record["created_at"], encoded),
                 )
 
-        await self._run("write", put)
+        await self._db.run("write", put)
 
     async def batch(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
         """The record of batch ``batch_id`` (``owner``'s; any owner's when ``None``, for the
@@ -230,7 +225,7 @@ class BatchStore:
             ).fetchone()
             return row[0], done, failed
 
-        found = await self._run("read", read)
+        found = await self._db.run("read", read)
         return None if found is None else _with_counts(*found)
 
     async def batches(
@@ -267,7 +262,7 @@ class BatchStore:
                 counted.append((record, done, failed))
             return counted
 
-        rows = await self._run("read", read)
+        rows = await self._db.run("read", read)
         return [_with_counts(*row) for row in rows[:limit]], len(rows) > limit
 
     async def open_batches(self) -> list[tuple[str, str]]:
@@ -285,7 +280,7 @@ class BatchStore:
                 if msgspec.json.decode(record)["status"] in OPEN_STATUSES
             ]
 
-        return await self._run("read", read)
+        return await self._db.run("read", read)
 
     # --- results ----------------------------------------------------------------------------
 
@@ -304,7 +299,7 @@ class BatchStore:
                     [(batch_id, line, int(ok), record) for line, ok, record in results],
                 )
 
-        await self._run("write", put)
+        await self._db.run("write", put)
 
     async def answered(self, batch_id: str) -> set[int]:
         """The lines of ``batch_id`` answered already.
@@ -312,7 +307,7 @@ class BatchStore:
         Raises:
             BatchStoreError: the database could not be read.
         """
-        rows = await self._run(
+        rows = await self._db.run(
             "read",
             lambda db: db.execute(
                 "SELECT line FROM results WHERE batch_id = ?", (batch_id,)
@@ -336,50 +331,11 @@ class BatchStore:
                 files[0 if ok else 1].append(bytes(record) + b"\n")
             return b"".join(files[0]), b"".join(files[1])
 
-        return await self._run("read", read)
+        return await self._db.run("read", read)
 
     async def aclose(self) -> None:
         """Close the database (a later call opens it again). Shielded: it always closes."""
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close, limiter=self._limiter)
-
-    # --- in the worker thread ---------------------------------------------------------------
-
-    async def _run(self, action: str, call: Callable[[sqlite3.Connection], _T]) -> _T:
-        def run() -> _T:
-            try:
-                return call(self._open())
-            except (sqlite3.Error, OSError) as exc:
-                raise BatchStoreError(
-                    f"the batch store {self.path!r} could not {action}: {type(exc).__name__}: {exc}"
-                ) from exc
-
-        return await anyio.to_thread.run_sync(run, limiter=self._limiter)
-
-    def _open(self) -> sqlite3.Connection:
-        if self._connection is not None:
-            return self._connection
-        if self.path != MEMORY:
-            file = Path(self.path)
-            file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not file.exists():  # created private: it holds prompts and answers
-                os.close(os.open(file, os.O_CREAT | os.O_WRONLY, 0o600))
-        connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        try:
-            connection.executescript(_SCHEMA)
-            if self.path != MEMORY:
-                connection.execute("PRAGMA journal_mode = WAL")
-            connection.isolation_level = "DEFERRED"  # `with db:` commits what DML opened
-        except BaseException:
-            connection.close()
-            raise
-        self._connection = connection
-        return connection
-
-    def _close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.close()
+        await self._db.aclose()
 
 
 def _with_counts(record: bytes, done: int, failed: int) -> dict[str, Any]:

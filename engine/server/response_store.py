@@ -35,19 +35,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import sqlite3
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-import anyio.to_thread
 import attrs
 import msgspec
 
 from twostroke.engine.errors import EngineError
+from twostroke.engine.server.database import MEMORY, Database
 
 __all__ = [
     "MEMORY",
@@ -60,10 +57,6 @@ __all__ = [
 
 logger = logging.getLogger("twostroke.server")
 
-#: The ``responses_store`` that keeps responses in memory, gone with the server.
-MEMORY = ":memory:"
-
-_T = TypeVar("_T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -152,8 +145,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.max_age = max_age
         self._clock = clock
-        self._connection: sqlite3.Connection | None = None
-        self._limiter = anyio.CapacityLimiter(1)
+        self._db = Database(path, _SCHEMA, name="the response store", error=ResponseStoreError)
 
     def __repr__(self) -> str:
         return (
@@ -175,7 +167,7 @@ class ResponseStore:
             ResponseStoreError: the database could not be written.
         """
         body, items = msgspec.json.encode(response), msgspec.json.encode(input_items)
-        return await self._run(
+        return await self._db.run(
             "write", lambda db: self._put(db, owner, response["id"], body, items)
         )
 
@@ -186,7 +178,7 @@ class ResponseStore:
         Raises:
             ResponseStoreError: the database could not be read.
         """
-        row = await self._run("read", lambda db: self._get(db, owner, response_id))
+        row = await self._db.run("read", lambda db: self._get(db, owner, response_id))
         if row is None:
             return None
         return StoredResponse(msgspec.json.decode(row[0]), msgspec.json.decode(row[1]))
@@ -209,51 +201,11 @@ class ResponseStore:
                 )
             return cursor.rowcount > 0
 
-        return await self._run("write", delete)
+        return await self._db.run("write", delete)
 
     async def aclose(self) -> None:
         """Close the database (a later call opens it again). Shielded: it always closes."""
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close, limiter=self._limiter)
-
-    # --- in the worker thread ---------------------------------------------------------------
-
-    async def _run(self, action: str, call: Callable[[sqlite3.Connection], _T]) -> _T:
-        def run() -> _T:
-            try:
-                return call(self._open())
-            except (sqlite3.Error, OSError) as exc:  # a folder or file it cannot make
-                raise ResponseStoreError(
-                    f"the response store {self.path!r} could not {action}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-
-        return await anyio.to_thread.run_sync(run, limiter=self._limiter)
-
-    def _open(self) -> sqlite3.Connection:
-        if self._connection is not None:
-            return self._connection
-        if self.path != MEMORY:
-            file = Path(self.path)
-            file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not file.exists():  # created private: it holds conversations
-                os.close(os.open(file, os.O_CREAT | os.O_WRONLY, 0o600))
-        connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        try:
-            connection.executescript(_SCHEMA)
-            if self.path != MEMORY:
-                connection.execute("PRAGMA journal_mode = WAL")
-            connection.isolation_level = "DEFERRED"  # `with db:` commits what DML opened
-        except BaseException:
-            connection.close()
-            raise
-        self._connection = connection
-        return connection
-
-    def _close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.close()
+        await self._db.aclose()
 
     def _put(
         self, db: sqlite3.Connection, owner: str, response_id: str, body: bytes, items: bytes
