@@ -32,6 +32,8 @@ from twostroke.states.plan import StepPlan
 from .conftest import expected_tokens
 
 pytestmark = pytest.mark.anyio
+#: Prompts are given as its token ids where they are awaited (``generate``): text would
+#: tokenize in a worker thread, and the virtual clock jumps ahead while a thread runs.
 TOKENIZER = ByteTokenizer()
 STEP = 0.001
 PARAMS = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -143,7 +145,7 @@ async def test_a_step_that_fails_on_a_live_device_fails_only_its_requests(
                 task_group.start_soon(_outcome, engine.submit(f"r{index}", PARAMS), outcomes)
                 await anyio.sleep(STEP)
         engine.check_health()
-        after = await engine.generate("after", PARAMS)
+        after = await engine.generate(TOKENIZER.encode("after"), PARAMS)
         stats = engine.statistics()
     assert list(after.token_ids) == expected_tokens("after", PARAMS)
     assert stats.num_failed_steps == 1
@@ -178,7 +180,7 @@ async def test_a_step_that_never_completes_kills_the_engine_at_the_deadline(dept
                     for index in range(3):
                         handle = engine.submit(f"r{index}", PARAMS)
                         outside.start_soon(_outcome, handle, outcomes)
-                    await engine.generate("body", PARAMS)
+                    await engine.generate(TOKENIZER.encode("body"), PARAMS)
     assert isinstance(raised.value.__cause__, TimeoutError)
     assert "step 4 did not complete" in str(raised.value.__cause__)
     # The deadline counts from when the engine starts waiting for the step.
@@ -207,7 +209,7 @@ async def test_a_probe_past_the_deadline_counts_as_a_hung_device() -> None:
             block_size=4,
             step_timeout=1.0,
         ) as engine:
-            await engine.generate("body", PARAMS)
+            await engine.generate(TOKENIZER.encode("body"), PARAMS)
     assert device.probes == 1
     assert device.abandoned
     notes = "".join(raised.value.__cause__.__notes__)  # type: ignore[union-attr]

@@ -41,14 +41,16 @@ async def test_timeout_cancels_the_request_and_frees_its_blocks() -> None:
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     async with toy_engine(device=FakeDevice(step_time=STEP)) as engine:
         with anyio.move_on_after(5.5 * STEP) as scope:
-            await engine.generate("time me out", params)
+            await engine.generate(TOKENIZER.encode("time me out"), params)
         assert scope.cancelled_caught
         # The step in flight still owns the blocks; they come back when it completes.
         await engine.wait_idle()
         stats = engine.statistics()
         assert stats.num_free_blocks == stats.num_blocks
         assert stats.num_tokens_generated <= 7
-        assert (await engine.generate("next", SamplingParams(max_tokens=3))).token_ids
+        assert (
+            await engine.generate(TOKENIZER.encode("next"), SamplingParams(max_tokens=3))
+        ).token_ids
 
 
 @given(
@@ -109,7 +111,7 @@ async def test_a_failing_step_fails_exactly_its_requests() -> None:
 
         async def run(index: int) -> None:
             try:
-                outcomes[index] = await engine.generate(f"prompt {index}", params)
+                outcomes[index] = await engine.generate(TOKENIZER.encode(f"prompt {index}"), params)
             except RequestFailed as exc:
                 outcomes[index] = exc
 
@@ -117,8 +119,9 @@ async def test_a_failing_step_fails_exactly_its_requests() -> None:
             for index in range(6):
                 task_group.start_soon(run, index)
                 await anyio.sleep(0.5 * STEP)
-    # By request id: the prompts tokenize in worker threads, so the ids (given in the order
-    # the engine queues them) need not follow the order the tasks started in.
+    # By request id, which the engine gives in the order it queues requests, not the order
+    # the tasks started in. Prompts are token ids throughout this module: text would
+    # tokenize in a worker thread, while which the virtual clock jumps ahead.
     in_failed_step = set(failed_plan[0].request_ids)
     assert len(outcomes) == 6
     for index, outcome in outcomes.items():
@@ -163,7 +166,7 @@ async def test_a_dead_stroke_fails_every_waiter_and_the_block_raises() -> None:
                 for index in range(3):
                     outside.start_soon(waiter, engine.submit(f"w{index}", params))
                 try:
-                    await engine.generate("body", params)
+                    await engine.generate(TOKENIZER.encode("body"), params)
                 finally:
                     died_at.append(anyio.current_time())
     assert isinstance(raised.value.__cause__, OSError)
@@ -190,7 +193,7 @@ async def test_lookahead_keeps_the_device_busy() -> None:
     for depth in (1, 2):
         async with toy_engine(device=FakeDevice(step_time=STEP), pipeline_depth=depth) as engine:
             start = trio.current_time()
-            await engine.generate("busy", params)
+            await engine.generate(TOKENIZER.encode("busy"), params)
             timings[depth] = trio.current_time() - start
     assert timings[2] == pytest.approx(20 * STEP, rel=0.05)
     assert timings[1] >= timings[2]
