@@ -60,6 +60,7 @@ import torch
 from twostroke.engine.errors import MatcherError
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.structured import GrammarCompiler, GuidanceMatcher, Vocabulary
+from twostroke.engine.structured.schemas import ref_target
 from twostroke.states.constraints import JsonSchema
 from twostroke.states.errors import ConstraintRejected
 
@@ -86,15 +87,9 @@ def _resolve(schema: Any, root: Any) -> Any:
         ref = schema["$ref"]
         if not ref.startswith("#"):
             return schema
-        target: Any = root
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return schema
+        target = ref_target(root, ref)
+        if target is None:
+            return schema
         merged = {key: value for key, value in schema.items() if key != "$ref"}
         schema = {**target, **merged} if isinstance(target, dict) else target
     return schema

@@ -61,6 +61,7 @@ __all__ = [
     "BackendSchema",
     "SchemaCheck",
     "for_backend",
+    "ref_target",
     "strict",
 ]
 
@@ -324,7 +325,7 @@ def _rehome_refs(schema: dict[str, Any]) -> None:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and _MOVED.intersection(ref.split("/")):
             if ref not in homes:
-                target = _target(schema, ref)
+                target = ref_target(schema, ref)
                 size = len(json.dumps(target)) if isinstance(target, dict | bool) else 0
                 if not size or copied + size > _MAX_COPIED:
                     stack.extend(sub for _, sub in subschemas(node))
@@ -362,7 +363,7 @@ def _circular_refs(schema: dict[str, Any]) -> frozenset[str]:
         ref = stack.pop()
         if ref in reached:
             continue
-        reached[ref] = refs_in(_target(schema, ref))
+        reached[ref] = refs_in(ref_target(schema, ref))
         stack.extend(reached[ref])
     circular = set()
     for ref in reached:
@@ -378,8 +379,9 @@ def _circular_refs(schema: dict[str, Any]) -> frozenset[str]:
     return frozenset(circular)
 
 
-def _target(schema: dict[str, Any], ref: str) -> Any:
-    """What a local ``$ref`` (``#/a/b``) names, or ``None``."""
+def ref_target(schema: Any, ref: str) -> Any:
+    """What a local ``$ref`` (``#/a/b``, JSON pointer escapes read) names in ``schema``, or
+    ``None``."""
     target: Any = schema
     for part in filter(None, ref[1:].split("/")):
         part = part.replace("~1", "/").replace("~0", "~")
