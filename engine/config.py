@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import attrs
 
@@ -31,8 +31,12 @@ from twostroke.states.validators import (
 from twostroke.states.validators import boolean as _boolean
 
 __all__ = [
+    "DTYPE_OPTIONS",
     "LOOPBACK_HOST_NAMES",
+    "QUANTIZATION_OPTIONS",
+    "DtypeOption",
     "EngineConfig",
+    "QuantizationOption",
     "ServerConfig",
     "host_names",
     "parse_server_limit",
@@ -45,6 +49,17 @@ __all__ = [
     "speculative_config_argument",
     "without_port",
 ]
+
+
+#: The values of ``EngineConfig.dtype`` and ``kv_cache_dtype``: named here once; the CLI's
+#: choices and the run's plan (:func:`~twostroke.engine.models.plan.resolve_run`) read them.
+DtypeOption = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPE_OPTIONS: tuple[DtypeOption, ...] = get_args(DtypeOption)
+
+#: The values of ``EngineConfig.quantization`` besides ``None`` (weights in ``dtype``), named
+#: here once: what each means is :func:`~twostroke.engine.models.plan.resolve_run`'s.
+QuantizationOption = Literal["auto", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"]
+QUANTIZATION_OPTIONS: tuple[QuantizationOption, ...] = get_args(QuantizationOption)
 
 
 def _check_kv_memory(_: object, __: object, value: Any) -> None:
@@ -174,20 +189,11 @@ class EngineConfig(SchedulingPolicy):
     shutdown: Literal["drain", "cancel"] = attrs.field(
         default="drain", validator=one_of("drain", "cancel")
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
-        default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
+    dtype: DtypeOption = attrs.field(default="auto", validator=one_of(*DTYPE_OPTIONS))
+    quantization: QuantizationOption | None = attrs.field(
+        default="auto", validator=attrs.validators.optional(one_of(*QUANTIZATION_OPTIONS))
     )
-    quantization: Literal["auto", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"] | None = (
-        attrs.field(
-            default="auto",
-            validator=attrs.validators.optional(
-                one_of("auto", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0")
-            ),
-        )
-    )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = attrs.field(
-        default="auto", validator=one_of("auto", "float32", "bfloat16", "float16")
-    )
+    kv_cache_dtype: DtypeOption = attrs.field(default="auto", validator=one_of(*DTYPE_OPTIONS))
     torch_threads: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     step_timeout: float | None = attrs.field(
         default=None,

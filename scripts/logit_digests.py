@@ -31,34 +31,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.engine.
 
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.checkpoints.loader import load_model
+from twostroke.states.errors import EngineError
 
 CPU = torch.device("cpu")
 
-#: (dtype, exact, quantization): every weight form the loader makes on a CPU.
-FORMS: list[tuple[torch.dtype, bool, str | None]] = [
-    (torch.float32, True, None),
-    (torch.float32, False, None),
-    (torch.float32, False, "fp16"),
-    (torch.float32, False, "int8"),
-    (torch.bfloat16, True, None),
-    (torch.bfloat16, False, None),
+#: (dtype, exact, quantization, deterministic): every weight form the loader makes on a CPU
+#: (a form that does not load for a model, the GGUF blocks of a directory, prints its error).
+FORMS: list[tuple[torch.dtype, bool, str | None, bool | None]] = [
+    (torch.float32, True, None, None),
+    (torch.float32, False, None, None),
+    (torch.float32, False, "fp16", None),
+    (torch.float32, False, "int8", None),
+    (torch.float32, False, "auto", None),
+    (torch.float32, False, "auto", True),
+    (torch.float32, False, "gguf", None),
+    (torch.float32, False, "gguf_f32", None),
+    (torch.float32, False, "gguf", True),
+    (torch.float32, False, "q8_0", None),
+    (torch.float32, False, "q4_0", None),
+    (torch.bfloat16, True, None, None),
+    (torch.bfloat16, False, None, None),
+    (torch.bfloat16, False, None, True),
 ]
 KERNELS = ("native", "bag", "matmul", "sdpa")
 
 
+def _load(
+    source: str | Path,
+    dtype: torch.dtype,
+    exact: bool,
+    quantization: str | None,
+    deterministic: bool | None,
+) -> tuple[Any, str | None]:
+    """The loaded model and the name of its weights' form."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 / int8 unavailable, emulated bf16
+        loaded = load_model(
+            source,
+            dtype=dtype,
+            device=CPU,
+            exact=exact,
+            quantization=quantization,  # type: ignore[arg-type]
+            deterministic=deterministic,
+        )
+    return loaded, loaded.quantization
+
+
 def digests(source: str | Path, sequences: list[list[int]], label: str) -> list[str]:
     lines = []
-    for dtype, exact, quantization in FORMS:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # fp16 / int8 unavailable, emulated bf16
-            loaded = load_model(
-                source,
-                dtype=dtype,
-                device=CPU,
-                exact=exact,
-                quantization=quantization,  # type: ignore[arg-type]
-            )
-        form = f"{str(dtype).removeprefix('torch.')} exact={exact} weights={loaded.quantization}"
+    for dtype, exact, quantization, deterministic in FORMS:
+        asked = f"{str(dtype).removeprefix('torch.')} exact={exact} {quantization} {deterministic}"
+        try:
+            loaded, weights = _load(source, dtype, exact, quantization, deterministic)
+        except (ValueError, EngineError) as error:  # a form this model does not load in
+            lines.append(f"{label} | {asked} | {type(error).__name__}: {error}")
+            continue
+        form = f"{asked} weights={weights}"
         for kernel in KERNELS:
             for chunk in (None, 3):
                 try:
