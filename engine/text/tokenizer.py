@@ -39,6 +39,8 @@ from twostroke.states.validators import is_int
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from twostroke.engine.text.gguf_vocab import GGUFVocab
+
 __all__ = [
     "ChatTemplateError",
     "HFTokenizer",
@@ -50,6 +52,10 @@ _GGUF_MAGIC = b"GGUF"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _GENERATION_CONFIG = "generation_config.json"
 _CACHED_TOKENIZER = "tokenizer"
+#: The version of the GGUF tokenizer conversion, in a cached tokenizer's record: a tokenizer
+#: converted by another one is converted again (1: transformers' own pre-tokenizers, before
+#: the record named any; 2: llama.cpp's, :mod:`twostroke.engine.text.gguf_vocab`).
+_GGUF_CONVERSION = 2
 #: What :meth:`HFTokenizer.check_chat_template` renders at load.
 _PROBE_CONVERSATION = (
     {"role": "user", "content": "Hello"},
@@ -208,8 +214,11 @@ class HFTokenizer:
             TypeError, ValueError: ``special_token_roles`` is not a collection of roles,
                 or names ``"tool"``.
             TokenizerLoadError: the path does not exist, is neither a model directory nor a
-                GGUF file, or its files are missing or corrupt, or its chat template runs
-                past its bounds on a short conversation (:meth:`check_chat_template`).
+                GGUF file, or its files are missing or corrupt, or a GGUF file names a
+                pre-tokenizer twostroke does not know
+                (:class:`~twostroke.engine.text.gguf_vocab.UnknownPreTokenizer`), or its chat
+                template runs past its bounds on a short conversation
+                (:meth:`check_chat_template`).
         """
         roles = check_special_token_roles(special_token_roles)
         path = Path(path)
@@ -521,13 +530,26 @@ def _check_gguf_magic(path: Path) -> None:
 def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | SavedTokenizer:
     """The tokenizer embedded in a GGUF file, through the artifact cache.
 
-    transformers builds it from the GGUF vocabulary in seconds (it parses the whole file);
-    the first load saves the result (``tokenizer.json`` and its configuration) in the
-    artifact cache (:mod:`twostroke.engine.artifacts.cache`), from which the next loads
-    read it with ``tokenizers`` alone (:class:`SavedTokenizer`) in a fraction of a second.
+    transformers builds it from the GGUF vocabulary in seconds (it parses the whole file),
+    and its text splitting is then made llama.cpp's (:mod:`twostroke.engine.text.gguf_vocab`):
+    a BPE vocabulary's pre-tokenizer for the file's ``tokenizer.ggml.pre`` (transformers
+    splits the names it does not know as GPT-2 does), a SentencePiece one's prefix space.
+    The first load saves the result
+    (``tokenizer.json`` and its configuration) in the artifact cache
+    (:mod:`twostroke.engine.artifacts.cache`), recording the file's tokenizer names and
+    the conversion's version; the next loads read it with ``tokenizers`` alone
+    (:class:`SavedTokenizer`) in a fraction of a second, and one recorded otherwise (an
+    older twostroke's conversion) is converted again.
     """
     from twostroke.engine.artifacts.cache import ArtifactCache
+    from twostroke.engine.artifacts.records import Provenance
 
+    vocab = _gguf_vocab(path)
+    provenance = Provenance(
+        what=_CACHED_TOKENIZER,
+        source=str(path),
+        detail=f"{vocab.describe()}, conversion {_GGUF_CONVERSION}",
+    )
     cache = ArtifactCache.from_environment()
     try:
         cached = None if cache is None else cache.entry(path) / _CACHED_TOKENIZER
@@ -535,19 +557,51 @@ def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase | SavedTokenizer
         cached = None
     if cache is not None and cached is not None and (cached / "tokenizer.json").is_file():
         try:
-            cache.open(cached)  # its files as recorded, and this user's alone: or ValueError
-            return SavedTokenizer.read(cached)
+            # its files as recorded, and this user's alone: or ValueError
+            record = cache.open(cached)
+            if record is not None and record.provenance.detail == provenance.detail:
+                return SavedTokenizer.read(cached)
+            _log.info(
+                "twostroke: the cached tokenizer was converted as %r, not %r; converting again",
+                None if record is None else record.provenance.detail,
+                provenance.detail,
+            )
         except ValueError as error:  # a damaged entry: convert again and replace it
             _log.warning("twostroke: ignoring the cached tokenizer (%s); converting again", error)
     _log.info("twostroke: converting the tokenizer of %s (once: it is cached)", path.name)
     tokenizer = _load_transformers_tokenizer(path, str(path.parent), gguf_file=path.name)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # transformers builds every GGUF vocabulary on tokenizers
+        raise TokenizerLoadError(
+            path,
+            f"transformers built a {type(tokenizer).__name__} without a tokenizers backend, "
+            f"so the {vocab.describe()} vocabulary cannot be split as llama.cpp splits it",
+        )
+    vocab.fit(backend)
     if cache is not None and cached is not None:
         if cached.is_dir():
             shutil.rmtree(cached, ignore_errors=True)
         with contextlib.suppress(OSError):  # the file just read vanished: store all the same
             cache.prepare(path)  # records the source, removes stale folders
-        cache.store(cached, lambda folder: _save_tokenizer(tokenizer, folder))
+        cache.store(
+            cached, lambda folder: _save_tokenizer(tokenizer, folder), provenance=provenance
+        )
     return tokenizer
+
+
+def _gguf_vocab(path: Path) -> GGUFVocab:
+    """The tokenizer names of a GGUF file's metadata, checked (see :class:`GGUFVocab`)."""
+    from twostroke.engine.checkpoints.gguf import read_gguf
+    from twostroke.engine.text.gguf_vocab import GGUFVocab
+
+    try:
+        metadata = read_gguf(path).metadata
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(path, f"cannot read the GGUF file ({exc})") from exc
+    try:
+        return GGUFVocab.from_metadata(metadata)
+    except (TypeError, ValueError) as exc:  # UnknownPreTokenizer among them
+        raise TokenizerLoadError(path, str(exc)) from exc
 
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
