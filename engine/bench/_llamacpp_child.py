@@ -3,8 +3,10 @@
 This script is run by path (``PYTHON _llamacpp_child.py JOB.json RESULT.json``) with the Python
 of the venv ``make bench-peers`` builds (``.venv-llamacpp``), or of any venv where
 ``llama-cpp-python`` is installed; twostroke need not be: it imports nothing but the standard
-library and ``llama_cpp``. The parent (:mod:`twostroke.engine.bench.llamacpp_peer`) writes the
-job and reads the result (:mod:`twostroke.engine.bench.child` describes the result). The job::
+library, ``llama_cpp`` and ``_child_protocol`` beside it (the protocol's child half, the
+command line and the result file). The parent (:mod:`twostroke.engine.bench.llamacpp_peer`)
+writes the job and reads the result (:mod:`twostroke.engine.bench.child` describes the
+result). The job::
 
     {"protocol": 1, "model_path": str, "threads": int, "seed": int, "n_ctx": int,
      "n_batch": int, "requests": [{"prompt_token_ids": [int, ...], "max_tokens": int}, ...],
@@ -26,27 +28,25 @@ Start-up runs from this script's first line through loading the model and a two-
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_PROCESS_START = time.perf_counter()
+if TYPE_CHECKING or __package__:  # imported as twostroke's (its tests import every module)
+    from twostroke.engine.bench import _child_protocol as protocol
+else:  # run by path where twostroke is not installed: imported from this script's folder
+    import _child_protocol as protocol
 
 PROTOCOL = 1
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Load the model, run the job's requests one at a time, and return the result document."""
-    if job.get("protocol") != PROTOCOL:
-        raise ValueError(f"job protocol must be {PROTOCOL}, got {job.get('protocol')!r}")
     # Installed in the child's venv only, so the type checker of twostroke's venv cannot see it.
     import llama_cpp  # type: ignore[import-not-found, unused-ignore]
 
     requests = job["requests"]
-    arrivals = job.get("arrival_times") or [0.0] * len(requests)
+    arrivals = protocol.arrivals(job)
     options: dict[str, Any] = {}
     lookup = job.get("prompt_lookup")
     if lookup is not None:
@@ -76,7 +76,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         **options,
     )
     _generate(llm, requests[0]["prompt_token_ids"][:8], 2, time.perf_counter())
-    startup = time.perf_counter() - _PROCESS_START
+    startup = protocol.startup_seconds()
 
     timings = []
     outputs = []
@@ -87,20 +87,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             time.sleep(idle)
         chunks, tokens = _generate(llm, request["prompt_token_ids"], request["max_tokens"], origin)
         outputs.append(tokens)
-        timings.append(
-            {
-                "prompt_tokens": len(request["prompt_token_ids"]),
-                "output_tokens": len(chunks),
-                "start": arrivals[index],
-                "first_token": chunks[0],
-                "end": chunks[-1],
-                "chunk_times": chunks,
-            }
-        )
+        timings.append(protocol.timing(len(request["prompt_token_ids"]), arrivals[index], chunks))
     wall = time.perf_counter() - origin
     llm.close()
     return {
-        "protocol": PROTOCOL,
         "startup_seconds": startup,
         "wall_seconds": wall,
         "timings": timings,
@@ -129,30 +119,5 @@ def _generate(
     return times, tokens
 
 
-def _write(path: str, document: dict[str, Any]) -> None:
-    """Write atomically, so the parent never reads half a result."""
-    partial = path + ".partial"
-    with open(partial, "w") as file:
-        json.dump(document, file)
-    os.replace(partial, path)
-
-
-def main(argv: list[str]) -> int:
-    """``_llamacpp_child.py JOB.json RESULT.json``: 0 on success, 1 with an error document."""
-    if len(argv) != 3:
-        print(f"usage: {argv[0]} JOB.json RESULT.json", file=sys.stderr)
-        return 2
-    try:
-        with open(argv[1]) as file:
-            job = json.load(file)
-        result = run_job(job)
-    except Exception as error:
-        traceback.print_exc()
-        _write(argv[2], {"protocol": PROTOCOL, "error": f"{type(error).__name__}: {error}"})
-        return 1
-    _write(argv[2], result)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(protocol.main(sys.argv, run_job, PROTOCOL))

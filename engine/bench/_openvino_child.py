@@ -3,7 +3,8 @@
 This script is run by path (``PYTHON _openvino_child.py JOB.json RESULT.json``) with the Python
 of the venv ``make bench-peers`` makes (``.venv-openvino``), or of any venv where
 ``openvino-genai`` is installed; twostroke need not be: it imports nothing but the standard
-library, ``numpy``, ``openvino`` and ``openvino_genai``. The parent
+library, ``numpy``, ``openvino``, ``openvino_genai`` and ``_child_protocol`` beside it (the
+protocol's child half, the command line and the result file). The parent
 (:mod:`twostroke.engine.bench.openvino_peer`) writes the job and reads the result
 (:mod:`twostroke.engine.bench.child` describes the result). The job::
 
@@ -24,29 +25,27 @@ script's first line through loading the model and a two-token warm-up request.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_PROCESS_START = time.perf_counter()
+if TYPE_CHECKING or __package__:  # imported as twostroke's (its tests import every module)
+    from twostroke.engine.bench import _child_protocol as protocol
+else:  # run by path where twostroke is not installed: imported from this script's folder
+    import _child_protocol as protocol
 
 PROTOCOL = 1
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Load the model, run the job's requests through the pipeline, and return the result."""
-    if job.get("protocol") != PROTOCOL:
-        raise ValueError(f"job protocol must be {PROTOCOL}, got {job.get('protocol')!r}")
     # Installed in the child's venv only, so the type checker of twostroke's venv cannot see them.
     import numpy  # type: ignore[import-not-found, unused-ignore]
     import openvino  # type: ignore[import-not-found, unused-ignore]
     import openvino_genai  # type: ignore[import-not-found, unused-ignore]
 
     requests = job["requests"]
-    arrivals = job.get("arrival_times") or [0.0] * len(requests)
+    arrivals = protocol.arrivals(job)
     # The scheduler's max_num_seqs does not bound the running requests where it splits and
     # fuses prompts (its default; 4 requests ran at once under max_num_seqs=1, measured), so
     # the loop below admits no more than that many at a time itself, as twostroke's does.
@@ -72,7 +71,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     while pipeline.has_non_finished_requests():
         pipeline.step()
     warm.read_all()
-    startup = time.perf_counter() - _PROCESS_START
+    startup = protocol.startup_seconds()
 
     times: list[list[float]] = [[] for _ in requests]
     outputs: list[list[int]] = [[] for _ in requests]
@@ -105,18 +104,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                     times[index].extend([stepped] * len(fresh))
     wall = time.perf_counter() - origin
     timings = [
-        {
-            "prompt_tokens": len(request["prompt_token_ids"]),
-            "output_tokens": len(times[index]),
-            "start": arrivals[index],
-            "first_token": times[index][0] if times[index] else arrivals[index],
-            "end": times[index][-1] if times[index] else arrivals[index],
-            "chunk_times": times[index],
-        }
+        protocol.timing(len(request["prompt_token_ids"]), arrivals[index], times[index])
         for index, request in enumerate(requests)
     ]
     return {
-        "protocol": PROTOCOL,
         "startup_seconds": startup,
         "wall_seconds": wall,
         "timings": timings,
@@ -128,30 +119,5 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write(path: str, document: dict[str, Any]) -> None:
-    """Write atomically, so the parent never reads half a result."""
-    partial = path + ".partial"
-    with open(partial, "w") as file:
-        json.dump(document, file)
-    os.replace(partial, path)
-
-
-def main(argv: list[str]) -> int:
-    """``_openvino_child.py JOB.json RESULT.json``: 0 on success, 1 with an error document."""
-    if len(argv) != 3:
-        print(f"usage: {argv[0]} JOB.json RESULT.json", file=sys.stderr)
-        return 2
-    try:
-        with open(argv[1]) as file:
-            job = json.load(file)
-        result = run_job(job)
-    except Exception as error:
-        traceback.print_exc()
-        _write(argv[2], {"protocol": PROTOCOL, "error": f"{type(error).__name__}: {error}"})
-        return 1
-    _write(argv[2], result)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(protocol.main(sys.argv, run_job, PROTOCOL))

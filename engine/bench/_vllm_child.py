@@ -2,8 +2,9 @@
 
 This script is run by path (``PYTHON _vllm_child.py JOB.json RESULT.json``) with the Python of
 the venv ``make bench-peers`` sets up, where twostroke is not installed: it imports nothing but
-the standard library and vLLM. The parent (:mod:`twostroke.engine.bench.vllm_peer`) writes the
-job and reads the result; the protocol is plain JSON, versioned by ``"protocol"``:
+the standard library, vLLM and ``_child_protocol`` beside it (the protocol's child half, the
+command line and the result file). The parent (:mod:`twostroke.engine.bench.vllm_peer`) writes
+the job and reads the result; the protocol is plain JSON, versioned by ``"protocol"``:
 
 job::
 
@@ -37,18 +38,18 @@ import json
 import os
 import sys
 import time
-import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_PROCESS_START = time.perf_counter()
+if TYPE_CHECKING or __package__:  # imported as twostroke's (its tests import every module)
+    from twostroke.engine.bench import _child_protocol as protocol
+else:  # run by path where twostroke is not installed: imported from this script's folder
+    import _child_protocol as protocol
 
 PROTOCOL = 2
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Start vLLM, run the job's requests, and return the result document."""
-    if job.get("protocol") != PROTOCOL:
-        raise ValueError(f"job protocol must be {PROTOCOL}, got {job.get('protocol')!r}")
     # Installed in the vLLM venv only, so the type checker of twostroke's venv cannot see it.
     import vllm  # type: ignore[import-not-found, unused-ignore]
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found, unused-ignore]
@@ -57,7 +58,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     )
 
     requests = job["requests"]
-    arrivals = job.get("arrival_times") or [0.0] * len(requests)
+    arrivals = protocol.arrivals(job)
     llm = LLM(
         model=job["model_dir"],
         dtype=job["dtype"],
@@ -66,7 +67,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         **job.get("engine_args", {}),
     )
     engine = llm.llm_engine
-    startup = time.perf_counter() - _PROCESS_START
+    startup = protocol.startup_seconds()
 
     count = len(requests)
     chunks: list[list[float]] = [[] for _ in range(count)]
@@ -112,17 +113,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         if not chunks[index] or end is None:
             raise RuntimeError(f"request {index} finished without tokens")
         timings.append(
-            {
-                "prompt_tokens": len(request["prompt_token_ids"]),
-                "output_tokens": tokens[index],
-                "start": arrivals[index],
-                "first_token": chunks[index][0],
-                "end": chunks[index][-1],
-                "chunk_times": chunks[index],
-            }
+            protocol.timing(
+                len(request["prompt_token_ids"]), arrivals[index], chunks[index], tokens[index]
+            )
         )
     return {
-        "protocol": PROTOCOL,
         "startup_seconds": startup,
         "wall_seconds": wall,
         "timings": timings,
@@ -164,31 +159,6 @@ def _version(name: str) -> str:
         return "not installed"
 
 
-def _write(path: str, document: dict[str, Any]) -> None:
-    """Write atomically, so the parent never reads half a result."""
-    partial = path + ".partial"
-    with open(partial, "w") as file:
-        json.dump(document, file)
-    os.replace(partial, path)
-
-
-def main(argv: list[str]) -> int:
-    """``_vllm_child.py JOB.json RESULT.json``: 0 on success, 1 with an error document."""
-    if len(argv) != 3:
-        print(f"usage: {argv[0]} JOB.json RESULT.json", file=sys.stderr)
-        return 2
-    try:
-        with open(argv[1]) as file:
-            job = json.load(file)
-        result = run_job(job)
-    except Exception as error:
-        traceback.print_exc()
-        _write(argv[2], {"protocol": PROTOCOL, "error": f"{type(error).__name__}: {error}"})
-        return 1
-    _write(argv[2], result)
-    return 0
-
-
 # vLLM starts worker processes; without this guard each would rerun the benchmark.
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(protocol.main(sys.argv, run_job, PROTOCOL))

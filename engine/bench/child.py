@@ -14,26 +14,44 @@ JSON result, versioned by ``"protocol"``::
      "output_token_ids": [[int, ...], ...]}  # optional: each request's tokens
 
 or, when anything fails, ``{"protocol": N, "error": "Type: message"}``. Each peer's script
-documents its job.
+documents its job; the child's half of the protocol, shared by the scripts, is
+``_child_protocol.py`` beside them (standard library only, imported from the script's folder).
+
+:class:`ChildPeer` is the driver every such peer subclasses: it finds and probes the child's
+Python, refuses what the peer does not run, runs the child and reads its result, and adds the
+figures every peer reports. A peer module holds only what is its own: its script and venv, its
+refusals, its job, its environment and what it says beside its row.
+
+The child runs in a process group of its own, and the group is killed when the child ends,
+fails, times out or the run is interrupted, so nothing it started (vLLM's engine core and
+workers) outlives the run.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import attrs
 
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
+from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.workload import Workload
 
 __all__ = [
     "ChildError",
+    "ChildPeer",
     "check_python",
     "child_environment",
     "child_python",
@@ -49,8 +67,9 @@ class ChildError(Exception):
 def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment without its venv's import settings, plus ``extra``."""
     env = dict(os.environ)
-    # The parent's venv must not leak into the child's imports.
-    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+    # The parent's venv must not leak into the child's imports, and the child's script
+    # imports _child_protocol from its own folder, which PYTHONSAFEPATH takes off sys.path.
+    for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSAFEPATH"):
         env.pop(name, None)
     env.update(extra)
     return env
@@ -174,6 +193,10 @@ def run_child(
 ) -> tuple[SystemResult, float]:
     """Run ``script`` on ``job`` in ``folder`` (job, result and log files) and read its result.
 
+    Whatever ends the run (the child's exit, its timeout, an exception in this process such
+    as ``KeyboardInterrupt``), the child's process group is killed and the child reaped
+    before this returns or raises.
+
     Args:
         python: The child's Python.
         script: The peer's child script, run by path.
@@ -202,26 +225,28 @@ def run_child(
     result_path.unlink(missing_ok=True)
     started = time.perf_counter()
     with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [str(python), str(script), str(job_path), str(result_path)],
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # A group of its own, so that what it starts ends with it (_end_group).
+            start_new_session=True,
+        )
         try:
-            completed = subprocess.run(
-                [str(python), str(script), str(job_path), str(result_path)],
-                env=dict(env),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-                check=False,
-            )
+            returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise ChildError(f"{system} took over {timeout:.0f} s; see {log_path}") from None
+        finally:
+            _end_group(process)
     elapsed = time.perf_counter() - started
     try:
         document = json.loads(result_path.read_text())
     except (OSError, ValueError):
         tail = _last_line(log_path.read_text(errors="replace"))
         raise ChildError(
-            f"{system} exited with status {completed.returncode} and no result ({tail}); "
-            f"see {log_path}"
+            f"{system} exited with status {returncode} and no result ({tail}); see {log_path}"
         ) from None
     try:
         result = read_result(
@@ -230,6 +255,170 @@ def run_child(
     except ChildError as error:
         raise ChildError(f"{error}; see {log_path}") from None
     return result, elapsed
+
+
+def _optional_path(value: str | os.PathLike[str] | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _variables(value: Mapping[str, str] | None) -> dict[str, str]:
+    return dict(value or {})
+
+
+def _own_script(peer: ChildPeer) -> Path:
+    return peer.script
+
+
+@attrs.define(eq=False)
+class ChildPeer(abc.ABC):
+    """A benchmark peer run in a child process of its own venv's Python: the part every such
+    peer shares, so that a subclass says only what is its own.
+
+    A subclass names its script, venv and messages in class variables and implements
+    :meth:`refusal`, :meth:`job` and :meth:`folder`; it may add environment variables
+    (:attr:`variables`, :meth:`run_variables`) and entries to the result's ``extra`` known
+    before the run (:meth:`own_extra`). It declares ``name``, the system's name in reports,
+    again with its own default (a constant, or one that depends on its other attributes).
+
+    Attributes:
+        python: The Python of the peer's venv (its ``--...-python`` option); ``None``: this
+            one where :attr:`installed_as` says it may run the child and it imports
+            :attr:`module`.
+        timeout: Seconds the child may take in all, start-up included.
+        child_script: The script to run (default :attr:`script`; tests substitute a fake).
+        env: Extra environment for the child (tests point ``PYTHONPATH`` at a fake peer).
+    """
+
+    #: The peer's name in messages (``"vLLM"``).
+    system: ClassVar[str]
+    #: What the child's Python must be able to import (``"vllm"``).
+    module: ClassVar[str]
+    #: The command-line option that names the child's Python (``"--vllm-python"``).
+    option: ClassVar[str]
+    #: How to set up the peer's venv, appended to the messages that say it is missing.
+    setup_hint: ClassVar[str]
+    #: The script the child runs, by path (shipped beside the peer's module).
+    script: ClassVar[Path]
+    #: The distribution that brings :attr:`module` (``"llama-cpp-python"``), where this
+    #: Python runs the child when it can import the module and no option was given;
+    #: ``None``: only the given Python does.
+    installed_as: ClassVar[str | None] = None
+    #: Environment variables of the peer's own, for the probe of its Python and its runs.
+    variables: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
+
+    name: str = attrs.field(kw_only=True)
+    python: Path | None = attrs.field(default=None, converter=_optional_path)
+    timeout: float = attrs.field(default=1800.0, kw_only=True)
+    child_script: Path = attrs.field(
+        default=attrs.Factory(_own_script, takes_self=True), kw_only=True
+    )
+    env: dict[str, str] = attrs.field(factory=dict, converter=_variables, kw_only=True)
+
+    def check(self) -> str | None:
+        """``None`` if the child's Python can import :attr:`module`, else why not."""
+        python = self._python()
+        if python is None and self.installed_as is not None:
+            return (
+                f"{self.installed_as} is not installed here and no {self.option} given; "
+                f"{self.setup_hint}"
+            )
+        return check_python(
+            python,
+            self.module,
+            option=self.option,
+            hint=self.setup_hint,
+            env=self._environment(None),
+        )
+
+    def _python(self) -> Path | None:
+        """The Python the child runs with: :attr:`python`, else (where :attr:`installed_as`
+        allows) this one if it can import :attr:`module`, else ``None``."""
+        if self.installed_as is None:
+            return self.python
+        return child_python(self.python, self.module)
+
+    def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
+        """Run ``workload`` in the child and read its timings back.
+
+        Returns:
+            The timings, with the threads, the child process's seconds and
+            :meth:`own_extra` in ``extra``; or an unavailable result when the peer refuses
+            the workload or model (:meth:`refusal`), has no Python, or the child failed
+            (naming its log).
+
+        Raises:
+            ValueError: what :meth:`own_extra` raises (an unreadable GGUF file).
+
+        Interrupted (``KeyboardInterrupt``), it ends the child and all the child started
+        before the exception leaves (:func:`run_child`).
+        """
+        refusal = self.refusal(workload, model)
+        if refusal is not None:
+            return SystemResult.unavailable(self.name, refusal)
+        python = self._python()
+        if python is None:
+            return SystemResult.unavailable(self.name, f"no {self.option} given; {self.setup_hint}")
+        # Before the child: a file this cannot read is not worth a start-up.
+        own = self.own_extra(model)
+        folder = self.folder(model)
+        try:
+            result, elapsed = run_child(
+                python,
+                self.child_script,
+                self.job(workload, model),
+                folder=folder,
+                env=self._environment((model, folder)),
+                timeout=self.timeout,
+                name=self.name,
+                workload=workload,
+                system=self.system,
+            )
+        except ChildError as error:
+            return SystemResult.unavailable(self.name, str(error))
+        extra = {**result.extra, "threads": model.threads, "process_seconds": elapsed, **own}
+        return attrs.evolve(result, extra=extra)
+
+    @abc.abstractmethod
+    def refusal(self, workload: Workload, model: ModelSpec) -> str | None:
+        """Why the peer does not run ``workload`` on ``model`` here, or ``None``."""
+
+    @abc.abstractmethod
+    def job(self, workload: Workload, model: ModelSpec) -> dict[str, Any]:
+        """The JSON job the child runs (its ``"protocol"``: what the result must speak)."""
+
+    @abc.abstractmethod
+    def folder(self, model: ModelSpec) -> Path:
+        """The run's folder for the child's job, result and log (and its caches)."""
+
+    def run_variables(self, model: ModelSpec, folder: Path) -> dict[str, str]:
+        """Environment variables of the peer's own for a run in ``folder`` (none here)."""
+        return {}
+
+    def own_extra(self, model: ModelSpec) -> dict[str, Any]:
+        """The peer's own entries of the result's ``extra``, known before the run (none here)."""
+        return {}
+
+    def _environment(self, run: tuple[ModelSpec, Path] | None) -> dict[str, str]:
+        """The child's environment: for a run (a model and its folder) or, ``None``, the
+        probe of its Python; :attr:`env` last, so tests override the rest."""
+        own = dict(self.variables)
+        if run is not None:
+            own.update(self.run_variables(*run))
+        return child_environment(own | self.env)
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    """Kill the child's process group and reap the child, however the run ended.
+
+    A peer's child starts processes of its own (vLLM's engine core and workers) that a kill
+    of the child alone would leave running, holding the cores and memory of the systems that
+    run after it. The group outlives its leader while any member lives, and its id is not
+    reused before the group is empty, so killing it after the child was reaped reaches only
+    what the child left behind.
+    """
+    with contextlib.suppress(ProcessLookupError):  # the group is empty: all of it has ended
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _last_line(text: str) -> str:

