@@ -32,12 +32,19 @@ from twostroke.states.validators import boolean as _boolean
 
 __all__ = [
     "DTYPE_OPTIONS",
+    "ENGINE_FLAGS",
     "LOOPBACK_HOST_NAMES",
+    "NO_QUANTIZATION",
     "QUANTIZATION_OPTIONS",
     "DtypeOption",
     "EngineConfig",
     "QuantizationOption",
     "ServerConfig",
+    "engine_flag",
+    "engine_flag_choices",
+    "engine_flag_help",
+    "engine_flag_value",
+    "engine_options_table",
     "host_names",
     "parse_server_limit",
     "server_config",
@@ -100,6 +107,10 @@ class EngineConfig(SchedulingPolicy):
             the prompt) while that many wait, and queues nothing. ``None`` (the default) sets
             no limit: a program that submits a batch of any size (``LLM.generate``) decides
             what it queues. ``twostroke serve`` sets 1024 (``--max-waiting-requests``).
+        speculative_config: Speculative decoding from the requests' own tokens (a
+            :class:`~twostroke.states.speculation.SpeculativeConfig` or a mapping of its
+            fields); ``None`` (the default) drafts nothing. Outputs are the same either way
+            (docs/speculative.md).
         num_blocks: KV blocks in the pool; ``None`` sizes the pool from ``kv_cache_memory``.
         kv_cache_memory: KV cache budget when ``num_blocks`` is ``None``: bytes (``int``) or
             a fraction of the device's free memory (``float`` in (0, 1)). ``None`` takes
@@ -173,7 +184,7 @@ class EngineConfig(SchedulingPolicy):
             (``--deterministic``): the invariant arrangement at its cost (float32 weights
             instead of fbgemm's fp16 on AVX2, the panels at every row count on AMX, GGUF
             blocks block by block in long prefills), or
-            :class:`~twostroke.engine.kernels.selection.DeterminismUnavailable` at open where
+            :class:`~twostroke.engine.models.choice.DeterminismUnavailable` at open where
             none is (``dtype="float32"``'s MKL products, ``int8`` weights, CUDA). ``False``:
             the fastest arrangement, no promise asked.
 
@@ -203,6 +214,90 @@ class EngineConfig(SchedulingPolicy):
     deterministic: bool | None = attrs.field(
         default=None, validator=attrs.validators.optional(_boolean)
     )
+
+
+# --- the engine's flags -------------------------------------------------------------------
+
+#: The fields of :class:`EngineConfig` the ``twostroke`` commands take as flags, and how each
+#: flag reads its value: ``count`` an int, ``choice`` one of :func:`engine_flag_choices`,
+#: ``negated`` ``--no-<field>`` for ``False``, ``switch`` ``--<field>`` / ``--no-<field>``,
+#: ``json`` a JSON object of the field's value. The flags, their choices, help and defaults
+#: are drawn from the class, so none restates what the class says.
+ENGINE_FLAGS: Mapping[str, str] = {
+    "max_model_len": "count",
+    "max_num_seqs": "count",
+    "max_num_batched_tokens": "count",
+    "quantization": "choice",
+    "kv_cache_dtype": "choice",
+    "mmap": "negated",
+    "deterministic": "switch",
+    "speculative_config": "json",
+}
+
+#: The command line's spelling of ``quantization=None`` (weights in ``dtype``).
+NO_QUANTIZATION = "none"
+
+
+def engine_flag(name: str) -> str:
+    """The ``twostroke`` flag of :class:`EngineConfig`'s field ``name`` (``--no-mmap`` for
+    ``mmap``, whose flag turns it off)."""
+    prefix = "--no-" if ENGINE_FLAGS.get(name) == "negated" else "--"
+    return prefix + name.replace("_", "-")
+
+
+def engine_flag_choices(name: str) -> tuple[str, ...]:
+    """The values the flag of the field ``name`` takes: the field's options, and for
+    ``quantization`` :data:`NO_QUANTIZATION` for ``None``.
+
+    Raises:
+        ValueError: ``name`` is no field whose flag takes a choice.
+    """
+    if name == "quantization":
+        return (*QUANTIZATION_OPTIONS, NO_QUANTIZATION)
+    if name in ("dtype", "kv_cache_dtype"):
+        return DTYPE_OPTIONS
+    raise ValueError(f"name must be an EngineConfig field whose flag takes a choice, got {name!r}")
+
+
+def engine_flag_value(name: str, value: object) -> object:
+    """The value of the field ``name`` a flag's parsed ``value`` stands for (``"none"`` is
+    ``None`` for ``quantization``)."""
+    return None if name == "quantization" and value == NO_QUANTIZATION else value
+
+
+def engine_flag_help(name: str) -> str:
+    """The ``--help`` text of the flag of :class:`EngineConfig`'s field ``name``: its doc's
+    first clause and its default, as :func:`server_flag_help` writes the server's."""
+    text = _flag_help(EngineConfig, name)
+    if ENGINE_FLAGS.get(name) == "negated":
+        return f"{text}; {engine_flag(name)} makes it false"
+    return text
+
+
+def engine_options_table() -> str:
+    """docs/configuration.md's table of the engine's options, drawn from :class:`EngineConfig`.
+
+    One row per field: its name, its ``twostroke`` flag (blank where the commands have none),
+    its default and its doc. The docs paste this output and a test fails when the two
+    diverge.
+
+    Returns:
+        The Markdown table, one row per line, without a trailing newline.
+
+    Raises:
+        ValueError: the class has no docstring (``python -OO``), or a doc holds a ``|``.
+    """
+    docs = _field_docs(EngineConfig)
+    if not docs:
+        raise ValueError("EngineConfig has no docstring to draw the table from (python -OO)")
+    lines = ["| field | flag | default | meaning |", "|---|---|---|---|"]
+    for field in attrs.fields(EngineConfig):
+        doc = re.sub(r"``(.+?)``", r"`\1`", docs[field.name])
+        if "|" in doc:
+            raise ValueError(f"EngineConfig.{field.name}'s doc has a '|', which ends a cell")
+        flag = f"`{engine_flag(field.name)}`" if field.name in ENGINE_FLAGS else ""
+        lines.append(f"| `{field.name}` | {flag} | `{field.default!r}` | {doc} |")
+    return "\n".join(lines)
 
 
 # --- the HTTP server ----------------------------------------------------------------------
@@ -556,9 +651,15 @@ def server_field_docs() -> dict[str, str]:
     Raises:
         ValueError: a field the docstring does not document.
     """
-    if ServerConfig.__doc__ is None:
+    return _field_docs(ServerConfig)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each attrs field of ``cls`` and its text in the class's ``Args:``, one line (see
+    :func:`server_field_docs`)."""
+    if cls.__doc__ is None:
         return {}
-    docstring = inspect.cleandoc(ServerConfig.__doc__)
+    docstring = inspect.cleandoc(cls.__doc__)
     _, _, after = docstring.partition("\nArgs:\n")
     docs: dict[str, list[str]] = {}
     for line in after.splitlines():
@@ -569,9 +670,9 @@ def server_field_docs() -> dict[str, str]:
             docs[entry[1]] = [entry[2]]
         elif docs and line.startswith(" " * 8):
             docs[list(docs)[-1]].append(line.strip())
-    missing = [name for name in attrs.fields_dict(ServerConfig) if name not in docs]
+    missing = [name for name in attrs.fields_dict(cls) if name not in docs]
     if missing:
-        raise ValueError(f"ServerConfig's docstring documents no {', '.join(missing)}")
+        raise ValueError(f"{cls.__name__}'s docstring documents no {', '.join(missing)}")
     return {name: " ".join(lines) for name, lines in docs.items()}
 
 
@@ -592,7 +693,14 @@ def server_flag_help(name: str) -> str:
 
     (For argparse, which formats help with ``%``: a ``%`` in the doc is doubled.)
     """
-    doc = server_field_docs().get(name, name.replace("_", " ")).replace("``", "")
+    return _flag_help(ServerConfig, name)
+
+
+def _flag_help(cls: type, name: str) -> str:
+    """:func:`server_flag_help` for the field ``name`` of ``cls``."""
+    doc = _field_docs(cls).get(name, name.replace("_", " ")).replace("``", "")
+    # A Sphinx role shows its target's last name (:class:`~a.b.C`: C), as Sphinx would.
+    doc = re.sub(r":\w+:`~?(?:[\w.]*\.)?(\w+)`", r"\1", doc)
     depth = 0
     for index, character in enumerate(doc):
         depth += {"(": 1, ")": -1}.get(character, 0)
@@ -600,7 +708,7 @@ def server_flag_help(name: str) -> str:
             doc = doc[:index]
             break
     doc = doc[:1].lower() + doc[1:].removesuffix(".").replace("%", "%%")
-    default = attrs.fields_dict(ServerConfig)[name].default
+    default = attrs.fields_dict(cls)[name].default
     if default is None:
         return doc
     return (

@@ -20,6 +20,7 @@ from twostroke.states.prompts import Prompt
 
 if TYPE_CHECKING:
     from twostroke.engine.statistics import EngineStatistics
+    from twostroke.engine.text.tokenizer import Tokenizer
 
 __all__ = ["EngineSurface", "open_surface"]
 
@@ -36,6 +37,15 @@ class EngineSurface(Protocol):
     @property
     def max_model_len(self) -> int:
         """The longest prompt plus output a request may have."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer requests are tokenized with, or ``None`` where it is not here.
+
+        An ``Engine`` holds its own; a coordinator's front holds none (each replica
+        tokenizes). The server reads its chat template for the tools' format.
+        """
         ...
 
     async def prepare(self, prompt: Prompt) -> Prompt:

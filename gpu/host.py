@@ -8,18 +8,32 @@ name, and the free memory is what ``os.sysconf`` reports.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
-__all__ = ["available_memory", "cpu_flags", "cpu_model_name"]
+__all__ = ["available_memory", "cpu_flags", "cpu_model_name", "cpuinfo_text"]
 
 _CPUINFO = Path("/proc/cpuinfo")
 _MEMINFO = Path("/proc/meminfo")
 
 
-def _cpuinfo() -> str:
+def cpuinfo_text() -> str:
+    """The text of ``/proc/cpuinfo``, read once in a process (``""`` off Linux).
+
+    Every reader of the CPU's description calls this: the flags and the model name here,
+    :mod:`twostroke.gpu.isa`'s checks at import, the kernels' build identity. The file
+    describes hardware that does not change while the process runs, and reading it costs
+    a few milliseconds on a machine of many cores (one stanza per core).
+    """
+    return _read_once(_CPUINFO)
+
+
+@functools.cache
+def _read_once(path: Path) -> str:
+    # Keyed by the path, so a test that points _CPUINFO elsewhere reads that file.
     try:
-        return _CPUINFO.read_text()
+        return path.read_text()
     except OSError:  # not Linux
         return ""
 
@@ -30,7 +44,7 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     Args:
         cpuinfo: The text of ``/proc/cpuinfo``; ``None`` reads this machine's.
     """
-    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    text = cpuinfo_text() if cpuinfo is None else cpuinfo
     flags: set[str] = set()
     for line in text.splitlines():
         if line.startswith("flags"):
@@ -44,7 +58,7 @@ def cpu_model_name(cpuinfo: str | None = None) -> str | None:
     Args:
         cpuinfo: The text of ``/proc/cpuinfo``; ``None`` reads this machine's.
     """
-    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    text = cpuinfo_text() if cpuinfo is None else cpuinfo
     for line in text.splitlines():
         if line.startswith("model name"):
             return line.partition(":")[2].strip()

@@ -345,11 +345,14 @@ class Scheduler:
             if num_tokens == 0:
                 index += 1
                 continue
-            drafts = self._draft(request, num_tokens, budget)
-            needed = self._blocks_needed(request, num_tokens + len(drafts))
-            if drafts and needed > self.pool.num_free:  # drafts never wait or preempt
-                drafts = ()
-                needed = self._blocks_needed(request, num_tokens)
+            drafts, needed = self._fit_draft(
+                request,
+                num_tokens,
+                budget,
+                computed=request.num_computed_tokens,
+                held=len(request.block_table),
+                room=self.pool.num_free,
+            )
             # (The second test only when the first fails: it counts the deferred releases.)
             while needed > self.pool.num_free and (
                 needed > self.pool.num_free + self._num_returning_blocks()
@@ -382,11 +385,14 @@ class Scheduler:
             computed = len(hits) * config.block_size
             num_tokens = self._tokens_to_compute(request, budget, computed)
             reclaimed = sum(1 for block_id in hits if not self.pool.ref_count(block_id))
-            drafts = self._draft(request, num_tokens, budget, computed)
-            needed = blocks_for(computed + num_tokens + len(drafts), config.block_size) - len(hits)
-            if drafts and needed + reclaimed > self.pool.num_free:  # drafts never wait
-                drafts = ()
-                needed = blocks_for(computed + num_tokens, config.block_size) - len(hits)
+            drafts, needed = self._fit_draft(
+                request,
+                num_tokens,
+                budget,
+                computed=computed,
+                held=len(hits),
+                room=self.pool.num_free - reclaimed,
+            )
             if num_tokens == 0 or needed + reclaimed > self.pool.num_free:
                 break
             self._waiting.popleft()
@@ -454,9 +460,32 @@ class Scheduler:
             drafts = _allowed_prefix(matcher, drafts)
         return drafts
 
-    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
-        end = request.num_computed_tokens + num_tokens
-        return max(blocks_for(end, self.config.block_size) - len(request.block_table), 0)
+    def _fit_draft(
+        self,
+        request: Request,
+        num_tokens: int,
+        budget: int,
+        *,
+        computed: int,
+        held: int,
+        room: int,
+    ) -> tuple[tuple[int, ...], int]:
+        """The drafts a row of ``request`` verifies, and the new blocks the row needs.
+
+        The row computes ``num_tokens`` from position ``computed``, in ``held`` blocks it
+        already has (its block table, or at admission its prefix hit's). Drafts never wait
+        for blocks or preempt a request: where the row with its drafts needs more than
+        ``room`` blocks, it goes without them. Whether the row itself fits is the caller's.
+
+        Returns:
+            The drafts (maybe none) and the blocks the row needs beyond ``held``.
+        """
+        size = self.config.block_size
+        drafts = self._draft(request, num_tokens, budget, computed)
+        needed = max(blocks_for(computed + num_tokens + len(drafts), size) - held, 0)
+        if drafts and needed > room:
+            return (), max(blocks_for(computed + num_tokens, size) - held, 0)
+        return drafts, needed
 
     def _schedule(
         self,

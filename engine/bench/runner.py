@@ -57,7 +57,11 @@ from twostroke.engine.bench.workload import (
     with_json_schemas,
     with_tools,
 )
-from twostroke.engine.config import count_argument, speculative_config_argument
+from twostroke.engine.config import (
+    QUANTIZATION_OPTIONS,
+    count_argument,
+    speculative_config_argument,
+)
 from twostroke.states.scheduler_config import SchedulingPolicy
 from twostroke.states.speculation import SpeculativeConfig
 
@@ -381,7 +385,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         action="append",
-        choices=("fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"),
+        # The engine's own modes: "auto" is what the plain rows already run.
+        choices=tuple(option for option in QUANTIZATION_OPTIONS if option != "auto"),
         default=None,
         help="also run twostroke at depth 2 with the projection weights in this form (a row "
         "per mode; repeatable); the plain rows take the engine's defaults ('auto')",
@@ -580,7 +585,7 @@ def bench_command(
             f"quality: generating {len(indices)} requests with the float32 reference",
             highlight=False,
         )
-        from twostroke.engine.checkpoints.loader import ModelLoadError
+        from twostroke.engine.checkpoints.source import ModelLoadError
 
         try:
             outputs = compute_reference(model, [workload.requests[i] for i in indices])
@@ -610,7 +615,7 @@ def _measure_roof(
     model: ModelSpec, device: str, measure: Callable[..., MachineRoof], console: Console
 ) -> tuple[MachineRoof, ModelCost] | None:
     """The machine's rates and the model's costs, or ``None`` (and why) when there is no roof."""
-    from twostroke.engine.checkpoints.loader import ModelLoadError
+    from twostroke.engine.checkpoints.source import ModelLoadError
 
     if device != "cpu":
         import torch

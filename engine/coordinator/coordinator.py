@@ -231,6 +231,11 @@ class Coordinator:
         return min(lengths) if lengths else 0
 
     @property
+    def tokenizer(self) -> None:
+        """``None``: the replicas tokenize, each with its own; the front holds no tokenizer."""
+        return None
+
+    @property
     def placement(self) -> str:
         return self._placement
 

@@ -19,6 +19,7 @@ import msgspec
 from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.engine.tools.formats import (
     FUNCTION_NAME,
+    FUNCTION_NAME_RULE,
     GENERIC,
     ToolCall,
     ToolFormat,
@@ -333,8 +334,7 @@ def _tool_calls(index: int, message: ChatMessage) -> tuple[ToolCall, ...]:
         name = call.function.name
         if not FUNCTION_NAME.fullmatch(name):
             raise invalid_request(
-                f"{where}[{number}].function.name must be 1 to 64 letters, digits, "
-                f"underscores or dashes, got {name[:80]!r}",
+                f"{where}[{number}].function.name must be {FUNCTION_NAME_RULE}, got {name[:80]!r}",
                 param="messages",
             )
         try:

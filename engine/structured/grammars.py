@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from twostroke.engine.structured.backend import llguidance
 from twostroke.engine.structured.schemas import SchemaCheck, for_backend
+from twostroke.engine.tools.formats import FUNCTION_NAME
 from twostroke.states.constraints import (
     AnyJsonObject,
     Choice,
@@ -142,7 +143,11 @@ _POSITION = re.compile(r"^at (\d+)\((\d+)\): ")
 #: (:func:`~twostroke.engine.tools.grammar.tool_constraint`), and the rule that names it.
 _TOOL_ARGUMENTS = re.compile(r"args_(\d+): %json ")
 _JSON_PARSE = re.compile(r'^failed to parse "%json": (.*) at line 1 column (\d+)$')
-_TOOL_CALL = r'call_{}: "\{{\\"name\\": \\"([A-Za-z0-9_-]{{1,64}})\\"'
+_TOOL_CALL = (
+    r'call_{}: "\{{\\"name\\": \\"('
+    + FUNCTION_NAME.pattern.replace("{", "{{").replace("}", "}}")
+    + r')\\"'
+)
 
 
 def _place(grammar: str | None, line: int, column: int) -> str:

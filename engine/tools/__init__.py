@@ -30,7 +30,7 @@ from twostroke.engine.tools.formats import (
     ToolFormat,
     ToolSpec,
     choose_tool_format,
-    engine_tool_format,
+    tokenizer_tool_format,
     tool_format,
 )
 from twostroke.engine.tools.grammar import ToolChoice, tool_constraint
@@ -70,11 +70,11 @@ __all__ = [
     "ToolTemplate",
     "Turn",
     "choose_tool_format",
-    "engine_tool_format",
     "native_template",
     "parse_output",
     "render_prompt",
     "template_messages",
+    "tokenizer_tool_format",
     "tool_constraint",
     "tool_format",
     "tool_prompt",

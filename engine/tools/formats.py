@@ -33,30 +33,36 @@ import hashlib
 import json
 import re
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
 __all__ = [
+    "FUNCTION_NAME",
+    "FUNCTION_NAME_RULE",
     "GENERIC",
     "HERMES",
     "LLAMA3_JSON",
     "MAX_FUNCTION_NAME_LENGTH",
     "MISTRAL",
     "TOOL_FORMATS",
+    "ChatTemplated",
     "ToolCall",
     "ToolFormat",
     "ToolSpec",
     "choose_tool_format",
-    "engine_tool_format",
+    "tokenizer_tool_format",
     "tool_format",
 ]
 
 #: The longest function name (OpenAI's limit).
 MAX_FUNCTION_NAME_LENGTH = 64
 #: A function's name, as OpenAI allows it: the grammar and the parser rely on it (no quote,
-#: no backslash, nothing JSON escapes).
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: no backslash, nothing JSON escapes). The one definition: ``ToolSpec``, the server's checks
+#: of the names a request gives, the parser's and the grammar's readers all use this pattern.
+FUNCTION_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_FUNCTION_NAME_LENGTH}}}")
+#: :data:`FUNCTION_NAME` in words, for the messages that refuse a name.
+FUNCTION_NAME_RULE = f"1 to {MAX_FUNCTION_NAME_LENGTH} letters, digits, underscores or dashes"
 _ALPHANUMERIC = re.compile(r"[A-Za-z0-9]+")
 
 
@@ -200,15 +206,25 @@ def choose_tool_format(chat_template: str | None) -> ToolFormat:
     return GENERIC
 
 
-def engine_tool_format(engine: object) -> ToolFormat:
-    """The format an engine's chat template implies (:func:`choose_tool_format`).
+@runtime_checkable
+class ChatTemplated(Protocol):
+    """A tokenizer that has a chat template (a loaded model's does; the toy's has none)."""
 
-    Reads the template of the engine's tokenizer where the engine holds one (an ``Engine``
-    does); a coordinator's front holds none (its replicas do), so it gets the generic
-    format unless one is named (``twostroke serve --tool-format``).
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template (Jinja text), if there is one."""
+        ...
+
+
+def tokenizer_tool_format(tokenizer: object | None) -> ToolFormat:
+    """The format ``tokenizer``'s chat template implies (:func:`choose_tool_format`).
+
+    Args:
+        tokenizer: An engine's tokenizer (``EngineSurface.tokenizer``), or ``None`` where
+            there is none: a coordinator's front holds none (its replicas do), so it gets
+            the generic format unless one is named (``twostroke serve --tool-format``).
     """
-    tokenizer = getattr(engine, "tokenizer", None)
-    template = getattr(tokenizer, "chat_template", None)
+    template = tokenizer.chat_template if isinstance(tokenizer, ChatTemplated) else None
     return choose_tool_format(template if isinstance(template, str) else None)
 
 
@@ -217,8 +233,7 @@ def _function_name(_: object, attribute: attrs.Attribute[Any], value: object) ->
         raise TypeError(f"{attribute.name} must be a str, got {type(value).__name__}")
     if not FUNCTION_NAME.fullmatch(value):
         raise ValueError(
-            f"a function's {attribute.name} must be 1 to {MAX_FUNCTION_NAME_LENGTH} letters, "
-            f"digits, underscores or dashes, got {value[:80]!r}"
+            f"a function's {attribute.name} must be {FUNCTION_NAME_RULE}, got {value[:80]!r}"
         )
 
 

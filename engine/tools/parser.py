@@ -31,7 +31,7 @@ from typing import TypeAlias
 
 import attrs
 
-from twostroke.engine.tools.formats import ToolCall, ToolFormat
+from twostroke.engine.tools.formats import FUNCTION_NAME, ToolCall, ToolFormat
 
 __all__ = [
     "ArgumentsDelta",
@@ -47,7 +47,7 @@ __all__ = [
 def _header(fmt: ToolFormat) -> re.Pattern[str]:
     """A call's opening, up to its arguments: ``{"name": "<name>", "<key>": ``."""
     key = re.escape(f'"{fmt.arguments_key}": ')
-    return re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", ' + key)
+    return re.compile(r'\{"name": "(' + FUNCTION_NAME.pattern + r')", ' + key)
 
 
 @attrs.frozen

@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from twostroke.engine.tools.formats import ToolFormat, ToolSpec
+from twostroke.engine.tools.formats import ChatTemplated, ToolFormat, ToolSpec
 from twostroke.engine.tools.prompt import Turn, render_prompt
 
 __all__ = ["ToolTemplate", "native_template", "template_messages", "tool_prompt"]
@@ -36,13 +36,8 @@ _TOOLS_VARIABLE = re.compile(r"\btools\b")
 
 
 @runtime_checkable
-class ToolTemplate(Protocol):
+class ToolTemplate(ChatTemplated, Protocol):
     """A tokenizer that renders a conversation with tools through its chat template."""
-
-    @property
-    def chat_template(self) -> str | None:
-        """The chat template (Jinja text), if there is one."""
-        ...
 
     def apply_tool_template(
         self,
@@ -54,14 +49,17 @@ class ToolTemplate(Protocol):
         ...
 
 
-def native_template(fmt: ToolFormat, engine: object) -> ToolTemplate | None:
-    """The tokenizer whose template renders tools for ``fmt``, if the engine holds one.
+def native_template(fmt: ToolFormat, tokenizer: object | None) -> ToolTemplate | None:
+    """``tokenizer``, where its template renders tools for ``fmt``; else ``None``.
 
-    It does where ``fmt`` is a template's own format, the engine holds a tokenizer (an
-    ``Engine`` does; a coordinator's front does not) that can render tools, and its template
-    reads a ``tools`` variable.
+    It does where ``fmt`` is a template's own format, ``tokenizer`` can render tools, and
+    its template reads a ``tools`` variable.
+
+    Args:
+        fmt: The format the model writes tool calls in.
+        tokenizer: An engine's tokenizer (``EngineSurface.tokenizer``), or ``None`` where
+            there is none (a coordinator's front holds none).
     """
-    tokenizer = getattr(engine, "tokenizer", None)
     if not fmt.native or not isinstance(tokenizer, ToolTemplate):
         return None
     template = tokenizer.chat_template

@@ -17,6 +17,7 @@ async def test_the_engine_satisfies_the_surface_and_names_its_model() -> None:
     async with Engine.open(model="toy", device="cpu", num_blocks=16) as engine:
         assert isinstance(engine, EngineSurface)
         assert engine.model_name == "toy"
+        assert isinstance(engine.tokenizer, ByteTokenizer)
         assert engine.max_model_len == 4096
         engine.check_health()
     async with Engine.open(

@@ -40,3 +40,25 @@ def test_without_proc_the_cpu_is_unknown_and_sysconf_gives_the_memory(
     assert host.cpu_model_name() is None
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < host.available_memory() <= total
+
+
+def test_cpuinfo_is_read_once_however_many_ask(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(CPUINFO)
+    monkeypatch.setattr(host, "_CPUINFO", cpuinfo)
+    reads: list[Path] = []
+    read_text = Path.read_text
+
+    def counted(path: Path, *args: object, **kwargs: object) -> str:
+        reads.append(path)
+        return read_text(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    assert host.cpu_flags() == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert host.cpu_model_name() == "AMD EPYC 9R14 96-Core Processor"
+    assert host.cpu_flags() == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert reads.count(cpuinfo) == 1
+    assert host.cpuinfo_text() == CPUINFO  # the reader the other modules call
+    assert reads.count(cpuinfo) == 1

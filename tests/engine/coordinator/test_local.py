@@ -87,6 +87,7 @@ async def test_outputs_through_the_coordinator_equal_a_bare_engines() -> None:
     async with Coordinator.open(model="toy", replicas=3, **TOY) as coordinator:
         surface: EngineSurface = coordinator
         assert isinstance(surface, EngineSurface)
+        assert surface.tokenizer is None  # each replica tokenizes
         outputs: list[RequestOutput | None] = [None] * len(requests)
         streamed: list[tuple[tuple[int, ...], str]] = [((), "")] * len(requests)
 

@@ -37,15 +37,15 @@ def test_tool_format_is_one_of_the_formats(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_quantization_is_passed_only_when_given() -> None:
-    from twostroke.engine.cli import _quantization
+    from twostroke.engine.cli import _engine_options
 
     parser = build_parser()
-    assert _quantization(parser.parse_args(["generate", "Hi"])) == {}  # the engine's "auto"
-    assert _quantization(parser.parse_args(["generate", "Hi", "-q", "int8"])) == {
+    assert _engine_options(parser.parse_args(["generate", "Hi"])) == {}  # the engine's "auto"
+    assert _engine_options(parser.parse_args(["generate", "Hi", "-q", "int8"])) == {
         "quantization": "int8"
     }
     serve = parser.parse_args(["serve", "--quantization", "none"])
-    assert _quantization(serve) == {"quantization": None}
+    assert _engine_options(serve) == {"quantization": None}
     bench = parser.parse_args(["bench", "--quantization", "fp16", "--quantization", "int8"])
     assert bench.quantization == ["fp16", "int8"]
 

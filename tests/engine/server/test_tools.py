@@ -26,7 +26,7 @@ from twostroke.engine.tools import (
     LLAMA3_JSON,
     MISTRAL,
     ToolFormat,
-    engine_tool_format,
+    tokenizer_tool_format,
 )
 
 from ..tools.templates import LLAMA31_LIKE, MISTRAL_LIKE, QWEN_LIKE
@@ -122,8 +122,9 @@ async def test_the_tool_format_is_chosen_by_name_or_from_the_template() -> None:
         with pytest.raises(ValueError, match="tool_format must be one of generic, hermes, llama"):
             build_app(server.engine, tool_format="xml")
     tokenizer = type("T", (), {"chat_template": "{{ '<tool_call>' }}"})()
-    assert engine_tool_format(type("E", (), {"tokenizer": tokenizer})()) is HERMES
-    assert engine_tool_format(object()) is GENERIC  # a coordinator's front holds no tokenizer
+    assert tokenizer_tool_format(tokenizer) is HERMES
+    assert tokenizer_tool_format(ByteTokenizer()) is GENERIC  # a tokenizer without a template
+    assert tokenizer_tool_format(None) is GENERIC  # a coordinator's front holds no tokenizer
 
 
 class TemplateByteTokenizer(ByteTokenizer):

@@ -62,7 +62,7 @@ def test_tools_calls_and_results_reach_the_template(
     (so the parser reads it back) and the result; transformers and the saved tokenizer give
     the same ids."""
     theirs, ours, saved = _tokenizers(tmp_path, template)
-    assert native_template(fmt, type("E", (), {"tokenizer": ours})()) is ours
+    assert native_template(fmt, ours) is ours
     ids = tool_prompt(fmt, TURNS, TOOLS, ours)
     assert ids == tool_prompt(fmt, TURNS, TOOLS, theirs)
     text = saved.render_chat(template_messages(fmt, TURNS), [t.shown() for t in TOOLS])
@@ -106,12 +106,10 @@ def test_without_a_template_that_reads_tools_the_prompt_is_plain_messages(
     tmp_path: Path,
 ) -> None:
     _, ours, _ = _tokenizers(tmp_path, "{% for m in messages %}{{ m.content }}{% endfor %}")
-    holder = type("E", (), {"tokenizer": ours})()
-    assert native_template(LLAMA3_JSON, holder) is None  # its template never reads tools
-    assert native_template(GENERIC, holder) is None  # a format of no template
-    toy = type("E", (), {"tokenizer": ByteTokenizer()})()
-    assert native_template(HERMES, toy) is None  # a tokenizer that cannot render tools
-    assert native_template(HERMES, object()) is None  # a coordinator's front
+    assert native_template(LLAMA3_JSON, ours) is None  # its template never reads tools
+    assert native_template(GENERIC, ours) is None  # a format of no template
+    assert native_template(HERMES, ByteTokenizer()) is None  # it cannot render tools
+    assert native_template(HERMES, None) is None  # a coordinator's front holds no tokenizer
     plain = tool_prompt(LLAMA3_JSON, TURNS, TOOLS)
     call = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
     assert plain[2] == {"role": "assistant", "content": call}

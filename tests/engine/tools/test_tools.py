@@ -77,6 +77,24 @@ def test_formats_are_chosen_from_the_template_or_by_name() -> None:
         ToolSpec("a b")
 
 
+def test_every_reader_of_a_function_name_uses_the_one_rule() -> None:
+    """The parser, the grammar's error reader and ToolSpec read names by FUNCTION_NAME, so a
+    name one of them takes is one all of them take."""
+    from twostroke.engine.structured import grammars
+    from twostroke.engine.tools.formats import FUNCTION_NAME, FUNCTION_NAME_RULE
+    from twostroke.engine.tools.parser import _header
+
+    assert FUNCTION_NAME_RULE == "1 to 64 letters, digits, underscores or dashes"
+    for fmt in (HERMES, GENERIC):
+        assert f'"name": "({FUNCTION_NAME.pattern})", ' in _header(fmt).pattern
+    assert rf'\\"({FUNCTION_NAME.pattern})\\"' in grammars._TOOL_CALL.format(0)
+    longest = "a" * 64
+    ToolSpec(longest)
+    assert _header(HERMES).match(f'{{"name": "{longest}", "arguments": ')
+    with pytest.raises(ValueError, match=f"name must be {FUNCTION_NAME_RULE}, got 'a{{65}}'"):
+        ToolSpec(longest + "a")
+
+
 def test_the_prompt_shows_tools_calls_and_results_in_the_formats_syntax() -> None:
     turns = [
         Turn("system", "Be brief."),
