@@ -59,6 +59,7 @@ from twostroke.engine.server import protocol
 from twostroke.engine.server.batch_store import BatchStore, default_batches_path
 from twostroke.engine.server.batches import Batches
 from twostroke.engine.server.body import read_body
+from twostroke.engine.server.chat_service import ChatService
 from twostroke.engine.server.errors import (
     ApiError,
     anthropic_error,
@@ -75,7 +76,7 @@ from twostroke.engine.server.guards import ANTHROPIC_PATHS, Guards, ServerShutdo
 from twostroke.engine.server.messages import Messages
 from twostroke.engine.server.metrics import ServerMetrics
 from twostroke.engine.server.response_store import ResponseStore, default_store_path, owner_of
-from twostroke.engine.server.responses import PreparedChat, Responses
+from twostroke.engine.server.responses import Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint, strict_body
 from twostroke.engine.surface import EngineSurface
@@ -84,7 +85,7 @@ from twostroke.engine.tools.formats import (
     GENERIC,
     ToolFormat,
     ToolSpec,
-    engine_tool_format,
+    tokenizer_tool_format,
 )
 from twostroke.engine.tools.formats import (
     tool_format as named_tool_format,
@@ -206,13 +207,14 @@ class _OpenAI:
     async def chat(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.ChatCompletionRequest)
         protocol.check_model(body.model, self.engine.model_name)
-        chat = await self.prepare_chat(body)
-        await self._generate(chat.format, [chat.messages], chat.params, body, "messages",
-                             chat.shape, receive, send)  # fmt: skip
+        messages, params, fmt, shape = await self._prepare_chat(body)
+        await self._generate(fmt, [messages], params, body, "messages", shape, receive, send)
 
-    async def prepare_chat(self, body: protocol.ChatCompletionRequest) -> PreparedChat:
-        """What a chat completion body asks of the engine: ``/v1/chat/completions`` and
-        ``/v1/responses`` (which translates its body into one) both run through it.
+    async def _prepare_chat(
+        self, body: protocol.ChatCompletionRequest
+    ) -> tuple[Prompt, list[SamplingParams], ChatFormat, OutputConstraint]:
+        """What a chat completion body asks of the engine: its prompt (tools rendered in),
+        one sampling parameters per choice, how its answer is written, its constraint.
 
         Raises:
             ApiError: a 400 for what the body asks wrongly, or the template's refusal.
@@ -227,24 +229,13 @@ class _OpenAI:
         # without max_tokens: what the context leaves
         params = protocol.choice_params(body, shape.constraint)
         self._check_room(len(params))  # before a template renders the conversation
-        messages = await self._tool_prompt(turns, shape.tools)
+        messages = await self.tool_prompt(turns, shape.tools)
         fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
-        return PreparedChat(messages, params, fmt, shape)
+        return messages, params, fmt, shape
 
-    async def chat_prompt(self, body: protocol.ChatCompletionRequest) -> Prompt:
-        """The prompt a chat completion body makes, as the engine takes it (its tools
-        rendered in, off the event loop), without what it asks of the sampler or the queue:
-        ``/v1/messages/count_tokens`` counts its tokens.
-
-        Raises:
-            ApiError: a 400 for what the body asks wrongly, or the template's refusal.
-        """
-        turns = protocol.chat_turns(body.messages)
-        schemas = strict_body(body) if self.strict_schemas else body
-        shape = output_constraint(schemas, self.tool_format)
-        return await self._tool_prompt(turns, shape.tools)
-
-    async def _tool_prompt(self, turns: list[Turn], tools: Sequence[ToolSpec]) -> Prompt:
+    async def tool_prompt(
+        self, turns: list[Turn], tools: Sequence[ToolSpec], field: str = "messages"
+    ) -> Prompt:
         """The conversation as the engine takes it: token ids rendered by the chat
         template's own ``tools`` where the format's template is at hand, else plain
         messages (:func:`~twostroke.engine.tools.template.tool_prompt`).
@@ -254,7 +245,8 @@ class _OpenAI:
         the loop. Cancelling the caller waits for the thread.
 
         Raises:
-            ApiError: 400 naming ``messages`` when the template refuses the conversation.
+            ApiError: 400 naming ``field`` (the body's field that holds the conversation)
+                when the template refuses the conversation.
         """
         template = self.tool_template
         try:
@@ -263,7 +255,7 @@ class _OpenAI:
             render = partial(tool_prompt, self.tool_format, turns, tools, template)
             return await anyio.to_thread.run_sync(render, limiter=self._rendering)
         except ChatTemplateError as exc:
-            raise invalid_request(str(exc), param="messages") from None
+            raise invalid_request(str(exc), param=field) from None
 
     def _check_room(self, count: int) -> None:
         """Refuse ``count`` engine requests if the waiting queue cannot take them all.
@@ -368,7 +360,7 @@ class _OpenAI:
         if (body.prompt is None) == (body.messages is None):
             raise invalid_request("pass exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            messages = await self._tool_prompt(protocol.chat_turns(body.messages), ())
+            messages = await self.tool_prompt(protocol.chat_turns(body.messages), ())
             tokens = await self._tokenize(messages, "messages")
         else:
             tokens = await self._tokenize(body.prompt, "prompt")
@@ -435,7 +427,7 @@ def build_app(
             (:func:`~twostroke.engine.server.serve.serve` passes one).
         tool_format: The format the model writes tool calls in
             (:mod:`twostroke.engine.tools`), or its name; ``None``: the one the engine's chat
-            template implies (:func:`~twostroke.engine.tools.formats.engine_tool_format`).
+            template implies (:func:`~twostroke.engine.tools.formats.tokenizer_tool_format`).
             Logged once, and ``/v1/models`` names it.
         response_store: Where ``/v1/responses`` stores responses; the caller closes it
             (:func:`~twostroke.engine.server.serve.serve` does). ``None``: one of
@@ -471,10 +463,11 @@ def build_app(
     if isinstance(tool_format, str):
         tool_format = named_tool_format(tool_format)
     chosen = "as named" if tool_format is not None else "from the chat template"
-    tool_format = tool_format if tool_format is not None else engine_tool_format(engine)
+    if tool_format is None:
+        tool_format = tokenizer_tool_format(engine.tokenizer)
     if not isinstance(tool_format, ToolFormat):
         raise TypeError(f"tool_format must be a ToolFormat, a str or None, got {tool_format!r}")
-    template = native_template(tool_format, engine)
+    template = native_template(tool_format, engine.tokenizer)
     shown = "through the chat template's tools" if template is not None else "in plain messages"
     logger.info("tool calls in the %s format (%s), tools shown %s", tool_format.name, chosen, shown)
     handlers = _OpenAI(
@@ -495,13 +488,19 @@ def build_app(
         raise TypeError(
             f"response_store must be a ResponseStore or None, got {type(response_store).__name__}"
         )
-    responses = Responses(
+    chat = ChatService(
         engine,
         handlers.metrics,
         keepalive=config.keepalive,
-        max_body_bytes=config.max_body_bytes,
         check_room=handlers._check_room,
-        prepare_chat=handlers.prepare_chat,
+        render=handlers.tool_prompt,
+        tool_format=tool_format,
+        strict_schemas=config.strict_schemas,
+    )
+    responses = Responses(
+        engine,
+        chat,
+        max_body_bytes=config.max_body_bytes,
         store=response_store,
         owner=owner_of(api_key),
     )
@@ -523,15 +522,7 @@ def build_app(
         max_in_flight=config.batch_max_in_flight,
         max_line_bytes=config.max_body_bytes,
     )  # fmt: skip
-    messages = Messages(
-        engine,
-        handlers.metrics,
-        keepalive=config.keepalive,
-        max_body_bytes=config.max_body_bytes,
-        check_room=handlers._check_room,
-        prepare_chat=handlers.prepare_chat,
-        chat_prompt=handlers.chat_prompt,
-    )
+    messages = Messages(engine, chat, max_body_bytes=config.max_body_bytes)
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
         endpoint = _Endpoint(handler, api_key=api_key if secured else None,

@@ -44,7 +44,7 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
 from twostroke.states.prompts import Prompt
 
-__all__ = ["ChatFormat", "Choice", "CompletionFormat", "Generation"]
+__all__ = ["ChatFormat", "Choice", "CompletionFormat", "Generation", "Submission"]
 
 logger = logging.getLogger("twostroke.server")
 
@@ -81,44 +81,34 @@ class Format(Protocol):
     ) -> Any: ...
 
 
-class Generation:
-    """The engine requests of one HTTP request, and how to answer with them.
+class Submission:
+    """The engine requests of one HTTP request: submitted, collected, and settled.
 
     Args:
         engine: The engine surface.
         metrics: Where outcomes are counted.
-        fmt: The endpoint's JSON shapes.
-        keepalive: Seconds of silence on a stream before a keep-alive comment goes out.
         prompt_field: The body's field that holds the prompts (``prompt``, ``messages``).
         max_tokens_field: The body's field that set the most tokens to generate.
         constraint_field: The body's field that constrained the output, if one did: the
             constraint's refusal (:class:`ConstraintRejected`, from ``submit`` or, once the
-            engine compiled it, from the handle) is a 400 naming it, and a stream waits for
-            the first output (or refusal) before it answers.
+            engine compiled it, from the handle) is a 400 naming it.
     """
 
     def __init__(
         self,
         engine: EngineSurface,
         metrics: ServerMetrics,
-        fmt: Format,
         *,
-        keepalive: float,
         prompt_field: str = "prompt",
         max_tokens_field: str = "max_tokens",
         constraint_field: str | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._fmt = fmt
-        self._keepalive = keepalive
         self._prompt_field = prompt_field
         self._max_tokens_field = max_tokens_field
         self._constraint_field = constraint_field
         self.choices: list[Choice] = []
-        self.id = f"{'chatcmpl' if fmt.object_name == 'chat.completion' else 'cmpl'}-"
-        self.id += uuid.uuid4().hex
-        self.created = int(time.time())
 
     async def submit(
         self,
@@ -202,6 +192,60 @@ class Generation:
                 self._metrics.submitted(len(choice.handle.prompt_token_ids))
             self.choices = []
 
+    async def collect(self) -> list[RequestOutput]:
+        """Wait for every choice's output.
+
+        Raises:
+            ApiError: a remote replica refused a choice, or its constraint failed partway
+                (:meth:`error`).
+            RequestFailed, EngineDead, EngineClosed: a choice failed.
+        """
+        outputs = []
+        for choice in self.choices:
+            try:
+                output = await choice.handle.result()
+            except (TypeError, ValueError, ConstraintFailed) as exc:
+                raise self.error(exc) from None
+            choice.num_tokens = len(output.token_ids)
+            outputs.append(output)
+        return outputs
+
+
+class Generation(Submission):
+    """The engine requests of one OpenAI request, and how to answer with them.
+
+    Args:
+        engine: The engine surface.
+        metrics: Where outcomes are counted.
+        fmt: The endpoint's JSON shapes.
+        keepalive: Seconds of silence on a stream before a keep-alive comment goes out.
+        prompt_field: The body's field that holds the prompts (``prompt``, ``messages``).
+        max_tokens_field: The body's field that set the most tokens to generate.
+        constraint_field: The body's field that constrained the output, if one did (see
+            :class:`Submission`); a stream then waits for the first output (or refusal)
+            before it answers.
+    """
+
+    def __init__(
+        self,
+        engine: EngineSurface,
+        metrics: ServerMetrics,
+        fmt: Format,
+        *,
+        keepalive: float,
+        prompt_field: str = "prompt",
+        max_tokens_field: str = "max_tokens",
+        constraint_field: str | None = None,
+    ) -> None:
+        super().__init__(engine, metrics, prompt_field=prompt_field,
+                         max_tokens_field=max_tokens_field,
+                         constraint_field=constraint_field)  # fmt: skip
+        self._fmt = fmt
+        self._keepalive = keepalive
+        self.id = f"{'chatcmpl' if fmt.object_name == 'chat.completion' else 'cmpl'}-"
+        self.id += uuid.uuid4().hex
+        self.created = int(time.time())
+
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         model = self._engine.model_name
         return {"id": self.id, "object": obj, "created": self.created, "model": model,
@@ -220,24 +264,6 @@ class Generation:
         }
 
     # --- a complete response -----------------------------------------------------------
-
-    async def collect(self) -> list[RequestOutput]:
-        """Wait for every choice's output.
-
-        Raises:
-            ApiError: a remote replica refused a choice, or its constraint failed partway
-                (:meth:`error`).
-            RequestFailed, EngineDead, EngineClosed: a choice failed.
-        """
-        outputs = []
-        for choice in self.choices:
-            try:
-                output = await choice.handle.result()
-            except (TypeError, ValueError, ConstraintFailed) as exc:
-                raise self.error(exc) from None
-            choice.num_tokens = len(output.token_ids)
-            outputs.append(output)
-        return outputs
 
     async def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         """The JSON body of a complete response."""

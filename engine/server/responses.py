@@ -1,13 +1,15 @@
-"""``/v1/responses``: OpenAI's Responses API on top of the chat path, with stored responses.
+"""``/v1/responses``: OpenAI's Responses API on the chat service, with stored responses.
 
-A Responses request is translated into the chat completion it asks for (its ``input`` items
-into chat messages, ``instructions`` into a first system message, ``text.format`` into
-``response_format``, its flat function ``tools`` and ``tool_choice`` into chat's), and that
-request runs through the chat machinery unchanged: the same messages, sampling parameters,
-constraint and tool calls as ``/v1/chat/completions`` computes for it. The chat answer, whole
-or as chunks, is then written back as Responses output items (``message`` with
-``output_text``, ``function_call`` with ``call_id``, ``name`` and ``arguments``) and, when
-streamed, as the Responses event sequence with sequence numbers.
+A Responses request is parsed into the chat request it asks for
+(:class:`~twostroke.engine.server.chat_request.ChatRequest`: its ``input`` items as turns,
+``instructions`` as a first system turn, ``text.format`` as its JSON output, its flat function
+``tools`` and ``tool_choice``), every refusal naming the Responses field, and run by the chat
+service (:mod:`~twostroke.engine.server.chat_service`): the same prompt, sampling parameters,
+constraint and tool calls as ``/v1/chat/completions`` computes for the same conversation. The
+answer's typed events, whole or as they stream, are folded into Responses output items
+(``message`` with ``output_text``, ``function_call`` with ``call_id``, ``name`` and
+``arguments``) and, when streamed, the Responses event sequence with sequence numbers
+(:mod:`~twostroke.engine.server.response_events`).
 
 A Response is stored (``store``, true by default as OpenAI's) in the server's
 :class:`~twostroke.engine.server.response_store.ResponseStore` with every input item of its
@@ -24,12 +26,10 @@ cannot honour are a 400 naming them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Literal
 
@@ -41,29 +41,28 @@ from starlette.types import Receive, Send
 
 from twostroke.engine.server import protocol
 from twostroke.engine.server.body import read_body
+from twostroke.engine.server.chat_request import ChatRequest, FieldNames, OutputFormat, ToolChoice
+from twostroke.engine.server.chat_service import ChatService
 from twostroke.engine.server.errors import ApiError, invalid_request
-from twostroke.engine.server.generation import ChatFormat, Generation
-from twostroke.engine.server.guards import shutting_down
-from twostroke.engine.server.metrics import ServerMetrics
-from twostroke.engine.server.response_events import ResponseDraft, ResponseEventSender
+from twostroke.engine.server.event_writer import EventWriter
+from twostroke.engine.server.response_events import ResponseDraft
 from twostroke.engine.server.response_store import (
     ResponseStore,
     ResponseStoreError,
     StoredResponse,
 )
-from twostroke.engine.server.sse import Disconnected, send_json, until_disconnect
-from twostroke.engine.server.structured import OutputConstraint
-from twostroke.engine.server.transport import CLOSING_SECONDS
+from twostroke.engine.server.sse import Disconnected, send_json
+from twostroke.engine.server.structured import MAX_TOOLS, tool_specs
 from twostroke.engine.surface import EngineSurface
-from twostroke.states.params import SamplingParams
-from twostroke.states.prompts import Prompt
+from twostroke.engine.tools.formats import FUNCTION_NAME, FUNCTION_NAME_RULE, ToolCall, ToolSpec
+from twostroke.engine.tools.prompt import Turn
 
 __all__ = [
     "MAX_CALL_ID_LENGTH",
     "MAX_INPUT_ITEMS",
     "MAX_LIST_LIMIT",
     "MAX_TEMPERATURE",
-    "PreparedChat",
+    "NAMES",
     "Responses",
     "ResponsesRequest",
     "chat_request",
@@ -81,8 +80,6 @@ MAX_LIST_LIMIT = 100
 _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 #: An item id, as ``after`` names one: this server's are a prefix and 32 hex digits.
 _ITEM_ID = re.compile(r"[a-z]{1,8}_[0-9a-f]{32}")
-#: ``text.format.name`` and a function's name, as OpenAI allows them.
-_FORMAT_NAME = _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _STATELESS = (
@@ -238,80 +235,84 @@ def _call_id(item: _Item, where: str) -> str:
     return call_id
 
 
-@attrs.frozen
-class _Origins:
-    """Where each chat message of a translated request came from, so that an error the
-    chat path words about ``messages[k]`` (or ``messages[k].tool_calls[m]``) names the
-    Responses request's own field: ``instructions``, ``input``, or the item ``input[j]``.
+#: How a Responses request names its fields.
+NAMES = FieldNames(prompt="input", max_tokens="max_output_tokens", format="text.format",
+                   schema="text.format.schema", tool="tools[{}]")  # fmt: skip
 
-    Attributes:
-        messages: Each chat message's origin.
-        calls: Each chat message's calls' items (empty for a message without calls).
+
+class _Conversation:
+    """The turns of one request, built item by item: a ``function_call`` item joins the
+    assistant turn right before it (a response's text and calls are one turn, as chat has
+    them) or opens one."""
+
+    def __init__(self) -> None:
+        self.turns: list[Turn] = []
+        self._calls_from: str | None = None  # the item of the last turn's first call
+        self.names: dict[str, str] = {}  # call_id -> the function's name
+
+    def add(self, turn: Turn) -> None:
+        self.turns.append(turn)
+        self._calls_from = None
+
+    def call(self, call: ToolCall, where: str) -> None:
+        last = self.turns[-1] if self.turns else None
+        if last is None or last.role != "assistant":
+            self.add(Turn("assistant"))
+            last = self.turns[-1]
+        first = self._calls_from = self._calls_from or where
+        if len(last.tool_calls) >= MAX_TOOLS:
+            raise invalid_request(
+                f"{first} to {where} (the function_call items of one turn) must hold <= "
+                f"{MAX_TOOLS} calls, got {len(last.tool_calls) + 1}",
+                param="input",
+            )
+        self.turns[-1] = attrs.evolve(last, tool_calls=(*last.tool_calls, call))
+
+
+def _function_call(item: _Item, where: str, out: _Conversation) -> ToolCall:
+    """A ``function_call`` item as the call it records, checked."""
+    call_id = _call_id(item, where)
+    if item.name is None or item.arguments is None:
+        raise invalid_request(
+            f"{where}: a function_call item needs name and arguments", param="input"
+        )
+    if not FUNCTION_NAME.fullmatch(item.name):
+        raise invalid_request(
+            f"{where}.name must be {FUNCTION_NAME_RULE}, got {item.name[:80]!r}",
+            param="input",
+        )
+    try:
+        json.loads(item.arguments)
+    except (ValueError, RecursionError):
+        raise invalid_request(
+            f"{where}.arguments must be JSON text, got {item.arguments[:80]!r}",
+            param="input",
+        ) from None
+    if call_id in out.names:
+        raise invalid_request(f"{where}.call_id {call_id!r} is not unique", param="input")
+    out.names[call_id] = item.name
+    return ToolCall(call_id, item.name, item.arguments)
+
+
+def _turns(body: ResponsesRequest) -> tuple[Turn, ...]:
+    """``instructions`` and ``input`` as the conversation's turns.
+
+    A ``function_call`` item becomes a call of an assistant turn (see
+    :class:`_Conversation`); a ``function_call_output`` a ``tool`` turn with its call's id
+    and the function's name.
     """
-
-    messages: tuple[str, ...]
-    calls: tuple[tuple[str, ...], ...]
-
-    def rename(self, text: str) -> str:
-        """``text`` with the chat path's names as the Responses request has them."""
-
-        def call(match: re.Match[str]) -> str:
-            message, number = _index(match[1]), _index(match[2])
-            items = self.calls[message] if message < len(self.calls) else ()
-            return items[number] if number < len(items) else match[0]
-
-        def calls(match: re.Match[str]) -> str:
-            message = _index(match[1])
-            items = self.calls[message] if message < len(self.calls) else ()
-            if not items:
-                return match[0]
-            return f"{items[0]} to {items[-1]} (the function_call items of one turn)"
-
-        def message(match: re.Match[str]) -> str:
-            index = _index(match[1])
-            return self.messages[index] if index < len(self.messages) else match[0]
-
-        text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\[(\d+)\](?:\.function)?", call, text)
-        text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\b", calls, text)
-        text = re.sub(r"\bmessages\[(\d+)\]", message, text)
-        return _rename(text)
-
-
-def _index(digits: str) -> int:
-    """An index the chat path's message gives, which may be a client's text (a function's
-    name quoted back): past 9 digits it is past any list a request holds, and ``int()``
-    refuses more than 4,300 digits (a ``ValueError``, which was a 500)."""
-    return int(digits) if len(digits) <= 9 else 10**9
-
-
-def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], _Origins]:
-    """``instructions`` and ``input`` as chat messages (OpenAI's chat shape), and where each
-    came from.
-
-    A ``function_call`` item becomes one of an assistant message's ``tool_calls``: the
-    assistant message right before it (a response's text and calls are one turn, as chat has
-    them), or a new one; a ``function_call_output`` becomes a ``tool`` message with its
-    ``tool_call_id`` and the function's ``name``.
-    """
-    messages: list[dict[str, Any]] = []
-    origins: list[str] = []
-    calls_of: list[list[str]] = []
+    out = _Conversation()
     if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
-        origins.append("instructions")
-        calls_of.append([])
+        out.add(Turn("system", body.instructions))
     if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-        origins.append("input")
-        calls_of.append([])
-        return messages, _Origins(tuple(origins), tuple(map(tuple, calls_of)))
+        out.add(Turn("user", body.input))
+        return tuple(out.turns)
     if not body.input:
         raise invalid_request("input must not be empty", param="input")
     if len(body.input) > MAX_INPUT_ITEMS:
         raise invalid_request(
             f"input must hold <= {MAX_INPUT_ITEMS} items, got {len(body.input)}", param="input"
         )
-    calls: dict[str, str] = {}  # call_id -> the function's name
     for index, item in enumerate(body.input):
         where = f"input[{index}]"
         if item.type == "message":
@@ -321,55 +322,19 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], _Origins]:
                     f"{where}.role must be one of {', '.join(_ROLES)}, got {item.role!r}",
                     param="input",
                 )
-            messages.append({"role": role, "content": _text(item.content, f"{where}.content")})
-            origins.append(where)
-            calls_of.append([])
+            out.add(Turn(role, _text(item.content, f"{where}.content")))
         elif item.type == "function_call":
-            call_id = _call_id(item, where)
-            if item.name is None or item.arguments is None:
-                raise invalid_request(
-                    f"{where}: a function_call item needs name and arguments", param="input"
-                )
-            if not _FUNCTION_NAME.fullmatch(item.name):
-                raise invalid_request(
-                    f"{where}.name must be 1 to 64 letters, digits, underscores or dashes, "
-                    f"got {item.name[:80]!r}",
-                    param="input",
-                )
-            try:
-                json.loads(item.arguments)
-            except (ValueError, RecursionError):
-                raise invalid_request(
-                    f"{where}.arguments must be JSON text, got {item.arguments[:80]!r}",
-                    param="input",
-                ) from None
-            if call_id in calls:
-                raise invalid_request(f"{where}.call_id {call_id!r} is not unique",
-                                      param="input")  # fmt: skip
-            calls[call_id] = item.name
-            call = {"id": call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # the same turn's
-                last.setdefault("tool_calls", []).append(call)
-                calls_of[-1].append(where)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                origins.append(where)
-                calls_of.append([where])
+            out.call(_function_call(item, where, out), where)
         elif item.type == "function_call_output":
             call_id = _call_id(item, where)
-            if call_id not in calls:
+            if call_id not in out.names:
                 raise invalid_request(
                     f"{where}: no function_call with call_id {call_id!r} comes before this "
                     "function_call_output in input",
                     param="input",
                 )
             output = _text(item.output, f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": call_id, "name": calls[call_id],
-                             "content": output})  # fmt: skip
-            origins.append(where)
-            calls_of.append([])
+            out.add(Turn("tool", output, tool_call_id=call_id, name=out.names[call_id]))
         elif item.type == "item_reference":
             raise invalid_request(
                 f"{where}: item_reference is not supported: {_STATELESS}; send the items "
@@ -383,158 +348,86 @@ def _messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], _Origins]:
                 f"got {item.type!r}",
                 param="input",
             )
-    return messages, _Origins(tuple(origins), tuple(map(tuple, calls_of)))
+    return tuple(out.turns)
 
 
-def _tools(body: ResponsesRequest) -> dict[str, Any]:
-    """``tools`` and ``tool_choice`` in chat's shape (the chat path checks the rest)."""
-    fields: dict[str, Any] = {}
-    if body.tools is not None:
-        tools = []
-        for index, tool in enumerate(body.tools):
-            if tool.type != "function":
-                raise invalid_request(
-                    f"tools[{index}].type must be 'function' (the only tools this server "
-                    f"runs), got {tool.type!r}",
-                    param=f"tools[{index}].type",
-                )
-            if tool.name is None:
-                raise invalid_request(f"tools[{index}].name is required",
-                                      param=f"tools[{index}].name")  # fmt: skip
-            function: dict[str, Any] = {"name": tool.name}
-            for field in ("description", "parameters", "strict"):
-                value = getattr(tool, field)
-                if value is not None:
-                    function[field] = value
-            tools.append({"type": "function", "function": function})
-        fields["tools"] = tools
-    choice = body.tool_choice
-    if isinstance(choice, _NamedChoice):
-        if choice.type == "function" and choice.name is None:
-            raise invalid_request("tool_choice of type 'function' needs name",
-                                  param="tool_choice")  # fmt: skip
-        if choice.type != "function" or choice.name is None:
+def _tools(body: ResponsesRequest) -> tuple[ToolSpec, ...]:
+    """``tools``, flat as the Responses API has them, checked."""
+    given = []
+    for index, tool in enumerate(body.tools or ()):
+        if tool.type != "function":
             raise invalid_request(
-                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
-                f"'name': ...}}, got type {choice.type!r}",
-                param="tool_choice",
+                f"tools[{index}].type must be 'function' (the only tools this server "
+                f"runs), got {tool.type!r}",
+                param=f"tools[{index}].type",
             )
-        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-    elif choice is not None:
-        fields["tool_choice"] = choice
-    if body.parallel_tool_calls is not None:
-        fields["parallel_tool_calls"] = body.parallel_tool_calls
-    return fields
+        if tool.name is None:
+            raise invalid_request(f"tools[{index}].name is required",
+                                  param=f"tools[{index}].name")  # fmt: skip
+        given.append((tool.name, tool.description, tool.parameters))
+    return tool_specs(given, NAMES)
 
 
-def _response_format(body: ResponsesRequest) -> dict[str, Any]:
+def _tool_choice(body: ResponsesRequest) -> ToolChoice | None:
+    choice = body.tool_choice
+    if not isinstance(choice, _NamedChoice):
+        return None if choice is None else ToolChoice(choice)
+    if choice.type == "function" and choice.name is None:
+        raise invalid_request("tool_choice of type 'function' needs name", param="tool_choice")
+    if choice.type != "function" or choice.name is None:
+        raise invalid_request(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+            f"'name': ...}}, got type {choice.type!r}",
+            param="tool_choice",
+        )
+    return ToolChoice("function", choice.name)
+
+
+def _output(body: ResponsesRequest) -> OutputFormat | None:
     fmt = None if body.text is None else body.text.format
     if fmt is None or fmt.type == "text":
-        return {}
+        return None
     if fmt.type == "json_object":
-        return {"response_format": {"type": "json_object"}}
-    if fmt.name is None or not _FORMAT_NAME.fullmatch(fmt.name):
+        return OutputFormat()
+    if fmt.name is None or not FUNCTION_NAME.fullmatch(fmt.name):
         shown = "none" if fmt.name is None else repr(fmt.name[:80])
         raise invalid_request(
-            f"text.format.name must be 1 to 64 letters, digits, underscores or dashes, got {shown}",
+            f"text.format.name must be {FUNCTION_NAME_RULE}, got {shown}",
             param="text.format.name",
         )
-    schema = {"name": fmt.name, "schema": fmt.schema, "strict": fmt.strict,
-              "description": fmt.description}  # fmt: skip
-    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    if fmt.schema is None:
+        raise invalid_request("text.format of type json_schema needs schema",
+                              param="text.format")  # fmt: skip
+    return OutputFormat(fmt.schema)
 
 
-def chat_request(body: ResponsesRequest) -> protocol.ChatCompletionRequest:
-    """The chat completion a Responses request asks for.
+def chat_request(body: ResponsesRequest) -> ChatRequest:
+    """The chat request a Responses request asks for, its errors naming its own fields.
 
     Raises:
         ApiError: 400 naming the field: a stateful field, one this server cannot honour, or
             an input item, tool or format that is malformed.
     """
-    return _translate(body)[0]
-
-
-def _translate(body: ResponsesRequest) -> tuple[protocol.ChatCompletionRequest, _Origins]:
-    """:func:`chat_request`, and where each of its messages came from."""
     _refuse_unsupported(body)
-    messages, origins = _messages(body)
-    fields: dict[str, Any] = {"model": body.model, "messages": messages,
-                              "stream": body.stream}  # fmt: skip
-    if body.max_output_tokens is not None:
-        fields["max_completion_tokens"] = body.max_output_tokens
-    if body.temperature is not None:
-        if not 0 <= body.temperature <= MAX_TEMPERATURE:  # NaN too
-            raise invalid_request(
-                f"temperature must be in [0, {MAX_TEMPERATURE}], got {body.temperature}",
-                param="temperature",
-            )
-        fields["temperature"] = body.temperature
-    if body.top_p is not None:
-        fields["top_p"] = body.top_p
-    fields |= _response_format(body) | _tools(body)
-    try:
-        return msgspec.convert(fields, protocol.ChatCompletionRequest), origins
-    except msgspec.ValidationError as exc:  # a shape the chat path refuses
-        raise _renamed(invalid_request(str(exc), param="input"), origins) from None
-
-
-#: The chat path's names of fields, and the Responses API's names of the same fields.
-_RENAMES = [
-    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
-    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
-    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
-    (re.compile(r"\bmessages\b"), "input"),
-    (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
-]
-
-
-def _rename(text: str) -> str:
-    for pattern, replacement in _RENAMES:
-        text = pattern.sub(replacement, text)
-    return text
-
-
-def _renamed(error: ApiError, origins: _Origins) -> ApiError:
-    """A chat-path error, with the fields it names as the Responses API names them (an
-    input item by its own index in ``input``, not by the chat message it became)."""
-    param = None if error.param is None else _rename(error.param)
-    return ApiError(error.status, origins.rename(error.message), type=error.type, param=param,
-                    code=error.code, headers=error.headers)  # fmt: skip
-
-
-@attrs.frozen
-class PreparedChat:
-    """What a chat completion body asks of the engine, as the chat path computes it.
-
-    Attributes:
-        messages: The conversation as the engine takes it (tools rendered in).
-        params: One sampling parameters per choice.
-        format: How the answer is written (its tool calls read back).
-        shape: The output's constraint and the field that set it.
-    """
-
-    messages: Prompt
-    params: list[SamplingParams]
-    format: ChatFormat
-    shape: OutputConstraint
-
-
-async def _end_cut_stream(sender: ResponseEventSender) -> None:
-    """End a started Responses stream that was cancelled from outside as a Responses stream.
-
-    Only the server's shutdown cancels a handler (at the end of its grace period; a client
-    that leaves makes the stream return instead), and it would end an event stream with
-    chat's ``error`` event and ``[DONE]``: here the stream gets the Responses API's ``error``
-    and ``response.failed`` instead, under a shield and within the time the server gives
-    open responses to end (a client that does not read is not waited for). One that has not
-    started is left to the server's 503.
-    """
-    if not sender.started or sender.ended:
-        return
-    error = shutting_down("the request did not finish within the grace period")
-    with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSING_SECONDS):
-        with contextlib.suppress(Disconnected):
-            await sender.fail(error.body())
+    turns = _turns(body)
+    if body.temperature is not None and not 0 <= body.temperature <= MAX_TEMPERATURE:  # NaN too
+        raise invalid_request(
+            f"temperature must be in [0, {MAX_TEMPERATURE}], got {body.temperature}",
+            param="temperature",
+        )
+    output = _output(body)
+    return ChatRequest(
+        NAMES,
+        turns,
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        tools=_tools(body),
+        tool_choice=_tool_choice(body),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        output=output,
+        stream=body.stream,
+    )
 
 
 def _echo(body: ResponsesRequest) -> dict[str, Any]:
@@ -688,14 +581,8 @@ class Responses:
 
     Args:
         engine: The engine surface.
-        metrics: Where outcomes are counted (the chat path's counters).
-        keepalive: Seconds of silence on a stream before a keep-alive comment goes out.
+        chat: The chat service that prepares and runs the requests.
         max_body_bytes: The largest body read.
-        check_room: Refuses ``count`` more engine requests when the waiting queue cannot
-            take them (an ``EngineOverloaded``, the application's 503).
-        prepare_chat: The chat path: what a chat completion body asks of the engine (its
-            messages rendered with the server's tool format, sampling parameters, output
-            format and constraint, its tools rendered off the event loop), or its 400.
         store: Where responses are stored.
         owner: The namespace of this server's responses in ``store``
             (:func:`~twostroke.engine.server.response_store.owner_of` its API key).
@@ -704,21 +591,15 @@ class Responses:
     def __init__(
         self,
         engine: EngineSurface,
-        metrics: ServerMetrics,
+        chat: ChatService,
         *,
-        keepalive: float,
         max_body_bytes: int,
-        check_room: Callable[[int], None],
-        prepare_chat: Callable[[protocol.ChatCompletionRequest], Awaitable[PreparedChat]],
         store: ResponseStore,
         owner: str,
     ) -> None:
         self._engine = engine
-        self._metrics = metrics
-        self._keepalive = keepalive
+        self._chat = chat
         self._max_body_bytes = max_body_bytes
-        self._check_room = check_room
-        self._prepare_chat = prepare_chat
         self._store = store
         self._owner = owner
 
@@ -785,6 +666,16 @@ class Responses:
             logger.error("response %s not stored: %s", draft.id, exc)
             draft.store = False  # what a client reads back says so
 
+    async def _kept(
+        self, draft: ResponseDraft, items: list[dict[str, Any]], events: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """A stream's last ``events``, once the response is stored: the final object as
+        stored (the store may have refused it)."""
+        await self._keep(draft, items)
+        if events and "response" in events[-1]:
+            events[-1]["response"] = draft.response()
+        return events
+
     async def create(self, request: Request, receive: Receive, send: Send) -> None:
         """Answer one ``POST /v1/responses``: a Response object, or its event stream."""
         body = protocol.decode_body(
@@ -793,57 +684,33 @@ class Responses:
         protocol.check_model(body.model, self._engine.model_name)
         _refuse_unsupported(body)  # before the store is asked
         previous = await self._previous(body)
-        translated, origins = _translate(_continued(body, previous))
+        asked = chat_request(_continued(body, previous))
         items: list[dict[str, Any]] = []
         if body.store is not False:  # the context's items, as stored with the response
             if previous is not None:
                 items = [*previous.input_items, *previous.response["output"]]
             items += _input_items(body.input)
-        try:
-            chat = await self._prepare_chat(translated)
-        except ApiError as exc:
-            raise _renamed(exc, origins) from None
-        self._check_room(1)  # before the prompt is tokenized
-        shape = chat.shape
-        generation = Generation(
-            self._engine,
-            self._metrics,
-            chat.format,
-            keepalive=self._keepalive,
-            prompt_field="input",
-            max_tokens_field="max_output_tokens",
-            constraint_field=None if shape.param is None else _rename(shape.param),
-        )
+        prepared = await self._chat.prepare(asked)
         draft = ResponseDraft(
             self._engine.model_name,
             _echo(body),
             previous_response_id=body.previous_response_id,
             store=body.store is not False,
         )
-        try:
-            submit = partial(generation.submit, [chat.messages], chat.params, self._check_room)
-            if (await until_disconnect(receive, submit))[0]:
+        async with self._chat.open_run(prepared) as run:
+            if not await run.submit(receive):
                 return  # the client left while its prompt was prepared: nothing queued
             if body.stream:
-                sender = ResponseEventSender(send, draft, before_end=partial(self._keep, draft,
-                                                                            items))  # fmt: skip
-                try:
-                    await until_disconnect(
-                        receive, lambda: generation.stream(sender, include_usage=True)
-                    )
-                except anyio.get_cancelled_exc_class():
-                    await _end_cut_stream(sender)
-                    raise
+                keep = partial(self._kept, draft, items)
+                await run.stream(receive, EventWriter(send, draft, before_end=keep))
                 return
-            disconnected, outputs = await until_disconnect(receive, generation.collect)
-            if disconnected or outputs is None:
+            events = await run.collect(receive)
+            if events is None:
                 return
-            draft.chunk(await generation.response(outputs))
+            draft.apply(events)
             draft.end()
             await self._keep(draft, items)
             try:
                 await send_json(send, 200, draft.response())
             except OSError as exc:  # the client left between the answer and its sending
                 raise Disconnected from exc
-        finally:
-            await generation.settle()

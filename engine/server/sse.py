@@ -136,6 +136,14 @@ class EventSender:
             {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
         )
 
+    async def raw(self, chunk: bytes) -> None:
+        """Send ``chunk`` as it is (events of the endpoint's own shape)."""
+        await self._body(chunk)
+
+    async def end(self) -> None:
+        """End the response, with nothing more (an event stream that has no ``[DONE]``)."""
+        await self._write({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def _body(self, chunk: bytes) -> None:
         await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
 

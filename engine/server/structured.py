@@ -24,22 +24,29 @@ possible); ``structured_outputs`` with tools is refused.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import attrs
 import msgspec
 
 from twostroke.engine.errors import ConstraintFailed
+from twostroke.engine.server.chat_request import ChatRequest, FieldNames, OutputFormat, ToolChoice
 from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.engine.server.protocol import (
     MAX_TOOLS,
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
-    Tool,
 )
 from twostroke.engine.structured.schemas import strict
-from twostroke.engine.tools.formats import FUNCTION_NAME, GENERIC, ToolFormat, ToolSpec
+from twostroke.engine.tools.formats import (
+    FUNCTION_NAME,
+    FUNCTION_NAME_RULE,
+    GENERIC,
+    ToolFormat,
+    ToolSpec,
+)
 from twostroke.engine.tools.grammar import tool_constraint
 from twostroke.engine.tools.parser import ParsedOutput, parse_output
 from twostroke.states.constraints import (
@@ -56,11 +63,19 @@ __all__ = [
     "MAX_TOOLS",
     "OutputConstraint",
     "ToolCalls",
+    "chat_constraint",
     "constraint_error",
     "constraint_failure",
+    "format_constraint",
     "output_constraint",
     "strict_body",
+    "strict_schema",
+    "tool_specs",
+    "tools_constraint",
 ]
+
+#: How a chat completion body names its fields.
+_CHAT_NAMES = FieldNames(prompt="messages", max_tokens="max_tokens")
 
 #: The parameters of a function that declares none: an object of any content.
 _NO_PARAMETERS: dict[str, Any] = {"type": "object"}
@@ -195,14 +210,13 @@ def _response_format(request: CompletionRequest | ChatCompletionRequest) -> Outp
     fmt = request.response_format
     assert fmt is not None
     if fmt.type == "json_object":
-        return OutputConstraint(AnyJsonObject(), "response_format")
-    param = "response_format.json_schema"
+        return format_constraint(OutputFormat(), _CHAT_NAMES)
     if fmt.json_schema is None or fmt.json_schema.schema is None:
         raise invalid_request(
-            "response_format of type json_schema needs json_schema.schema", param=param
+            "response_format of type json_schema needs json_schema.schema",
+            param="response_format.json_schema",
         )
-    param += ".schema"
-    return OutputConstraint(_make(param, JsonSchema, fmt.json_schema.schema), param)
+    return format_constraint(OutputFormat(fmt.json_schema.schema), _CHAT_NAMES)
 
 
 def _structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> OutputConstraint:
@@ -240,15 +254,78 @@ def _structured_outputs(request: CompletionRequest | ChatCompletionRequest) -> O
 def _tools(
     request: ChatCompletionRequest, tool_format: ToolFormat, text: OutputConstraint | None
 ) -> OutputConstraint | None:
-    tools, choice = request.tools or [], request.tool_choice
-    if not tools:
-        if choice in ("required",) or isinstance(choice, NamedToolChoice):
-            raise invalid_request(f"tool_choice {_describe(choice)} needs tools", param="tools")
+    given = request.tools or []
+    specs = tool_specs(
+        [(tool.function.name, tool.function.description, tool.function.parameters)
+         for tool in given], _CHAT_NAMES,
+    )  # fmt: skip
+    choice = request.tool_choice
+    typed = None
+    if isinstance(choice, NamedToolChoice):
+        typed = ToolChoice("function", choice.function.name)
+    elif choice is not None:
+        typed = ToolChoice(choice)
+    parallel = request.parallel_tool_calls is not False
+    return tools_constraint(specs, typed, parallel, text, tool_format, _CHAT_NAMES)
+
+
+def tool_specs(
+    given: Sequence[tuple[str, str | None, dict[str, Any] | None]], names: FieldNames
+) -> tuple[ToolSpec, ...]:
+    """The tools a body offers, each ``(name, description, parameters)``, as specs, their
+    names checked first so that a refusal names the endpoint's own field.
+
+    Raises:
+        ApiError: 400 naming ``tools`` past :data:`MAX_TOOLS`, or a tool's name field for a
+            name that is not a function's or not unique.
+    """
+    if len(given) > MAX_TOOLS:
+        raise invalid_request(f"tools must hold <= {MAX_TOOLS}, got {len(given)}", param="tools")
+    seen: list[str] = []
+    for index, (name, _, _) in enumerate(given):
+        field = names.tool_field(index, "name")
+        if not FUNCTION_NAME.fullmatch(name):
+            raise invalid_request(
+                f"{field} must be {FUNCTION_NAME_RULE}, got {name[:80]!r}",
+                param=field,
+            )
+        if name in seen:
+            raise invalid_request(f"{field} {name!r} is not unique", param=field)
+        seen.append(name)
+    return tuple(ToolSpec(name, description, parameters)
+                 for name, description, parameters in given)  # fmt: skip
+
+
+def tools_constraint(
+    specs: Sequence[ToolSpec],
+    choice: ToolChoice | None,
+    parallel: bool,
+    text: OutputConstraint | None,
+    tool_format: ToolFormat,
+    names: FieldNames,
+) -> OutputConstraint | None:
+    """The constraint and the answer's reading for ``specs`` called as ``choice`` asks (see
+    the module docstring), or ``None`` where no call is possible.
+
+    Args:
+        specs: The tools (:func:`tool_specs`).
+        choice: How they may be called (``None``: ``auto``).
+        parallel: Whether one answer may hold several calls.
+        text: The constraint of the answer's text, if any (a JSON output's).
+        tool_format: The format the model writes tool calls in.
+        names: How the body names its fields, for errors.
+
+    Raises:
+        ApiError: 400 for a choice that cannot be honoured (``required`` or a function
+            without tools, a function that is none of them), a schema the backend refuses
+            (naming the tool's own field), or a grammar past its limits.
+    """
+    mode = "auto" if choice is None else choice.mode
+    if not specs:
+        if choice is not None and mode in ("required", "function"):
+            raise invalid_request(f"tool_choice {choice.describe()} needs tools", param="tools")
         return None  # "auto" or "none" without tools: nothing to call
-    if len(tools) > MAX_TOOLS:
-        raise invalid_request(f"tools must hold <= {MAX_TOOLS}, got {len(tools)}", param="tools")
-    names = _check_names(tools)
-    if choice == "none":
+    if mode == "none":
         return None  # the tools are neither shown nor called (OpenAI's "none")
     if text is not None and text.param is not None and text.param.startswith("structured_"):
         raise invalid_request(
@@ -256,33 +333,30 @@ def _tools(
             "tools: use response_format with tools",
             param="tools",
         )
-    specs = []
-    for index, tool in enumerate(tools):
-        parameters = tool.function.parameters
-        if parameters is not None:  # checked here, so that a refusal names the tool
-            _make(f"tools[{index}].function.parameters", JsonSchema, parameters)
-        specs.append(ToolSpec(tool.function.name, tool.function.description, parameters))
-    parallel = request.parallel_tool_calls is not False
+    for index, spec in enumerate(specs):
+        if spec.parameters is not None:  # checked here, so that a refusal names the tool
+            _make(names.tool_parameters(index), JsonSchema, spec.parameters)
     param, function = "tools", None
-    if isinstance(choice, NamedToolChoice):
-        function = choice.function.name
-        if function not in names:
+    if choice is not None and choice.function is not None:
+        function = choice.function
+        known = [spec.name for spec in specs]
+        if function not in known:
             raise invalid_request(
                 f"tool_choice names function {function!r}, which is not one of tools "
-                f"({', '.join(names)})",
+                f"({', '.join(known)})",
                 param="tool_choice",
             )
-        param = f"tools[{names.index(function)}].function.parameters"
+        param = names.tool_parameters(known.index(function))
         parallel = False  # one call of the function named
     answer = None
-    if choice in (None, "auto") and text is not None:
-        assert isinstance(text.constraint, JsonSchema | AnyJsonObject)  # response_format's
+    if mode == "auto" and text is not None:
+        assert isinstance(text.constraint, JsonSchema | AnyJsonObject)  # a JSON output's
         answer = text.constraint
     try:
         grammar = tool_constraint(
             tool_format,
             specs,
-            "required" if choice == "required" else "auto",
+            "required" if mode == "required" else "auto",
             function=function,
             parallel=parallel,
             text=answer,
@@ -292,34 +366,34 @@ def _tools(
     return OutputConstraint(grammar, param, ToolCalls(tool_format), tuple(specs))
 
 
-def _check_names(tools: list[Tool]) -> list[str]:
-    names = []
-    for index, tool in enumerate(tools):
-        name = tool.function.name
-        if not FUNCTION_NAME.fullmatch(name):
-            raise invalid_request(
-                f"tools[{index}].function.name must be 1 to 64 letters, digits, underscores "
-                f"or dashes, got {name[:80]!r}",
-                param=f"tools[{index}].function.name",
-            )
-        if name in names:
-            raise invalid_request(
-                f"tools[{index}].function.name {name!r} is not unique",
-                param=f"tools[{index}].function.name",
-            )
-        names.append(name)
-    return names
+def format_constraint(output: OutputFormat, names: FieldNames) -> OutputConstraint:
+    """The constraint of a JSON output: any object, or one its schema allows.
+
+    Raises:
+        ApiError: 400 naming the schema's field when the backend refuses the schema.
+    """
+    if output.schema is None:
+        return OutputConstraint(AnyJsonObject(), names.format)
+    return OutputConstraint(_make(names.schema, JsonSchema, output.schema), names.schema)
+
+
+def chat_constraint(request: ChatRequest, tool_format: ToolFormat) -> OutputConstraint:
+    """What a prepared chat request asks of its output's shape: a JSON output, tools, both
+    (the JSON output is then the text branch of ``auto``), or nothing.
+
+    Raises:
+        ApiError: 400 naming the request's own field (see :func:`tools_constraint`).
+    """
+    names = request.names
+    text = None if request.output is None else format_constraint(request.output, names)
+    tools = tools_constraint(request.tools, request.tool_choice, request.parallel_tool_calls,
+                             text, tool_format, names)  # fmt: skip
+    return tools or text or OutputConstraint()
 
 
 def _top_field(param: str) -> str:
     """The body's own field of a nested one: ``tools`` for ``tools[0].function.parameters``."""
     return re.split(r"[.\[]", param, maxsplit=1)[0]
-
-
-def _describe(choice: object) -> str:
-    if isinstance(choice, NamedToolChoice):
-        return f"naming {choice.function.name!r}"
-    return repr(choice)
 
 
 _Body = TypeVar("_Body", CompletionRequest, ChatCompletionRequest)
@@ -333,7 +407,9 @@ def strict_body(body: _Body) -> _Body:
     sent. Every output the strict schema allows validates against the schema as sent."""
     fmt = body.response_format
     if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema is not None:
-        schema = msgspec.structs.replace(fmt.json_schema, schema=_strict(fmt.json_schema.schema))
+        schema = msgspec.structs.replace(
+            fmt.json_schema, schema=strict_schema(fmt.json_schema.schema)
+        )
         body = msgspec.structs.replace(
             body, response_format=msgspec.structs.replace(fmt, json_schema=schema)
         )
@@ -344,7 +420,7 @@ def strict_body(body: _Body) -> _Body:
             else msgspec.structs.replace(
                 tool,
                 function=msgspec.structs.replace(
-                    tool.function, parameters=_strict(tool.function.parameters)
+                    tool.function, parameters=strict_schema(tool.function.parameters)
                 ),
             )
             for tool in body.tools
@@ -353,7 +429,9 @@ def strict_body(body: _Body) -> _Body:
     return body
 
 
-def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` made strict (see :func:`strict_body`); one nested past any limit as sent,
+    for :class:`JsonSchema` to refuse naming the rule."""
     try:
         return strict(schema)
     except RecursionError:  # nested past any limit: JsonSchema refuses it, naming the rule

@@ -14,6 +14,7 @@ from anthropic import AsyncAnthropic, DefaultAsyncHttpxClient
 
 from twostroke.engine.errors import EngineOverloaded
 from twostroke.engine.runners.toy import ToyRunner
+from twostroke.engine.server.answer_events import Finished, TextDelta
 from twostroke.engine.server.message_events import MessageDraft
 
 from .conftest import API_KEY, CLIENT_TLS, OPENAI_STREAMS_ON_TRIO, http_client, served
@@ -284,8 +285,8 @@ def test_a_draft_holds_back_a_stop_sequence_split_over_chunks() -> None:
     draft = MessageDraft("toy", ["</a>"])
     events = draft.begin()
     for piece in ["Hello </", "a", ">"]:
-        events += draft.chunk({"choices": [{"delta": {"content": piece}}]})
-    events += draft.chunk({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+        events += draft.apply([TextDelta(piece)])
+    events += draft.apply([Finished("stop")])
     events += draft.end()
     sent = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
     assert sent == "Hello "

@@ -18,6 +18,14 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from twostroke.engine.runners.toy import ToyRunner
+from twostroke.engine.server.answer_events import (
+    AnswerEvent,
+    ArgumentsDelta,
+    CallStarted,
+    Finished,
+    TextDelta,
+    Usage,
+)
 from twostroke.engine.server.response_events import ResponseDraft
 from twostroke.engine.server.responses import MAX_CALL_ID_LENGTH, MAX_INPUT_ITEMS
 
@@ -503,7 +511,7 @@ REFUSALS: list[tuple[dict[str, Any], str, str, str | None]] = [
      "text.format.name", "text.format.name must be 1 to 64 letters, digits, underscores or "
      "dashes, got 'bad name'", None),
     ({"text": {"format": {"type": "json_schema", "name": "w"}}}, "text.format",
-     "text.format of type json_schema needs json_schema.schema", None),
+     "text.format of type json_schema needs schema", None),
     ({"text": {"format": {"type": "json_schema", "name": "w", "schema": {
         "type": "object", "x-guidance": {}}}}}, "text.format.schema",
      "text.format.schema: schema must not hold x-guidance", "constraint_rejected"),
@@ -590,34 +598,23 @@ async def test_an_unknown_route_is_a_json_404_that_names_the_routes() -> None:
     assert "POST /v1/responses" in wrong_method.json()["error"]["message"]
 
 
-def _chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
-
-
 def test_streamed_tool_call_deltas_become_events_the_sdk_reassembles() -> None:
-    """Chat's streamed shape (text, then ``delta.tool_calls``: id and name first, then
-    argument fragments) gives the items a whole answer gives, as the SDK accumulates them."""
+    """A stream's answer events (text, then each call's start and its arguments' pieces)
+    give the items a whole answer's events give, as the SDK accumulates them."""
     first = '{"city": "Oslo", "unit": "celsius"}'
-    chunks = [
-        _chunk({"role": "assistant", "content": ""}),
-        _chunk({"content": "Let me "}),
-        _chunk({"content": "check."}),
-        _chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                                "function": {"name": "get_weather", "arguments": ""}}]}),
-        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": first[:9]}}]}),
-        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": first[9:]}}]}),
-        _chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
-                                "function": {"name": "get_time", "arguments": '{"zone": '}}]}),
-        _chunk({"tool_calls": [{"index": 1, "function": {"arguments": '"UTC"}'}}]}),
-        _chunk({}, "tool_calls"),
-        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9,
-                                  "total_tokens": 14}},
+    streamed_events = [
+        TextDelta("Let me "), TextDelta("check."),
+        CallStarted(0, "call_a", "get_weather"),
+        ArgumentsDelta(0, first[:9]), ArgumentsDelta(0, first[9:]),
+        CallStarted(1, "call_b", "get_time"),
+        ArgumentsDelta(1, '{"zone": '), ArgumentsDelta(1, '"UTC"}'),
+        Finished("tool_calls"), Usage(5, 9),
     ]  # fmt: skip
     draft = ResponseDraft("toy", {"parallel_tool_calls": True, "tool_choice": "auto",
                                   "tools": []})  # fmt: skip
     events = draft.begin()
-    for chunk in chunks:
-        events += draft.chunk(chunk)
+    for event in streamed_events:
+        events += draft.apply([event])
     events += draft.end()
     state: ResponseStreamState[Any] = ResponseStreamState(
         input_tools=TOOLS, text_format=openai.omit
@@ -638,32 +635,9 @@ def test_streamed_tool_call_deltas_become_events_the_sdk_reassembles() -> None:
     assert final.usage.total_tokens == 14
 
     whole = ResponseDraft("toy", {})
-    whole.chunk(
-        {
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "tool_calls",
-                    "message": {
-                        "role": "assistant",
-                        "content": "Let me check.",
-                        "tool_calls": [
-                            {
-                                "id": "call_a",
-                                "type": "function",
-                                "function": {"name": "get_weather", "arguments": first},
-                            },
-                            {
-                                "id": "call_b",
-                                "type": "function",
-                                "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'},
-                            },
-                        ],
-                    },
-                }
-            ]
-        }
-    )
+    whole.apply([TextDelta("Let me check."), CallStarted(0, "call_a", "get_weather"),
+                 ArgumentsDelta(0, first), CallStarted(1, "call_b", "get_time"),
+                 ArgumentsDelta(1, '{"zone": "UTC"}'), Finished("tool_calls")])  # fmt: skip
     whole.end()  # fmt: skip
     items = whole.response()["output"]
     assert [item["type"] for item in items] == ["message", "function_call", "function_call"]
@@ -690,39 +664,24 @@ def _without_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_any_chunking_of_an_answer_gives_the_whole_answers_response(
     content: str, calls: list[tuple[str, str]], cuts: list[int], reason: str
 ) -> None:
-    """The property behind streaming: however the chat path cuts an answer into chunks, the
-    streamed Response (and what the SDK accumulates from its events) is the whole one's."""
+    """The property behind streaming: however the chat service cuts an answer into events,
+    the streamed Response (and what the SDK accumulates from its events) is the whole one's."""
     ids = [f"call_{index}" for index in range(len(calls))]
-    chunks = [_chunk({"content": piece}) for piece in _pieces(content, cuts)]
+    pieces: list[AnswerEvent] = [TextDelta(piece) for piece in _pieces(content, cuts)]
     for index, ((name, arguments), call_id) in enumerate(zip(calls, ids, strict=True)):
-        chunks.append(
-            _chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": index,
-                            "id": call_id,
-                            "type": "function",
-                            "function": {"name": name, "arguments": ""},
-                        }
-                    ]
-                }
-            )
-        )
-        chunks += [_chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
-                   for piece in _pieces(arguments, cuts)]  # fmt: skip
-    chunks.append(_chunk({}, reason))
+        pieces.append(CallStarted(index, call_id, name))
+        pieces += [ArgumentsDelta(index, piece) for piece in _pieces(arguments, cuts)]
+    pieces.append(Finished(reason))
     streamed = ResponseDraft("toy", {})
     events = streamed.begin()
-    for chunk in chunks:
-        events += streamed.chunk(chunk)
+    for event in pieces:
+        events += streamed.apply([event])
     events += streamed.end()
-    tool_calls = [{"id": call_id, "type": "function",
-                   "function": {"name": name, "arguments": arguments}}
-                  for (name, arguments), call_id in zip(calls, ids, strict=True)]  # fmt: skip
+    whole_events: list[AnswerEvent] = [TextDelta(content)]
+    for index, ((name, arguments), call_id) in enumerate(zip(calls, ids, strict=True)):
+        whole_events += [CallStarted(index, call_id, name), ArgumentsDelta(index, arguments)]
     whole = ResponseDraft("toy", {})
-    whole.chunk({"choices": [{"index": 0, "finish_reason": reason, "message": {
-        "role": "assistant", "content": content or None, "tool_calls": tool_calls}}]})  # fmt: skip
+    whole.apply([*whole_events, Finished(reason)])
     whole.end()
     assert _without_ids(streamed.response()["output"]) == _without_ids(whole.response()["output"])
     assert streamed.status == whole.status == ("incomplete" if reason == "length" else "completed")
@@ -732,24 +691,6 @@ def test_any_chunking_of_an_answer_gives_the_whole_answers_response(
         state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))  # type: ignore[arg-type]
     done = state._completed_output  # the items of the output_item.done events, as parsed
     assert [done[index].to_dict() for index in sorted(done)] == streamed.response()["output"]
-
-
-def test_a_chat_error_names_the_responses_items_it_came_from() -> None:
-    """The chat path's messages[k] (and its k-th message's calls) become the items they were
-    translated from: instructions take chat message 0, merged calls keep their own items."""
-    from twostroke.engine.server.responses import _Origins
-
-    origins = _Origins(("instructions", "input[0]", "input[1]", "input[4]"),
-                       ((), (), ("input[1]", "input[2]", "input[3]"), ()))  # fmt: skip
-    assert origins.rename("messages[2].tool_calls[1].function.arguments must be JSON text") == (
-        "input[2].arguments must be JSON text"
-    )
-    assert origins.rename("messages[3] of role 'tool'; $.messages[1].content") == (
-        "input[4] of role 'tool'; $.input[0].content"
-    )
-    assert origins.rename("messages[2].tool_calls must hold <= 128 calls") == (
-        "input[1] to input[3] (the function_call items of one turn) must hold <= 128 calls"
-    )
 
 
 @pytest.mark.parametrize("digits", [5_000, 20])
