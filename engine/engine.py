@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -47,7 +47,7 @@ from twostroke.engine.errors import (
 from twostroke.engine.handle import RequestHandle, create_request_handle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.runners.pool_size import size_pool
-from twostroke.engine.runners.protocol import InvariantRunner, ModelRunner
+from twostroke.engine.runners.protocol import InvariantRunner, ModelRunner, PlannedRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.strokes.delivery import Deliveries, Tracked
 from twostroke.engine.strokes.launcher import Launcher
@@ -68,6 +68,9 @@ from twostroke.states.prompts import Prompt
 from twostroke.states.request import ConstraintCompiled, Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
+
+if TYPE_CHECKING:
+    from twostroke.engine.models.plan import RunPlan
 
 __all__ = ["TOKENIZER_THREADS", "Engine"]
 
@@ -279,6 +282,16 @@ class Engine:
     def max_model_len(self) -> int:
         """The longest prompt plus output a request may have."""
         return self._max_model_len
+
+    @property
+    def plan(self) -> RunPlan | None:
+        """What the run decided about its model, once, when it loaded: the weights and their
+        form, the activations' and the KV cache's dtypes, and the kernel of each part of a
+        step (:class:`~twostroke.engine.models.plan.RunPlan`; :meth:`RunPlan.describe
+        <twostroke.engine.models.plan.RunPlan.describe>` says it in one line). ``None`` for a
+        runner that was not loaded by a plan (the toy model, a runner of the caller's)."""
+        runner = self._runner
+        return runner.plan if isinstance(runner, PlannedRunner) else None
 
     @property
     def deterministic(self) -> bool:

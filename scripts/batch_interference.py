@@ -22,14 +22,13 @@ import json
 import statistics
 import time
 from functools import partial
-from typing import Any
 
 import anyio
 import torch
 from openai import AsyncOpenAI
 
 from twostroke.engine import Engine
-from twostroke.engine.server import serve
+from twostroke.engine.server import ServerConfig, serve
 
 
 async def interactive(
@@ -70,11 +69,11 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"cpu: {torch.backends.cpu.get_cpu_capability()}, torch threads {torch.get_num_threads()}"
     )
-    options: dict[str, Any] = {"batches_store": ":memory:", "batch_max_in_flight": args.in_flight}
+    config = ServerConfig(batches_store=":memory:", batch_max_in_flight=args.in_flight)
     async with Engine.open(model=args.model, device="cpu") as engine:
         model = engine.model_name
         async with anyio.create_task_group() as group:
-            port = await group.start(partial(serve, engine, port=0, **options))
+            port = await group.start(partial(serve, engine, port=0, config=config))
             async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
                                    max_retries=0) as client:  # fmt: skip
                 await interactive(client, model, 1, 4)  # warm-up

@@ -32,14 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from twostroke.engine import LLM, SamplingParams
-from twostroke.engine.kernels.gguf_blocks import (
-    BLOCK_TYPES,
-    BlockTensor,
-    BlockWeight,
-    block_kernel,
-    random_blocks,
-)
-from twostroke.engine.models.quantization import QuantizedWeight
+from twostroke.engine.checkpoints.gguf import BLOCK_TYPES, BlockTensor
+from twostroke.engine.kernels.gguf_blocks import block_kernel, random_blocks
+from twostroke.engine.models.forms import BlockWeight, QuantizedWeight
 from twostroke.gpu.threads import torch_threads
 
 PROMPTS = (

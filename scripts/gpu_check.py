@@ -37,7 +37,7 @@ import anyio
 import torch
 
 from twostroke.engine import Engine, SamplingParams
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.models.loading import LoadedModel, open_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.text.tokenizer import HFTokenizer, Tokenizer
@@ -170,9 +170,9 @@ def parity(model: str, device_kind: str, work: Path, max_tokens: int) -> dict[st
     torch_device = device.torch_device
     if model == "tiny":
         reference, source = _tiny_model(work / "tiny")
-        loaded = load_model(source, dtype=torch.float32, device=torch_device)
+        loaded = open_model(source, dtype=torch.float32, device=torch_device)
     else:
-        loaded = load_model(model, dtype=torch.float32, device=torch_device)
+        loaded = open_model(model, dtype=torch.float32, device=torch_device)
         reference = _transformers_smollm2(loaded)
     reference = reference.to(torch_device)
     tokenizer = _tokenizer(model, loaded)
@@ -235,11 +235,11 @@ def engine_runs(
     torch_device = new_device(device_kind).torch_device
     if model == "tiny":
         _, source = _tiny_model(work / "tiny-engine")
-        loaded = load_model(source, dtype=torch.float32, device=torch_device)
+        loaded = open_model(source, dtype=torch.float32, device=torch_device)
         dtype = "float32"
     else:
         dtype = "bfloat16" if device_kind == "cuda" else "float32"
-        loaded = load_model(model, dtype=getattr(torch, dtype), device=torch_device)
+        loaded = open_model(model, dtype=getattr(torch, dtype), device=torch_device)
     tokenizer = _tokenizer(model, loaded)
     generator = torch.Generator().manual_seed(2)
     prompts = [

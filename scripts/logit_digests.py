@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.engine.models
 
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
-from twostroke.engine.checkpoints.loader import load_model
+from twostroke.engine.models.loading import open_model
 from twostroke.states.errors import EngineError
 
 CPU = torch.device("cpu")
@@ -66,7 +66,7 @@ def _load(
     """The loaded model and the name of its weights' form."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 / int8 unavailable, emulated bf16
-        loaded = load_model(
+        loaded = open_model(
             source,
             dtype=dtype,
             device=CPU,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from twostroke.engine.checkpoints.loader import load_model
+from twostroke.engine.models.loading import open_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
@@ -93,7 +93,7 @@ def measure(
 ) -> dict[str, Any]:
     dtype = getattr(torch, dtype_name)
     rss_before = peak_rss_mib()
-    loaded = load_model("smollm2", dtype=dtype, device=torch.device("cpu"))
+    loaded = open_model("smollm2", dtype=dtype, device=torch.device("cpu"))
     rss_loaded = peak_rss_mib()
     rng = random.Random(0)
     vocab = loaded.config.vocab_size

@@ -24,8 +24,8 @@ import torch
 from twostroke.engine import Engine
 from twostroke.engine.bench.streaming import stream_workload
 from twostroke.engine.bench.workload import offline_workload
-from twostroke.engine.checkpoints.loader import load_model
-from twostroke.engine.runners.loading import DTYPES, resolve_dtype
+from twostroke.engine.models.loading import open_model
+from twostroke.engine.models.plan import DTYPES, resolve_dtype
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.device import CpuDevice
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--warmup", action="store_true", help="one untimed run first")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype, CpuDevice())
-    loaded = load_model(args.model, dtype=dtype, device=torch.device("cpu"))
+    loaded = open_model(args.model, dtype=dtype, device=torch.device("cpu"))
     tokenizer = HFTokenizer.from_pretrained(loaded.source)
     print(
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {dtype}, {args.threads} threads"

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from twostroke.engine.bench.schemas import TOOL_CALL_SAMPLE, TOOL_CALL_SCHEMA
-from twostroke.engine.checkpoints.loader import resolve_model
+from twostroke.engine.checkpoints.source import resolve_model
 from twostroke.engine.text.tokenizer import HFTokenizer
 
 SEPARATORS = (", ", ": ")

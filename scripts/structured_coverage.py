@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print each refusal")
     args = parser.parse_args(argv)
     if args.tokenizer == "smollm2":
-        from twostroke.engine.checkpoints.loader import resolve_model
+        from twostroke.engine.checkpoints.source import resolve_model
         from twostroke.engine.text.tokenizer import HFTokenizer
 
         tokenizer: Any = HFTokenizer.from_pretrained(resolve_model("smollm2"))

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from twostroke.engine import LLM, SamplingParams
-from twostroke.engine.checkpoints.loader import load_model
+from twostroke.engine.models.loading import open_model
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.gpu.device import CpuDevice
 from twostroke.gpu.dtype import default_dtype
@@ -130,7 +130,7 @@ def greedy(mode: str, max_tokens: int) -> list[list[int]]:
 
 def heldout_logits(mode: str, ids: list[int]) -> torch.Tensor:
     _, _, dtype, exact, quantization, cache = MODES[mode]
-    loaded = load_model(
+    loaded = open_model(
         "smollm2",
         dtype=dtype,
         device=torch.device("cpu"),
@@ -171,7 +171,7 @@ def main() -> None:
         parser.error("the packed and auto modes need a CPU where dtype='auto' is float32")
     if native != torch.bfloat16 and "bfloat16-auto" in args.modes:
         parser.error("the bfloat16-auto mode needs a CPU where dtype='auto' is bfloat16")
-    loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
+    loaded = open_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
     ids = HFTokenizer.from_pretrained(loaded.source).encode(HELDOUT.read_text())
     del loaded
     modes = ["none", *(mode for mode in args.modes if mode != "none")]

@@ -427,13 +427,11 @@ class Scheduler:
         return min(request.num_tokens - computed, budget)
 
     def _draft(
-        self, request: Request, num_tokens: int, budget: int, computed: int | None = None
+        self, request: Request, num_tokens: int, budget: int, computed: int
     ) -> tuple[int, ...]:
         """Drafted tokens to verify after the ``num_tokens`` a row of ``request`` computes
-        from ``computed`` (default: its computed count; at admission, its prefix hit's)."""
+        from ``computed`` (its computed count; at admission, its prefix hit's)."""
         speculator = self._speculator
-        if computed is None:
-            computed = request.num_computed_tokens
         if (
             speculator is None
             or num_tokens < 1

@@ -422,3 +422,50 @@ ENGINE_ROOT_MODULES = 10
 def test_the_engine_root_holds_at_most_ten_modules() -> None:
     root = sorted(path.name for path in (ROOT / "engine").glob("*.py"))
     assert len(root) <= ENGINE_ROOT_MODULES, root
+
+
+#: The CPU wing's floors, lowest first: the compiled kernels know tensors and C only
+#: (ggml-cpu's rule: the CPU library imports nothing of the model); the checkpoint readers
+#: know files; the attention knows the paged cache; the models compose layers and decide the
+#: run's plan; the runners drive a model. A module may import its own floor and those below.
+FLOORS = (
+    "twostroke.engine.kernels",
+    "twostroke.engine.checkpoints",
+    "twostroke.engine.attention",
+    "twostroke.engine.models",
+    "twostroke.engine.runners",
+)
+#: What the lowest floor may import besides itself.
+KERNELS_MAY_IMPORT = ("twostroke.engine.kernels", "twostroke.engine.artifacts", "twostroke.gpu")
+
+
+def _floor(module: str) -> int | None:
+    for index, floor in enumerate(FLOORS):
+        if module == floor or module.startswith(floor + "."):
+            return index
+    return None
+
+
+@pytest.mark.parametrize("module", _modules_of("engine"))
+def test_no_import_runs_from_a_lower_floor_up(module: str) -> None:
+    """Every import of a floor's module, for the type checker too, stays on its floor or
+    goes down (the ``engine.models`` and ``engine.kernels`` of a review at 893269d ran both
+    ways)."""
+    own = _floor(module)
+    if own is None:
+        return
+    for imported in sorted(import_graph()[module]):
+        floor = _floor(imported)
+        assert floor is None or floor <= own, f"{module} imports {imported}, a floor up"
+
+
+@pytest.mark.parametrize("module", [name for name in _modules_of("engine") if _floor(name) == 0])
+def test_the_kernels_import_only_artifacts_and_gpu(module: str) -> None:
+    for imported in sorted(import_graph()[module]):
+        assert imported.startswith(KERNELS_MAY_IMPORT), f"{module} imports {imported}"
+
+
+def test_the_floors_are_where_the_rule_says() -> None:
+    files = module_files()
+    assert all(floor in files for floor in FLOORS), "a floor's package moved"
+    assert {_floor(name) for name in files} >= set(range(len(FLOORS)))

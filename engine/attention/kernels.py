@@ -1,6 +1,6 @@
 """The kernels that attend a step's decodes, by name, and the compiled one for a cache.
 
-:func:`~twostroke.engine.kernels.selection.select_kernels` chooses one when a model loads
+:func:`~twostroke.engine.models.choice.select_kernels` chooses one when a model loads
 (the cache's layout follows it); :mod:`~twostroke.engine.attention.metadata` lays each step
 out for the kernel it is given, :mod:`~twostroke.engine.attention.ops` runs torch's kernels
 and :mod:`~twostroke.engine.kernels.paged_attention` the compiled one.

@@ -6,7 +6,7 @@ Decodes are batched, padded to the longest history, and split into groups when t
 saved outweighs one more call, or when one group's padded histories would exceed a bound
 (:func:`split_decodes`); every other chunk gets a call of its own. This module holds only
 that index arithmetic, for the kernel it is given (chosen once, when the model loaded:
-:mod:`~twostroke.engine.kernels.selection`); the kernels are in
+:mod:`~twostroke.engine.models.choice`); the kernels are in
 :mod:`twostroke.engine.attention.ops` and :mod:`twostroke.engine.kernels.paged_attention`.
 """
 
@@ -337,8 +337,8 @@ class AttentionMetadata:
             device: Where the model runs.
             kernel: How decodes attend: one of torch's kernels by name (``"bag"``,
                 ``"matmul"``, ``"sdpa"``), or the compiled ``"native"`` one itself, built
-                for this cache once (:meth:`LlamaForCausalLM.attention_for
-                <twostroke.engine.models.llama.LlamaForCausalLM.attention_for>`); ``None``
+                for this cache once (:meth:`CausalLM.attention_for
+                <twostroke.engine.models.decoder.CausalLM.attention_for>`); ``None``
                 takes :func:`default_kernel` for ``device``.
             group_overhead: See :func:`split_decodes`; ``"auto"`` takes
                 :func:`default_group_overhead` for ``device``.

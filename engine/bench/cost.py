@@ -120,7 +120,7 @@ class ModelCost:
                 projection, norms and biases stay in ``dtype``.
             stored: The weights as a file stores them and the model reads them (a GGUF
                 file's blocks computed as stored): bytes by transformers' tensor name
-                (:func:`~twostroke.engine.checkpoints.loader.stored_bytes`). Then each
+                (:func:`~twostroke.engine.models.loading.stored_bytes`). Then each
                 weight costs its stored bytes, an embedding row its share of the stored
                 embedding, the tied output projection the embedding's bytes, and
                 ``quantization`` is not consulted.

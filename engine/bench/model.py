@@ -30,12 +30,13 @@ _HF_DIR_MARKER = "twostroke-source.txt"
 
 
 def _resolve_auto(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    from twostroke.gpu.device import CpuDevice
-    from twostroke.gpu.dtype import default_dtype
+    import torch
 
-    return str(default_dtype(CpuDevice())).removeprefix("torch.")
+    from twostroke.engine.models.plan import DTYPES, resolve_dtype
+
+    if dtype in DTYPES:
+        return dtype
+    return str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
 
 
 @attrs.frozen
@@ -54,7 +55,7 @@ class ModelSpec:
             for an explicit ``dtype="float32"``. ``False`` (the default, and what
             :meth:`resolve` makes of ``dtype="auto"``): as the engine's ``dtype="auto"``,
             float32 weights packed for oneDNN (see
-            :func:`~twostroke.engine.models.linear.can_pack`).
+            :func:`~twostroke.engine.models.forms.can_pack`).
         work_dir: The run's folder: converted weights, vLLM's caches, logs, results.
         seed: For systems that take one (sampling is greedy; this fixes anything else).
     """
@@ -87,14 +88,15 @@ class ModelSpec:
         Raises:
             ModelLoadError: the name's package is not installed, or the path does not exist.
         """
-        from twostroke.engine.checkpoints.loader import resolve_model
+        from twostroke.engine.checkpoints.source import resolve_model
+        from twostroke.engine.models.plan import exact_asked
 
         return cls(
             name=model,
             source=resolve_model(model),
             dtype=dtype,
             threads=threads,
-            exact=dtype != "auto",
+            exact=exact_asked(dtype),
             work_dir=Path(work_dir),
             seed=seed,
         )

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -482,13 +482,11 @@ def prepare_roof(
 ) -> tuple[MachineRoof, ModelCost]:
     """Read the model's shape and measure the machine, at the bench's dtype and threads.
 
-    The weights cost what the engine's defaults read: a GGUF file whose blocks they compute
-    as stored (:func:`~twostroke.engine.checkpoints.loader.auto_blocks`) costs its stored
-    bytes, another model its projections in the precision ``quantization="auto"`` holds them
-    in (:func:`~twostroke.engine.kernels.selection.auto_quantization`: fp16 where the
-    activations are float32, not exact) and the rest in the dtype; the KV cache costs its
-    positions in the dtype ``kv_cache_dtype="auto"`` holds them in
-    (:func:`~twostroke.engine.kernels.selection.auto_kv_cache_dtype`).
+    The weights cost what the engine's plan of the run reads
+    (:func:`~twostroke.engine.models.plan.resolve_run`, the engine's defaults at the bench's
+    dtype): a GGUF file whose blocks it computes as stored costs its stored bytes, another
+    model its projections in the precision the plan holds them in and the rest in its dtype;
+    the KV cache costs its positions in the plan's cache dtype.
 
     Args:
         model: The bench's model: its source gives the shape, its dtype and threads the
@@ -502,27 +500,27 @@ def prepare_roof(
     """
     import torch
 
-    from twostroke.engine.checkpoints.loader import auto_blocks, read_config, stored_bytes
-    from twostroke.engine.kernels.selection import auto_kv_cache_dtype, auto_quantization
+    from twostroke.engine.config import DtypeOption, EngineConfig
+    from twostroke.engine.models.loading import stored_bytes
+    from twostroke.engine.models.plan import BLOCK_ACTIVATIONS, resolve_run
+    from twostroke.engine.models.source import read_source
     from twostroke.engine.runners.loading import default_torch_threads
 
-    stored = None
-    dtype, cpu = getattr(torch, model.dtype), torch.device("cpu")
-    if model.source.suffix == ".gguf" and auto_blocks(
-        model.source, dtype=dtype, device=cpu, exact=model.exact
-    ):
-        stored = stored_bytes(model.source)  # the engine's defaults read the blocks as stored
-    reduced = auto_quantization(dtype=dtype, device=cpu, exact=model.exact)
-    cache = auto_kv_cache_dtype(dtype=dtype, device=cpu, exact=model.exact)
+    # The engine's own plan for the run's options (weights, activations, KV cache): the
+    # roof costs what the engine reads.
+    config = EngineConfig(dtype=cast(DtypeOption, model.dtype) if model.exact else "auto")
+    plan = resolve_run(config, read_source(model.source), torch.device("cpu"))
+    stored = stored_bytes(model.source) if plan.weights in BLOCK_ACTIVATIONS else None
+    dtype = str(plan.dtype).removeprefix("torch.")
     cost = ModelCost.of(
-        read_config(model.source),
-        dtype=model.dtype,
-        quantization=reduced,
+        plan.config,
+        dtype=dtype,
+        quantization=plan.kernels.projection.quantization,
         stored=stored,
-        kv_cache_dtype=str(cache).removeprefix("torch."),
+        kv_cache_dtype=str(plan.cache_dtype).removeprefix("torch."),
     )
     # The torch threads twostroke's systems run on, given the bench's cores.
-    return measure(dtype=model.dtype, threads=default_torch_threads(model.threads)), cost
+    return measure(dtype=dtype, threads=default_torch_threads(model.threads)), cost
 
 
 def roof_of_run(

@@ -44,14 +44,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twostroke.engine.checkpoints.loader import LoadedModel
+from twostroke.engine.config import DTYPE_OPTIONS, QUANTIZATION_OPTIONS
 from twostroke.engine.kernels import build
-from twostroke.engine.runners.loading import (
-    BLOCK_QUANTIZATIONS,
-    DEFAULT_MODEL,
-    DTYPES,
-    resolve_dtype,
-)
+from twostroke.engine.models.loading import LoadedModel
+from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.gpu.completion import Launched
 from twostroke.gpu.threads import torch_threads
@@ -321,7 +317,7 @@ def profile_decode_step(step: DecodeStep, *, repeats: int = 5) -> StepProfile:
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``twostroke profile-step``."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help="name, directory or GGUF file")
-    parser.add_argument("--dtype", default="float32", choices=["auto", *DTYPES])
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_OPTIONS)
     parser.add_argument("--batch", type=int, default=32, help="decodes in the step")
     parser.add_argument(
         "--history",
@@ -334,7 +330,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"],
+        choices=[*QUANTIZATION_OPTIONS, "none"],
         help="the projections' weights (auto: the engine's for the dtype; none: the dtype's; "
         "gguf, q8_0, q4_0 take float32 activations, which --dtype auto then is)",
     )
@@ -348,28 +344,19 @@ def profile_command(args: argparse.Namespace) -> int:
     Returns:
         The exit status.
     """
-    from twostroke.engine.checkpoints.loader import load_model
-    from twostroke.gpu.device import CpuDevice
+    from twostroke.engine.config import EngineConfig
+    from twostroke.engine.models.loading import load_model
+    from twostroke.engine.models.plan import resolve_run
+    from twostroke.engine.models.source import read_source
 
     check_int_at_least("threads", args.threads, 1)
-    dtype = resolve_dtype(args.dtype, CpuDevice())
-    if args.dtype == "auto" and args.quantization in BLOCK_QUANTIZATIONS:
-        dtype = torch.float32  # as the engine resolves it (load_runner)
+    quantization = None if args.quantization == "none" else args.quantization
+    # The engine's plan for these options (its weights and KV cache for the dtype).
+    config = EngineConfig(dtype=args.dtype, quantization=quantization)
     with torch_threads(args.threads):
-        exact = args.dtype != "auto"
-        # The engine's weights and KV cache for that dtype (EngineConfig's defaults), or the
-        # weights asked for.
-        quantization = args.quantization if args.quantization != "none" else None
-        if quantization == "auto" and exact:
-            quantization = None
-        loaded = load_model(
-            args.model,
-            dtype=dtype,
-            device=torch.device("cpu"),
-            exact=exact,
-            quantization=quantization,
-            kv_cache_dtype="auto",
-        )
+        source = read_source(args.model)
+        loaded = load_model(resolve_run(config, source, torch.device("cpu")))
+        dtype = loaded.dtype
         step = DecodeStep.prefill(
             loaded, batch=args.batch, history=tuple(args.history), max_steps=args.repeats + 8
         )

@@ -21,7 +21,7 @@ import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import attrs
@@ -32,14 +32,12 @@ from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.streaming import request_constraint, stream_workload
 from twostroke.engine.bench.workload import Workload, without_json_schemas, without_tools
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.config import DtypeOption, EngineConfig
 from twostroke.engine.engine import Engine
-from twostroke.engine.runners.loading import (
-    BLOCK_QUANTIZATIONS,
-    DTYPES,
-    default_torch_threads,
-    resolve_kv_cache_dtype,
-)
+from twostroke.engine.models.loading import LoadedModel, load_model
+from twostroke.engine.models.plan import RunPlan, resolve_run
+from twostroke.engine.models.source import read_source
+from twostroke.engine.runners.loading import default_torch_threads
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.structured.masks import StepMasks
@@ -182,35 +180,19 @@ class TwostrokeDriver:
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
         if self.unconstrained:
             workload = without_tools(without_json_schemas(workload))
-        if not model.exact and self.engine_options.get("quantization") in BLOCK_QUANTIZATIONS:
-            # As the engine resolves dtype="auto" with blocks (their activations' float32),
-            # also where the run's dtype is bfloat16.
-            model = attrs.evolve(model, dtype="float32")
         with torch_threads(_intra_op_threads(model)):
             return self._run(workload, model)
 
     def _run(self, workload: Workload, model: ModelSpec) -> SystemResult:
         started = time.perf_counter()
         torch_device = self.new_device().torch_device
-        loaded = load_model(
-            model.name,
-            dtype=DTYPES[model.dtype],
-            device=torch_device,
-            exact=model.exact,
-            quantization=self.engine_options.get("quantization", "auto"),
-            kv_cache_dtype=resolve_kv_cache_dtype(
-                self.engine_options.get("kv_cache_dtype", "auto")
-            ),
-            deterministic=self.engine_options.get("deterministic"),
-        )
+        loaded = load_model(self.plan(model, torch_device))
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
         warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)
         started += warmup
         runner = _RecordingRunner(
             TorchModelRunner.from_loaded(
-                loaded,
-                max_num_seqs=self.engine_options.get("max_num_seqs", 64),
-                attention_kernel=self.attention_kernel,
+                loaded, max_num_seqs=self.engine_options.get("max_num_seqs", 64)
             )
         )
         request_ids = [-1] * len(workload.requests)
@@ -235,7 +217,7 @@ class TwostrokeDriver:
             timings=timings,
             extra={
                 "device": str(torch_device),
-                "dtype": model.dtype,
+                "dtype": str(loaded.dtype).removeprefix("torch."),
                 "threads": self._threads_described(model, stats),
                 "pipeline_depth": self.depth,
                 "steps": stats.num_steps,
@@ -255,6 +237,20 @@ class TwostrokeDriver:
             },
             output_token_ids=outputs,
         )
+
+    def plan(self, model: ModelSpec, device: torch.device) -> RunPlan:
+        """The run's plan, as the engine makes it from this system's options: ``model``'s
+        dtype where it asks for transformers' exact arithmetic, else the engine's
+        ``dtype="auto"``."""
+        options = {
+            name: self.engine_options[name]
+            for name in ("quantization", "kv_cache_dtype", "deterministic", "block_size")
+            if name in self.engine_options
+        }
+        dtype = cast(DtypeOption, model.dtype) if model.exact else "auto"
+        config = EngineConfig(dtype=dtype, **options)
+        source = read_source(model.name, mmap=config.mmap)
+        return resolve_run(config, source, device, attention=self.attention_kernel)
 
     def _speculation_figures(self, stats: Any) -> dict[str, Any]:
         """For a speculating system: its configuration, the engine's draft counters (vLLM's
@@ -529,7 +525,7 @@ class BareForwardDriver:
             timings=timings,
             extra={
                 "device": str(torch_device),
-                "dtype": model.dtype,
+                "dtype": str(recording.loaded.dtype).removeprefix("torch."),
                 "threads": f"{_intra_op_threads(model)} torch",
                 "steps": len(recording.plans),
                 "replays": self.source.name,

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
+import torch
 
-__all__ = ["GGUFContents", "GGUFTensor", "read_gguf"]
+from twostroke.engine.kernels.gguf_blocks import BLOCK_BYTES, block_weights
+
+__all__ = ["BLOCK_TYPES", "BlockTensor", "GGUFContents", "GGUFTensor", "read_gguf"]
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
@@ -47,6 +51,100 @@ _SCALARS = {
 }
 #: Arrays under these keys are skipped; their lengths are kept as ``<key>.count``.
 _SKIPPED_PREFIX = "tokenizer."
+
+
+#: The block types twostroke computes as stored (the types its block products compute,
+#: :data:`~twostroke.engine.kernels.gguf_blocks.BLOCK_BYTES`): a file's name for each, to
+#: GGML's type number (``gguf.GGMLQuantizationType``).
+BLOCK_TYPES: Mapping[str, int] = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+}
+
+
+@attrs.frozen
+class BlockTensor:
+    """One weight matrix in GGUF blocks, as the file stores it (not copied).
+
+    Attributes:
+        name: The file's name for it (``blk.0.attn_q.weight``).
+        block_type: GGML's type number (one of :data:`BLOCK_TYPES`).
+        data: ``uint8 [out_features, row bytes]``: each weight row's blocks, in order (a
+            view of the file's memory map; read only).
+        columns: Where each stored row's product goes among the output columns
+            (``int32 [out_features]``, a permutation), or ``None`` for the stored order:
+            GGUF's rotary order of the q/k rows is undone this way, the blocks untouched.
+    """
+
+    name: str
+    block_type: int
+    data: np.ndarray[Any, Any] = attrs.field(repr=False)
+    columns: torch.Tensor | None = attrs.field(default=None, repr=False)
+    #: The stored rows in output order (``int64``, the inverse of ``columns``): the rows the
+    #: dense path dequantizes, so that its weight is in the output's order.
+    order: torch.Tensor = attrs.field(init=False, repr=False, eq=False)
+
+    @order.default
+    def _order(self) -> torch.Tensor:
+        rows = int(self.data.shape[0])
+        if self.columns is None:
+            return torch.arange(rows, dtype=torch.int64)
+        return torch.argsort(self.columns.to(torch.int64))
+
+    def __attrs_post_init__(self) -> None:
+        size = BLOCK_BYTES.get(self.block_type)
+        if size is None:
+            raise ValueError(
+                f"{self.name}: block type {self.block_type} is not one of {dict(BLOCK_TYPES)}"
+            )
+        if self.data.dtype != np.uint8 or self.data.ndim != 2 or self.data.shape[1] % size:
+            raise ValueError(
+                f"{self.name}: blocks must be uint8 [rows, a multiple of {size} bytes], got "
+                f"{self.data.dtype} {self.data.shape}"
+            )
+        if not self.data.flags.c_contiguous:
+            raise ValueError(f"{self.name}: blocks must be contiguous")
+        columns = self.columns
+        if columns is not None and (
+            columns.dtype != torch.int32 or tuple(columns.shape) != (self.out_features,)
+        ):
+            raise ValueError(
+                f"{self.name}: columns must be int32 [{self.out_features}], got "
+                f"{columns.dtype} {tuple(columns.shape)}"
+            )
+
+    @property
+    def type_name(self) -> str:
+        """``"Q4_1"``, ...."""
+        return next(name for name, number in BLOCK_TYPES.items() if number == self.block_type)
+
+    @property
+    def out_features(self) -> int:
+        """Stored weight rows."""
+        return int(self.data.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        """Weights a row."""
+        return (
+            int(self.data.shape[1]) // BLOCK_BYTES[self.block_type] * block_weights(self.block_type)
+        )
+
+    @property
+    def address(self) -> int:
+        """Where the blocks are."""
+        return int(self.data.__array_interface__["data"][0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the blocks take."""
+        return int(self.data.nbytes)
 
 
 @attrs.frozen

@@ -3,7 +3,7 @@
 ``safetensors.torch.load(path.read_bytes())`` copies every byte twice: from the page cache
 into one ``bytes`` object, then from it into new tensors (and ``load_state_dict`` would copy
 a third time unless it assigns). The artifact cache's weights are written from a module's
-``state_dict()`` (:mod:`~twostroke.engine.checkpoints.loader`), so the next load knows every
+``state_dict()`` (:mod:`~twostroke.engine.models.dequantized`), so the next load knows every
 tensor's name, dtype and shape before it opens the file: this reads each tensor's bytes
 with ``readinto`` into the module's own (uninitialized) parameter, one copy in all. For
 SmolLM2's 538 MB of float32 weights that took 0.88 s against 0.88 + 1.2 s for read + load

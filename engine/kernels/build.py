@@ -73,6 +73,7 @@ from twostroke.engine.artifacts.records import (
     digest_file,
 )
 from twostroke.engine.kernels.header import KERNELS_HEADER, HeaderError, declarations
+from twostroke.gpu.host import cpuinfo_text
 from twostroke.gpu.isa import cpu_personality
 
 __all__ = [
@@ -518,14 +519,10 @@ def _compiler_identity(compiler: tuple[str, ...]) -> str:
 def _cpu_identity() -> str:
     """The CPU's model and instruction set flags (``-march=native`` compiles for them)."""
     lines: list[str] = []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            for line in info:
-                key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags", "Features", "CPU part") and line not in lines:
-                    lines.append(line)
-                if not line.strip() and lines:
-                    break  # the first processor describes them all
-    except OSError:
-        pass
+    for line in cpuinfo_text().splitlines(keepends=True):
+        key = line.split(":", 1)[0].strip()
+        if key in ("model name", "flags", "Features", "CPU part") and line not in lines:
+            lines.append(line)
+        if not line.strip() and lines:
+            break  # the first processor describes them all
     return "".join(lines) or f"{platform.machine()} {platform.processor()}"

@@ -32,7 +32,8 @@ rounding to 8 bits per block (about 0.4 % of a block's largest magnitude, at mos
 model-level effect is measured (docs/models.md).
 
 So the products come in two forms (:data:`ACTIVATIONS`, a :class:`BlockKernel`'s
-``activations``, chosen once at load and carried by each :class:`BlockWeight`): ``"int8"``,
+``activations``, chosen once at load and carried by each
+:class:`~twostroke.engine.models.forms.BlockWeight`): ``"int8"``,
 llama.cpp's arithmetic above (``quantization="gguf"``), and ``"float32"``
 (``quantization="gguf_f32"``, and ``"auto"`` where it takes the blocks): each weight block is
 dequantized in registers as :meth:`BlockKernel.rows` dequantizes it and multiplied by the
@@ -48,14 +49,13 @@ loads the file dequantized, as before (one warning says why).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import numpy as np
@@ -75,21 +75,21 @@ __all__ = [
     "BLOCK",
     "BLOCK_BYTES",
     "BLOCK_SOURCE",
-    "BLOCK_TYPES",
     "DENSE_ELEMENTS",
     "DENSE_ROWS",
     "PATHS",
-    "BlockEmbedding",
     "BlockKernel",
-    "BlockTensor",
-    "BlockWeight",
+    "BlockOperand",
     "QuantizedRows",
+    "StoredBlocks",
     "block_kernel",
     "block_weights",
     "build_blocks",
     "offset_magnitudes",
+    "part_table",
     "random_blocks",
     "rounding_bound",
+    "weight_structure",
 ]
 
 #: The kernel's C source.
@@ -102,32 +102,25 @@ BLOCK = 32
 #: Weights a K super-block holds.
 SUPER = 256
 
-#: The block types computed as stored: name to GGML's type number
-#: (``gguf.GGMLQuantizationType``).
-BLOCK_TYPES: Mapping[str, int] = {
-    "Q4_0": 2,
-    "Q4_1": 3,
-    "Q5_0": 6,
-    "Q5_1": 7,
-    "Q8_0": 8,
-    "Q4_K": 12,
-    "Q5_K": 13,
-    "Q6_K": 14,
-}
+# GGML's numbers of the types the library computes (``gguf.GGMLQuantizationType``); a GGUF
+# file's names for them are the reader's business (:data:`~twostroke.engine.checkpoints.
+# gguf.BLOCK_TYPES`).
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
-#: Bytes a block of each type takes, by GGML's type number.
+#: The types the library computes, by GGML's type number: the bytes a block of each takes
+#: (the layout ``gguf_blocks.c`` reads).
 BLOCK_BYTES: Mapping[int, int] = {
-    2: 18,
-    3: 20,
-    6: 22,
-    7: 24,
-    8: 34,
-    12: 144,
-    13: 176,
-    14: 210,
+    _Q4_0: 18,
+    _Q4_1: 20,
+    _Q5_0: 22,
+    _Q5_1: 24,
+    _Q8_0: 34,
+    _Q4_K: 144,
+    _Q5_K: 176,
+    _Q6_K: 210,
 }
 
-_SUPER_TYPES = frozenset({12, 13, 14})
+_SUPER_TYPES = frozenset({_Q4_K, _Q5_K, _Q6_K})
 
 #: Rows of activations from which a product stops computing block by block: the parts'
 #: blocks are dequantized into a float32 weight (the kernel's own rows, the team splitting
@@ -163,10 +156,6 @@ _SYMBOLS = (
 )
 
 _log = logging.getLogger(__name__)
-
-
-def _type_name(block_type: int) -> str:
-    return next((name for name, number in BLOCK_TYPES.items() if number == block_type), "?")
 
 
 def block_weights(block_type: int) -> int:
@@ -216,13 +205,13 @@ def offset_magnitudes(data: np.ndarray[Any, Any], block_type: int) -> np.ndarray
     size, width = BLOCK_BYTES[block_type], block_weights(block_type)
     blocks = data.reshape(-1, size)
     offset: np.ndarray[Any, Any]
-    if block_type == BLOCK_TYPES["Q4_0"]:
+    if block_type == _Q4_0:
         offset = 8 * np.abs(_halves(blocks, 0)).repeat(BLOCK, axis=1)
-    elif block_type == BLOCK_TYPES["Q5_0"]:
+    elif block_type == _Q5_0:
         offset = 16 * np.abs(_halves(blocks, 0)).repeat(BLOCK, axis=1)
-    elif block_type in (BLOCK_TYPES["Q4_1"], BLOCK_TYPES["Q5_1"]):
+    elif block_type in (_Q4_1, _Q5_1):
         offset = np.abs(_halves(blocks, 2)).repeat(BLOCK, axis=1)
-    elif block_type in (BLOCK_TYPES["Q4_K"], BLOCK_TYPES["Q5_K"]):
+    elif block_type in (_Q4_K, _Q5_K):
         packed = blocks[:, 4:16].astype(np.int64)
         low, high = packed[:, 4:8] & 63, (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)
         mins = np.concatenate([low, high], axis=1)  # [blocks, 8]
@@ -237,83 +226,87 @@ def _halves(blocks: np.ndarray[Any, Any], at: int) -> np.ndarray[Any, Any]:
     return np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16).astype(np.float64)
 
 
-@attrs.frozen
-class BlockTensor:
-    """One weight matrix in GGUF blocks, as the file stores it (not copied).
-
-    Attributes:
-        name: The file's name for it (``blk.0.attn_q.weight``).
-        block_type: GGML's type number (one of :data:`BLOCK_TYPES`).
-        data: ``uint8 [out_features, row bytes]``: each weight row's blocks, in order (a
-            view of the file's memory map; read only).
-        columns: Where each stored row's product goes among the output columns
-            (``int32 [out_features]``, a permutation), or ``None`` for the stored order:
-            GGUF's rotary order of the q/k rows is undone this way, the blocks untouched.
-    """
-
-    name: str
-    block_type: int
-    data: np.ndarray[Any, Any] = attrs.field(repr=False)
-    columns: torch.Tensor | None = attrs.field(default=None, repr=False)
-    #: The stored rows in output order (``int64``, the inverse of ``columns``): the rows the
-    #: dense path dequantizes, so that its weight is in the output's order.
-    order: torch.Tensor = attrs.field(init=False, repr=False, eq=False)
-
-    @order.default
-    def _order(self) -> torch.Tensor:
-        rows = int(self.data.shape[0])
-        if self.columns is None:
-            return torch.arange(rows, dtype=torch.int64)
-        return torch.argsort(self.columns.to(torch.int64))
-
-    def __attrs_post_init__(self) -> None:
-        size = BLOCK_BYTES.get(self.block_type)
-        if size is None:
-            raise ValueError(
-                f"{self.name}: block type {self.block_type} is not one of {dict(BLOCK_TYPES)}"
-            )
-        if self.data.dtype != np.uint8 or self.data.ndim != 2 or self.data.shape[1] % size:
-            raise ValueError(
-                f"{self.name}: blocks must be uint8 [rows, a multiple of {size} bytes], got "
-                f"{self.data.dtype} {self.data.shape}"
-            )
-        if not self.data.flags.c_contiguous:
-            raise ValueError(f"{self.name}: blocks must be contiguous")
-        columns = self.columns
-        if columns is not None and (
-            columns.dtype != torch.int32 or tuple(columns.shape) != (self.out_features,)
-        ):
-            raise ValueError(
-                f"{self.name}: columns must be int32 [{self.out_features}], got "
-                f"{columns.dtype} {tuple(columns.shape)}"
-            )
+class StoredBlocks(Protocol):
+    """One weight matrix in GGUF blocks as a product reads it (a file's tensor as stored:
+    :class:`~twostroke.engine.checkpoints.gguf.BlockTensor`)."""
 
     @property
-    def type_name(self) -> str:
-        """``"Q4_1"``, ...."""
-        return _type_name(self.block_type)
+    def name(self) -> str: ...
 
     @property
-    def out_features(self) -> int:
-        """Stored weight rows."""
-        return int(self.data.shape[0])
+    def block_type(self) -> int:
+        """GGML's type number (a key of :data:`BLOCK_BYTES`)."""
+        ...
 
     @property
-    def in_features(self) -> int:
-        """Weights a row."""
-        return (
-            int(self.data.shape[1]) // BLOCK_BYTES[self.block_type] * block_weights(self.block_type)
-        )
+    def columns(self) -> torch.Tensor | None:
+        """Where each stored row's product goes (``int32 [out_features]``), or ``None``."""
+        ...
+
+    @property
+    def order(self) -> torch.Tensor:
+        """The stored rows in output order (``int64``, the inverse of ``columns``)."""
+        ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def in_features(self) -> int: ...
 
     @property
     def address(self) -> int:
         """Where the blocks are."""
-        return int(self.data.__array_interface__["data"][0])
+        ...
+
+
+class BlockOperand(Protocol):
+    """A projection by one or more :class:`StoredBlocks` side by side in the output columns,
+    as :meth:`BlockKernel.linear` reads it
+    (:class:`~twostroke.engine.models.forms.BlockWeight`)."""
 
     @property
-    def nbytes(self) -> int:
-        """Bytes the blocks take."""
-        return int(self.data.nbytes)
+    def parts(self) -> tuple[StoredBlocks, ...]: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def table(self) -> Any:
+        """The parts as :func:`part_table` lays them out."""
+        ...
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Each part's first output column."""
+        ...
+
+
+def part_table(parts: Sequence[StoredBlocks]) -> Any:
+    """``parts`` as ``kernels.h``'s ``struct twostroke_block_part`` array, side by side in
+    the output columns in order."""
+    part_type = structures()["twostroke_block_part"]
+    table = (part_type * len(parts))()
+    offset = 0
+    for entry, part in zip(table, parts, strict=True):
+        columns = part.columns
+        entry.type = part.block_type
+        entry.out_features = part.out_features
+        entry.blocks = part.address
+        entry.columns = None if columns is None else columns.data_ptr()
+        entry.offset = offset
+        offset += part.out_features
+    return table
+
+
+def weight_structure(table: Any, count: int, activations: str) -> Any:
+    """``kernels.h``'s ``struct twostroke_block_weight`` of a :func:`part_table` of
+    ``count`` parts, for products taking ``activations`` (one of :data:`ACTIVATIONS`): what
+    the decoder stack passes to :attr:`BlockKernel.address`'s projection."""
+    return structures()["twostroke_block_weight"](table, count, int(activations == "float32"))
 
 
 @attrs.frozen
@@ -352,7 +345,7 @@ class BlockKernel:
         path: The shared library.
         activations: How the products take their activations (one of :data:`ACTIVATIONS`),
             decided once at load (:meth:`taking`) and passed down with every
-            :class:`BlockWeight` made of this kernel.
+            :class:`~twostroke.engine.models.forms.BlockWeight` made of this kernel.
     """
 
     isa: str
@@ -393,9 +386,8 @@ class BlockKernel:
 
     @property
     def address(self) -> int:
-        """Where the decoder stack's projection by a :class:`BlockWeight` is
-        (``twostroke_block_projection``: its ``weight`` is :attr:`BlockWeight.addresses`'
-        first)."""
+        """Where the decoder stack's projection by blocks is (``twostroke_block_projection``:
+        its ``weight`` is a :func:`weight_structure`)."""
         return address(self._projection)
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
@@ -433,7 +425,7 @@ class BlockKernel:
         )
         return QuantizedRows(q, scales, sums)
 
-    def linear(self, x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: BlockOperand) -> torch.Tensor:
         """``x W^T`` for float32 ``x`` ``[rows, in_features]`` (a row stride allowed): one
         foreign call, which quantizes the rows once (``"int8"`` activations) and multiplies
         them by every part.
@@ -475,11 +467,11 @@ class BlockKernel:
         )
         if failed == 2:
             raise MemoryError(f"the block products could not allocate scratch for {rows} rows")
-        if failed:  # BlockTensor holds only types the library computes
+        if failed:  # a BlockTensor holds only types the library computes
             raise NativeBuildError(f"the block library refused a type of {weight.parts}")
         return out
 
-    def dense(self, x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    def dense(self, x: torch.Tensor, weight: BlockOperand) -> torch.Tensor:
         """``x W^T`` by the dense path: the parts dequantized (as :meth:`rows` does, into a
         buffer this thread keeps) and multiplied by torch's float32 GEMM. What
         :meth:`linear` does from :data:`DENSE_ROWS` rows on; x float32 ``[rows,
@@ -498,7 +490,7 @@ class BlockKernel:
             )
         return torch.mm(x, dense.t())
 
-    def rows(self, weight: BlockTensor, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, weight: StoredBlocks, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``weight`` dequantized: float32 ``[len(ids), in_features]`` (in
         the stored row order).
 
@@ -520,114 +512,6 @@ class BlockKernel:
             out.data_ptr(),
         )
         return out.view(*ids.shape, weight.in_features)
-
-
-@attrs.frozen
-class BlockWeight:
-    """A projection computed from GGUF blocks as stored: a
-    :class:`~twostroke.engine.models.linear.LinearMethod`.
-
-    A fused projection (q/k/v, gate/up) holds one :class:`BlockTensor` per part, side by
-    side in the output columns; the activations are quantized once a call.
-
-    Attributes:
-        kernel: The compiled products.
-        parts: The parts, in output order.
-        bias: float32 ``[out_features]`` or ``None``.
-    """
-
-    kernel: BlockKernel
-    parts: tuple[BlockTensor, ...]
-    bias: torch.Tensor | None = None
-    in_features: int = attrs.field(init=False)
-    out_features: int = attrs.field(init=False)
-    table: Any = attrs.field(init=False, repr=False, eq=False)
-    _weight: Any = attrs.field(init=False, repr=False, eq=False)
-    #: The parts as ``kernels.h``'s ``struct twostroke_block_weight`` (what the decoder
-    #: stack passes to :attr:`BlockKernel.address`'s projection), and the bias's address.
-    addresses: tuple[int, int | None] = attrs.field(init=False, repr=False, eq=False)
-
-    @in_features.default
-    def _in_features(self) -> int:
-        widths = {part.in_features for part in self.parts}
-        if len(widths) != 1:
-            raise ValueError(f"the parts of a projection differ in width: {sorted(widths)}")
-        return widths.pop()
-
-    @out_features.default
-    def _out_features(self) -> int:
-        return sum(part.out_features for part in self.parts)
-
-    @table.default
-    def _table(self) -> Any:
-        """The parts as ``kernels.h``'s ``struct twostroke_block_part`` array (made once)."""
-        part_type = structures()["twostroke_block_part"]
-        table = (part_type * len(self.parts))()
-        offset = 0
-        for entry, part in zip(table, self.parts, strict=True):
-            columns = part.columns
-            entry.type = part.block_type
-            entry.out_features = part.out_features
-            entry.blocks = part.address
-            entry.columns = None if columns is None else columns.data_ptr()
-            entry.offset = offset
-            offset += part.out_features
-        return table
-
-    @_weight.default
-    def _weight_structure(self) -> Any:
-        float_activations = int(self.kernel.activations == "float32")
-        return structures()["twostroke_block_weight"](
-            self.table, len(self.parts), float_activations
-        )
-
-    @addresses.default
-    def _addresses(self) -> tuple[int, int | None]:
-        bias = self.bias
-        if bias is not None and (
-            bias.dtype != torch.float32
-            or tuple(bias.shape) != (self.out_features,)
-            or not bias.is_contiguous()
-        ):
-            raise ValueError(
-                f"a block projection's bias must be contiguous float32 [{self.out_features}], "
-                f"got {bias.dtype} {tuple(bias.shape)}"
-            )
-        return ctypes.addressof(self._weight), None if bias is None else bias.data_ptr()
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Each part's first output column (as :attr:`table` holds them)."""
-        return tuple(int(entry.offset) for entry in self.table)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of blocks a product reads."""
-        return sum(part.nbytes for part in self.parts)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T + b`` for float32 ``x`` ``[..., in_features]``."""
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        out = self.kernel.linear(flat, self)
-        if self.bias is not None:
-            out += self.bias
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
-
-
-@attrs.frozen
-class BlockEmbedding:
-    """An embedding read from GGUF blocks: a lookup dequantizes only the rows it needs.
-
-    Attributes:
-        kernel: The compiled kernel.
-        weight: ``[vocab_size, hidden]`` in blocks.
-    """
-
-    kernel: BlockKernel
-    weight: BlockTensor
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.kernel.rows(self.weight, ids)
 
 
 _buffers = threading.local()
@@ -708,19 +592,58 @@ def random_blocks(
     data = generator.integers(0, 256, (count, size), dtype=np.uint8)
     halves, at, spread = 1, 0, 0.02
     if block_type in (
-        BLOCK_TYPES["Q4_1"],
-        BLOCK_TYPES["Q5_1"],
-        BLOCK_TYPES["Q4_K"],
-        BLOCK_TYPES["Q5_K"],
+        _Q4_1,
+        _Q5_1,
+        _Q4_K,
+        _Q5_K,
     ):
         halves = 2
-    if block_type in (BLOCK_TYPES["Q4_K"], BLOCK_TYPES["Q5_K"]):
+    if block_type in (_Q4_K, _Q5_K):
         spread = 0.02 / 32
-    elif block_type == BLOCK_TYPES["Q6_K"]:
+    elif block_type == _Q6_K:
         at, spread = size - 2, 0.02 / 128
     scales = generator.normal(0, spread, (count, halves)).astype(np.float16)
     data[:, at : at + 2 * halves] = scales.view(np.uint8).reshape(count, 2 * halves)
     return data.reshape(out_features, -1)
+
+
+@attrs.frozen
+class _Operand:
+    """One part's :class:`StoredBlocks` and :class:`BlockOperand` in one, for the check."""
+
+    block_type: int
+    data: np.ndarray[Any, Any]
+    columns: torch.Tensor
+    name: str = "check"
+
+    @property
+    def order(self) -> torch.Tensor:
+        return torch.argsort(self.columns.to(torch.int64))
+
+    @property
+    def out_features(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        size = BLOCK_BYTES[self.block_type]
+        return int(self.data.shape[1]) // size * block_weights(self.block_type)
+
+    @property
+    def address(self) -> int:
+        return int(self.data.__array_interface__["data"][0])
+
+    @property
+    def parts(self) -> tuple[_Operand, ...]:
+        return (self,)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return (0,)
+
+    @property
+    def table(self) -> Any:
+        return part_table(self.parts)
 
 
 def _check(kernel: BlockKernel) -> None:
@@ -731,16 +654,16 @@ def _check(kernel: BlockKernel) -> None:
     on one thread (a team would outlive the load on the caller's thread); the tests split
     the products across threads."""
     generator = np.random.default_rng(0)
-    for block_type in BLOCK_TYPES.values():
+    for block_type in BLOCK_BYTES:
         shapes = ((1, 7, 64), (6, 33, 96), (9, 68, 448))
         if block_type in _SUPER_TYPES:
             shapes = ((1, 7, 256), (6, 33, 256), (9, 68, 512))
         for rows, out_features, in_features in shapes:
             data = random_blocks(generator, block_type, out_features, in_features)
             columns = torch.from_numpy(generator.permutation(out_features).astype(np.int32))
-            weight = BlockTensor("check", block_type, data, columns)
+            weight = _Operand(block_type, data, columns)
             x = torch.from_numpy(generator.normal(0, 1, (rows, in_features)).astype(np.float32))
-            out = BlockWeight(kernel, (weight,))(x)
+            out = kernel.linear(x, weight)
             dense = kernel.rows(weight, torch.arange(out_features)).double()
             activations = x.double()
             if kernel.activations == "int8":
@@ -752,7 +675,7 @@ def _check(kernel: BlockKernel) -> None:
             allowed = rounding_bound(block_type, in_features, kernel.activations)
             if not worst <= allowed:
                 raise NativeBuildError(
-                    f"its {_type_name(block_type)} check ({kernel.activations} activations) "
+                    f"its check of GGML type {block_type} ({kernel.activations} activations) "
                     f"differs from float64 by {worst:.3g} of the terms' magnitude (at most "
                     f"{allowed:.3g} allowed)"
                 )

@@ -13,9 +13,10 @@ the fused norms alone took the step 1.04x (float32) and 1.10x (bfloat16) faster
 It is built and cached as the paged decode kernel is (:func:`~.build.compile_library`),
 once per model shape and element type, and checked against torch's arithmetic before use;
 where it cannot be, one warning is logged and the model keeps torch's operators
-(:class:`~twostroke.engine.models.layers.TorchGlue`, which has the same methods: the decoder
-layer is written once, against either). ``TWOSTROKE_NATIVE=0`` keeps them too. The kernels'
-choice (:mod:`.selection`) takes it only where transformers' exact
+(:class:`~twostroke.engine.models.layers.TorchGlue`; the model reaches this library through
+:class:`~twostroke.engine.models.glue.CompiledGlue`, which has the same methods: the decoder
+layer is written once, against either). ``TWOSTROKE_NATIVE=0`` keeps them too. The run's
+plan (:mod:`~twostroke.engine.models.plan`) takes it only where transformers' exact
 arithmetic is not asked for (``exact=False``, the engine's ``dtype="auto"``): the rotary
 embeddings and the cache writes are torch's bit for bit, but the norm's mean is summed in
 another order and SiLU's exp is a polynomial, so those agree to float32 rounding.
@@ -33,8 +34,6 @@ from pathlib import Path
 import attrs
 import torch
 
-from twostroke.engine.attention.kv_cache import LayerCache
-from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.kernels.build import (
     CACHE_ELEMENTS,
     ELEMENTS,
@@ -46,7 +45,7 @@ from twostroke.engine.kernels.build import (
     element_defines,
     relative_difference,
 )
-from twostroke.engine.models.layers import rms_norm, rotate_, rotate_write, silu_mul
+from twostroke.engine.kernels.reference import rms_norm, rotate_, silu_mul
 
 __all__ = [
     "GLUE_SOURCE",
@@ -163,30 +162,6 @@ class DecoderGlue:
         )
         return out
 
-    def rotate_write(
-        self,
-        qkv: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        metadata: AttentionMetadata,
-        layer: LayerCache,
-    ) -> None:
-        """Rotate queries and keys in place and write keys and values into the step's slots:
-        :func:`~twostroke.engine.models.layers.rotate_write`, bit for bit.
-
-        In one call (:meth:`rotate_write_slots`) where the cache holds its keys transposed
-        (the CPU's in-place attention kernels' layout, the one the kernel writes); into a
-        cache of the gathering kernels' layout, as torch's operators.
-        """
-        if not metadata.keys_transposed:
-            rotate_write(qkv, num_heads, num_kv_heads, cos, signed_sin, metadata, layer)
-            return
-        self.rotate_write_slots(
-            qkv, num_heads, num_kv_heads, cos, signed_sin, metadata.slot_mapping, layer.data
-        )
-
     def rotate_write_slots(
         self,
         qkv: torch.Tensor,
@@ -199,7 +174,7 @@ class DecoderGlue:
     ) -> None:
         """Rotate queries and keys in place and write keys and values into their slots.
 
-        What :func:`~twostroke.engine.models.layers.rotate_` on the queries and keys and
+        What :func:`~.reference.rotate_` on the queries and keys and
         :func:`~twostroke.engine.attention.ops.write_kv` into a cache with transposed
         keys do, bit for bit, in one call.
 

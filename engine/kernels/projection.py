@@ -1,7 +1,7 @@
 """The decoder's bfloat16 projections in C, on CPUs with AVX512-BF16.
 
 torch runs a bfloat16 ``F.linear`` on the CPU through oneDNN, and twostroke packs its
-weights for oneDNN once (:func:`~twostroke.engine.models.linear.pack`). At the batch sizes a
+weights for oneDNN once (:func:`~twostroke.engine.models.forms.pack`). At the batch sizes a
 decoder steps with, oneDNN's kernels leave much of the machine unused: on SmolLM2-135M's
 30-layer projection stack, a Zen 4 EPYC with 2 threads streamed the weights at 14 GB/s for
 one row and reached 242 of its 406 GFLOPS at 32 rows (docs/performance.md).
@@ -46,7 +46,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import attrs
 import torch
@@ -64,7 +64,7 @@ __all__ = [
     "PROJECTION_SOURCE",
     "SUPPORTED_SYMBOLS",
     "SYMBOLS",
-    "PanelWeight",
+    "Panels",
     "ProjectionKernel",
     "ProjectionUnsupported",
     "build_projection",
@@ -95,6 +95,35 @@ _log = logging.getLogger(__name__)
 
 class ProjectionUnsupported(NativeBuildError):
     """The kernel built, but this CPU has no AVX512-BF16 (the compiler saw none)."""
+
+
+class Panels(Protocol):
+    """A weight laid out by :meth:`ProjectionKernel.lay_out`, as a call reads it."""
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def addresses(self) -> tuple[int, int | None]:
+        """Where the panels and the bias (or ``None``) are."""
+        ...
+
+
+@attrs.frozen
+class _Laid:
+    """:class:`Panels` for the start-up check."""
+
+    panels: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @property
+    def addresses(self) -> tuple[int, int | None]:
+        return self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr()
 
 
 @attrs.frozen
@@ -130,14 +159,17 @@ class ProjectionKernel:
         """Elements of the panels of an ``[out_features, in_features]`` weight."""
         return -(-out_features // self.panel) * self.panel * in_features
 
-    def pack(
+    def lay_out(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         *,
         into: torch.Tensor | None = None,
-    ) -> PanelWeight:
-        """Lay ``weight`` (and ``bias``) out for this kernel; the originals are not kept.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``weight`` (and ``bias``) laid out for this kernel, the originals not kept: the
+        panels, bfloat16 ``[panels, in_features // 2, panel, 2]`` zero past
+        ``out_features``, and the bias, float32 ``[panels * panel]`` or ``None`` (the model's
+        form of them: :class:`~twostroke.engine.models.forms.PanelWeight`).
 
         Args:
             weight: bfloat16 ``[out_features, in_features]``, ``in_features`` even.
@@ -190,9 +222,9 @@ class ProjectionKernel:
         if bias is not None:
             padded_bias = torch.zeros(count * panel, dtype=torch.float32, device=weight.device)
             padded_bias[:out_features] = bias.detach().float()
-        return PanelWeight(self, panels, padded_bias, out_features, in_features)
+        return panels, padded_bias
 
-    def __call__(self, x: torch.Tensor, weight: PanelWeight) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: Panels) -> torch.Tensor:
         """``x W^T + b`` in bfloat16, for ``x`` ``[..., in_features]`` bfloat16.
 
         Raises:
@@ -235,46 +267,6 @@ class ProjectionKernel:
                 f"the bfloat16 projection could not allocate scratch for {count} rows"
             )
         return out if len(shape) == 2 else out.view(*shape[:-1], out_features)
-
-
-@attrs.frozen
-class PanelWeight:
-    """A weight (and bias) laid out by :meth:`ProjectionKernel.pack`; call it with ``x``.
-
-    Attributes:
-        kernel: The kernel it was packed for.
-        panels: bfloat16 ``[panels, in_features // 2, panel, 2]``, zero past
-            ``out_features``.
-        bias: float32 ``[panels * panel]`` or ``None``.
-        out_features: Output width.
-        in_features: Input width.
-        addresses: Where ``panels`` and ``bias`` (or ``None``) are, for the kernel's calls.
-    """
-
-    kernel: ProjectionKernel
-    panels: torch.Tensor = attrs.field(repr=False)
-    bias: torch.Tensor | None
-    out_features: int
-    in_features: int
-    addresses: tuple[int, int | None] = attrs.field(init=False, repr=False)
-
-    @addresses.default
-    def _addresses(self) -> tuple[int, int | None]:
-        return self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the weight, read back from the panels: bfloat16 ``[*ids.shape,
-        in_features]``, the values it was packed from exactly. A tied embedding looks up
-        its tokens here, so the model holds the matrix once (the ids are the engine's,
-        checked against the vocabulary before they reach a step)."""
-        panel = self.kernel.panel
-        flat = ids.reshape(-1)
-        # [panels, pairs, panel, 2] indexed by (panel, column): [len(ids), pairs, 2].
-        found = self.panels[torch.div(flat, panel, rounding_mode="floor"), :, flat % panel, :]
-        return found.reshape(*ids.shape, self.in_features)
 
 
 def projection_kernel() -> ProjectionKernel | None:
@@ -357,9 +349,10 @@ def _check(kernel: ProjectionKernel) -> None:
     ):
         x = random(rows, in_features + 6)[:, 3 : 3 + in_features]  # a row stride, unaligned
         weight, bias = random(out_features, in_features), random(out_features)
-        packed = kernel.pack(weight, bias if with_bias else None)
+        panels, padded = kernel.lay_out(weight, bias if with_bias else None)
+        packed = _Laid(panels, padded, out_features, in_features)
         expected = x.float() @ weight.float().T + (bias.float() if with_bias else 0.0)
-        worst = max(worst, relative_difference(packed(x), expected))
+        worst = max(worst, relative_difference(kernel(x, packed), expected))
     if not worst <= _TOLERANCE:
         raise NativeBuildError(
             f"its check differs from torch by {worst:.3g} of the largest output (at most "

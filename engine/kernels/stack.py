@@ -30,7 +30,6 @@ import hashlib
 import logging
 import os
 import tempfile
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -38,30 +37,26 @@ from typing import Protocol
 import attrs
 import torch
 
-from twostroke.engine.attention.kv_cache import KVCache
-from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.kernels.build import (
     NativeBuildError,
     bind,
-    call,
     compile_library,
     element_defines,
 )
-from twostroke.engine.kernels.glue import DecoderGlue, rotary_inputs_fit
+from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.header import KERNELS_HEADER, HeaderError, structures
-from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 
 __all__ = [
     "SOURCE",
     "SYMBOLS",
-    "DecoderStack",
     "StackLayer",
     "StackProjection",
     "StackWeight",
-    "build_stack",
     "check_layout",
     "load_stack",
     "stack_library",
+    "stack_model",
+    "structure",
 ]
 
 #: The driver's C source.
@@ -77,7 +72,7 @@ _log = logging.getLogger(__name__)
 _STRUCTURES = {"layer": "twostroke_layer", "model": "twostroke_model", "step": "twostroke_step"}
 
 
-def _structure(part: str) -> type[ctypes.Structure]:
+def structure(part: str) -> type[ctypes.Structure]:
     """``kernels.h``'s structure of ``part`` as ctypes lays it out (:func:`.header.structures`).
 
     Raises:
@@ -107,7 +102,8 @@ class StackProjection(Protocol):
 
 class StackWeight(Protocol):
     """A projection's weight in a :class:`StackProjection`'s form:
-    :class:`~.projection.PanelWeight` or :class:`~.gguf_blocks.BlockWeight`."""
+    :class:`~twostroke.engine.models.forms.PanelWeight` or
+    :class:`~twostroke.engine.models.forms.BlockWeight`."""
 
     @property
     def kernel(self) -> object:
@@ -151,207 +147,14 @@ class StackLayer:
     down: StackWeight
 
 
-@attrs.define(eq=False)
-class DecoderStack:
-    """One model's decoder layers as one compiled call (see the module).
-
-    Make it with :func:`build_stack`. It holds the addresses of the model's weights: the
-    weights must outlive it and never move (the model keeps them, packed and frozen).
-
-    Attributes:
-        num_heads: Query heads.
-        num_kv_heads: Key/value heads.
-        head_dim: Width of a head.
-        hidden: Width of the residual stream.
-        intermediate: Width of the MLP.
-        dtype: Element type of the activations (bfloat16 or float32: the projections').
-        cache_dtype: Element type of the KV cache (the glue's and the attention's).
-        most_tokens: The most tokens a step it runs may have (``None``: any number): beyond
-            them a projection takes a path the stack does not call
-            (:attr:`~.selection.Projections.stack_rows`).
-    """
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    dtype: torch.dtype
-    cache_dtype: torch.dtype
-    most_tokens: int | None
-    _function: Callable[..., int] = attrs.field(repr=False)
-    _model: ctypes.Structure = attrs.field(repr=False)
-    # What the model structure points into, kept alive with it.
-    _kept: tuple[object, ...] = attrs.field(repr=False)
-    # The last cache's per-layer key and value addresses.
-    _cache: (
-        tuple[weakref.ref[KVCache], ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_void_p]]
-        | None
-    ) = attrs.field(default=None, repr=False)
-
-    def runs(self, metadata: AttentionMetadata) -> bool:
-        """Whether the step's attention is the compiled kernel's, which the stack calls:
-        decodes only, read in place, or every chunk through the compiled prefill; and its
-        tokens no more than :attr:`most_tokens`."""
-        if not metadata.keys_transposed:
-            return False
-        if self.most_tokens is not None and metadata.positions.shape[0] > self.most_tokens:
-            return False
-        kernel = self._attention_kernel(metadata)
-        return (
-            kernel is not None
-            and kernel.dtype == self.dtype
-            and kernel.cache_dtype == self.cache_dtype
-            and kernel.head_dim == self.head_dim
-            and kernel.group * self.num_kv_heads == self.num_heads
-        )
-
-    @staticmethod
-    def _attention_kernel(metadata: AttentionMetadata) -> PagedDecodeKernel | None:
-        """The compiled attention a step calls once a layer, if it calls one."""
-        groups = metadata.decode_groups
-        if not metadata.prefills and len(groups) == 1 and groups[0].paged is not None:
-            return groups[0].paged.kernel
-        return None if metadata.paged_chunks is None else metadata.paged_chunks.kernel
-
-    def __call__(
-        self,
-        residual: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        metadata: AttentionMetadata,
-        kv_cache: KVCache,
-    ) -> torch.Tensor:
-        """Run every layer over the step's rows: what
-        :meth:`~twostroke.engine.models.llama.DecoderLayer.forward` does layer by layer, with
-        the compiled glue.
-
-        Args:
-            residual: ``[tokens, hidden]`` contiguous, the embeddings; holds the residual
-                stream before the last layer's MLP output is added, afterwards.
-            cos: ``[tokens, 1, head_dim]`` contiguous, from
-                :func:`~twostroke.engine.models.layers.rotary_tables`.
-            signed_sin: The same shape, ``sin`` with its first half negated.
-            metadata: The step's layout; :meth:`runs` must say yes to it.
-            kv_cache: The cache (its layers' keys held transposed).
-
-        Returns:
-            The last layer's MLP output ``[tokens, hidden]``, which the final norm adds.
-
-        Raises:
-            ValueError: tensors of another dtype, shape or layout than the stack takes, or a
-                step whose attention it does not call.
-            RuntimeError: an attention kernel could not allocate its scratch memory.
-        """
-        dtype, hidden = self.dtype, self.hidden
-        tokens = residual.shape[0]
-        table = (tokens, 1, self.head_dim)
-        slots = metadata.slot_mapping
-        if (
-            residual.dtype != dtype
-            or residual.shape != (tokens, hidden)
-            or not residual.is_contiguous()
-            or not rotary_inputs_fit(cos, signed_sin, slots, tokens, self.head_dim, dtype)
-            or len(kv_cache.layers) != self._model.layers
-            or kv_cache.data.dtype != self.cache_dtype
-            or kv_cache.data.shape[3] != self.num_kv_heads
-            or kv_cache.data.shape[5] != self.head_dim
-        ):
-            raise ValueError(
-                f"the stack takes a contiguous {dtype} residual [tokens, {hidden}], contiguous "
-                f"cos and sin {list(table)}, int64 slots [tokens] and a {self.cache_dtype} "
-                "cache of "
-                f"{self._model.layers} layers of {self.num_kv_heads} heads of {self.head_dim}; "
-                f"got residual {residual.dtype} {tuple(residual.shape)}, cos {cos.dtype} "
-                f"{tuple(cos.shape)}, sin {tuple(signed_sin.shape)}, slots {slots.dtype} "
-                f"{tuple(slots.shape)}, cache {tuple(kv_cache.data.shape)} in "
-                f"{kv_cache.data.dtype}"
-            )
-        kernel = self._attention_kernel(metadata)
-        if not self.runs(metadata) or kernel is None or kernel.block_size != kv_cache.block_size:
-            raise ValueError(
-                "the stack calls the compiled attention for this model's heads and the "
-                "cache's blocks only; this step needs another"
-            )
-        keys, values = self._cache_addresses(kv_cache)
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-
-        def rows(width: int) -> torch.Tensor:
-            return torch.empty((tokens, width), dtype=dtype)
-
-        scratch = (
-            rows(hidden),
-            rows((heads + 2 * kv_heads) * dim),
-            rows(heads * dim),
-            rows(hidden),
-            rows(2 * self.intermediate),
-            rows(self.intermediate),
-            rows(hidden),
-        )
-        step = _structure("step")(
-            tokens,
-            residual.data_ptr(),
-            cos.data_ptr(),
-            signed_sin.data_ptr(),
-            slots.data_ptr(),
-            kv_cache.block_size,
-            keys,
-            values,
-            *self._attention(metadata),
-            *(tensor.data_ptr() for tensor in scratch),
-        )
-        if call(self._function, ctypes.byref(self._model), ctypes.byref(step)):
-            raise RuntimeError(
-                "an attention kernel or a projection could not allocate its scratch memory"
-            )
-        return scratch[-1]
-
-    def _attention(self, metadata: AttentionMetadata) -> tuple[int | None, ...]:
-        """The step structure's attention fields, ``decode`` to ``chunks``."""
-        groups = metadata.decode_groups
-        if not metadata.prefills and len(groups) == 1 and groups[0].paged is not None:
-            paged = groups[0].paged
-            decode, _ = paged.kernel.addresses
-            tables = paged.tables
-            lengths = paged.lengths.data_ptr()
-            return (decode, None, tables.data_ptr(), tables.stride(0), lengths, None, None, None, 0)
-        chunks = metadata.paged_chunks
-        assert chunks is not None  # runs() said so
-        _, prefill = chunks.kernel.addresses
-        tables = chunks.tables
-        return (
-            None,
-            prefill,
-            tables.data_ptr(),
-            tables.stride(0),
-            None,
-            chunks.starts.data_ptr(),
-            chunks.counts.data_ptr(),
-            chunks.offsets.data_ptr(),
-            chunks.starts.shape[0],
-        )
-
-    def _cache_addresses(
-        self, kv_cache: KVCache
-    ) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_void_p]]:
-        """Each layer's key and value tiles (a runner keeps one cache: computed once)."""
-        if self._cache is not None and self._cache[0]() is kv_cache:
-            return self._cache[1], self._cache[2]
-        count = len(kv_cache.layers)
-        pointers = ctypes.c_void_p * count
-        keys = pointers(*(layer.key_rows.data_ptr() for layer in kv_cache.layers))
-        values = pointers(*(layer.value_rows.data_ptr() for layer in kv_cache.layers))
-        self._cache = (weakref.ref(kv_cache), keys, values)
-        return keys, values
-
-
 def stack_library(dtype: torch.dtype = torch.bfloat16) -> Callable[..., int] | None:
     """The entry point of the driver of projections whose activations are ``dtype``
     (bfloat16 or float32), or ``None`` where its library does not build (logged once as a
     warning, with the reason).
 
-    Built (or loaded from the cache) the first time it is asked for in a process; it has no
-    shape constants, so one library serves every model (:func:`build_stack` binds it to one).
+    Built (or loaded from the cache) the first time it is asked for in a process; it has no shape
+    constants, so one library serves every model (:func:`~twostroke.engine.models.stack.build_stack`
+    binds it to one).
 
     Raises:
         ValueError: a dtype the kernels are not built for.
@@ -360,29 +163,25 @@ def stack_library(dtype: torch.dtype = torch.bfloat16) -> Callable[..., int] | N
     return _library(dtype)
 
 
-def build_stack(
+def stack_model(
     layers: Sequence[StackLayer],
     *,
-    function: Callable[..., int],
     glue: DecoderGlue,
     projection: StackProjection,
     num_heads: int,
     num_kv_heads: int,
     intermediate: int,
-    most_tokens: int | None = None,
-) -> DecoderStack:
-    """The stack for these layers, calling the driver ``function`` (:func:`stack_library`
-    of ``glue.dtype``).
+) -> tuple[ctypes.Structure, tuple[object, ...]]:
+    """``kernels.h``'s ``struct twostroke_model`` for these layers, and what it points into
+    (to be kept alive with it): the weights' and kernels' addresses the driver reads.
 
     Args:
         layers: Every decoder layer, in order, its projections laid out for ``projection``.
-        function: The driver's entry point, built for ``glue.dtype``.
         glue: The glue built for the model (its dtype the projection's activations').
         projection: The kernel the layers' projections are laid out for.
         num_heads: Query heads.
         num_kv_heads: Key/value heads.
         intermediate: Width of the MLP.
-        most_tokens: The most tokens a step it runs may have (``None``: any number).
 
     Raises:
         ValueError: no layers, glue of another dtype than the projection's activations, or
@@ -421,7 +220,7 @@ def build_stack(
                     f"layer {index}'s norm weights must be contiguous {glue.dtype} [{hidden}]; "
                     f"got {scale.dtype} {tuple(scale.shape)}"
                 )
-    layer_type = _structure("layer")
+    layer_type = structure("layer")
     weights = (layer_type * len(layers))(
         *(
             layer_type(
@@ -436,7 +235,7 @@ def build_stack(
         )
     )
     norm, rotate, silu = glue.addresses
-    model = _structure("model")(
+    model = structure("model")(
         len(layers),
         hidden,
         intermediate,
@@ -450,19 +249,7 @@ def build_stack(
         silu,
         weights,
     )
-    return DecoderStack(
-        num_heads,
-        num_kv_heads,
-        dim,
-        hidden,
-        intermediate,
-        glue.dtype,
-        glue.cache_dtype,
-        most_tokens,
-        function=function,
-        model=model,
-        kept=(weights, tuple(layers), glue, projection),
-    )
+    return model, (weights, tuple(layers), glue, projection)
 
 
 @functools.cache

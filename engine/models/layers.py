@@ -9,9 +9,9 @@ torch calls per step").
 A decoder layer calls its element-wise work through a :class:`Glue`: each residual add with
 the norm after it, the rotary embeddings with the cache write, SiLU times up, and the
 greedy rows' ``argmax``. :class:`TorchGlue` is these layers' torch operators; the compiled
-glue (:class:`~twostroke.engine.kernels.glue.DecoderGlue`) has the same methods, so the
-decoder is written once and the chosen kernels (:mod:`~twostroke.engine.kernels.selection`)
-decide which runs.
+glue (:class:`~twostroke.engine.models.glue.CompiledGlue`) has the same methods, so the
+decoder is written once and the run's plan (:mod:`~twostroke.engine.models.plan`) decides
+which runs.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import Protocol
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from twostroke.engine.attention.kv_cache import LayerCache
 from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.attention.ops import write_kv
+from twostroke.engine.kernels.reference import rms_norm, rotate_, silu_mul
 from twostroke.engine.models.config import ModelConfig
 
 __all__ = [
@@ -34,11 +34,8 @@ __all__ = [
     "RMSNorm",
     "TorchGlue",
     "inverse_frequencies",
-    "rms_norm",
     "rotary_tables",
-    "rotate_",
     "rotate_write",
-    "silu_mul",
 ]
 
 
@@ -59,24 +56,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:class:`RMSNorm` of ``x`` over its last dimension, transformers' arithmetic."""
-    shape = (x.shape[-1],)
-    if x.dtype == torch.float32:
-        return torch.rms_norm(x, shape, weight, eps)
-    normalized = torch.rms_norm(x.float(), shape, None, eps)
-    return weight * normalized.to(x.dtype)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's middle, ``silu(gate) * up``, of the fused gate/up projection's output.
-
-    ``chunk``, not ``split`` (a Python method); the SiLU's fresh output takes the product.
-    """
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -121,20 +100,6 @@ def rotary_tables(
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     sin[..., : sin.shape[-1] // 2].neg_()
     return cos, sin
-
-
-def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """Apply rotary embeddings to ``x`` ``[tokens, heads, dim]`` in place.
-
-    transformers computes ``x * cos + cat(-x2, x1) * sin`` (``x1``, ``x2`` the halves of
-    ``x``). ``roll`` makes ``cat(x2, x1)`` in one call, and ``signed_sin`` (``sin`` with
-    its first half negated, made once per step by :func:`rotary_tables`) puts the minus
-    sign in the product, where it is exact: the same values bit for bit, in four calls
-    instead of seven.
-    """
-    rolled = x.roll(x.shape[-1] // 2, -1)
-    rolled.mul_(signed_sin)
-    x.mul_(cos).add_(rolled)
 
 
 def rotate_write(

@@ -22,26 +22,14 @@ but the CPU). The embedding and the output projection stay at full precision, as
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from twostroke.engine.models.forms import Quantization, QuantizedWeight
 from twostroke.gpu.isa import cpu_personality
 
-__all__ = [
-    "QUANTIZATIONS",
-    "Quantization",
-    "QuantizationUnavailable",
-    "QuantizedWeight",
-    "kernel_available",
-    "unavailable_message",
-]
-
-#: A weight precision for the projections: float16, or int8 with per-channel scales.
-Quantization = Literal["fp16", "int8"]
-QUANTIZATIONS: tuple[Quantization, ...] = ("fp16", "int8")
+__all__ = ["QuantizationUnavailable", "kernel_available", "unavailable_message"]
 
 #: Relative error (of the largest output) a kernel's self-test accepts: fp16 weights give
 #: about 2e-4 on random data, int8 weights and 7-bit activations about 2e-2 (measured).
@@ -50,56 +38,6 @@ _SELF_TEST_TOLERANCE: dict[Quantization, float] = {"fp16": 1e-2, "int8": 1e-1}
 
 class QuantizationUnavailable(UserWarning):
     """The requested weight precision cannot run here; the weights stay at full precision."""
-
-
-class QuantizedWeight:
-    """One projection's weight (and bias) prepacked for an fbgemm kernel.
-
-    Computes ``x W^T + b`` in float32 (inputs in another dtype are cast to float32 and the
-    result back), with ``W`` rounded to float16 or to int8 per output channel.
-
-    Args:
-        weight: ``[out_features, in_features]``, any floating dtype.
-        bias: ``[out_features]`` or ``None``.
-        kind: ``"fp16"`` or ``"int8"``.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: Quantization) -> None:
-        weight = weight.detach().to(torch.float32)
-        bias = None if bias is None else bias.detach().to(torch.float32)
-        self.kind: Quantization = kind
-        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        if kind == "fp16":
-            self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-        else:
-            self._packed = torch.ops.quantized.linear_prepack(_int8_per_channel(weight), bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype != torch.float32:
-            x = x.to(torch.float32)
-        if self.kind == "fp16":
-            out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
-        else:
-            # reduce_range: 7-bit activations, so AVX2's 8-bit multiply-adds cannot saturate.
-            out = torch.ops.quantized.linear_dynamic(x, self._packed, True)
-        return out if dtype == torch.float32 else out.to(dtype)
-
-    def __repr__(self) -> str:
-        return f"<QuantizedWeight {self.kind} {self.out_features}x{self.in_features}>"
-
-
-def _int8_per_channel(weight: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 per output channel: scale = the row's largest magnitude / 127."""
-    scales = (weight.abs().amax(dim=1) / 127).clamp_(min=1e-12).to(torch.float64)
-    zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
-    with warnings.catch_warnings():
-        # torch 2.13 warns that quantized tensor creation is deprecated: this is the
-        # deliberate use that kernel_available() checks at start.
-        warnings.filterwarnings(
-            "ignore", message=r"torch\.quantize_per_tensor", category=UserWarning
-        )
-        return torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
 
 
 def kernel_available(kind: Quantization, device: torch.device) -> bool:

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import logging
-import types
-import warnings
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -16,100 +12,22 @@ from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.text.tokenizer import Tokenizer
 from twostroke.gpu.cores import usable_cores
 from twostroke.gpu.device import Device
-from twostroke.gpu.dtype import default_dtype
 from twostroke.gpu.isa import cpu_personality
 from twostroke.states.validators import check_int_at_least
 
 __all__ = [
-    "BLOCK_QUANTIZATIONS",
     "DEFAULT_MODEL",
-    "DTYPES",
-    "EmulatedBFloat16Warning",
     "check_vocabulary",
     "default_torch_threads",
     "intra_op_threads",
     "load_runner",
-    "resolve_dtype",
-    "resolve_kv_cache_dtype",
     "set_intra_op_threads",
 ]
 
-#: The model ``make run`` and the CLI use when none is named.
-DEFAULT_MODEL = "smollm2"
-
-#: The dtype names ``EngineConfig.dtype`` (and ``twostroke bench --dtype``) take, besides "auto".
-DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType(
-    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-)
-
-#: The quantizations whose products take float32 activations, which ``dtype="auto"`` then
-#: resolves to (GGUF blocks: :mod:`~twostroke.engine.kernels.gguf_blocks`).
-BLOCK_QUANTIZATIONS = frozenset({"gguf", "gguf_f32", "q8_0", "q4_0"})
-
 _log = logging.getLogger(__name__)
 
-
-class EmulatedBFloat16Warning(UserWarning):
-    """bfloat16 was asked for on a CPU that has no native bfloat16 instructions."""
-
-
-#: What asking for bfloat16 costs on a CPU without native bf16 (measured, see
-#: docs/performance.md): torch emulates it, and float32 is the fast dtype there.
-EMULATED_BF16_MESSAGE = (
-    "dtype='bfloat16' on a CPU without native bf16 (torch CPU capability {capability}, no "
-    "AVX512_BF16/AMX): torch emulates it, about 4.4x slower than float32 (SmolLM2-135M, "
-    "32 requests on an AVX2 EPYC: 13.6 against 60 output tok/s); dtype='auto' picks float32 "
-    "here. Running in bfloat16 as asked."
-)
-
-
-def resolve_kv_cache_dtype(name: str) -> torch.dtype | Literal["auto"]:
-    """The KV cache's element type a ``kv_cache_dtype`` name stands for (``"auto"`` stays:
-    the kernels' choice decides it,
-    :func:`~twostroke.engine.kernels.selection.auto_kv_cache_dtype`).
-
-    Raises:
-        ValueError: an unknown name; the message lists the known ones.
-    """
-    if name == "auto":
-        return "auto"
-    if name not in DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype must be 'auto' or one of {', '.join(map(repr, DTYPES))}, got {name!r}"
-        )
-    return DTYPES[name]
-
-
-def resolve_dtype(name: str, device: Device) -> torch.dtype:
-    """The torch dtype a dtype name stands for on ``device``.
-
-    ``"bfloat16"`` on a CPU without native bf16 is honoured, with an
-    :class:`EmulatedBFloat16Warning` that names its cost (Python's warning filters show it
-    once per process by default).
-
-    Args:
-        name: ``"auto"`` (what :func:`twostroke.gpu.dtype.default_dtype` picks for
-            ``device``) or a key of :data:`DTYPES`.
-        device: The device the model will run on.
-
-    Raises:
-        ValueError: an unknown name; the message lists the known ones.
-    """
-    if name == "auto":
-        return default_dtype(device)
-    if name not in DTYPES:
-        raise ValueError(
-            f"dtype must be 'auto' or one of {', '.join(map(repr, DTYPES))}, got {name!r}"
-        )
-    dtype = DTYPES[name]
-    if dtype == torch.bfloat16 and device.kind == "cpu" and default_dtype(device) != dtype:
-        capability = torch.backends.cpu.get_cpu_capability()
-        warnings.warn(
-            EMULATED_BF16_MESSAGE.format(capability=capability),
-            EmulatedBFloat16Warning,
-            stacklevel=2,
-        )
-    return dtype
+#: The model ``make run`` and the CLI use when none is named.
+DEFAULT_MODEL = "smollm2"
 
 
 def default_torch_threads(cores: int | None = None) -> int:
@@ -200,30 +118,16 @@ def load_runner(
         from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 
         return ToyRunner(), ByteTokenizer()
-    from twostroke.engine.checkpoints.loader import load_model
+    from twostroke.engine.models.loading import load_model
+    from twostroke.engine.models.plan import resolve_run
+    from twostroke.engine.models.source import read_source
     from twostroke.engine.runners.torch import TorchModelRunner
     from twostroke.engine.text.tokenizer import HFTokenizer
 
-    dtype = resolve_dtype(config.dtype, device)
-    if config.dtype == "auto" and config.quantization in BLOCK_QUANTIZATIONS:
-        # The block products take float32 activations (their only form): "auto" picks it,
-        # also where bfloat16 would be the CPU's default; an explicit dtype is checked.
-        dtype = torch.float32
     if device.kind == "cpu":
         _log_unapplied()
-    loaded = load_model(
-        model,
-        dtype=dtype,
-        device=device.torch_device,
-        # An explicit dtype="float32" asks for transformers' arithmetic; "auto" for speed
-        # (and quantization="auto" for fp16 weights where they run: the kernels' choice).
-        exact=config.dtype != "auto",
-        quantization=config.quantization,
-        block_size=config.block_size,
-        kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype),
-        mmap=config.mmap,
-        deterministic=config.deterministic,
-    )
+    source = read_source(model, mmap=config.mmap)
+    loaded = load_model(resolve_run(config, source, device.torch_device))
     tokenizer = HFTokenizer.from_pretrained(loaded.source)
     check_vocabulary(tokenizer, loaded.config.vocab_size, loaded.source)
     runner = TorchModelRunner.from_loaded(
@@ -247,7 +151,7 @@ def check_vocabulary(tokenizer: Tokenizer, embedding_rows: int, source: Path) ->
     Raises:
         ModelLoadError: the tokenizer has more ids than the embedding has rows.
     """
-    from twostroke.engine.checkpoints.loader import ModelLoadError
+    from twostroke.engine.checkpoints.source import ModelLoadError
 
     if tokenizer.vocab_size > embedding_rows:
         raise ModelLoadError(

@@ -14,13 +14,16 @@ which the runner keeps on the device.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from twostroke.engine.structured.masks import StepMasks
 from twostroke.gpu.completion import Launched
 from twostroke.states.plan import RunnerOutput, StepPlan
 
-__all__ = ["InvariantRunner", "MaskingRunner", "ModelRunner"]
+if TYPE_CHECKING:
+    from twostroke.engine.models.plan import RunPlan
+
+__all__ = ["InvariantRunner", "MaskingRunner", "ModelRunner", "PlannedRunner"]
 
 
 class ModelRunner(Protocol):
@@ -77,4 +80,15 @@ class InvariantRunner(Protocol):
         """Whether a request's tokens and logprobs are a function of the model, its prompt,
         its parameters and its seed alone, whatever the requests, chunks and drafts that
         share its steps."""
+        ...
+
+
+@runtime_checkable
+class PlannedRunner(Protocol):
+    """A runner of a model loaded by a plan (:class:`~twostroke.engine.models.plan.RunPlan`):
+    the engine shows the plan (:attr:`Engine.plan <twostroke.engine.Engine.plan>`)."""
+
+    @property
+    def plan(self) -> RunPlan:
+        """What the run decided about its model, once."""
         ...

@@ -27,9 +27,10 @@ import torch
 from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.attention.kv_cache import KVCache
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
-from twostroke.engine.checkpoints.loader import LoadedModel
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
-from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.decoder import CausalLM
+from twostroke.engine.models.loading import LoadedModel
+from twostroke.engine.models.plan import RunPlan
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
 from twostroke.engine.structured.masks import StepMasks
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
@@ -65,7 +66,7 @@ class _Staged:
 
 
 class TorchModelRunner:
-    """Runs a :class:`LlamaForCausalLM` over a paged KV cache, one step plan at a time.
+    """Runs a :class:`CausalLM` over a paged KV cache, one step plan at a time.
 
     Args:
         model: The decoder, weights loaded.
@@ -84,27 +85,22 @@ class TorchModelRunner:
             under that margin. The CPU's in-place attention gathers nothing: the ``"bag"``
             kernel's groups are cut the same way (which bounds their padded scores), the
             ``"native"`` kernel's decodes are one group. ``None``: no bound.
-        attention_kernel: How decodes attend (see
-            :data:`~twostroke.engine.attention.kernels.AttentionKernel`); ``None``
-            takes the one chosen when the model loaded
-            (:attr:`LlamaForCausalLM.kernels
-            <twostroke.engine.models.llama.LlamaForCausalLM.kernels>`). For comparisons:
-            ``"native"`` where it does not run fails when the KV cache is allocated.
+        plan: The plan the model was loaded by (:meth:`from_loaded` gives it), which
+            :attr:`plan` shows.
 
     Raises:
-        ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1,
-            or an unknown ``attention_kernel``.
+        ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1.
     """
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         *,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         seed: int | None = None,
         decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
-        attention_kernel: AttentionKernel | None = None,
+        plan: RunPlan | None = None,
     ) -> None:
         for name, value in (
             ("max_model_len", max_model_len),
@@ -113,10 +109,11 @@ class TorchModelRunner:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        # The attention, like every kernel, is the run's plan's, asked once when the model
+        # loaded (RunPlan): the runner does not choose again.
         kernels = model.kernels
-        if attention_kernel is not None:
-            kernels = kernels.with_attention(attention_kernel)
         self.kernels = kernels
+        self._plan = plan
         self.model = model
         self.config = model.config
         self.device = model.device
@@ -149,9 +146,8 @@ class TorchModelRunner:
         max_num_seqs: int | None = None,
         seed: int | None = None,
         decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
-        attention_kernel: AttentionKernel | None = None,
     ) -> TorchModelRunner:
-        """A runner for a model :func:`~twostroke.engine.checkpoints.loader.load_model` loaded.
+        """A runner for a model :func:`~twostroke.engine.models.loading.load_model` loaded.
 
         Args:
             loaded: The loaded model.
@@ -159,7 +155,6 @@ class TorchModelRunner:
             max_num_seqs: See the class.
             seed: See the class.
             decode_gather_bytes: See the class.
-            attention_kernel: See the class.
 
         Returns:
             The runner (its KV cache is allocated later, by the engine).
@@ -170,7 +165,7 @@ class TorchModelRunner:
             max_num_seqs=max_num_seqs,
             seed=seed,
             decode_gather_bytes=decode_gather_bytes,
-            attention_kernel=attention_kernel,
+            plan=loaded.plan,
         )
 
     def __repr__(self) -> str:
@@ -188,14 +183,27 @@ class TorchModelRunner:
         return self._max_model_len
 
     @property
+    def plan(self) -> RunPlan:
+        """What the run decided about its model
+        (:class:`~twostroke.engine.models.plan.RunPlan`), where the runner was made from a
+        loaded model (:meth:`from_loaded`).
+
+        Raises:
+            AttributeError: a runner made from a bare module has none.
+        """
+        if self._plan is None:
+            raise AttributeError("this runner was made from a module, not a planned load")
+        return self._plan
+
+    @property
     def attention_kernel(self) -> AttentionKernel:
-        """How decodes attend: chosen when the model loaded, or given."""
+        """How decodes attend: the run's plan's, chosen when the model loaded."""
         return self.kernels.attention
 
     @property
     def deterministic(self) -> bool:
         """Whether its kernels are batch-invariant (:attr:`CpuKernels.deterministic
-        <twostroke.engine.kernels.selection.CpuKernels.deterministic>`)."""
+        <twostroke.engine.models.choice.CpuKernels.deterministic>`)."""
         return self.kernels.deterministic
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -216,8 +224,8 @@ class TorchModelRunner:
             RunnerError: the cache exists already.
             ValueError: ``num_blocks`` or ``block_size`` below 1, or the ``"native"``
                 attention where it does not run for these blocks (see
-                :meth:`LlamaForCausalLM.attention_for
-                <twostroke.engine.models.llama.LlamaForCausalLM.attention_for>`).
+                :meth:`CausalLM.attention_for
+                <twostroke.engine.models.decoder.CausalLM.attention_for>`).
         """
         if self._cache is not None:
             raise RunnerError("the KV cache can be allocated only once")

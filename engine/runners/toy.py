@@ -19,9 +19,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from twostroke.engine.structured.masks import StepMasks
 from twostroke.engine.text.chat import validate_messages
+from twostroke.engine.text.chat_template import check_template_kwargs
 from twostroke.gpu.completion import Launched, ReadyEvent
 from twostroke.states.constraints import read_bitmask
 from twostroke.states.plan import RunnerOutput, StepPlan, TokenLogprobs
@@ -94,13 +96,24 @@ class ByteTokenizer:
         """EOS, the one token that is not text."""
         return frozenset({EOS_TOKEN_ID})
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Bytes of ``<role>content`` lines, then ``<assistant>`` (a template of its own).
+
+        ``template_kwargs`` are checked as a real template's are, and read by none of its
+        (a template need not read every variable it is given).
 
         Raises:
             TypeError, ValueError: ``messages`` is malformed; the same check as the real
                 tokenizer's (:func:`~twostroke.engine.text.chat.validate_messages`).
+            ChatTemplateKwargsError: ``template_kwargs`` breaks a rule of
+                :func:`~twostroke.engine.text.chat_template.check_template_kwargs`.
         """
+        check_template_kwargs(template_kwargs)
         conversation = validate_messages(messages)
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in conversation) + "<assistant>"
         return self.encode(text)

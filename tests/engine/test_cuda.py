@@ -16,7 +16,7 @@ import torch
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_device_syncs import BATCHES
 from tests.engine.runners.test_torch import generate, transformers_greedy
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.models.loading import LoadedModel, open_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 
@@ -29,7 +29,7 @@ CUDA = torch.device("cuda", 0)
 def tiny_on_cuda(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
     path: Path = tmp_path_factory.mktemp("llama")
     reference = make_tiny_model("llama", path, seed=11)
-    return reference, load_model(path, dtype=torch.float32, device=CUDA)
+    return reference, open_model(path, dtype=torch.float32, device=CUDA)
 
 
 class _StrictRunner(TorchModelRunner):

@@ -23,8 +23,8 @@ from twostroke.engine.bench.roof import (
     workload_roof,
 )
 from twostroke.engine.bench.workload import BenchRequest, Workload
-from twostroke.engine.checkpoints.loader import ModelLoadError
-from twostroke.engine.kernels.selection import auto_kv_cache_dtype, auto_quantization
+from twostroke.engine.checkpoints.source import ModelLoadError
+from twostroke.engine.models.choice import auto_kv_cache_dtype, auto_quantization
 from twostroke.states.scheduler_config import SchedulingPolicy
 
 WORKLOAD = Workload(
@@ -158,7 +158,14 @@ def test_bad_measurement_arguments(options: dict[str, object], message: str) -> 
         measure_machine(**options)  # type: ignore[arg-type]
 
 
-def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(tmp_path: Path) -> None:
+def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The roof costs the engine's plan of the run (resolve_run): the bench's dtype where it
+    asks for exact arithmetic, else the engine's dtype="auto" (the machine's default)."""
+    from twostroke.gpu import dtype as dtype_module
+
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: True)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": 10,
@@ -182,9 +189,11 @@ def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(tmp_path: Pa
     assert asked == [{"dtype": "bfloat16", "threads": 3}]
     assert cost == ModelCost.of(TINY, dtype="bfloat16")
     assert machine.threads == 3
-    # float32, not exact: the projections in what quantization="auto" holds them in (fp16
-    # where fbgemm runs here, the policy says; the dtype where not), the cache in what
-    # kv_cache_dtype="auto" holds it in (float16 where F16C runs); exact: the dtype.
+    # float32, not exact (a CPU whose default is float32): the projections in what
+    # quantization="auto" holds them in (fp16 where fbgemm runs here, the policy says; the
+    # dtype where not), the cache in what kv_cache_dtype="auto" holds it in (float16 where
+    # F16C runs); exact: the dtype.
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
     cpu = torch.device("cpu")
     reduced = auto_quantization(dtype=torch.float32, device=cpu, exact=False)
     cache = auto_kv_cache_dtype(dtype=torch.float32, device=cpu, exact=False)
@@ -213,10 +222,14 @@ def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
     from gguf import GGMLQuantizationType
 
     from tests.engine.checkpoints.test_blocks import write
-    from twostroke.engine.checkpoints import loader
-    from twostroke.engine.checkpoints.loader import read_config, stored_bytes
+    from twostroke.engine.models import plan as plan_module
+    from twostroke.engine.models.loading import stored_bytes
+    from twostroke.engine.models.source import read_config
+    from twostroke.gpu import dtype as dtype_module
 
-    monkeypatch.setattr(loader, "AUTO_BLOCKS", True)
+    monkeypatch.setattr(plan_module, "AUTO_BLOCKS", True)
+    # dtype="auto" is float32 here, as on a CPU without native bfloat16.
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
 
     file = write(tmp_path, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 

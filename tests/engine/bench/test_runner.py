@@ -350,7 +350,10 @@ def test_dtype_auto_is_the_engines_choice_on_this_cpu(
     assert ModelSpec(name="tiny", source=tmp_path).dtype == expected
     assert ModelSpec(name="tiny", source=tmp_path, dtype="auto").dtype == expected
     assert ModelSpec(name="tiny", source=tmp_path, dtype="float16").dtype == "float16"
-    with pytest.raises(ValueError, match=r"^dtype must be 'auto' or one of bfloat16, float16, "):
+    with pytest.raises(
+        ValueError,
+        match=r"^dtype must be 'auto' or one of 'float32', 'bfloat16', 'float16', got 'fp8'$",
+    ):
         ModelSpec(name="tiny", source=tmp_path, dtype="fp8")
 
 

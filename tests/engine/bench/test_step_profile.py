@@ -9,8 +9,8 @@ import torch
 
 from tests.engine.models.test_llama import make_tiny_model
 from twostroke.engine.bench.step_profile import DecodeStep, StepProfile, profile_decode_step
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.cli import main
+from twostroke.engine.models.loading import LoadedModel, open_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,7 +27,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, LoadedMod
     for layers in (2, 3):
         path = tmp_path_factory.mktemp(f"llama-{layers}")
         make_tiny_model("llama", path, num_hidden_layers=layers)
-        models[layers] = load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+        models[layers] = open_model(path, dtype=torch.float32, device=torch.device("cpu"))
     return models
 
 

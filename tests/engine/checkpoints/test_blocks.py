@@ -18,17 +18,18 @@ from gguf import GGMLQuantizationType
 from tests.engine.checkpoints.test_loader import write_gguf
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.artifacts.cache import NATIVE_FOLDER
-from twostroke.engine.checkpoints import loader
-from twostroke.engine.checkpoints.loader import BlockTypeUnsupported, ModelLoadError, load_model
-from twostroke.engine.kernels.gguf_blocks import (
+from twostroke.engine.checkpoints.source import BlockTypeUnsupported, ModelLoadError
+from twostroke.engine.kernels.gguf_blocks import offset_magnitudes, random_blocks, rounding_bound
+from twostroke.engine.models import plan as plan_module
+from twostroke.engine.models.forms import (
     BlockEmbedding,
     BlockWeight,
-    offset_magnitudes,
-    random_blocks,
-    rounding_bound,
+    FullPrecision,
+    OneDNNWeight,
+    QuantizedWeight,
 )
-from twostroke.engine.models.linear import FullPrecision, Linear, OneDNNWeight
-from twostroke.engine.models.quantization import QuantizedWeight
+from twostroke.engine.models.linear import Linear
+from twostroke.engine.models.loading import open_model
 
 # isa: the block products take the personality's path (AVX2 or portable C).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -46,8 +47,8 @@ def write(tmp_path: Path, matrices: Any, embedding: Any, **overrides: Any) -> Pa
 
 
 def blocks_and_reference(file: Path, asked: str = "gguf") -> tuple[Any, Any]:
-    blocks = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
-    reference = load_model(file, dtype=torch.float32, device=CPU, quantization=None)
+    blocks = open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
+    reference = open_model(file, dtype=torch.float32, device=CPU, quantization=None)
     return blocks, reference
 
 
@@ -213,8 +214,8 @@ def test_q8_0_and_q4_0_quantize_a_checkpoints_projections_into_blocks_at_load(
     kind = Q.Q8_0 if asked == "q8_0" else Q.Q4_0
     directory = tmp_path / "hf"
     make_tiny_model("llama", directory)
-    loaded = load_model(directory, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
-    reference = load_model(directory, dtype=torch.float32, device=CPU, quantization=None)
+    loaded = open_model(directory, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
+    reference = open_model(directory, dtype=torch.float32, device=CPU, quantization=None)
     assert loaded.quantization == asked
     model, dense = loaded.module, reference.module
     assert isinstance(model.lm_head.method, FullPrecision)
@@ -234,15 +235,15 @@ def test_q8_0_and_q4_0_quantize_a_checkpoints_projections_into_blocks_at_load(
             theirs.copy_(weight.float())  # the reference: the blocks' own weights
     assert_logits_close(model, dense)
     file = write(tmp_path, Q.Q4_1, Q.Q8_0)
-    again = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
+    again = open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization=asked)
     assert again.quantization == asked
     assert isinstance(again.module.layers[0].mlp.down_proj.method, BlockWeight)
     with pytest.raises(ValueError, match=f"quantization='{asked}' computes on the CPU"):
-        load_model(directory, dtype=torch.bfloat16, device=CPU, quantization=asked)
+        open_model(directory, dtype=torch.bfloat16, device=CPU, quantization=asked)
     narrow = tmp_path / "narrow"
     make_tiny_model("llama", narrow, hidden_size=48, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ModelLoadError, match=r"quantizes projections in blocks of 32 weights: "):
-        load_model(narrow, dtype=torch.float32, device=CPU, quantization=asked)
+        open_model(narrow, dtype=torch.float32, device=CPU, quantization=asked)
 
 
 def assert_logits_close(model: Any, dense: Any) -> None:
@@ -285,7 +286,7 @@ def test_loading_leaves_the_calling_thread_without_an_openmp_team(
         try:
             with torch_threads(2):
                 counts.append(len(os.listdir("/proc/self/task")))
-                load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
+                open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
                 counts.append(len(os.listdir("/proc/self/task")))
         except BaseException as error:  # (raised again on the test's thread)
             failures.append(error)
@@ -304,14 +305,14 @@ def test_the_blocks_are_the_files_memory_and_nothing_is_cached(
     cache = tmp_path / "cache"
     monkeypatch.setenv("TWOSTROKE_CACHE_DIR", str(cache))
     file = write(tmp_path, Q.Q4_1, Q.Q8_0, tie_word_embeddings=True)
-    loaded = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
+    loaded = open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
     method = loaded.module.layers[0].mlp.down_proj.method
     assert isinstance(method, BlockWeight)
     [part] = method.parts
     assert isinstance(part.data, np.memmap)
     assert Path(part.data.filename) == file.resolve()
     assert not weight_entries(cache)
-    load_model(file, dtype=torch.float32, device=CPU, quantization=None)
+    open_model(file, dtype=torch.float32, device=CPU, quantization=None)
     assert weight_entries(cache)  # where the dequantized weights are cached
 
 
@@ -324,14 +325,14 @@ def weight_entries(cache: Path) -> list[Path]:
 def test_a_type_not_computed_as_stored_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
     file = write(tmp_path, Q.MXFP4, Q.Q8_0)
     with pytest.raises(BlockTypeUnsupported) as caught:
-        load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
+        open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf")
     assert caught.value.block_type == "MXFP4"
     assert caught.value.tensor.startswith("blk.0.")
     assert "is MXFP4, which quantization='gguf' does not compute as stored" in str(caught.value)
     with pytest.raises(BlockTypeUnsupported, match="which quantization='gguf_f32' does not"):
-        load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf_f32")
+        open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf_f32")
     # Without quantization='gguf' the file loads dequantized, as before.
-    load_model(file, dtype=torch.float32, device=CPU, quantization=None)
+    open_model(file, dtype=torch.float32, device=CPU, quantization=None)
 
 
 def test_gguf_quantization_needs_a_gguf_file_and_float32_on_the_cpu(tmp_path: Path) -> None:
@@ -339,10 +340,10 @@ def test_gguf_quantization_needs_a_gguf_file_and_float32_on_the_cpu(tmp_path: Pa
     make_tiny_model("llama", directory)
     for asked in ("gguf", "gguf_f32"):
         with pytest.raises(ModelLoadError, match=rf"quantization='{asked}' .*: not a GGUF file"):
-            load_model(directory, dtype=torch.float32, device=CPU, quantization=asked)
+            open_model(directory, dtype=torch.float32, device=CPU, quantization=asked)
     file = write(tmp_path, Q.Q4_1, Q.Q8_0)
     with pytest.raises(ValueError, match="float32 activations; got dtype bfloat16 on cpu"):
-        load_model(file, dtype=torch.bfloat16, device=CPU, quantization="gguf")
+        open_model(file, dtype=torch.bfloat16, device=CPU, quantization="gguf")
 
 
 @pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf_f32"), (Q.MXFP4, "fp16")])
@@ -357,10 +358,10 @@ def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
     file whose matrices are all in computed types loads as stored; another loads as before,
     and the log names the tensor that kept it from the blocks. The blocks take the
     activations themselves (``"gguf_f32"``)."""
-    monkeypatch.setattr(loader, "AUTO_BLOCKS", True)
+    monkeypatch.setattr(plan_module, "AUTO_BLOCKS", True)
     file = write(tmp_path, matrices, Q.Q8_0)
-    with caplog.at_level(logging.INFO, logger=loader.__name__):
-        loaded = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="auto")
+    with caplog.at_level(logging.INFO, logger=plan_module.__name__):
+        loaded = open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="auto")
     if expected == "gguf_f32":
         assert loaded.quantization == "gguf_f32"
         head = loaded.module.lm_head.method
@@ -372,7 +373,7 @@ def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
             caplog.text
         )
     # transformers' exact arithmetic asked for: never the blocks.
-    exact = load_model(file, dtype=torch.float32, device=CPU, exact=True, quantization="auto")
+    exact = open_model(file, dtype=torch.float32, device=CPU, exact=True, quantization="auto")
     assert exact.quantization not in ("gguf", "gguf_f32")
 
 
@@ -544,8 +545,8 @@ def test_mmap_false_computes_the_same_logits_and_survives_the_file_truncated(
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(file.read_bytes())
     options: dict[str, Any] = {"dtype": torch.float32, "device": CPU, "quantization": "gguf"}
-    mapped = load_model(file, **options)
-    read = load_model(copy, **options, mmap=False)
+    mapped = open_model(file, **options)
+    read = open_model(copy, **options, mmap=False)
     assert read.quantization == "gguf"
     sequences = random_sequences([3, 20])
     expected = mapped.module.forward_logits(sequences, chunk_size=6)

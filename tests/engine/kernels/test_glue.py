@@ -20,7 +20,6 @@ from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.attention.kv_cache import KVCache
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
 from twostroke.engine.attention.ops import write_kv
-from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import glue as glue_module
 from twostroke.engine.kernels.build import NATIVE_ENV, NativeBuildError
 from twostroke.engine.kernels.glue import (
@@ -29,15 +28,11 @@ from twostroke.engine.kernels.glue import (
     decoder_glue,
     reference_add_rms_norm,
 )
-from twostroke.engine.kernels.selection import select_kernels
-from twostroke.engine.models.layers import (
-    Glue,
-    TorchGlue,
-    rms_norm,
-    rotary_tables,
-    rotate_,
-    silu_mul,
-)
+from twostroke.engine.kernels.reference import rms_norm, rotate_, silu_mul
+from twostroke.engine.models.choice import select_kernels
+from twostroke.engine.models.glue import CompiledGlue
+from twostroke.engine.models.layers import Glue, TorchGlue, rotary_tables
+from twostroke.engine.models.loading import open_model
 from twostroke.engine.runners.sampler import Sampler
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
@@ -197,7 +192,7 @@ def test_the_rotary_write_is_the_models_bit_for_bit(
         chunks = [ChunkSpec(0, 1, (order[0],))]
     heads = heads_per_kv * kv_heads
     theirs = written(None, dtype, chunks, heads, kv_heads, seed, kernel, cache_dtype)
-    for each in (glue, TorchGlue()):
+    for each in (CompiledGlue(glue), TorchGlue()):
         ours = written(each, dtype, chunks, heads, kv_heads, seed, kernel, cache_dtype)
         assert torch.equal(ours[0], theirs[0])
         assert torch.equal(ours[1], theirs[1])
@@ -271,8 +266,8 @@ def chosen_glue(dtype: torch.dtype, *, exact: bool = False) -> DecoderGlue | Non
     """The compiled glue chosen for the tiny model's shape, or ``None`` where torch's is
     (the attention is not built: it is given)."""
     kernels = select_kernels(_config(), dtype=dtype, device=CPU, exact=exact, attention="bag")
-    if isinstance(kernels.glue, DecoderGlue):
-        return kernels.glue
+    if isinstance(kernels.glue, CompiledGlue):
+        return kernels.glue.library
     assert isinstance(kernels.glue, TorchGlue)
     return None
 
@@ -307,12 +302,12 @@ def test_the_compiled_glue_computes_what_torchs_operators_do_to_rounding(
     """Only ``exact=False`` compiles it; its logits are the operators' to rounding, through
     prefill chunks and decodes, and so are its greedy tokens."""
     make_tiny_model("llama", tmp_path, seed=7)
-    exact = load_model(tmp_path, dtype=dtype, device=CPU)
-    fused = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
+    exact = open_model(tmp_path, dtype=dtype, device=CPU)
+    fused = open_model(tmp_path, dtype=dtype, device=CPU, exact=False)
     assert isinstance(exact.module.kernels.glue, TorchGlue)
-    assert isinstance(fused.module.kernels.glue, DecoderGlue)
+    assert isinstance(fused.module.kernels.glue, CompiledGlue)
     sequences = random_sequences([1, 5, 30], seed=8)
-    operators = load_model(tmp_path, dtype=dtype, device=CPU, exact=False)
+    operators = open_model(tmp_path, dtype=dtype, device=CPU, exact=False)
     # The same packed weights, torch's operators.
     operators.module._kernels = attrs.evolve(operators.module.kernels, glue=TorchGlue(), stack=None)
     expected = operators.module.forward_logits(sequences, chunk_size=4)
@@ -359,10 +354,10 @@ def test_the_cpu_runners_sampler_takes_the_compiled_argmax(tmp_path: Path) -> No
     """Greedy rows through the sampler with the compiled argmax: torch's tokens (ties
     included); the runner hands it over only where the glue is compiled."""
     make_tiny_model("llama", tmp_path, seed=9)
-    fused = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU, exact=False))
-    exact = TorchModelRunner.from_loaded(load_model(tmp_path, device=CPU))
+    fused = TorchModelRunner.from_loaded(open_model(tmp_path, device=CPU, exact=False))
+    exact = TorchModelRunner.from_loaded(open_model(tmp_path, device=CPU))
     glue = fused.kernels.glue
-    assert isinstance(glue, DecoderGlue)
+    assert isinstance(glue, CompiledGlue)
     assert fused._sampler._argmax == glue.argmax
     assert isinstance(exact.kernels.glue, TorchGlue)
     assert exact._sampler._argmax == exact.kernels.glue.argmax  # torch's

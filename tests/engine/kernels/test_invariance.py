@@ -14,26 +14,30 @@ import pytest
 import torch
 
 from tests.engine.models.test_llama import _config
-from twostroke.engine.kernels import selection
+from twostroke.engine.checkpoints.gguf import BLOCK_TYPES, BlockTensor
 from twostroke.engine.kernels.gguf_blocks import (
     ACTIVATIONS,
-    BLOCK_TYPES,
     DENSE_ROWS,
     BlockKernel,
-    BlockTensor,
-    BlockWeight,
     build_blocks,
     random_blocks,
 )
 from twostroke.engine.kernels.projection import projection_kernel
-from twostroke.engine.kernels.selection import (
+from twostroke.engine.models import choice
+from twostroke.engine.models.choice import (
     DeterminismUnavailable,
     Projections,
     fp16_rows_dependent,
     row_dependences,
     select_kernels,
 )
-from twostroke.engine.models.linear import LinearMethod, OneDNNWeight, can_pack, weight_method
+from twostroke.engine.models.forms import (
+    BlockWeight,
+    LinearMethod,
+    OneDNNWeight,
+    can_pack,
+    weight_method,
+)
 from twostroke.engine.models.quantization import kernel_available
 from twostroke.gpu.isa import cpu_personality
 from twostroke.gpu.threads import torch_threads
@@ -233,22 +237,23 @@ def test_deterministic_refuses_what_cannot_be_invariant(monkeypatch: pytest.Monk
     # gives large products to oneDNN; deterministic=True keeps the panels for every count.
     if projection_kernel() is None:
         return
-    monkeypatch.setattr(selection, "_amx_split_wanted", lambda *args: True)
+    monkeypatch.setattr(choice, "_amx_split_wanted", lambda *args: True)
     split = select_kernels(config, dtype=torch.bfloat16, device=CPU, exact=False)
-    assert split.projection.panel_rows == selection.AMX_PANEL_ROWS
+    assert split.projection.panel_rows == choice.AMX_PANEL_ROWS
     assert not split.deterministic
     held = select_kernels(config, dtype=torch.bfloat16, device=CPU, exact=False, deterministic=True)
     assert held.projection.panel_rows is None
     assert held.deterministic
 
 
-def test_a_runners_asked_attention_is_said_to_break_the_invariant() -> None:
+def test_an_asked_attention_is_said_to_break_the_invariant() -> None:
     kernels = select_kernels(_config(), dtype=torch.bfloat16, device=CPU, exact=False)
     if kernels.attention != "native":
         pytest.skip("the compiled attention does not run here")
     assert kernels.deterministic
-    asked = kernels.with_attention("matmul")
+    asked = select_kernels(
+        _config(), dtype=torch.bfloat16, device=CPU, exact=False, attention="matmul"
+    )
     assert asked.row_dependences == (
         "the attention is 'matmul': decodes and prefill chunks are summed by other operators",
     )
-    assert asked.with_attention("native").deterministic

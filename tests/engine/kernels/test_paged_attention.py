@@ -26,7 +26,7 @@ from twostroke.engine.kernels.paged_attention import (
     reference_paged_decode,
     reference_paged_prefill,
 )
-from twostroke.engine.kernels.selection import select_kernels
+from twostroke.engine.models.choice import select_kernels
 from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality, rung_named
 from twostroke.gpu.threads import torch_threads
 

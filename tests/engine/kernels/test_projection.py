@@ -16,26 +16,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
-from twostroke.engine.checkpoints.loader import load_model
-from twostroke.engine.kernels import projection, selection
+from twostroke.engine.kernels import projection
 from twostroke.engine.kernels.build import NATIVE_ENV, NativeBuildError
-from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.projection import (
-    PanelWeight,
     ProjectionKernel,
     ProjectionUnsupported,
     build_projection,
     projection_kernel,
 )
-from twostroke.engine.kernels.selection import (
-    AMX_PANEL_ROWS,
-    CpuKernels,
-    Projections,
-    select_kernels,
-)
-from twostroke.engine.models import llama
-from twostroke.engine.models.linear import Linear, SplitByRows, can_pack
+from twostroke.engine.models import choice, decoder
+from twostroke.engine.models.choice import AMX_PANEL_ROWS, CpuKernels, Projections, select_kernels
+from twostroke.engine.models.forms import PanelWeight, SplitByRows, can_pack
+from twostroke.engine.models.glue import CompiledGlue
+from twostroke.engine.models.linear import Linear
 from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.loading import open_model
 from twostroke.gpu.isa import ISA_ENV, RUNGS, cpu_personality, machine_rung
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
@@ -101,7 +96,7 @@ def test_products_are_torchs_to_bfloat16_rounding(
     x = wide[:, row_gap:]
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=generator).to(torch.bfloat16) if with_bias else None
-    got = kernel.pack(weight, bias)(x)
+    got = PanelWeight.pack(kernel, weight, bias)(x)
     assert_close_to_float32_product(got, x, weight, bias)
     if rows:  # F.linear rounds the same sums once too: the two differ by those roundings
         expected = F.linear(x, weight, bias).float()
@@ -135,7 +130,7 @@ def test_products_of_whole_tiles_of_inputs_are_torchs_to_bfloat16_rounding(
     x = wide[:, row_gap:]
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=generator).to(torch.bfloat16) if with_bias else None
-    assert_close_to_float32_product(kernel.pack(weight, bias)(x), x, weight, bias)
+    assert_close_to_float32_product(PanelWeight.pack(kernel, weight, bias)(x), x, weight, bias)
 
 
 def test_amx_tiles_are_taken_where_the_cpu_has_them_and_nothing_caps_it(
@@ -149,7 +144,7 @@ def test_amx_tiles_are_taken_where_the_cpu_has_them_and_nothing_caps_it(
 def test_the_thread_team_splits_the_panels_to_the_same_products(kernel: ProjectionKernel) -> None:
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(961, 576, generator=generator).to(torch.bfloat16)
-    packed = kernel.pack(weight)
+    packed = PanelWeight.pack(kernel, weight)
     for rows in (1, 70):  # the vector tiles; the AMX tiles where they run
         x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
         alone = packed(x)
@@ -172,7 +167,7 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(
     generator = torch.Generator().manual_seed(9)
     weight = torch.randn(2 * kernel.panel + 5, width, generator=generator).to(torch.bfloat16)
     bias = torch.randn(2 * kernel.panel + 5, generator=generator)
-    packed = kernel.pack(weight, bias)
+    packed = PanelWeight.pack(kernel, weight, bias)
     x = torch.randn(37, width, generator=generator).to(torch.bfloat16)
     alone = torch.cat([packed(x[r : r + 1]) for r in range(len(x))])
     for rows in (2, 4, 5, 8, 9, 16, 17, 37):
@@ -186,7 +181,7 @@ def test_rows_read_back_from_the_panels_are_the_weights_rows(kernel: ProjectionK
     generator = torch.Generator().manual_seed(8)
     for out_features in (2 * kernel.panel, 2 * kernel.panel + 7):  # no padding; padding
         weight = torch.randn(out_features, 10, generator=generator).to(torch.bfloat16)
-        packed = kernel.pack(weight)
+        packed = PanelWeight.pack(kernel, weight)
         every = torch.arange(out_features)
         assert torch.equal(packed.rows(every), weight)
         ids = torch.randint(0, out_features, (3, 5), generator=generator)
@@ -199,24 +194,24 @@ def test_inputs_with_more_dimensions_keep_them(kernel: ProjectionKernel) -> None
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(2, 3, 10, generator=generator).to(torch.bfloat16)
     weight = torch.randn(7, 10, generator=generator).to(torch.bfloat16)
-    got = kernel.pack(weight)(x)
+    got = PanelWeight.pack(kernel, weight)(x)
     assert got.shape == (2, 3, 7)
     assert_close_to_float32_product(got.view(6, 7), x.reshape(6, 10), weight, None)
     transposed = x.transpose(0, 1)  # not contiguous: copied first
-    assert torch.equal(kernel.pack(weight)(transposed), got.transpose(0, 1))
+    assert torch.equal(PanelWeight.pack(kernel, weight)(transposed), got.transpose(0, 1))
 
 
 def test_what_it_was_not_built_for_is_refused(kernel: ProjectionKernel) -> None:
     bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"packs a bfloat16 weight .* got torch\.float32"):
-        kernel.pack(torch.zeros(4, 6))
+        PanelWeight.pack(kernel, torch.zeros(4, 6))
     with pytest.raises(ValueError, match=r"got torch\.bfloat16 \(4, 6\) on meta"):
-        kernel.pack(torch.zeros(4, 6, dtype=torch.bfloat16, device="meta"))
+        PanelWeight.pack(kernel, torch.zeros(4, 6, dtype=torch.bfloat16, device="meta"))
     with pytest.raises(ValueError, match=r"in_features even; got torch\.bfloat16 \(4, 5\)"):
-        kernel.pack(torch.zeros(4, 5, dtype=torch.bfloat16))
+        PanelWeight.pack(kernel, torch.zeros(4, 5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"bias must be \[4\], got \(3,\)"):
-        kernel.pack(bf16, torch.zeros(3))
-    packed = kernel.pack(bf16)
+        PanelWeight.pack(kernel, bf16, torch.zeros(3))
+    packed = PanelWeight.pack(kernel, bf16)
     with pytest.raises(
         ValueError, match=r"takes bfloat16 \[\.\.\., 6\] on the CPU; got torch\.float32"
     ):
@@ -232,9 +227,9 @@ def test_panels_packed_into_a_given_buffer_are_the_same(kernel: ProjectionKernel
     size = kernel.packed_size(100, 64)
     assert size == -(-100 // kernel.panel) * kernel.panel * 64
     buffer = torch.full((size + 3,), float("nan"), dtype=torch.bfloat16)
-    packed = kernel.pack(weight, bias, into=buffer[3:])
+    packed = PanelWeight.pack(kernel, weight, bias, into=buffer[3:])
     assert packed.panels.data_ptr() == buffer[3:].data_ptr()
-    alone = kernel.pack(weight, bias)
+    alone = PanelWeight.pack(kernel, weight, bias)
     assert torch.equal(packed.panels, alone.panels)
     x = torch.randn(5, 64, generator=generator).to(torch.bfloat16)
     assert torch.equal(packed(x), alone(x))
@@ -242,7 +237,7 @@ def test_panels_packed_into_a_given_buffer_are_the_same(kernel: ProjectionKernel
         with pytest.raises(
             ValueError, match=rf"into must be a contiguous bfloat16 CPU tensor of {size} elements"
         ):
-            kernel.pack(weight, bias, into=wrong)
+            PanelWeight.pack(kernel, weight, bias, into=wrong)
 
 
 def test_a_build_that_disagrees_with_torch_is_refused(
@@ -299,7 +294,7 @@ def amx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool
     """Whether oneDNN's bfloat16 products run on AMX tiles, as the selection sees it."""
     has: bool = request.param
     personality = attrs.evolve(cpu_personality(), capped=False, x86=True, amx_tiles=has)
-    monkeypatch.setattr(selection, "cpu_personality", lambda: personality)
+    monkeypatch.setattr(choice, "cpu_personality", lambda: personality)
     return has
 
 
@@ -310,7 +305,7 @@ def tiles(
     """Whether the compiled kernel multiplies many rows on AMX tiles, as the selection sees
     it (its products stay the real kernel's: only the decision is at stake)."""
     has: bool = request.param
-    monkeypatch.setattr(selection, "projection_kernel", lambda: attrs.evolve(kernel, tiles=has))
+    monkeypatch.setattr(choice, "projection_kernel", lambda: attrs.evolve(kernel, tiles=has))
     return has
 
 
@@ -330,7 +325,7 @@ def test_which_decoders_take_the_kernel(
     for parameter in model.parameters():
         parameter.data.normal_()
     released: list[int] = []
-    monkeypatch.setattr(llama, "release_free_memory", lambda: released.append(1) or True)
+    monkeypatch.setattr(decoder, "release_free_memory", lambda: released.append(1) or True)
     model.use_kernels(taken)
     assert released  # the dense weights the conversion dropped go back to the OS
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -369,16 +364,16 @@ def test_a_decoder_on_the_kernel_computes_what_oneDNNs_does_to_rounding(
 ) -> None:
     """Through prefill chunks and decodes, the output projection (tied or not) included."""
     make_tiny_model(kind, tmp_path, seed=11, tie_word_embeddings=tied)
-    ours = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False)
+    ours = open_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False)
     # The same compiled glue, F.linear's products (oneDNN's in bfloat16): only the
     # projections differ.
-    theirs = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, pack_weights=False)
+    theirs = open_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, pack_weights=False)
     assert ours.module.kernels.projection.layers == "panels"
     assert theirs.module.kernels.projection.layers == "dense"
     if tied and isinstance(ours.module.lm_head.method, PanelWeight):
         # One copy of the tied matrix: the lookups read the head's panels.
         assert ours.module.embed_tokens.numel() == 0
-    assert isinstance(theirs.module.kernels.glue, DecoderGlue)
+    assert isinstance(theirs.module.kernels.glue, CompiledGlue)
     sequences = random_sequences([1, 6, 29], seed=12)
     got = ours.module.forward_logits(sequences, chunk_size=5)
     expected = theirs.module.forward_logits(sequences, chunk_size=5)

@@ -15,7 +15,7 @@ import torch
 from tests.gpu.test_isa import CHILD_TIMEOUT, run_child
 from twostroke.engine.kernels import build
 from twostroke.engine.kernels.paged_attention import SOURCE as PAGED_DECODE
-from twostroke.engine.kernels.report import cpu_report
+from twostroke.engine.models.report import cpu_report
 from twostroke.gpu import isa
 from twostroke.gpu.isa import ISA_ENV, cpu_personality, rung_named
 

@@ -17,15 +17,15 @@ from tests.engine.runners.test_torch import entry
 from tests.gpu.test_isa import run_child
 from twostroke.engine.attention import kernels as attention_kernels
 from twostroke.engine.attention.metadata import AttentionMetadata
-from twostroke.engine.checkpoints import loader
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.kernels import build, selection
+from twostroke.engine.kernels import build
 from twostroke.engine.kernels.build import NATIVE_ENV
-from twostroke.engine.kernels.glue import DecoderGlue
 from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
-from twostroke.engine.kernels.selection import CpuKernels, Projections, select_kernels
+from twostroke.engine.models import plan as plan_module
+from twostroke.engine.models.choice import select_kernels
+from twostroke.engine.models.glue import CompiledGlue
 from twostroke.engine.models.layers import TorchGlue
+from twostroke.engine.models.loading import LoadedModel, load_model, open_model
 from twostroke.engine.runners import loading
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.text.tokenizer import HFTokenizer
@@ -67,7 +67,7 @@ def test_an_engines_kernels_are_chosen_once_and_no_step_chooses_again(
     """``load_runner`` (what an engine calls, once) chooses; allocating the cache builds
     the chosen attention for its blocks; the steps only receive it."""
     monkeypatch.setattr(HFTokenizer, "from_pretrained", classmethod(lambda cls, path: NO_TOKENS))
-    choices = counted(monkeypatch, loader, "select_kernels")
+    choices = counted(monkeypatch, plan_module, "select_kernels")
     lookups = counted(monkeypatch, attention_kernels, "paged_decode_kernel")
     given: list[Any] = []
     build_step = AttentionMetadata.build.__func__  # type: ignore[attr-defined]
@@ -102,12 +102,12 @@ def test_an_engines_kernels_are_chosen_once_and_no_step_chooses_again(
     assert len({id(kernel) for kernel in given}) == 1  # the one built at allocation
 
 
-def test_the_choice_is_one_info_line(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger=selection.__name__):
-        load_model(tiny, dtype=torch.float32, device=CPU)
-    said = [record.getMessage() for record in caplog.records if record.name == selection.__name__]
+def test_the_plan_is_one_info_line(tiny: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger=plan_module.__name__):
+        open_model(tiny, dtype=torch.float32, device=CPU)
+    said = [record.getMessage() for record in caplog.records if record.name == plan_module.__name__]
     assert len(said) == 1
-    assert said[0].startswith("twostroke: kernels on ")
+    assert said[0].startswith(f"twostroke: {tiny.name} on ")
     assert "glue torch (exact arithmetic asked for)" in said[0]
     assert "projections dense (exact arithmetic asked for)" in said[0]
     assert "attention native" in said[0]
@@ -131,23 +131,23 @@ def test_each_forced_choice_is_the_path_that_runs(
     steps = 2
     # Speed asked for (exact=False): the compiled glue (norms, rotary writes, SiLU) and the
     # compiled attention, every layer of every step.
-    fast = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
-    assert isinstance(fast.module.kernels.glue, DecoderGlue)
+    fast = open_model(tiny, dtype=torch.float32, device=CPU, exact=False)
+    assert isinstance(fast.module.kernels.glue, CompiledGlue)
     assert fast.module.kernels.attention == "native"
     assert compiled_calls(fast) > steps * layers * 4
     # transformers' arithmetic (exact=True): torch's glue, the compiled attention only.
-    exact = load_model(tiny, dtype=torch.float32, device=CPU)
+    exact = open_model(tiny, dtype=torch.float32, device=CPU)
     assert isinstance(exact.module.kernels.glue, TorchGlue)
     assert compiled_calls(exact) == steps * layers
-    # Configuration: another attention, asked for (a runner's attention_kernel= does this).
+    # Configuration: another attention, asked for through the plan.
     assert compiled_calls(exact, kernel="bag") == 0
-    forced = TorchModelRunner.from_loaded(exact, attention_kernel="matmul")
+    forced = TorchModelRunner.from_loaded(load_model(exact.plan.replanned(attention="matmul")))
     assert forced.attention_kernel == "matmul"
     assert isinstance(forced.kernels.glue, TorchGlue)
-    assert exact.module.kernels.attention == "native"  # the model's own choice stays
+    assert exact.module.kernels.attention == "native"  # the first plan's choice stays
     # The environment: TWOSTROKE_NATIVE=0 at load, torch's operators for everything.
     monkeypatch.setenv(NATIVE_ENV, "0")
-    plain = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
+    plain = open_model(tiny, dtype=torch.float32, device=CPU, exact=False)
     kernels = plain.module.kernels
     assert isinstance(kernels.glue, TorchGlue)
     assert kernels.attention == "bag"
@@ -167,8 +167,9 @@ def test_each_forced_choice_is_the_path_that_runs(
 CAPPED = """
 import json, os, warnings
 import torch
+from twostroke.engine.models.glue import CompiledGlue
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.kernels.selection import select_kernels
+from twostroke.engine.models.choice import select_kernels
 from twostroke.engine.attention.kernels import native_kernel
 warnings.simplefilter("error")
 config = ModelConfig.from_dict(json.loads(os.environ["MODEL_CONFIG"]))
@@ -200,11 +201,8 @@ def test_what_a_choice_refuses() -> None:
         select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True, attention="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^quantization must be 'auto', one of .* got 'int4'$"):
         select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True, quantization="int4")  # type: ignore[arg-type]
-    kernels = CpuKernels(TorchGlue(), Projections("dense", "dense"), "bag")
-    with pytest.raises(ValueError, match=r"^attention_kernel must be one of"):
-        kernels.with_attention("fast")  # type: ignore[arg-type]
-    assert kernels.with_attention("bag") is kernels
-    assert kernels.with_attention("sdpa").reasons == (("attention", "asked"),)
+    asked = select_kernels(_config(), dtype=torch.float32, device=CPU, exact=True, attention="sdpa")
+    assert ("attention", "asked") in asked.reasons
 
 
 def test_the_kv_cache_dtype_is_chosen_once_and_the_cache_is_held_in_it(
@@ -215,31 +213,31 @@ def test_the_kv_cache_dtype_is_chosen_once_and_the_cache_is_held_in_it(
     the compiled attention and the glue's write all follow the one choice, and the logits
     differ from a float32 cache's by the cache's rounding only."""
     half = cpu_personality().rung.vector_bits >= 256  # F16C: x86-64-v3 and up
-    fast = load_model(tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype="auto")
+    fast = open_model(tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype="auto")
     kernels = fast.module.kernels
     assert fast.module.cache_dtype == (torch.float16 if half else torch.float32)
     assert kernels.attention == "native"
     runner = TorchModelRunner.from_loaded(fast)
     per_block = runner.kv_cache_bytes_per_block(4)
-    full = load_model(tiny, dtype=torch.float32, device=CPU, exact=False)
+    full = open_model(tiny, dtype=torch.float32, device=CPU, exact=False)
     assert full.module.cache_dtype == torch.float32  # None: the dtype
     assert TorchModelRunner.from_loaded(full).kv_cache_bytes_per_block(4) == per_block * (
         2 if half else 1
     )
     # transformers' arithmetic asked for, or activations already in 16 bits: their dtype.
-    exact = load_model(tiny, dtype=torch.float32, device=CPU, kv_cache_dtype="auto")
+    exact = open_model(tiny, dtype=torch.float32, device=CPU, kv_cache_dtype="auto")
     assert exact.module.cache_dtype == torch.float32
-    bf16 = load_model(tiny, dtype=torch.bfloat16, device=CPU, exact=False, kv_cache_dtype="auto")
+    bf16 = open_model(tiny, dtype=torch.bfloat16, device=CPU, exact=False, kv_cache_dtype="auto")
     assert bf16.module.cache_dtype == torch.bfloat16
     # Asked for: float16 through the compiled kernels, read and written in place.
-    asked = load_model(
+    asked = open_model(
         tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype=torch.float16
     )
     native = asked.module.attention_for(4)
     assert isinstance(native, PagedDecodeKernel)
     assert (native.dtype, native.cache_dtype) == (torch.float32, torch.float16)
     glue = asked.module.kernels.glue
-    assert isinstance(glue, DecoderGlue)
+    assert isinstance(glue, CompiledGlue)
     assert glue.cache_dtype == torch.float16
     assert "attention native over a float16 cache" in asked.module.kernels.describe()
     assert asked.module.allocate_kv_cache(3, 4).data.dtype == torch.float16
@@ -253,9 +251,9 @@ def test_the_kv_cache_dtype_is_chosen_once_and_the_cache_is_held_in_it(
     # that); float16 asked for attends by gathering ("matmul"), widening what it gathers
     # (a chunk from position 0 attends over its own keys, not yet rounded to the cache's).
     monkeypatch.setenv(NATIVE_ENV, "0")
-    plain = load_model(tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype="auto")
+    plain = open_model(tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype="auto")
     assert (plain.module.cache_dtype, plain.module.kernels.attention) == (torch.float32, "bag")
-    gathered = load_model(
+    gathered = open_model(
         tiny, dtype=torch.float32, device=CPU, exact=False, kv_cache_dtype=torch.float16
     )
     assert gathered.module.kernels.attention == "matmul"
@@ -281,14 +279,9 @@ def test_what_the_kv_cache_dtype_refuses() -> None:
             attention="bag",
             kv_cache_dtype=torch.float16,
         )
-    kernels = CpuKernels(
-        TorchGlue(), Projections("dense", "dense"), "matmul", cache_dtype=torch.float16
-    )
-    with pytest.raises(ValueError, match=r"a float16 cache \(kv_cache_dtype\) attends with"):
-        kernels.with_attention("bag")
     with pytest.raises(ValueError, match=r"^kv_cache_dtype must be 'auto' or one of"):
-        loading.resolve_kv_cache_dtype("half")
-    assert loading.resolve_kv_cache_dtype("bfloat16") == torch.bfloat16
+        plan_module.resolve_kv_cache_dtype("half")
+    assert plan_module.resolve_kv_cache_dtype("bfloat16") == torch.bfloat16
 
 
 def test_the_engines_kv_cache_dtype_reaches_the_runners_cache(

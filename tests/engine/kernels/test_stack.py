@@ -20,23 +20,31 @@ from tests.engine.kernels.emulated_projection import emulated_projection
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.attention.kernels import AttentionKernel
 from twostroke.engine.attention.metadata import AttentionMetadata, ChunkSpec
-from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.kernels import build, stack
 from twostroke.engine.kernels import projection as projection_module
 from twostroke.engine.kernels.build import NativeBuildError
-from twostroke.engine.kernels.gguf_blocks import DENSE_ROWS, BlockEmbedding, BlockWeight
-from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
+from twostroke.engine.kernels.gguf_blocks import DENSE_ROWS
+from twostroke.engine.kernels.glue import decoder_glue
 from twostroke.engine.kernels.projection import (
-    PanelWeight,
     ProjectionKernel,
     ProjectionUnsupported,
     build_projection,
     projection_kernel,
 )
-from twostroke.engine.kernels.stack import DecoderStack, StackLayer, build_stack, load_stack
-from twostroke.engine.models.linear import FullPrecision, Linear, SplitByRows
+from twostroke.engine.kernels.stack import StackLayer, load_stack
+from twostroke.engine.models.forms import (
+    BlockEmbedding,
+    BlockWeight,
+    FullPrecision,
+    PanelWeight,
+    SplitByRows,
+)
+from twostroke.engine.models.glue import CompiledGlue
+from twostroke.engine.models.linear import Linear
 from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.loading import open_model
 from twostroke.engine.models.quantization import kernel_available
+from twostroke.engine.models.stack import DecoderStack, build_stack
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -73,11 +81,11 @@ def models(
     for kind, tied in (("llama", True), ("qwen2", False)):
         folder = tmp_path_factory.mktemp(kind)
         make_tiny_model(kind, folder, seed=5, tie_word_embeddings=tied)
-        module = load_model(folder, dtype=torch.bfloat16, device=CPU, exact=False).module
+        module = open_model(folder, dtype=torch.bfloat16, device=CPU, exact=False).module
         assert module.stack is not None
         found[kind] = module
         for blocks, cache in (("q8_0", "auto"), ("q4_0", torch.float32)):
-            module = load_model(
+            module = open_model(
                 folder,
                 dtype=torch.float32,
                 device=CPU,
@@ -92,7 +100,7 @@ def models(
     # A GGUF file's Q4_1 blocks as stored, by the float32 activations themselves.
     folder = tmp_path_factory.mktemp("gguf")
     file = write(folder, Q.Q4_1, Q.Q8_0, seed=5, tie_word_embeddings=True)
-    loaded = load_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf_f32")
+    loaded = open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="gguf_f32")
     assert loaded.module.stack is not None
     found["llama-gguf_f32"] = loaded.module
     return found
@@ -245,8 +253,9 @@ def test_layers_that_do_not_fit_are_refused(
     model = models["llama"]
     config = model.config
     layers = layers_of(model)
-    glue = model.kernels.glue
-    assert isinstance(glue, DecoderGlue)
+    chosen = model.kernels.glue
+    assert isinstance(chosen, CompiledGlue)
+    glue = chosen.library
     function = load_stack()
     shape = {
         "num_heads": config.num_heads,
@@ -290,8 +299,9 @@ def test_a_block_models_stack_is_built_for_float32_and_refuses_what_does_not_fit
     blocks = model.kernels.projection.blocks
     assert blocks is not None
     layers = layers_of(model)
-    glue = model.kernels.glue
-    assert isinstance(glue, DecoderGlue)
+    chosen = model.kernels.glue
+    assert isinstance(chosen, CompiledGlue)
+    glue = chosen.library
     config = model.config
     shape = {
         "num_heads": config.num_heads,
@@ -352,12 +362,12 @@ def test_where_the_library_does_not_build_the_layers_run_one_by_one_with_one_war
         with pytest.raises(NativeBuildError, match="/nonexistent/cc"):
             load_stack()
         with caplog.at_level(logging.WARNING, logger=stack.__name__):
-            first = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False).module
-            second = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False).module
+            first = open_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False).module
+            second = open_model(tmp_path, dtype=torch.bfloat16, device=CPU, exact=False).module
     finally:
         stack._library.cache_clear()
     assert first.kernels.projection.layers == "panels"
-    assert isinstance(first.kernels.glue, DecoderGlue)
+    assert isinstance(first.kernels.glue, CompiledGlue)
     assert first.kernels.stack is None
     assert first.stack is None
     assert second.stack is None
@@ -373,9 +383,9 @@ def test_a_model_with_quantized_projections_has_no_stack(tmp_path: Path) -> None
     make_tiny_model("llama", tmp_path, seed=5)
     if not kernel_available("fp16", CPU):
         pytest.skip("no fp16 weight kernel in this torch")
-    loaded = load_model(
+    loaded = open_model(
         tmp_path, dtype=torch.bfloat16, device=CPU, exact=False, quantization="fp16"
     )
     assert loaded.module.kernels.projection.quantization == "fp16"
-    assert isinstance(loaded.module.kernels.glue, DecoderGlue)
+    assert isinstance(loaded.module.kernels.glue, CompiledGlue)
     assert loaded.module.stack is None

@@ -9,16 +9,17 @@ import torch
 import torch.nn.functional as F
 
 from twostroke.engine.kernels.projection import projection_kernel
-from twostroke.engine.models.linear import (
+from twostroke.engine.models.forms import (
     FullPrecision,
-    Linear,
     LinearMethod,
     OneDNNWeight,
+    QuantizedWeight,
     WeightForm,
     can_pack,
     weight_method,
 )
-from twostroke.engine.models.quantization import QuantizedWeight, kernel_available
+from twostroke.engine.models.linear import Linear
+from twostroke.engine.models.quantization import kernel_available
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

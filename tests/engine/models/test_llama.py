@@ -16,16 +16,15 @@ from hypothesis import strategies as st
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from twostroke.engine.attention.kernels import AttentionKernel
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
-from twostroke.engine.kernels.selection import Projections, select_kernels
+from twostroke.engine.models.choice import Projections, select_kernels
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.linear import FullPrecision, Linear, OneDNNWeight, can_pack
-from twostroke.engine.models.llama import (
-    LlamaForCausalLM,
-    WeightError,
-    inverse_frequencies,
-)
-from twostroke.engine.models.quantization import QuantizationUnavailable, QuantizedWeight
+from twostroke.engine.models.decoder import WeightError
+from twostroke.engine.models.forms import FullPrecision, OneDNNWeight, QuantizedWeight, can_pack
+from twostroke.engine.models.layers import inverse_frequencies
+from twostroke.engine.models.linear import Linear
+from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.loading import LoadedModel, open_model
+from twostroke.engine.models.quantization import QuantizationUnavailable
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -91,7 +90,7 @@ def reference_logits(model: Any, tokens: list[int]) -> torch.Tensor:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
     path = tmp_path_factory.mktemp("llama")
     reference = make_tiny_model("llama", path)
-    return reference, load_model(path, dtype=torch.float32, device=CPU)
+    return reference, open_model(path, dtype=torch.float32, device=CPU)
 
 
 LENGTHS = [1, 2, 7, 12, 23, 40]
@@ -157,7 +156,7 @@ def test_every_attention_kernel_matches_transformers_through_the_model(
 )
 def test_flavours_match_transformers(kind: str, overrides: dict[str, Any], tmp_path: Path) -> None:
     reference = make_tiny_model(kind, tmp_path, seed=3, **overrides)
-    loaded = load_model(tmp_path, dtype=torch.float32, device=CPU)
+    loaded = open_model(tmp_path, dtype=torch.float32, device=CPU)
     sequences = random_sequences([1, 9, 30], seed=4)
     for tokens, logits in zip(
         sequences, loaded.module.forward_logits(sequences, chunk_size=4), strict=True
@@ -169,7 +168,7 @@ def test_bfloat16_tracks_float32(tiny_llama: tuple[Any, LoadedModel], tmp_path: 
     """bf16 weights, activations and cache: close to fp32, and the cache is bf16."""
     reference, loaded = tiny_llama
     reference.save_pretrained(tmp_path)
-    bf16 = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
+    bf16 = open_model(tmp_path, dtype=torch.bfloat16, device=CPU)
     assert bf16.module.embed_tokens.dtype == torch.bfloat16
     assert bf16.module.allocate_kv_cache(2, 4).key.dtype == torch.bfloat16
     sequences = random_sequences([5, 33])
@@ -251,8 +250,8 @@ def test_tied_model_accepts_and_ignores_an_output_tensor() -> None:
 def test_packed_weights_compute_what_dense_weights_do(tied: bool, tmp_path: Path) -> None:
     """oneDNN-packed bf16 projections (where the CPU can) against plain ``F.linear``."""
     make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=tied)
-    dense = load_model(tmp_path, dtype=torch.bfloat16, device=CPU, pack_weights=False)
-    packed = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
+    dense = open_model(tmp_path, dtype=torch.bfloat16, device=CPU, pack_weights=False)
+    packed = open_model(tmp_path, dtype=torch.bfloat16, device=CPU)
     assert dense.module.kernels.projection == Projections("dense", "dense")
     form = "onednn" if can_pack(torch.bfloat16, CPU) else "dense"
     assert packed.module.kernels.projection == Projections(form, form)
@@ -266,7 +265,7 @@ def test_packed_weights_compute_what_dense_weights_do(tied: bool, tmp_path: Path
 
 def test_a_model_takes_its_kernels_once_and_no_more_weights_after(tmp_path: Path) -> None:
     make_tiny_model("llama", tmp_path, seed=5)
-    loaded = load_model(tmp_path, dtype=torch.bfloat16, device=CPU)
+    loaded = open_model(tmp_path, dtype=torch.bfloat16, device=CPU)
     module = loaded.module
     chosen = module.kernels
     module.use_kernels(chosen)  # the same choice again: nothing to do
@@ -335,8 +334,8 @@ def test_packed_float32_weights_compute_what_dense_weights_do_to_rounding(
     if not can_pack(torch.float32, CPU, exact=False):
         pytest.skip("oneDNN cannot pack float32 weights on this machine")
     make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=tied)
-    dense = load_model(tmp_path, dtype=torch.float32, device=CPU)
-    packed = load_model(tmp_path, dtype=torch.float32, device=CPU, exact=False)
+    dense = open_model(tmp_path, dtype=torch.float32, device=CPU)
+    packed = open_model(tmp_path, dtype=torch.float32, device=CPU, exact=False)
     assert dense.module.kernels.projection == Projections("dense", "dense")
     assert packed.module.kernels.projection == Projections("onednn", "onednn")
     sequences = random_sequences([3, 17], seed=6)
@@ -355,7 +354,7 @@ def test_quantized_projections_stay_quantized_when_the_rest_is_packed(tmp_path: 
     make_tiny_model("llama", tmp_path, seed=5, tie_word_embeddings=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", QuantizationUnavailable)
-        loaded = load_model(
+        loaded = open_model(
             tmp_path, dtype=torch.float32, device=CPU, exact=False, quantization="fp16"
         )
     if loaded.quantization is None:

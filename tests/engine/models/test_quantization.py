@@ -16,17 +16,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import _config, make_tiny_model, random_sequences
-from twostroke.engine.checkpoints.loader import load_model
 from twostroke.engine.config import EngineConfig
-from twostroke.engine.kernels.selection import Projections, select_kernels, torch_kernels
-from twostroke.engine.models.linear import FullPrecision
+from twostroke.engine.models.choice import Projections, select_kernels, torch_kernels
+from twostroke.engine.models.forms import QUANTIZATIONS, FullPrecision, QuantizedWeight
 from twostroke.engine.models.llama import LlamaForCausalLM
-from twostroke.engine.models.quantization import (
-    QUANTIZATIONS,
-    QuantizationUnavailable,
-    QuantizedWeight,
-    kernel_available,
-)
+from twostroke.engine.models.loading import open_model
+from twostroke.engine.models.quantization import QuantizationUnavailable, kernel_available
 from twostroke.gpu.threads import torch_threads
 
 # isa: make test runs it again under each lower CPU personality (twostroke.gpu.isa).
@@ -88,13 +83,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("kind", QUANTIZATIONS)
 def test_quantized_model_tracks_float32(tiny: Path, kind: Any) -> None:
-    exact = load_model(tiny, dtype=torch.float32, device=CPU)
+    exact = open_model(tiny, dtype=torch.float32, device=CPU)
     if not available(kind):
         with pytest.warns(QuantizationUnavailable, match=f"quantization={kind!r}"):
-            loaded = load_model(tiny, dtype=torch.float32, device=CPU, quantization=kind)
+            loaded = open_model(tiny, dtype=torch.float32, device=CPU, quantization=kind)
         assert loaded.quantization is None
         return
-    loaded = load_model(tiny, dtype=torch.float32, device=CPU, quantization=kind)
+    loaded = open_model(tiny, dtype=torch.float32, device=CPU, quantization=kind)
     assert loaded.quantization == kind
     layer = loaded.module.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.method, QuantizedWeight)
@@ -120,9 +115,9 @@ def test_packing_on_several_threads_gives_the_same_model(
 ) -> None:
     if not available("fp16"):
         pytest.skip("fp16's kernel does not run here")
-    serial = load_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
-    with torch_threads(3), caplog.at_level(logging.INFO, logger="twostroke.engine.checkpoints"):
-        parallel = load_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
+    serial = open_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
+    with torch_threads(3), caplog.at_level(logging.INFO, logger="twostroke.engine.models.loading"):
+        parallel = open_model(tiny, dtype=torch.float32, device=CPU, quantization="fp16")
     assert [record.getMessage() for record in caplog.records] == [
         f"twostroke: packing {tiny.name}'s projection weights for fbgemm's fp16 kernel (3 threads)"
     ]
@@ -176,7 +171,7 @@ def test_smollm2_fp16_weights_keep_perplexity() -> None:
 
     if not available("fp16"):
         pytest.skip("fp16's kernel does not run here")
-    loaded = load_model("smollm2", dtype=torch.float32, device=CPU)
+    loaded = open_model("smollm2", dtype=torch.float32, device=CPU)
     ids = HFTokenizer.from_pretrained(loaded.source).encode(HELDOUT.read_text())[:128]
     targets = torch.tensor(ids[1:])
 
@@ -185,6 +180,6 @@ def test_smollm2_fp16_weights_keep_perplexity() -> None:
         return math.exp(F.cross_entropy(logits[:-1], targets).item())
 
     base = perplexity()
-    loaded = load_model("smollm2", dtype=torch.float32, device=CPU, quantization="fp16")
+    loaded = open_model("smollm2", dtype=torch.float32, device=CPU, quantization="fp16")
     assert loaded.quantization == "fp16"
     assert abs(perplexity() / base - 1) < 0.01

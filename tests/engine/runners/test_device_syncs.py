@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_torch import generate
 from twostroke.engine.attention import metadata as attention_metadata
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.models.loading import LoadedModel, open_model
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.states.params import SamplingParams
 
@@ -104,7 +104,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A tiny grouped-query Llama (4 query heads, 2 key/value heads), random weights."""
     path = tmp_path_factory.mktemp("llama")
     make_tiny_model("llama", path, seed=5)
-    return load_model(path, dtype=torch.float32, device=torch.device("cpu"))
+    return open_model(path, dtype=torch.float32, device=torch.device("cpu"))
 
 
 @pytest.fixture

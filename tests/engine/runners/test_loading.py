@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from twostroke.engine.models import plan as plan_module
+from twostroke.engine.models.plan import EmulatedBFloat16Warning, resolve_dtype
 from twostroke.engine.runners import loading
-from twostroke.engine.runners.loading import EmulatedBFloat16Warning, resolve_dtype
 from twostroke.gpu import dtype as dtype_module
 from twostroke.gpu.device import CpuDevice
 from twostroke.gpu.fake import FakeDevice
@@ -37,7 +38,7 @@ def test_bfloat16_without_native_support_warns_with_its_cost_and_runs() -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
         capability = torch.backends.cpu.get_cpu_capability()
-        message = loading.EMULATED_BF16_MESSAGE.format(capability=capability)
+        message = plan_module.EMULATED_BF16_MESSAGE.format(capability=capability)
         with pytest.warns(EmulatedBFloat16Warning, match=f"^{re.escape(message)}$"):
             assert resolve_dtype("bfloat16", CpuDevice()) == torch.bfloat16
     assert "4.4x slower than float32" in message
@@ -84,8 +85,8 @@ def test_auto_quantization_is_fp16_weights_only_with_auto_float32_on_a_cpu(
     (``exact=False``) takes fp16 weights where the kernel runs (its self-test passes, and
     the CPU's personality runs fbgemm: AVX2 and up); an explicit dtype keeps its weights."""
     from tests.engine.models.test_llama import _config
-    from twostroke.engine.kernels.selection import select_kernels
     from twostroke.engine.models import quantization
+    from twostroke.engine.models.choice import select_kernels
 
     def layers(dtype: torch.dtype, exact: bool, device: str = "cpu", name: Any = "auto") -> str:
         kernels = select_kernels(
@@ -118,7 +119,7 @@ def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transforme
     """``dtype="auto"`` that resolves to float32 packs for oneDNN; ``"float32"`` does not."""
     from tests.engine.models.test_llama import make_tiny_model
     from twostroke.engine.config import EngineConfig
-    from twostroke.engine.models.linear import can_pack
+    from twostroke.engine.models.forms import can_pack
     from twostroke.engine.runners.torch import TorchModelRunner
     from twostroke.engine.text.tokenizer import HFTokenizer
 
@@ -139,7 +140,7 @@ def test_auto_float32_packs_the_weights_and_an_explicit_float32_keeps_transforme
 
 
 # (gguf and gguf_f32 need a GGUF file: the same rule, tests/engine/checkpoints/test_blocks.py.)
-@pytest.mark.parametrize("quantization", sorted(loading.BLOCK_QUANTIZATIONS - {"gguf", "gguf_f32"}))
+@pytest.mark.parametrize("quantization", sorted(plan_module.QUANTIZE_TO_BLOCKS))
 def test_auto_dtype_with_blocks_is_float32_also_where_bfloat16_is_native(
     quantization: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -176,7 +177,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path: Path
     step; both numbers are named at load instead. A tokenizer no larger loads."""
     from tests.engine.models.test_llama import make_tiny_model
     from tests.engine.text.test_tokenizer import write_model_directory
-    from twostroke.engine.checkpoints.loader import ModelLoadError
+    from twostroke.engine.checkpoints.source import ModelLoadError
     from twostroke.engine.config import EngineConfig
     from twostroke.engine.text.tokenizer import HFTokenizer
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from tests.engine.runners.test_torch import CPU, generate, transformers_greedy
-from twostroke.engine.checkpoints.loader import load_model
+from twostroke.engine.models.loading import open_model
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.states.params import SamplingParams
 
@@ -27,7 +27,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Any:
     reference = make_tiny_model("llama", path, seed=31)
     prefix, *suffixes = random_sequences([26, 3, 1, 7, 5], seed=32)
     prompts = [prefix + suffix for suffix in suffixes] + [prefix[:13]]
-    return reference, load_model(path, dtype=torch.float32, device=CPU), prompts
+    return reference, open_model(path, dtype=torch.float32, device=CPU), prompts
 
 
 @pytest.mark.parametrize("pipeline_depth", [2, 1])
@@ -84,7 +84,7 @@ def test_smollm2_fp32_greedy_tokens_are_the_same_with_a_shared_system_prompt() -
     26.2 s with it, 17.2 s without, 2 AVX2 cores, load average 1.4-2.3).
     """
     pytest.importorskip("transformers")
-    loaded = load_model("smollm2", dtype=torch.float32, device=CPU)
+    loaded = open_model("smollm2", dtype=torch.float32, device=CPU)
     tokenizer = HFTokenizer.from_pretrained(loaded.source)
     prompts = [
         tokenizer.apply_chat_template(

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.engine.models.test_llama import TINY, random_sequences
 from tests.engine.runners.test_torch import generate, tiny_llama
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
+from twostroke.engine.models.loading import LoadedModel, open_model
 from twostroke.states.params import SamplingParams
 from twostroke.states.speculation import Proposer, SpeculativeConfig, Speculator
 
@@ -209,7 +209,7 @@ def smollm2_plain() -> tuple[LoadedModel, list[list[int]], dict[int, list[int]]]
     """SmolLM2 as the engine loads it by default, two prompts, and their greedy tokens."""
     from twostroke.engine.text.tokenizer import HFTokenizer
 
-    loaded = load_model("smollm2", device=torch.device("cpu"))
+    loaded = open_model("smollm2", device=torch.device("cpu"))
     tokenizer = HFTokenizer.from_pretrained(loaded.source)
     prompt_list = [
         tokenizer.encode("The river flows past the mill, and the mill turns. The river"),

@@ -23,8 +23,8 @@ from twostroke.engine.attention import kernels as attention_kernels
 from twostroke.engine.attention.kv_cache import KVCache
 from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.bench.model import ModelSpec
-from twostroke.engine.checkpoints.loader import LoadedModel, load_model
 from twostroke.engine.kernels.build import NATIVE_ENV
+from twostroke.engine.models.loading import LoadedModel, load_model, open_model
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs
@@ -50,6 +50,11 @@ class Run:
     num_mixed_steps: int
 
 
+def attending(loaded: LoadedModel, kernel: str) -> LoadedModel:
+    """The model ``loaded`` loaded again by its plan, with the attention ``kernel`` asked."""
+    return load_model(loaded.plan.replanned(attention=kernel))
+
+
 def generate(
     loaded: LoadedModel,
     prompts: list[list[int]],
@@ -63,9 +68,13 @@ def generate(
     seed: int = 0,
     enable_prefix_caching: bool = True,
     speculator: Speculator | None = None,
+    attention_kernel: str | None = None,
     **runner_options: Any,
 ) -> Run:
-    """Serve every prompt as one continuous batch; request ``i`` arrives at step ``arrivals[i]``."""
+    """Serve every prompt as one continuous batch; request ``i`` arrives at step ``arrivals[i]``
+    (``attention_kernel``: the model loaded again by its plan with that attention asked)."""
+    if attention_kernel is not None:
+        loaded = attending(loaded, attention_kernel)
     runner = TorchModelRunner.from_loaded(loaded, seed=seed, **runner_options)
     runner.allocate_kv_cache(num_blocks, block_size)
     scheduler = Scheduler(
@@ -138,14 +147,14 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     reference = make_tiny_model(request.param, path, seed=11)
     prompts = random_sequences(PROMPT_LENGTHS, seed=12)
     expected = [transformers_greedy(reference, prompt) for prompt in prompts]
-    return reference, load_model(path, dtype=torch.float32, device=CPU), prompts, expected
+    return reference, open_model(path, dtype=torch.float32, device=CPU), prompts, expected
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
     path = tmp_path_factory.mktemp("llama")
     reference = make_tiny_model("llama", path, seed=21)
-    return reference, load_model(path, dtype=torch.float32, device=CPU)
+    return reference, open_model(path, dtype=torch.float32, device=CPU)
 
 
 @pytest.mark.parametrize(("pipeline_depth", "kernel"), [(2, "native"), (1, "native"), (2, "bag")])
@@ -156,7 +165,7 @@ def test_greedy_continuous_batch_matches_transformers(
     the CPU's compiled decode attention and with its fallback (``TWOSTROKE_NATIVE=0``)."""
     _, loaded, prompts, expected = tiny
     monkeypatch.setenv(NATIVE_ENV, "0" if kernel == "bag" else "1")
-    loaded = load_model(loaded.source, dtype=torch.float32, device=CPU)  # chosen at load
+    loaded = open_model(loaded.source, dtype=torch.float32, device=CPU)  # chosen at load
     runner = TorchModelRunner.from_loaded(loaded)
     runner.allocate_kv_cache(8, 4)
     assert runner.attention_kernel == kernel
@@ -432,12 +441,12 @@ def test_an_attention_kernel_that_cannot_run_is_refused(
     with pytest.raises(
         ValueError, match=r"^attention_kernel must be one of \(.*\) or None, got 'fast'$"
     ):
-        TorchModelRunner.from_loaded(loaded, attention_kernel="fast")  # type: ignore[arg-type]
-    runner = TorchModelRunner.from_loaded(loaded, attention_kernel="matmul")
+        loaded.plan.replanned(attention="fast")
+    runner = TorchModelRunner.from_loaded(attending(loaded, "matmul"))
     runner.allocate_kv_cache(8, 4)
     assert runner.attention_kernel == "matmul"
     monkeypatch.setattr(attention_kernels, "paged_decode_kernel", lambda **shape: None)
-    native = TorchModelRunner.from_loaded(loaded, attention_kernel="native")
+    native = TorchModelRunner.from_loaded(attending(loaded, "native"))
     with pytest.raises(ValueError, match=r"^the 'native' kernel does not run for torch\.float32"):
         native.allocate_kv_cache(8, 4)
 
@@ -481,7 +490,7 @@ def test_smollm2_greedy_matches_transformers_on_the_same_gguf(smollm2_hf_fp32: M
     """
     transformers = pytest.importorskip("transformers")
 
-    loaded = load_model("smollm2", dtype=torch.float32, device=CPU)
+    loaded = open_model("smollm2", dtype=torch.float32, device=CPU)
     assert loaded.source == smollm2_hf_fp32.source
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_hf_fp32.hf_dir)
     prompts = []

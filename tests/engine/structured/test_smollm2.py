@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests.engine.structured.test_matcher import bounded_schemas
 from tests.states.testing.test_constraints import oracle, walk_and_check
 from twostroke.engine.bench.schemas import TOOL_CALL_SAMPLE, TOOL_CALL_SCHEMA
-from twostroke.engine.checkpoints.loader import ModelLoadError, resolve_model
+from twostroke.engine.checkpoints.source import ModelLoadError, resolve_model
 from twostroke.engine.structured import GrammarCompiler, Vocabulary
 from twostroke.engine.text.tokenizer import HFTokenizer
 from twostroke.states.constraints import Choice, JsonSchema, Regex

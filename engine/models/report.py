@@ -1,12 +1,12 @@
 """What this CPU runs, as the program decides it: the personality and the paths it chose.
 
-``twostroke isa`` prints it; the tests of :mod:`twostroke.gpu.isa` read it to show that a
-capped personality reaches every decision (ATen, the compiled kernels, the dtype, the
-weights). Nothing here decides anything: each line asks the functions that make the
-choices (:func:`~twostroke.gpu.dtype.default_dtype`, and
-:func:`.selection.select_kernels` for the engine's defaults, ``dtype="auto"`` and
-``quantization="auto"``, and for bfloat16 weights), for the default model's shape
-(SmolLM2-135M: 9 query heads of 64 over 3 key/value heads, blocks of 16 positions).
+``twostroke isa`` prints it; the tests of :mod:`twostroke.gpu.isa` read it to show that a capped
+personality reaches every decision (ATen, the compiled kernels, the dtype, the weights). Nothing
+here decides anything: each line asks the functions that make the choices
+(:func:`~twostroke.gpu.dtype.default_dtype`, and
+:func:`~twostroke.engine.models.choice.select_kernels` for the engine's defaults, ``dtype="auto"``
+and ``quantization="auto"``, and for bfloat16 weights), for the default model's shape (SmolLM2-135M:
+9 query heads of 64 over 3 key/value heads, blocks of 16 positions).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from twostroke.engine.attention.kernels import native_kernel
-from twostroke.engine.kernels.selection import CpuKernels, select_kernels
+from twostroke.engine.models.choice import CpuKernels, select_kernels
 from twostroke.engine.models.config import ModelConfig
 from twostroke.gpu.dtype import default_dtype
 from twostroke.gpu.host import cpu_model_name

@@ -1,21 +1,20 @@
 """What runs the decoder here, chosen once when a model loads: :class:`CpuKernels`.
 
 Four parts of a step can run as twostroke's compiled kernels or as torch's operators: the
-element-wise glue between the matrix products (:mod:`.glue`), the projections (oneDNN's
-packed weights, fbgemm's reduced-precision ones, or the compiled bfloat16 panels of
-:mod:`.projection`), the attention over the paged cache (:mod:`.paged_attention`, or the
-``"bag"`` kernel) and the whole stack of layers in one call (:mod:`.stack`). Which one runs
-follows from the CPU (its personality, :mod:`twostroke.gpu.isa`, and what builds on it),
-the dtype, whether transformers' exact arithmetic is asked for, and the weight form asked
-for. :func:`select_kernels` decides all four at once, when the model loads; the model and
-its runner then read the one frozen value it returns, and nothing decides again (not per
-step: a step's attention layout receives the kernel chosen here). One INFO line says what
-runs, and why where a compiled kernel does not.
+element-wise glue between the matrix products (:mod:`.glue`), the projections (oneDNN's packed
+weights, fbgemm's reduced-precision ones, or the compiled bfloat16 panels of
+:mod:`~twostroke.engine.kernels.projection`), the attention over the paged cache
+(:mod:`~twostroke.engine.kernels.paged_attention`, or the ``"bag"`` kernel) and the whole stack of
+layers in one call (:mod:`.stack`). Which one runs follows from the CPU (its personality,
+:mod:`twostroke.gpu.isa`, and what builds on it), the dtype, whether transformers' exact arithmetic
+is asked for, and the weight form asked for. :func:`select_kernels` decides all four at once, when
+the model loads; the model and its runner then read the one frozen value it returns, and nothing
+decides again (not per step: a step's attention layout receives the kernel chosen here). One INFO
+line says what runs, and why where a compiled kernel does not.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable
 from typing import Literal, get_args
@@ -26,15 +25,14 @@ import torch
 from twostroke.engine.attention.kernels import AttentionKernel, default_kernel, native_kernel
 from twostroke.engine.kernels.build import CACHE_ELEMENTS, ELEMENTS, native_wanted
 from twostroke.engine.kernels.gguf_blocks import BlockKernel
-from twostroke.engine.kernels.glue import DecoderGlue, decoder_glue
+from twostroke.engine.kernels.glue import decoder_glue
 from twostroke.engine.kernels.projection import ProjectionKernel, projection_kernel
 from twostroke.engine.kernels.stack import stack_library
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.forms import QUANTIZATIONS, Quantization, WeightForm, can_pack
+from twostroke.engine.models.glue import CompiledGlue
 from twostroke.engine.models.layers import Glue, TorchGlue
-from twostroke.engine.models.linear import WeightForm, can_pack
 from twostroke.engine.models.quantization import (
-    QUANTIZATIONS,
-    Quantization,
     QuantizationUnavailable,
     kernel_available,
     unavailable_message,
@@ -56,8 +54,6 @@ __all__ = [
 #: The KV cache's block size the compiled attention is built and checked for at load unless
 #: another is given: the engine's default (``EngineConfig.block_size``).
 DEFAULT_BLOCK_SIZE = 16
-
-_log = logging.getLogger(__name__)
 
 
 class DeterminismUnavailable(EngineError, ValueError):
@@ -128,12 +124,12 @@ class CpuKernels:
 
     Attributes:
         glue: The element-wise glue: the compiled one
-            (:class:`~twostroke.engine.kernels.glue.DecoderGlue`) or torch's operators
+            (:class:`~twostroke.engine.models.glue.CompiledGlue`) or torch's operators
             (:class:`~twostroke.engine.models.layers.TorchGlue`).
         projection: The projections' weight forms.
         attention: How decodes and prefill chunks attend over the cache. ``"native"`` is
-            compiled per block size: :meth:`LlamaForCausalLM.attention_for
-            <twostroke.engine.models.llama.LlamaForCausalLM.attention_for>` builds it for a
+            compiled per block size: :meth:`CausalLM.attention_for
+            <twostroke.engine.models.decoder.CausalLM.attention_for>` builds it for a
             cache.
         stack: The compiled driver of every layer in one call (its library's entry point;
             the model binds it to its packed weights), where the glue, the projections and
@@ -162,29 +158,6 @@ class CpuKernels:
         hits, preemption, drafts, the pipeline depth included)."""
         return not self.row_dependences
 
-    def with_attention(self, attention: AttentionKernel) -> CpuKernels:
-        """The same kernels, attending with ``attention`` (a runner's ``attention_kernel``).
-
-        Raises:
-            ValueError: ``attention`` is not one of :data:`AttentionKernel`, or is
-                ``"bag"`` over a cache held in another dtype than the activations.
-        """
-        _check_attention(attention)
-        if attention == self.attention:
-            return self
-        if attention == "bag" and self.cache_dtype is not None:
-            raise ValueError(_BAG_CACHE.format(_name(self.cache_dtype)))
-        reasons = tuple(item for item in self.reasons if item[0] != "attention")
-        return attrs.evolve(
-            self,
-            attention=attention,
-            reasons=(*reasons, ("attention", "asked")),
-            row_dependences=(
-                *(why for why in self.row_dependences if not why.startswith(_ATTENTION)),
-                *_attention_dependence(attention),
-            ),
-        )
-
     def describe(self) -> str:
         """One line: what runs each part, and why where a compiled kernel does not."""
         reasons = dict(self.reasons)
@@ -194,7 +167,7 @@ class CpuKernels:
 
         projection = self.projection
         head = "" if projection.head == projection.layers else f", output {projection.head}"
-        compiled = isinstance(self.glue, DecoderGlue)
+        compiled = isinstance(self.glue, CompiledGlue)
         cache = "" if self.cache_dtype is None else f" over a {_name(self.cache_dtype)} cache"
         parts = [
             f"glue {'compiled' if compiled else 'torch'}{why('glue')}",
@@ -265,7 +238,7 @@ def row_dependences(
 
     Every other part sums a row the same way whatever the rows beside it: the compiled glue
     and torch's (row by row), oneDNN's packed products in float32 (a one-row product
-    computed as two: :class:`~twostroke.engine.models.linear.OneDNNWeight`) and in
+    computed as two: :class:`~twostroke.engine.models.forms.OneDNNWeight`) and in
     bfloat16, the compiled panels and tiles, the GGUF blocks block by block, the sampler.
     """
     reasons = list(_attention_dependence(attention))
@@ -337,7 +310,7 @@ def select_kernels(
             and checked.
         attention: The attention asked for (``None``: the fastest that runs here).
         blocks: The GGUF block products, where the loader keeps a GGUF file's blocks as
-            stored (its decision: :func:`~twostroke.engine.checkpoints.loader.load_model`):
+            stored (its decision: :func:`~twostroke.engine.models.loading.load_model`):
             every projection, the output one included, computes in the ``"blocks"`` form
             (those whose file tensor is in 16 bits take fp16 where fbgemm runs, the others
             stay dense), and ``quantization`` is not consulted.
@@ -414,8 +387,6 @@ def select_kernels(
         None if cache == dtype else cache,
         dependences,
     )
-    where = cpu_personality().describe() if device.type == "cpu" else device.type
-    _log.info("twostroke: kernels on %s: %s", where, kernels.describe())
     return kernels
 
 
@@ -503,7 +474,7 @@ def _glue(
         if dtype not in ELEMENTS:
             return TorchGlue(), f"none is built for {dtype}"
         return TorchGlue(), "it did not build or check here: see the warning"
-    return glue, None
+    return CompiledGlue(glue), None
 
 
 def _sixteen(device: torch.device, *, deterministic: bool) -> WeightForm:
@@ -545,7 +516,7 @@ def _projections(
     Full-precision weights go to the compiled bfloat16 kernel where it runs, they are
     bfloat16 and ``exact`` is false (1.36x oneDNN's speed at 32 rows, 1.9x at one, on
     SmolLM2's projections, AVX512-BF16; summed in another order, so not ``F.linear``'s bits),
-    else to oneDNN's packing where :func:`~twostroke.engine.models.linear.can_pack` says
+    else to oneDNN's packing where :func:`~twostroke.engine.models.forms.can_pack` says
     it works, else they stay ``F.linear``'s.
     """
     reduced: Quantization | None = None
@@ -663,9 +634,9 @@ def _stack(glue: Glue, projection: Projections) -> tuple[Callable[..., int] | No
     checked step by step: a step whose attention is another kernel's runs layer by layer).
     A model whose decoder projections are not all in that form (a GGUF file with a matrix
     in 16 bits) runs layer by layer too (the model finds it when it binds the stack)."""
-    if not isinstance(glue, DecoderGlue) or projection.layers not in ("panels", "blocks"):
+    if not isinstance(glue, CompiledGlue) or projection.layers not in ("panels", "blocks"):
         return None, "it needs the compiled glue and projections (bfloat16 panels or blocks)"
-    function = stack_library(glue.dtype)
+    function = stack_library(glue.library.dtype)
     if function is None:
         return None, "its library did not build: see the warning"
     return function, None
