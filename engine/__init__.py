@@ -1,7 +1,7 @@
 """twostroke's engine: the two strokes, the public async API, models, server and CLI."""
 
 from twostroke.engine.artifacts.cache import InvalidCacheLimit, UnmarkedCache
-from twostroke.engine.checkpoints.loader import BlockTypeUnsupported, ModelLoadError
+from twostroke.engine.checkpoints.source import BlockTypeUnsupported, ModelLoadError
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorConfig, CoordinatorStatistics
 from twostroke.engine.coordinator.auth import HandshakeFailed
@@ -30,14 +30,19 @@ from twostroke.engine.errors import (
     StructuredOutputUnavailable,
 )
 from twostroke.engine.handle import RequestHandle
-from twostroke.engine.kernels.selection import DeterminismUnavailable
 from twostroke.engine.llm import LLM
-from twostroke.engine.models.llama import WeightError
+from twostroke.engine.models.choice import DeterminismUnavailable
+from twostroke.engine.models.decoder import WeightError
 from twostroke.engine.outputs import Delta, RequestMetrics, RequestOutput, Usage
 from twostroke.engine.runners.torch import RunnerError
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.structured.masks import MasksAbandoned
+from twostroke.engine.synthetic.cached import SyntheticCacheUnavailable
+from twostroke.engine.synthetic.gguf_file import QuantizerUnavailable
+from twostroke.engine.synthetic.shapes import UnknownShape
+from twostroke.engine.text.chat_template import ChatTemplateKwargsError
 from twostroke.engine.text.detokenizer import DetokenizerError
+from twostroke.engine.text.gguf_vocab import UnknownPreTokenizer
 from twostroke.engine.text.tokenizer import ChatTemplateError, TokenizerLoadError
 from twostroke.states.constraints import AnyJsonObject, Choice, Grammar, JsonSchema, Regex
 from twostroke.states.params import SamplingParams
@@ -48,6 +53,7 @@ __all__ = [
     "AnyJsonObject",
     "BlockTypeUnsupported",
     "ChatTemplateError",
+    "ChatTemplateKwargsError",
     "Choice",
     "CompletionAlreadySet",
     "CompletionError",
@@ -80,6 +86,7 @@ __all__ = [
     "MatcherError",
     "ModelLoadError",
     "NoLiveReplica",
+    "QuantizerUnavailable",
     "Regex",
     "ReplicaFailed",
     "RequestCancelled",
@@ -92,7 +99,10 @@ __all__ = [
     "SamplingParams",
     "SchedulerError",
     "StructuredOutputUnavailable",
+    "SyntheticCacheUnavailable",
     "TokenizerLoadError",
+    "UnknownPreTokenizer",
+    "UnknownShape",
     "UnmarkedCache",
     "Usage",
     "WeightError",

@@ -20,7 +20,13 @@ import anyio
 import attrs
 
 from twostroke.engine.config import (
+    ENGINE_FLAGS,
+    EngineConfig,
     ServerConfig,
+    engine_flag,
+    engine_flag_choices,
+    engine_flag_help,
+    engine_flag_value,
     parse_server_limit,
     server_flag,
     server_flag_help,
@@ -30,7 +36,8 @@ from twostroke.engine.config import (
 from twostroke.engine.engine import Engine
 from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.engine.surface import open_surface
-from twostroke.engine.tools.formats import TOOL_FORMATS, engine_tool_format, tool_format
+from twostroke.engine.text.reasoning import REASONING_PARSERS
+from twostroke.engine.tools.formats import TOOL_FORMATS, tokenizer_tool_format, tool_format
 from twostroke.engine.tools.template import native_template
 from twostroke.states.constraints import MAX_SCHEMA_LENGTH, Constraint, JsonSchema, Regex
 from twostroke.states.errors import ConstraintRejected
@@ -54,79 +61,59 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    _quantization_argument(parser)
+    _engine_arguments(parser, *_MODEL_OPTIONS)
     add_speculative_argument(parser)
 
 
-def _quantization_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        choices=["auto", "none", "fp16", "int8", "gguf", "gguf_f32", "q8_0", "q4_0"],
-        help="the projection weights in float16 or int8, activations at full precision (CPU; "
-        "quality per mode in docs/models.md); gguf: a GGUF file's blocks as stored, "
-        "activations rounded to 8 bits as llama.cpp does; gguf_f32: the same blocks by float32 "
-        "activations (the file's own model); q8_0, "
-        "q4_0: any checkpoint's projections quantized into those blocks at load; none: "
-        "weights in the dtype; default auto: fp16 where the CPU computes in float32, else none",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="the KV cache's element type (vLLM's flag; quality in docs/models.md); default "
-        "auto: float16 where the CPU computes in float32 with the compiled kernels, else the "
-        "dtype",
-    )
-    parser.add_argument(
-        "--no-mmap",
-        dest="mmap",
-        action="store_false",
-        default=None,
-        help="read a GGUF file computed as stored (-q gguf, gguf_f32) into memory instead of "
-        "mapping it, so that the model survives the file being rewritten in place (llama.cpp's "
-        "flag)",
-    )
-    parser.add_argument(
-        "--deterministic",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="--deterministic: every request's tokens and logprobs the same whatever runs beside "
-        "it, at the cost of the invariant kernels where the fastest are not (docs/models.md); "
-        "--no-deterministic: the fastest kernels, no promise. Default: the fastest, invariant "
-        "where that costs nothing",
-    )
+#: The engine's options each command that opens an engine takes, besides ``serve``'s sizes.
+_MODEL_OPTIONS = ("quantization", "kv_cache_dtype", "mmap", "deterministic")
+#: A flag's short form, where it has one.
+_SHORT_FLAGS = {"quantization": "-q"}
 
 
-def _quantization(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's options from ``--quantization`` ("none": None), ``--kv-cache-dtype``,
-    ``--no-mmap``, ``--[no-]deterministic`` and ``--speculative-config``, each where it was
-    given."""
+def _engine_arguments(
+    parser: argparse.ArgumentParser, *names: str, with_defaults: bool = False
+) -> None:
+    """One flag per :class:`~twostroke.engine.config.EngineConfig` field in ``names``, drawn
+    from the class (:data:`~twostroke.engine.config.ENGINE_FLAGS`).
+
+    Absent, a flag reads ``None`` and the engine takes its own default, which the help
+    shows; ``with_defaults`` makes the flag read the field's default instead, for a command
+    that hands the value on itself (``bench``).
+    """
+    fields = attrs.fields_dict(EngineConfig)
+    for name in names:
+        kind = ENGINE_FLAGS[name]
+        default = fields[name].default if with_defaults else None
+        flags = (engine_flag(name), *([_SHORT_FLAGS[name]] if name in _SHORT_FLAGS else []))
+        options: dict[str, Any] = {"dest": name, "default": default, "help": engine_flag_help(name)}
+        if kind == "count":
+            options.update(type=int, metavar="N")
+        elif kind == "choice":
+            options.update(choices=engine_flag_choices(name))
+        elif kind == "negated":
+            options.update(action="store_false")
+        elif kind == "switch":
+            options.update(action=argparse.BooleanOptionalAction)
+        else:  # json: the one such field is speculative_config
+            options.update(type=speculative_config_argument, metavar="JSON")
+        parser.add_argument(*flags, **options)
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's options among the command's flags (:data:`ENGINE_FLAGS`), each where it
+    was given ("none" for ``--quantization`` is ``None``)."""
     options: dict[str, Any] = {}
-    if args.quantization is not None:
-        options["quantization"] = None if args.quantization == "none" else args.quantization
-    if getattr(args, "kv_cache_dtype", None) is not None:
-        options["kv_cache_dtype"] = args.kv_cache_dtype
-    if getattr(args, "mmap", None) is not None:
-        options["mmap"] = args.mmap
-    if getattr(args, "deterministic", None) is not None:
-        options["deterministic"] = args.deterministic
-    if getattr(args, "speculative_config", None) is not None:
-        options["speculative_config"] = args.speculative_config
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = engine_flag_value(name, value)
     return options
 
 
 def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
     """``--speculative-config JSON`` (vLLM's flag): speculative decoding without a draft model."""
-    parser.add_argument(
-        "--speculative-config",
-        type=speculative_config_argument,
-        default=None,
-        metavar="JSON",
-        help='drafts from the request\'s own tokens, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4}\' or \'{"method": "suffix"}\' (docs/speculative.md)',
-    )
+    _engine_arguments(parser, "speculative_config")
 
 
 def _replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -250,8 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("TWOSTROKE_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $TWOSTROKE_API_KEY)",
     )
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=64)
+    _engine_arguments(serve, "max_model_len", "max_num_seqs")
     serve.add_argument(
         "--tool-format",
         default=None,
@@ -260,7 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
         "implies: mistral where it writes [TOOL_CALLS], hermes where it writes <tool_call>, "
         "llama3_json for a Llama 3 template that writes a call's parameters, else generic)",
     )
-    _quantization_argument(serve)
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=[*REASONING_PARSERS, "none"],
+        help="read a thinking model's <think>...</think> apart from its answer, as "
+        "reasoning_content (default: think where the chat template mentions <think>, else "
+        "none); deepseek_r1 reads every output as starting inside the reasoning",
+    )
+    _engine_arguments(serve, *_MODEL_OPTIONS)
     add_speculative_argument(serve)
     _server_arguments(serve)
     _replica_arguments(serve)
@@ -284,8 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "cuda"],
         help="where twostroke's systems run (the peers run on the CPU)",
     )
-    bench.add_argument("--max-num-seqs", type=int, default=64)
-    bench.add_argument("--max-num-batched-tokens", type=int, default=512)
+    _engine_arguments(bench, "max_num_seqs", "max_num_batched_tokens", with_defaults=True)
     bench.add_argument(
         "--replicas",
         type=int,
@@ -295,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--placement", default="process", choices=["local", "process", "ray"], help="of replicas"
     )
+
+    from twostroke.engine.synthetic.command import add_synthesize_arguments
+
+    synthesize = commands.add_parser(
+        "synthesize",
+        help="a random-weight model of a real architecture at its real size (hf or GGUF)",
+    )
+    add_synthesize_arguments(synthesize)
 
     from twostroke.engine.bench.step_profile import add_profile_arguments
 
@@ -325,7 +326,7 @@ async def _generate(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         placement=args.placement,
         device=args.device,
-        **_quantization(args),
+        **_engine_options(args),
     )
     async with opened as engine:
         try:
@@ -342,7 +343,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 async def _chat(args: argparse.Namespace) -> None:
     messages: list[dict[str, str]] = []
-    async with Engine.open(args.model, device=args.device, **_quantization(args)) as engine:
+    async with Engine.open(args.model, device=args.device, **_engine_options(args)) as engine:
         while True:
             try:
                 line = await anyio.to_thread.run_sync(input, "> ")
@@ -363,7 +364,7 @@ async def _chat(args: argparse.Namespace) -> None:
 
 async def _demo(args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    async with Engine.open(args.model, device=args.device, **_quantization(args)) as engine:
+    async with Engine.open(args.model, device=args.device, **_engine_options(args)) as engine:
         loaded = time.perf_counter()
         blocks = engine.statistics().num_blocks
         print(
@@ -408,12 +409,10 @@ async def _serve(args: argparse.Namespace) -> None:
     options: dict[str, Any] = {
         "device": args.device,
         "model_name": args.served_model_name,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
         # The engine (each replica's) refuses past it too: the server's check counts the
         # coordinator's replicas together, from statistics a process replica reports late.
         "max_waiting_requests": config.max_waiting_requests,
-        **_quantization(args),
+        **_engine_options(args),
     }
     # The server takes any engine surface: a coordinator over replicas is one.
     opened = open_surface(args.model, replicas=args.replicas, placement=args.placement, **options)
@@ -421,7 +420,7 @@ async def _serve(args: argparse.Namespace) -> None:
         if args.tool_format is not None:
             tools = tool_format(args.tool_format)
         else:
-            tools = engine_tool_format(engine)
+            tools = tokenizer_tool_format(engine.tokenizer)
         # What is alive now (torch, the model) lives as long as the process: frozen, the
         # collector no longer walks it at every full collection (as vLLM does). A burst of
         # 16,000 submits spent half its time there (0.77 s, 0.37 s frozen).
@@ -440,9 +439,12 @@ async def _serve(args: argparse.Namespace) -> None:
                         config=config,
                         access_log=True,
                         tool_format=tools,
+                        reasoning_parser=args.reasoning_parser,
                     )
                 )
-                shown = " through the chat template" if native_template(tools, engine) else ""
+                shown = (
+                    " through the chat template" if native_template(tools, engine.tokenizer) else ""
+                )
                 print(
                     f"serving {engine.model_name!r} at http://{args.host}:{port}/v1 "
                     f"(backend {args.backend}; tool calls: {tools.name}{shown}; Ctrl-C or "
@@ -483,7 +485,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _isa(args: argparse.Namespace) -> int:
     """``twostroke isa``: the personality and each decision it reaches (see
-    :mod:`twostroke.engine.kernels.report`)."""
+    :mod:`twostroke.engine.models.report`)."""
     from twostroke.gpu.isa import cpu_personality, rungs_to_test
 
     try:
@@ -495,7 +497,7 @@ def _isa(args: argparse.Namespace) -> int:
         for name in rungs_to_test(personality.machine):
             print(name)
         return 0
-    from twostroke.engine.kernels.report import cpu_report
+    from twostroke.engine.models.report import cpu_report
 
     with _progress_on_stderr():
         report = cpu_report()
@@ -518,6 +520,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "isa":
         return _isa(args)
+    if args.command == "synthesize":
+        from twostroke.engine.synthetic.command import synthesize_command
+
+        with _progress_on_stderr():
+            return synthesize_command(args)
     if args.command == "profile-step":
         from twostroke.engine.bench.step_profile import profile_command
 
@@ -548,6 +555,7 @@ def _freeze_at_exit() -> None:
 #: The loggers that say, at INFO, what loading converts or packs (seconds, on a first start).
 _PROGRESS_LOGGERS = (
     "twostroke.engine.artifacts",
+    "twostroke.engine.synthetic",
     "twostroke.engine.checkpoints",
     "twostroke.engine.kernels",
     "twostroke.engine.models",

@@ -47,7 +47,6 @@ __all__ = [
     "engine_options_table",
     "host_names",
     "parse_server_limit",
-    "server_config",
     "server_field_docs",
     "server_flag",
     "server_flag_help",
@@ -401,11 +400,12 @@ class ServerConfig:
     """What the HTTP server allows: its limits on requests, connections and time.
 
     One value, validated when built, from ``twostroke serve``'s flags (one per field,
-    ``--max-body-bytes`` for ``max_body_bytes``) or in code, and handed to
+    ``--max-body-bytes`` for ``max_body_bytes``) or in code, and handed whole to
     :func:`~twostroke.engine.server.serve.serve` and
-    :func:`~twostroke.engine.server.app.build_app` as ``config=`` (or its fields as their
-    keywords). ``build_app`` uses the application's fields; ``max_connections``,
-    ``header_timeout`` and ``shutdown_timeout`` are the HTTP server's, which ``serve`` runs.
+    :func:`~twostroke.engine.server.app.build_app` as ``config=`` (never as keywords), and
+    by them to the parts of the server that read it.
+    ``build_app`` uses the application's fields; ``max_connections``, ``header_timeout`` and
+    ``shutdown_timeout`` are the HTTP server's, which ``serve`` runs.
     docs/serving.md's table of them is :func:`server_limits_table`'s output.
 
     Args:
@@ -592,38 +592,6 @@ class ServerConfig:
         names = host_names((*LOOPBACK_HOST_NAMES, bound))
         assert names is not None  # a tuple is never None
         return names
-
-
-def server_config(config: object, limits: Mapping[str, Any], *, caller: str) -> ServerConfig:
-    """The :class:`ServerConfig` a call was given: ``config=``, or one of its fields' keywords.
-
-    Args:
-        config: The caller's ``config`` argument: a ``ServerConfig`` or ``None``.
-        limits: The caller's other keywords, each a field of ``ServerConfig``.
-        caller: The caller's name, for the messages (``"serve"``).
-
-    Raises:
-        TypeError: a keyword that is no field (the message lists the fields), ``config`` that
-            is no ``ServerConfig``, or ``config`` and keywords together.
-        ValueError: a field's value out of its range.
-    """
-    names = attrs.fields_dict(ServerConfig)
-    unknown = sorted(name for name in limits if name not in names)
-    if unknown:
-        raise TypeError(
-            f"{caller}() got an unexpected keyword argument {unknown[0]!r}: the server's "
-            f"limits are ServerConfig's fields ({', '.join(names)})"
-        )
-    if config is None:
-        return ServerConfig(**limits)
-    if not isinstance(config, ServerConfig):
-        raise TypeError(f"config must be a ServerConfig or None, got {type(config).__name__}")
-    if limits:
-        raise TypeError(
-            f"{caller}() takes the server's limits as config= or as keywords, not both: "
-            f"got config and {', '.join(sorted(limits))}"
-        )
-    return config
 
 
 def parse_server_limit(name: str, text: str) -> object:

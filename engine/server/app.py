@@ -53,7 +53,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from twostroke.engine.config import ServerConfig, server_config
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.errors import EngineError, EngineOverloaded
 from twostroke.engine.server import protocol
 from twostroke.engine.server.batch_store import BatchStore, default_batches_path
@@ -75,11 +75,18 @@ from twostroke.engine.server.generation import (
 from twostroke.engine.server.guards import ANTHROPIC_PATHS, Guards, ServerShutdown
 from twostroke.engine.server.messages import Messages
 from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.reasoning import (
+    check_no_constraint,
+    checked_template_kwargs,
+    server_reasoning_format,
+)
 from twostroke.engine.server.response_store import ResponseStore, default_store_path, owner_of
 from twostroke.engine.server.responses import Responses
 from twostroke.engine.server.sse import Disconnected, EventSender, send_json, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, output_constraint, strict_body
 from twostroke.engine.surface import EngineSurface
+from twostroke.engine.text.chat_template import ChatTemplateKwargsError
+from twostroke.engine.text.reasoning import ReasoningFormat
 from twostroke.engine.text.tokenizer import ChatTemplateError
 from twostroke.engine.tools.formats import (
     GENERIC,
@@ -90,7 +97,7 @@ from twostroke.engine.tools.formats import (
 from twostroke.engine.tools.formats import (
     tool_format as named_tool_format,
 )
-from twostroke.engine.tools.prompt import Turn
+from twostroke.engine.tools.prompt import Turn, render_prompt
 from twostroke.engine.tools.template import ToolTemplate, native_template, tool_prompt
 from twostroke.states.params import SamplingParams
 from twostroke.states.prompts import Prompt
@@ -170,28 +177,25 @@ class _OpenAI:
         self,
         engine: EngineSurface,
         metrics: ServerMetrics,
-        keepalive: float,
-        max_body_bytes: int,
+        config: ServerConfig,
         *,
-        max_choices: int,
-        max_waiting_requests: int | None,
         tool_format: ToolFormat = GENERIC,
         tool_template: ToolTemplate | None = None,
-        strict_schemas: bool = True,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.keepalive = keepalive
-        self.max_body_bytes = max_body_bytes
-        self.max_choices = max_choices
-        self.max_waiting_requests = max_waiting_requests
+        self.config = config
+        self.max_choices = config.max_choices
+        if config.max_waiting_requests is not None:  # more could never be queued
+            self.max_choices = min(self.max_choices, config.max_waiting_requests)
         self.tool_format = tool_format
         self.tool_template = tool_template
-        self.strict_schemas = strict_schemas
+        self.reasoning = reasoning
         self._rendering = anyio.CapacityLimiter(RENDER_THREADS)
 
     async def _body(self, request: Request) -> bytes:
-        return await read_body(request, self.max_body_bytes)
+        return await read_body(request, self.config.max_body_bytes)
 
     async def completions(self, request: Request, receive: Receive, send: Send) -> None:
         body = protocol.decode_body(await self._body(request), protocol.CompletionRequest)
@@ -199,7 +203,7 @@ class _OpenAI:
         # What the body alone decides is checked before any prompt is tokenized.
         prompts = protocol.completion_prompts(body)
         protocol.check_choices(len(prompts), body.n, self.max_choices)
-        shape = output_constraint(strict_body(body) if self.strict_schemas else body)
+        shape = output_constraint(strict_body(body) if self.config.strict_schemas else body)
         params = protocol.choice_params(body, shape.constraint)
         fmt = CompletionFormat(self.engine, body.logprobs or 0)
         await self._generate(fmt, list(prompts), params, body, "prompt", shape, receive, send)
@@ -224,21 +228,33 @@ class _OpenAI:
         # What the body alone decides is checked before the messages are tokenized.
         turns = protocol.chat_turns(body.messages)
         protocol.check_choices(1, body.n, self.max_choices)
-        schemas = strict_body(body) if self.strict_schemas else body
+        schemas = strict_body(body) if self.config.strict_schemas else body
         shape = output_constraint(schemas, self.tool_format)
+        lazy = shape.tool_calls is not None and body.tool_choice in (None, "auto") and (
+            body.response_format is None or body.response_format.type == "text")  # fmt: skip
+        check_no_constraint(self.reasoning, shape.param, lazy=lazy)
+        kwargs = checked_template_kwargs(body.chat_template_kwargs)
         # without max_tokens: what the context leaves
         params = protocol.choice_params(body, shape.constraint)
         self._check_room(len(params))  # before a template renders the conversation
-        messages = await self.tool_prompt(turns, shape.tools)
-        fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls)
+        messages = await self.tool_prompt(turns, shape.tools, template_kwargs=kwargs)
+        fmt = ChatFormat(self.engine, body.top_logprobs or 0, shape.tool_calls, self.reasoning)
         return messages, params, fmt, shape
 
     async def tool_prompt(
-        self, turns: list[Turn], tools: Sequence[ToolSpec], field: str = "messages"
+        self,
+        turns: list[Turn],
+        tools: Sequence[ToolSpec],
+        field: str = "messages",
+        *,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Prompt:
         """The conversation as the engine takes it: token ids rendered by the chat
         template's own ``tools`` where the format's template is at hand, else plain
-        messages (:func:`~twostroke.engine.tools.template.tool_prompt`).
+        messages (:func:`~twostroke.engine.tools.template.tool_prompt`); with
+        ``template_kwargs`` (checked: :func:`checked_template_kwargs`), token ids the
+        engine's tokenizer rendered with them, since a prompt handed to the engine carries
+        no template variables.
 
         The template renders, and its text is tokenized, in a worker thread (at most
         :data:`RENDER_THREADS` at once); plain messages are the body's text rearranged, on
@@ -246,16 +262,34 @@ class _OpenAI:
 
         Raises:
             ApiError: 400 naming ``field`` (the body's field that holds the conversation)
-                when the template refuses the conversation.
+                when the template refuses the conversation; 400 naming
+                ``chat_template_kwargs`` where no tokenizer is here to render them with (a
+                coordinator's front).
         """
         template = self.tool_template
         try:
-            if template is None:
-                return tool_prompt(self.tool_format, turns, tools)
-            render = partial(tool_prompt, self.tool_format, turns, tools, template)
-            return await anyio.to_thread.run_sync(render, limiter=self._rendering)
+            if template is not None:
+                render = partial(tool_prompt, self.tool_format, turns, tools, template,
+                                 template_kwargs)  # fmt: skip
+                return await anyio.to_thread.run_sync(render, limiter=self._rendering)
+            messages = render_prompt(self.tool_format, turns, tools)
+            if template_kwargs is None:
+                return messages
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise invalid_request(
+                    "chat_template_kwargs needs the chat template, which this server's "
+                    "engine surface does not hold (a coordinator's front): send the "
+                    "request without it",
+                    param="chat_template_kwargs",
+                )
+            rendered = partial(tokenizer.apply_chat_template, messages,
+                               template_kwargs=template_kwargs)  # fmt: skip
+            return await anyio.to_thread.run_sync(rendered, limiter=self._rendering)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param=field) from None
+        except ChatTemplateKwargsError as exc:
+            raise invalid_request(str(exc), param="chat_template_kwargs") from None
 
     def _check_room(self, count: int) -> None:
         """Refuse ``count`` engine requests if the waiting queue cannot take them all.
@@ -267,7 +301,7 @@ class _OpenAI:
         Raises:
             EngineOverloaded: the answer is a 503 with ``Retry-After``.
         """
-        limit = self.max_waiting_requests
+        limit = self.config.max_waiting_requests
         if limit is None:
             return
         waiting = self.engine.statistics().num_waiting
@@ -300,7 +334,7 @@ class _OpenAI:
             self.engine,
             self.metrics,
             fmt,
-            keepalive=self.keepalive,
+            keepalive=self.config.keepalive,
             prompt_field=prompt_field,
             max_tokens_field=protocol.max_tokens_field(body),
             constraint_field=shape.param,
@@ -404,7 +438,7 @@ def build_app(
     tool_format: ToolFormat | str | None = None,
     response_store: ResponseStore | None = None,
     batch_store: BatchStore | None = None,
-    **limits: Any,
+    reasoning_parser: str | None = None,
 ) -> Starlette:
     """The ASGI application serving ``engine`` with OpenAI's API (and Anthropic's Messages).
 
@@ -416,12 +450,14 @@ def build_app(
             coordinator over replicas).
         api_key: If given, every route but ``/health`` and ``/metrics`` wants
             ``Authorization: Bearer <api_key>`` or ``x-api-key: <api_key>``.
-        config: The server's limits (default: ``ServerConfig()``'s). The application uses
-            ``max_body_bytes``, ``max_choices`` (never more than ``max_waiting_requests``),
-            ``max_waiting_requests`` (checked against ``statistics().num_waiting``; ``None``:
-            only the engine's own limit, if any), ``allowed_hosts`` (``None``: the loopback
-            names; see :mod:`~twostroke.engine.server.guards`), ``body_timeout`` and
-            ``keepalive``; the others are the HTTP server's, which
+        config: The server's limits, one value (default: ``ServerConfig()``'s), which the
+            application's parts read whole. It uses ``max_body_bytes``, ``max_choices``
+            (never more than ``max_waiting_requests``), ``max_waiting_requests`` (checked
+            against ``statistics().num_waiting``; ``None``: only the engine's own limit, if
+            any), ``allowed_hosts`` (``None``: the loopback names; see
+            :mod:`~twostroke.engine.server.guards`), ``body_timeout``, ``keepalive``,
+            ``strict_schemas`` and the stores' and batches' fields; ``max_connections``,
+            ``header_timeout`` and ``shutdown_timeout`` are the HTTP server's, which
             :func:`~twostroke.engine.server.serve.serve` runs.
         shutdown: Lets the server that runs the application end open responses gracefully
             (:func:`~twostroke.engine.server.serve.serve` passes one).
@@ -438,16 +474,18 @@ def build_app(
             ``config``, which ``app.state.batch_store`` holds for the caller to close.
             Batches run in ``app.state.batches.run()``, a task the caller starts in its
             task group (:func:`~twostroke.engine.server.serve.serve` does).
-        **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
-            (``max_choices=4``), instead of ``config``.
+        reasoning_parser: How a thinking model's reasoning is read apart from its answer
+            (:mod:`~twostroke.engine.text.reasoning`): one of ``deepseek_r1``, ``qwen3``,
+            ``think``, or ``none``; ``None``: ``think`` where the chat template mentions
+            ``<think>``, else none. Logged once.
 
     Every ``POST`` wants ``Content-Type: application/json`` (else a 415).
 
     Raises:
-        TypeError: ``engine`` lacks the engine surface, ``api_key`` is not a string, a
-            keyword is no field of ``ServerConfig``, or ``config`` comes with keywords.
+        TypeError: ``engine`` lacks the engine surface, ``api_key`` is not a string,
+            ``config`` is no ``ServerConfig``, or a store or ``tool_format`` is of the wrong
+            type.
         ValueError: ``api_key`` is empty.
-        TypeError, ValueError: a limit's value, as ``ServerConfig`` refuses it.
     """
     if not isinstance(engine, EngineSurface):
         raise TypeError(f"engine must have the engine surface, got {type(engine).__name__}")
@@ -455,11 +493,12 @@ def build_app(
         raise TypeError(f"api_key must be a str or None, got {type(api_key).__name__}")
     if api_key == "":
         raise ValueError("api_key must not be empty, got ''")
-    config = server_config(config, limits, caller="build_app")
-    max_choices = config.max_choices
-    if config.max_waiting_requests is not None:  # more could never be queued
-        max_choices = min(max_choices, config.max_waiting_requests)
-    hosts = config.hosts_answered()
+    if config is None:
+        config = ServerConfig()
+    elif not isinstance(config, ServerConfig):
+        raise TypeError(
+            f"config must be a ServerConfig or None, got {type(config).__name__} {config!r}"
+        )
     if isinstance(tool_format, str):
         tool_format = named_tool_format(tool_format)
     chosen = "as named" if tool_format is not None else "from the chat template"
@@ -470,17 +509,10 @@ def build_app(
     template = native_template(tool_format, engine.tokenizer)
     shown = "through the chat template's tools" if template is not None else "in plain messages"
     logger.info("tool calls in the %s format (%s), tools shown %s", tool_format.name, chosen, shown)
-    handlers = _OpenAI(
-        engine,
-        ServerMetrics(engine),
-        config.keepalive,
-        config.max_body_bytes,
-        max_choices=max_choices,
-        max_waiting_requests=config.max_waiting_requests,
-        tool_format=tool_format,
-        tool_template=template,
-        strict_schemas=config.strict_schemas,
-    )
+    reasoning = server_reasoning_format(reasoning_parser, engine.tokenizer)
+    logger.info("reasoning read apart: %s", "no" if reasoning is None else reasoning.name)
+    handlers = _OpenAI(engine, ServerMetrics(engine), config, tool_format=tool_format,
+                       tool_template=template, reasoning=reasoning)  # fmt: skip
 
     if response_store is None:
         response_store = response_store_of(config)
@@ -491,19 +523,12 @@ def build_app(
     chat = ChatService(
         engine,
         handlers.metrics,
-        keepalive=config.keepalive,
+        config,
         check_room=handlers._check_room,
         render=handlers.tool_prompt,
         tool_format=tool_format,
-        strict_schemas=config.strict_schemas,
     )
-    responses = Responses(
-        engine,
-        chat,
-        max_body_bytes=config.max_body_bytes,
-        store=response_store,
-        owner=owner_of(api_key),
-    )
+    responses = Responses(engine, chat, config, store=response_store, owner=owner_of(api_key))
     if batch_store is None:
         batch_store = batch_store_of(config)
     elif not isinstance(batch_store, BatchStore):
@@ -516,13 +541,10 @@ def build_app(
         # A line is answered as a request is, less the authentication its batch passed.
         {"/v1/chat/completions": _Endpoint(handlers.chat, api_key=None),
          "/v1/completions": _Endpoint(handlers.completions, api_key=None)},
+        config,
         model=engine.model_name,
-        max_file_bytes=config.batch_max_file_bytes,
-        max_lines=config.batch_max_lines,
-        max_in_flight=config.batch_max_in_flight,
-        max_line_bytes=config.max_body_bytes,
     )  # fmt: skip
-    messages = Messages(engine, chat, max_body_bytes=config.max_body_bytes)
+    messages = Messages(engine, chat, config)
 
     def route(path: str, handler: _Handler, method: str, *, secured: bool = True) -> Route:
         endpoint = _Endpoint(handler, api_key=api_key if secured else None,
@@ -558,8 +580,7 @@ def build_app(
             Middleware(
                 Guards,
                 api_key=api_key is not None,
-                allowed_hosts=hosts,
-                body_timeout=config.body_timeout,
+                config=config,
                 shutdown=shutdown,
             )
         ],

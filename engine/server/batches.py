@@ -58,6 +58,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Send
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.server import protocol
 from twostroke.engine.server.batch_store import BatchStore, BatchStoreError
 from twostroke.engine.server.body import body_too_large, read_body
@@ -240,11 +241,11 @@ class Batches:
         endpoints: The ASGI endpoint of each path of :data:`BATCH_ENDPOINTS`, which
             answers a line as it answers a request (errors in OpenAI's shape, no
             authentication).
+        config: The server's limits: ``batch_max_file_bytes`` (the largest upload, in
+            bytes), ``batch_max_lines`` (the most lines of an upload),
+            ``batch_max_in_flight`` (the most lines of batches submitted to the engine at
+            once) and ``max_body_bytes`` (the largest line, as the endpoints' largest body).
         model: The served model's name (each batch's ``model``).
-        max_file_bytes: The largest upload, in bytes.
-        max_lines: The most lines of an upload.
-        max_in_flight: The most lines of batches submitted to the engine at once.
-        max_line_bytes: The largest line (the endpoints' ``max_body_bytes``).
         clock: Seconds since the epoch (``time.time``).
     """
 
@@ -253,22 +254,16 @@ class Batches:
         store: BatchStore,
         owner: str,
         endpoints: Mapping[str, ASGIApp],
+        config: ServerConfig,
         *,
         model: str,
-        max_file_bytes: int,
-        max_lines: int,
-        max_in_flight: int,
-        max_line_bytes: int,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.owner = owner
         self.endpoints = endpoints
+        self.config = config
         self.model = model
-        self.max_file_bytes = max_file_bytes
-        self.max_lines = max_lines
-        self.max_in_flight = max_in_flight
-        self.max_line_bytes = max_line_bytes
         self._clock = clock
         self._wake = anyio.Event()
         # Held by every read-modify-write of a batch's record (the runner's and a cancel's).
@@ -282,7 +277,7 @@ class Batches:
 
     async def upload(self, request: Request, receive: Receive, send: Send) -> None:
         """``POST /v1/files``: a multipart form of ``purpose`` (``batch``) and ``file``."""
-        limit = self.max_file_bytes + _MULTIPART_OVERHEAD
+        limit = self.config.batch_max_file_bytes + _MULTIPART_OVERHEAD
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise body_too_large(limit, f"and the request declares Content-Length: {declared}")
@@ -317,16 +312,17 @@ class Batches:
             filename = (upload.filename or "upload.jsonl")[:255]
         finally:
             await form.close()
-        if len(content) > self.max_file_bytes:
+        if len(content) > self.config.batch_max_file_bytes:
             raise invalid_request(
-                f"file may have at most {self.max_file_bytes} bytes "
+                f"file may have at most {self.config.batch_max_file_bytes} bytes "
                 f"(batch_max_file_bytes), got {len(content)}",
                 param="file",
             )
         lines = content.count(b"\n") + (not content.endswith(b"\n"))
-        if lines > self.max_lines:
+        if lines > self.config.batch_max_lines:
             raise invalid_request(
-                f"file may have at most {self.max_lines} lines (batch_max_lines), got {lines}",
+                f"file may have at most {self.config.batch_max_lines} lines "
+                f"(batch_max_lines), got {lines}",
                 param="file",
             )
         record = {
@@ -398,7 +394,9 @@ class Batches:
 
     async def create(self, request: Request, receive: Receive, send: Send) -> None:
         """``POST /v1/batches``."""
-        body = protocol.decode_body(await read_body(request, self.max_line_bytes), _CreateBatch)
+        body = protocol.decode_body(
+            await read_body(request, self.config.max_body_bytes), _CreateBatch
+        )
         if body.endpoint not in BATCH_ENDPOINTS:
             raise invalid_request(
                 f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, "
@@ -584,7 +582,7 @@ class Batches:
                 )
                 return
             valid, refused = await anyio.to_thread.run_sync(
-                validate_lines, content, record["endpoint"], self.max_line_bytes
+                validate_lines, content, record["endpoint"], self.config.max_body_bytes
             )
             await self.store.put_results(batch_id, refused)
             total = {"total": len(valid) + len(refused), "completed": 0, "failed": 0}
@@ -611,7 +609,7 @@ class Batches:
         self, owner: str, batch_id: str, record: dict[str, Any], todo: list[_Request]
     ) -> None:
         endpoint = self.endpoints[record["endpoint"]]
-        seats = anyio.Semaphore(self.max_in_flight)
+        seats = anyio.Semaphore(self.config.batch_max_in_flight)
 
         async def answer(line: _Request) -> None:
             try:

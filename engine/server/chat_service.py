@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import anyio
 import attrs
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.errors import EngineError
 from twostroke.engine.server.answer_events import AnswerEvent, AnswerReader, Usage
 from twostroke.engine.server.chat_request import ChatRequest, OutputFormat
@@ -94,36 +95,34 @@ class ChatService:
     Args:
         engine: The engine surface.
         metrics: Where outcomes are counted.
-        keepalive: Seconds of silence on a stream before the writer's keep-alive.
+        config: The server's limits: ``keepalive`` (seconds of silence on a stream before
+            the writer's keep-alive) and ``strict_schemas`` (close the object schemas of JSON
+            outputs and tools: :func:`~twostroke.engine.server.structured.strict_schema`).
         check_room: Refuses ``count`` more engine requests when the waiting queue cannot
             take them (an ``EngineOverloaded``).
         render: Renders a conversation with its tools, off the event loop.
         tool_format: The format the model writes tool calls in.
-        strict_schemas: Close the object schemas of JSON outputs and tools
-            (:func:`~twostroke.engine.server.structured.strict_schema`).
     """
 
     def __init__(
         self,
         engine: EngineSurface,
         metrics: ServerMetrics,
+        config: ServerConfig,
         *,
-        keepalive: float,
         check_room: Callable[[int], None],
         render: Render,
         tool_format: ToolFormat,
-        strict_schemas: bool = True,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._keepalive = keepalive
+        self._config = config
         self._check_room = check_room
         self._render = render
         self._tool_format = tool_format
-        self._strict_schemas = strict_schemas
 
     def _strict(self, request: ChatRequest) -> ChatRequest:
-        if not self._strict_schemas:
+        if not self._config.strict_schemas:
             return request
         tools = tuple(
             spec if spec.parameters is None
@@ -166,7 +165,7 @@ class ChatService:
     async def open_run(self, prepared: PreparedChat) -> AsyncIterator[ChatRun]:
         """A run of ``prepared`` on the engine, settled when the block ends however it ends
         (its engine request cancelled if still open, and its outcome counted once)."""
-        run = ChatRun(self._engine, self._metrics, prepared, keepalive=self._keepalive,
+        run = ChatRun(self._engine, self._metrics, prepared, keepalive=self._config.keepalive,
                       check_room=self._check_room)  # fmt: skip
         try:
             yield run

@@ -36,9 +36,11 @@ from twostroke.engine.handle import RequestHandle
 from twostroke.engine.outputs import Delta, RequestOutput
 from twostroke.engine.server.errors import ApiError, api_error_from, invalid_request
 from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.reasoning import ChoiceReasoning
 from twostroke.engine.server.sse import Disconnected, EventSender
 from twostroke.engine.server.structured import ToolCalls, constraint_error, constraint_failure
 from twostroke.engine.surface import EngineSurface
+from twostroke.engine.text.reasoning import ReasoningFormat
 from twostroke.engine.tools.parser import CallStarted, TextDelta, ToolCallParser, ToolEvent
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import TokenLogprobs
@@ -67,6 +69,8 @@ class Format(Protocol):
     chunk_object_name: str
 
     def opening(self, index: int) -> dict[str, Any] | None: ...
+
+    async def begin(self, choice: Choice) -> None: ...
 
     def choice(
         self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, chunk: bool
@@ -246,6 +250,18 @@ class Generation(Submission):
         self.id += uuid.uuid4().hex
         self.created = int(time.time())
 
+    async def submit(
+        self,
+        prompts: Sequence[Prompt],
+        params: Sequence[SamplingParams],
+        check_room: Callable[[int], None],
+    ) -> None:
+        """:meth:`Submission.submit`, then each choice shown to the format (a reasoning
+        parser reads its prompt's tail)."""
+        await super().submit(prompts, params, check_room)
+        for choice in self.choices:
+            await self._fmt.begin(choice)
+
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         model = self._engine.model_name
         return {"id": self.id, "object": obj, "created": self.created, "model": model,
@@ -423,6 +439,9 @@ class CompletionFormat:
     def opening(self, index: int) -> dict[str, Any] | None:
         return None
 
+    async def begin(self, choice: Choice) -> None:
+        pass  # a completion's text is all answer
+
     def choice(
         self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, chunk: bool
     ) -> dict[str, Any]:
@@ -463,18 +482,32 @@ class ChatFormat:
     ``function.name`` (``arguments`` ``""``), then a delta of its ``arguments``, whole (a
     call is sent once its JSON is closed, so a stream never sends a call that the complete
     answer drops); its last chunk's ``finish_reason`` is the complete answer's.
+
+    With a reasoning parser (:class:`~twostroke.engine.server.reasoning.ChoiceReasoning`),
+    the reasoning goes apart as ``message.reasoning_content`` (``null`` where the output did
+    not reason) or ``delta.reasoning_content``; ``content`` and the calls are read from the
+    answer after it.
     """
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(
-        self, engine: EngineSurface, top_logprobs: int, tool_calls: ToolCalls | None = None
+        self,
+        engine: EngineSurface,
+        top_logprobs: int,
+        tool_calls: ToolCalls | None = None,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         self._texts = _TokenTexts(engine)
         self._top = top_logprobs
         self._tool_calls = tool_calls
         self._parsers: dict[int, ToolCallParser] = {}
+        self._reasoning = None if reasoning is None else ChoiceReasoning(reasoning, engine)
+
+    async def begin(self, choice: Choice) -> None:
+        if self._reasoning is not None:
+            await self._reasoning.begin(choice.index, choice.handle.prompt_token_ids)
 
     def opening(self, index: int) -> dict[str, Any] | None:
         # With tools, an answer may have no text at all (``content`` null, as the complete
@@ -490,6 +523,10 @@ class ChatFormat:
             content: dict[str, Any] = {"delta": {"content": text} if text else {}}
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self._reasoning is not None:
+                split = self._reasoning.split(index, text)
+                message["reasoning_content"] = split.reasoning
+                message["content"] = text = split.content
             tools = self._tool_calls
             if tools is not None:
                 parsed = tools.read(text)
@@ -504,8 +541,15 @@ class ChatFormat:
     def chunks(
         self, index: int, text: str, logprobs: Any, finish_reason: str | None
     ) -> list[dict[str, Any]]:
+        thought = ""
+        if self._reasoning is not None:
+            split = self._reasoning.feed(index, text, finished=finish_reason is not None)
+            thought, text = split.reasoning, split.content
         if self._tool_calls is None:
-            return [self.choice(index, text, logprobs, finish_reason, chunk=True)]
+            payload = self.choice(index, text, logprobs, finish_reason, chunk=True)
+            if thought:
+                payload["delta"] = {"reasoning_content": thought, **payload["delta"]}
+            return [payload]
         parser = self._parsers.get(index)
         if parser is None:
             parser = self._parsers[index] = ToolCallParser(self._tool_calls.format)
@@ -514,6 +558,8 @@ class ChatFormat:
             events += parser.finish()
             finish_reason = self._tool_calls.finish_reason(parser.result(), finish_reason)
         deltas = _deltas(events)
+        if thought:
+            deltas.insert(0, {"reasoning_content": thought})
         if finish_reason is not None or logprobs is not None:
             deltas = deltas or [{}]
         payloads: list[dict[str, Any]] = [

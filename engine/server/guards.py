@@ -35,7 +35,7 @@ import anyio
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from twostroke.engine.config import without_port
+from twostroke.engine.config import ServerConfig, without_port
 from twostroke.engine.server.errors import ApiError, anthropic_error
 from twostroke.engine.server.sse import encode, send_json
 
@@ -136,9 +136,9 @@ class Guards:
     Args:
         app: The application.
         api_key: Whether the server has an API key (then ``Host`` is not checked).
-        allowed_hosts: The ``Host`` names answered without a key (see
-            :meth:`~twostroke.engine.config.ServerConfig.hosts_answered`).
-        body_timeout: Seconds a body may take to arrive after its headers.
+        config: The server's limits: the ``Host`` names answered without a key are its
+            :meth:`~twostroke.engine.config.ServerConfig.hosts_answered`, and a body has
+            ``body_timeout`` seconds to arrive after its headers.
         shutdown: The server's shutdown signal, if it gives one.
     """
 
@@ -147,14 +147,13 @@ class Guards:
         app: ASGIApp,
         *,
         api_key: bool,
-        allowed_hosts: frozenset[str],
-        body_timeout: float,
+        config: ServerConfig,
         shutdown: ServerShutdown | None,
     ) -> None:
         self._app = app
-        self._check_host = not api_key and "*" not in allowed_hosts
-        self._allowed_hosts = allowed_hosts
-        self._body_timeout = body_timeout
+        self._allowed_hosts = config.hosts_answered()
+        self._check_host = not api_key and "*" not in self._allowed_hosts
+        self._body_timeout = config.body_timeout
         self._shutdown = shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -155,7 +155,7 @@ async def serve_hypercorn(
     config.accesslog = logger if transport.access_log else None
     # Hypercorn's idle timer runs from a connection's start and from each response to the
     # end of the next request's headers: exactly the header deadline.
-    config.keep_alive_timeout = transport.header_timeout
+    config.keep_alive_timeout = transport.config.header_timeout
     connection_class = _connection_class()
     # cast: Hypercorn types ASGI messages as TypedDicts, Starlette as plain mappings.
     wrapped = wrap_app(cast(Any, app), config.wsgi_max_body_size, "asgi")
@@ -195,7 +195,7 @@ async def serve_hypercorn(
                 continue
             # Counted here, in the order of arrival, not when its task first runs.
             scope = anyio.CancelScope(shield=True)
-            over = len(connections) >= transport.max_connections
+            over = len(connections) >= transport.config.max_connections
             connections.add(scope, stream)
             nursery.start_soon(handle, stream, scope, over)
 
@@ -215,7 +215,7 @@ async def serve_hypercorn(
                     await listener.aclose()
                 # Idle connections close now, the others after their response.
                 await context.terminated.set()
-                with anyio.move_on_after(transport.grace):
+                with anyio.move_on_after(transport.config.shutdown_timeout):
                     await connections.wait_empty()
                 shutdown.expire()  # the open responses are ended
                 with anyio.move_on_after(transport.closing):

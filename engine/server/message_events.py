@@ -41,12 +41,13 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 class MessageDraft(Draft):
     """A Message being written from the answer's events, and its stream's events.
 
-    Pure bookkeeping, no I/O: :meth:`begin` gives the opening events, :meth:`apply` the
-    events for the answer's next events (text deltas open and extend a ``text`` block, a
-    call's start opens a ``tool_use`` block that its arguments extend), :meth:`fail` ends
-    the stream with an ``error`` event, :meth:`end` closes the open block and gives
-    ``message_delta`` and ``message_stop``, and :meth:`message` is the Message object at any
-    point. A complete (not streamed) answer is the same fold over the whole answer's events.
+    Pure bookkeeping, no I/O: :meth:`begin` gives the opening events,
+    :meth:`~twostroke.engine.server.event_writer.Draft.apply` the events for the answer's next
+    events (text deltas open and extend a ``text`` block, a call's start opens a ``tool_use`` block
+    that its arguments extend), :meth:`fail` ends the stream with an ``error`` event, :meth:`end`
+    closes the open block and gives ``message_delta`` and ``message_stop``, and :meth:`message` is
+    the Message object at any point. A complete (not streamed) answer is the same fold over the
+    whole answer's events.
 
     Args:
         model: The served model's name.

@@ -32,6 +32,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.types import Receive, Send
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.server import protocol
 from twostroke.engine.server.body import read_body
 from twostroke.engine.server.chat_request import ChatRequest, FieldNames
@@ -326,19 +327,19 @@ class Messages:
     Args:
         engine: The engine surface.
         chat: The chat service that prepares and runs the requests.
-        max_body_bytes: The largest body read.
+        config: The server's limits: a body is read up to its ``max_body_bytes``.
     """
 
-    def __init__(self, engine: EngineSurface, chat: ChatService, *, max_body_bytes: int) -> None:
+    def __init__(self, engine: EngineSurface, chat: ChatService, config: ServerConfig) -> None:
         self._engine = engine
         self._chat = chat
-        self._max_body_bytes = max_body_bytes
+        self._config = config
 
     async def count_tokens(self, request: Request, receive: Receive, send: Send) -> None:
         """Answer one ``POST /v1/messages/count_tokens``: ``{"input_tokens": n}``, the
         tokens of the prompt a Messages request with this body would have."""
         body = protocol.decode_body(
-            await read_body(request, self._max_body_bytes), CountTokensRequest
+            await read_body(request, self._config.max_body_bytes), CountTokensRequest
         )
         protocol.check_model(body.model, self._engine.model_name)
         prompt = await self._chat.prompt(chat_request(body))
@@ -350,7 +351,9 @@ class Messages:
 
     async def create(self, request: Request, receive: Receive, send: Send) -> None:
         """Answer one ``POST /v1/messages``: a Message object, or its event stream."""
-        body = protocol.decode_body(await read_body(request, self._max_body_bytes), MessagesRequest)
+        body = protocol.decode_body(
+            await read_body(request, self._config.max_body_bytes), MessagesRequest
+        )
         protocol.check_model(body.model, self._engine.model_name)
         prepared = await self._chat.prepare(chat_request(body))
         draft = MessageDraft(self._engine.model_name, body.stop_sequences or ())

@@ -205,6 +205,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI's default
+    # vLLM's: more variables for the chat template (Qwen3's ``enable_thinking``)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -29,13 +29,13 @@ def _hex_id(prefix: str) -> str:
 class ResponseDraft(Draft):
     """A Response being written from the answer's events, and its stream's events.
 
-    Pure bookkeeping, no I/O: :meth:`begin` gives the opening events, :meth:`apply` the
-    events for the answer's next events (text deltas open and extend a ``message`` item, a
-    call's start opens a ``function_call`` item that its arguments extend), :meth:`fail`
-    fails the response, :meth:`end` closes the open items and completes the response, and
-    :meth:`response` is the Response object at any point. Every event carries the next
-    ``sequence_number``. A complete (not streamed) answer is the same fold over the whole
-    answer's events.
+    Pure bookkeeping, no I/O: :meth:`begin` gives the opening events,
+    :meth:`~twostroke.engine.server.event_writer.Draft.apply` the events for the answer's next
+    events (text deltas open and extend a ``message`` item, a call's start opens a ``function_call``
+    item that its arguments extend), :meth:`fail` fails the response, :meth:`end` closes the open
+    items and completes the response, and :meth:`response` is the Response object at any point.
+    Every event carries the next ``sequence_number``. A complete (not streamed) answer is the same
+    fold over the whole answer's events.
 
     Args:
         model: The served model's name.

@@ -39,6 +39,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.types import Receive, Send
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.server import protocol
 from twostroke.engine.server.body import read_body
 from twostroke.engine.server.chat_request import ChatRequest, FieldNames, OutputFormat, ToolChoice
@@ -582,7 +583,7 @@ class Responses:
     Args:
         engine: The engine surface.
         chat: The chat service that prepares and runs the requests.
-        max_body_bytes: The largest body read.
+        config: The server's limits: a body is read up to its ``max_body_bytes``.
         store: Where responses are stored.
         owner: The namespace of this server's responses in ``store``
             (:func:`~twostroke.engine.server.response_store.owner_of` its API key).
@@ -592,14 +593,14 @@ class Responses:
         self,
         engine: EngineSurface,
         chat: ChatService,
+        config: ServerConfig,
         *,
-        max_body_bytes: int,
         store: ResponseStore,
         owner: str,
     ) -> None:
         self._engine = engine
         self._chat = chat
-        self._max_body_bytes = max_body_bytes
+        self._config = config
         self._store = store
         self._owner = owner
 
@@ -679,7 +680,7 @@ class Responses:
     async def create(self, request: Request, receive: Receive, send: Send) -> None:
         """Answer one ``POST /v1/responses``: a Response object, or its event stream."""
         body = protocol.decode_body(
-            await read_body(request, self._max_body_bytes), ResponsesRequest
+            await read_body(request, self._config.max_body_bytes), ResponsesRequest
         )
         protocol.check_model(body.model, self._engine.model_name)
         _refuse_unsupported(body)  # before the store is asked

@@ -15,13 +15,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
-from typing import Any
 
 import anyio
 import anyio.abc
 import attrs
 
-from twostroke.engine.config import ServerConfig, server_config
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.server.app import build_app
 from twostroke.engine.server.batch_store import BatchStore
 from twostroke.engine.server.guards import ServerShutdown
@@ -47,8 +46,8 @@ async def serve(
     tool_format: ToolFormat | str | None = None,
     response_store: ResponseStore | None = None,
     batch_store: BatchStore | None = None,
+    reasoning_parser: str | None = None,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
-    **limits: Any,
 ) -> None:
     """Serve ``engine`` with OpenAI's API over HTTP/1.1 until cancelled.
 
@@ -62,13 +61,16 @@ async def serve(
             address without ``api_key`` is logged as a warning.
         port: The TCP port; 0 picks a free one (reported through ``task_status``).
         api_key: If given, requests must carry ``Authorization: Bearer <api_key>``.
-        config: The server's limits (default: ``ServerConfig()``'s): on request bodies,
-            choices, the waiting queue, ``Host`` names (``allowed_hosts=None``: the loopback
-            names and ``host``), connections, headers, bodies, the shutdown's grace period and
-            keep-alive comments; see :class:`~twostroke.engine.config.ServerConfig`.
+        config: The server's limits, one value (default: ``ServerConfig()``'s): on request
+            bodies, choices, the waiting queue, ``Host`` names (``allowed_hosts=None``: the
+            loopback names and ``host``), connections, headers, bodies, the shutdown's grace
+            period and keep-alive comments; see :class:`~twostroke.engine.config.ServerConfig`.
         access_log: Log one line per request to the ``twostroke.server`` logger.
         tool_format: The format the model writes tool calls in, or its name (``None``: the
             one the engine's chat template implies; see :func:`build_app`).
+        reasoning_parser: How a thinking model's reasoning is read apart from its answer
+            (``deepseek_r1``, ``qwen3``, ``think`` or ``none``; ``None``: as the chat
+            template implies; see :func:`build_app`).
         response_store: Where ``/v1/responses`` stores responses, which the caller closes;
             ``None``: the one ``config`` names (``responses_store`` and its bounds), closed
             when the server ends.
@@ -77,8 +79,6 @@ async def serve(
             closed when the server ends. Batches run in a task of the server's, cancelled
             with it: a batch it leaves unfinished resumes in the next server on the store.
         task_status: Receives the bound port once the server accepts connections.
-        **limits: The fields of :class:`~twostroke.engine.config.ServerConfig` as keywords
-            (``max_connections=100``), instead of ``config``.
 
     Cancelling the call stops accepting connections and refuses new requests on open ones
     (503), lets open responses finish for up to ``shutdown_timeout`` seconds, then ends each
@@ -86,31 +86,33 @@ async def serve(
     503), which cancels their engine requests. A connection that fails is closed alone.
 
     Raises:
-        TypeError, ValueError: a bad argument or limit (see :func:`build_app`).
+        TypeError, ValueError: a bad argument, as :func:`build_app` refuses it (``config``
+            that is no ``ServerConfig`` among them).
         OSError: the address cannot be bound.
     """
     if not isinstance(host, str) or not host:
         raise TypeError(f"host must be a non-empty str, got {host!r}")
     if not 0 <= check_int("port", port) <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
-    config = server_config(config, limits, caller="serve")
-    transport = Transport(
-        host,
-        port,
-        max_connections=config.max_connections,
-        header_timeout=config.header_timeout,
-        grace=config.shutdown_timeout,
-        access_log=access_log,
-    )
+    if config is None:
+        config = ServerConfig()
+    elif not isinstance(config, ServerConfig):
+        raise TypeError(
+            f"config must be a ServerConfig or None, got {type(config).__name__} {config!r}"
+        )
+    # The Host names answered are settled here, where the address bound is known.
+    config = attrs.evolve(config, allowed_hosts=config.hosts_answered(host))
+    transport = Transport(host, port, config, access_log=access_log)
     shutdown = ServerShutdown()
     app = build_app(
         engine,
         api_key=api_key,
-        config=attrs.evolve(config, allowed_hosts=config.hosts_answered(host)),
+        config=config,
         shutdown=shutdown,
         tool_format=tool_format,
         response_store=response_store,
         batch_store=batch_store,
+        reasoning_parser=reasoning_parser,
     )
     if api_key is None and not _is_loopback(host):
         logger.warning(
@@ -118,7 +120,7 @@ async def serve(
             "(pass --api-key or set TWOSTROKE_API_KEY)",
             host,
         )
-    busy = busy_app(transport.max_connections)
+    busy = busy_app(config.max_connections)
     try:
         # The batch runner is the server's task: it ends (cancelled) before the stores close.
         async with anyio.create_task_group() as task_group:

@@ -14,6 +14,7 @@ import anyio
 import attrs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.server.errors import ApiError
 from twostroke.engine.server.guards import ServerShutdown
 from twostroke.engine.server.sse import send_json
@@ -49,24 +50,21 @@ HTTP2_REFUSAL = (
 class Transport:
     """Where a server listens and the limits on its connections.
 
-    The limits come from a :class:`~twostroke.engine.config.ServerConfig`, validated there.
-
     Attributes:
         host: The address to bind.
         port: The TCP port (0: any free one).
-        max_connections: Connections served at once.
-        header_timeout: Seconds to send a request's headers, from a connection's start or its
-            previous response; idle keep-alive connections are closed after the same time.
-        grace: Seconds open responses may take to finish once the server is cancelled.
+        config: The server's limits; a server reads its connections' there:
+            ``max_connections`` (served at once), ``header_timeout`` (to send a request's
+            headers, from a connection's start or its previous response; idle keep-alive
+            connections are closed after the same time) and ``shutdown_timeout`` (the grace
+            open responses have once the server is cancelled).
         access_log: Log one line per request.
         closing: Seconds ending the open responses may take after the grace period.
     """
 
     host: str
     port: int
-    max_connections: int
-    header_timeout: float
-    grace: float
+    config: ServerConfig
     access_log: bool = False
     closing: float = CLOSING_SECONDS
 

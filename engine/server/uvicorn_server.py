@@ -104,7 +104,9 @@ async def serve_uvicorn(
         app,
         host=transport.host,
         port=transport.port,
-        http=http_protocol(transport.header_timeout, transport.max_connections, busy_app),
+        http=http_protocol(
+            transport.config.header_timeout, transport.config.max_connections, busy_app
+        ),
         lifespan="off",  # the engine's lifetime is the caller's business, not the app's
         log_config=None,  # never reconfigure the embedding program's logging
         access_log=transport.access_log,
@@ -127,9 +129,10 @@ async def serve_uvicorn(
                 server.should_exit = True
                 # shutdown() stops accepting, closes idle connections and waits for the
                 # others; at the end of the grace period the open responses are ended.
-                with anyio.move_on_after(transport.grace + transport.closing):
+                grace = transport.config.shutdown_timeout
+                with anyio.move_on_after(grace + transport.closing):
                     async with anyio.create_task_group() as task_group:
-                        task_group.start_soon(expire_after, shutdown, transport.grace)
+                        task_group.start_soon(expire_after, shutdown, grace)
                         await server.shutdown(sockets=[sock])
                         task_group.cancel_scope.cancel()
                 shutdown.expire()

@@ -40,13 +40,19 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from twostroke.engine.errors import EngineError
+
 if TYPE_CHECKING:
     import jinja2
 
 __all__ = [
     "DEFAULT_TEMPLATE_LIMITS",
+    "MAX_TEMPLATE_KWARGS",
+    "MAX_TEMPLATE_KWARGS_CHARS",
+    "ChatTemplateKwargsError",
     "TemplateBoundExceeded",
     "TemplateLimits",
+    "check_template_kwargs",
     "compile_chat_template",
     "render",
     "render_chat",
@@ -362,21 +368,122 @@ def render(template: jinja2.Template, limits: TemplateLimits, variables: Mapping
         _BUDGET.reset(token)
 
 
+#: The most variables a request may give the chat template (``chat_template_kwargs``).
+MAX_TEMPLATE_KWARGS = 32
+#: The most characters of JSON those variables may take, all together.
+MAX_TEMPLATE_KWARGS_CHARS = 16 * 1024
+#: The most levels a variable's value may nest (a list in a dict is two).
+_MAX_TEMPLATE_KWARGS_DEPTH = 8
+#: Variables the engine sets itself: a request's own must not replace them (the
+#: conversation, its tools, the generation prompt, the environment's functions).
+_RESERVED_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+     "raise_exception", "strftime_now", "additional_special_tokens"}
+)  # fmt: skip
+
+
+class ChatTemplateKwargsError(EngineError, ValueError):
+    """A request's chat template variables break a rule; the message names it and the value."""
+
+
+def check_template_kwargs(
+    kwargs: object, field: str = "chat_template_kwargs"
+) -> dict[str, Any] | None:
+    """A request's extra chat template variables (vLLM's ``chat_template_kwargs``, Qwen3's
+    ``enable_thinking`` say), checked once before any rendering.
+
+    They are bounded as every input is: at most :data:`MAX_TEMPLATE_KWARGS` names, each a
+    Python identifier of at most 64 characters, their values JSON (what a body decodes to)
+    of at most :data:`MAX_TEMPLATE_KWARGS_CHARS` characters in all, nested at most 8 deep. A
+    template reads them as it reads its own variables, so the ones the engine sets
+    (``messages``, ``tools``, ``add_generation_prompt``, the special tokens such as
+    ``bos_token``) are refused rather than replaced.
+
+    Args:
+        kwargs: The variables, or ``None``.
+        field: The request's field that holds them, for the messages.
+
+    Returns:
+        A copy of the variables (``None`` for none).
+
+    Raises:
+        ChatTemplateKwargsError: a rule above is broken (the message names the field, the
+            rule and the value).
+    """
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, Mapping):
+        raise ChatTemplateKwargsError(
+            f"{field} must be an object of template variables, got {type(kwargs).__name__}"
+        )
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ChatTemplateKwargsError(
+            f"{field} may hold at most {MAX_TEMPLATE_KWARGS} variables, got {len(kwargs)}"
+        )
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or len(name) > 64:
+            raise ChatTemplateKwargsError(
+                f"{field} names must be identifiers of at most 64 characters, got "
+                f"{str(name)[:80]!r}"
+            )
+        if name in _RESERVED_VARIABLES or name.endswith("_token"):
+            raise ChatTemplateKwargsError(
+                f"{field} must not set {name!r}: the engine sets that template variable itself"
+            )
+    try:
+        size = len(json.dumps(_checked_depth(kwargs, field, 0), ensure_ascii=False))
+    except (TypeError, ValueError) as exc:  # not JSON: only code, never a body, passes that
+        raise ChatTemplateKwargsError(f"{field} values must be JSON values: {exc}") from None
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ChatTemplateKwargsError(
+            f"{field} may take at most {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON, got {size}"
+        )
+    return dict(kwargs)
+
+
+def _checked_depth(value: object, field: str, depth: int) -> object:
+    if depth > _MAX_TEMPLATE_KWARGS_DEPTH:
+        raise ChatTemplateKwargsError(
+            f"{field} values may nest at most {_MAX_TEMPLATE_KWARGS_DEPTH} levels deep, got more"
+        )
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _checked_depth(item, field, depth + 1)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _checked_depth(item, field, depth + 1)
+    return value
+
+
 def render_chat(
     source: str,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     special_tokens: Mapping[str, str],
     limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """A conversation through the chat template ``source``, as ``transformers`` renders it
     (the generation prompt added, the named special tokens as variables), within ``limits``.
 
+    ``template_kwargs`` are more variables for the template (``enable_thinking``), checked
+    by :func:`check_template_kwargs`: none replaces a variable set here.
+
     Raises:
         TemplateBoundExceeded: the rendering crossed a limit (the message names it).
+        ChatTemplateKwargsError: ``template_kwargs`` breaks a rule of
+            :func:`check_template_kwargs`, or names a special token of this template's.
         jinja2.TemplateError: the template does not compile or refused the conversation.
     """
+    extra = check_template_kwargs(template_kwargs) or {}
+    clash = sorted(extra.keys() & special_tokens.keys())
+    if clash:
+        raise ChatTemplateKwargsError(
+            f"chat_template_kwargs must not set {clash[0]!r}: the engine sets that template "
+            "variable itself"
+        )
     variables = {
+        **extra,
         **special_tokens,
         "messages": messages,
         "tools": tools,

@@ -117,13 +117,20 @@ class Tokenizer(Protocol):
         """
         ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of ``messages`` rendered by the model's chat template.
 
         The rendering ends with the generation prompt (the assistant turn's header). A
         special token's text inside a message's content is encoded as text, not as the
         token (:mod:`twostroke.engine.text.special_text`), unless the tokenizer was told
-        that the message's role may write special tokens.
+        that the message's role may write special tokens. ``template_kwargs`` are more
+        variables for the template (``enable_thinking``), checked by
+        :func:`~twostroke.engine.text.chat_template.check_template_kwargs`.
         """
         ...
 
@@ -344,7 +351,12 @@ class HFTokenizer:
         assert isinstance(text, str)
         return text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of ``messages`` rendered by the model's own chat template.
 
         The rendering ends with the generation prompt (``add_generation_prompt=True``) and is
@@ -356,6 +368,8 @@ class HFTokenizer:
 
         Args:
             messages: The conversation, oldest first, each ``{"role": ..., "content": ...}``.
+            template_kwargs: More variables for the template (vLLM's
+                ``chat_template_kwargs``: ``{"enable_thinking": False}`` for Qwen3's).
 
         Returns:
             The prompt's token ids.
@@ -363,17 +377,21 @@ class HFTokenizer:
         Raises:
             TypeError, ValueError: ``messages`` is malformed (see
                 :func:`~twostroke.engine.text.chat.validate_messages`).
+            ChatTemplateKwargsError: ``template_kwargs`` breaks a rule of
+                :func:`~twostroke.engine.text.chat_template.check_template_kwargs`.
             ChatTemplateError: the model has no chat template, or the template rejected the
                 conversation (for example roles that do not alternate), or a content holds
                 special-token text that cannot be kept as text (the template rewrites
                 contents, or the tokenizer is not a ``tokenizers`` one).
         """
-        return self._render(validate_messages(messages), None)
+        return self._render(validate_messages(messages), None, template_kwargs)
 
     def apply_tool_template(
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation with tools, rendered by the template's own ``tools``
         variable and its tool-call and tool messages, as ``transformers`` renders them.
@@ -385,6 +403,7 @@ class HFTokenizer:
                 ``tool_call_id`` and ``name``.
             tools: The tools shown (OpenAI's ``{"type": "function", "function": ...}``), or
                 ``None``.
+            template_kwargs: More variables for the template (as :meth:`apply_chat_template`).
 
         A tool result's special-token text is always encoded as text; any other
         message's as :meth:`apply_chat_template` encodes it.
@@ -392,14 +411,18 @@ class HFTokenizer:
         Raises:
             ChatTemplateError: the model has no chat template, or it refused the
                 conversation, or a content's special-token text cannot be kept as text.
+            ChatTemplateKwargsError: ``template_kwargs`` breaks a rule.
         """
         conversation = [dict(message) for message in messages]
-        return self._render(conversation, None if tools is None else list(tools))
+        return self._render(conversation, None if tools is None else list(tools), template_kwargs)
 
     def _render(
-        self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        rendered = self._render_text(conversation, tools)
+        rendered = self._render_text(conversation, tools, template_kwargs)
         special = self._special_text
         if special is None:  # no Rust tokenizer to read special tokens as text with
             found = self._first_special_text(conversation, self._find_special_text)
@@ -417,7 +440,7 @@ class HFTokenizer:
             assert self._tokenizer is not None
             return list(self._tokenizer.encode(rendered, add_special_tokens=False))
         assert special is not None
-        unmasked, spans = masked.unmask(self._render_text(masked.messages, tools))
+        unmasked, spans = masked.unmask(self._render_text(masked.messages, tools, template_kwargs))
         if unmasked != rendered:
             found = self._first_special_text(conversation, special.find)
             assert found is not None  # the masked conversation had a placeholder
@@ -446,7 +469,10 @@ class HFTokenizer:
         return next((t for t in self._tokenizer.all_special_tokens if t in content), None)
 
     def _render_text(
-        self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The conversation through the chat template, within the tokenizer's bounds."""
         template = self._chat_template
@@ -465,7 +491,9 @@ class HFTokenizer:
             assert self._tokenizer is not None
             special_tokens = self._tokenizer.special_tokens_map
         try:
-            return render_chat(template, conversation, tools, special_tokens, self._limits)
+            return render_chat(
+                template, conversation, tools, special_tokens, self._limits, template_kwargs
+            )
         except TemplateBoundExceeded as exc:
             raise ChatTemplateError(
                 f"the chat template of {self._source} was stopped: {exc}"

@@ -43,9 +43,11 @@ class ToolTemplate(ChatTemplated, Protocol):
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of ``messages`` and ``tools`` rendered by the chat template, ending
-        with the generation prompt."""
+        """Token ids of ``messages`` and ``tools`` rendered by the chat template (with
+        ``template_kwargs`` as more variables), ending with the generation prompt."""
         ...
 
 
@@ -109,6 +111,7 @@ def tool_prompt(
     turns: Sequence[Turn],
     tools: Sequence[ToolSpec] = (),
     template: ToolTemplate | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int] | list[dict[str, str]]:
     """The prompt of a conversation with tools: token ids rendered by ``template``
     (:func:`native_template`), or without one plain messages
@@ -119,6 +122,8 @@ def tool_prompt(
         turns: The conversation, oldest first.
         tools: The tools to show (none: the template's ``tools`` is ``None``).
         template: The tokenizer that renders the template's ``tools``, if there is one.
+        template_kwargs: More variables for ``template`` (``chat_template_kwargs``); the
+            caller renders plain messages with them itself.
 
     Raises:
         ChatTemplateError: the template refused the conversation (its message says why).
@@ -126,4 +131,7 @@ def tool_prompt(
     if template is None:
         return render_prompt(fmt, turns, tools)
     shown = [tool.shown() for tool in tools] if tools else None
-    return template.apply_tool_template(template_messages(fmt, turns), shown)
+    messages = template_messages(fmt, turns)
+    if template_kwargs is None:  # a tokenizer that takes no variables renders as it did
+        return template.apply_tool_template(messages, shown)
+    return template.apply_tool_template(messages, shown, template_kwargs=template_kwargs)

@@ -275,9 +275,11 @@ def test_cache_says_when_it_is_off(
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_no_mmap_asks_the_engine_for_a_gguf_file_read_into_memory(command: str) -> None:
-    from twostroke.engine.cli import _quantization, build_parser
+    from twostroke.engine.cli import _engine_options, build_parser
 
     positional = ["hi"] if command == "generate" else []
     parser = build_parser()
-    assert _quantization(parser.parse_args([command, *positional, "--no-mmap"])) == {"mmap": False}
-    assert "mmap" not in _quantization(parser.parse_args([command, *positional]))
+    assert _engine_options(parser.parse_args([command, *positional, "--no-mmap"])) == {
+        "mmap": False
+    }
+    assert "mmap" not in _engine_options(parser.parse_args([command, *positional]))

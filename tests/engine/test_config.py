@@ -13,14 +13,10 @@ from twostroke.engine.config import (
     LOOPBACK_HOST_NAMES,
     ServerConfig,
     parse_server_limit,
-    server_config,
     server_flag_help,
     server_flag_metavar,
     without_port,
 )
-
-#: ServerConfig's fields in their order: what an unknown keyword's error lists.
-SERVER_FIELDS = tuple(attrs.fields_dict(ServerConfig))
 
 
 @pytest.mark.parametrize(
@@ -261,28 +257,6 @@ def test_the_hosts_answered_are_the_loopback_names_and_the_address_bound() -> No
     assert without_port("[::1]:8000") == "[::1]"
     assert without_port("localhost:8000") == "localhost"
     assert without_port("fe80::1") == "fe80::1"  # not a port: an address without brackets
-
-
-def test_a_call_takes_a_server_config_or_its_fields_never_both() -> None:
-    config = ServerConfig(max_choices=4)
-    assert server_config(None, {}, caller="serve") == ServerConfig()
-    assert server_config(config, {}, caller="serve") is config
-    assert server_config(None, {"max_choices": 4}, caller="serve") == config
-    with pytest.raises(TypeError) as both:
-        server_config(config, {"max_choices": 4, "keepalive": 1}, caller="serve")
-    assert str(both.value) == (
-        "serve() takes the server's limits as config= or as keywords, not both: "
-        "got config and keepalive, max_choices"
-    )
-    with pytest.raises(TypeError) as unknown:
-        server_config(None, {"max_conections": 4}, caller="build_app")
-    assert str(unknown.value) == (
-        "build_app() got an unexpected keyword argument 'max_conections': the server's "
-        f"limits are ServerConfig's fields ({', '.join(SERVER_FIELDS)})"
-    )
-    assert {"max_connections", "keepalive", "strict_schemas"} <= set(SERVER_FIELDS)
-    with pytest.raises(TypeError, match=r"^config must be a ServerConfig or None, got dict$"):
-        server_config({"max_choices": 4}, {}, caller="serve")
 
 
 @pytest.mark.parametrize(

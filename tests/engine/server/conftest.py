@@ -16,6 +16,7 @@ from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from twostroke.engine import Engine, EngineStatistics, RequestHandle, RequestOutput
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.handle import create_request_handle
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.server import serve
@@ -192,8 +193,7 @@ async def served(
     *,
     runner: ToyRunner | None = None,
     api_key: str | None = API_KEY,
-    keepalive: float | None = None,
-    max_body_bytes: int | None = None,
+    server_config: ServerConfig | None = None,
     check_clean: bool = True,
     serve_options: dict[str, Any] | None = None,
     tokenizer: Any = None,
@@ -201,13 +201,11 @@ async def served(
 ) -> AsyncIterator[Served]:
     """A toy engine served on 127.0.0.1 (a free port), with an ``openai`` client for it.
 
-    ``keepalive``, ``max_body_bytes`` and ``serve_options`` go to :func:`serve` as keywords
-    (the server's defaults where absent); ``tokenizer`` replaces the toy runner's byte
-    tokenizer. When the block ends normally the engine must be
-    idle with every KV block free.
+    ``server_config`` goes to :func:`serve` as its ``config`` (the server's defaults where
+    absent), ``serve_options`` as its other keywords; ``tokenizer`` replaces the toy runner's
+    byte tokenizer. When the block ends normally the engine must be idle with every KV block
+    free.
     """
-    given = {"keepalive": keepalive, "max_body_bytes": max_body_bytes}
-    limits = {name: value for name, value in given.items() if value is not None}
     engine_context = (
         Engine.open(
             runner=runner,
@@ -229,7 +227,7 @@ async def served(
                     engine,
                     port=0,
                     api_key=api_key,
-                    **limits,
+                    config=server_config,
                     **(serve_options or {}),
                 )
             )

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.engine.server.batch_store import MEMORY
 from twostroke.engine.server.batches import BATCH_PRIORITY
@@ -23,7 +24,7 @@ from .conftest import served
 
 pytestmark = pytest.mark.anyio
 
-STORE: dict[str, Any] = {"batches_store": MEMORY}
+STORE = ServerConfig(batches_store=MEMORY)
 CHAT = "/v1/chat/completions"
 
 
@@ -65,7 +66,7 @@ async def lines_of(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict
 
 
 async def test_a_batch_runs_through_the_official_client_from_upload_to_output() -> None:
-    async with served(serve_options=STORE) as server:
+    async with served(server_config=STORE) as server:
         client = server.client
         content = jsonl(line("a", "Hello"), line("b", "Bye", max_tokens=2))
         file_id = await upload(client, content)
@@ -104,7 +105,9 @@ async def test_a_batch_runs_through_the_official_client_from_upload_to_output() 
 
 
 async def test_hostile_lines_are_answered_in_the_error_file_and_the_rest_run() -> None:
-    async with served(serve_options=STORE, max_body_bytes=4096) as server:
+    async with served(
+        server_config=ServerConfig(batches_store=MEMORY, max_body_bytes=4096)
+    ) as server:
         client = server.client
         content = jsonl(
             line("ok", "Hi"),
@@ -148,7 +151,9 @@ async def test_hostile_lines_are_answered_in_the_error_file_and_the_rest_run() -
 
 
 async def test_bad_requests_for_files_and_batches_are_400s_naming_the_field() -> None:
-    async with served(serve_options=STORE | {"batch_max_lines": 2}) as server:
+    async with served(
+        server_config=ServerConfig(batches_store=MEMORY, batch_max_lines=2)
+    ) as server:
         client = server.client
         with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'"):
             await client.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="vision")
@@ -171,7 +176,7 @@ async def test_bad_requests_for_files_and_batches_are_400s_naming_the_field() ->
         # Without a multipart form, or (below) without an Authorization header: refused.
         reply = await server.http.post("/v1/files", json={"purpose": "batch"})
         assert reply.status_code == 415
-    async with served(api_key=None, serve_options=STORE) as server:
+    async with served(api_key=None, server_config=STORE) as server:
         # A multipart form as a page could post it, in one piece (a refusal closes the
         # connection, which a body sent in pieces would meet half-sent).
         form = httpx.Request("POST", "http://x", data={"purpose": "batch"},
@@ -204,8 +209,8 @@ class GatedToyRunner(ToyRunner):
 
 async def test_a_cancelled_batch_keeps_what_was_answered() -> None:
     runner = GatedToyRunner()
-    async with served(runner=runner, serve_options=STORE | {"batch_max_in_flight": 1},
-                      max_num_seqs=1) as server:  # fmt: skip
+    config = ServerConfig(batches_store=MEMORY, batch_max_in_flight=1)
+    async with served(runner=runner, server_config=config, max_num_seqs=1) as server:
         client = server.client
         file_id = await upload(client, jsonl(*(line(f"n{index}", f"p{index}")
                                                for index in range(3))))  # fmt: skip
@@ -223,7 +228,7 @@ async def test_a_cancelled_batch_keeps_what_was_answered() -> None:
     assert (done.status, done.cancelled_at is not None) == ("cancelled", True)
     assert done.request_counts is not None
     assert (done.request_counts.total, done.request_counts.failed) == (3, 3)
-    async with served(serve_options=STORE) as server:  # the store was in memory: gone
+    async with served(server_config=STORE) as server:  # the store was in memory: gone
         with pytest.raises(openai.NotFoundError):
             await server.client.batches.retrieve(batch.id)
 
@@ -234,10 +239,10 @@ async def test_a_batch_interrupted_by_a_restart_resumes_keeping_its_answers(
     # One line at a time; the second is long (3,000 steps of at least 3 ms): the first
     # server ends while it runs, and a new server on the same file finishes the batch.
     path = str(tmp_path / "state" / "batches.sqlite3")
-    options = {"batches_store": path, "batch_max_in_flight": 1}
+    config = ServerConfig(batches_store=path, batch_max_in_flight=1)
     long = {"max_tokens": 3000, "ignore_eos": True}
     content = jsonl(line("n0", "p0"), line("n1", "p1", **long), line("n2", "p2"))
-    async with served(runner=ToyRunner(latency=0.003), serve_options=options,
+    async with served(runner=ToyRunner(latency=0.003), server_config=config,
                       check_clean=False) as server:  # fmt: skip
         client = server.client
         file_id = await upload(client, content)
@@ -248,7 +253,7 @@ async def test_a_batch_interrupted_by_a_restart_resumes_keeping_its_answers(
         counts = (await client.batches.retrieve(batch.id)).request_counts
     assert counts is not None
     assert (counts.total, counts.completed) == (3, 1)
-    async with served(serve_options=options) as server:  # a new server, a new engine
+    async with served(server_config=config) as server:  # a new server, a new engine
         done = await finished(server.client, batch.id)
         rerun = [prompt[0]["content"] for prompt, _ in server.engine.submitted]
         output = await lines_of(server.client, done.output_file_id)
@@ -263,7 +268,7 @@ async def test_interactive_requests_are_admitted_before_waiting_batch_ones() -> 
     # One seat, taken by an interactive request whose step waits at the gate; two batch
     # lines are submitted, then an interactive request: it is admitted before both.
     runner = GatedToyRunner()
-    async with served(runner=runner, serve_options=STORE, max_num_seqs=1) as server:
+    async with served(runner=runner, server_config=STORE, max_num_seqs=1) as server:
         client = server.client
         async with anyio.create_task_group() as group:
             group.start_soon(partial_completion, client, "first")

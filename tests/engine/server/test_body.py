@@ -16,9 +16,7 @@ import httpx
 import msgspec
 import pytest
 
-from twostroke.engine import Engine
 from twostroke.engine.config import ServerConfig
-from twostroke.engine.server import build_app, serve
 
 from .conftest import API_KEY, OPENAI_STREAMS_ON_TRIO, Served, served
 
@@ -112,7 +110,7 @@ async def still_serving(server: Served) -> None:
 
 
 async def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_sent() -> None:
-    async with served(max_body_bytes=LIMIT) as server:
+    async with served(server_config=ServerConfig(max_body_bytes=LIMIT)) as server:
         for path in BODY_ROUTES:
             for declared in (LIMIT + 1, 2**40):
                 # Only the headers are sent: the answer cannot have waited for the body.
@@ -128,7 +126,7 @@ async def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_se
 
 
 async def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit() -> None:
-    async with served(max_body_bytes=LIMIT) as server:
+    async with served(server_config=ServerConfig(max_body_bytes=LIMIT)) as server:
         # LIMIT bytes, then one more; the body never ends. The server cannot have read more
         # than was sent, so the 413 names exactly LIMIT + 1 bytes.
         chunks = [b"x" * 400, b"x" * 400, b"x" * 200, b"x"]
@@ -144,7 +142,7 @@ async def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit() -> Non
 
 
 async def test_a_body_of_exactly_the_limit_is_served() -> None:
-    async with served(max_body_bytes=LIMIT) as server:
+    async with served(server_config=ServerConfig(max_body_bytes=LIMIT)) as server:
         body = completion_body(LIMIT)
         declared = await server.http.post(
             "/v1/completions", content=body, headers={"content-type": "application/json"}
@@ -171,11 +169,8 @@ async def test_the_limit_is_checked_where_it_is_configured() -> None:
         (8.0, TypeError, "max_body_bytes must be an int, got float 8.0"),
         ("8", TypeError, "max_body_bytes must be an int, got str '8'"),
     ]
-    async with Engine.open(model="toy", device="cpu") as engine:
-        for value, error, message in bad:
-            with pytest.raises(error) as from_app:
-                build_app(engine, max_body_bytes=value)  # type: ignore[arg-type]
-            assert str(from_app.value) == message
-            with pytest.raises(error) as from_serve:  # before anything is bound
-                await serve(engine, port=0, max_body_bytes=value)  # type: ignore[arg-type]
-            assert str(from_serve.value) == message
+    for value, error, message in bad:
+        # Once, in ServerConfig: build_app() and serve() take the limits whole, checked.
+        with pytest.raises(error) as caught:
+            ServerConfig(max_body_bytes=value)  # type: ignore[arg-type]
+        assert str(caught.value) == message

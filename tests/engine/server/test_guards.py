@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from twostroke.engine import Engine
-from twostroke.engine.config import LOOPBACK_HOST_NAMES
+from twostroke.engine.config import LOOPBACK_HOST_NAMES, ServerConfig
 from twostroke.engine.server import build_app, serve
 from twostroke.engine.server.guards import ServerShutdown
 
@@ -79,11 +79,11 @@ async def test_without_a_key_only_allowed_hosts_are_answered() -> None:
 
 async def test_the_allow_list_is_configurable_and_a_key_turns_the_check_off() -> None:
     allowed = ["LLM.internal", "fd00::5"]
-    async with served(api_key=None, serve_options={"allowed_hosts": allowed}) as server:
+    async with served(api_key=None, server_config=ServerConfig(allowed_hosts=allowed)) as server:
         assert (await get_with_host(server, "llm.internal:8000")).status_code == 200
         assert (await get_with_host(server, "[fd00::5]:8000")).status_code == 200
         assert (await get_with_host(server, "localhost")).status_code == 403
-    async with served(api_key=None, serve_options={"allowed_hosts": ["*"]}) as server:
+    async with served(api_key=None, server_config=ServerConfig(allowed_hosts=["*"])) as server:
         assert (await get_with_host(server, "anything.example")).status_code == 200
     async with served(api_key=API_KEY) as server:  # the key is what protects it then
         assert (await get_with_host(server, "attacker.example")).status_code == 200
@@ -186,10 +186,10 @@ async def test_binding_beyond_loopback_without_a_key_warns_once(
          "finite, got -1"),
     ],
 )  # fmt: skip
-async def test_bad_limits_are_refused_before_anything_is_bound(
+async def test_bad_limits_are_refused_where_they_are_configured(
     options: dict[str, Any], error: type[Exception], message: str
 ) -> None:
-    async with Engine.open(model="toy", device="cpu") as engine:
-        with pytest.raises(error) as caught:
-            await serve(engine, port=0, **options)
-        assert str(caught.value) == message
+    # In ServerConfig, before serve() is called: it takes the limits whole, already checked.
+    with pytest.raises(error) as caught:
+        ServerConfig(**options)
+    assert str(caught.value) == message

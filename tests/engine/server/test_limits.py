@@ -64,16 +64,18 @@ class GatedRunner(ToyRunner):
 
 @asynccontextmanager
 async def limited(
-    *, runner: ToyRunner | None = None, api_key: str = API_KEY, **server: Any
+    *, runner: ToyRunner | None = None, api_key: str = API_KEY, config: ServerConfig | None = None
 ) -> AsyncIterator[tuple[CountingEngine, httpx.AsyncClient]]:
-    """A toy engine served on 127.0.0.1 with the server options given, and a client for it."""
+    """A toy engine served on 127.0.0.1 with the server's limits given, and a client for it."""
     async with Engine.open(
         runner=runner or ToyRunner(), tokenizer=ByteTokenizer(), device="cpu", model_name="toy",
         num_blocks=64, block_size=4, max_num_seqs=1,
     ) as real:  # fmt: skip
         engine = CountingEngine(real)
         async with anyio.create_task_group() as task_group:
-            port = await task_group.start(partial(serve, engine, port=0, api_key=api_key, **server))
+            port = await task_group.start(
+                partial(serve, engine, port=0, api_key=api_key, config=config)
+            )
             async with http_client(
                 f"http://127.0.0.1:{port}",
                 headers={"authorization": f"Bearer {api_key}".encode()},
@@ -115,7 +117,7 @@ async def test_prompts_times_n_is_capped_before_tokenizing() -> None:
 
 
 async def test_max_choices_is_configurable_and_counts_chat_choices_too() -> None:
-    async with limited(max_choices=4) as (engine, http):
+    async with limited(config=ServerConfig(max_choices=4)) as (engine, http):
         body = {"model": "toy", "prompt": ["a", "b"], "n": 3, "max_tokens": 1}
         error = error_of(await http.post("/v1/completions", json=body), 400)
         assert error["message"].endswith("must be <= 4, got 2 prompts x n=3 = 6")
@@ -201,7 +203,8 @@ async def test_a_full_waiting_queue_is_a_503_before_tokenizing_and_a_request_is_
     None
 ):
     runner = GatedRunner()
-    async with limited(runner=runner, max_waiting_requests=3) as (engine, http):
+    config = ServerConfig(max_waiting_requests=3)
+    async with limited(runner=runner, config=config) as (engine, http):
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         # One runs (max_num_seqs=1), held in its first step by the gate; two wait.
         direct = [engine.engine.submit("first", params)]
@@ -247,36 +250,39 @@ CHECKS: list[tuple[dict[str, Any], type[Exception], str]] = [
 ]
 
 
-async def test_build_app_checks_the_limits() -> None:
-    async with Engine.open(model="toy", device="cpu") as engine:
-        for options, error, message in CHECKS:
-            with pytest.raises(error, match=f"^{message}"):
-                build_app(engine, **options)
+async def test_the_limits_are_checked_where_they_are_configured() -> None:
+    for options, error, message in CHECKS:
+        with pytest.raises(error, match=f"^{message}"):
+            ServerConfig(**options)  # before build_app() or serve(), which take it whole
     defaults = ServerConfig()
     assert (defaults.max_choices, defaults.max_waiting_requests) == (128, 1024)
 
 
-async def test_the_limits_come_as_one_server_config_or_as_its_keywords() -> None:
+async def test_the_limits_come_as_one_server_config() -> None:
     async with limited(config=ServerConfig(max_choices=4)) as (engine, http):
         body = {"model": "toy", "prompt": "hi", "max_tokens": 1, "n": 5}
         error = error_of(await http.post("/v1/completions", json=body), 400)
         assert error["message"].endswith("must be <= 4, got 1 prompts x n=5 = 5")
         assert engine.submitted == []
     async with Engine.open(model="toy", device="cpu") as engine:
-        with pytest.raises(TypeError) as both:  # before anything is bound
-            await serve(engine, port=0, config=ServerConfig(), max_choices=4)
-        assert str(both.value) == (
-            "serve() takes the server's limits as config= or as keywords, not both: got "
-            "config and max_choices"
-        )
+        # A field is no keyword of either: the limits are one value, checked where it is built.
         with pytest.raises(TypeError, match=r"^build_app\(\) got an unexpected keyword "
-                           r"argument 'keep_alive': the server's limits are ServerConfig's "
-                           r"fields \(max_body_bytes, "):  # fmt: skip
-            build_app(engine, keep_alive=1.0)
+                           r"argument 'max_choices'$"):  # fmt: skip
+            build_app(engine, max_choices=4)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match=r"^serve\(\) got an unexpected keyword "
+                           r"argument 'max_choices'$"):  # fmt: skip
+            # 192.0.2.1 (TEST-NET-1) is on no interface: nothing is ever bound.
+            await serve(engine, "192.0.2.1", 0, max_choices=4)  # type: ignore[call-arg]
+        given: Any = {"max_choices": 4}
+        wrong = r"^config must be a ServerConfig or None, got dict \{'max_choices': 4\}$"
+        with pytest.raises(TypeError, match=wrong):
+            build_app(engine, config=given)
+        with pytest.raises(TypeError, match=wrong):  # before anything is bound
+            await serve(engine, "192.0.2.1", 0, config=given)
 
 
 async def test_max_choices_never_passes_max_waiting_requests() -> None:
-    async with limited(max_waiting_requests=4) as (engine, http):
+    async with limited(config=ServerConfig(max_waiting_requests=4)) as (engine, http):
         body = {"model": "toy", "prompt": "hi", "max_tokens": 1, "n": 5}
         error = error_of(await http.post("/v1/completions", json=body), 400)
         assert error["message"].endswith("must be <= 4, got 1 prompts x n=5 = 5")

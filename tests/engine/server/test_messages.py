@@ -12,6 +12,7 @@ import anthropic
 import pytest
 from anthropic import AsyncAnthropic, DefaultAsyncHttpxClient
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.errors import EngineOverloaded
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.engine.server.answer_events import Finished, TextDelta
@@ -257,7 +258,7 @@ async def test_refusals_are_anthropic_shaped(
 
 
 async def test_a_guard_refusal_and_a_body_too_large_are_anthropic_shaped() -> None:
-    async with served(max_body_bytes=1000) as server:
+    async with served(server_config=ServerConfig(max_body_bytes=1000)) as server:
         text = await server.http.post("/v1/messages", content=b"{}",
                                       headers={"content-type": "text/plain"})  # fmt: skip
         large = await server.http.post("/v1/messages", json={"pad": "x" * 2000})

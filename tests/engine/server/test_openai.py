@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.runners.toy import ToyRunner
 
 from .conftest import OPENAI_STREAMS_ON_TRIO, openai_client, served
@@ -307,7 +308,7 @@ class GatedToyRunner(ToyRunner):
 
 async def test_an_idle_stream_gets_keep_alive_comments() -> None:
     runner = GatedToyRunner()
-    async with served(runner=runner, keepalive=0.001) as server:
+    async with served(runner=runner, server_config=ServerConfig(keepalive=0.001)) as server:
         body = {"prompt": "slow", "max_tokens": 3, "stream": True, "ignore_eos": True}
         raw = b""
         async with server.http.stream("POST", "/v1/completions", json=body) as reply:

@@ -13,6 +13,7 @@ import msgspec
 import openai
 import pytest
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.engine.server.response_store import MEMORY, ResponseStore, owner_of
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.anyio, OPENAI_STREAMS_ON_TRIO]
 
 MISSING = "resp_" + "0" * 32
 #: A server whose responses are stored in memory.
-STORE: dict[str, Any] = {"responses_store": MEMORY}
+STORE = ServerConfig(responses_store=MEMORY)
 
 
 class FakeClock:
@@ -51,7 +52,7 @@ async def test_previous_response_id_continues_the_stored_conversation(stream: bo
         async with client.responses.stream(model="toy", max_output_tokens=200, **fields) as events:
             return await events.get_final_response()
 
-    async with served(runner=ToyRunner(eos_rate=0.2), serve_options=STORE) as server:
+    async with served(runner=ToyRunner(eos_rate=0.2), server_config=STORE) as server:
         first = await create(server.client, input="Hello", instructions="Be brief.")
         second = await create(server.client, input="And then?", previous_response_id=first.id)
         (_, _), (prompt, _) = server.engine.submitted
@@ -79,7 +80,7 @@ async def test_a_tool_call_output_continues_its_call_from_the_stored_response() 
     tools: Any = [{"type": "function", "name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
         "additionalProperties": False}}]  # fmt: skip
-    async with served(runner=ToyRunner(eos_rate=0.1), serve_options=STORE) as server:
+    async with served(runner=ToyRunner(eos_rate=0.1), server_config=STORE) as server:
         first = await server.client.responses.create(
             model="toy", input="Time?", tools=tools, tool_choice="required"
         )
@@ -96,7 +97,7 @@ async def test_a_tool_call_output_continues_its_call_from_the_stored_response() 
 
 
 async def test_input_items_are_paged_as_openai_lists_them() -> None:
-    async with served(serve_options=STORE) as server:
+    async with served(server_config=STORE) as server:
         items = [{"role": "user", "content": f"turn {index}"} for index in range(5)]
         response = await server.client.responses.create(
             model="toy", input=items, max_output_tokens=2
@@ -127,7 +128,7 @@ async def test_input_items_are_paged_as_openai_lists_them() -> None:
 
 
 async def test_delete_removes_a_response_and_store_false_stores_nothing() -> None:
-    async with served(serve_options=STORE) as server:
+    async with served(server_config=STORE) as server:
         kept = await server.client.responses.create(model="toy", input="Hi", max_output_tokens=2)
         assert (await server.client.responses.delete(kept.id)) is None  # the SDK's answer
         with pytest.raises(openai.NotFoundError, match=f"No response found with id '{kept.id}'"):
@@ -180,11 +181,10 @@ async def test_a_malformed_id_is_refused_before_the_database_is_asked(
 
 async def test_a_response_survives_a_restart_on_the_same_file(tmp_path: pathlib.Path) -> None:
     path = str(tmp_path / "state" / "responses.sqlite3")
-    async with served(serve_options={"responses_store": path}) as server:
+    config = ServerConfig(responses_store=path)
+    async with served(server_config=config) as server:
         first = await server.client.responses.create(model="toy", input="Hi", max_output_tokens=3)
-    async with served(
-        serve_options={"responses_store": path}
-    ) as server:  # a new server, a new engine
+    async with served(server_config=config) as server:  # a new server, a new engine
         again = await server.client.responses.retrieve(first.id)
         second = await server.client.responses.create(
             model="toy", input="More", max_output_tokens=3, previous_response_id=first.id
@@ -198,10 +198,11 @@ async def test_a_response_survives_a_restart_on_the_same_file(tmp_path: pathlib.
 
 async def test_one_api_keys_responses_are_invisible_to_another(tmp_path: pathlib.Path) -> None:
     path = str(tmp_path / "responses.sqlite3")
-    async with served(api_key="sk-alice", serve_options={"responses_store": path}) as server:
+    config = ServerConfig(responses_store=path)
+    async with served(api_key="sk-alice", server_config=config) as server:
         alice = await server.client.responses.create(model="toy", input="Hi", max_output_tokens=2)
     for other in ("sk-bob", None):  # another key, and no key at all
-        async with served(api_key=other, serve_options={"responses_store": path}) as server:
+        async with served(api_key=other, server_config=config) as server:
             with pytest.raises(openai.NotFoundError, match="No response found"):
                 await server.client.responses.retrieve(alice.id)
             with pytest.raises(openai.NotFoundError, match="No response found"):
@@ -212,7 +213,7 @@ async def test_one_api_keys_responses_are_invisible_to_another(tmp_path: pathlib
                 await server.client.responses.create(
                     model="toy", input="Hi", previous_response_id=alice.id
                 )
-    async with served(api_key="sk-alice", serve_options={"responses_store": path}) as server:
+    async with served(api_key="sk-alice", server_config=config) as server:
         assert (await server.client.responses.retrieve(alice.id)).id == alice.id
     # The key itself is nowhere in the file, only its hash.
     with sqlite3.connect(path) as db:
@@ -223,7 +224,9 @@ async def test_one_api_keys_responses_are_invisible_to_another(tmp_path: pathlib
 
 
 async def test_the_oldest_response_is_evicted_past_the_count() -> None:
-    async with served(serve_options=STORE | {"responses_max_count": 2}) as server:
+    async with served(
+        server_config=ServerConfig(responses_store=MEMORY, responses_max_count=2)
+    ) as server:
         made = [await server.client.responses.create(model="toy", input=f"{index}",
                                                      max_output_tokens=2)
                 for index in range(3)]  # fmt: skip

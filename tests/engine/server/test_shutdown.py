@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from twostroke.engine import Engine
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.engine.server import serve
 
@@ -42,7 +43,7 @@ class Stoppable:
 
 
 @asynccontextmanager
-async def stoppable(latency: float, **options: Any) -> AsyncIterator[Stoppable]:
+async def stoppable(latency: float, config: ServerConfig) -> AsyncIterator[Stoppable]:
     runner = ToyRunner(eos_rate=0, latency=latency)
     async with Engine.open(
         runner=runner, tokenizer=ByteTokenizer(), device="cpu", model_name="toy"
@@ -54,7 +55,9 @@ async def stoppable(latency: float, **options: Any) -> AsyncIterator[Stoppable]:
 
             async def run(*, task_status: anyio.abc.TaskStatus[int]) -> None:
                 with scope:
-                    await serve(engine, port=0, api_key=API_KEY, task_status=task_status, **options)
+                    await serve(
+                        engine, port=0, api_key=API_KEY, config=config, task_status=task_status
+                    )
                 stopped.set()
 
             port = await task_group.start(run)
@@ -77,7 +80,7 @@ async def events_of(response: httpx.Response) -> AsyncIterator[Any]:
 
 async def test_open_responses_finish_within_the_grace_period() -> None:
     """On trio the stream was cut at once: Hypercorn got no ``shutdown_trigger``."""
-    async with stoppable(latency=0.01, shutdown_timeout=30) as server:
+    async with stoppable(latency=0.01, config=ServerConfig(shutdown_timeout=30)) as server:
         with anyio.fail_after(20):
             async with server.http.stream(
                 "POST", "/v1/completions", json=completion(20, stream=True)
@@ -112,7 +115,7 @@ async def test_open_responses_finish_within_the_grace_period() -> None:
 
 async def test_responses_open_at_the_end_of_the_grace_period_are_ended() -> None:
     """On uvicorn such a stream ended without an error event or ``[DONE]``."""
-    async with stoppable(latency=0.02, shutdown_timeout=0.2) as server:
+    async with stoppable(latency=0.02, config=ServerConfig(shutdown_timeout=0.2)) as server:
         with anyio.fail_after(20):
             async with server.http.stream(
                 "POST", "/v1/completions", json=completion(3000, stream=True)
@@ -155,7 +158,7 @@ async def test_a_responses_stream_open_at_the_end_of_the_grace_period_ends_as_on
     """A ``/v1/responses`` stream is ended with the Responses API's ``error`` and
     ``response.failed`` events (its sequence numbers continuing), never chat's ``[DONE]``."""
     body = {"model": "toy", "input": "hi", "max_output_tokens": 3000, "stream": True}
-    async with stoppable(latency=0.02, shutdown_timeout=0.2) as server:
+    async with stoppable(latency=0.02, config=ServerConfig(shutdown_timeout=0.2)) as server:
         with anyio.fail_after(20):
             async with server.http.stream("POST", "/v1/responses", json=body) as response:
                 events = events_of(response)
@@ -179,7 +182,7 @@ async def test_a_responses_stream_open_at_the_end_of_the_grace_period_ends_as_on
 async def test_a_client_that_stops_reading_is_cut_off_after_the_grace_period() -> None:
     """Ending its stream needs a write the client never takes: the connection is closed
     ``CLOSING_SECONDS`` after the grace period instead, and the server's call returns."""
-    async with stoppable(latency=0, shutdown_timeout=0.2) as server:
+    async with stoppable(latency=0, config=ServerConfig(shutdown_timeout=0.2)) as server:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
         sock.connect(("127.0.0.1", server.port))

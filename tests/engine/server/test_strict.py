@@ -48,7 +48,7 @@ async def test_a_schema_without_additional_properties_is_closed_unless_told(
     strict: bool,
 ) -> None:
     runner = ScriptedRunner(lambda prompt: CALL if "get_weather" in prompt else EXTRA)
-    async with served(runner=runner, serve_options={"strict_schemas": strict}) as server:
+    async with served(runner=runner, server_config=ServerConfig(strict_schemas=strict)) as server:
         for body in _bodies():
             reply = await server.http.post("/v1/chat/completions", json=body)
             assert reply.status_code == 200, reply.text

@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.server.structured import MAX_TOOLS
 from twostroke.states.constraints import MAX_CHOICES
 
@@ -263,7 +264,7 @@ async def test_a_constraint_the_backend_refuses_is_a_400_not_a_500(stream: bool)
 
 async def test_a_constrained_stream_held_for_its_first_output_still_keeps_alive() -> None:
     """Keep-alive comments while the constraint compiles open the response; then the chunks."""
-    async with served(keepalive=0.001) as server:
+    async with served(server_config=ServerConfig(keepalive=0.001)) as server:
         body = _chat(structured_outputs={"choice": ["yes", "no"]}, stream=True)
         raw = b""
         async with server.http.stream("POST", "/v1/chat/completions", json=body) as reply:
@@ -291,7 +292,7 @@ async def test_requests_still_compiling_count_against_max_waiting_requests(
 
     monkeypatch.setattr(compiler, "_compile", gated)
     body = _completion(structured_outputs={"choice": ["yes", "no"]}, max_tokens=4)
-    async with served(serve_options={"max_waiting_requests": 2}) as server:
+    async with served(server_config=ServerConfig(max_waiting_requests=2)) as server:
         answers: list[httpx.Response] = []
 
         async def post() -> None:

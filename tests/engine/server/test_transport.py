@@ -190,7 +190,7 @@ async def test_a_connection_that_fails_closes_alone(
 
 
 async def test_connections_over_the_limit_are_answered_503() -> None:
-    async with served(serve_options={"max_connections": 2}) as server:
+    async with served(server_config=ServerConfig(max_connections=2)) as server:
         port = port_of(server)
         request = (
             b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -232,8 +232,8 @@ def virtual_time_on_trio() -> list[Any]:
     ]
 
 
-def trickle_pace(anyio_backend: Any) -> tuple[dict[str, Any], float, float]:
-    """The server options, the pause between bytes, and the slack the deadline may take.
+def trickle_pace(anyio_backend: Any) -> tuple[ServerConfig, float, float]:
+    """The server's limits, the pause between bytes, and the slack the deadline may take.
 
     In virtual time the deadline is exact. In real time a busy machine may notice it late:
     the slack is 10 s past a deadline of half a second, 20 times the deadline, for a loop
@@ -243,8 +243,8 @@ def trickle_pace(anyio_backend: Any) -> tuple[dict[str, Any], float, float]:
     start, then answer it (or the trickle would say it read it all).
     """
     if anyio_backend == "asyncio":  # real time: a deadline of half a second
-        return {"header_timeout": 0.5, "body_timeout": 0.5}, 0.05, 10.0
-    return {}, 2.0, 2 * 2.0  # virtual time: the defaults against the issue's client
+        return ServerConfig(header_timeout=0.5, body_timeout=0.5), 0.05, 10.0
+    return ServerConfig(), 2.0, 2 * 2.0  # virtual time: the defaults against the issue's client
 
 
 async def trickle(stream: anyio.abc.ByteStream, data: bytes, pause: float) -> bytes:
@@ -269,10 +269,10 @@ async def test_headers_sent_a_byte_at_a_time_are_cut_at_the_deadline(
     anyio_backend: Any, after_a_response: bool
 ) -> None:
     """The deadline runs from the connection's start, or from the response before."""
-    options, pause, slack = trickle_pace(anyio_backend)
-    header_timeout = options.get("header_timeout", ServerConfig().header_timeout)
+    config, pause, slack = trickle_pace(anyio_backend)
+    header_timeout = config.header_timeout
     most = header_timeout + slack
-    async with served(serve_options=options) as server:
+    async with served(server_config=config) as server:
         request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
         request += API_KEY.encode() + b"\r\n"
         with anyio.fail_after(most):
@@ -297,10 +297,10 @@ async def test_headers_sent_a_byte_at_a_time_are_cut_at_the_deadline(
 
 @pytest.mark.parametrize("anyio_backend", virtual_time_on_trio())
 async def test_a_body_sent_a_byte_at_a_time_is_a_408_at_the_deadline(anyio_backend: Any) -> None:
-    options, pause, slack = trickle_pace(anyio_backend)
-    timeout = options.get("body_timeout", ServerConfig().body_timeout)
+    config, pause, slack = trickle_pace(anyio_backend)
+    timeout = config.body_timeout
     most = timeout + slack
-    async with served(serve_options=options) as server:
+    async with served(server_config=config) as server:
         body = msgspec.json.encode({"model": "toy", "prompt": "x" * 300, "max_tokens": 2})
         head = (
             f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
