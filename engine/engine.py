@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -292,6 +292,22 @@ class Engine:
         runner that was not loaded by a plan (the toy model, a runner of the caller's)."""
         runner = self._runner
         return runner.plan if isinstance(runner, PlannedRunner) else None
+
+    @contextmanager
+    def record_steps(self) -> Iterator[list[StepPlan]]:
+        """Record the steps the engine launches while the block is open: for replaying a
+        workload's steps on the bare model (the bench's bare-forward row) or reading what
+        the scheduler made of it.
+
+        The list fills as the device launches each step (in launch order, each plan as
+        launched: less the rows a failed step before it stranded); read it once the steps
+        of interest are done, after the block. Recordings may nest or overlap.
+
+        Yields:
+            The list of :class:`~twostroke.states.plan.StepPlan` launched so far.
+        """
+        with self._launcher.record() as plans:
+            yield plans
 
     @property
     def deterministic(self) -> bool:

@@ -38,17 +38,16 @@ from twostroke.engine.models.loading import LoadedModel, load_model
 from twostroke.engine.models.plan import RunPlan, resolve_run
 from twostroke.engine.models.source import read_source
 from twostroke.engine.runners.loading import default_torch_threads
+from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.statistics import EngineStatistics
-from twostroke.engine.structured.masks import StepMasks
-from twostroke.engine.text.tokenizer import HFTokenizer
-from twostroke.gpu.completion import Launched
+from twostroke.engine.text.tokenizer import HFTokenizer, Tokenizer
 from twostroke.gpu.device import Device
 from twostroke.gpu.forward_thread import ForwardThread
 from twostroke.gpu.selection import select_device
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
-from twostroke.states.plan import RunnerOutput, StepPlan
+from twostroke.states.plan import StepPlan
 from twostroke.states.speculation import SpeculativeConfig, speculative_config
 
 __all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers", "speculative_drivers"]
@@ -60,37 +59,6 @@ def _intra_op_threads(model: ModelSpec) -> int:
     The bare forward loop runs at the same count, so its ratio to the engine is honest.
     """
     return default_torch_threads(model.threads)
-
-
-class _RecordingRunner:
-    """A runner that remembers every plan it executes (for the bare forward replay); it
-    applies structured-output masks as its runner does (the replay samples without them)."""
-
-    def __init__(self, runner: TorchModelRunner) -> None:
-        self.runner = runner
-        self.plans: list[StepPlan] = []
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def deterministic(self) -> bool:
-        return self.runner.deterministic
-
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return self.runner.kv_cache_bytes_per_block(block_size)
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks, block_size)
-
-    def execute(self, plan: StepPlan) -> Launched[RunnerOutput]:
-        self.plans.append(plan)
-        return self.runner.execute(plan)
-
-    def execute_masked(self, plan: StepPlan, masks: StepMasks | None) -> Launched[RunnerOutput]:
-        self.plans.append(plan)
-        return self.runner.execute_masked(plan, masks)
 
 
 @attrs.define
@@ -190,21 +158,27 @@ class TwostrokeDriver:
         tokenizer = HFTokenizer.from_pretrained(loaded.source)
         warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)
         started += warmup
-        runner = _RecordingRunner(
-            TorchModelRunner.from_loaded(
-                loaded, max_num_seqs=self.engine_options.get("max_num_seqs", 64)
-            )
+        runner = TorchModelRunner.from_loaded(
+            loaded, max_num_seqs=self.engine_options.get("max_num_seqs", 64)
         )
         request_ids = [-1] * len(workload.requests)
         outputs: list[tuple[int, ...]] = []
+        plans: list[StepPlan] = []
         timings, wall, stats, startup = anyio.run(
             functools.partial(
-                self._serve, workload, runner, tokenizer, started, request_ids, outputs=outputs
+                self._serve,
+                workload,
+                runner,
+                tokenizer,
+                started,
+                request_ids,
+                outputs=outputs,
+                plans=plans,
             )
         )
         self.recording = _Recording(
             loaded=loaded,
-            plans=runner.plans,
+            plans=plans,
             num_blocks=stats.num_blocks,
             block_size=self.engine_options.get("block_size", 16),
             request_ids=request_ids,
@@ -230,7 +204,7 @@ class TwostrokeDriver:
                 "quantization": loaded.quantization,
                 "projections": loaded.module.kernels.projection.layers,
                 "output_projection": loaded.module.kernels.projection.head,
-                "attention": runner.runner.attention_kernel,
+                "attention": runner.attention_kernel,
                 "batch_invariant": runner.deterministic,
                 **_mask_figures(stats),
                 **self._speculation_figures(stats),
@@ -285,13 +259,16 @@ class TwostrokeDriver:
     async def _serve(
         self,
         workload: Workload,
-        runner: _RecordingRunner,
-        tokenizer: HFTokenizer,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
         started: float,
         request_ids: list[int],
         *,
         outputs: list[tuple[int, ...]] | None = None,
+        plans: list[StepPlan] | None = None,
     ) -> tuple[list[RequestTiming], float, Any, float]:
+        """Serve ``workload`` on an engine over ``runner``; the steps it launched go into
+        ``plans`` (for the bare forward's replay: the warm-up's are not among them)."""
         device = self.new_device()
         options = {
             "pipeline_depth": self.depth,
@@ -303,10 +280,12 @@ class TwostrokeDriver:
         # (Engine.open holding it as well only nests).
         async with device, Engine.open(runner=runner, tokenizer=tokenizer, **options) as engine:
             await _compile_constraints(engine, workload)
-            runner.plans.clear()  # the bare forward replays the workload's steps alone
             warm = engine.statistics()
             startup = time.perf_counter() - started
-            streamed = await stream_workload(engine, workload)
+            with engine.record_steps() as launched:
+                streamed = await stream_workload(engine, workload)
+            if plans is not None:
+                plans[:] = launched
             request_ids[:] = streamed.request_ids
             if outputs is not None:
                 outputs[:] = streamed.output_token_ids

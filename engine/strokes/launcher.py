@@ -43,6 +43,21 @@ class Launcher:
         self._failed: StepPlan | None = None
         #: The launches' time and the device's waits between them.
         self.timer = LaunchTimer()
+        # The open recordings (record()); replaced, never mutated, so the device's thread
+        # reads a consistent tuple while the event loop's opens or closes one.
+        self._recordings: tuple[list[StepPlan], ...] = ()
+
+    @contextmanager
+    def record(self) -> Iterator[list[StepPlan]]:
+        """The plans launched while the block is open, in launch order, as launched (less
+        the rows a failed step stranded); see
+        :meth:`~twostroke.engine.engine.Engine.record_steps`."""
+        plans: list[StepPlan] = []
+        self._recordings = (*self._recordings, plans)
+        try:
+            yield plans
+        finally:
+            self._recordings = tuple(r for r in self._recordings if r is not plans)
 
     @property
     def applies_masks(self) -> bool:
@@ -81,6 +96,8 @@ class Launcher:
             if not plan.requests:
                 empty = RunnerOutput(step_id=plan.step_id, sampled={})
                 return Launched(event=ReadyEvent(), readback=lambda: empty)
+        for recording in self._recordings:
+            recording.append(plan)
         try:
             if masks is not None:
                 assert self._masking is not None  # submit refuses constraints otherwise

@@ -49,6 +49,26 @@ async def test_generate_matches_the_reference() -> None:
     assert output.usage.completion_tokens == len(tokens)
 
 
+async def test_record_steps_gives_the_launched_plans_while_open() -> None:
+    """The bench's bare forward replays a workload's steps from this record: every step
+    launched inside the block, in order, and none from before or after it."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    async with toy_engine() as engine:
+        await engine.generate("before", params)
+        before = engine.statistics().num_steps
+        with engine.record_steps() as outer:
+            with engine.record_steps() as inner:
+                await engine.generate("inside", params)
+            await engine.generate("outer only", params)
+        recorded = engine.statistics().num_steps
+        await engine.generate("after", params)
+    assert len(outer) == recorded - before
+    assert [plan.step_id for plan in outer] == sorted(plan.step_id for plan in outer)
+    assert inner == outer[: len(inner)] and 0 < len(inner) < len(outer)
+    tokens = sum(row.num_tokens for plan in inner for row in plan.requests)
+    assert tokens >= len("inside") + 5  # its prompt, then a row per token sampled after
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 async def test_concurrent_requests_under_memory_pressure(depth: int) -> None:
     prompts = [f"request number {i} " * (1 + i % 5) for i in range(24)]

@@ -14,7 +14,6 @@ import attrs
 import pytest
 from rich.console import Console
 
-from twostroke.engine.bench import twostroke_driver
 from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver, PromptLookup
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
@@ -233,7 +232,7 @@ def test_on_the_toy_the_spec_row_counts_drafts_and_generates_the_same_tokens() -
     outputs = {}
     plain = TwostrokeDriver(2, max_num_seqs=2)
     for driver in (plain, plain.with_speculation(config)):
-        runner = twostroke_driver._RecordingRunner(ToyRunner(eos_rate=0))  # type: ignore[arg-type]
+        runner = ToyRunner(eos_rate=0)
         produced: list[tuple[int, ...]] = []
         serve = functools.partial(
             driver._serve,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from twostroke.engine.bench.workload import BenchRequest, Workload, with_json_sc
 from twostroke.engine.runners.torch import TorchModelRunner
 from twostroke.engine.runners.toy import ByteTokenizer, ToyRunner
 from twostroke.gpu.device import Device
+from twostroke.states.plan import StepPlan
 
 
 @pytest.mark.slow
@@ -84,13 +86,15 @@ def test_the_engine_systems_run_on_the_device_they_are_given(
         seed=0,
         description="two tiny requests",
     )
-    runner = twostroke_driver._RecordingRunner(ToyRunner(eos_rate=0))  # type: ignore[arg-type]
+    runner = ToyRunner(eos_rate=0)
+    plans: list[StepPlan] = []
+    serve = functools.partial(depth2._serve, plans=plans)
     timings, _, stats, _ = anyio.run(
-        depth2._serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1, -1]
+        serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1, -1]
     )
     assert made == ["cuda"]
     assert [t.output_tokens for t in timings] == [4, 3]
-    assert stats.num_steps == len(runner.plans)
+    assert stats.num_steps == len(plans)
     assert engine_drivers()[0].device == "cpu"  # the peers run on the CPU: so does the default
 
 
@@ -156,14 +160,16 @@ def test_a_structured_workload_runs_through_the_recording_runner() -> None:
         ),
         0.5,
     )
-    runner = twostroke_driver._RecordingRunner(ToyRunner(eos_rate=0))  # type: ignore[arg-type]
+    runner = ToyRunner(eos_rate=0)
+    plans: list[StepPlan] = []
+    serve = functools.partial(depth2._serve, plans=plans)
     timings, _, stats, _ = anyio.run(
-        depth2._serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1, -1]
+        serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1, -1]
     )
     assert [t.output_tokens for t in timings] == [6, 5]
     (constrained,) = [r for r in workload.requests if r.json_schema is not None]
     assert stats.num_masked_rows == constrained.max_tokens
-    assert stats.num_steps == len(runner.plans)
+    assert stats.num_steps == len(plans)
     assert twostroke_driver._mask_figures(stats)["masked_tokens"] == constrained.max_tokens
 
 
@@ -184,7 +190,7 @@ def test_the_governed_row_leaves_the_thread_count_to_the_engine() -> None:
     )
     model = ModelSpec(name="tiny", source=Path("m"), threads=2)
     for driver, governor in ((fixed, False), (governed, True)):
-        runner = twostroke_driver._RecordingRunner(ToyRunner(eos_rate=0))  # type: ignore[arg-type]
+        runner = ToyRunner(eos_rate=0)
         _, _, stats, _ = anyio.run(
             driver._serve, workload, runner, ByteTokenizer(), time.perf_counter(), [-1]
         )
