@@ -82,18 +82,26 @@ class ModelSpec:
         dtype: str = "auto",
         threads: int = 2,
         seed: int = 0,
+        llamacpp_python: str | os.PathLike[str] | None = None,
     ) -> ModelSpec:
-        """The spec of a model name or path, resolved as twostroke resolves it.
+        """The spec of a model name or path, resolved as twostroke resolves it; a
+        ``synthetic:SHAPE[:TYPE]`` name is a random-weight model of a real architecture at
+        its real size, made once and kept in the artifact cache
+        (:func:`~twostroke.engine.synthetic.cached.synthetic_named`; ``llamacpp_python``
+        quantizes its ``q4_k_m`` type).
 
         Raises:
             ModelLoadError: the name's package is not installed, or the path does not exist.
+            ValueError: a synthetic name that names no shape or type.
         """
         from twostroke.engine.checkpoints.source import resolve_model
         from twostroke.engine.models.plan import exact_asked
+        from twostroke.engine.synthetic.cached import synthetic_named
 
+        synthetic = synthetic_named(model, llamacpp_python=llamacpp_python)
         return cls(
             name=model,
-            source=resolve_model(model),
+            source=resolve_model(model) if synthetic is None else synthetic,
             dtype=dtype,
             threads=threads,
             exact=exact_asked(dtype),

@@ -310,7 +310,14 @@ PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp", "openvino-g
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``twostroke bench``'s options to ``parser``."""
-    parser.add_argument("--model", default="smollm2", help="name, model directory or GGUF")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="name, model directory or GGUF; synthetic:SHAPE[:TYPE] is a random-weight model "
+        "of a real architecture at its real size (twostroke synthesize --list), made once and "
+        "cached: TYPE f16 (default), q8_0, q4_k_m (--llamacpp-python quantizes it) or "
+        "bfloat16/float16/float32 for a Hugging Face folder",
+    )
     parser.add_argument(
         "--workload",
         choices=["offline", "serving", "grounded", "agent"],
@@ -551,7 +558,12 @@ def bench_command(
         args.out or Path("bench-results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     )
     model = ModelSpec.resolve(
-        args.model, work_dir=out, dtype=args.dtype, threads=args.threads, seed=args.seed
+        args.model,
+        work_dir=out,
+        dtype=args.dtype,
+        threads=args.threads,
+        seed=args.seed,
+        llamacpp_python=args.llamacpp_python,
     )
     tokenizer = HFTokenizer.from_pretrained(model.source)
     encode = tokenizer.encode

@@ -27,12 +27,22 @@ from twostroke.engine.synthetic.hf import HF_DTYPES, HFDtype, write_hf
 from twostroke.engine.synthetic.shapes import shape_named
 from twostroke.states.errors import EngineError
 
-__all__ = ["GENERATOR", "GGUF_FILE", "SyntheticCacheUnavailable", "synthetic_model"]
+__all__ = [
+    "GENERATOR",
+    "GGUF_FILE",
+    "SYNTHETIC_PREFIX",
+    "SyntheticCacheUnavailable",
+    "synthetic_model",
+    "synthetic_named",
+]
 
 #: Bumped when the drawing or the writers change what a seed gives.
 GENERATOR = 1
 #: The file name of a GGUF artifact's model.
 GGUF_FILE = "model.gguf"
+
+#: How a model name asks for a synthetic model: ``synthetic:SHAPE[:TYPE]``.
+SYNTHETIC_PREFIX = "synthetic:"
 
 _log = logging.getLogger(__name__)
 
@@ -159,3 +169,35 @@ def _gguf_type(name: str) -> GGUFType:
         if kind == name:
             return kind
     raise AssertionError(name)  # checked by the caller
+
+
+def synthetic_named(
+    name: str, *, llamacpp_python: str | os.PathLike[str] | None = None
+) -> Path | None:
+    """The synthetic model a name such as ``synthetic:qwen3-1.7b:q4_k_m`` asks for (made on
+    first use, see :func:`synthetic_model`), or ``None`` for a name without the prefix.
+
+    ``synthetic:SHAPE`` is the shape's GGUF file in F16, the form every peer of the bench
+    reads; ``synthetic:SHAPE:TYPE`` picks the type, a GGUF one (``f16``, ``q8_0``,
+    ``q4_k_m``) or a Hugging Face folder's dtype (``bfloat16``, ``float16``, ``float32``).
+
+    Raises:
+        ValueError: the name has more than three parts, or a type of neither kind (the
+            message lists both).
+        UnknownShape, QuantizerUnavailable, SyntheticCacheUnavailable: as
+            :func:`synthetic_model` raises them.
+    """
+    if not name.startswith(SYNTHETIC_PREFIX):
+        return None
+    parts = name.removeprefix(SYNTHETIC_PREFIX).split(":")
+    if len(parts) > 2:
+        raise ValueError(f"a synthetic model is named synthetic:SHAPE[:TYPE], got {name!r}")
+    shape, type = parts[0], (parts[1] if len(parts) == 2 else GGUF_TYPES[0])
+    if type in GGUF_TYPES:
+        return synthetic_model(shape, "gguf", type, llamacpp_python=llamacpp_python)
+    if type in HF_DTYPES:
+        return synthetic_model(shape, "hf", type)
+    raise ValueError(
+        f"a synthetic model's type must be a GGUF type ({', '.join(GGUF_TYPES)}) or a "
+        f"Hugging Face dtype ({', '.join(HF_DTYPES)}), got {type!r} in {name!r}"
+    )

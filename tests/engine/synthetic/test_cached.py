@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 
 from twostroke.engine.artifacts.cache import ArtifactCache
-from twostroke.engine.synthetic.cached import SyntheticCacheUnavailable, synthetic_model
+from twostroke.engine.synthetic.cached import (
+    SyntheticCacheUnavailable,
+    synthetic_model,
+    synthetic_named,
+)
 from twostroke.engine.synthetic.gguf_file import QuantizerUnavailable
 from twostroke.engine.synthetic.shapes import UnknownShape
 
@@ -57,3 +61,40 @@ def test_errors_name_the_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(SyntheticCacheUnavailable, match="TWOSTROKE_NO_CACHE=1 turns off"):
         synthetic_model("test-llama", "hf")
     assert not cache.root.exists() or not cache.entries()
+
+
+def test_a_synthetic_name_is_its_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model synthetic:SHAPE[:TYPE]`` (the bench's): GGUF F16 unless a type says
+    otherwise, a Hugging Face folder for a dtype; other names are not synthetic."""
+    monkeypatch.setenv("TWOSTROKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TWOSTROKE_NO_CACHE", raising=False)
+    cache = ArtifactCache(tmp_path / "cache")
+    assert synthetic_named("smollm2") is None
+    assert synthetic_named("test-llama") is None
+    assert synthetic_named("synthetic:test-llama") == synthetic_model(
+        "test-llama", "gguf", "f16", cache=cache
+    )
+    assert synthetic_named("synthetic:test-llama:q8_0") == synthetic_model(
+        "test-llama", "gguf", "q8_0", cache=cache
+    )
+    folder = synthetic_named("synthetic:test-llama:float32")
+    assert folder == synthetic_model("test-llama", "hf", "float32", cache=cache)
+    assert folder is not None
+    assert (folder / "config.json").is_file()
+    with pytest.raises(ValueError, match=r"GGUF type \(f16, q8_0, q4_k_m\) .* got 'int4'"):
+        synthetic_named("synthetic:test-llama:int4")
+    with pytest.raises(ValueError, match=r"synthetic:SHAPE\[:TYPE\], got 'synthetic:a:b:c'"):
+        synthetic_named("synthetic:a:b:c")
+    with pytest.raises(UnknownShape, match="got 'gpt-5'"):
+        synthetic_named("synthetic:gpt-5")
+
+
+def test_the_bench_takes_a_synthetic_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from twostroke.engine.bench.model import ModelSpec
+
+    monkeypatch.setenv("TWOSTROKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TWOSTROKE_NO_CACHE", raising=False)
+    spec = ModelSpec.resolve("synthetic:test-qwen3:q8_0", work_dir=tmp_path / "run")
+    assert spec.is_gguf
+    assert spec.source.name == "model.gguf"
+    assert spec.source == synthetic_named("synthetic:test-qwen3:q8_0")
