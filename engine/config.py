@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 
 import attrs
 
+from twostroke.states.params import MAX_CACHE_TTL
 from twostroke.states.scheduler_config import SchedulingPolicy
 from twostroke.states.speculation import SpeculativeConfig, speculative_config
 from twostroke.states.validators import (
@@ -348,9 +349,10 @@ def host_names(value: object) -> frozenset[str] | None:
     return frozenset(hosts)
 
 
-def _seconds(*, zero: bool) -> Validator:
-    """An attrs validator: a finite number of seconds, above 0 (at least 0 with ``zero``)."""
-    rule = ">= 0" if zero else "> 0"
+def _seconds(*, zero: bool, most: float = math.inf) -> Validator:
+    """An attrs validator: a finite number of seconds, above 0 (at least 0 with ``zero``),
+    at most ``most``."""
+    rule = (">= 0" if zero else "> 0") + ("" if math.isinf(most) else f" and <= {most:g}")
 
     def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if not is_number(value):
@@ -358,7 +360,7 @@ def _seconds(*, zero: bool) -> Validator:
                 f"{attribute.name} must be a number of seconds, "
                 f"got {type(value).__name__} {value!r}"
             )
-        if not ((value >= 0 if zero else value > 0) and math.isfinite(value)):
+        if not ((value >= 0 if zero else value > 0) and math.isfinite(value) and value <= most):
             raise ValueError(f"{attribute.name} must be {rule} seconds and finite, got {value}")
 
     return check
@@ -462,6 +464,11 @@ class ServerConfig:
         responses_max_age: Seconds a stored response is kept (30 days, as OpenAI's): an
             older one is gone (``previous_response_id`` naming it is a 400
             ``previous_response_not_found``, ``GET`` a 404).
+        responses_cache_ttl: Seconds a stored response's conversation keeps its KV pinned in
+            the prefix cache (``SamplingParams.cache_ttl``), so that the turn continuing it
+            (``previous_response_id``) prefills only its new input; pinned blocks give way
+            to any request that needs the room. 5 minutes, as the hosted APIs' prompt caches
+            (at most an hour); 0 pins nothing.
         batches_store: The SQLite file ``/v1/files`` and ``/v1/batches`` keep files, batches
             and each answered line in; a batch outlives the server and resumes in the next
             one on the same file. ``None``: ``batches.sqlite3`` beside the response store's
@@ -554,6 +561,11 @@ class ServerConfig:
     )
     responses_max_age: float = attrs.field(
         default=30 * 24 * 3600.0, validator=_seconds(zero=False), metadata={"kind": "seconds"}
+    )
+    responses_cache_ttl: float = attrs.field(
+        default=300.0,
+        validator=_seconds(zero=True, most=MAX_CACHE_TTL),
+        metadata={"kind": "seconds"},
     )
     # Beside the responses (same folder, same rules), in a file of its own: its own
     # connection and writer, and a batch's answers never count against the responses' bounds.

@@ -44,6 +44,9 @@ MAX_STOP_TOKEN_IDS = 128
 #: priority between them (see :class:`~twostroke.states.scheduler.Scheduler`).
 MIN_PRIORITY = -1000
 MAX_PRIORITY = 1000
+#: The longest ``cache_ttl``, in seconds: an hour, the longest prompt-cache lifetime
+#: Anthropic's API offers.
+MAX_CACHE_TTL = 3600.0
 _MAX_SEED = 2**63
 
 
@@ -119,6 +122,14 @@ class SamplingParams:
             that has waited ``priority_aging_steps`` steps counts as one level better, so
             none waits forever. An int in [:data:`MIN_PRIORITY`, :data:`MAX_PRIORITY`]. It
             never changes the output, only when it comes.
+        cache_ttl: Seconds to keep the request's KV pinned in the prefix cache once it
+            finishes (its prompt's and output's full blocks), so that a continuation of the
+            conversation prefills only what is new (a stored Response's next turn): pinned
+            blocks are not evicted for other requests' cached blocks, and go back to the
+            pool when the time is up or as soon as a request needs the room, oldest first,
+            so a pin never delays anyone. 0 (the default) pins nothing; at most
+            :data:`MAX_CACHE_TTL`. Without prefix caching it does nothing. It never
+            changes the output.
 
     Raises:
         TypeError: a value of the wrong type.
@@ -150,6 +161,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = attrs.field(default=False, validator=boolean)
     constraint: Constraint | None = attrs.field(default=None, validator=check_constraint)
     priority: int = attrs.field(default=0, validator=int_in(MIN_PRIORITY, MAX_PRIORITY))
+    cache_ttl: float = attrs.field(default=0.0, validator=number_in(0, MAX_CACHE_TTL))
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -135,6 +135,9 @@ class Scheduler:
         # of their steps in flight, up to this step id, are garbage and are discarded.
         self._discard: dict[int, int] = {}
         self._gone: list[int] = []
+        # Finished requests' cached blocks held for their cache_ttl, oldest first: (when
+        # the pin ends, its blocks). Each holds one reference per block.
+        self._pins: collections.deque[tuple[float, tuple[int, ...]]] = collections.deque()
         self._next_step = 0
         self._num_completed = 0
         self._num_tokens_scheduled = 0
@@ -165,6 +168,11 @@ class Scheduler:
     @property
     def inflight_plans(self) -> tuple[StepPlan, ...]:
         return tuple(self._inflight)
+
+    @property
+    def pinned_blocks(self) -> tuple[int, ...]:
+        """The blocks finished requests' ``cache_ttl`` pins hold, oldest pin first."""
+        return tuple(block_id for _, block_ids in self._pins for block_id in block_ids)
 
     @property
     def can_schedule(self) -> bool:
@@ -337,6 +345,7 @@ class Scheduler:
         budget = config.max_num_batched_tokens
         entries: list[ScheduledRequest] = []
         preempted = False
+        self._expire_pins()
 
         index = 0
         while index < len(self._running) and budget > 0:
@@ -353,6 +362,7 @@ class Scheduler:
                 held=len(request.block_table),
                 room=self.pool.num_free,
             )
+            self._unpin(needed)
             # (The second test only when the first fails: it counts the deferred releases.)
             while needed > self.pool.num_free and (
                 needed > self.pool.num_free + self._num_returning_blocks()
@@ -393,6 +403,8 @@ class Scheduler:
                 held=len(hits),
                 room=self.pool.num_free - reclaimed,
             )
+            if num_tokens and self._unpin(needed + reclaimed):
+                continue  # pinned blocks went back to the pool: match and count again
             if num_tokens == 0 or needed + reclaimed > self.pool.num_free:
                 break
             self._waiting.popleft()
@@ -670,6 +682,40 @@ class Scheduler:
         else:
             self.pool.release(block_ids)
 
+    def _pin(self, request: Request) -> None:
+        """Hold a request that just finished's cached blocks for its ``cache_ttl``."""
+        ttl = request.params.cache_ttl
+        if not ttl or not self._prefix.enabled:
+            return
+        pool = self.pool
+        cached = tuple(b for b in request.block_table if pool.block_hash(b) is not None)
+        if cached:
+            pool.retain(cached)
+            self._pins.append((self._clock() + ttl, cached))
+
+    def _expire_pins(self) -> None:
+        """Release the pins whose time is up."""
+        if not self._pins:
+            return
+        now = self._clock()
+        ended = [pin for pin in self._pins if pin[0] <= now]
+        for pin in ended:
+            self._pins.remove(pin)
+            self.pool.release(pin[1][::-1])  # deepest first, as _release does
+
+    def _unpin(self, needed: int) -> bool:
+        """Release pins, oldest first, until ``needed`` blocks are free or none is left.
+
+        Returns:
+            Whether any pin was released.
+        """
+        released = False
+        while self._pins and self.pool.num_free < needed:
+            _, block_ids = self._pins.popleft()
+            self.pool.release(block_ids[::-1])
+            released = True
+        return released
+
     def _preempt(self, request: Request) -> None:
         block_ids = request.block_table
         request.apply(Preempted())
@@ -680,6 +726,8 @@ class Scheduler:
 
     def _end(self, request: Request, event: Cancelled | Finished | Failed) -> None:
         block_ids = request.block_table
+        if isinstance(event, Finished):
+            self._pin(request)
         request.apply(event)
         self._retire(request, block_ids)
 
@@ -716,6 +764,7 @@ class Scheduler:
             num_inflight_steps=len(self._inflight),
             num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_blocks,
+            num_pinned_blocks=len(set(self.pinned_blocks)),
             num_blocks=pool.num_blocks,
             num_kv_cache_tokens=pool.num_blocks * pool.block_size,
             num_steps_planned=self._next_step,
@@ -746,8 +795,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any guarantee of the scheduler does not hold.
 
-        Blocks are conserved (every reference is held by exactly one live request table or
-        one deferred release), every deferred release waits for a step still in flight, no
+        Blocks are conserved (every reference is held by exactly one live request table, one
+        deferred release or one pin), every deferred release waits for a step still in flight, no
         block used by a step in flight is free, the queues hold the statuses they should in
         rank order, and the limits hold.
         """
@@ -764,6 +813,7 @@ class Scheduler:
                 assert not request.block_table, f"{request!r} ended but holds blocks"
         for block_ids in self._deferred.values():
             expected.update(block_ids)
+        expected.update(self.pinned_blocks)  # (a failed step may have uncached one since)
         for block_id in range(self.pool.num_blocks):
             assert self.pool.ref_count(block_id) == expected[block_id], (
                 f"block {block_id} has {self.pool.ref_count(block_id)} references but "

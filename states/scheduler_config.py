@@ -122,6 +122,9 @@ class SchedulerStatistics:
     num_free_blocks: int = count()
     #: Free KV blocks that hold a cached prefix.
     num_cached_blocks: int = count()
+    #: KV blocks held for finished requests' ``cache_ttl`` (a stored conversation's, for
+    #: its next turn): not free, but given back as soon as a request needs the room.
+    num_pinned_blocks: int = count()
     #: KV blocks in the pool.
     num_blocks: int = count()
     #: Token positions the pool holds: ``num_blocks`` × its block size (vLLM's

@@ -113,6 +113,9 @@ class ChatRequest:
         parallel_tool_calls: Whether one answer may hold several calls.
         output: A JSON output the answer's text must be, if one is asked for.
         stream: Whether the answer is streamed.
+        cache_ttl: Seconds the conversation's KV stays pinned in the prefix cache once
+            answered (``SamplingParams.cache_ttl``): a stored Response's, for the turn
+            that continues it.
     """
 
     names: FieldNames
@@ -128,3 +131,4 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     output: OutputFormat | None = None
     stream: bool = False
+    cache_ttl: float = 0.0

@@ -191,6 +191,7 @@ def _params(request: ChatRequest, shape: OutputConstraint) -> SamplingParams:
         "stop": request.stop,
         "include_stop_str_in_output": request.include_stop,
         "constraint": shape.constraint,
+        "cache_ttl": request.cache_ttl,
     }
     try:
         return SamplingParams(**fields)

@@ -64,8 +64,9 @@ class _EngineCollector(Collector):
         gauges = (
             ("num_requests_running", "Requests computing now.", stats.num_running),
             ("num_requests_waiting", "Requests queued for admission.", stats.num_waiting),
+            # Pinned blocks give way to any request, as cached ones do: not in use.
             ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-             1 - stats.num_free_blocks / max(stats.num_blocks, 1)),
+             1 - (stats.num_free_blocks + stats.num_pinned_blocks) / max(stats.num_blocks, 1)),
         )  # fmt: skip
         for prefix in (PREFIX, ROUTER_PREFIX):
             for name, documentation, value in gauges:

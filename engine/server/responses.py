@@ -686,6 +686,8 @@ class Responses:
         _refuse_unsupported(body)  # before the store is asked
         previous = await self._previous(body)
         asked = chat_request(_continued(body, previous))
+        if body.store is not False:  # its next turn continues from its KV
+            asked = attrs.evolve(asked, cache_ttl=self._config.responses_cache_ttl)
         items: list[dict[str, Any]] = []
         if body.store is not False:  # the context's items, as stored with the response
             if previous is not None:

@@ -269,13 +269,15 @@ class SimulatedEngine:
         return self.num_completed - start
 
     def check_idle(self) -> None:
-        """Check that every request is terminal, every record dropped, every block free."""
+        """Check that every request is terminal, every record dropped, every block free but
+        those pinned (``cache_ttl``; each pinned block once, as pins may share one)."""
         unfinished = [r for r in self.requests.values() if not r.is_terminal]
         if unfinished:
             raise SimulationError(f"stuck: nothing to plan, nothing in flight, but {unfinished}")
         if not self.scheduler.is_idle():
             raise SimulationError(f"every request ended but not idle: {self.scheduler!r}")
-        if self.scheduler.pool.num_free != self.config.num_blocks:
+        pinned = len(set(self.scheduler.pinned_blocks))
+        if self.scheduler.pool.num_free + pinned != self.config.num_blocks:
             raise SimulationError(f"idle but blocks are missing: {self.scheduler.pool!r}")
 
     # --- checks -----------------------------------------------------------------------------
@@ -283,8 +285,8 @@ class SimulatedEngine:
     def check(self) -> None:
         """Check the scheduler's own invariants and the block accounting seen from outside.
 
-        Blocks are conserved: a block is used exactly when a live request's table or a step
-        in flight holds it, and no block is held for two requests at once unless it is a
+        Blocks are conserved: a block is used exactly when a live request's table, a step
+        in flight or a pin holds it, and no block is held for two requests at once unless it is a
         cached prefix block (with prefix caching, whose hits share blocks).
         """
         self.scheduler.check_invariants()
@@ -310,6 +312,8 @@ class SimulatedEngine:
                         owner.setdefault(block_id, entry.request_id)
                     else:
                         hold(block_id, entry.request_id, f"step {plan.step_id} in flight")
+        for block_id in self.scheduler.pinned_blocks:  # a finished request's cache_ttl
+            owner.setdefault(block_id, -1)
         for block_id in range(self.config.num_blocks):
             if (pool.ref_count(block_id) > 0) != (block_id in owner):
                 state = "free" if block_id in owner else "used"
@@ -447,8 +451,10 @@ class SimulatedEngine:
                 f"request {rid} ended ({self.requests[rid].status}) but is still kept after "
                 f"step {ending.deadline}"
             )
-        # A cached prefix block it shared may be held by others still.
+        # A cached prefix block it shared may be held by others still, or pinned
+        # (SamplingParams.cache_ttl).
         others = {b for request in self.scheduler for b in request.block_table}
+        others.update(self.scheduler.pinned_blocks)
         others.update(
             b
             for plan in self.scheduler.inflight_plans

@@ -78,8 +78,9 @@ def sampling_params(
         max_tokens: The value, or a strategy, for ``max_tokens`` (default 1 to 16).
         vocab_size: Token ids lie in ``range(vocab_size)``.
         scheduling_only: Draw only what the scheduler reads (``max_tokens``,
-            ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``priority``) and leave the
-            rest at their defaults: faster, and failing examples shrink to fewer fields.
+            ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``priority``, ``cache_ttl``) and
+            leave the rest at their defaults: faster, and failing examples shrink to fewer
+            fields.
     """
     most = draw(_ints(max_tokens, st.integers(1, 16)))
     params = SamplingParams(
@@ -89,6 +90,8 @@ def sampling_params(
         ignore_eos=draw(st.booleans()),
         # Mostly one priority (FIFO), else a few levels: ranks that cross as requests age.
         priority=draw(st.just(0) | st.integers(-2, 2), label="priority"),
+        # Mostly none; else pins that end within a run (its clocks tick per event) or outlast it.
+        cache_ttl=draw(st.just(0.0) | st.sampled_from([3.0, 40.0, 3600.0]), label="cache_ttl"),
     )
     if scheduling_only:
         return params

@@ -619,3 +619,91 @@ def corrupted(change: str) -> BlockPool:
 def test_pool_invariants_name_what_broke(change: str, message: str) -> None:
     with pytest.raises(AssertionError, match=f"^{re.escape(message)}$"):
         corrupted(change).check_invariants()
+
+
+class Clock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pinned(prompt: list[int], ttl: float, max_tokens: int = 4) -> RequestSpec:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, cache_ttl=ttl)
+    return RequestSpec(prompt, params)
+
+
+def _conversation_hit(ttl: float) -> tuple[int, int]:
+    """A finished turn, then two unrelated requests that each fill most of the pool, then
+    the turn's continuation: the continuation's cached tokens, and the blocks pinned while
+    the unrelated ones ran."""
+    scheduler = Scheduler(config(num_blocks=8, block_size=4), clock=Clock())
+    engine = SimulatedEngine(scheduler)
+    turn = list(range(1, 13))  # three blocks
+    engine.submit(pinned(turn, ttl).build(0))
+    engine.run_until_idle()
+    answer = engine.streams[0]
+    during = 0
+    for request_id, first in ((1, 100), (2, 200)):  # 5 blocks each, newer than the turn's
+        engine.submit(pinned(list(range(first, first + 16)), 0).build(request_id))
+        engine.run_until_idle()
+        during = max(during, len(scheduler.pinned_blocks))
+    engine.submit(pinned([*turn, *answer, 7], 0).build(3))
+    engine.run_until_idle()
+    return engine.requests[3].num_cached_tokens, during
+
+
+def test_a_pinned_turn_is_not_evicted_by_other_requests_cached_blocks() -> None:
+    # Without a pin the two unrelated requests evict the turn's blocks (the least recently
+    # used); pinned, its three full blocks (the prompt's 12 tokens) stay for the next turn.
+    assert _conversation_hit(0) == (0, 0)
+    assert _conversation_hit(60) == (12, 3)
+
+
+def test_pins_end_with_their_time_or_give_way_to_any_request() -> None:
+    clock = Clock()
+    scheduler = Scheduler(config(num_blocks=8, block_size=4), clock=clock)
+    engine = SimulatedEngine(scheduler)
+    engine.submit(pinned(list(range(1, 13)), 10).build(0))
+    engine.submit(pinned(list(range(20, 28)), 30).build(1))
+    engine.run_until_idle()
+    assert len(scheduler.pinned_blocks) == 3 + 2
+    clock.now = 10.0
+    assert engine.plan() is None  # nothing to run; the first pin's time is up
+    assert len(scheduler.pinned_blocks) == 2
+    assert scheduler.pool.num_free == 6
+    # A request that needs the whole pool takes the pinned blocks too: a pin delays no one.
+    engine.submit(pinned(list(range(40, 69)), 0, max_tokens=3).build(2))
+    plan = engine.plan()
+    assert plan is not None
+    assert [entry.request_id for entry in plan.requests] == [2]
+    assert scheduler.pinned_blocks == ()
+    engine.run_until_idle()
+
+
+def test_only_a_finished_request_pins_and_only_with_prefix_caching() -> None:
+    scheduler = Scheduler(config(), clock=Clock())
+    engine = SimulatedEngine(scheduler)
+    engine.submit(pinned(list(range(1, 13)), 60, max_tokens=8).build(0))
+    engine.plan()
+    engine.complete()
+    engine.cancel(0)
+    engine.run_until_idle()
+    assert scheduler.pinned_blocks == ()
+    plain = Scheduler(config(enable_prefix_caching=False), clock=Clock())
+    engine = SimulatedEngine(plain)
+    engine.submit(pinned(list(range(1, 13)), 60).build(0))
+    engine.run_until_idle()
+    assert plain.pinned_blocks == ()
+    assert plain.pool.num_free == plain.config.num_blocks
+
+
+def test_cache_ttl_is_checked() -> None:
+    assert SamplingParams(cache_ttl=3600).cache_ttl == 3600
+    with pytest.raises(ValueError, match=r"cache_ttl must be .*3600.*got 3601"):
+        SamplingParams(cache_ttl=3601)
+    with pytest.raises(ValueError, match=r"cache_ttl must be .*got -1"):
+        SamplingParams(cache_ttl=-1)

@@ -851,6 +851,7 @@ def test_statistics_count_the_queues_the_pipeline_and_the_work() -> None:
         num_inflight_steps=0,
         num_free_blocks=8,
         num_cached_blocks=0,
+        num_pinned_blocks=0,
         num_blocks=8,
         num_kv_cache_tokens=32,  # 8 blocks of 4
         num_steps_planned=0,

@@ -9,6 +9,7 @@ import sqlite3
 from typing import Any
 
 import anyio
+import attrs
 import msgspec
 import openai
 import pytest
@@ -278,3 +279,29 @@ async def test_the_store_checks_its_bounds() -> None:
         store(max_count=0)
     with pytest.raises(ValueError, match="max_age must be > 0 seconds, got 0"):
         store(max_age=0)
+
+
+async def test_a_stored_conversation_stays_pinned_for_its_next_turn() -> None:
+    """A stored response's KV is pinned for ``responses_cache_ttl`` (its next turn prefills
+    only its new input even after other traffic); one with ``store: false`` pins nothing, nor
+    does a server configured with a ttl of 0."""
+    ask = {"model": "toy", "input": "Tell me about the sea. " * 8, "max_output_tokens": 8}
+    unpinned = attrs.evolve(STORE, responses_cache_ttl=0)
+    for config, store, pins in (
+        (STORE, False, False),
+        (STORE, True, True),
+        (unpinned, True, False),
+    ):
+        async with served(runner=ToyRunner(eos_rate=0), server_config=config) as server:
+            first = await server.client.responses.create(store=store, **ask)
+            engine = server.engine.engine
+            with anyio.fail_after(20):
+                await engine.wait_idle()
+            assert (engine.statistics().num_pinned_blocks > 0) is pins
+            if store:
+                await server.client.responses.create(
+                    model="toy", input="And then?", previous_response_id=first.id,
+                    max_output_tokens=8,
+                )  # fmt: skip
+                (_, (_, params)) = server.engine.submitted
+                assert params.cache_ttl == config.responses_cache_ttl

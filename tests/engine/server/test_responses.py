@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import anyio
+import attrs
 import jsonschema
 import openai
 import pytest
@@ -17,6 +18,7 @@ from openai._models import construct_type_unchecked
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
+from twostroke.engine.config import ServerConfig
 from twostroke.engine.runners.toy import ToyRunner
 from twostroke.engine.server.answer_events import (
     AnswerEvent,
@@ -211,7 +213,9 @@ async def test_a_format_and_tools_constrain_as_the_chat_requests_do() -> None:
         submitted[::2], submitted[1::2], strict=True
     ):
         assert params.constraint is not None
-        assert (prompt, params) == (chat_prompt, chat_params)
+        # A stored response's conversation stays pinned for its next turn; nothing else differs.
+        assert params.cache_ttl == ServerConfig().responses_cache_ttl
+        assert (prompt, attrs.evolve(params, cache_ttl=0.0)) == (chat_prompt, chat_params)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_time"}])
@@ -395,7 +399,7 @@ async def test_tool_choice_auto_is_answered_as_the_chat_path_answers_it(
         assert (error["param"], error["message"]) == (chat_error["param"], chat_error["message"])
         return
     (chat_prompt, chat_params), (prompt, params) = submitted
-    assert (prompt, params) == (chat_prompt, chat_params)
+    assert (prompt, attrs.evolve(params, cache_ttl=0.0)) == (chat_prompt, chat_params)
     message = chat.json()["choices"][0]["message"]
     calls = [item for item in reply.json()["output"] if item["type"] == "function_call"]
     assert [(call["name"], call["arguments"]) for call in calls] == [
