@@ -13,7 +13,11 @@ from collections.abc import Mapping
 
 from twostroke.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from twostroke.engine.models.decoder import CausalLM, CheckpointNames
+from twostroke.engine.models.granite import GraniteForCausalLM
 from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.olmo2 import Olmo2ForCausalLM
+from twostroke.engine.models.qwen3 import Qwen3ForCausalLM
+from twostroke.engine.models.smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "checkpoint_names", "model_class"]
 
@@ -23,6 +27,10 @@ ARCHITECTURES: Mapping[str, type[CausalLM]] = types.MappingProxyType(
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+        "GraniteForCausalLM": GraniteForCausalLM,
+        "Olmo2ForCausalLM": Olmo2ForCausalLM,
     }
 )
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)

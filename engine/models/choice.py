@@ -367,7 +367,7 @@ def select_kernels(
             config, dtype, device, exact, quantization, pack, deterministic=bool(deterministic)
         )
     because("projections", why)
-    stack, why = _stack(glue, projection)
+    stack, why = _stack(glue, projection, config)
     because("stack", why)
     if device.type == "cpu":
         dependences = row_dependences(projection, chosen, dtype)
@@ -628,12 +628,21 @@ def _attention(
     return "native", None
 
 
-def _stack(glue: Glue, projection: Projections) -> tuple[Callable[..., int] | None, str | None]:
+def _stack(
+    glue: Glue, projection: Projections, config: ModelConfig
+) -> tuple[Callable[..., int] | None, str | None]:
     """The whole stack in one call where every kernel a layer calls is compiled: the glue
     and every projection's (the bfloat16 panels, or a GGUF file's blocks; the attention is
     checked step by step: a step whose attention is another kernel's runs layer by layer).
     A model whose decoder projections are not all in that form (a GGUF file with a matrix
-    in 16 bits) runs layer by layer too (the model finds it when it binds the stack)."""
+    in 16 bits) runs layer by layer too (the model finds it when it binds the stack), and so
+    does a model whose layer is not Llama's (:attr:`ModelConfig.departures
+    <twostroke.engine.models.config.ModelConfig.departures>`): the stack computes Llama's."""
+    if config.departures:
+        return (
+            None,
+            f"it computes Llama's layer, and this model's has {', '.join(config.departures)}",
+        )
     if not isinstance(glue, CompiledGlue) or projection.layers not in ("panels", "blocks"):
         return None, "it needs the compiled glue and projections (bfloat16 panels or blocks)"
     function = stack_library(glue.library.dtype)

@@ -12,23 +12,82 @@ Mistral's sliding window is never reached because it caps the context length.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import math
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from twostroke.states.validators import int_at_least, number_in
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
+__all__ = ["MISSING_FEATURES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
 
 #: The Hugging Face ``architectures`` the decoder implements.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+)
 
 #: GGUF ``general.architecture`` values and the Hugging Face architecture each one is.
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
+
+#: Every ``no_rope_layer_interval``-th layer of SmolLM3 has no rotary embeddings: llama.cpp's
+#: ``smollm3`` stores no key for it and hard-codes 4 (``n_no_rope_layer_step``), the default
+#: of transformers' ``SmolLM3Config``.
+_SMOLLM3_NOPE_INTERVAL = 4
+
+#: Architectures people bring that the decoder does not run yet, by the feature it lacks
+#: (HF ``architectures`` names and GGUF ``general.architecture`` values alike), so the
+#: refusal says what is missing rather than only what is supported.
+MISSING_FEATURES = {
+    "Qwen3MoeForCausalLM": "mixture-of-experts layers",
+    "qwen3moe": "mixture-of-experts layers",
+    "MixtralForCausalLM": "mixture-of-experts layers",
+    "OlmoeForCausalLM": "mixture-of-experts layers",
+    "olmoe": "mixture-of-experts layers",
+    "GptOssForCausalLM": "mixture-of-experts layers with MXFP4 experts and attention sinks",
+    "gpt-oss": "mixture-of-experts layers with MXFP4 experts and attention sinks",
+    "Gemma3ForCausalLM": "interleaved sliding-window and global layers with (1 + weight) norms",
+    "Gemma3ForConditionalGeneration": "interleaved sliding-window layers, and image inputs",
+    "gemma3": "interleaved sliding-window and global layers with (1 + weight) norms",
+    "Gemma2ForCausalLM": "sliding-window layers and logit soft-capping",
+    "gemma2": "sliding-window layers and logit soft-capping",
+    "Phi3ForCausalLM": "LongRoPE and partial rotary embeddings",
+    "phi3": "LongRoPE and partial rotary embeddings",
+    "FalconH1ForCausalLM": "hybrid Mamba layers",
+    "falcon-h1": "hybrid Mamba layers",
+    "GraniteMoeHybridForCausalLM": "hybrid Mamba layers and mixture-of-experts layers",
+    "granitehybrid": "hybrid Mamba layers and mixture-of-experts layers",
+    "Qwen3NextForCausalLM": "hybrid linear-attention layers and mixture-of-experts layers",
+    "qwen3next": "hybrid linear-attention layers and mixture-of-experts layers",
+    "GPT2LMHeadModel": "learned position embeddings and LayerNorm",
+    "gpt2": "learned position embeddings and LayerNorm",
+}
+
+
+def _unsupported(kind: str, names: object, supported: Iterable[str]) -> ValueError:
+    """The refusal of an architecture: what it lacks where that is known, and what runs."""
+    listed = names if isinstance(names, list) else [names]
+    lacking = [MISSING_FEATURES[n] for n in listed if isinstance(n, str) and n in MISSING_FEATURES]
+    missing = f" (twostroke lacks its {lacking[0]})" if lacking else ""
+    return ValueError(f"unsupported {kind} {names!r}{missing}; supported: {', '.join(supported)}")
+
 
 _POSITIVE = int_at_least(1)
 _POSITIVE_NUMBER = number_in(0, low_open=True)
+_QK_NORMS = ("none", "head", "full")
 
 
 @attrs.frozen(kw_only=True)
@@ -36,21 +95,33 @@ class RopeScaling:
     """How rotary frequencies are stretched for long contexts.
 
     ``"linear"`` divides every frequency by ``factor``; ``"llama3"`` divides only the low
-    frequencies and interpolates in between (Llama 3.1's rule, as transformers computes it).
+    frequencies and interpolates in between (Llama 3.1's rule, as transformers computes it);
+    ``"yarn"`` (Qwen2 and Qwen3's long context) blends divided and undivided frequencies
+    over a ramp between ``beta_fast`` and ``beta_slow`` rotations and multiplies the rotary
+    tables by ``attention_factor`` (transformers' ``_compute_yarn_parameters``).
 
     Attributes:
-        kind: ``"linear"`` or ``"llama3"``.
+        kind: ``"linear"``, ``"llama3"`` or ``"yarn"``.
         factor: The stretch factor.
         low_freq_factor: llama3 only.
         high_freq_factor: llama3 only.
-        original_max_position_embeddings: llama3 only: the context the model was trained on.
+        original_max_position_embeddings: llama3 and yarn: the context the model was
+            trained on.
+        beta_fast: yarn only: the ramp's end, in rotations.
+        beta_slow: yarn only: the ramp's start, in rotations.
+        attention_factor: yarn only: what ``cos`` and ``sin`` are multiplied by.
+        truncate: yarn only: the ramp's bounds rounded outwards to whole dimensions.
     """
 
-    kind: str = attrs.field(validator=attrs.validators.in_(("linear", "llama3")))
+    kind: str = attrs.field(validator=attrs.validators.in_(("linear", "llama3", "yarn")))
     factor: float = attrs.field(validator=_POSITIVE_NUMBER)
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
+    truncate: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -78,6 +149,19 @@ class ModelConfig:
         mlp_bias: The MLP projections have biases (Llama's ``mlp_bias``).
         bos_token_id: Beginning-of-sequence id, if the model has one.
         eos_token_ids: End-of-sequence ids.
+        qk_norm: RMSNorm of the queries and keys before rotary: ``"none"``, ``"head"``
+            (Qwen3: each head, a weight of ``head_dim``) or ``"full"`` (OLMo 2: the whole
+            projection, a weight of its width).
+        norm_placement: ``"pre"``: each block's input normalized (Llama); ``"post"``: each
+            block's output normalized before it joins the residual stream (OLMo 2).
+        nope_layers: Indices of the layers whose queries and keys are not rotated
+            (SmolLM3's NoPE layers).
+        embedding_scale: What the embeddings are multiplied by (Granite).
+        attention_scale: What the attention scores are multiplied by, or ``None`` for
+            ``head_dim ** -0.5`` (Granite's ``attention_multiplier``).
+        residual_scale: What each block's output is multiplied by before it joins the
+            residual stream (Granite).
+        logit_scale: What the logits are divided by (Granite's ``logits_scaling``).
     """
 
     architecture: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHITECTURES))
@@ -99,8 +183,24 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: str = attrs.field(default="none", validator=attrs.validators.in_(_QK_NORMS))
+    norm_placement: str = attrs.field(
+        default="pre", validator=attrs.validators.in_(("pre", "post"))
+    )
+    nope_layers: tuple[int, ...] = ()
+    embedding_scale: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
+    attention_scale: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_POSITIVE_NUMBER)
+    )
+    residual_scale: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
+    logit_scale: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
 
     def __attrs_post_init__(self) -> None:
+        outside = [index for index in self.nope_layers if not 0 <= index < self.num_layers]
+        if outside:
+            raise ValueError(
+                f"nope_layers must be layer indices in [0, {self.num_layers}), got {outside}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads must be a multiple of num_kv_heads, got num_heads={self.num_heads} "
@@ -114,6 +214,26 @@ class ModelConfig:
                 f"rope_frequency_factors must have head_dim / 2 = {self.head_dim // 2} "
                 f"entries, got {len(factors)}"
             )
+
+    @property
+    def departures(self) -> tuple[str, ...]:
+        """What a layer computes beyond the Llama layer, one phrase each: the compiled stack
+        (:mod:`~twostroke.engine.kernels.stack`) computes the Llama layer only, so a model
+        with any runs its layers one by one (:func:`~twostroke.engine.models.choice.select_kernels`
+        says so). The embedding and logit scales and the rotary tables are outside the
+        layers, so they are not departures."""
+        found = []
+        if self.qk_norm != "none":
+            found.append(f"q/k norms over the {self.qk_norm}")
+        if self.norm_placement != "pre":
+            found.append("norms after attention and MLP")
+        if self.nope_layers:
+            found.append("layers without rotary embeddings")
+        if self.attention_scale is not None:
+            found.append("an attention scale of its own")
+        if self.residual_scale != 1.0:
+            found.append("a residual scale")
+        return tuple(found)
 
     # --- plain values (the artifact cache) -------------------------------------------------
 
@@ -138,11 +258,13 @@ class ModelConfig:
         scaling = fields.pop("rope_scaling", None)
         factors = fields.pop("rope_frequency_factors", None)
         eos = fields.pop("eos_token_ids", ())
+        nope = fields.pop("nope_layers", ())
         return cls(
             **fields,
             rope_scaling=None if scaling is None else RopeScaling(**scaling),
             rope_frequency_factors=None if factors is None else tuple(factors),
             eos_token_ids=tuple(eos),
+            nope_layers=tuple(nope),
         )
 
     # --- Hugging Face config.json ---------------------------------------------------------
@@ -167,10 +289,7 @@ class ModelConfig:
         architectures = data.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
-            raise ValueError(
-                f"unsupported architecture {architectures!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise _unsupported("architecture", architectures, SUPPORTED_ARCHITECTURES)
         activation = data.get("hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {activation!r}")
@@ -209,6 +328,7 @@ class ModelConfig:
             mlp_bias=bool(data.get("mlp_bias", False)),
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=_token_ids(data.get("eos_token_id")),
+            **_hf_features(architecture, data),
         )
 
     # --- GGUF metadata --------------------------------------------------------------------
@@ -242,10 +362,7 @@ class ModelConfig:
         arch = metadata.get("general.architecture")
         architecture = _GGUF_ARCHITECTURES.get(str(arch))
         if architecture is None:
-            raise ValueError(
-                f"unsupported GGUF architecture {arch!r}; supported: "
-                f"{', '.join(_GGUF_ARCHITECTURES)}"
-            )
+            raise _unsupported("GGUF architecture", arch, _GGUF_ARCHITECTURES)
         if (
             architecture == "LlamaForCausalLM"
             and "mistral" in str(metadata.get("general.name", "")).lower()
@@ -273,9 +390,19 @@ class ModelConfig:
         scaling: RopeScaling | None = None
         if scaling_type == "linear":
             scaling = RopeScaling(kind="linear", factor=key("rope.scaling.factor"))
+        elif scaling_type == "yarn":
+            factor = key("rope.scaling.factor")
+            scaling = RopeScaling(
+                kind="yarn",
+                factor=factor,
+                original_max_position_embeddings=key("rope.scaling.original_context_length"),
+                beta_fast=metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+                attention_factor=_yarn_mscale(factor),
+            )
         elif scaling_type != "none":
             raise ValueError(
-                f"unsupported rope scaling {scaling_type!r}; supported: 'none', 'linear'"
+                f"unsupported rope scaling {scaling_type!r}; supported: 'none', 'linear', 'yarn'"
             )
         eos = metadata.get("tokenizer.ggml.eos_token_id")
         return cls(
@@ -298,6 +425,7 @@ class ModelConfig:
             mlp_bias="blk.0.ffn_up.bias" in tensor_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_token_ids(eos),
+            **_gguf_features(str(arch), metadata, key("block_count")),
         )
 
 
@@ -361,4 +489,82 @@ def _rope_scaling(scaling: Mapping[str, Any], max_positions: int) -> RopeScaling
                 "original_max_position_embeddings", max_positions
             ),
         )
-    raise ValueError(f"unsupported rope_type {kind!r}; supported: 'default', 'linear', 'llama3'")
+    if kind == "yarn":
+        factor = scaling.get("factor")
+        original = scaling.get("original_max_position_embeddings", max_positions)
+        if factor is None:
+            factor = max_positions / original
+        attention_factor = scaling.get("attention_factor")
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        elif attention_factor is None:
+            attention_factor = _yarn_mscale(factor)
+        return RopeScaling(
+            kind="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            # transformers reads these with ``or``: a null or zero takes the default too.
+            beta_fast=scaling.get("beta_fast") or 32.0,
+            beta_slow=scaling.get("beta_slow") or 1.0,
+            attention_factor=attention_factor,
+            truncate=bool(scaling.get("truncate", True)),
+        )
+    raise ValueError(
+        f"unsupported rope_type {kind!r}; supported: 'default', 'linear', 'llama3', 'yarn'"
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor (its paper's eq. 21, transformers' ``yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of :class:`ModelConfig` in which ``architecture`` departs from Llama, read
+    from its ``config.json`` as its transformers class reads them."""
+    if architecture == "Qwen3ForCausalLM":
+        return {"qk_norm": "head"}
+    if architecture == "Olmo2ForCausalLM":
+        return {"qk_norm": "full", "norm_placement": "post"}
+    if architecture == "SmolLM3ForCausalLM":
+        layers = _require(data, "num_hidden_layers")
+        rotates = data.get("no_rope_layers")
+        if rotates is None:  # SmolLM3Config's default: every interval-th layer is NoPE
+            interval = _count(data, "no_rope_layer_interval", default=_SMOLLM3_NOPE_INTERVAL)
+            rotates = [int((index + 1) % interval != 0) for index in range(layers)]
+        if len(rotates) != layers or any(flag not in (0, 1) for flag in rotates):
+            raise ValueError(
+                f"no_rope_layers must be {layers} flags of 0 or 1 (1: the layer rotates), "
+                f"got {rotates!r}"
+            )
+        return {"nope_layers": tuple(i for i, flag in enumerate(rotates) if not flag)}
+    if architecture == "GraniteForCausalLM":
+        # GraniteConfig's defaults; its attention always scales by attention_multiplier.
+        return {
+            "embedding_scale": data.get("embedding_multiplier", 1.0),
+            "attention_scale": data.get("attention_multiplier", 1.0),
+            "residual_scale": data.get("residual_multiplier", 1.0),
+            "logit_scale": data.get("logits_scaling", 1.0),
+        }
+    return {}
+
+
+def _gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The fields of :class:`ModelConfig` in which a GGUF architecture departs from Llama,
+    as llama.cpp reads them (``llm_load_hparams``)."""
+    if arch == "qwen3":
+        return {"qk_norm": "head"}
+    if arch == "olmo2":
+        return {"qk_norm": "full", "norm_placement": "post"}
+    if arch == "smollm3":
+        step = _SMOLLM3_NOPE_INTERVAL
+        return {"nope_layers": tuple(i for i in range(num_layers) if (i + 1) % step == 0)}
+    if arch == "granite":
+        return {
+            "embedding_scale": _require(metadata, "granite.embedding_scale"),
+            "attention_scale": _require(metadata, "granite.attention.scale"),
+            "residual_scale": _require(metadata, "granite.residual_scale"),
+            "logit_scale": _require(metadata, "granite.logit_scale"),
+        }
+    return {}

@@ -47,7 +47,12 @@ from twostroke.engine.models.forms import (
     SplitByRows,
 )
 from twostroke.engine.models.glue import CompiledGlue
-from twostroke.engine.models.layers import RMSNorm, inverse_frequencies, rotary_tables
+from twostroke.engine.models.layers import (
+    RMSNorm,
+    inverse_frequencies,
+    rotary_attention_factor,
+    rotary_tables,
+)
 from twostroke.engine.models.linear import Linear, empty_parameter
 from twostroke.engine.models.stack import DecoderStack, build_stack
 from twostroke.gpu.huge_pages import huge_page_buffer
@@ -145,7 +150,8 @@ class CausalLM(nn.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            self.layer(config, dtype=dtype, device=device) for _ in range(config.num_layers)
+            self.layer(config, dtype=dtype, device=device, index=index)
+            for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         # A tied output projection multiplies by the embedding (which stays dense for the
@@ -160,6 +166,7 @@ class CausalLM(nn.Module):
         self._kernels: CpuKernels | None = None  # chosen once: use_kernels()
         self._stack: DecoderStack | None = None  # the chosen driver, bound to the weights
         self.inv_freq = inverse_frequencies(config).to(device)
+        self.rotary_factor = rotary_attention_factor(config)
         self._loaded: set[str] = set()
         # Weights a GGUF file holds in blocks, kept as stored (load_blocks), and the
         # embedding's lookup from them (or from a tied head's panels) once the kernels are
@@ -188,7 +195,10 @@ class CausalLM(nn.Module):
         # The residual stream, added to in place.
         embedding = self._embedding
         x = F.embedding(input_ids, self.embed_tokens) if embedding is None else embedding(input_ids)
-        cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype)
+        config = self.config
+        if config.embedding_scale != 1.0:
+            x = x * config.embedding_scale
+        cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype, self.rotary_factor)
         glue, stack = self.kernels.glue, self._stack
         delta: torch.Tensor | None = None
         if stack is not None and stack.runs(metadata):
@@ -201,6 +211,8 @@ class CausalLM(nn.Module):
             x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps
         )
         logits: torch.Tensor = self.lm_head(x)
+        if config.logit_scale != 1.0:
+            logits = logits / config.logit_scale  # a division, as transformers' Granite
         return logits.float()
 
     @property
@@ -615,11 +627,11 @@ class CausalLM(nn.Module):
         if int(index) >= len(self.layers):
             return None
         layer = self.layers[int(index)]
-        if block is None:
-            norms = self.names.norms
+        norm = proj if block is None else f"{block}.{proj}"  # a layer's or a block's norm
+        if block is None or norm in self.names.norms:
             return (
-                layer.get_parameter(f"{proj}.weight")
-                if proj in norms and kind == "weight"
+                layer.get_parameter(f"{norm}.weight")
+                if norm in self.names.norms and kind == "weight"
                 else None
             )
         fused = self.names.fused.get((block, proj))

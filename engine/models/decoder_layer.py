@@ -1,5 +1,7 @@
 """The decoder layer the architectures compose: grouped-query attention over the paged cache,
-the SwiGLU MLP, and the pre-norm layer that adds each to the residual stream.
+the SwiGLU MLP, and the layer that adds each to the residual stream (pre-norm as Llama, or
+post-norm as OLMo 2; the variations are :class:`~twostroke.engine.models.config.ModelConfig`'s
+fields).
 
 The arithmetic follows transformers' ``modeling_llama`` operation for operation (RMSNorm in
 float32, rotary tables in float32 cast to the model dtype, the same residual order), so
@@ -26,14 +28,36 @@ __all__ = ["MLP", "Attention", "DecoderLayer"]
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged cache."""
+    """Grouped-query self-attention over the paged cache.
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    The architectures' variations are the configuration's: queries and keys normalized
+    before rotary (per head, or over the whole projection), a layer that does not rotate
+    (``rotates=False``), a score scale of its own.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        rotates: bool = True,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        scale = config.attention_scale
+        self.scale = config.head_dim**-0.5 if scale is None else scale
+        self.rotates = rotates
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm != "none":
+            eps, whole = config.rms_norm_eps, config.qk_norm == "full"
+            q_width = config.num_heads * config.head_dim if whole else config.head_dim
+            k_width = config.num_kv_heads * config.head_dim if whole else config.head_dim
+            self.q_norm = RMSNorm(q_width, eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(k_width, eps, dtype=dtype, device=device)
         width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, width, bias=config.qkv_bias, dtype=dtype, device=device
@@ -58,6 +82,12 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_queries_keys(qkv, self.q_norm, self.k_norm)
+        if not self.rotates:
+            # A NoPE layer rotates by angle zero, which leaves every value as it is
+            # (x * 1 + y * 0), so the glue's one rotate-and-write call still writes the cache.
+            cos, signed_sin = torch.ones_like(cos), torch.zeros_like(signed_sin)
         # Queries and keys rotate in place in the projection's output, which then holds
         # them and the values side by side: the attention reads views of it, no copy.
         glue.rotate_write(qkv, heads, kv_heads, cos, signed_sin, metadata, layer)
@@ -66,6 +96,19 @@ class Attention(nn.Module):
         out = paged_attention(query, key_value, layer, metadata, scale=self.scale)
         projected: torch.Tensor = self.o_proj(out)
         return projected
+
+    def _norm_queries_keys(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+        """RMSNorm of the queries and of the keys in place in the projection's output, each
+        head's (``head_dim`` weights) or the whole projection's, as transformers' Qwen3 and
+        OLMo 2 norm them before rotary."""
+        tokens, dim = qkv.shape[0], self.head_dim
+        q_width, k_width = self.num_heads * dim, self.num_kv_heads * dim
+        for norm, part, heads in (
+            (q_norm, qkv[:, :q_width], self.num_heads),
+            (k_norm, qkv[:, q_width : q_width + k_width], self.num_kv_heads),
+        ):
+            rows = part if norm.weight.shape[0] == part.shape[1] else part.view(tokens, heads, dim)
+            part.copy_(norm(rows).view(tokens, -1))
 
 
 class MLP(nn.Module):
@@ -96,14 +139,34 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks, each added to the residual stream."""
+    """Attention and MLP blocks, each added to the residual stream: normalized before
+    (``norm_placement="pre"``, Llama: ``input_layernorm``, ``post_attention_layernorm``) or
+    their outputs normalized after (``"post"``, OLMo 2: ``post_attention_layernorm``,
+    ``post_feedforward_layernorm``), each output multiplied by ``residual_scale``
+    (Granite) where that is not 1.
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    Args:
+        config: The model's shape.
+        dtype: The weights' dtype.
+        device: Where they live.
+        index: The layer's place in the stack (``config.nope_layers`` name the layers that
+            do not rotate).
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device, index: int = 0
+    ) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = Attention(config, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.pre_norm = config.norm_placement == "pre"
+        self.residual_scale = config.residual_scale
+        if self.pre_norm:
+            self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+        rotates = index not in config.nope_layers
+        self.self_attn = Attention(config, dtype=dtype, device=device, rotates=rotates)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+        if not self.pre_norm:
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
         self.mlp = MLP(config, dtype=dtype, device=device)
 
     def forward(
@@ -134,9 +197,36 @@ class DecoderLayer(nn.Module):
         Returns:
             This layer's MLP output, which the next layer (or the final norm) adds.
         """
+        if not self.pre_norm:
+            return self._post_norm(residual, delta, cos, signed_sin, metadata, layer, glue)
         first, second = self.input_layernorm, self.post_attention_layernorm
         normed = glue.add_rms_norm(residual, delta, first.weight, first.eps)
         attended: torch.Tensor = self.self_attn(normed, cos, signed_sin, metadata, layer, glue)
+        if self.residual_scale != 1.0:
+            attended.mul_(self.residual_scale)  # transformers' residual + out * multiplier
         normed = glue.add_rms_norm(residual, attended, second.weight, second.eps)
         mixed: torch.Tensor = self.mlp(normed, glue)
+        if self.residual_scale != 1.0:
+            mixed.mul_(self.residual_scale)
         return mixed
+
+    def _post_norm(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: LayerCache,
+        glue: Glue,
+    ) -> torch.Tensor:
+        """OLMo 2's layer: each block reads the stream as it is, and its output is
+        normalized before it is added (``add_rms_norm`` without a delta is the norm alone);
+        returns the MLP's normalized output, which the next layer adds."""
+        if delta is not None:
+            residual.add_(delta)
+        first, second = self.post_attention_layernorm, self.post_feedforward_layernorm
+        attended: torch.Tensor = self.self_attn(residual, cos, signed_sin, metadata, layer, glue)
+        residual.add_(glue.add_rms_norm(attended, None, first.weight, first.eps))
+        mixed: torch.Tensor = self.mlp(residual, glue)
+        return glue.add_rms_norm(mixed, None, second.weight, second.eps)

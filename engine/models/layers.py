@@ -27,13 +27,14 @@ from twostroke.engine.attention.kv_cache import LayerCache
 from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.attention.ops import write_kv
 from twostroke.engine.kernels.reference import rms_norm, rotate_, silu_mul
-from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.config import ModelConfig, RopeScaling
 
 __all__ = [
     "Glue",
     "RMSNorm",
     "TorchGlue",
     "inverse_frequencies",
+    "rotary_attention_factor",
     "rotary_tables",
     "rotate_write",
 ]
@@ -81,23 +82,63 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif scaling is not None and scaling.kind == "yarn":
+        inv_freq = _yarn_frequencies(config.rope_theta, dim, scaling)
     if config.rope_frequency_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
     return inv_freq
 
 
+def _yarn_frequencies(base: float, dim: int, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's inverse frequencies, transformers' ``_compute_yarn_parameters`` step for step:
+    each frequency a blend of itself and itself divided by ``factor``, by a linear ramp over
+    the dimensions between ``beta_fast`` and ``beta_slow`` rotations in the original
+    context."""
+    context = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (scaling.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    return interpolation * (1 - kept) + extrapolation * kept
+
+
+def rotary_attention_factor(config: ModelConfig) -> float:
+    """What the rotary ``cos`` and ``sin`` tables are multiplied by: YaRN's attention factor
+    (transformers' ``attention_scaling``), else 1."""
+    scaling = config.rope_scaling
+    return scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
+
+
 def rotary_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    dtype: torch.dtype,
+    attention_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's ``cos`` and signed ``sin`` tables ``[tokens, 1, head_dim]`` for :func:`rotate_`.
 
     The angles are computed in float32 and the tables cast to ``dtype``, as transformers
-    does; ``sin``'s first half is negated (see :func:`rotate_`). Made once per step, shared
-    by every layer.
+    does (after multiplying by ``attention_factor`` in float32, where it is not 1: see
+    :func:`rotary_attention_factor`); ``sin``'s first half is negated (see :func:`rotate_`).
+    Made once per step, shared by every layer.
     """
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = cos.to(dtype), sin.to(dtype)
     sin[..., : sin.shape[-1] // 2].neg_()
     return cos, sin
 

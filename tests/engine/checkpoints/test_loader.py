@@ -34,6 +34,7 @@ from twostroke.engine.artifacts.records import RECORD, Provenance
 from twostroke.engine.checkpoints import source as source_module
 from twostroke.engine.checkpoints.source import ModelLoadError, resolve_model
 from twostroke.engine.models import dequantized
+from twostroke.engine.models.config import SUPPORTED_ARCHITECTURES
 from twostroke.engine.models.loading import open_model
 from twostroke.engine.models.source import read_config
 from twostroke.gpu import dtype as dtype_module
@@ -304,8 +305,8 @@ def test_unknown_architecture(model_dir: Path) -> None:
     expect_error(
         model_dir,
         model_dir / "config.json",
-        r"unsupported architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM, "
-        r"MistralForCausalLM, Qwen2ForCausalLM",
+        r"unsupported architecture \['GPT2LMHeadModel'\] \(twostroke lacks its learned position "
+        r"embeddings and LayerNorm\); supported: " + re.escape(", ".join(SUPPORTED_ARCHITECTURES)),
     )
 
 
@@ -399,7 +400,12 @@ def test_unknown_gguf_architecture(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    expect_error(file, file, r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2")
+    expect_error(
+        file,
+        file,
+        r"unsupported GGUF architecture 'gpt2' \(twostroke lacks its learned position embeddings "
+        r"and LayerNorm\); supported: llama, qwen2, qwen3, .*",
+    )
 
 
 def test_gguf_missing_tensor(tmp_path: Path, reference: Any) -> None:

@@ -9,7 +9,7 @@ import attrs
 import pytest
 import transformers
 
-from twostroke.engine.models.config import ModelConfig, RopeScaling
+from twostroke.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 
 
 def hf(config: Any, architecture: str, **overrides: Any) -> dict[str, Any]:
@@ -86,13 +86,22 @@ def test_transformers_4_rope_layout() -> None:
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            r"unsupported architecture \['GPT2LMHeadModel'\]; supported: LlamaForCausalLM, "
-            r"MistralForCausalLM, Qwen2ForCausalLM",
+            r"unsupported architecture \['GPT2LMHeadModel'\] \(twostroke lacks its learned "
+            r"position embeddings and LayerNorm\); supported: LlamaForCausalLM, .*",
+        ),
+        (
+            {"architectures": ["FalconH1ForCausalLM"]},
+            r"unsupported architecture \['FalconH1ForCausalLM'\] \(twostroke lacks its hybrid "
+            r"Mamba layers\); supported: " + ", ".join(SUPPORTED_ARCHITECTURES),
+        ),
+        (
+            {"architectures": ["BrandNewForCausalLM"]},
+            r"unsupported architecture \['BrandNewForCausalLM'\]; supported: LlamaForCausalLM, .*",
         ),
         ({"hidden_act": "gelu"}, r"hidden_act must be 'silu' \(SwiGLU\), got 'gelu'"),
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
-            r"unsupported rope_type 'yarn'; supported: 'default', 'linear', 'llama3'",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            r"unsupported rope_type 'dynamic'; supported: 'default', 'linear', 'llama3', 'yarn'",
         ),
         (
             {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
@@ -174,8 +183,8 @@ def test_gguf_rope_frequency_factors_must_fit_the_head() -> None:
             r"unsupported GGUF architecture 'falcon'; supported: llama, qwen2",
         ),
         (
-            {"llama.rope.scaling.type": "yarn"},
-            r"unsupported rope scaling 'yarn'; supported: 'none', 'linear'",
+            {"llama.rope.scaling.type": "dynamic"},
+            r"unsupported rope scaling 'dynamic'; supported: 'none', 'linear', 'yarn'",
         ),
         ({"llama.embedding_length": None}, r"the configuration lacks 'llama\.embedding_length'"),
         (
