@@ -8,6 +8,9 @@ saved outweighs one more call, or when one group's padded histories would exceed
 that index arithmetic, for the kernel it is given (chosen once, when the model loaded:
 :mod:`~twostroke.engine.models.choice`); the kernels are in
 :mod:`twostroke.engine.attention.ops` and :mod:`twostroke.engine.kernels.paged_attention`.
+
+Layers with a sliding window (:meth:`AttentionMetadata.windowed`) share the step's layout:
+only their masks differ, made once per step and window when the first such layer asks.
 """
 
 from __future__ import annotations
@@ -226,6 +229,11 @@ class DecodeGroup:
     bags: DecodeBags | None = None
     paged: PagedDecodes | None = None
 
+    @property
+    def end(self) -> int:
+        """Row after the group's last decode."""
+        return self.offset + self.num_decodes
+
 
 @attrs.frozen
 class PrefillChunk:
@@ -284,6 +292,14 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     paged_chunks: PagedChunks | None = None
     _layout: _Layout | None = attrs.field(default=None, repr=False, eq=False)
+    # What windowed() needs to remake the masks: the chunks and the model's dtype.
+    _chunks: tuple[ChunkSpec, ...] = attrs.field(default=(), repr=False, eq=False)
+    _dtype: torch.dtype | None = attrs.field(default=None, repr=False, eq=False)
+    # windowed()'s results, so that a step's layers with one window share one set of masks
+    # (a memo, like write_index: the metadata's values never change).
+    _windows: dict[int, AttentionMetadata] = attrs.field(
+        factory=dict, init=False, repr=False, eq=False
+    )
 
     @functools.cached_property
     def write_index(self) -> torch.Tensor:
@@ -296,6 +312,66 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """This step's layout for a layer that attends through a sliding window.
+
+        The query at position ``p`` sees keys at ``(p - window, p]``: ``window`` positions
+        counting its own, as transformers' ``sliding_window_overlay`` (``kv_idx > q_idx -
+        sliding_window``) has it for Mistral and Gemma 3. Only the masks change: the decode
+        groups' and the chunks' gain the window's lower edge, and an SDPA chunk from
+        position 0 that ``is_causal`` served gets a mask. Made once per window and shared
+        by every layer of the step that asks; the metadata itself where the window changes
+        nothing (every chunk ends within it) and for the ``"native"`` kernel, which takes the
+        window itself.
+
+        Args:
+            window: Positions each query sees, its own included.
+
+        Returns:
+            The step's metadata with windowed masks.
+
+        Raises:
+            ValueError: ``window`` is below 1, or this metadata was not made by
+                :meth:`build` (it lacks the chunks to remake the masks from).
+        """
+        if window < 1:
+            raise ValueError(
+                f"a sliding window must be >= 1 (a query sees its own position), got {window}"
+            )
+        if self.kernel == "native":
+            return self
+        found = self._windows.get(window)
+        if found is not None:
+            return found
+        if self._layout is None or self._dtype is None or not self._chunks:
+            raise ValueError("windowed() needs the chunks AttentionMetadata.build keeps")
+        if max(chunk.end for chunk in self._chunks) <= window:
+            found = self  # every query already sees all it may
+        else:
+            found = self._windowed(window, self._layout, self._dtype)
+        self._windows[window] = found
+        return found
+
+    def _windowed(self, window: int, layout: _Layout, dtype: torch.dtype) -> AttentionMetadata:
+        """:meth:`windowed`'s masks, made for ``window``."""
+        device = layout.device
+        groups = []
+        for group in self.decode_groups:
+            assert group.mask is not None  # every torch kernel masks its decodes' padding
+            ends = [chunk.end for chunk in self._chunks[group.offset : group.end]]
+            width = group.mask.shape[-1]
+            visible = _window_visible(ends, [[end - 1] for end in ends], width, window, device)
+            mask = _additive(visible, group.mask.dtype)
+            groups.append(attrs.evolve(group, mask=mask.view(group.mask.shape)))
+        prefills = []
+        for chunk, prefill in zip(self._chunks[self.num_decodes :], self.prefills, strict=True):
+            queries = [list(range(chunk.start, chunk.end))]
+            visible = _window_visible([chunk.end], queries, chunk.end, window, device)[0]
+            mask_dtype = dtype if prefill.mask is None else prefill.mask.dtype
+            mask = _additive(visible, mask_dtype)
+            prefills.append(attrs.evolve(prefill, mask=mask))
+        return attrs.evolve(self, decode_groups=tuple(groups), prefills=tuple(prefills))
 
     @property
     def keys_transposed(self) -> bool:
@@ -448,6 +524,8 @@ class AttentionMetadata:
             prefills=tuple(prefills),
             paged_chunks=paged_chunks,
             layout=layout,
+            chunks=tuple(chunks),
+            dtype=dtype,
         )
 
 
@@ -645,6 +723,23 @@ def _check_chunk(chunk: ChunkSpec, block_size: int, num_blocks: int) -> None:
 def _stage(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without waiting for the device (pinned, non-blocking)."""
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _window_visible(
+    ends: Sequence[int],
+    queries: Sequence[Sequence[int]],
+    width: int,
+    window: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Which of ``width`` key positions each query sees through ``window``, ``[rows,
+    queries, width]`` on ``device``: row ``r``'s queries at positions ``queries[r]`` (as
+    many in every row), its keys ``[0, ends[r])``; a query at ``p`` sees ``(p - window,
+    p]``."""
+    keys = torch.arange(width, device=device)[None, None, :]
+    at = to_device([p for row in queries for p in row], device=device).view(len(queries), -1, 1)
+    last = to_device(ends, device=device)[:, None, None]
+    return (keys <= at) & (keys > at - window) & (keys < last)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -46,6 +46,12 @@ one copy serves all of a chunk's queries.
 Everything that depends only on the step's layout (slots, gather indices, masks) is computed
 once per step in :class:`~twostroke.engine.attention.metadata.AttentionMetadata`
 and shared by all layers.
+
+A layer with a sliding window (Mistral's, Gemma 3's local layers) passes ``window``: each
+query then sees its last ``window`` positions, its own included. Every kernel honours it:
+the compiled one reads only the blocks a window reaches, torch's take the step's windowed
+masks (:meth:`~twostroke.engine.attention.metadata.AttentionMetadata.windowed`), and the
+matmul kernel also skips the keys before each tile of queries' windows.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ def paged_attention(
     metadata: AttentionMetadata,
     *,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attend every query over its request's history in one layer's cache.
 
@@ -105,16 +112,25 @@ def paged_attention(
         layer: One layer's cache.
         metadata: The step's layout.
         scale: Multiplies the scores (``head_dim ** -0.5`` for Llama).
+        window: The layer's sliding window: the query at position ``p`` sees the keys at
+            ``(p - window, p]``, ``window`` positions counting its own (transformers'
+            ``sliding_window`` for Mistral and Gemma 3). ``None``: every earlier position.
 
     Returns:
         ``[num_tokens, num_heads * head_dim]``, the output projection's input.
+
+    Raises:
+        ValueError: ``window`` is below 1.
     """
+    if window is not None:
+        metadata = metadata.windowed(window)  # the same metadata where nothing changes
     num_tokens, num_heads, head_dim = query.shape
     groups = metadata.decode_groups
     if not metadata.prefills and len(groups) == 1 and groups[0].paged is not None:
-        return _decode_native(query, layer, groups[0].paged, scale)  # the CPU's usual step
+        # The CPU's usual step.
+        return _decode_native(query, layer, groups[0].paged, scale, window)
     if metadata.paged_chunks is not None:
-        return _chunks_native(query, layer, metadata.paged_chunks, scale)
+        return _chunks_native(query, layer, metadata.paged_chunks, scale, window)
     if not metadata.prefills and all(group.bags is not None for group in groups):
         # The CPU's usual decode step: the groups' results, in order, are the whole output
         # (one group's without a copy), in fewer calls than filling a new tensor.
@@ -131,7 +147,7 @@ def paged_attention(
         rows = slice(group.offset, group.offset + group.num_decodes)
         decodes = group.num_decodes
         if group.paged is not None:
-            out[rows] = _decode_native(query[rows], layer, group.paged, scale).view(
+            out[rows] = _decode_native(query[rows], layer, group.paged, scale, window).view(
                 decodes, num_heads, head_dim
             )
             continue
@@ -172,7 +188,7 @@ def paged_attention(
                 keys = keys[:, : chunk.num_keys]
         if metadata.kernel == "matmul":
             assert chunk.mask is not None
-            out[rows] = _prefill_matmul(query[rows], keys, values, chunk.mask, scale)
+            out[rows] = _prefill_matmul(query[rows], keys, values, chunk.mask, scale, window)
         elif chunk.mask is None:
             # No history: is_causal and no mask, which the fused kernels take with GQA.
             attended = F.scaled_dot_product_attention(
@@ -226,18 +242,28 @@ def _prefill_sdpa_folded(
 
 
 def _decode_native(
-    query: torch.Tensor, layer: LayerCache, paged: PagedDecodes, scale: float
+    query: torch.Tensor,
+    layer: LayerCache,
+    paged: PagedDecodes,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
-    """The decodes through the compiled kernel: one call, keys and values read in place.
+    """The decodes through the compiled kernel: one call, keys and values read in place
+    (only the blocks each decode's ``window`` reaches).
 
     ``query`` is ``[R, heads, dim]`` (any strides; the q/k/v output's view is read as it
     is), its rows the decodes in order; returns ``[R, heads * dim]``.
     """
-    return paged.kernel(query, layer.key_rows, layer.value_rows, paged.tables, paged.lengths, scale)
+    keys, values = layer.key_rows, layer.value_rows
+    return paged.kernel(query, keys, values, paged.tables, paged.lengths, scale, window)
 
 
 def _chunks_native(
-    query: torch.Tensor, layer: LayerCache, chunks: PagedChunks, scale: float
+    query: torch.Tensor,
+    layer: LayerCache,
+    chunks: PagedChunks,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     """Every chunk of a step with prefills through the compiled kernel, decodes as chunks of
     one token: one call, keys and values read in place, no gather and no mask.
@@ -256,6 +282,7 @@ def _chunks_native(
         chunks.offsets,
         scale,
         out,
+        window,
     )
     return out
 
@@ -348,14 +375,21 @@ def _decode_matmul(
 
 
 def _prefill_matmul(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A chunk's causal attention as batched products, its queries in tiles.
 
     ``query`` is ``[n, heads, dim]``, ``keys`` and ``values`` ``[kv_heads, keys, dim]`` (the
-    chunk's queries are the last ``n`` positions) and ``mask`` float32 ``[n, keys]``. Each
-    tile of queries is scored against the keys up to its last query only, which skips most
-    of what the causal mask would discard, and at most :data:`_TILE_SCORES` scores at a time.
+    chunk's queries are the last ``n`` positions) and ``mask`` float32 ``[n, keys]`` (with
+    ``window``, the windowed mask). Each tile of queries is scored against the keys up to its
+    last query only, which skips most of what the causal mask would discard, from its first
+    query's window on (the keys before it are masked for every query of the tile), and at
+    most :data:`_TILE_SCORES` scores at a time.
     Measured on SmolLM2's heads against the CPU flash kernel of
     ``scaled_dot_product_attention``: as fast at 256 queries, 1.5-2x faster from 512 on.
     """
@@ -370,11 +404,13 @@ def _prefill_matmul(
     for first in range(0, count, tile):
         last = min(count, first + tile)
         seen = start + last
+        low = 0 if window is None else max(0, start + first + 1 - window)
         tile_rows = rows[:, first:last].reshape(num_kv_heads, -1, head_dim)
-        scores = torch.bmm(tile_rows, keys[:, :seen].transpose(1, 2)).to(torch.float32)
-        scores = scores.view(num_kv_heads, last - first, groups, seen).mul_(scale)
-        scores = scores.add_(mask[first:last, None, :seen])
-        probs = torch.softmax(scores, dim=-1).to(query.dtype).view(num_kv_heads, -1, seen)
-        parts.append(torch.bmm(probs, values[:, :seen]).view(num_kv_heads, -1, groups, head_dim))
+        scores = torch.bmm(tile_rows, keys[:, low:seen].transpose(1, 2)).to(torch.float32)
+        scores = scores.view(num_kv_heads, last - first, groups, seen - low).mul_(scale)
+        scores = scores.add_(mask[first:last, None, low:seen])
+        probs = torch.softmax(scores, dim=-1).to(query.dtype).view(num_kv_heads, -1, seen - low)
+        attended = torch.bmm(probs, values[:, low:seen])
+        parts.append(attended.view(num_kv_heads, -1, groups, head_dim))
     attended = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return attended.transpose(0, 1).reshape(count, num_heads, head_dim)

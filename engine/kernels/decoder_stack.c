@@ -33,12 +33,12 @@ int twostroke_decoder_stack(const struct twostroke_model *m, const struct twostr
         int failed;
         if (s->prefill == NULL) {
             failed = s->decode(s->qkv, qkv, s->keys[l], s->values[l], s->tables,
-                               s->table_stride, s->lengths, t, m->kv_heads, m->scale,
+                               s->table_stride, s->lengths, t, m->kv_heads, m->scale, w->window,
                                s->attended);
         } else {
             failed = s->prefill(s->qkv, qkv, s->keys[l], s->values[l], s->tables,
                                 s->table_stride, s->starts, s->counts, s->offsets, s->chunks,
-                                m->kv_heads, m->scale, s->attended, attended);
+                                m->kv_heads, m->scale, w->window, s->attended, attended);
         }
         if (failed) return 1;
         failed |= m->projection(s->attended, attended, t, attended, w->o, hidden, w->o_bias,

@@ -51,14 +51,15 @@ typedef int twostroke_paged_decode_fn(const element *query, ptrdiff_t query_stri
                                       const cached *keys, const cached *values,
                                       const int32_t *tables, ptrdiff_t table_stride,
                                       const int32_t *lengths, ptrdiff_t decodes,
-                                      ptrdiff_t kv_heads, float scale, element *out);
+                                      ptrdiff_t kv_heads, float scale, ptrdiff_t window,
+                                      element *out);
 typedef int twostroke_paged_prefill_fn(const element *query, ptrdiff_t query_stride,
                                        const cached *keys, const cached *values,
                                        const int32_t *tables, ptrdiff_t table_stride,
                                        const int32_t *starts, const int32_t *counts,
                                        const int32_t *offsets, ptrdiff_t chunks,
-                                       ptrdiff_t kv_heads, float scale, element *out,
-                                       ptrdiff_t out_stride);
+                                       ptrdiff_t kv_heads, float scale, ptrdiff_t window,
+                                       element *out, ptrdiff_t out_stride);
 twostroke_paged_decode_fn twostroke_paged_decode;
 twostroke_paged_prefill_fn twostroke_paged_prefill;
 
@@ -142,6 +143,7 @@ struct twostroke_layer {
      * biases (or NULL). */
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    ptrdiff_t window; /* the attention's sliding window (paged_decode.c); 0: none */
 };
 
 struct twostroke_model {

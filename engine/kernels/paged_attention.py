@@ -8,7 +8,8 @@ layer's decodes in one call, and a step's chunks (prefills, with the decodes amo
 one call too: each reads its key and value tiles once, through the block table, a block's
 tiles for every head at once, for all the query heads (and, in a chunk, the tile of query
 tokens) that share them, and prefetches the next block while it sums this one
-(docs/performance.md has the figures).
+(docs/performance.md has the figures). Both take a sliding window (:func:`window_start`):
+a token then reads only the blocks its window reaches.
 
 It is compiled by :func:`~twostroke.engine.kernels.build.compile_library` with the model's
 shape as constants (block size, head width, query heads per key/value head) and kept in the
@@ -50,6 +51,7 @@ __all__ = [
     "paged_decode_kernel",
     "reference_paged_decode",
     "reference_paged_prefill",
+    "window_start",
 ]
 
 #: The kernel's C source.
@@ -65,6 +67,33 @@ SYMBOLS = ("twostroke_paged_decode", "twostroke_paged_prefill")
 _TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 _log = logging.getLogger(__name__)
+
+
+def window_start(length: int, window: int | None) -> int:
+    """The first position a token attends to, where it attends to ``length`` positions
+    (its own is ``length - 1``) through a sliding window of ``window`` (``None``: none).
+
+    transformers' convention (``sliding_window_overlay`` in ``masking_utils``: ``kv_idx >
+    q_idx - sliding_window``, as Mistral and Gemma 3 use it): the query at position ``p``
+    sees ``(p - window, p]``, ``window`` positions counting its own, so ``window - 1``
+    before it.
+    """
+    return 0 if window is None else max(0, length - window)
+
+
+def _window_argument(window: int | None) -> int:
+    """``window`` as the C kernels take it: 0 for none.
+
+    Raises:
+        ValueError: ``window`` is below 1 (a query always sees its own position).
+    """
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(
+            f"a sliding window must be >= 1 (a query sees its own position), got {window}"
+        )
+    return window
 
 
 @attrs.frozen
@@ -114,8 +143,9 @@ class PagedDecodeKernel:
         tables: torch.Tensor,
         lengths: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Attend each decode's query heads over its history.
+        """Attend each decode's query heads over its history (its window's share of it).
 
         Args:
             query: ``[R, heads, head_dim]`` with unit stride along ``head_dim`` and rows of
@@ -130,13 +160,16 @@ class PagedDecodeKernel:
             lengths: int32 ``[R]``: the positions decode ``r`` attends to, each at least 1
                 and at most ``W * block_size``.
             scale: Multiplies the scores.
+            window: Each decode attends to its last ``window`` positions only
+                (:func:`window_start`); blocks wholly before them are not read, so their
+                table entries may name any block of the cache. ``None``: all of them.
 
         Returns:
             ``[R, heads * head_dim]`` in ``dtype``.
 
         Raises:
             ValueError: a tensor of another dtype, or a cache of another shape, than the
-                kernel was built for (it would read the wrong bytes).
+                kernel was built for (it would read the wrong bytes); a window below 1.
             RuntimeError: the kernel could not allocate its scratch memory.
         """
         dtype, cached = self.dtype, self.cache_dtype
@@ -158,6 +191,7 @@ class PagedDecodeKernel:
                 f"values {values.dtype} {tuple(values.shape)}, tables {tables.dtype}, "
                 f"lengths {lengths.dtype}"
             )
+        window_argument = _window_argument(window)
         decodes, heads, _ = query.shape
         if query.stride(2) != 1 or query.stride(1) != self.head_dim:
             query = query.contiguous()
@@ -174,6 +208,7 @@ class PagedDecodeKernel:
             decodes,
             heads // self.group,
             scale,
+            window_argument,
             out.data_ptr(),
         )
         if failed:
@@ -191,13 +226,15 @@ class PagedDecodeKernel:
         offsets: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
     ) -> None:
         """Attend chunks of consecutive query tokens (prefills) over their histories.
 
         Token ``i`` of chunk ``c`` sits at position ``starts[c] + i`` and attends to every
-        position up to its own; the chunks' keys and values must be written already. Its
-        query is row ``offsets[c] + i`` of ``query`` and its output goes to that row of
-        ``out``. Each tile of query tokens reads its key tiles once for all its heads.
+        position up to its own (within ``window``); the chunks' keys and values must be
+        written already. Its query is row ``offsets[c] + i`` of ``query`` and its output
+        goes to that row of ``out``. Each tile of query tokens reads its key tiles once for
+        all its heads.
 
         Args:
             query: ``[T, heads, head_dim]`` with unit stride along ``head_dim`` and rows of
@@ -211,9 +248,12 @@ class PagedDecodeKernel:
             scale: Multiplies the scores.
             out: ``[T, heads * head_dim]`` in ``dtype``, unit stride along a row: the rows
                 of the chunks' tokens are written, no others.
+            window: Each token attends to its last ``window`` positions only
+                (:func:`window_start`); ``None``: all of them.
 
         Raises:
-            ValueError: a tensor of another dtype or shape than the kernel was built for.
+            ValueError: a tensor of another dtype or shape than the kernel was built for;
+                a window below 1.
             RuntimeError: the kernel could not allocate its scratch memory.
         """
         dtype, cached = self.dtype, self.cache_dtype
@@ -242,6 +282,7 @@ class PagedDecodeKernel:
                 f"{tables.dtype}, starts {starts.dtype}, counts {counts.dtype}, offsets "
                 f"{offsets.dtype}"
             )
+        window_argument = _window_argument(window)
         if query.stride(2) != 1 or query.stride(1) != self.head_dim:
             query = query.contiguous()
         failed = call(
@@ -258,6 +299,7 @@ class PagedDecodeKernel:
             starts.shape[0],
             query.shape[1] // self.group,
             scale,
+            window_argument,
             out.data_ptr(),
             out.stride(0),
         )
@@ -370,11 +412,13 @@ def reference_paged_decode(
     tables: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """What :class:`PagedDecodeKernel` computes, in plain torch, in float32 (for checks).
 
     Same arguments, with ``keys`` ``[num_blocks, kv_heads, head_dim, block_size]`` and
     ``values`` ``[num_blocks, kv_heads, block_size, head_dim]`` as tensors of that shape.
+    Only the window's blocks are read, as the kernel reads them.
     """
     decodes, heads, head_dim = query.shape
     kv_heads, block_size = keys.shape[1], keys.shape[3]
@@ -382,9 +426,11 @@ def reference_paged_decode(
     out = torch.empty(decodes, heads, head_dim)
     for row in range(decodes):
         length = int(lengths[row])
-        blocks = tables[row, : -(-length // block_size)].long()
-        k = keys[blocks].float().permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)[:, :length]
-        v = values[blocks].float().transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        first = window_start(length, window) // block_size
+        blocks = tables[row, first : -(-length // block_size)].long()
+        seen = slice(window_start(length, window) - first * block_size, length - first * block_size)
+        k = keys[blocks].float().permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)[:, seen]
+        v = values[blocks].float().transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, seen]
         q = query[row].float().view(kv_heads, group, head_dim)
         probs = torch.softmax(scale * q @ k.transpose(1, 2), dim=-1)
         out[row] = (probs @ v).view(heads, head_dim)
@@ -400,6 +446,7 @@ def reference_paged_prefill(
     counts: torch.Tensor,
     offsets: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """What :meth:`PagedDecodeKernel.prefill` writes, in float32 (for checks): each token
     of each chunk as a decode of its own length; ``[T, heads * head_dim]``, rows that no
@@ -418,6 +465,7 @@ def reference_paged_prefill(
         torch.stack(chunk_tables),
         torch.tensor(lengths, dtype=torch.int32),
         scale,
+        window,
     )
     return out
 
@@ -428,7 +476,8 @@ def _check(kernel: PagedDecodeKernel) -> None:
 
     The batch has a shared block, a partly filled last block, a one-position history and
     garbage (NaN) in the slots no decode reads; the chunks start inside a block and span
-    several tiles of query tokens, the last one partly filled.
+    several tiles of query tokens, the last one partly filled. The chunks are attended a
+    second time through a sliding window that starts inside a block.
     """
     size, dim, group, dtype = kernel.block_size, kernel.head_dim, kernel.group, kernel.dtype
     generator = torch.Generator().manual_seed(0)
@@ -462,8 +511,23 @@ def _check(kernel: PagedDecodeKernel) -> None:
     expected = reference_paged_prefill(
         tokens, keys, values, chunk_tables, starts, counts, offsets, scale
     )
-    if attended.isfinite().all():
-        difference = max(difference, float((attended.float() - expected).abs().max()))
+    window = size + 1
+    windowed = torch.zeros_like(attended)
+    try:
+        kernel.prefill(
+            tokens, keys, values, chunk_tables, starts, counts, offsets, scale, windowed, window
+        )
+    except RuntimeError as error:
+        raise NativeBuildError(f"the kernel's check failed: {error}") from error
+    expected_windowed = reference_paged_prefill(
+        tokens, keys, values, chunk_tables, starts, counts, offsets, scale, window
+    )
+    if attended.isfinite().all() and windowed.isfinite().all():
+        difference = max(
+            difference,
+            float((attended.float() - expected).abs().max()),
+            float((windowed.float() - expected_windowed).abs().max()),
+        )
     else:
         difference = float("inf")
     if not difference <= _TOLERANCE[dtype]:

@@ -38,6 +38,12 @@
  * token's length is read, and no score there enters a softmax (a last block's scores are
  * computed whole, and those past the length dropped): unwritten slots of a last block
  * cannot leak in.
+ *
+ * Sliding window: with window w > 0 a token at position p attends to positions
+ * (p - w, p] only, w of them counting itself (transformers' sliding_window_overlay,
+ * kv_idx > q_idx - sliding_window, as Mistral and Gemma 3 use it). Blocks wholly before
+ * the window are not read at all, so they may hold anything (a scheduler may free them);
+ * window 0 attends to the whole history.
  */
 #include <omp.h>
 #include <stddef.h>
@@ -181,9 +187,16 @@ static float *scratch_for(ptrdiff_t kv_heads, int32_t longest) {
     return aligned_alloc(LINE, floats * sizeof(float));
 }
 
-/* One query token, key/value heads g0 to g1 - 1 (and their query heads), over the `length`
- * positions it attends to: block by block, those heads' tiles of a block together (they are
- * adjacent in memory), so each block is one contiguous read.
+/* The first position a token attending up to `length` (exclusive) sees under `window`
+ * (0: no window, see the top of this file). */
+static inline int32_t window_start(int32_t length, ptrdiff_t window) {
+    return window > 0 && length > window ? (int32_t)(length - window) : 0;
+}
+
+/* One query token, key/value heads g0 to g1 - 1 (and their query heads), over positions
+ * begin to length - 1 (its window; its whole history where begin is 0): block by block,
+ * those heads' tiles of a block together (they are adjacent in memory), so each block is
+ * one contiguous read.
  *
  * Every token goes through this one compiled body, a decode's and each token of a prefill
  * chunk's alike (noinline: no caller gets a copy of its own to optimize apart), so a
@@ -194,10 +207,15 @@ static float *scratch_for(ptrdiff_t kv_heads, int32_t longest) {
  * under preemption and drafts, and small shapes differed at 1e-7. Attended one at a time, a
  * 512-token chunk's attention takes 1.2-1.6x the tiles' time, about 1 % of its prefill. */
 static __attribute__((noinline)) void attend(
-    const element *restrict query, float scale, int32_t length, const int32_t *restrict table,
-    const cached *restrict keys, const cached *restrict values, ptrdiff_t kv_heads,
-    ptrdiff_t g0, ptrdiff_t g1, float *restrict q, float *restrict scores, element *restrict out) {
+    const element *restrict query, float scale, int32_t begin, int32_t length,
+    const int32_t *restrict table, const cached *restrict keys, const cached *restrict values,
+    ptrdiff_t kv_heads, ptrdiff_t g0, ptrdiff_t g1, float *restrict q, float *restrict scores,
+    element *restrict out) {
     const ptrdiff_t blocks = (length + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    /* The window's first block: the blocks before it are never read. Scores keep their
+     * place in the row (position i at s[i]) so the arithmetic below is the same with and
+     * without a window. */
+    const ptrdiff_t j0 = begin / BLOCK_SIZE;
     const ptrdiff_t span = kv_heads * TILE; /* one block's tiles, every head */
     /* A head's scores row: its blocks, rounded up to whole cache lines, so each row starts
      * where its own length alone puts it (the scratch is line-aligned): the compiler's
@@ -208,9 +226,9 @@ static __attribute__((noinline)) void attend(
     /* Scores; the next block's key tiles (after the last, the first value tiles) are
      * fetched while this block's are summed. Positions past the length are summed too
      * (they are few) but never read after. */
-    for (ptrdiff_t j = 0; j < blocks; j++) {
+    for (ptrdiff_t j = j0; j < blocks; j++) {
         const cached *next = j + 1 < blocks ? keys + (ptrdiff_t)table[j + 1] * span
-                                             : values + (ptrdiff_t)table[0] * span;
+                                             : values + (ptrdiff_t)table[j0] * span;
         for (ptrdiff_t g = g0; g < g1; g++) {
             prefetch_tile(next + g * TILE);
             const cached *restrict tile = keys + (ptrdiff_t)table[j] * span + g * TILE;
@@ -235,16 +253,16 @@ static __attribute__((noinline)) void attend(
     }
     for (ptrdiff_t h = g0 * GROUP; h < g1 * GROUP; h++) {
         float *restrict s = scores + h * stride;
-        float top = s[0];
-        for (int32_t i = 1; i < length; i++) top = s[i] > top ? s[i] : top;
+        float top = s[begin];
+        for (int32_t i = begin + 1; i < length; i++) top = s[i] > top ? s[i] : top;
         float sum = 0.0f;
-        for (int32_t i = 0; i < length; i++) {
+        for (int32_t i = begin; i < length; i++) {
             const float e = exp_clamped(s[i] - top);
             s[i] = e;
             sum += e;
         }
         const float inverse = 1.0f / sum;
-        for (int32_t i = 0; i < length; i++) s[i] *= inverse;
+        for (int32_t i = begin; i < length; i++) s[i] *= inverse;
     }
     /* Outputs, OUTPUT_HEADS query heads at a time, so their sums stay in registers and each
      * value row is read once for them. The first pass fetches every head's value tiles of
@@ -253,14 +271,15 @@ static __attribute__((noinline)) void attend(
         for (int first = 0; first < GROUP; first += OUTPUT_HEADS) {
             const float *restrict p = scores + (g * GROUP + first) * stride;
             vec sum[OUTPUT_HEADS][VALUE_CHUNKS] = {0};
-            for (ptrdiff_t j = 0; j < blocks; j++) {
+            for (ptrdiff_t j = j0; j < blocks; j++) {
                 if (g == g0 && first == 0 && j + 1 < blocks)
                     for (ptrdiff_t u = g0; u < g1; u++)
                         prefetch_tile(values + (ptrdiff_t)table[j + 1] * span + u * TILE);
                 const cached *restrict tile = values + (ptrdiff_t)table[j] * span + g * TILE;
                 const ptrdiff_t left = length - j * BLOCK_SIZE;
                 const int count = left < BLOCK_SIZE ? (int)left : BLOCK_SIZE;
-                for (int i = 0; i < count; i++) {
+                const int skip = j == j0 ? (int)(begin - j0 * BLOCK_SIZE) : 0;
+                for (int i = skip; i < count; i++) {
                     const ptrdiff_t at = j * BLOCK_SIZE + i;
                     for (int c = 0; c < VALUE_CHUNKS; c++) {
                         const vec v = load_cached_vec(tile + i * HEAD_DIM + c * LANES);
@@ -282,6 +301,7 @@ static __attribute__((noinline)) void attend(
  * keys, values: the layer's key and value tiles (see the top of this file)
  * tables:       decode r's block table at tables + r * table_stride (int32 block ids)
  * lengths:      positions decode r attends to (its history and itself), each >= 1
+ * window:       each decode attends to its last `window` positions only; 0: all of them
  * out:          [decodes, kv_heads * GROUP, HEAD_DIM]
  *
  * Returns 0, or 1 if a thread could not allocate its scratch memory (out is then incomplete).
@@ -290,7 +310,8 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
                            const cached *restrict keys, const cached *restrict values,
                            const int32_t *restrict tables, ptrdiff_t table_stride,
                            const int32_t *restrict lengths, ptrdiff_t decodes,
-                           ptrdiff_t kv_heads, float scale, element *restrict out) {
+                           ptrdiff_t kv_heads, float scale, ptrdiff_t window,
+                           element *restrict out) {
     int32_t longest = 1;
     for (ptrdiff_t r = 0; r < decodes; r++) longest = lengths[r] > longest ? lengths[r] : longest;
     /* Fewer decodes than threads: each decode's heads are split among them instead. */
@@ -307,9 +328,10 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
         for (ptrdiff_t item = 0; item < decodes * parts; item++) {
             if (scratch == NULL) continue;
             const ptrdiff_t r = item / parts, part = item % parts;
-            attend(query + r * query_stride, scale, lengths[r], tables + r * table_stride, keys,
-                   values, kv_heads, part * kv_heads / parts, (part + 1) * kv_heads / parts,
-                   scratch, scratch + queries_size(kv_heads), out + r * kv_heads * GROUP * HEAD_DIM);
+            attend(query + r * query_stride, scale, window_start(lengths[r], window), lengths[r],
+                   tables + r * table_stride, keys, values, kv_heads, part * kv_heads / parts,
+                   (part + 1) * kv_heads / parts, scratch, scratch + queries_size(kv_heads),
+                   out + r * kv_heads * GROUP * HEAD_DIM);
         }
         free(scratch);
     }
@@ -326,6 +348,7 @@ int twostroke_paged_decode(const element *restrict query, ptrdiff_t query_stride
  * keys, values: the layer's key and value tiles (see the top of this file)
  * tables:       chunk c's block table at tables + c * table_stride (int32 block ids)
  * starts, counts, offsets: int32 [chunks] each; counts >= 1
+ * window:       each token attends to its last `window` positions only; 0: all of them
  * out:          token i of chunk c's output at out + (offsets[c] + i) * out_stride,
  *               [kv_heads * GROUP, HEAD_DIM]
  *
@@ -338,7 +361,8 @@ int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_strid
                             const int32_t *restrict tables, ptrdiff_t table_stride,
                             const int32_t *restrict starts, const int32_t *restrict counts,
                             const int32_t *restrict offsets, ptrdiff_t chunks, ptrdiff_t kv_heads,
-                            float scale, element *restrict out, ptrdiff_t out_stride) {
+                            float scale, ptrdiff_t window, element *restrict out,
+                            ptrdiff_t out_stride) {
     ptrdiff_t tokens = 0;
     int32_t longest = 1;
     for (ptrdiff_t c = 0; c < chunks; c++) {
@@ -372,9 +396,9 @@ int twostroke_paged_prefill(const element *restrict query, ptrdiff_t query_strid
             const int32_t i = work[2 * item + 1];
             const ptrdiff_t row = offsets[c] + i;
             const int32_t length = starts[c] + i + 1;
-            attend(query + row * query_stride, scale, length, tables + c * table_stride, keys,
-                   values, kv_heads, 0, kv_heads, scratch, scratch + queries_size(kv_heads),
-                   out + row * out_stride);
+            attend(query + row * query_stride, scale, window_start(length, window), length,
+                   tables + c * table_stride, keys, values, kv_heads, 0, kv_heads, scratch,
+                   scratch + queries_size(kv_heads), out + row * out_stride);
         }
         free(scratch);
     }

@@ -135,6 +135,8 @@ class StackLayer:
         o: The attention's output projection.
         gate_up: The fused gate and up projection (gate first).
         down: The MLP's down projection.
+        window: The attention's sliding window (``paged_attention``'s ``window``): each
+            query sees its last ``window`` positions; ``None``: all of them.
     """
 
     input_norm: torch.Tensor
@@ -145,6 +147,9 @@ class StackLayer:
     o: StackWeight
     gate_up: StackWeight
     down: StackWeight
+    window: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
 
 
 def stack_library(dtype: torch.dtype = torch.bfloat16) -> Callable[..., int] | None:
@@ -230,6 +235,7 @@ def stack_model(
                 layer.post_eps,
                 *(getattr(layer, name).addresses[0] for name in shapes),
                 *(getattr(layer, name).addresses[1] for name in shapes),
+                0 if layer.window is None else layer.window,
             )
             for layer in layers
         )

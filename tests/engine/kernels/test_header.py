@@ -54,7 +54,8 @@ def test_the_bindings_are_the_headers() -> None:
     assert decode.restype is ctypes.c_int
     assert decode.argtypes[:2] == (ctypes.c_void_p, ctypes.c_ssize_t)
     assert decode.argtypes[9] is ctypes.c_float  # the scale
-    assert len(decode.argtypes) == 11
+    assert decode.argtypes[10] is ctypes.c_ssize_t  # the sliding window (0: none)
+    assert len(decode.argtypes) == 12
     assert declarations()["twostroke_silu_mul"].restype is None
     model, step = declarations()["twostroke_decoder_stack"].argtypes
     layouts = structures()
@@ -149,8 +150,8 @@ def test_structures_laid_out_otherwise_than_the_compiler_does_fail_the_build() -
     layouts["twostroke_layer"] = type("twostroke_layer", (ctypes.Structure,), {"_fields_": fields})
     with pytest.raises(
         NativeBuildError,
-        match=r"not laid out as ctypes lays them out: the size of struct twostroke_layer is 88 "
-        r"for the compiler, 96 for ctypes",
+        match=r"not laid out as ctypes lays them out: the size of struct twostroke_layer is 96 "
+        r"for the compiler, 104 for ctypes",
     ):
         stack.check_layout(layouts=layouts)
 

@@ -537,3 +537,109 @@ def test_timed_adds_up_the_kernel_calls_made_in_its_block() -> None:
     with build.timed() as failing, pytest.raises(ZeroDivisionError):
         build.call(lambda: 1 / 0)
     assert failing.calls == 1  # a call that raised was timed too
+
+
+def dense_window_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: list[int],
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each query row at ``positions[row]`` over the contiguous history ``keys``/``values``
+    ``[L, kv_heads, dim]``, seeing ``(p - window, p]`` (transformers' sliding window), in
+    float64: ``[rows, heads * dim]``."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * scale
+    at = torch.tensor(positions)[:, None]
+    key = torch.arange(keys.shape[0])[None, :]
+    scores = scores.masked_fill((key > at) | (key <= at - window), -math.inf)
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out.reshape(len(positions), -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    shape=st.sampled_from([(16, 64, 3), (4, 8, 2), (5, 8, 1)]),
+    start=st.integers(0, 40),
+    count=st.integers(1, 30),
+    window=st.integers(1, 80),
+    seed=st.integers(0, 2**16),
+)
+def test_a_sliding_window_reads_only_the_blocks_it_reaches(
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    start: int,
+    count: int,
+    window: int,
+    seed: int,
+) -> None:
+    """A chunk through a window (its edge anywhere in a block; shorter or longer than the
+    history) equals the dense window mask; every block wholly before its first token's
+    window is NaN and read by no token; and each of its tokens is what that token gets as a
+    windowed decode alone, bit for bit."""
+    block_size, head_dim, group = shape
+    kernel = build_kernel(block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, end = 2, start + count
+    width = -(-end // block_size)
+    history_keys = torch.randn(end, kv_heads, head_dim, generator=generator).to(dtype)
+    history_values = torch.randn(end, kv_heads, head_dim, generator=generator).to(dtype)
+    # Block 0 is NaN; the blocks wholly before the first token's window name it.
+    order = (torch.randperm(width, generator=generator) + 1).to(torch.int32)
+    behind = max(0, start + 1 - window) // block_size
+    tables = order.clone()[None]
+    tables[0, :behind] = 0
+    keys = torch.full((width + 1, kv_heads, head_dim, block_size), math.nan, dtype=dtype)
+    values = torch.full((width + 1, kv_heads, block_size, head_dim), math.nan, dtype=dtype)
+    padded = -(-end // block_size) * block_size
+    stored_keys = torch.zeros(padded, kv_heads, head_dim, dtype=dtype)
+    stored_values = torch.zeros(padded, kv_heads, head_dim, dtype=dtype)
+    stored_keys[:end], stored_values[:end] = history_keys, history_values
+    blocks = (width, block_size, kv_heads, head_dim)
+    keys[order.long()] = stored_keys.view(blocks).permute(0, 2, 3, 1)  # tiles [dim, size]
+    values[order.long()] = stored_values.view(blocks).transpose(1, 2)
+    query = torch.randn(count, kv_heads * group, head_dim, generator=generator).to(dtype)
+    int32, one = torch.int32, torch.ones(1, dtype=torch.int32)
+    out = torch.empty(count, kv_heads * group * head_dim, dtype=dtype)
+    starts = torch.tensor([start], dtype=int32)
+    counts = torch.tensor([count], dtype=int32)
+    kernel.prefill(query, keys, values, tables, starts, counts, 0 * one, 0.3, out, window)
+    positions = list(range(start, end))
+    expected = dense_window_reference(query, history_keys, history_values, positions, window, 0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)
+    reference = reference_paged_prefill(
+        query, keys, values, tables, starts, counts, 0 * one, 0.3, window
+    )
+    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=0)
+    for index, position in enumerate(positions):
+        length = torch.tensor([position + 1], dtype=int32)
+        alone = kernel(query[index : index + 1], keys, values, tables, length, 0.3, window)
+        assert torch.equal(out[index : index + 1], alone), f"token {index} as a decode"
+
+
+def test_a_window_as_wide_as_the_history_changes_no_bit() -> None:
+    """A window that reaches position 0 is no window: the same bits as none."""
+    kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
+    query, keys, values, tables, lengths = batch(kernel, [1, 6, 11])
+    whole = kernel(query, keys, values, tables, lengths, 0.7)
+    assert torch.equal(kernel(query, keys, values, tables, lengths, 0.7, 11), whole)
+    assert not torch.equal(kernel(query, keys, values, tables, lengths, 0.7, 10), whole)
+
+
+@pytest.mark.parametrize("window", [0, -1])
+def test_a_window_below_one_is_refused_by_the_kernel(window: int) -> None:
+    kernel = build_kernel(block_size=4, head_dim=8, group=2, dtype=torch.float32)
+    query, keys, values, tables, lengths = batch(kernel, [3, 9])
+    message = rf"a sliding window must be >= 1 \(a query sees its own position\), got {window}"
+    with pytest.raises(ValueError, match=message):
+        kernel(query, keys, values, tables, lengths, 1.0, window)
+    out = torch.empty(2, query.shape[1] * 8)
+    with pytest.raises(ValueError, match=message):
+        kernel.prefill(query, keys, values, tables, lengths - 1, lengths * 0 + 1,
+                       torch.arange(2, dtype=torch.int32), 1.0, out, window)  # fmt: skip

@@ -32,6 +32,7 @@ from twostroke.engine.kernels.projection import (
     projection_kernel,
 )
 from twostroke.engine.kernels.stack import StackLayer, load_stack
+from twostroke.engine.models import decoder_layer
 from twostroke.engine.models.forms import (
     BlockEmbedding,
     BlockWeight,
@@ -389,3 +390,48 @@ def test_a_model_with_quantized_projections_has_no_stack(tmp_path: Path) -> None
     assert loaded.module.kernels.projection.quantization == "fp16"
     assert isinstance(loaded.module.kernels.glue, CompiledGlue)
     assert loaded.module.stack is None
+
+
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_a_windowed_stack_is_the_per_layer_path_through_the_same_window(
+    models: dict[str, LlamaForCausalLM],
+    projection: ProjectionKernel,
+    window: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each layer's sliding window (``StackLayer.window``) reaches the compiled attention:
+    prefills, chunks with history and decodes through the stack give the per-layer path's
+    logits with ``paged_attention(window=...)``, bit for bit, and differ from no window."""
+    model = models["llama"]
+    config = model.config
+    chosen = model.kernels.glue
+    assert isinstance(chosen, CompiledGlue)
+    windowed = build_stack(
+        [attrs_evolve(layer, window=window) for layer in layers_of(model)],
+        function=load_stack(),
+        glue=chosen.library,
+        projection=projection,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        intermediate=config.intermediate_size,
+    )
+    twin = layer_by_layer(model)
+    twin._stack = windowed
+    sequences = random_sequences([9, 14], seed=window)
+    with build.timed() as stacked:
+        unwindowed = model.forward_logits(sequences, chunk_size=4, kernel="native")
+    with build.timed() as timer:
+        got = twin.forward_logits(sequences, chunk_size=4, kernel="native")
+    assert timer.calls == stacked.calls  # through the stack: no layer ran in Python
+    attend = decoder_layer.paged_attention
+    monkeypatch.setattr(
+        decoder_layer,
+        "paged_attention",
+        lambda *args, **options: attend(*args, **{**options, "window": window}),
+    )
+    expected = layer_by_layer(model).forward_logits(sequences, chunk_size=4, kernel="native")
+    for mine, reference, whole in zip(got, expected, unwindowed, strict=True):
+        assert torch.equal(mine, reference)
+        assert not torch.equal(mine, whole)
+    with pytest.raises(ValueError, match="'window' must be >= 1"):
+        attrs_evolve(layers_of(model)[0], window=0)
