@@ -7,7 +7,8 @@ loader wraps the ``ValueError`` they raise in an error that names the file.
 
 Only what changes the computation is kept. Flavours differ in a few flags: Qwen2 adds biases
 to the q/k/v projections, Llama may add them to every attention projection (and to the MLP),
-Mistral's sliding window is never reached because it caps the context length.
+Mistral's layers attend within a sliding window (``sliding_window``; Qwen2's from
+``max_window_layers`` on where it asks, a ``layer_types`` list where the config has one).
 """
 
 from __future__ import annotations
@@ -162,6 +163,11 @@ class ModelConfig:
         residual_scale: What each block's output is multiplied by before it joins the
             residual stream (Granite).
         logit_scale: What the logits are divided by (Granite's ``logits_scaling``).
+        sliding_window: The positions a windowed layer's query sees, its own included
+            (transformers' ``sliding_window``), or ``None`` where every layer sees all.
+        global_layers: With a sliding window, the layers that see all positions anyway
+            (Qwen2's below ``max_window_layers``; a ``layer_types`` list's
+            ``full_attention`` layers).
     """
 
     architecture: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHITECTURES))
@@ -194,12 +200,23 @@ class ModelConfig:
     )
     residual_scale: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
     logit_scale: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
+    sliding_window: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_POSITIVE)
+    )
+    global_layers: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
-        outside = [index for index in self.nope_layers if not 0 <= index < self.num_layers]
-        if outside:
+        for name in ("nope_layers", "global_layers"):
+            indices = getattr(self, name)
+            outside = [index for index in indices if not 0 <= index < self.num_layers]
+            if outside:
+                raise ValueError(
+                    f"{name} must be layer indices in [0, {self.num_layers}), got {outside}"
+                )
+        if self.global_layers and self.sliding_window is None:
             raise ValueError(
-                f"nope_layers must be layer indices in [0, {self.num_layers}), got {outside}"
+                f"global_layers are the exceptions to a sliding window, and there is none: "
+                f"got global_layers={self.global_layers} and sliding_window=None"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -214,6 +231,10 @@ class ModelConfig:
                 f"rope_frequency_factors must have head_dim / 2 = {self.head_dim // 2} "
                 f"entries, got {len(factors)}"
             )
+
+    def window_of(self, index: int) -> int | None:
+        """The sliding window of layer ``index``'s attention, or ``None`` for all positions."""
+        return None if index in self.global_layers else self.sliding_window
 
     @property
     def departures(self) -> tuple[str, ...]:
@@ -259,7 +280,9 @@ class ModelConfig:
         factors = fields.pop("rope_frequency_factors", None)
         eos = fields.pop("eos_token_ids", ())
         nope = fields.pop("nope_layers", ())
+        global_layers = fields.pop("global_layers", ())
         return cls(
+            global_layers=tuple(global_layers),
             **fields,
             rope_scaling=None if scaling is None else RopeScaling(**scaling),
             rope_frequency_factors=None if factors is None else tuple(factors),
@@ -301,12 +324,7 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
         scaling = {**legacy_scaling, **rope} if legacy_scaling else rope
         max_positions = _require(data, "max_position_embeddings")
-        window = data.get("sliding_window")
-        uses_window = window is not None and data.get("use_sliding_window", True)
-        if uses_window and window < max_positions:
-            # Windowed attention only differs from full attention past the window, so a
-            # context capped at the window is computed exactly by full attention.
-            max_positions = window
+        window, global_layers = _sliding_window(data, max_positions)
         qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = bool(data.get("attention_bias", False))
         return cls(
@@ -328,6 +346,8 @@ class ModelConfig:
             mlp_bias=bool(data.get("mlp_bias", False)),
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=_token_ids(data.get("eos_token_id")),
+            sliding_window=window,
+            global_layers=global_layers,
             **_hf_features(architecture, data),
         )
 
@@ -427,6 +447,36 @@ class ModelConfig:
             eos_token_ids=_token_ids(eos),
             **_gguf_features(str(arch), metadata, key("block_count")),
         )
+
+
+def _sliding_window(
+    data: Mapping[str, Any], max_positions: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """A config's sliding window and the layers that see every position anyway, as
+    transformers reads them: ``layer_types`` where the config lists it, else every layer
+    windowed (Mistral) or, for Qwen2, those from ``max_window_layers`` on; Qwen2 asks for
+    a window only with ``use_sliding_window``. A window as long as the context is none."""
+    window = data.get("sliding_window")
+    if window is None or not data.get("use_sliding_window", True):
+        return None, ()
+    window = _count(data, "sliding_window")
+    if window >= max_positions:
+        return None, ()
+    num_layers = _count(data, "num_hidden_layers")
+    types = data.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ValueError(
+                f"layer_types must list one type per layer ({num_layers}), got {types!r}"
+            )
+        unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
+        if unknown:
+            raise ValueError(
+                f"layer_types must be 'sliding_attention' or 'full_attention', got {unknown}"
+            )
+        return window, tuple(i for i, kind in enumerate(types) if kind == "full_attention")
+    first = data.get("max_window_layers", 0) if "use_sliding_window" in data else 0
+    return window, tuple(range(min(int(first), num_layers)))
 
 
 def _require(data: Mapping[str, Any], name: str) -> Any:

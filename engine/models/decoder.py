@@ -384,7 +384,7 @@ class CausalLM(nn.Module):
             qkv, o, gate_up, down = weights
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
-            layers.append(StackLayer(*norms, qkv, o, gate_up, down))
+            layers.append(StackLayer(*norms, qkv, o, gate_up, down, window=attention.window))
         config = self.config
         return build_stack(
             layers,

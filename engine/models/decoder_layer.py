@@ -42,8 +42,10 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         rotates: bool = True,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = window
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -93,7 +95,9 @@ class Attention(nn.Module):
         glue.rotate_write(qkv, heads, kv_heads, cos, signed_sin, metadata, layer)
         query = qkv[:, : heads * dim].view(num_tokens, heads, dim)
         key_value = qkv[:, heads * dim :].view(num_tokens, 2, kv_heads, dim)
-        out = paged_attention(query, key_value, layer, metadata, scale=self.scale)
+        out = paged_attention(
+            query, key_value, layer, metadata, scale=self.scale, window=self.window
+        )
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
@@ -163,7 +167,9 @@ class DecoderLayer(nn.Module):
         if self.pre_norm:
             self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
         rotates = index not in config.nope_layers
-        self.self_attn = Attention(config, dtype=dtype, device=device, rotates=rotates)
+        self.self_attn = Attention(
+            config, dtype=dtype, device=device, rotates=rotates, window=config.window_of(index)
+        )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
         if not self.pre_norm:
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)

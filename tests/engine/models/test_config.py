@@ -51,12 +51,38 @@ def test_qwen2_has_qkv_bias_only() -> None:
     assert not config.o_bias
 
 
-def test_mistral_sliding_window_caps_the_context() -> None:
-    data = hf(
-        transformers.MistralConfig(**SMALL, sliding_window=64, max_position_embeddings=4096),
-        "MistralForCausalLM",
+def test_sliding_windows_are_read_per_layer_as_transformers_reads_them() -> None:
+    """Mistral windows every layer and keeps its whole context; Qwen2 windows the layers from
+    max_window_layers on where it asks; a layer_types list says per layer; a window as long
+    as the context is none."""
+    mistral = ModelConfig.from_hf_config(
+        hf(
+            transformers.MistralConfig(**SMALL, sliding_window=64, max_position_embeddings=4096),
+            "MistralForCausalLM",
+        )
     )
-    assert ModelConfig.from_hf_config(data).max_position_embeddings == 64
+    assert (mistral.max_position_embeddings, mistral.sliding_window) == (4096, 64)
+    assert [mistral.window_of(i) for i in range(mistral.num_layers)] == [64] * mistral.num_layers
+    # (transformers writes sliding_window null where use_sliding_window is false.)
+    qwen2 = hf(transformers.Qwen2Config(**SMALL), "Qwen2ForCausalLM") | {"sliding_window": 16}
+    assert ModelConfig.from_hf_config(qwen2 | {"use_sliding_window": False}).sliding_window is None
+    windowed = ModelConfig.from_hf_config(
+        qwen2 | {"use_sliding_window": True, "max_window_layers": 1, "layer_types": None}
+    )
+    assert windowed.global_layers == (0,)
+    assert windowed.window_of(0) is None
+    assert windowed.window_of(1) == 16
+    types = ["full_attention", "sliding_attention"] * (SMALL["num_hidden_layers"] // 2)
+    listed = ModelConfig.from_hf_config(qwen2 | {"use_sliding_window": True, "layer_types": types})
+    assert listed.global_layers == tuple(range(0, SMALL["num_hidden_layers"], 2))
+    whole = qwen2 | {"use_sliding_window": True, "sliding_window": qwen2["max_position_embeddings"]}
+    assert ModelConfig.from_hf_config(whole).sliding_window is None
+    with pytest.raises(ValueError, match=r"layer_types must be 'sliding_attention' or 'full_"):
+        ModelConfig.from_hf_config(
+            qwen2 | {"use_sliding_window": True, "layer_types": ["x"] * len(types)}
+        )
+    with pytest.raises(ValueError, match=r"global_layers are the exceptions to a sliding window"):
+        attrs.evolve(mistral, sliding_window=None, global_layers=(0,))
 
 
 def test_transformers_4_rope_layout() -> None:

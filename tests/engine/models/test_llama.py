@@ -61,8 +61,11 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> A
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**{**TINY, **overrides})
         model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**{**TINY, **overrides})
+        model = transformers.MistralForCausalLM(config)
     else:
-        raise ValueError(f"kind must be 'llama' or 'qwen2', got {kind!r}")
+        raise ValueError(f"kind must be 'llama', 'qwen2' or 'mistral', got {kind!r}")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
@@ -151,6 +154,14 @@ def test_every_attention_kernel_matches_transformers_through_the_model(
             "llama",
             {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
             id="linear-rope",
+        ),
+        # Windows shorter than the 30-token sequence: every layer's (Mistral), the upper
+        # layers' (Qwen2 from max_window_layers on).
+        pytest.param("mistral", {"sliding_window": 7}, id="mistral-window"),
+        pytest.param(
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+            id="qwen2-window",
         ),
     ],
 )
