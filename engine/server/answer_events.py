@@ -1,7 +1,8 @@
 """A chat answer as typed events: what every endpoint's writer consumes.
 
 The chat service (:mod:`~twostroke.engine.server.chat_service`) reads one output, as it
-streams or whole, into these events: :class:`TextDelta` (text before the first call),
+streams or whole, into these events: :class:`ThinkingDelta` (a thinking model's reasoning,
+read apart by the server's reasoning parser), :class:`TextDelta` (text before the first call),
 :class:`CallStarted` (a call's id and function), :class:`ArgumentsDelta` (a piece of its
 arguments' JSON), :class:`Finished` (the answer's finish reason) and :class:`Usage`. A whole
 output is read by the same :class:`AnswerReader` as a stream's deltas, in one piece, so a
@@ -18,6 +19,7 @@ from typing import TypeAlias
 import attrs
 
 from twostroke.engine.server.structured import ToolCalls
+from twostroke.engine.text.reasoning import ReasoningParser
 from twostroke.engine.tools.parser import (
     ArgumentsDelta,
     CallStarted,
@@ -33,8 +35,21 @@ __all__ = [
     "CallStarted",
     "Finished",
     "TextDelta",
+    "ThinkingDelta",
     "Usage",
 ]
+
+
+@attrs.frozen
+class ThinkingDelta:
+    """A piece of the model's reasoning (between its ``<think>`` markers, which it lacks):
+    Messages' ``thinking`` block, Responses' ``reasoning`` item.
+
+    Attributes:
+        text: The piece.
+    """
+
+    text: str
 
 
 @attrs.frozen
@@ -65,7 +80,7 @@ class Usage:
 
 
 #: What the chat service reports of an answer.
-AnswerEvent: TypeAlias = TextDelta | CallStarted | ArgumentsDelta | Finished | Usage
+AnswerEvent: TypeAlias = ThinkingDelta | TextDelta | CallStarted | ArgumentsDelta | Finished | Usage
 
 
 class AnswerReader:
@@ -75,19 +90,34 @@ class AnswerReader:
     :class:`~twostroke.engine.tools.parser.ToolCallParser` of the format, which holds back
     text that may start a call and reports a call once its JSON is closed.
 
+    With a reasoning parser, the reasoning goes apart first (:class:`ThinkingDelta`) and
+    only the answer after it is read for text and calls.
+
     Args:
         tool_calls: How the output is read when it may hold calls (``None``: it cannot).
+        reasoning: The choice's reasoning parser (``None``: the output is all answer).
     """
 
-    def __init__(self, tool_calls: ToolCalls | None) -> None:
+    def __init__(
+        self, tool_calls: ToolCalls | None, reasoning: ReasoningParser | None = None
+    ) -> None:
         self._tool_calls = tool_calls
         self._parser = None if tool_calls is None else ToolCallParser(tool_calls.format)
+        self._reasoning = reasoning
 
     def read(self, text: str, finish_reason: str | None = None) -> list[AnswerEvent]:
         """The events that ``text``, the output's next piece, completes; with
         ``finish_reason``, the output's last piece, whose events end with :class:`Finished`.
         """
         events: list[AnswerEvent] = []
+        if self._reasoning is not None:
+            split = self._reasoning.feed(text)
+            thought, text = split.reasoning, split.content
+            if finish_reason is not None:
+                last = self._reasoning.finish()
+                thought, text = thought + last.reasoning, text + last.content
+            if thought:
+                events.append(ThinkingDelta(thought))
         if self._parser is None or self._tool_calls is None:
             if text:
                 events.append(TextDelta(text))

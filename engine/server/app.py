@@ -527,6 +527,7 @@ def build_app(
         check_room=handlers._check_room,
         render=handlers.tool_prompt,
         tool_format=tool_format,
+        reasoning=reasoning,
     )
     responses = Responses(engine, chat, config, store=response_store, owner=owner_of(api_key))
     if batch_store is None:

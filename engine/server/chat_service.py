@@ -28,9 +28,11 @@ from twostroke.engine.server.chat_request import ChatRequest, OutputFormat
 from twostroke.engine.server.errors import ApiError, invalid_request
 from twostroke.engine.server.generation import Choice, Submission
 from twostroke.engine.server.metrics import ServerMetrics
+from twostroke.engine.server.reasoning import ChoiceReasoning, check_no_constraint
 from twostroke.engine.server.sse import Disconnected, until_disconnect
 from twostroke.engine.server.structured import OutputConstraint, chat_constraint, strict_schema
 from twostroke.engine.surface import EngineSurface
+from twostroke.engine.text.reasoning import ReasoningFormat
 from twostroke.engine.tools.formats import ToolFormat, ToolSpec
 from twostroke.engine.tools.prompt import Turn
 from twostroke.states.params import SamplingParams
@@ -102,6 +104,8 @@ class ChatService:
             take them (an ``EngineOverloaded``).
         render: Renders a conversation with its tools, off the event loop.
         tool_format: The format the model writes tool calls in.
+        reasoning: How a thinking model's reasoning is read apart from its answer
+            (:class:`~twostroke.engine.server.answer_events.ThinkingDelta`), or ``None``.
     """
 
     def __init__(
@@ -113,8 +117,10 @@ class ChatService:
         check_room: Callable[[int], None],
         render: Render,
         tool_format: ToolFormat,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         self._engine = engine
+        self._reasoning = reasoning
         self._metrics = metrics
         self._config = config
         self._check_room = check_room
@@ -155,6 +161,10 @@ class ChatService:
         """
         request = self._strict(request)
         shape = chat_constraint(request, self._tool_format)
+        choice = request.tool_choice
+        lazy = shape.tool_calls is not None and request.output is None and (
+            choice is None or choice.mode == "auto")  # fmt: skip
+        check_no_constraint(self._reasoning, shape.param, lazy=lazy)
         params = _params(request, shape)
         self._check_room(1)  # before a template renders the conversation
         prompt = await self._render(list(request.turns), shape.tools, request.names.prompt)
@@ -166,7 +176,7 @@ class ChatService:
         """A run of ``prepared`` on the engine, settled when the block ends however it ends
         (its engine request cancelled if still open, and its outcome counted once)."""
         run = ChatRun(self._engine, self._metrics, prepared, keepalive=self._config.keepalive,
-                      check_room=self._check_room)  # fmt: skip
+                      check_room=self._check_room, reasoning=self._reasoning)  # fmt: skip
         try:
             yield run
         finally:
@@ -219,8 +229,10 @@ class ChatRun:
         *,
         keepalive: float,
         check_room: Callable[[int], None],
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         names = prepared.request.names
+        self._reasoning = None if reasoning is None else ChoiceReasoning(reasoning, engine)
         self._submission = Submission(
             engine,
             metrics,
@@ -248,7 +260,16 @@ class ChatRun:
         left, _ = await until_disconnect(
             receive, lambda: submit([prepared.prompt], [prepared.params], self._check_room)
         )
+        if not left and self._reasoning is not None:
+            # Whether the output starts inside the reasoning is its prompt's tail's to say.
+            (choice,) = self._submission.choices
+            await self._reasoning.begin(0, choice.handle.prompt_token_ids)
         return not left
+
+    def _reader(self) -> AnswerReader:
+        """A reader of the answer: its reasoning apart where the server reads it so."""
+        reasoning = None if self._reasoning is None else self._reasoning.parser(0)
+        return AnswerReader(self._prepared.shape.tool_calls, reasoning)
 
     @property
     def prompt_tokens(self) -> int:
@@ -268,9 +289,7 @@ class ChatRun:
         if left or outputs is None:
             return None
         (output,) = outputs
-        events = AnswerReader(self._prepared.shape.tool_calls).read(
-            output.text, str(output.finish_reason)
-        )
+        events = self._reader().read(output.text, str(output.finish_reason))
         usage = output.usage
         completion_tokens = len(output.token_ids)
         return [*events, Usage(usage.prompt_tokens, completion_tokens, usage.cached_prompt_tokens)]
@@ -349,7 +368,7 @@ class ChatRun:
 
     async def _pump(self, choice: Choice, sent: Any) -> None:
         """Read the request's deltas into answer events (or one ``ApiError``)."""
-        reader = AnswerReader(self._prepared.shape.tool_calls)
+        reader = self._reader()
         async with sent:
             last: float | None = None
             try:

@@ -23,6 +23,7 @@ from twostroke.engine.server.answer_events import (
     CallStarted,
     Finished,
     TextDelta,
+    ThinkingDelta,
     Usage,
 )
 from twostroke.engine.server.errors import ApiError
@@ -47,6 +48,8 @@ class Draft:
         for event in events:
             if isinstance(event, TextDelta):
                 out += self._text(event.text) if event.text else []
+            elif isinstance(event, ThinkingDelta):
+                out += self._thinking(event.text) if event.text else []
             elif isinstance(event, CallStarted):
                 out += self._started(event)
             elif isinstance(event, ArgumentsDelta):
@@ -66,6 +69,9 @@ class Draft:
         raise NotImplementedError
 
     def _text(self, text: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _thinking(self, text: str) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def _started(self, call: CallStarted) -> list[dict[str, Any]]:

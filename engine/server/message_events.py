@@ -159,6 +159,22 @@ class MessageDraft(Draft):
                        "delta": delta})  # fmt: skip
         return events
 
+    def _thinking(self, text: str) -> list[dict[str, Any]]:
+        """A ``thinking`` block (opened at the first piece) and its ``thinking_delta``. Its
+        ``signature`` is empty: nothing signs a local model's reasoning, and a client that
+        sends the block back has it dropped from the context, as Anthropic drops it."""
+        events: list[dict[str, Any]] = []
+        block = self._open
+        if block is None or block["type"] != "thinking":
+            events += self._release(len(self._pending)) + self._close()
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            events.append(self._start(block))
+        block["thinking"] += text
+        delta = {"type": "thinking_delta", "thinking": text}
+        events.append({"type": "content_block_delta", "index": len(self._content) - 1,
+                       "delta": delta})  # fmt: skip
+        return events
+
     def _started(self, call: CallStarted) -> list[dict[str, Any]]:
         # The text before a call is not the output's end: no stop sequence ends it.
         events = self._release(len(self._pending)) + self._close()

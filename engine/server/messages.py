@@ -14,13 +14,14 @@ prompt (rendered off the event loop), sampling parameters, constraint and tool c
 or as they stream, are folded into Anthropic content blocks and events
 (:mod:`~twostroke.engine.server.message_events`).
 
-``max_tokens`` is required, as Anthropic requires it. ``thinking`` is accepted, and no
-``thinking`` block ever comes back: the served models have no reasoning format, and a block
-is not invented; ``thinking`` blocks a client sends back in an assistant turn are dropped (as
-Anthropic drops earlier turns' thinking from the context). ``cache_control``, ``metadata``,
-``service_tier`` and unknown fields are ignored; ``image`` and ``document`` blocks, and tools
-of Anthropic's server-side types (``web_search_...``, ``bash_...``), are a 400 naming them.
-Errors are in Anthropic's shape (:func:`~twostroke.engine.server.errors.anthropic_error`).
+``max_tokens`` is required, as Anthropic requires it. ``thinking`` is accepted; a ``thinking`` block
+comes back where the server reads the model's reasoning apart (its reasoning parser, see
+docs/serving.md), before the answer's blocks, and never otherwise (a block is not invented);
+``thinking`` blocks a client sends back in an assistant turn are dropped (as Anthropic drops earlier
+turns' thinking from the context). ``cache_control``, ``metadata``, ``service_tier`` and unknown
+fields are ignored; ``image`` and ``document`` blocks, and tools of Anthropic's server-side types
+(``web_search_...``, ``bash_...``), are a 400 naming them. Errors are in Anthropic's shape
+(:func:`~twostroke.engine.server.errors.anthropic_error`).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 
 
 class Thinking(msgspec.Struct, kw_only=True):
-    """``thinking``: accepted; no thinking block comes from a model without a reasoning
-    format."""
+    """``thinking``: accepted; thinking blocks come from the server's reasoning parser, not
+    from this field (a model thinks as its chat template makes it)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None

@@ -124,6 +124,10 @@ class ChoiceReasoning:
             opened = opens_reasoning(self.format, tail)
         self._opened[index] = opened
 
+    def parser(self, index: int) -> ReasoningParser:
+        """A fresh parser of choice ``index``'s output, from where its prompt left it."""
+        return self.format.parser(self._opened.get(index, False))
+
     def split(self, index: int, text: str) -> ReasoningSplit:
         """Choice ``index``'s whole output, split."""
         return split_reasoning(self.format, text, opened=self._opened.get(index, False))

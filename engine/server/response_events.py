@@ -114,7 +114,7 @@ class ResponseDraft(Draft):
         if self.status == "failed":
             return []
         events = self._close()
-        if not self._output:  # an empty answer is still one message
+        if all(item["type"] == "reasoning" for item in self._output):  # still one message
             events += self._text("")
             events += self._close()
         if self._finish_reason == "length":
@@ -154,6 +154,23 @@ class ResponseDraft(Draft):
                                       delta=text, logprobs=[]))  # fmt: skip
         return events
 
+    def _thinking(self, text: str) -> list[dict[str, Any]]:
+        """A ``reasoning`` item (opened at the first piece) whose one ``reasoning_text``
+        part grows by ``response.reasoning_text.delta``, as OpenAI's open-weight models'
+        reasoning is returned."""
+        events = []
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            events += self._close()
+            item = {"id": _hex_id("rs"), "type": "reasoning", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}]}  # fmt: skip
+            events.append(self._added(item))
+        item["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                  output_index=len(self._output) - 1, content_index=0,
+                                  delta=text))  # fmt: skip
+        return events
+
     def _started(self, call: CallStarted) -> list[dict[str, Any]]:
         events = self._close()
         item = {"id": _hex_id("fc"), "type": "function_call", "status": "in_progress",
@@ -181,6 +198,13 @@ class ResponseDraft(Draft):
         if item is None:
             return []
         index = self._output.index(item)
+        if item["type"] == "reasoning":  # (a reasoning item has no status)
+            text = item["content"][0]["text"]
+            return [
+                self._event("response.reasoning_text.done", item_id=item["id"],
+                            output_index=index, content_index=0, text=text),
+                self._event("response.output_item.done", output_index=index, item=_copy(item)),
+            ]  # fmt: skip
         item["status"] = "incomplete" if self._finish_reason == "length" else "completed"
         events = []
         if item["type"] == "message":

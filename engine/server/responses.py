@@ -336,6 +336,10 @@ def _turns(body: ResponsesRequest) -> tuple[Turn, ...]:
                 )
             output = _text(item.output, f"{where}.output")
             out.add(Turn("tool", output, tool_call_id=call_id, name=out.names[call_id]))
+        elif item.type == "reasoning":
+            # A thinking model's earlier reasoning (an output item sent back, or a stored
+            # one continued) is not part of the context, as its chat template drops it.
+            continue
         elif item.type == "item_reference":
             raise invalid_request(
                 f"{where}: item_reference is not supported: {_STATELESS}; send the items "
@@ -345,8 +349,8 @@ def _turns(body: ResponsesRequest) -> tuple[Turn, ...]:
             )
         else:
             raise invalid_request(
-                f"{where}.type must be message, function_call or function_call_output, "
-                f"got {item.type!r}",
+                f"{where}.type must be message, function_call, function_call_output or "
+                f"reasoning, got {item.type!r}",
                 param="input",
             )
     return tuple(out.turns)
@@ -497,7 +501,10 @@ def _input_items(given: str | list[_Item]) -> list[dict[str, Any]]:
             items.append({"id": _item_id("fc"), "type": "function_call",
                           "call_id": item.call_id, "name": item.name,
                           "arguments": item.arguments, "status": "completed"})  # fmt: skip
-        else:  # function_call_output: the only other kind _messages lets through
+        elif item.type == "reasoning":
+            items.append({"id": _item_id("rs"), "type": "reasoning", "summary": [],
+                          "content": _parts(item.content, "reasoning_text")})  # fmt: skip
+        else:  # function_call_output: the only other kind _turns lets through
             output = item.output if isinstance(item.output, str) else _parts(item.output, "")
             items.append({"id": _item_id("fco"), "type": "function_call_output",
                           "call_id": item.call_id, "output": output,

@@ -64,7 +64,8 @@ async def test_record_steps_gives_the_launched_plans_while_open() -> None:
         await engine.generate("after", params)
     assert len(outer) == recorded - before
     assert [plan.step_id for plan in outer] == sorted(plan.step_id for plan in outer)
-    assert inner == outer[: len(inner)] and 0 < len(inner) < len(outer)
+    assert inner == outer[: len(inner)]
+    assert 0 < len(inner) < len(outer)
     tokens = sum(row.num_tokens for plan in inner for row in plan.requests)
     assert tokens >= len("inside") + 5  # its prompt, then a row per token sampled after
 

@@ -186,3 +186,67 @@ async def test_bad_requests_name_the_field_and_the_rule(
         error = answer.json()["error"]
         assert error["param"] == param
         assert message in error["message"]
+
+
+@pytest.mark.filterwarnings(
+    r"ignore:Async generator 'anthropic\..*' was garbage collected:ResourceWarning"
+)
+async def test_messages_return_the_reasoning_as_a_thinking_block_whole_and_streamed() -> None:
+    from .test_messages import client
+
+    ask = [{"role": "user", "content": "Hi"}]
+    async with (
+        served(runner=ScriptedRunner(thinker), tokenizer=ThinkingTokenizer()) as server,
+        client(server.base_url) as claude,
+    ):
+        whole = await claude.messages.create(model="toy", max_tokens=64, messages=ask)
+        async with claude.messages.stream(model="toy", max_tokens=64, messages=ask) as stream:
+            kinds = [e.delta.type async for e in stream if e.type == "content_block_delta"]
+            streamed = await stream.get_final_message()
+    thinking, text = whole.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "The user wants a greeting.\n")  # type: ignore[union-attr]
+    assert (text.type, text.text) == ("text", "Hello!")  # type: ignore[union-attr]
+    assert [
+        block.model_dump(include={"type", "thinking", "text"}) for block in streamed.content
+    ] == [block.model_dump(include={"type", "thinking", "text"}) for block in whole.content]
+    assert kinds.index("text_delta") > kinds.index("thinking_delta")
+    assert kinds.count("thinking_delta") > 1  # streamed as it came
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_return_the_reasoning_as_a_reasoning_item(stream: bool) -> None:
+    async with served(runner=ScriptedRunner(thinker), tokenizer=ThinkingTokenizer()) as server:
+        fields: dict[str, Any] = {"model": "toy", "input": "Hi", "max_output_tokens": 64}
+        if stream:
+            async with server.client.responses.stream(**fields) as events:
+                kinds = [event.type async for event in events]
+                response = await events.get_final_response()
+            assert "response.reasoning_text.delta" in kinds
+            assert kinds.index("response.reasoning_text.done") < kinds.index(
+                "response.output_text.delta"
+            )
+        else:
+            response = await server.client.responses.create(**fields)
+        reasoning, _ = response.output
+        assert reasoning.type == "reasoning"
+        assert [part.text for part in reasoning.content or []] == ["The user wants a greeting.\n"]
+        assert response.output_text == "Hello!"
+        # Sent back as the next turn's input (as agents do), the reasoning is dropped from the
+        # conversation, as the chat template drops an earlier turn's thinking.
+        items = [item.model_dump(exclude_none=True) for item in response.output]
+        items.append({"role": "user", "content": "And?"})
+        again = await server.client.responses.create(model="toy", input=items, max_output_tokens=64)
+        assert again.output_text == "Hello!"
+        (_, _), (prompt, _) = server.engine.submitted[-2:]
+        assert "greeting" not in str(prompt)
+
+
+async def test_a_constraint_on_messages_or_responses_is_refused_while_reasoning_is_read() -> None:
+    async with served(runner=ScriptedRunner(thinker), tokenizer=ThinkingTokenizer()) as server:
+        fmt = {"type": "json_schema", "name": "w", "schema": {"type": "object"}}
+        reply = await server.http.post(
+            "/v1/responses", json={"input": "Hi", "text": {"format": fmt}}
+        )
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["code"] == "reasoning_constraint"
+        assert reply.json()["error"]["param"] == "text.format.schema"

@@ -474,8 +474,8 @@ REFUSALS: list[tuple[dict[str, Any], str, str, str | None]] = [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input", "input[0].content[0]: only text parts (input_text, output_text) are supported, "
      "got type 'input_image'", None),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input[0].type must be "
-     "message, function_call or function_call_output, got 'reasoning'", None),
+    ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input", "input[0].type must be "
+     "message, function_call, function_call_output or reasoning, got 'computer_call'", None),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "1"}]}, "input",
      "input[0]: no function_call with call_id 'call_9' comes before this function_call_output",
      None),
