@@ -128,6 +128,8 @@ NATIVE_FOLDER = "native"
 #: The file marking a folder as the cache's own (the Cache Directory Tagging Specification's
 #: name, https://bford.info/cachedir/): only in a marked folder does the cache remove entries.
 MARKER = "CACHEDIR.TAG"
+#: The unmarked cache folders this process has warned of (see ArtifactCache.evict).
+_WARNED_UNMARKED: set[Path] = set()
 #: The marker's text: the specification's signature, then a line of our own, so that another
 #: tool's tag (a build folder's) does not make a folder ours.
 _MARKER_TEXT = (
@@ -511,6 +513,9 @@ class ArtifactCache:
             which is logged.
         """
         if not self.marked():
+            if self.root in _WARNED_UNMARKED:
+                return []
+            _WARNED_UNMARKED.add(self.root)  # once a process: every store would say it again
             _log.warning(
                 "twostroke: the cache folder %s holds no %s of the cache's (a folder of yours, "
                 "or an older twostroke's cache): nothing in it is evicted, so %s does not "
