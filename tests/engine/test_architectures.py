@@ -1,0 +1,144 @@
+"""Every architecture through the whole engine, as a user opens it: a model folder of
+transformers' own class (tiny, random, SmolLM2's tokenizer), ``Engine.open(model=folder)``
+with the fast plan, and one answer per request whatever runs beside it (docs/models.md,
+"One answer per request"): the same tokens and logprobs alone and among other requests, in
+a small step budget that chunks prompts, with prefix-cache hits, a pool small enough to
+preempt, drafts by prompt lookup, and either pipeline depth.
+
+The per-architecture arithmetic is proven against transformers and llama.cpp in
+tests/engine/models/test_<arch>.py; this is about the paths around it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import pytest
+import transformers
+
+from tests.engine.models import parity
+from twostroke.engine import Engine
+from twostroke.engine.synthetic.tokenizer import save_tokenizer
+from twostroke.states.params import SamplingParams
+
+# One backend: the engine's backends are the toy tests' subject; each case opens several
+# engines over a real (tiny) model.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.anyio,
+    pytest.mark.parametrize("anyio_backend", ["asyncio"]),
+]
+
+#: Each architecture's transformers classes and the fields that switch its features on.
+ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
+    "granite": (
+        transformers.GraniteConfig,
+        transformers.GraniteForCausalLM,
+        {
+            "embedding_multiplier": 3.0,
+            "attention_multiplier": 0.2,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 4.0,
+        },
+    ),
+    "smollm3": (
+        transformers.SmolLM3Config,
+        transformers.SmolLM3ForCausalLM,
+        {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 1]},
+    ),
+    # A window shorter than the prompts: the windowed attention on every path.
+    "mistral-window": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": 12},
+    ),
+}
+
+#: SmolLM2's vocabulary, so its tokenizer drives the model.
+VOCABULARY = 49152
+
+PROMPTS = (
+    "Repeat this exactly: the quick brown fox jumps over the lazy dog, the quick brown fox.",
+    "Repeat this exactly: the quick brown fox sleeps.",
+    "def fibonacci(n):",
+)
+KINDS = {
+    "greedy": SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True),
+    "seeded": SamplingParams(max_tokens=10, temperature=0.9, seed=5, logprobs=2, ignore_eos=True),
+}
+#: (engine options, crowd of (prompt, tokens) requests beside the targets).
+SITUATIONS: dict[str, tuple[dict[str, Any], list[tuple[int, int]]]] = {
+    "chunked-cached-drafted": (
+        {
+            "max_num_batched_tokens": 8,
+            "enable_prefix_caching": True,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+        },
+        [(0, 12), (1, 7), (2, 9)],
+    ),
+    "preempted-serial": (
+        # Blocks of 16: each target takes 2-3, so six requests contend for 8.
+        {"num_blocks": 8, "pipeline_depth": 1, "enable_prefix_caching": False},
+        [(2, 14), (0, 6), (1, 11)],
+    ),
+}
+
+Answer = tuple[tuple[int, ...], tuple[Any, ...]]
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def model_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    config_class, model_class, fields = ARCHITECTURES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    parity.make_model(config_class, model_class, path, seed=7, vocab_size=VOCABULARY, **fields)
+    save_tokenizer(path)
+    return str(path)
+
+
+def answer_of(output: Any) -> Answer:
+    return output.token_ids, tuple(attrs.astuple(entry) for entry in output.logprobs)
+
+
+async def answers(
+    folder: str, targets: list[tuple[int, str]], crowd: list[tuple[int, int]], **options: Any
+) -> list[Answer]:
+    """The targets' answers, submitted at once beside the crowd's requests; with no crowd,
+    one at a time, each alone in the engine."""
+    found: dict[int, Answer] = {}
+    async with Engine.open(model=folder, device="cpu", deterministic=True, **options) as engine:
+        assert engine.deterministic
+
+        async def target(index: int) -> None:
+            prompt, kind = targets[index]
+            found[index] = answer_of(await engine.generate(PROMPTS[prompt], KINDS[kind]))
+
+        async def other(prompt: int, tokens: int) -> None:
+            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            await engine.generate(PROMPTS[prompt], params)
+
+        if not crowd:
+            for index in range(len(targets)):
+                await target(index)
+            return [found[index] for index in range(len(targets))]
+        async with anyio.create_task_group() as group:
+            for prompt, tokens in crowd:
+                group.start_soon(other, prompt, tokens)
+            for index in range(len(targets)):
+                group.start_soon(target, index)
+    return [found[index] for index in range(len(targets))]
+
+
+@pytest.mark.timeout(300)
+async def test_an_answer_is_the_same_whatever_runs_beside_it(model_folder: str) -> None:
+    targets = [(0, "greedy"), (1, "seeded"), (2, "greedy")]
+    expected = await answers(model_folder, targets, [], enable_prefix_caching=False)
+    assert all(len(tokens) == 10 for tokens, _ in expected)
+    for name, (options, crowd) in SITUATIONS.items():
+        got = await answers(model_folder, targets, crowd, **options)
+        for index, (answer, wanted) in enumerate(zip(got, expected, strict=True)):
+            assert answer == wanted, f"{Path(model_folder).name}, {name}: target {index}"
