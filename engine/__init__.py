@@ -1,7 +1,7 @@
 """twostroke's engine: the two strokes, the public async API, models, server and CLI."""
 
 from twostroke.engine.artifacts.cache import InvalidCacheLimit, UnmarkedCache
-from twostroke.engine.checkpoints.source import BlockTypeUnsupported, ModelLoadError
+from twostroke.engine.checkpoints.errors import BlockTypeUnsupported, ModelLoadError
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.coordinator import Coordinator, CoordinatorConfig, CoordinatorStatistics
 from twostroke.engine.coordinator.auth import HandshakeFailed

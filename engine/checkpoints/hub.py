@@ -8,7 +8,7 @@ repo:quant`` names one. The cache is where the hub's client puts it: ``$HF_HUB_C
 ``~/.cache/huggingface/hub``; in it a repository is ``models--<owner>--<name>``, its
 snapshots ``snapshots/<commit>``, the one ``refs/main`` names being the current one.
 
-A name that is not in the cache is a :class:`~twostroke.engine.checkpoints.source.ModelLoadError`
+A name that is not in the cache is a :class:`~twostroke.engine.checkpoints.errors.ModelLoadError`
 that says how to fetch it; nothing is fetched here.
 """
 
@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from twostroke.engine.checkpoints.source import ModelLoadError
+from twostroke.engine.checkpoints.errors import ModelLoadError
 
 __all__ = ["HUB_NAME", "hub_cache_dir", "hub_model"]
 

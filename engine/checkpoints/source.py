@@ -29,8 +29,9 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from twostroke.engine.checkpoints.gguf import BLOCK_TYPES, GGUFTensor, read_gguf
-from twostroke.states.errors import EngineError
+from twostroke.engine.checkpoints.errors import BlockTypeUnsupported, ModelLoadError
+from twostroke.engine.checkpoints.gguf import GGUFTensor, read_gguf
+from twostroke.engine.checkpoints.hub import hub_model
 
 __all__ = [
     "KNOWN_MODELS",
@@ -45,43 +46,6 @@ __all__ = [
 ]
 
 _GGUF_MAGIC = b"GGUF"
-
-
-class ModelLoadError(EngineError):
-    """A model cannot be found or loaded.
-
-    Attributes:
-        path: The file or directory (or the name) at fault.
-        problem: What is wrong with it.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
-
-
-class BlockTypeUnsupported(ModelLoadError):
-    """``quantization="gguf"`` (or ``"gguf_f32"``, named as ``asked``) asked for a GGUF
-    file's weights as stored, and one of them is
-    in a type twostroke does not compute as stored (it is never dequantized silently).
-
-    Attributes:
-        tensor: The file's name for the tensor.
-        block_type: Its type's name (``"Q4_K"``).
-    """
-
-    def __init__(
-        self, path: str | os.PathLike[str], tensor: str, block_type: str, asked: str = "gguf"
-    ) -> None:
-        self.tensor = tensor
-        self.block_type = block_type
-        super().__init__(
-            path,
-            f"tensor {tensor!r} is {block_type}, which quantization={asked!r} does not compute "
-            f"as stored (it computes {', '.join(BLOCK_TYPES)}); quantization=None "
-            "dequantizes the file",
-        )
 
 
 @attrs.frozen
@@ -138,8 +102,6 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
         )
     path = Path(model)
     if not path.exists() and isinstance(model, str):
-        from twostroke.engine.checkpoints.hub import hub_model  # (it imports this module)
-
         cached = hub_model(model)
         if cached is not None:
             return cached

@@ -17,7 +17,7 @@ then, where the plan asks, quantizes the projections into blocks (``q8_0``, ``q4
 hands the model the plan's kernels
 (:meth:`~twostroke.engine.models.decoder.CausalLM.use_kernels`), which lay each
 weight out in its form. Every failure a user can cause (missing file, wrong shape, corrupt
-data) raises :class:`~twostroke.engine.checkpoints.source.ModelLoadError` naming the file and
+data) raises :class:`~twostroke.engine.checkpoints.errors.ModelLoadError` naming the file and
 the problem.
 """
 

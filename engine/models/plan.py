@@ -351,7 +351,7 @@ def plan_run(
             ``quantization``, or blocks asked for other than float32 activations on a CPU.
         ModelLoadError: blocks asked for a model that is not a GGUF file, or that the block
             products cannot compute
-            (:class:`~twostroke.engine.checkpoints.source.BlockTypeUnsupported`), or that do
+            (:class:`~twostroke.engine.checkpoints.errors.BlockTypeUnsupported`), or that do
             not build here.
     """
     if dtype is None:

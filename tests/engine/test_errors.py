@@ -91,7 +91,7 @@ def test_the_scan_finds_the_errors_of_every_layer() -> None:
     assert {
         "twostroke.states.errors.InvalidTransition",
         "twostroke.gpu.device.DeviceUnavailable",
-        "twostroke.engine.checkpoints.source.ModelLoadError",
+        "twostroke.engine.checkpoints.errors.ModelLoadError",
     } <= ERRORS.keys()
     assert ERRORS.keys() >= NOT_EXPORTED  # the excused ones still exist
 
