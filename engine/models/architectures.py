@@ -13,9 +13,11 @@ from collections.abc import Mapping
 
 from twostroke.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from twostroke.engine.models.decoder import CausalLM, CheckpointNames
+from twostroke.engine.models.gemma3 import Gemma3ForCausalLM
 from twostroke.engine.models.granite import GraniteForCausalLM
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.olmo2 import Olmo2ForCausalLM
+from twostroke.engine.models.phi3 import Phi3ForCausalLM
 from twostroke.engine.models.qwen3 import Qwen3ForCausalLM
 from twostroke.engine.models.smollm3 import SmolLM3ForCausalLM
 
@@ -31,6 +33,8 @@ ARCHITECTURES: Mapping[str, type[CausalLM]] = types.MappingProxyType(
         "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
         "GraniteForCausalLM": GraniteForCausalLM,
         "Olmo2ForCausalLM": Olmo2ForCausalLM,
+        "Phi3ForCausalLM": Phi3ForCausalLM,
+        "Gemma3ForCausalLM": Gemma3ForCausalLM,
     }
 )
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)

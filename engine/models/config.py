@@ -32,6 +32,8 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 #: GGUF ``general.architecture`` values and the Hugging Face architecture each one is.
@@ -42,6 +44,8 @@ _GGUF_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 #: Every ``no_rope_layer_interval``-th layer of SmolLM3 has no rotary embeddings: llama.cpp's
@@ -60,13 +64,9 @@ MISSING_FEATURES = {
     "olmoe": "mixture-of-experts layers",
     "GptOssForCausalLM": "mixture-of-experts layers with MXFP4 experts and attention sinks",
     "gpt-oss": "mixture-of-experts layers with MXFP4 experts and attention sinks",
-    "Gemma3ForCausalLM": "interleaved sliding-window and global layers with (1 + weight) norms",
-    "Gemma3ForConditionalGeneration": "interleaved sliding-window layers, and image inputs",
-    "gemma3": "interleaved sliding-window and global layers with (1 + weight) norms",
-    "Gemma2ForCausalLM": "sliding-window layers and logit soft-capping",
-    "gemma2": "sliding-window layers and logit soft-capping",
-    "Phi3ForCausalLM": "LongRoPE and partial rotary embeddings",
-    "phi3": "LongRoPE and partial rotary embeddings",
+    "Gemma3ForConditionalGeneration": "image inputs (its text model runs as Gemma3ForCausalLM)",
+    "Gemma2ForCausalLM": "attention-score soft-capping (attn_logit_softcapping)",
+    "gemma2": "attention-score soft-capping (attn_logit_softcapping)",
     "FalconH1ForCausalLM": "hybrid Mamba layers",
     "falcon-h1": "hybrid Mamba layers",
     "GraniteMoeHybridForCausalLM": "hybrid Mamba layers and mixture-of-experts layers",
@@ -91,6 +91,11 @@ _POSITIVE_NUMBER = number_in(0, low_open=True)
 _QK_NORMS = ("none", "head", "full")
 
 
+def _floats(values: Iterable[float]) -> tuple[float, ...]:
+    """A list of numbers (parsed JSON, a GGUF tensor's) as the frozen tuple a value holds."""
+    return tuple(float(value) for value in values)
+
+
 @attrs.frozen(kw_only=True)
 class RopeScaling:
     """How rotary frequencies are stretched for long contexts.
@@ -99,22 +104,31 @@ class RopeScaling:
     frequencies and interpolates in between (Llama 3.1's rule, as transformers computes it);
     ``"yarn"`` (Qwen2 and Qwen3's long context) blends divided and undivided frequencies
     over a ramp between ``beta_fast`` and ``beta_slow`` rotations and multiplies the rotary
-    tables by ``attention_factor`` (transformers' ``_compute_yarn_parameters``).
+    tables by ``attention_factor`` (transformers' ``_compute_yarn_parameters``);
+    ``"longrope"`` (Phi-3's LongRoPE) divides each frequency by its own factor, from
+    ``short_factor`` at positions inside ``original_max_position_embeddings`` and from
+    ``long_factor`` beyond, and multiplies the tables by ``attention_factor``
+    (transformers' ``_compute_longrope_parameters``; which set a position takes:
+    :func:`~twostroke.engine.models.layers.rotary_tables`).
 
     Attributes:
-        kind: ``"linear"``, ``"llama3"`` or ``"yarn"``.
+        kind: ``"linear"``, ``"llama3"``, ``"yarn"`` or ``"longrope"``.
         factor: The stretch factor.
         low_freq_factor: llama3 only.
         high_freq_factor: llama3 only.
-        original_max_position_embeddings: llama3 and yarn: the context the model was
-            trained on.
+        original_max_position_embeddings: llama3, yarn and longrope: the context the model
+            was trained on (longrope: the positions below it take the short factors).
         beta_fast: yarn only: the ramp's end, in rotations.
         beta_slow: yarn only: the ramp's start, in rotations.
-        attention_factor: yarn only: what ``cos`` and ``sin`` are multiplied by.
+        attention_factor: yarn and longrope: what ``cos`` and ``sin`` are multiplied by.
         truncate: yarn only: the ramp's bounds rounded outwards to whole dimensions.
+        short_factor: longrope only: each rotated pair's divisor inside the original context.
+        long_factor: longrope only: each rotated pair's divisor beyond it.
     """
 
-    kind: str = attrs.field(validator=attrs.validators.in_(("linear", "llama3", "yarn")))
+    kind: str = attrs.field(
+        validator=attrs.validators.in_(("linear", "llama3", "yarn", "longrope"))
+    )
     factor: float = attrs.field(validator=_POSITIVE_NUMBER)
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -123,6 +137,17 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
     truncate: bool = True
+    short_factor: tuple[float, ...] = attrs.field(default=(), converter=_floats)
+    long_factor: tuple[float, ...] = attrs.field(default=(), converter=_floats)
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind == "longrope" and (
+            not self.short_factor or len(self.short_factor) != len(self.long_factor)
+        ):
+            raise ValueError(
+                f"longrope needs short_factor and long_factor of one length (one per rotated "
+                f"pair), got {len(self.short_factor)} and {len(self.long_factor)}"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -154,7 +179,8 @@ class ModelConfig:
             (Qwen3: each head, a weight of ``head_dim``) or ``"full"`` (OLMo 2: the whole
             projection, a weight of its width).
         norm_placement: ``"pre"``: each block's input normalized (Llama); ``"post"``: each
-            block's output normalized before it joins the residual stream (OLMo 2).
+            block's output normalized before it joins the residual stream (OLMo 2);
+            ``"both"``: each block's input and output (Gemma 3).
         nope_layers: Indices of the layers whose queries and keys are not rotated
             (SmolLM3's NoPE layers).
         embedding_scale: What the embeddings are multiplied by (Granite).
@@ -168,6 +194,19 @@ class ModelConfig:
         global_layers: With a sliding window, the layers that see all positions anyway
             (Qwen2's below ``max_window_layers``; a ``layer_types`` list's
             ``full_attention`` layers).
+        rotary_dim: The leading dimensions of each head that rotate (Phi-3's
+            ``partial_rotary_factor`` times ``head_dim``), or ``None`` for the whole head.
+        local_rope_theta: The rotary base of the sliding-window layers, which rotate
+            unscaled (Gemma 3's ``rope_local_base_freq``), or ``None`` where every layer
+            rotates by ``rope_theta`` and ``rope_scaling``.
+        norm_offset: ``None``: Llama's RMSNorm (the weight times the normalized values cast
+            to the dtype). A number: Gemma's, ``(norm_offset + weight)`` times the
+            normalized values in float32, then cast: 1 from a Hugging Face checkpoint, 0
+            from a GGUF file (llama.cpp's converter stores ``weight + 1``).
+        hidden_activation: The MLP's gate activation: ``"silu"`` (SwiGLU) or
+            ``"gelu_tanh"`` (Gemma's ``gelu_pytorch_tanh``).
+        final_logit_softcapping: The logits become ``cap * tanh(logits / cap)`` (Gemma),
+            or ``None``.
     """
 
     architecture: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHITECTURES))
@@ -191,7 +230,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     qk_norm: str = attrs.field(default="none", validator=attrs.validators.in_(_QK_NORMS))
     norm_placement: str = attrs.field(
-        default="pre", validator=attrs.validators.in_(("pre", "post"))
+        default="pre", validator=attrs.validators.in_(("pre", "post", "both"))
     )
     nope_layers: tuple[int, ...] = ()
     embedding_scale: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
@@ -204,6 +243,19 @@ class ModelConfig:
         default=None, validator=attrs.validators.optional(_POSITIVE)
     )
     global_layers: tuple[int, ...] = ()
+    rotary_dim: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_POSITIVE)
+    )
+    local_rope_theta: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_POSITIVE_NUMBER)
+    )
+    norm_offset: float | None = None
+    hidden_activation: str = attrs.field(
+        default="silu", validator=attrs.validators.in_(("silu", "gelu_tanh"))
+    )
+    final_logit_softcapping: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_POSITIVE_NUMBER)
+    )
 
     def __attrs_post_init__(self) -> None:
         for name in ("nope_layers", "global_layers"):
@@ -213,6 +265,12 @@ class ModelConfig:
                 raise ValueError(
                     f"{name} must be layer indices in [0, {self.num_layers}), got {outside}"
                 )
+        if self.local_rope_theta is not None and self.sliding_window is None:
+            raise ValueError(
+                f"local_rope_theta is the sliding-window layers' rotary base, and there is no "
+                f"sliding window: got local_rope_theta={self.local_rope_theta} and "
+                f"sliding_window=None"
+            )
         if self.global_layers and self.sliding_window is None:
             raise ValueError(
                 f"global_layers are the exceptions to a sliding window, and there is none: "
@@ -225,12 +283,33 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        factors = self.rope_frequency_factors
-        if factors is not None and len(factors) != self.head_dim // 2:
+        rotated = self.rotary_width
+        if rotated % 2 or rotated > self.head_dim:
             raise ValueError(
-                f"rope_frequency_factors must have head_dim / 2 = {self.head_dim // 2} "
+                f"rotary_dim must be even and at most head_dim = {self.head_dim}, got {rotated}"
+            )
+        factors = self.rope_frequency_factors
+        if factors is not None and len(factors) != rotated // 2:
+            width = "head_dim" if self.rotary_dim is None else "rotary_dim"
+            raise ValueError(
+                f"rope_frequency_factors must have {width} / 2 = {rotated // 2} "
                 f"entries, got {len(factors)}"
             )
+        scaling = self.rope_scaling
+        if (
+            scaling is not None
+            and scaling.kind == "longrope"
+            and len(scaling.short_factor) != (rotated // 2)
+        ):
+            raise ValueError(
+                f"longrope's factors must have rotary_dim / 2 = {rotated // 2} entries, got "
+                f"{len(scaling.short_factor)}"
+            )
+
+    @property
+    def rotary_width(self) -> int:
+        """The leading dimensions of each head that rotate: ``rotary_dim``, else all."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def window_of(self, index: int) -> int | None:
         """The sliding window of layer ``index``'s attention, or ``None`` for all positions."""
@@ -247,13 +326,24 @@ class ModelConfig:
         if self.qk_norm != "none":
             found.append(f"q/k norms over the {self.qk_norm}")
         if self.norm_placement != "pre":
-            found.append("norms after attention and MLP")
+            both = self.norm_placement == "both"
+            found.append(f"norms {'before and ' if both else ''}after attention and MLP")
+        if self.norm_offset is not None:
+            found.append("(offset + weight) norms in float32")
+        if self.hidden_activation != "silu":
+            found.append(f"a {self.hidden_activation} MLP")
+        if self.local_rope_theta is not None:
+            found.append("a rotary base of its own in its sliding-window layers")
         if self.nope_layers:
             found.append("layers without rotary embeddings")
         if self.attention_scale is not None:
             found.append("an attention scale of its own")
         if self.residual_scale != 1.0:
             found.append("a residual scale")
+        if self.rotary_width != self.head_dim:
+            # The stack rotates whole heads, with the halves of the head as pairs; partial
+            # rotary pairs the halves of the rotated part (Attention rotates it first).
+            found.append("partial rotary embeddings")
         return tuple(found)
 
     # --- plain values (the artifact cache) -------------------------------------------------
@@ -313,20 +403,31 @@ class ModelConfig:
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
             raise _unsupported("architecture", architectures, SUPPORTED_ARCHITECTURES)
+        if architecture == "Gemma3ForCausalLM":
+            data = {**_GEMMA3_DEFAULTS, **data}
         activation = data.get("hidden_act", "silu")
-        if activation != "silu":
+        # (Gemma 3 reads hidden_activation instead: _hf_features)
+        if activation != "silu" and architecture != "Gemma3ForCausalLM":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {activation!r}")
         num_heads = _count(data, "num_attention_heads")
         hidden_size = _count(data, "hidden_size")
         head_dim = _head_dim(data, "head_dim", hidden_size, num_heads, "hidden_size")
         rope = dict(data.get("rope_parameters") or {})
+        rope = dict(rope.get("full_attention") or rope)  # Gemma 3's: one set per layer kind
         legacy_scaling = data.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
         scaling = {**legacy_scaling, **rope} if legacy_scaling else rope
         max_positions = _require(data, "max_position_embeddings")
-        window, global_layers = _sliding_window(data, max_positions)
+        if architecture == "Phi3ForCausalLM":
+            scaling = _phi3_rope(scaling, data)
+        # Gemma 3's layer kinds rotate differently, so its window stays however long.
+        window, global_layers = _sliding_window(
+            data, max_positions, keep=architecture == "Gemma3ForCausalLM"
+        )
         qwen2 = architecture == "Qwen2ForCausalLM"
-        attention_bias = bool(data.get("attention_bias", False))
+        # transformers' Phi-3 has no biases, whatever its config.json says.
+        biased = architecture != "Phi3ForCausalLM"
+        attention_bias = biased and bool(data.get("attention_bias", False))
         return cls(
             architecture=architecture,
             vocab_size=_require(data, "vocab_size"),
@@ -343,7 +444,7 @@ class ModelConfig:
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
-            mlp_bias=bool(data.get("mlp_bias", False)),
+            mlp_bias=biased and bool(data.get("mlp_bias", False)),
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=_token_ids(data.get("eos_token_id")),
             sliding_window=window,
@@ -360,6 +461,8 @@ class ModelConfig:
         tensor_names: Collection[str],
         *,
         rope_frequency_factors: tuple[float, ...] | None = None,
+        rope_factors_short: tuple[float, ...] | None = None,
+        rope_factors_long: tuple[float, ...] | None = None,
     ) -> ModelConfig:
         """Read the key/values of a GGUF file (llama.cpp's names).
 
@@ -370,6 +473,8 @@ class ModelConfig:
             tensor_names: The names of the file's tensors: they say whether the output
                 projection is tied and whether the attention has biases.
             rope_frequency_factors: The file's ``rope_freqs`` tensor, if it has one.
+            rope_factors_short: Phi-3's ``rope_factors_short`` tensor (LongRoPE), if any.
+            rope_factors_long: Phi-3's ``rope_factors_long`` tensor, if any.
 
         Returns:
             The model's configuration.
@@ -424,6 +529,18 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported rope scaling {scaling_type!r}; supported: 'none', 'linear', 'yarn'"
             )
+        if rope_factors_short is not None or rope_factors_long is not None:
+            # LongRoPE: llama.cpp's phi3 stores no scaling type, only its factors' tensors
+            # and the keys Phi3MiniModel writes beside them.
+            original = key("rope.scaling.original_context_length")
+            scaling = RopeScaling(
+                kind="longrope",
+                factor=max_positions / original,
+                original_max_position_embeddings=original,
+                attention_factor=metadata.get(f"{arch}.rope.scaling.attn_factor", 1.0),
+                short_factor=rope_factors_short or (),
+                long_factor=rope_factors_long or (),
+            )
         eos = metadata.get("tokenizer.ggml.eos_token_id")
         return cls(
             architecture=architecture,
@@ -450,20 +567,28 @@ class ModelConfig:
 
 
 def _sliding_window(
-    data: Mapping[str, Any], max_positions: int
+    data: Mapping[str, Any], max_positions: int, *, keep: bool = False
 ) -> tuple[int | None, tuple[int, ...]]:
     """A config's sliding window and the layers that see every position anyway, as
-    transformers reads them: ``layer_types`` where the config lists it, else every layer
+    transformers reads them: ``layer_types`` where the config lists it, else every
+    ``sliding_window_pattern``-th layer global (Gemma's older configs), else every layer
     windowed (Mistral) or, for Qwen2, those from ``max_window_layers`` on; Qwen2 asks for
-    a window only with ``use_sliding_window``. A window as long as the context is none."""
+    a window only with ``use_sliding_window``. A window as long as the context is none,
+    unless ``keep``."""
     window = data.get("sliding_window")
     if window is None or not data.get("use_sliding_window", True):
         return None, ()
     window = _count(data, "sliding_window")
-    if window >= max_positions:
+    if window >= max_positions and not keep:
         return None, ()
     num_layers = _count(data, "num_hidden_layers")
     types = data.get("layer_types")
+    if types is None and data.get("sliding_window_pattern") is not None:
+        pattern = _count(data, "sliding_window_pattern")
+        types = [
+            "full_attention" if (index + 1) % pattern == 0 else "sliding_attention"
+            for index in range(num_layers)
+        ]
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers:
             raise ValueError(
@@ -560,9 +685,42 @@ def _rope_scaling(scaling: Mapping[str, Any], max_positions: int) -> RopeScaling
             attention_factor=attention_factor,
             truncate=bool(scaling.get("truncate", True)),
         )
+    if kind == "longrope":
+        original = _require(scaling, "original_max_position_embeddings")
+        factor = scaling.get("factor")
+        if factor is None:
+            factor = max_positions / original
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:  # LongRoPE's paper, as transformers computes it
+            attention_factor = (
+                math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+            )
+        return RopeScaling(
+            kind="longrope",
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=attention_factor,
+            short_factor=_require(scaling, "short_factor"),
+            long_factor=_require(scaling, "long_factor"),
+        )
     raise ValueError(
-        f"unsupported rope_type {kind!r}; supported: 'default', 'linear', 'llama3', 'yarn'"
+        f"unsupported rope_type {kind!r}; supported: 'default', 'linear', 'llama3', 'yarn', "
+        "'longrope'"
     )
+
+
+def _phi3_rope(scaling: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-3's rope parameters as ``Phi3Config`` standardizes them: ``"su"`` and ``"yarn"``
+    are its old names of ``"longrope"``, and the top level's
+    ``original_max_position_embeddings`` (4096 where absent) wins over the dict's."""
+    found = dict(scaling)
+    kind = found.get("rope_type", found.get("type", "default"))
+    if kind in ("su", "yarn", "longrope"):
+        found["rope_type"] = "longrope"
+        found["original_max_position_embeddings"] = data.get(
+            "original_max_position_embeddings", 4096
+        )
+    return found
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -573,6 +731,8 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def _hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
     """The fields of :class:`ModelConfig` in which ``architecture`` departs from Llama, read
     from its ``config.json`` as its transformers class reads them."""
+    if architecture == "Gemma3ForCausalLM":
+        return _gemma3_features(data)
     if architecture == "Qwen3ForCausalLM":
         return {"qk_norm": "head"}
     if architecture == "Olmo2ForCausalLM":
@@ -589,6 +749,18 @@ def _hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
                 f"got {rotates!r}"
             )
         return {"nope_layers": tuple(i for i, flag in enumerate(rotates) if not flag)}
+    if architecture == "Phi3ForCausalLM":
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+        share = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
+        head_dim = _head_dim(
+            data,
+            "head_dim",
+            _count(data, "hidden_size"),
+            _count(data, "num_attention_heads"),
+            "hidden_size",
+        )
+        rotary_dim = int(head_dim * share)  # transformers' int(), as Phi3RotaryEmbedding
+        return {"rotary_dim": None if rotary_dim == head_dim else rotary_dim}
     if architecture == "GraniteForCausalLM":
         # GraniteConfig's defaults; its attention always scales by attention_multiplier.
         return {
@@ -603,6 +775,8 @@ def _hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
 def _gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """The fields of :class:`ModelConfig` in which a GGUF architecture departs from Llama,
     as llama.cpp reads them (``llm_load_hparams``)."""
+    if arch == "gemma3":
+        return _gemma3_gguf_features(metadata, num_layers)
     if arch == "qwen3":
         return {"qk_norm": "head"}
     if arch == "olmo2":
@@ -610,6 +784,22 @@ def _gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> d
     if arch == "smollm3":
         step = _SMOLLM3_NOPE_INTERVAL
         return {"nope_layers": tuple(i for i in range(num_layers) if (i + 1) % step == 0)}
+    if arch == "phi3":
+        hidden, heads = (
+            _count(metadata, f"phi3.{n}") for n in ("embedding_length", "attention.head_count")
+        )
+        head_dim = _head_dim(
+            metadata, "phi3.attention.key_length", hidden, heads, "embedding_length"
+        )
+        rotary_dim = _count(metadata, "phi3.rope.dimension_count", default=head_dim)
+        # Phi3MiniModel writes 0 for no window; one as long as the context is none.
+        window = metadata.get("phi3.attention.sliding_window") or None
+        if window is not None and window >= _require(metadata, "phi3.context_length"):
+            window = None
+        return {
+            "rotary_dim": None if rotary_dim == head_dim else rotary_dim,
+            "sliding_window": window,
+        }
     if arch == "granite":
         return {
             "embedding_scale": _require(metadata, "granite.embedding_scale"),
@@ -618,3 +808,94 @@ def _gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> d
             "logit_scale": _require(metadata, "granite.logit_scale"),
         }
     return {}
+
+
+#: transformers' ``Gemma3TextConfig`` defaults for the keys a Gemma 3 ``config.json`` may
+#: leave out (the Hub's older files spell the layer kinds as ``sliding_window_pattern``).
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+
+#: llama.cpp's ``gemma3`` stores no layer kinds: every sixth layer is global
+#: (``set_swa_pattern(6)``), and the others rotate by a base of 10000 unless the file says.
+_GEMMA3_GGUF_PATTERN = 6
+_GEMMA3_GGUF_LOCAL_BASE = 10_000.0
+
+
+def _gemma3_features(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's departures as transformers' ``Gemma3TextModel`` computes them: each layer
+    kind's rotary base (``rope_parameters["sliding_attention"]``, or the older
+    ``rope_local_base_freq``), ``(1 + weight)`` norms before and after each block,
+    gelu-tanh, embeddings times ``sqrt(hidden_size)``, scores times
+    ``query_pre_attn_scalar ** -0.5``. ``data`` has :data:`_GEMMA3_DEFAULTS` filled in."""
+    activation = data.get("hidden_activation")
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {activation!r}")
+    if data.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            "attn_logit_softcapping must be null: twostroke's attention does not cap "
+            f"scores, got {data['attn_logit_softcapping']!r}"
+        )
+    if data.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention must be false: twostroke decodes causally")
+    _count(data, "sliding_window")  # the local layers' rotary base needs a window to name them
+    rope = data.get("rope_parameters")
+    local = rope.get("sliding_attention") if isinstance(rope, Mapping) else None
+    theta = data["rope_local_base_freq"]
+    if isinstance(local, Mapping):
+        kind = local.get("rope_type", "default")
+        if kind != "default":
+            raise ValueError(
+                "rope_parameters['sliding_attention'] must rotate unscaled (rope_type "
+                f"'default'), got {kind!r}"
+            )
+        theta = local.get("rope_theta", theta)
+    return {
+        "qk_norm": "head",
+        "norm_placement": "both",
+        "norm_offset": 1.0,
+        "hidden_activation": "gelu_tanh",
+        "embedding_scale": _count(data, "hidden_size") ** 0.5,
+        "attention_scale": _require(data, "query_pre_attn_scalar") ** -0.5,
+        "local_rope_theta": theta,
+        "final_logit_softcapping": data.get("final_logit_softcapping"),
+    }
+
+
+def _gemma3_gguf_features(metadata: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp's ``gemma3`` reads it: the layer kinds and the local base are
+    its constants (:data:`_GEMMA3_GGUF_PATTERN`), the norms' ``+ 1`` is in the stored
+    weights, and ``query_pre_attn_scalar``, which the converter does not store, is the
+    head width except for the 62-layer 27B (``hidden_size / heads``, as its config says)."""
+    hidden = _count(metadata, "gemma3.embedding_length")
+    heads = _count(metadata, "gemma3.attention.head_count")
+    head_dim = _count(metadata, "gemma3.attention.key_length", default=hidden // heads)
+    scalar = hidden // heads if num_layers == 62 else head_dim
+    features: dict[str, Any] = {
+        "qk_norm": "head",
+        "norm_placement": "both",
+        "norm_offset": 0.0,
+        "hidden_activation": "gelu_tanh",
+        "embedding_scale": hidden**0.5,
+        "attention_scale": scalar**-0.5,
+        "final_logit_softcapping": metadata.get("gemma3.final_logit_softcapping") or None,
+    }
+    window = metadata.get("gemma3.attention.sliding_window") or 0
+    if window:  # newer llama.cpp runs a file without one with every layer global
+        pattern = _GEMMA3_GGUF_PATTERN
+        features["sliding_window"] = _count(metadata, "gemma3.attention.sliding_window")
+        features["global_layers"] = tuple(
+            i for i in range(num_layers) if i % pattern == pattern - 1
+        )
+        features["local_rope_theta"] = metadata.get(
+            "gemma3.rope.freq_base_swa", _GEMMA3_GGUF_LOCAL_BASE
+        )
+    return features

@@ -50,6 +50,7 @@ from twostroke.engine.models.glue import CompiledGlue
 from twostroke.engine.models.layers import (
     RMSNorm,
     inverse_frequencies,
+    long_inverse_frequencies,
     rotary_attention_factor,
     rotary_tables,
 )
@@ -153,7 +154,13 @@ class CausalLM(nn.Module):
             self.layer(config, dtype=dtype, device=device, index=index)
             for index in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(
+            config.hidden_size,
+            config.rms_norm_eps,
+            dtype=dtype,
+            device=device,
+            offset=config.norm_offset,
+        )
         # A tied output projection multiplies by the embedding (which stays dense for the
         # lookups where the projection's other form is a copy; its panels serve both).
         self.lm_head = (
@@ -167,6 +174,30 @@ class CausalLM(nn.Module):
         self._stack: DecoderStack | None = None  # the chosen driver, bound to the weights
         self.inv_freq = inverse_frequencies(config).to(device)
         self.rotary_factor = rotary_attention_factor(config)
+        long_inv_freq = long_inverse_frequencies(config)  # LongRoPE's, past the original context
+        scaling = config.rope_scaling
+        self.long_rotary = (
+            None
+            if long_inv_freq is None or scaling is None
+            else (long_inv_freq.to(device), scaling.original_max_position_embeddings)
+        )
+        # Gemma 3's sliding-window layers rotate by a base of their own, unscaled: their
+        # tables are made once a step too, beside the others.
+        local = config.local_rope_theta
+        self.local_inv_freq = (
+            None
+            if local is None
+            else inverse_frequencies(
+                attrs.evolve(
+                    config, rope_theta=local, rope_scaling=None, rope_frequency_factors=None
+                )
+            ).to(device)
+        )
+        self.local_layers = frozenset(
+            index for index in range(config.num_layers) if config.window_of(index) is not None
+        )
+        #: What the embeddings are multiplied by (an architecture may round it).
+        self.embedding_scale = config.embedding_scale
         self._loaded: set[str] = set()
         # Weights a GGUF file holds in blocks, kept as stored (load_blocks), and the
         # embedding's lookup from them (or from a tied head's panels) once the kernels are
@@ -196,23 +227,34 @@ class CausalLM(nn.Module):
         embedding = self._embedding
         x = F.embedding(input_ids, self.embed_tokens) if embedding is None else embedding(input_ids)
         config = self.config
-        if config.embedding_scale != 1.0:
-            x = x * config.embedding_scale
-        cos, sin = rotary_tables(metadata.positions, self.inv_freq, self.dtype, self.rotary_factor)
+        if self.embedding_scale != 1.0:
+            x = x * self.embedding_scale
+        cos, sin = rotary_tables(
+            metadata.positions, self.inv_freq, self.dtype, self.rotary_factor, self.long_rotary
+        )
         glue, stack = self.kernels.glue, self._stack
         delta: torch.Tensor | None = None
         if stack is not None and stack.runs(metadata):
             delta = stack(x, cos, sin, metadata, kv_cache)  # the loop below, in C
         else:
-            for layer, layer_cache in zip(self.layers, kv_cache.layers, strict=True):
-                delta = layer(x, delta, cos, sin, metadata, layer_cache, glue)
+            local = (
+                None
+                if self.local_inv_freq is None
+                else rotary_tables(metadata.positions, self.local_inv_freq, self.dtype)
+            )
+            for index, (layer, layer_cache) in enumerate(
+                zip(self.layers, kv_cache.layers, strict=True)
+            ):
+                tables = local if local is not None and index in self.local_layers else (cos, sin)
+                delta = layer(x, delta, *tables, metadata, layer_cache, glue)
         last = None if delta is None else delta.index_select(0, logits_indices)
-        x = glue.add_rms_norm(
-            x.index_select(0, logits_indices), last, self.norm.weight, self.norm.eps
-        )
+        x = self.norm.add_norm(x.index_select(0, logits_indices), last, glue)
         logits: torch.Tensor = self.lm_head(x)
         if config.logit_scale != 1.0:
             logits = logits / config.logit_scale  # a division, as transformers' Granite
+        cap = config.final_logit_softcapping
+        if cap is not None:  # transformers' Gemma: divide, tanh, multiply
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     @property
@@ -597,6 +639,7 @@ class CausalLM(nn.Module):
             for block, proj in self.names.fused:
                 names.append(f"{prefix}{block}.{proj}.weight")
                 bias = {
+                    "qkv_proj": config.qkv_bias,
                     "q_proj": config.qkv_bias,
                     "k_proj": config.qkv_bias,
                     "v_proj": config.qkv_bias,

@@ -15,11 +15,13 @@ together. Element-wise work goes through the chosen
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from twostroke.engine.attention.kv_cache import LayerCache
 from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.attention.ops import paged_attention
+from twostroke.engine.kernels.reference import rotate_
 from twostroke.engine.models.config import ModelConfig
 from twostroke.engine.models.layers import Glue, RMSNorm
 from twostroke.engine.models.linear import Linear
@@ -32,7 +34,8 @@ class Attention(nn.Module):
 
     The architectures' variations are the configuration's: queries and keys normalized
     before rotary (per head, or over the whole projection), a layer that does not rotate
-    (``rotates=False``), a score scale of its own.
+    (``rotates=False``), a score scale of its own, only the leading ``rotary_dim`` of
+    each head rotated (Phi-3).
     """
 
     def __init__(
@@ -52,14 +55,16 @@ class Attention(nn.Module):
         scale = config.attention_scale
         self.scale = config.head_dim**-0.5 if scale is None else scale
         self.rotates = rotates
+        self.rotary_width = config.rotary_width
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm != "none":
             eps, whole = config.rms_norm_eps, config.qk_norm == "full"
             q_width = config.num_heads * config.head_dim if whole else config.head_dim
             k_width = config.num_kv_heads * config.head_dim if whole else config.head_dim
-            self.q_norm = RMSNorm(q_width, eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(k_width, eps, dtype=dtype, device=device)
+            offset = config.norm_offset
+            self.q_norm = RMSNorm(q_width, eps, dtype=dtype, device=device, offset=offset)
+            self.k_norm = RMSNorm(k_width, eps, dtype=dtype, device=device, offset=offset)
         width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, width, bias=config.qkv_bias, dtype=dtype, device=device
@@ -86,10 +91,17 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_queries_keys(qkv, self.q_norm, self.k_norm)
-        if not self.rotates:
-            # A NoPE layer rotates by angle zero, which leaves every value as it is
-            # (x * 1 + y * 0), so the glue's one rotate-and-write call still writes the cache.
-            cos, signed_sin = torch.ones_like(cos), torch.zeros_like(signed_sin)
+        if self.rotates and self.rotary_width != dim:
+            # Partial rotary pairs each rotated dimension with the one half the *rotated
+            # part* away, where the glue (and the stack) pair the halves of the whole head:
+            # the leading part rotates here, in place, as transformers' arithmetic.
+            query_key = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim)
+            rotate_(query_key[..., : self.rotary_width], cos, signed_sin)
+        if not self.rotates or self.rotary_width != dim:
+            # Then (and in a NoPE layer) the glue rotates by angle zero, which leaves every
+            # value as it is (x * 1 + y * 0): its one rotate-and-write call writes the cache.
+            cos = cos.new_ones((num_tokens, 1, dim))
+            signed_sin = cos.new_zeros((num_tokens, 1, dim))
         # Queries and keys rotate in place in the projection's output, which then holds
         # them and the values side by side: the attention reads views of it, no copy.
         glue.rotate_write(qkv, heads, kv_heads, cos, signed_sin, metadata, layer)
@@ -116,11 +128,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; or GeGLU, ``gelu_tanh`` in place of
+    ``silu`` (Gemma's ``hidden_activation``), as torch's operator: the glue computes
+    SiLU only."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.gelu = config.hidden_activation == "gelu_tanh"
         self.gate_up_proj = Linear(
             config.hidden_size,
             2 * config.intermediate_size,
@@ -137,7 +152,11 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, glue: Glue) -> torch.Tensor:
-        mixed = glue.silu_mul(self.gate_up_proj(x))
+        if self.gelu:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            mixed = F.gelu(gate, approximate="tanh").mul_(up)
+        else:
+            mixed = glue.silu_mul(self.gate_up_proj(x))
         down: torch.Tensor = self.down_proj(mixed)
         return down
 
@@ -146,7 +165,9 @@ class DecoderLayer(nn.Module):
     """Attention and MLP blocks, each added to the residual stream: normalized before
     (``norm_placement="pre"``, Llama: ``input_layernorm``, ``post_attention_layernorm``) or
     their outputs normalized after (``"post"``, OLMo 2: ``post_attention_layernorm``,
-    ``post_feedforward_layernorm``), each output multiplied by ``residual_scale``
+    ``post_feedforward_layernorm``) or both (``"both"``, Gemma 3: ``input_layernorm`` and
+    ``pre_feedforward_layernorm`` before, ``post_attention_layernorm`` and
+    ``post_feedforward_layernorm`` after), each output multiplied by ``residual_scale``
     (Granite) where that is not 1.
 
     Args:
@@ -163,16 +184,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.pre_norm = config.norm_placement == "pre"
+        self.sandwich = config.norm_placement == "both"
         self.residual_scale = config.residual_scale
-        if self.pre_norm:
-            self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(hidden, eps, dtype=dtype, device=device, offset=config.norm_offset)
+
+        if self.pre_norm or self.sandwich:
+            self.input_layernorm = norm()
         rotates = index not in config.nope_layers
         self.self_attn = Attention(
             config, dtype=dtype, device=device, rotates=rotates, window=config.window_of(index)
         )
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = norm()
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
         if not self.pre_norm:
-            self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(config, dtype=dtype, device=device)
 
     def forward(
@@ -203,6 +231,8 @@ class DecoderLayer(nn.Module):
         Returns:
             This layer's MLP output, which the next layer (or the final norm) adds.
         """
+        if self.sandwich:
+            return self._sandwich(residual, delta, cos, signed_sin, metadata, layer, glue)
         if not self.pre_norm:
             return self._post_norm(residual, delta, cos, signed_sin, metadata, layer, glue)
         first, second = self.input_layernorm, self.post_attention_layernorm
@@ -236,3 +266,24 @@ class DecoderLayer(nn.Module):
         residual.add_(glue.add_rms_norm(attended, None, first.weight, first.eps))
         mixed: torch.Tensor = self.mlp(residual, glue)
         return glue.add_rms_norm(mixed, None, second.weight, second.eps)
+
+    def _sandwich(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: LayerCache,
+        glue: Glue,
+    ) -> torch.Tensor:
+        """Gemma 3's layer: each block's input normalized and its output normalized before
+        it is added; returns the MLP's normalized output, which the next layer adds. Its
+        norms say how they compute (:meth:`RMSNorm.add_norm
+        <twostroke.engine.models.layers.RMSNorm.add_norm>`)."""
+        normed = self.input_layernorm.add_norm(residual, delta, glue)
+        attended: torch.Tensor = self.self_attn(normed, cos, signed_sin, metadata, layer, glue)
+        attended = self.post_attention_layernorm(attended)
+        normed = self.pre_feedforward_layernorm.add_norm(residual, attended, glue)
+        mixed: torch.Tensor = self.post_feedforward_layernorm(self.mlp(normed, glue))
+        return mixed

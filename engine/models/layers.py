@@ -34,6 +34,7 @@ __all__ = [
     "RMSNorm",
     "TorchGlue",
     "inverse_frequencies",
+    "long_inverse_frequencies",
     "rotary_attention_factor",
     "rotary_tables",
     "rotate_write",
@@ -47,28 +48,74 @@ class RMSNorm(nn.Module):
     results are transformers' bit for bit (checked on SmolLM2's shapes), in one call
     instead of seven. In another dtype transformers casts the normalized float32 values
     before it multiplies by the weight, so that stays a step of its own.
+
+    With an ``offset`` (Gemma's norm, :attr:`ModelConfig.norm_offset
+    <twostroke.engine.models.config.ModelConfig.norm_offset>`) the weight is
+    ``offset + weight`` and multiplies in float32 before the cast, as transformers'
+    ``Gemma3RMSNorm`` computes it; the compiled glue computes Llama's norm only, so such a
+    norm runs as torch's operators (:meth:`add_norm`).
     """
 
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        offset: float | None = None,
+    ) -> None:
         super().__init__()
         empty = torch.empty(size, dtype=dtype, device=device)  # the loader fills it
         self.weight = nn.Parameter(empty, requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if self.offset is None:
+            return rms_norm(x, self.weight, self.eps)
+        # transformers adds the offset in float32 on every call; so does this, so that the
+        # weight stays the checkpoint's (a GGUF file's holds the sum: offset 0, no add).
+        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        normalized = torch.rms_norm(x.float(), (x.shape[-1],), scale, self.eps)
+        return normalized.to(x.dtype)
+
+    def add_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, glue: Glue
+    ) -> torch.Tensor:
+        """Add ``delta`` to ``residual`` in place (if given) and return the sum normalized:
+        the glue's :meth:`~Glue.add_rms_norm` for Llama's norm, torch's operators for an
+        offset one.
+
+        Args:
+            residual: ``[tokens, hidden]``, added to in place.
+            delta: What is added, or ``None``.
+            glue: The chosen glue.
+
+        Returns:
+            The sum, normalized, in ``residual``'s dtype.
+        """
+        if self.offset is None:
+            return glue.add_rms_norm(residual, delta, self.weight, self.eps)
+        if delta is not None:
+            residual.add_(delta)
+        normalized: torch.Tensor = self(residual)
+        return normalized
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """The rotary inverse frequencies ``[head_dim / 2]`` in float32, scaling applied.
+    """The rotary inverse frequencies ``[rotary_width / 2]`` in float32, scaling applied
+    (LongRoPE's short factors: :func:`long_inverse_frequencies` are the others).
 
     Computed exactly as transformers' ``modeling_rope_utils`` does, so the tables agree.
     """
-    dim = config.head_dim
+    dim = config.rotary_width
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
-    if scaling is not None and scaling.kind == "linear":
+    if scaling is not None and scaling.kind == "longrope":
+        inv_freq = _longrope_frequencies(config.rope_theta, exponents, scaling.short_factor)
+    elif scaling is not None and scaling.kind == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling is not None and scaling.kind == "llama3":
         old_context = scaling.original_max_position_embeddings
@@ -87,6 +134,24 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     if config.rope_frequency_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_frequency_factors, dtype=torch.float32)
     return inv_freq
+
+
+def long_inverse_frequencies(config: ModelConfig) -> torch.Tensor | None:
+    """LongRoPE's inverse frequencies beyond the original context (its long factors), or
+    ``None`` where the model has no LongRoPE."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.kind != "longrope":
+        return None
+    dim = config.rotary_width
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return _longrope_frequencies(config.rope_theta, exponents, scaling.long_factor)
+
+
+def _longrope_frequencies(
+    base: float, exponents: torch.Tensor, factors: tuple[float, ...]
+) -> torch.Tensor:
+    """transformers' ``_compute_longrope_parameters``: ``1 / (factor * base ** exponent)``."""
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
 
 
 def _yarn_frequencies(base: float, dim: int, scaling: RopeScaling) -> torch.Tensor:
@@ -114,10 +179,11 @@ def _yarn_frequencies(base: float, dim: int, scaling: RopeScaling) -> torch.Tens
 
 
 def rotary_attention_factor(config: ModelConfig) -> float:
-    """What the rotary ``cos`` and ``sin`` tables are multiplied by: YaRN's attention factor
-    (transformers' ``attention_scaling``), else 1."""
+    """What the rotary ``cos`` and ``sin`` tables are multiplied by: YaRN's or LongRoPE's
+    attention factor (transformers' ``attention_scaling``), else 1."""
     scaling = config.rope_scaling
-    return scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
+    scaled = scaling is not None and scaling.kind in ("yarn", "longrope")
+    return scaling.attention_factor if scaling is not None and scaled else 1.0
 
 
 def rotary_tables(
@@ -125,15 +191,32 @@ def rotary_tables(
     inv_freq: torch.Tensor,
     dtype: torch.dtype,
     attention_factor: float = 1.0,
+    long: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's ``cos`` and signed ``sin`` tables ``[tokens, 1, head_dim]`` for :func:`rotate_`.
+    """A step's ``cos`` and signed ``sin`` tables ``[tokens, 1, rotary_width]`` for
+    :func:`rotate_`.
 
     The angles are computed in float32 and the tables cast to ``dtype``, as transformers
     does (after multiplying by ``attention_factor`` in float32, where it is not 1: see
     :func:`rotary_attention_factor`); ``sin``'s first half is negated (see :func:`rotate_`).
     Made once per step, shared by every layer.
+
+    ``long`` is LongRoPE's other frequencies and the first position that takes them
+    (:func:`long_inverse_frequencies`, the original context). transformers picks one set
+    per forward call, long where the call's highest position is past the original context;
+    in a batch of requests that would make a token's rotation depend on the others'
+    lengths (and a chunk's on where the chunk ends). Here each token takes the set of its
+    own position: a request's keys never depend on the batch, the chunking, the prefix
+    cache or speculation, and its logits equal transformers' fed the same tokens through
+    its cache one call per token past the original context. (transformers' ``generate``
+    instead recomputes the whole cache with the long set once a sequence crosses, and
+    llama.cpp takes one set for the whole context it was given.)
     """
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    if long is not None:
+        long_inv_freq, first = long
+        beyond = positions.to(torch.float32)[:, None] * long_inv_freq[None, :]
+        angles = torch.where((positions >= first)[:, None], beyond, angles)
     angles = torch.cat((angles, angles), dim=-1)[:, None, :]
     cos, sin = angles.cos(), angles.sin()
     if attention_factor != 1.0:

@@ -95,8 +95,14 @@ def _gguf_config(checkpoint: Checkpoint) -> tuple[ModelConfig, dict[str, GGUFTen
     metadata: dict[str, Any] = dict(checkpoint.metadata)
     tensors = dict(checkpoint.tensors)
     freqs = tensors.pop("rope_freqs.weight", None)
+    longrope = {kind: _rope_factors(path, tensors, kind) for kind in ("short", "long")}
     try:
-        config = ModelConfig.from_gguf_metadata(metadata, tuple(tensors))
+        config = ModelConfig.from_gguf_metadata(
+            metadata,
+            tuple(tensors),
+            rope_factors_short=longrope["short"],
+            rope_factors_long=longrope["long"],
+        )
     except (TypeError, ValueError) as error:
         raise ModelLoadError(path, str(error)) from error
     _check_sizes(path, config, tensors)
@@ -111,6 +117,25 @@ def _gguf_config(checkpoint: Checkpoint) -> tuple[ModelConfig, dict[str, GGUFTen
         factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32))
         config = attrs.evolve(config, rope_frequency_factors=factors)
     return config, tensors
+
+
+def _rope_factors(
+    path: os.PathLike[str], tensors: dict[str, GGUFTensor], kind: str
+) -> tuple[float, ...] | None:
+    """Phi-3's LongRoPE ``rope_factors_<kind>`` tensor taken out of ``tensors`` (one number
+    per rotated pair; the configuration checks the count), or ``None`` where absent."""
+    name = f"rope_factors_{kind}.weight"
+    tensor = tensors.pop(name, None)
+    if tensor is None:
+        return None
+    # Its kind and size are checked before a float of it is made: a file's tensor may be huge.
+    if tensor.data.dtype.kind != "f" or len(tensor.shape) != 1 or tensor.shape[0] > 1 << 16:
+        raise ModelLoadError(
+            path,
+            f"tensor {name!r} is {tensor.tensor_type.name} {list(tensor.shape)}, expected "
+            "plain numbers, one per rotated pair",
+        )
+    return tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32))
 
 
 def _check_sizes(
@@ -148,6 +173,18 @@ def _check_sizes(
         "blk.0.attn_q.weight": ((q_rows, hidden), "(head_count * head_dim, embedding_length)"),
         "blk.0.attn_k.weight": ((kv_rows, hidden), "(head_count_kv * head_dim, embedding_length)"),
     }
+    if config.architecture == "Phi3ForCausalLM":  # its fused projections, stored fused
+        expected = {
+            "token_embd.weight": expected["token_embd.weight"],
+            "blk.0.ffn_up.weight": (
+                (2 * config.intermediate_size, hidden),
+                "(2 * feed_forward_length, embedding_length)",
+            ),
+            "blk.0.attn_qkv.weight": (
+                (q_rows + 2 * kv_rows, hidden),
+                "((head_count + 2 * head_count_kv) * head_dim, embedding_length)",
+            ),
+        }
     for name, (shape, meaning) in expected.items():
         tensor = tensors.get(name)
         if tensor is None:

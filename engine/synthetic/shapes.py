@@ -339,7 +339,17 @@ TEST_SHAPES: Mapping[str, Shape] = types.MappingProxyType(
         for shape in (
             _qwen3("test-qwen3", _TINY_SOURCE, **_TINY, head_dim=64, max_window_layers=2),
             _llama("test-llama", _TINY_SOURCE, **_TINY),
-            _gemma3("test-gemma3", _TINY_SOURCE, **_TINY, head_dim=64, sliding_window=8),
+            # query_pre_attn_scalar follows head_dim, as in every Gemma 3 but the 27B: a
+            # GGUF file cannot carry it, and llama.cpp takes head_dim (its hidden / heads
+            # for the 27B), so the two formats are one model.
+            _gemma3(
+                "test-gemma3",
+                _TINY_SOURCE,
+                **_TINY,
+                head_dim=64,
+                query_pre_attn_scalar=64,
+                sliding_window=8,
+            ),
             # head_dim 64, a quarter not rotated: 48 rotated dimensions, 24 factors.
             _phi3("test-phi3", _TINY_SOURCE, _PHI4_MINI_LONG_FACTOR[::2], **_TINY),
         )

@@ -15,6 +15,7 @@ load a file, and the logits are compared by token id.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from collections.abc import Sequence
@@ -109,6 +110,29 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def _add_phi3(writer: Any, config: Any, rope: dict[str, Any]) -> None:
+    """Phi3MiniModel's own keys: the original context, the sliding window (0 for none) and,
+    with LongRoPE, its attention factor (the factors are tensors: :func:`write_gguf`)."""
+    original = rope.get("original_max_position_embeddings", config.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.sliding_window or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = config.max_position_embeddings / original
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(attn_factor)
+
+
+def _add_gemma3(writer: Any, config: Any, rope: dict[str, Any]) -> None:
+    """Gemma3Model's own keys: the sliding window and the global layers' linear scaling (the
+    layer kinds, the local base and ``query_pre_attn_scalar`` are llama.cpp's constants)."""
+    writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
 def write_gguf(
     path: Path, model: Any, arch: str, *, matrices: Literal["f32", "q8_0"] = "f32"
 ) -> None:
@@ -117,7 +141,8 @@ def write_gguf(
     Args:
         path: The file.
         model: The transformers model (its config's fields are read as the converter reads
-            them: Granite's multipliers, a yarn ``rope_parameters``).
+            them: Granite's multipliers, a yarn ``rope_parameters``, Phi-3's partial rotary
+            share and LongRoPE factors).
         arch: llama.cpp's architecture name.
         matrices: Every 2-D tensor (the embedding included) in F32 or Q8_0; norms stay F32.
     """
@@ -136,21 +161,33 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
     rope = dict(config.rope_parameters)
+    rope = dict(rope.get("full_attention") or rope)  # Gemma 3's global layers' (the file's)
+    # Phi3MiniModel: the rotated part's width (int() of the share of the residual stream).
+    share = rope.get("partial_rotary_factor", 1.0) if arch == "phi3" else 1.0
+    writer.add_rope_dimension_count(int(share * config.hidden_size) // config.num_attention_heads)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "phi3":
+        _add_phi3(writer, config, rope)
+    if arch == "gemma3":
+        _add_gemma3(writer, config, rope)
     if arch == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_logit_scale(config.logits_scaling)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(_byte_tokens())
+    tokens = _byte_tokens()
+    if arch == "phi3":
+        # llama.cpp sets attributes of Phi's special tokens in a file named "phi3" (and
+        # refuses one that lacks them): the last bytes' ids hold them.
+        tokens[-5:] = ["</s>", "<unk>", "<s>", "<|endoftext|>", "<|end|>"]
+    writer.add_token_list(tokens)
     writer.add_token_merges(["Ġ Ġ"])
     writer.add_eos_token_id(0)
     writer.add_bos_token_id(1)
@@ -163,6 +200,8 @@ def write_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"gguf maps no name for {hf_name}"
         weights = parameter.detach().float().numpy()
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            weights = weights + 1.0  # Gemma3Model.norm_shift: llama.cpp scales by the weight
         if arch in PERMUTED and ".q_proj." in hf_name:
             weights = _permute(weights, config.num_attention_heads)
         elif arch in PERMUTED and ".k_proj." in hf_name:
@@ -171,6 +210,10 @@ def write_gguf(
             writer.add_tensor(name, gguf.quants.quantize(weights, matrix), raw_dtype=matrix)
         else:
             writer.add_tensor(name, np.ascontiguousarray(weights))
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
