@@ -1,9 +1,9 @@
-"""JSON-schema coverage, compile time and compliance on the shared JSONSchemaBench sample.
+"""JSON-schema coverage, compile time and compliance on a JSONSchemaBench sample.
 
 Not a test (tests/engine/structured/test_coverage.py pins the policy on the same sample): the
-measurement behind the coverage table of docs/structured-output.md. For each of the 210
-schemas of ``../shared/data/jsonschemabench/`` (public, from guidance-ai/jsonschemabench; its
-README says where each comes from), in the engine's own path (``JsonSchema`` then
+measurement behind the coverage table of docs/structured-output.md. For each schema of the
+sample (by default the 210 of ``../shared/data/jsonschemabench/``: public, from
+guidance-ai/jsonschemabench; its README says where each comes from), in the engine's own path (``JsonSchema`` then
 ``GrammarCompiler.compile_now``, the format and the limits of every request):
 
 * **coverage**: the schema compiles (``JsonSchema`` takes it and the backend does not refuse
@@ -12,7 +12,8 @@ README says where each comes from), in the engine's own path (``JsonSchema`` the
   mask is computed, p50 and p95 over the schemas that compile, in ms;
 * **compliance of the shipped instances**: each valid instance, written as every output is
   written (``", "``, ``": "``, keys in the order the schema gives them: the backend fixes it,
-  any order validates), fed byte by byte through a fresh matcher: accepted when every byte is
+  any order validates; a number of integral value as an integer, the same number to JSON
+  Schema), fed byte by byte through a fresh matcher: accepted when every byte is
   taken and the matcher is accepting at the end. Invalid instances that are accepted are
   counted apart (they must be none: a grammar wider than the schema would let outputs that
   do not validate through);
@@ -32,6 +33,12 @@ depend on it, and it needs no model. ``--tokenizer smollm2`` compiles against Sm
 tokens instead (the first mask costs more there), for the compile times and the instances
 (tokenized by SmolLM2); it walks no random outputs.
 
+``--data DIR`` measures another sample of the same layout; ``--draw GIT_DIR --data DIR``
+first draws one (:func:`draw_sample`: ``--per-subset`` schemas of each of JSONSchemaBench's
+ten subsets, seeded by ``--seed``, none of the shared sample's) from a clone of
+guidance-ai/jsonschemabench: ``../shared/data/jsonschemabench-fresh/`` is ``--per-subset 40
+--seed 53``.
+
 Run: ``.venv/bin/python scripts/structured_coverage.py [--samples 3] [--json out.json]``. The
 figures come with the CPU capability and the 1-minute load average: the development machines
 are shared; compare figures of one run.
@@ -47,6 +54,7 @@ import platform
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -60,13 +68,99 @@ import torch
 from twostroke.engine.errors import MatcherError
 from twostroke.engine.runners.toy import ByteTokenizer
 from twostroke.engine.structured import GrammarCompiler, GuidanceMatcher, Vocabulary
-from twostroke.engine.structured.schemas import ref_target
+from twostroke.engine.structured.schemas import ignores_ref_siblings, ref_target
 from twostroke.states.constraints import JsonSchema
 from twostroke.states.errors import ConstraintRejected
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "jsonschemabench"
 #: Bytes a random walk favours (so that strings close and containers end).
 STRUCTURAL = tuple(b'"}],0')
+
+
+#: JSONSchemaBench's ten subsets (the paper's table 1), as its ``maskbench/data`` names them.
+SUBSETS = (
+    *("Glaiveai2K", "Github_trivial", "Github_easy", "Github_medium", "Github_hard"),
+    *("Github_ultra", "Snowplow", "Kubernetes", "WashingtonPost", "JsonSchemaStore"),
+)
+#: Instances kept a schema, of each kind (as the shared sample keeps them).
+KEPT_TESTS = 3
+
+
+def draw_sample(
+    git_dir: Path, out: Path, per_subset: int, seed: int, exclude: Path | None = DATA
+) -> dict[str, int]:
+    """Draw a fresh sample from a snapshot of guidance-ai/jsonschemabench into ``out``.
+
+    Why here: a figure on schemas the relaxations were written against says little, so the
+    sample is redrawn from the benchmark itself, in the shared sample's file layout, with
+    the names ``exclude`` holds left out. Reads the bare git directory that ``git clone
+    --bare`` (or the ``fetch`` tool) leaves, at its ``HEAD``; every schema of a subset is a
+    candidate, with instances or without.
+
+    Args:
+        git_dir: the snapshot's git directory.
+        out: the folder to write into (created; files of the same name replaced).
+        per_subset: schemas drawn from each of :data:`SUBSETS`, seeded, without replacement.
+        seed: the draw's seed.
+        exclude: a sample folder whose file names are not drawn again, or ``None``.
+
+    Returns:
+        The count drawn per subset.
+
+    Raises:
+        ValueError: ``per_subset`` is below 1, or a subset holds fewer candidates than that.
+    """
+    if per_subset < 1:
+        raise ValueError(f"per_subset must be >= 1, got {per_subset}")
+    git = ["git", f"--git-dir={git_dir}"]
+    listing = subprocess.run(
+        [*git, "ls-tree", "-r", "HEAD", "maskbench/data/"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    commit = subprocess.run(
+        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    seen = {path.stem for path in exclude.glob("*.json")} if exclude is not None else set()
+    blobs: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
+    for line in listing.splitlines():
+        meta, path = line.split("\t", 1)
+        name = Path(path).stem
+        subset = name.split("---")[0]
+        if subset in SUBSETS and "---" in name and name not in seen:
+            blobs[subset].append((name, meta.split()[2]))
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = {}
+    for subset in SUBSETS:
+        candidates = sorted(blobs[subset])
+        if len(candidates) < per_subset:
+            raise ValueError(
+                f"per_subset must be <= the {len(candidates)} fresh schemas of {subset}, "
+                f"got {per_subset}"
+            )
+        for name, blob in rng.sample(candidates, per_subset):
+            entry = json.loads(
+                subprocess.run(
+                    [*git, "cat-file", "blob", blob], check=True, capture_output=True
+                ).stdout
+            )
+            tests = entry.get("tests", [])
+            kept = [test for test in tests if test["valid"]][:KEPT_TESTS]
+            kept += [test for test in tests if not test["valid"]][:KEPT_TESTS]
+            record = {
+                "source": f"guidance-ai/jsonschemabench@{commit[:12]}:maskbench/data/{name}.json",
+                "subset": subset,
+                "features": entry.get("meta", {}).get("features", []),
+                "schema": entry["schema"],
+                "tests": [{"valid": test["valid"], "data": test["data"]} for test in kept],
+            }
+            (out / f"{name}.json").write_text(
+                json.dumps(record, ensure_ascii=False, separators=(",", ":")), encoding="utf-8"
+            )
+        drawn[subset] = per_subset
+    return drawn
 
 
 def load_sample(folder: Path = DATA) -> list[dict[str, Any]]:
@@ -91,6 +185,8 @@ def _resolve(schema: Any, root: Any) -> Any:
         if target is None:
             return schema
         merged = {key: value for key, value in schema.items() if key != "$ref"}
+        if ignores_ref_siblings(root):  # before 2019-09 the keys beside a $ref are ignored
+            merged = {}
         schema = {**target, **merged} if isinstance(target, dict) else target
     return schema
 
@@ -128,8 +224,10 @@ def _valid(value: Any, schema: Any, root: Any) -> bool:
         return False
 
 
-def _subschema(schema: Any, root: Any, key: str) -> Any:
-    """The schema the value of ``key`` takes (properties, patternProperties, additional)."""
+def _subschema(schema: Any, root: Any, key: str, value: dict[str, Any]) -> Any:
+    """The schema the value of ``key`` takes (properties, patternProperties, additional), in
+    ``allOf`` and in the branches of ``anyOf``/``oneOf`` that the object ``value`` validates
+    against."""
     schema = _resolve(schema, root)
     if not isinstance(schema, dict):
         return True
@@ -144,10 +242,44 @@ def _subschema(schema: Any, root: Any, key: str) -> Any:
             continue
     for keyword in ("allOf", "anyOf", "oneOf"):
         for branch in schema.get(keyword, []):
-            sub = _subschema(branch, root, key)
+            if keyword != "allOf" and not _valid(value, branch, root):
+                continue
+            sub = _subschema(branch, root, key, value)
             if sub is not True:
                 return sub
     return schema.get("additionalProperties", True)
+
+
+def _array_branch(schema: Any, root: Any, value: list[Any]) -> Any:
+    """The (sub)schema that gives an array's items: ``schema`` itself where it names them,
+    else the branch of ``allOf`` that does or of ``anyOf``/``oneOf`` that ``value`` validates
+    against (the backend writes the items as that branch says)."""
+    for _ in range(32):
+        schema = _resolve(schema, root)
+        if not isinstance(schema, dict) or "items" in schema or "prefixItems" in schema:
+            return schema
+        branches = [
+            branch
+            for keyword in ("allOf", "anyOf", "oneOf")
+            for branch in schema.get(keyword, [])
+            if keyword == "allOf" or _valid(value, branch, root)
+        ]
+        named = [
+            branch
+            for branch in branches
+            if isinstance(resolved := _resolve(branch, root), dict)
+            and (
+                "items" in resolved
+                or "prefixItems" in resolved
+                or "anyOf" in resolved
+                or "oneOf" in resolved
+                or "allOf" in resolved
+            )
+        ]
+        if not named:
+            return schema
+        schema = named[0]
+    return schema
 
 
 def in_schema_order(value: Any, schema: Any, root: Any) -> Any:
@@ -159,9 +291,11 @@ def in_schema_order(value: Any, schema: Any, root: Any) -> Any:
         _key_order(schema, root, value, order, "required")
         keys = order + [key for key in value if key not in order]
         return {
-            key: in_schema_order(value[key], _subschema(schema, root, key), root) for key in keys
+            key: in_schema_order(value[key], _subschema(schema, root, key, value), root)
+            for key in keys
         }
     if isinstance(value, list):
+        schema = _array_branch(schema, root, value)
         items: list[Any] = []
         prefix = schema.get("prefixItems", []) if isinstance(schema, dict) else []
         rest = schema.get("items", True) if isinstance(schema, dict) else True
@@ -171,6 +305,20 @@ def in_schema_order(value: Any, schema: Any, root: Any) -> Any:
             sub = prefix[index] if index < len(prefix) else rest
             items.append(in_schema_order(item, sub, root))
         return items
+    return value
+
+
+def integral(value: Any) -> Any:
+    """``value`` with each float of integral value written as an integer (``6000.0`` as
+    ``6000``): the same number to JSON Schema, and the spelling the backend's grammar takes
+    where ``multipleOf`` is an integer (one valid instance of the fresh sample spells it
+    ``6000.0``)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: integral(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [integral(item) for item in value]
     return value
 
 
@@ -274,7 +422,9 @@ def measure(
         row["compile_ms"] = compiled.seconds * 1e3
         texts = {True: [], False: []}  # type: dict[bool, list[str]]
         for test in entry["tests"]:
-            ordered = in_schema_order(test["data"], schema, schema)
+            # Invalid ones as given: under draft 4 an integral float is no integer.
+            data = integral(test["data"]) if test["valid"] else test["data"]
+            ordered = in_schema_order(data, schema, schema)
             texts[bool(test["valid"])].append(json.dumps(ordered, ensure_ascii=False))
         row["valid"] = len(texts[True])
         row["valid_accepted"] = sum(accepts(compiled, encode(text)) for text in texts[True])
@@ -341,7 +491,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", choices=["bytes", "smollm2"], default="bytes")
     parser.add_argument("--json", help="also write every row to this file")
     parser.add_argument("--verbose", action="store_true", help="print each refusal")
+    parser.add_argument(
+        "--draw",
+        type=Path,
+        metavar="GIT_DIR",
+        help="first draw a fresh sample into --data from this jsonschemabench git snapshot",
+    )
+    parser.add_argument("--per-subset", type=int, default=40, help="schemas drawn a subset")
     args = parser.parse_args(argv)
+    if args.draw is not None:
+        if args.data.resolve() == DATA.resolve():
+            parser.error("--draw writes into --data: name a folder other than the shared sample")
+        drawn = draw_sample(args.draw, args.data, args.per_subset, args.seed)
+        print(json.dumps({"drawn": drawn, "into": str(args.data)}))
     if args.tokenizer == "smollm2":
         from twostroke.engine.checkpoints.source import resolve_model
         from twostroke.engine.text.tokenizer import HFTokenizer

@@ -103,6 +103,13 @@ def grammar_of(constraint: Constraint) -> str:
         raise ConstraintRejected(field_of(constraint), reason) from None
 
 
+def _regex_refused(pattern: str) -> bool:
+    """Whether llguidance refuses ``pattern`` (it reads some inner ``$`` and ``^`` as
+    look-around: ``^a($|b)`` it takes, ``^(a(,|$)){3}$`` it does not)."""
+    grammar = llguidance.grammar_from("regex", pattern)
+    return bool(llguidance.LLMatcher.validate_grammar(grammar))
+
+
 def json_grammar(constraint: JsonSchema) -> tuple[str, SchemaCheck | None]:
     """The grammar of a JSON schema (:func:`~.schemas.for_backend`: rewritten where the
     backend cannot enforce a keyword as given), and the check of its complete outputs
@@ -112,7 +119,7 @@ def json_grammar(constraint: JsonSchema) -> tuple[str, SchemaCheck | None]:
         ConstraintRejected: a checked keyword in a schema the checker cannot read.
     """
     given = constraint.parsed()
-    backend = for_backend(given)
+    backend = for_backend(given, regex_refused=_regex_refused)
     overrides = dict(JSON_FORMAT)
     if "oneOf" in backend.checked:
         overrides["coerce_one_of"] = True  # as anyOf; the check holds each output to one

@@ -13,7 +13,9 @@ engine lets finish still validates against the schema as it was given:
   schema joined to the second branch (``allOf``); a list whose ``a`` the parent requires
   already is added to its ``required``. ``not: {"required": [a, ...]}`` (alone in its ``not``)
   becomes an object without ``a`` or without another of them (``required`` holds for
-  anything but an object, so its negation holds only for objects).
+  anything but an object, so its negation holds only for objects). Where ``$schema`` names
+  draft 3, 4, 6 or 7, the keys beside a ``$ref`` are dropped, annotations apart: those
+  drafts ignore them (llguidance would intersect them with the target).
 * **Dropped, as JSON Schema says**: a ``format`` llguidance does not implement
   (``uri-reference``, ``int32`` on a string ...). JSON Schema makes ``format`` an annotation
   unless a validator is told to assert it, so any string validates; llguidance enforces the
@@ -34,15 +36,22 @@ engine lets finish still validates against the schema as it was given:
   ``additionalProperties`` where nothing beside it evaluates properties (exactly), dropped
   elsewhere; ``min``/``maxProperties`` beside optional properties are dropped (llguidance
   takes them only where every property is required); a ``pattern`` with look-around or a
-  back-reference (Rust's regex has neither) is dropped; a ``$ref`` to a definition that
-  refers back to itself loses the keys beside it (llguidance refuses circular references
-  with sibling keys), annotations apart.
+  back-reference (Rust's regex has neither), or with a ``$``/``^`` inside it that the
+  backend refuses as look-around (``for_backend``'s ``regex_refused`` asks it), is dropped;
+  ``min``/``maxProperties`` beside joined branches (``allOf`` ...) are dropped;
+  ``patternProperties`` with a pattern every name matches, beside other patterns or beside
+  declared properties where a circular reference would be intersected, becomes that
+  pattern's ``additionalProperties``; a ``$ref`` to a definition that refers back to itself
+  loses the keys beside it (llguidance refuses circular references with sibling keys),
+  annotations apart. Subschemas a ``$ref`` names under a key that is no keyword are
+  rewritten as the others.
 * Everything else llguidance refuses stays refused, in its words.
 
 :func:`strict` is the server's rule for schemas that arrive over HTTP: an object subschema
 with ``properties`` and no ``additionalProperties`` is compiled as if it said ``false``.
 
-Pure: the standard library, and ``jsonschema`` for the check, imported when first needed.
+Pure: the standard library, and ``jsonschema`` (for the check, and to read the draft a
+schema names), imported when first needed.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ __all__ = [
     "BackendSchema",
     "SchemaCheck",
     "for_backend",
+    "ignores_ref_siblings",
     "ref_target",
     "strict",
 ]
@@ -75,6 +85,7 @@ ENFORCED_FORMATS = frozenset(
 CHECKED_KEYWORDS = (
     *("oneOf", "uniqueItems", "not", "if", "propertyNames", "unevaluatedProperties"),
     *("unevaluatedItems", "contains", "minProperties", "maxProperties", "pattern", "$ref"),
+    "patternProperties",
 )
 #: Keywords checked under another's name (:data:`CHECKED_KEYWORDS`).
 _CHECKED_AS = {"then": "if", "else": "if", "minContains": "contains", "maxContains": "contains"}
@@ -89,6 +100,8 @@ _IN_PLACE = (
     *("allOf", "anyOf", "oneOf", "not", "$ref", "$dynamicRef", "$recursiveRef"),
     *("if", "then", "else", "dependentSchemas", "dependencies"),
 )
+#: Asks the backend whether it refuses a regex (:func:`for_backend`).
+RegexRefused = Callable[[str], bool] | None
 #: Look-around and back-references: Python's ``re`` has them, llguidance's regexes do not.
 _LOOK_AROUND = re.compile(r"\\(?:[1-9]|k<)|\(\?(?:<?[=!]|P=)")
 
@@ -148,6 +161,25 @@ def _walk(schema: dict[str, Any], visit: Callable[[dict[str, Any]], None]) -> No
         stack.extend((sub, False) for _, sub in subschemas(node))
 
 
+def _walk_referenced(schema: dict[str, Any], visit: Callable[[dict[str, Any]], None]) -> None:
+    """:func:`_walk`, then the same for each target of a local ``$ref`` it did not reach: a
+    ``$ref`` may name any place of the document, under a key that is no keyword."""
+    reached: set[int] = set()
+    refs: list[str] = []
+
+    def mark(node: dict[str, Any]) -> None:
+        reached.add(id(node))
+        visit(node)
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            refs.append(node["$ref"])
+
+    _walk(schema, mark)
+    while refs:
+        target = ref_target(schema, refs.pop())
+        if isinstance(target, dict) and id(target) not in reached:
+            _walk(target, mark)
+
+
 def _absent(name: str) -> dict[str, Any]:
     return {"properties": {name: False}}
 
@@ -193,7 +225,7 @@ def _rewrite_dependencies(node: dict[str, Any]) -> None:
         node["allOf"] = [*(existing if isinstance(existing, list) else []), *joined]
 
 
-def _relax(node: dict[str, Any], checked: set[str]) -> None:
+def _relax(node: dict[str, Any], checked: set[str], regex_refused: RegexRefused) -> None:
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
         del node["format"]
@@ -211,7 +243,7 @@ def _relax(node: dict[str, Any], checked: set[str]) -> None:
     _relax_unevaluated_properties(node, checked)
     _rewrite_dependencies(node)
     _rewrite_not_required(node)
-    _relax_not_expressible(node, checked)
+    _relax_not_expressible(node, checked, regex_refused)
 
 
 def _join(node: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -232,7 +264,9 @@ def _relax_unevaluated_properties(node: dict[str, Any], checked: set[str]) -> No
         node["additionalProperties"] = unevaluated
 
 
-def _relax_not_expressible(node: dict[str, Any], checked: set[str]) -> None:
+def _relax_not_expressible(
+    node: dict[str, Any], checked: set[str], regex_refused: RegexRefused
+) -> None:
     """The keywords llguidance cannot express, as a superset of their valid instances."""
     if "if" in node or "then" in node or "else" in node:
         condition, then, otherwise = (node.pop(key, True) for key in ("if", "then", "else"))
@@ -250,9 +284,101 @@ def _relax_not_expressible(node: dict[str, Any], checked: set[str]) -> None:
         checked.add("contains")
     _relax_property_counts(node, checked)
     pattern = node.get("pattern")
-    if isinstance(pattern, str) and _LOOK_AROUND.search(pattern):
+    if isinstance(pattern, str) and (
+        _LOOK_AROUND.search(pattern)
+        or (regex_refused is not None and _inner_anchor(pattern) and regex_refused(pattern))
+    ):
         del node["pattern"]
         checked.add("pattern")
+
+
+#: Escapes that assert a place rather than match a character (word boundaries, \A, \z).
+_ASSERTIONS = frozenset("bBAzZG")
+
+
+def _inner_anchor(pattern: str) -> bool:
+    """Whether ``pattern`` asserts a place other than its own two ends (``$`` or ``^``
+    inside it, ``\\b`` ...): llguidance reads some of those as look-around and refuses
+    them, so the backend is asked about such a pattern (a cheap filter before it)."""
+    in_class = False
+    index, last = 0, len(pattern) - 1
+    while index <= last:
+        char = pattern[index]
+        if char == "\\":
+            if not in_class and pattern[index + 1 : index + 2] in _ASSERTIONS:
+                return True
+            index += 2
+            continue
+        if in_class:
+            in_class = char != "]" or pattern[index - 1] == "["
+        elif char == "[":
+            in_class = True
+            if pattern[index + 1 : index + 2] == "^":
+                index += 1  # a negated class, not an anchor
+        elif (char == "^" and index > 0) or (char == "$" and index < last):
+            return True
+        index += 1
+    return False
+
+
+def _universal(pattern: str) -> bool:
+    """Whether every property name matches ``pattern`` (``.*``, ``^[a-z_]*`` ...): it
+    matches the empty string with no assertion but a leading ``^`` (which holds at the start
+    of any name), so it matches an empty prefix of every name, as JSON Schema searches."""
+    if "$" in pattern or "\\" in pattern or "(?" in pattern.replace("(?:", ""):
+        return False  # an assertion, or an escape that may be one: not told apart here
+    try:
+        return re.match(pattern, "") is not None
+    except re.error:
+        return False
+
+
+def _relax_universal_patterns(schema: dict[str, Any], checked: set[str]) -> None:
+    """``patternProperties`` with a pattern every key matches (:func:`_universal`) beside
+    other patterns, or beside declared properties where a circular reference would be
+    intersected: llguidance refuses patterns that are not disjoint, and intersects a
+    declared property's schema with each pattern that matches it (refusing circular
+    references there). The universal pattern's schema becomes ``additionalProperties`` (it
+    applies to every undeclared key, and leaves ``additionalProperties`` nothing), the other
+    patterns are dropped: a superset (a key they matched keeps the universal schema, a
+    declared one its own), checked."""
+    circular = _circular_refs(schema)
+
+    def holds_circular(node: Any) -> bool:
+        return isinstance(node, dict) and bool(circular & _refs_under(node))
+
+    def visit(node: dict[str, Any]) -> None:
+        patterns = node.get("patternProperties")
+        if not isinstance(patterns, dict):
+            return
+        universal = [pattern for pattern in patterns if _universal(pattern)]
+        if not universal:
+            return
+        properties = node.get("properties")
+        declared = list(properties.values()) if isinstance(properties, dict) else []
+        if len(patterns) == 1 and not (
+            declared and any(map(holds_circular, [patterns[universal[0]], *declared]))
+        ):
+            return  # llguidance intersects what it can
+        matched = [patterns[pattern] for pattern in universal]
+        del node["patternProperties"]
+        node["additionalProperties"] = matched[0] if len(matched) == 1 else {"allOf": matched}
+        checked.add("patternProperties")
+
+    _walk_referenced(schema, visit)
+
+
+def _refs_under(node: dict[str, Any]) -> set[str]:
+    """The local ``$ref`` s in ``node`` and its subschemas (not followed)."""
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        part = stack.pop()
+        ref = part.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            found.add(ref)
+        stack.extend(sub for _, sub in subschemas(part))
+    return found
 
 
 def _relax_property_counts(node: dict[str, Any], checked: set[str]) -> None:
@@ -260,7 +386,11 @@ def _relax_property_counts(node: dict[str, Any], checked: set[str]) -> None:
     where every property is required): dropped, checked unless ``required`` implies them."""
     properties, required = node.get("properties"), node.get("required")
     names = set(required) if isinstance(required, list) else set()
-    if not isinstance(properties, dict) or set(properties) <= names:
+    if node.get("minProperties") == 0:
+        del node["minProperties"]  # every object has at least none
+    # Branches joined in place bring their properties (llguidance intersects them first).
+    joined = any(key in node for key in ("allOf", "anyOf", "oneOf", "$ref"))
+    if not joined and (not isinstance(properties, dict) or set(properties) <= names):
         return
     at_least = node.get("minProperties")
     if isinstance(at_least, int) and len(names) >= at_least:
@@ -429,6 +559,74 @@ def _relax_circular_siblings(schema: dict[str, Any], checked: set[str]) -> None:
     _walk(schema, visit)
 
 
+def _validator_class(schema: dict[str, Any]) -> Any:
+    """The ``jsonschema`` validator of the draft ``$schema`` names (2020-12 where none): the
+    one the check validates with, so that the rewrites read the schema as it does."""
+    import jsonschema  # type: ignore[import-untyped]
+
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
+def ignores_ref_siblings(schema: dict[str, Any]) -> bool:
+    """Whether ``schema``'s draft ignores the keys beside a ``$ref``.
+
+    Drafts 3 to 7 do ("all other properties in a $ref object MUST be ignored"), and so does
+    ``jsonschema``, which the check validates with; 2019-09 and 2020-12 (the default where
+    ``$schema`` names none) apply them beside it.
+
+    Args:
+        schema: A root schema, as given.
+
+    Returns:
+        Whether its ``$schema`` names draft 3, 4, 6 or 7.
+    """
+    import jsonschema
+
+    drafts = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
+    return _validator_class(schema) in [getattr(jsonschema, draft) for draft in drafts]
+
+
+def _drop_ref_siblings(schema: dict[str, Any]) -> None:
+    """Drop the keys beside each ``$ref``, annotations apart: the same valid instances where
+    the draft ignores them (:func:`ignores_ref_siblings`), where llguidance would intersect
+    them with the target (refusing valid instances, or a circular target outright). A
+    ``$ref`` that pointed into a dropped key points at a copy of its target among the
+    root's definitions."""
+    given = copy.deepcopy(schema)
+
+    def visit(node: dict[str, Any]) -> None:
+        if isinstance(node.get("$ref"), str):
+            for key in [key for key in node if key != "$ref" and key not in _ANNOTATIONS]:
+                del node[key]
+
+    _walk_referenced(schema, visit)
+    homes: dict[str, str] = {}
+    copied = 0
+    defs_key = "definitions" if "definitions" in schema and "$defs" not in schema else "$defs"
+    stack: list[dict[str, Any]] = [schema]
+    while stack:
+        node = stack.pop()
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/") and ref_target(schema, ref) is None:
+            if ref not in homes:
+                target = ref_target(given, ref)
+                size = len(json.dumps(target)) if isinstance(target, dict | bool) else 0
+                if not size or copied + size > _MAX_COPIED:
+                    continue  # named nothing already, or past the bound: the backend says so
+                copied += size
+                defs = schema.setdefault(defs_key, {})
+                name = f"twostroke-ref-{len(homes)}"
+                while name in defs:
+                    name += "-"
+                homes[ref] = f"#/{defs_key}/{name}"
+                defs[name] = copy.deepcopy(target)
+                if isinstance(defs[name], dict):
+                    _walk(defs[name], visit)
+                    stack.append(defs[name])
+            node["$ref"] = homes[ref]
+        stack.extend(sub for _, sub in subschemas(node))
+
+
 @attrs.frozen
 class BackendSchema:
     """What the backend compiles for a schema, and what the matcher checks after it.
@@ -443,19 +641,26 @@ class BackendSchema:
     checked: frozenset[str]
 
 
-def for_backend(schema: dict[str, Any]) -> BackendSchema:
+def for_backend(schema: dict[str, Any], regex_refused: RegexRefused = None) -> BackendSchema:
     """The schema the backend compiles, rewritten as the module docstring says.
 
     Args:
         schema: The schema as given (not changed).
+        regex_refused: Whether the backend refuses a ``pattern`` that asserts a place
+            inside it (``$`` or ``^`` not at its ends: llguidance takes some and refuses
+            others as look-around); a refused one is dropped and checked. ``None``: such
+            patterns are left to the backend.
 
     Returns:
         The rewritten schema and the keywords checked after generation.
     """
     rewritten = copy.deepcopy(schema)
     checked: set[str] = set()
+    if ignores_ref_siblings(schema):
+        _drop_ref_siblings(rewritten)
     _rehome_refs(rewritten)
-    _walk(rewritten, lambda node: _relax(node, checked))
+    _walk_referenced(rewritten, lambda node: _relax(node, checked, regex_refused))
+    _relax_universal_patterns(rewritten, checked)
     _relax_circular_siblings(rewritten, checked)
     return BackendSchema(rewritten, frozenset(checked))
 
@@ -472,9 +677,7 @@ class SchemaCheck:
     """
 
     def __init__(self, schema: dict[str, Any], checked: frozenset[str]) -> None:
-        import jsonschema  # type: ignore[import-untyped]
-
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls = _validator_class(schema)
         # Not cls.check_schema(schema): validating a schema against its metaschema took
         # 25 ms (p50) to 0.8 s on the shared sample's checked schemas, in every compile. A
         # schema the checker cannot read fails each output's check instead, never passes it.
