@@ -176,6 +176,13 @@ def smollm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
+def smollm2_saved(smollm2_folder: Path) -> SavedTokenizer:
+    """SmolLM2's saved tokenizer, read once (a read parses 2 MB of JSON: 150 examples reading
+    it each ran past the test's 120 s on a loaded 2-core machine)."""
+    return SavedTokenizer.read(smollm2_folder)
+
+
+@pytest.fixture(scope="module")
 def smollm2_pair(smollm2_folder: Path) -> tuple[HFTokenizer, HFTokenizer]:
     """SmolLM2's tokenizer over transformers and over its saved files."""
     from transformers import AutoTokenizer
@@ -231,7 +238,7 @@ _TEXT = st.one_of(st.text(max_size=40), st.lists(_PIECES, max_size=12).map("".jo
 )
 def test_smollm2_ordinary_conversations_keep_their_ids(
     smollm2_pair: tuple[HFTokenizer, HFTokenizer],
-    smollm2_folder: Path,
+    smollm2_saved: SavedTokenizer,
     system: str | None,
     contents: list[str],
 ) -> None:
@@ -241,7 +248,7 @@ def test_smollm2_ordinary_conversations_keep_their_ids(
     ]
     if system is not None:
         conversation.insert(0, {"role": "system", "content": system})
-    saved = SavedTokenizer.read(smollm2_folder)
+    saved = smollm2_saved
     special = SpecialText(saved.raw)
     if any(special.find(message["content"]) for message in conversation):
         return  # not an ordinary conversation (st.text() wrote a special token)
