@@ -13,12 +13,19 @@ Mistral's layers attend within a sliding window (``sliding_window``; Qwen2's fro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import attrs
 
+from twostroke.engine.models.features import (
+    GEMMA3_DEFAULTS,
+    gguf_features,
+    hf_features,
+    sliding_window_of,
+)
+from twostroke.engine.models.fields import count, head_dim_of, require, token_ids
+from twostroke.engine.models.rope import RopeScaling, hf_rope_scaling, phi3_rope, yarn_mscale
 from twostroke.states.validators import int_at_least, number_in
 
 __all__ = ["MISSING_FEATURES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
@@ -48,10 +55,6 @@ _GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
 }
 
-#: Every ``no_rope_layer_interval``-th layer of SmolLM3 has no rotary embeddings: llama.cpp's
-#: ``smollm3`` stores no key for it and hard-codes 4 (``n_no_rope_layer_step``), the default
-#: of transformers' ``SmolLM3Config``.
-_SMOLLM3_NOPE_INTERVAL = 4
 
 #: Architectures people bring that the decoder does not run yet, by the feature it lacks
 #: (HF ``architectures`` names and GGUF ``general.architecture`` values alike), so the
@@ -89,65 +92,6 @@ def _unsupported(kind: str, names: object, supported: Iterable[str]) -> ValueErr
 _POSITIVE = int_at_least(1)
 _POSITIVE_NUMBER = number_in(0, low_open=True)
 _QK_NORMS = ("none", "head", "full")
-
-
-def _floats(values: Iterable[float]) -> tuple[float, ...]:
-    """A list of numbers (parsed JSON, a GGUF tensor's) as the frozen tuple a value holds."""
-    return tuple(float(value) for value in values)
-
-
-@attrs.frozen(kw_only=True)
-class RopeScaling:
-    """How rotary frequencies are stretched for long contexts.
-
-    ``"linear"`` divides every frequency by ``factor``; ``"llama3"`` divides only the low
-    frequencies and interpolates in between (Llama 3.1's rule, as transformers computes it);
-    ``"yarn"`` (Qwen2 and Qwen3's long context) blends divided and undivided frequencies
-    over a ramp between ``beta_fast`` and ``beta_slow`` rotations and multiplies the rotary
-    tables by ``attention_factor`` (transformers' ``_compute_yarn_parameters``);
-    ``"longrope"`` (Phi-3's LongRoPE) divides each frequency by its own factor, from
-    ``short_factor`` at positions inside ``original_max_position_embeddings`` and from
-    ``long_factor`` beyond, and multiplies the tables by ``attention_factor``
-    (transformers' ``_compute_longrope_parameters``; which set a position takes:
-    :func:`~twostroke.engine.models.layers.rotary_tables`).
-
-    Attributes:
-        kind: ``"linear"``, ``"llama3"``, ``"yarn"`` or ``"longrope"``.
-        factor: The stretch factor.
-        low_freq_factor: llama3 only.
-        high_freq_factor: llama3 only.
-        original_max_position_embeddings: llama3, yarn and longrope: the context the model
-            was trained on (longrope: the positions below it take the short factors).
-        beta_fast: yarn only: the ramp's end, in rotations.
-        beta_slow: yarn only: the ramp's start, in rotations.
-        attention_factor: yarn and longrope: what ``cos`` and ``sin`` are multiplied by.
-        truncate: yarn only: the ramp's bounds rounded outwards to whole dimensions.
-        short_factor: longrope only: each rotated pair's divisor inside the original context.
-        long_factor: longrope only: each rotated pair's divisor beyond it.
-    """
-
-    kind: str = attrs.field(
-        validator=attrs.validators.in_(("linear", "llama3", "yarn", "longrope"))
-    )
-    factor: float = attrs.field(validator=_POSITIVE_NUMBER)
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = attrs.field(default=1.0, validator=_POSITIVE_NUMBER)
-    truncate: bool = True
-    short_factor: tuple[float, ...] = attrs.field(default=(), converter=_floats)
-    long_factor: tuple[float, ...] = attrs.field(default=(), converter=_floats)
-
-    def __attrs_post_init__(self) -> None:
-        if self.kind == "longrope" and (
-            not self.short_factor or len(self.short_factor) != len(self.long_factor)
-        ):
-            raise ValueError(
-                f"longrope needs short_factor and long_factor of one length (one per rotated "
-                f"pair), got {len(self.short_factor)} and {len(self.long_factor)}"
-            )
 
 
 @attrs.frozen(kw_only=True)
@@ -404,24 +348,24 @@ class ModelConfig:
         if architecture is None:
             raise _unsupported("architecture", architectures, SUPPORTED_ARCHITECTURES)
         if architecture == "Gemma3ForCausalLM":
-            data = {**_GEMMA3_DEFAULTS, **data}
+            data = {**GEMMA3_DEFAULTS, **data}
         activation = data.get("hidden_act", "silu")
-        # (Gemma 3 reads hidden_activation instead: _hf_features)
+        # (Gemma 3 reads hidden_activation instead: hf_features)
         if activation != "silu" and architecture != "Gemma3ForCausalLM":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {activation!r}")
-        num_heads = _count(data, "num_attention_heads")
-        hidden_size = _count(data, "hidden_size")
-        head_dim = _head_dim(data, "head_dim", hidden_size, num_heads, "hidden_size")
+        num_heads = count(data, "num_attention_heads")
+        hidden_size = count(data, "hidden_size")
+        head_dim = head_dim_of(data, "head_dim", hidden_size, num_heads, "hidden_size")
         rope = dict(data.get("rope_parameters") or {})
         rope = dict(rope.get("full_attention") or rope)  # Gemma 3's: one set per layer kind
         legacy_scaling = data.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
         scaling = {**legacy_scaling, **rope} if legacy_scaling else rope
-        max_positions = _require(data, "max_position_embeddings")
+        max_positions = require(data, "max_position_embeddings")
         if architecture == "Phi3ForCausalLM":
-            scaling = _phi3_rope(scaling, data)
+            scaling = phi3_rope(scaling, data)
         # Gemma 3's layer kinds rotate differently, so its window stays however long.
-        window, global_layers = _sliding_window(
+        window, global_layers = sliding_window_of(
             data, max_positions, keep=architecture == "Gemma3ForCausalLM"
         )
         qwen2 = architecture == "Qwen2ForCausalLM"
@@ -430,26 +374,26 @@ class ModelConfig:
         attention_bias = biased and bool(data.get("attention_bias", False))
         return cls(
             architecture=architecture,
-            vocab_size=_require(data, "vocab_size"),
+            vocab_size=require(data, "vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=_require(data, "intermediate_size"),
-            num_layers=_require(data, "num_hidden_layers"),
+            intermediate_size=require(data, "intermediate_size"),
+            num_layers=require(data, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=_count(data, "num_key_value_heads", default=num_heads),
+            num_kv_heads=count(data, "num_key_value_heads", default=num_heads),
             head_dim=head_dim,
             rms_norm_eps=data.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(scaling, max_positions),
+            rope_scaling=hf_rope_scaling(scaling, max_positions),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=biased and bool(data.get("mlp_bias", False)),
             bos_token_id=data.get("bos_token_id"),
-            eos_token_ids=_token_ids(data.get("eos_token_id")),
+            eos_token_ids=token_ids(data.get("eos_token_id")),
             sliding_window=window,
             global_layers=global_layers,
-            **_hf_features(architecture, data),
+            **hf_features(architecture, data),
         )
 
     # --- GGUF metadata --------------------------------------------------------------------
@@ -495,11 +439,11 @@ class ModelConfig:
             architecture = "MistralForCausalLM"
 
         def key(name: str) -> Any:
-            return _require(metadata, f"{arch}.{name}")
+            return require(metadata, f"{arch}.{name}")
 
-        num_heads = _count(metadata, f"{arch}.attention.head_count")
-        hidden_size = _count(metadata, f"{arch}.embedding_length")
-        head_dim = _head_dim(
+        num_heads = count(metadata, f"{arch}.attention.head_count")
+        hidden_size = count(metadata, f"{arch}.embedding_length")
+        head_dim = head_dim_of(
             metadata, f"{arch}.attention.key_length", hidden_size, num_heads, "embedding_length"
         )
         vocab_size = metadata.get(f"{arch}.vocab_size")
@@ -523,7 +467,7 @@ class ModelConfig:
                 original_max_position_embeddings=key("rope.scaling.original_context_length"),
                 beta_fast=metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
                 beta_slow=metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
-                attention_factor=_yarn_mscale(factor),
+                attention_factor=yarn_mscale(factor),
             )
         elif scaling_type != "none":
             raise ValueError(
@@ -549,7 +493,7 @@ class ModelConfig:
             intermediate_size=key("feed_forward_length"),
             num_layers=key("block_count"),
             num_heads=num_heads,
-            num_kv_heads=_count(metadata, f"{arch}.attention.head_count_kv", default=num_heads),
+            num_kv_heads=count(metadata, f"{arch}.attention.head_count_kv", default=num_heads),
             head_dim=head_dim,
             rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
             rope_theta=metadata.get(f"{arch}.rope.freq_base", 10000.0),
@@ -561,341 +505,6 @@ class ModelConfig:
             o_bias="blk.0.attn_output.bias" in tensor_names,
             mlp_bias="blk.0.ffn_up.bias" in tensor_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_token_ids(eos),
-            **_gguf_features(str(arch), metadata, key("block_count")),
+            eos_token_ids=token_ids(eos),
+            **gguf_features(str(arch), metadata, key("block_count")),
         )
-
-
-def _sliding_window(
-    data: Mapping[str, Any], max_positions: int, *, keep: bool = False
-) -> tuple[int | None, tuple[int, ...]]:
-    """A config's sliding window and the layers that see every position anyway, as
-    transformers reads them: ``layer_types`` where the config lists it, else every
-    ``sliding_window_pattern``-th layer global (Gemma's older configs), else every layer
-    windowed (Mistral) or, for Qwen2, those from ``max_window_layers`` on; Qwen2 asks for
-    a window only with ``use_sliding_window``. A window as long as the context is none,
-    unless ``keep``."""
-    window = data.get("sliding_window")
-    if window is None or not data.get("use_sliding_window", True):
-        return None, ()
-    window = _count(data, "sliding_window")
-    if window >= max_positions and not keep:
-        return None, ()
-    num_layers = _count(data, "num_hidden_layers")
-    types = data.get("layer_types")
-    if types is None and data.get("sliding_window_pattern") is not None:
-        pattern = _count(data, "sliding_window_pattern")
-        types = [
-            "full_attention" if (index + 1) % pattern == 0 else "sliding_attention"
-            for index in range(num_layers)
-        ]
-    if types is not None:
-        if not isinstance(types, list) or len(types) != num_layers:
-            raise ValueError(
-                f"layer_types must list one type per layer ({num_layers}), got {types!r}"
-            )
-        unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
-        if unknown:
-            raise ValueError(
-                f"layer_types must be 'sliding_attention' or 'full_attention', got {unknown}"
-            )
-        return window, tuple(i for i, kind in enumerate(types) if kind == "full_attention")
-    first = data.get("max_window_layers", 0) if "use_sliding_window" in data else 0
-    return window, tuple(range(min(int(first), num_layers)))
-
-
-def _require(data: Mapping[str, Any], name: str) -> Any:
-    if data.get(name) is None:
-        raise ValueError(f"the configuration lacks {name!r}")
-    return data[name]
-
-
-def _count(data: Mapping[str, Any], name: str, *, default: int | None = None) -> int:
-    """A count the configuration is divided by or allocated from: an int >= 1 (``default``
-    where the key is absent or null), checked before it is used."""
-    value = data.get(name)
-    if value is None and default is not None:
-        return default
-    if value is None:
-        raise ValueError(f"the configuration lacks {name!r}")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
-def _head_dim(
-    data: Mapping[str, Any], name: str, hidden_size: int, num_heads: int, hidden_name: str
-) -> int:
-    """The width of a head: ``name`` where the configuration gives it, else the residual
-    stream's width shared among the heads, which must then divide it."""
-    if data.get(name) is not None:
-        return _count(data, name)
-    if hidden_size % num_heads:
-        raise ValueError(
-            f"{hidden_name} must be a multiple of the head count without {name!r}, got "
-            f"{hidden_size} and {num_heads} heads"
-        )
-    return hidden_size // num_heads
-
-
-def _token_ids(value: object) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, list | tuple):
-        return tuple(int(item) for item in value)
-    raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
-
-
-def _rope_scaling(scaling: Mapping[str, Any], max_positions: int) -> RopeScaling | None:
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind == "linear":
-        return RopeScaling(kind="linear", factor=_require(scaling, "factor"))
-    if kind == "llama3":
-        return RopeScaling(
-            kind="llama3",
-            factor=_require(scaling, "factor"),
-            low_freq_factor=_require(scaling, "low_freq_factor"),
-            high_freq_factor=_require(scaling, "high_freq_factor"),
-            original_max_position_embeddings=scaling.get(
-                "original_max_position_embeddings", max_positions
-            ),
-        )
-    if kind == "yarn":
-        factor = scaling.get("factor")
-        original = scaling.get("original_max_position_embeddings", max_positions)
-        if factor is None:
-            factor = max_positions / original
-        attention_factor = scaling.get("attention_factor")
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if attention_factor is None and mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        elif attention_factor is None:
-            attention_factor = _yarn_mscale(factor)
-        return RopeScaling(
-            kind="yarn",
-            factor=factor,
-            original_max_position_embeddings=original,
-            # transformers reads these with ``or``: a null or zero takes the default too.
-            beta_fast=scaling.get("beta_fast") or 32.0,
-            beta_slow=scaling.get("beta_slow") or 1.0,
-            attention_factor=attention_factor,
-            truncate=bool(scaling.get("truncate", True)),
-        )
-    if kind == "longrope":
-        original = _require(scaling, "original_max_position_embeddings")
-        factor = scaling.get("factor")
-        if factor is None:
-            factor = max_positions / original
-        attention_factor = scaling.get("attention_factor")
-        if attention_factor is None:  # LongRoPE's paper, as transformers computes it
-            attention_factor = (
-                math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-            )
-        return RopeScaling(
-            kind="longrope",
-            factor=factor,
-            original_max_position_embeddings=original,
-            attention_factor=attention_factor,
-            short_factor=_require(scaling, "short_factor"),
-            long_factor=_require(scaling, "long_factor"),
-        )
-    raise ValueError(
-        f"unsupported rope_type {kind!r}; supported: 'default', 'linear', 'llama3', 'yarn', "
-        "'longrope'"
-    )
-
-
-def _phi3_rope(scaling: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
-    """Phi-3's rope parameters as ``Phi3Config`` standardizes them: ``"su"`` and ``"yarn"``
-    are its old names of ``"longrope"``, and the top level's
-    ``original_max_position_embeddings`` (4096 where absent) wins over the dict's."""
-    found = dict(scaling)
-    kind = found.get("rope_type", found.get("type", "default"))
-    if kind in ("su", "yarn", "longrope"):
-        found["rope_type"] = "longrope"
-        found["original_max_position_embeddings"] = data.get(
-            "original_max_position_embeddings", 4096
-        )
-    return found
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention factor (its paper's eq. 21, transformers' ``yarn_get_mscale``)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of :class:`ModelConfig` in which ``architecture`` departs from Llama, read
-    from its ``config.json`` as its transformers class reads them."""
-    if architecture == "Gemma3ForCausalLM":
-        return _gemma3_features(data)
-    if architecture == "Qwen3ForCausalLM":
-        return {"qk_norm": "head"}
-    if architecture == "Olmo2ForCausalLM":
-        return {"qk_norm": "full", "norm_placement": "post"}
-    if architecture == "SmolLM3ForCausalLM":
-        layers = _require(data, "num_hidden_layers")
-        rotates = data.get("no_rope_layers")
-        if rotates is None:  # SmolLM3Config's default: every interval-th layer is NoPE
-            interval = _count(data, "no_rope_layer_interval", default=_SMOLLM3_NOPE_INTERVAL)
-            rotates = [int((index + 1) % interval != 0) for index in range(layers)]
-        if len(rotates) != layers or any(flag not in (0, 1) for flag in rotates):
-            raise ValueError(
-                f"no_rope_layers must be {layers} flags of 0 or 1 (1: the layer rotates), "
-                f"got {rotates!r}"
-            )
-        return {"nope_layers": tuple(i for i, flag in enumerate(rotates) if not flag)}
-    if architecture == "Phi3ForCausalLM":
-        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-        share = rope.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
-        head_dim = _head_dim(
-            data,
-            "head_dim",
-            _count(data, "hidden_size"),
-            _count(data, "num_attention_heads"),
-            "hidden_size",
-        )
-        rotary_dim = int(head_dim * share)  # transformers' int(), as Phi3RotaryEmbedding
-        return {"rotary_dim": None if rotary_dim == head_dim else rotary_dim}
-    if architecture == "GraniteForCausalLM":
-        # GraniteConfig's defaults; its attention always scales by attention_multiplier.
-        return {
-            "embedding_scale": data.get("embedding_multiplier", 1.0),
-            "attention_scale": data.get("attention_multiplier", 1.0),
-            "residual_scale": data.get("residual_multiplier", 1.0),
-            "logit_scale": data.get("logits_scaling", 1.0),
-        }
-    return {}
-
-
-def _gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """The fields of :class:`ModelConfig` in which a GGUF architecture departs from Llama,
-    as llama.cpp reads them (``llm_load_hparams``)."""
-    if arch == "gemma3":
-        return _gemma3_gguf_features(metadata, num_layers)
-    if arch == "qwen3":
-        return {"qk_norm": "head"}
-    if arch == "olmo2":
-        return {"qk_norm": "full", "norm_placement": "post"}
-    if arch == "smollm3":
-        step = _SMOLLM3_NOPE_INTERVAL
-        return {"nope_layers": tuple(i for i in range(num_layers) if (i + 1) % step == 0)}
-    if arch == "phi3":
-        hidden, heads = (
-            _count(metadata, f"phi3.{n}") for n in ("embedding_length", "attention.head_count")
-        )
-        head_dim = _head_dim(
-            metadata, "phi3.attention.key_length", hidden, heads, "embedding_length"
-        )
-        rotary_dim = _count(metadata, "phi3.rope.dimension_count", default=head_dim)
-        # Phi3MiniModel writes 0 for no window; one as long as the context is none.
-        window = metadata.get("phi3.attention.sliding_window") or None
-        if window is not None and window >= _require(metadata, "phi3.context_length"):
-            window = None
-        return {
-            "rotary_dim": None if rotary_dim == head_dim else rotary_dim,
-            "sliding_window": window,
-        }
-    if arch == "granite":
-        return {
-            "embedding_scale": _require(metadata, "granite.embedding_scale"),
-            "attention_scale": _require(metadata, "granite.attention.scale"),
-            "residual_scale": _require(metadata, "granite.residual_scale"),
-            "logit_scale": _require(metadata, "granite.logit_scale"),
-        }
-    return {}
-
-
-#: transformers' ``Gemma3TextConfig`` defaults for the keys a Gemma 3 ``config.json`` may
-#: leave out (the Hub's older files spell the layer kinds as ``sliding_window_pattern``).
-_GEMMA3_DEFAULTS: dict[str, Any] = {
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "tie_word_embeddings": True,
-}
-
-#: llama.cpp's ``gemma3`` stores no layer kinds: every sixth layer is global
-#: (``set_swa_pattern(6)``), and the others rotate by a base of 10000 unless the file says.
-_GEMMA3_GGUF_PATTERN = 6
-_GEMMA3_GGUF_LOCAL_BASE = 10_000.0
-
-
-def _gemma3_features(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Gemma 3's departures as transformers' ``Gemma3TextModel`` computes them: each layer
-    kind's rotary base (``rope_parameters["sliding_attention"]``, or the older
-    ``rope_local_base_freq``), ``(1 + weight)`` norms before and after each block,
-    gelu-tanh, embeddings times ``sqrt(hidden_size)``, scores times
-    ``query_pre_attn_scalar ** -0.5``. ``data`` has :data:`_GEMMA3_DEFAULTS` filled in."""
-    activation = data.get("hidden_activation")
-    if activation != "gelu_pytorch_tanh":
-        raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {activation!r}")
-    if data.get("attn_logit_softcapping") is not None:
-        raise ValueError(
-            "attn_logit_softcapping must be null: twostroke's attention does not cap "
-            f"scores, got {data['attn_logit_softcapping']!r}"
-        )
-    if data.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention must be false: twostroke decodes causally")
-    _count(data, "sliding_window")  # the local layers' rotary base needs a window to name them
-    rope = data.get("rope_parameters")
-    local = rope.get("sliding_attention") if isinstance(rope, Mapping) else None
-    theta = data["rope_local_base_freq"]
-    if isinstance(local, Mapping):
-        kind = local.get("rope_type", "default")
-        if kind != "default":
-            raise ValueError(
-                "rope_parameters['sliding_attention'] must rotate unscaled (rope_type "
-                f"'default'), got {kind!r}"
-            )
-        theta = local.get("rope_theta", theta)
-    return {
-        "qk_norm": "head",
-        "norm_placement": "both",
-        "norm_offset": 1.0,
-        "hidden_activation": "gelu_tanh",
-        "embedding_scale": _count(data, "hidden_size") ** 0.5,
-        "attention_scale": _require(data, "query_pre_attn_scalar") ** -0.5,
-        "local_rope_theta": theta,
-        "final_logit_softcapping": data.get("final_logit_softcapping"),
-    }
-
-
-def _gemma3_gguf_features(metadata: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """Gemma 3 as llama.cpp's ``gemma3`` reads it: the layer kinds and the local base are
-    its constants (:data:`_GEMMA3_GGUF_PATTERN`), the norms' ``+ 1`` is in the stored
-    weights, and ``query_pre_attn_scalar``, which the converter does not store, is the
-    head width except for the 62-layer 27B (``hidden_size / heads``, as its config says)."""
-    hidden = _count(metadata, "gemma3.embedding_length")
-    heads = _count(metadata, "gemma3.attention.head_count")
-    head_dim = _count(metadata, "gemma3.attention.key_length", default=hidden // heads)
-    scalar = hidden // heads if num_layers == 62 else head_dim
-    features: dict[str, Any] = {
-        "qk_norm": "head",
-        "norm_placement": "both",
-        "norm_offset": 0.0,
-        "hidden_activation": "gelu_tanh",
-        "embedding_scale": hidden**0.5,
-        "attention_scale": scalar**-0.5,
-        "final_logit_softcapping": metadata.get("gemma3.final_logit_softcapping") or None,
-    }
-    window = metadata.get("gemma3.attention.sliding_window") or 0
-    if window:  # newer llama.cpp runs a file without one with every layer global
-        pattern = _GEMMA3_GGUF_PATTERN
-        features["sliding_window"] = _count(metadata, "gemma3.attention.sliding_window")
-        features["global_layers"] = tuple(
-            i for i in range(num_layers) if i % pattern == pattern - 1
-        )
-        features["local_rope_theta"] = metadata.get(
-            "gemma3.rope.freq_base_swa", _GEMMA3_GGUF_LOCAL_BASE
-        )
-    return features

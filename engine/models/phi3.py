@@ -2,7 +2,7 @@
 with its projections stored fused (``qkv_proj``, and ``gate_up_proj`` gate first, as
 twostroke holds them), only the leading ``rotary_dim`` of each head rotated
 (``partial_rotary_factor``), and LongRoPE's short and long factors for long contexts
-(:class:`~twostroke.engine.models.config.RopeScaling`, which set a position takes:
+(:class:`~twostroke.engine.models.rope.RopeScaling`, which set a position takes:
 :func:`~twostroke.engine.models.layers.rotary_tables`).
 
 llama.cpp's converter (``Phi3MiniModel``) stores the fused tensors as transformers holds them
