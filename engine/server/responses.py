@@ -189,7 +189,12 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
                 code="unsupported_parameter",
             )
     unsupported = [
-        ("reasoning", body.reasoning is not None, "this server runs no reasoning models"),
+        (
+            "reasoning",
+            body.reasoning is not None,
+            "whether and how long a model thinks is its chat template's; a thinking model's "
+            "reasoning comes back as a reasoning item",
+        ),
         ("include", bool(body.include), f"got {body.include!r}"),
         ("top_logprobs", bool(body.top_logprobs), f"got {body.top_logprobs}"),
         (
