@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.engine.models.llamacpp_reference import llamacpp_python
 from twostroke.engine.artifacts.cache import CACHE_DIR_ENV, ArtifactCache
 from twostroke.engine.text.gguf_vocab import (
     PRE_TOKENIZERS,
@@ -30,8 +31,6 @@ from twostroke.engine.text.gguf_vocab import (
 )
 from twostroke.engine.text.tokenizer import HFTokenizer, TokenizerLoadError
 
-REPO = Path(__file__).resolve().parents[3]
-LLAMACPP_PYTHON_ENV = "TWOSTROKE_LLAMACPP_PYTHON"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 #: Awkward texts: digits, runs of whitespace, emoji with ZWJ, CJK, Arabic, code,
@@ -344,24 +343,6 @@ for path in job["paths"]:
     ]
 json.dump(result, sys.stdout)
 """
-
-
-def llamacpp_python() -> Path:
-    """The Python of the venv llama-cpp-python is built in, or a skip saying how to build it."""
-    configured = os.environ.get(LLAMACPP_PYTHON_ENV)
-    python = Path(configured) if configured else REPO / ".venv-llamacpp" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(
-            f"llama_cpp is not importable: no {python} (build it with "
-            f"scripts/setup_llamacpp_peer.sh, or set ${LLAMACPP_PYTHON_ENV})"
-        )
-    found = subprocess.run(
-        [str(python), "-c", "import llama_cpp"], capture_output=True, text=True, check=False
-    )
-    if found.returncode != 0:
-        last = found.stderr.strip().splitlines()[-1:] or [f"exit status {found.returncode}"]
-        pytest.skip(f"llama_cpp is not importable by {python}: {last[0]}")
-    return python
 
 
 def llamacpp_ids(paths: Sequence[Path], texts: Sequence[str]) -> dict[Path, list[list[int]]]:
