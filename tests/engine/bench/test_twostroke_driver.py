@@ -136,7 +136,11 @@ def test_a_rows_model_is_the_engines_plan(
         pytest.skip("the block products do not build here")
     monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: True)
     make_tiny_model("llama", tmp_path, seed=5)
-    model = ModelSpec(name=str(tmp_path), source=tmp_path, dtype="bfloat16", exact=dtype != "auto")
+    # The row's model by the name it was asked as (a synthetic one's is no path): the plan
+    # reads its resolved source.
+    model = ModelSpec(
+        name="synthetic:tiny", source=tmp_path, dtype="bfloat16", exact=dtype != "auto"
+    )
     [driver] = engine_drivers(quantizations=(quantization,))[3:]
     assert isinstance(driver, TwostrokeDriver)
     if computed is None:
@@ -147,9 +151,9 @@ def test_a_rows_model_is_the_engines_plan(
     assert str(plan.dtype) == f"torch.{computed}"
 
 
-def test_a_structured_workload_runs_through_the_recording_runner() -> None:
-    """The depth-2 system records its plans through a wrapper: it must apply masks too
-    (without, the engine refused every constrained request)."""
+def test_a_structured_workload_runs_and_its_steps_are_recorded() -> None:
+    """The depth-2 system's engine applies the masks of its constrained requests, and the
+    steps it launched are recorded for the bare forward's replay."""
     depth2 = engine_drivers(max_num_seqs=4)[0]
     workload = with_json_schemas(
         Workload(
