@@ -19,6 +19,7 @@ from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.olmo2 import Olmo2ForCausalLM
 from twostroke.engine.models.phi3 import Phi3ForCausalLM
 from twostroke.engine.models.qwen3 import Qwen3ForCausalLM
+from twostroke.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from twostroke.engine.models.smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "checkpoint_names", "model_class"]
@@ -35,6 +36,7 @@ ARCHITECTURES: Mapping[str, type[CausalLM]] = types.MappingProxyType(
         "Olmo2ForCausalLM": Olmo2ForCausalLM,
         "Phi3ForCausalLM": Phi3ForCausalLM,
         "Gemma3ForCausalLM": Gemma3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
 )
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)

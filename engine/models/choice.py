@@ -371,6 +371,13 @@ def select_kernels(
     because("stack", why)
     if device.type == "cpu":
         dependences = row_dependences(projection, chosen, dtype)
+        if config.num_experts:
+            # Each expert multiplies the rows that picked it, as many as picked it this step,
+            # with torch's dense products (engine.models.experts).
+            dependences += (
+                "the experts' products are torch's dense products of as many rows as picked "
+                "each expert, which sum a row another way as that count changes",
+            )
     else:
         dependences = (
             f"on {device.type} the kernels are torch's, whose products and attention change "

@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 #: GGUF ``general.architecture`` values and the Hugging Face architecture each one is.
@@ -53,6 +54,7 @@ _GGUF_ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -60,8 +62,6 @@ _GGUF_ARCHITECTURES = {
 #: (HF ``architectures`` names and GGUF ``general.architecture`` values alike), so the
 #: refusal says what is missing rather than only what is supported.
 MISSING_FEATURES = {
-    "Qwen3MoeForCausalLM": "mixture-of-experts layers",
-    "qwen3moe": "mixture-of-experts layers",
     "MixtralForCausalLM": "mixture-of-experts layers",
     "OlmoeForCausalLM": "mixture-of-experts layers",
     "olmoe": "mixture-of-experts layers",
@@ -151,6 +151,13 @@ class ModelConfig:
             ``"gelu_tanh"`` (Gemma's ``gelu_pytorch_tanh``).
         final_logit_softcapping: The logits become ``cap * tanh(logits / cap)`` (Gemma),
             or ``None``.
+        num_experts: The experts of a mixture-of-experts layer (0: every MLP is dense).
+        experts_per_token: The experts each token's router picks (top-k).
+        expert_intermediate_size: Width of one expert's SwiGLU.
+        normalize_expert_weights: The picked experts' router probabilities are divided by
+            their sum (Qwen3-MoE's ``norm_topk_prob``).
+        dense_layers: With experts, the layers whose MLP is dense anyway (Qwen3-MoE's
+            ``mlp_only_layers``, and those ``decoder_sparse_step`` skips).
     """
 
     architecture: str = attrs.field(validator=attrs.validators.in_(SUPPORTED_ARCHITECTURES))
@@ -200,9 +207,22 @@ class ModelConfig:
     final_logit_softcapping: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(_POSITIVE_NUMBER)
     )
+    num_experts: int = attrs.field(default=0, validator=int_at_least(0))
+    experts_per_token: int = attrs.field(default=0, validator=int_at_least(0))
+    expert_intermediate_size: int = attrs.field(default=0, validator=int_at_least(0))
+    normalize_expert_weights: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
-        for name in ("nope_layers", "global_layers"):
+        if self.num_experts and not (
+            1 <= self.experts_per_token <= self.num_experts and self.expert_intermediate_size
+        ):
+            raise ValueError(
+                f"experts_per_token must be in [1, num_experts = {self.num_experts}] and "
+                f"expert_intermediate_size >= 1, got {self.experts_per_token} and "
+                f"{self.expert_intermediate_size}"
+            )
+        for name in ("nope_layers", "global_layers", "dense_layers"):
             indices = getattr(self, name)
             outside = [index for index in indices if not 0 <= index < self.num_layers]
             if outside:
@@ -255,6 +275,10 @@ class ModelConfig:
         """The leading dimensions of each head that rotate: ``rotary_dim``, else all."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
+    def sparse(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and index not in self.dense_layers
+
     def window_of(self, index: int) -> int | None:
         """The sliding window of layer ``index``'s attention, or ``None`` for all positions."""
         return None if index in self.global_layers else self.sliding_window
@@ -288,6 +312,8 @@ class ModelConfig:
             # The stack rotates whole heads, with the halves of the head as pairs; partial
             # rotary pairs the halves of the rotated part (Attention rotates it first).
             found.append("partial rotary embeddings")
+        if self.num_experts:
+            found.append("mixture-of-experts layers, their experts dense")
         return tuple(found)
 
     # --- plain values (the artifact cache) -------------------------------------------------
@@ -315,8 +341,10 @@ class ModelConfig:
         eos = fields.pop("eos_token_ids", ())
         nope = fields.pop("nope_layers", ())
         global_layers = fields.pop("global_layers", ())
+        dense_layers = fields.pop("dense_layers", ())
         return cls(
             global_layers=tuple(global_layers),
+            dense_layers=tuple(dense_layers),
             **fields,
             rope_scaling=None if scaling is None else RopeScaling(**scaling),
             rope_frequency_factors=None if factors is None else tuple(factors),

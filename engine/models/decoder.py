@@ -37,7 +37,8 @@ from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.kernels.stack import StackLayer, StackProjection, StackWeight
 from twostroke.engine.models.choice import CpuKernels, Projections, torch_kernels
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.decoder_layer import DecoderLayer
+from twostroke.engine.models.decoder_layer import MLP, DecoderLayer
+from twostroke.engine.models.experts import SparseMoE
 from twostroke.engine.models.forms import (
     QUANTIZATIONS,
     BlockEmbedding,
@@ -119,6 +120,8 @@ class CheckpointNames:
 
 #: A GGUF layer tensor's name: ``blk.<layer>.<name>.<weight|bias>``.
 GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: A layer's MLP tensor, for a mixture of experts: layer, the name after ``mlp.``.
+_EXPERTS_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.(\S+)")
 #: transformers' per-layer tensor names: layer, block (or none, for a norm), name, kind.
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:(\w+)\.)?(\w+)\.(weight|bias)")
 
@@ -378,6 +381,8 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
             for module_name, names in self.names.parts:
+                if module_name.startswith("mlp.") and isinstance(layer.mlp, SparseMoE):
+                    continue  # the experts stay in full precision in this step
                 linear = cast(Linear, layer.get_submodule(module_name))
                 parts = [self._blocks.get(f"{prefix}{name}.weight") for name in names]
                 found = [part for part in parts if part is not None]
@@ -419,6 +424,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             decoder = cast(DecoderLayer, layer)
             attention, mlp = decoder.self_attn, decoder.mlp
+            assert isinstance(mlp, MLP)  # a mixture of experts is a departure: no stack
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             weights = [_stack_weight(linear, projection) for linear in linears]
             first, second = decoder.input_layernorm, decoder.post_attention_layernorm
@@ -577,7 +583,8 @@ class CausalLM(nn.Module):
             )
         if self.names.ignored.match(name):
             return
-        target = self._target(name)
+        experts = self._experts_target(name)
+        target = self._target(name) if experts is None else experts[0]
         if target is None:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 return  # tied: the embedding is the output projection
@@ -588,7 +595,8 @@ class CausalLM(nn.Module):
             )
         with torch.no_grad():
             target.copy_(tensor)
-        self._loaded.add(name)
+        # A stacked tensor of every expert stands for the checkpoint's experts one by one.
+        self._loaded.update([name] if experts is None else experts[1])
 
     def weight(self, name: str) -> torch.Tensor:
         """The loaded weight of that transformers name (a view: a part of a fused
@@ -636,7 +644,12 @@ class CausalLM(nn.Module):
         for index in range(config.num_layers):
             prefix = f"model.layers.{index}."
             names += [f"{prefix}{norm}.weight" for norm in self.names.norms]
+            mlp = self.layers[index].mlp
+            if isinstance(mlp, SparseMoE):
+                names += [f"{prefix}mlp.{name}" for name in mlp.expected()]
             for block, proj in self.names.fused:
+                if isinstance(mlp, SparseMoE) and block == "mlp":
+                    continue  # the experts' names are the mixture's
                 names.append(f"{prefix}{block}.{proj}.weight")
                 bias = {
                     "qkv_proj": config.qkv_bias,
@@ -656,6 +669,22 @@ class CausalLM(nn.Module):
         """Expected tensors that :meth:`load_weight` has not received."""
         return [name for name in self.expected_weights() if name not in self._loaded]
 
+    def _experts_target(self, name: str) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+        """A mixture-of-experts layer's tensor of that name, and the names it stands for
+        (:meth:`SparseMoE.target <twostroke.engine.models.experts.SparseMoE.target>`), or
+        ``None`` where the name is not a mixture's."""
+        match = _EXPERTS_TENSOR.fullmatch(name)
+        if match is None or int(match.group(1)) >= len(self.layers):
+            return None
+        mlp = self.layers[int(match.group(1))].mlp
+        if not isinstance(mlp, SparseMoE):
+            return None
+        found: tuple[torch.Tensor, tuple[str, ...]] | None = mlp.target(match.group(2))
+        if found is None:
+            return None
+        prefix = f"model.layers.{match.group(1)}.mlp."
+        return found[0], tuple(prefix + part for part in found[1])
+
     def _target(self, name: str) -> torch.Tensor | None:
         if name == "model.embed_tokens.weight":
             return self.embed_tokens
@@ -670,6 +699,8 @@ class CausalLM(nn.Module):
         if int(index) >= len(self.layers):
             return None
         layer = self.layers[int(index)]
+        if block == "mlp" and isinstance(layer.mlp, SparseMoE):
+            return None  # a mixture's names are its own: _experts_target
         norm = proj if block is None else f"{block}.{proj}"  # a layer's or a block's norm
         if block is None or norm in self.names.norms:
             return (

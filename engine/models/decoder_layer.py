@@ -23,6 +23,7 @@ from twostroke.engine.attention.metadata import AttentionMetadata
 from twostroke.engine.attention.ops import paged_attention
 from twostroke.engine.kernels.reference import rotate_
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.experts import SparseMoE
 from twostroke.engine.models.layers import Glue, RMSNorm
 from twostroke.engine.models.linear import Linear
 
@@ -201,7 +202,13 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
         if not self.pre_norm:
             self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(config, dtype=dtype, device=device)
+        # A mixture of experts where the configuration says (it computes as MLP does:
+        # mlp(x, glue)); its checkpoint names are its own (CausalLM._experts_target).
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, dtype=dtype, device=device)
+            if config.sparse(index)
+            else MLP(config, dtype=dtype, device=device)
+        )
 
     def forward(
         self,

@@ -67,6 +67,8 @@ def hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
         return _gemma3_features(data)
     if architecture == "Qwen3ForCausalLM":
         return {"qk_norm": "head"}
+    if architecture == "Qwen3MoeForCausalLM":
+        return {"qk_norm": "head", **_qwen3_moe_features(data)}
     if architecture == "Olmo2ForCausalLM":
         return {"qk_norm": "full", "norm_placement": "post"}
     if architecture == "SmolLM3ForCausalLM":
@@ -111,6 +113,16 @@ def gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> di
         return _gemma3_gguf_features(metadata, num_layers)
     if arch == "qwen3":
         return {"qk_norm": "head"}
+    if arch == "qwen3moe":
+        # llama.cpp's qwen3moe: every layer a mixture, the picked weights always divided by
+        # their sum (its build_moe_ffn's norm_w is true; the converter keeps no dense layers).
+        return {
+            "qk_norm": "head",
+            "num_experts": count(metadata, "qwen3moe.expert_count"),
+            "experts_per_token": count(metadata, "qwen3moe.expert_used_count"),
+            "expert_intermediate_size": count(metadata, "qwen3moe.expert_feed_forward_length"),
+            "normalize_expert_weights": True,
+        }
     if arch == "olmo2":
         return {"qk_norm": "full", "norm_placement": "post"}
     if arch == "smollm3":
@@ -140,6 +152,27 @@ def gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> di
             "logit_scale": require(metadata, "granite.logit_scale"),
         }
     return {}
+
+
+def _qwen3_moe_features(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's experts as ``Qwen3MoeDecoderLayer`` places them: a mixture in every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (``Qwen3MoeConfig``'s
+    defaults where the file leaves a key out; it saves ``num_experts`` as
+    ``num_local_experts``)."""
+    layers = count(data, "num_hidden_layers")
+    experts = data.get("num_experts", data.get("num_local_experts", 128))
+    step = count(data, "decoder_sparse_step", default=1)
+    only = data.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ValueError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return {
+        "num_experts": count({"num_experts": experts}, "num_experts"),
+        "experts_per_token": count(data, "num_experts_per_tok", default=8),
+        "expert_intermediate_size": count(data, "moe_intermediate_size", default=768),
+        "normalize_expert_weights": bool(data.get("norm_topk_prob", False)),
+        "dense_layers": dense,
+    }
 
 
 #: transformers' ``Gemma3TextConfig`` defaults for the keys a Gemma 3 ``config.json`` may

@@ -276,8 +276,8 @@ def _quantize_to_blocks(path: Path, module: CausalLM, block_type: int) -> None:
 
     kind = GGMLQuantizationType(block_type)
     for name in module.expected_weights():
-        if not name.endswith("_proj.weight"):
-            continue
+        if not name.endswith("_proj.weight") or ".mlp.experts." in name:
+            continue  # (the experts stay in full precision in this step, issue 51)
         weight = module.weight(name)
         if weight.shape[1] % 32:
             raise ModelLoadError(

@@ -510,6 +510,7 @@ def in_blocks(names: CheckpointNames, gguf_name: str) -> bool:
     name = names.hf_name(gguf_name)
     return (
         name is not None
+        and ".mlp.experts." not in name  # experts are dequantized in this step (issue 51)
         and not name.endswith("layernorm.weight")
         and name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
     )

@@ -164,7 +164,7 @@ def _check_sizes(
         )
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden = config.hidden_size
-    expected = {
+    expected: dict[str, tuple[tuple[int, ...], str]] = {
         "token_embd.weight": ((config.vocab_size, hidden), "(vocab_size, embedding_length)"),
         "blk.0.ffn_up.weight": (
             (config.intermediate_size, hidden),
@@ -173,6 +173,12 @@ def _check_sizes(
         "blk.0.attn_q.weight": ((q_rows, hidden), "(head_count * head_dim, embedding_length)"),
         "blk.0.attn_k.weight": ((kv_rows, hidden), "(head_count_kv * head_dim, embedding_length)"),
     }
+    if config.sparse(0):  # a mixture of experts: its experts' stacked up projections
+        del expected["blk.0.ffn_up.weight"]
+        expected["blk.0.ffn_up_exps.weight"] = (
+            (config.num_experts, config.expert_intermediate_size, hidden),
+            "(expert_count, expert_feed_forward_length, embedding_length)",
+        )
     if config.architecture == "Phi3ForCausalLM":  # its fused projections, stored fused
         expected = {
             "token_embd.weight": expected["token_embd.weight"],

@@ -133,6 +133,23 @@ def _add_gemma3(writer: Any, config: Any, rope: dict[str, Any]) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
+def _stacked_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The state's tensors, transformers 5's fused experts (``experts.gate_up_proj``
+    ``[experts, 2 * width, hidden]``) split into the gate and up stacks the converter writes
+    (``experts.gate_proj.weight``: ``ffn_gate_exps``), the others under their names."""
+    found = []
+    for name, tensor in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            stem = name.removesuffix("gate_up_proj")
+            found += [(f"{stem}gate_proj.weight", gate), (f"{stem}up_proj.weight", up)]
+        elif name.endswith(".experts.down_proj"):
+            found.append((f"{name}.weight", tensor))
+        else:
+            found.append((name, tensor))
+    return found
+
+
 def write_gguf(
     path: Path, model: Any, arch: str, *, matrices: Literal["f32", "q8_0"] = "f32"
 ) -> None:
@@ -176,6 +193,13 @@ def write_gguf(
         _add_phi3(writer, config, rope)
     if arch == "gemma3":
         _add_gemma3(writer, config, rope)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        # Qwen2MoeModel's keys (Qwen3-MoE's converter is one): the experts' count, those a
+        # token uses and one expert's width.
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
@@ -194,7 +218,7 @@ def write_gguf(
     writer.add_add_bos_token(False)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     matrix = gguf.GGMLQuantizationType.F32 if matrices == "f32" else gguf.GGMLQuantizationType.Q8_0
-    for hf_name, parameter in model.state_dict().items():
+    for hf_name, parameter in _stacked_experts(model.state_dict()):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -206,7 +230,9 @@ def write_gguf(
             weights = _permute(weights, config.num_attention_heads)
         elif arch in PERMUTED and ".k_proj." in hf_name:
             weights = _permute(weights, config.num_key_value_heads)
-        if weights.ndim == 2 and matrix != gguf.GGMLQuantizationType.F32:
+        # The converter keeps a router (ffn_gate_inp) in F32; experts' stacks are matrices.
+        router = hf_name.endswith(".mlp.gate.weight")
+        if weights.ndim >= 2 and not router and matrix != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(weights, matrix), raw_dtype=matrix)
         else:
             writer.add_tensor(name, np.ascontiguousarray(weights))
