@@ -16,6 +16,7 @@ from twostroke.engine.models.decoder import CausalLM, CheckpointNames
 from twostroke.engine.models.gemma3 import Gemma3ForCausalLM
 from twostroke.engine.models.granite import GraniteForCausalLM
 from twostroke.engine.models.llama import LlamaForCausalLM
+from twostroke.engine.models.mixtral import MixtralForCausalLM
 from twostroke.engine.models.olmo2 import Olmo2ForCausalLM
 from twostroke.engine.models.phi3 import Phi3ForCausalLM
 from twostroke.engine.models.qwen3 import Qwen3ForCausalLM
@@ -37,6 +38,7 @@ ARCHITECTURES: Mapping[str, type[CausalLM]] = types.MappingProxyType(
         "Phi3ForCausalLM": Phi3ForCausalLM,
         "Gemma3ForCausalLM": Gemma3ForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
     }
 )
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)

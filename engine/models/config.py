@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 #: GGUF ``general.architecture`` values and the Hugging Face architecture each one is.
@@ -62,7 +63,6 @@ _GGUF_ARCHITECTURES = {
 #: (HF ``architectures`` names and GGUF ``general.architecture`` values alike), so the
 #: refusal says what is missing rather than only what is supported.
 MISSING_FEATURES = {
-    "MixtralForCausalLM": "mixture-of-experts layers",
     "OlmoeForCausalLM": "mixture-of-experts layers",
     "olmoe": "mixture-of-experts layers",
     "GptOssForCausalLM": "mixture-of-experts layers with MXFP4 experts and attention sinks",
@@ -465,6 +465,8 @@ class ModelConfig:
             and "mistral" in str(metadata.get("general.name", "")).lower()
         ):
             architecture = "MistralForCausalLM"
+        if architecture == "LlamaForCausalLM" and metadata.get("llama.expert_count"):
+            architecture = "MixtralForCausalLM"  # llama.cpp's llama with expert tensors
 
         def key(name: str) -> Any:
             return require(metadata, f"{arch}.{name}")

@@ -71,6 +71,15 @@ def hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
         return {"qk_norm": "head", **_qwen3_moe_features(data)}
     if architecture == "Olmo2ForCausalLM":
         return {"qk_norm": "full", "norm_placement": "post"}
+    if architecture == "MixtralForCausalLM":
+        # MixtralSparseMoeBlock: every layer a mixture of experts as wide as
+        # intermediate_size, the picked weights always divided by their sum.
+        return {
+            "num_experts": count(data, "num_local_experts", default=8),
+            "experts_per_token": count(data, "num_experts_per_tok", default=2),
+            "expert_intermediate_size": count(data, "intermediate_size"),
+            "normalize_expert_weights": True,
+        }
     if architecture == "SmolLM3ForCausalLM":
         layers = require(data, "num_hidden_layers")
         rotates = data.get("no_rope_layers")
@@ -125,6 +134,14 @@ def gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> di
         }
     if arch == "olmo2":
         return {"qk_norm": "full", "norm_placement": "post"}
+    if arch == "llama" and metadata.get("llama.expert_count"):
+        # Mixtral as llama.cpp's converter writes it: a llama with expert tensors.
+        return {
+            "num_experts": count(metadata, "llama.expert_count"),
+            "experts_per_token": count(metadata, "llama.expert_used_count"),
+            "expert_intermediate_size": count(metadata, "llama.feed_forward_length"),
+            "normalize_expert_weights": True,
+        }
     if arch == "smollm3":
         step = _SMOLLM3_NOPE_INTERVAL
         return {"nope_layers": tuple(i for i in range(num_layers) if (i + 1) % step == 0)}

@@ -199,7 +199,9 @@ def write_gguf(
         # token uses and one expert's width.
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(
+            getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        )
     if arch == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
