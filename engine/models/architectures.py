@@ -18,6 +18,7 @@ from twostroke.engine.models.granite import GraniteForCausalLM
 from twostroke.engine.models.llama import LlamaForCausalLM
 from twostroke.engine.models.mixtral import MixtralForCausalLM
 from twostroke.engine.models.olmo2 import Olmo2ForCausalLM
+from twostroke.engine.models.olmoe import OlmoeForCausalLM
 from twostroke.engine.models.phi3 import Phi3ForCausalLM
 from twostroke.engine.models.qwen3 import Qwen3ForCausalLM
 from twostroke.engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -39,6 +40,7 @@ ARCHITECTURES: Mapping[str, type[CausalLM]] = types.MappingProxyType(
         "Gemma3ForCausalLM": Gemma3ForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
         "MixtralForCausalLM": MixtralForCausalLM,
+        "OlmoeForCausalLM": OlmoeForCausalLM,
     }
 )
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)

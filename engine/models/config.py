@@ -43,6 +43,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "OlmoeForCausalLM",
 )
 
 #: GGUF ``general.architecture`` values and the Hugging Face architecture each one is.
@@ -56,6 +57,7 @@ _GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 
@@ -63,8 +65,6 @@ _GGUF_ARCHITECTURES = {
 #: (HF ``architectures`` names and GGUF ``general.architecture`` values alike), so the
 #: refusal says what is missing rather than only what is supported.
 MISSING_FEATURES = {
-    "OlmoeForCausalLM": "mixture-of-experts layers",
-    "olmoe": "mixture-of-experts layers",
     "GptOssForCausalLM": "mixture-of-experts layers with MXFP4 experts and attention sinks",
     "gpt-oss": "mixture-of-experts layers with MXFP4 experts and attention sinks",
     "Gemma3ForConditionalGeneration": "image inputs (its text model runs as Gemma3ForCausalLM)",

@@ -71,6 +71,20 @@ def hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
         return {"qk_norm": "head", **_qwen3_moe_features(data)}
     if architecture == "Olmo2ForCausalLM":
         return {"qk_norm": "full", "norm_placement": "post"}
+    if architecture == "OlmoeForCausalLM":
+        # OlmoeAttention: q/k RMSNorm over the whole projection, Llama's pre-norm layer;
+        # OlmoeSparseMoeBlock: every layer a mixture, divided by its sum where it says.
+        if data.get("clip_qkv") is not None:
+            raise ValueError(
+                f"clip_qkv is not supported (it must be null), got {data['clip_qkv']!r}"
+            )
+        return {
+            "qk_norm": "full",
+            "num_experts": count(data, "num_experts", default=64),
+            "experts_per_token": count(data, "num_experts_per_tok", default=8),
+            "expert_intermediate_size": count(data, "intermediate_size"),
+            "normalize_expert_weights": bool(data.get("norm_topk_prob", False)),
+        }
     if architecture == "MixtralForCausalLM":
         # MixtralSparseMoeBlock: every layer a mixture of experts as wide as
         # intermediate_size, the picked weights always divided by their sum.
@@ -134,6 +148,20 @@ def gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> di
         }
     if arch == "olmo2":
         return {"qk_norm": "full", "norm_placement": "post"}
+    if arch == "olmoe":
+        # llama.cpp's olmoe: q/k norms over the projection, every layer a mixture whose
+        # picked weights are not divided by their sum (its build_moe_ffn's norm_w is false).
+        return {
+            "qk_norm": "full",
+            "num_experts": count(metadata, "olmoe.expert_count"),
+            "experts_per_token": count(metadata, "olmoe.expert_used_count"),
+            "expert_intermediate_size": count(
+                metadata,
+                "olmoe.expert_feed_forward_length",
+                default=count(metadata, "olmoe.feed_forward_length"),
+            ),
+            "normalize_expert_weights": False,
+        }
     if arch == "llama" and metadata.get("llama.expert_count"):
         # Mixtral as llama.cpp's converter writes it: a llama with expert tensors.
         return {
