@@ -141,6 +141,9 @@ class CpuKernels:
             steps, a reason per part that can (:func:`row_dependences`); none: every part
             sums a token's numbers the same way whatever runs beside it, and the run is
             batch-invariant (:attr:`deterministic`).
+        experts_by_row: A mixture of experts multiplies each token's rows by its experts
+            one row at a time (``deterministic=True``): one product shape whatever shares
+            the step, at the cost of a product a row; else each expert's rows at once.
     """
 
     glue: Glue
@@ -150,6 +153,7 @@ class CpuKernels:
     reasons: tuple[tuple[str, str], ...] = ()
     cache_dtype: torch.dtype | None = None
     row_dependences: tuple[str, ...] = ()
+    experts_by_row: bool = False
 
     @property
     def deterministic(self) -> bool:
@@ -174,6 +178,7 @@ class CpuKernels:
             f"projections {projection.layers}{head}{why('projections')}",
             f"attention {self.attention}{cache}{why('attention')}",
             f"stack {'compiled' if self.stack is not None else 'off'}{why('stack')}",
+            *(["experts row by row"] if self.experts_by_row else []),
             "batch-invariant"
             if self.deterministic
             else f"not batch-invariant ({'; '.join(self.row_dependences)})",
@@ -371,9 +376,10 @@ def select_kernels(
     because("stack", why)
     if device.type == "cpu":
         dependences = row_dependences(projection, chosen, dtype)
-        if config.num_experts:
+        if config.num_experts and not deterministic:
             # Each expert multiplies the rows that picked it, as many as picked it this step,
-            # with torch's dense products (engine.models.experts).
+            # with torch's dense products (engine.models.experts); asked for determinism,
+            # it multiplies them one row at a time instead (experts_by_row).
             dependences += (
                 "the experts' products are torch's dense products of as many rows as picked "
                 "each expert, which sum a row another way as that count changes",
@@ -393,6 +399,7 @@ def select_kernels(
         tuple(reasons),
         None if cache == dtype else cache,
         dependences,
+        experts_by_row=bool(config.num_experts) and bool(deterministic),
     )
     return kernels
 

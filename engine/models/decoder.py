@@ -309,6 +309,9 @@ class CausalLM(nn.Module):
             )
         self._convert(kernels.projection, threads)
         self._kernels = kernels
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.by_row = kernels.experts_by_row
         if kernels.stack is not None:
             self._stack = self._bind_stack(kernels)
             if self._stack is None:

@@ -54,6 +54,9 @@ class SparseMoE(nn.Module):
         experts, hidden = config.num_experts, config.hidden_size
         width = config.expert_intermediate_size
         self.num_experts = experts
+        #: Multiply each token's row by its router and experts alone (the plan's
+        #: experts_by_row: batch-invariant, a product a row).
+        self.by_row = False
         self.top_k = config.experts_per_token
         self.width = width
         self.normalize = config.normalize_expert_weights
@@ -80,11 +83,19 @@ class SparseMoE(nn.Module):
             rows = order[start : start + taken]
             token_ids = tokens[start : start + taken]
             start += taken
-            mixed = glue.silu_mul(F.linear(x[token_ids], self.gate_up[expert]))
-            down = F.linear(mixed, self.down[expert])
+            chosen = x[token_ids]
+            if self.by_row:  # one product shape whatever else picked this expert
+                down = torch.cat([self._expert(row, expert, glue) for row in torch.split(chosen, 1)])
+            else:
+                down = self._expert(chosen, expert, glue)
             share = weights.flatten()[rows, None]
             out.index_add_(0, token_ids, (down * share).to(out.dtype))
         return out
+
+    def _expert(self, rows: torch.Tensor, expert: int, glue: Glue) -> torch.Tensor:
+        """Expert ``expert``'s SwiGLU of ``rows``."""
+        mixed = glue.silu_mul(F.linear(rows, self.gate_up[expert]))
+        return F.linear(mixed, self.down[expert])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights, as transformers' routers compute them:
@@ -95,7 +106,10 @@ class SparseMoE(nn.Module):
             them back so; the same values in float32) and the experts' indices
             ``[tokens, top_k]``.
         """
-        logits = F.linear(x, self.router)
+        if self.by_row:  # the router's product too: a row's picks are its own
+            logits = torch.cat([F.linear(row, self.router) for row in torch.split(x, 1)])
+        else:
+            logits = F.linear(x, self.router)
         probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, picked = torch.topk(probabilities, self.top_k, dim=-1)
         if self.normalize:

@@ -6,7 +6,8 @@ a small step budget that chunks prompts, with prefix-cache hits, a pool small en
 preempt, drafts by prompt lookup, and either pipeline depth.
 
 The per-architecture arithmetic is proven against transformers and llama.cpp in
-tests/engine/models/test_<arch>.py; this is about the paths around it.
+tests/engine/models/test_<arch>.py; this is about the paths around it. A mixture of experts
+answers so with deterministic=True (each row multiplied by its experts alone).
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         transformers.SmolLM3Config,
         transformers.SmolLM3ForCausalLM,
         {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 1]},
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {"head_dim": 16, "sliding_window": 12, "layer_types": None, "sliding_window_pattern": 2},
+    ),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
+    # Mixtures of experts: deterministic=True multiplies each row by its experts alone.
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
     ),
     # A window shorter than the prompts: the windowed attention on every path.
     "mistral-window": (
