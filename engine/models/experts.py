@@ -85,7 +85,9 @@ class SparseMoE(nn.Module):
             start += taken
             chosen = x[token_ids]
             if self.by_row:  # one product shape whatever else picked this expert
-                down = torch.cat([self._expert(row, expert, glue) for row in torch.split(chosen, 1)])
+                down = torch.cat(
+                    [self._expert(row, expert, glue) for row in torch.split(chosen, 1)]
+                )
             else:
                 down = self._expert(chosen, expert, glue)
             share = weights.flatten()[rows, None]
