@@ -488,6 +488,18 @@ def _glue(
         if dtype not in ELEMENTS:
             return TorchGlue(), f"none is built for {dtype}"
         return TorchGlue(), "it did not build or check here: see the warning"
+    # The compiled glue computes Llama's norm and SiLU; a model's other arithmetic runs as
+    # torch's operators beside it (its layers pick them), which the plan's line says.
+    torch_parts = [
+        part
+        for part, differs in (
+            ("its (offset + weight) norms", config.norm_offset is not None),
+            (f"its {config.hidden_activation} MLP", config.hidden_activation != "silu"),
+        )
+        if differs
+    ]
+    if torch_parts:
+        return CompiledGlue(glue), f"{' and '.join(torch_parts)} as torch's operators"
     return CompiledGlue(glue), None
 
 

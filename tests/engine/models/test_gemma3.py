@@ -102,6 +102,10 @@ def test_the_fastest_plan_runs_the_layers_one_by_one(
 ) -> None:
     _, path, _ = gemma3
     parity.check_plan(path)
+    loaded = open_model(path, dtype=torch.bfloat16, device=parity.CPU, exact=False)
+    line = loaded.plan.describe()
+    if "glue compiled" in line:  # (where the compiled glue builds) it says what it leaves
+        assert "its (offset + weight) norms and its gelu_tanh MLP as torch's operators" in line
 
 
 @pytest.mark.parametrize(("matrices", "exact"), [("f32", True), ("q8_0", True), ("q8_0", False)])
