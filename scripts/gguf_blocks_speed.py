@@ -13,10 +13,15 @@ that a machine shared with other work slows them alike:
   float16 weights (``quantization="fp16"``, the defaults' form), best of 5 runs each;
 * **types** (``--types``): each block type's products at 1, 4 and 32 rows by a 3072x1536
   and a 1536x3072 weight (widths the K types' 256 divide), against Q4_1's, each type's
-  blocks and Q4_1's timed alternately, the best of 5 x 5 runs each.
+  blocks and Q4_1's timed alternately, the best of 5 x 5 runs each; with ``--baseline
+  SOURCE`` (another version of gguf_blocks.c, ``kernels.h`` and ``native_element.h`` beside
+  it) also that library's products of the same weights, timed in the same rounds.
 
     .venv/bin/python scripts/gguf_blocks_speed.py [--forms auto gguf none] [--rounds 3]
     .venv/bin/python scripts/gguf_blocks_speed.py --skip-decode --skip-kernels --types
+    git show HEAD:engine/kernels/gguf_blocks.c > /tmp/old/gguf_blocks.c  # and the headers
+    .venv/bin/python scripts/gguf_blocks_speed.py --skip-decode --skip-kernels --types \
+        --baseline /tmp/old/gguf_blocks.c
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,7 +39,12 @@ import torch.nn.functional as F
 
 from twostroke.engine import LLM, SamplingParams
 from twostroke.engine.checkpoints.gguf import BLOCK_TYPES, BlockTensor
-from twostroke.engine.kernels.gguf_blocks import block_kernel, random_blocks
+from twostroke.engine.kernels.gguf_blocks import (
+    BlockKernel,
+    block_kernel,
+    build_blocks,
+    random_blocks,
+)
 from twostroke.engine.models.forms import BlockWeight, QuantizedWeight
 from twostroke.gpu.threads import torch_threads
 
@@ -130,23 +141,28 @@ def kernels(threads: int) -> list[tuple[int, str, float, float, float]]:
     return rows_out
 
 
-def types(threads: int, row_counts: list[int]) -> list[tuple[int, str, float, float]]:
-    """Per row count and block type: its products' time and Q4_1's, in s (the sum over the
-    two shapes), the two timed alternately."""
+def types(
+    threads: int, row_counts: list[int], baseline: BlockKernel | None
+) -> list[tuple[int, str, float, float, float | None]]:
+    """Per row count and block type: its products' time, Q4_1's and the baseline library's
+    of the same weights (``None`` without one), in s (the sum over the two shapes), timed
+    alternately."""
     kernel = block_kernel()
     assert kernel is not None
     generator = np.random.default_rng(0)
     shapes = ((3072, 1536), (1536, 3072))
     found = []
     with torch_threads(threads):
-        weights = {
+        tensors = {
             name: [
-                BlockWeight(
-                    kernel, (BlockTensor("w", number, random_blocks(generator, number, *shape)),)
-                )
+                BlockTensor("w", number, random_blocks(generator, number, *shape))
                 for shape in shapes
             ]
             for name, number in BLOCK_TYPES.items()
+        }
+        weights = {
+            name: [BlockWeight(kernel, (tensor,)) for tensor in stored]
+            for name, stored in tensors.items()
         }
         for rows in row_counts:
             inputs = [torch.randn(rows, shape[1]) for shape in shapes]
@@ -154,16 +170,18 @@ def types(threads: int, row_counts: list[int]) -> list[tuple[int, str, float, fl
             for name in BLOCK_TYPES:
                 if name == "Q4_1":
                     continue
-                mine = theirs = 0.0
+                total = [0.0, 0.0, 0.0]
                 for index, x in enumerate(inputs):
-                    pair = (weights[name][index], weights["Q4_1"][index])
-                    times: dict[int, list[float]] = {0: [], 1: []}
+                    timed = [weights[name][index], weights["Q4_1"][index]]
+                    if baseline is not None:
+                        timed.append(BlockWeight(baseline, (tensors[name][index],)))
+                    times: list[list[float]] = [[] for _ in timed]
                     for _ in range(5):
-                        for which, weight in enumerate(pair):
+                        for which, weight in enumerate(timed):
                             times[which].append(best(lambda w=weight, x=x: w(x), calls))
-                    mine += min(times[0])
-                    theirs += min(times[1])
-                found.append((rows, name, mine, theirs))
+                    for which, values in enumerate(times):
+                        total[which] += min(values)
+                found.append((rows, name, total[0], total[1], total[2] if baseline else None))
     return found
 
 
@@ -177,6 +195,9 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--types", action="store_true", help="also each block type vs Q4_1")
     parser.add_argument("--type-rows", type=int, nargs="+", default=[1, 4, 32])
+    parser.add_argument(
+        "--baseline", type=Path, help="another gguf_blocks.c to time --types against"
+    )
     args = parser.parse_args()
     print(
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, "
@@ -218,13 +239,17 @@ def main() -> None:
             )
         print()
     if args.types:
+        baseline = None if args.baseline is None else build_blocks(source=args.baseline)
         print("block types, 1 thread: time per call (us), 3072x1536 + 1536x3072")
-        print("| rows | type | its blocks | Q4_1's | vs Q4_1 (time) |")
-        print("|---|---|---|---|---|")
-        for rows, name, mine, theirs in types(1, args.type_rows):
+        print("| rows | type | its blocks | Q4_1's | vs Q4_1 (time) | baseline's | speed-up |")
+        print("|---|---|---|---|---|---|---|")
+        for rows, name, mine, theirs, before in types(1, args.type_rows, baseline):
+            against = "| - | -"
+            if before is not None:
+                against = f"| {1e6 * before:.0f} | {before / mine:.2f}x"
             print(
                 f"| {rows} | {name} | {1e6 * mine:.0f} | {1e6 * theirs:.0f} | "
-                f"{mine / theirs:.2f}x |"
+                f"{mine / theirs:.2f}x {against} |"
             )
         print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 

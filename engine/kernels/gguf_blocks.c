@@ -514,6 +514,12 @@ static inline __attribute__((always_inline)) void super_tile(
             acc[k][r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3),
                   one = _mm256_set1_epi8(1), offset = _mm256_set1_epi8(32);
+#if BLOCKS_AVX512
+    __m512 wide[WROWS][TILE]; /* lanes 0-7: the even sub-blocks' sums, 8-15 the odd ones' */
+    for (int k = 0; k < WROWS; k++)
+        for (int r = 0; r < TILE; r++)
+            wide[k][r] = _mm512_setzero_ps();
+#endif
     for (ptrdiff_t s = 0; s < supers; s++) {
         float d[WROWS];
         __m128i sub_scales[WROWS]; /* Q4_K/Q5_K: the 8 scales (bytes); Q6_K: the 16 (int8) */
@@ -551,6 +557,103 @@ static inline __attribute__((always_inline)) void super_tile(
          * instructions a 32-weight block by one row, Q4_K 23 to 17 with the word-wise
          * scale_min; Q4_1's tile takes 19) for 2.6 s more compile (6.2 s CPU, once a
          * machine; callgrind, GCC 12, Zen 3). */
+#if BLOCKS_AVX512
+        /*
+         * Sub-blocks two at a time, j and j + 1 side by side in 512-bit vectors, as pairs()
+         * takes the 32-blocks: the same integer sums as below (VPMADDUBSW, then VPMADDWD by
+         * the halves' scales), each lane's float32 chain taking every other sub-block, and
+         * the two chains added at the end, so a row sums alike whatever the tile's shape.
+         * A pair's weights come from one load: Q4_K/Q5_K's low and high nibbles of the same
+         * 32 bytes, Q6_K's 64 consecutive low bytes (and one 32-byte load of high bits).
+         * Not VPDPBUSD with VNNI: it sums four products where the halves' scales must
+         * multiply each two (VPMADDWD), and a 32-bit multiply after it costs what it saves.
+         * Q6_K's signs move onto the activations (no VPSIGNB: pairs()' masked subtraction).
+         */
+        {
+            __m512i scale16[WROWS]; /* the sub-block (Q6_K: half) scales, 16-bit words */
+            for (int k = 0; k < wrows; k++)
+                scale16[k] = type == TYPE_Q6_K
+                                 ? _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sub_scales[k]))
+                                 : _mm512_castsi128_si512(_mm_cvtepu8_epi16(sub_scales[k]));
+            const __m512i nibble = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int p = 0; p < SUPER / BLOCK / 2; p++) {
+                int j = 2 * p;
+                ptrdiff_t b = s * (SUPER / BLOCK) + j;
+                /* Lanes 0-7 take scale 2p of a super-block's eight, 8-15 scale 2p + 1; words
+                 * 0-15 the scale(s) of sub-block j, 16-31 those of j + 1. */
+                const __m512i lanes = _mm512_set_epi32(
+                    j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j, j, j, j, j, j, j, j);
+                const __m512i words =
+                    type == TYPE_Q6_K
+                        ? _mm512_set_epi16(
+                              2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3, 2 * j + 3,
+                              2 * j + 3, 2 * j + 3, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2,
+                              2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 1, 2 * j + 1,
+                              2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                              2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j)
+                        : _mm512_inserti64x4(_mm512_set1_epi16((short)j),
+                                             _mm256_set1_epi16((short)(j + 1)), 1);
+                __m512i x[TILE];
+                __m512 activation[TILE]; /* the two blocks' scales, each in its 8 lanes */
+                for (int r = 0; r < count; r++) {
+                    x[r] = _mm512_loadu_si512((const void *)(q + r * in_features + b * BLOCK));
+                    activation[r] = _mm512_permutexvar_ps(
+                        lanes, _mm512_castps256_ps512(
+                                   _mm256_loadu_ps(scales + r * blocks + s * (SUPER / BLOCK))));
+                }
+                for (int k = 0; k < wrows; k++) {
+                    const uint8_t *block = w + k * row_bytes + s * size;
+                    __m512i weights;
+                    __mmask64 negative = 0;
+                    if (type == TYPE_Q6_K) {
+                        /* c = j % 4 is 0 or 2: sub-blocks j, j + 1 are the low (c = 0) or
+                         * high halves of l[64 (j / 4) ..] and bits 2c.., 2c + 2.. of h. */
+                        int c = j % 4;
+                        __m512i l = _mm512_loadu_si512((const void *)(block + 64 * (j / 4)));
+                        if (c >= 2)
+                            l = _mm512_srli_epi16(l, 4);
+                        __m256i h =
+                            _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * (j / 4)));
+                        __m512i high = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(_mm256_srli_epi16(h, 2 * c)),
+                            _mm256_srli_epi16(h, 2 * c + 2), 1);
+                        high = _mm512_and_si512(high, _mm512_set1_epi8(3));
+                        __m512i signs = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(l, nibble),
+                                                                        _mm512_slli_epi16(high, 4)),
+                                                        _mm512_set1_epi8(32));
+                        weights = _mm512_abs_epi8(signs);
+                        negative = _mm512_movepi8_mask(signs);
+                    } else {
+                        __m256i n = _mm256_loadu_si256(
+                            (const __m256i *)(block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2)));
+                        weights = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(n),
+                                                                      _mm256_srli_epi16(n, 4), 1),
+                                                   nibble);
+                        if (type == TYPE_Q5_K) {
+                            __m256i h = _mm256_loadu_si256((const __m256i *)(block + 16));
+                            __m512i fifth = _mm512_inserti64x4(
+                                _mm512_castsi256_si512(_mm256_srli_epi16(h, j)),
+                                _mm256_srli_epi16(h, j + 1), 1);
+                            fifth = _mm512_and_si512(fifth, _mm512_set1_epi8(1));
+                            weights = _mm512_or_si512(weights, _mm512_slli_epi16(fifth, 4));
+                        }
+                    }
+                    __m512i scale = _mm512_permutexvar_epi16(words, scale16[k]);
+                    __m512 dk = _mm512_set1_ps(d[k]);
+                    for (int r = 0; r < count; r++) {
+                        __m512i xr = x[r];
+                        if (type == TYPE_Q6_K)
+                            xr = _mm512_mask_sub_epi8(xr, negative, zero, xr);
+                        __m512i sums2 =
+                            _mm512_madd_epi16(_mm512_maddubs_epi16(weights, xr), scale);
+                        wide[k][r] = _mm512_fmadd_ps(_mm512_mul_ps(dk, activation[r]),
+                                                     _mm512_cvtepi32_ps(sums2), wide[k][r]);
+                    }
+                }
+            }
+        }
+#else
 #pragma GCC unroll 8
         for (int j = 0; j < SUPER / BLOCK; j++) {
             ptrdiff_t b = s * (SUPER / BLOCK) + j;
@@ -597,9 +700,16 @@ static inline __attribute__((always_inline)) void super_tile(
                 }
             }
         }
+#endif
     }
     for (int k = 0; k < wrows; k++) {
         for (int r = 0; r < count; r++) {
+#if BLOCKS_AVX512
+            __m256 upper =
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[k][r]), 1));
+            acc[k][r] = _mm256_add_ps(acc[k][r],
+                                      _mm256_add_ps(_mm512_castps512_ps256(wide[k][r]), upper));
+#endif
             __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[k][r]),
                                      _mm256_extractf128_ps(acc[k][r], 1));
             half = _mm_add_ps(half, _mm_movehl_ps(half, half));

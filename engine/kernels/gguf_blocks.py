@@ -546,12 +546,16 @@ def _kernel() -> BlockKernel | None:
     return None
 
 
-def build_blocks(*, environ: Mapping[str, str] | None = None) -> BlockKernel:
+def build_blocks(
+    *, environ: Mapping[str, str] | None = None, source: Path = BLOCK_SOURCE
+) -> BlockKernel:
     """Compile (or load from the cache), load and check the kernel.
 
     Args:
         environ: Where ``$CC``, the cache folder and ``TWOSTROKE_CPU_ISA`` are read
             (``os.environ`` if ``None``): the personality decides AVX2 or portable C.
+        source: The C source (another version's, with ``kernels.h`` and
+            ``native_element.h`` beside it, to time a change against it side by side).
 
     Raises:
         NativeBuildError: no compiler, a failed compile or load, or products that disagree
@@ -559,9 +563,7 @@ def build_blocks(*, environ: Mapping[str, str] | None = None) -> BlockKernel:
         ValueError: ``TWOSTROKE_CPU_ISA`` names no rung, or one above this CPU's.
     """
     env = os.environ if environ is None else environ
-    library, path = compile_library(
-        BLOCK_SOURCE, [], "the GGUF block products", env, symbols=_SYMBOLS
-    )
+    library, path = compile_library(source, [], "the GGUF block products", env, symbols=_SYMBOLS)
     which, quantize, linear, linear_float, rows, projection = (
         bind(library, path, name) for name in _SYMBOLS
     )
