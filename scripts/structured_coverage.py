@@ -3,8 +3,9 @@
 Not a test (tests/engine/structured/test_coverage.py pins the policy on the same sample): the
 measurement behind the coverage table of docs/structured-output.md. For each schema of the
 sample (by default the 210 of ``../shared/data/jsonschemabench/``: public, from
-guidance-ai/jsonschemabench; its README says where each comes from), in the engine's own path (``JsonSchema`` then
-``GrammarCompiler.compile_now``, the format and the limits of every request):
+guidance-ai/jsonschemabench; its README says where each comes from), in the engine's own
+path (``JsonSchema`` then ``GrammarCompiler.compile_now``, the format and the limits of every
+request):
 
 * **coverage**: the schema compiles (``JsonSchema`` takes it and the backend does not refuse
   it); a refusal is counted under its reason, cut to its first words;
