@@ -87,7 +87,7 @@ class CoordinatorDriver:
         # Opened as every front end opens one: replicas given, so a coordinator (over one
         # replica too: what the relay costs).
         opened = open_surface(
-            str(model.source), replicas=self.replicas, placement=self.placement, **options
+            model.engine_model, replicas=self.replicas, placement=self.placement, **options
         )
         async with opened as coordinator:
             startup = time.perf_counter() - started

@@ -110,6 +110,15 @@ class ModelSpec:
         )
 
     @property
+    def engine_model(self) -> str:
+        """The model as the engine opens it: its name, which the engine resolves itself
+        (``"smollm2"``, ``"toy"``, a path), or the file a ``synthetic:`` name was made into
+        (a name only the bench knows)."""
+        from twostroke.engine.synthetic.cached import SYNTHETIC_PREFIX
+
+        return str(self.source) if self.name.startswith(SYNTHETIC_PREFIX) else self.name
+
+    @property
     def is_gguf(self) -> bool:
         """Whether the source is a GGUF file (else a Hugging Face directory)."""
         return self.source.is_file()

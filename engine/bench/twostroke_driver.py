@@ -223,7 +223,7 @@ class TwostrokeDriver:
         }
         dtype = cast(DtypeOption, model.dtype) if model.exact else "auto"
         config = EngineConfig(dtype=dtype, **options)
-        source = read_source(model.source, mmap=config.mmap)
+        source = read_source(model.engine_model, mmap=config.mmap)
         return resolve_run(config, source, device, attention=self.attention_kernel)
 
     def _speculation_figures(self, stats: Any) -> dict[str, Any]:

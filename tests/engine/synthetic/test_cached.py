@@ -98,3 +98,6 @@ def test_the_bench_takes_a_synthetic_model(tmp_path: Path, monkeypatch: pytest.M
     assert spec.is_gguf
     assert spec.source.name == "model.gguf"
     assert spec.source == synthetic_named("synthetic:test-qwen3:q8_0")
+    # The engine opens the file (it knows no synthetic: names); other names as they are.
+    assert spec.engine_model == str(spec.source)
+    assert ModelSpec(name="toy", source=tmp_path).engine_model == "toy"
