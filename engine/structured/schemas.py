@@ -443,6 +443,34 @@ _MOVED = frozenset(
 _MAX_COPIED = 262_144
 
 
+def _new_home(
+    schema: dict[str, Any],
+    defs_key: str,
+    ref: str,
+    target: object,
+    homes: dict[str, str],
+    copied: int,
+) -> tuple[int, object] | None:
+    """Give ``ref`` a home of its own: a copy of ``target`` among ``schema[defs_key]`` (as
+    ``twostroke-ref-<n>``), recorded in ``homes``, within :data:`_MAX_COPIED` characters of
+    copies in all (``copied`` so far).
+
+    Returns:
+        The characters copied with this one and the copy; ``None`` where ``target`` is no
+        schema (the reference named nothing) or the copy would pass the bound.
+    """
+    size = len(json.dumps(target)) if isinstance(target, dict | bool) else 0
+    if not size or copied + size > _MAX_COPIED:
+        return None
+    defs = schema.setdefault(defs_key, {})
+    name = f"twostroke-ref-{len(homes)}"
+    while name in defs:
+        name += "-"
+    homes[ref] = f"#/{defs_key}/{name}"
+    defs[name] = copy.deepcopy(target)
+    return copied + size, defs[name]
+
+
 def _rehome_refs(schema: dict[str, Any]) -> None:
     """Point each local ``$ref`` into a subschema the rewrites move or drop (under ``then``,
     ``not`` ...) at a copy of it among the root's ``$defs``, where it stays."""
@@ -455,20 +483,13 @@ def _rehome_refs(schema: dict[str, Any]) -> None:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and _MOVED.intersection(ref.split("/")):
             if ref not in homes:
-                target = ref_target(schema, ref)
-                size = len(json.dumps(target)) if isinstance(target, dict | bool) else 0
-                if not size or copied + size > _MAX_COPIED:
+                home = _new_home(schema, defs_key, ref, ref_target(schema, ref), homes, copied)
+                if home is None:
                     stack.extend(sub for _, sub in subschemas(node))
                     continue  # names nothing already, or past the bound: the backend says so
-                copied += size
-                defs = schema.setdefault(defs_key, {})
-                name = f"twostroke-ref-{len(homes)}"
-                while name in defs:
-                    name += "-"
-                homes[ref] = f"#/{defs_key}/{name}"
-                defs[name] = copy.deepcopy(target)
-                if isinstance(defs[name], dict):
-                    stack.append(defs[name])
+                copied, placed = home
+                if isinstance(placed, dict):
+                    stack.append(placed)
             node["$ref"] = homes[ref]
         stack.extend(sub for _, sub in subschemas(node))
 
@@ -609,20 +630,13 @@ def _drop_ref_siblings(schema: dict[str, Any]) -> None:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref_target(schema, ref) is None:
             if ref not in homes:
-                target = ref_target(given, ref)
-                size = len(json.dumps(target)) if isinstance(target, dict | bool) else 0
-                if not size or copied + size > _MAX_COPIED:
+                home = _new_home(schema, defs_key, ref, ref_target(given, ref), homes, copied)
+                if home is None:
                     continue  # named nothing already, or past the bound: the backend says so
-                copied += size
-                defs = schema.setdefault(defs_key, {})
-                name = f"twostroke-ref-{len(homes)}"
-                while name in defs:
-                    name += "-"
-                homes[ref] = f"#/{defs_key}/{name}"
-                defs[name] = copy.deepcopy(target)
-                if isinstance(defs[name], dict):
-                    _walk(defs[name], visit)
-                    stack.append(defs[name])
+                copied, placed = home
+                if isinstance(placed, dict):
+                    _walk(placed, visit)
+                    stack.append(placed)
             node["$ref"] = homes[ref]
         stack.extend(sub for _, sub in subschemas(node))
 
