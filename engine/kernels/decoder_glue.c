@@ -69,6 +69,38 @@ void twostroke_add_rms_norm(element *restrict residual, const element *restrict 
     }
 }
 
+/* RMSNorm of each query head and each key head of every token, in place, over the head's
+ * HEAD_DIM values with the head's weights (transformers' Qwen3RMSNorm on q and k before
+ * rotary): the arithmetic of twostroke_add_rms_norm, over a head instead of a row.
+ *
+ * qkv:      [tokens, (heads + 2 * kv_heads) * HEAD_DIM], rows `qkv_stride` apart: queries,
+ *           keys, values (the values are left as they are)
+ * q_weight, k_weight: [HEAD_DIM] each
+ */
+void twostroke_head_rms_norm(element *restrict qkv, ptrdiff_t qkv_stride, ptrdiff_t tokens,
+                             ptrdiff_t heads, ptrdiff_t kv_heads,
+                             const element *restrict q_weight,
+                             const element *restrict k_weight, float eps) {
+#pragma omp parallel for if (tokens * (heads + kv_heads) * HEAD_DIM >= PARALLEL_ELEMENTS) \
+    schedule(static)
+    for (ptrdiff_t t = 0; t < tokens; t++) {
+        element *restrict row = qkv + t * qkv_stride;
+        for (ptrdiff_t h = 0; h < heads + kv_heads; h++) {
+            element *restrict x = row + h * HEAD_DIM;
+            const element *restrict weight = h < heads ? q_weight : k_weight;
+            float value[HEAD_DIM];
+            float squares = 0.0f;
+            for (int i = 0; i < HEAD_DIM; i++) {
+                value[i] = load(x[i]);
+                squares += value[i] * value[i];
+            }
+            const float inverse = 1.0f / sqrtf(squares / (float)HEAD_DIM + eps);
+            for (int i = 0; i < HEAD_DIM; i++)
+                x[i] = store(load(weight[i]) * load(store(value[i] * inverse)));
+        }
+    }
+}
+
 /* Rotate one head in place: x * cos + cat(x2, x1) * signed_sin, rounded after each
  * operator as torch's rotate_ is (twostroke.engine.models.layers). */
 static inline void rotate_head(element *restrict x, const element *restrict cos,

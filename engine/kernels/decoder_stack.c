@@ -28,6 +28,9 @@ int twostroke_decoder_stack(const struct twostroke_model *m, const struct twostr
         m->norm(s->residual, l ? s->delta : NULL, w->input_norm, w->input_eps, t, s->normed);
         if (m->projection(s->normed, hidden, t, hidden, w->qkv, qkv, w->qkv_bias, s->qkv, qkv))
             return 1;
+        if (w->q_norm != NULL)
+            m->head_norm(s->qkv, qkv, t, m->heads, m->kv_heads, w->q_norm, w->k_norm,
+                         w->qk_eps);
         m->rotate(s->qkv, qkv, t, m->heads, m->kv_heads, s->cos, s->sin, s->slots,
                   s->block_size, s->keys[l], s->values[l]);
         int failed;

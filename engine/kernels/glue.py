@@ -54,6 +54,7 @@ __all__ = [
     "build_glue",
     "decoder_glue",
     "reference_add_rms_norm",
+    "reference_head_rms_norm",
     "rotary_inputs_fit",
 ]
 
@@ -67,6 +68,7 @@ SYMBOLS = (
     "twostroke_rotate_write",
     "twostroke_silu_mul",
     "twostroke_argmax",
+    "twostroke_head_rms_norm",
 )
 
 #: Largest difference from torch the start-up check accepts, relative to the output's
@@ -103,13 +105,15 @@ class DecoderGlue:
         return self.dtype
 
     @property
-    def addresses(self) -> tuple[int, int, int]:
-        """Where the norm, the rotary write and SiLU times up are (for ``decoder_stack.c``)."""
+    def addresses(self) -> tuple[int, int, int, int]:
+        """Where the norm, the rotary write, SiLU times up and the heads' norm are (for
+        ``decoder_stack.c``)."""
         library = self._library
         return (
             address(library.twostroke_add_rms_norm),
             address(library.twostroke_rotate_write),
             address(library.twostroke_silu_mul),
+            address(library.twostroke_head_rms_norm),
         )
 
     def add_rms_norm(
@@ -161,6 +165,61 @@ class DecoderGlue:
             out.data_ptr(),
         )
         return out
+
+    def head_rms_norm(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """RMSNorm of each query head and each key head in place, over ``head_dim`` values
+        with the head's weights (Qwen3's norms before rotary); the values are left alone.
+
+        Args:
+            qkv: ``[tokens, (num_heads + 2 * num_kv_heads) * head_dim]``, unit stride along
+                a row: each token's query heads, key heads and value heads.
+            num_heads: Query heads.
+            num_kv_heads: Key/value heads.
+            q_weight: The queries' weights ``[head_dim]``, contiguous.
+            k_weight: The keys' weights ``[head_dim]``, contiguous.
+            eps: Added to the mean of the squares.
+
+        Raises:
+            ValueError: tensors of another dtype or shape than the kernel was built for.
+        """
+        dtype, dim = self.dtype, self.head_dim
+        width = (num_heads + 2 * num_kv_heads) * dim
+        weights_fit = all(
+            weight.dtype == dtype and weight.shape == (dim,) and weight.is_contiguous()
+            for weight in (q_weight, k_weight)
+        )
+        if (
+            qkv.dtype != dtype
+            or qkv.dim() != 2
+            or qkv.shape[1] != width
+            or qkv.stride(1) != 1
+            or not weights_fit
+        ):
+            raise ValueError(
+                f"the kernel takes {dtype} qkv [tokens, {width}] with unit stride along a row "
+                f"and contiguous {dtype} weights [{dim}]; got qkv {qkv.dtype} "
+                f"{tuple(qkv.shape)} strides {qkv.stride()}, weights {q_weight.dtype} "
+                f"{tuple(q_weight.shape)} and {k_weight.dtype} {tuple(k_weight.shape)}"
+            )
+        call(
+            self._library.twostroke_head_rms_norm,
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            num_heads,
+            num_kv_heads,
+            q_weight.data_ptr(),
+            k_weight.data_ptr(),
+            eps,
+        )
 
     def rotate_write_slots(
         self,
@@ -397,6 +456,26 @@ def reference_add_rms_norm(
     return total, rms_norm(total, weight, eps)
 
 
+def reference_head_rms_norm(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """What :meth:`DecoderGlue.head_rms_norm` makes of ``qkv``, as transformers' Qwen3
+    computes it (:func:`~.reference.rms_norm` of each head); a new tensor, ``qkv`` left as
+    it is."""
+    out = qkv.clone()
+    tokens, dim = qkv.shape[0], q_weight.shape[0]
+    q_width, k_width = num_heads * dim, num_kv_heads * dim
+    for weight, start, stop in ((q_weight, 0, q_width), (k_weight, q_width, q_width + k_width)):
+        heads = out[:, start:stop].view(tokens, -1, dim)
+        heads.copy_(rms_norm(heads, weight, eps))
+    return out
+
+
 def _check(glue: DecoderGlue) -> None:
     """Run each kernel on random rows against torch's operators.
 
@@ -420,6 +499,11 @@ def _check(glue: DecoderGlue) -> None:
         gate_up = random(rows, 2 * hidden, scale=3)
         differences.append(relative_difference(glue.silu_mul(gate_up), silu_mul(gate_up)))
     heads, kv_heads, block_size, tokens = 3, 1, 4, 70
+    qkv = random(tokens, (heads + 2 * kv_heads) * dim, scale=3)
+    q_weight, k_weight = (1 + random(dim) / 4).to(dtype), (1 + random(dim) / 4).to(dtype)
+    expected_heads = reference_head_rms_norm(qkv, heads, kv_heads, q_weight, k_weight, 1e-6)
+    glue.head_rms_norm(qkv, heads, kv_heads, q_weight, k_weight, 1e-6)
+    differences.append(relative_difference(qkv, expected_heads))
     qkv = random(tokens, (heads + 2 * kv_heads) * dim)
     angles = torch.rand(tokens, 1, dim, generator=generator) * 6
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)

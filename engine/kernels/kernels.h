@@ -37,12 +37,17 @@ typedef void twostroke_rotate_write_fn(element *qkv, ptrdiff_t qkv_stride, ptrdi
                                        ptrdiff_t heads, ptrdiff_t kv_heads, const element *cos,
                                        const element *sin, const int64_t *slots,
                                        ptrdiff_t block_size, cached *keys, cached *values);
+typedef void twostroke_head_rms_norm_fn(element *qkv, ptrdiff_t qkv_stride, ptrdiff_t tokens,
+                                        ptrdiff_t heads, ptrdiff_t kv_heads,
+                                        const element *q_weight, const element *k_weight,
+                                        float eps);
 typedef void twostroke_silu_mul_fn(const element *gate_up, ptrdiff_t stride, ptrdiff_t rows,
                                    ptrdiff_t width, element *out);
 typedef void twostroke_argmax_fn(const float *logits, ptrdiff_t rows, ptrdiff_t cols,
                                  ptrdiff_t stride, int64_t *out);
 twostroke_add_rms_norm_fn twostroke_add_rms_norm;
 twostroke_rotate_write_fn twostroke_rotate_write;
+twostroke_head_rms_norm_fn twostroke_head_rms_norm;
 twostroke_silu_mul_fn twostroke_silu_mul;
 twostroke_argmax_fn twostroke_argmax;
 
@@ -144,6 +149,10 @@ struct twostroke_layer {
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     ptrdiff_t window; /* the attention's sliding window (paged_decode.c); 0: none */
+    /* Each query head's and key head's RMSNorm weights ([head_dim] each) and epsilon,
+     * applied before rotary (Qwen3); NULL: none. */
+    const void *q_norm, *k_norm;
+    float qk_eps;
 };
 
 struct twostroke_model {
@@ -153,6 +162,7 @@ struct twostroke_model {
     twostroke_stack_projection_fn *projection;
     twostroke_rotate_write_fn *rotate;
     twostroke_silu_mul_fn *silu;
+    twostroke_head_rms_norm_fn *head_norm;
     const struct twostroke_layer *layer; /* [layers] */
 };
 

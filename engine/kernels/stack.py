@@ -137,6 +137,10 @@ class StackLayer:
         down: The MLP's down projection.
         window: The attention's sliding window (``paged_attention``'s ``window``): each
             query sees its last ``window`` positions; ``None``: all of them.
+        q_norm: Each query head's RMSNorm weight ``[head_dim]`` before rotary (Qwen3's
+            per-head norms), contiguous, or ``None``: the layer norms no head.
+        k_norm: Each key head's, given with ``q_norm``.
+        qk_eps: Their epsilon.
     """
 
     input_norm: torch.Tensor
@@ -150,6 +154,14 @@ class StackLayer:
     window: int | None = attrs.field(
         default=None, kw_only=True, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
+    q_norm: torch.Tensor | None = attrs.field(default=None, kw_only=True)
+    k_norm: torch.Tensor | None = attrs.field(default=None, kw_only=True)
+    qk_eps: float = attrs.field(default=0.0, kw_only=True)
+
+    @k_norm.validator
+    def _check_pair(self, attribute: object, value: torch.Tensor | None) -> None:
+        if (value is None) != (self.q_norm is None):
+            raise ValueError("the heads' norms come as a pair: q_norm and k_norm, or neither")
 
 
 def stack_library(dtype: torch.dtype = torch.bfloat16) -> Callable[..., int] | None:
@@ -225,6 +237,16 @@ def stack_model(
                     f"layer {index}'s norm weights must be contiguous {glue.dtype} [{hidden}]; "
                     f"got {scale.dtype} {tuple(scale.shape)}"
                 )
+        for head_scale in (layer.q_norm, layer.k_norm):
+            if head_scale is not None and (
+                head_scale.dtype != glue.dtype
+                or head_scale.shape != (dim,)
+                or not head_scale.is_contiguous()
+            ):
+                raise ValueError(
+                    f"layer {index}'s heads' norm weights must be contiguous {glue.dtype} "
+                    f"[{dim}]; got {head_scale.dtype} {tuple(head_scale.shape)}"
+                )
     layer_type = structure("layer")
     weights = (layer_type * len(layers))(
         *(
@@ -236,11 +258,14 @@ def stack_model(
                 *(getattr(layer, name).addresses[0] for name in shapes),
                 *(getattr(layer, name).addresses[1] for name in shapes),
                 0 if layer.window is None else layer.window,
+                None if layer.q_norm is None else layer.q_norm.data_ptr(),
+                None if layer.k_norm is None else layer.k_norm.data_ptr(),
+                layer.qk_eps,
             )
             for layer in layers
         )
     )
-    norm, rotate, silu = glue.addresses
+    norm, rotate, silu, head_norm = glue.addresses
     model = structure("model")(
         len(layers),
         hidden,
@@ -253,6 +278,7 @@ def stack_model(
         projection.address,
         rotate,
         silu,
+        head_norm,
         weights,
     )
     return model, (weights, tuple(layers), glue, projection)

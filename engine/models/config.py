@@ -291,8 +291,8 @@ class ModelConfig:
         says so). The embedding and logit scales and the rotary tables are outside the
         layers, so they are not departures."""
         found = []
-        if self.qk_norm != "none":
-            found.append(f"q/k norms over the {self.qk_norm}")
+        if self.qk_norm == "full":  # (per head, Qwen3's, the stack computes)
+            found.append("q/k norms over the whole projection")
         if self.norm_placement != "pre":
             both = self.norm_placement == "both"
             found.append(f"norms {'before and ' if both else ''}after attention and MLP")

@@ -435,7 +435,22 @@ class CausalLM(nn.Module):
             qkv, o, gate_up, down = weights
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
-            layers.append(StackLayer(*norms, qkv, o, gate_up, down, window=attention.window))
+            q_norm, k_norm = attention.q_norm, attention.k_norm
+            if not attention.head_norms or q_norm is None or k_norm is None:
+                q_norm = k_norm = None  # none, or norms the stack does not compute
+            layers.append(
+                StackLayer(
+                    *norms,
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                    window=attention.window,
+                    q_norm=None if q_norm is None else q_norm.weight,
+                    k_norm=None if k_norm is None else k_norm.weight,
+                    qk_eps=0.0 if q_norm is None else q_norm.eps,
+                )
+            )
         config = self.config
         return build_stack(
             layers,

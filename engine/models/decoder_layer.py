@@ -66,6 +66,9 @@ class Attention(nn.Module):
             offset = config.norm_offset
             self.q_norm = RMSNorm(q_width, eps, dtype=dtype, device=device, offset=offset)
             self.k_norm = RMSNorm(k_width, eps, dtype=dtype, device=device, offset=offset)
+        #: Each head normed with Llama's norm (Qwen3's): the glue's (and the stack's) to
+        #: compute; over the whole projection (OLMo 2) or offset (Gemma 3), torch's operators.
+        self.head_norms = config.qk_norm == "head" and config.norm_offset is None
         width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, width, bias=config.qkv_bias, dtype=dtype, device=device
@@ -90,8 +93,12 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None and self.k_norm is not None:
-            self._norm_queries_keys(qkv, self.q_norm, self.k_norm)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is not None and k_norm is not None:
+            if self.head_norms:
+                glue.head_rms_norm(qkv, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps)
+            else:
+                self._norm_queries_keys(qkv, q_norm, k_norm)
         if self.rotates and self.rotary_width != dim:
             # Partial rotary pairs each rotated dimension with the one half the *rotated
             # part* away, where the glue (and the stack) pair the halves of the whole head:
@@ -116,8 +123,8 @@ class Attention(nn.Module):
 
     def _norm_queries_keys(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
         """RMSNorm of the queries and of the keys in place in the projection's output, each
-        head's (``head_dim`` weights) or the whole projection's, as transformers' Qwen3 and
-        OLMo 2 norm them before rotary."""
+        head's (``head_dim`` weights, Gemma 3's offset norm) or the whole projection's, as
+        transformers' Gemma 3 and OLMo 2 norm them before rotary."""
         tokens, dim = qkv.shape[0], self.head_dim
         q_width, k_width = self.num_heads * dim, self.num_kv_heads * dim
         for norm, part, heads in (

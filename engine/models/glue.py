@@ -72,6 +72,19 @@ class CompiledGlue:
             qkv, num_heads, num_kv_heads, cos, signed_sin, metadata.slot_mapping, layer.data
         )
 
+    def head_rms_norm(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """:meth:`DecoderGlue.head_rms_norm
+        <twostroke.engine.kernels.glue.DecoderGlue.head_rms_norm>`."""
+        self.library.head_rms_norm(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """:meth:`DecoderGlue.silu_mul <twostroke.engine.kernels.glue.DecoderGlue.silu_mul>`."""
         return self.library.silu_mul(gate_up)

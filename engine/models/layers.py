@@ -271,6 +271,18 @@ class Glue(Protocol):
         """Rotate queries and keys in place; write keys and values into the cache."""
         ...
 
+    def head_rms_norm(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """RMSNorm of each query head and each key head in place (Qwen3's before rotary)."""
+        ...
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of the fused gate/up projection's output."""
         ...
@@ -310,6 +322,26 @@ class TorchGlue:
     ) -> None:
         """:func:`rotate_write`."""
         rotate_write(qkv, num_heads, num_kv_heads, cos, signed_sin, metadata, layer)
+
+    def head_rms_norm(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """:func:`rms_norm` of each query head and each key head of ``qkv`` ``[tokens,
+        (num_heads + 2 * num_kv_heads) * head_dim]`` in place, with the heads' weights
+        ``[head_dim]`` (transformers' Qwen3 norms before rotary)."""
+        tokens, dim = qkv.shape[0], q_weight.shape[0]
+        q_width, k_width = num_heads * dim, num_kv_heads * dim
+        for weight, part in (
+            (q_weight, qkv[:, :q_width]),
+            (k_weight, qkv[:, q_width : q_width + k_width]),
+        ):
+            part.copy_(rms_norm(part.view(tokens, -1, dim), weight, eps).view(tokens, -1))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """:func:`silu_mul`."""

@@ -243,7 +243,8 @@ BINDINGS: dict[str, tuple[Any, str, Callable[[], object], Callable[[], object], 
         "GLUE_SOURCE",
         lambda: glue.build_glue(hidden=8, head_dim=4, dtype=torch.float32),
         lambda: glue.decoder_glue(hidden=8, head_dim=4, dtype=torch.float32),
-        "twostroke_add_rms_norm, twostroke_rotate_write, twostroke_silu_mul, twostroke_argmax",
+        "twostroke_add_rms_norm, twostroke_rotate_write, twostroke_silu_mul, twostroke_argmax, "
+        "twostroke_head_rms_norm",
     ),
     "projection": (
         projection,

@@ -74,12 +74,13 @@ def projection() -> Iterator[ProjectionKernel]:
 def models(
     projection: ProjectionKernel, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, LlamaForCausalLM]:
-    """Tiny decoders on the compiled kernels, by kind: llama (tied output projection) and
-    qwen2 (q/k/v biases, untied) in bfloat16 with the bfloat16 projections; and in float32
+    """Tiny decoders on the compiled kernels, by kind: llama (tied output projection), qwen2
+    (q/k/v biases, untied) and qwen3 (per-head q/k norms) in bfloat16 with the bfloat16
+    projections; and in float32
     with their projections in GGUF blocks, over the engine's KV cache ("auto": float16
     where the personality converts it in one instruction) and a float32 one."""
     found = {}
-    for kind, tied in (("llama", True), ("qwen2", False)):
+    for kind, tied in (("llama", True), ("qwen2", False), ("qwen3", True)):
         folder = tmp_path_factory.mktemp(kind)
         make_tiny_model(kind, folder, seed=5, tie_word_embeddings=tied)
         module = open_model(folder, dtype=torch.bfloat16, device=CPU, exact=False).module
@@ -115,7 +116,7 @@ def layer_by_layer(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return twin
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(
         [
@@ -126,6 +127,9 @@ def layer_by_layer(model: LlamaForCausalLM) -> LlamaForCausalLM:
             "llama-q4_0",
             "qwen2-q4_0",
             "llama-gguf_f32",
+            "qwen3",
+            "qwen3-q8_0",
+            "qwen3-q4_0",
         ]
     ),
     lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
@@ -161,6 +165,26 @@ def test_logits_are_the_per_layer_paths_bit_for_bit(
     most = model.stack.most_tokens if model.stack is not None else None
     if most is None or sum(lengths) <= most:  # (a larger step runs layer by layer)
         assert timer.calls == (2 + head + embedding) * steps
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-q8_0"])
+def test_qwen3s_heads_norms_run_inside_the_stack(
+    models: dict[str, LlamaForCausalLM], kind: str
+) -> None:
+    """Qwen3's per-head q/k norms are the stack's, with the per-layer path's results bit for
+    bit: one call a step, not each layer's."""
+    model = models[kind]
+    layers = layers_of(model)
+    assert all(layer.q_norm is not None and layer.k_norm is not None for layer in layers)
+    assert layers[0].qk_eps == model.config.rms_norm_eps
+    sequences = random_sequences([7, 12], seed=9)
+    expected = layer_by_layer(model).forward_logits(sequences, chunk_size=5, kernel="native")
+    with build.timed() as timer:
+        got = model.forward_logits(sequences, chunk_size=5, kernel="native")
+    for mine, reference in zip(got, expected, strict=True):
+        assert torch.equal(mine, reference)
+    head = isinstance(model.lm_head.method, PanelWeight | BlockWeight | SplitByRows)
+    assert timer.calls == (2 + head) * 3  # three steps of at most five tokens a sequence
 
 
 def test_a_block_models_steps_of_many_tokens_run_layer_by_layer(
@@ -286,6 +310,16 @@ def test_layers_that_do_not_fit_are_refused(
         ValueError, match=r"layer 0's norm weights must be contiguous torch\.bfloat16 \[64\]"
     ):
         build_stack(loose, function=function, glue=glue, projection=projection, **shape)
+    heads = torch.ones(glue.head_dim + 1, dtype=torch.bfloat16)
+    wrong = [attrs_evolve(layers[0], q_norm=heads, k_norm=heads), *layers[1:]]
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0's heads' norm weights must be contiguous torch\.bfloat16 \[16\]; "
+        r"got torch\.bfloat16 \(17,\)",
+    ):
+        build_stack(wrong, function=function, glue=glue, projection=projection, **shape)
+    with pytest.raises(ValueError, match="the heads' norms come as a pair"):
+        attrs_evolve(layers[0], q_norm=heads[:16])
 
 
 def test_a_block_models_stack_is_built_for_float32_and_refuses_what_does_not_fit(

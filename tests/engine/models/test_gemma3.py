@@ -201,7 +201,6 @@ def test_the_older_config_layout_is_read_as_transformers_reads_it() -> None:
     long = ModelConfig.from_hf_config({**GEMMA3_JSON, "sliding_window": 64})
     assert (long.sliding_window, long.global_layers) == (64, (5,))
     assert config.departures == (
-        "q/k norms over the head",
         "norms before and after attention and MLP",
         "(offset + weight) norms in float32",
         "a gelu_tanh MLP",

@@ -49,7 +49,8 @@ TINY: dict[str, Any] = {
 
 
 def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> Any:
-    """Create a random transformers model of ``kind`` ("llama" or "qwen2"), save it to ``path``.
+    """Create a random transformers model of ``kind`` ("llama", "qwen2", "mistral" or "qwen3"),
+    save it to ``path``.
 
     Every parameter is drawn at random (norm weights and biases too, which transformers
     initializes to constants), so a weight loaded into the wrong place changes the logits.
@@ -64,8 +65,11 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> A
     elif kind == "mistral":
         config = transformers.MistralConfig(**{**TINY, **overrides})
         model = transformers.MistralForCausalLM(config)
+    elif kind == "qwen3":  # (its own default head_dim is 128: the tiny one is hidden / heads)
+        config = transformers.Qwen3Config(**{**TINY, "head_dim": 16, **overrides})
+        model = transformers.Qwen3ForCausalLM(config)
     else:
-        raise ValueError(f"kind must be 'llama', 'qwen2' or 'mistral', got {kind!r}")
+        raise ValueError(f"kind must be 'llama', 'qwen2', 'mistral' or 'qwen3', got {kind!r}")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
