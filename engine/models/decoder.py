@@ -377,15 +377,22 @@ class CausalLM(nn.Module):
         its parts side by side). A decoder projection the file holds in 16 bits (F16, or BF16
         whose values float16 holds) takes the chosen 16-bit form (``projection.sixteen``:
         fbgemm's float16, every value exact in half float32's bytes); the others stay as
-        loaded. An embedding in blocks is looked
+        loaded. A mixture's experts loaded in blocks compute from them too
+        (:meth:`SparseMoE.use_blocks <twostroke.engine.models.experts.SparseMoE.use_blocks>`).
+        An embedding in blocks is looked
         up row by row from them, and the tied output projection multiplies by them."""
         kernel = projection.blocks
         assert kernel is not None, "the 'blocks' form comes with its kernel"
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
+            if isinstance(layer.mlp, SparseMoE):
+                try:  # its experts, where they were loaded in blocks
+                    layer.mlp.use_blocks(kernel)
+                except ValueError as error:
+                    raise WeightError(f"{prefix}mlp: {error}") from error
             for module_name, names in self.names.parts:
                 if module_name.startswith("mlp.") and isinstance(layer.mlp, SparseMoE):
-                    continue  # the experts stay in full precision in this step
+                    continue  # a mixture's projections are its experts': above
                 linear = cast(Linear, layer.get_submodule(module_name))
                 parts = [self._blocks.get(f"{prefix}{name}.weight") for name in names]
                 found = [part for part in parts if part is not None]
@@ -623,7 +630,8 @@ class CausalLM(nn.Module):
         Raises:
             WeightError: the model has no such weight, or holds it in blocks.
         """
-        target = self._target(name)
+        experts = self._experts_target(name)
+        target = self._target(name) if experts is None else experts[0]
         if target is None or target.numel() == 0:
             raise WeightError(f"the model holds no weight {name!r} in full precision")
         return target
@@ -634,13 +642,28 @@ class CausalLM(nn.Module):
         projection) computes from them once the kernels choose the ``"blocks"`` form
         (:meth:`use_kernels`).
 
+        A mixture's expert matrix (``mlp.experts.<n>.<proj>.weight``), or every expert's
+        stacked as a GGUF file stores them (``mlp.experts.<proj>.weight``, ``[experts *
+        rows, row bytes]``), goes to its layer's mixture
+        (:meth:`SparseMoE.load_blocks <twostroke.engine.models.experts.SparseMoE.load_blocks>`).
+
         Raises:
-            WeightError: the name is not a projection's, the embedding's or the output
-                projection's weight, or the shape does not fit.
+            WeightError: the name is not a projection's, an expert's, the embedding's or the
+                output projection's weight, or the shape does not fit.
             RuntimeError: the kernels are chosen already.
         """
         if self._kernels is not None:
             raise RuntimeError(f"cannot load {name!r}: the kernels are chosen")
+        mixture = self._mixture(name)
+        if mixture is not None:
+            mlp, prefix, rest = mixture
+            try:
+                experts = mlp.load_blocks(rest, tensor)
+            except ValueError as error:
+                raise WeightError(f"{prefix.removesuffix('.')}: {error}") from error
+            if experts is not None:
+                self._loaded.update(prefix + part for part in experts)
+                return
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return  # tied: the embedding is the output projection
         target = self._target(name)
@@ -691,17 +714,25 @@ class CausalLM(nn.Module):
         """A mixture-of-experts layer's tensor of that name, and the names it stands for
         (:meth:`SparseMoE.target <twostroke.engine.models.experts.SparseMoE.target>`), or
         ``None`` where the name is not a mixture's."""
+        mixture = self._mixture(name)
+        if mixture is None:
+            return None
+        mlp, prefix, rest = mixture
+        found: tuple[torch.Tensor, tuple[str, ...]] | None = mlp.target(rest)
+        if found is None:
+            return None
+        return found[0], tuple(prefix + part for part in found[1])
+
+    def _mixture(self, name: str) -> tuple[SparseMoE, str, str] | None:
+        """The mixture-of-experts layer a tensor name is under, the name's prefix up to
+        ``mlp.`` and the rest, or ``None`` where it is not a mixture's."""
         match = _EXPERTS_TENSOR.fullmatch(name)
         if match is None or int(match.group(1)) >= len(self.layers):
             return None
         mlp = self.layers[int(match.group(1))].mlp
         if not isinstance(mlp, SparseMoE):
             return None
-        found: tuple[torch.Tensor, tuple[str, ...]] | None = mlp.target(match.group(2))
-        if found is None:
-            return None
-        prefix = f"model.layers.{match.group(1)}.mlp."
-        return found[0], tuple(prefix + part for part in found[1])
+        return mlp, f"model.layers.{match.group(1)}.mlp.", match.group(2)
 
     def _target(self, name: str) -> torch.Tensor | None:
         if name == "model.embed_tokens.weight":

@@ -13,8 +13,16 @@ order).
 The experts' weights are stacked, one tensor per projection for all the experts
 (``gate_up [experts, 2 * width, hidden]``, ``down [experts, hidden, width]``), as a GGUF
 file stores them (``ffn_gate_exps`` ...) and transformers 5 holds them; an HF checkpoint's
-experts one by one fill their slices (:meth:`SparseMoE.target`). They stay in full precision
-in this step: the plan's projection forms are the attention's and the dense layers'.
+experts one by one fill their slices (:meth:`SparseMoE.target`). Where the run's plan puts
+the projections in GGUF blocks and the experts can follow
+(:attr:`~twostroke.engine.models.plan.RunPlan.experts_in_blocks`), each expert computes
+from blocks instead (:meth:`SparseMoE.load_blocks`, :meth:`SparseMoE.use_blocks`): a GGUF
+file's own, each expert's rows of the stacked tensor a view of the file's memory map (an
+expert no token picks is never read, so its pages are never touched), or the experts
+quantized at load (``q8_0``, ``q4_0``). An expert is then two
+:class:`~twostroke.engine.models.forms.BlockWeight` projections, its gate and up side by
+side as the dense MLP's ``gate_up`` and its down, multiplied by the same block products as
+every other projection, and the stacked tensors are dropped. The router stays dense.
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twostroke.engine.checkpoints.gguf import BlockTensor
+from twostroke.engine.kernels.gguf_blocks import BlockKernel
 from twostroke.engine.models.config import ModelConfig
+from twostroke.engine.models.forms import BlockWeight
 from twostroke.engine.models.layers import Glue
 from twostroke.engine.models.linear import empty_parameter
 
@@ -37,6 +48,8 @@ _ONE_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight
 #: Every expert's matrix at once: a GGUF file's (``experts.<proj>.weight``, mapped from
 #: ``ffn_<proj>_exps``) or transformers 5's fused parameters (``experts.gate_up_proj``).
 _ALL_EXPERTS = re.compile(r"experts\.(gate_proj|up_proj|down_proj|gate_up_proj)(\.weight)?")
+#: An expert's matrices, in the order an expert's forms are made of them.
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class SparseMoE(nn.Module):
@@ -58,6 +71,7 @@ class SparseMoE(nn.Module):
         #: experts_by_row: batch-invariant, a product a row).
         self.by_row = False
         self.top_k = config.experts_per_token
+        self.hidden = hidden
         self.width = width
         self.normalize = config.normalize_expert_weights
         # The router stays a dense matrix of the model's dtype whatever the projections'
@@ -65,14 +79,55 @@ class SparseMoE(nn.Module):
         self.router = empty_parameter(experts, hidden, dtype=dtype, device=device)
         self.gate_up = empty_parameter(experts, 2 * width, hidden, dtype=dtype, device=device)
         self.down = empty_parameter(experts, hidden, width, dtype=dtype, device=device)
+        #: Each expert's ``(gate_up, down)`` in GGUF blocks once :meth:`use_blocks` made
+        #: them (the stacked tensors are then empty); ``None``: the stacked tensors.
+        self.forms: tuple[tuple[BlockWeight, BlockWeight], ...] | None = None
+        # The experts' matrices in blocks as load_blocks took them, by (expert, projection),
+        # until use_blocks makes the forms of them.
+        self._stored: dict[tuple[int, str], BlockTensor] = {}
 
     def forward(self, x: torch.Tensor, glue: Glue) -> torch.Tensor:
         """The mixture's output for ``x`` ``[tokens, hidden]``: each expert that a token
         picked reads its weights once, for all the tokens that picked it."""
         weights, picked = self.route(x)
+        return self.mix(x, weights, picked, glue)
+
+    def mix(
+        self, x: torch.Tensor, weights: torch.Tensor, picked: torch.Tensor, glue: Glue
+    ) -> torch.Tensor:
+        """The mixture's output for ``x`` routed as given (:meth:`route`'s routes, or a
+        test's): each token's picked experts' SwiGLUs times their weights, summed in the
+        order of the experts. Each picked expert reads its weights once for all the tokens
+        that picked it (one row at a time where :attr:`by_row`); an expert no token picked
+        is never read.
+
+        Args:
+            x: ``[tokens, hidden]``.
+            weights: ``[tokens, top_k]``, in ``x``'s dtype.
+            picked: int64 ``[tokens, top_k]``: each token's experts.
+            glue: What computes ``silu(gate) * up``.
+
+        Raises:
+            ValueError: routes other than ``[tokens, top_k]``, or an expert outside
+                ``[0, num_experts)``.
+        """
+        shape = (int(x.shape[0]), self.top_k)
+        if tuple(weights.shape) != shape or tuple(picked.shape) != shape:
+            raise ValueError(
+                f"routes must be [tokens, top_k] = [{shape[0]}, {shape[1]}] for x "
+                f"{tuple(x.shape)}, got weights {tuple(weights.shape)} and picked "
+                f"{tuple(picked.shape)}"
+            )
         out = torch.zeros_like(x)
         # Sorting the (token, slot) pairs by expert groups each expert's tokens in one slice.
         flat = picked.flatten()
+        if flat.numel():
+            low, high = int(flat.min()), int(flat.max())
+            if low < 0 or high >= self.num_experts:
+                raise ValueError(
+                    f"picked experts must be in [0, {self.num_experts}), got "
+                    f"{low if low < 0 else high}"
+                )
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
@@ -96,6 +151,9 @@ class SparseMoE(nn.Module):
 
     def _expert(self, rows: torch.Tensor, expert: int, glue: Glue) -> torch.Tensor:
         """Expert ``expert``'s SwiGLU of ``rows``."""
+        if self.forms is not None:
+            gate_up, down = self.forms[expert]
+            return down(glue.silu_mul(gate_up(rows)))
         mixed = glue.silu_mul(F.linear(rows, self.gate_up[expert]))
         return F.linear(mixed, self.down[expert])
 
@@ -130,6 +188,8 @@ class SparseMoE(nn.Module):
         """
         if name == "gate.weight":
             return self.router, ("gate.weight",)
+        if self.forms is not None:
+            return None  # the experts are blocks now: no tensor holds them
         one = _ONE_EXPERT.fullmatch(name)
         if one is not None:
             expert, proj = int(one.group(1)), one.group(2)
@@ -153,6 +213,86 @@ class SparseMoE(nn.Module):
             for part in projs
         )
         return tensor, names
+
+    def load_blocks(self, name: str, tensor: BlockTensor) -> tuple[str, ...] | None:
+        """Take an expert's matrix, or every expert's stacked, in GGUF blocks as they are
+        (each expert's rows a view of ``tensor``'s, not copied), for :meth:`use_blocks`.
+
+        Args:
+            name: The name after the layer's ``mlp.``:
+                ``experts.<n>.<gate|up|down>_proj.weight``, or ``experts.<proj>.weight``
+                for every expert's at once, ``[experts * rows, row bytes]``: each expert's
+                rows after the one before's, as a GGUF file stores ``ffn_<proj>_exps``.
+            tensor: The blocks.
+
+        Returns:
+            The per-expert names (after ``mlp.``) it stands for, or ``None`` for a name
+            that is not an expert matrix's.
+
+        Raises:
+            ValueError: the shape does not fit.
+        """
+        one = _ONE_EXPERT.fullmatch(name)
+        every = _ALL_EXPERTS.fullmatch(name)
+        if one is not None and int(one.group(1)) < self.num_experts:
+            count, proj = 1, one.group(2)
+        elif every is not None and every.group(1) in _PROJECTIONS and every.group(2):
+            count, proj = self.num_experts, every.group(1)
+        else:
+            return None
+        rows, width = (
+            (self.hidden, self.width) if proj == "down_proj" else (self.width, self.hidden)
+        )
+        shape = (count * rows, width)
+        if (tensor.out_features, tensor.in_features) != shape:
+            raise ValueError(
+                f"tensor {name!r} has shape {(tensor.out_features, tensor.in_features)}, "
+                f"expected {shape}"
+            )
+        if one is not None:
+            self._stored[int(one.group(1)), proj] = tensor
+            return (name,)
+        for expert in range(count):
+            data = tensor.data[expert * rows : (expert + 1) * rows]  # a view: no copy
+            label = f"{tensor.name}[{expert}]"
+            self._stored[expert, proj] = BlockTensor(label, tensor.block_type, data)
+        return tuple(f"experts.{expert}.{proj}.weight" for expert in range(count))
+
+    def use_blocks(self, kernel: BlockKernel) -> None:
+        """Compute each expert from the blocks :meth:`load_blocks` took, by ``kernel``: its
+        gate and up side by side in one :class:`BlockWeight`, as the dense MLP's
+        ``gate_up``, and its down in another; the stacked tensors are dropped. Nothing
+        changes where no expert was taken in blocks.
+
+        Raises:
+            ValueError: some of the experts' matrices are in blocks and others are not.
+        """
+        stored = self._stored
+        if not stored:
+            return
+        missing = [
+            f"experts.{expert}.{proj}.weight"
+            for expert in range(self.num_experts)
+            for proj in _PROJECTIONS
+            if (expert, proj) not in stored
+        ]
+        if missing:
+            raise ValueError(
+                f"{len(stored)} of the experts' {3 * self.num_experts} matrices are GGUF "
+                f"blocks and the others are not (first {missing[0]!r}); the experts compute "
+                "in one form"
+            )
+        self.forms = tuple(
+            (
+                BlockWeight(kernel, (stored[expert, "gate_proj"], stored[expert, "up_proj"])),
+                BlockWeight(kernel, (stored[expert, "down_proj"],)),
+            )
+            for expert in range(self.num_experts)
+        )
+        self._stored = {}
+        dtype, device = self.gate_up.dtype, self.gate_up.device
+        self.gate_up = empty_parameter(0, dtype=dtype, device=device)
+        self.down = empty_parameter(0, dtype=dtype, device=device)
 
     def expected(self) -> list[str]:
         """The checkpoint names (after ``mlp.``) of every weight, experts one by one."""

@@ -6,14 +6,16 @@ plan's (:func:`~twostroke.engine.models.plan.resolve_run`). The loader reads:
 
 * a **Hugging Face directory**'s ``*.safetensors``, tensor by tensor through
   ``safe_open``'s memory map, so the weights exist once in RAM (in the parameters);
-* a **GGUF file** whose blocks the plan computes as stored: the projections, the embedding
-  and the tied output projection compute from the blocks in the file's memory map
+* a **GGUF file** whose blocks the plan computes as stored: the projections (a mixture's
+  experts too, where the plan says), the embedding and the tied output projection compute
+  from the blocks in the file's memory map
   (:class:`~twostroke.engine.models.forms.BlockWeight`; no float32 copy, no cache entry),
   and the other tensors (the norms) are dequantized;
 * any other **GGUF file** dequantized into the plan's dtype, through the artifact cache
   (:mod:`~twostroke.engine.models.dequantized`);
 
-then, where the plan asks, quantizes the projections into blocks (``q8_0``, ``q4_0``), and
+then, where the plan asks, quantizes the projections (and the experts) into blocks
+(``q8_0``, ``q4_0``), and
 hands the model the plan's kernels
 (:meth:`~twostroke.engine.models.decoder.CausalLM.use_kernels`), which lay each
 weight out in its form. Every failure a user can cause (missing file, wrong shape, corrupt
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -52,13 +55,16 @@ from twostroke.engine.models.dequantized import (
     stored_rows,
 )
 from twostroke.engine.models.llama import rotary_columns
-from twostroke.engine.models.plan import PLAIN_TYPES, RunPlan, in_blocks, plan_run
+from twostroke.engine.models.plan import PLAIN_TYPES, RunPlan, expert_matrix, in_blocks, plan_run
 from twostroke.engine.models.source import ModelSource, read_source
 from twostroke.gpu.threads import torch_threads
 
 __all__ = ["LoadedModel", "load_model", "open_model", "stored_bytes"]
 
 _log = logging.getLogger(__name__)
+
+#: An expert's matrix among a model's expected weights: ``experts.<n>.<name>.weight``.
+_EXPERT_MATRIX = re.compile(r"\.experts\.\d+\.\w+\.weight$")
 
 
 @attrs.frozen
@@ -190,7 +196,7 @@ def load_model(plan: RunPlan) -> LoadedModel:
         else:
             module = load_dequantized(source, dtype, device)
         if plan.requantize is not None:
-            _quantize_to_blocks(path, module, plan.requantize)
+            _quantize_to_blocks(path, module, plan.requantize, experts=plan.experts_in_blocks)
         module.eval()
         reduced = plan.kernels.projection.quantization
         if reduced is not None:
@@ -227,7 +233,10 @@ def _load_gguf_blocks(plan: RunPlan) -> CausalLM:
 
     GGUF's q/k rows are in llama.cpp's rotary order: the product's columns are permuted
     back (:attr:`BlockTensor.columns <twostroke.engine.checkpoints.gguf.BlockTensor.columns>`),
-    the blocks untouched.
+    the blocks untouched. A mixture's experts are held in blocks where the plan says
+    (:attr:`RunPlan.experts_in_blocks <twostroke.engine.models.plan.RunPlan.experts_in_blocks>`):
+    each stacked ``[experts, rows, row bytes]`` tensor is handed over as its experts' rows
+    back to back, a view of the same bytes.
     """
     from gguf.quants import dequantize
 
@@ -235,6 +244,7 @@ def _load_gguf_blocks(plan: RunPlan) -> CausalLM:
     path = source.checkpoint.path
     module = new_model(path, source.config, plan.dtype, plan.device)
     names = checkpoint_names(source.config)
+    experts = plan.experts_in_blocks
     for gguf_name, tensor in source.tensors.items():
         name = names.hf_name(gguf_name)
         if name is None:
@@ -243,13 +253,13 @@ def _load_gguf_blocks(plan: RunPlan) -> CausalLM:
             )
         kind = tensor.tensor_type.name
         try:
-            if kind in BLOCK_TYPES and in_blocks(names, gguf_name):
+            if kind in BLOCK_TYPES and (
+                in_blocks(names, gguf_name) or (experts and expert_matrix(names, gguf_name))
+            ):
                 heads = rotary_heads(source, gguf_name)
-                rows = int(tensor.data.shape[0])
-                columns = None if heads is None else rotary_columns(rows, heads)
-                module.load_blocks(
-                    name, BlockTensor(gguf_name, BLOCK_TYPES[kind], tensor.data, columns)
-                )
+                data = tensor.data.reshape(-1, tensor.data.shape[-1])  # a view: no copy
+                columns = None if heads is None else rotary_columns(int(data.shape[0]), heads)
+                module.load_blocks(name, BlockTensor(gguf_name, BLOCK_TYPES[kind], data, columns))
                 continue
             if kind not in PLAIN_TYPES and in_blocks(names, gguf_name):
                 # the plan refused the file already (a type the blocks do not compute)
@@ -262,11 +272,12 @@ def _load_gguf_blocks(plan: RunPlan) -> CausalLM:
     return module
 
 
-def _quantize_to_blocks(path: Path, module: CausalLM, block_type: int) -> None:
-    """Every decoder projection of ``module`` quantized into blocks of ``block_type``, as
-    llama.cpp's quantizer writes them (the ``gguf`` package's ``quantize``: Q8_0's scale
-    max|w| / 127, Q4_0's the signed largest magnitude / -8), handed to the model in place of
-    its float32 weights (:meth:`~twostroke.engine.models.decoder.CausalLM.load_blocks`).
+def _quantize_to_blocks(path: Path, module: CausalLM, block_type: int, *, experts: bool) -> None:
+    """Every decoder projection of ``module`` (and every expert's matrix, where ``experts``)
+    quantized into blocks of ``block_type``, as llama.cpp's quantizer writes them (the
+    ``gguf`` package's ``quantize``: Q8_0's scale max|w| / 127, Q4_0's the signed largest
+    magnitude / -8), handed to the model in place of its float32 weights
+    (:meth:`~twostroke.engine.models.decoder.CausalLM.load_blocks`).
 
     Raises:
         ModelLoadError: a projection's input width is not a multiple of 32.
@@ -276,8 +287,10 @@ def _quantize_to_blocks(path: Path, module: CausalLM, block_type: int) -> None:
 
     kind = GGMLQuantizationType(block_type)
     for name in module.expected_weights():
-        if not name.endswith("_proj.weight") or ".mlp.experts." in name:
-            continue  # (the experts stay in full precision in this step, issue 51)
+        # (An expert's matrix by the checkpoint's own name: Mixtral's are w1, w2 and w3.)
+        expert = _EXPERT_MATRIX.search(name) is not None
+        if not (experts if expert else name.endswith("_proj.weight")):
+            continue
         weight = module.weight(name)
         if weight.shape[1] % 32:
             raise ModelLoadError(

@@ -67,6 +67,7 @@ __all__ = [
     "auto_blocks",
     "blocks_asked",
     "exact_asked",
+    "expert_matrix",
     "plan_run",
     "resolve_dtype",
     "resolve_kv_cache_dtype",
@@ -188,11 +189,49 @@ class RunPlan:
         (:attr:`~twostroke.engine.models.choice.CpuKernels.deterministic`)."""
         return self.kernels.deterministic
 
-    def describe(self) -> str:
-        """One line: the weights and activations, then what runs each part of a step, and
-        why where a compiled kernel does not."""
+    @property
+    def experts_in_blocks(self) -> bool:
+        """Whether a mixture's experts compute in GGUF blocks as the projections do: a GGUF
+        file's blocks as stored where the block products compute every expert tensor's
+        type, or quantized at load where an expert's rows are blocks of 32; else they stay
+        in :attr:`dtype` (dequantized from the file), and :meth:`describe` says why."""
+        return self._experts()[0]
+
+    def _experts(self) -> tuple[bool, str]:
+        """:attr:`experts_in_blocks`, and what :meth:`describe` says of the experts after
+        the weights (nothing where the projections are not in blocks, or there are no
+        experts)."""
+        config = self.config
         dtype = _name(self.dtype)
-        weights = self.weights or dtype
+        if not config.num_experts or self.blocks is None:
+            return False, ""
+        if self.requantize is not None:
+            ragged = [w for w in (config.hidden_size, config.expert_intermediate_size) if w % 32]
+            if ragged:
+                return False, (
+                    f", experts {dtype} (an expert's rows of {ragged[0]} weights are not blocks "
+                    "of 32)"
+                )
+            return True, f", experts in {self.weights} blocks"
+        names = checkpoint_names(config)
+        kinds = {
+            tensor.tensor_type.name
+            for name, tensor in self.source.tensors.items()
+            if expert_matrix(names, name)
+        }
+        odd = sorted(kinds - set(BLOCK_TYPES))
+        if not odd:
+            return True, f", experts as stored ({', '.join(sorted(kinds))})"
+        if set(odd) <= PLAIN_TYPES:
+            return False, f", experts {dtype} (stored in {', '.join(odd)})"
+        return False, f", experts dequantized to {dtype} ({', '.join(odd)} not computed as stored)"
+
+    def describe(self) -> str:
+        """One line: the weights (and a mixture's experts, where the projections are in
+        blocks) and activations, then what runs each part of a step, and why where a
+        compiled kernel does not."""
+        dtype = _name(self.dtype)
+        weights = (self.weights or dtype) + self._experts()[1]
         arithmetic = "exact" if self.exact else "fast"
         where = cpu_personality().describe() if self.device.type == "cpu" else self.device.type
         return (
@@ -510,10 +549,17 @@ def in_blocks(names: CheckpointNames, gguf_name: str) -> bool:
     name = names.hf_name(gguf_name)
     return (
         name is not None
-        and ".mlp.experts." not in name  # experts are dequantized in this step (issue 51)
+        and ".mlp.experts." not in name  # the plan's experts_in_blocks decides: expert_matrix
         and not name.endswith("layernorm.weight")
         and name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
     )
+
+
+def expert_matrix(names: CheckpointNames, gguf_name: str) -> bool:
+    """Whether a tensor is a mixture's experts' matrices (``ffn_<proj>_exps``), which the
+    blocks form holds where the plan says (:attr:`RunPlan.experts_in_blocks`)."""
+    name = names.hf_name(gguf_name)
+    return name is not None and ".mlp.experts." in name
 
 
 def _name(dtype: torch.dtype) -> str:
