@@ -47,7 +47,12 @@ from twostroke.engine.errors import (
 from twostroke.engine.handle import RequestHandle, create_request_handle
 from twostroke.engine.outputs import RequestOutput
 from twostroke.engine.runners.pool_size import size_pool
-from twostroke.engine.runners.protocol import InvariantRunner, ModelRunner, PlannedRunner
+from twostroke.engine.runners.protocol import (
+    InvariantRunner,
+    ModelRunner,
+    PlannedRunner,
+    WindowedRunner,
+)
 from twostroke.engine.statistics import EngineStatistics
 from twostroke.engine.strokes.delivery import Deliveries, Tracked
 from twostroke.engine.strokes.launcher import Launcher
@@ -121,10 +126,15 @@ class Engine:
         self._constraining = Constraining(tokenizer, pin_memory=device.kind == "cuda")
         max_model_len = config.max_model_len or runner.max_model_len
         self._max_model_len = min(max_model_len, runner.max_model_len)
-        self._scheduler = Scheduler(
-            SchedulerConfig.sized(config, num_blocks=num_blocks, max_model_len=self._max_model_len),
-            clock=anyio.current_time,
+        window = runner.kv_window if isinstance(runner, WindowedRunner) else None
+        sized = SchedulerConfig.sized(
+            config,
+            num_blocks=num_blocks,
+            max_model_len=self._max_model_len,
+            # (a window as long as the context gives nothing back: none)
+            sliding_window=window if window is not None and window < self._max_model_len else None,
         )
+        self._scheduler = Scheduler(sized, clock=anyio.current_time)
         # Characters no prompt of max_model_len tokens can exceed: longer text is refused
         # before the tokenizer runs (it would hold a worker thread for seconds a megabyte).
         self._max_prompt_chars = self._max_model_len * tokenizer.max_token_chars

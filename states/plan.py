@@ -53,9 +53,14 @@ class ScheduledRequest:
             the same index gets the same random draw however the batch is composed).
         num_prompt_tokens: The prompt length (positions before it are prompt, after it are
             output; penalties need to tell them apart).
-        block_table: KV blocks covering at least positions ``[0, start + num_tokens)``.
+        block_table: KV blocks covering at least positions ``[0, start + num_tokens)``:
+            after the first ``num_released_blocks``, the request's own.
         params: The request's sampling parameters.
         draft_token_ids: Drafted tokens verified in this step (only on a row that samples).
+        num_released_blocks: Leading entries of ``block_table`` that are padding (block 0):
+            positions behind every layer's sliding window, whose blocks the request gave
+            back (:class:`~twostroke.states.request.BlocksReleased`). The attention never
+            reads them: each query sees only the window before it.
     """
 
     request_id: int
@@ -68,6 +73,12 @@ class ScheduledRequest:
     block_table: tuple[int, ...]
     params: SamplingParams
     draft_token_ids: tuple[int, ...] = ()
+    num_released_blocks: int = 0
+
+    @property
+    def held_blocks(self) -> tuple[int, ...]:
+        """The blocks of the table that the request holds (the rest is padding)."""
+        return self.block_table[self.num_released_blocks :]
 
     @property
     def num_tokens(self) -> int:
@@ -143,7 +154,7 @@ class StepPlan:
         return frozenset(
             entry.request_id
             for entry in self.requests
-            if entry.request_id in failed_ids or not written.isdisjoint(entry.block_table)
+            if entry.request_id in failed_ids or not written.isdisjoint(entry.held_blocks)
         )
 
     def without(self, request_ids: Collection[int]) -> StepPlan:

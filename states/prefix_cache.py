@@ -91,13 +91,16 @@ class PrefixCache:
             full = min(request.num_computed_tokens, request.num_known_tokens) // size
             if full <= done:
                 continue  # the common case, every step of every decode: keep it cheap
+            # (Blocks a sliding window gave back were cached before: see Scheduler._slide.)
+            released = request.num_released_blocks
+            assert released <= done, (request, done)
             table = request.block_table
             hashes = self._chain(request)
             known = request.token_ids(done * size, full * size)
             for index in range(done, full):
                 parent = hashes[index - 1] if index else ROOT_HASH
                 offset = (index - done) * size
-                self.pool.cache(table[index], parent, known[offset : offset + size])
+                self.pool.cache(table[index - released], parent, known[offset : offset + size])
             self._num_cached[request.request_id] = full
 
     def distrust(self, failed: StepPlan, later: Collection[StepPlan]) -> set[int]:
@@ -151,7 +154,8 @@ class PrefixCache:
         requests = tuple(requests)
         for request in requests:
             hashes = self._hashes.get(request.request_id, [])
-            for index, block_id in enumerate(request.block_table):
+            held = enumerate(request.block_table, start=request.num_released_blocks)
+            for index, block_id in held:
                 block_hash = self.pool.block_hash(block_id)
                 if block_hash is not None:
                     assert hashes[index : index + 1] == [block_hash], (

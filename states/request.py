@@ -41,6 +41,7 @@ __all__ = [
     "TRANSITIONS",
     "Admitted",
     "BlocksAllocated",
+    "BlocksReleased",
     "Cancelled",
     "ChunkScheduled",
     "ConstraintCompiled",
@@ -116,6 +117,20 @@ class BlocksAllocated:
     """KV blocks were appended to the request's block table."""
 
     block_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class BlocksReleased:
+    """The first ``num_blocks`` blocks of the request's table left it: every layer of the
+    model attends within a sliding window, and no position the request computes from now on
+    reads theirs (:attr:`SchedulerConfig.sliding_window
+    <twostroke.states.scheduler_config.SchedulerConfig.sliding_window>`).
+
+    The positions they covered stay behind the table: :attr:`Request.num_released_blocks`
+    counts them, so the table's first block holds the positions after them.
+    """
+
+    num_blocks: int
 
 
 @attrs.frozen
@@ -229,6 +244,7 @@ RequestEvent = (
     | Admitted
     | PrefixCacheHit
     | BlocksAllocated
+    | BlocksReleased
     | ChunkScheduled
     | SampleScheduled
     | TokenSampled
@@ -257,6 +273,7 @@ TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] 
     _P: {
         PrefixCacheHit: _P,
         BlocksAllocated: _P,
+        BlocksReleased: _P,
         ChunkScheduled: _P,
         SampleScheduled: _D,
         Preempted: _X,
@@ -264,6 +281,7 @@ TRANSITIONS: Mapping[RequestStatus, Mapping[type[RequestEvent], RequestStatus]] 
     },
     _D: {
         BlocksAllocated: _D,
+        BlocksReleased: _D,
         SampleScheduled: _D,
         TokenSampled: _D,
         DraftVerified: _D,
@@ -388,6 +406,7 @@ class Request:
     _status: RequestStatus = attrs.field(default=RequestStatus.WAITING, init=False)
     _output_token_ids: list[int] = attrs.field(factory=list, init=False)
     _block_table: list[int] = attrs.field(factory=list, init=False)
+    _num_released_blocks: int = attrs.field(default=0, init=False)
     _num_computed_tokens: int = attrs.field(default=0, init=False)
     _num_cached_tokens: int = attrs.field(default=0, init=False)
     _num_placeholders: int = attrs.field(default=0, init=False)
@@ -427,7 +446,20 @@ class Request:
 
     @property
     def block_table(self) -> tuple[int, ...]:
+        """The KV blocks the request holds, in order: the first holds the positions after
+        the :attr:`num_released_blocks` blocks' that a sliding window left behind."""
         return tuple(self._block_table)
+
+    @property
+    def num_released_blocks(self) -> int:
+        """Blocks' worth of leading positions whose KV the request gave back
+        (:class:`BlocksReleased`); 0 without a sliding window."""
+        return self._num_released_blocks
+
+    @property
+    def num_table_blocks(self) -> int:
+        """The positions its table covers, in blocks: those released and those held."""
+        return self._num_released_blocks + len(self._block_table)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -632,6 +664,11 @@ class Request:
                         f"{name} must cover at least one block and leave at least one of "
                         f"the {self.num_tokens} tokens to compute"
                     )
+            case BlocksReleased(num_blocks=n) if not 1 <= n <= len(self._block_table):
+                rule = (
+                    f"BlocksReleased(num_blocks={n}) must release at least one of the "
+                    f"{len(self._block_table)} blocks held, and no more"
+                )
             case TokenSampled(token_id=token_id) if self._num_placeholders < 1:
                 rule = (
                     f"TokenSampled(token_id={token_id}) has no placeholder to fill: "
@@ -683,6 +720,9 @@ class Request:
                     self._num_cached_tokens = n
             case BlocksAllocated(block_ids=block_ids):
                 self._block_table.extend(block_ids)
+            case BlocksReleased(num_blocks=n):
+                del self._block_table[:n]
+                self._num_released_blocks += n
             case ChunkScheduled(step_id=step_id, num_tokens=n):
                 self._num_computed_tokens += n
                 self._last_step_id = step_id
@@ -712,6 +752,7 @@ class Request:
                     self._num_computed_tokens -= rejected
             case Preempted():
                 self._block_table.clear()
+                self._num_released_blocks = 0
                 self._num_computed_tokens = 0
                 self._num_preemptions += 1
             case Finished(reason=reason, time=time):
@@ -727,6 +768,7 @@ class Request:
 
     def _end(self, time: float) -> None:
         self._block_table.clear()
+        self._num_released_blocks = 0
         self._end_time = time
 
     def __repr__(self) -> str:

@@ -67,6 +67,7 @@ from twostroke.states.prefix_cache import PrefixCache
 from twostroke.states.request import (
     Admitted,
     BlocksAllocated,
+    BlocksReleased,
     Cancelled,
     ChunkScheduled,
     DraftVerified,
@@ -354,12 +355,13 @@ class Scheduler:
             if num_tokens == 0:
                 index += 1
                 continue
+            self._slide(request)
             drafts, needed = self._fit_draft(
                 request,
                 num_tokens,
                 budget,
                 computed=request.num_computed_tokens,
-                held=len(request.block_table),
+                held=request.num_table_blocks,
                 room=self.pool.num_free,
             )
             self._unpin(needed)
@@ -524,6 +526,7 @@ class Scheduler:
         sample_index = request.num_generated_tokens
         request.apply(event)
         self._num_tokens_scheduled += num_tokens + len(drafts)
+        released = request.num_released_blocks
         return ScheduledRequest(
             request_id=request.request_id,
             start=start,
@@ -532,9 +535,12 @@ class Scheduler:
             sample=sample,
             sample_index=sample_index,
             num_prompt_tokens=request.num_prompt_tokens,
-            block_table=request.block_table,
+            # Block 0 pads the positions behind the window: a valid block the attention
+            # never reads there (each query sees only its window).
+            block_table=(0,) * released + request.block_table,
             params=request.params,
             draft_token_ids=drafts,
+            num_released_blocks=released,
         )
 
     # --- outcomes -----------------------------------------------------------------------
@@ -682,6 +688,27 @@ class Scheduler:
         else:
             self.pool.release(block_ids)
 
+    def _slide(self, request: Request) -> None:
+        """Give back the blocks of ``request`` that its sliding window has passed (see
+        :attr:`SchedulerConfig.sliding_window`), before its next step is planned.
+
+        That step computes from ``num_computed_tokens`` on, and its first query sees back to
+        ``sliding_window - 1`` positions before it; no later query sees further (drafts that
+        fail roll back no further than that, a preempted request starts over). A block
+        whose tokens are not all known yet (a step in flight samples its last) stays until
+        they arrive, so that the prefix cache still takes it. A step in flight that reads a
+        block released here has it until it completes (:meth:`_release` defers it).
+        """
+        window = self.config.sliding_window
+        if window is None:
+            return
+        seen_from = min(request.num_computed_tokens - window + 1, request.num_known_tokens)
+        behind = max(seen_from, 0) // self.config.block_size - request.num_released_blocks
+        if behind > 0:
+            block_ids = request.block_table[:behind]
+            request.apply(BlocksReleased(behind))
+            self._release(request, block_ids)
+
     def _pin(self, request: Request) -> None:
         """Hold a request that just finished's cached blocks for its ``cache_ttl``."""
         ttl = request.params.cache_ttl
@@ -821,7 +848,7 @@ class Scheduler:
             )
         for plan in self._inflight:
             for entry in plan.requests:
-                for block_id in entry.block_table:
+                for block_id in entry.held_blocks:
                     assert self.pool.ref_count(block_id) > 0, (
                         f"block {block_id} is free but step {plan.step_id} in flight uses it"
                     )
@@ -840,7 +867,15 @@ class Scheduler:
         for request in self._requests.values():
             if request.request_id in live:
                 needed = blocks_for(request.num_computed_tokens, config.block_size)
-                assert len(request.block_table) >= needed, f"{request!r} lacks blocks"
+                assert request.num_table_blocks >= needed, f"{request!r} lacks blocks"
+                # Only blocks wholly behind the window, of known tokens, are given back.
+                window = config.sliding_window
+                seen_from = 0 if window is None else request.num_computed_tokens - window + 1
+                released = request.num_released_blocks * config.block_size
+                assert released <= max(min(seen_from, request.num_known_tokens), 0), (
+                    f"{request!r} gave back {request.num_released_blocks} blocks, but positions "
+                    f"from {seen_from} are still seen"
+                )
                 # A live request always has its last token left to compute: a sampled token's
                 # KV is written only when the token is fed to the next step.
                 assert request.num_computed_tokens < request.num_tokens, (

@@ -77,17 +77,30 @@ class SchedulerConfig(SchedulingPolicy):
         priority_aging_steps: Steps planned while a request waits that count as one level
             of its ``priority`` (:data:`PRIORITY_AGING_STEPS` by default; tests set small
             values to reach the aging in a few steps).
+        sliding_window: The positions every layer's attention sees, its own included
+            (Mistral's ``sliding_window``), or ``None``: some layer sees them all. With a
+            window, a running request gives back each block once the window has passed its
+            positions (:class:`~twostroke.states.request.BlocksReleased`), so its blocks
+            held stay about ``sliding_window`` positions' however long it runs; it must
+            still fit the pool whole to be accepted.
     """
 
     num_blocks: int = attrs.field(validator=int_at_least(1))
     max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
     priority_aging_steps: int = attrs.field(default=PRIORITY_AGING_STEPS, validator=int_at_least(1))
+    sliding_window: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
 
     @classmethod
     def sized(
-        cls, policy: SchedulingPolicy, *, num_blocks: int, max_model_len: int
+        cls,
+        policy: SchedulingPolicy,
+        *,
+        num_blocks: int,
+        max_model_len: int,
+        sliding_window: int | None = None,
     ) -> SchedulerConfig:
-        """The configuration that runs ``policy`` over a pool and a context of these sizes.
+        """The configuration that runs ``policy`` over a pool and a context of these sizes,
+        for a model whose every layer attends within ``sliding_window`` positions (or not).
 
         Raises:
             TypeError, ValueError: a size of the wrong type or out of range.
@@ -95,7 +108,12 @@ class SchedulerConfig(SchedulingPolicy):
         chosen: dict[str, Any] = {
             field.name: getattr(policy, field.name) for field in attrs.fields(SchedulingPolicy)
         }
-        return cls(num_blocks=num_blocks, max_model_len=max_model_len, **chosen)
+        return cls(
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            sliding_window=sliding_window,
+            **chosen,
+        )
 
 
 @attrs.frozen(kw_only=True)

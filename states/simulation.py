@@ -7,7 +7,10 @@ through the block table*. So a scheduler bug that loses a position, hands one bl
 live requests, or feeds a wrong pending input changes the output, and
 :func:`reference_output` (the same function, iterated without any scheduler) exposes it.
 A request may read positions that another request wrote (a prefix cache hit): a wrong hit
-reads other tokens, and so changes the output too.
+reads other tokens, and so changes the output too. With a sliding ``window`` the "model"
+sees only the last ``window`` tokens before each sample, as a model whose every layer attends
+within that window: a block given back while a position in the window still needs it is read
+as whatever was written there since, which changes the output.
 
 A constrained request's token is chosen among the tokens its mask allows (:data:`ChooseToken`,
 by default :func:`toy_choose`), still a pure function of the sequence, so the reference can
@@ -92,6 +95,8 @@ class SimulatedKV:
         block_size: Positions per block.
         next_token: The "model": maps a whole sequence to the next token id.
         choose: The constrained "model", for rows with a mask.
+        window: Each sample sees only the last ``window`` positions (``None``: all), and
+            only they are read back.
     """
 
     def __init__(
@@ -100,8 +105,11 @@ class SimulatedKV:
         block_size: int,
         next_token: NextToken = toy_next_token,
         choose: ChooseToken = toy_choose,
+        *,
+        window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.window = window
         self.next_token = next_token
         self.choose = choose
         # Each slot holds (writer request id, token id), or None before it is written.
@@ -161,19 +169,25 @@ class SimulatedKV:
         for entry in plan.requests:
             if not entry.sample:
                 continue
-            context = [
-                self._read(entry.request_id, entry.block_table, position, plan, fresh)
-                for position in range(entry.end)
-            ]
             drafts = entry.draft_token_ids
+            # The positions the first sample sees and after: the window of each.
+            low = 0 if self.window is None else max(entry.end - len(drafts) - self.window, 0)
+            context = {
+                position: self._read(entry.request_id, entry.block_table, position, plan, fresh)
+                for position in range(low, entry.end)
+            }
             masks = None if allowed is None else allowed.get(entry.request_id)
             sets = (masks,) if isinstance(masks, frozenset) else masks
             # One token after each of the last 1 + len(drafts) positions, as a step without
             # drafts would sample it; the drafts hold while each equals the token before it.
+            seen = [
+                [context[p] for p in self._seen(entry.end - len(drafts) + offset)]
+                for offset in range(len(drafts) + 1)
+            ]
             tokens = [
-                self.next_token(context[: entry.end - len(drafts) + offset])
+                self.next_token(seen[offset])
                 if sets is None
-                else self.choose(context[: entry.end - len(drafts) + offset], sets[offset])
+                else self.choose(seen[offset], sets[offset])
                 for offset in range(len(drafts) + 1)
             ]
             kept = tokens[: verify_draft(drafts, tokens) + 1]
@@ -187,6 +201,10 @@ class SimulatedKV:
         }
         self.num_steps += 1
         return RunnerOutput(step_id=plan.step_id, sampled=sampled, speculated=speculated)
+
+    def _seen(self, end: int) -> range:
+        """The positions a sample after the first ``end`` sees."""
+        return range(0 if self.window is None else max(end - self.window, 0), end)
 
     def _locate(self, block_table: Sequence[int], position: int, plan: StepPlan) -> tuple[int, int]:
         index, slot = divmod(position, self.block_size)
@@ -244,6 +262,7 @@ def reference_output(
     next_token: NextToken = toy_next_token,
     matcher: Matcher | None = None,
     choose: ChooseToken = toy_choose,
+    window: int | None = None,
 ) -> tuple[list[int], str]:
     """What a request must produce, computed without any scheduler.
 
@@ -255,6 +274,8 @@ def reference_output(
         matcher: A fresh matcher of the request's constraint, for a constrained request
             (it is advanced here): each token is chosen among the ones it allows.
         choose: The constrained "model" the simulated device uses.
+        window: The simulated device's sliding window: each token is chosen from the last
+            ``window`` tokens before it (``None``: all of them).
 
     Returns:
         The output ids and the finish reason: ``"stop"`` or ``"length"``, or ``"failed"``
@@ -269,14 +290,15 @@ def reference_output(
     tokens = list(prompt_token_ids)
     output: list[int] = []
     while True:
+        seen = tokens if window is None else tokens[-window:]
         if matcher is not None:
-            token_id = choose(tokens, matcher.allowed_token_ids())
+            token_id = choose(seen, matcher.allowed_token_ids())
             if not matcher.advance(token_id) or (matcher.terminated and not matcher.accepting):
                 return output, "failed"
             if matcher.terminated:
                 return [*output, token_id], "stop"
         else:
-            token_id = next_token(tokens)
+            token_id = next_token(seen)
         stop = len(output) >= params.min_tokens and (
             token_id in params.stop_token_ids
             or (not params.ignore_eos and token_id in eos_token_ids)

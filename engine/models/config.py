@@ -313,7 +313,7 @@ class ModelConfig:
             # rotary pairs the halves of the rotated part (Attention rotates it first).
             found.append("partial rotary embeddings")
         if self.num_experts:
-            found.append("mixture-of-experts layers, their experts dense")
+            found.append("mixture-of-experts layers")
         return tuple(found)
 
     # --- plain values (the artifact cache) -------------------------------------------------

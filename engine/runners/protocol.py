@@ -23,7 +23,7 @@ from twostroke.states.plan import RunnerOutput, StepPlan
 if TYPE_CHECKING:
     from twostroke.engine.models.plan import RunPlan
 
-__all__ = ["InvariantRunner", "MaskingRunner", "ModelRunner", "PlannedRunner"]
+__all__ = ["InvariantRunner", "MaskingRunner", "ModelRunner", "PlannedRunner", "WindowedRunner"]
 
 
 class ModelRunner(Protocol):
@@ -80,6 +80,21 @@ class InvariantRunner(Protocol):
         """Whether a request's tokens and logprobs are a function of the model, its prompt,
         its parameters and its seed alone, whatever the requests, chunks and drafts that
         share its steps."""
+        ...
+
+
+@runtime_checkable
+class WindowedRunner(Protocol):
+    """A runner that says how far back its model's attention reads: where every layer
+    attends within a sliding window, the scheduler gives back each request's blocks behind
+    it (:attr:`SchedulerConfig.sliding_window
+    <twostroke.states.scheduler_config.SchedulerConfig.sliding_window>`)."""
+
+    @property
+    def kv_window(self) -> int | None:
+        """The positions every layer's query sees, its own included, or ``None`` where some
+        layer sees them all. The runner never reads a position further back: a block table
+        may hold padding there."""
         ...
 
 

@@ -206,6 +206,16 @@ class TorchModelRunner:
         <twostroke.engine.models.choice.CpuKernels.deterministic>`)."""
         return self.kernels.deterministic
 
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window where every layer has it (Mistral; not Gemma 3, whose global
+        layers see every position), else ``None``: see
+        :class:`~twostroke.engine.runners.protocol.WindowedRunner`."""
+        config = self.config
+        if config.sliding_window is None or config.global_layers:
+            return None
+        return config.sliding_window
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of KV cache one block of ``block_size`` positions takes (all layers)."""
         config = self.config

@@ -91,7 +91,12 @@ class SimulatedEngine:
         self.scheduler = scheduler
         self.config = scheduler.config
         self.next_token = next_token
-        self.kv = SimulatedKV(self.config.num_blocks, self.config.block_size, next_token)
+        self.kv = SimulatedKV(
+            self.config.num_blocks,
+            self.config.block_size,
+            next_token,
+            window=self.config.sliding_window,
+        )
         #: Every request ever submitted, by id (they stay here after the scheduler drops them).
         self.requests: dict[int, Request] = {}
         #: The token stream each request received, as the engine would deliver it.
@@ -305,7 +310,7 @@ class SimulatedEngine:
         sharing = self.config.enable_prefix_caching
         for plan in self.scheduler.inflight_plans:
             for entry in plan.requests:
-                for block_id in entry.block_table:
+                for block_id in entry.held_blocks:
                     if sharing:
                         # A failed step uncaches blocks that its readers, failed too,
                         # still hold in later steps in flight.
@@ -397,6 +402,7 @@ class SimulatedEngine:
                 next_token=self.next_token,
                 matcher=reference_matcher(request.params, request.eos_token_ids),
                 choose=self.kv.choose,
+                window=self.config.sliding_window,
             )
         return self._references[rid]
 
@@ -434,7 +440,7 @@ class SimulatedEngine:
             for plan in steps:
                 for entry in plan.requests:
                     if entry.request_id == rid:
-                        blocks.update(entry.block_table)
+                        blocks.update(entry.held_blocks)
             deadline = max((plan.step_id for plan in steps), default=None)
             self._endings[rid] = _Ending(frozenset(blocks), deadline)
             if deadline is None:
@@ -459,7 +465,7 @@ class SimulatedEngine:
             b
             for plan in self.scheduler.inflight_plans
             for e in plan.requests
-            for b in e.block_table
+            for b in e.held_blocks
         )
         held = sorted(
             b for b in ending.block_ids if self.scheduler.pool.ref_count(b) and b not in others

@@ -34,6 +34,7 @@ from twostroke.states.request import (
     TRANSITIONS,
     Admitted,
     BlocksAllocated,
+    BlocksReleased,
     Cancelled,
     ChunkScheduled,
     ConstraintCompiled,
@@ -83,6 +84,7 @@ _EVENT_TYPES: tuple[type[RequestEvent], ...] = (
     Admitted,
     PrefixCacheHit,
     BlocksAllocated,
+    BlocksReleased,
     ChunkScheduled,
     SampleScheduled,
     TokenSampled,
@@ -178,6 +180,8 @@ class RequestMachine(RuleBasedStateMachine):
             return DraftVerified(data.draw(st.integers(0, 9)), data.draw(accepted))
         if kind is BlocksAllocated:
             return BlocksAllocated(tuple(data.draw(st.lists(st.integers(0, 99), max_size=3))))
+        if kind is BlocksReleased:
+            return BlocksReleased(data.draw(st.integers(0, len(model.blocks) + 1)))
         if kind is PrefixCacheHit:
             block_ids = tuple(data.draw(st.lists(st.integers(0, 99), max_size=3)))
             return PrefixCacheHit(block_ids, data.draw(st.integers(-1, model.num_tokens + 1)))

@@ -18,6 +18,7 @@ from twostroke.states.constraints import Constraint
 from twostroke.states.request import (
     Admitted,
     BlocksAllocated,
+    BlocksReleased,
     ChunkScheduled,
     ConstraintCompiled,
     DraftVerified,
@@ -64,6 +65,7 @@ def request_snapshot(request: Request) -> dict[str, object]:
         "status": request.status,
         "output": request.output_token_ids,
         "blocks": request.block_table,
+        "released": request.num_released_blocks,
         "computed": request.num_computed_tokens,
         "cached": request.num_cached_tokens,
         "placeholders": request.num_placeholders,
@@ -102,6 +104,7 @@ class RequestModel:
     status: RequestStatus = RequestStatus.WAITING
     output: list[int] = attrs.Factory(list)
     blocks: list[int] = attrs.Factory(list)
+    released: int = 0
     computed: int = 0
     cached: int = 0
     placeholders: int = 0
@@ -170,6 +173,8 @@ class RequestModel:
             return None
         if isinstance(event, TokenSampled | SampleDiscarded) and self.placeholders == 0:
             return None
+        if isinstance(event, BlocksReleased) and not 1 <= event.num_blocks <= len(self.blocks):
+            return None
         if (
             isinstance(event, SampleDiscarded)
             and self.drafts
@@ -204,6 +209,9 @@ class RequestModel:
                 self.cached = event.num_tokens
         elif isinstance(event, BlocksAllocated):
             self.blocks += event.block_ids
+        elif isinstance(event, BlocksReleased):
+            self.blocks = self.blocks[event.num_blocks :]
+            self.released += event.num_blocks
         elif isinstance(event, ChunkScheduled):
             self.computed += event.num_tokens
             self.last_step = event.step_id
@@ -230,6 +238,7 @@ class RequestModel:
                 self.drafts = 0
         elif isinstance(event, Preempted):
             self.blocks = []
+            self.released = 0
             self.computed = 0
             self.preemptions += 1
         else:
@@ -238,6 +247,7 @@ class RequestModel:
             elif isinstance(event, Failed):
                 self.failure = event.message
             self.blocks = []
+            self.released = 0
             self.times["end"] = event.time
         self.status = target
 
@@ -247,6 +257,7 @@ class RequestModel:
             "status": self.status,
             "output": tuple(self.output),
             "blocks": tuple(self.blocks),
+            "released": self.released,
             "computed": self.computed,
             "cached": self.cached,
             "placeholders": self.placeholders,

@@ -216,6 +216,7 @@ def scheduler_configs(
     pipeline_depth: Ints | None = None,
     enable_prefix_caching: bool | st.SearchStrategy[bool] | None = None,
     priority_aging_steps: Ints | None = None,
+    sliding_window: int | st.SearchStrategy[int | None] | None = None,
 ) -> SchedulerConfig:
     """Small configurations, so that memory pressure and preemption happen all the time.
 
@@ -235,6 +236,9 @@ def scheduler_configs(
             (default either).
         priority_aging_steps: Steps per level of priority a waiting request gains (default
             1 to 4, so that ranks cross within a run, or the engine's default).
+        sliding_window: Positions every layer of the simulated model sees (default none, or
+            1 to 9: shorter than most requests, so that blocks are given back as they run);
+            ``st.none()`` for none.
     """
     blocks = draw(_ints(num_blocks, st.integers(2, 12)))
     size = draw(_ints(block_size, st.integers(1, 4)))
@@ -258,6 +262,13 @@ def scheduler_configs(
         ),
         priority_aging_steps=draw(
             _ints(priority_aging_steps, st.integers(1, 4) | st.just(PRIORITY_AGING_STEPS))
+        ),
+        sliding_window=draw(
+            st.none() | st.integers(1, 9)
+            if sliding_window is None
+            else sliding_window
+            if isinstance(sliding_window, st.SearchStrategy)
+            else st.just(sliding_window)
         ),
     )
 

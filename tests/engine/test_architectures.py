@@ -160,3 +160,55 @@ async def test_an_answer_is_the_same_whatever_runs_beside_it(model_folder: str) 
         got = await answers(model_folder, targets, crowd, **options)
         for index, (answer, wanted) in enumerate(zip(got, expected, strict=True)):
             assert answer == wanted, f"{Path(model_folder).name}, {name}: target {index}"
+
+
+async def _two_at_once(folder: str) -> tuple[list[Any], int]:
+    """Two greedy requests of 44 positions each (11 blocks of 4) at once, in a pool of 12:
+    their outputs, and the preemptions it took."""
+    outputs: list[Any] = [None, None]
+    options = {"block_size": 4, "num_blocks": 12, "max_num_batched_tokens": 8}
+    async with Engine.open(
+        model=folder, device="cpu", dtype="float32", enable_prefix_caching=False, **options
+    ) as engine:
+
+        async def one(index: int) -> None:
+            steps = 44 - len(engine.tokenizer.encode(PROMPTS[index]))
+            params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+            outputs[index] = await engine.generate(PROMPTS[index], params)
+
+        async with anyio.create_task_group() as group:
+            for index in range(2):
+                group.start_soon(one, index)
+        return outputs, engine.statistics().num_preemptions
+
+
+@pytest.mark.timeout(300)
+async def test_a_windowed_model_gives_back_its_blocks_and_keeps_transformers_tokens(
+    tmp_path: Path,
+) -> None:
+    """Mistral with a window of 8: each request holds only its window's blocks (and its
+    chunk's), so two that need 11 blocks of 4 each whole share a pool of 12 without a
+    preemption, where the same model without a window preempts; and each answer is
+    transformers' greedy one, the positions behind the window padded in its tables."""
+    found = {}
+    for window in (8, None):
+        folder = tmp_path / f"window-{window}"
+        reference = parity.make_model(
+            transformers.MistralConfig,
+            transformers.MistralForCausalLM,
+            folder,
+            seed=7,
+            vocab_size=VOCABULARY,
+            sliding_window=window,
+        )
+        save_tokenizer(folder)
+        outputs, preemptions = await _two_at_once(str(folder))
+        found[window] = preemptions
+        for output in outputs:
+            prompt = list(output.prompt_token_ids)
+            steps = len(output.token_ids)
+            assert len(prompt) + steps == 44
+            expected = parity.greedy(reference, prompt, steps=steps)[len(prompt) :]
+            assert list(output.token_ids) == expected
+    assert found[8] == 0
+    assert found[None] > 0

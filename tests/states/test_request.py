@@ -16,6 +16,7 @@ from twostroke.states.request import (
     TRANSITIONS,
     Admitted,
     BlocksAllocated,
+    BlocksReleased,
     Cancelled,
     ChunkScheduled,
     ConstraintCompiled,
@@ -50,6 +51,7 @@ LIFECYCLE = {
     "PREFILLING": {
         "PrefixCacheHit": "PREFILLING",
         "BlocksAllocated": "PREFILLING",
+        "BlocksReleased": "PREFILLING",
         "ChunkScheduled": "PREFILLING",
         "SampleScheduled": "DECODING",
         "Preempted": "PREEMPTED",
@@ -58,6 +60,7 @@ LIFECYCLE = {
     },
     "DECODING": {
         "BlocksAllocated": "DECODING",
+        "BlocksReleased": "DECODING",
         "SampleScheduled": "DECODING",
         "TokenSampled": "DECODING",
         "DraftVerified": "DECODING",
@@ -87,6 +90,7 @@ EVENTS: dict[str, type[RequestEvent]] = {
         Admitted,
         PrefixCacheHit,
         BlocksAllocated,
+        BlocksReleased,
         ChunkScheduled,
         SampleScheduled,
         TokenSampled,

@@ -95,7 +95,10 @@ def test_depth_1_and_depth_2_stream_identical_tokens(data: st.DataObject) -> Non
     assert serial.finish_reasons == overlapped.finish_reasons
     for request_id, spec in enumerate(workload.requests):
         expected, reason = reference_output(
-            spec.prompt_token_ids, spec.params, eos_token_ids=spec.eos_token_ids
+            spec.prompt_token_ids,
+            spec.params,
+            eos_token_ids=spec.eos_token_ids,
+            window=config.sliding_window,
         )
         assert list(serial.outputs[request_id]) == expected
         assert str(serial.finish_reasons[request_id]) == reason

@@ -73,17 +73,22 @@ TestDraftingSchedulerTinyPool = DraftingSchedulerMachine.for_config(
 NGRAM = SpeculativeConfig(method="ngram", adaptive=False, disable_by_batch_size=None)
 
 
-def perfect(request_id: int, known: Sequence[int], wanted: int) -> list[int]:
-    """The toy model's own greedy continuation: every draft holds."""
+def perfect(
+    request_id: int, known: Sequence[int], wanted: int, window: int | None = None
+) -> list[int]:
+    """The toy model's own greedy continuation (seeing the last ``window`` tokens, as the
+    simulated device of a windowed model does): every draft holds."""
     sequence = list(known)
     for _ in range(wanted):
-        sequence.append(toy_next_token(sequence))
+        sequence.append(toy_next_token(sequence if window is None else sequence[-window:]))
     return sequence[len(known) :]
 
 
-def wrong(request_id: int, known: Sequence[int], wanted: int) -> list[int]:
+def wrong(
+    request_id: int, known: Sequence[int], wanted: int, window: int | None = None
+) -> list[int]:
     """The continuation with every token changed: no draft holds."""
-    return [(token + 1) % VOCAB_SIZE for token in perfect(request_id, known, wanted)]
+    return [(token + 1) % VOCAB_SIZE for token in perfect(request_id, known, wanted, window)]
 
 
 def scheduler(
@@ -133,7 +138,8 @@ def test_any_drafts_give_the_outputs_without_drafts(
     def chosen(request_id: int, known: Sequence[int], wanted: int) -> list[int]:
         if kind == "random":
             return [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(wanted + 1))]
-        return (perfect if kind == "perfect" else wrong)(request_id, known, wanted)
+        guess = perfect if kind == "perfect" else wrong
+        return guess(request_id, known, wanted, config.sliding_window)
 
     spec = SpeculativeConfig(
         method="ngram", prompt_lookup_min=1, adaptive=False, disable_by_batch_size=None
