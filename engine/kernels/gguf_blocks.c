@@ -1154,6 +1154,47 @@ int twostroke_block_projection(const float *x, ptrdiff_t x_stride, ptrdiff_t row
  * path), which the team splits. Returns 0, or 1 for a type it does not read (or in_features
  * not a whole number of its blocks).
  */
+/* One stored row's values, as gguf's dequantization computes them, into `values`
+ * [per_row * the type's weights a block]. */
+static void dequantize_row(int type, const uint8_t *row, ptrdiff_t per_row, ptrdiff_t size,
+                           float *values) {
+    for (ptrdiff_t b = 0; b < per_row; b++) {
+        const uint8_t *block = row + b * size;
+        if (is_super(type)) { /* as gguf computes it: (d sc) q - (dmin m) */
+            float d = half_to_float(type == TYPE_Q6_K ? block + 208 : block);
+            float dmin = type == TYPE_Q6_K ? 0.0f : half_to_float(block + 2);
+            for (int j = 0; j < SUPER / BLOCK; j++) {
+                int8_t weights[BLOCK];
+                int scale[2], min;
+                sub_block(type, block, j, weights, scale, &min);
+                float *v = values + b * SUPER + j * BLOCK;
+                for (int t = 0; t < BLOCK; t++)
+                    v[t] = (d * (float)scale[t / 16]) * (float)weights[t] - dmin * (float)min;
+            }
+            continue;
+        }
+        float d = half_to_float(block);
+        float *v = values + b * BLOCK;
+        if (type == TYPE_Q8_0) {
+            for (int j = 0; j < BLOCK; j++)
+                v[j] = d * (float)(int8_t)block[2 + j];
+        } else {
+            const uint8_t *nibbles = block + nibbles_at(type);
+            float m = has_min(type) ? half_to_float(block + 2) : 0.0f;
+            int offset = has_min(type) ? 0 : -(int)offset_of(type);
+            uint32_t h = 0;
+            if (has_fifth(type))
+                memcpy(&h, nibbles - 4, sizeof h);
+            for (int j = 0; j < BLOCK / 2; j++) {
+                int low = (nibbles[j] & 0x0f) | (int)((h >> j) & 1) << 4;
+                int high = (nibbles[j] >> 4) | (int)((h >> (j + BLOCK / 2)) & 1) << 4;
+                v[j] = d * (float)(low - offset) + m;
+                v[j + BLOCK / 2] = d * (float)(high - offset) + m;
+            }
+        }
+    }
+}
+
 int twostroke_block_rows(int type, const void *blocks, ptrdiff_t in_features,
                          const int64_t *ids, ptrdiff_t count, float *out) {
     ptrdiff_t size = block_bytes(type);
@@ -1163,42 +1204,46 @@ int twostroke_block_rows(int type, const void *blocks, ptrdiff_t in_features,
 #pragma omp parallel for if (count * in_features >= PARALLEL_WORK) schedule(static)
     for (ptrdiff_t i = 0; i < count; i++) {
         const uint8_t *row = (const uint8_t *)blocks + ids[i] * per_row * size;
-        float *values = out + i * in_features;
-        for (ptrdiff_t b = 0; b < per_row; b++) {
-            const uint8_t *block = row + b * size;
-            if (is_super(type)) { /* as gguf computes it: (d sc) q - (dmin m) */
-                float d = half_to_float(type == TYPE_Q6_K ? block + 208 : block);
-                float dmin = type == TYPE_Q6_K ? 0.0f : half_to_float(block + 2);
-                for (int j = 0; j < SUPER / BLOCK; j++) {
-                    int8_t weights[BLOCK];
-                    int scale[2], min;
-                    sub_block(type, block, j, weights, scale, &min);
-                    float *v = values + b * SUPER + j * BLOCK;
-                    for (int t = 0; t < BLOCK; t++)
-                        v[t] = (d * (float)scale[t / 16]) * (float)weights[t] - dmin * (float)min;
-                }
-                continue;
-            }
-            float d = half_to_float(block);
-            float *v = values + b * BLOCK;
-            if (type == TYPE_Q8_0) {
-                for (int j = 0; j < BLOCK; j++)
-                    v[j] = d * (float)(int8_t)block[2 + j];
-            } else {
-                const uint8_t *nibbles = block + nibbles_at(type);
-                float m = has_min(type) ? half_to_float(block + 2) : 0.0f;
-                int offset = has_min(type) ? 0 : -(int)offset_of(type);
-                uint32_t h = 0;
-                if (has_fifth(type))
-                    memcpy(&h, nibbles - 4, sizeof h);
-                for (int j = 0; j < BLOCK / 2; j++) {
-                    int low = (nibbles[j] & 0x0f) | (int)((h >> j) & 1) << 4;
-                    int high = (nibbles[j] >> 4) | (int)((h >> (j + BLOCK / 2)) & 1) << 4;
-                    v[j] = d * (float)(low - offset) + m;
-                    v[j + BLOCK / 2] = d * (float)(high - offset) + m;
-                }
-            }
-        }
+        dequantize_row(type, row, per_row, size, out + i * in_features);
     }
     return 0;
+}
+
+/* float32 to bfloat16 bits, rounded to nearest even as torch's `.to(torch.bfloat16)` rounds
+ * (a NaN to the quiet NaN torch gives). */
+static inline uint16_t to_bfloat16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+int twostroke_block_rows_bf16(int type, const void *blocks, ptrdiff_t in_features,
+                              const int64_t *ids, ptrdiff_t count, uint16_t *out) {
+    ptrdiff_t size = block_bytes(type);
+    if (!size || in_features % block_weights(type))
+        return 1;
+    ptrdiff_t per_row = in_features / block_weights(type);
+    int failed = 0;
+#pragma omp parallel if (count * in_features >= PARALLEL_WORK)
+    {
+        float *values = malloc(sizeof(float) * (size_t)in_features);
+        if (values == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(static)
+        for (ptrdiff_t i = 0; i < count; i++) {
+            if (values == NULL)
+                continue;
+            const uint8_t *row = (const uint8_t *)blocks + ids[i] * per_row * size;
+            dequantize_row(type, row, per_row, size, values);
+            uint16_t *to = out + i * in_features;
+            for (ptrdiff_t j = 0; j < in_features; j++)
+                to[j] = to_bfloat16(values[j]);
+        }
+        free(values);
+    }
+    return failed;
 }

@@ -122,6 +122,11 @@ typedef int twostroke_block_linear_float_fn(const float *x, ptrdiff_t x_stride, 
                                             ptrdiff_t count, float *out, ptrdiff_t out_stride);
 typedef int twostroke_block_rows_fn(int type, const void *blocks, ptrdiff_t in_features,
                                     const int64_t *ids, ptrdiff_t count, float *out);
+/* The same rows rounded to bfloat16 bits (to nearest even, as torch rounds): the dense
+ * path's weights where it multiplies in bfloat16. Returns 0, 1 for a type it does not
+ * compute, 2 where it could not allocate a row's scratch. */
+typedef int twostroke_block_rows_bf16_fn(int type, const void *blocks, ptrdiff_t in_features,
+                                         const int64_t *ids, ptrdiff_t count, uint16_t *out);
 /* A projection's parts, as the decoder stack passes one (`weight`) to
  * twostroke_block_projection, a twostroke_stack_projection_fn where element is float. */
 struct twostroke_block_weight {
@@ -138,6 +143,7 @@ twostroke_quantize_rows_fn twostroke_quantize_rows;
 twostroke_block_linear_fn twostroke_block_linear;
 twostroke_block_linear_float_fn twostroke_block_linear_float;
 twostroke_block_rows_fn twostroke_block_rows;
+twostroke_block_rows_bf16_fn twostroke_block_rows_bf16;
 twostroke_block_projection_fn twostroke_block_projection;
 
 /* decoder_stack.c: the model, its kernels and each layer's weights (fixed once loaded). */

@@ -231,7 +231,8 @@ def _form_dependence(form: WeightForm, projection: Projections, dtype: torch.dty
     if form == "blocks" and projection.blocks is not None:
         dense_rows = projection.blocks.dense_rows
         if dense_rows is not None:
-            return f"switch from the GGUF blocks to a dense float32 product from {dense_rows} rows"
+            dense = str(projection.blocks.dense_dtype).removeprefix("torch.")
+            return f"switch from the GGUF blocks to a dense {dense} product from {dense_rows} rows"
     return None
 
 

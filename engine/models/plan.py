@@ -411,6 +411,10 @@ def plan_run(
         weights = quantization
     elif blocks is not None:  # "auto", where AUTO_BLOCKS takes them
         weights = next(n for n, a in BLOCK_ACTIVATIONS.items() if a == blocks.activations)
+    if blocks is not None and not exact and blocks.activations == "int8" and cpu_personality().bf16:
+        # Prefill's many rows multiply in bfloat16 where the CPU does natively: 4-5x float32's
+        # products, with rows rounded finer than the 8-bit activations the blocks already take.
+        blocks = blocks.densely(torch.bfloat16)
     if deterministic and blocks is not None:
         blocks = blocks.block_by_block()  # before any weight is made of it
     reduced = quantization if quantization in ("auto", "fp16", "int8") else None

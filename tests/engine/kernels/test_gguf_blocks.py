@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twostroke.engine.checkpoints.gguf import BLOCK_TYPES, BlockTensor
+from twostroke.engine.kernels import gguf_blocks
 from twostroke.engine.kernels.gguf_blocks import (
     ACTIVATIONS,
     BLOCK_BYTES,
@@ -260,6 +261,36 @@ def test_many_rows_multiply_the_dequantized_weight_in_float32(
     exact = BlockWeight(kernel.taking("float32"), tuple(tensors))(x[: DENSE_ROWS - 1])
     expected = expected[: DENSE_ROWS - 1] - bias.double().numpy()
     assert np.all(np.abs(exact.double().numpy() - expected) <= allowed[: DENSE_ROWS - 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_path_takes_a_large_weight_a_slice_of_rows_at_a_time(
+    kernels: dict[str, BlockKernel], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """A weight of more than DENSE_ELEMENTS weights is dequantized and multiplied a slice of
+    its rows at a time (slices across the parts' seams here), giving the whole product: the
+    file's weights times the rows, in ``dtype`` as torch's GEMM computes it."""
+    kernel = kernels[ALLOWED[-1]].densely(dtype)
+    generator = np.random.default_rng(11)
+    in_features = 256
+    tensors, dense = [], []
+    for name, out_features in (("Q4_K", 40), ("Q8_0", 24)):
+        data = random_blocks(generator, BLOCK_TYPES[name], out_features, in_features)
+        tensors.append(BlockTensor(name, BLOCK_TYPES[name], data))
+        kind = GGMLQuantizationType(BLOCK_TYPES[name])
+        dense.append(torch.from_numpy(dequantize(data, kind).astype(np.float32)))
+    x = torch.from_numpy(generator.normal(0, 1, (DENSE_ROWS + 3, in_features)).astype(np.float32))
+    expected = torch.mm(x.to(dtype), torch.cat(dense).to(dtype).t()).float()
+    whole = BlockWeight(kernel, tuple(tensors))(x)
+    monkeypatch.setattr(gguf_blocks, "DENSE_ELEMENTS", 7 * in_features)  # slices of 7 rows
+    sliced = BlockWeight(kernel, tuple(tensors))(x)
+    # The same sums, each of in_features products, maybe blocked otherwise by the GEMM:
+    # float32 rounding of them, then the result's own rounding to dtype.
+    eps = torch.finfo(dtype).eps
+    scale = x.abs() @ torch.cat(dense).abs().t()
+    bound = (in_features * 2.0**-23 + eps) * scale + 1e-6
+    for got in (whole, sliced):
+        assert torch.all((got - expected).abs() <= bound)
 
 
 @given(

@@ -166,6 +166,11 @@ def test_the_policy_names_each_part_that_depends_on_its_rows(blocks: BlockKernel
         f"the decoder's projections switch from the GGUF blocks to a dense float32 product "
         f"from {DENSE_ROWS} rows",
     )
+    sixteen = Projections("blocks", "blocks", blocks=blocks.densely(bf16), sixteen="onednn")
+    assert row_dependences(sixteen, "native", f32) == (
+        f"the decoder's projections switch from the GGUF blocks to a dense bfloat16 product "
+        f"from {DENSE_ROWS} rows",
+    )
     invariant = Projections("blocks", "blocks", blocks=blocks.block_by_block(), sixteen="onednn")
     assert row_dependences(invariant, "native", f32) == ()
     fp16 = Projections("fp16", "onednn")
