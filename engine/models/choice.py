@@ -379,11 +379,11 @@ def select_kernels(
         dependences = row_dependences(projection, chosen, dtype)
         if config.num_experts and not deterministic:
             # Each expert multiplies the rows that picked it, as many as picked it this step,
-            # with torch's dense products (engine.models.experts); asked for determinism,
-            # it multiplies them one row at a time instead (experts_by_row).
+            # in the projections' form (engine.models.experts); asked for determinism, it
+            # multiplies them one row at a time instead (experts_by_row).
             dependences += (
-                "the experts' products are torch's dense products of as many rows as picked "
-                "each expert, which sum a row another way as that count changes",
+                "the experts' products take as many rows as picked each expert, and may sum "
+                "a row another way as that count changes",
             )
     else:
         dependences = (

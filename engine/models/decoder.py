@@ -364,6 +364,13 @@ class CausalLM(nn.Module):
                     if dropped >= _RELEASE_EVERY:
                         release_free_memory()
                         dropped = 0
+            # A mixture's experts take the dense projections' form too (one expert at a
+            # time, each packed from its slice of the stacked tensors, dropped after).
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    layer.mlp.use_form(
+                        projection.layers, kernel=kernel, panel_rows=projection.panel_rows
+                    )
         head = self.lm_head.method
         if self.config.tie_word_embeddings and isinstance(head, PanelWeight):
             # One copy of the tied matrix: lookups read the head's panels (the same values).

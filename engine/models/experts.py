@@ -22,7 +22,10 @@ expert no token picks is never read, so its pages are never touched), or the exp
 quantized at load (``q8_0``, ``q4_0``). An expert is then two
 :class:`~twostroke.engine.models.forms.BlockWeight` projections, its gate and up side by
 side as the dense MLP's ``gate_up`` and its down, multiplied by the same block products as
-every other projection, and the stacked tensors are dropped. The router stays dense.
+every other projection, and the stacked tensors are dropped. Otherwise the experts take the
+form the plan chose for the dense projections (:meth:`SparseMoE.use_form`: the compiled
+bfloat16 panels of an HF checkpoint's experts, oneDNN's packing, fbgemm's float16 or int8),
+one pair of projections an expert. The router stays dense.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from torch import nn
 
 from twostroke.engine.checkpoints.gguf import BlockTensor
 from twostroke.engine.kernels.gguf_blocks import BlockKernel
+from twostroke.engine.kernels.projection import ProjectionKernel
 from twostroke.engine.models.config import ModelConfig
-from twostroke.engine.models.forms import BlockWeight
+from twostroke.engine.models.forms import BlockWeight, LinearMethod, WeightForm, weight_method
 from twostroke.engine.models.layers import Glue
 from twostroke.engine.models.linear import empty_parameter
 
@@ -81,7 +85,7 @@ class SparseMoE(nn.Module):
         self.down = empty_parameter(experts, hidden, width, dtype=dtype, device=device)
         #: Each expert's ``(gate_up, down)`` in GGUF blocks once :meth:`use_blocks` made
         #: them (the stacked tensors are then empty); ``None``: the stacked tensors.
-        self.forms: tuple[tuple[BlockWeight, BlockWeight], ...] | None = None
+        self.forms: tuple[tuple[LinearMethod, LinearMethod], ...] | None = None
         # The experts' matrices in blocks as load_blocks took them, by (expert, projection),
         # until use_blocks makes the forms of them.
         self._stored: dict[tuple[int, str], BlockTensor] = {}
@@ -290,6 +294,43 @@ class SparseMoE(nn.Module):
             for expert in range(self.num_experts)
         )
         self._stored = {}
+        dtype, device = self.gate_up.dtype, self.gate_up.device
+        self.gate_up = empty_parameter(0, dtype=dtype, device=device)
+        self.down = empty_parameter(0, dtype=dtype, device=device)
+
+    def use_form(
+        self,
+        form: WeightForm,
+        *,
+        kernel: ProjectionKernel | None = None,
+        panel_rows: int | None = None,
+    ) -> None:
+        """Compute each expert from its matrices in ``form``, the form the run's plan chose
+        for every dense projection (the compiled bfloat16 panels, oneDNN's packing, fbgemm's
+        float16 or int8: :func:`~twostroke.engine.models.forms.weight_method`), so the
+        experts multiply by the same kernels; the stacked tensors are dropped. ``"dense"``
+        keeps them as they are; experts already in blocks stay so.
+
+        Args:
+            form: The dense projections' form (not ``"blocks"``: :meth:`use_blocks`).
+            kernel: The compiled projection, for ``"panels"``.
+            panel_rows: For ``"panels"``, the most rows the panels take.
+
+        Raises:
+            ValueError: ``"blocks"``, or ``"panels"`` without a kernel.
+        """
+        if form == "dense" or self.forms is not None:
+            return
+        if form == "blocks":
+            raise ValueError("an expert's blocks come from a file or a requantization: use_blocks")
+
+        def method(weight: torch.Tensor) -> LinearMethod:
+            return weight_method(form, weight, None, kernel=kernel, panel_rows=panel_rows)
+
+        self.forms = tuple(
+            (method(self.gate_up[expert]), method(self.down[expert]))
+            for expert in range(self.num_experts)
+        )
         dtype, device = self.gate_up.dtype, self.gate_up.device
         self.gate_up = empty_parameter(0, dtype=dtype, device=device)
         self.down = empty_parameter(0, dtype=dtype, device=device)

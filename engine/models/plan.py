@@ -203,8 +203,11 @@ class RunPlan:
         experts)."""
         config = self.config
         dtype = _name(self.dtype)
-        if not config.num_experts or self.blocks is None:
+        if not config.num_experts:
             return False, ""
+        if self.blocks is None:  # the experts take the dense projections' form
+            form = self.kernels.projection.layers
+            return False, "" if form == "dense" else f", experts in {form} as the projections"
         if self.requantize is not None:
             ragged = [w for w in (config.hidden_size, config.expert_intermediate_size) if w % 32]
             if ragged:

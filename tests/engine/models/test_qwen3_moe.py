@@ -666,3 +666,26 @@ def test_gguf_metadata_reads_the_experts() -> None:
         ModelConfig.from_gguf_metadata(
             {**metadata, "qwen3moe.expert_used_count": 5}, ["output.weight"]
         )
+
+
+def test_the_fast_plan_gives_the_experts_the_projections_form(
+    qwen3_moe: tuple[Any, Path, LoadedModel],
+) -> None:
+    """An HF checkpoint's experts in bfloat16 take the form the plan chose for the dense
+    projections (the compiled panels where they run here), one pair an expert, and the
+    stacked tensors go; test_bfloat16_tracks_float32 bounds their logits."""
+    _, path, _ = qwen3_moe
+    fast = open_model(path, dtype=torch.bfloat16, device=parity.CPU, exact=False)
+    form = fast.plan.kernels.projection.layers
+    mixtures = [layer.mlp for layer in fast.module.layers if isinstance(layer.mlp, SparseMoE)]
+    assert mixtures
+    if form == "dense":
+        assert all(mixture.forms is None for mixture in mixtures)
+        return
+    assert f"experts in {form} as the projections" in fast.plan.describe()
+    attention = fast.module.layers[0].self_attn.qkv_proj.method
+    for mixture in mixtures:
+        assert mixture.forms is not None
+        assert len(mixture.forms) == mixture.num_experts
+        assert mixture.gate_up.numel() == mixture.down.numel() == 0
+        assert {type(method) for pair in mixture.forms for method in pair} == {type(attention)}
