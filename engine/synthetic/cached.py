@@ -64,7 +64,8 @@ def synthetic_model(
     """The synthetic model of ``shape``, made on first use and kept in the artifact cache.
 
     Args:
-        shape: A shape's name (:data:`~twostroke.engine.synthetic.shapes.SHAPES`).
+        shape: A shape's name (:data:`~twostroke.engine.synthetic.shapes.SHAPES`), or
+            ``NAME@N`` for its first ``N`` layers.
         format: ``"hf"`` (a model folder) or ``"gguf"`` (one file).
         type: The weights' dtype for ``hf`` (default ``"bfloat16"``), their GGUF type for
             ``gguf`` (default ``"f16"``).
@@ -77,7 +78,7 @@ def synthetic_model(
         The model folder (``hf``) or GGUF file, inside the cache.
 
     Raises:
-        UnknownShape: no such shape.
+        UnknownShape: no such shape, or ``NAME@N`` with ``N`` not in ``[1, layers]``.
         ValueError: ``format`` or ``type`` is not one of those named.
         QuantizerUnavailable: ``q4_k_m`` without a working ``llamacpp_python``.
         SyntheticCacheUnavailable: the cache is turned off or could not store the model.
@@ -180,6 +181,8 @@ def synthetic_named(
     ``synthetic:SHAPE`` is the shape's GGUF file in F16, the form every peer of the bench
     reads; ``synthetic:SHAPE:TYPE`` picks the type, a GGUF one (``f16``, ``q8_0``,
     ``q4_k_m``) or a Hugging Face folder's dtype (``bfloat16``, ``float16``, ``float32``).
+    ``SHAPE@N`` is the shape's first ``N`` layers (``synthetic:qwen3-30b-a3b@12:q4_k_m``), a
+    model of its own (its own cache entry).
 
     Raises:
         ValueError: the name has more than three parts, or a type of neither kind (the

@@ -4,7 +4,9 @@ configuration (:mod:`twostroke.engine.synthetic`).
 * ``twostroke synthesize --list`` prints the shapes, one a line, with their sizes;
 * ``twostroke synthesize SHAPE --format hf --out DIR`` writes a model folder into ``DIR``;
 * ``twostroke synthesize SHAPE --format gguf [--type f16|q8_0|q4_k_m] --out DIR`` writes
-  ``DIR/SHAPE-TYPE.gguf`` (``q4_k_m`` through ``--llamacpp-python PY``'s llama.cpp).
+  ``DIR/SHAPE-TYPE.gguf`` (``q4_k_m`` through ``--llamacpp-python PY``'s llama.cpp);
+* ``SHAPE@N`` (``qwen3-30b-a3b@12``) is the shape's first ``N`` layers, each as the real
+  model's, for a model whose whole depth does not fit the disk.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ def add_synthesize_arguments(parser: argparse.ArgumentParser) -> None:
     """``twostroke synthesize``'s arguments (and its parser's ``error``, for the command's
     usage errors)."""
     parser.set_defaults(synthesize_usage_error=parser.error)
-    parser.add_argument("shape", nargs="?", metavar="SHAPE", help="a shape --list prints")
+    parser.add_argument(
+        "shape",
+        nargs="?",
+        metavar="SHAPE",
+        help="a shape --list prints; SHAPE@N is its first N layers",
+    )
     parser.add_argument("--list", action="store_true", help="print the shapes and exit")
     parser.add_argument("--format", choices=["hf", "gguf"], default=None, help="required")
     parser.add_argument(
@@ -94,7 +101,18 @@ def synthesize_command(args: argparse.Namespace) -> int:
 
 def _describe(shape: Shape) -> str:
     parameters = sum(spec.numel for spec in tensor_specs(shape))
+    # A token reads its router's top k experts of each layer, not the others.
+    idle = shape.num_experts - shape.experts_per_token
+    active = parameters - idle * shape.num_layers * 3 * shape.hidden_size * (
+        shape.expert_intermediate_size
+    )
+    mixture = (
+        f" ({active / 1e9:.2f} B active, top {shape.experts_per_token} of "
+        f"{shape.num_experts} experts)"
+        if shape.num_experts
+        else ""
+    )
     return (
-        f"{shape.name:<14} {shape.family:<7} {parameters / 1e9:5.2f} B parameters, "
+        f"{shape.name:<14} {shape.family:<8} {parameters / 1e9:5.2f} B parameters{mixture}, "
         f"{shape.num_layers} layers, hidden {shape.hidden_size} ({shape.source})"
     )

@@ -2,21 +2,26 @@
 :func:`~twostroke.engine.synthetic.hf.write_hf` writes.
 
 What follows ``convert_hf_to_gguf.py`` (ggml-org/llama.cpp; its classes ``TextModel``,
-``LlamaModel``, ``Qwen3Model``, ``Gemma3Model`` and ``Phi3MiniModel``):
+``LlamaModel``, ``Qwen3Model``, ``Gemma3Model``, ``Phi3MiniModel``, ``Qwen3MoeModel`` and
+``OlmoeModel``):
 
 * the architecture's name and keys: the common ones of ``TextModel.set_gguf_parameters``
   (``key_length`` and ``value_length`` where ``config.json`` has ``head_dim``), plus
   ``vocab_size`` and ``rope.dimension_count`` for llama, Gemma 3's own list (its
   ``sliding_window``), Phi-3's ``rope.scaling.original_context_length``,
   ``rope.dimension_count`` of the rotated part, ``sliding_window`` and
-  ``rope.scaling.attn_factor``;
+  ``rope.scaling.attn_factor``; a mixture's ``expert_count`` and ``expert_used_count``,
+  and Qwen3-MoE's ``expert_feed_forward_length`` (``Qwen2MoeModel``'s; OLMoE's experts are
+  its ``feed_forward_length`` wide, and ``OlmoeModel`` writes its epsilon as 1e-5);
 * tensor names through gguf's own ``TensorNameMap`` (the converter's), q and k rows of
   llama permuted as ``LlamaModel.permute`` does (no other family's are), Gemma's norms
   stored plus one (``Gemma3Model.norm_shift``);
 * the tensors it makes up: llama 3's ``rope_freqs`` from ``rope_scaling``, Phi-3's
-  ``rope_factors_long`` and ``rope_factors_short``;
-* types: norms and every 1-D tensor F32, the rest F16 or Q8_0 (F16 where a row does not
-  split into Q8_0 blocks), as ``prepare_tensors`` decides.
+  ``rope_factors_long`` and ``rope_factors_short``; a layer's experts stacked into one
+  tensor per projection (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``:
+  ``[experts, rows, columns]``, as ``Qwen2MoeModel.modify_tensors`` merges them);
+* types: norms, the router (``ffn_gate_inp``) and every 1-D tensor F32, the rest F16 or
+  Q8_0 (F16 where a row does not split into Q8_0 blocks), as ``prepare_tensors`` decides.
 
 Q4_K_M is llama.cpp's own: the F16 file goes through ``llama_cpp.llama_model_quantize`` in a
 child process of the Python that ``--llamacpp-python`` names (``_quantize_child.py``), so
@@ -24,7 +29,8 @@ the file is made exactly as users' are. The tokenizer is SmolLM2's ``tokenizer.*
 copied.
 
 Tensors are drawn and written one at a time (``GGUFWriter``'s tensor infos first, then
-``write_tensor_data`` per tensor), so memory holds one tensor.
+``write_tensor_data`` per tensor), so memory holds one tensor (a layer's stack of one
+projection's experts: 0.8 GB in float32 for Qwen3-30B-A3B's).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +66,16 @@ GGUFType = Literal["f16", "q8_0", "q4_k_m"]
 GGUF_TYPES: tuple[GGUFType, ...] = ("f16", "q8_0", "q4_k_m")
 
 #: llama.cpp's architecture of each family.
-_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}
+_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+    "qwen3moe": "qwen3moe",
+    "olmoe": "olmoe",
+}
+#: One expert's projection in a checkpoint: its stack's name is the same without ``N.``.
+_EXPERT = re.compile(r"(?P<stem>.+\.mlp\.experts)\.(?P<expert>[0-9]+)\.(?P<proj>\w+)\.weight")
 #: llama.cpp's ``LLAMA_FTYPE_MOSTLY_Q4_K_M`` (``gguf.LlamaFileType.MOSTLY_Q4_K_M``).
 _Q4_K_M = 15
 _CHILD = Path(__file__).with_name("_quantize_child.py")
@@ -187,18 +203,44 @@ def _plan(shape: Shape, type: Literal["f16", "q8_0"], seed: int) -> Iterator[_Pl
         made = torch.tensor(values, dtype=torch.float32)
         yield _Planned(extra, tuple(made.shape), functools.partial(made.clone), f32)
     matrix = gguf.GGMLQuantizationType.F16 if type == "f16" else gguf.GGMLQuantizationType.Q8_0
-    for spec in tensor_specs(shape):
-        name = names.get_name(spec.name, try_suffixes=(".weight",))
-        assert name is not None, f"gguf maps no name for {spec.name}"  # the table is ours
+    for hf_name, specs in _stacked(tensor_specs(shape)):
+        name = names.get_name(hf_name, try_suffixes=(".weight",))
+        assert name is not None, f"gguf maps no name for {hf_name}"  # the table is ours
+        tensor_shape = specs[0].shape if len(specs) == 1 else (len(specs), *specs[0].shape)
         qtype = matrix
-        if len(spec.shape) == 1 or name.endswith("_norm.weight"):
+        if len(tensor_shape) == 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight")):
             qtype = f32
-        elif spec.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        elif tensor_shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
             qtype = gguf.GGMLQuantizationType.F16  # the converter's fallback on QuantError
-        yield _Planned(name, spec.shape, _maker(shape, spec, seed), qtype)
+        yield _Planned(name, tensor_shape, _maker(shape, specs, seed), qtype)
 
 
-def _maker(shape: Shape, spec: TensorSpec, seed: int) -> Callable[[], torch.Tensor]:
+def _stacked(specs: Sequence[TensorSpec]) -> Iterator[tuple[str, tuple[TensorSpec, ...]]]:
+    """The checkpoint's tensors as the file holds them: each alone under its name, but a
+    layer's experts, whose projections come as one stack each (``mlp.experts.gate_proj``),
+    yielded once the layer's last expert is seen."""
+    stacks: dict[str, list[TensorSpec]] = {}
+    for spec in specs:
+        expert = _EXPERT.fullmatch(spec.name)
+        if expert is None:
+            yield from _flushed(stacks)
+            yield spec.name, (spec,)
+        else:
+            stacks.setdefault(f"{expert['stem']}.{expert['proj']}.weight", []).append(spec)
+    yield from _flushed(stacks)
+
+
+def _flushed(stacks: dict[str, list[TensorSpec]]) -> Iterator[tuple[str, tuple[TensorSpec, ...]]]:
+    for name, specs in stacks.items():
+        yield name, tuple(specs)
+    stacks.clear()
+
+
+def _maker(shape: Shape, specs: tuple[TensorSpec, ...], seed: int) -> Callable[[], torch.Tensor]:
+    if len(specs) > 1:
+        return functools.partial(_stack, specs, seed)
+    (spec,) = specs
+
     def make() -> torch.Tensor:
         tensor = draw(spec, seed)
         if shape.family == "llama" and spec.name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -209,6 +251,15 @@ def _maker(shape: Shape, spec: TensorSpec, seed: int) -> Callable[[], torch.Tens
         return tensor
 
     return make
+
+
+def _stack(specs: tuple[TensorSpec, ...], seed: int) -> torch.Tensor:
+    """A stack of experts, each drawn as the folder's, in order; filled in place, so that
+    memory holds the stack and one expert's matrix, not every expert's twice."""
+    stack = torch.empty((len(specs), *specs[0].shape), dtype=torch.float32)
+    for index, spec in enumerate(specs):
+        stack[index] = draw(spec, seed)
+    return stack
 
 
 def _permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
@@ -268,13 +319,19 @@ def _add_parameters(writer: Any, shape: Shape, gguf: Any) -> None:
     writer.add_head_count(shape.num_heads)
     writer.add_head_count_kv(shape.num_kv_heads)
     writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    # OlmoeModel writes 1e-5 over TextModel's value (the released config's own, too).
+    writer.add_layer_norm_rms_eps(1e-5 if shape.family == "olmoe" else config["rms_norm_eps"])
     if config.get("head_dim") is not None:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
     if shape.family == "llama":
         writer.add_vocab_size(SMOLLM2_VOCAB_SIZE)
         writer.add_rope_dimension_count(shape.head_dim)
+    if shape.num_experts:
+        writer.add_expert_used_count(shape.experts_per_token)
+        writer.add_expert_count(shape.num_experts)
+    if shape.family == "qwen3moe":
+        writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
 
 
 def _extra_tensors(shape: Shape) -> list[tuple[str, list[float]]]:

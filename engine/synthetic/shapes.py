@@ -6,10 +6,15 @@ SmolLM2's 49152 tokens and its tokenizer, so that every tool that drives twostro
 a synthetic model. The tiny shapes (``test-*``) are the same families at a few layers and
 small widths, for tests; their widths are multiples of 256 so that llama.cpp's k-quants
 apply to them as they do to the real ones.
+
+``NAME@N`` is a shape's first ``N`` layers (:meth:`Shape.with_layers`): every layer as the
+real model's, fewer of them, for a model whose whole depth does not fit the disk (Qwen3-30B-A3B
+is 61 GB in F16; ``qwen3-30b-a3b@12`` a quarter of its layers).
 """
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -19,6 +24,7 @@ import attrs
 from twostroke.states.errors import EngineError
 
 __all__ = [
+    "MOE_FAMILIES",
     "SHAPES",
     "SMOLLM2_VOCAB_SIZE",
     "TEST_SHAPES",
@@ -31,20 +37,24 @@ __all__ = [
 #: SmolLM2's vocabulary, every shape's (its tokenizer is theirs).
 SMOLLM2_VOCAB_SIZE = 49152
 
-Family = Literal["llama", "qwen3", "gemma3", "phi3"]
+Family = Literal["llama", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe"]
+#: The families whose MLP is a mixture of experts (in every layer, as their real models').
+MOE_FAMILIES: tuple[Family, ...] = ("qwen3moe", "olmoe")
 
 
 class UnknownShape(EngineError, ValueError):
-    """A shape name that is not in :data:`SHAPES` (nor among the tiny test shapes).
+    """A shape name that is not in :data:`SHAPES` (nor among the tiny test shapes), or a
+    ``NAME@N`` whose ``N`` is not a count of that shape's layers.
 
     Attributes:
         name: The name given.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, problem: str | None = None) -> None:
         self.name = name
         super().__init__(
-            f"a synthetic model's shape must be one of {', '.join(SHAPES)} (or a tiny "
+            problem
+            or f"a synthetic model's shape must be one of {', '.join(SHAPES)} (or a tiny "
             f"{', '.join(TEST_SHAPES)}); got {name!r}"
         )
 
@@ -60,7 +70,8 @@ class Shape:
     Attributes:
         name: What ``twostroke synthesize`` calls it (``"qwen3-0.6b"``).
         family: Which tensor layout it has (``"llama"``, ``"qwen3"``, ``"gemma3"``,
-            ``"phi3"``): transformers' modelling file and llama.cpp's architecture.
+            ``"phi3"``, ``"qwen3moe"``, ``"olmoe"``): transformers' modelling file and
+            llama.cpp's architecture.
         source: Where its configuration comes from.
         config: Its ``config.json`` fields, ``vocab_size`` and the token ids aside (see
             :meth:`hf_config`).
@@ -104,6 +115,25 @@ class Shape:
         return int(given) if given is not None else self.hidden_size // self.num_heads
 
     @property
+    def num_experts(self) -> int:
+        """The experts of each layer's mixture (0: a dense MLP)."""
+        return int(self.config.get("num_experts", 0)) if self.family in MOE_FAMILIES else 0
+
+    @property
+    def experts_per_token(self) -> int:
+        """The experts each token's router picks (0: a dense MLP)."""
+        return int(self.config["num_experts_per_tok"]) if self.num_experts else 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One expert's inner width: Qwen3-MoE's ``moe_intermediate_size`` (its
+        ``intermediate_size`` is a dense MLP's, which no layer of the released models has),
+        OLMoE's ``intermediate_size``; 0 for a dense MLP."""
+        if self.family == "qwen3moe":
+            return int(self.config["moe_intermediate_size"])
+        return self.intermediate_size if self.num_experts else 0
+
+    @property
     def tied(self) -> bool:
         """Whether the output projection is the embedding (no ``lm_head`` tensor)."""
         return bool(self.config.get("tie_word_embeddings", False))
@@ -128,6 +158,32 @@ class Shape:
             "pad_token_id": None,
             "torch_dtype": dtype,
         }
+
+    def with_layers(self, layers: int) -> Shape:
+        """The first ``layers`` layers of this shape, each as the real model's: named
+        ``NAME@N`` and with ``num_hidden_layers`` (and Gemma 3's ``layer_types``) cut to
+        them, every width as it is.
+
+        Args:
+            layers: How many, in ``[1, num_layers]``.
+
+        Returns:
+            A new shape (for all of them too: then its name alone differs).
+
+        Raises:
+            UnknownShape: ``layers`` is not in ``[1, num_layers]``.
+        """
+        name = f"{self.name}@{layers}"
+        if not 1 <= layers <= self.num_layers:
+            raise UnknownShape(
+                name,
+                f"a shape's layers NAME@N must be in [1, {self.num_layers}] for {self.name}, "
+                f"got {layers} in {name!r}",
+            )
+        config = {**self.config, "num_hidden_layers": layers}
+        if "layer_types" in config:
+            config["layer_types"] = list(config["layer_types"][:layers])
+        return Shape(name, self.family, f"{self.source}, its first {layers} layers", config)
 
 
 def _qwen3(name: str, source: str, **fields: Any) -> Shape:
@@ -293,6 +349,86 @@ def _phi3(name: str, source: str, long_factor: tuple[float, ...], **widths: Any)
     )
 
 
+def _qwen3moe(name: str, source: str, **fields: Any) -> Shape:
+    # Qwen/Qwen3-30B-A3B/config.json (Hugging Face Hub, April 2025): every layer a mixture
+    # (decoder_sparse_step 1, no mlp_only_layers); intermediate_size is the dense MLP's that
+    # no layer has, moe_intermediate_size an expert's.
+    return Shape(
+        name,
+        "qwen3moe",
+        source,
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "decoder_sparse_step": 1,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 6144,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 48,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "use_sliding_window": False,
+            **fields,
+        },
+    )
+
+
+def _olmoe(name: str, source: str, **fields: Any) -> Shape:
+    # allenai/OLMoE-1B-7B-0924/config.json (Hugging Face Hub, September 2024): q/k norms over
+    # the whole projection, intermediate_size an expert's, the top 8's probabilities not
+    # divided by their sum (norm_topk_prob false).
+    return Shape(
+        name,
+        "olmoe",
+        source,
+        {
+            "architectures": ["OlmoeForCausalLM"],
+            "model_type": "olmoe",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "clip_qkv": None,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 1024,
+            "max_position_embeddings": 4096,
+            "norm_topk_prob": False,
+            "num_attention_heads": 16,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 16,
+            "num_key_value_heads": 16,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": None,
+            "rope_theta": 10000.0,
+            "router_aux_loss_coef": 0.01,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            **fields,
+        },
+    )
+
+
 #: The real shapes, by name.
 SHAPES: Mapping[str, Shape] = types.MappingProxyType(
     {
@@ -319,6 +455,8 @@ SHAPES: Mapping[str, Shape] = types.MappingProxyType(
             _phi3(
                 "phi-4-mini", "microsoft/Phi-4-mini-instruct/config.json", _PHI4_MINI_LONG_FACTOR
             ),
+            _olmoe("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924/config.json"),
+            _qwen3moe("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B/config.json"),
         )
     }
 )
@@ -352,21 +490,47 @@ TEST_SHAPES: Mapping[str, Shape] = types.MappingProxyType(
             ),
             # head_dim 64, a quarter not rotated: 48 rotated dimensions, 24 factors.
             _phi3("test-phi3", _TINY_SOURCE, _PHI4_MINI_LONG_FACTOR[::2], **_TINY),
+            # 8 experts, 2 a token: few enough to be small, enough that routing differs.
+            _qwen3moe(
+                "test-qwen3moe",
+                _TINY_SOURCE,
+                **_TINY,
+                head_dim=64,
+                max_window_layers=2,
+                moe_intermediate_size=256,
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
+            # As many key/value heads as query heads, as the real OLMoE.
+            _olmoe(
+                "test-olmoe",
+                _TINY_SOURCE,
+                **{**_TINY, "intermediate_size": 256, "num_key_value_heads": 4},
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
         )
     }
 )
 
 
+#: ``NAME@N``: a shape's first N layers.
+_LAYERS = re.compile(r"(?P<name>.+)@(?P<layers>[0-9]+)")
+
+
 def shape_named(name: str) -> Shape:
-    """The shape called ``name``.
+    """The shape called ``name``, or its first ``N`` layers for ``NAME@N``
+    (:meth:`Shape.with_layers`).
 
     Args:
-        name: A key of :data:`SHAPES` or of :data:`TEST_SHAPES`.
+        name: A key of :data:`SHAPES` or of :data:`TEST_SHAPES`, alone or with ``@N``.
 
     Raises:
-        UnknownShape: it is neither.
+        UnknownShape: it is neither, or ``N`` is not in ``[1, layers of the shape]``.
     """
-    found = SHAPES.get(name) or TEST_SHAPES.get(name)
+    subset = _LAYERS.fullmatch(name)
+    base = subset["name"] if subset else name
+    found = SHAPES.get(base) or TEST_SHAPES.get(base)
     if found is None:
         raise UnknownShape(name)
-    return found
+    return found.with_layers(int(subset["layers"])) if subset else found

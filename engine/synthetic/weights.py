@@ -12,6 +12,13 @@ stream grows to a few units over the depth rather than by ``sqrt`` of it per lay
 embedding (and an untied ``lm_head``) gets ``1/sqrt(hidden)``, so logits have unit scale.
 Norm weights are one: Gemma's norms scale by ``1 + weight``, so theirs are stored as zero
 (and llama.cpp's converter stores them plus one, one again).
+
+**A mixture of experts** is one router (``mlp.gate``) and each expert's SwiGLU under its own
+names (``mlp.experts.N.gate_proj``, as the released checkpoints have them), each expert
+drawn as a dense MLP of its width is. The router reads the normed stream like any matrix
+(std ``1/sqrt(hidden)``): its logits have unit scale, so each token's top-k differs from its
+neighbours' and every expert gets some tokens, where a larger scale would make each token's
+pick a near one-hot and a smaller one a near tie.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
     Returns:
         The embedding, each layer's tensors, the final norm and (untied) ``lm_head``.
     """
-    hidden, inner, layers = shape.hidden_size, shape.intermediate_size, shape.num_layers
+    hidden, layers = shape.hidden_size, shape.num_layers
     q_rows = shape.num_heads * shape.head_dim
     kv_rows = shape.num_kv_heads * shape.head_dim
     norm = 0.0 if shape.family == "gemma3" else 1.0
@@ -81,10 +88,15 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
                 TensorSpec(f"{prefix}.self_attn.k_proj.weight", (kv_rows, hidden), read),
                 TensorSpec(f"{prefix}.self_attn.v_proj.weight", (kv_rows, hidden), read),
             ]
-        if shape.family in ("qwen3", "gemma3"):
+        if shape.family in ("qwen3", "gemma3", "qwen3moe"):
             specs += [
                 TensorSpec(f"{prefix}.self_attn.q_norm.weight", (shape.head_dim,), fill=norm),
                 TensorSpec(f"{prefix}.self_attn.k_norm.weight", (shape.head_dim,), fill=norm),
+            ]
+        elif shape.family == "olmoe":  # over the whole projection, not per head
+            specs += [
+                TensorSpec(f"{prefix}.self_attn.q_norm.weight", (q_rows,), fill=norm),
+                TensorSpec(f"{prefix}.self_attn.k_norm.weight", (kv_rows,), fill=norm),
             ]
         specs.append(
             TensorSpec(
@@ -99,21 +111,43 @@ def tensor_specs(shape: Shape) -> list[TensorSpec]:
                 TensorSpec(f"{prefix}.pre_feedforward_layernorm.weight", (hidden,), fill=norm),
                 TensorSpec(f"{prefix}.post_feedforward_layernorm.weight", (hidden,), fill=norm),
             ]
-        if shape.family == "phi3":
-            specs.append(TensorSpec(f"{prefix}.mlp.gate_up_proj.weight", (2 * inner, hidden), read))
+        if shape.num_experts:
+            specs += _expert_specs(shape, prefix, read, residual)
         else:
-            specs += [
-                TensorSpec(f"{prefix}.mlp.gate_proj.weight", (inner, hidden), read),
-                TensorSpec(f"{prefix}.mlp.up_proj.weight", (inner, hidden), read),
-            ]
-        specs.append(
-            TensorSpec(
-                f"{prefix}.mlp.down_proj.weight", (hidden, inner), residual / math.sqrt(inner)
-            )
-        )
+            specs += _mlp_specs(shape, prefix, read, residual)
     specs.append(TensorSpec("model.norm.weight", (hidden,), fill=norm))
     if not shape.tied:
         specs.append(TensorSpec("lm_head.weight", (SMOLLM2_VOCAB_SIZE, hidden), read))
+    return specs
+
+
+def _mlp_specs(shape: Shape, prefix: str, read: float, residual: float) -> list[TensorSpec]:
+    """One layer's dense SwiGLU (Phi-3's gate and up fused, as its checkpoint has them)."""
+    hidden, inner = shape.hidden_size, shape.intermediate_size
+    if shape.family == "phi3":
+        specs = [TensorSpec(f"{prefix}.mlp.gate_up_proj.weight", (2 * inner, hidden), read)]
+    else:
+        specs = [
+            TensorSpec(f"{prefix}.mlp.gate_proj.weight", (inner, hidden), read),
+            TensorSpec(f"{prefix}.mlp.up_proj.weight", (inner, hidden), read),
+        ]
+    specs.append(
+        TensorSpec(f"{prefix}.mlp.down_proj.weight", (hidden, inner), residual / math.sqrt(inner))
+    )
+    return specs
+
+
+def _expert_specs(shape: Shape, prefix: str, read: float, residual: float) -> list[TensorSpec]:
+    """One layer's mixture: its router, then each expert's gate, up and down."""
+    hidden, width = shape.hidden_size, shape.expert_intermediate_size
+    specs = [TensorSpec(f"{prefix}.mlp.gate.weight", (shape.num_experts, hidden), read)]
+    for expert in range(shape.num_experts):
+        stem = f"{prefix}.mlp.experts.{expert}"
+        specs += [
+            TensorSpec(f"{stem}.gate_proj.weight", (width, hidden), read),
+            TensorSpec(f"{stem}.up_proj.weight", (width, hidden), read),
+            TensorSpec(f"{stem}.down_proj.weight", (hidden, width), residual / math.sqrt(width)),
+        ]
     return specs
 
 

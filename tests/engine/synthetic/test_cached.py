@@ -101,3 +101,29 @@ def test_the_bench_takes_a_synthetic_model(tmp_path: Path, monkeypatch: pytest.M
     # The engine opens the file (it knows no synthetic: names); other names as they are.
     assert spec.engine_model == str(spec.source)
     assert ModelSpec(name="toy", source=tmp_path).engine_model == "toy"
+
+
+def test_a_shape_s_first_layers_are_a_model_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``synthetic:SHAPE@N[:TYPE]``: the first N layers, under their own name and cache
+    entry, read by the bench as any synthetic name."""
+    monkeypatch.setenv("TWOSTROKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TWOSTROKE_NO_CACHE", raising=False)
+    cache = ArtifactCache(tmp_path / "cache")
+    part = synthetic_named("synthetic:test-qwen3moe@1:q8_0")
+    assert part == synthetic_model("test-qwen3moe@1", "gguf", "q8_0", cache=cache)
+    assert part is not None
+    assert "synthetic-test-qwen3moe@1-" in str(part)
+    fields = gguf.GGUFReader(part).fields
+    assert fields["qwen3moe.block_count"].contents() == 1
+    assert fields["qwen3moe.expert_count"].contents() == 8
+    assert fields["general.name"].contents() == "synthetic test-qwen3moe@1"
+    whole = synthetic_model("test-qwen3moe", "gguf", "q8_0", cache=cache)
+    assert whole.parent.parent != part.parent.parent
+    assert len(cache.entries()) == 2
+    (record,) = (r for e in cache.entries() for _, r in e.artifacts if "@1" in e.path.name)
+    assert record is not None
+    assert record.provenance.source == "synthetic:test-qwen3moe@1"
+    with pytest.raises(UnknownShape, match=r"in \[1, 2\] for test-qwen3moe, got 3"):
+        synthetic_named("synthetic:test-qwen3moe@3")

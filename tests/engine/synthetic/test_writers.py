@@ -98,7 +98,15 @@ def test_an_unknown_dtype_names_the_rule(tmp_path: Path) -> None:
         write_hf(TEST_SHAPES["test-llama"], tmp_path, dtype="int8")  # type: ignore[arg-type]
 
 
-ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+    "qwen3moe": "qwen3moe",
+    "olmoe": "olmoe",
+}
+MIXTURES = ["test-qwen3moe", "test-olmoe"]
 
 
 @pytest.mark.parametrize("kind", ["f16", "q8_0"])
@@ -121,19 +129,23 @@ def test_gguf_keys_names_and_types(
         shape.config["rms_norm_eps"]
     )
     assert fields[f"{arch}.rope.freq_base"] == pytest.approx(shape.config["rope_theta"])
-    if shape.family != "phi3":
-        assert fields[f"{arch}.attention.key_length"] == shape.head_dim
-    else:
+    if shape.family == "phi3":
         assert fields["phi3.rope.dimension_count"] == 48  # 0.75 of 64 per head
+    elif "head_dim" in shape.config:
+        assert fields[f"{arch}.attention.key_length"] == shape.head_dim
+    else:  # OLMoE's config.json has none, so the converter writes none
+        assert f"{arch}.attention.key_length" not in fields
     assert fields["tokenizer.ggml.pre"] == "smollm"
     assert len(fields["tokenizer.ggml.tokens"]) == SMOLLM2_VOCAB_SIZE
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     assert "token_embd.weight" in tensors
     assert "output_norm.weight" in tensors
-    assert "output.weight" not in tensors  # tied, as the real models are
+    # Tied as the real dense models are; the mixtures' real models are not.
+    assert ("output.weight" in tensors) is not shape.tied
     matrix = "F16" if kind == "f16" else "Q8_0"
     for tensor in reader.tensors:
-        expected = "F32" if len(tensor.shape) == 1 else matrix
+        router = tensor.name.endswith("ffn_gate_inp.weight")  # the converter keeps it in F32
+        expected = "F32" if len(tensor.shape) == 1 or router else matrix
         assert tensor.tensor_type.name == expected, tensor.name
     q = "blk.0.attn_qkv.weight" if shape.family == "phi3" else "blk.0.attn_q.weight"
     assert next(iter(tensors[q].shape)) == shape.hidden_size  # ggml order: input features first
@@ -207,7 +219,9 @@ print(bool(numpy.isfinite(scores).all()), float(scores.std()))
 """
 
 
-@pytest.mark.parametrize("name", ["test-llama", "test-qwen3", "test-gemma3"])
+@pytest.mark.parametrize(
+    "name", ["test-llama", "test-qwen3", "test-gemma3", "test-qwen3moe", "test-olmoe"]
+)
 def test_q4_k_m_is_llama_cpp_s_own_and_llama_cpp_runs_it(name: str, tmp_path: Path) -> None:
     python = llamacpp_python()
     path = tmp_path / "model.gguf"
@@ -262,6 +276,94 @@ def test_twostroke_loads_the_llama_shape_in_both_formats(
         theirs = reference(torch.tensor([IDS])).logits[0]
     torch.testing.assert_close(ours_hf.float(), theirs, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(ours_gguf.float(), theirs, atol=2e-2, rtol=1e-2)  # weights in f16
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_gguf_experts_are_stacked_under_llama_cpp_s_names_and_keys(
+    name: str, gguf_files: dict[tuple[str, str], Path]
+) -> None:
+    """The converter's keys of a mixture, and each layer's experts one 3-D tensor per
+    projection holding the folder's experts in order."""
+    shape = TEST_SHAPES[name]
+    arch = ARCHITECTURES[shape.family]
+    reader = gguf.GGUFReader(gguf_files[name, "f16"])
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    assert fields[f"{arch}.expert_count"] == shape.num_experts == 8
+    assert fields[f"{arch}.expert_used_count"] == shape.experts_per_token == 2
+    if shape.family == "qwen3moe":
+        assert fields["qwen3moe.expert_feed_forward_length"] == 256
+    else:  # OlmoeModel writes none: llama.cpp's olmoe takes feed_forward_length
+        assert "olmoe.expert_feed_forward_length" not in fields
+        assert fields["olmoe.feed_forward_length"] == shape.expert_intermediate_size
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    hidden, width, experts = shape.hidden_size, shape.expert_intermediate_size, 8
+    # ggml order: input features first, the experts last.
+    assert list(tensors["blk.1.ffn_gate_inp.weight"].shape) == [hidden, experts]
+    assert list(tensors["blk.1.ffn_gate_exps.weight"].shape) == [hidden, width, experts]
+    assert list(tensors["blk.1.ffn_up_exps.weight"].shape) == [hidden, width, experts]
+    assert list(tensors["blk.1.ffn_down_exps.weight"].shape) == [width, hidden, experts]
+    assert not any(".ffn_gate.weight" in key or "experts" in key for key in tensors)
+    specs = {spec.name: spec for spec in tensor_specs(shape)}
+    stored = np.asarray(tensors["blk.1.ffn_down_exps.weight"].data, dtype=np.float32)
+    for expert in (0, 5):
+        expected = draw(specs[f"model.layers.1.mlp.experts.{expert}.down_proj.weight"], seed=3)
+        np.testing.assert_allclose(stored[expert], expected.half().float().numpy())
+    norm_width = shape.num_heads * shape.head_dim if shape.family == "olmoe" else shape.head_dim
+    assert list(tensors["blk.0.attn_q_norm.weight"].shape) == [norm_width]
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_twostroke_loads_each_mixture_in_both_formats(
+    name: str, hf_folders: dict[str, Path], gguf_files: dict[tuple[str, str], Path]
+) -> None:
+    """twostroke reads the mixture's experts, top k and normalization from either format,
+    and the formats are one model: the folder's logits are transformers' (float32, 2e-4),
+    the F16 file's within 2e-2 of them (measured: 4e-3 and 3e-3 of unit-scale logits), the
+    Q8_0 file's within 0.25 (measured: 0.11 and 0.07)."""
+    loading = pytest.importorskip("twostroke.engine.models.loading")
+    shape = TEST_SHAPES[name]
+    cpu = torch.device("cpu")
+    opened = {
+        "hf": loading.open_model(hf_folders[name], device=cpu, dtype=torch.float32),
+        "f16": loading.open_model(
+            gguf_files[name, "f16"], device=cpu, dtype=torch.float32, quantization=None
+        ),
+        "q8_0": loading.open_model(gguf_files[name, "q8_0"], device=cpu, dtype=torch.float32),
+    }
+    for model in opened.values():
+        config = model.module.config
+        assert config.architecture == shape.config["architectures"][0]
+        assert (config.num_experts, config.experts_per_token) == (8, 2)
+        assert config.expert_intermediate_size == shape.expert_intermediate_size
+        assert config.normalize_expert_weights is (shape.family == "qwen3moe")
+        assert all(config.sparse(layer) for layer in range(shape.num_layers))
+    logits = {kind: model.module.forward_logits([IDS])[0].float() for kind, model in opened.items()}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_folders[name], dtype=torch.float32
+    )
+    with torch.no_grad():
+        theirs = reference(torch.tensor([IDS])).logits[0]
+    assert 0.3 < float(theirs.std()) < 3.0
+    torch.testing.assert_close(logits["hf"], theirs, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(logits["f16"], logits["hf"], atol=2e-2, rtol=1e-2)
+    assert float((logits["q8_0"] - logits["hf"]).abs().max()) < 0.25
+
+
+@pytest.mark.parametrize("name", ["olmoe-1b-7b", "qwen3-30b-a3b", "test-qwen3moe"])
+def test_routing_is_not_degenerate(name: str) -> None:
+    """The router of a unit-scale stream (the normed input it reads) spreads the tokens
+    over every expert, none picked more than twice its fair share, and no pick is near
+    one-hot: the top expert's probability is far from 1."""
+    shape = shape_named(name).with_layers(1)
+    router = next(spec for spec in tensor_specs(shape) if spec.name.endswith("mlp.gate.weight"))
+    stream = torch.randn(512, shape.hidden_size, generator=torch.Generator().manual_seed(1))
+    top, picked = (stream @ draw(router, seed=0).T).softmax(-1).topk(shape.experts_per_token)
+    share = torch.bincount(picked.flatten(), minlength=shape.num_experts) / (
+        picked.numel() / shape.num_experts
+    )
+    assert float(share.min()) > 0.25
+    assert float(share.max()) < 2.0
+    assert float(top[:, 0].mean()) < 0.5
 
 
 def test_shape_named_reaches_the_tiny_shapes() -> None:
