@@ -1042,8 +1042,9 @@ static void block_group(int type, const struct activations *in, ptrdiff_t rows,
     }
 }
 
-/* The most parts a projection may have (q/k/v: 3). */
-#define MAX_PARTS 8
+/* The most parts a projection may have (q/k/v: 3; the gate and up of a token's experts: 2 top-k,
+ * engine.models.experts). */
+#define MAX_PARTS 64
 
 /*
  * out[rows][...] (row stride out_stride) = x W^T for a projection of `count` parts side by

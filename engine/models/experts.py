@@ -86,6 +86,8 @@ class SparseMoE(nn.Module):
         #: Each expert's ``(gate_up, down)`` in GGUF blocks once :meth:`use_blocks` made
         #: them (the stacked tensors are then empty); ``None``: the stacked tensors.
         self.forms: tuple[tuple[LinearMethod, LinearMethod], ...] | None = None
+        # The same forms where they are blocks (use_blocks), for the one-token path.
+        self._blocks: tuple[tuple[BlockWeight, BlockWeight], ...] | None = None
         # The experts' matrices in blocks as load_blocks took them, by (expert, projection),
         # until use_blocks makes the forms of them.
         self._stored: dict[tuple[int, str], BlockTensor] = {}
@@ -132,6 +134,8 @@ class SparseMoE(nn.Module):
                     f"picked experts must be in [0, {self.num_experts}), got "
                     f"{low if low < 0 else high}"
                 )
+        if shape[0] == 1 and self._blocks is not None:  # a decode's one token
+            return self._one_row_in_blocks(x, self._blocks, weights[0], picked[0], glue)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
@@ -152,6 +156,32 @@ class SparseMoE(nn.Module):
             share = weights.flatten()[rows, None]
             out.index_add_(0, token_ids, (down * share).to(out.dtype))
         return out
+
+    def _one_row_in_blocks(
+        self,
+        x: torch.Tensor,
+        blocks: tuple[tuple[BlockWeight, BlockWeight], ...],
+        weights: torch.Tensor,
+        picked: torch.Tensor,
+        glue: Glue,
+    ) -> torch.Tensor:
+        """One token's experts in blocks in two foreign calls, not two an expert: every picked
+        expert's gate and up in one product (the row quantized once), then their downs in
+        another, row ``i`` (expert ``i``'s SwiGLU) kept in expert ``i``'s columns. The blocks
+        sum each output of a row alike whatever the rows and parts beside it, so each is the
+        per-expert call's bit for bit; the shares are added in the order of the experts, as
+        :meth:`mix` adds them."""
+        order = torch.argsort(picked)
+        chosen = [blocks[expert] for expert in picked[order].tolist()]
+        kernel, count = chosen[0][0].kernel, len(chosen)
+        gate_up = BlockWeight(kernel, tuple(part for pair in chosen for part in pair[0].parts))
+        mixed = glue.silu_mul(gate_up(x).view(count, 2 * self.width))
+        own = torch.cat([pair[1](row) for pair, row in zip(chosen, mixed.split(1), strict=True)])
+        shares = (own * weights[order, None]).to(x.dtype)
+        out = shares[0].clone()
+        for share in shares[1:]:
+            out += share
+        return out[None]
 
     def _expert(self, rows: torch.Tensor, expert: int, glue: Glue) -> torch.Tensor:
         """Expert ``expert``'s SwiGLU of ``rows``."""
@@ -286,13 +316,14 @@ class SparseMoE(nn.Module):
                 f"blocks and the others are not (first {missing[0]!r}); the experts compute "
                 "in one form"
             )
-        self.forms = tuple(
+        self._blocks = tuple(
             (
                 BlockWeight(kernel, (stored[expert, "gate_proj"], stored[expert, "up_proj"])),
                 BlockWeight(kernel, (stored[expert, "down_proj"],)),
             )
             for expert in range(self.num_experts)
         )
+        self.forms = self._blocks
         self._stored = {}
         dtype, device = self.gate_up.dtype, self.gate_up.device
         self.gate_up = empty_parameter(0, dtype=dtype, device=device)

@@ -125,15 +125,17 @@ def test_the_fastest_plan_runs_the_layers_one_by_one(
 
 
 def test_batch_invariance_costs_a_product_a_row(qwen3_moe: tuple[Any, Path, LoadedModel]) -> None:
-    """Each expert multiplies as many rows as picked it in a step: torch's dense products,
-    whose sums change with that count (float32 here: about 1e-6 apart alone and among
+    """Each expert multiplies as many rows as picked it in a step, in the projections' form,
+    whose sums may change with that count (float32 here: about 1e-6 apart alone and among
     others, measured). So the fastest plan says the run is not batch-invariant, and
     deterministic=True multiplies each row by its router and experts alone: a row's logits
     are then the same bits alone and among others."""
     _, path, _ = qwen3_moe
     fast = open_model(path, dtype=torch.float32, device=parity.CPU, exact=False)
     assert not fast.plan.kernels.deterministic
-    assert "the experts' products are torch's dense" in fast.plan.describe()
+    assert "the experts' products take as many rows as picked each expert" in (
+        fast.plan.describe()
+    )
     steady = open_model(
         path, dtype=torch.float32, device=parity.CPU, exact=False, deterministic=True
     )
@@ -279,6 +281,40 @@ def test_experts_as_stored_keep_one_answer_per_request(
     together = steady.module.forward_logits(sequences, chunk_size=70)
     for tokens, among in zip(sequences, together, strict=True):
         assert torch.equal(steady.module.forward_logits([tokens])[0], among)
+
+
+def test_a_decodes_token_multiplies_its_experts_as_stored_as_the_general_path(
+    q8_0_file: tuple[Path, LoadedModel],
+) -> None:
+    """One token's experts in blocks take two foreign calls for their gate and up, not one
+    an expert, and its downs one an expert: bit for bit what the general path (each expert
+    called for the rows that picked it) computes for that token, in either arrangement."""
+    path, _ = q8_0_file
+    generator = torch.Generator().manual_seed(4)
+    for deterministic in (False, True):
+        loaded = open_model(
+            path,
+            dtype=torch.float32,
+            device=parity.CPU,
+            quantization="gguf",
+            deterministic=deterministic,
+        )
+        glue = loaded.module.kernels.glue
+        mixture = loaded.module.layers[0].mlp
+        assert isinstance(mixture, SparseMoE)
+        blocks = mixture._blocks
+        assert blocks is not None
+        x = torch.randn(4, loaded.config.hidden_size, generator=generator)
+        weights, picked = mixture.route(x)
+        for row in range(len(x)):
+            routes = (x[row : row + 1], weights[row : row + 1], picked[row : row + 1])
+            fast = mixture.mix(*routes, glue)
+            mixture._blocks = None  # the general path
+            try:
+                general = mixture.mix(*routes, glue)
+            finally:
+                mixture._blocks = blocks
+            assert torch.equal(fast, general)
 
 
 def test_a_q4_k_m_file_keeps_its_k_experts_as_stored(tmp_path: Path) -> None:
