@@ -133,9 +133,7 @@ def test_batch_invariance_costs_a_product_a_row(qwen3_moe: tuple[Any, Path, Load
     _, path, _ = qwen3_moe
     fast = open_model(path, dtype=torch.float32, device=parity.CPU, exact=False)
     assert not fast.plan.kernels.deterministic
-    assert "the experts' products take as many rows as picked each expert" in (
-        fast.plan.describe()
-    )
+    assert "the experts' products take as many rows as picked each expert" in fast.plan.describe()
     steady = open_model(
         path, dtype=torch.float32, device=parity.CPU, exact=False, deterministic=True
     )
