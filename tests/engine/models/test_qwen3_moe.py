@@ -57,6 +57,25 @@ def _model(variant: str, path: Path, **fields: Any) -> Any:
     )
 
 
+def _tiny_config(**fields: Any) -> ModelConfig:
+    """A one-layer Qwen3-MoE configuration of width 32, two experts a token, and ``fields``."""
+    values: dict[str, Any] = {
+        "architecture": "Qwen3MoeForCausalLM",
+        "vocab_size": 16,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_layers": 1,
+        "num_heads": 2,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+        "experts_per_token": 2,
+    }
+    return ModelConfig(**{**values, **fields})
+
+
 @pytest.fixture(scope="module", params=["dense-layer", "sparse-step"])
 def qwen3_moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp(f"qwen3-moe-{request.param}")
@@ -412,23 +431,7 @@ def test_experts_whose_rows_are_not_blocks_stay_dense(tmp_path: Path) -> None:
 def test_grouping_by_expert_equals_each_token_alone() -> None:
     """The mixture run on a batch gives each token what it gives that token alone: routes
     where one expert takes every token, and experts no token picks."""
-    config = ModelConfig(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        num_experts=6,
-        experts_per_token=2,
-        expert_intermediate_size=16,
-        normalize_expert_weights=True,
-    )
+    config = _tiny_config(num_experts=6, expert_intermediate_size=16, normalize_expert_weights=True)
     torch.manual_seed(3)
     moe = SparseMoE(config, dtype=torch.float64, device=parity.CPU)
     x = torch.rand(12, 32, dtype=torch.float64) + 0.1  # positive: the router's signs decide
@@ -525,22 +528,7 @@ def test_expert_blocks_that_do_not_fit_are_refused() -> None:
     """Stacked expert blocks of another shape are refused naming the tensor and both shapes;
     the experts compute in one form, so blocks for some of their matrices alone are refused
     when the forms are made."""
-    config = ModelConfig(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        num_experts=4,
-        experts_per_token=2,
-        expert_intermediate_size=32,
-    )
+    config = _tiny_config(num_experts=4, expert_intermediate_size=32)
     model = Qwen3MoeForCausalLM(config, dtype=torch.float32, device=parity.CPU)
     q8_0 = BLOCK_TYPES["Q8_0"]
     generator = np.random.default_rng(0)
@@ -607,18 +595,8 @@ def test_mixing_given_routes_equals_each_tokens_experts_one_by_one(
     expert multiplies several rows at once (a product of more rows sums another way)."""
     experts, picks, seed = routing
     top_k, hidden, width = len(picks[0]), 32, 16
-    config = ModelConfig(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=16,
+    config = _tiny_config(
         hidden_size=hidden,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
         num_experts=experts,
         experts_per_token=top_k,
         expert_intermediate_size=width,
@@ -646,22 +624,7 @@ def test_mixing_given_routes_equals_each_tokens_experts_one_by_one(
 
 
 def test_mixing_refuses_routes_of_another_shape_or_expert() -> None:
-    config = ModelConfig(
-        architecture="Qwen3MoeForCausalLM",
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        num_experts=4,
-        experts_per_token=2,
-        expert_intermediate_size=16,
-    )
+    config = _tiny_config(num_experts=4, expert_intermediate_size=16)
     moe = SparseMoE(config, dtype=torch.float32, device=parity.CPU)
     x, glue = torch.zeros(3, 32), TorchGlue()
     weights = torch.ones(3, 2)
