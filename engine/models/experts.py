@@ -176,7 +176,9 @@ class SparseMoE(nn.Module):
         kernel, count = chosen[0][0].kernel, len(chosen)
         gate_up = BlockWeight(kernel, tuple(part for pair in chosen for part in pair[0].parts))
         mixed = glue.silu_mul(gate_up(x).view(count, 2 * self.width))
-        own = torch.cat([pair[1](row) for pair, row in zip(chosen, mixed.split(1), strict=True)])
+        own = torch.cat(
+            [pair[1](row) for pair, row in zip(chosen, torch.split(mixed, 1), strict=True)]
+        )
         shares = (own * weights[order, None]).to(x.dtype)
         out = shares[0].clone()
         for share in shares[1:]:
