@@ -502,8 +502,6 @@ class BlockKernel:
         sixteen = dtype != torch.float32
         inputs = x.to(dtype) if sixteen else x
         step = max(DENSE_ELEMENTS // width, 1)
-        if len(weight.parts) == 1 and out_features <= step:
-            step = out_features  # one part in one go: the product straight into the result
         out = torch.empty((rows, out_features), dtype=torch.float32)
         buffer = _buffer(min(step, out_features) * width, dtype)
         dequantize = self._rows_bf16 if sixteen else self._rows

@@ -57,6 +57,19 @@ def _model(variant: str, path: Path, **fields: Any) -> Any:
     )
 
 
+def _wide_model(path: Path) -> Any:
+    """The every-layer variant 256 wide, so that K blocks (256 weights a row) tile it; heads
+    of 64 (llama.cpp's qwen3moe rotates whole heads of hidden_size / heads)."""
+    return _model(
+        "every-layer",
+        path,
+        hidden_size=256,
+        head_dim=64,
+        moe_intermediate_size=256,
+        initializer_range=0.05,
+    )
+
+
 def _tiny_config(**fields: Any) -> ModelConfig:
     """A one-layer Qwen3-MoE configuration of width 32, two experts a token, and ``fields``."""
     values: dict[str, Any] = {
@@ -347,15 +360,7 @@ def test_a_q4_k_m_file_keeps_its_k_experts_as_stored(tmp_path: Path) -> None:
     a bound of 0.15), and the dequantized model itself 2 of 3 of the short sequence. A
     block read wrongly costs every position."""
     python = llamacpp_python()
-    # (heads of 64: llama.cpp's qwen3moe rotates whole heads of hidden_size / heads)
-    reference = _model(
-        "every-layer",
-        tmp_path / "hf",
-        hidden_size=256,
-        head_dim=64,
-        moe_intermediate_size=256,
-        initializer_range=0.05,
-    )
+    reference = _wide_model(tmp_path / "hf")
     plain = tmp_path / "qwen3moe-f32.gguf"
     write_gguf(plain, reference, "qwen3moe")
     path = tmp_path / "qwen3moe-q4_k_m.gguf"
@@ -475,14 +480,7 @@ def test_experts_of_a_type_the_blocks_do_not_compute_are_dequantized(
     with every expert dequantized to float32 and the plan's line saying so; the other
     projections compute from their blocks, and the logits are the dequantized file's
     within 1e-4."""
-    reference = _model(
-        "every-layer",
-        tmp_path / "hf",
-        hidden_size=256,
-        head_dim=64,
-        moe_intermediate_size=256,
-        initializer_range=0.05,
-    )
+    reference = _wide_model(tmp_path / "hf")
     add_tensor = gguf.GGUFWriter.add_tensor
     generator = np.random.default_rng(0)
 
