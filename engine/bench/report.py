@@ -156,7 +156,7 @@ def render_table(run: BenchRun, figures: Mapping[str, Metrics], reference: str |
             f"{figure.wall_seconds:.2f}",
             f"{figure.output_throughput:.1f}",
             "-" if not base else f"{figure.output_throughput / base:.2f}",
-            *_roof_cell(run, figure),
+            *_roof_cell(run, result.name, figure),
             f"{figure.request_throughput:.2f}",
             _ms(figure.ttft, "mean", "p99"),
             _ms(figure.tpot, "mean", "p99"),
@@ -198,11 +198,26 @@ def _system_cell(result: SystemResult) -> str:
     return result.name if weight_format is None else f"{result.name} ({weight_format})"
 
 
-def _roof_cell(run: BenchRun, figure: Metrics) -> list[str]:
-    """The "% roof" cell, or no cell when the run has no roof."""
+def _roof_cell(run: BenchRun, name: str, figure: Metrics) -> list[str]:
+    """The "% roof" cell of the system ``name`` against its own roof (marked where it ran
+    faster than it: a roof too low is no fraction), or no cell when the run has no roof."""
     if run.roof is None:
         return []
-    return [f"{100 * run.roof.fraction(figure.output_throughput):.0f}"]
+    return [run.roof.percent(figure.output_throughput, name)]
+
+
+def _over_roof(run: BenchRun, figures: Mapping[str, Metrics]) -> list[str]:
+    """The systems that ran faster than their roof, but for speculating ones (their own line
+    says why: the roof's schedule has no drafts)."""
+    roof = run.roof
+    if roof is None:
+        return []
+    speculating = {result.name for result in run.results if _ACCEPTANCE in result.extra}
+    return [
+        name
+        for name, figure in figures.items()
+        if name not in speculating and roof.exceeded(figure.output_throughput, name)
+    ]
 
 
 def notes(run: BenchRun) -> list[str]:
@@ -231,10 +246,11 @@ def report_document(
             figure.output_throughput / base if figure is not None and base else None
         )
         entry["fraction_of_roof"] = (
-            run.roof.fraction(figure.output_throughput)
+            run.roof.fraction(figure.output_throughput, result.name)
             if figure is not None and run.roof is not None
             else None
         )
+        entry["over_roof"] = entry["fraction_of_roof"] is not None and entry["fraction_of_roof"] > 1
         found = None if run.quality is None else run.quality.of(result.output_token_ids)
         entry["quality"] = None if found is None else found.to_json()
         systems.append(entry)
@@ -293,8 +309,9 @@ def write_plot(
     labels = [f"{value:.0f}" + (f"\n×{value / base:.2f}" if base else "") for value in throughputs]
     if run.roof is not None:
         roof = run.roof
-        labels = [f"{label}\n{100 * roof.fraction(value):.0f} % of roof" for label, value in
-                  zip(labels, throughputs, strict=True)]  # fmt: skip
+        labels = [f"{label}\n" + ("over its roof (too low)" if roof.exceeded(value, name) else
+                  f"{roof.percent(value, name)} % of roof") for label, value, name in
+                  zip(labels, throughputs, names, strict=True)]  # fmt: skip
         axes[0][0].axhline(roof.output_throughput, color="tab:red", linestyle="--")
         axes[0][0].annotate(
             f"roof {roof.output_throughput:.0f} tok/s",
@@ -361,6 +378,14 @@ def write_report(
     console.print(render_table(run, figures, chosen))
     if run.roof is not None:
         console.print(run.roof.summary(), highlight=False)
+        if over := _over_roof(run, figures):
+            console.print(
+                f"roof: {', '.join(over)} ran faster than its roof, which no run can: the "
+                "roof is too low (a probe that under-read, or work the cost model does not "
+                "see), so the column says so rather than a fraction",
+                style="bold red",
+                highlight=False,
+            )
         if not run.workload.is_offline:
             console.print(
                 "(serving: the arrivals pace every system, so its fraction of the roof "

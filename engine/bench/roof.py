@@ -11,11 +11,17 @@ depth-2 engine ran when the run recorded it (:func:`recorded_schedule`), else th
 engine's own scheduler plans for the workload, run without a model (:func:`simulated_plans`).
 
 The roof throughput is the workload's output tokens over that floor; a system's fraction of
-the roof is its output throughput over the roof's. A system whose weights are smaller than
-the roof assumes (quantized) can pass 100 %.
+the roof is its output throughput over the roof's. Each system's roof costs the weights that
+system reads (:func:`system_weights`: twostroke's plan, a GGUF peer's file as stored, vLLM's
+and transformers' dense weights in the bench's dtype); a system whose weights are not known
+gets the roof of the smallest weights in the run, a lower floor and still a bound.
 
 Both rates are the best of several repeats, as STREAM reports its best: on a shared machine
 the best repeat is the one least disturbed by other processes, and the roof is an upper bound.
+A rate is measured in rounds until it settles (:func:`settle`: the best two of the last
+:data:`SETTLE_ROUNDS` rounds within :data:`SETTLE_TOLERANCE`), within a time limit; the
+summary gives its rounds' spread, and says so when it did not settle: a probe that read low
+makes a roof that a run can pass (the report marks such a fraction, never prints it as one).
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -40,8 +47,13 @@ from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulingPolicy
 from twostroke.states.validators import int_at_least, number_in
 
+if TYPE_CHECKING:
+    from twostroke.engine.models.plan import RunPlan
+
 __all__ = [
     "MachineRoof",
+    "Probe",
+    "SystemWeights",
     "WorkloadRoof",
     "last_level_cache_bytes",
     "machine_speed",
@@ -49,7 +61,9 @@ __all__ = [
     "prepare_roof",
     "recorded_schedule",
     "roof_of_run",
+    "settle",
     "simulated_plans",
+    "system_weights",
     "workload_roof",
 ]
 
@@ -64,6 +78,106 @@ CACHE_MULTIPLE = 8
 #: emulated on AVX2 CPUs, where a 1024-cube product takes seconds).
 MATMUL_SIZES = (256, 512, 1024, 2048)
 
+#: The longest :func:`measure_machine` takes by default, in seconds: a rate that has not
+#: settled by then is reported as it stands, with its spread.
+MEASURE_SECONDS = 10.0
+
+#: The share of the time limit the bandwidth may take (the matmul takes the rest), and the
+#: length of one round of either probe as a share of it.
+BANDWIDTH_SHARE = 0.3
+ROUND_SHARE = 0.025
+
+#: A rate has settled when the best two of its last ``SETTLE_ROUNDS`` rounds agree within
+#: ``SETTLE_TOLERANCE`` of the better one. On the AMX Xeon of issue 52 one bfloat16 probe read
+#: 523.9 GFLOPS and another, an hour earlier, 1,961: one round is not a measurement.
+SETTLE_ROUNDS = 3
+SETTLE_TOLERANCE = 0.05
+
+
+def _rates(rates: Iterable[float]) -> tuple[float, ...]:
+    return tuple(rates)
+
+
+@attrs.frozen(kw_only=True)
+class Probe:
+    """How one rate was measured: each round's best rate, and whether they settled.
+
+    Attributes:
+        rounds: Each round's rate (bytes or FLOPs per second), in order.
+        settled: Whether the best two of the last :data:`SETTLE_ROUNDS` rounds agreed
+            within the tolerance before the time ran out.
+        tolerance: That tolerance, as a fraction of the better rate.
+    """
+
+    rounds: tuple[float, ...] = attrs.field(converter=_rates)
+    settled: bool
+    tolerance: float = SETTLE_TOLERANCE
+
+    @rounds.validator
+    def _check_rounds(self, attribute: object, value: tuple[float, ...]) -> None:
+        if not value or not all(rate > 0 for rate in value):
+            raise ValueError(f"a probe's rounds must be rates > 0, at least one, got {value}")
+
+    @property
+    def best(self) -> float:
+        """The best round's rate: the one least disturbed, for an upper bound."""
+        return max(self.rounds)
+
+    @property
+    def spread(self) -> float:
+        """How far the worst round fell below the best, as a fraction of the best."""
+        return 1 - min(self.rounds) / self.best
+
+    def describe(self) -> str:
+        """``"3 rounds, spread 2 %, settled"``, or why it did not settle."""
+        count = f"{len(self.rounds)} round{'s' * (len(self.rounds) != 1)}"
+        if self.settled:
+            return f"{count}, spread {100 * self.spread:.0f} %, settled"
+        return (
+            f"{count}, spread {100 * self.spread:.0f} %, NOT settled (the best two of the last "
+            f"{SETTLE_ROUNDS} never within {100 * self.tolerance:.0f} %): the roof may be low"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The rounds, whether they settled, and the spread."""
+        return {
+            "rounds": list(self.rounds),
+            "settled": self.settled,
+            "tolerance": self.tolerance,
+            "spread": self.spread,
+        }
+
+
+def settle(
+    round_rate: Callable[[], float],
+    *,
+    clock: Callable[[], float],
+    budget: float,
+    tolerance: float = SETTLE_TOLERANCE,
+) -> Probe:
+    """Measure rounds of a rate until it settles or ``budget`` seconds have passed.
+
+    Args:
+        round_rate: Runs one round and returns its rate (> 0).
+        clock: The timer (monotonic seconds).
+        budget: The time after which no new round starts (one round always runs).
+        tolerance: How close (a fraction of the better) the best two of the last
+            :data:`SETTLE_ROUNDS` rounds must be.
+
+    Returns:
+        The rounds, settled or not.
+    """
+    began = clock()
+    rates: list[float] = []
+    while True:
+        rates.append(round_rate())
+        if len(rates) >= SETTLE_ROUNDS:
+            second, first = sorted(rates[-SETTLE_ROUNDS:])[-2:]
+            if first - second <= tolerance * first:
+                return Probe(rounds=rates, settled=True, tolerance=tolerance)
+        if clock() - began >= budget:
+            return Probe(rounds=rates, settled=False, tolerance=tolerance)
+
 
 @attrs.frozen(kw_only=True)
 class MachineRoof:
@@ -77,6 +191,8 @@ class MachineRoof:
         method: How the rates were measured, for the report.
         seconds: How long the measurement took.
         load_average: The one-minute load average when it ended (``None`` if unknown).
+        bandwidth_probe: The bandwidth's rounds (``None``: given, not measured).
+        flops_probe: The matmul's rounds at its largest size (``None``: given).
     """
 
     bandwidth: float = attrs.field(validator=_POSITIVE)
@@ -86,6 +202,14 @@ class MachineRoof:
     method: str = "given"
     seconds: float = 0.0
     load_average: float | None = None
+    bandwidth_probe: Probe | None = None
+    flops_probe: Probe | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether every measured rate settled (a given one counts as settled)."""
+        probes = (self.bandwidth_probe, self.flops_probe)
+        return all(probe is None or probe.settled for probe in probes)
 
     def step_seconds(self, bytes_: int, flops: int) -> float:
         """The floor of a step that moves ``bytes_`` and computes ``flops``: the slower side."""
@@ -101,11 +225,26 @@ class MachineRoof:
             line += f", measured in {self.seconds:.1f} s"
         if self.load_average is not None:
             line += f" (load average {self.load_average:.2f})"
+        probes = [
+            f"{what} {probe.describe()}"
+            for what, probe in (("read", self.bandwidth_probe), ("matmul", self.flops_probe))
+            if probe is not None
+        ]
+        if probes:
+            line += f" [{'; '.join(probes)}]"
         return line
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (rates in bytes/s and FLOP/s)."""
-        return attrs.asdict(self)
+        """A JSON-ready dict (rates in bytes/s and FLOP/s; each probe's rounds and spread)."""
+        document = attrs.asdict(self, recurse=False)
+        for name in ("bandwidth_probe", "flops_probe"):
+            probe = document[name]
+            document[name] = None if probe is None else probe.to_json()
+        return document
+
+
+def _by_name(roofs: Mapping[str, WorkloadRoof]) -> dict[str, WorkloadRoof]:
+    return dict(roofs)
 
 
 @attrs.frozen(kw_only=True)
@@ -121,6 +260,9 @@ class WorkloadRoof:
         bytes: Bytes over all steps.
         flops: FLOPs over all steps.
         output_tokens: The workload's output tokens.
+        weights: Which weights the steps read, for the report (``""``: not said).
+        systems: Each system's own roof, by name, where its weights are known
+            (:func:`roof_of_run`); this roof is then the smallest weights', the others'.
     """
 
     machine: MachineRoof
@@ -131,31 +273,65 @@ class WorkloadRoof:
     bytes: int = attrs.field(validator=int_at_least(0))
     flops: int = attrs.field(validator=int_at_least(0))
     output_tokens: int = attrs.field(validator=int_at_least(1))
+    weights: str = ""
+    # (A dict is no hash: a roof hashes by its own figures.)
+    systems: Mapping[str, WorkloadRoof] = attrs.field(factory=dict, converter=_by_name, hash=False)
 
     @property
     def output_throughput(self) -> float:
         """Output tokens per second at the floor: the roof."""
         return self.output_tokens / self.floor_seconds
 
-    def fraction(self, output_throughput: float) -> float:
-        """A system's output throughput as a fraction of the roof's."""
-        return output_throughput / self.output_throughput
+    def of_system(self, name: str | None) -> WorkloadRoof:
+        """The roof of the system ``name``: its own where its weights are known, else this."""
+        return self if name is None else self.systems.get(name, self)
+
+    def fraction(self, output_throughput: float, system: str | None = None) -> float:
+        """A system's output throughput as a fraction of its roof's (:meth:`of_system`)."""
+        return output_throughput / self.of_system(system).output_throughput
+
+    def exceeded(self, output_throughput: float, system: str | None = None) -> bool:
+        """Whether a system ran faster than its roof: no fraction, but a roof too low (a
+        probe that read low, or work the cost model does not see)."""
+        return self.fraction(output_throughput, system) > 1
+
+    def percent(self, output_throughput: float, system: str | None = None) -> str:
+        """The report's cell: the percentage of the roof, or ``">100 (roof too low)"``."""
+        if self.exceeded(output_throughput, system):
+            return ">100 (roof too low)"
+        return f"{100 * self.fraction(output_throughput, system):.0f}"
 
     def summary(self) -> str:
-        """One line for the report: rates, floor, roof throughput, and the schedule."""
+        """The report's lines: rates, floor, roof throughput, the schedule, and each group of
+        systems whose weights have a roof of their own."""
         bound = round(100 * self.memory_bound_steps / self.steps)
-        return (
+        line = (
             f"roof: {self.machine.summary()}; floor {self.floor_seconds:.2f} s over "
             f"{self.steps} steps ({bound} % memory-bound) of {self.schedule} → "
             f"{self.output_throughput:.1f} output tok/s"
         )
+        if self.weights:
+            line += f" reading {self.weights}"
+        groups: dict[tuple[str, float], tuple[WorkloadRoof, list[str]]] = {}
+        for name, roof in self.systems.items():
+            groups.setdefault((roof.weights, roof.floor_seconds), (roof, []))[1].append(name)
+        lines = [line]
+        for roof, names in groups.values():
+            lines.append(
+                f"roof of {', '.join(names)}: floor {roof.floor_seconds:.2f} s → "
+                f"{roof.output_throughput:.1f} output tok/s reading {roof.weights}"
+            )
+        if self.systems:
+            lines.append("(a system not named above: the roof of the run's smallest weights)")
+        return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict, the roof throughput included."""
+        """A JSON-ready dict, the roof throughput and each system's own roof included."""
         return {
             **attrs.asdict(self, recurse=False),
             "machine": self.machine.to_json(),
             "output_throughput": self.output_throughput,
+            "systems": {name: roof.to_json() for name, roof in self.systems.items()},
         }
 
 
@@ -166,6 +342,7 @@ def workload_roof(
     *,
     schedule: str,
     output_tokens: int,
+    weights: str = "",
 ) -> WorkloadRoof:
     """Cost every step of ``plans`` and add up their floors on ``machine``.
 
@@ -175,6 +352,7 @@ def workload_roof(
         plans: The schedule, one plan per step.
         schedule: What the schedule is, for the report.
         output_tokens: The workload's output tokens (the roof throughput's numerator).
+        weights: Which weights ``cost`` reads, for the report.
 
     Raises:
         ValueError: ``plans`` is empty, or a plan has no rows.
@@ -199,6 +377,7 @@ def workload_roof(
         bytes=total_bytes,
         flops=total_flops,
         output_tokens=output_tokens,
+        weights=weights,
     )
 
 
@@ -282,28 +461,32 @@ def measure_machine(
     *,
     dtype: str = "float32",
     threads: int = 2,
-    seconds: float = 2.5,
+    seconds: float = MEASURE_SECONDS,
     buffer_bytes: int | None = None,
     matmul_sizes: Sequence[int] = MATMUL_SIZES,
     clock: Callable[[], float] = time.perf_counter,
 ) -> MachineRoof:
-    """Measure the memory bandwidth and the matmul throughput, in about ``seconds``.
+    """Measure the memory bandwidth and the matmul throughput, each until it settles, in at
+    most about ``seconds``.
 
     Runs on a fresh thread with ``threads`` torch threads (a thread's OpenMP team size is
     fixed when it first computes, so the caller's thread might keep another count).
 
-    Bandwidth: ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (default: 256 MiB or
-    8 times the last-level cache, whichever is larger), repeated for 40 % of ``seconds``
-    after one untimed pass; the best repeat's bytes per second. Matmul: square products
-    ``a @ b`` in ``dtype`` of each of ``matmul_sizes`` in turn, one untimed and two timed,
-    growing while the next size's three products (predicted at this size's rate, as n³) fit
-    in the time left; the largest size run takes the rest of the time. The best repeat's
-    ``2 n³`` FLOPs per second, over all sizes.
+    Each rate is measured in rounds of :data:`ROUND_SHARE` of ``seconds`` (a round's rate is
+    its best repeat's) until it settles (:func:`settle`), and is the best round's. Bandwidth:
+    ``torch.sum`` over a float32 buffer of ``buffer_bytes`` (default: 256 MiB or 8 times the
+    last-level cache, whichever is larger), after one untimed pass, for at most
+    :data:`BANDWIDTH_SHARE` of ``seconds``. Matmul: square products ``a @ b`` in ``dtype`` of
+    each of ``matmul_sizes`` in turn, one untimed and two timed, growing while the next size's
+    three products (predicted at this size's rate, as n³) fit in a round; the largest size run
+    takes rounds until it settles or the time is spent; ``2 n³`` FLOPs per second, the best
+    over all sizes.
 
     Args:
         dtype: The products' dtype (a key of :data:`~twostroke.engine.bench.cost.DTYPE_BYTES`).
         threads: torch threads (the bench's, as its systems use).
-        seconds: The time to spend, roughly (each part runs at least twice).
+        seconds: The most time to spend, roughly (:data:`MEASURE_SECONDS` by default; a
+            rate that settles sooner ends sooner, one round of each always runs).
         buffer_bytes: The buffer's size; ``None``: as above.
         matmul_sizes: The square sizes to try, smallest first.
         clock: The timer (monotonic seconds).
@@ -396,30 +579,44 @@ def _measure(
     from twostroke.gpu.threads import torch_threads
 
     began = clock()
+    round_seconds = ROUND_SHARE * seconds
+    counted = [0, 0]  # passes, products
+
+    def rate(work: Callable[[], object], units: float, which: int) -> Callable[[], float]:
+        def round_rate() -> float:
+            times = _repeat(work, clock, round_seconds, warm_up=False, at_least=1)
+            counted[which] += len(times)
+            return units / min(times)
+
+        return round_rate
+
     with torch_threads(threads), torch.inference_mode():
         buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)  # touches every page
-        reads = _repeat(buffer.sum, clock, 0.4 * seconds)
+        buffer.sum()  # the untimed pass
+        read = settle(
+            rate(buffer.sum, buffer_bytes // 4 * 4, 0),
+            clock=clock,
+            budget=BANDWIDTH_SHARE * seconds,
+        )
         del buffer
-        bandwidth = buffer_bytes // 4 * 4 / min(reads)
         generator = torch.Generator().manual_seed(0)
         kind = getattr(torch, dtype)
-        best, products, ran = 0.0, 0, []
+        best, ran = 0.0, []
         for index, size in enumerate(sizes):
             a = torch.rand(size, size, generator=generator).to(kind)
             b = torch.rand(size, size, generator=generator).to(kind)
             product = functools.partial(torch.matmul, a, b)
             times = _repeat(product, clock, 0.0)
-            left = seconds - (clock() - began)
+            counted[1] += len(times)
+            best = max(best, 2 * size**3 / min(times))
+            ran.append(size)
             following = sizes[index + 1] if index + 1 < len(sizes) else None
             # The next size's untimed product and two timed ones, at this size's rate (n³).
-            if following is None or 3 * min(times) * (following / size) ** 3 > left:
-                # The largest size that fits: the rest of the budget goes to it.
-                times += _repeat(product, clock, left, warm_up=False, at_least=0)
-                following = None
-            best = max(best, 2 * size**3 / min(times))
-            products += len(times)
-            ran.append(size)
-            if following is None:
+            if following is None or 3 * min(times) * (following / size) ** 3 > round_seconds:
+                # The largest size that fits a round: rounds of it until the rate settles.
+                left = seconds - (clock() - began)
+                matmul = settle(rate(product, 2 * size**3, 1), clock=clock, budget=left)
+                best = max(best, matmul.best)
                 break
     if cache is None:
         cached = ""
@@ -428,18 +625,20 @@ def _measure(
     else:
         cached = f" (within the {cache >> 20} MiB cache: its bandwidth, not the memory's)"
     method = (
-        f"read: best of {len(reads)} torch.sum passes over {buffer_bytes >> 20} MiB of float32"
-        f"{cached}; matmul: best of {products} {dtype} square products of sizes "
+        f"read: best of {counted[0]} torch.sum passes over {buffer_bytes >> 20} MiB of float32"
+        f"{cached}; matmul: best of {counted[1]} {dtype} square products of sizes "
         f"{', '.join(map(str, ran))}"
     )
     return MachineRoof(
-        bandwidth=bandwidth,
+        bandwidth=read.best,
         flops=best,
         dtype=dtype,
         threads=threads,
         method=method,
         seconds=clock() - began,
         load_average=_load_average(),
+        bandwidth_probe=read,
+        flops_probe=matmul,
     )
 
 
@@ -484,9 +683,7 @@ def prepare_roof(
 
     The weights cost what the engine's plan of the run reads
     (:func:`~twostroke.engine.models.plan.resolve_run`, the engine's defaults at the bench's
-    dtype): a GGUF file whose blocks it computes as stored costs its stored bytes, another
-    model its projections in the precision the plan holds them in and the rest in its dtype;
-    the KV cache costs its positions in the plan's cache dtype.
+    dtype; :func:`plan_cost`).
 
     Args:
         model: The bench's model: its source gives the shape, its dtype and threads the
@@ -501,8 +698,7 @@ def prepare_roof(
     import torch
 
     from twostroke.engine.config import DtypeOption, EngineConfig
-    from twostroke.engine.models.loading import stored_bytes
-    from twostroke.engine.models.plan import BLOCK_ACTIVATIONS, resolve_run
+    from twostroke.engine.models.plan import resolve_run
     from twostroke.engine.models.source import read_source
     from twostroke.engine.runners.loading import default_torch_threads
 
@@ -510,17 +706,116 @@ def prepare_roof(
     # roof costs what the engine reads.
     config = EngineConfig(dtype=cast(DtypeOption, model.dtype) if model.exact else "auto")
     plan = resolve_run(config, read_source(model.source), torch.device("cpu"))
-    stored = stored_bytes(model.source) if plan.weights in BLOCK_ACTIVATIONS else None
+    cost = plan_cost(plan, model.source)
     dtype = str(plan.dtype).removeprefix("torch.")
-    cost = ModelCost.of(
-        plan.config,
-        dtype=dtype,
-        quantization=plan.kernels.projection.quantization,
-        stored=stored,
-        kv_cache_dtype=str(plan.cache_dtype).removeprefix("torch."),
-    )
     # The torch threads twostroke's systems run on, given the bench's cores.
     return measure(dtype=dtype, threads=default_torch_threads(model.threads)), cost
+
+
+def plan_cost(plan: RunPlan, source: Path) -> ModelCost:
+    """The costs of a step of twostroke's run ``plan`` of the model at ``source``.
+
+    A GGUF file whose blocks the plan computes as stored costs its stored bytes
+    (:func:`~twostroke.engine.models.loading.stored_bytes`); projections quantized into
+    blocks at load cost those blocks; another model its projections in the precision the plan
+    holds them in and the rest in its dtype; the KV cache its positions in the plan's cache
+    dtype.
+
+    Raises:
+        ModelLoadError: a GGUF file's blocks that cannot be read.
+    """
+    from twostroke.engine.models.loading import stored_bytes
+    from twostroke.engine.models.plan import BLOCK_ACTIVATIONS
+
+    as_stored = plan.weights in BLOCK_ACTIVATIONS
+    if plan.requantize is not None:
+        quantization = plan.weights
+    else:
+        quantization = None if as_stored else plan.kernels.projection.quantization
+    return ModelCost.of(
+        plan.config,
+        dtype=str(plan.dtype).removeprefix("torch."),
+        quantization=quantization,
+        stored=stored_bytes(source) if as_stored else None,
+        kv_cache_dtype=str(plan.cache_dtype).removeprefix("torch."),
+    )
+
+
+@attrs.frozen
+class SystemWeights:
+    """The weights one system reads a step, as its roof costs them.
+
+    Attributes:
+        description: What they are, for the roof's line (``"bfloat16 weights"``).
+        cost: The step's costs with them.
+    """
+
+    description: str
+    cost: ModelCost
+
+
+def system_weights(drivers: Iterable[object], model: ModelSpec) -> dict[str, SystemWeights]:
+    """The weights each of ``drivers`` reads a step of ``model``, by system name, where known.
+
+    * twostroke's systems (a driver with ``plan(model, device)``): the plan of the run as
+      the engine makes it from the system's options (:func:`plan_cost`);
+    * llama.cpp, llama-server and OpenVINO GenAI on a GGUF file: the file's stored bytes, on
+      float32 activations, the KV cache in llama.cpp's default float16 (OpenVINO's CPU
+      default: 8 bits);
+    * vLLM and transformers: dense weights, activations and KV cache in the bench's dtype
+      (vLLM reads the bench's Hugging Face folder in it; transformers dequantizes a GGUF
+      file into it).
+
+    Any other system (an HTTP endpoint), or one whose plan cannot be made here, is left
+    out: its roof is the run's smallest weights' (:func:`roof_of_run`).
+
+    Raises:
+        ModelLoadError: the model's configuration cannot be read.
+    """
+    import torch
+
+    from twostroke.engine.bench.llamacpp_peer import GGUFPeer
+    from twostroke.engine.bench.llamaserver_peer import LlamaServerDriver
+    from twostroke.engine.bench.openvino_peer import OpenVinoDriver
+    from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
+    from twostroke.engine.bench.vllm_peer import VLLMDriver
+    from twostroke.engine.errors import EngineError
+    from twostroke.engine.models.loading import stored_bytes
+    from twostroke.engine.models.source import read_config
+
+    config = read_config(model.source)
+    stored: dict[str, int] | None = None
+    known: dict[str, SystemWeights] = {}
+    for driver in drivers:
+        name = str(getattr(driver, "name", ""))
+        if isinstance(driver, GGUFPeer | LlamaServerDriver):
+            if not model.is_gguf:
+                continue  # it does not run
+            stored = stored if stored is not None else stored_bytes(model.source)
+            cache = "uint8" if isinstance(driver, OpenVinoDriver) else "float16"
+            cost = ModelCost.of(config, stored=stored, kv_cache_dtype=cache)
+            known[name] = SystemWeights(f"the GGUF file as stored, {cache} KV", cost)
+        elif isinstance(driver, HFStaticDriver | HFContinuousDriver | VLLMDriver):
+            cost = ModelCost.of(config, dtype=model.dtype)
+            known[name] = SystemWeights(f"dense {model.dtype} weights", cost)
+        elif callable(plan := getattr(driver, "plan", None)):
+            try:
+                with warnings.catch_warnings():
+                    # (A form that does not run here warns when the system loads, not here.)
+                    warnings.simplefilter("ignore")
+                    run = plan(model, torch.device("cpu"))
+                    cost = plan_cost(run, model.source)
+            except (EngineError, ValueError):
+                # A plan that cannot be made here (blocks of a folder, a kernel that does
+                # not build): the system fails its own run the same way; its weights are
+                # not known, and it takes the smallest weights' roof.
+                continue
+            known[name] = SystemWeights(
+                f"twostroke's plan: {run.weights or run.dtype} weights, "
+                f"{str(run.dtype).removeprefix('torch.')} activations",
+                cost,
+            )
+    return known
 
 
 def roof_of_run(
@@ -531,16 +826,20 @@ def roof_of_run(
     drivers: Iterable[object] = (),
     recorded_by: str = "twostroke-depth2",
     policy: SchedulingPolicy | None = None,
+    weights: Mapping[str, SystemWeights] | None = None,
 ) -> WorkloadRoof:
     """The workload's roof over the steps ``recorded_by`` ran, else its simulated schedule.
 
     Args:
         machine: The rates.
-        cost: The model's costs.
+        cost: The model's costs (the roof's when ``weights`` names none).
         workload: What the systems ran.
         drivers: The run's systems; one named ``recorded_by`` may hold its step plans.
         recorded_by: The system whose schedule is preferred.
         policy: The batching limits of the simulated schedule.
+        weights: Each system's weights (:func:`system_weights`): each gets a roof of its
+            own, and the roof returned is the one of the smallest weights among them (a
+            lower floor, still a bound, for a system whose weights are not known).
     """
     output_tokens = sum(request.max_tokens for request in workload.requests)
     plans = recorded_schedule(drivers, recorded_by)
@@ -550,4 +849,23 @@ def roof_of_run(
         plans = simulated_plans(workload, policy)
         schedule = f"the scheduler's plan without a model (no {recorded_by} run to replay"
         schedule += ")" if workload.is_offline else "; every request at t = 0)"
-    return workload_roof(machine, cost, plans, schedule=schedule, output_tokens=output_tokens)
+    if not weights:
+        return workload_roof(machine, cost, plans, schedule=schedule, output_tokens=output_tokens)
+    roofs: dict[SystemWeights, WorkloadRoof] = {}
+    for system in weights.values():
+        if system not in roofs:
+            roofs[system] = workload_roof(
+                machine,
+                system.cost,
+                plans,
+                schedule=schedule,
+                output_tokens=output_tokens,
+                weights=system.description,
+            )
+    # The lowest floor: the smallest weights' (the FLOPs are every system's).
+    smallest = min(roofs.values(), key=lambda roof: roof.floor_seconds)
+    return attrs.evolve(
+        smallest,
+        weights=f"the run's smallest weights ({smallest.weights})",
+        systems={name: roofs[system] for name, system in weights.items()},
+    )

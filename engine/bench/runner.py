@@ -47,6 +47,7 @@ from twostroke.engine.bench.roof import (
     measure_machine,
     prepare_roof,
     roof_of_run,
+    system_weights,
 )
 from twostroke.engine.bench.speculation import mismatched
 from twostroke.engine.bench.vllm_peer import VLLMDriver
@@ -459,7 +460,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-roof",
         action="store_true",
-        help="skip measuring the machine's bandwidth and FLOPS (~3 s) and the roof column",
+        help="skip measuring the machine's bandwidth and FLOPS (until they settle, 10 s at most) "
+        "and the roof column",
     )
     parser.add_argument(
         "--quality-requests",
@@ -624,8 +626,13 @@ def bench_command(
     if roof is not None:
         limits = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         chosen = {name: value for name in limits if (value := getattr(args, name, None))}
+        # Each system's fraction is of the roof of the weights it reads.
         workload_roof = roof_of_run(
-            *roof, workload, drivers=drivers, policy=SchedulingPolicy(**chosen)
+            *roof,
+            workload,
+            drivers=drivers,
+            policy=SchedulingPolicy(**chosen),
+            weights=system_weights(drivers, model),
         )
         run = attrs.evolve(run, roof=workload_roof)
     files = write_report(

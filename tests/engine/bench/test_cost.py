@@ -50,9 +50,15 @@ def test_a_mixed_step_by_hand() -> None:
     chunk = RowShape(start=4, num_tokens=2, sample=False)  # attends to 5 + 6 keys, no logits
     step = cost.step([decode, prefill, chunk])
     kv, row, per_key = 32, 16, 32
-    assert (
-        step.bytes
-        == cost.weight_bytes + (5 + 1) * kv + 1 * row + 3 * kv + 3 * row + (4 + 2) * kv + 2 * row
+    # A token's rows through both layers: 4 hidden + 2 q + 2 kv + 3 inner, in float32; a
+    # sampled row's final hidden row and logits: hidden + vocab.
+    act, head = 2 * 4 * (4 * 4 + 2 * 4 + 2 * 2 + 3 * 6), 4 * (4 + 10)
+    assert (cost.activation_bytes_per_token, cost.head_activation_bytes) == (act, head)
+    assert step.bytes == (
+        cost.weight_bytes
+        + ((5 + 1) * kv + 1 * (row + act) + head)
+        + (3 * kv + 3 * (row + act) + head)
+        + ((4 + 2) * kv + 2 * (row + act))
     )
     assert step.flops == (
         (2 * (2 * LAYER_PARAMS) * 1 + per_key * 6 + 2 * OUTPUT_PARAMS)
@@ -60,7 +66,7 @@ def test_a_mixed_step_by_hand() -> None:
         + (2 * (2 * LAYER_PARAMS) * 2 + per_key * (5 + 6))
     )
     assert cost.step([decode]) + cost.step([prefill]) == StepCost(
-        2 * cost.weight_bytes + (6 + 3) * kv + 4 * row,
+        2 * cost.weight_bytes + (6 + 3) * kv + 4 * (row + act) + 2 * head,
         cost.step([decode]).flops + cost.step([prefill]).flops,
     )
 
@@ -77,6 +83,12 @@ def test_reduced_precision_weights_and_dtypes() -> None:
     assert int8.weight_bytes == 2 * (LAYER_PARAMS + 4 * outputs + 4 * 2 * 4) + 4 * (4 + 40)
     fp16 = ModelCost.of(TINY, quantization="fp16")
     assert fp16.weight_bytes == 2 * (2 * LAYER_PARAMS + 4 * 2 * 4) + 4 * (4 + 40)
+    # Projections quantized into GGUF blocks at load: a block of 32 weights per row of each
+    # (every row here is shorter than a block), 34 bytes in Q8_0 and 18 in Q4_0.
+    q8_0 = ModelCost.of(TINY, quantization="q8_0")
+    assert q8_0.weight_bytes == 2 * (34 * outputs + 4 * 2 * 4) + 4 * (4 + 40)
+    q4_0 = ModelCost.of(TINY, quantization="q4_0")
+    assert q4_0.weight_bytes == 2 * (18 * outputs + 4 * 2 * 4) + 4 * (4 + 40)
 
 
 def test_weights_as_a_file_stores_them() -> None:
@@ -141,7 +153,7 @@ def test_bad_arguments() -> None:
     ):
         ModelCost.of(TINY, dtype="int4")
     with pytest.raises(
-        ValueError, match="quantization must be None or one of fp16, int8, got 'q4'"
+        ValueError, match="quantization must be None or one of fp16, int8, q8_0, q4_0, got 'q4'"
     ):
         ModelCost.of(TINY, quantization="q4")
     with pytest.raises(ValueError, match="a step must compute at least one row, got none"):

