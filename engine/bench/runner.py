@@ -34,6 +34,7 @@ from twostroke.engine.bench.mistralrs_peer import MistralRsDriver
 from twostroke.engine.bench.model import DTYPES, ModelSpec
 from twostroke.engine.bench.openvino_peer import OpenVinoDriver
 from twostroke.engine.bench.peers import HFContinuousDriver, HFStaticDriver
+from twostroke.engine.bench.probe import MachineRoof, machine_speed, measure_machine
 from twostroke.engine.bench.quality import (
     QUALITY_REQUESTS,
     QualityReference,
@@ -42,14 +43,7 @@ from twostroke.engine.bench.quality import (
 )
 from twostroke.engine.bench.record import BenchRun
 from twostroke.engine.bench.report import DEFAULT_REFERENCE, write_report
-from twostroke.engine.bench.roof import (
-    MachineRoof,
-    machine_speed,
-    measure_machine,
-    prepare_roof,
-    roof_of_run,
-    system_weights,
-)
+from twostroke.engine.bench.roof import prepare_roof, roof_of_run, system_weights
 from twostroke.engine.bench.speculation import mismatched
 from twostroke.engine.bench.vllm_peer import VLLMDriver
 from twostroke.engine.bench.workload import (
@@ -140,7 +134,7 @@ def run_systems(
 
     A driver whose ``check`` gives a reason is skipped with that reason; one whose ``run``
     raises is recorded as not run, with the exception as the reason, and the next one runs.
-    Around each system that runs, ``speed`` (default: :func:`~.roof.machine_speed` on the
+    Around each system that runs, ``speed`` (default: :func:`~.probe.machine_speed` on the
     model's threads) probes the machine, before and after (``extra["machine_gflops"]``); a
     warning says where a system's probes and the first one's differ by more than
     :data:`SPEED_SPREAD`: their ratio is then the machine's as much as theirs.

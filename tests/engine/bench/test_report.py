@@ -15,9 +15,10 @@ from rich.console import Console
 
 from twostroke.engine.bench.metrics import RequestTiming, SystemResult
 from twostroke.engine.bench.model import ModelSpec
+from twostroke.engine.bench.probe import MachineRoof
 from twostroke.engine.bench.record import BenchRun
 from twostroke.engine.bench.report import write_report
-from twostroke.engine.bench.roof import MachineRoof, WorkloadRoof
+from twostroke.engine.bench.roof import WorkloadRoof
 from twostroke.engine.bench.workload import BenchRequest, Workload
 
 WORKLOAD = Workload(
