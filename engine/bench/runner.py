@@ -152,6 +152,8 @@ def run_systems(
     Raises:
         ValueError: two drivers share a name, or there are none.
     """
+    from twostroke.engine.bench.twostroke_driver import release_unneeded
+
     if speed is None:
         speed = functools.partial(machine_speed, threads=model.threads)
     names = [driver.name for driver in drivers]
@@ -180,12 +182,13 @@ def run_systems(
     )
     with Progress(*columns, console=console, disable=not progress) as bar:
         task = bar.add_task("bench", total=len(drivers))
-        for driver in drivers:
+        for index, driver in enumerate(drivers):
             bar.update(task, description=f"{driver.name}: checking")
             result = _run_one(
                 driver, workload, model, lambda text: bar.update(task, description=text), speed
             )
             results.append(result)
+            release_unneeded(drivers[: index + 1], drivers[index + 1 :])
             console.print(_summary(result))
             bar.advance(task)
         bar.update(task, description="done")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +51,13 @@ from twostroke.states.params import SamplingParams
 from twostroke.states.plan import StepPlan
 from twostroke.states.speculation import SpeculativeConfig, speculative_config
 
-__all__ = ["BareForwardDriver", "TwostrokeDriver", "engine_drivers", "speculative_drivers"]
+__all__ = [
+    "BareForwardDriver",
+    "TwostrokeDriver",
+    "engine_drivers",
+    "release_unneeded",
+    "speculative_drivers",
+]
 
 
 def _intra_op_threads(model: ModelSpec) -> int:
@@ -63,9 +70,11 @@ def _intra_op_threads(model: ModelSpec) -> int:
 
 @attrs.define
 class _Recording:
-    """What the depth-2 run leaves for the bare forward replay."""
+    """What the depth-2 run leaves for the bare forward replay (its model, until
+    :func:`release_unneeded` lets it go) and for the roof (its plans)."""
 
-    loaded: LoadedModel
+    #: ``None`` once released: no system left to run replays it.
+    loaded: LoadedModel | None
     plans: list[StepPlan]
     num_blocks: int
     block_size: int
@@ -431,6 +440,8 @@ class BareForwardDriver:
     def check(self) -> str | None:
         if self.source.recording is None:
             return f"needs a {self.source.name} run first (it replays that run's step plans)"
+        if self.source.recording.loaded is None:
+            return f"{self.source.name}'s model was released before this system ran"
         return None
 
     def run(self, workload: Workload, *, model: ModelSpec) -> SystemResult:
@@ -444,7 +455,9 @@ class BareForwardDriver:
             return self._replay(workload, recording, model)
 
     def _replay(self, workload: Workload, recording: _Recording, model: ModelSpec) -> SystemResult:
-        torch_device = recording.loaded.device
+        loaded = recording.loaded
+        assert loaded is not None  # check() refuses a released recording
+        torch_device = loaded.device
         first: dict[int, float] = {}
         last: dict[int, float] = {}
         counts: dict[int, int] = {}
@@ -461,7 +474,7 @@ class BareForwardDriver:
             # makes them: zeroing the cache on the calling thread gave that thread an OpenMP
             # team of its own, and with two teams alive GNU OpenMP stops spinning at barriers
             # (the loop's steps, and depth 1's after it, took 28 ms a token against 18).
-            runner = TorchModelRunner.from_loaded(recording.loaded)
+            runner = TorchModelRunner.from_loaded(loaded)
             runner.allocate_kv_cache(recording.num_blocks, recording.block_size)
             t0 = time.perf_counter()
             for plan in recording.plans:
@@ -504,7 +517,7 @@ class BareForwardDriver:
             timings=timings,
             extra={
                 "device": str(torch_device),
-                "dtype": str(recording.loaded.dtype).removeprefix("torch."),
+                "dtype": str(loaded.dtype).removeprefix("torch."),
                 "threads": f"{_intra_op_threads(model)} torch",
                 "steps": len(recording.plans),
                 "replays": self.source.name,
@@ -592,3 +605,31 @@ def speculative_drivers(drivers: Sequence[Any], config: SpeculativeConfig) -> li
         return list(drivers)
     speculating = [drivers[index].with_speculation(config) for index in plain]
     return [*drivers[: plain[-1] + 1], *speculating, *drivers[plain[-1] + 1 :]]
+
+
+def release_unneeded(ran: Sequence[object], pending: Sequence[object]) -> int:
+    """Let go of the models that the systems which ``ran`` keep for a replay no ``pending``
+    system will make, so that the next system (a peer loading the same weights in a process
+    of its own) does not find this process still holding them: a 14 GB twostroke model kept
+    beside vLLM's 11 GB one was killed for memory on a 24 GB machine. The plans stay, for
+    the roof.
+
+    Args:
+        ran: The systems run so far.
+        pending: The systems still to run.
+
+    Returns:
+        The number of models released.
+    """
+    replayed = {id(system.source) for system in pending if isinstance(system, BareForwardDriver)}
+    released = 0
+    for system in ran:
+        recording = getattr(system, "recording", None)
+        if not isinstance(recording, _Recording) or recording.loaded is None:
+            continue
+        if id(system) not in replayed:
+            recording.loaded = None
+            released += 1
+    if released:
+        gc.collect()  # the model's modules hold reference cycles
+    return released

@@ -6,7 +6,7 @@ import functools
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -208,3 +208,29 @@ def test_the_governed_row_leaves_the_thread_count_to_the_engine() -> None:
         else:
             assert described == "2 torch + 1 event loop"
             assert stats.num_torch_thread_changes == 0
+
+
+def test_a_recorded_model_is_released_once_no_replay_of_it_is_pending() -> None:
+    """The depth-2 run keeps its model for the bare loop's replay, and only while that replay
+    is still to run; its plans stay for the roof."""
+    depth2, depth1 = TwostrokeDriver(2), TwostrokeDriver(1)
+    bare = twostroke_driver.BareForwardDriver(depth2)
+    model = cast(twostroke_driver.LoadedModel, object())
+    for driver in (depth2, depth1):
+        driver.recording = twostroke_driver._Recording(
+            loaded=model, plans=[], num_blocks=1, block_size=16, request_ids=[]
+        )
+    peer = object()
+    # depth 2 and 1 ran, the replay of depth 2 is pending: depth 1's model goes.
+    assert twostroke_driver.release_unneeded([depth2, depth1], [bare, peer]) == 1
+    assert depth1.recording is not None
+    assert depth1.recording.loaded is None
+    assert depth2.recording is not None
+    assert depth2.recording.loaded is model
+    assert bare.check() is None
+    # The replay ran: nothing pending replays depth 2, so its model goes, its plans stay.
+    assert twostroke_driver.release_unneeded([depth2, depth1, bare], [peer]) == 1
+    assert depth2.recording.loaded is None
+    assert depth2.recording.plans == []
+    assert twostroke_driver.release_unneeded([depth2, depth1, bare], [peer]) == 0
+    assert bare.check() == "twostroke-depth2's model was released before this system ran"
