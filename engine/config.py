@@ -134,8 +134,11 @@ class EngineConfig(SchedulingPolicy):
             keeps full precision. ``None``: weights in ``dtype``. ``"auto"`` (the default)
             goes with ``dtype="auto"``: the fastest weights whose perplexity is within 1 %
             of float32's, measured (docs/models.md): ``"fp16"`` where ``dtype="auto"``
-            resolves to float32 on a CPU with the kernel, else ``None``. An explicit
-            ``dtype`` keeps its weights (``dtype="float32"`` is transformers' arithmetic).
+            resolves to float32 on a CPU with the kernel, else ``None``; a GGUF file's
+            blocks as ``"gguf"`` computes them where they win (at most 2 sequences on a
+            model of 0.9 B projection weights or more, or a file whose dequantized copy would
+            not fit half the memory available; docs/models.md). An explicit ``dtype`` keeps
+            its weights (``dtype="float32"`` is transformers' arithmetic).
             ``"gguf"``: a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
             weights computed as stored, with activations quantized per block (float32 on a CPU;
             docs/models.md), as llama.cpp computes them. ``"gguf_f32"``: the same blocks

@@ -14,7 +14,8 @@ answered by one log line (:meth:`RunPlan.describe`) and one function (:func:`pla
 * ``dtype="auto"`` is the device's default (:func:`twostroke.gpu.dtype.default_dtype`),
   float32 where the weights are GGUF blocks (their products' only activations); an explicit
   dtype asks for transformers' arithmetic (``exact``);
-* ``quantization="auto"``: a GGUF file's blocks as stored where :data:`AUTO_BLOCKS` says so,
+* ``quantization="auto"``: a GGUF file's blocks as stored where they win
+  (:func:`auto_blocks`: few sequences on a large model, or a file too large to dequantize),
   else fp16 weights where the activations are float32 on a CPU whose fbgemm runs
   (:func:`~twostroke.engine.models.choice.auto_quantization`), else the dtype's own;
   ``"gguf"`` / ``"gguf_f32"``: a GGUF file's blocks as stored, activations quantized to 8 bits
@@ -28,6 +29,7 @@ answered by one log line (:meth:`RunPlan.describe`) and one function (:func:`pla
 from __future__ import annotations
 
 import logging
+import math
 import types
 import warnings
 from collections.abc import Mapping
@@ -54,11 +56,16 @@ from twostroke.engine.models.decoder import CheckpointNames
 from twostroke.engine.models.source import ModelSource
 from twostroke.gpu.device import Device
 from twostroke.gpu.dtype import default_dtype
+from twostroke.gpu.host import available_memory
 from twostroke.gpu.isa import cpu_personality
 from twostroke.gpu.threads import torch_threads
 
 __all__ = [
     "AUTO_BLOCKS",
+    "AUTO_BLOCKS_MAX_SEQS",
+    "AUTO_BLOCKS_MEMORY_SHARE",
+    "AUTO_BLOCKS_MIN_WEIGHTS",
+    "AUTO_BLOCKS_QUANTIZATION",
     "BLOCK_ACTIVATIONS",
     "DTYPES",
     "QUANTIZE_TO_BLOCKS",
@@ -69,6 +76,7 @@ __all__ = [
     "exact_asked",
     "expert_matrix",
     "plan_run",
+    "projection_weights",
     "resolve_dtype",
     "resolve_kv_cache_dtype",
     "resolve_run",
@@ -95,15 +103,37 @@ QUANTIZE_TO_BLOCKS: Mapping[str, int] = types.MappingProxyType(
     {"q8_0": BLOCK_TYPES["Q8_0"], "q4_0": BLOCK_TYPES["Q4_0"]}
 )
 
-#: Whether ``quantization="auto"`` computes a GGUF file's blocks as stored, where they run
-#: (float32 activations on a CPU, transformers' exact arithmetic not asked for, every
-#: projection in a type :data:`~twostroke.engine.checkpoints.gguf.BLOCK_TYPES` holds, or
-#: in 16 or 32 bits), by float32 activations (``"gguf_f32"``: the file's own answers). Off,
-#: measured (docs/models.md, "GGUF blocks as stored" and "The blocks by float32
-#: activations"): the 8-bit activations change SmolLM2's greedy answers (as llama.cpp's do),
-#: and the float32 ones, which keep every one of them, take 1.6x fbgemm's fp16 time a
-#: layer at one row with AVX2 and 4.9x oneDNN's AMX bfloat16 time at 32 rows.
-AUTO_BLOCKS = False
+#: Whether ``quantization="auto"`` may compute a GGUF file's blocks as stored, where they run
+#: (a CPU whose compiled kernels are wanted, transformers' exact arithmetic not asked for,
+#: every matrix in a type :data:`~twostroke.engine.checkpoints.gguf.BLOCK_TYPES` holds, or in
+#: 16 or 32 bits) and where they win (:func:`auto_blocks`).
+AUTO_BLOCKS = True
+
+#: The blocks win where a step has few rows: their products read a quarter of bfloat16's
+#: bytes (decode streams the weights), but at many rows the K super-blocks' integer products
+#: cost more than oneDNN's bfloat16 ones, and a prefill dequantizes each weight once a chunk.
+#: Measured on Qwen3-1.7B Q4_K_M against the file dequantized to bfloat16 (docs/performance.md,
+#: "The blocks by default"; AMD EPYC, AVX-512 with BF16, 2 cores), output tokens/s of the
+#: blocks over the dense copy's: 1.30x at one sequence, 1.14x at 2, 0.96x at 4, 0.69x at 8,
+#: 0.64x at 32. So ``quantization="auto"`` takes them for an engine that runs at most this
+#: many sequences at once.
+AUTO_BLOCKS_MAX_SEQS = 2
+
+#: ... on decoder projections (experts' included) of at least this many weights: the sizes
+#: measured (Llama-3.2-1B's 0.97 B to Qwen3-4B's); SmolLM2's 0.11 B keep the defaults its
+#: quality tables and figures measure.
+AUTO_BLOCKS_MIN_WEIGHTS = 900_000_000
+
+#: And whatever the sequences, where the file dequantized would take more than this share of
+#: the memory available when it loads (a 30 B mixture's 60 GB in bfloat16 on a 24 GB
+#: machine): the blocks run where the dense copy cannot.
+AUTO_BLOCKS_MEMORY_SHARE = 0.5
+
+#: The activations the blocks take by default: 8 bits per block, as llama.cpp's (``"gguf"``).
+#: Their perplexity's departure from the file's float32 model is within the bar
+#: docs/models.md states against llama.cpp's own departure on the same file (all three files
+#: measured meet it), and they are faster than float32 activations.
+AUTO_BLOCKS_QUANTIZATION: Literal["gguf", "gguf_f32"] = "gguf"
 
 #: Tensor types a GGUF file stores as plain numbers: loaded as float32 (exact), where a
 #: decoder projection of 16 bits then takes the 16-bit form
@@ -321,7 +351,19 @@ def resolve_run(
     """
     dtype = resolve_dtype(config.dtype, device)
     exact = exact_asked(config.dtype)
-    if not exact and blocks_asked(config.quantization):
+    if not exact and (
+        blocks_asked(config.quantization)
+        or (
+            config.quantization == "auto"
+            and auto_blocks(
+                source,
+                dtype=torch.float32,
+                device=device,
+                exact=exact,
+                max_num_seqs=config.max_num_seqs,
+            )
+        )
+    ):
         dtype = torch.float32  # the block products' only activations
     return plan_run(
         source,
@@ -334,6 +376,7 @@ def resolve_run(
         deterministic=config.deterministic,
         mmap=config.mmap,
         attention=attention,
+        max_num_seqs=config.max_num_seqs,
     )
 
 
@@ -362,6 +405,7 @@ def plan_run(
     deterministic: bool | None = None,
     mmap: bool = True,
     attention: AttentionKernel | None = None,
+    max_num_seqs: int | None = None,
 ) -> RunPlan:
     """The plan of a run from the decision's values (what :func:`resolve_run` makes of the
     engine's options; tests and tools give them directly).
@@ -387,6 +431,8 @@ def plan_run(
         mmap: Read a GGUF file's blocks from its memory map (``False``: the source was
             read into memory).
         attention: The attention asked for (``None``: the fastest that runs here).
+        max_num_seqs: The most sequences the engine runs at once (``quantization="auto"``
+            takes a GGUF file's blocks for few: :func:`auto_blocks`); ``None``: not known.
 
     Raises:
         ValueError: ``dtype`` is not a floating dtype the model runs in, an unknown
@@ -407,7 +453,7 @@ def plan_run(
     # The kernels' checks run on one thread, so that the caller's thread is left without an
     # OpenMP team of the plan's making (see load_model).
     with torch_threads(1):
-        blocks = _blocks(source, quantization, dtype, device, exact)
+        blocks = _blocks(source, quantization, dtype, device, exact, max_num_seqs)
     requantize = QUANTIZE_TO_BLOCKS.get(quantization) if quantization is not None else None
     weights: str | None = None
     if quantization in BLOCK_ACTIVATIONS or requantize is not None:
@@ -458,6 +504,7 @@ def plan_run(
                 "deterministic": deterministic,
                 "mmap": mmap,
                 "attention": attention,
+                "max_num_seqs": max_num_seqs,
             }
         ),
     )
@@ -471,6 +518,7 @@ def _blocks(
     dtype: torch.dtype,
     device: torch.device,
     exact: bool,
+    max_num_seqs: int | None,
 ) -> BlockKernel | None:
     """The block products the run computes with, their activations decided: for a GGUF
     file's blocks as stored (``"gguf"``, ``"gguf_f32"``, or ``"auto"`` where
@@ -489,10 +537,12 @@ def _blocks(
         return checked.taking(BLOCK_ACTIVATIONS[quantization])
     if quantization in QUANTIZE_TO_BLOCKS:
         return _checked_kernel(source, f"quantization={quantization!r}", dtype, device)
-    if quantization != "auto" or not auto_blocks(source, dtype=dtype, device=device, exact=exact):
+    if quantization != "auto" or not auto_blocks(
+        source, dtype=dtype, device=device, exact=exact, max_num_seqs=max_num_seqs
+    ):
         return None
     kernel = block_kernel()
-    return None if kernel is None else kernel.taking(BLOCK_ACTIVATIONS["gguf_f32"])
+    return None if kernel is None else kernel.taking(BLOCK_ACTIVATIONS[AUTO_BLOCKS_QUANTIZATION])
 
 
 def _checked_kernel(
@@ -524,19 +574,34 @@ def _check_stored_types(source: ModelSource, asked: str) -> None:
 
 
 def auto_blocks(
-    source: ModelSource, *, dtype: torch.dtype, device: torch.device, exact: bool
+    source: ModelSource,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    exact: bool,
+    max_num_seqs: int | None = None,
 ) -> bool:
     """Whether ``quantization="auto"`` computes the GGUF file's blocks as stored
     (:data:`AUTO_BLOCKS`): float32 activations on a CPU whose compiled kernels are wanted,
-    transformers' exact arithmetic not asked for, and every matrix in a type computed as
-    stored or in plain numbers (else the log names the tensor that keeps it dequantized).
-    Whether the library builds here is not asked: where it does not, the model loads
-    dequantized (one warning)."""
+    transformers' exact arithmetic not asked for, every matrix in a type computed as stored
+    or in plain numbers (else the log names the tensor that keeps it dequantized), and
+    where they win: an engine of at most :data:`AUTO_BLOCKS_MAX_SEQS` sequences on decoder
+    projections of at least :data:`AUTO_BLOCKS_MIN_WEIGHTS` weights, or a file whose
+    dequantized copy would take more than :data:`AUTO_BLOCKS_MEMORY_SHARE` of the memory
+    available. Whether the library builds here is not asked: where it does not, the model
+    loads dequantized (one warning)."""
     if not AUTO_BLOCKS or not source.is_gguf or exact:
         return False
     if dtype != torch.float32 or device.type != "cpu" or not native_wanted():
         return False
     names = checkpoint_names(source.config)
+    few = max_num_seqs is not None and max_num_seqs <= AUTO_BLOCKS_MAX_SEQS
+    if not (few and projection_weights(source, names) >= AUTO_BLOCKS_MIN_WEIGHTS):
+        # The dense copy in the dtype "auto" would otherwise take here.
+        dense = sum(math.prod(t.shape) for t in source.tensors.values())
+        dense *= default_dtype(device).itemsize
+        if dense <= AUTO_BLOCKS_MEMORY_SHARE * available_memory():
+            return False
     for name, tensor in source.tensors.items():
         kind = tensor.tensor_type.name
         if kind not in BLOCK_TYPES and kind not in PLAIN_TYPES and in_blocks(names, name):
@@ -548,6 +613,19 @@ def auto_blocks(
             )
             return False
     return True
+
+
+def projection_weights(source: ModelSource, names: CheckpointNames) -> int:
+    """The weights of a GGUF file's decoder projections, experts' included (not the
+    embedding nor the output projection): the size :func:`auto_blocks` goes by."""
+    count = 0
+    for name, tensor in source.tensors.items():
+        hf_name = names.hf_name(name)
+        if hf_name is None or not hf_name.startswith("model.layers."):
+            continue
+        if in_blocks(names, name) or expert_matrix(names, name):
+            count += math.prod(tensor.shape)
+    return count
 
 
 def in_blocks(names: CheckpointNames, gguf_name: str) -> bool:

@@ -169,8 +169,9 @@ def test_prepare_reads_the_shape_and_measures_at_the_bench_settings(
 def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the engine's defaults compute a Q4_1 file's blocks as stored (AUTO_BLOCKS on,
-    float32 activations, not exact), the roof's weights are the file's bytes; transformers'
+    """Where the engine's defaults compute a Q4_1 file's blocks as stored (here: its
+    dequantized copy made too large for the memory; float32 activations, not exact), the
+    roof's weights are the file's bytes; transformers'
     exact arithmetic reads the dequantized float32 weights, and the roof says so."""
     from gguf import GGMLQuantizationType
 
@@ -180,9 +181,7 @@ def test_the_roof_of_a_gguf_file_computed_as_stored_counts_its_stored_bytes(
     from twostroke.engine.models.source import read_config
     from twostroke.gpu import dtype as dtype_module
 
-    monkeypatch.setattr(plan_module, "AUTO_BLOCKS", True)
-    # However small the file (where the engine's default takes blocks only from a size on).
-    monkeypatch.setattr(plan_module, "AUTO_BLOCKS_MIN_WEIGHTS", 0, raising=False)
+    monkeypatch.setattr(plan_module, "available_memory", lambda: 1)
     # dtype="auto" is float32 here, as on a CPU without native bfloat16.
     monkeypatch.setattr(dtype_module, "_cpu_has_fast_bf16", lambda: False)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,8 +20,10 @@ from tests.engine.checkpoints.test_loader import write_gguf
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
 from twostroke.engine.artifacts.cache import NATIVE_FOLDER
 from twostroke.engine.checkpoints.source import BlockTypeUnsupported, ModelLoadError
+from twostroke.engine.config import EngineConfig
 from twostroke.engine.kernels.gguf_blocks import offset_magnitudes, random_blocks, rounding_bound
 from twostroke.engine.models import plan as plan_module
+from twostroke.engine.models.architectures import checkpoint_names
 from twostroke.engine.models.forms import (
     BlockEmbedding,
     BlockWeight,
@@ -30,6 +33,8 @@ from twostroke.engine.models.forms import (
 )
 from twostroke.engine.models.linear import Linear
 from twostroke.engine.models.loading import open_model
+from twostroke.engine.models.source import read_source
+from twostroke.gpu.dtype import default_dtype
 
 # isa: the block products take the personality's path (AVX2 or portable C).
 pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_torch_thread")]
@@ -349,7 +354,7 @@ def test_gguf_quantization_needs_a_gguf_file_and_float32_on_the_cpu(tmp_path: Pa
         open_model(file, dtype=torch.bfloat16, device=CPU, quantization="gguf")
 
 
-@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf_f32"), (Q.MXFP4, "fp16")])
+@pytest.mark.parametrize(("matrices", "expected"), [(Q.Q4_1, "gguf"), (Q.MXFP4, "fp16")])
 def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -357,19 +362,19 @@ def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
     matrices: Any,
     expected: str,
 ) -> None:
-    """With AUTO_BLOCKS on (off until the defaults are measured to gain: docs/models.md), a
-    file whose matrices are all in computed types loads as stored; another loads as before,
-    and the log names the tensor that kept it from the blocks. The blocks take the
-    activations themselves (``"gguf_f32"``)."""
-    monkeypatch.setattr(plan_module, "AUTO_BLOCKS", True)
+    """Where the blocks win (here: the dequantized copy would not fit the memory, made one
+    byte small), a file whose matrices are all in computed types loads as stored, by 8-bit
+    activations (``"gguf"``); another loads as before, and the log names the tensor that
+    kept it from the blocks."""
+    monkeypatch.setattr(plan_module, "available_memory", lambda: 1)
     file = write(tmp_path, matrices, Q.Q8_0)
     with caplog.at_level(logging.INFO, logger=plan_module.__name__):
         loaded = open_model(file, dtype=torch.float32, device=CPU, exact=False, quantization="auto")
-    if expected == "gguf_f32":
-        assert loaded.quantization == "gguf_f32"
+    if expected == "gguf":
+        assert loaded.quantization == "gguf"
         head = loaded.module.lm_head.method
         assert isinstance(head, BlockWeight)
-        assert head.kernel.activations == "float32"
+        assert head.kernel.activations == "int8"
     else:
         assert loaded.quantization not in ("gguf", "gguf_f32")
         assert "tensor 'blk.0.attn_q.weight' is MXFP4, which is not computed as stored" in (
@@ -378,6 +383,47 @@ def test_auto_takes_the_blocks_where_every_matrix_is_computed_as_stored(
     # transformers' exact arithmetic asked for: never the blocks.
     exact = open_model(file, dtype=torch.float32, device=CPU, exact=True, quantization="auto")
     assert exact.quantization not in ("gguf", "gguf_f32")
+
+
+def test_auto_takes_the_blocks_for_few_sequences_or_a_file_too_large_to_dequantize(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's defaults compute a GGUF file's blocks where they win: at most
+    AUTO_BLOCKS_MAX_SEQS sequences on a model of at least AUTO_BLOCKS_MIN_WEIGHTS projection
+    weights (lowered here to this tiny file's), or a dequantized copy larger than
+    AUTO_BLOCKS_MEMORY_SHARE of the memory available. Then ``dtype="auto"`` is float32 (the
+    blocks' activations) whatever the CPU's default; else the file is dequantized."""
+    file = write(tmp_path, Q.Q4_1, Q.Q8_0)
+    source = read_source(file)
+    config = source.config
+    # The tiny model's decoder projections, counted from its configuration.
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = (q_width + 2 * kv_width) * config.hidden_size + config.hidden_size * q_width
+    per_layer += 3 * config.intermediate_size * config.hidden_size
+    weights = config.num_layers * per_layer
+    assert plan_module.projection_weights(source, checkpoint_names(config)) == weights
+    dense = sum(math.prod(t.shape) for t in source.tensors.values())
+    dense *= default_dtype(CPU).itemsize
+    roomy = math.ceil(dense / plan_module.AUTO_BLOCKS_MEMORY_SHARE)
+    monkeypatch.setattr(plan_module, "available_memory", lambda: roomy)
+    few = plan_module.AUTO_BLOCKS_MAX_SEQS
+
+    def plan(max_num_seqs: int) -> tuple[str | None, torch.dtype]:
+        run = plan_module.resolve_run(EngineConfig(max_num_seqs=max_num_seqs), source, CPU)
+        return run.weights, run.dtype
+
+    monkeypatch.setattr(plan_module, "AUTO_BLOCKS_MIN_WEIGHTS", weights)
+    assert plan(few) == ("gguf", torch.float32)
+    assert plan(1) == ("gguf", torch.float32)
+    many = plan(few + 1)
+    assert many[0] not in ("gguf", "gguf_f32")
+    assert many[1] == default_dtype(CPU)
+    # One weight short of the size: few sequences keep the file dequantized too.
+    monkeypatch.setattr(plan_module, "AUTO_BLOCKS_MIN_WEIGHTS", weights + 1)
+    assert plan(1)[0] not in ("gguf", "gguf_f32")
+    # Memory one byte short of the share: the blocks, for any number of sequences.
+    monkeypatch.setattr(plan_module, "available_memory", lambda: roomy - 1)
+    assert plan(few + 1) == ("gguf", torch.float32)
 
 
 def k_type(gguf_tensor: str, *, embedding: Any) -> Any:
