@@ -100,6 +100,7 @@ def paged_attention(
     *,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attend every query over its request's history in one layer's cache.
 
@@ -115,13 +116,23 @@ def paged_attention(
         window: The layer's sliding window: the query at position ``p`` sees the keys at
             ``(p - window, p]``, ``window`` positions counting its own (transformers'
             ``sliding_window`` for Mistral and Gemma 3). ``None``: every earlier position.
+        softcap: The scaled scores become ``softcap * tanh(scores / softcap)`` before the
+            mask (Gemma 2's ``attn_logit_softcapping``); only the ``"matmul"`` kernel
+            computes the scores where this can be done, so the plan picks it for such a
+            model. ``None``: the scores as they are.
 
     Returns:
         ``[num_tokens, num_heads * head_dim]``, the output projection's input.
 
     Raises:
-        ValueError: ``window`` is below 1.
+        ValueError: ``window`` is below 1, or ``softcap`` is given to another kernel than
+            ``"matmul"``.
     """
+    if softcap is not None and metadata.kernel != "matmul":
+        raise ValueError(
+            f"soft-capped scores need the 'matmul' attention kernel (the others do not "
+            f"compute the scores in torch's operators), got {metadata.kernel!r}"
+        )
     if window is not None:
         metadata = metadata.windowed(window)  # the same metadata where nothing changes
     num_tokens, num_heads, head_dim = query.shape
@@ -160,7 +171,7 @@ def paged_attention(
         history = _gathered(layer, group.gather, query.dtype)
         history = history.view(2, decodes * num_kv_heads, -1, head_dim)
         if metadata.kernel == "matmul":
-            out[rows] = _decode_matmul(query[rows], history, group.mask, scale)
+            out[rows] = _decode_matmul(query[rows], history, group.mask, scale, softcap)
         else:
             shape = (decodes, num_kv_heads, -1, head_dim)
             attended = F.scaled_dot_product_attention(
@@ -188,7 +199,9 @@ def paged_attention(
                 keys = keys[:, : chunk.num_keys]
         if metadata.kernel == "matmul":
             assert chunk.mask is not None
-            out[rows] = _prefill_matmul(query[rows], keys, values, chunk.mask, scale, window)
+            out[rows] = _prefill_matmul(
+                query[rows], keys, values, chunk.mask, scale, window, softcap
+            )
         elif chunk.mask is None:
             # No history: is_causal and no mask, which the fused kernels take with GQA.
             attended = F.scaled_dot_product_attention(
@@ -356,8 +369,20 @@ def _query_weights(query: torch.Tensor, bags: DecodeBags) -> torch.Tensor:
     return weights
 
 
+def _soft_capped(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(scores / cap)`` in place, as transformers' Gemma 2 eager attention caps
+    its scaled scores before the mask; the scores as they are without a ``cap``."""
+    if cap is None:
+        return scores
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
 def _decode_matmul(
-    query: torch.Tensor, history: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor,
+    history: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query row per head over padded histories: two batched products, float32 softmax.
 
@@ -369,7 +394,7 @@ def _decode_matmul(
     batch = history.shape[1]
     rows = query.reshape(batch, -1, head_dim)
     scores = torch.bmm(rows, history[0].transpose(1, 2)).to(torch.float32)
-    scores = scores.view(decodes, num_heads, -1).mul_(scale).add_(mask)
+    scores = _soft_capped(scores.view(decodes, num_heads, -1).mul_(scale), softcap).add_(mask)
     probs = torch.softmax(scores, dim=-1).to(query.dtype).view(batch, -1, scores.shape[-1])
     return torch.bmm(probs, history[1]).view(decodes, num_heads, head_dim)
 
@@ -381,8 +406,10 @@ def _prefill_matmul(
     mask: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """A chunk's causal attention as batched products, its queries in tiles.
+    """A chunk's causal attention as batched products, its queries in tiles (the scores
+    soft-capped before the mask with a ``softcap``, :func:`_soft_capped`).
 
     ``query`` is ``[n, heads, dim]``, ``keys`` and ``values`` ``[kv_heads, keys, dim]`` (the
     chunk's queries are the last ``n`` positions) and ``mask`` float32 ``[n, keys]`` (with
@@ -408,7 +435,7 @@ def _prefill_matmul(
         tile_rows = rows[:, first:last].reshape(num_kv_heads, -1, head_dim)
         scores = torch.bmm(tile_rows, keys[:, low:seen].transpose(1, 2)).to(torch.float32)
         scores = scores.view(num_kv_heads, last - first, groups, seen - low).mul_(scale)
-        scores = scores.add_(mask[first:last, None, low:seen])
+        scores = _soft_capped(scores, softcap).add_(mask[first:last, None, low:seen])
         probs = torch.softmax(scores, dim=-1).to(query.dtype).view(num_kv_heads, -1, seen - low)
         attended = torch.bmm(probs, values[:, low:seen])
         parts.append(attended.view(num_kv_heads, -1, groups, head_dim))

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from twostroke.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from twostroke.engine.models.decoder import CausalLM, CheckpointNames
+from twostroke.engine.models.gemma2 import Gemma2ForCausalLM
 from twostroke.engine.models.gemma3 import Gemma3ForCausalLM
 from twostroke.engine.models.granite import GraniteForCausalLM
 from twostroke.engine.models.llama import LlamaForCausalLM
@@ -37,6 +38,7 @@ ARCHITECTURES: Mapping[str, type[CausalLM]] = types.MappingProxyType(
         "GraniteForCausalLM": GraniteForCausalLM,
         "Olmo2ForCausalLM": Olmo2ForCausalLM,
         "Phi3ForCausalLM": Phi3ForCausalLM,
+        "Gemma2ForCausalLM": Gemma2ForCausalLM,
         "Gemma3ForCausalLM": Gemma3ForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
         "MixtralForCausalLM": MixtralForCausalLM,

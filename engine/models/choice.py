@@ -630,7 +630,21 @@ def _attention(
 ) -> tuple[AttentionKernel, str | None]:
     """The compiled attention where it runs (1.7-1.9x the ``"bag"`` kernel's speed on
     SmolLM2's batch-32 attention), else the device's default (``"matmul"`` for a cache in
-    another dtype than the activations, which ``"bag"`` does not read)."""
+    another dtype than the activations, which ``"bag"`` does not read). A model whose
+    scores are soft-capped (Gemma 2) attends with ``"matmul"``, the one kernel that computes
+    its scores in torch's operators, where they can be capped before the mask.
+
+    Raises:
+        ValueError: another kernel is asked for a model with soft-capped scores.
+    """
+    if config.attn_logit_softcapping is not None:
+        if asked not in (None, "matmul"):
+            raise ValueError(
+                f"attention_kernel must be 'matmul' or None for a model whose attention "
+                f"scores are soft-capped (attn_logit_softcapping="
+                f"{config.attn_logit_softcapping}): only it caps scores, got {asked!r}"
+            )
+        return "matmul", "the other kernels do not soft-cap attention scores"
     if asked is not None:
         return asked, "asked"
     kernel = default_kernel(device)

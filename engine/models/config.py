@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from twostroke.engine.models.features import (
+    GEMMA2_DEFAULTS,
     GEMMA3_DEFAULTS,
     gguf_features,
     hf_features,
@@ -40,6 +41,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
@@ -55,6 +57,7 @@ _GGUF_ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
@@ -68,8 +71,6 @@ MISSING_FEATURES = {
     "GptOssForCausalLM": "mixture-of-experts layers with MXFP4 experts and attention sinks",
     "gpt-oss": "mixture-of-experts layers with MXFP4 experts and attention sinks",
     "Gemma3ForConditionalGeneration": "image inputs (its text model runs as Gemma3ForCausalLM)",
-    "Gemma2ForCausalLM": "attention-score soft-capping (attn_logit_softcapping)",
-    "gemma2": "attention-score soft-capping (attn_logit_softcapping)",
     "FalconH1ForCausalLM": "hybrid Mamba layers",
     "falcon-h1": "hybrid Mamba layers",
     "GraniteMoeHybridForCausalLM": "hybrid Mamba layers and mixture-of-experts layers",
@@ -151,6 +152,8 @@ class ModelConfig:
             ``"gelu_tanh"`` (Gemma's ``gelu_pytorch_tanh``).
         final_logit_softcapping: The logits become ``cap * tanh(logits / cap)`` (Gemma),
             or ``None``.
+        attn_logit_softcapping: The scaled attention scores become ``cap * tanh(scores /
+            cap)`` before the mask and the softmax (Gemma 2), or ``None``.
         num_experts: The experts of a mixture-of-experts layer (0: every MLP is dense).
         experts_per_token: The experts each token's router picks (top-k).
         expert_intermediate_size: Width of one expert's SwiGLU.
@@ -205,6 +208,9 @@ class ModelConfig:
         default="silu", validator=attrs.validators.in_(("silu", "gelu_tanh"))
     )
     final_logit_softcapping: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_POSITIVE_NUMBER)
+    )
+    attn_logit_softcapping: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(_POSITIVE_NUMBER)
     )
     num_experts: int = attrs.field(default=0, validator=int_at_least(0))
@@ -306,6 +312,8 @@ class ModelConfig:
             found.append("layers without rotary embeddings")
         if self.attention_scale is not None:
             found.append("an attention scale of its own")
+        if self.attn_logit_softcapping is not None:
+            found.append("soft-capped attention scores")
         if self.residual_scale != 1.0:
             found.append("a residual scale")
         if self.rotary_width != self.head_dim:
@@ -375,11 +383,14 @@ class ModelConfig:
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
             raise _unsupported("architecture", architectures, SUPPORTED_ARCHITECTURES)
+        gemma = architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         if architecture == "Gemma3ForCausalLM":
             data = {**GEMMA3_DEFAULTS, **data}
+        if architecture == "Gemma2ForCausalLM":
+            data = {**GEMMA2_DEFAULTS, **data}
         activation = data.get("hidden_act", "silu")
-        # (Gemma 3 reads hidden_activation instead: hf_features)
-        if activation != "silu" and architecture != "Gemma3ForCausalLM":
+        # (Gemma reads hidden_activation instead: hf_features)
+        if activation != "silu" and not gemma:
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {activation!r}")
         num_heads = count(data, "num_attention_heads")
         hidden_size = count(data, "hidden_size")

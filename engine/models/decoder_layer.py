@@ -36,7 +36,7 @@ class Attention(nn.Module):
     The architectures' variations are the configuration's: queries and keys normalized
     before rotary (per head, or over the whole projection), a layer that does not rotate
     (``rotates=False``), a score scale of its own, only the leading ``rotary_dim`` of
-    each head rotated (Phi-3).
+    each head rotated (Phi-3), scores soft-capped (Gemma 2).
     """
 
     def __init__(
@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         scale = config.attention_scale
         self.scale = config.head_dim**-0.5 if scale is None else scale
+        self.softcap = config.attn_logit_softcapping
         self.rotates = rotates
         self.rotary_width = config.rotary_width
         self.q_norm: RMSNorm | None = None
@@ -116,7 +117,13 @@ class Attention(nn.Module):
         query = qkv[:, : heads * dim].view(num_tokens, heads, dim)
         key_value = qkv[:, heads * dim :].view(num_tokens, 2, kv_heads, dim)
         out = paged_attention(
-            query, key_value, layer, metadata, scale=self.scale, window=self.window
+            query,
+            key_value,
+            layer,
+            metadata,
+            scale=self.scale,
+            window=self.window,
+            softcap=self.softcap,
         )
         projected: torch.Tensor = self.o_proj(out)
         return projected

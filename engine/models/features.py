@@ -12,7 +12,13 @@ from typing import Any
 
 from twostroke.engine.models.fields import count, head_dim_of, require
 
-__all__ = ["GEMMA3_DEFAULTS", "gguf_features", "hf_features", "sliding_window_of"]
+__all__ = [
+    "GEMMA2_DEFAULTS",
+    "GEMMA3_DEFAULTS",
+    "gguf_features",
+    "hf_features",
+    "sliding_window_of",
+]
 
 
 #: Every ``no_rope_layer_interval``-th layer of SmolLM3 has no rotary embeddings: llama.cpp's
@@ -65,6 +71,8 @@ def hf_features(architecture: str, data: Mapping[str, Any]) -> dict[str, Any]:
     class reads them."""
     if architecture == "Gemma3ForCausalLM":
         return _gemma3_features(data)
+    if architecture == "Gemma2ForCausalLM":
+        return _gemma2_features(data)
     if architecture == "Qwen3ForCausalLM":
         return {"qk_norm": "head"}
     if architecture == "Qwen3MoeForCausalLM":
@@ -134,6 +142,8 @@ def gguf_features(arch: str, metadata: Mapping[str, Any], num_layers: int) -> di
     architecture departs from Llama, as llama.cpp reads them (``llm_load_hparams``)."""
     if arch == "gemma3":
         return _gemma3_gguf_features(metadata, num_layers)
+    if arch == "gemma2":
+        return _gemma2_gguf_features(metadata, num_layers)
     if arch == "qwen3":
         return {"qk_norm": "head"}
     if arch == "qwen3moe":
@@ -249,11 +259,6 @@ def _gemma3_features(data: Mapping[str, Any]) -> dict[str, Any]:
     activation = data.get("hidden_activation")
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {activation!r}")
-    if data.get("attn_logit_softcapping") is not None:
-        raise ValueError(
-            "attn_logit_softcapping must be null: twostroke's attention does not cap "
-            f"scores, got {data['attn_logit_softcapping']!r}"
-        )
     if data.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention must be false: twostroke decodes causally")
     count(data, "sliding_window")  # the local layers' rotary base needs a window to name them
@@ -277,6 +282,7 @@ def _gemma3_features(data: Mapping[str, Any]) -> dict[str, Any]:
         "attention_scale": require(data, "query_pre_attn_scalar") ** -0.5,
         "local_rope_theta": theta,
         "final_logit_softcapping": data.get("final_logit_softcapping"),
+        "attn_logit_softcapping": data.get("attn_logit_softcapping"),
     }
 
 
@@ -309,3 +315,76 @@ def _gemma3_gguf_features(metadata: Mapping[str, Any], num_layers: int) -> dict[
             "gemma3.rope.freq_base_swa", _GEMMA3_GGUF_LOCAL_BASE
         )
     return features
+
+
+#: transformers' ``Gemma2Config`` defaults for the keys a Gemma 2 ``config.json`` may leave
+#: out: without ``layer_types``, every other layer is global (the even ones windowed).
+GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 2,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "tie_word_embeddings": True,
+}
+
+#: llama.cpp's ``gemma2`` (``llm_load_hparams``): every other layer windowed
+#: (``set_swa_pattern(2)``), 4096 positions unless the file says, scores capped at 50 and
+#: logits at 30 unless it says.
+_GEMMA2_GGUF_PATTERN = 2
+_GEMMA2_GGUF_WINDOW = 4096
+_GEMMA2_GGUF_ATTN_CAP = 50.0
+_GEMMA2_GGUF_FINAL_CAP = 30.0
+
+
+def _gemma2_features(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 2's departures as transformers' ``Gemma2Model`` computes them: Gemma 3's layer
+    without q/k norms and with one rotary base, and its scores soft-capped
+    (``attn_logit_softcapping``). ``data`` has :data:`GEMMA2_DEFAULTS` filled in."""
+    activation = data.get("hidden_activation")
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {activation!r}")
+    if data.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention must be false: twostroke decodes causally")
+    return {
+        "norm_placement": "both",
+        "norm_offset": 1.0,
+        "hidden_activation": "gelu_tanh",
+        "embedding_scale": count(data, "hidden_size") ** 0.5,
+        "attention_scale": require(data, "query_pre_attn_scalar") ** -0.5,
+        "final_logit_softcapping": data.get("final_logit_softcapping"),
+        "attn_logit_softcapping": data.get("attn_logit_softcapping"),
+    }
+
+
+def _gemma2_gguf_features(metadata: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Gemma 2 as llama.cpp's ``gemma2`` reads it: the layer kinds and the defaults are its
+    constants (:data:`_GEMMA2_GGUF_PATTERN`), the norms' ``+ 1`` is in the stored weights,
+    and the score scale is the head width's except for the 46-layer 27B (``hidden_size /
+    heads``, as its ``query_pre_attn_scalar``)."""
+    hidden = count(metadata, "gemma2.embedding_length")
+    heads = count(metadata, "gemma2.attention.head_count")
+    head_dim = count(metadata, "gemma2.attention.key_length", default=hidden // heads)
+    scalar = hidden // heads if num_layers == 46 else head_dim
+    pattern = _GEMMA2_GGUF_PATTERN
+    return {
+        "norm_placement": "both",
+        "norm_offset": 0.0,
+        "hidden_activation": "gelu_tanh",
+        "embedding_scale": hidden**0.5,
+        "attention_scale": scalar**-0.5,
+        "final_logit_softcapping": metadata.get(
+            "gemma2.final_logit_softcapping", _GEMMA2_GGUF_FINAL_CAP
+        ),
+        "attn_logit_softcapping": metadata.get(
+            "gemma2.attn_logit_softcapping", _GEMMA2_GGUF_ATTN_CAP
+        ),
+        "sliding_window": count(
+            metadata, "gemma2.attention.sliding_window", default=_GEMMA2_GGUF_WINDOW
+        ),
+        "global_layers": tuple(i for i in range(num_layers) if i % pattern == pattern - 1),
+    }

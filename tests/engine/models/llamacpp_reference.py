@@ -133,6 +133,15 @@ def _add_gemma3(writer: Any, config: Any, rope: dict[str, Any]) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
+def _add_gemma2(writer: Any, config: Any) -> None:
+    """Gemma2Model's own keys: the sliding window and both soft-capping values (the layer
+    kinds, every other one windowed, and ``query_pre_attn_scalar`` are llama.cpp's
+    constants)."""
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
 def _stacked_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """The state's tensors, transformers 5's fused experts (``experts.gate_up_proj``
     ``[experts, 2 * width, hidden]``) split into the gate and up stacks the converter writes
@@ -193,6 +202,8 @@ def write_gguf(
         _add_phi3(writer, config, rope)
     if arch == "gemma3":
         _add_gemma3(writer, config, rope)
+    if arch == "gemma2":
+        _add_gemma2(writer, config)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if experts:
         # Qwen2MoeModel's keys (Qwen3-MoE's converter is one): the experts' count, those a
@@ -226,7 +237,7 @@ def write_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"gguf maps no name for {hf_name}"
         weights = parameter.detach().float().numpy()
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             weights = weights + 1.0  # Gemma3Model.norm_shift: llama.cpp scales by the weight
         if arch in PERMUTED and ".q_proj." in hf_name:
             weights = _permute(weights, config.num_attention_heads)
