@@ -33,15 +33,19 @@ import attrs
 from twostroke.engine.bench.child import ChildPeer
 from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.bench.workload import Workload
+from twostroke.states.scheduler_config import SchedulingPolicy
 from twostroke.states.validators import int_at_least
 
 __all__ = [
+    "BATCHED_PROTOCOL",
     "CHILD_SCRIPT",
     "PROTOCOL",
+    "BatchedGGUFPeer",
     "GGUFPeer",
     "GGUFWeights",
     "LlamaCppDriver",
     "PromptLookup",
+    "batched_job_document",
     "gguf_weights",
     "job_document",
 ]
@@ -203,6 +207,62 @@ class GGUFPeer(ChildPeer):
     @abc.abstractmethod
     def batching(self) -> str:
         """How it batches requests, for the report (``"none: one request at a time"``)."""
+
+
+#: The version of the job and result documents of the batched GGUF peers' children
+#: (:class:`BatchedGGUFPeer`; each child's ``PROTOCOL``).
+BATCHED_PROTOCOL = 1
+
+
+def batched_job_document(
+    workload: Workload, *, model: ModelSpec, max_num_seqs: int
+) -> dict[str, Any]:
+    """The JSON job a :class:`BatchedGGUFPeer`'s child runs: the workload's token ids,
+    lengths and arrivals, and the most requests it runs at once."""
+    arrivals = workload.arrival_times
+    return {
+        "protocol": BATCHED_PROTOCOL,
+        "model_path": str(model.source),
+        "threads": model.threads,
+        "max_num_seqs": max_num_seqs,
+        "requests": [
+            {"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens}
+            for r in workload.requests
+        ],
+        "arrival_times": None if arrivals is None else list(arrivals),
+    }
+
+
+@attrs.define(eq=False, kw_only=True)
+class BatchedGGUFPeer(GGUFPeer):
+    """A GGUF peer whose own scheduler batches at most ``max_num_seqs`` requests at once
+    (OpenVINO GenAI, mistral.rs): its child takes :func:`batched_job_document`'s job and
+    works in :attr:`work_folder` of the run's folder.
+
+    Attributes:
+        max_num_seqs: The most requests its scheduler runs at once (the bench's
+            ``--max-num-seqs``, as twostroke's): an int >= 1, else ``TypeError`` or
+            ``ValueError``.
+    """
+
+    #: Its folder inside the run's folder.
+    work_folder: ClassVar[str]
+
+    max_num_seqs: int = attrs.field(
+        default=SchedulingPolicy().max_num_seqs, validator=int_at_least(1)
+    )
+
+    def job(self, workload: Workload, model: ModelSpec) -> dict[str, Any]:
+        """:func:`batched_job_document` with this driver's ``max_num_seqs``."""
+        return batched_job_document(workload, model=model, max_num_seqs=self.max_num_seqs)
+
+    def folder(self, model: ModelSpec) -> Path:
+        """:attr:`work_folder` in the run's folder."""
+        return model.work_dir / self.work_folder
+
+    def batching(self) -> str:
+        """Continuous, up to ``max_num_seqs`` requests at once."""
+        return f"continuous, up to {self.max_num_seqs} requests"
 
 
 def _default_name(driver: LlamaCppDriver) -> str:

@@ -22,15 +22,15 @@ threads, apart from torch's thread pools and OpenMP runtime.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import attrs
 
-from twostroke.engine.bench.llamacpp_peer import GGUFPeer
+from twostroke.engine.bench.llamacpp_peer import (
+    BATCHED_PROTOCOL,
+    BatchedGGUFPeer,
+    batched_job_document,
+)
 from twostroke.engine.bench.model import ModelSpec
-from twostroke.engine.bench.workload import Workload
-from twostroke.states.scheduler_config import SchedulingPolicy
-from twostroke.states.validators import int_at_least
 
 __all__ = ["CHILD_SCRIPT", "PROTOCOL", "VERSION", "MistralRsDriver", "job_document"]
 
@@ -38,29 +38,17 @@ __all__ = ["CHILD_SCRIPT", "PROTOCOL", "VERSION", "MistralRsDriver", "job_docume
 CHILD_SCRIPT = Path(__file__).with_name("_mistralrs_child.py")
 
 #: The version of the JSON job and result documents (the child's ``PROTOCOL``).
-PROTOCOL = 1
+PROTOCOL = BATCHED_PROTOCOL
+
+#: The job the child runs (:func:`~twostroke.engine.bench.llamacpp_peer.batched_job_document`).
+job_document = batched_job_document
 
 #: The ``mistralrs`` release ``make bench-peers`` installs.
 VERSION = "0.9.5"
 
 
-def job_document(workload: Workload, *, model: ModelSpec, max_num_seqs: int) -> dict[str, Any]:
-    """The JSON job the child runs: the workload's token ids, lengths and arrivals."""
-    return {
-        "protocol": PROTOCOL,
-        "model_path": str(model.source),
-        "threads": model.threads,
-        "max_num_seqs": max_num_seqs,
-        "requests": [
-            {"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens}
-            for r in workload.requests
-        ],
-        "arrival_times": None if workload.arrival_times is None else list(workload.arrival_times),
-    }
-
-
 @attrs.define(eq=False, kw_only=True)
-class MistralRsDriver(GGUFPeer):
+class MistralRsDriver(BatchedGGUFPeer):
     """mistral.rs's ``Runner`` on the model's GGUF file, greedy, in a child process.
 
     Attributes:
@@ -86,23 +74,10 @@ class MistralRsDriver(GGUFPeer):
     not_constrained = "JSON schemas and tools are not run through mistral.rs here"
     weights_note = "computed as stored"
 
+    work_folder = "mistralrs"
+
     name: str = attrs.field(default="mistral.rs", init=False)
-    max_num_seqs: int = attrs.field(
-        default=SchedulingPolicy().max_num_seqs, validator=int_at_least(1)
-    )
-
-    def job(self, workload: Workload, model: ModelSpec) -> dict[str, Any]:
-        """:func:`job_document` with this driver's ``max_num_seqs``."""
-        return job_document(workload, model=model, max_num_seqs=self.max_num_seqs)
-
-    def folder(self, model: ModelSpec) -> Path:
-        """``mistralrs`` in the run's folder."""
-        return model.work_dir / "mistralrs"
 
     def run_variables(self, model: ModelSpec, folder: Path) -> dict[str, str]:
         """Rayon's pool, which runs mistral.rs's CPU kernels, at the bench's threads."""
         return {"RAYON_NUM_THREADS": str(model.threads)}
-
-    def batching(self) -> str:
-        """Continuous, up to ``max_num_seqs`` requests."""
-        return f"continuous, up to {self.max_num_seqs} requests"

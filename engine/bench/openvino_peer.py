@@ -19,15 +19,14 @@ pools and OpenMP runtime (OpenVINO brings its own, TBB).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import attrs
 
-from twostroke.engine.bench.llamacpp_peer import GGUFPeer
-from twostroke.engine.bench.model import ModelSpec
-from twostroke.engine.bench.workload import Workload
-from twostroke.states.scheduler_config import SchedulingPolicy
-from twostroke.states.validators import int_at_least
+from twostroke.engine.bench.llamacpp_peer import (
+    BATCHED_PROTOCOL,
+    BatchedGGUFPeer,
+    batched_job_document,
+)
 
 __all__ = ["CHILD_SCRIPT", "PROTOCOL", "VERSION", "OpenVinoDriver", "job_document"]
 
@@ -35,29 +34,17 @@ __all__ = ["CHILD_SCRIPT", "PROTOCOL", "VERSION", "OpenVinoDriver", "job_documen
 CHILD_SCRIPT = Path(__file__).with_name("_openvino_child.py")
 
 #: The version of the JSON job and result documents (the child's ``PROTOCOL``).
-PROTOCOL = 1
+PROTOCOL = BATCHED_PROTOCOL
+
+#: The job the child runs (:func:`~twostroke.engine.bench.llamacpp_peer.batched_job_document`).
+job_document = batched_job_document
 
 #: The ``openvino-genai`` release ``make bench-peers`` installs.
 VERSION = "2026.4.1"
 
 
-def job_document(workload: Workload, *, model: ModelSpec, max_num_seqs: int) -> dict[str, Any]:
-    """The JSON job the child runs: the workload's token ids, lengths and arrivals."""
-    return {
-        "protocol": PROTOCOL,
-        "model_path": str(model.source),
-        "threads": model.threads,
-        "max_num_seqs": max_num_seqs,
-        "requests": [
-            {"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens}
-            for r in workload.requests
-        ],
-        "arrival_times": None if workload.arrival_times is None else list(workload.arrival_times),
-    }
-
-
 @attrs.define(eq=False, kw_only=True)
-class OpenVinoDriver(GGUFPeer):
+class OpenVinoDriver(BatchedGGUFPeer):
     """OpenVINO GenAI's continuous batching on the model's GGUF file, greedy, in a child
     process.
 
@@ -84,19 +71,6 @@ class OpenVinoDriver(GGUFPeer):
     not_constrained = "JSON schemas and tools are not run through OpenVINO GenAI here"
     weights_note = "converted by OpenVINO GenAI at load"
 
+    work_folder = "openvino"
+
     name: str = attrs.field(default="openvino-genai", init=False)
-    max_num_seqs: int = attrs.field(
-        default=SchedulingPolicy().max_num_seqs, validator=int_at_least(1)
-    )
-
-    def job(self, workload: Workload, model: ModelSpec) -> dict[str, Any]:
-        """:func:`job_document` with this driver's ``max_num_seqs``."""
-        return job_document(workload, model=model, max_num_seqs=self.max_num_seqs)
-
-    def folder(self, model: ModelSpec) -> Path:
-        """``openvino`` in the run's folder."""
-        return model.work_dir / "openvino"
-
-    def batching(self) -> str:
-        """Continuous, up to ``max_num_seqs`` requests at once."""
-        return f"continuous, up to {self.max_num_seqs} requests"
