@@ -111,6 +111,13 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _one_stream_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's options for ``generate`` and ``chat``, which run one request at a time:
+    ``max_num_seqs=1``, so the plan is a single stream's (a GGUF model large enough computes
+    its blocks as stored, where they beat the dequantized copy: docs/models.md)."""
+    return {"max_num_seqs": 1, **_engine_options(args)}
+
+
 def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
     """``--speculative-config JSON`` (vLLM's flag): speculative decoding without a draft model."""
     _engine_arguments(parser, "speculative_config")
@@ -326,7 +333,7 @@ async def _generate(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         placement=args.placement,
         device=args.device,
-        **_engine_options(args),
+        **_one_stream_options(args),
     )
     async with opened as engine:
         try:
@@ -343,7 +350,8 @@ async def _generate(args: argparse.Namespace) -> int:
 
 async def _chat(args: argparse.Namespace) -> None:
     messages: list[dict[str, str]] = []
-    async with Engine.open(args.model, device=args.device, **_engine_options(args)) as engine:
+    options = _one_stream_options(args)
+    async with Engine.open(args.model, device=args.device, **options) as engine:
         while True:
             try:
                 line = await anyio.to_thread.run_sync(input, "> ")

@@ -283,3 +283,16 @@ def test_no_mmap_asks_the_engine_for_a_gguf_file_read_into_memory(command: str) 
         "mmap": False
     }
     assert "mmap" not in _engine_options(parser.parse_args([command, *positional]))
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_one_request_commands_open_a_one_sequence_engine(command: str) -> None:
+    """generate and chat serve one request at a time, so their engine plans for one
+    sequence (where a large GGUF file's blocks win: docs/models.md); the flags given stay."""
+    from twostroke.engine.cli import _one_stream_options, build_parser
+
+    positional = ["hi"] if command == "generate" else []
+    parser = build_parser()
+    assert _one_stream_options(parser.parse_args([command, *positional])) == {"max_num_seqs": 1}
+    asked = parser.parse_args([command, *positional, "-q", "gguf"])
+    assert _one_stream_options(asked) == {"max_num_seqs": 1, "quantization": "gguf"}
