@@ -14,10 +14,12 @@ import pytest
 from gguf.quants import quantize
 
 from twostroke.engine.bench.llamacpp_peer import (
+    BATCHED_PROTOCOL,
     PROTOCOL,
     GGUFWeights,
     LlamaCppDriver,
     PromptLookup,
+    batched_job_document,
     gguf_weights,
     job_document,
 )
@@ -112,6 +114,26 @@ WORKLOAD = Workload(
     seed=0,
     description="three",
 )
+
+
+def test_the_batched_peers_job_document(model: ModelSpec) -> None:
+    """The job OpenVINO GenAI's and mistral.rs's children take (BatchedGGUFPeer)."""
+    serving = Workload(WORKLOAD.requests, (0.0, 0.5, 1.0), 0, "s")
+    document = batched_job_document(serving, model=model, max_num_seqs=8)
+    assert document == {
+        "protocol": BATCHED_PROTOCOL,
+        "model_path": str(model.source),
+        "threads": 2,
+        "max_num_seqs": 8,
+        "requests": [
+            {"prompt_token_ids": [1, 2, 3], "max_tokens": 5},
+            {"prompt_token_ids": [4, 5], "max_tokens": 1},
+            {"prompt_token_ids": [6], "max_tokens": 4},
+        ],
+        "arrival_times": [0.0, 0.5, 1.0],
+    }
+    json.dumps(document)
+    assert batched_job_document(WORKLOAD, model=model, max_num_seqs=1)["arrival_times"] is None
 
 
 def test_the_weight_format_is_read_from_the_file(model: ModelSpec, tmp_path: Path) -> None:

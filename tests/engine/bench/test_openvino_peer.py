@@ -13,7 +13,7 @@ import pytest
 
 from tests.engine.bench.test_llamacpp_peer import write_gguf
 from twostroke.engine.bench.model import ModelSpec
-from twostroke.engine.bench.openvino_peer import PROTOCOL, OpenVinoDriver, job_document
+from twostroke.engine.bench.openvino_peer import OpenVinoDriver
 from twostroke.engine.bench.workload import BenchRequest, Workload
 
 # Stand-ins for openvino and openvino_genai, as far as the child uses them. The pipeline
@@ -126,24 +126,6 @@ WORKLOAD = Workload(
     seed=0,
     description="three",
 )
-
-
-def test_job_document(model: ModelSpec) -> None:
-    serving = Workload(WORKLOAD.requests, (0.0, 0.5, 1.0), 0, "s")
-    document = job_document(serving, model=model, max_num_seqs=8)
-    assert document == {
-        "protocol": PROTOCOL,
-        "model_path": str(model.source),
-        "threads": 2,
-        "max_num_seqs": 8,
-        "requests": [
-            {"prompt_token_ids": [1, 2, 3], "max_tokens": 5},
-            {"prompt_token_ids": [4, 5], "max_tokens": 1},
-            {"prompt_token_ids": [6], "max_tokens": 4},
-        ],
-        "arrival_times": [0.0, 0.5, 1.0],
-    }
-    json.dumps(document)
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 2, 64])
