@@ -351,6 +351,8 @@ def resolve_run(
     """
     dtype = resolve_dtype(config.dtype, device)
     exact = exact_asked(config.dtype)
+    # Read once, so that the plan below decides on the blocks as this does.
+    memory = available_memory()
     if not exact and (
         blocks_asked(config.quantization)
         or (
@@ -361,6 +363,7 @@ def resolve_run(
                 device=device,
                 exact=exact,
                 max_num_seqs=config.max_num_seqs,
+                memory=memory,
             )
         )
     ):
@@ -377,6 +380,7 @@ def resolve_run(
         mmap=config.mmap,
         attention=attention,
         max_num_seqs=config.max_num_seqs,
+        memory=memory,
     )
 
 
@@ -406,6 +410,7 @@ def plan_run(
     mmap: bool = True,
     attention: AttentionKernel | None = None,
     max_num_seqs: int | None = None,
+    memory: int | None = None,
 ) -> RunPlan:
     """The plan of a run from the decision's values (what :func:`resolve_run` makes of the
     engine's options; tests and tools give them directly).
@@ -433,6 +438,8 @@ def plan_run(
         attention: The attention asked for (``None``: the fastest that runs here).
         max_num_seqs: The most sequences the engine runs at once (``quantization="auto"``
             takes a GGUF file's blocks for few: :func:`auto_blocks`); ``None``: not known.
+        memory: The bytes of memory available, as :func:`auto_blocks` weighs them
+            (``None``: read now).
 
     Raises:
         ValueError: ``dtype`` is not a floating dtype the model runs in, an unknown
@@ -453,7 +460,7 @@ def plan_run(
     # The kernels' checks run on one thread, so that the caller's thread is left without an
     # OpenMP team of the plan's making (see load_model).
     with torch_threads(1):
-        blocks = _blocks(source, quantization, dtype, device, exact, max_num_seqs)
+        blocks = _blocks(source, quantization, dtype, device, exact, max_num_seqs, memory)
     requantize = QUANTIZE_TO_BLOCKS.get(quantization) if quantization is not None else None
     weights: str | None = None
     if quantization in BLOCK_ACTIVATIONS or requantize is not None:
@@ -519,6 +526,7 @@ def _blocks(
     device: torch.device,
     exact: bool,
     max_num_seqs: int | None,
+    memory: int | None,
 ) -> BlockKernel | None:
     """The block products the run computes with, their activations decided: for a GGUF
     file's blocks as stored (``"gguf"``, ``"gguf_f32"``, or ``"auto"`` where
@@ -538,7 +546,7 @@ def _blocks(
     if quantization in QUANTIZE_TO_BLOCKS:
         return _checked_kernel(source, f"quantization={quantization!r}", dtype, device)
     if quantization != "auto" or not auto_blocks(
-        source, dtype=dtype, device=device, exact=exact, max_num_seqs=max_num_seqs
+        source, dtype=dtype, device=device, exact=exact, max_num_seqs=max_num_seqs, memory=memory
     ):
         return None
     kernel = block_kernel()
@@ -580,6 +588,7 @@ def auto_blocks(
     device: torch.device,
     exact: bool,
     max_num_seqs: int | None = None,
+    memory: int | None = None,
 ) -> bool:
     """Whether ``quantization="auto"`` computes the GGUF file's blocks as stored
     (:data:`AUTO_BLOCKS`): float32 activations on a CPU whose compiled kernels are wanted,
@@ -588,8 +597,8 @@ def auto_blocks(
     where they win: an engine of at most :data:`AUTO_BLOCKS_MAX_SEQS` sequences on decoder
     projections of at least :data:`AUTO_BLOCKS_MIN_WEIGHTS` weights, or a file whose
     dequantized copy would take more than :data:`AUTO_BLOCKS_MEMORY_SHARE` of the memory
-    available. Whether the library builds here is not asked: where it does not, the model
-    loads dequantized (one warning)."""
+    available (``memory`` bytes; ``None``: read now). Whether the library builds here is
+    not asked: where it does not, the model loads dequantized (one warning)."""
     if not AUTO_BLOCKS or not source.is_gguf or exact:
         return False
     if dtype != torch.float32 or device.type != "cpu" or not native_wanted():
@@ -600,7 +609,7 @@ def auto_blocks(
         # The dense copy in the dtype "auto" would otherwise take here.
         dense = sum(math.prod(t.shape) for t in source.tensors.values())
         dense *= default_dtype(device).itemsize
-        if dense <= AUTO_BLOCKS_MEMORY_SHARE * available_memory():
+        if dense <= AUTO_BLOCKS_MEMORY_SHARE * (available_memory() if memory is None else memory):
             return False
     for name, tensor in source.tensors.items():
         kind = tensor.tensor_type.name

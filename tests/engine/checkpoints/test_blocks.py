@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 
 from tests.engine.checkpoints.test_loader import write_gguf
 from tests.engine.models.test_llama import make_tiny_model, random_sequences
-from twostroke.engine.artifacts.cache import NATIVE_FOLDER
+from twostroke.engine.artifacts.cache import MARKER, NATIVE_FOLDER
 from twostroke.engine.checkpoints.source import BlockTypeUnsupported, ModelLoadError
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.kernels.gguf_blocks import offset_magnitudes, random_blocks, rounding_bound
@@ -325,9 +325,11 @@ def test_the_blocks_are_the_files_memory_and_nothing_is_cached(
 
 
 def weight_entries(cache: Path) -> list[Path]:
+    """The cache's entries of weights: not its compiled kernels (built into it when this test
+    runs first in its process) nor its tag."""
     if not cache.exists():
         return []
-    return [path for path in cache.iterdir() if path.name != NATIVE_FOLDER]
+    return [path for path in cache.iterdir() if path.name not in (NATIVE_FOLDER, MARKER)]
 
 
 def test_a_type_not_computed_as_stored_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
@@ -424,6 +426,28 @@ def test_auto_takes_the_blocks_for_few_sequences_or_a_file_too_large_to_dequanti
     # Memory one byte short of the share: the blocks, for any number of sequences.
     monkeypatch.setattr(plan_module, "available_memory", lambda: roomy - 1)
     assert plan(few + 1) == ("gguf", torch.float32)
+
+
+def test_the_memory_the_blocks_weigh_is_read_once_a_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dtype and the weights are decided on one reading of the memory available: a
+    second reading that crossed the bar would give float32 activations to a dequantized
+    copy (twice bfloat16's bytes), or the blocks to bfloat16 activations."""
+    file = write(tmp_path, Q.Q4_1, Q.Q8_0)
+    source = read_source(file)
+    readings = iter([10**15, 1])  # roomy, then one byte: the dense copy would not fit
+    read: list[int] = []
+
+    def available() -> int:
+        read.append(next(readings))
+        return read[-1]
+
+    monkeypatch.setattr(plan_module, "available_memory", available)
+    run = plan_module.resolve_run(EngineConfig(), source, CPU)
+    assert read == [10**15]
+    assert run.weights not in ("gguf", "gguf_f32")
+    assert run.dtype == default_dtype(CPU)
 
 
 def k_type(gguf_tensor: str, *, embedding: Any) -> Any:
