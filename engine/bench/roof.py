@@ -351,9 +351,9 @@ def system_weights(drivers: Iterable[object], model: ModelSpec) -> dict[str, Sys
 
     * twostroke's systems (a driver with ``plan(model, device)``): the plan of the run as
       the engine makes it from the system's options (:func:`plan_cost`);
-    * llama.cpp, llama-server and OpenVINO GenAI on a GGUF file: the file's stored bytes, on
-      float32 activations, the KV cache in llama.cpp's default float16 (OpenVINO's CPU
-      default: 8 bits);
+    * llama.cpp, llama-server, OpenVINO GenAI and mistral.rs on a GGUF file: the file's
+      stored bytes, on float32 activations, the KV cache in float16 (llama.cpp's and
+      mistral.rs's default; OpenVINO's CPU default: 8 bits);
     * vLLM and transformers: dense weights, activations and KV cache in the bench's dtype
       (vLLM reads the bench's Hugging Face folder in it; transformers dequantizes a GGUF
       file into it).
