@@ -59,6 +59,10 @@ SLOT_CONTEXT_STEP = 256
 
 #: Seconds between two ``GET /health`` while the server loads the file.
 _HEALTH_POLL = 0.1
+# How long a request whose connection broke waits for the server's exit before it counts
+# as the request's own failure: a server that dies closes its sockets a moment before its
+# parent can see its status, so a bare ``poll()`` races the client's "server disconnected".
+_EXIT_GRACE = 5.0
 
 
 def default_binary() -> Path | None:
@@ -258,7 +262,7 @@ class LlamaServerDriver:
                 try:
                     result = driver.run(workload, model=model)
                 except Exception as error:
-                    if process.poll() is None:
+                    if not _has_exited(process, error):
                         raise
                     raise ChildError(
                         f"llama-server exited with status {process.returncode} during the run "
@@ -311,3 +315,23 @@ class LlamaServerDriver:
                     f"{self.startup_timeout:g} s; see {log_path}"
                 )
             time.sleep(_HEALTH_POLL)
+
+
+def _has_exited(process: subprocess.Popen[bytes], error: Exception) -> bool:
+    """Whether the server has exited, given that a request failed with ``error``.
+
+    An answer (a 500, a stream's error) comes from a live server and is not waited on; a
+    broken connection waits up to :data:`_EXIT_GRACE` seconds for the exit it may be.
+    """
+    import httpx
+
+    broken = (
+        error.subgroup(httpx.TransportError) is not None
+        if isinstance(error, ExceptionGroup)
+        else isinstance(error, httpx.TransportError)
+    )
+    try:
+        process.wait(timeout=_EXIT_GRACE if broken else 0)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
