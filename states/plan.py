@@ -106,7 +106,11 @@ class StepPlan:
     """Everything a runner needs for one step, in the order it should batch requests.
 
     ``finished_request_ids`` lists requests the runner will not see again (their per-request
-    device state, such as sampler history, may be dropped). ``planned_behind`` is the step
+    device state, such as sampler history, may be dropped). ``preempted_request_ids`` lists
+    requests preempted since the last plan: each is recomputed from its first uncached
+    position when it is admitted again, so KV the runner keeps for it outside the block
+    table (a windowed layer's, :mod:`twostroke.engine.runners.window_kv`) may be dropped
+    before this plan's rows run. ``planned_behind`` is the step
     that was in flight when this one was planned (``None`` if none was): if that step fails,
     some rows of this one may be stranded (see :meth:`stranded_by`).
     """
@@ -115,6 +119,7 @@ class StepPlan:
     requests: tuple[ScheduledRequest, ...]
     finished_request_ids: tuple[int, ...] = ()
     planned_behind: int | None = None
+    preempted_request_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

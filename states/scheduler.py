@@ -136,6 +136,7 @@ class Scheduler:
         # of their steps in flight, up to this step id, are garbage and are discarded.
         self._discard: dict[int, int] = {}
         self._gone: list[int] = []
+        self._preempted: list[int] = []
         # Finished requests' cached blocks held for their cache_ttl, oldest first: (when
         # the pin ends, its blocks). Each holds one reference per block.
         self._pins: collections.deque[tuple[float, tuple[int, ...]]] = collections.deque()
@@ -421,10 +422,12 @@ class Scheduler:
         # Only now, with the plan complete, may later steps match the blocks it writes.
         self._prefix.commit(self._requests[entry.request_id] for entry in entries)
         gone, self._gone = tuple(self._gone), []
+        preempted_ids, self._preempted = tuple(self._preempted), []
         plan = StepPlan(
             step_id=step_id,
             requests=tuple(entries),
             finished_request_ids=gone,
+            preempted_request_ids=preempted_ids,
             planned_behind=self._inflight[-1].step_id if self._inflight else None,
         )
         self._next_step += 1
@@ -749,6 +752,7 @@ class Scheduler:
         self._running.remove(request)
         self._insert(self._waiting, request)
         self._release(request, block_ids)
+        self._preempted.append(request.request_id)
         self._num_preemptions += 1
 
     def _end(self, request: Request, event: Cancelled | Finished | Failed) -> None:

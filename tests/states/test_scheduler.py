@@ -912,7 +912,7 @@ def test_statistics_count_the_queues_the_pipeline_and_the_work() -> None:
     )
 
 
-def test_every_preemption_counts_and_the_runner_hears_of_each_ended_request_once() -> None:
+def test_every_preemption_counts_and_the_runner_hears_of_each_ended_or_preempted_request() -> None:
     scheduler = Scheduler(config(num_blocks=4, block_size=2, max_model_len=7, pipeline_depth=1))
     kv = SimulatedKV(4, 2)
     for request_id in (1, 2, 3, 4):
@@ -923,17 +923,20 @@ def test_every_preemption_counts_and_the_runner_hears_of_each_ended_request_once
     steps = []
     while (plan := scheduler.schedule()) is not None:
         preemptions = scheduler.statistics().num_preemptions
-        steps.append((plan.request_ids, plan.finished_request_ids, preemptions))
+        ended = (plan.finished_request_ids, plan.preempted_request_ids)
+        steps.append((plan.request_ids, *ended, preemptions))
         scheduler.apply(kv.execute(plan))
+    # Each plan names the requests preempted while it was planned (the runner drops what
+    # it keeps for them outside the block tables) and those gone since the last plan.
     assert steps == [
-        ((1, 2, 3), (), 0),
-        ((1, 2), (), 1),  # 1 takes the last free block, 2 takes 3's
-        ((1, 2), (), 1),
-        ((1,), (), 2),  # 1 needs a third block: the newest running request (2) gives way
-        ((2,), (1,), 2),  # 1 sampled its fourth and last token in the step before
-        ((3,), (2,), 2),
-        ((3,), (), 2),
-        ((3,), (), 2),
+        ((1, 2, 3), (), (), 0),
+        ((1, 2), (), (3,), 1),  # 1 takes the last free block, 2 takes 3's
+        ((1, 2), (), (), 1),
+        ((1,), (), (2,), 2),  # 1 needs a third block: the newest running request (2) gives way
+        ((2,), (1,), (), 2),  # 1 sampled its fourth and last token in the step before
+        ((3,), (2,), (), 2),
+        ((3,), (), (), 2),
+        ((3,), (), (), 2),
     ]
     assert scheduler.statistics().num_preemptions == 2
     assert scheduler.is_idle()
