@@ -190,6 +190,14 @@ class EngineConfig(SchedulingPolicy):
             :class:`~twostroke.engine.models.choice.DeterminismUnavailable` at open where
             none is (``dtype="float32"``'s MKL products, ``int8`` weights, CUDA). ``False``:
             the fastest arrangement, no promise asked.
+        swa_full: Where a model's sliding-window layers sit beside layers that see every
+            position (Gemma 2 and 3), keep every position of their KV too (llama.cpp's
+            ``--swa-full``), so that prefix caching serves the model. ``False`` (the
+            default): they keep only their window, in a pool of their own sized for
+            ``max_num_seqs`` requests, the pool's blocks hold the global layers' KV alone
+            (a context several times longer in the same memory), and the engine runs
+            without prefix caching, which would need the windowed KV of the positions a hit
+            skips (docs/models.md, "Sliding windows beside global layers").
 
     Raises:
         TypeError: a value of the wrong type (``None`` included, for a field that is not
@@ -217,6 +225,7 @@ class EngineConfig(SchedulingPolicy):
     deterministic: bool | None = attrs.field(
         default=None, validator=attrs.validators.optional(_boolean)
     )
+    swa_full: bool = attrs.field(default=False, validator=_boolean)
 
 
 # --- the engine's flags -------------------------------------------------------------------
@@ -234,6 +243,7 @@ ENGINE_FLAGS: Mapping[str, str] = {
     "kv_cache_dtype": "choice",
     "mmap": "negated",
     "deterministic": "switch",
+    "swa_full": "switch",
     "speculative_config": "json",
 }
 

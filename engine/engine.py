@@ -22,6 +22,7 @@ step.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -46,11 +47,12 @@ from twostroke.engine.errors import (
 )
 from twostroke.engine.handle import RequestHandle, create_request_handle
 from twostroke.engine.outputs import RequestOutput
-from twostroke.engine.runners.pool_size import size_pool
+from twostroke.engine.runners.pool_size import WindowedPool, size_pool, size_windowed_pool
 from twostroke.engine.runners.protocol import (
     InvariantRunner,
     ModelRunner,
     PlannedRunner,
+    WindowApartRunner,
     WindowedRunner,
 )
 from twostroke.engine.statistics import EngineStatistics
@@ -102,6 +104,31 @@ class _Launched(NamedTuple):
     #: The plan's step id: what the scheduler applies a failure of this step to.
     step_id: int
     completion: Completion[RunnerOutput]
+
+
+_log = logging.getLogger(__name__)
+
+
+def _without_prefix_caching(config: EngineConfig, windowed: WindowedPool) -> EngineConfig:
+    """``config`` as the engine runs it where the windowed layers keep their KV apart: no
+    prefix caching (a hit would skip positions whose windowed KV is not kept), and at most
+    the requests at once that their pool holds. Says what it changed, once, in the log."""
+    changed = attrs.evolve(config, enable_prefix_caching=False, max_num_seqs=windowed.max_num_seqs)
+    notes = []
+    if config.enable_prefix_caching:
+        notes.append("prefix caching off (swa_full=True keeps it)")
+    if windowed.max_num_seqs < config.max_num_seqs:
+        notes.append(
+            f"max_num_seqs {windowed.max_num_seqs}, not {config.max_num_seqs}: their pool's "
+            f"share of kv_cache_memory holds no more"
+        )
+    _log.info(
+        "the sliding-window layers keep only their window, apart: %d blocks (%.1f MiB)%s",
+        windowed.num_blocks,
+        windowed.num_bytes / (1 << 20),
+        "".join(f"; {note}" for note in notes),
+    )
+    return changed
 
 
 class Engine:
@@ -244,10 +271,20 @@ class Engine:
                 loaded: tuple[ModelRunner, Tokenizer] = await device.call(load)
                 runner, tokenizer = loaded
             assert tokenizer is not None  # given with the runner, or loaded with it
-            num_blocks = size_pool(runner, device, engine_config)
-            await device.call(
-                partial(runner.allocate_kv_cache, num_blocks, engine_config.block_size)
-            )
+            windowed = size_windowed_pool(runner, device, engine_config)
+            num_blocks = size_pool(runner, device, engine_config, windowed)
+            if windowed is None:
+                allocate = partial(runner.allocate_kv_cache, num_blocks, engine_config.block_size)
+            else:
+                assert isinstance(runner, WindowApartRunner)  # size_windowed_pool said so
+                allocate = partial(
+                    runner.allocate_kv_cache,
+                    num_blocks,
+                    engine_config.block_size,
+                    num_windowed_blocks=windowed.num_blocks,
+                )
+                engine_config = _without_prefix_caching(engine_config, windowed)
+            await device.call(allocate)
             engine = cls(
                 runner=runner,
                 tokenizer=tokenizer,

@@ -5,7 +5,9 @@ index 0 of the second axis, values at 1. Blocks are stored head-major so one
 ``index_select`` gathers a batch's history straight into the layout batched matrix products
 take; with the CPU's in-place kernels (``"native"`` and ``"bag"``) each block's keys are held
 transposed, ``[head_dim, block_size]``, in the same space (see
-:mod:`twostroke.engine.attention.ops`).
+:mod:`twostroke.engine.attention.ops`). A model whose sliding-window layers keep their KV
+apart (:mod:`twostroke.engine.runners.window_kv`) has a second tensor of that layout for
+them, with blocks of its own.
 """
 
 from __future__ import annotations
@@ -57,19 +59,32 @@ class LayerCache:
 
 @attrs.frozen
 class KVCache:
-    """The paged key and value caches of every layer, in one tensor.
+    """The paged key and value caches of every layer.
 
     Attributes:
         data: ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``; keys at
-            index 0 of the second axis, values at 1.
+            index 0 of the second axis, values at 1: every layer's, or where
+            ``windowed_layers`` keep theirs apart, the other layers', in order.
+        windowed: The ``windowed_layers``' own ``[len(windowed_layers), 2,
+            num_windowed_blocks, num_kv_heads, block_size, head_dim]``, or ``None``.
+        windowed_layers: The layers (model indices) whose KV is in ``windowed``.
+        layers: Every layer's views, in the model's order, from whichever tensor holds it.
     """
 
     data: torch.Tensor
+    windowed: torch.Tensor | None = None
+    windowed_layers: tuple[int, ...] = ()
     layers: tuple[LayerCache, ...] = attrs.field(init=False, repr=False, eq=False)
 
     @layers.default
     def _views(self) -> tuple[LayerCache, ...]:
-        return tuple(LayerCache.of(layer) for layer in self.data)
+        own = iter(self.data)
+        apart = iter(() if self.windowed is None else self.windowed)
+        count = len(self.data) + len(self.windowed_layers)
+        return tuple(
+            LayerCache.of(next(apart) if index in self.windowed_layers else next(own))
+            for index in range(count)
+        )
 
     @classmethod
     def allocate(
@@ -83,6 +98,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         zeroed: bool = True,
+        windowed_layers: tuple[int, ...] = (),
+        num_windowed_blocks: int = 0,
     ) -> KVCache:
         """Allocate a cache, zeroed unless ``zeroed`` is false.
 
@@ -92,19 +109,54 @@ class KVCache:
         SmolLM2's default 1 GiB on the CPU) and touches every page, so a runner may allocate
         it unzeroed and :meth:`zero_blocks` each block the first time a step writes it.
 
+        Args:
+            num_layers: The model's layers, ``windowed_layers`` included.
+            windowed_layers: Layers whose KV goes in a tensor of its own, of
+                ``num_windowed_blocks`` blocks, always zeroed.
+
         Returns:
             The new cache.
+
+        Raises:
+            ValueError: ``windowed_layers`` without blocks, or outside the layers.
         """
-        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+        if windowed_layers and (
+            num_windowed_blocks < 1 or not all(0 <= i < num_layers for i in windowed_layers)
+        ):
+            raise ValueError(
+                f"windowed_layers must be layers of the {num_layers} and have blocks: got "
+                f"{windowed_layers} with num_windowed_blocks={num_windowed_blocks}"
+            )
+        layout = (num_kv_heads, block_size, head_dim)
+        shape = (num_layers - len(set(windowed_layers)), 2, num_blocks, *layout)
         allocate = torch.zeros if zeroed else torch.empty
-        return cls(data=allocate(shape, dtype=dtype, device=device))
+        windowed = None
+        if windowed_layers:
+            apart = (len(set(windowed_layers)), 2, num_windowed_blocks, *layout)
+            windowed = torch.zeros(apart, dtype=dtype, device=device)
+        return cls(
+            data=allocate(shape, dtype=dtype, device=device),
+            windowed=windowed,
+            windowed_layers=tuple(sorted(set(windowed_layers))),
+        )
 
     def zero_blocks(self, block_ids: Sequence[int]) -> None:
-        """Zero the keys and values of ``block_ids`` in every layer."""
+        """Zero the keys and values of ``block_ids`` in every layer of :attr:`data`."""
         # One strided fill per block: 7x faster than index_fill_ over the block axis for
         # the one or two new blocks of a decode step (measured), and never a host sync.
         for block in block_ids:
             self.data[:, :, block].zero_()
+
+    def zero_windowed_blocks(self, block_ids: Sequence[int]) -> None:
+        """Zero the keys and values of ``block_ids`` in every layer of :attr:`windowed`."""
+        if self.windowed is not None:
+            for block in block_ids:
+                self.windowed[:, :, block].zero_()
+
+    @property
+    def num_windowed_blocks(self) -> int:
+        """Blocks of :attr:`windowed` (0 without)."""
+        return 0 if self.windowed is None else int(self.windowed.shape[2])
 
     @staticmethod
     def bytes_per_block(
@@ -120,7 +172,8 @@ class KVCache:
 
     @property
     def key(self) -> torch.Tensor:
-        """``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` (a view)."""
+        """``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` (a view) of
+        :attr:`data`."""
         return self.data[:, 0]
 
     @property

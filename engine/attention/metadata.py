@@ -10,7 +10,10 @@ that index arithmetic, for the kernel it is given (chosen once, when the model l
 :mod:`twostroke.engine.attention.ops` and :mod:`twostroke.engine.kernels.paged_attention`.
 
 Layers with a sliding window (:meth:`AttentionMetadata.windowed`) share the step's layout:
-only their masks differ, made once per step and window when the first such layer asks.
+only their masks differ, made once per step and window when the first such layer asks. Where
+a model's windowed layers keep their KV apart from its global layers'
+(:mod:`~twostroke.engine.runners.window_kv`), they get a layout of their own, over their
+own block tables (:meth:`AttentionMetadata.with_windowed_layout`).
 """
 
 from __future__ import annotations
@@ -300,6 +303,8 @@ class AttentionMetadata:
     _windows: dict[int, AttentionMetadata] = attrs.field(
         factory=dict, init=False, repr=False, eq=False
     )
+    # The windowed layers' own layout, where their KV is kept apart (with_windowed_layout).
+    _apart: AttentionMetadata | None = attrs.field(default=None, repr=False, eq=False)
 
     @functools.cached_property
     def write_index(self) -> torch.Tensor:
@@ -325,6 +330,10 @@ class AttentionMetadata:
         nothing (every chunk ends within it) and for the ``"native"`` kernel, which takes the
         window itself.
 
+        Where the windowed layers keep their KV apart (:meth:`with_windowed_layout`), the
+        answer is their own layout's, windowed; asked of a windowed metadata again, the
+        answer is itself.
+
         Args:
             window: Positions each query sees, its own included.
 
@@ -339,6 +348,8 @@ class AttentionMetadata:
             raise ValueError(
                 f"a sliding window must be >= 1 (a query sees its own position), got {window}"
             )
+        if self._apart is not None:
+            return self._apart.windowed(window)
         if self.kernel == "native":
             return self
         found = self._windows.get(window)
@@ -350,8 +361,36 @@ class AttentionMetadata:
             found = self  # every query already sees all it may
         else:
             found = self._windowed(window, self._layout, self._dtype)
+            found._windows[window] = found  # (windowed again: the same)
         self._windows[window] = found
         return found
+
+    @property
+    def windowed_apart(self) -> bool:
+        """Whether the windowed layers have a layout of their own (:meth:`with_windowed_layout`)."""
+        return self._apart is not None
+
+    def with_windowed_layout(self, apart: AttentionMetadata) -> AttentionMetadata:
+        """This step's metadata, whose windowed layers attend and write through ``apart``.
+
+        ``apart`` is the same step's chunks, in the same order, laid out over the windowed
+        layers' own cache and block tables (:mod:`~twostroke.engine.runners.window_kv`):
+        :meth:`windowed` answers from it, so a windowed layer's writes and reads go to its
+        own cache, and a global layer's to the global one.
+
+        Raises:
+            ValueError: ``apart`` lays out other positions than this metadata, or has a
+                windowed layout of its own.
+        """
+        if apart._apart is not None:
+            raise ValueError("the windowed layers' layout cannot have one of its own")
+        if apart.num_tokens != self.num_tokens or apart.num_decodes != self.num_decodes:
+            raise ValueError(
+                f"the windowed layers' layout must lay out the step's {self.num_tokens} "
+                f"tokens ({self.num_decodes} decodes), got {apart.num_tokens} "
+                f"({apart.num_decodes} decodes)"
+            )
+        return attrs.evolve(self, apart=apart)
 
     def _windowed(self, window: int, layout: _Layout, dtype: torch.dtype) -> AttentionMetadata:
         """:meth:`windowed`'s masks, made for ``window``."""

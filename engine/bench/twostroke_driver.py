@@ -77,6 +77,8 @@ class _Recording:
     loaded: LoadedModel | None
     plans: list[StepPlan]
     num_blocks: int
+    #: The windowed layers' own blocks, where they keep their KV apart (else 0).
+    num_windowed_blocks: int
     block_size: int
     #: The engine's request id of each workload request.
     request_ids: list[int]
@@ -168,7 +170,9 @@ class TwostrokeDriver:
         warmup = _warm_up(workload, model, loaded, tokenizer, self.engine_options, self)
         started += warmup
         runner = TorchModelRunner.from_loaded(
-            loaded, max_num_seqs=self.engine_options.get("max_num_seqs", 64)
+            loaded,
+            max_num_seqs=self.engine_options.get("max_num_seqs", 64),
+            swa_full=self.engine_options.get("swa_full", False),
         )
         request_ids = [-1] * len(workload.requests)
         outputs: list[tuple[int, ...]] = []
@@ -189,6 +193,7 @@ class TwostrokeDriver:
             loaded=loaded,
             plans=plans,
             num_blocks=stats.num_blocks,
+            num_windowed_blocks=runner.num_windowed_blocks,
             block_size=self.engine_options.get("block_size", 16),
             request_ids=request_ids,
         )
@@ -416,7 +421,9 @@ def _warm_up(
         arrival_times=None,
     )
     runner = TorchModelRunner.from_loaded(
-        loaded, max_num_seqs=engine_options.get("max_num_seqs", 64)
+        loaded,
+        max_num_seqs=engine_options.get("max_num_seqs", 64),
+        swa_full=engine_options.get("swa_full", False),
     )
 
     async def serve() -> None:
@@ -474,8 +481,14 @@ class BareForwardDriver:
             # makes them: zeroing the cache on the calling thread gave that thread an OpenMP
             # team of its own, and with two teams alive GNU OpenMP stops spinning at barriers
             # (the loop's steps, and depth 1's after it, took 28 ms a token against 18).
-            runner = TorchModelRunner.from_loaded(loaded)
-            runner.allocate_kv_cache(recording.num_blocks, recording.block_size)
+            runner = TorchModelRunner.from_loaded(
+                loaded, swa_full=not recording.num_windowed_blocks
+            )
+            runner.allocate_kv_cache(
+                recording.num_blocks,
+                recording.block_size,
+                num_windowed_blocks=recording.num_windowed_blocks,
+            )
             t0 = time.perf_counter()
             for plan in recording.plans:
                 launched = runner.execute(plan)

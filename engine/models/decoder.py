@@ -507,11 +507,19 @@ class CausalLM(nn.Module):
         )
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, *, zeroed: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        zeroed: bool = True,
+        num_windowed_blocks: int = 0,
     ) -> KVCache:
         """A paged cache for this model in :attr:`cache_dtype`, zeroed unless ``zeroed`` is
-        false (see KVCache)."""
+        false (see KVCache). With ``num_windowed_blocks``, the sliding-window layers
+        (:attr:`local_layers`) of a model that also has global ones keep their KV apart, in
+        that many blocks (:mod:`~twostroke.engine.runners.window_kv`)."""
         config = self.config
+        apart = tuple(sorted(self.local_layers)) if num_windowed_blocks else ()
         return KVCache.allocate(
             num_layers=config.num_layers,
             num_blocks=num_blocks,
@@ -521,6 +529,8 @@ class CausalLM(nn.Module):
             dtype=self.cache_dtype,
             device=self.device,
             zeroed=zeroed,
+            windowed_layers=apart,
+            num_windowed_blocks=num_windowed_blocks,
         )
 
     @torch.inference_mode()

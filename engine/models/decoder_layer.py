@@ -93,6 +93,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.window is not None:
+            # Its masks, and where its KV is kept apart (window_kv) its own layout, which
+            # the write below goes through too; the attention asks again and gets the same.
+            metadata = metadata.windowed(self.window)
         qkv = self.qkv_proj(x)
         q_norm, k_norm = self.q_norm, self.k_norm
         if q_norm is not None and k_norm is not None:

@@ -73,7 +73,11 @@ class DecoderStack:
         calls: decodes only, read in place, or every chunk through the compiled prefill;
         and its tokens no more than :attr:`most_tokens`. The kernel is the one the run's
         plan built for this model (:mod:`~twostroke.engine.models.plan`), asked once: not
-        checked again here."""
+        checked again here. Never where the windowed layers keep their KV apart
+        (:attr:`AttentionMetadata.windowed_apart`): the stack writes every layer's cache
+        through one layout."""
+        if metadata.windowed_apart:
+            return False
         if self.most_tokens is not None and metadata.positions.shape[0] > self.most_tokens:
             return False
         return metadata.keys_transposed and self._attention_kernel(metadata) is not None

@@ -131,7 +131,10 @@ def load_runner(
     tokenizer = HFTokenizer.from_pretrained(loaded.source)
     check_vocabulary(tokenizer, loaded.config.vocab_size, loaded.source)
     runner = TorchModelRunner.from_loaded(
-        loaded, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs
+        loaded,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        swa_full=config.swa_full,
     )
     return runner, tokenizer
 

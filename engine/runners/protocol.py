@@ -23,7 +23,14 @@ from twostroke.states.plan import RunnerOutput, StepPlan
 if TYPE_CHECKING:
     from twostroke.engine.models.plan import RunPlan
 
-__all__ = ["InvariantRunner", "MaskingRunner", "ModelRunner", "PlannedRunner", "WindowedRunner"]
+__all__ = [
+    "InvariantRunner",
+    "MaskingRunner",
+    "ModelRunner",
+    "PlannedRunner",
+    "WindowApartRunner",
+    "WindowedRunner",
+]
 
 
 class ModelRunner(Protocol):
@@ -95,6 +102,30 @@ class WindowedRunner(Protocol):
         """The positions every layer's query sees, its own included, or ``None`` where some
         layer sees them all. The runner never reads a position further back: a block table
         may hold padding there."""
+        ...
+
+
+@runtime_checkable
+class WindowApartRunner(Protocol):
+    """A runner whose model's sliding-window layers, beside global ones, keep their KV
+    apart and only as far back as the window (:mod:`~twostroke.engine.runners.window_kv`):
+    the engine sizes their pool, gives it to :meth:`allocate_kv_cache`, and runs without
+    prefix caching."""
+
+    @property
+    def windowed_kv_window(self) -> int | None:
+        """The windowed layers' window where they keep their KV apart, else ``None``."""
+        ...
+
+    def windowed_kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block of the windowed layers' own KV takes."""
+        ...
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, *, num_windowed_blocks: int = 0
+    ) -> None:
+        """Create the caches: ``num_blocks`` of the pool, ``num_windowed_blocks`` of the
+        windowed layers' own (0 where they keep none apart)."""
         ...
 
 

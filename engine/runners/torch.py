@@ -20,6 +20,7 @@ the copy, and every tensor the step touches is kept alive in ``keepalive``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import attrs
 import torch
@@ -31,11 +32,12 @@ from twostroke.engine.kernels.paged_attention import PagedDecodeKernel
 from twostroke.engine.models.decoder import CausalLM
 from twostroke.engine.models.loading import LoadedModel
 from twostroke.engine.models.plan import RunPlan
+from twostroke.engine.runners.errors import RunnerError
 from twostroke.engine.runners.sampler import Sampler, SamplerOutput, TokenHistory
+from twostroke.engine.runners.window_kv import WindowKV
 from twostroke.engine.structured.masks import StepMasks
 from twostroke.gpu.completion import Launched, ReadyEvent, SupportsQuery
 from twostroke.gpu.staging import to_device
-from twostroke.states.errors import EngineError
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import (
     RunnerOutput,
@@ -49,10 +51,6 @@ __all__ = ["DEFAULT_DECODE_GATHER_BYTES", "RunnerError", "TorchModelRunner"]
 
 #: What one layer may gather for a group of decodes by default (see ``decode_gather_bytes``).
 DEFAULT_DECODE_GATHER_BYTES = 256 << 20
-
-
-class RunnerError(EngineError, RuntimeError):
-    """A step cannot run: the runner was used out of protocol or a plan is inconsistent."""
 
 
 @attrs.frozen
@@ -87,6 +85,10 @@ class TorchModelRunner:
             ``"native"`` kernel's decodes are one group. ``None``: no bound.
         plan: The plan the model was loaded by (:meth:`from_loaded` gives it), which
             :attr:`plan` shows.
+        swa_full: Where the model's sliding-window layers sit beside global ones (Gemma 2
+            and 3), keep every position of their KV in the pool with the global layers'
+            (llama.cpp's ``--swa-full``), so that prefix caching can serve them; by default
+            they keep only their window, apart (:attr:`windowed_kv_window`).
 
     Raises:
         ValueError: ``max_model_len``, ``max_num_seqs`` or ``decode_gather_bytes`` below 1.
@@ -101,6 +103,7 @@ class TorchModelRunner:
         seed: int | None = None,
         decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
         plan: RunPlan | None = None,
+        swa_full: bool = False,
     ) -> None:
         for name, value in (
             ("max_model_len", max_model_len),
@@ -125,6 +128,8 @@ class TorchModelRunner:
         )
         self._history: TokenHistory | None = None
         self._cache: KVCache | None = None
+        self._swa_full = swa_full
+        self._window_kv: WindowKV | None = None  # the windowed layers' tables, if apart
         # The chosen attention, the compiled kernel built for the cache's blocks: set once.
         self._attention: AttentionKernel | PagedDecodeKernel = kernels.attention
         self._zeroed = bytearray()  # per KV block: zeroed since allocation
@@ -146,6 +151,7 @@ class TorchModelRunner:
         max_num_seqs: int | None = None,
         seed: int | None = None,
         decode_gather_bytes: int | None = DEFAULT_DECODE_GATHER_BYTES,
+        swa_full: bool = False,
     ) -> TorchModelRunner:
         """A runner for a model :func:`~twostroke.engine.models.loading.load_model` loaded.
 
@@ -155,6 +161,7 @@ class TorchModelRunner:
             max_num_seqs: See the class.
             seed: See the class.
             decode_gather_bytes: See the class.
+            swa_full: See the class.
 
         Returns:
             The runner (its KV cache is allocated later, by the engine).
@@ -166,6 +173,7 @@ class TorchModelRunner:
             seed=seed,
             decode_gather_bytes=decode_gather_bytes,
             plan=loaded.plan,
+            swa_full=swa_full,
         )
 
     def __repr__(self) -> str:
@@ -216,25 +224,67 @@ class TorchModelRunner:
             return None
         return config.sliding_window
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of KV cache one block of ``block_size`` positions takes (all layers)."""
+    @property
+    def windowed_kv_window(self) -> int | None:
+        """The window of the sliding-window layers where they keep their KV apart from the
+        global layers' and only as far back as it (Gemma 2 and 3, unless ``swa_full``; a
+        window shorter than the context), else ``None``: see
+        :mod:`~twostroke.engine.runners.window_kv`. The global layers' blocks are the
+        scheduler's pool; a prefix-cache hit cannot be served (the windowed KV of the
+        positions it skips is not kept)."""
+        config = self.config
+        window = config.sliding_window
+        if self._swa_full or window is None or not config.global_layers:
+            return None
+        return window if window < self._max_model_len else None
+
+    @property
+    def num_windowed_blocks(self) -> int:
+        """Blocks of the windowed layers' own KV, allocated (0 before, and without)."""
+        return 0 if self._cache is None else self._cache.num_windowed_blocks
+
+    def _bytes_per_block(self, num_layers: int, block_size: int) -> int:
         config = self.config
         return KVCache.bytes_per_block(
-            num_layers=config.num_layers,
+            num_layers=num_layers,
             block_size=block_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             dtype=self.model.cache_dtype,
         )
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of KV cache one block of ``block_size`` positions of the pool takes: every
+        layer's, or the global layers' where the windowed layers keep theirs apart."""
+        apart = len(self.model.local_layers) if self.windowed_kv_window is not None else 0
+        return self._bytes_per_block(self.config.num_layers - apart, block_size)
+
+    def windowed_kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block of the windowed layers' own KV takes (0 where they keep none
+        apart: :attr:`windowed_kv_window`)."""
+        if self.windowed_kv_window is None:
+            return 0
+        return self._bytes_per_block(len(self.model.local_layers), block_size)
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, *, num_windowed_blocks: int = 0
+    ) -> None:
         """Create the paged KV cache. Called once, before the first step.
+
+        Args:
+            num_blocks: Blocks of the pool the scheduler hands out.
+            block_size: Positions per block.
+            num_windowed_blocks: Blocks of the windowed layers' own KV, where they keep it
+                apart (:attr:`windowed_kv_window`; at least
+                :func:`~twostroke.engine.runners.window_kv.window_pool_blocks` for the
+                scheduler's limits); 0 elsewhere.
 
         Raises:
             RunnerError: the cache exists already.
-            ValueError: ``num_blocks`` or ``block_size`` below 1, or the ``"native"``
-                attention where it does not run for these blocks (see
-                :meth:`CausalLM.attention_for
+            ValueError: ``num_blocks`` or ``block_size`` below 1, ``num_windowed_blocks``
+                below 2 for a model that keeps its windowed KV apart (or given to one that
+                does not), or the ``"native"`` attention where it does not run for these
+                blocks (see :meth:`CausalLM.attention_for
                 <twostroke.engine.models.decoder.CausalLM.attention_for>`).
         """
         if self._cache is not None:
@@ -242,11 +292,23 @@ class TorchModelRunner:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        window = self.windowed_kv_window
+        if (window is None) != (num_windowed_blocks == 0):
+            raise ValueError(
+                f"num_windowed_blocks must be >= 2 exactly where the windowed layers keep "
+                f"their KV apart (window {window}), got {num_windowed_blocks}"
+            )
         # The compiled attention is built for these blocks here, once (it fails here, not in
         # a step); every step's layout receives it.
         self._attention = self.model.attention_for(block_size, self.kernels.attention)
+        if window is not None:
+            self._window_kv = WindowKV(
+                num_blocks=num_windowed_blocks, block_size=block_size, window=window
+            )
         # Unzeroed: each block is zeroed the first time a step writes it (see KVCache).
-        self._cache = self.model.allocate_kv_cache(num_blocks, block_size, zeroed=False)
+        self._cache = self.model.allocate_kv_cache(
+            num_blocks, block_size, zeroed=False, num_windowed_blocks=num_windowed_blocks
+        )
         self._zeroed = bytearray(num_blocks)
         self._zero_new_blocks([0], self._cache)  # padded decode histories read block 0
 
@@ -305,10 +367,9 @@ class TorchModelRunner:
                 0, to_device(pending_sources, device=device)
             )
             ids.index_copy_(0, to_device(pending_rows, device=device), sources)
-        metadata = AttentionMetadata.build(
-            [ChunkSpec(entry.start, entry.num_tokens, entry.block_table) for entry in entries],
+        layout = partial(
+            AttentionMetadata.build,
             block_size=cache.block_size,
-            num_blocks=cache.num_blocks,
             num_kv_heads=self.config.num_kv_heads,
             dtype=self.model.dtype,
             device=device,
@@ -317,6 +378,16 @@ class TorchModelRunner:
             num_heads=self.config.num_heads,
             head_dim=self.config.head_dim,
         )
+        metadata = layout(
+            [ChunkSpec(entry.start, entry.num_tokens, entry.block_table) for entry in entries],
+            num_blocks=cache.num_blocks,
+        )
+        window_kv = self._window_kv
+        if window_kv is not None:
+            metadata = metadata.with_windowed_layout(
+                layout(self._windowed_chunks(plan, entries, window_kv, cache),
+                       num_blocks=cache.num_windowed_blocks)
+            )  # fmt: skip
         # Every block a step reads was written by this step or an earlier one, except block 0
         # (padding): zeroing the blocks this step writes covers everything read.
         written: list[int] = []
@@ -327,6 +398,9 @@ class TorchModelRunner:
             )
         self._zero_new_blocks(written, cache)
         logits = self.model(ids, metadata, cache, to_device(logit_rows, device=device))
+        if window_kv is not None:
+            for entry in entries:
+                window_kv.settle(entry.request_id, entry.end, len(entry.draft_token_ids))
 
         sampling = [entry for entry in entries if entry.sample]
         # A row with drafts samples at each of its last 1 + k positions, as a row without
@@ -406,6 +480,21 @@ class TorchModelRunner:
         bitmask = picked.to(self.device, non_blocking=True)
         apply_bitmask(logits, bitmask, to_device(rows, device=self.device))
         return bitmask
+
+    @staticmethod
+    def _windowed_chunks(
+        plan: StepPlan, entries: list[ScheduledRequest], window_kv: WindowKV, cache: KVCache
+    ) -> list[ChunkSpec]:
+        """The step's chunks over the windowed layers' own tables (taking their blocks):
+        the requests the plan says are gone or preempted give theirs back first."""
+        for request_id in (*plan.finished_request_ids, *plan.preempted_request_ids):
+            window_kv.drop(request_id)
+        chunks = []
+        for entry in entries:
+            table, taken = window_kv.table(entry.request_id, entry.start, entry.end)
+            cache.zero_windowed_blocks(taken)  # another request's KV was there
+            chunks.append(ChunkSpec(entry.start, entry.num_tokens, table))
+        return chunks
 
     def _zero_new_blocks(self, block_ids: list[int], cache: KVCache) -> None:
         zeroed = self._zeroed

@@ -12,6 +12,7 @@ answers so with deterministic=True (each row multiplied by its experts alone).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,55 @@ async def test_a_windowed_model_gives_back_its_blocks_and_keeps_transformers_tok
             assert list(output.token_ids) == expected
     assert found[8] == 0
     assert found[None] > 0
+
+
+@pytest.mark.timeout(300)
+async def test_gemma3s_windowed_layers_keep_their_window_apart_unless_swa_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """By default the engine keeps the windowed layers' KV to their window, apart, and runs
+    without prefix caching (it says so once); swa_full=True keeps every position and the
+    cache. The tokens are transformers' greedy ones either way, two requests at once."""
+    folder = tmp_path / "gemma3"
+    reference = parity.make_model(
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        folder,
+        seed=7,
+        vocab_size=VOCABULARY,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=None,
+        sliding_window_pattern=2,
+    )
+    save_tokenizer(folder)
+    caplog.set_level(logging.INFO, logger="twostroke.engine.engine")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    found: dict[bool, list[list[int]]] = {}
+    for swa_full in (False, True):
+        outputs: list[Any] = [None, None]
+        async with Engine.open(
+            model=str(folder),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            max_num_batched_tokens=8,
+            swa_full=swa_full,
+        ) as engine:
+            assert engine.config.enable_prefix_caching is swa_full
+
+            async def one(index: int, into: list[Any]) -> None:
+                into[index] = await engine.generate(PROMPTS[index], params)
+
+            async with anyio.create_task_group() as group:
+                for index in range(2):
+                    group.start_soon(one, index, outputs)
+        found[swa_full] = [list(output.token_ids) for output in outputs]
+        for output in outputs:
+            prompt = list(output.prompt_token_ids)
+            expected = parity.greedy(reference, prompt, steps=24)[len(prompt) :]
+            assert list(output.token_ids) == expected
+    assert found[False] == found[True]
+    said = [r.getMessage() for r in caplog.records if "keep only their window" in r.getMessage()]
+    assert len(said) == 1
+    assert "prefix caching off (swa_full=True keeps it)" in said[0]

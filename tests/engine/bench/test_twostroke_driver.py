@@ -218,7 +218,12 @@ def test_a_recorded_model_is_released_once_no_replay_of_it_is_pending() -> None:
     model = cast(twostroke_driver.LoadedModel, object())
     for driver in (depth2, depth1):
         driver.recording = twostroke_driver._Recording(
-            loaded=model, plans=[], num_blocks=1, block_size=16, request_ids=[]
+            loaded=model,
+            plans=[],
+            num_blocks=1,
+            num_windowed_blocks=0,
+            block_size=16,
+            request_ids=[],
         )
     peer = object()
     # depth 2 and 1 ran, the replay of depth 2 is pending: depth 1's model goes.

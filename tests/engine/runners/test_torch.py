@@ -8,6 +8,7 @@ chunked prefill, mixed batches and (with a tiny pool) preemption.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -26,6 +27,7 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.kernels.build import NATIVE_ENV
 from twostroke.engine.models.loading import LoadedModel, load_model, open_model
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
+from twostroke.engine.runners.window_kv import window_pool_blocks
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs
 from twostroke.states.request import Request
@@ -69,14 +71,31 @@ def generate(
     enable_prefix_caching: bool = True,
     speculator: Speculator | None = None,
     attention_kernel: str | None = None,
+    after_step: Callable[[TorchModelRunner, Scheduler], None] | None = None,
     **runner_options: Any,
 ) -> Run:
     """Serve every prompt as one continuous batch; request ``i`` arrives at step ``arrivals[i]``
-    (``attention_kernel``: the model loaded again by its plan with that attention asked)."""
+    (``attention_kernel``: the model loaded again by its plan with that attention asked).
+
+    A model whose windowed layers keep their KV apart gets their pool as the engine sizes it
+    (:func:`window_pool_blocks`) and runs without prefix caching, as the engine runs it;
+    ``after_step`` sees the runner and the scheduler after each step's outcome."""
     if attention_kernel is not None:
         loaded = attending(loaded, attention_kernel)
     runner = TorchModelRunner.from_loaded(loaded, seed=seed, **runner_options)
-    runner.allocate_kv_cache(num_blocks, block_size)
+    window = runner.windowed_kv_window
+    windowed = 0
+    if window is not None:
+        drafts = 0 if speculator is None else speculator.config.num_speculative_tokens
+        windowed = window_pool_blocks(
+            window=window,
+            block_size=block_size,
+            max_num_seqs=16,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_drafts=drafts,
+        )
+        enable_prefix_caching = False
+    runner.allocate_kv_cache(num_blocks, block_size, num_windowed_blocks=windowed)
     scheduler = Scheduler(
         SchedulerConfig(
             num_blocks=num_blocks,
@@ -112,6 +131,8 @@ def generate(
         output = launched.readback()
         assert output.step_id == plan.step_id
         report = scheduler.apply(output)
+        if after_step is not None:
+            after_step(runner, scheduler)
         place: dict[int, int] = collections.Counter()
         for request_id, token in report.new_tokens:
             tokens[request_id].append(token)
