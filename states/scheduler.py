@@ -255,8 +255,7 @@ class Scheduler:
                 max_tokens=request.max_tokens,
                 max_model_len=config.max_model_len,
             )
-        # The last sampled token's KV is never written, so total - 1 positions need blocks.
-        needed = blocks_for(total - 1, config.block_size)
+        needed = self.most_blocks_held(total)
         if needed > config.num_blocks:
             raise RequestRejected(
                 f"prompt + max_tokens ({total} tokens) needs {needed} KV blocks of "
@@ -397,7 +396,10 @@ class Scheduler:
             hits = self._prefix.match(request)
             computed = len(hits) * config.block_size
             num_tokens = self._tokens_to_compute(request, budget, computed)
-            reclaimed = sum(1 for block_id in hits if not self.pool.ref_count(block_id))
+            # With a sliding window, the hit's blocks behind its first query's window go
+            # back as soon as they are claimed (_slide, below): they cost no room.
+            kept = hits[self._behind_window(computed, request.num_known_tokens) :]
+            reclaimed = sum(1 for block_id in kept if not self.pool.ref_count(block_id))
             drafts, needed = self._fit_draft(
                 request,
                 num_tokens,
@@ -413,6 +415,7 @@ class Scheduler:
             self._waiting.popleft()
             request.apply(Admitted(self._clock()))
             self._prefix.claim(request, hits)  # before anything is allocated
+            self._slide(request)
             self._insert(self._running, request)
             entries.append(self._schedule(request, step_id, num_tokens, needed, drafts))
             budget -= num_tokens + len(drafts)
@@ -702,15 +705,39 @@ class Scheduler:
         they arrive, so that the prefix cache still takes it. A step in flight that reads a
         block released here has it until it completes (:meth:`_release` defers it).
         """
-        window = self.config.sliding_window
-        if window is None:
-            return
-        seen_from = min(request.num_computed_tokens - window + 1, request.num_known_tokens)
-        behind = max(seen_from, 0) // self.config.block_size - request.num_released_blocks
+        behind = (
+            self._behind_window(request.num_computed_tokens, request.num_known_tokens)
+            - request.num_released_blocks
+        )
         if behind > 0:
             block_ids = request.block_table[:behind]
             request.apply(BlocksReleased(behind))
             self._release(request, block_ids)
+
+    def _behind_window(self, computed: int, known: int) -> int:
+        """Leading blocks of a request no query reads again once ``computed`` positions are
+        computed (or planned), of which ``known`` tokens are known: those wholly before the
+        next query's window and of known tokens (0 without a sliding window)."""
+        window = self.config.sliding_window
+        if window is None:
+            return 0
+        return max(min(computed - window + 1, known), 0) // self.config.block_size
+
+    def most_blocks_held(self, num_positions: int) -> int:
+        """The most blocks a request of ``num_positions`` positions (prompt and output) holds
+        at once while it runs alone: all of them, or with a sliding window the blocks from
+        its first query's window (at most ``pipeline_depth - 2`` more back, for the tokens
+        that steps in flight sample) to the end of a step's token budget, whichever is
+        fewer. :meth:`check_request` refuses a request whose count passes the pool's.
+        """
+        config = self.config
+        size = config.block_size
+        whole = blocks_for(num_positions - 1, size)  # the last token's KV is never written
+        window = config.sliding_window
+        if window is None:
+            return whole
+        back = max(window - 1, config.pipeline_depth - 2)
+        return min(whole, blocks_for(back + config.max_num_batched_tokens, size) + 1)
 
     def _pin(self, request: Request) -> None:
         """Hold a request that just finished's cached blocks for its ``cache_ttl``."""

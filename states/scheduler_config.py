@@ -81,8 +81,10 @@ class SchedulerConfig(SchedulingPolicy):
             (Mistral's ``sliding_window``), or ``None``: some layer sees them all. With a
             window, a running request gives back each block once the window has passed its
             positions (:class:`~twostroke.states.request.BlocksReleased`), so its blocks
-            held stay about ``sliding_window`` positions' however long it runs; it must
-            still fit the pool whole to be accepted.
+            held stay about ``sliding_window`` positions' and a step's however long it
+            runs, and a request longer than the pool is accepted where those fit it
+            (:meth:`Scheduler.most_blocks_held
+            <twostroke.states.scheduler.Scheduler.most_blocks_held>`).
     """
 
     num_blocks: int = attrs.field(validator=int_at_least(1))

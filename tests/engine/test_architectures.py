@@ -24,6 +24,7 @@ import transformers
 from tests.engine.models import parity
 from twostroke.engine import Engine
 from twostroke.engine.synthetic.tokenizer import save_tokenizer
+from twostroke.states.errors import RequestRejected
 from twostroke.states.params import SamplingParams
 
 # One backend: the engine's backends are the toy tests' subject; each case opens several
@@ -213,6 +214,39 @@ async def test_a_windowed_model_gives_back_its_blocks_and_keeps_transformers_tok
             assert list(output.token_ids) == expected
     assert found[8] == 0
     assert found[None] > 0
+
+
+@pytest.mark.timeout(300)
+async def test_a_windowed_request_longer_than_the_pool_is_served(tmp_path: Path) -> None:
+    """Mistral with a window of 8 and steps of 8 tokens: a request of 44 positions (11
+    blocks of 4 whole) holds at most blocks_for(7 + 8) + 1 = 5 at once, so a pool of 5 takes
+    it and gives transformers' greedy tokens; without the window it is refused."""
+    for window in (8, None):
+        folder = tmp_path / f"window-{window}"
+        reference = parity.make_model(
+            transformers.MistralConfig,
+            transformers.MistralForCausalLM,
+            folder,
+            seed=7,
+            vocab_size=VOCABULARY,
+            sliding_window=window,
+        )
+        save_tokenizer(folder)
+        options = {"block_size": 4, "num_blocks": 5, "max_num_batched_tokens": 8}
+        async with Engine.open(
+            model=str(folder), device="cpu", dtype="float32", **options
+        ) as engine:
+            steps = 44 - len(engine.tokenizer.encode(PROMPTS[0]))
+            params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+            if window is None:
+                with pytest.raises(RequestRejected, match="needs 11 KV blocks of 4"):
+                    await engine.generate(PROMPTS[0], params)
+                continue
+            output = await engine.generate(PROMPTS[0], params)
+        prompt = list(output.prompt_token_ids)
+        assert (
+            list(output.token_ids) == parity.greedy(reference, prompt, steps=steps)[len(prompt) :]
+        )
 
 
 @pytest.mark.timeout(300)

@@ -3,9 +3,14 @@ blocks behind the window as they run (issue 50), and their tokens stay the windo
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from twostroke.states.errors import InvalidTransition
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twostroke.states.errors import InvalidTransition, RequestRejected
 from twostroke.states.params import SamplingParams
 from twostroke.states.request import (
     Admitted,
@@ -17,6 +22,7 @@ from twostroke.states.request import (
 )
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.testing import RequestSpec, SimulatedKV, Workload, drive, reference_output
+from twostroke.states.validators import MAX_PIPELINE_DEPTH
 
 PROMPT = (1, 2, 3, 4, 5, 6)
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -137,3 +143,76 @@ def test_a_request_releases_only_blocks_it_holds() -> None:
 def test_the_window_is_a_positive_number_of_positions() -> None:
     with pytest.raises(ValueError, match="sliding_window"):
         windowed(sliding_window=0)
+
+
+def test_a_request_longer_than_the_pool_is_served_through_its_window() -> None:
+    """44 positions would take 22 blocks of 2; a window of 3, chunks of 4 and one step in
+    flight need at most blocks_for(3 - 1 + 4) + 1 = 4 at once, so a pool of 4 takes it,
+    and one of 3 refuses it by that count."""
+    config = windowed(num_blocks=4, max_model_len=64, pipeline_depth=2)
+    scheduler = Scheduler(config)
+    assert scheduler.most_blocks_held(44) == 4
+    params = SamplingParams(max_tokens=38, ignore_eos=True)
+    result = drive(scheduler, [Request(0, PROMPT, params, 0.0)])
+    assert result.outputs[0] == tuple(reference_output(PROMPT, params, window=3)[0])
+    small = Scheduler(attrs.evolve(config, num_blocks=3))
+    message = "prompt + max_tokens (44 tokens) needs 4 KV blocks of 2, but the pool has only 3"
+    with pytest.raises(RequestRejected, match=re.escape(message)):
+        small.add_request(Request(0, PROMPT, params, 0.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    window=st.integers(1, 9),
+    block_size=st.integers(1, 4),
+    budget=st.integers(1, 12),
+    depth=st.integers(1, MAX_PIPELINE_DEPTH),
+    max_num_seqs=st.integers(1, 3),
+    caching=st.booleans(),
+    drafts=st.sampled_from([0, 2]),
+    spare=st.integers(0, 3),
+    lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=4),
+)
+def test_requests_longer_than_the_pool_are_served_in_a_pool_of_their_window(
+    window: int,
+    block_size: int,
+    budget: int,
+    depth: int,
+    max_num_seqs: int,
+    caching: bool,
+    drafts: int,
+    spare: int,
+    lengths: list[tuple[int, int]],
+) -> None:
+    """A pool of the fewest blocks most_blocks_held allows (and a few more) serves
+    requests of up to 60 positions, shared prefixes and drafts included, every output the
+    window's reference and every guarantee of the harness kept (drive checks each step and
+    bounds the steps, which holds only if a request alone always fits)."""
+    speculative = {"method": "ngram", "num_speculative_tokens": drafts} if drafts else None
+    probe = windowed(
+        num_blocks=1,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        pipeline_depth=depth,
+        sliding_window=window,
+        max_model_len=61,
+    )
+    fewest = Scheduler(probe).most_blocks_held(61)
+    config = attrs.evolve(
+        probe,
+        num_blocks=fewest + spare,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=caching,
+        speculative_config=speculative,
+    )
+    specs = [
+        # Prompts that share a start (prefix hits) and repeat (drafts find matches).
+        RequestSpec(
+            [(i % 3) for i in range(prompt)], SamplingParams(max_tokens=tokens, ignore_eos=True)
+        )
+        for prompt, tokens in lengths
+    ]
+    result = drive(Scheduler(config), Workload(requests=specs, arrivals=[0] * len(specs)))
+    for index, spec in enumerate(specs):
+        expected = reference_output(spec.prompt_token_ids, spec.params, window=window)[0]
+        assert result.outputs[index] == tuple(expected)
