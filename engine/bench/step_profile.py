@@ -49,6 +49,7 @@ from twostroke.engine.kernels import build
 from twostroke.engine.models.loading import LoadedModel
 from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.engine.runners.torch import TorchModelRunner
+from twostroke.engine.runners.window_kv import window_pool_blocks
 from twostroke.gpu.completion import Launched
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
@@ -221,7 +222,19 @@ class DecodeStep:
         runner = TorchModelRunner.from_loaded(loaded, max_num_seqs=batch)
         per_request = -(-(high + max_steps + 1) // block_size)
         num_blocks = batch * per_request + 1
-        runner.allocate_kv_cache(num_blocks, block_size)
+        window = runner.windowed_kv_window
+        runner.allocate_kv_cache(
+            num_blocks,
+            block_size,
+            num_windowed_blocks=0
+            if window is None
+            else window_pool_blocks(
+                window=window,
+                block_size=block_size,
+                max_num_seqs=batch,
+                max_num_batched_tokens=batch * high,
+            ),
+        )
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,
@@ -232,6 +245,9 @@ class DecodeStep:
                 max_num_seqs=batch,
                 max_model_len=runner.max_model_len,
                 pipeline_depth=1,
+                # (a model whose windowed layers keep their KV apart runs without: the
+                # engine's way, window_kv)
+                enable_prefix_caching=window is None,
             )
         )
         params = SamplingParams(max_tokens=max_steps, temperature=0.0, ignore_eos=True)

@@ -137,3 +137,28 @@ def test_the_compiled_kernels_calls_are_timed_apart_from_torchs_ops(
         pytest.skip("no compiled attention kernel on this machine")
     assert (two.compiled_calls, three.compiled_calls) == (2, 3)
     assert 0 < two.compiled_seconds < two.profiled_seconds
+
+
+def test_a_model_whose_windowed_layers_keep_their_kv_apart_decodes_too(tmp_path: Path) -> None:
+    """Gemma 3's windowed layers get their own pool here as in the engine: the decodes run
+    past the window (histories of 9-12 positions, a window of 4)."""
+    import transformers
+
+    from tests.engine.models import parity
+
+    parity.make_model(
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        tmp_path,
+        head_dim=16,
+        sliding_window=4,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    loaded = open_model(tmp_path, dtype=torch.float32, device=torch.device("cpu"))
+    step = DecodeStep.prefill(loaded, batch=2, history=(9, 12), block_size=4, max_steps=5)
+    assert step.runner.windowed_kv_window == 4
+    assert step.runner.num_windowed_blocks > 0
+    for _ in range(3):
+        step.execute()
+        step.advance()
