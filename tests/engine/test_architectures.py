@@ -184,6 +184,21 @@ async def _two_at_once(folder: str) -> tuple[list[Any], int]:
         return outputs, engine.statistics().num_preemptions
 
 
+def _mistral(tmp_path: Path, window: int | None) -> tuple[Path, Any]:
+    """A tiny Mistral folder (SmolLM2's tokenizer) with that window, and transformers' model."""
+    folder = tmp_path / f"window-{window}"
+    reference = parity.make_model(
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        folder,
+        seed=7,
+        vocab_size=VOCABULARY,
+        sliding_window=window,
+    )
+    save_tokenizer(folder)
+    return folder, reference
+
+
 @pytest.mark.timeout(300)
 async def test_a_windowed_model_gives_back_its_blocks_and_keeps_transformers_tokens(
     tmp_path: Path,
@@ -194,16 +209,7 @@ async def test_a_windowed_model_gives_back_its_blocks_and_keeps_transformers_tok
     transformers' greedy one, the positions behind the window padded in its tables."""
     found = {}
     for window in (8, None):
-        folder = tmp_path / f"window-{window}"
-        reference = parity.make_model(
-            transformers.MistralConfig,
-            transformers.MistralForCausalLM,
-            folder,
-            seed=7,
-            vocab_size=VOCABULARY,
-            sliding_window=window,
-        )
-        save_tokenizer(folder)
+        folder, reference = _mistral(tmp_path, window)
         outputs, preemptions = await _two_at_once(str(folder))
         found[window] = preemptions
         for output in outputs:
@@ -222,16 +228,7 @@ async def test_a_windowed_request_longer_than_the_pool_is_served(tmp_path: Path)
     blocks of 4 whole) holds at most blocks_for(7 + 8) + 1 = 5 at once, so a pool of 5 takes
     it and gives transformers' greedy tokens; without the window it is refused."""
     for window in (8, None):
-        folder = tmp_path / f"window-{window}"
-        reference = parity.make_model(
-            transformers.MistralConfig,
-            transformers.MistralForCausalLM,
-            folder,
-            seed=7,
-            vocab_size=VOCABULARY,
-            sliding_window=window,
-        )
-        save_tokenizer(folder)
+        folder, reference = _mistral(tmp_path, window)
         options = {"block_size": 4, "num_blocks": 5, "max_num_batched_tokens": 8}
         async with Engine.open(
             model=str(folder), device="cpu", dtype="float32", **options
