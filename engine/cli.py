@@ -66,7 +66,7 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 #: The engine's options each command that opens an engine takes, besides ``serve``'s sizes.
-_MODEL_OPTIONS = ("quantization", "kv_cache_dtype", "mmap", "deterministic")
+_MODEL_OPTIONS = ("quantization", "kv_cache_dtype", "mmap", "deterministic", "swa_full")
 #: A flag's short form, where it has one.
 _SHORT_FLAGS = {"quantization": "-q"}
 

@@ -285,6 +285,19 @@ def test_no_mmap_asks_the_engine_for_a_gguf_file_read_into_memory(command: str) 
     assert "mmap" not in _engine_options(parser.parse_args([command, *positional]))
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_swa_full_keeps_every_position_of_the_windowed_layers(command: str) -> None:
+    from twostroke.engine.cli import _engine_options, build_parser
+
+    positional = ["hi"] if command == "generate" else []
+    parser = build_parser()
+    for flag, value in (("--swa-full", True), ("--no-swa-full", False)):
+        assert _engine_options(parser.parse_args([command, *positional, flag])) == {
+            "swa_full": value
+        }
+    assert "swa_full" not in _engine_options(parser.parse_args([command, *positional]))
+
+
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_the_one_request_commands_open_a_one_sequence_engine(command: str) -> None:
     """generate and chat serve one request at a time, so their engine plans for one
