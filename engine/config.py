@@ -194,7 +194,8 @@ class EngineConfig(SchedulingPolicy):
             position (Gemma 2 and 3), keep every position of their KV too (llama.cpp's
             ``--swa-full``), so that prefix caching serves the model. ``False`` (the
             default): they keep only their window, in a pool of their own sized for
-            ``max_num_seqs`` requests, the pool's blocks hold the global layers' KV alone
+            ``max_num_seqs`` windows (at most half of ``kv_cache_memory``; the scheduler
+            admits against it), the pool's blocks hold the global layers' KV alone
             (a context several times longer in the same memory), and the engine runs
             without prefix caching, which would need the windowed KV of the positions a hit
             skips (docs/models.md, "Sliding windows beside global layers").

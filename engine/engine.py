@@ -75,6 +75,7 @@ from twostroke.states.prompts import Prompt
 from twostroke.states.request import ConstraintCompiled, Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import is_int
+from twostroke.states.windowed import WindowedKV
 
 if TYPE_CHECKING:
     from twostroke.engine.models.plan import RunPlan
@@ -111,24 +112,18 @@ _log = logging.getLogger(__name__)
 
 def _without_prefix_caching(config: EngineConfig, windowed: WindowedPool) -> EngineConfig:
     """``config`` as the engine runs it where the windowed layers keep their KV apart: no
-    prefix caching (a hit would skip positions whose windowed KV is not kept), and at most
-    the requests at once that their pool holds. Says what it changed, once, in the log."""
-    changed = attrs.evolve(config, enable_prefix_caching=False, max_num_seqs=windowed.max_num_seqs)
-    notes = []
+    prefix caching (a hit would skip positions whose windowed KV is not kept). Says so,
+    with the windowed pool's size, once, in the log."""
+    notes = [f"room for {windowed.num_windows} requests' whole windows at once"]
     if config.enable_prefix_caching:
         notes.append("prefix caching off (swa_full=True keeps it)")
-    if windowed.max_num_seqs < config.max_num_seqs:
-        notes.append(
-            f"max_num_seqs {windowed.max_num_seqs}, not {config.max_num_seqs}: their pool's "
-            f"share of kv_cache_memory holds no more"
-        )
     _log.info(
         "the sliding-window layers keep only their window, apart: %d blocks (%.1f MiB)%s",
-        windowed.num_blocks,
+        windowed.kv.num_blocks,
         windowed.num_bytes / (1 << 20),
         "".join(f"; {note}" for note in notes),
     )
-    return changed
+    return attrs.evolve(config, enable_prefix_caching=False)
 
 
 class Engine:
@@ -143,6 +138,7 @@ class Engine:
         config: EngineConfig,
         num_blocks: int,
         model_name: str = "model",
+        windowed_kv: WindowedKV | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -160,6 +156,7 @@ class Engine:
             max_model_len=self._max_model_len,
             # (a window as long as the context gives nothing back: none)
             sliding_window=window if window is not None and window < self._max_model_len else None,
+            windowed_kv=windowed_kv,
         )
         self._scheduler = Scheduler(sized, clock=anyio.current_time)
         # Characters no prompt of max_model_len tokens can exceed: longer text is refused
@@ -281,7 +278,7 @@ class Engine:
                     runner.allocate_kv_cache,
                     num_blocks,
                     engine_config.block_size,
-                    num_windowed_blocks=windowed.num_blocks,
+                    num_windowed_blocks=windowed.kv.num_blocks,
                 )
                 engine_config = _without_prefix_caching(engine_config, windowed)
             await device.call(allocate)
@@ -291,6 +288,7 @@ class Engine:
                 device=device,
                 config=engine_config,
                 num_blocks=num_blocks,
+                windowed_kv=None if windowed is None else windowed.kv,
                 model_name=model_name if model_name is not None else name,
             )
             async with anyio.create_task_group() as task_group:

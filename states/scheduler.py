@@ -137,6 +137,9 @@ class Scheduler:
         self._discard: dict[int, int] = {}
         self._gone: list[int] = []
         self._preempted: list[int] = []
+        # The windowed layers' pool's reservations of the running requests (and of ended
+        # ones a step in flight still computes), by request id: see twostroke.states.windowed.
+        self._windowed: dict[int, int] = {}
         # Finished requests' cached blocks held for their cache_ttl, oldest first: (when
         # the pin ends, its blocks). Each holds one reference per block.
         self._pins: collections.deque[tuple[float, tuple[int, ...]]] = collections.deque()
@@ -261,6 +264,20 @@ class Scheduler:
                 f"prompt + max_tokens ({total} tokens) needs {needed} KV blocks of "
                 f"{config.block_size}, but the pool has only {config.num_blocks}"
             )
+        windowed = config.windowed_kv
+        if windowed is not None:
+            reservation = windowed.reservation(
+                total, block_size=config.block_size, max_drafts=self._max_drafts()
+            )
+            reserve = windowed.step_reserve(
+                block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens
+            )
+            if reserve + reservation > windowed.num_blocks:
+                raise RequestRejected(
+                    f"prompt + max_tokens ({total} tokens) needs {reservation} blocks of the "
+                    f"windowed layers' pool beside a step's {reserve}, but it has only "
+                    f"{windowed.num_blocks}"
+                )
         self.check_waiting_room()
 
     def check_waiting_room(self) -> None:
@@ -412,7 +429,12 @@ class Scheduler:
                 continue  # pinned blocks went back to the pool: match and count again
             if num_tokens == 0 or needed + reclaimed > self.pool.num_free:
                 break
+            reservation = self._windowed_reservation(request)
+            if reservation > self._windowed_room():
+                break  # the windowed layers' pool: a running request's end frees some
             self._waiting.popleft()
+            if config.windowed_kv is not None:
+                self._windowed[request.request_id] = reservation
             request.apply(Admitted(self._clock()))
             self._prefix.claim(request, hits)  # before anything is allocated
             self._slide(request)
@@ -739,6 +761,32 @@ class Scheduler:
         back = max(window - 1, config.pipeline_depth - 2)
         return min(whole, blocks_for(back + config.max_num_batched_tokens, size) + 1)
 
+    def _windowed_reservation(self, request: Request) -> int:
+        """The windowed layers' pool's reservation of ``request`` (0 without that pool)."""
+        config = self.config
+        windowed = config.windowed_kv
+        if windowed is None:
+            return 0
+        total = request.num_prompt_tokens + request.max_tokens
+        return windowed.reservation(
+            total, block_size=config.block_size, max_drafts=self._max_drafts()
+        )
+
+    def _windowed_room(self) -> int:
+        """The windowed layers' pool's blocks no reservation holds (0 without that pool)."""
+        config = self.config
+        windowed = config.windowed_kv
+        if windowed is None:
+            return 0
+        reserve = windowed.step_reserve(
+            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens
+        )
+        return windowed.num_blocks - reserve - sum(self._windowed.values())
+
+    def _max_drafts(self) -> int:
+        spec = self.config.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
     def _pin(self, request: Request) -> None:
         """Hold a request that just finished's cached blocks for its ``cache_ttl``."""
         ttl = request.params.cache_ttl
@@ -780,6 +828,7 @@ class Scheduler:
         self._insert(self._waiting, request)
         self._release(request, block_ids)
         self._preempted.append(request.request_id)
+        self._windowed.pop(request.request_id, None)  # the runner drops its table first
         self._num_preemptions += 1
 
     def _end(self, request: Request, event: Cancelled | Finished | Failed) -> None:
@@ -803,6 +852,7 @@ class Scheduler:
 
     def _remove(self, request_id: int) -> None:
         self._prefix.drop(request_id)
+        self._windowed.pop(request_id, None)
         request = self._requests.pop(request_id)
         if self._speculator is not None:
             finished = request.status is RequestStatus.FINISHED
@@ -885,6 +935,15 @@ class Scheduler:
                     )
         assert len(self._inflight) <= config.pipeline_depth
         assert len(self._running) <= config.max_num_seqs
+        if config.windowed_kv is not None:
+            # Each running request holds a reservation of the windowed layers' pool, and
+            # only they and the ended ones a step in flight still computes; together they fit.
+            running_ids = {request.request_id for request in self._running}
+            assert running_ids <= set(self._windowed), "a running request has no reservation"
+            assert set(self._windowed) <= running_ids | self._ending, "a stale reservation"
+            assert self._windowed_room() >= 0, "the windowed layers' pool is overbooked"
+        else:
+            assert not self._windowed
         waiting = {RequestStatus.WAITING, RequestStatus.PREEMPTED}
         running = {RequestStatus.PREFILLING, RequestStatus.DECODING}
         for queue, statuses in ((self._waiting, waiting), (self._running, running)):

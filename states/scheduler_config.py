@@ -13,6 +13,7 @@ from twostroke.states.speculation import (
 )
 from twostroke.states.statistics import count, per_position
 from twostroke.states.validators import PIPELINE_DEPTH, boolean, int_at_least
+from twostroke.states.windowed import WindowedKV
 
 __all__ = ["PRIORITY_AGING_STEPS", "SchedulerConfig", "SchedulerStatistics", "SchedulingPolicy"]
 
@@ -85,12 +86,28 @@ class SchedulerConfig(SchedulingPolicy):
             runs, and a request longer than the pool is accepted where those fit it
             (:meth:`Scheduler.most_blocks_held
             <twostroke.states.scheduler.Scheduler.most_blocks_held>`).
+        windowed_kv: Where a model's sliding-window layers beside global ones keep their
+            KV apart (the runner's pool; the pool here holds the global layers'), that pool:
+            a request is admitted only where its reservation fits it beside the running
+            ones' (:class:`~twostroke.states.windowed.WindowedKV`), and refused where it
+            never would. Such a runner cannot serve a prefix-cache hit, so prefix caching
+            must be off.
     """
 
     num_blocks: int = attrs.field(validator=int_at_least(1))
     max_model_len: int = attrs.field(default=2048, validator=int_at_least(2))
     priority_aging_steps: int = attrs.field(default=PRIORITY_AGING_STEPS, validator=int_at_least(1))
     sliding_window: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
+    windowed_kv: WindowedKV | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(WindowedKV))
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.windowed_kv is not None and self.enable_prefix_caching:
+            raise ValueError(
+                "windowed_kv needs enable_prefix_caching=False: the windowed layers keep no "
+                "KV of the positions a prefix-cache hit would skip"
+            )
 
     @classmethod
     def sized(
@@ -100,9 +117,11 @@ class SchedulerConfig(SchedulingPolicy):
         num_blocks: int,
         max_model_len: int,
         sliding_window: int | None = None,
+        windowed_kv: WindowedKV | None = None,
     ) -> SchedulerConfig:
         """The configuration that runs ``policy`` over a pool and a context of these sizes,
-        for a model whose every layer attends within ``sliding_window`` positions (or not).
+        for a model whose every layer attends within ``sliding_window`` positions (or not),
+        or whose windowed layers keep their KV in the runner's ``windowed_kv`` pool.
 
         Raises:
             TypeError, ValueError: a size of the wrong type or out of range.
@@ -114,6 +133,7 @@ class SchedulerConfig(SchedulingPolicy):
             num_blocks=num_blocks,
             max_model_len=max_model_len,
             sliding_window=sliding_window,
+            windowed_kv=windowed_kv,
             **chosen,
         )
 

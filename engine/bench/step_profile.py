@@ -49,7 +49,6 @@ from twostroke.engine.kernels import build
 from twostroke.engine.models.loading import LoadedModel
 from twostroke.engine.runners.loading import DEFAULT_MODEL
 from twostroke.engine.runners.torch import TorchModelRunner
-from twostroke.engine.runners.window_kv import window_pool_blocks
 from twostroke.gpu.completion import Launched
 from twostroke.gpu.threads import torch_threads
 from twostroke.states.params import SamplingParams
@@ -57,6 +56,7 @@ from twostroke.states.plan import RunnerOutput, StepPlan
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.validators import check_int_at_least
+from twostroke.states.windowed import WindowedKV, window_pool_blocks
 
 __all__ = [
     "DecodeStep",
@@ -223,17 +223,19 @@ class DecodeStep:
         per_request = -(-(high + max_steps + 1) // block_size)
         num_blocks = batch * per_request + 1
         window = runner.windowed_kv_window
-        runner.allocate_kv_cache(
-            num_blocks,
-            block_size,
-            num_windowed_blocks=0
-            if window is None
-            else window_pool_blocks(
+        windowed = None
+        if window is not None:  # room for every request's whole window, as the engine's
+            count = window_pool_blocks(
                 window=window,
                 block_size=block_size,
                 max_num_seqs=batch,
                 max_num_batched_tokens=batch * high,
-            ),
+            )
+            windowed = WindowedKV(window=window, num_blocks=count)
+        runner.allocate_kv_cache(
+            num_blocks,
+            block_size,
+            num_windowed_blocks=0 if windowed is None else windowed.num_blocks,
         )
         scheduler = Scheduler(
             SchedulerConfig(
@@ -247,7 +249,8 @@ class DecodeStep:
                 pipeline_depth=1,
                 # (a model whose windowed layers keep their KV apart runs without: the
                 # engine's way, window_kv)
-                enable_prefix_caching=window is None,
+                enable_prefix_caching=windowed is None,
+                windowed_kv=windowed,
             )
         )
         params = SamplingParams(max_tokens=max_steps, temperature=0.0, ignore_eos=True)

@@ -11,8 +11,8 @@ import attrs
 
 from twostroke.engine.config import EngineConfig
 from twostroke.engine.runners.protocol import ModelRunner, WindowApartRunner
-from twostroke.engine.runners.window_kv import window_pool_blocks
 from twostroke.gpu.device import Device
+from twostroke.states.windowed import WindowedKV, window_pool_blocks
 
 __all__ = [
     "CPU_KV_CACHE_BYTES",
@@ -29,7 +29,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 #: The KV budget on CUDA when ``kv_cache_memory`` is not set: half the GPU's free memory.
 CUDA_KV_CACHE_FRACTION = 0.5
 #: The most of the KV budget the windowed layers' own pool takes: where ``max_num_seqs``
-#: requests' windows would take more, the engine runs fewer requests at once.
+#: requests' windows would take more, fewer requests of a whole window run at once.
 WINDOWED_KV_SHARE = 0.5
 
 
@@ -38,16 +38,16 @@ class WindowedPool:
     """The windowed layers' own pool (:mod:`~twostroke.engine.runners.window_kv`).
 
     Attributes:
-        num_blocks: Its blocks, padding included.
-        max_num_seqs: The most requests the scheduler may run at once for it never to run
-            out: ``max_num_seqs`` as configured, or fewer where the budget's share
-            (:data:`WINDOWED_KV_SHARE`) holds fewer requests' windows.
+        kv: What the scheduler admits against
+            (:class:`~twostroke.states.windowed.WindowedKV`: the window, the blocks).
         num_bytes: Its memory, which the global layers' pool does not get.
+        num_windows: Requests whose whole window it holds at once (shorter requests take
+            less: the scheduler admits by each one's reservation).
     """
 
-    num_blocks: int
-    max_num_seqs: int
+    kv: WindowedKV
     num_bytes: int
+    num_windows: int
 
 
 def _budget(device: Device, config: EngineConfig) -> int:
@@ -65,11 +65,11 @@ def size_windowed_pool(
     """The windowed layers' own pool, or ``None`` where the runner keeps no windowed KV
     apart (:attr:`~twostroke.engine.runners.protocol.WindowApartRunner.windowed_kv_window`).
 
-    Sized by :func:`~twostroke.engine.runners.window_kv.window_pool_blocks` for
-    ``max_num_seqs`` requests, each step's token budget and the drafts of speculative
-    decoding; where the pool is sized from the memory budget (``num_blocks`` unset) and
-    that would take more than :data:`WINDOWED_KV_SHARE` of it, for as many requests as
-    that share holds.
+    As many blocks as ``max_num_seqs`` requests' windows take beside one step's rows and
+    the drafts of speculative decoding
+    (:func:`~twostroke.states.windowed.window_pool_blocks`); where the pool is sized from the
+    memory budget (``num_blocks`` unset), at most :data:`WINDOWED_KV_SHARE` of it, and then
+    the scheduler admits fewer requests of a whole window at once (shorter ones take less).
 
     Raises:
         ValueError: the share holds no request's window.
@@ -92,22 +92,25 @@ def size_windowed_pool(
             max_drafts=drafts,
         )
 
-    num_seqs = config.max_num_seqs
+    count = blocks(config.max_num_seqs)
     if config.num_blocks is None:
         share = int(_budget(device, config) * WINDOWED_KV_SHARE)
-        # The blocks are linear in the requests: a fixed part and a part per request.
-        per_request = blocks(2) - blocks(1)
-        fitting = (share // max(per_block, 1) - (blocks(1) - per_request)) // per_request
-        num_seqs = min(num_seqs, fitting)
-        if num_seqs < 1:
+        count = min(count, share // max(per_block, 1))
+        if count < blocks(1):
             raise ValueError(
                 f"the windowed layers' KV of one request (window {window}, "
                 f"{blocks(1)} blocks of {per_block} bytes) does not fit "
                 f"{WINDOWED_KV_SHARE:g} of kv_cache_memory ({share} bytes); give more memory "
                 "or swa_full=True"
             )
-    count = blocks(num_seqs)
-    return WindowedPool(num_blocks=count, max_num_seqs=num_seqs, num_bytes=count * per_block)
+    # The blocks are linear in the requests: a fixed part and a part per request.
+    per_request = blocks(2) - blocks(1)
+    windows = (count - (blocks(1) - per_request)) // per_request
+    return WindowedPool(
+        kv=WindowedKV(window=window, num_blocks=count),
+        num_bytes=count * per_block,
+        num_windows=windows,
+    )
 
 
 def size_pool(

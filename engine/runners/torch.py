@@ -275,9 +275,9 @@ class TorchModelRunner:
             num_blocks: Blocks of the pool the scheduler hands out.
             block_size: Positions per block.
             num_windowed_blocks: Blocks of the windowed layers' own KV, where they keep it
-                apart (:attr:`windowed_kv_window`; at least
-                :func:`~twostroke.engine.runners.window_kv.window_pool_blocks` for the
-                scheduler's limits); 0 elsewhere.
+                apart (:attr:`windowed_kv_window`; the scheduler's
+                :class:`~twostroke.states.windowed.WindowedKV` admits against them); 0
+                elsewhere.
 
         Raises:
             RunnerError: the cache exists already.

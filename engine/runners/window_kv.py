@@ -13,10 +13,12 @@ manages itself, as llama.cpp's SWA cache and vLLM's sliding-window group do:
   request's next row starts at ``end`` less at most its rejected drafts.
 
 So a request holds at most ``blocks_for(window - 1 + n) + 1`` blocks during a row of ``n``
-positions and ``blocks_for(window - 1 + drafts) + 1`` between rows, and a pool of
-:func:`window_pool_blocks` never runs out while the scheduler keeps to its ``max_num_seqs``
-and its token budget. Block 0 is padding: the table's entries for positions behind the
-window point at it, and the attention never reads them (each query sees only its window).
+positions and ``blocks_for(window - 1 + drafts) + 1`` between rows, and the pool never runs
+out while the scheduler admits against it (:class:`~twostroke.states.windowed.WindowedKV`:
+a reservation per running request, one step's rows beside; a pool of
+:func:`~twostroke.states.windowed.window_pool_blocks` holds ``max_num_seqs`` requests of any
+length). Block 0 is padding: the table's entries for positions behind the window point at
+it, and the attention never reads them (each query sees only its window).
 
 The runner learns of the requests from the plans: a request's table is dropped when the plan
 lists it finished or preempted (a preempted request is computed again from its first
@@ -33,43 +35,11 @@ import attrs
 
 from twostroke.engine.runners.errors import RunnerError
 
-__all__ = ["WindowKV", "window_pool_blocks"]
+__all__ = ["WindowKV"]
 
 
 def _blocks_for(num_positions: int, block_size: int) -> int:
     return -(-num_positions // block_size)
-
-
-def window_pool_blocks(
-    *,
-    window: int,
-    block_size: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_drafts: int = 0,
-) -> int:
-    """Blocks a :class:`WindowKV` needs so that it never runs out, padding block included.
-
-    Each of ``max_num_seqs`` requests holds ``blocks_for(window - 1 + max_drafts) + 1``
-    blocks between rows and one more for a row's first partial block; the rows of one step
-    add at most ``blocks_for(max_num_batched_tokens)`` beyond that (the step's token budget
-    bounds them all together).
-
-    Raises:
-        ValueError: a size below 1 (``max_drafts`` below 0).
-    """
-    for name, value in (
-        ("window", window),
-        ("block_size", block_size),
-        ("max_num_seqs", max_num_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if max_drafts < 0:
-        raise ValueError(f"max_drafts must be >= 0, got {max_drafts}")
-    per_request = _blocks_for(window - 1 + max_drafts, block_size) + 2
-    return 1 + max_num_seqs * per_request + _blocks_for(max_num_batched_tokens, block_size)
 
 
 @attrs.define
@@ -84,8 +54,8 @@ class WindowKV:
     """Block tables of the windowed layers, one per request, kept to the window.
 
     Args:
-        num_blocks: Blocks of the windowed layers' cache, block 0 (padding) included:
-            :func:`window_pool_blocks`.
+        num_blocks: Blocks of the windowed layers' cache, block 0 (padding) included (the
+            scheduler's :class:`~twostroke.states.windowed.WindowedKV`).
         block_size: Positions per block (the global pool's).
         window: Positions a windowed layer's query sees, its own included.
 
@@ -134,7 +104,7 @@ class WindowKV:
         Raises:
             RunnerError: the request is new to the pool but starts past position 0, or
                 starts behind positions already given back, or the pool is out of blocks
-                (the pool was sized for other limits than the scheduler's).
+                (the scheduler admitted against another pool).
         """
         size = self.block_size
         table = self._tables.get(request_id)

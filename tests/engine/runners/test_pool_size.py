@@ -17,6 +17,7 @@ from twostroke.engine.runners.pool_size import (
 from twostroke.engine.runners.protocol import ModelRunner
 from twostroke.gpu.device import Device
 from twostroke.gpu.fake import FakeDevice
+from twostroke.states.windowed import WindowedKV
 
 
 class Runner:
@@ -94,7 +95,9 @@ def test_the_windowed_pool_holds_max_num_seqs_windows_and_a_step() -> None:
     pool = windowed(runner, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=10)
     # 1 padding + 4 x (blocks_for(32) + 2) + blocks_for(64); drafts add to each request's
     expected = 1 + 4 * 4 + 4
-    assert pool == WindowedPool(num_blocks=expected, max_num_seqs=4, num_bytes=expected * 2048)
+    assert pool == WindowedPool(
+        kv=WindowedKV(window=33, num_blocks=expected), num_bytes=expected * 2048, num_windows=4
+    )
     drafted = windowed(
         runner,
         max_num_seqs=4,
@@ -103,24 +106,25 @@ def test_the_windowed_pool_holds_max_num_seqs_windows_and_a_step() -> None:
         speculative_config={"method": "ngram", "num_speculative_tokens": 4},
     )
     assert drafted is not None
-    assert drafted.num_blocks == 1 + 4 * 5 + 4
+    assert drafted.kv.num_blocks == 1 + 4 * 5 + 4
     # The budget: the windowed pool first, the rest to the global layers' blocks of 1 KiB.
     budget = 1 << 20
     pool = windowed(runner, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=budget)
     assert pool is not None
-    assert pool.max_num_seqs == 4
+    assert pool.num_windows == 4
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=budget)
     assert size_pool(cast(ModelRunner, runner), FakeDevice(), config, pool) == (
         (budget - expected * 2048) // 1024
     )
 
 
-def test_a_windowed_pool_past_its_share_runs_fewer_requests() -> None:
+def test_a_windowed_pool_past_its_share_holds_fewer_whole_windows() -> None:
     runner = WindowedRunner(64, 128, window=33)
-    # Half of 64 KiB holds 16 blocks of 2 KiB: 1 + 4 (a step) + 2 requests x 4, not 64.
+    # Half of 64 KiB holds 16 blocks of 2 KiB: 1 + 4 (a step) + 2 whole windows of 4, and 3
+    # blocks more, which shorter requests' reservations may take (the scheduler's).
     pool = windowed(runner, max_num_batched_tokens=64, kv_cache_memory=64 * 1024)
     assert pool is not None
-    assert (pool.max_num_seqs, pool.num_blocks) == (2, 13)
+    assert (pool.num_windows, pool.kv.num_blocks) == (2, 16)
     message = "the windowed layers' KV of one request (window 33, 9 blocks of 2048 bytes)"
     with pytest.raises(ValueError, match=re.escape(message)):
         windowed(runner, max_num_batched_tokens=64, kv_cache_memory=16 * 1024)

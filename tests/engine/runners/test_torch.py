@@ -27,12 +27,12 @@ from twostroke.engine.bench.model import ModelSpec
 from twostroke.engine.kernels.build import NATIVE_ENV
 from twostroke.engine.models.loading import LoadedModel, load_model, open_model
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
-from twostroke.engine.runners.window_kv import window_pool_blocks
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import ScheduledRequest, StepPlan, TokenLogprobs
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
 from twostroke.states.speculation import Speculator
+from twostroke.states.windowed import WindowedKV, window_pool_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,18 +84,21 @@ def generate(
         loaded = attending(loaded, attention_kernel)
     runner = TorchModelRunner.from_loaded(loaded, seed=seed, **runner_options)
     window = runner.windowed_kv_window
-    windowed = 0
+    windowed = None
     if window is not None:
         drafts = 0 if speculator is None else speculator.config.num_speculative_tokens
-        windowed = window_pool_blocks(
+        count = window_pool_blocks(
             window=window,
             block_size=block_size,
             max_num_seqs=16,
             max_num_batched_tokens=max_num_batched_tokens,
             max_drafts=drafts,
         )
+        windowed = WindowedKV(window=window, num_blocks=count)
         enable_prefix_caching = False
-    runner.allocate_kv_cache(num_blocks, block_size, num_windowed_blocks=windowed)
+    runner.allocate_kv_cache(
+        num_blocks, block_size, num_windowed_blocks=0 if windowed is None else windowed.num_blocks
+    )
     scheduler = Scheduler(
         SchedulerConfig(
             num_blocks=num_blocks,
@@ -105,6 +108,7 @@ def generate(
             max_model_len=runner.max_model_len,
             pipeline_depth=pipeline_depth,
             enable_prefix_caching=enable_prefix_caching,
+            windowed_kv=windowed,
         ),
         speculator=speculator,
     )

@@ -1,10 +1,11 @@
 """The windowed layers' own KV (Gemma 2 and 3): kept to the window, and never short.
 
 The tables are checked on the scheduler's own plans over the simulated device (every key a
-query's window reads is the one its request wrote there, and the pool sized by
-``window_pool_blocks`` never runs out, through chunks, drafts, preemptions and either
-pipeline depth); the tokens on a tiny Gemma 3 through the runner, against transformers and
-against the same model keeping every position (``swa_full``).
+query's window reads is the one its request wrote there, and a pool the scheduler admits
+against, from the longest request's need to ``max_num_seqs`` whole windows, never runs out,
+through chunks, drafts, preemptions and either pipeline depth); the tokens on a tiny
+Gemma 3 through the runner, against transformers and against the same model keeping every
+position (``swa_full``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.engine.models.test_llama import random_sequences
 from tests.engine.runners.test_torch import GREEDY, generate
 from twostroke.engine.models.loading import LoadedModel, open_model
 from twostroke.engine.runners.torch import RunnerError, TorchModelRunner
-from twostroke.engine.runners.window_kv import WindowKV, window_pool_blocks
+from twostroke.engine.runners.window_kv import WindowKV
 from twostroke.states.blocks import blocks_for
 from twostroke.states.params import SamplingParams
 from twostroke.states.plan import RunnerOutput, StepPlan
@@ -31,6 +32,7 @@ from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.simulation import SimulatedKV
 from twostroke.states.testing.harness import SimulatedEngine
+from twostroke.states.windowed import WindowedKV, window_pool_blocks
 
 # --- the tables, alone ------------------------------------------------------------------------
 
@@ -83,7 +85,7 @@ def test_the_pool_size_is_checked() -> None:
 # --- the tables on the scheduler's plans --------------------------------------------------------
 
 
-class WindowedKV(SimulatedKV):
+class CheckedTables(SimulatedKV):
     """The simulated device, and beside it the windowed layers' tables: each position a row
     computes is written to its table's slot, and each key a query's window reads must be
     the one its own request wrote at that position."""
@@ -121,7 +123,7 @@ class WindowedKV(SimulatedKV):
         return super().execute(plan, allowed)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     window=st.integers(1, 12),
     block_size=st.integers(1, 5),
@@ -130,6 +132,7 @@ class WindowedKV(SimulatedKV):
     depth=st.integers(1, 2),
     drafts=st.sampled_from([0, 3]),
     spare=st.integers(0, 6),
+    room=st.floats(0, 1),
     requests=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 16)), min_size=1, max_size=6),
 )
 def test_the_tables_hold_every_window_and_the_pool_never_runs_out(
@@ -140,10 +143,28 @@ def test_the_tables_hold_every_window_and_the_pool_never_runs_out(
     depth: int,
     drafts: int,
     spare: int,
+    room: float,
     requests: list[tuple[int, int]],
 ) -> None:
+    """The windowed pool anywhere from what the longest request alone needs to what
+    max_num_seqs whole windows take: the scheduler admits by reservations, the runner's
+    tables never run out and always hold each query's window."""
     longest = max(prompt + tokens for prompt, tokens in requests)
     speculative = {"method": "ngram", "num_speculative_tokens": drafts} if drafts else None
+    probe = WindowedKV(window=window, num_blocks=2)
+    reserve = probe.step_reserve(block_size=block_size, max_num_batched_tokens=budget)
+    fewest = reserve + max(
+        probe.reservation(prompt + tokens, block_size=block_size, max_drafts=drafts)
+        for prompt, tokens in requests
+    )
+    most = window_pool_blocks(
+        window=window,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_drafts=drafts,
+    )
+    windowed = WindowedKV(window=window, num_blocks=fewest + int(room * max(most - fewest, 0)))
     config = SchedulerConfig(
         # A pool the longest request fits, with a few blocks more: others preempt.
         num_blocks=blocks_for(longest, block_size) + spare,
@@ -154,20 +175,11 @@ def test_the_tables_hold_every_window_and_the_pool_never_runs_out(
         pipeline_depth=depth,
         enable_prefix_caching=False,
         speculative_config=speculative,
+        windowed_kv=windowed,
     )
     engine = SimulatedEngine(Scheduler(config))
-    pool = WindowKV(
-        num_blocks=window_pool_blocks(
-            window=window,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_drafts=drafts,
-        ),
-        block_size=block_size,
-        window=window,
-    )
-    engine.kv = WindowedKV(engine.kv, pool, drafts)
+    pool = WindowKV(num_blocks=windowed.num_blocks, block_size=block_size, window=window)
+    engine.kv = CheckedTables(engine.kv, pool, drafts)
     for index, (prompt, tokens) in enumerate(requests):
         ids = [(index * 7 + i) % 5 for i in range(prompt)]  # repetitive: drafts find matches
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
