@@ -4,7 +4,7 @@ This is a test-support module: it imports hypothesis, which comes with the ``tes
 (``pip install 'twostroke[test]'``); nothing else in :mod:`twostroke.states` imports it.
 
 * Strategies: :func:`sampling_params`, :func:`request_specs`, :func:`requests`,
-  :func:`workloads` and :func:`scheduler_configs` draw valid values; pass a
+  :func:`workloads`, :func:`scheduler_configs` and :func:`windowed_pools` draw valid values; pass a
   :class:`~twostroke.states.scheduler.SchedulerConfig` to get only requests it can serve.
 * Machines (``RuleBasedStateMachine``, each against a plain reference model):
   :class:`RequestMachine` (the lifecycle table and the token counts),
@@ -50,6 +50,7 @@ from twostroke.states.testing.strategies import (
     sampling_params,
     scheduler_configs,
     token_vocabularies,
+    windowed_pools,
     workloads,
 )
 from twostroke.states.testing.workload import RequestSpec, Workload
@@ -86,5 +87,6 @@ __all__ = [
     "token_vocabularies",
     "toy_next_token",
     "waiting_ids",
+    "windowed_pools",
     "workloads",
 ]

@@ -20,6 +20,7 @@ from twostroke.states.scheduler import SchedulerConfig
 from twostroke.states.scheduler_config import PRIORITY_AGING_STEPS
 from twostroke.states.testing.workload import RequestSpec, Workload
 from twostroke.states.validators import MAX_PIPELINE_DEPTH
+from twostroke.states.windowed import WindowedKV, window_pool_blocks
 
 __all__ = [
     "CONSTRAINT_ALPHABET",
@@ -32,6 +33,7 @@ __all__ = [
     "sampling_params",
     "scheduler_configs",
     "token_vocabularies",
+    "windowed_pools",
     "workloads",
 ]
 
@@ -271,6 +273,39 @@ def scheduler_configs(
             else st.just(sliding_window)
         ),
     )
+
+
+@st.composite
+def windowed_pools(
+    draw: st.DrawFn,
+    /,
+    *,
+    window: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_drafts: int,
+    totals: list[int],
+) -> WindowedKV:
+    """Windowed layers' pools (:class:`~twostroke.states.windowed.WindowedKV`) for requests
+    of ``totals`` positions: from the fewest blocks the longest needs alone, beside a step's,
+    to ``max_num_seqs`` whole windows (:func:`~twostroke.states.windowed.window_pool_blocks`),
+    so that admission waits for room all the time at the low end."""
+    probe = WindowedKV(window=window, num_blocks=2)
+    reserve = probe.step_reserve(
+        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens
+    )
+    fewest = reserve + max(
+        probe.reservation(total, block_size=block_size, max_drafts=max_drafts) for total in totals
+    )
+    most = window_pool_blocks(
+        window=window,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_drafts=max_drafts,
+    )
+    return WindowedKV(window=window, num_blocks=draw(st.integers(fewest, max(fewest, most))))
 
 
 # --- constraints ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from twostroke.states.errors import RequestRejected
 from twostroke.states.params import SamplingParams
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
-from twostroke.states.testing import RequestSpec, SimulatedKV, Workload, drive
+from twostroke.states.testing import RequestSpec, SimulatedKV, Workload, drive, windowed_pools
 from twostroke.states.windowed import WindowedKV, window_pool_blocks
 
 
@@ -114,9 +114,9 @@ def test_the_pool_is_the_runners_so_prefix_caching_is_off() -> None:
     depth=st.integers(1, 2),
     max_num_seqs=st.integers(1, 4),
     drafts=st.sampled_from([0, 2]),
-    room=st.floats(0, 1),
     spare=st.integers(0, 4),
     lengths=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 16)), min_size=1, max_size=6),
+    data=st.data(),
 )
 def test_the_reservations_fit_the_pool_whatever_runs(
     window: int,
@@ -125,39 +125,35 @@ def test_the_reservations_fit_the_pool_whatever_runs(
     depth: int,
     max_num_seqs: int,
     drafts: int,
-    room: float,
     spare: int,
     lengths: list[tuple[int, int]],
+    data: st.DataObject,
 ) -> None:
     """Pools from what the longest request needs alone to max_num_seqs whole windows, a
     global pool small enough to preempt: every request is served, each step's reservations
     fit (check_invariants after each call), every output is the reference's."""
-    probe = WindowedKV(window=window, num_blocks=2)
-    reserve = probe.step_reserve(block_size=block_size, max_num_batched_tokens=budget)
-    fewest = reserve + max(
-        probe.reservation(p + t, block_size=block_size, max_drafts=drafts) for p, t in lengths
+    totals = [p + t for p, t in lengths]
+    windowed = data.draw(
+        windowed_pools(
+            window=window,
+            block_size=block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_drafts=drafts,
+            totals=totals,
+        )
     )
-    most = window_pool_blocks(
-        window=window,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_drafts=drafts,
-    )
-    longest = max(p + t for p, t in lengths)
     chosen = config(
-        num_blocks=blocks_for(longest, block_size) + spare,
+        num_blocks=blocks_for(max(totals), block_size) + spare,
         block_size=block_size,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
-        max_model_len=longest + 1,
+        max_model_len=max(totals) + 1,
         pipeline_depth=depth,
         speculative_config={"method": "ngram", "num_speculative_tokens": drafts}
         if drafts
         else None,
-        windowed_kv=WindowedKV(
-            window=window, num_blocks=fewest + int(room * max(most - fewest, 0))
-        ),
+        windowed_kv=windowed,
     )
     specs = [
         RequestSpec([i % 3 for i in range(p)], SamplingParams(max_tokens=t, ignore_eos=True))

@@ -31,8 +31,9 @@ from twostroke.states.plan import RunnerOutput, StepPlan
 from twostroke.states.request import Request
 from twostroke.states.scheduler import Scheduler, SchedulerConfig
 from twostroke.states.simulation import SimulatedKV
+from twostroke.states.testing import windowed_pools
 from twostroke.states.testing.harness import SimulatedEngine
-from twostroke.states.windowed import WindowedKV, window_pool_blocks
+from twostroke.states.windowed import window_pool_blocks
 
 # --- the tables, alone ------------------------------------------------------------------------
 
@@ -132,8 +133,8 @@ class CheckedTables(SimulatedKV):
     depth=st.integers(1, 2),
     drafts=st.sampled_from([0, 3]),
     spare=st.integers(0, 6),
-    room=st.floats(0, 1),
     requests=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 16)), min_size=1, max_size=6),
+    data=st.data(),
 )
 def test_the_tables_hold_every_window_and_the_pool_never_runs_out(
     window: int,
@@ -143,28 +144,24 @@ def test_the_tables_hold_every_window_and_the_pool_never_runs_out(
     depth: int,
     drafts: int,
     spare: int,
-    room: float,
     requests: list[tuple[int, int]],
+    data: st.DataObject,
 ) -> None:
     """The windowed pool anywhere from what the longest request alone needs to what
     max_num_seqs whole windows take: the scheduler admits by reservations, the runner's
     tables never run out and always hold each query's window."""
     longest = max(prompt + tokens for prompt, tokens in requests)
     speculative = {"method": "ngram", "num_speculative_tokens": drafts} if drafts else None
-    probe = WindowedKV(window=window, num_blocks=2)
-    reserve = probe.step_reserve(block_size=block_size, max_num_batched_tokens=budget)
-    fewest = reserve + max(
-        probe.reservation(prompt + tokens, block_size=block_size, max_drafts=drafts)
-        for prompt, tokens in requests
+    windowed = data.draw(
+        windowed_pools(
+            window=window,
+            block_size=block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_drafts=drafts,
+            totals=[prompt + tokens for prompt, tokens in requests],
+        )
     )
-    most = window_pool_blocks(
-        window=window,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_drafts=drafts,
-    )
-    windowed = WindowedKV(window=window, num_blocks=fewest + int(room * max(most - fewest, 0)))
     config = SchedulerConfig(
         # A pool the longest request fits, with a few blocks more: others preempt.
         num_blocks=blocks_for(longest, block_size) + spare,
